@@ -1,0 +1,254 @@
+"""Variable, shard and placement definitions: plain frozen data, with wire forms.
+
+Rules of this module:
+
+* A variable is split along axis 0 into shards; a shard is the row range
+  ``[row_start, row_start + rows)`` of its variable.
+* The chief computes the :class:`Placement` once; workers receive it and never
+  compute it themselves. Shard ids are dense ``0..n-1`` in placement order.
+* ``to_wire`` / ``from_wire`` produce / accept the msgpack-able dicts of
+  :mod:`zmqps.wire.schema` (``VARIABLE``, ``SHARD``); ``from_wire`` raises
+  :class:`InvalidArgument` for values the schema cannot express (bad dtype...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zmqps.wire.errors import InvalidArgument
+
+__all__ = ["FLOAT_DTYPES", "Placement", "ShardDef", "ShardInfo", "VariableDef"]
+
+#: dtypes a trainable variable may have.
+FLOAT_DTYPES = ("float16", "float32", "float64")
+
+
+def _frozen(d: Mapping[str, Any] | None) -> dict[str, Any]:
+    return dict(sorted((d or {}).items()))
+
+
+@dataclass(frozen=True)
+class VariableDef:
+    """A variable as users declare it.
+
+    ``init`` and ``optimizer`` are config maps, e.g. ``{"name": "normal", "stddev": 0.1,
+    "seed": 1}`` and ``{"name": "adam", "lr": 1e-3}``; ``optimizer=None`` means the
+    job's default optimizer. ``sparse`` marks an embedding table (pulled / pushed by rows).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    init: Mapping[str, Any] = field(default_factory=lambda: {"name": "zeros"})
+    optimizer: Mapping[str, Any] | None = None
+    sparse: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "init", _frozen(self.init))
+        if self.optimizer is not None:
+            object.__setattr__(self, "optimizer", _frozen(self.optimizer))
+        if not self.name or len(self.name) > 256:
+            raise InvalidArgument(f"variable name {self.name!r} must be 1..256 characters")
+        if self.dtype not in FLOAT_DTYPES:
+            raise InvalidArgument(
+                f"variable {self.name}: dtype {self.dtype!r} not in {', '.join(FLOAT_DTYPES)}"
+            )
+        if not 1 <= len(self.shape) <= 8:
+            raise InvalidArgument(
+                f"variable {self.name}: shape {self.shape} must have 1..8 dims"
+                " (use shape (1,) for a scalar)"
+            )
+        if any(d <= 0 for d in self.shape):
+            raise InvalidArgument(f"variable {self.name}: dims of {self.shape} must be positive")
+
+    @property
+    def row_size(self) -> int:
+        """Elements per row (product of dims after the first)."""
+        return math.prod(self.shape[1:])
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def with_optimizer(self, default: Mapping[str, Any]) -> VariableDef:
+        """This variable with ``default`` filled in when it has no optimizer of its own."""
+        if self.optimizer is not None:
+            return self
+        return VariableDef(self.name, self.shape, self.dtype, self.init, default, self.sparse)
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "init": dict(self.init),
+            "sparse": self.sparse,
+        }
+        if self.optimizer is not None:
+            out["optimizer"] = dict(self.optimizer)
+        return out
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> VariableDef:
+        return cls(
+            name=d["name"],
+            shape=tuple(d["shape"]),
+            dtype=d["dtype"],
+            init=d.get("init", {"name": "zeros"}),
+            optimizer=d.get("optimizer"),
+            sparse=d.get("sparse", False),
+        )
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where one shard lives: rows ``[row_start, row_start + rows)`` of ``var`` on PS ``ps``."""
+
+    id: int
+    var: str
+    index: int
+    row_start: int
+    rows: int
+    ps: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.id, self.var, self.index, self.row_start, self.rows, self.ps]
+
+    @classmethod
+    def from_wire(cls, d: Sequence[Any]) -> ShardInfo:
+        sid, var, index, row_start, rows, ps = d
+        return cls(int(sid), str(var), int(index), int(row_start), int(rows), int(ps))
+
+
+@dataclass(frozen=True)
+class ShardDef:
+    """Everything a PS needs to create one shard (its variable's config + its row range)."""
+
+    id: int
+    var: str
+    index: int
+    dtype: str
+    full_shape: tuple[int, ...]
+    row_start: int
+    rows: int
+    init: Mapping[str, Any]
+    optimizer: Mapping[str, Any]
+    sparse: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "full_shape", tuple(int(d) for d in self.full_shape))
+        object.__setattr__(self, "init", _frozen(self.init))
+        object.__setattr__(self, "optimizer", _frozen(self.optimizer))
+        if self.dtype not in FLOAT_DTYPES:
+            raise InvalidArgument(f"shard {self.id}: dtype {self.dtype!r} not allowed")
+        if not self.full_shape or any(d <= 0 for d in self.full_shape):
+            raise InvalidArgument(f"shard {self.id}: bad full shape {self.full_shape}")
+        if self.rows <= 0 or self.row_start < 0 or self.row_start + self.rows > self.full_shape[0]:
+            raise InvalidArgument(
+                f"shard {self.id}: rows [{self.row_start}, {self.row_start + self.rows})"
+                f" outside {self.full_shape}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.full_shape[1:])
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    @classmethod
+    def of(cls, var: VariableDef, info: ShardInfo, default_optimizer: Mapping[str, Any]) -> ShardDef:
+        return cls(
+            id=info.id,
+            var=var.name,
+            index=info.index,
+            dtype=var.dtype,
+            full_shape=var.shape,
+            row_start=info.row_start,
+            rows=info.rows,
+            init=var.init,
+            optimizer=var.optimizer if var.optimizer is not None else default_optimizer,
+            sparse=var.sparse,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "var": self.var,
+            "index": self.index,
+            "dtype": self.dtype,
+            "full_shape": list(self.full_shape),
+            "row_start": self.row_start,
+            "rows": self.rows,
+            "init": dict(self.init),
+            "optimizer": dict(self.optimizer),
+            "sparse": self.sparse,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> ShardDef:
+        return cls(
+            id=d["id"],
+            var=d["var"],
+            index=d["index"],
+            dtype=d["dtype"],
+            full_shape=tuple(d["full_shape"]),
+            row_start=d["row_start"],
+            rows=d["rows"],
+            init=d["init"],
+            optimizer=d["optimizer"],
+            sparse=d["sparse"],
+        )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The chief's placement map: variables (with their optimizer resolved) and shards."""
+
+    variables: tuple[VariableDef, ...]
+    shards: tuple[ShardInfo, ...]
+    optimizer: Mapping[str, Any] = field(default_factory=lambda: {"name": "sgd", "lr": 0.01})
+
+    def variable(self, name: str) -> VariableDef:
+        for v in self.variables:
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+    def shards_of(self, name: str) -> list[ShardInfo]:
+        return [s for s in self.shards if s.var == name]
+
+    def shard_defs(self) -> list[tuple[int, ShardDef]]:
+        """``(ps index, ShardDef)`` for every shard, for sending to the PS."""
+        by_name = {v.name: v for v in self.variables}
+        return [(s.ps, ShardDef.of(by_name[s.var], s, self.optimizer)) for s in self.shards]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "variables": [v.to_wire() for v in self.variables],
+            "shards": [s.to_wire() for s in self.shards],
+            "optimizer": dict(self.optimizer),
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Placement:
+        return cls(
+            variables=tuple(VariableDef.from_wire(v) for v in d["variables"]),
+            shards=tuple(ShardInfo.from_wire(s) for s in d["shards"]),
+            optimizer=d["optimizer"],
+        )

@@ -1,0 +1,225 @@
+"""Codec: Message <-> list of frames. This is the trust boundary.
+
+Rules of this module (see RELIABILITY.md, "Facts that bite"):
+
+* The header frame's size is capped *before* msgpack sees it; msgpack runs with
+  explicit limits, ``raw=False``, ``strict_map_key=True`` and no ext types.
+* The decoded header is validated against a schema, then the op's body schema.
+* Buffer dtypes come from an allow-list of little-endian numeric types; ``ndim``
+  is bounded, dims are non-negative and ``prod(shape) * itemsize`` must equal the
+  frame's length exactly.
+* Buffers are never copied: ``encode`` returns the arrays themselves (the
+  transport sends them with ``copy=False``) and ``decode`` wraps frames with
+  ``np.frombuffer`` (read-only views).
+* Nothing is ever pickled or unpickled.
+* Every failure is a :class:`ProtocolError`; if the request id was readable it is
+  attached as ``request_id`` so the server can send an error reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from zmqps.wire.errors import ProtocolError
+from zmqps.wire.messages import (
+    ERROR,
+    KINDS,
+    OK,
+    PROTOCOL_VERSION,
+    REQUEST_OPS,
+    Message,
+    Tensor,
+)
+from zmqps.wire.schema import REQUEST_BODIES, AnyList, AnyMap, Float, Int, Map, Str
+
+__all__ = ["DTYPES", "Limits", "decode", "encode", "wire_dtype"]
+
+#: Wire dtype name -> numpy dtype. Nothing outside this table ever crosses the wire.
+DTYPES: dict[str, np.dtype[Any]] = {
+    name: np.dtype(code)
+    for name, code in {
+        "bool": "?",
+        "int8": "i1",
+        "uint8": "u1",
+        "int16": "<i2",
+        "uint16": "<u2",
+        "int32": "<i4",
+        "uint32": "<u4",
+        "int64": "<i8",
+        "uint64": "<u8",
+        "float16": "<f2",
+        "float32": "<f4",
+        "float64": "<f8",
+    }.items()
+}
+_NAME_OF = {dt.newbyteorder("<") if dt.itemsize > 1 else dt: name for name, dt in DTYPES.items()}
+
+MAX_NDIM = 8
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Decoder limits. The defaults fit placements of tens of thousands of shards."""
+
+    max_header_bytes: int = 1 << 20
+    max_buffers: int = 1 << 16
+    max_buffer_bytes: int = 1 << 30
+    max_str_len: int = 1 << 16
+    max_array_len: int = 1 << 17
+    max_map_len: int = 1 << 12
+
+
+DEFAULT_LIMITS = Limits()
+
+# "bufs" holds mixed-type specs and is checked by _check_spec; "body" by the op's schema.
+_HEADER = Map(
+    {"v": Int(0, 2**31), "op": Str(32), "id": Int(0, 2**63 - 1), "body": AnyMap()},
+    {"from": Str(128), "bufs": AnyList(), "dl": Float(0.0)},
+)
+
+
+def wire_dtype(dtype: Any) -> str:
+    """The wire name of ``dtype``; raises ProtocolError if it is not allowed."""
+    dt = np.dtype(dtype)
+    key = dt.newbyteorder("<") if dt.itemsize > 1 and dt.byteorder != "|" else dt
+    name = _NAME_OF.get(key)
+    if name is None or dt.byteorder == ">":
+        raise ProtocolError(f"dtype {dt.str} is not allowed on the wire")
+    return name
+
+
+def encode(msg: Message) -> list[Any]:
+    """Frames for ``msg``: the packed header, then each tensor's array (not copied)."""
+    specs = []
+    frames: list[Any] = [b""]
+    for t in msg.tensors:
+        arr = t.array
+        if not arr.flags.c_contiguous:
+            raise ProtocolError("tensor arrays must be C-contiguous")
+        if t.kind not in KINDS:
+            raise ProtocolError(f"unknown tensor kind {t.kind!r}")
+        specs.append([wire_dtype(arr.dtype), list(arr.shape), t.kind, t.ref, t.offset])
+        frames.append(arr)
+    header: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
+        "op": msg.op,
+        "id": msg.id,
+        "body": dict(msg.body),
+    }
+    if msg.sender:
+        header["from"] = msg.sender
+    if specs:
+        header["bufs"] = specs
+    if msg.deadline is not None:
+        header["dl"] = msg.deadline
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+def _unpack_header(frame: memoryview, limits: Limits) -> Any:
+    if frame.nbytes > limits.max_header_bytes:
+        raise ProtocolError(
+            f"header frame of {frame.nbytes} bytes exceeds {limits.max_header_bytes}"
+        )
+    try:
+        return msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=limits.max_str_len,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"undecodable header: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def _check_spec(spec: Any, i: int) -> tuple[np.dtype[Any], tuple[int, ...], str, int, int]:
+    path = f"header.bufs[{i}]"
+    if type(spec) is not list or len(spec) != 5:
+        raise ProtocolError(f"{path}: expected [dtype, shape, kind, ref, offset]")
+    name, shape, kind, ref, offset = spec
+    if type(name) is not str or name not in DTYPES:
+        raise ProtocolError(f"{path}: dtype {str(name)[:32]!r} is not allowed")
+    if type(shape) is not list or len(shape) > MAX_NDIM:
+        raise ProtocolError(f"{path}: shape must be a list of at most {MAX_NDIM} dims")
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise ProtocolError(f"{path}: dims must be non-negative ints")
+    if type(kind) is not str or kind not in KINDS:
+        raise ProtocolError(f"{path}: unknown kind {str(kind)[:32]!r}")
+    Int(-1, 2**31 - 1).check(ref, f"{path}.ref")
+    Int(0, 2**62).check(offset, f"{path}.offset")
+    return DTYPES[name], tuple(shape), kind, ref, offset
+
+
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Validate and decode ``frames`` (bytes, memoryviews or zmq Frames) into a Message."""
+    if not frames:
+        raise ProtocolError("empty message")
+    header = _unpack_header(memoryview(frames[0]), limits)
+    if type(header) is not dict:
+        raise ProtocolError("header is not a map")
+    request_id = header.get("id")
+    if type(request_id) is not int or not 0 <= request_id < 2**63:
+        request_id = None
+    try:
+        return _decode_checked(header, frames, limits)
+    except ProtocolError as exc:
+        exc.request_id = request_id  # type: ignore[attr-defined]
+        raise
+
+
+def _decode_checked(header: dict[str, Any], frames: Sequence[Any], limits: Limits) -> Message:
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"unsupported protocol version {str(version)[:20]} (this side speaks {PROTOCOL_VERSION})"
+        )
+    bufs = header.get("bufs", [])
+    _HEADER.check(header, "header")
+    op = header["op"]
+    body = header["body"]
+    if op in REQUEST_OPS:
+        REQUEST_BODIES[op].check(body, f"{op}.body")
+    elif op == ERROR:
+        Map({"code": Str(64), "message": Str(4096)}).check(body, "error.body")
+    elif op != OK:
+        raise ProtocolError(f"unknown op {op!r}")
+    if type(bufs) is not list or len(bufs) > limits.max_buffers:
+        raise ProtocolError("header.bufs: expected a bounded list")
+    if len(bufs) != len(frames) - 1:
+        raise ProtocolError(f"header announces {len(bufs)} buffers, message has {len(frames) - 1}")
+    tensors = []
+    for i, spec in enumerate(bufs):
+        dtype, shape, kind, ref, offset = _check_spec(spec, i)
+        frame = memoryview(frames[i + 1])
+        expected = dtype.itemsize
+        for d in shape:
+            expected *= d
+        if expected != frame.nbytes:
+            raise ProtocolError(
+                f"header.bufs[{i}]: shape {list(shape)} of {dtype.name} needs {expected} bytes,"
+                f" frame has {frame.nbytes}"
+            )
+        if frame.nbytes > limits.max_buffer_bytes:
+            raise ProtocolError(f"buffer {i} exceeds {limits.max_buffer_bytes} bytes")
+        arr: npt.NDArray[Any] = np.frombuffer(frame, dtype=dtype).reshape(shape)
+        tensors.append(Tensor(arr, kind, ref, offset))
+    return Message(
+        op=op,
+        id=header["id"],
+        sender=header.get("from", ""),
+        body=body,
+        tensors=tuple(tensors),
+        deadline=header.get("dl"),
+    )

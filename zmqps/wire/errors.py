@@ -1,0 +1,112 @@
+"""One error hierarchy for zmqps.
+
+Rule: errors are translated at exactly one boundary each.
+
+* A bad request becomes an error *reply* in the server (``transport.server``):
+  every :class:`ZmqpsError` carries a stable ``code`` that travels on the wire.
+* An error reply becomes a typed exception in the client (``transport.client``)
+  via :func:`error_from_code`.
+
+Nothing else in zmqps catches broad exceptions to hide them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "DeadlineExceeded",
+    "FencedError",
+    "InvalidArgument",
+    "NotFound",
+    "NotReady",
+    "ProtocolError",
+    "RemoteError",
+    "ShutdownError",
+    "ZmqpsError",
+    "error_from_code",
+]
+
+
+class ZmqpsError(Exception):
+    """Base class of every error zmqps raises on purpose."""
+
+    code = "internal"
+
+
+class ProtocolError(ZmqpsError):
+    """A message violates the wire contract (framing, limits, schema, dtypes)."""
+
+    code = "protocol"
+
+
+class InvalidArgument(ZmqpsError):
+    """A well-formed request asks for something impossible (bad shape, unknown optimizer...)."""
+
+    code = "invalid_argument"
+
+
+class NotFound(ZmqpsError):
+    """A request names a shard, variable or task that does not exist."""
+
+    code = "not_found"
+
+
+class NotReady(ZmqpsError):
+    """The cluster is not in a state to serve this yet (e.g. variables not created)."""
+
+    code = "not_ready"
+
+
+class FencedError(ZmqpsError):
+    """A request comes from an old incarnation that has been replaced."""
+
+    code = "fenced"
+
+
+class ShutdownError(ZmqpsError):
+    """The peer is shutting down or the client was closed."""
+
+    code = "shutdown"
+
+
+class DeadlineExceeded(ZmqpsError):
+    """No reply arrived before the request's deadline."""
+
+    code = "deadline_exceeded"
+
+
+class ConfigError(ZmqpsError):
+    """The cluster spec or command line is invalid; the message is one clear line."""
+
+    code = "config"
+
+
+class RemoteError(ZmqpsError):
+    """An error reply whose code is not one of ours (e.g. an internal server error)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+_BY_CODE: dict[str, type[ZmqpsError]] = {
+    cls.code: cls
+    for cls in (
+        ProtocolError,
+        InvalidArgument,
+        NotFound,
+        NotReady,
+        FencedError,
+        ShutdownError,
+        DeadlineExceeded,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> ZmqpsError:
+    """Turn an error reply (code, message) into the matching typed exception."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return RemoteError(code, message)
+    return cls(message)

@@ -1,0 +1,128 @@
+"""Messages: the sans-IO vocabulary every layer above speaks.
+
+A message on the wire is ``[header][buffer 0][buffer 1]...``; here it is a
+:class:`Message` holding a small ``body`` map and a tuple of :class:`Tensor`
+(one per buffer). Arrays are never copied by this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from zmqps.wire.errors import ZmqpsError
+
+__all__ = [
+    "ERROR",
+    "KINDS",
+    "OK",
+    "PROTOCOL_VERSION",
+    "REQUEST_OPS",
+    "Message",
+    "Tensor",
+    "as_wire_array",
+    "error_reply",
+    "reply",
+    "request",
+]
+
+PROTOCOL_VERSION = 1
+
+OK = "ok"
+ERROR = "error"
+
+#: Every request op the protocol knows (bodies are in :mod:`zmqps.wire.schema`).
+REQUEST_OPS = frozenset(
+    {
+        "ping",
+        "register",
+        "heartbeat",
+        "leave",
+        "create_vars",
+        "get_placement",
+        "create_shards",
+        "pull",
+        "push",
+        "push_pull",
+        "pull_rows",
+        "push_rows",
+        "status",
+        "shutdown",
+    }
+)
+
+#: What a buffer is: shard values (or a chunk of them), a gradient chunk,
+#: row indices (int64), or row values / row gradients.
+KINDS = frozenset({"value", "grad", "index", "rows"})
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """One buffer of a message and what it is.
+
+    ``ref`` is the shard id the buffer belongs to (-1: none); ``offset`` is the
+    element offset of this chunk inside the flattened shard (large shards travel
+    as several chunks).
+    """
+
+    array: npt.NDArray[Any]
+    kind: str = "value"
+    ref: int = -1
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A request or a reply. ``op`` is a request op, ``"ok"`` or ``"error"``."""
+
+    op: str
+    id: int = 0
+    sender: str = ""
+    body: Mapping[str, Any] = field(default_factory=dict)
+    tensors: tuple[Tensor, ...] = ()
+    deadline: float | None = None
+
+    @property
+    def is_reply(self) -> bool:
+        return self.op in (OK, ERROR)
+
+
+def request(
+    op: str,
+    body: Mapping[str, Any] | None = None,
+    tensors: Sequence[Tensor] = (),
+    *,
+    id: int = 0,  # noqa: A002 - the wire's own name
+    sender: str = "",
+    deadline: float | None = None,
+) -> Message:
+    return Message(op, id, sender, body or {}, tuple(tensors), deadline)
+
+
+def reply(
+    req: Message,
+    body: Mapping[str, Any] | None = None,
+    tensors: Sequence[Tensor] = (),
+    *,
+    sender: str = "",
+) -> Message:
+    return Message(OK, req.id, sender, body or {}, tuple(tensors))
+
+
+def error_reply(request_id: int, err: ZmqpsError | Exception, *, sender: str = "") -> Message:
+    """The error reply for ``err``; unknown exception types become code ``internal``."""
+    code = err.code if isinstance(err, ZmqpsError) else "internal"
+    text = str(err) or type(err).__name__
+    return Message(ERROR, request_id, sender, {"code": code, "message": text[:2000]})
+
+
+def as_wire_array(array: Any, dtype: np.dtype[Any] | None = None) -> npt.NDArray[Any]:
+    """A C-contiguous little-endian view of ``array`` (copies only when it must)."""
+    arr = np.asarray(array, dtype=dtype)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(arr)

@@ -1,0 +1,226 @@
+"""A tiny, strict schema language for decoded msgpack headers, and the body schema of every op.
+
+Rules of this module:
+
+* Validation never trusts the input: every container has a length bound, every
+  number a range, every string a length; unknown keys are refused.
+* A schema only *checks*; it never converts or copies the value.
+* Failures raise :class:`~zmqps.wire.errors.ProtocolError` naming the path of the bad field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from zmqps.wire.errors import ProtocolError
+
+__all__ = [
+    "REQUEST_BODIES",
+    "AnyList",
+    "AnyMap",
+    "Bool",
+    "Float",
+    "Int",
+    "List",
+    "Map",
+    "Schema",
+    "Str",
+]
+
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+
+
+class Schema:
+    """Base class: ``check(value, path)`` raises ProtocolError or returns None."""
+
+    def check(self, value: Any, path: str) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Int(Schema):
+    lo: int = INT64_MIN
+    hi: int = INT64_MAX
+
+    def check(self, value: Any, path: str) -> None:
+        if type(value) is not int:
+            raise ProtocolError(f"{path}: expected int, got {type(value).__name__}")
+        if not self.lo <= value <= self.hi:
+            raise ProtocolError(f"{path}: {value} outside [{self.lo}, {self.hi}]")
+
+
+@dataclass(frozen=True)
+class Float(Schema):
+    lo: float = float("-inf")
+    hi: float = float("inf")
+
+    def check(self, value: Any, path: str) -> None:
+        if type(value) not in (int, float):
+            raise ProtocolError(f"{path}: expected number, got {type(value).__name__}")
+        if value != value or not self.lo <= value <= self.hi:  # NaN or out of range
+            raise ProtocolError(f"{path}: {value!r} outside [{self.lo}, {self.hi}]")
+
+
+@dataclass(frozen=True)
+class Str(Schema):
+    max_len: int = 256
+
+    def check(self, value: Any, path: str) -> None:
+        if type(value) is not str:
+            raise ProtocolError(f"{path}: expected str, got {type(value).__name__}")
+        if len(value) > self.max_len:
+            raise ProtocolError(f"{path}: string longer than {self.max_len}")
+
+
+@dataclass(frozen=True)
+class Bool(Schema):
+    def check(self, value: Any, path: str) -> None:
+        if type(value) is not bool:
+            raise ProtocolError(f"{path}: expected bool, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class List(Schema):
+    item: Schema
+    max_len: int = 1024
+
+    def check(self, value: Any, path: str) -> None:
+        if type(value) is not list:
+            raise ProtocolError(f"{path}: expected list, got {type(value).__name__}")
+        if len(value) > self.max_len:
+            raise ProtocolError(f"{path}: list longer than {self.max_len}")
+        for i, v in enumerate(value):
+            self.item.check(v, f"{path}[{i}]")
+
+
+@dataclass(frozen=True)
+class Map(Schema):
+    required: Mapping[str, Schema] = field(default_factory=dict)
+    optional: Mapping[str, Schema] = field(default_factory=dict)
+
+    def check(self, value: Any, path: str) -> None:
+        if type(value) is not dict:
+            raise ProtocolError(f"{path}: expected map, got {type(value).__name__}")
+        for key in self.required:
+            if key not in value:
+                raise ProtocolError(f"{path}: missing field {key!r}")
+        for key, v in value.items():
+            sub = self.required.get(key) or self.optional.get(key)
+            if sub is None:
+                raise ProtocolError(f"{path}: unknown field {key!r}")
+            sub.check(v, f"{path}.{key}")
+
+
+@dataclass(frozen=True)
+class AnyMap(Schema):
+    """A map with string keys whose values are not checked here (msgpack limits bound them)."""
+
+    def check(self, value: Any, path: str) -> None:
+        if type(value) is not dict:
+            raise ProtocolError(f"{path}: expected map, got {type(value).__name__}")
+        for key in value:
+            if type(key) is not str:
+                raise ProtocolError(f"{path}: map keys must be strings")
+
+
+@dataclass(frozen=True)
+class AnyList(Schema):
+    """A list whose items are checked elsewhere."""
+
+    def check(self, value: Any, path: str) -> None:
+        if type(value) is not list:
+            raise ProtocolError(f"{path}: expected list, got {type(value).__name__}")
+
+
+# ---------------------------------------------------------------------------
+# Building blocks shared by several ops.
+
+NAME = Str(256)
+ROLE = Str(32)
+COUNT = Int(0, INT64_MAX)
+SHARD_ID = Int(0, 2**31 - 1)
+DIM = Int(0, 2**48)
+SHAPE = List(DIM, 8)
+MAX_SHARDS = 1 << 16
+
+INIT = Map(
+    {"name": Str(32)},
+    {
+        "seed": Int(),
+        "value": Float(),
+        "low": Float(),
+        "high": Float(),
+        "mean": Float(),
+        "stddev": Float(0.0),
+    },
+)
+
+OPTIMIZER = Map(
+    {"name": Str(32), "lr": Float(0.0)},
+    {
+        "momentum": Float(0.0, 1.0),
+        "nesterov": Bool(),
+        "beta1": Float(0.0, 1.0),
+        "beta2": Float(0.0, 1.0),
+        "eps": Float(0.0),
+        "initial_accumulator": Float(0.0),
+        "weight_decay": Float(0.0),
+    },
+)
+
+VARIABLE = Map(
+    {"name": NAME, "shape": SHAPE, "dtype": Str(16)},
+    {"init": INIT, "optimizer": OPTIMIZER, "sparse": Bool()},
+)
+
+SHARD = Map(
+    {
+        "id": SHARD_ID,
+        "var": NAME,
+        "index": Int(0, MAX_SHARDS),
+        "dtype": Str(16),
+        "full_shape": SHAPE,
+        "row_start": DIM,
+        "rows": DIM,
+        "init": INIT,
+        "optimizer": OPTIMIZER,
+        "sparse": Bool(),
+    }
+)
+
+WHO = {"role": ROLE, "index": Int(0, 1 << 20), "incarnation": Int(0)}
+
+PUSH = Map(
+    {
+        "shards": List(SHARD_ID, MAX_SHARDS),
+        "versions": List(Int(0), MAX_SHARDS),
+        "worker": Str(64),
+        "inc": Int(0),
+        "seq": Int(0),
+    },
+    {"step": Int(0)},
+)
+
+#: The body schema of every request op. Replies ("ok" / "error") are checked generically.
+REQUEST_BODIES: Mapping[str, Schema] = {
+    "ping": Map(),
+    "register": Map(WHO, {"steps_planned": COUNT, "address": Str(256)}),
+    "heartbeat": Map(
+        {**WHO, "step": COUNT},
+        {"loss": Float(), "examples": COUNT},
+    ),
+    "leave": Map({**WHO, "step": COUNT}, {"reason": Str(256), "examples": COUNT}),
+    "create_vars": Map({"variables": List(VARIABLE, 1 << 14)}, {"optimizer": OPTIMIZER}),
+    "get_placement": Map({}, {"wait": Float(0.0, 3600.0)}),
+    "create_shards": Map({"shards": List(SHARD, MAX_SHARDS)}),
+    "pull": Map({"shards": List(SHARD_ID, MAX_SHARDS)}),
+    "push": PUSH,
+    "push_pull": PUSH,
+    "pull_rows": Map({"shards": List(SHARD_ID, MAX_SHARDS)}),
+    "push_rows": PUSH,
+    "status": Map(),
+    "shutdown": Map({}, {"reason": Str(256)}),
+}
