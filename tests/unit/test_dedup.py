@@ -1,0 +1,133 @@
+"""PushDeduper: duplicates, out-of-order sequences, fencing, window, persistence."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zmqps.core.dedup import PushDeduper
+from zmqps.wire.errors import FencedError, InvalidArgument
+
+
+def apply(d: PushDeduper, worker: str, inc: int, seq: int) -> bool:
+    """What the PS does: check, apply, commit. Returns whether it applied."""
+    if not d.check(worker, inc, seq):
+        return False
+    d.commit(worker, inc, seq)
+    return True
+
+
+def test_new_then_duplicate() -> None:
+    d = PushDeduper()
+    assert apply(d, "w0", 0, 0)
+    assert not apply(d, "w0", 0, 0)
+    assert apply(d, "w0", 0, 1)
+    assert apply(d, "w1", 0, 1)  # workers are independent
+    assert not d.check("w0", 0, 1)
+
+
+def test_check_alone_records_nothing() -> None:
+    d = PushDeduper()
+    assert d.check("w", 0, 5)
+    assert d.check("w", 0, 5)  # a push that failed validation is retried: still new
+    assert len(d) == 0
+
+
+def test_out_of_order_within_window() -> None:
+    d = PushDeduper(window=8)
+    assert apply(d, "w", 0, 6)
+    assert apply(d, "w", 0, 5)  # late arrival of an older push
+    assert not apply(d, "w", 0, 5)
+    assert not apply(d, "w", 0, 6)
+    assert apply(d, "w", 0, 0)  # 6 - 0 < 8
+    assert apply(d, "w", 0, 3)
+    assert apply(d, "w", 0, 20)
+    with pytest.raises(InvalidArgument):  # 20 - 12 >= 8: cannot tell
+        d.check("w", 0, 12)
+    with pytest.raises(InvalidArgument):
+        d.commit("w", 0, 12)
+    assert apply(d, "w", 0, 13)
+
+
+def test_incarnations_fence_and_reset() -> None:
+    d = PushDeduper()
+    apply(d, "w", 1, 10)
+    with pytest.raises(FencedError):
+        d.check("w", 0, 11)
+    with pytest.raises(FencedError):
+        d.commit("w", 0, 11)
+    assert d.check("w", 2, 10)  # new incarnation: fresh window (seq may restart)
+    apply(d, "w", 2, 0)
+    assert d.incarnation("w") == 2
+    with pytest.raises(FencedError):
+        d.check("w", 1, 11)
+    assert not d.check("w", 2, 0)
+    assert d.check("w", 2, 10)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(InvalidArgument):
+        PushDeduper(window=0)
+    with pytest.raises(InvalidArgument):
+        PushDeduper().check("w", 0, -1)
+
+
+def test_memory_bounded() -> None:
+    d = PushDeduper(window=64)
+    for seq in range(0, 100_000, 3):
+        apply(d, "w", 0, seq)
+    state = d.snapshot()["workers"]["w"]
+    assert int(state["bits"], 16).bit_length() <= 64
+
+
+def test_snapshot_restore_json_roundtrip() -> None:
+    d = PushDeduper(window=16)
+    for seq in (0, 2, 5, 7):
+        apply(d, "a", 3, seq)
+    apply(d, "b", 0, 100)
+    snap = json.loads(json.dumps(d.snapshot()))
+    e = PushDeduper(window=16)
+    e.restore(snap)
+    for seq in range(8):
+        assert e.check("a", 3, seq) == (seq not in (0, 2, 5, 7))
+    assert not e.check("b", 0, 100)
+    with pytest.raises(FencedError):
+        e.check("a", 2, 9)
+    assert e.snapshot() == d.snapshot()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {},
+        {"workers": {"a": {"incarnation": 0}}},
+        {"workers": {"a": {"incarnation": -1, "high": 0, "bits": "1"}}},
+        {"workers": {"a": {"incarnation": 0, "high": 0, "bits": "zz"}}},
+        {"workers": []},
+    ],
+)
+def test_restore_refuses_malformed(bad: dict[str, Any]) -> None:
+    d = PushDeduper()
+    apply(d, "keep", 0, 1)
+    with pytest.raises(InvalidArgument):
+        d.restore(bad)
+    assert not d.check("keep", 0, 1)  # unchanged
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 200), max_size=300), st.integers(1, 64))
+def test_matches_a_set_model(seqs: list[int], window: int) -> None:
+    d = PushDeduper(window=window)
+    applied: set[int] = set()
+    for seq in seqs:
+        high = max(applied, default=-1)
+        if applied and high - seq >= window:
+            with pytest.raises(InvalidArgument):
+                d.check("w", 0, seq)
+            continue
+        assert apply(d, "w", 0, seq) == (seq not in applied)
+        applied.add(seq)

@@ -1,0 +1,3 @@
+from zmqps.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""Command-line arguments shared by the commands, turned into frozen configs once."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from zmqps.config import ClusterSpec, TaskSpec, resolve, split_address
+from zmqps.core.partition import Partitioner
+from zmqps.data import DATASETS
+from zmqps.models import MODELS
+from zmqps.roles.job import MODES, JobConfig
+
+__all__ = [
+    "add_cluster_args",
+    "add_job_args",
+    "add_server_args",
+    "bind_address",
+    "cluster_and_task",
+    "exit_with_parent",
+    "job_from_args",
+    "optimizer_from_args",
+    "partitioner_from_args",
+    "setup_logging",
+]
+
+OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam")
+
+
+def setup_logging(verbose: int = 0, quiet: bool = False) -> None:
+    level = logging.WARNING if quiet else (logging.DEBUG if verbose else logging.INFO)
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster (flags win over the TF_CONFIG environment variable)")
+    g.add_argument("--cluster", metavar="FILE|JSON", help="cluster spec: a TF_CONFIG-shaped JSON object or file")
+    g.add_argument("--ps-hosts", "--ps_hosts", metavar="H:P,...", help="comma-separated PS addresses")
+    g.add_argument("--worker-hosts", "--worker_hosts", metavar="H:P,...", help="comma-separated worker addresses")
+    g.add_argument("--chief-host", "--chief_host", metavar="H:P", help="the chief's address")
+    g.add_argument("--evaluator-hosts", metavar="H:P,...", help=argparse.SUPPRESS)
+    g.add_argument("--role", "--job-name", "--job_name", dest="role", help="chief, ps, worker or evaluator")
+    g.add_argument("--index", "--task-id", "--task_id", "--task-index", dest="index", type=int, help="task index within its role")
+    g.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+
+
+def exit_with_parent(pid: int, poll_s: float = 0.5) -> None:
+    """Stop this process (SIGTERM to itself) once its parent ``pid`` is gone."""
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="zmqps-parent-watch", daemon=True).start()
+
+
+def add_job_args(p: argparse.ArgumentParser, *, model_default: str | None = "mlp") -> None:
+    g = p.add_argument_group("job")
+    g.add_argument("--mode", choices=MODES, default="async", help="consistency model (default: async)")
+    g.add_argument("--model", choices=(*MODELS, "none"), default=model_default,
+                   help=f"built-in model (default: {model_default or 'none'})")
+    g.add_argument("--dataset", choices=DATASETS, default="digits", help="built-in dataset (default: digits)")
+    g.add_argument("--data-dir", help="folder with the MNIST IDX files (for --dataset mnist)")
+    g.add_argument("--hidden", default="128", help="MLP hidden layer sizes, comma-separated (default: 128)")
+    g.add_argument("--batch-size", type=int, default=32, help="examples per worker step (default: 32)")
+    g.add_argument("--epochs", type=int, default=20, help="passes of each worker over its data (default: 20)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="momentum", help="server-side optimizer (default: momentum)")
+    g.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.05; adam 0.001; adagrad 0.1)")
+    g.add_argument("--momentum", type=float, default=0.9, help="momentum (default: 0.9)")
+    g.add_argument("--seed", type=int, default=0, help="seed of initializers and data order (default: 0)")
+    g.add_argument("--log-every", type=int, default=50, help="log a training line every N steps (default: 50)")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--bind", help="address to bind (default: the task's own address; all interfaces for host names)")
+    g.add_argument("--num-shards", type=int, help="fixed number of shards per variable")
+    g.add_argument("--min-shard-bytes", type=int, default=256 * 1024, help="minimum shard size (default: 256 KiB)")
+    g.add_argument("--max-shard-bytes", type=int, default=64 << 20, help="maximum shard size (default: 64 MiB)")
+    g.add_argument("--placement", choices=("round_robin", "greedy"), default="round_robin",
+                   help="shard placement on PS tasks (default: round_robin)")
+    g.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without heartbeat before a worker counts as dead (default: 10)")
+    g.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for peers at start (default: 120)")
+    g.add_argument("--summary", help="(chief) write the end-of-training summary JSON here")
+    g.add_argument("--keep-alive", action="store_true", help="(chief) keep serving after training ends")
+
+
+def cluster_and_task(args: argparse.Namespace, *, role: str | None = None) -> tuple[ClusterSpec, TaskSpec]:
+    return resolve(
+        args.cluster, args.ps_hosts, args.worker_hosts, args.chief_host, args.evaluator_hosts,
+        role or args.role, args.index,
+    )
+
+
+def optimizer_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    name = args.optimizer
+    default_lr = {"sgd": 0.1, "momentum": 0.05, "adagrad": 0.1, "adam": 0.001}[name]
+    opt: dict[str, Any] = {"name": name, "lr": default_lr if args.lr is None else args.lr}
+    if name == "momentum":
+        opt["momentum"] = args.momentum
+    return opt
+
+
+def _hidden(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise SystemExit(f"zmqps: error: --hidden {text!r}: expected sizes like 128 or 256,128") from None
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"zmqps: error: --hidden {text!r}: sizes must be positive")
+    return sizes
+
+
+def job_from_args(args: argparse.Namespace) -> JobConfig | None:
+    if args.model in (None, "none"):
+        return None
+    for flag in ("batch_size", "epochs", "log_every"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"zmqps: error: --{flag.replace('_', '-')} must be >= 1")
+    return JobConfig(
+        model=args.model,
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        hidden=_hidden(args.hidden),
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        optimizer=optimizer_from_args(args),
+        seed=args.seed,
+        mode=args.mode,
+        log_every=args.log_every,
+    )
+
+
+def partitioner_from_args(args: argparse.Namespace) -> Partitioner:
+    return Partitioner(
+        num_shards=args.num_shards,
+        min_shard_bytes=args.min_shard_bytes,
+        max_shard_bytes=args.max_shard_bytes,
+    )
+
+
+def bind_address(address: str) -> str:
+    """Where a server binds for its advertised ``address``.
+
+    IP literals and localhost are bound as given; a host name (a Kubernetes pod
+    or service name, say) binds every interface, as TensorFlow's servers do.
+    """
+    host, port = split_address(address)
+    bare = host.strip("[]")
+    if bare == "localhost":
+        return f"127.0.0.1:{port}"
+    try:
+        ipaddress.ip_address(bare)
+        return address
+    except ValueError:
+        return f"*:{port}"

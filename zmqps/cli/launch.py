@@ -1,0 +1,267 @@
+"""``zmqps launch``: a whole cluster as local processes on loopback.
+
+Rules of this module:
+
+* Ports are picked free on 127.0.0.1 and written into one cluster spec that every
+  child gets; nothing binds any other address.
+* Children run in their own sessions and watch this process: if the launcher dies,
+  they stop. Ctrl-C, a timeout or any child failing stops every child (SIGTERM,
+  then SIGKILL after a grace period); the exit code is non-zero when anything failed.
+* Child output is relayed line by line, prefixed with its task, and kept in
+  ``RUN_DIR/<task>.log``; the progress bar reads the chief's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from zmqps.cli.args import add_job_args
+from zmqps.config import ClusterSpec
+from zmqps.roles.status import fetch_status
+from zmqps.wire.errors import ConfigError, ZmqpsError
+
+__all__ = ["add_launch_args", "free_ports", "launch"]
+
+HOST = "127.0.0.1"
+GRACE_S = 10.0
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--ps", type=int, default=2, help="number of PS tasks (default: 2)")
+    g.add_argument("--workers", type=int, default=2, help="number of workers (default: 2)")
+    g.add_argument("--placement", choices=("round_robin", "greedy"), default="round_robin")
+    g.add_argument("--num-shards", type=int, help="fixed number of shards per variable")
+    g.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    add_job_args(p)
+    g = p.add_argument_group("launcher")
+    g.add_argument("--run-dir", help="folder for logs and results (default: a new temporary folder)")
+    g.add_argument("--summary", metavar="FILE", help="write the run's summary as JSON here")
+    g.add_argument("--timeout", type=float, default=0.0, help="stop everything after this many seconds (default: none)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("-q", "--quiet", action="store_true", help="print only warnings and the summary")
+
+
+def free_ports(n: int, host: str = HOST) -> list[int]:
+    """``n`` distinct free TCP ports on ``host`` (held open together while picking)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _job_flags(args: argparse.Namespace) -> list[str]:
+    flags = [
+        "--mode", args.mode, "--model", args.model, "--dataset", args.dataset,
+        "--hidden", args.hidden, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
+        "--optimizer", args.optimizer, "--momentum", str(args.momentum), "--seed", str(args.seed),
+        "--log-every", str(args.log_every),
+    ]
+    if args.lr is not None:
+        flags += ["--lr", str(args.lr)]
+    if args.data_dir:
+        flags += ["--data-dir", str(Path(args.data_dir).resolve())]
+    return flags
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: asyncio.subprocess.Process | None = None
+    returncode: int | None = None
+    log: IO[str] | None = None
+    tail: list[str] = field(default_factory=list)
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace, run_dir: Path) -> None:
+        self.args = args
+        self.run_dir = run_dir
+        ports = free_ports(1 + args.ps + args.workers)
+        self.cluster = ClusterSpec(
+            chief=f"{HOST}:{ports[0]}",
+            ps=tuple(f"{HOST}:{p}" for p in ports[1 : 1 + args.ps]),
+            worker=tuple(f"{HOST}:{p}" for p in ports[1 + args.ps :]),
+        )
+        self.chief_summary = run_dir / "chief-summary.json"
+        self.children = self._children()
+        self.bar: tqdm[Any] | None = None
+        self.stopping = False
+        self.failure = ""
+
+    def _children(self) -> list[Child]:
+        a = self.args
+        base = [sys.executable, "-m", "zmqps"]
+        spec = json.dumps({"cluster": self.cluster.to_dict()})
+        common = ["--cluster", spec, "--parent-pid", str(os.getpid())]
+        job = _job_flags(a)
+        server = ["--placement", a.placement, "--heartbeat-timeout", str(a.heartbeat_timeout)]
+        if a.num_shards:
+            server += ["--num-shards", str(a.num_shards)]
+        kids = [Child("chief", [*base, "server", "--role", "chief", *common, *job, *server,
+                                "--summary", str(self.chief_summary)])]
+        kids += [Child(f"ps{i}", [*base, "server", "--role", "ps", "--index", str(i), *common])
+                 for i in range(a.ps)]
+        kids += [Child(f"worker{i}", [*base, "worker", "--index", str(i), *common, *job])
+                 for i in range(a.workers)]
+        return kids
+
+    def say(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    async def _relay(self, child: Child) -> None:
+        assert child.proc is not None and child.proc.stdout is not None
+        async for raw in child.proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            if child.log is not None:
+                child.log.write(line + "\n")
+            child.tail = [*child.tail[-19:], line]
+            if not self.args.quiet or " W " in line or " E " in line or "Traceback" in line:
+                self.say(f"[{child.name}] {line}")
+
+    async def _watch(self, child: Child) -> None:
+        assert child.proc is not None
+        relay = asyncio.ensure_future(self._relay(child))
+        child.returncode = await child.proc.wait()
+        await relay
+        if child.returncode != 0 and not self.stopping:
+            self.failure = f"{child.name} exited with code {child.returncode}"
+            self.say(f"zmqps launch: {self.failure}; stopping the cluster")
+            await self.stop()
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for c in self.children:
+            if c.proc is not None and c.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for c in self.children:
+            if c.proc is None:
+                continue
+            try:
+                await asyncio.wait_for(c.proc.wait(), max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.kill()
+                await c.proc.wait()
+
+    async def _progress(self) -> None:
+        assert self.cluster.chief is not None
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                s = await fetch_status(self.cluster.chief, timeout=2.0)
+            except ZmqpsError:
+                continue
+            if self.bar is not None:
+                planned = int(s.get("steps_planned") or 0)
+                if planned and self.bar.total != planned:
+                    self.bar.total = planned
+                self.bar.n = min(int(s.get("global_step", 0)), planned or int(s.get("global_step", 0)))
+                self.bar.refresh()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        interrupted = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, interrupted.set)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("TF_CONFIG", None)
+        for c in self.children:
+            c.log = open(self.run_dir / f"{c.name}.log", "w")  # noqa: SIM115 - closed below
+            c.proc = await asyncio.create_subprocess_exec(
+                *c.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL, env=env, start_new_session=True,
+            )
+        if not self.args.no_progress and sys.stderr.isatty():
+            self.bar = tqdm(total=None, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True)
+        watchers = asyncio.ensure_future(asyncio.gather(*(self._watch(c) for c in self.children)))
+        progress = asyncio.ensure_future(self._progress())
+        waiters = [watchers, asyncio.ensure_future(interrupted.wait())]
+        timeout = self.args.timeout or None
+        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if watchers not in done:
+            self.failure = "interrupted" if interrupted.is_set() else f"timed out after {timeout:g}s"
+            self.say(f"zmqps launch: {self.failure}; stopping the cluster")
+            await self.stop()
+            await watchers
+        waiters[1].cancel()
+        progress.cancel()
+        if self.bar is not None:
+            self.bar.close()
+        for c in self.children:
+            if c.log is not None:
+                c.log.close()
+        if interrupted.is_set():
+            return 130
+        return 1 if self.failure else 0
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    acc = summary.get("test_accuracy")
+    lines = [
+        f"zmqps launch: done in {summary['wall_seconds']:.1f} s",
+        f"  mode {summary.get('mode')}, {summary.get('ps')} PS, {summary.get('workers')} workers"
+        + (f", model {summary['model']} on {summary['dataset']}" if "model" in summary else ""),
+        f"  global step {summary.get('global_step')}, {summary.get('examples')} examples,"
+        f" {summary.get('examples_per_second')} examples/s",
+    ]
+    if acc is not None:
+        lines.append(f"  test accuracy {acc:.4f}, test loss {summary.get('test_loss'):.4f}")
+    print("\n".join(lines), flush=True)
+
+
+def launch(args: argparse.Namespace) -> int:
+    if args.ps < 1 or args.workers < 1:
+        raise ConfigError("--ps and --workers must be >= 1")
+    if args.model in (None, "none"):
+        raise ConfigError("zmqps launch runs a built-in --model")
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="zmqps-run-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    launcher = Launcher(args, run_dir)
+    print(
+        f"zmqps launch: chief {launcher.cluster.chief}, {args.ps} PS, {args.workers} workers;"
+        f" logs in {run_dir}",
+        file=sys.stderr, flush=True,
+    )
+    code = asyncio.run(launcher.run())
+    if code != 0:
+        for c in launcher.children:
+            if c.returncode not in (0, None) and c.tail:
+                print(f"--- last lines of {c.name} (exit {c.returncode}):", file=sys.stderr)
+                print("\n".join(c.tail[-10:]), file=sys.stderr)
+        print(f"zmqps launch: failed: {launcher.failure}", file=sys.stderr)
+        return code
+    summary = json.loads(launcher.chief_summary.read_text())
+    summary["wall_seconds"] = round(time.monotonic() - started, 3)
+    summary["run_dir"] = str(run_dir)
+    if args.summary:
+        Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
+    _print_summary(summary)
+    return 0

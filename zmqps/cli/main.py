@@ -1,0 +1,179 @@
+"""Entry points: ``zmqps`` (launch, server, worker, status), ``zmqps-server``, ``zmqps-worker``.
+
+Errors users can fix (a bad cluster spec, a bad flag) print one line and exit 2;
+runtime failures print one line and exit 1; tracebacks only with ``-v``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from zmqps.cli.args import (
+    add_cluster_args,
+    add_job_args,
+    add_server_args,
+    bind_address,
+    cluster_and_task,
+    exit_with_parent,
+    job_from_args,
+    optimizer_from_args,
+    partitioner_from_args,
+    setup_logging,
+)
+from zmqps.wire.errors import ConfigError, ZmqpsError
+
+__all__ = ["main", "server_main", "worker_main"]
+
+log = logging.getLogger("zmqps")
+
+
+def _server_parser(p: argparse.ArgumentParser) -> None:
+    add_cluster_args(p)
+    add_job_args(p, model_default=None)
+    add_server_args(p)
+
+
+def _worker_parser(p: argparse.ArgumentParser) -> None:
+    add_cluster_args(p)
+    add_job_args(p)
+    p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the chief (default: 120)")
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    from zmqps.roles.chief import ChiefConfig, run_chief
+    from zmqps.roles.ps import PSConfig, run_ps
+
+    cluster, task = cluster_and_task(args)
+    bind = args.bind or bind_address(cluster.address(task.role, task.index))
+    if task.role == "ps":
+        return run_ps(PSConfig(index=task.index, bind=bind))
+    if task.role == "chief":
+        job = job_from_args(args)
+        return run_chief(
+            ChiefConfig(
+                bind=bind,
+                cluster=cluster,
+                job=job,
+                optimizer=dict(job.optimizer) if job else optimizer_from_args(args),
+                partitioner=partitioner_from_args(args),
+                placement=args.placement,
+                heartbeat_timeout=args.heartbeat_timeout,
+                startup_timeout=args.startup_timeout,
+                summary_path=args.summary,
+                keep_alive=args.keep_alive,
+            )
+        )
+    raise ConfigError(f"zmqps-server serves roles chief and ps, not {task.role!r} (use zmqps-worker)")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from zmqps.data import shard, steps_per_epoch
+    from zmqps.roles.worker import Worker, train
+
+    cluster, task = cluster_and_task(args, role=args.role or "worker")
+    if task.role != "worker":
+        raise ConfigError(f"zmqps-worker runs role worker, not {task.role!r}")
+    job = job_from_args(args)
+    if job is None:
+        raise ConfigError("zmqps-worker needs a built-in --model (write your own loop with zmqps.Worker)")
+    data = shard(job.load("train"), task.index, cluster.num_workers)
+    planned = steps_per_epoch(len(data), job.batch_size) * job.epochs
+    with Worker.from_cluster(
+        cluster, task, connect_timeout=args.connect_timeout, steps_planned=planned
+    ) as worker:
+        train(worker, job, cluster.num_workers)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from zmqps.roles.status import fetch_status, format_status
+
+    status = asyncio.run(fetch_status(args.chief, timeout=args.timeout))
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from zmqps.cli.launch import launch
+
+    return launch(args)
+
+
+def _build() -> argparse.ArgumentParser:
+    from zmqps.cli.launch import add_launch_args
+
+    parser = argparse.ArgumentParser(prog="zmqps", description="zmqps: a parameter server over ZeroMQ")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logging and tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("launch", help="run a whole cluster as local processes (the demo)")
+    add_launch_args(p)
+    p.set_defaults(func=cmd_launch)
+    p = sub.add_parser("server", help="run a chief or PS task (same as zmqps-server)")
+    _server_parser(p)
+    p.set_defaults(func=cmd_server)
+    p = sub.add_parser("worker", help="run a worker task of a built-in job (same as zmqps-worker)")
+    _worker_parser(p)
+    p.set_defaults(func=cmd_worker)
+    p = sub.add_parser("status", help="show a running cluster's state, from its chief")
+    p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)")
+    p.set_defaults(func=cmd_status)
+    return parser
+
+
+def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    setup_logging(getattr(args, "verbose", 0), getattr(args, "quiet", False))
+    if getattr(args, "parent_pid", None):
+        exit_with_parent(args.parent_pid)
+    try:
+        return func(args)
+    except ConfigError as exc:
+        print(f"zmqps: error: {exc}", file=sys.stderr)
+        return 2
+    except (ZmqpsError, OSError) as exc:
+        if getattr(args, "verbose", 0):
+            raise
+        print(f"zmqps: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build().parse_args(argv)
+    return _run(args.func, args)
+
+
+def _single(prog: str, build: Callable[[argparse.ArgumentParser], None], func: Callable[[argparse.Namespace], int],
+            argv: Sequence[str] | None) -> int:
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("-v", "--verbose", action="count", default=0, help="debug logging and tracebacks")
+    build(p)
+    args = p.parse_args(argv)
+    return _run(func, args)
+
+
+def server_main(argv: Sequence[str] | None = None) -> int:
+    return _single("zmqps-server", _server_parser, cmd_server, argv)
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    return _single("zmqps-worker", _worker_parser, cmd_worker, argv)
+
+
+def _entry(fn: Callable[[], int]) -> Any:
+    raise SystemExit(fn())
+
+
+if __name__ == "__main__":
+    _entry(main)

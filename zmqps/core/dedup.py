@@ -1,0 +1,137 @@
+"""Exactly-once pushes: remembers which (worker, incarnation, sequence) were applied.
+
+Rules of this module:
+
+* A push is first :meth:`PushDeduper.check`-ed (is it new?), then, only once it has
+  been applied, :meth:`PushDeduper.commit`-ed. A push that fails validation in
+  between is never recorded, so its retry is still new.
+* Per worker name we keep the latest incarnation, the highest committed sequence
+  ``high`` and a bitmap of the sequences in ``(high - window, high]`` that were
+  committed. Memory per worker is bounded by ``window`` bits; out-of-order
+  sequences inside the window work.
+* A higher incarnation replaces the worker's state (a restarted worker begins
+  afresh); a lower one raises :class:`~zmqps.wire.errors.FencedError`. A sequence
+  older than the window cannot be judged and raises
+  :class:`~zmqps.wire.errors.InvalidArgument`.
+* :meth:`PushDeduper.snapshot` / :meth:`PushDeduper.restore` use plain JSON-able dicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zmqps.wire.errors import FencedError, InvalidArgument
+
+__all__ = ["PushDeduper"]
+
+
+@dataclass
+class _Worker:
+    incarnation: int
+    high: int = -1  # highest committed seq, -1 before the first commit
+    bits: int = 0  # bit i set <=> seq (high - i) committed
+
+
+class PushDeduper:
+    """Per-worker sliding window of applied push sequence numbers."""
+
+    def __init__(self, window: int = 4096) -> None:
+        if not isinstance(window, int) or window < 1:
+            raise InvalidArgument(f"dedup window must be a positive int, got {window!r}")
+        self.window = window
+        self._mask = (1 << window) - 1
+        self._workers: dict[str, _Worker] = {}
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._workers)
+
+    def incarnation(self, worker: str) -> int | None:
+        """The latest incarnation seen from ``worker`` (None if never seen)."""
+        w = self._workers.get(worker)
+        return None if w is None else w.incarnation
+
+    def _state(self, worker: str, incarnation: int, seq: int) -> _Worker | None:
+        """The worker's current window, None if ``incarnation`` is new; checks arguments."""
+        if seq < 0:
+            raise InvalidArgument(f"push sequence must be >= 0, got {seq}")
+        w = self._workers.get(worker)
+        if w is None or incarnation > w.incarnation:
+            return None
+        if incarnation < w.incarnation:
+            raise FencedError(
+                f"worker {worker!r} incarnation {incarnation} was replaced by {w.incarnation}"
+            )
+        if w.high >= 0 and w.high - seq >= self.window:
+            raise InvalidArgument(
+                f"push sequence {seq} of worker {worker!r} is older than the dedup window"
+                f" (latest {w.high}, window {self.window})"
+            )
+        return w
+
+    def check(self, worker: str, incarnation: int, seq: int) -> bool:
+        """True if this push is new (apply it, then :meth:`commit`); False if a duplicate.
+
+        Raises FencedError for an old incarnation and InvalidArgument for a sequence
+        older than the window. Changes nothing.
+        """
+        w = self._state(worker, incarnation, seq)
+        if w is None or seq > w.high:
+            return True
+        return not (w.bits >> (w.high - seq)) & 1
+
+    def commit(self, worker: str, incarnation: int, seq: int) -> None:
+        """Record that push ``seq`` of ``worker`` / ``incarnation`` was applied."""
+        w = self._state(worker, incarnation, seq)
+        if w is None:
+            w = self._workers[worker] = _Worker(incarnation)
+        if seq > w.high:
+            shift = seq - w.high if w.high >= 0 else self.window
+            w.bits = ((w.bits << shift) | 1) & self._mask if shift < self.window else 1
+            w.high = seq
+        else:
+            w.bits |= 1 << (w.high - seq)
+
+    def forget(self, worker: str) -> None:
+        """Drop everything known about ``worker`` (e.g. it left the job for good)."""
+        self._workers.pop(worker, None)
+
+    # -- persistence ---------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole state as a JSON-able dict (bitmaps as hex strings)."""
+        return {
+            "window": self.window,
+            "workers": {
+                name: {"incarnation": w.incarnation, "high": w.high, "bits": format(w.bits, "x")}
+                for name, w in self._workers.items()
+            },
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Replace the state with a :meth:`snapshot` (keeping this deduper's window).
+
+        Raises InvalidArgument for a malformed snapshot, leaving the state unchanged.
+        """
+        try:
+            workers = {
+                str(name): _Worker(
+                    incarnation=_int(d["incarnation"], 0),
+                    high=_int(d["high"], -1),
+                    bits=int(d["bits"], 16) & self._mask,
+                )
+                for name, d in state["workers"].items()
+            }
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InvalidArgument(f"malformed dedup snapshot: {e!r}") from e
+        self._workers = workers
+
+
+def _int(v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"expected int >= {lo}, got {v!r}")
+    return v

@@ -1,0 +1,160 @@
+"""Worker membership as the chief sees it: incarnations, liveness, progress.
+
+Rules of this module:
+
+* It owns every worker state transition (absent -> alive -> done / dead -> alive
+  again as a new incarnation) and knows nothing about sockets; time is passed in.
+* An incarnation older than the one registered is fenced (:class:`FencedError`).
+* A worker is dead when its last heartbeat is older than ``timeout``; a dead or
+  done worker registering again is a new incarnation and resumes.
+* The global step of async training is the number of updates the workers have
+  reported (each step's push is one update); it never goes backwards, because
+  the steps of every past incarnation are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zmqps.wire.errors import FencedError, InvalidArgument
+
+__all__ = ["Membership", "WorkerState"]
+
+
+@dataclass
+class WorkerState:
+    index: int
+    incarnation: int
+    registered_at: float
+    last_seen: float
+    step: int = 0
+    steps_before: int = 0  # steps reported by earlier incarnations
+    steps_planned: int = 0
+    examples: int = 0
+    examples_before: int = 0
+    loss: float | None = None
+    done: bool = False
+    left_reason: str = ""
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_before + self.step
+
+    @property
+    def total_examples(self) -> int:
+        return self.examples_before + self.examples
+
+
+class Membership:
+    def __init__(self, num_workers: int, timeout: float = 10.0) -> None:
+        if num_workers < 1:
+            raise InvalidArgument("a cluster needs at least one worker")
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.workers: dict[int, WorkerState] = {}
+        self.first_registration: float | None = None
+        self.all_done_at: float | None = None
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.num_workers:
+            raise InvalidArgument(f"worker index {index} out of range ({self.num_workers} workers)")
+
+    def _current(self, index: int, incarnation: int) -> WorkerState:
+        self._check_index(index)
+        w = self.workers.get(index)
+        if w is None:
+            raise InvalidArgument(f"worker {index} is not registered")
+        if incarnation < w.incarnation:
+            raise FencedError(
+                f"worker {index} incarnation {incarnation} replaced by {w.incarnation}"
+            )
+        if incarnation > w.incarnation:
+            raise InvalidArgument(f"worker {index} incarnation {incarnation} never registered")
+        return w
+
+    def register(self, index: int, incarnation: int, now: float, steps_planned: int = 0) -> bool:
+        """Register a worker; returns True for a rejoin (a later incarnation)."""
+        self._check_index(index)
+        if self.first_registration is None:
+            self.first_registration = now
+        old = self.workers.get(index)
+        if old is not None and incarnation < old.incarnation:
+            raise FencedError(f"worker {index} incarnation {incarnation} replaced by {old.incarnation}")
+        if old is not None and incarnation == old.incarnation:
+            old.last_seen = now  # a retried register
+            return False
+        w = WorkerState(index, incarnation, now, now, steps_planned=steps_planned)
+        if old is not None:
+            w.steps_before = old.total_steps
+            w.examples_before = old.total_examples
+        self.workers[index] = w
+        self.all_done_at = None
+        return old is not None
+
+    def heartbeat(
+        self,
+        index: int,
+        incarnation: int,
+        step: int,
+        now: float,
+        loss: float | None = None,
+        examples: int | None = None,
+    ) -> None:
+        w = self._current(index, incarnation)
+        w.last_seen = now
+        w.step = max(w.step, step)
+        if examples is not None:
+            w.examples = max(w.examples, examples)
+        if loss is not None:
+            w.loss = loss
+
+    def leave(
+        self, index: int, incarnation: int, step: int, now: float, reason: str, examples: int | None
+    ) -> None:
+        self.heartbeat(index, incarnation, step, now, examples=examples)
+        w = self.workers[index]
+        w.done = True
+        w.left_reason = reason
+        if self.all_done() and self.all_done_at is None:
+            self.all_done_at = now
+
+    def alive(self, now: float) -> list[int]:
+        return sorted(
+            i for i, w in self.workers.items() if not w.done and now - w.last_seen <= self.timeout
+        )
+
+    def dead(self, now: float) -> list[int]:
+        return sorted(
+            i for i, w in self.workers.items() if not w.done and now - w.last_seen > self.timeout
+        )
+
+    def all_done(self) -> bool:
+        return len(self.workers) == self.num_workers and all(
+            w.done for w in self.workers.values()
+        )
+
+    @property
+    def global_step(self) -> int:
+        return sum(w.total_steps for w in self.workers.values())
+
+    @property
+    def examples(self) -> int:
+        return sum(w.total_examples for w in self.workers.values())
+
+    @property
+    def steps_planned(self) -> int:
+        return sum(w.steps_planned for w in self.workers.values())
+
+    def snapshot(self, now: float) -> list[dict[str, Any]]:
+        return [
+            {
+                "index": w.index,
+                "incarnation": w.incarnation,
+                "step": w.total_steps,
+                "loss": w.loss,
+                "state": "done" if w.done else ("alive" if now - w.last_seen <= self.timeout else "dead"),
+                "last_seen_s": round(now - w.last_seen, 3),
+            }
+            for w in sorted(self.workers.values(), key=lambda w: w.index)
+        ]

@@ -1,0 +1,411 @@
+"""The PS-side shard store: shard values, optimizer slots, versions and staleness.
+
+Rules of this module:
+
+* The store owns every shard's values and slots; nothing outside writes them. It
+  knows nothing about sockets, threads or clocks: callers serialize access.
+* Every request is validated completely BEFORE any state changes, so a refused
+  request (:class:`~zmqps.wire.errors.InvalidArgument` / ``NotFound``) changes
+  nothing.
+* A shard's ``version`` starts at 0 and grows by 1 per applied update; it is also
+  the 1-based ``step`` handed to the optimizer. Staleness of an update is
+  ``version before the apply - version the gradient was pulled at``.
+* Dense updates allocate no arrays: gradient chunks are applied in place, in pieces
+  of at most ``chunk_elems`` elements, through one scratch buffer owned by the store.
+* Reads (:meth:`ShardStore.snapshot`, :meth:`ShardStore.pull_rows`) return copies:
+  a consistent snapshot at one version, never a live buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from zmqps.core.initializers import initialize, validate_init
+from zmqps.core.optimizers import BLOCK_ELEMS, Optimizer, compute_dtype, make_optimizer
+from zmqps.core.variables import ShardDef
+from zmqps.wire.errors import InvalidArgument, NotFound
+
+__all__ = ["HISTOGRAM_EXACT", "Shard", "ShardStore", "StalenessStats"]
+
+Array = npt.NDArray[Any]
+
+#: StalenessStats counts staleness values 0..HISTOGRAM_EXACT-1 exactly, the rest together.
+HISTOGRAM_EXACT = 64
+
+
+class StalenessStats:
+    """Count, sum, max and a bounded histogram of staleness values (in updates)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.sum = 0
+        self.max = 0
+        #: ``histogram[s]`` for ``s < HISTOGRAM_EXACT``; the last bucket is the overflow.
+        self.histogram = [0] * (HISTOGRAM_EXACT + 1)
+
+    def add(self, staleness: int) -> None:
+        self.count += 1
+        self.sum += staleness
+        self.max = max(self.max, staleness)
+        self.histogram[min(staleness, HISTOGRAM_EXACT)] += 1
+
+    @property
+    def mean(self) -> float:
+        return self.sum / self.count if self.count else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary; ``histogram`` maps ``"0".."63"`` and ``"64+"`` to non-zero counts."""
+        hist = {
+            (str(s) if s < HISTOGRAM_EXACT else f"{HISTOGRAM_EXACT}+"): c
+            for s, c in enumerate(self.histogram)
+            if c
+        }
+        return {
+            "count": self.count,
+            "sum": self.sum,
+            "mean": self.mean,
+            "max": self.max,
+            "histogram": hist,
+        }
+
+
+@dataclass
+class Shard:
+    """One shard: values of ``definition.shape``, slots of the same shape, a version.
+
+    Slots have the optimizer's compute dtype (float32 for a float16 shard).
+    """
+
+    definition: ShardDef
+    values: Array
+    slots: dict[str, Array]
+    optimizer: Optimizer
+    version: int = 0
+    #: Flat (1-D) views of values and slots, made once.
+    flat: Array = field(init=False, repr=False)
+    flat_slots: dict[str, Array] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.flat = self.values.reshape(-1)
+        self.flat_slots = {k: v.reshape(-1) for k, v in self.slots.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.values.nbytes + sum(s.nbytes for s in self.slots.values()))
+
+
+ShardObserver = Callable[[ShardDef, int], None]
+
+
+class ShardStore:
+    """Shards held by one PS, and the updates applied to them.
+
+    ``observer(shard_def, staleness)`` is called after every applied update (metrics).
+    """
+
+    def __init__(self, chunk_elems: int = 1 << 20, observer: ShardObserver | None = None) -> None:
+        if chunk_elems < 1:
+            raise InvalidArgument(f"chunk_elems must be >= 1, got {chunk_elems}")
+        self.chunk_elems = chunk_elems
+        self.observer = observer
+        self.staleness = StalenessStats()
+        self.updates_applied = 0
+        self._shards: dict[int, Shard] = {}
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    # -- shards --------------------------------------------------------------
+
+    def create(self, defs: Sequence[ShardDef]) -> None:
+        """Create shards (idempotent for identical definitions); all or nothing.
+
+        Raises InvalidArgument if a definition is invalid (optimizer, initializer) or
+        conflicts with an existing shard or another definition of the same id.
+        """
+        new: dict[int, ShardDef] = {}
+        for d in defs:
+            existing = self._shards.get(d.id)
+            other = new.get(d.id)
+            if existing is not None and existing.definition != d:
+                raise InvalidArgument(f"shard {d.id} exists with a different definition")
+            if other is not None and other != d:
+                raise InvalidArgument(f"shard {d.id} defined twice, differently")
+            make_optimizer(d.optimizer)
+            validate_init(d.init)
+            if existing is None:
+                new[d.id] = d
+        made = {sid: self._make(d) for sid, d in new.items()}  # may still refuse (overflow)
+        self._shards.update(made)
+
+    @staticmethod
+    def _make(d: ShardDef) -> Shard:
+        optimizer = make_optimizer(d.optimizer)
+        values = initialize(d.init, d.var, d.full_shape, d.dtype, d.row_start, d.rows)
+        return Shard(d, values, optimizer.init_slots(d.shape, d.dtype), optimizer)
+
+    def get(self, shard_id: int) -> Shard:
+        try:
+            return self._shards[shard_id]
+        except KeyError:
+            raise NotFound(f"no shard {shard_id} on this PS") from None
+
+    def __contains__(self, shard_id: object) -> bool:
+        return shard_id in self._shards
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+    def __iter__(self) -> Iterator[Shard]:
+        return iter(self._shards.values())
+
+    def ids(self) -> list[int]:
+        return sorted(self._shards)
+
+    def nbytes(self) -> int:
+        """Bytes held in values and slots of every shard."""
+        return sum(s.nbytes for s in self._shards.values())
+
+    # -- reads ---------------------------------------------------------------
+
+    def snapshot(self, shard_id: int) -> tuple[int, Array]:
+        """``(version, copy of the values)``: a consistent snapshot of the shard."""
+        shard = self.get(shard_id)
+        return shard.version, shard.values.copy()
+
+    def snapshot_into(self, shard_id: int, out: Array) -> int:
+        """Copy the shard's values into ``out`` (same shape and dtype); returns the version."""
+        shard = self.get(shard_id)
+        if out.shape != shard.values.shape or out.dtype != shard.values.dtype:
+            raise InvalidArgument(
+                f"snapshot_into: out is {out.dtype}{out.shape},"
+                f" shard {shard_id} is {shard.values.dtype}{shard.values.shape}"
+            )
+        np.copyto(out, shard.values)
+        return shard.version
+
+    def pull_rows(self, shard_id: int, indices: Array) -> tuple[int, Array]:
+        """``(version, rows)`` for GLOBAL row ids ``indices``; rows is ``(k, *row_shape)``."""
+        shard = self.get(shard_id)
+        local = self._local_rows(shard, indices)
+        return shard.version, np.take(shard.values, local, axis=0)
+
+    # -- updates -------------------------------------------------------------
+
+    def apply_dense(
+        self,
+        shard_id: int,
+        chunks: Sequence[tuple[int, Array]],
+        pulled_version: int,
+        scale: float = 1.0,
+    ) -> tuple[int, int]:
+        """Apply a whole-shard gradient given as flat ``(element offset, chunk)`` pieces.
+
+        The chunks must tile ``[0, size)`` exactly (any order) and be 1-D float arrays.
+        Returns ``(new version, staleness)``.
+        """
+        shard, staleness, scale = self._checked_dense(shard_id, chunks, pulled_version, scale)
+        optimizer, step = shard.optimizer, shard.version + 1
+        scratch = self._scratch_for(shard)
+        for offset, chunk in chunks:
+            for lo in range(0, chunk.shape[0], self.chunk_elems):
+                hi = min(lo + self.chunk_elems, chunk.shape[0])
+                a, b = offset + lo, offset + hi
+                optimizer.apply_dense(
+                    shard.flat[a:b],
+                    chunk[lo:hi],
+                    {k: v[a:b] for k, v in shard.flat_slots.items()},
+                    step,
+                    scratch,
+                    scale,
+                )
+        return self._applied(shard, staleness)
+
+    def apply_rows(
+        self,
+        shard_id: int,
+        indices: Array,
+        grad_rows: Array,
+        pulled_version: int,
+        scale: float = 1.0,
+    ) -> tuple[int, int]:
+        """Apply gradients of GLOBAL rows ``indices`` (duplicates are summed first).
+
+        ``grad_rows`` has shape ``(len(indices), *row_shape)`` and a float dtype. Only the
+        touched rows (and their slots) change. Returns ``(new version, staleness)``.
+        """
+        shard, staleness, scale, local = self._checked_rows(
+            shard_id, indices, grad_rows, pulled_version, scale
+        )
+        row_shape = shard.definition.shape[1:]
+        grad2d = grad_rows.reshape(local.shape[0], math.prod(row_shape))
+        rows, inverse = np.unique(local, return_inverse=True)
+        if rows.shape[0] != local.shape[0]:
+            summed = np.zeros(
+                (rows.shape[0], grad2d.shape[1]), np.promote_types(grad2d.dtype, np.float32)
+            )
+            np.add.at(summed, inverse.reshape(-1), grad2d)
+            local, grad2d = rows, summed
+        values2d = shard.values.reshape(shard.values.shape[0], -1)
+        slots2d = {k: v.reshape(v.shape[0], -1) for k, v in shard.slots.items()}
+        shard.optimizer.apply_rows(values2d, local, grad2d, slots2d, shard.version + 1, scale)
+        return self._applied(shard, staleness)
+
+    def check_dense(
+        self,
+        shard_id: int,
+        chunks: Sequence[tuple[int, Array]],
+        pulled_version: int,
+        scale: float = 1.0,
+    ) -> None:
+        """Raise what :meth:`apply_dense` would raise for these arguments; change nothing.
+
+        Lets a caller validate every shard of a multi-shard push before applying any.
+        """
+        self._checked_dense(shard_id, chunks, pulled_version, scale)
+
+    def check_rows(
+        self,
+        shard_id: int,
+        indices: Array,
+        grad_rows: Array,
+        pulled_version: int,
+        scale: float = 1.0,
+    ) -> None:
+        """Raise what :meth:`apply_rows` would raise for these arguments; change nothing."""
+        self._checked_rows(shard_id, indices, grad_rows, pulled_version, scale)
+
+    def _checked_dense(
+        self,
+        shard_id: int,
+        chunks: Sequence[tuple[int, Array]],
+        pulled_version: int,
+        scale: float,
+    ) -> tuple[Shard, int, float]:
+        shard = self.get(shard_id)
+        staleness = self._check_version(shard, pulled_version)
+        scale = self._check_scale(scale)
+        self._check_tiling(shard, chunks)
+        return shard, staleness, scale
+
+    def _checked_rows(
+        self,
+        shard_id: int,
+        indices: Array,
+        grad_rows: Array,
+        pulled_version: int,
+        scale: float,
+    ) -> tuple[Shard, int, float, Array]:
+        shard = self.get(shard_id)
+        staleness = self._check_version(shard, pulled_version)
+        scale = self._check_scale(scale)
+        local = self._local_rows(shard, indices)
+        row_shape = shard.definition.shape[1:]
+        if not isinstance(grad_rows, np.ndarray) or grad_rows.dtype.kind != "f":
+            raise InvalidArgument(f"shard {shard_id}: row gradients must be a float array")
+        if grad_rows.shape != (local.shape[0], *row_shape):
+            raise InvalidArgument(
+                f"shard {shard_id}: row gradients {grad_rows.shape}"
+                f" != {(local.shape[0], *row_shape)}"
+            )
+        return shard, staleness, scale, local
+
+    def _applied(self, shard: Shard, staleness: int) -> tuple[int, int]:
+        shard.version += 1
+        self.updates_applied += 1
+        self.staleness.add(staleness)
+        if self.observer is not None:
+            self.observer(shard.definition, staleness)
+        return shard.version, staleness
+
+    # -- validation ----------------------------------------------------------
+
+    @staticmethod
+    def _check_scale(scale: float) -> float:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)):
+            raise InvalidArgument(f"scale must be a number, got {scale!r}")
+        if not math.isfinite(scale):
+            raise InvalidArgument(f"scale must be finite, got {scale!r}")
+        return float(scale)
+
+    @staticmethod
+    def _check_version(shard: Shard, pulled_version: int) -> int:
+        if isinstance(pulled_version, bool) or not isinstance(pulled_version, (int, np.integer)):
+            raise InvalidArgument(f"pulled version must be an int, got {pulled_version!r}")
+        if not 0 <= pulled_version <= shard.version:
+            raise InvalidArgument(
+                f"shard {shard.definition.id}: pulled version {pulled_version}"
+                f" outside [0, {shard.version}]"
+            )
+        return shard.version - int(pulled_version)
+
+    @staticmethod
+    def _check_tiling(shard: Shard, chunks: Sequence[tuple[int, Array]]) -> None:
+        sid, size = shard.definition.id, shard.definition.size
+        spans: list[tuple[int, int]] = []
+        for offset, chunk in chunks:
+            if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+                raise InvalidArgument(f"shard {sid}: chunk offset must be an int, got {offset!r}")
+            if not isinstance(chunk, np.ndarray) or chunk.ndim != 1 or chunk.dtype.kind != "f":
+                raise InvalidArgument(f"shard {sid}: gradient chunks must be 1-D float arrays")
+            if chunk.shape[0] == 0:
+                raise InvalidArgument(f"shard {sid}: empty gradient chunk at {offset}")
+            spans.append((int(offset), int(offset) + chunk.shape[0]))
+        spans.sort()
+        end = 0
+        for lo, hi in spans:
+            if lo != end:
+                what = "gap" if lo > end else "overlap"
+                raise InvalidArgument(
+                    f"shard {sid}: gradient chunks leave a {what} at {min(lo, end)}"
+                )
+            end = hi
+        if end != size:
+            raise InvalidArgument(f"shard {sid}: gradient chunks cover [0, {end}), not [0, {size})")
+
+    @staticmethod
+    def _local_rows(shard: Shard, indices: Array) -> Array:
+        d = shard.definition
+        if (
+            not isinstance(indices, np.ndarray)
+            or indices.ndim != 1
+            or indices.dtype.kind not in "iu"
+        ):
+            raise InvalidArgument(f"shard {d.id}: row indices must be a 1-D integer array")
+        if indices.shape[0] and (
+            int(indices.min()) < d.row_start or int(indices.max()) >= d.row_start + d.rows
+        ):
+            raise InvalidArgument(
+                f"shard {d.id}: row index outside [{d.row_start}, {d.row_start + d.rows})"
+            )
+        return indices.astype(np.int64) - d.row_start
+
+    def _scratch_for(self, shard: Shard) -> Array:
+        """The store's scratch buffer viewed as the shard's compute dtype, grown if needed."""
+        dtype = compute_dtype(shard.values.dtype)
+        itemsize = dtype.itemsize
+        # the optimizer works in blocks of at most BLOCK_ELEMS, so that is all it needs
+        piece = min(self.chunk_elems, shard.definition.size, BLOCK_ELEMS)
+        elems = shard.optimizer.scratch_factor * piece
+        if self._scratch.nbytes < elems * itemsize:
+            self._scratch = np.empty(elems * itemsize, dtype=np.uint8)
+        return self._scratch[: elems * itemsize].view(dtype)
+
+    # -- statistics ----------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-able summary: shards, bytes, updates applied, staleness."""
+        return {
+            "shards": len(self._shards),
+            "bytes": self.nbytes(),
+            "updates_applied": self.updates_applied,
+            "staleness": self.staleness.to_dict(),
+        }
+
+    def versions(self) -> Mapping[int, int]:
+        """Current version of every shard."""
+        return {sid: s.version for sid, s in sorted(self._shards.items())}

@@ -1,0 +1,334 @@
+"""The chief: membership, variable creation and placement, global step, end of training.
+
+Rules of this module:
+
+* The placement is computed once, here, and handed to every worker; creating
+  variables is idempotent (same definitions: same placement; different: error).
+* Shards are created on the PS before any worker learns the placement, so a
+  worker that has a placement can always pull.
+* When every worker has left with its work done, the chief evaluates the final
+  model (built-in jobs), writes the summary, shuts the PS down and exits.
+* :class:`ChiefService` is the request handler; IO (sockets, signals, timers)
+  lives in :func:`serve_chief`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq.asyncio
+
+from zmqps.config import ClusterSpec
+from zmqps.core.initializers import validate_init
+from zmqps.core.membership import Membership
+from zmqps.core.optimizers import make_optimizer
+from zmqps.core.partition import Partitioner, plan
+from zmqps.core.variables import Placement, VariableDef
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.job import JobConfig
+from zmqps.transport import Client, Requester, Server, SocketOptions
+from zmqps.wire import Message, reply
+from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotReady, ProtocolError
+
+__all__ = ["ChiefConfig", "ChiefService", "run_chief", "serve_chief"]
+
+log = logging.getLogger("zmqps.chief")
+
+
+@dataclass(frozen=True)
+class ChiefConfig:
+    bind: str
+    cluster: ClusterSpec
+    job: JobConfig | None = None  # a built-in job: the chief creates and evaluates its model
+    optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "sgd", "lr": 0.01})
+    partitioner: Partitioner = field(default_factory=Partitioner)
+    placement: str = "round_robin"
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    startup_timeout: float = 120.0
+    summary_path: str | None = None
+    keep_alive: bool = False
+
+
+class ChiefService:
+    def __init__(
+        self,
+        cfg: ChiefConfig,
+        ps_clients: Sequence[Requester],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.ps = list(ps_clients)
+        self.clock = clock
+        self.members = Membership(cfg.cluster.num_workers, cfg.heartbeat_timeout)
+        self.placement: Placement | None = None
+        self._creating: asyncio.Task[Placement] | None = None
+        self.placement_ready = asyncio.Event()
+        self.all_done = asyncio.Event()
+        self.shutdown_requested = asyncio.Event()
+        self.started = time.time()
+        self.result: dict[str, Any] = {}
+
+    def __call__(self, msg: Message) -> Any:
+        handler = getattr(self, f"_op_{msg.op}", None)
+        if handler is None:
+            raise ProtocolError(f"the chief does not serve {msg.op!r}")
+        return handler(msg)
+
+    # ---------------------------------------------------------------- membership
+
+    def _op_ping(self, msg: Message) -> Message:
+        return reply(msg, {"role": "chief", "index": 0})
+
+    def _op_register(self, msg: Message) -> Message:
+        b = msg.body
+        if b["role"] != "worker":
+            return reply(msg, self._cluster_info())
+        rejoin = self.members.register(b["index"], b["incarnation"], self.clock(), b.get("steps_planned", 0))
+        log.info(
+            "worker %d (incarnation %d) %s", b["index"], b["incarnation"], "rejoined" if rejoin else "registered"
+        )
+        return reply(msg, self._cluster_info())
+
+    def _cluster_info(self) -> dict[str, Any]:
+        return {
+            "ps": list(self.cfg.cluster.ps),
+            "placement": None if self.placement is None else self.placement.to_wire(),
+            "global_step": self.members.global_step,
+            "mode": self.cfg.job.mode if self.cfg.job else "async",
+            "heartbeat_interval": self.cfg.heartbeat_interval,
+        }
+
+    def _op_heartbeat(self, msg: Message) -> Message:
+        b = msg.body
+        self.members.heartbeat(
+            b["index"], b["incarnation"], b["step"], self.clock(), b.get("loss"), b.get("examples")
+        )
+        return reply(msg, {"global_step": self.members.global_step, "stop": False})
+
+    def _op_leave(self, msg: Message) -> Message:
+        b = msg.body
+        reason = b.get("reason", "done")
+        self.members.leave(b["index"], b["incarnation"], b["step"], self.clock(), reason, b.get("examples"))
+        log.info("worker %d left (%s) after %d steps", b["index"], reason, b["step"])
+        if self.members.all_done():
+            self.all_done.set()
+        return reply(msg, {"global_step": self.members.global_step})
+
+    # ---------------------------------------------------------------- variables
+
+    async def _op_create_vars(self, msg: Message) -> Message:
+        variables = tuple(VariableDef.from_wire(v) for v in msg.body["variables"])
+        optimizer = dict(msg.body.get("optimizer") or self.cfg.optimizer)
+        placement = await self.create_variables(variables, optimizer)
+        return reply(msg, {"placement": placement.to_wire()})
+
+    async def create_variables(
+        self, variables: Sequence[VariableDef], optimizer: dict[str, Any]
+    ) -> Placement:
+        variables = tuple(variables)
+        make_optimizer(optimizer)
+        for v in variables:
+            validate_init(v.init)
+            if v.optimizer is not None:
+                make_optimizer(v.optimizer)
+        if self._creating is None:
+            self._creating = asyncio.ensure_future(self._create(variables, optimizer))
+        placement = await asyncio.shield(self._creating)
+        if placement.variables != variables or dict(placement.optimizer) != optimizer:
+            raise InvalidArgument(
+                "variables were already created with different definitions"
+                f" ({', '.join(v.name for v in placement.variables)})"
+            )
+        return placement
+
+    async def _create(self, variables: tuple[VariableDef, ...], optimizer: dict[str, Any]) -> Placement:
+        try:
+            placement = plan(variables, len(self.ps), self.cfg.partitioner, self.cfg.placement, optimizer)
+        except InvalidArgument:
+            self._creating = None
+            raise
+        by_ps: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(self.ps))}
+        for ps, d in placement.shard_defs():
+            by_ps[ps].append(d.to_wire())
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        try:
+            await asyncio.gather(
+                *(self._create_on(i, defs, deadline) for i, defs in by_ps.items() if defs)
+            )
+        except BaseException:
+            self._creating = None
+            raise
+        self.placement = placement
+        self.placement_ready.set()
+        log.info(
+            "created %d variables in %d shards on %d PS (%s placement)",
+            len(variables), len(placement.shards), len(self.ps), self.cfg.placement,
+        )
+        return placement
+
+    async def _create_on(self, ps: int, defs: list[dict[str, Any]], deadline: float) -> None:
+        while True:
+            try:
+                await self.ps[ps].request("create_shards", {"shards": defs}, timeout=2.0)
+                return
+            except DeadlineExceeded:
+                if time.monotonic() > deadline:
+                    raise NotReady(
+                        f"ps {ps} ({self.ps[ps].endpoint}) did not answer within"
+                        f" {self.cfg.startup_timeout:g}s"
+                    ) from None
+                log.info("waiting for ps %d at %s", ps, self.ps[ps].endpoint)
+
+    async def _op_get_placement(self, msg: Message) -> Message:
+        wait = float(msg.body.get("wait", 0.0))
+        if self.placement is None and wait > 0:
+            try:
+                await asyncio.wait_for(self.placement_ready.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+        if self.placement is None:
+            raise NotReady("variables have not been created yet")
+        return reply(msg, {"placement": self.placement.to_wire()})
+
+    # ---------------------------------------------------------------- status
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        return {
+            "role": "chief",
+            "mode": self.cfg.job.mode if self.cfg.job else "async",
+            "global_step": self.members.global_step,
+            "steps_planned": self.members.steps_planned,
+            "examples": self.members.examples,
+            "workers_expected": self.members.num_workers,
+            "workers_alive": self.members.alive(now),
+            "workers_dead": self.members.dead(now),
+            "workers": self.members.snapshot(now),
+            "ps": list(self.cfg.cluster.ps),
+            "variables": 0 if self.placement is None else len(self.placement.variables),
+            "shards": 0 if self.placement is None else len(self.placement.shards),
+            "uptime_s": round(time.time() - self.started, 3),
+        }
+
+    def _op_status(self, msg: Message) -> Message:
+        return reply(msg, self.status())
+
+    def _op_shutdown(self, msg: Message) -> Message:
+        log.info("shutdown requested by %s", msg.sender or "?")
+        self.shutdown_requested.set()
+        return reply(msg)
+
+
+async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, Any]:
+    """Evaluate the final model (built-in jobs) and build the summary."""
+    cfg = service.cfg
+    m = service.members
+    first = m.first_registration or service.clock()
+    train_s = max(1e-9, (m.all_done_at or service.clock()) - first)
+    summary: dict[str, Any] = {
+        "mode": cfg.job.mode if cfg.job else "async",
+        "ps": cfg.cluster.num_ps,
+        "workers": cfg.cluster.num_workers,
+        "global_step": m.global_step,
+        "examples": m.examples,
+        "train_seconds": round(train_s, 3),
+        "examples_per_second": round(m.examples / train_s, 1),
+    }
+    if cfg.job is not None and service.placement is not None:
+        test = cfg.job.load("test")
+        model = cfg.job.build_model(test)
+        client = ParameterClient(service.ps, service.placement, worker="chief", incarnation=0)
+        params = await client.pull()
+        metrics = model.evaluate(params, test.x, test.y)
+        summary.update(
+            model=cfg.job.model,
+            dataset=cfg.job.dataset,
+            test_accuracy=round(float(metrics["accuracy"]), 4),
+            test_loss=round(float(metrics["loss"]), 4),
+        )
+        log.info(
+            "final model: test accuracy %.4f, test loss %.4f (global step %d)",
+            summary["test_accuracy"], summary["test_loss"], m.global_step,
+        )
+    return summary
+
+
+async def serve_chief(cfg: ChiefConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None) -> dict[str, Any]:
+    ps_clients = [
+        Client(ctx, addr, "chief:0", options=options, timeout=30.0) for addr in cfg.cluster.ps
+    ]
+    service = ChiefService(cfg, ps_clients)
+    server = Server(ctx, cfg.bind, service, name="chief", options=options)
+    log.info("chief: serving on %s (%d PS, %d workers)", server.bind(), cfg.cluster.num_ps, cfg.cluster.num_workers)
+    server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.shutdown_requested.set)
+    watcher = asyncio.ensure_future(_watch_workers(service))
+    try:
+        if cfg.job is not None:
+            train = cfg.job.load("train")
+            model = cfg.job.build_model(train)
+            await service.create_variables(model.variables(), dict(cfg.job.optimizer))
+        done = asyncio.ensure_future(service.all_done.wait())
+        stop = asyncio.ensure_future(service.shutdown_requested.wait())
+        await asyncio.wait([done, stop], return_when=asyncio.FIRST_COMPLETED)
+        for t in (done, stop):
+            t.cancel()
+        if service.all_done.is_set():
+            service.result = await _finish(service, ctx)
+            if cfg.summary_path:
+                Path(cfg.summary_path).write_text(json.dumps(service.result, indent=2) + "\n")
+            if cfg.keep_alive:
+                await service.shutdown_requested.wait()
+        await _shutdown_ps(ps_clients)
+    finally:
+        watcher.cancel()
+        await server.stop()
+        for c in ps_clients:
+            await c.close()
+    return service.result
+
+
+async def _shutdown_ps(ps_clients: Sequence[Requester]) -> None:
+    async def one(c: Requester) -> None:
+        try:
+            await c.request("shutdown", {"reason": "training finished"}, timeout=5.0)
+        except DeadlineExceeded:
+            log.warning("ps at %s did not acknowledge shutdown", c.endpoint)
+
+    await asyncio.gather(*(one(c) for c in ps_clients))
+
+
+async def _watch_workers(service: ChiefService) -> None:
+    """Log every worker that stops heartbeating (and every one that comes back)."""
+    dead: set[int] = set()
+    while True:
+        await asyncio.sleep(service.cfg.heartbeat_interval)
+        now_dead = set(service.members.dead(service.clock()))
+        for i in sorted(now_dead - dead):
+            log.warning("worker %d missed heartbeats for %.0fs: considered dead", i, service.cfg.heartbeat_timeout)
+        for i in sorted(dead - now_dead):
+            log.info("worker %d is back", i)
+        dead = now_dead
+
+
+def run_chief(cfg: ChiefConfig) -> int:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            await serve_chief(cfg, ctx)
+        finally:
+            ctx.term()
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,265 @@
+"""The parameter client: pulls and pushes a placement's variables from / to the PS.
+
+Rules of this module:
+
+* One request per PS per operation: every shard a call needs from one PS travels
+  in one message (each message costs ~100 us of asyncio Python), and the PS are
+  asked in parallel.
+* Large shards travel as chunks of at most ``chunk_bytes`` (frames over ~24 MB
+  are slow to receive).
+* Pulled values land in the client's own arrays (``params``), refreshed in place;
+  gradients are sent zero-copy as views of the caller's arrays.
+* Every push carries (worker, incarnation, sequence): a retried push is applied
+  at most once, and pushes of a replaced incarnation are fenced by the PS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from zmqps.core.variables import Placement, ShardInfo, VariableDef
+from zmqps.transport.base import Requester
+from zmqps.wire import Message, Tensor
+from zmqps.wire.errors import InvalidArgument, ProtocolError
+
+__all__ = ["ParameterClient"]
+
+Array = npt.NDArray[Any]
+
+
+@dataclass(frozen=True)
+class _Route:
+    shard: ShardInfo
+    var: VariableDef
+    start: int  # flat element offset of the shard inside its variable
+    size: int  # elements in the shard
+
+
+class ParameterClient:
+    def __init__(
+        self,
+        ps: Sequence[Requester],
+        placement: Placement,
+        *,
+        worker: str,
+        incarnation: int,
+        chunk_bytes: int = 4 << 20,
+        timeout: float = 30.0,
+        push_attempts: int = 3,
+    ) -> None:
+        self.ps = list(ps)
+        self.placement = placement
+        self.worker = worker
+        self.incarnation = incarnation
+        self.timeout = timeout
+        self.push_attempts = push_attempts
+        self._chunk_bytes = max(1, chunk_bytes)
+        self._seq = [0] * len(self.ps)
+        self.routes: dict[int, _Route] = {}
+        for s in placement.shards:
+            var = placement.variable(s.var)
+            if s.ps >= len(self.ps):
+                raise InvalidArgument(f"shard {s.id} placed on PS {s.ps}, only {len(self.ps)} known")
+            self.routes[s.id] = _Route(s, var, s.row_start * var.row_size, s.rows * var.row_size)
+        self.params: dict[str, Array] = {
+            v.name: np.zeros(v.shape, dtype=v.dtype) for v in placement.variables if not v.sparse
+        }
+        self.versions: dict[int, int] = dict.fromkeys(self.routes, 0)
+        self.last_staleness = 0
+        self._row_bounds: dict[str, tuple[Array, list[ShardInfo]]] = {}
+        for v in placement.variables:
+            shards = sorted(placement.shards_of(v.name), key=lambda s: s.row_start)
+            self._row_bounds[v.name] = (np.array([s.row_start for s in shards], np.int64), shards)
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def global_step(self) -> int:
+        """Updates applied to the model, as last seen: the highest shard version."""
+        return max(self.versions.values(), default=0)
+
+    def dense_names(self) -> list[str]:
+        return [v.name for v in self.placement.variables if not v.sparse]
+
+    def _by_ps(self, names: Iterable[str]) -> dict[int, list[int]]:
+        wanted = set(names)
+        unknown = wanted - {v.name for v in self.placement.variables}
+        if unknown:
+            raise InvalidArgument(f"unknown variables: {sorted(unknown)}")
+        out: dict[int, list[int]] = {}
+        for sid, r in self.routes.items():
+            if r.shard.var in wanted:
+                out.setdefault(r.shard.ps, []).append(sid)
+        return out
+
+    def _chunks(self, sid: int, flat: Array, kind: str) -> list[Tensor]:
+        r = self.routes[sid]
+        step = max(1, self._chunk_bytes // flat.itemsize)
+        part = flat[r.start : r.start + r.size]
+        return [
+            Tensor(part[off : off + step], kind, sid, off) for off in range(0, r.size, step)
+        ] or [Tensor(part, kind, sid, 0)]
+
+    def _take_values(self, reply: Message, sids: Sequence[int]) -> None:
+        versions = reply.body.get("versions")
+        if not isinstance(versions, list) or len(versions) != len(sids):
+            raise ProtocolError("pull reply: versions do not match the shards asked for")
+        for sid, version in zip(sids, versions, strict=True):
+            self.versions[sid] = int(version)
+        for t in reply.tensors:
+            r = self.routes.get(t.ref)
+            if r is None or t.kind != "value" or t.offset + t.array.size > r.size:
+                raise ProtocolError(f"pull reply: unexpected tensor for shard {t.ref}")
+            flat = self.params[r.var.name].reshape(-1)
+            dst = flat[r.start + t.offset : r.start + t.offset + t.array.size]
+            np.copyto(dst, t.array.reshape(-1), casting="same_kind")
+
+    def _push_body(self, ps: int, sids: Sequence[int]) -> dict[str, Any]:
+        self._seq[ps] += 1
+        return {
+            "shards": list(sids),
+            "versions": [self.versions[s] for s in sids],
+            "worker": self.worker,
+            "inc": self.incarnation,
+            "seq": self._seq[ps],
+        }
+
+    def _after_push(self, reply: Message, sids: Sequence[int]) -> None:
+        staleness = reply.body.get("staleness")
+        if isinstance(staleness, list) and staleness:
+            self.last_staleness = max(int(s) for s in staleness)
+
+    # ------------------------------------------------------------------ dense
+
+    async def pull(self, names: Iterable[str] | None = None) -> dict[str, Array]:
+        """Pull whole variables (default: every dense one) into ``params``."""
+        by_ps = self._by_ps(self.dense_names() if names is None else names)
+        for sids in by_ps.values():
+            for sid in sids:
+                name = self.routes[sid].var.name
+                if name not in self.params:
+                    v = self.routes[sid].var
+                    self.params[name] = np.zeros(v.shape, dtype=v.dtype)
+
+        async def one(ps: int, sids: list[int]) -> None:
+            rep = await self.ps[ps].request("pull", {"shards": sids}, timeout=self.timeout)
+            self._take_values(rep, sids)
+
+        await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
+        return self.params
+
+    def _grad_arrays(self, grads: Mapping[str, Any]) -> dict[str, Array]:
+        out = {}
+        for name, g in grads.items():
+            try:
+                v = self.placement.variable(name)
+            except KeyError:
+                raise InvalidArgument(f"gradient for unknown variable {name!r}") from None
+            arr = np.ascontiguousarray(g, dtype=v.dtype)
+            if arr.shape != v.shape:
+                raise InvalidArgument(f"gradient for {name}: shape {arr.shape} != {v.shape}")
+            out[name] = arr.reshape(-1)
+        return out
+
+    async def push(self, grads: Mapping[str, Any], *, pull: bool = False) -> None:
+        """Push whole-variable gradients; with ``pull=True`` the fresh values come back
+        in the same round trip (push_pull) and land in ``params``."""
+        flat = self._grad_arrays(grads)
+        by_ps = self._by_ps(flat)
+        op = "push_pull" if pull else "push"
+
+        async def one(ps: int, sids: list[int]) -> None:
+            tensors = [t for sid in sids for t in self._chunks(sid, flat[self.routes[sid].var.name], "grad")]
+            body = self._push_body(ps, sids)
+            rep = await self.ps[ps].request(
+                op, body, tensors, timeout=self.timeout, attempts=self.push_attempts
+            )
+            self._after_push(rep, sids)
+            if pull:
+                self._take_values(rep, sids)
+
+        await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
+
+    # ------------------------------------------------------------------ rows
+
+    def _route_rows(self, name: str, ids: Array) -> dict[int, list[tuple[ShardInfo, Array, Array]]]:
+        """Group unique row ids by PS: ps -> [(shard, positions into ids, ids)]."""
+        v = self.placement.variable(name)
+        if ids.ndim != 1:
+            raise InvalidArgument("row ids must be 1-D")
+        if ids.size and (ids.min() < 0 or ids.max() >= v.shape[0]):
+            raise InvalidArgument(f"row ids of {name} must be in [0, {v.shape[0]})")
+        starts, shards = self._row_bounds[name]
+        which = np.searchsorted(starts, ids, side="right") - 1
+        out: dict[int, list[tuple[ShardInfo, Array, Array]]] = {}
+        for k, s in enumerate(shards):
+            pos = np.flatnonzero(which == k)
+            if pos.size:
+                out.setdefault(s.ps, []).append((s, pos, ids[pos]))
+        return out
+
+    async def pull_rows(self, name: str, ids: Any) -> Array:
+        """Rows ``ids`` of variable ``name`` (duplicates allowed), shape (len(ids), *row)."""
+        v = self.placement.variable(name)
+        ids = np.asarray(ids, dtype=np.int64)
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        rows = np.empty((uniq.size, *v.shape[1:]), dtype=v.dtype)
+
+        async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> None:
+            sids = [s.id for s, _, _ in parts]
+            tensors = [Tensor(np.ascontiguousarray(i), "index", s.id) for s, _, i in parts]
+            rep = await self.ps[ps].request(
+                "pull_rows", {"shards": sids}, tensors, timeout=self.timeout
+            )
+            versions = rep.body.get("versions")
+            if not isinstance(versions, list) or len(versions) != len(parts):
+                raise ProtocolError("pull_rows reply: versions do not match")
+            if len(rep.tensors) != len(parts):
+                raise ProtocolError("pull_rows reply: one rows tensor per shard expected")
+            for (s, pos, _), t, ver in zip(parts, rep.tensors, versions, strict=True):
+                if t.ref != s.id or t.array.shape != (pos.size, *v.shape[1:]):
+                    raise ProtocolError(f"pull_rows reply: bad rows for shard {s.id}")
+                rows[pos] = t.array
+                self.versions[s.id] = int(ver)
+
+        routed = self._route_rows(name, uniq)
+        await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))
+        return rows[inverse]
+
+    async def push_rows(self, name: str, ids: Any, grads: Any) -> None:
+        """Push row gradients; duplicate ids are summed here, before sending."""
+        v = self.placement.variable(name)
+        ids = np.asarray(ids, dtype=np.int64)
+        grads = np.asarray(grads, dtype=v.dtype)
+        if grads.shape != (ids.size, *v.shape[1:]):
+            raise InvalidArgument(
+                f"row gradients of {name}: shape {grads.shape} != {(ids.size, *v.shape[1:])}"
+            )
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        if uniq.size == ids.size:
+            order = np.argsort(ids, kind="stable")
+            summed = grads[order]
+        else:
+            summed = np.zeros((uniq.size, *v.shape[1:]), dtype=v.dtype)
+            np.add.at(summed, inverse, grads)
+
+        async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> None:
+            sids = [s.id for s, _, _ in parts]
+            tensors: list[Tensor] = []
+            for s, pos, i in parts:
+                tensors.append(Tensor(np.ascontiguousarray(i), "index", s.id))
+                tensors.append(Tensor(np.ascontiguousarray(summed[pos]), "rows", s.id))
+            body = self._push_body(ps, sids)
+            rep = await self.ps[ps].request(
+                "push_rows", body, tensors, timeout=self.timeout, attempts=self.push_attempts
+            )
+            self._after_push(rep, sids)
+
+        routed = self._route_rows(name, uniq)
+        await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))

@@ -1,0 +1,233 @@
+"""The parameter-server role: serves shards from a :class:`ShardStore` over the transport.
+
+Rules of this module:
+
+* :class:`PSService` maps requests to the store and the push deduplicator; it
+  does no IO itself, so tests drive it through the in-memory transport.
+* A push is validated whole (every shard of the message) before anything is
+  applied: a bad push changes nothing; a good one is applied completely.
+* A duplicate push (same worker, incarnation and sequence) is acknowledged with
+  ``applied: false`` and not applied again; an older incarnation is fenced.
+* A pull reply is a consistent snapshot of each shard at one version: values are
+  copied before they are handed to the transport (a zero-copy send of a live
+  shard would race with the next update).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq.asyncio
+
+from zmqps.core.dedup import PushDeduper
+from zmqps.core.store import ShardStore
+from zmqps.core.variables import ShardDef
+from zmqps.transport import Server, SocketOptions
+from zmqps.wire import Message, Tensor, reply
+from zmqps.wire.errors import FencedError, InvalidArgument, NotFound, ProtocolError
+
+__all__ = ["PSConfig", "PSService", "run_ps"]
+
+log = logging.getLogger("zmqps.ps")
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    index: int
+    bind: str
+    chunk_bytes: int = 4 << 20
+
+
+class PSService:
+    """Request handler of one PS task."""
+
+    def __init__(self, index: int, store: ShardStore | None = None, chunk_bytes: int = 4 << 20):
+        self.index = index
+        self.store = store or ShardStore()
+        self.dedup = PushDeduper()
+        self.chunk_elems_bytes = chunk_bytes
+        self.duplicates = 0
+        self.fenced = 0
+        self.shutdown_requested = asyncio.Event()
+
+    # The transport calls this for every decoded request.
+    def __call__(self, msg: Message) -> Message:
+        handler = getattr(self, f"_op_{msg.op}", None)
+        if handler is None:
+            raise ProtocolError(f"a PS does not serve {msg.op!r}")
+        result: Message = handler(msg)
+        return result
+
+    def _op_ping(self, msg: Message) -> Message:
+        return reply(msg, {"role": "ps", "index": self.index})
+
+    def _op_create_shards(self, msg: Message) -> Message:
+        defs = [ShardDef.from_wire(d) for d in msg.body["shards"]]
+        self.store.create(defs)
+        log.info("ps %d: %d shards ready (%d bytes)", self.index, len(defs), self.store.nbytes())
+        return reply(msg, {"shards": [d.id for d in defs]})
+
+    def _snapshot_tensors(self, sids: Sequence[int]) -> tuple[list[int], list[Tensor]]:
+        versions, tensors = [], []
+        for sid in sids:
+            version, values = self.store.snapshot(sid)
+            flat = values.reshape(-1)
+            step = max(1, self.chunk_elems_bytes // flat.itemsize)
+            versions.append(version)
+            tensors.extend(
+                Tensor(flat[off : off + step], "value", sid, off)
+                for off in range(0, max(flat.size, 1), step)
+            )
+        return versions, tensors
+
+    def _op_pull(self, msg: Message) -> Message:
+        sids = msg.body["shards"]
+        for sid in sids:
+            self.store.get(sid)  # NotFound before any work
+        versions, tensors = self._snapshot_tensors(sids)
+        return reply(msg, {"versions": versions}, tensors)
+
+    def _grad_chunks(self, msg: Message, kinds: tuple[str, ...]) -> dict[int, list[Tensor]]:
+        sids = msg.body["shards"]
+        if len(set(sids)) != len(sids):
+            raise InvalidArgument("a shard appears twice in one push")
+        if len(msg.body["versions"]) != len(sids):
+            raise InvalidArgument("push: one version per shard expected")
+        by_shard: dict[int, list[Tensor]] = defaultdict(list)
+        for t in msg.tensors:
+            if t.kind not in kinds:
+                raise InvalidArgument(f"push: unexpected tensor kind {t.kind!r}")
+            if t.ref not in sids:
+                raise InvalidArgument(f"push: tensor for shard {t.ref} not named in the body")
+            by_shard[t.ref].append(t)
+        for sid in sids:
+            if sid not in self.store:
+                raise NotFound(f"shard {sid} is not on ps {self.index}")
+            if sid not in by_shard:
+                raise InvalidArgument(f"push: no gradient for shard {sid}")
+        return by_shard
+
+    def _is_new(self, msg: Message) -> bool:
+        body = msg.body
+        try:
+            new = self.dedup.check(body["worker"], body["inc"], body["seq"])
+        except FencedError:
+            self.fenced += 1
+            raise
+        if not new:
+            self.duplicates += 1
+            log.debug("ps %d: duplicate push %s/%s/%s", self.index, body["worker"], body["inc"], body["seq"])
+        return new
+
+    def _op_push(self, msg: Message, pull: bool = False) -> Message:
+        by_shard = self._grad_chunks(msg, ("grad",))
+        sids, pulled = msg.body["shards"], msg.body["versions"]
+        chunks = {sid: [(t.offset, t.array.reshape(-1)) for t in by_shard[sid]] for sid in sids}
+        for sid, ver in zip(sids, pulled, strict=True):
+            self.store.check_dense(sid, chunks[sid], ver)
+        applied = self._is_new(msg)
+        staleness: list[int] = []
+        if applied:
+            for sid, ver in zip(sids, pulled, strict=True):
+                _, s = self.store.apply_dense(sid, chunks[sid], ver)
+                staleness.append(s)
+            body = msg.body
+            self.dedup.commit(body["worker"], body["inc"], body["seq"])
+        if pull:
+            versions, tensors = self._snapshot_tensors(sids)
+            return reply(msg, {"applied": applied, "versions": versions, "staleness": staleness}, tensors)
+        versions = [self.store.get(sid).version for sid in sids]
+        return reply(msg, {"applied": applied, "versions": versions, "staleness": staleness})
+
+    def _op_push_pull(self, msg: Message) -> Message:
+        return self._op_push(msg, pull=True)
+
+    def _op_pull_rows(self, msg: Message) -> Message:
+        sids = msg.body["shards"]
+        if len(msg.tensors) != len(sids):
+            raise InvalidArgument("pull_rows: one index tensor per shard expected")
+        versions, tensors = [], []
+        for sid, t in zip(sids, msg.tensors, strict=True):
+            if t.kind != "index" or t.ref != sid:
+                raise InvalidArgument(f"pull_rows: expected the index tensor of shard {sid}")
+        for sid, t in zip(sids, msg.tensors, strict=True):
+            version, rows = self.store.pull_rows(sid, t.array)
+            versions.append(version)
+            tensors.append(Tensor(rows, "rows", sid))
+        return reply(msg, {"versions": versions}, tensors)
+
+    def _op_push_rows(self, msg: Message) -> Message:
+        by_shard = self._grad_chunks(msg, ("index", "rows"))
+        sids, pulled = msg.body["shards"], msg.body["versions"]
+        pairs: dict[int, tuple[Any, Any]] = {}
+        for sid in sids:
+            ts = by_shard[sid]
+            kinds = [t.kind for t in ts]
+            if kinds != ["index", "rows"]:
+                raise InvalidArgument(f"push_rows: shard {sid} needs exactly (index, rows)")
+            pairs[sid] = (ts[0].array, ts[1].array)
+        for sid, ver in zip(sids, pulled, strict=True):
+            self.store.check_rows(sid, *pairs[sid], ver)
+        applied = self._is_new(msg)
+        staleness: list[int] = []
+        if applied:
+            for sid, ver in zip(sids, pulled, strict=True):
+                _, s = self.store.apply_rows(sid, *pairs[sid], ver)
+                staleness.append(s)
+            body = msg.body
+            self.dedup.commit(body["worker"], body["inc"], body["seq"])
+        versions = [self.store.get(sid).version for sid in sids]
+        return reply(msg, {"applied": applied, "versions": versions, "staleness": staleness})
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "role": "ps",
+            "index": self.index,
+            "duplicates": self.duplicates,
+            "fenced": self.fenced,
+            **self.store.stats(),
+        }
+
+    def _op_status(self, msg: Message) -> Message:
+        return reply(msg, self.status())
+
+    def _op_shutdown(self, msg: Message) -> Message:
+        log.info("ps %d: shutdown requested by %s", self.index, msg.sender or "?")
+        self.shutdown_requested.set()
+        return reply(msg)
+
+
+async def serve_ps(cfg: PSConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None) -> PSService:
+    service = PSService(cfg.index, chunk_bytes=cfg.chunk_bytes)
+    server = Server(ctx, cfg.bind, service, name=f"ps{cfg.index}", options=options)
+    endpoint = server.bind()
+    log.info("ps %d: serving on %s", cfg.index, endpoint)
+    server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.shutdown_requested.set)
+    try:
+        await service.shutdown_requested.wait()
+        await asyncio.sleep(0.05)  # let the shutdown reply leave
+    finally:
+        await server.stop()
+    log.info("ps %d: stopped (%s)", cfg.index, service.status())
+    return service
+
+
+def run_ps(cfg: PSConfig) -> int:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            await serve_ps(cfg, ctx)
+        finally:
+            ctx.term()
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,45 @@
+"""Reading a running cluster's state from its chief (``zmqps status``, the launcher's progress)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import zmq.asyncio
+
+from zmqps.transport import Client
+
+__all__ = ["fetch_status", "format_status"]
+
+
+async def fetch_status(chief: str, timeout: float = 5.0) -> dict[str, Any]:
+    ctx = zmq.asyncio.Context()
+    client = Client(ctx, chief, f"status:{uuid.uuid4().hex[:8]}", timeout=timeout)
+    try:
+        rep = await client.request("status")
+        return dict(rep.body)
+    finally:
+        await client.close()
+        ctx.term()
+
+
+def format_status(s: dict[str, Any]) -> str:
+    lines = [
+        f"mode          {s.get('mode')}",
+        f"global step   {s.get('global_step')}"
+        + (f" / {s['steps_planned']} planned" if s.get("steps_planned") else ""),
+        f"examples      {s.get('examples')}",
+        f"workers alive {len(s.get('workers_alive', []))} of {s.get('workers_expected')}"
+        + (f"  (dead: {s['workers_dead']})" if s.get("workers_dead") else ""),
+        f"ps            {', '.join(s.get('ps', []))}",
+        f"variables     {s.get('variables')} in {s.get('shards')} shards",
+    ]
+    workers = s.get("workers") or []
+    if workers:
+        lines.append("worker  incarnation       state  step    loss    last seen")
+        for w in workers:
+            loss = "-" if w.get("loss") is None else f"{w['loss']:.4f}"
+            lines.append(
+                f"{w['index']:<7} {w['incarnation']:<17} {w['state']:<6} {w['step']:<7} {loss:<7} {w['last_seen_s']:.1f}s ago"
+            )
+    return "\n".join(lines)

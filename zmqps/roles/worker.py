@@ -1,0 +1,288 @@
+"""The worker: a synchronous API for training loops, and the built-in training program.
+
+Rules of this module:
+
+* :class:`Worker` is what users call from their own training loop. Every call
+  hops onto a private asyncio loop (a background thread) that owns the sockets,
+  so the loop can heartbeat the chief while the user's code computes.
+* One push is one step of this worker; steps, examples and the last loss travel
+  to the chief with every heartbeat.
+* The incarnation identifies this process run: a restarted worker registers
+  with a newer one, and the PS fence pushes of the old one.
+* Arrays returned by :meth:`Worker.pull` belong to the worker and are refreshed
+  in place by the next pull; copy them to keep them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import zmq.asyncio
+
+from zmqps.config import ClusterSpec, TaskSpec
+from zmqps.core.variables import Placement, VariableDef
+from zmqps.data import batches, shard, steps_per_epoch
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.job import JobConfig
+from zmqps.transport import Client, LoopThread, SocketOptions
+from zmqps.wire.errors import DeadlineExceeded, NotReady, ShutdownError
+
+__all__ = ["Worker", "train"]
+
+log = logging.getLogger("zmqps.worker")
+
+Array = npt.NDArray[Any]
+
+
+class Worker:
+    """A connection of one worker task to the cluster (chief + every PS).
+
+    >>> w = Worker("127.0.0.1:2222", index=0)                 # doctest: +SKIP
+    >>> w.create_variables([VariableDef("w", (13, 1))], optimizer={"name": "sgd", "lr": 0.1})
+    >>> params = w.pull(); ...; w.push(grads, loss=loss)       # doctest: +SKIP
+    >>> w.close()                                              # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        chief: str,
+        index: int = 0,
+        *,
+        role: str = "worker",
+        incarnation: int | None = None,
+        timeout: float = 30.0,
+        connect_timeout: float = 120.0,
+        steps_planned: int = 0,
+        chunk_bytes: int = 4 << 20,
+        options: SocketOptions | None = None,
+    ) -> None:
+        self.index = index
+        self.role = role
+        self.name = f"{role}:{index}"
+        self.incarnation = time.time_ns() // 1000 if incarnation is None else incarnation
+        self.timeout = timeout
+        self.step = 0
+        self.examples = 0
+        self.loss: float | None = None
+        self._options = options
+        self._chunk_bytes = chunk_bytes
+        self._io = LoopThread(f"zmqps-{role}-{index}")
+        self._ctx = zmq.asyncio.Context()
+        self._closed = False
+        self._client: ParameterClient | None = None
+        self._heartbeat: asyncio.Future[None] | None = None
+        self._chief = self._io.run(self._connect_chief(chief))
+        try:
+            info = self._io.run(self._register(connect_timeout, steps_planned))
+        except BaseException:
+            self._teardown()
+            raise
+        self.ps_addresses: list[str] = list(info["ps"])
+        self.mode: str = info["mode"]
+        self._heartbeat_interval = float(info["heartbeat_interval"])
+        if info["placement"] is not None:
+            self._use(Placement.from_wire(info["placement"]))
+        self._heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeats(), self._io.loop)  # type: ignore[assignment]
+
+    @classmethod
+    def from_cluster(cls, cluster: ClusterSpec, task: TaskSpec, **kwargs: Any) -> Worker:
+        if cluster.chief is None:
+            raise NotReady("the cluster spec has no chief")
+        return cls(cluster.chief, task.index, role=task.role, **kwargs)
+
+    # ------------------------------------------------------------------ setup
+
+    async def _connect_chief(self, address: str) -> Client:
+        return Client(self._ctx, address, f"{self.name}:{self.incarnation}", options=self._options, timeout=self.timeout)
+
+    async def _register(self, connect_timeout: float, steps_planned: int) -> dict[str, Any]:
+        deadline = time.monotonic() + connect_timeout
+        body = {"role": self.role, "index": self.index, "incarnation": self.incarnation, "steps_planned": steps_planned}
+        while True:
+            try:
+                rep = await self._chief.request("register", body, timeout=2.0)
+                return dict(rep.body)
+            except DeadlineExceeded:
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(
+                        f"chief at {self._chief.endpoint} did not answer within {connect_timeout:g}s"
+                    ) from None
+                log.info("%s: waiting for the chief at %s", self.name, self._chief.endpoint)
+
+    def _use(self, placement: Placement) -> None:
+        async def make() -> ParameterClient:
+            clients = [
+                Client(self._ctx, addr, self.name, options=self._options, timeout=self.timeout)
+                for addr in self.ps_addresses
+            ]
+            return ParameterClient(
+                clients, placement, worker=self.name, incarnation=self.incarnation,
+                chunk_bytes=self._chunk_bytes, timeout=self.timeout,
+            )
+
+        self._client = self._io.run(make())
+
+    @property
+    def client(self) -> ParameterClient:
+        if self._client is None:
+            raise NotReady("no variables yet: call create_variables() or wait_for_variables()")
+        return self._client
+
+    @property
+    def placement(self) -> Placement:
+        return self.client.placement
+
+    def create_variables(
+        self, variables: Sequence[VariableDef], optimizer: Mapping[str, Any] | None = None
+    ) -> Placement:
+        """Create the model's variables (idempotent: every worker may call it)."""
+        body: dict[str, Any] = {"variables": [v.to_wire() for v in variables]}
+        if optimizer is not None:
+            body["optimizer"] = dict(optimizer)
+        rep = self._io.run(self._chief.request("create_vars", body, timeout=max(self.timeout, 130.0)))
+        placement = Placement.from_wire(rep.body["placement"])
+        if self._client is None or self._client.placement != placement:
+            self._use(placement)
+        return placement
+
+    def wait_for_variables(self, timeout: float = 120.0) -> Placement:
+        """Block until some other task created the variables."""
+        rep = self._io.run(
+            self._chief.request("get_placement", {"wait": timeout}, timeout=timeout + 5.0)
+        )
+        placement = Placement.from_wire(rep.body["placement"])
+        self._use(placement)
+        return placement
+
+    # ------------------------------------------------------------------ training
+
+    @property
+    def global_step(self) -> int:
+        """Updates applied to the model as last seen by this worker."""
+        return 0 if self._client is None else self._client.global_step
+
+    @property
+    def staleness(self) -> int:
+        """Staleness (in updates) of this worker's last push, as measured by the PS."""
+        return 0 if self._client is None else self._client.last_staleness
+
+    def pull(self, names: Iterable[str] | None = None) -> dict[str, Array]:
+        """Current values of the dense variables (or ``names``)."""
+        return self._io.run(self.client.pull(names))
+
+    def _count(self, loss: float | None, examples: int | None) -> None:
+        self.step += 1
+        if loss is not None:
+            self.loss = float(loss)
+        if examples is not None:
+            self.examples += int(examples)
+
+    def push(self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None) -> None:
+        """Push one step's gradients (applied by each PS's optimizer on arrival)."""
+        self._io.run(self.client.push(grads))
+        self._count(loss, examples)
+
+    def push_pull(
+        self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None
+    ) -> dict[str, Array]:
+        """Push gradients and get the updated values back in the same round trip."""
+        self._io.run(self.client.push(grads, pull=True))
+        self._count(loss, examples)
+        return self.client.params
+
+    def pull_rows(self, name: str, ids: Any) -> Array:
+        """Rows ``ids`` of the embedding variable ``name``."""
+        return self._io.run(self.client.pull_rows(name, ids))
+
+    def push_rows(self, name: str, ids: Any, grads: Any) -> None:
+        """Row gradients for the embedding variable ``name`` (duplicate ids are summed)."""
+        self._io.run(self.client.push_rows(name, ids, grads))
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_interval)
+            body: dict[str, Any] = {
+                "role": self.role, "index": self.index, "incarnation": self.incarnation,
+                "step": self.step, "examples": self.examples,
+            }
+            if self.loss is not None and np.isfinite(self.loss):
+                body["loss"] = self.loss
+            try:
+                await self._chief.request("heartbeat", body, timeout=max(2.0, self._heartbeat_interval * 3))
+            except DeadlineExceeded:
+                log.warning("%s: chief did not answer a heartbeat", self.name)
+            except ShutdownError:
+                return
+
+    def close(self, reason: str = "done") -> None:
+        """Leave the cluster (``reason`` "done" counts this worker's work as finished)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        body = {
+            "role": self.role, "index": self.index, "incarnation": self.incarnation,
+            "step": self.step, "examples": self.examples, "reason": reason,
+        }
+        try:
+            self._io.run(self._chief.request("leave", body, timeout=10.0, attempts=2))
+        except DeadlineExceeded:
+            log.warning("%s: the chief did not acknowledge leave", self.name)
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        async def close_all() -> None:
+            clients = [self._chief] + (self._client.ps if self._client is not None else [])
+            for c in clients:
+                await c.close()
+
+        try:
+            self._io.run(close_all(), timeout=10)
+        finally:
+            self._io.stop()
+            self._ctx.term()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.close("done" if exc_type is None else "error")
+
+
+def train(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
+    """The built-in training program: this worker's shard of the data, ``job.epochs`` epochs."""
+    data = shard(job.load("train"), worker.index, num_workers)
+    model = job.build_model(data)
+    worker.create_variables(model.variables(), optimizer=job.optimizer)
+    params = worker.pull()
+    per_epoch = steps_per_epoch(len(data), job.batch_size)
+    log.info(
+        "worker %d: %d examples, %d steps per epoch, %d epochs",
+        worker.index, len(data), per_epoch, job.epochs,
+    )
+    t_last, s_last = time.perf_counter(), 0
+    loss = float("nan")
+    for epoch in range(job.epochs):
+        for x, y in batches(data, job.batch_size, epoch, seed=job.seed * 1000 + worker.index):
+            loss, grads = model.loss_and_grads(params, x, y)
+            params = worker.push_pull(grads, loss=loss, examples=len(x))
+            if worker.step % job.log_every == 0:
+                now = time.perf_counter()
+                log.info(
+                    "worker %d: step %d, global step %d, loss %.4f (%.4f s/batch, staleness %d)",
+                    worker.index, worker.step, worker.global_step, loss,
+                    (now - t_last) / max(1, worker.step - s_last), worker.staleness,
+                )
+                t_last, s_last = now, worker.step
+    log.info("worker %d: done after %d steps (global step %d, loss %.4f)", worker.index, worker.step, worker.global_step, loss)
+    return {"steps": worker.step, "loss": loss}

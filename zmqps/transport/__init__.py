@@ -1,0 +1,26 @@
+"""Transport: the only package that imports zmq.
+
+Layer map: wire <- transport <- roles. ``Server`` (ROUTER) dispatches decoded
+requests to a handler; ``Client`` (DEALER, one per peer) pipelines requests and
+matches replies by id; ``FakeNetwork`` implements the same contract in memory.
+"""
+
+from zmqps.transport.base import Handler, Requester, TransportStats
+from zmqps.transport.client import Client
+from zmqps.transport.fake import FakeClient, FakeNetwork
+from zmqps.transport.loop import LoopThread
+from zmqps.transport.options import SocketOptions, tcp_endpoint
+from zmqps.transport.server import Server
+
+__all__ = [
+    "Client",
+    "FakeClient",
+    "FakeNetwork",
+    "Handler",
+    "LoopThread",
+    "Requester",
+    "Server",
+    "SocketOptions",
+    "TransportStats",
+    "tcp_endpoint",
+]

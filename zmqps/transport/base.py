@@ -1,0 +1,63 @@
+"""The transport contract shared by the ZeroMQ transport and the in-memory fake.
+
+A server is given a :data:`Handler`; a client offers :class:`Requester`. Roles
+depend on these two shapes only, so tests can swap the fake in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from zmqps.wire import Message, Tensor
+
+__all__ = ["Handler", "Requester", "TransportStats"]
+
+
+class Handler(Protocol):
+    """Serves one decoded request; returns the reply, or an awaitable of it.
+
+    Raising a :class:`~zmqps.errors.ZmqpsError` becomes an error reply with its
+    code; any other exception becomes an ``internal`` error reply (and is logged).
+    """
+
+    def __call__(self, msg: Message) -> Message | Awaitable[Message]: ...
+
+
+class Requester(Protocol):
+    """A client bound to one peer: many requests in flight, replies matched by id."""
+
+    endpoint: str
+
+    async def request(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None = None,
+        tensors: Sequence[Tensor] = (),
+        *,
+        timeout: float | None = None,
+        attempts: int = 1,
+    ) -> Message: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class TransportStats:
+    """Counters a transport keeps; the metrics layer reads them."""
+
+    requests: int = 0
+    replies: int = 0
+    errors: int = 0
+    bad_messages: int = 0
+    expired: int = 0
+    unroutable: int = 0
+    late_replies: int = 0
+    timeouts: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    by_op: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)

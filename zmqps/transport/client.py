@@ -1,0 +1,170 @@
+"""Asyncio DEALER client: many requests in flight on one socket, replies matched by id.
+
+Rules of this module:
+
+* One client talks to one peer (one DEALER per peer, DESIGN §5).
+* Every request has a deadline: it is carried in the header (the server drops
+  it once expired) and enforced here (:class:`DeadlineExceeded`).
+* A reply whose id is unknown (late, after its deadline) is dropped and counted.
+* An error reply becomes the typed exception of its code, here and only here.
+* ``attempts > 1`` resends the *same* message (same body) after a deadline;
+  only ops that are idempotent or deduplicated by the server may use it
+  (pushes are: (worker, incarnation, sequence)).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from zmqps.transport.base import TransportStats
+from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
+from zmqps.wire import ERROR, Limits, Message, Tensor, decode, encode, request
+from zmqps.wire.errors import DeadlineExceeded, ProtocolError, ShutdownError, error_from_code
+
+__all__ = ["Client"]
+
+log = logging.getLogger("zmqps.transport")
+
+
+class Client:
+    """A DEALER connected to ``address``; ``identity`` names this peer to the server."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        identity: str,
+        *,
+        options: SocketOptions | None = None,
+        limits: Limits | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.endpoint = tcp_endpoint(address)
+        self.identity = identity
+        self.timeout = timeout
+        self._options = options or SocketOptions()
+        self._limits = limits or Limits()
+        self._sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
+        self._options.apply_dealer(self._sock, identity.encode())
+        self._sock.connect(self.endpoint)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+        self.stats = TransportStats()
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read_loop())
+
+    async def request(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None = None,
+        tensors: Sequence[Tensor] = (),
+        *,
+        timeout: float | None = None,
+        attempts: int = 1,
+    ) -> Message:
+        """Send a request and wait for its reply; raises the typed error of an error reply."""
+        timeout = self.timeout if timeout is None else timeout
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self._request_once(op, body, tensors, timeout)
+            except DeadlineExceeded:
+                if attempt == attempts:
+                    raise
+                log.info("%s to %s: no reply in %.1fs, retrying", op, self.endpoint, timeout)
+        raise AssertionError("unreachable")
+
+    async def _request_once(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None,
+        tensors: Sequence[Tensor],
+        timeout: float,
+    ) -> Message:
+        if self._closed:
+            raise ShutdownError(f"client to {self.endpoint} is closed")
+        self._ensure_reader()
+        rid = next(self._ids)
+        msg = request(
+            op, body, tensors, id=rid, sender=self.identity, deadline=time.time() + timeout
+        )
+        frames = encode(msg)
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            try:
+                send_now(self._sock, frames)
+            except zmq.Again:
+                raise DeadlineExceeded(
+                    f"{op} to {self.endpoint}: send queue full (peer unreachable?)"
+                ) from None
+            self.stats.requests += 1
+            self.stats.bytes_out += sum(getattr(f, "nbytes", None) or len(f) for f in frames)
+            try:
+                return await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                self.stats.timeouts += 1
+                raise DeadlineExceeded(
+                    f"{op} to {self.endpoint}: no reply within {timeout:g}s"
+                ) from None
+        finally:
+            self._pending.pop(rid, None)
+
+    async def _read_loop(self) -> None:
+        sock = self._sock
+        while True:
+            try:
+                frames = await sock.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                if self._closed:
+                    return
+                raise
+            self.stats.bytes_in += sum(len(f) for f in frames)
+            try:
+                msg = decode(frames, self._limits)
+            except ProtocolError as exc:
+                self.stats.bad_messages += 1
+                log.warning("bad reply from %s: %s", self.endpoint, exc)
+                rid = getattr(exc, "request_id", None)
+                fut = self._pending.get(rid) if rid is not None else None
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+                continue
+            fut = self._pending.get(msg.id)
+            if fut is None or fut.done():
+                self.stats.late_replies += 1
+                continue
+            self.stats.replies += 1
+            if msg.op == ERROR:
+                self.stats.errors += 1
+                fut.set_exception(error_from_code(msg.body["code"], msg.body["message"]))
+            elif not msg.is_reply:
+                fut.set_exception(ProtocolError(f"expected a reply, got {msg.op!r}"))
+            else:
+                fut.set_result(msg)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ShutdownError(f"client to {self.endpoint} closed"))
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, zmq.ZMQError):
+                pass
+        self._sock.close()

@@ -1,0 +1,100 @@
+"""An in-memory transport with the same contract as the ZeroMQ one, for unit tests.
+
+Messages still go through the real codec (encoded to bytes and decoded again), so
+tests exercise the wire format and the trust boundary, just without sockets.
+Faults are injected by wrappers in tests/, not by switches here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from zmqps.transport.base import Handler, TransportStats
+from zmqps.transport.dispatch import Dispatcher
+from zmqps.wire import ERROR, Message, Tensor, decode, encode, request
+from zmqps.wire.errors import DeadlineExceeded, ShutdownError, error_from_code
+
+__all__ = ["FakeClient", "FakeNetwork"]
+
+
+def _wire_copy(msg: Message) -> list[bytes]:
+    return [bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f for f in encode(msg)]
+
+
+class FakeNetwork:
+    """Named in-memory servers; clients reach them by address."""
+
+    def __init__(self) -> None:
+        self._servers: dict[str, Dispatcher] = {}
+
+    def serve(self, address: str, handler: Handler, *, name: str = "fake") -> TransportStats:
+        stats = TransportStats()
+        self._servers[address] = Dispatcher(handler, name=name, stats=stats)
+        return stats
+
+    def remove(self, address: str) -> None:
+        self._servers.pop(address, None)
+
+    def client(self, address: str, identity: str, *, timeout: float = 5.0) -> FakeClient:
+        return FakeClient(self, address, identity, timeout)
+
+    def _dispatcher(self, address: str) -> Dispatcher | None:
+        return self._servers.get(address)
+
+
+class FakeClient:
+    def __init__(self, net: FakeNetwork, address: str, identity: str, timeout: float) -> None:
+        self.endpoint = address
+        self.identity = identity
+        self.timeout = timeout
+        self._net = net
+        self._ids = itertools.count(1)
+        self._closed = False
+        self.stats = TransportStats()
+
+    async def request(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None = None,
+        tensors: Sequence[Tensor] = (),
+        *,
+        timeout: float | None = None,
+        attempts: int = 1,
+    ) -> Message:
+        if self._closed:
+            raise ShutdownError(f"client to {self.endpoint} is closed")
+        timeout = self.timeout if timeout is None else timeout
+        for attempt in range(1, attempts + 1):
+            try:
+                return await asyncio.wait_for(self._once(op, body, tensors), timeout)
+            except asyncio.TimeoutError:
+                if attempt == attempts:
+                    raise DeadlineExceeded(f"{op} to {self.endpoint}: no reply") from None
+        raise AssertionError("unreachable")
+
+    async def _once(
+        self, op: str, body: Mapping[str, Any] | None, tensors: Sequence[Tensor]
+    ) -> Message:
+        msg = request(op, body, tensors, id=next(self._ids), sender=self.identity)
+        self.stats.requests += 1
+        await asyncio.sleep(0)
+        server = self._net._dispatcher(self.endpoint)
+        if server is None:
+            await asyncio.Future()  # nobody listens: wait for the deadline, like zmq
+        assert server is not None
+        outcome = server.dispatch(_wire_copy(msg), self.identity)
+        if outcome is None:
+            await asyncio.Future()  # dropped: the deadline fires
+        out = outcome if isinstance(outcome, Message) else await outcome
+        assert out is not None
+        rep = decode(_wire_copy(out))
+        self.stats.replies += 1
+        if rep.op == ERROR:
+            raise error_from_code(rep.body["code"], rep.body["message"])
+        return rep
+
+    async def close(self) -> None:
+        self._closed = True

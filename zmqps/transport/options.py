@@ -1,0 +1,78 @@
+"""Socket options of every zmqps socket, in one frozen dataclass.
+
+Why each default (RELIABILITY.md, "Facts that bite"):
+
+* ``ROUTER_HANDOVER=1``: a restarted peer with the same identity is heard again
+  (otherwise it is shut out forever) and the old connection's messages are dropped.
+* ``ROUTER_MANDATORY=1``: a reply to a gone peer raises EHOSTUNREACH (counted)
+  instead of vanishing silently.
+* ZMTP heartbeats 1 s / 5 s / 10 s: a partition is noticed in seconds, not the
+  ~15 minutes of tcp_retries2. (Liveness of the *application* is a separate,
+  application-level heartbeat: libzmq answers ZMTP pings even when our loop is stuck.)
+* ``LINGER`` bounded: 0 drops the last reply, -1 can hang ``ctx.term()``.
+* ``MAXMSGSIZE`` above the largest legitimate frame: large shards travel in chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+__all__ = ["SocketOptions", "send_now", "tcp_endpoint"]
+
+
+@dataclass(frozen=True)
+class SocketOptions:
+    hwm: int = 10_000
+    linger_ms: int = 1_000
+    heartbeat_ivl_ms: int = 1_000
+    heartbeat_timeout_ms: int = 5_000
+    heartbeat_ttl_ms: int = 10_000
+    max_msg_size: int = 256 << 20
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 2_000
+
+    def apply_common(self, sock: zmq.Socket[bytes]) -> None:
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.hwm)
+        sock.setsockopt(zmq.LINGER, self.linger_ms)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ivl_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_ttl_ms)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_size)
+        sock.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
+
+    def apply_router(self, sock: zmq.Socket[bytes]) -> None:
+        self.apply_common(sock)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+
+    def apply_dealer(self, sock: zmq.Socket[bytes], identity: bytes) -> None:
+        self.apply_common(sock)
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+
+
+def tcp_endpoint(address: str) -> str:
+    """``host:port`` (or an endpoint already) -> ``tcp://host:port``."""
+    if "://" in address:
+        return address
+    return f"tcp://{address}"
+
+
+def send_now(sock: zmq.Socket[Any], frames: list[Any]) -> None:
+    """Queue ``frames`` without waiting (zero-copy); raises ``zmq.Again`` at the HWM.
+
+    On a ``zmq.asyncio`` socket a DONTWAIT send resolves at once (no send is ever
+    left pending, since every zmqps send goes through here), so the outcome is
+    read off the returned future. Going through the asyncio socket, rather than a
+    blocking shadow, keeps its edge-triggered FD bookkeeping right.
+    """
+    result = sock.send_multipart(frames, copy=False, flags=zmq.DONTWAIT)
+    if isinstance(result, asyncio.Future) and result.done():
+        exc = result.exception()
+        if exc is not None:
+            raise exc
