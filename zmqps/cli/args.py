@@ -46,13 +46,34 @@ def setup_logging(verbose: int = 0, quiet: bool = False) -> None:
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster (flags win over the TF_CONFIG environment variable)")
-    g.add_argument("--cluster", metavar="FILE|JSON", help="cluster spec: a TF_CONFIG-shaped JSON object or file")
-    g.add_argument("--ps-hosts", "--ps_hosts", metavar="H:P,...", help="comma-separated PS addresses")
-    g.add_argument("--worker-hosts", "--worker_hosts", metavar="H:P,...", help="comma-separated worker addresses")
+    g.add_argument(
+        "--cluster",
+        metavar="FILE|JSON",
+        help="cluster spec: a TF_CONFIG-shaped JSON object or file",
+    )
+    g.add_argument(
+        "--ps-hosts", "--ps_hosts", metavar="H:P,...", help="comma-separated PS addresses"
+    )
+    g.add_argument(
+        "--worker-hosts",
+        "--worker_hosts",
+        metavar="H:P,...",
+        help="comma-separated worker addresses",
+    )
     g.add_argument("--chief-host", "--chief_host", metavar="H:P", help="the chief's address")
     g.add_argument("--evaluator-hosts", metavar="H:P,...", help=argparse.SUPPRESS)
-    g.add_argument("--role", "--job-name", "--job_name", dest="role", help="chief, ps, worker or evaluator")
-    g.add_argument("--index", "--task-id", "--task_id", "--task-index", dest="index", type=int, help="task index within its role")
+    g.add_argument(
+        "--role", "--job-name", "--job_name", dest="role", help="chief, ps, worker or evaluator"
+    )
+    g.add_argument(
+        "--index",
+        "--task-id",
+        "--task_id",
+        "--task-index",
+        dest="index",
+        type=int,
+        help="task index within its role",
+    )
     g.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
 
 
@@ -69,39 +90,100 @@ def exit_with_parent(pid: int, poll_s: float = 0.5) -> None:
 
 def add_job_args(p: argparse.ArgumentParser, *, model_default: str | None = "mlp") -> None:
     g = p.add_argument_group("job")
-    g.add_argument("--mode", choices=MODES, default="async", help="consistency model (default: async)")
-    g.add_argument("--model", choices=(*MODELS, "none"), default=model_default,
-                   help=f"built-in model (default: {model_default or 'none'})")
-    g.add_argument("--dataset", choices=DATASETS, default="digits", help="built-in dataset (default: digits)")
+    g.add_argument(
+        "--mode", choices=MODES, default="async", help="consistency model (default: async)"
+    )
+    g.add_argument(
+        "--model",
+        choices=(*MODELS, "none"),
+        default=model_default,
+        help=f"built-in model (default: {model_default or 'none'})",
+    )
+    g.add_argument(
+        "--dataset", choices=DATASETS, default="digits", help="built-in dataset (default: digits)"
+    )
     g.add_argument("--data-dir", help="folder with the MNIST IDX files (for --dataset mnist)")
-    g.add_argument("--hidden", default="128", help="MLP hidden layer sizes, comma-separated (default: 128)")
-    g.add_argument("--batch-size", type=int, default=32, help="examples per worker step (default: 32)")
-    g.add_argument("--epochs", type=int, default=20, help="passes of each worker over its data (default: 20)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default="momentum", help="server-side optimizer (default: momentum)")
-    g.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.05; adam 0.001; adagrad 0.1)")
+    g.add_argument(
+        "--hidden", default="128", help="MLP hidden layer sizes, comma-separated (default: 128)"
+    )
+    g.add_argument(
+        "--batch-size", type=int, default=32, help="examples per worker step (default: 32)"
+    )
+    g.add_argument(
+        "--epochs", type=int, default=20, help="passes of each worker over its data (default: 20)"
+    )
+    g.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="momentum",
+        help="server-side optimizer (default: momentum)",
+    )
+    g.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="learning rate (default: 0.05; adam 0.001; adagrad 0.1)",
+    )
     g.add_argument("--momentum", type=float, default=0.9, help="momentum (default: 0.9)")
-    g.add_argument("--seed", type=int, default=0, help="seed of initializers and data order (default: 0)")
-    g.add_argument("--log-every", type=int, default=50, help="log a training line every N steps (default: 50)")
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of initializers and data order (default: 0)"
+    )
+    g.add_argument(
+        "--log-every", type=int, default=50, help="log a training line every N steps (default: 50)"
+    )
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--bind", help="address to bind (default: the task's own address; all interfaces for host names)")
+    g.add_argument(
+        "--bind",
+        help="address to bind (default: the task's own address; all interfaces for host names)",
+    )
     g.add_argument("--num-shards", type=int, help="fixed number of shards per variable")
-    g.add_argument("--min-shard-bytes", type=int, default=256 * 1024, help="minimum shard size (default: 256 KiB)")
-    g.add_argument("--max-shard-bytes", type=int, default=64 << 20, help="maximum shard size (default: 64 MiB)")
-    g.add_argument("--placement", choices=("round_robin", "greedy"), default="round_robin",
-                   help="shard placement on PS tasks (default: round_robin)")
-    g.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without heartbeat before a worker counts as dead (default: 10)")
-    g.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for peers at start (default: 120)")
+    g.add_argument(
+        "--min-shard-bytes",
+        type=int,
+        default=256 * 1024,
+        help="minimum shard size (default: 256 KiB)",
+    )
+    g.add_argument(
+        "--max-shard-bytes", type=int, default=64 << 20, help="maximum shard size (default: 64 MiB)"
+    )
+    g.add_argument(
+        "--placement",
+        choices=("round_robin", "greedy"),
+        default="round_robin",
+        help="shard placement on PS tasks (default: round_robin)",
+    )
+    g.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without heartbeat before a worker counts as dead (default: 10)",
+    )
+    g.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for peers at start (default: 120)",
+    )
     g.add_argument("--summary", help="(chief) write the end-of-training summary JSON here")
-    g.add_argument("--keep-alive", action="store_true", help="(chief) keep serving after training ends")
+    g.add_argument(
+        "--keep-alive", action="store_true", help="(chief) keep serving after training ends"
+    )
 
 
-def cluster_and_task(args: argparse.Namespace, *, role: str | None = None) -> tuple[ClusterSpec, TaskSpec]:
+def cluster_and_task(
+    args: argparse.Namespace, *, role: str | None = None
+) -> tuple[ClusterSpec, TaskSpec]:
     return resolve(
-        args.cluster, args.ps_hosts, args.worker_hosts, args.chief_host, args.evaluator_hosts,
-        role or args.role, args.index,
+        args.cluster,
+        args.ps_hosts,
+        args.worker_hosts,
+        args.chief_host,
+        args.evaluator_hosts,
+        role or args.role,
+        args.index,
     )
 
 
@@ -118,7 +200,9 @@ def _hidden(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
-        raise SystemExit(f"zmqps: error: --hidden {text!r}: expected sizes like 128 or 256,128") from None
+        raise SystemExit(
+            f"zmqps: error: --hidden {text!r}: expected sizes like 128 or 256,128"
+        ) from None
     if not sizes or min(sizes) < 1:
         raise SystemExit(f"zmqps: error: --hidden {text!r}: sizes must be positive")
     return sizes

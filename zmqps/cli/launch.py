@@ -49,9 +49,16 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heartbeat-timeout", type=float, default=10.0)
     add_job_args(p)
     g = p.add_argument_group("launcher")
-    g.add_argument("--run-dir", help="folder for logs and results (default: a new temporary folder)")
+    g.add_argument(
+        "--run-dir", help="folder for logs and results (default: a new temporary folder)"
+    )
     g.add_argument("--summary", metavar="FILE", help="write the run's summary as JSON here")
-    g.add_argument("--timeout", type=float, default=0.0, help="stop everything after this many seconds (default: none)")
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=0.0,
+        help="stop everything after this many seconds (default: none)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("-q", "--quiet", action="store_true", help="print only warnings and the summary")
 
@@ -72,10 +79,26 @@ def free_ports(n: int, host: str = HOST) -> list[int]:
 
 def _job_flags(args: argparse.Namespace) -> list[str]:
     flags = [
-        "--mode", args.mode, "--model", args.model, "--dataset", args.dataset,
-        "--hidden", args.hidden, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
-        "--optimizer", args.optimizer, "--momentum", str(args.momentum), "--seed", str(args.seed),
-        "--log-every", str(args.log_every),
+        "--mode",
+        args.mode,
+        "--model",
+        args.model,
+        "--dataset",
+        args.dataset,
+        "--hidden",
+        args.hidden,
+        "--batch-size",
+        str(args.batch_size),
+        "--epochs",
+        str(args.epochs),
+        "--optimizer",
+        args.optimizer,
+        "--momentum",
+        str(args.momentum),
+        "--seed",
+        str(args.seed),
+        "--log-every",
+        str(args.log_every),
     ]
     if args.lr is not None:
         flags += ["--lr", str(args.lr)]
@@ -119,12 +142,30 @@ class Launcher:
         server = ["--placement", a.placement, "--heartbeat-timeout", str(a.heartbeat_timeout)]
         if a.num_shards:
             server += ["--num-shards", str(a.num_shards)]
-        kids = [Child("chief", [*base, "server", "--role", "chief", *common, *job, *server,
-                                "--summary", str(self.chief_summary)])]
-        kids += [Child(f"ps{i}", [*base, "server", "--role", "ps", "--index", str(i), *common])
-                 for i in range(a.ps)]
-        kids += [Child(f"worker{i}", [*base, "worker", "--index", str(i), *common, *job])
-                 for i in range(a.workers)]
+        kids = [
+            Child(
+                "chief",
+                [
+                    *base,
+                    "server",
+                    "--role",
+                    "chief",
+                    *common,
+                    *job,
+                    *server,
+                    "--summary",
+                    str(self.chief_summary),
+                ],
+            )
+        ]
+        kids += [
+            Child(f"ps{i}", [*base, "server", "--role", "ps", "--index", str(i), *common])
+            for i in range(a.ps)
+        ]
+        kids += [
+            Child(f"worker{i}", [*base, "worker", "--index", str(i), *common, *job])
+            for i in range(a.workers)
+        ]
         return kids
 
     def say(self, line: str) -> None:
@@ -182,7 +223,9 @@ class Launcher:
                 planned = int(s.get("steps_planned") or 0)
                 if planned and self.bar.total != planned:
                     self.bar.total = planned
-                self.bar.n = min(int(s.get("global_step", 0)), planned or int(s.get("global_step", 0)))
+                self.bar.n = min(
+                    int(s.get("global_step", 0)), planned or int(s.get("global_step", 0))
+                )
                 self.bar.refresh()
 
     async def run(self) -> int:
@@ -195,22 +238,32 @@ class Launcher:
         for c in self.children:
             c.log = open(self.run_dir / f"{c.name}.log", "w")  # noqa: SIM115 - closed below
             c.proc = await asyncio.create_subprocess_exec(
-                *c.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                stdin=asyncio.subprocess.DEVNULL, env=env, start_new_session=True,
+                *c.argv,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
             )
         if not self.args.no_progress and sys.stderr.isatty():
-            self.bar = tqdm(total=None, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=None, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True
+            )
         watchers = asyncio.ensure_future(asyncio.gather(*(self._watch(c) for c in self.children)))
         progress = asyncio.ensure_future(self._progress())
-        waiters = [watchers, asyncio.ensure_future(interrupted.wait())]
+        interrupt = asyncio.ensure_future(interrupted.wait())
         timeout = self.args.timeout or None
-        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            [watchers, interrupt], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
         if watchers not in done:
-            self.failure = "interrupted" if interrupted.is_set() else f"timed out after {timeout:g}s"
+            self.failure = (
+                "interrupted" if interrupted.is_set() else f"timed out after {timeout:g}s"
+            )
             self.say(f"zmqps launch: {self.failure}; stopping the cluster")
             await self.stop()
             await watchers
-        waiters[1].cancel()
+        interrupt.cancel()
         progress.cancel()
         if self.bar is not None:
             self.bar.close()
@@ -248,7 +301,8 @@ def launch(args: argparse.Namespace) -> int:
     print(
         f"zmqps launch: chief {launcher.cluster.chief}, {args.ps} PS, {args.workers} workers;"
         f" logs in {run_dir}",
-        file=sys.stderr, flush=True,
+        file=sys.stderr,
+        flush=True,
     )
     code = asyncio.run(launcher.run())
     if code != 0:

@@ -42,7 +42,12 @@ def _server_parser(p: argparse.ArgumentParser) -> None:
 def _worker_parser(p: argparse.ArgumentParser) -> None:
     add_cluster_args(p)
     add_job_args(p)
-    p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the chief (default: 120)")
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the chief (default: 120)",
+    )
 
 
 def cmd_server(args: argparse.Namespace) -> int:
@@ -69,7 +74,9 @@ def cmd_server(args: argparse.Namespace) -> int:
                 keep_alive=args.keep_alive,
             )
         )
-    raise ConfigError(f"zmqps-server serves roles chief and ps, not {task.role!r} (use zmqps-worker)")
+    raise ConfigError(
+        f"zmqps-server serves roles chief and ps, not {task.role!r} (use zmqps-worker)"
+    )
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -81,7 +88,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ConfigError(f"zmqps-worker runs role worker, not {task.role!r}")
     job = job_from_args(args)
     if job is None:
-        raise ConfigError("zmqps-worker needs a built-in --model (write your own loop with zmqps.Worker)")
+        raise ConfigError(
+            "zmqps-worker needs a built-in --model (write your own loop with zmqps.Worker)"
+        )
     data = shard(job.load("train"), task.index, cluster.num_workers)
     planned = steps_per_epoch(len(data), job.batch_size) * job.epochs
     with Worker.from_cluster(
@@ -111,8 +120,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def _build() -> argparse.ArgumentParser:
     from zmqps.cli.launch import add_launch_args
 
-    parser = argparse.ArgumentParser(prog="zmqps", description="zmqps: a parameter server over ZeroMQ")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logging and tracebacks")
+    parser = argparse.ArgumentParser(
+        prog="zmqps", description="zmqps: a parameter server over ZeroMQ"
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="debug logging and tracebacks"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("launch", help="run a whole cluster as local processes (the demo)")
     add_launch_args(p)
@@ -126,7 +139,9 @@ def _build() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show a running cluster's state, from its chief")
     p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)")
+    p.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)"
+    )
     p.set_defaults(func=cmd_status)
     return parser
 
@@ -154,10 +169,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run(args.func, args)
 
 
-def _single(prog: str, build: Callable[[argparse.ArgumentParser], None], func: Callable[[argparse.Namespace], int],
-            argv: Sequence[str] | None) -> int:
+def _single(
+    prog: str,
+    build: Callable[[argparse.ArgumentParser], None],
+    func: Callable[[argparse.Namespace], int],
+    argv: Sequence[str] | None,
+) -> int:
     p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("-v", "--verbose", action="count", default=0, help="debug logging and tracebacks")
+    p.add_argument(
+        "-v", "--verbose", action="count", default=0, help="debug logging and tracebacks"
+    )
     build(p)
     args = p.parse_args(argv)
     return _run(func, args)

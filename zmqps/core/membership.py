@@ -80,7 +80,9 @@ class Membership:
             self.first_registration = now
         old = self.workers.get(index)
         if old is not None and incarnation < old.incarnation:
-            raise FencedError(f"worker {index} incarnation {incarnation} replaced by {old.incarnation}")
+            raise FencedError(
+                f"worker {index} incarnation {incarnation} replaced by {old.incarnation}"
+            )
         if old is not None and incarnation == old.incarnation:
             old.last_seen = now  # a retried register
             return False
@@ -130,9 +132,7 @@ class Membership:
         )
 
     def all_done(self) -> bool:
-        return len(self.workers) == self.num_workers and all(
-            w.done for w in self.workers.values()
-        )
+        return len(self.workers) == self.num_workers and all(w.done for w in self.workers.values())
 
     @property
     def global_step(self) -> int:
@@ -153,7 +153,9 @@ class Membership:
                 "incarnation": w.incarnation,
                 "step": w.total_steps,
                 "loss": w.loss,
-                "state": "done" if w.done else ("alive" if now - w.last_seen <= self.timeout else "dead"),
+                "state": "done"
+                if w.done
+                else ("alive" if now - w.last_seen <= self.timeout else "dead"),
                 "last_seen_s": round(now - w.last_seen, 3),
             }
             for w in sorted(self.workers.values(), key=lambda w: w.index)

@@ -172,7 +172,9 @@ class ShardDef:
         return self.size * np.dtype(self.dtype).itemsize
 
     @classmethod
-    def of(cls, var: VariableDef, info: ShardInfo, default_optimizer: Mapping[str, Any]) -> ShardDef:
+    def of(
+        cls, var: VariableDef, info: ShardInfo, default_optimizer: Mapping[str, Any]
+    ) -> ShardDef:
         return cls(
             id=info.id,
             var=var.name,

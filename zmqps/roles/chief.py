@@ -15,6 +15,7 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -92,9 +93,14 @@ class ChiefService:
         b = msg.body
         if b["role"] != "worker":
             return reply(msg, self._cluster_info())
-        rejoin = self.members.register(b["index"], b["incarnation"], self.clock(), b.get("steps_planned", 0))
+        rejoin = self.members.register(
+            b["index"], b["incarnation"], self.clock(), b.get("steps_planned", 0)
+        )
         log.info(
-            "worker %d (incarnation %d) %s", b["index"], b["incarnation"], "rejoined" if rejoin else "registered"
+            "worker %d (incarnation %d) %s",
+            b["index"],
+            b["incarnation"],
+            "rejoined" if rejoin else "registered",
         )
         return reply(msg, self._cluster_info())
 
@@ -117,7 +123,9 @@ class ChiefService:
     def _op_leave(self, msg: Message) -> Message:
         b = msg.body
         reason = b.get("reason", "done")
-        self.members.leave(b["index"], b["incarnation"], b["step"], self.clock(), reason, b.get("examples"))
+        self.members.leave(
+            b["index"], b["incarnation"], b["step"], self.clock(), reason, b.get("examples")
+        )
         log.info("worker %d left (%s) after %d steps", b["index"], reason, b["step"])
         if self.members.all_done():
             self.all_done.set()
@@ -150,9 +158,13 @@ class ChiefService:
             )
         return placement
 
-    async def _create(self, variables: tuple[VariableDef, ...], optimizer: dict[str, Any]) -> Placement:
+    async def _create(
+        self, variables: tuple[VariableDef, ...], optimizer: dict[str, Any]
+    ) -> Placement:
         try:
-            placement = plan(variables, len(self.ps), self.cfg.partitioner, self.cfg.placement, optimizer)
+            placement = plan(
+                variables, len(self.ps), self.cfg.partitioner, self.cfg.placement, optimizer
+            )
         except InvalidArgument:
             self._creating = None
             raise
@@ -171,7 +183,10 @@ class ChiefService:
         self.placement_ready.set()
         log.info(
             "created %d variables in %d shards on %d PS (%s placement)",
-            len(variables), len(placement.shards), len(self.ps), self.cfg.placement,
+            len(variables),
+            len(placement.shards),
+            len(self.ps),
+            self.cfg.placement,
         )
         return placement
 
@@ -191,10 +206,8 @@ class ChiefService:
     async def _op_get_placement(self, msg: Message) -> Message:
         wait = float(msg.body.get("wait", 0.0))
         if self.placement is None and wait > 0:
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.placement_ready.wait(), wait)
-            except asyncio.TimeoutError:
-                pass
         if self.placement is None:
             raise NotReady("variables have not been created yet")
         return reply(msg, {"placement": self.placement.to_wire()})
@@ -257,18 +270,27 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
         )
         log.info(
             "final model: test accuracy %.4f, test loss %.4f (global step %d)",
-            summary["test_accuracy"], summary["test_loss"], m.global_step,
+            summary["test_accuracy"],
+            summary["test_loss"],
+            m.global_step,
         )
     return summary
 
 
-async def serve_chief(cfg: ChiefConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None) -> dict[str, Any]:
+async def serve_chief(
+    cfg: ChiefConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None
+) -> dict[str, Any]:
     ps_clients = [
         Client(ctx, addr, "chief:0", options=options, timeout=30.0) for addr in cfg.cluster.ps
     ]
     service = ChiefService(cfg, ps_clients)
     server = Server(ctx, cfg.bind, service, name="chief", options=options)
-    log.info("chief: serving on %s (%d PS, %d workers)", server.bind(), cfg.cluster.num_ps, cfg.cluster.num_workers)
+    log.info(
+        "chief: serving on %s (%d PS, %d workers)",
+        server.bind(),
+        cfg.cluster.num_ps,
+        cfg.cluster.num_workers,
+    )
     server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -316,7 +338,11 @@ async def _watch_workers(service: ChiefService) -> None:
         await asyncio.sleep(service.cfg.heartbeat_interval)
         now_dead = set(service.members.dead(service.clock()))
         for i in sorted(now_dead - dead):
-            log.warning("worker %d missed heartbeats for %.0fs: considered dead", i, service.cfg.heartbeat_timeout)
+            log.warning(
+                "worker %d missed heartbeats for %.0fs: considered dead",
+                i,
+                service.cfg.heartbeat_timeout,
+            )
         for i in sorted(dead - now_dead):
             log.info("worker %d is back", i)
         dead = now_dead

@@ -65,7 +65,9 @@ class ParameterClient:
         for s in placement.shards:
             var = placement.variable(s.var)
             if s.ps >= len(self.ps):
-                raise InvalidArgument(f"shard {s.id} placed on PS {s.ps}, only {len(self.ps)} known")
+                raise InvalidArgument(
+                    f"shard {s.id} placed on PS {s.ps}, only {len(self.ps)} known"
+                )
             self.routes[s.id] = _Route(s, var, s.row_start * var.row_size, s.rows * var.row_size)
         self.params: dict[str, Array] = {
             v.name: np.zeros(v.shape, dtype=v.dtype) for v in placement.variables if not v.sparse
@@ -175,7 +177,11 @@ class ParameterClient:
         op = "push_pull" if pull else "push"
 
         async def one(ps: int, sids: list[int]) -> None:
-            tensors = [t for sid in sids for t in self._chunks(sid, flat[self.routes[sid].var.name], "grad")]
+            tensors = [
+                t
+                for sid in sids
+                for t in self._chunks(sid, flat[self.routes[sid].var.name], "grad")
+            ]
             body = self._push_body(ps, sids)
             rep = await self.ps[ps].request(
                 op, body, tensors, timeout=self.timeout, attempts=self.push_attempts

@@ -74,7 +74,8 @@ class PSService:
         return reply(msg, {"shards": [d.id for d in defs]})
 
     def _snapshot_tensors(self, sids: Sequence[int]) -> tuple[list[int], list[Tensor]]:
-        versions, tensors = [], []
+        versions: list[int] = []
+        tensors: list[Tensor] = []
         for sid in sids:
             version, values = self.store.snapshot(sid)
             flat = values.reshape(-1)
@@ -122,7 +123,13 @@ class PSService:
             raise
         if not new:
             self.duplicates += 1
-            log.debug("ps %d: duplicate push %s/%s/%s", self.index, body["worker"], body["inc"], body["seq"])
+            log.debug(
+                "ps %d: duplicate push %s/%s/%s",
+                self.index,
+                body["worker"],
+                body["inc"],
+                body["seq"],
+            )
         return new
 
     def _op_push(self, msg: Message, pull: bool = False) -> Message:
@@ -141,7 +148,9 @@ class PSService:
             self.dedup.commit(body["worker"], body["inc"], body["seq"])
         if pull:
             versions, tensors = self._snapshot_tensors(sids)
-            return reply(msg, {"applied": applied, "versions": versions, "staleness": staleness}, tensors)
+            return reply(
+                msg, {"applied": applied, "versions": versions, "staleness": staleness}, tensors
+            )
         versions = [self.store.get(sid).version for sid in sids]
         return reply(msg, {"applied": applied, "versions": versions, "staleness": staleness})
 
@@ -203,7 +212,9 @@ class PSService:
         return reply(msg)
 
 
-async def serve_ps(cfg: PSConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None) -> PSService:
+async def serve_ps(
+    cfg: PSConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None
+) -> PSService:
     service = PSService(cfg.index, chunk_bytes=cfg.chunk_bytes)
     server = Server(ctx, cfg.bind, service, name=f"ps{cfg.index}", options=options)
     endpoint = server.bind()

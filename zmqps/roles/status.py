@@ -40,6 +40,7 @@ def format_status(s: dict[str, Any]) -> str:
         for w in workers:
             loss = "-" if w.get("loss") is None else f"{w['loss']:.4f}"
             lines.append(
-                f"{w['index']:<7} {w['incarnation']:<17} {w['state']:<6} {w['step']:<7} {loss:<7} {w['last_seen_s']:.1f}s ago"
+                f"{w['index']:<7} {w['incarnation']:<17} {w['state']:<6} {w['step']:<7}"
+                f" {loss:<7} {w['last_seen_s']:.1f}s ago"
             )
     return "\n".join(lines)

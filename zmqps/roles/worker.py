@@ -99,11 +99,22 @@ class Worker:
     # ------------------------------------------------------------------ setup
 
     async def _connect_chief(self, address: str) -> Client:
-        return Client(self._ctx, address, f"{self.name}:{self.incarnation}", options=self._options, timeout=self.timeout)
+        return Client(
+            self._ctx,
+            address,
+            f"{self.name}:{self.incarnation}",
+            options=self._options,
+            timeout=self.timeout,
+        )
 
     async def _register(self, connect_timeout: float, steps_planned: int) -> dict[str, Any]:
         deadline = time.monotonic() + connect_timeout
-        body = {"role": self.role, "index": self.index, "incarnation": self.incarnation, "steps_planned": steps_planned}
+        body = {
+            "role": self.role,
+            "index": self.index,
+            "incarnation": self.incarnation,
+            "steps_planned": steps_planned,
+        }
         while True:
             try:
                 rep = await self._chief.request("register", body, timeout=2.0)
@@ -111,7 +122,8 @@ class Worker:
             except DeadlineExceeded:
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded(
-                        f"chief at {self._chief.endpoint} did not answer within {connect_timeout:g}s"
+                        f"chief at {self._chief.endpoint} did not answer"
+                        f" within {connect_timeout:g}s"
                     ) from None
                 log.info("%s: waiting for the chief at %s", self.name, self._chief.endpoint)
 
@@ -122,8 +134,12 @@ class Worker:
                 for addr in self.ps_addresses
             ]
             return ParameterClient(
-                clients, placement, worker=self.name, incarnation=self.incarnation,
-                chunk_bytes=self._chunk_bytes, timeout=self.timeout,
+                clients,
+                placement,
+                worker=self.name,
+                incarnation=self.incarnation,
+                chunk_bytes=self._chunk_bytes,
+                timeout=self.timeout,
             )
 
         self._client = self._io.run(make())
@@ -145,7 +161,9 @@ class Worker:
         body: dict[str, Any] = {"variables": [v.to_wire() for v in variables]}
         if optimizer is not None:
             body["optimizer"] = dict(optimizer)
-        rep = self._io.run(self._chief.request("create_vars", body, timeout=max(self.timeout, 130.0)))
+        rep = self._io.run(
+            self._chief.request("create_vars", body, timeout=max(self.timeout, 130.0))
+        )
         placement = Placement.from_wire(rep.body["placement"])
         if self._client is None or self._client.placement != placement:
             self._use(placement)
@@ -183,7 +201,9 @@ class Worker:
         if examples is not None:
             self.examples += int(examples)
 
-    def push(self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None) -> None:
+    def push(
+        self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None
+    ) -> None:
         """Push one step's gradients (applied by each PS's optimizer on arrival)."""
         self._io.run(self.client.push(grads))
         self._count(loss, examples)
@@ -210,13 +230,18 @@ class Worker:
         while True:
             await asyncio.sleep(self._heartbeat_interval)
             body: dict[str, Any] = {
-                "role": self.role, "index": self.index, "incarnation": self.incarnation,
-                "step": self.step, "examples": self.examples,
+                "role": self.role,
+                "index": self.index,
+                "incarnation": self.incarnation,
+                "step": self.step,
+                "examples": self.examples,
             }
             if self.loss is not None and np.isfinite(self.loss):
                 body["loss"] = self.loss
             try:
-                await self._chief.request("heartbeat", body, timeout=max(2.0, self._heartbeat_interval * 3))
+                await self._chief.request(
+                    "heartbeat", body, timeout=max(2.0, self._heartbeat_interval * 3)
+                )
             except DeadlineExceeded:
                 log.warning("%s: chief did not answer a heartbeat", self.name)
             except ShutdownError:
@@ -230,8 +255,12 @@ class Worker:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         body = {
-            "role": self.role, "index": self.index, "incarnation": self.incarnation,
-            "step": self.step, "examples": self.examples, "reason": reason,
+            "role": self.role,
+            "index": self.index,
+            "incarnation": self.incarnation,
+            "step": self.step,
+            "examples": self.examples,
+            "reason": reason,
         }
         try:
             self._io.run(self._chief.request("leave", body, timeout=10.0, attempts=2))
@@ -268,7 +297,10 @@ def train(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
     per_epoch = steps_per_epoch(len(data), job.batch_size)
     log.info(
         "worker %d: %d examples, %d steps per epoch, %d epochs",
-        worker.index, len(data), per_epoch, job.epochs,
+        worker.index,
+        len(data),
+        per_epoch,
+        job.epochs,
     )
     t_last, s_last = time.perf_counter(), 0
     loss = float("nan")
@@ -280,9 +312,19 @@ def train(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
                 now = time.perf_counter()
                 log.info(
                     "worker %d: step %d, global step %d, loss %.4f (%.4f s/batch, staleness %d)",
-                    worker.index, worker.step, worker.global_step, loss,
-                    (now - t_last) / max(1, worker.step - s_last), worker.staleness,
+                    worker.index,
+                    worker.step,
+                    worker.global_step,
+                    loss,
+                    (now - t_last) / max(1, worker.step - s_last),
+                    worker.staleness,
                 )
                 t_last, s_last = now, worker.step
-    log.info("worker %d: done after %d steps (global step %d, loss %.4f)", worker.index, worker.step, worker.global_step, loss)
+    log.info(
+        "worker %d: done after %d steps (global step %d, loss %.4f)",
+        worker.index,
+        worker.step,
+        worker.global_step,
+        loss,
+    )
     return {"steps": worker.step, "loss": loss}

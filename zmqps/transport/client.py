@@ -15,6 +15,7 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -163,8 +164,6 @@ class Client:
                 fut.set_exception(ShutdownError(f"client to {self.endpoint} closed"))
         if self._reader is not None:
             self._reader.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
                 await self._reader
-            except (asyncio.CancelledError, zmq.ZMQError):
-                pass
         self._sock.close()

@@ -61,7 +61,7 @@ class Dispatcher:
         self.stats.by_op[msg.op] = self.stats.by_op.get(msg.op, 0) + 1
         try:
             result = self.handler(msg)
-        except Exception as exc:  # noqa: BLE001 - the one translation boundary
+        except Exception as exc:
             return self.error(msg, exc)
         if inspect.isawaitable(result):
             return self._finish(msg, result)
@@ -70,7 +70,7 @@ class Dispatcher:
     async def _finish(self, msg: Message, result: Awaitable[Message]) -> Message:
         try:
             return await result
-        except Exception as exc:  # noqa: BLE001 - the one translation boundary
+        except Exception as exc:
             return self.error(msg, exc)
 
     def error(self, msg: Message, exc: Exception) -> Message:

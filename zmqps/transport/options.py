@@ -35,7 +35,7 @@ class SocketOptions:
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 2_000
 
-    def apply_common(self, sock: zmq.Socket[bytes]) -> None:
+    def apply_common(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
         sock.setsockopt(zmq.LINGER, self.linger_ms)
@@ -46,12 +46,12 @@ class SocketOptions:
         sock.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
 
-    def apply_router(self, sock: zmq.Socket[bytes]) -> None:
+    def apply_router(self, sock: zmq.Socket[Any]) -> None:
         self.apply_common(sock)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
-    def apply_dealer(self, sock: zmq.Socket[bytes], identity: bytes) -> None:
+    def apply_dealer(self, sock: zmq.Socket[Any], identity: bytes) -> None:
         self.apply_common(sock)
         sock.setsockopt(zmq.ROUTING_ID, identity)
 

@@ -14,6 +14,7 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable
 from typing import Any
@@ -87,10 +88,8 @@ class Server:
         """Stop receiving, let in-flight handler tasks finish briefly, close the socket."""
         if self._loop_task is not None:
             self._loop_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-            except asyncio.CancelledError:
-                pass
             self._loop_task = None
         if self._tasks:
             _done, pending = await asyncio.wait(self._tasks, timeout=1.0)

@@ -183,7 +183,8 @@ def _decode_checked(header: dict[str, Any], frames: Sequence[Any], limits: Limit
     version = header.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"unsupported protocol version {str(version)[:20]} (this side speaks {PROTOCOL_VERSION})"
+            f"unsupported protocol version {str(version)[:20]}"
+            f" (this side speaks {PROTOCOL_VERSION})"
         )
     bufs = header.get("bufs", [])
     _HEADER.check(header, "header")

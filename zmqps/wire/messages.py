@@ -96,7 +96,7 @@ def request(
     body: Mapping[str, Any] | None = None,
     tensors: Sequence[Tensor] = (),
     *,
-    id: int = 0,  # noqa: A002 - the wire's own name
+    id: int = 0,
     sender: str = "",
     deadline: float | None = None,
 ) -> Message:
