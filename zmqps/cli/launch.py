@@ -253,8 +253,9 @@ class Launcher:
         progress = asyncio.ensure_future(self._progress())
         interrupt = asyncio.ensure_future(interrupted.wait())
         timeout = self.args.timeout or None
+        waitables: list[asyncio.Future[Any]] = [watchers, interrupt]
         done, _ = await asyncio.wait(
-            [watchers, interrupt], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            waitables, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
         if watchers not in done:
             self.failure = (
