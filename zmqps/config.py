@@ -463,6 +463,7 @@ def resolve(
     environ: Mapping[str, str] | None = None,
     *,
     allow_port_zero: bool = False,
+    default_role: str | None = None,
 ) -> tuple[ClusterSpec, TaskSpec]:
     """This process' cluster and task, from flags, else ``TF_CONFIG``.
 
@@ -470,7 +471,8 @@ def resolve(
     host flags, else from ``TF_CONFIG`` in ``environ`` (``os.environ`` when None);
     the sources are never mixed. ``role`` / ``index`` (``--role`` / ``--index``,
     or the classic ``--job-name`` / ``--task-id``) override that task; an index
-    defaults to the task's when the role matches it, else to 0.
+    defaults to the task's when the role matches it, else to 0. ``default_role``
+    applies only when neither ``role`` nor the spec names a task.
     """
     host_flags = (ps_hosts, worker_hosts, chief_host, evaluator_hosts)
     given = any(v is not None for v in host_flags)
@@ -490,4 +492,6 @@ def resolve(
         if not text.strip():
             raise ConfigError(NO_CLUSTER_MESSAGE)
         cluster, task = parse_tf_config(text, allow_port_zero=allow_port_zero)
+    if role is None and task is None:
+        role = default_role
     return cluster, _pick_task(cluster, task, role, index)

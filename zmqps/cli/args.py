@@ -174,7 +174,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def cluster_and_task(
-    args: argparse.Namespace, *, role: str | None = None
+    args: argparse.Namespace, *, default_role: str | None = None
 ) -> tuple[ClusterSpec, TaskSpec]:
     return resolve(
         args.cluster,
@@ -182,8 +182,9 @@ def cluster_and_task(
         args.worker_hosts,
         args.chief_host,
         args.evaluator_hosts,
-        role or args.role,
+        args.role,
         args.index,
+        default_role=default_role,
     )
 
 

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -132,6 +133,7 @@ class Launcher:
         self.bar: tqdm[Any] | None = None
         self.stopping = False
         self.failure = ""
+        self.first_failed: Child | None = None
 
     def _children(self) -> list[Child]:
         a = self.args
@@ -190,6 +192,7 @@ class Launcher:
         child.returncode = await child.proc.wait()
         await relay
         if child.returncode != 0 and not self.stopping:
+            self.first_failed = child
             self.failure = f"{child.name} exited with code {child.returncode}"
             self.say(f"zmqps launch: {self.failure}; stopping the cluster")
             await self.stop()
@@ -301,21 +304,24 @@ def launch(args: argparse.Namespace) -> int:
     launcher = Launcher(args, run_dir)
     print(
         f"zmqps launch: chief {launcher.cluster.chief}, {args.ps} PS, {args.workers} workers;"
-        f" logs in {run_dir}",
+        f" logs in {run_dir}" + ("" if args.run_dir else " (removed after a successful run)"),
         file=sys.stderr,
         flush=True,
     )
     code = asyncio.run(launcher.run())
     if code != 0:
-        for c in launcher.children:
-            if c.returncode not in (0, None) and c.tail:
-                print(f"--- last lines of {c.name} (exit {c.returncode}):", file=sys.stderr)
-                print("\n".join(c.tail[-10:]), file=sys.stderr)
-        print(f"zmqps launch: failed: {launcher.failure}", file=sys.stderr)
+        first = launcher.first_failed
+        if first is not None and first.tail:
+            print(f"--- last lines of {first.name} (exit {first.returncode}):", file=sys.stderr)
+            print("\n".join(first.tail[-10:]), file=sys.stderr)
+        print(f"zmqps launch: failed: {launcher.failure}; logs in {run_dir}", file=sys.stderr)
         return code
     summary = json.loads(launcher.chief_summary.read_text())
     summary["wall_seconds"] = round(time.monotonic() - started, 3)
-    summary["run_dir"] = str(run_dir)
+    if args.run_dir:
+        summary["run_dir"] = str(run_dir)
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)  # a temporary folder is kept on failure only
     if args.summary:
         Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(summary)

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,9 +82,9 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from zmqps.data import shard, steps_per_epoch
-    from zmqps.roles.worker import Worker, train
+    from zmqps.roles.worker import Terminated, Worker, train
 
-    cluster, task = cluster_and_task(args, role=args.role or "worker")
+    cluster, task = cluster_and_task(args, default_role="worker")
     if task.role != "worker":
         raise ConfigError(f"zmqps-worker runs role worker, not {task.role!r}")
     job = job_from_args(args)
@@ -93,11 +94,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
         )
     data = shard(job.load("train"), task.index, cluster.num_workers)
     planned = steps_per_epoch(len(data), job.batch_size) * job.epochs
-    with Worker.from_cluster(
-        cluster, task, connect_timeout=args.connect_timeout, steps_planned=planned
-    ) as worker:
-        train(worker, job, cluster.num_workers)
+    # SIGTERM (Kubernetes, the launcher) leaves the cluster cleanly instead of vanishing.
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        with Worker.from_cluster(
+            cluster, task, connect_timeout=args.connect_timeout, steps_planned=planned
+        ) as worker:
+            train(worker, job, cluster.num_workers)
+    except Terminated:
+        log.warning("worker %d: terminated by SIGTERM; left the cluster", task.index)
+        return 128 + signal.SIGTERM
     return 0
+
+
+def _terminated(signum: int, frame: object) -> None:
+    from zmqps.roles.worker import Terminated
+
+    raise Terminated()
 
 
 def cmd_status(args: argparse.Namespace) -> int:

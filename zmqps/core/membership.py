@@ -7,6 +7,9 @@ Rules of this module:
 * An incarnation older than the one registered is fenced (:class:`FencedError`).
 * A worker is dead when its last heartbeat is older than ``timeout``; a dead or
   done worker registering again is a new incarnation and resumes.
+* A worker leaving with reason "error" or "terminated" has not finished its
+  work: it is gone (neither alive nor dead) and the job waits for it to rejoin.
+  Any other reason ("done", "out of data") counts as finished.
 * The global step of async training is the number of updates the workers have
   reported (each step's push is one update); it never goes backwards, because
   the steps of every past incarnation are kept.
@@ -19,7 +22,10 @@ from typing import Any
 
 from zmqps.wire.errors import FencedError, InvalidArgument
 
-__all__ = ["Membership", "WorkerState"]
+__all__ = ["UNFINISHED_REASONS", "Membership", "WorkerState"]
+
+#: leave reasons that do not finish a worker's share of the job.
+UNFINISHED_REASONS = frozenset({"error", "terminated"})
 
 
 @dataclass
@@ -35,6 +41,7 @@ class WorkerState:
     examples_before: int = 0
     loss: float | None = None
     done: bool = False
+    gone: bool = False  # left without finishing; expected to rejoin
     left_reason: str = ""
 
     @property
@@ -116,19 +123,26 @@ class Membership:
     ) -> None:
         self.heartbeat(index, incarnation, step, now, examples=examples)
         w = self.workers[index]
-        w.done = True
         w.left_reason = reason
+        if reason in UNFINISHED_REASONS:
+            w.gone = True
+            return
+        w.done = True
         if self.all_done() and self.all_done_at is None:
             self.all_done_at = now
 
     def alive(self, now: float) -> list[int]:
         return sorted(
-            i for i, w in self.workers.items() if not w.done and now - w.last_seen <= self.timeout
+            i
+            for i, w in self.workers.items()
+            if not (w.done or w.gone) and now - w.last_seen <= self.timeout
         )
 
     def dead(self, now: float) -> list[int]:
         return sorted(
-            i for i, w in self.workers.items() if not w.done and now - w.last_seen > self.timeout
+            i
+            for i, w in self.workers.items()
+            if not (w.done or w.gone) and now - w.last_seen > self.timeout
         )
 
     def all_done(self) -> bool:
@@ -146,6 +160,13 @@ class Membership:
     def steps_planned(self) -> int:
         return sum(w.steps_planned for w in self.workers.values())
 
+    def _state(self, w: WorkerState, now: float) -> str:
+        if w.done:
+            return "done"
+        if w.gone:
+            return "left"
+        return "alive" if now - w.last_seen <= self.timeout else "dead"
+
     def snapshot(self, now: float) -> list[dict[str, Any]]:
         return [
             {
@@ -153,9 +174,7 @@ class Membership:
                 "incarnation": w.incarnation,
                 "step": w.total_steps,
                 "loss": w.loss,
-                "state": "done"
-                if w.done
-                else ("alive" if now - w.last_seen <= self.timeout else "dead"),
+                "state": self._state(w, now),
                 "last_seen_s": round(now - w.last_seen, 3),
             }
             for w in sorted(self.workers.values(), key=lambda w: w.index)

@@ -192,8 +192,10 @@ class ChiefService:
 
     async def _create_on(self, ps: int, defs: list[dict[str, Any]], deadline: float) -> None:
         while True:
+            # never wait past the deadline: a short startup_timeout must be honored
+            timeout = min(2.0, max(0.01, deadline - time.monotonic()))
             try:
-                await self.ps[ps].request("create_shards", {"shards": defs}, timeout=2.0)
+                await self.ps[ps].request("create_shards", {"shards": defs}, timeout=timeout)
                 return
             except DeadlineExceeded:
                 if time.monotonic() > deadline:

@@ -194,9 +194,15 @@ class ParameterClient:
 
     # ------------------------------------------------------------------ rows
 
+    def _variable(self, name: str) -> VariableDef:
+        try:
+            return self.placement.variable(name)
+        except KeyError:
+            raise InvalidArgument(f"unknown variable {name!r}") from None
+
     def _route_rows(self, name: str, ids: Array) -> dict[int, list[tuple[ShardInfo, Array, Array]]]:
         """Group unique row ids by PS: ps -> [(shard, positions into ids, ids)]."""
-        v = self.placement.variable(name)
+        v = self._variable(name)
         if ids.ndim != 1:
             raise InvalidArgument("row ids must be 1-D")
         if ids.size and (ids.min() < 0 or ids.max() >= v.shape[0]):
@@ -212,7 +218,7 @@ class ParameterClient:
 
     async def pull_rows(self, name: str, ids: Any) -> Array:
         """Rows ``ids`` of variable ``name`` (duplicates allowed), shape (len(ids), *row)."""
-        v = self.placement.variable(name)
+        v = self._variable(name)
         ids = np.asarray(ids, dtype=np.int64)
         uniq, inverse = np.unique(ids, return_inverse=True)
         rows = np.empty((uniq.size, *v.shape[1:]), dtype=v.dtype)
@@ -240,7 +246,7 @@ class ParameterClient:
 
     async def push_rows(self, name: str, ids: Any, grads: Any) -> None:
         """Push row gradients; duplicate ids are summed here, before sending."""
-        v = self.placement.variable(name)
+        v = self._variable(name)
         ids = np.asarray(ids, dtype=np.int64)
         grads = np.asarray(grads, dtype=v.dtype)
         if grads.shape != (ids.size, *v.shape[1:]):

@@ -33,11 +33,15 @@ from zmqps.roles.job import JobConfig
 from zmqps.transport import Client, LoopThread, SocketOptions
 from zmqps.wire.errors import DeadlineExceeded, NotReady, ShutdownError
 
-__all__ = ["Worker", "train"]
+__all__ = ["Terminated", "Worker", "train"]
 
 log = logging.getLogger("zmqps.worker")
 
 Array = npt.NDArray[Any]
+
+
+class Terminated(BaseException):
+    """Raise it (e.g. from a SIGTERM handler) to make ``with Worker(...)`` leave as terminated."""
 
 
 class Worker:
@@ -284,8 +288,13 @@ class Worker:
     def __enter__(self) -> Worker:
         return self
 
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        self.close("done" if exc_type is None else "error")
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self.close("done")
+        elif issubclass(exc_type, (Terminated, KeyboardInterrupt, SystemExit)):
+            self.close("terminated")
+        else:
+            self.close("error")
 
 
 def train(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ __all__ = ["FakeClient", "FakeNetwork"]
 
 
 def _wire_copy(msg: Message) -> list[bytes]:
-    return [bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f for f in encode(msg)]
+    return [f if isinstance(f, bytes) else memoryview(f).tobytes() for f in encode(msg)]
 
 
 class FakeNetwork:

@@ -143,20 +143,37 @@ def _unpack_header(frame: memoryview, limits: Limits) -> Any:
         raise ProtocolError(f"undecodable header: {type(exc).__name__}: {exc}"[:300]) from None
 
 
-def _check_spec(spec: Any, i: int) -> tuple[np.dtype[Any], tuple[int, ...], str, int, int]:
+def _brief(value: Any, n: int) -> str:
+    """A short description of an untrusted value: never its repr, which can recurse
+    (msgpack nests ~1000 deep, past Python's recursion limit) or be huge."""
+    if type(value) in (str, int, float, bool) or value is None:
+        return repr(value)[:n]
+    return f"<{type(value).__name__}>"
+
+
+def _check_spec(
+    spec: Any, i: int, max_bytes: int
+) -> tuple[np.dtype[Any], tuple[int, ...], str, int, int]:
     path = f"header.bufs[{i}]"
     if type(spec) is not list or len(spec) != 5:
         raise ProtocolError(f"{path}: expected [dtype, shape, kind, ref, offset]")
     name, shape, kind, ref, offset = spec
     if type(name) is not str or name not in DTYPES:
-        raise ProtocolError(f"{path}: dtype {str(name)[:32]!r} is not allowed")
+        raise ProtocolError(f"{path}: dtype {_brief(name, 32)} is not allowed")
     if type(shape) is not list or len(shape) > MAX_NDIM:
         raise ProtocolError(f"{path}: shape must be a list of at most {MAX_NDIM} dims")
     for d in shape:
         if type(d) is not int or d < 0:
             raise ProtocolError(f"{path}: dims must be non-negative ints")
+    # A zero dim makes the byte count 0 whatever the others are, but numpy still
+    # refuses shapes whose non-zero dims overflow (ValueError): bound them too.
+    span = DTYPES[name].itemsize
+    for d in shape:
+        span *= max(d, 1)
+    if span > max_bytes:
+        raise ProtocolError(f"{path}: shape {shape[:MAX_NDIM]} exceeds {max_bytes} bytes")
     if type(kind) is not str or kind not in KINDS:
-        raise ProtocolError(f"{path}: unknown kind {str(kind)[:32]!r}")
+        raise ProtocolError(f"{path}: unknown kind {_brief(kind, 32)}")
     Int(-1, 2**31 - 1).check(ref, f"{path}.ref")
     Int(0, 2**62).check(offset, f"{path}.offset")
     return DTYPES[name], tuple(shape), kind, ref, offset
@@ -183,7 +200,7 @@ def _decode_checked(header: dict[str, Any], frames: Sequence[Any], limits: Limit
     version = header.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"unsupported protocol version {str(version)[:20]}"
+            f"unsupported protocol version {_brief(version, 20)}"
             f" (this side speaks {PROTOCOL_VERSION})"
         )
     bufs = header.get("bufs", [])
@@ -202,7 +219,7 @@ def _decode_checked(header: dict[str, Any], frames: Sequence[Any], limits: Limit
         raise ProtocolError(f"header announces {len(bufs)} buffers, message has {len(frames) - 1}")
     tensors = []
     for i, spec in enumerate(bufs):
-        dtype, shape, kind, ref, offset = _check_spec(spec, i)
+        dtype, shape, kind, ref, offset = _check_spec(spec, i, limits.max_buffer_bytes)
         frame = memoryview(frames[i + 1])
         expected = dtype.itemsize
         for d in shape:

@@ -1,0 +1,50 @@
+"""Your own numpy model on a zmqps cluster: linear regression y = X w + b.
+
+Start a chief and the PS with zmqps-server (no --model: the chief only
+coordinates), then one of these per worker:
+
+    python examples/custom_loop.py --chief 127.0.0.1:2222 --index 0 --workers 2
+"""
+
+import argparse
+
+import numpy as np
+
+import zmqps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="linear regression on a zmqps cluster")
+    p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
+    p.add_argument("--index", type=int, default=0, help="this worker's index")
+    p.add_argument("--workers", type=int, default=1, help="number of workers")
+    p.add_argument("--steps", type=int, default=300, help="steps of this worker")
+    args = p.parse_args()
+
+    # Every worker makes the same data (same seed) and trains on its own rows of it.
+    rng = np.random.default_rng(0)
+    true_w = rng.normal(size=(8, 1)).astype(np.float32)
+    x = rng.normal(size=(4000, 8)).astype(np.float32)
+    y = x @ true_w + 0.5 + 0.01 * rng.normal(size=(4000, 1)).astype(np.float32)
+    x, y = x[args.index :: args.workers], y[args.index :: args.workers]
+
+    with zmqps.Worker(args.chief, args.index) as worker:
+        # Every worker declares the same variables; the first call creates them.
+        worker.create_variables(
+            [zmqps.VariableDef("w", (8, 1)), zmqps.VariableDef("b", (1,))],
+            optimizer={"name": "sgd", "lr": 0.1},
+        )
+        params = worker.pull()
+        batches = np.random.default_rng(args.index)
+        for _ in range(args.steps):
+            i = batches.integers(0, len(x), size=32)
+            err = x[i] @ params["w"] + params["b"] - y[i]
+            grads = {"w": 2 * x[i].T @ err / len(i), "b": 2 * err.mean(axis=0)}
+            # One round trip: the PS apply the gradients and send the new values back.
+            params = worker.push_pull(grads, loss=float(np.mean(err**2)), examples=len(i))
+        loss = float(np.mean((x @ params["w"] + params["b"] - y) ** 2))
+    print(f"worker {args.index}: final loss {loss:.6f} after {args.steps} steps")
+
+
+if __name__ == "__main__":
+    main()

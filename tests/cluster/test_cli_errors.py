@@ -1,0 +1,67 @@
+"""Mistakes users make at the command line: one clear error line, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import Reaper, addresses, script, zmqps_cmd
+
+
+def _tf_config(task_type: str, index: int) -> str:
+    chief, ps, w0, w1 = addresses(4)
+    cluster = {"chief": [chief], "ps": [ps], "worker": [w0, w1]}
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+
+
+CASES = {
+    "tf-config-not-json": (
+        ["zmqps-server"],
+        {"TF_CONFIG": '{"cluster": '},
+        "TF_CONFIG: not valid JSON",
+    ),
+    "index-out-of-range": (
+        ["zmqps-worker"],
+        {"TF_CONFIG": _tf_config("worker", 5)},
+        "TF_CONFIG: task index 5 out of range for 'worker' (2 tasks)",
+    ),
+    "no-cluster": (["zmqps-worker"], {}, "no cluster spec"),
+    "unknown-role": (
+        ["zmqps-worker", "--role", "trainer"],
+        {"TF_CONFIG": _tf_config("worker", 0)},
+        "--role: unknown role 'trainer'",
+    ),
+    "ps-task-for-zmqps-worker": (
+        ["zmqps-worker"],
+        {"TF_CONFIG": _tf_config("ps", 0)},
+        "zmqps-worker runs role worker, not 'ps'",
+    ),
+    "worker-role-for-zmqps-server": (
+        ["zmqps-server"],
+        {"TF_CONFIG": _tf_config("worker", 1)},
+        "zmqps-server serves roles chief and ps, not 'worker'",
+    ),
+    "launch-no-ps": (["zmqps", "launch", "--ps", "0"], {}, "--ps and --workers must be >= 1"),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", CASES)
+def test_bad_spec_is_one_line_and_exit_2(procs: Reaper, case: str) -> None:
+    (command, *args), env, message = CASES[case]
+    p = procs.spawn([script(command), *args], name=case, env=env)
+    p.expect_exit(2, timeout=20)
+    err = p.stderr
+    assert len(err.splitlines()) == 1 and err.startswith("zmqps: error: "), err
+    assert message in err
+    assert "Traceback" not in err + p.stdout
+
+
+@pytest.mark.timeout(30)
+def test_status_of_absent_chief_is_one_line_and_exit_1(procs: Reaper) -> None:
+    (chief,) = addresses(1)
+    p = procs.spawn(zmqps_cmd("status", "--chief", chief, "--timeout", "0.5"), name="status")
+    p.expect_exit(1, timeout=20)
+    err = p.stderr
+    assert len(err.splitlines()) == 1 and err.startswith("zmqps: error: "), err
+    assert chief in err

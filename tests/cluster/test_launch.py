@@ -1,0 +1,129 @@
+"""``zmqps launch``: a whole local cluster trains, fails as one, and stops on Ctrl-C."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import Proc, Reaper, launched_by, read_json, wait_for, zmqps_cmd
+
+from zmqps.data import write_idx
+
+SUMMARY_KEYS = {
+    "mode",
+    "ps",
+    "workers",
+    "global_step",
+    "test_accuracy",
+    "wall_seconds",
+    "examples_per_second",
+}
+
+
+def _launch(procs: Reaper, tmp_path: Path, *flags: str) -> tuple[Proc, Path]:
+    summary = tmp_path / "summary.json"
+    argv = zmqps_cmd(
+        "launch",
+        "--no-progress",
+        "--timeout",
+        "120",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--summary",
+        str(summary),
+        *flags,
+    )
+    return procs.spawn(argv, name="launch"), summary
+
+
+def _expect_no_children(launcher: Proc) -> None:
+    left = launched_by(launcher.pid)
+    assert not left, f"children of the launcher still running: {left}"
+
+
+@pytest.mark.timeout(90)
+def test_defaults_train_the_mlp(procs: Reaper, tmp_path: Path) -> None:
+    launcher, summary_path = _launch(procs, tmp_path)
+    launcher.expect_exit(0, timeout=80)
+    summary = read_json(summary_path)
+    assert set(summary) >= SUMMARY_KEYS, summary
+    assert (summary["mode"], summary["ps"], summary["workers"]) == ("async", 2, 2)
+    assert summary["global_step"] > 0
+    assert summary["test_accuracy"] >= 0.95, summary
+    assert "test accuracy" in launcher.stdout
+    for task in ("chief", "ps0", "ps1", "worker0", "worker1"):
+        assert (tmp_path / "run" / f"{task}.log").stat().st_size > 0
+    _expect_no_children(launcher)
+
+
+@pytest.mark.timeout(90)
+def test_softmax_one_ps_three_workers(procs: Reaper, tmp_path: Path) -> None:
+    flags = ("--model", "softmax", "--ps", "1", "--workers", "3", "--epochs", "3")
+    launcher, summary_path = _launch(procs, tmp_path, *flags)
+    launcher.expect_exit(0, timeout=80)
+    summary = read_json(summary_path)
+    assert (summary["model"], summary["ps"], summary["workers"]) == ("softmax", 1, 3)
+    assert summary["test_accuracy"] > 0.8, summary
+    _expect_no_children(launcher)
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_child_stops_the_cluster(procs: Reaper, tmp_path: Path) -> None:
+    missing = tmp_path / "no-mnist-here"
+    launcher, summary_path = _launch(
+        procs, tmp_path, "--dataset", "mnist", "--data-dir", str(missing)
+    )
+    launcher.expect_exit(1, timeout=50)
+    err = launcher.stderr
+    assert "MNIST files not found" in err
+    assert re.search(r"zmqps launch: failed: \w+ exited with code 1", err), err
+    assert not summary_path.exists()
+    _expect_no_children(launcher)
+
+
+@pytest.mark.timeout(60)
+def test_sigint_stops_everything_with_130(procs: Reaper, tmp_path: Path) -> None:
+    launcher, _ = _launch(procs, tmp_path, "--epochs", "1000", "--log-every", "5")
+    # Mid-training: a worker has logged a step (relayed by the launcher).
+    wait_for(
+        lambda: re.search(r"\[worker\d\] .*worker \d: step \d+", launcher.stderr),
+        timeout=40,
+        what="a training step in the launcher's output",
+    )
+    children = launched_by(launcher.pid)
+    assert len(children) == 5, children
+    launcher.send(signal.SIGINT)
+    launcher.expect_exit(130, timeout=30)
+    assert "zmqps launch: interrupted; stopping the cluster" in launcher.stderr
+    _expect_no_children(launcher)
+
+
+def _write_blocks_mnist(folder: Path, n_train: int = 600, n_test: int = 100) -> None:
+    """A learnable MNIST stand-in: digit ``k`` lights a 7x7 block at a place of its own."""
+    rng = np.random.default_rng(0)
+    folder.mkdir()
+    for split, n, suffix in (("train", n_train, ".gz"), ("t10k", n_test, "")):
+        labels = rng.integers(0, 10, size=n).astype(np.uint8)
+        images = rng.integers(0, 60, size=(n, 28, 28)).astype(np.uint8)
+        for i, k in enumerate(labels):
+            r, c = 7 * (k // 4), 7 * (k % 4)
+            images[i, r : r + 7, c : c + 7] = rng.integers(180, 256, size=(7, 7))
+        write_idx(folder / f"{split}-images-idx3-ubyte{suffix}", images)
+        write_idx(folder / f"{split}-labels-idx1-ubyte{suffix}", labels)
+
+
+@pytest.mark.timeout(90)
+def test_mnist_from_idx_files(procs: Reaper, tmp_path: Path) -> None:
+    data = tmp_path / "mnist"
+    _write_blocks_mnist(data)
+    flags = ("--dataset", "mnist", "--data-dir", str(data), "--epochs", "5")
+    launcher, summary_path = _launch(procs, tmp_path, *flags)
+    launcher.expect_exit(0, timeout=80)
+    summary = read_json(summary_path)
+    assert summary["dataset"] == "mnist"
+    assert summary["examples"] == 5 * 600
+    assert summary["test_accuracy"] >= 0.95, summary
+    _expect_no_children(launcher)

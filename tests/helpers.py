@@ -1,0 +1,267 @@
+"""Helpers for the process-level tests: spawn children, reap them, poll, pick ports.
+
+Rules of this module:
+
+* Loopback only: every address is ``127.0.0.1:<free port>``.
+* Every child starts in its own session (its pid is its process group), with
+  stdout / stderr in files, so a whole group can be signalled and its output
+  read after the fact; :class:`Reaper` stops whatever is still running.
+* Nothing sleeps for a fixed time: :func:`wait_for` polls up to a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from zmqps.cli.launch import free_ports as _free_ports
+
+__all__ = [
+    "HOST",
+    "Proc",
+    "Reaper",
+    "addresses",
+    "free_ports",
+    "launched_by",
+    "read_json",
+    "script",
+    "wait_for",
+    "zmqps_cmd",
+]
+
+HOST = "127.0.0.1"
+T = TypeVar("T")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1."""
+    return _free_ports(n, HOST)
+
+
+def addresses(n: int) -> list[str]:
+    """``n`` distinct free ``127.0.0.1:port`` addresses."""
+    return [f"{HOST}:{p}" for p in free_ports(n)]
+
+
+def script(name: str) -> str:
+    """The console script ``name`` (zmqps-server, ...) installed beside this Python."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: install zmqps in this environment (pip install -e .)")
+    return str(path)
+
+
+def zmqps_cmd(*args: str) -> list[str]:
+    """``python -m zmqps ARGS`` with this Python."""
+    return [sys.executable, "-m", "zmqps", *args]
+
+
+def wait_for(
+    predicate: Callable[[], T], timeout: float, *, what: str = "a condition", interval: float = 0.05
+) -> T:
+    """Poll ``predicate`` until it returns something truthy (and return it); fail at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def read_json(path: Path) -> Any:
+    """The JSON in ``path``, or None while it is missing or half written."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+# --- /proc -----------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of ``pid``, or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
+    return fields[0], int(fields[1])
+
+
+def _alive(pid: int) -> bool:
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return []
+    return raw.decode(errors="replace").split("\0")
+
+
+def launched_by(pid: int) -> list[int]:
+    """Live processes started by ``zmqps launch`` process ``pid`` (they carry its pid).
+
+    The launcher's children run in their own sessions and outlive it if it is
+    killed, so its process group does not find them; their ``--parent-pid`` does.
+    """
+    found = []
+    for p in _pids():
+        argv = _argv(p)
+        if ("--parent-pid", str(pid)) in itertools.pairwise(argv) and _alive(p):
+            found.append(p)
+    return found
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    parent = {p: s[1] for p in _pids() if (s := _proc_stat(p)) is not None}
+    found: set[int] = set()
+    frontier = set(roots)
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        group = os.getpgid(pid)
+        if group != os.getpgrp():  # never signal the test runner's own group
+            os.killpg(group, sig)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+# --- children ----------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    """One child process with its output files."""
+
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen[bytes]
+    out_path: Path
+    err_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def send(self, sig: int) -> None:
+        self.popen.send_signal(sig)
+
+    def tail(self, lines: int = 15) -> str:
+        def last(text: str) -> str:
+            return "\n".join(text.splitlines()[-lines:])
+
+        return (
+            f"--- {self.name} stdout:\n{last(self.stdout)}\n"
+            f"--- {self.name} stderr:\n{last(self.stderr)}"
+        )
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{self.name} still running after {timeout:g}s\n{self.tail()}"
+            ) from None
+
+    def expect_exit(self, code: int = 0, timeout: float = 60.0) -> None:
+        """Wait for the exit and assert its code (the output tails go into the message)."""
+        rc = self.wait(timeout)
+        assert rc == code, f"{self.name} exited with {rc}, expected {code}\n{self.tail()}"
+
+
+class Reaper:
+    """Starts children and, at :meth:`reap`, stops every one still running."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        **kw: Any,
+    ) -> Proc:
+        """Start ``argv`` in a new session; ``env`` adds to (TF_CONFIG: replaces) the parent's."""
+        name = name or f"{Path(argv[0]).name}-{len(self.procs)}"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        full_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+        full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+        out, err = self.log_dir / f"{name}.out", self.log_dir / f"{name}.err"
+        with out.open("wb") as fo, err.open("wb") as fe:
+            popen = subprocess.Popen(
+                list(argv),
+                stdout=fo,
+                stderr=fe,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                start_new_session=True,
+                **kw,
+            )
+        proc = Proc(name, list(argv), popen, out, err)
+        self.procs.append(proc)
+        return proc
+
+    def reap(self, grace: float = 5.0) -> list[str]:
+        """SIGTERM every leftover (and its descendants), SIGKILL after ``grace``.
+
+        Returns a description of each process that was still running.
+        """
+        roots = {p.pid for p in self.procs if p.poll() is None}
+        extra = {q for p in self.procs for q in launched_by(p.pid)}
+        victims = (roots | _descendants(roots) | extra) - {os.getpid()}
+        names = {p.pid: p.name for p in self.procs}
+        left = [f"{names.get(pid, 'pid')} ({pid}): {' '.join(_argv(pid))[:200]}" for pid in victims]
+        for pid in victims:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(max(0.0, deadline - time.monotonic()))
+        while any(_alive(pid) for pid in victims) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in victims:
+            if _alive(pid):
+                _signal(pid, signal.SIGKILL)
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(5.0)
+        return left

@@ -1,0 +1,590 @@
+"""ChiefService with in-memory PS (FakeNetwork + PSService): variables, placement, membership.
+
+The service is driven by handler messages built with ``zmqps.wire.request`` (and, in one
+test, through the fake transport so the real codec and body schemas are exercised).
+Time is a fake clock; every test runs inside ``asyncio.run`` with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+from zmqps.config import ClusterSpec
+from zmqps.core.partition import Partitioner, greedy_by_bytes, round_robin
+from zmqps.core.variables import Placement, VariableDef
+from zmqps.roles.chief import ChiefConfig, ChiefService
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.ps import PSService
+from zmqps.transport.base import TransportStats
+from zmqps.transport.fake import FakeNetwork
+from zmqps.wire import Message, request
+from zmqps.wire.errors import FencedError, InvalidArgument, NotReady, ProtocolError
+
+T = TypeVar("T")
+
+CHIEF = "127.0.0.1:7000"
+SGD = {"name": "sgd", "lr": 0.1}
+VARS = (
+    VariableDef("w", (12, 4), init={"name": "glorot_uniform", "seed": 1}),
+    VariableDef("b", (5,), init={"name": "zeros"}),
+    VariableDef("emb", (30, 2), init={"name": "normal", "seed": 2}, sparse=True),
+)
+
+
+def run(coro: Awaitable[T], timeout: float = 5.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+class Clock:
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def spec(num_ps: int, num_workers: int) -> ClusterSpec:
+    return ClusterSpec(
+        chief=CHIEF,
+        ps=tuple(f"127.0.0.1:{7100 + i}" for i in range(num_ps)),
+        worker=tuple(f"127.0.0.1:{7200 + i}" for i in range(num_workers)),
+    )
+
+
+@dataclass
+class Env:
+    net: FakeNetwork
+    cfg: ChiefConfig
+    chief: ChiefService
+    clock: Clock
+    services: list[PSService] = field(default_factory=list)
+    stats: list[TransportStats] = field(default_factory=list)
+
+    def created(self) -> list[int]:
+        """create_shards requests each PS served."""
+        return [s.by_op.get("create_shards", 0) for s in self.stats]
+
+    def serve(self, i: int) -> None:
+        svc = PSService(i)
+        self.services[i] = svc
+        self.stats[i] = self.net.serve(self.cfg.cluster.ps[i], svc, name=f"ps{i}")
+
+
+def make_env(
+    num_ps: int = 2,
+    num_workers: int = 2,
+    *,
+    serve: Sequence[int] | None = None,
+    **cfg: Any,
+) -> Env:
+    """Must be called inside a running loop (services create asyncio.Event objects)."""
+    cluster = spec(num_ps, num_workers)
+    cfg.setdefault("partitioner", Partitioner(num_shards=2))
+    cfg.setdefault("optimizer", dict(SGD))
+    config = ChiefConfig(bind=f"tcp://{CHIEF}", cluster=cluster, **cfg)
+    net = FakeNetwork()
+    clients = [net.client(addr, "chief:0") for addr in cluster.ps]
+    clock = Clock()
+    env = Env(net, config, ChiefService(config, clients, clock=clock), clock)
+    env.services = [PSService(i) for i in range(num_ps)]
+    env.stats = [TransportStats() for _ in range(num_ps)]
+    for i in range(num_ps) if serve is None else serve:
+        env.serve(i)
+    return env
+
+
+async def call(chief: ChiefService, op: str, body: dict[str, Any] | None = None) -> Message:
+    out = chief(request(op, body, sender="test"))
+    if inspect.isawaitable(out):
+        out = await out
+    assert isinstance(out, Message)
+    return out
+
+
+def who(index: int, incarnation: int = 0, **extra: Any) -> dict[str, Any]:
+    return {"role": "worker", "index": index, "incarnation": incarnation, **extra}
+
+
+def store_ids(env: Env) -> list[list[int]]:
+    return [svc.store.ids() for svc in env.services]
+
+
+def expected_ids(placement: Placement, num_ps: int) -> list[list[int]]:
+    return [sorted(s.id for s in placement.shards if s.ps == i) for i in range(num_ps)]
+
+
+# ---------------------------------------------------------------- create_variables
+
+
+def test_create_variables_places_shards_on_the_ps() -> None:
+    async def body() -> None:
+        env = make_env(3)
+        assert not env.chief.placement_ready.is_set()
+        placement = await env.chief.create_variables(VARS, SGD)
+        assert env.chief.placement is placement
+        assert env.chief.placement_ready.is_set()
+        assert placement.variables == VARS
+        assert dict(placement.optimizer) == SGD
+        assert len(placement.shards) == 6  # Partitioner(num_shards=2), three variables
+        assert store_ids(env) == expected_ids(placement, 3)
+        assert env.created() == [1, 1, 1]
+        for svc in env.services:
+            for shard in svc.store:
+                assert dict(shard.definition.optimizer) == SGD
+
+    run(body())
+
+
+def test_create_variables_is_idempotent() -> None:
+    async def body() -> None:
+        env = make_env(2)
+        first = await env.chief.create_variables(VARS, SGD)
+        again = await env.chief.create_variables(list(VARS), dict(SGD))
+        assert again is first
+        # the same definitions built afresh (another worker asking) give the same placement
+        fresh = tuple(VariableDef.from_wire(v.to_wire()) for v in VARS)
+        assert await env.chief.create_variables(fresh, {"lr": 0.1, "name": "sgd"}) is first
+        rep = await call(env.chief, "create_vars", {"variables": [v.to_wire() for v in VARS]})
+        assert Placement.from_wire(rep.body["placement"]) == first  # config optimizer = SGD
+        assert env.created() == [1, 1]  # the PS were asked once
+
+        # a PS asked again (a restarted chief does this) keeps its state
+        client = ParameterClient(
+            [env.net.client(a, "w") for a in env.cfg.cluster.ps], first, worker="w", incarnation=0
+        )
+        await client.push({"b": np.ones(5, np.float32)}, pull=True)
+        by_ps: dict[int, list[dict[str, Any]]] = {}
+        for ps, d in first.shard_defs():
+            by_ps.setdefault(ps, []).append(d.to_wire())
+        for ps, defs in by_ps.items():
+            await env.net.client(env.cfg.cluster.ps[ps], "chief:1").request(
+                "create_shards", {"shards": defs}
+            )
+        params = await client.pull()
+        np.testing.assert_allclose(params["b"], -0.1)
+        assert client.global_step == 1
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("variables", "optimizer"),
+    [
+        ((*VARS[:2], VariableDef("emb", (31, 2), init=VARS[2].init, sparse=True)), SGD),
+        ((*VARS[:2], VariableDef("emb", (30, 2), init={"name": "normal", "seed": 3})), SGD),
+        ((*VARS[:2], VariableDef("emb", (30, 2), "float64", VARS[2].init, sparse=True)), SGD),
+        ((*VARS[:2], VariableDef("emb", (30, 2), init=VARS[2].init)), SGD),  # not sparse
+        (VARS[:2], SGD),
+        ((*VARS, VariableDef("x", (3,))), SGD),
+        (tuple(reversed(VARS)), SGD),
+        (VARS, {"name": "sgd", "lr": 0.2}),
+        (VARS, {"name": "adam", "lr": 0.1}),
+        ((VARS[0], VARS[1].with_optimizer({"name": "adam", "lr": 0.1}), VARS[2]), SGD),
+    ],
+)
+def test_create_with_different_definitions_is_refused(
+    variables: tuple[VariableDef, ...], optimizer: dict[str, Any]
+) -> None:
+    async def body() -> None:
+        env = make_env(2)
+        first = await env.chief.create_variables(VARS, SGD)
+        with pytest.raises(InvalidArgument, match="different definitions"):
+            await env.chief.create_variables(variables, optimizer)
+        assert env.chief.placement is first
+        assert env.created() == [1, 1]
+        assert store_ids(env) == expected_ids(first, 2)
+        # and through the handler, the error is raised for the dispatcher to turn into a reply
+        with pytest.raises(InvalidArgument):
+            await call(
+                env.chief,
+                "create_vars",
+                {"variables": [v.to_wire() for v in variables], "optimizer": optimizer},
+            )
+
+    run(body())
+
+
+BAD_OPTIMIZERS = [
+    {"name": "nope", "lr": 0.1},
+    {"name": "sgd"},  # no lr
+    {"name": "sgd", "lr": -1.0},
+    {"name": "adam", "lr": 0.1, "beta1": 1.5},
+    {"name": "momentum", "lr": 0.1, "momentum": 2.0},
+    {"name": "sgd", "lr": 0.1, "momentum": 0.9},  # a key sgd does not take
+]
+BAD_INITS = [
+    {"name": "nope"},
+    {"name": "normal", "stddev": -1.0},
+    {"name": "uniform", "low": 1.0, "high": 0.0},
+    {"name": "zeros", "stddev": 1.0},
+    {"name": "normal", "seed": "x"},
+]
+
+
+def _assert_nothing_created(env: Env) -> None:
+    assert env.chief.placement is None
+    assert env.chief._creating is None
+    assert not env.chief.placement_ready.is_set()
+    assert env.created() == [0] * len(env.services)
+    assert all(len(svc.store) == 0 for svc in env.services)
+
+
+@pytest.mark.parametrize("optimizer", BAD_OPTIMIZERS)
+def test_invalid_optimizer_creates_nothing(optimizer: dict[str, Any]) -> None:
+    async def body() -> None:
+        env = make_env(2)
+        with pytest.raises(InvalidArgument):
+            await env.chief.create_variables(VARS, optimizer)
+        own = (VARS[0], VariableDef("b", (5,), optimizer=optimizer), VARS[2])
+        with pytest.raises(InvalidArgument):
+            await env.chief.create_variables(own, SGD)
+        _assert_nothing_created(env)
+        # nothing is stuck: a valid request still works
+        assert (await env.chief.create_variables(VARS, SGD)).variables == VARS
+
+    run(body())
+
+
+@pytest.mark.parametrize("init", BAD_INITS)
+def test_invalid_initializer_creates_nothing(init: dict[str, Any]) -> None:
+    async def body() -> None:
+        env = make_env(2)
+        bad = (VARS[0], VariableDef("b", (5,), init=init), VARS[2])
+        with pytest.raises(InvalidArgument):
+            await env.chief.create_variables(bad, SGD)
+        _assert_nothing_created(env)
+        assert (await env.chief.create_variables(VARS, SGD)).variables == VARS
+
+    run(body())
+
+
+def test_unplannable_variables_create_nothing() -> None:
+    async def body() -> None:
+        env = make_env(2)
+        with pytest.raises(InvalidArgument, match="duplicate"):
+            await env.chief.create_variables((VARS[0], VARS[0]), SGD)
+        _assert_nothing_created(env)
+        assert (await env.chief.create_variables(VARS, SGD)).variables == VARS
+
+        env = make_env(2, placement="nope")
+        with pytest.raises(InvalidArgument, match="unknown placement"):
+            await env.chief.create_variables(VARS, SGD)
+        _assert_nothing_created(env)
+
+    run(body())
+
+
+def test_concurrent_create_variables_make_one_placement() -> None:
+    async def body() -> None:
+        env = make_env(3)
+        msg = call(env.chief, "create_vars", {"variables": [v.to_wire() for v in VARS]})
+        rep, *placements = await asyncio.gather(
+            msg, *(env.chief.create_variables(VARS, SGD) for _ in range(5))
+        )
+        assert isinstance(rep, Message)
+        assert all(p is placements[0] for p in placements)
+        assert Placement.from_wire(rep.body["placement"]) == placements[0]
+        assert env.created() == [1, 1, 1]
+        assert store_ids(env) == expected_ids(placements[0], 3)
+
+    run(body())
+
+
+def test_concurrent_create_with_different_definitions() -> None:
+    async def body() -> None:
+        env = make_env(2)
+        other = (VariableDef("z", (4,)),)
+        first, second, third = await asyncio.gather(
+            env.chief.create_variables(VARS, SGD),
+            env.chief.create_variables(other, SGD),
+            env.chief.create_variables(VARS, SGD),
+            return_exceptions=True,
+        )
+        assert isinstance(first, Placement) and third is first
+        assert isinstance(second, InvalidArgument)
+        assert env.chief.placement is first
+        assert env.created() == [1, 1]
+
+    run(body())
+
+
+# ---------------------------------------------------------------- PS that never answers
+
+
+def test_ps_that_never_answers_fails_with_not_ready() -> None:
+    async def body() -> None:
+        env = make_env(2, serve=[0], startup_timeout=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(NotReady, match="ps 1"):
+            await env.chief.create_variables(VARS, SGD)
+        elapsed = time.monotonic() - t0
+        assert 0.2 <= elapsed < 1.5
+        assert env.chief.placement is None
+        assert not env.chief.placement_ready.is_set()
+        with pytest.raises(NotReady):
+            await call(env.chief, "get_placement", {"wait": 0.01})
+        # once the PS is up, a new attempt succeeds; PS 0 receives its shards again, harmlessly
+        env.serve(1)
+        placement = await env.chief.create_variables(VARS, SGD)
+        assert store_ids(env) == expected_ids(placement, 2)
+        assert env.created() == [2, 1]
+
+    run(body())
+
+
+def test_create_vars_message_fails_with_not_ready_when_no_ps_answers() -> None:
+    async def body() -> None:
+        env = make_env(1, serve=[], startup_timeout=0.05)
+        with pytest.raises(NotReady):
+            await call(env.chief, "create_vars", {"variables": [v.to_wire() for v in VARS]})
+        assert env.chief.placement is None
+
+    run(body())
+
+
+# ---------------------------------------------------------------- get_placement
+
+
+def test_get_placement_waits_for_creation() -> None:
+    async def body() -> None:
+        env = make_env(2)
+        waiter = asyncio.ensure_future(call(env.chief, "get_placement", {"wait": 3.0}))
+        await asyncio.sleep(0.02)
+        assert not waiter.done()
+        placement = await env.chief.create_variables(VARS, SGD)
+        rep = await asyncio.wait_for(waiter, 1.0)
+        assert Placement.from_wire(rep.body["placement"]) == placement
+        # afterwards it answers at once, with or without wait
+        rep = await call(env.chief, "get_placement")
+        assert Placement.from_wire(rep.body["placement"]) == placement
+
+    run(body())
+
+
+def test_get_placement_not_ready_when_never_created() -> None:
+    async def body() -> None:
+        env = make_env(2)
+        with pytest.raises(NotReady):
+            await call(env.chief, "get_placement")  # no wait
+        t0 = time.monotonic()
+        with pytest.raises(NotReady):
+            await call(env.chief, "get_placement", {"wait": 0.1})
+        assert 0.09 <= time.monotonic() - t0 < 1.0
+
+    run(body())
+
+
+# ---------------------------------------------------------------- membership over messages
+
+
+def test_register_heartbeat_leave() -> None:
+    async def body() -> None:
+        env = make_env(2, num_workers=2, heartbeat_interval=0.5)
+        rep = await call(env.chief, "register", who(0, 7, steps_planned=10))
+        assert rep.body == {
+            "ps": list(env.cfg.cluster.ps),
+            "placement": None,
+            "global_step": 0,
+            "mode": "async",
+            "heartbeat_interval": 0.5,
+        }
+        placement = await env.chief.create_variables(VARS, SGD)
+        rep = await call(env.chief, "register", who(1, 3))
+        assert Placement.from_wire(rep.body["placement"]) == placement
+
+        env.clock.now += 1.0
+        rep = await call(env.chief, "heartbeat", who(0, 7, step=4, loss=0.5, examples=128))
+        assert rep.body == {"global_step": 4, "stop": False}
+        rep = await call(env.chief, "heartbeat", who(1, 3, step=2))
+        assert rep.body["global_step"] == 6
+        w0 = env.chief.members.workers[0]
+        assert (w0.step, w0.loss, w0.examples, w0.last_seen) == (4, 0.5, 128, 101.0)
+
+        rep = await call(env.chief, "leave", who(0, 7, step=5, reason="done", examples=160))
+        assert rep.body == {"global_step": 7}
+        assert not env.chief.all_done.is_set()
+        rep = await call(env.chief, "leave", who(1, 3, step=2))  # reason defaults to "done"
+        assert rep.body == {"global_step": 7}
+        assert env.chief.all_done.is_set()
+        assert env.chief.members.workers[1].left_reason == "done"
+        assert env.chief.members.all_done_at == 101.0
+
+    run(body())
+
+
+def test_register_of_other_roles_is_not_membership() -> None:
+    async def body() -> None:
+        env = make_env(1, num_workers=1)
+        rep = await call(env.chief, "register", {"role": "evaluator", "index": 0, "incarnation": 0})
+        assert rep.body["ps"] == list(env.cfg.cluster.ps)
+        assert env.chief.members.workers == {}
+
+    run(body())
+
+
+def test_rejoin_and_fencing_over_messages() -> None:
+    async def body() -> None:
+        env = make_env(1, num_workers=1)
+        await call(env.chief, "register", who(0, 1))
+        await call(env.chief, "heartbeat", who(0, 1, step=9))
+        rep = await call(env.chief, "register", who(0, 2))  # restarted process
+        assert rep.body["global_step"] == 9  # never goes back
+        with pytest.raises(FencedError):
+            await call(env.chief, "heartbeat", who(0, 1, step=10))
+        with pytest.raises(FencedError):
+            await call(env.chief, "register", who(0, 1))
+        with pytest.raises(FencedError):
+            await call(env.chief, "leave", who(0, 1, step=10))
+        assert not env.chief.all_done.is_set()
+        with pytest.raises(InvalidArgument):
+            await call(env.chief, "register", who(1, 0))  # only one worker in the cluster
+        rep = await call(env.chief, "heartbeat", who(0, 2, step=1))
+        assert rep.body["global_step"] == 10
+
+    run(body())
+
+
+def test_all_done_only_when_every_worker_left() -> None:
+    async def body() -> None:
+        env = make_env(1, num_workers=3)
+        for i in range(3):
+            await call(env.chief, "register", who(i))
+        await call(env.chief, "leave", who(0, step=1))
+        await call(env.chief, "leave", who(2, step=1))
+        assert not env.chief.all_done.is_set()
+        # a dead worker does not end the job
+        env.clock.now += 1000.0
+        assert env.chief.members.dead(env.clock()) == [1]
+        assert not env.chief.all_done.is_set()
+        await call(env.chief, "register", who(1, 1))  # comes back
+        await call(env.chief, "leave", who(1, 1, step=3, reason="out of data"))
+        assert env.chief.all_done.is_set()
+        assert env.chief.status()["global_step"] == 5
+
+    run(body())
+
+
+def test_status() -> None:
+    async def body() -> None:
+        env = make_env(2, num_workers=3, heartbeat_timeout=10.0)
+        st = env.chief.status()
+        assert st["role"] == "chief"
+        assert st["mode"] == "async"
+        assert (st["global_step"], st["steps_planned"], st["examples"]) == (0, 0, 0)
+        assert st["workers_expected"] == 3
+        assert (st["workers_alive"], st["workers_dead"], st["workers"]) == ([], [], [])
+        assert st["ps"] == list(env.cfg.cluster.ps)
+        assert (st["variables"], st["shards"]) == (0, 0)
+        assert st["uptime_s"] >= 0
+
+        await env.chief.create_variables(VARS, SGD)
+        await call(env.chief, "register", who(0, steps_planned=20))
+        await call(env.chief, "register", who(1, steps_planned=30))
+        await call(env.chief, "register", who(2))
+        env.clock.now += 5.0
+        await call(env.chief, "heartbeat", who(0, step=6, loss=1.25, examples=192))
+        await call(env.chief, "leave", who(2, step=2, examples=64))
+        env.clock.now += 6.0  # worker 1 last seen 11 s ago: dead
+        st = env.chief.status()
+        assert (st["global_step"], st["steps_planned"], st["examples"]) == (8, 50, 256)
+        assert st["workers_alive"] == [0]
+        assert st["workers_dead"] == [1]
+        assert [(w["index"], w["state"], w["step"]) for w in st["workers"]] == [
+            (0, "alive", 6),
+            (1, "dead", 0),
+            (2, "done", 2),
+        ]
+        assert st["workers"][0]["loss"] == 1.25
+        assert st["workers"][1]["last_seen_s"] == 11.0
+        assert (st["variables"], st["shards"]) == (3, 6)
+        rep = await call(env.chief, "status")
+        assert rep.body == {**st, "uptime_s": rep.body["uptime_s"]}
+
+    run(body())
+
+
+def test_ping_shutdown_and_unknown_op() -> None:
+    async def body() -> None:
+        env = make_env(1, num_workers=1)
+        assert (await call(env.chief, "ping")).body == {"role": "chief", "index": 0}
+        with pytest.raises(ProtocolError, match="does not serve"):
+            await call(env.chief, "pull", {"shards": [0]})
+        assert not env.chief.shutdown_requested.is_set()
+        await call(env.chief, "shutdown", {"reason": "test"})
+        assert env.chief.shutdown_requested.is_set()
+
+    run(body())
+
+
+def test_through_the_fake_transport() -> None:
+    """The same conversation as a worker has it: encoded, decoded, schema-checked."""
+
+    async def body() -> None:
+        env = make_env(2, num_workers=1)
+        env.net.serve(CHIEF, env.chief, name="chief")
+        chief = env.net.client(CHIEF, "worker:0")
+        rep = await chief.request("register", who(0, 5, steps_planned=3))
+        assert rep.body["placement"] is None
+        rep = await chief.request(
+            "create_vars", {"variables": [v.to_wire() for v in VARS], "optimizer": SGD}
+        )
+        placement = Placement.from_wire(rep.body["placement"])
+        assert placement == env.chief.placement
+        rep = await chief.request("get_placement", {"wait": 1.0})
+        assert Placement.from_wire(rep.body["placement"]) == placement
+        with pytest.raises(InvalidArgument):  # typed on the client side
+            await chief.request("create_vars", {"variables": [VARS[0].to_wire()]})
+        await chief.request("heartbeat", who(0, 5, step=2, loss=0.1))
+        with pytest.raises(FencedError):
+            await chief.request("heartbeat", who(0, 4, step=2))
+        with pytest.raises(ProtocolError):  # body schema: step is required
+            await chief.request("heartbeat", who(0, 5))
+        await chief.request("leave", who(0, 5, step=3, reason="done"))
+        assert env.chief.all_done.is_set()
+        st = (await chief.request("status")).body
+        assert st["global_step"] == 3
+
+    run(body())
+
+
+# ---------------------------------------------------------------- placement policy
+
+
+SIZED = tuple(
+    VariableDef(name, (rows,), init={"name": "ones"})
+    for name, rows in [("a", 100), ("b", 10), ("c", 10), ("d", 10), ("e", 80)]
+)
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"), [("round_robin", round_robin), ("greedy", greedy_by_bytes)]
+)
+def test_placement_policy_is_honored(policy: str, expected: Any) -> None:
+    async def body() -> None:
+        env = make_env(2, placement=policy, partitioner=Partitioner(num_shards=1))
+        placement = await env.chief.create_variables(SIZED, SGD)
+        sizes = [v.nbytes for v in SIZED]
+        want = expected(sizes, 2)
+        assert [s.ps for s in placement.shards] == want
+        assert store_ids(env) == expected_ids(placement, 2)
+        loads = [sum(sz for sz, p in zip(sizes, want, strict=True) if p == i) for i in (0, 1)]
+        if policy == "round_robin":
+            assert want == [0, 1, 0, 1, 0]
+            assert loads == [760, 80]
+        else:
+            assert want == [0, 1, 1, 0, 1]
+            assert loads == [440, 400]
+        assert [svc.store.nbytes() for svc in env.services] == loads  # sgd: no slots
+
+    run(body())

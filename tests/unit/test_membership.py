@@ -1,0 +1,206 @@
+"""Membership: registration, rejoin, fencing, liveness, leaving, progress sums (time passed in)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zmqps.core.membership import Membership
+from zmqps.wire.errors import FencedError, InvalidArgument
+
+
+def states(m: Membership, now: float) -> dict[int, str]:
+    return {w["index"]: w["state"] for w in m.snapshot(now)}
+
+
+def test_needs_a_worker() -> None:
+    with pytest.raises(InvalidArgument):
+        Membership(0)
+
+
+def test_register_first_time_is_not_a_rejoin() -> None:
+    m = Membership(2, timeout=5.0)
+    assert m.register(0, incarnation=7, now=1.0, steps_planned=10) is False
+    assert m.first_registration == 1.0
+    assert m.register(1, incarnation=3, now=2.0) is False
+    assert m.first_registration == 1.0  # the first one sticks
+    assert m.alive(2.0) == [0, 1]
+    assert m.steps_planned == 10
+
+
+@pytest.mark.parametrize("index", [-1, 2, 100])
+def test_index_out_of_range(index: int) -> None:
+    m = Membership(2)
+    with pytest.raises(InvalidArgument):
+        m.register(index, 0, now=0.0)
+    with pytest.raises(InvalidArgument):
+        m.heartbeat(index, 0, step=1, now=0.0)
+
+
+def test_retried_register_refreshes_liveness_only() -> None:
+    m = Membership(1, timeout=5.0)
+    m.register(0, 1, now=0.0, steps_planned=4)
+    m.heartbeat(0, 1, step=3, now=1.0, examples=96)
+    assert m.register(0, 1, now=4.0, steps_planned=99) is False  # same incarnation: a retry
+    w = m.workers[0]
+    assert (w.step, w.examples, w.steps_planned, w.registered_at) == (3, 96, 4, 0.0)
+    assert w.last_seen == 4.0
+    assert m.global_step == 3
+
+
+def test_rejoin_keeps_earlier_steps_so_global_step_never_goes_back() -> None:
+    m = Membership(2, timeout=5.0)
+    m.register(0, 1, now=0.0)
+    m.register(1, 1, now=0.0)
+    m.heartbeat(0, 1, step=10, now=1.0, examples=320)
+    m.heartbeat(1, 1, step=4, now=1.0, examples=128)
+    assert m.global_step == 14
+    assert m.examples == 448
+
+    # worker 0 dies and comes back as a new process: its step counter restarts at 0
+    assert m.register(0, 2, now=20.0) is True
+    assert m.global_step == 14
+    assert m.examples == 448
+    w = m.workers[0]
+    assert (w.incarnation, w.step, w.steps_before, w.total_steps) == (2, 0, 10, 10)
+
+    m.heartbeat(0, 2, step=3, now=21.0, examples=96)
+    assert m.global_step == 17
+    assert m.examples == 544
+    assert {s["index"]: s["step"] for s in m.snapshot(21.0)} == {0: 13, 1: 4}
+
+    # a third incarnation stacks on both earlier ones
+    assert m.register(0, 5, now=30.0) is True
+    assert m.workers[0].total_steps == 13
+    assert m.global_step == 17
+
+
+def test_heartbeat_step_and_examples_never_go_back() -> None:
+    m = Membership(1)
+    m.register(0, 0, now=0.0)
+    m.heartbeat(0, 0, step=5, now=1.0, loss=2.5, examples=50)
+    m.heartbeat(0, 0, step=3, now=2.0, examples=30)  # reordered / late heartbeat
+    w = m.workers[0]
+    assert (w.step, w.examples, w.loss) == (5, 50, 2.5)  # loss None keeps the last one
+    m.heartbeat(0, 0, step=6, now=3.0, loss=1.5)
+    assert (w.step, w.examples, w.loss) == (6, 50, 1.5)
+
+
+def test_older_incarnation_is_fenced_on_register_and_heartbeat() -> None:
+    m = Membership(1)
+    m.register(0, 1, now=0.0)
+    m.register(0, 2, now=1.0)
+    with pytest.raises(FencedError):
+        m.register(0, 1, now=2.0)
+    with pytest.raises(FencedError):
+        m.heartbeat(0, 1, step=9, now=2.0)
+    with pytest.raises(FencedError):
+        m.leave(0, 1, step=9, now=2.0, reason="done", examples=None)
+    # nothing changed for the current incarnation
+    w = m.workers[0]
+    assert (w.incarnation, w.step, w.done, w.last_seen) == (2, 0, False, 1.0)
+
+
+def test_heartbeat_of_unknown_worker_or_incarnation() -> None:
+    m = Membership(2)
+    with pytest.raises(InvalidArgument, match="not registered"):
+        m.heartbeat(1, 0, step=1, now=0.0)
+    m.register(1, 3, now=0.0)
+    with pytest.raises(InvalidArgument, match="never registered"):
+        m.heartbeat(1, 4, step=1, now=0.0)
+
+
+def test_heartbeat_timeout_makes_a_worker_dead() -> None:
+    m = Membership(2, timeout=10.0)
+    m.register(0, 0, now=0.0)
+    m.register(1, 0, now=0.0)
+    m.heartbeat(0, 0, step=1, now=8.0)
+    assert m.alive(10.0) == [0, 1]  # exactly `timeout` old is still alive
+    assert m.dead(10.0) == []
+    assert m.alive(10.5) == [0]
+    assert m.dead(10.5) == [1]
+    assert states(m, 10.5) == {0: "alive", 1: "dead"}
+    assert m.dead(100.0) == [0, 1]
+
+    # a dead worker that heartbeats again (same incarnation) is alive again
+    m.heartbeat(1, 0, step=2, now=100.0)
+    assert m.alive(100.0) == [1]
+    # a dead worker that restarts is a new incarnation and alive
+    assert m.register(0, 1, now=100.0) is True
+    assert m.alive(100.0) == [0, 1]
+
+
+def test_leave_and_all_done() -> None:
+    m = Membership(2, timeout=10.0)
+    m.register(0, 0, now=0.0)
+    assert not m.all_done()
+    m.leave(0, 0, step=7, now=5.0, reason="done", examples=70)
+    assert not m.all_done()  # worker 1 never registered
+    assert m.all_done_at is None
+    m.register(1, 0, now=6.0)
+    assert not m.all_done()
+    m.leave(1, 0, step=3, now=9.0, reason="out of data", examples=None)
+    assert m.all_done()
+    assert m.all_done_at == 9.0
+    assert m.global_step == 10
+    assert m.examples == 70
+    w1 = m.workers[1]
+    assert (w1.done, w1.left_reason, w1.step) == (True, "out of data", 3)
+    # done workers are neither alive nor dead, however old their last heartbeat
+    assert m.alive(1000.0) == []
+    assert m.dead(1000.0) == []
+    assert states(m, 1000.0) == {0: "done", 1: "done"}
+
+
+def test_rejoin_after_done_reopens_the_job() -> None:
+    m = Membership(1)
+    m.register(0, 0, now=0.0)
+    m.leave(0, 0, step=4, now=1.0, reason="done", examples=None)
+    assert m.all_done() and m.all_done_at == 1.0
+    assert m.register(0, 1, now=2.0) is True
+    assert not m.all_done()
+    assert m.all_done_at is None
+    assert m.global_step == 4
+    m.leave(0, 1, step=2, now=3.0, reason="done", examples=None)
+    assert m.all_done_at == 3.0
+    assert m.global_step == 6
+
+
+def test_sums_over_workers() -> None:
+    m = Membership(3)
+    m.register(0, 0, now=0.0, steps_planned=100)
+    m.register(1, 0, now=0.0, steps_planned=50)
+    m.register(2, 0, now=0.0)
+    m.heartbeat(0, 0, step=11, now=1.0, examples=110)
+    m.heartbeat(1, 0, step=5, now=1.0, examples=50)
+    assert m.global_step == 16
+    assert m.examples == 160
+    assert m.steps_planned == 150
+    # a rejoin brings the new incarnation's plan (the old one's is replaced)
+    m.register(1, 1, now=2.0, steps_planned=45)
+    assert m.steps_planned == 145
+    assert m.global_step == 16
+
+
+def test_snapshot() -> None:
+    m = Membership(3, timeout=5.0)
+    m.register(2, 4, now=0.0)
+    m.register(0, 1, now=0.0)
+    m.register(1, 1, now=0.0)
+    m.heartbeat(0, 1, step=3, now=9.0, loss=0.25)
+    m.heartbeat(2, 4, step=1, now=2.0)
+    m.leave(1, 1, step=2, now=9.5, reason="done", examples=None)
+    snap = m.snapshot(10.0)
+    assert [s["index"] for s in snap] == [0, 1, 2]  # sorted by index
+    assert snap[0] == {
+        "index": 0,
+        "incarnation": 1,
+        "step": 3,
+        "loss": 0.25,
+        "state": "alive",
+        "last_seen_s": 1.0,
+    }
+    assert snap[1]["state"] == "done"
+    assert snap[2]["state"] == "dead"
+    assert snap[2]["incarnation"] == 4
+    assert snap[2]["last_seen_s"] == 8.0
+    assert snap[2]["loss"] is None
