@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from zmqps.core import _kernels
 from zmqps.wire.errors import InvalidArgument
 
 __all__ = [
@@ -59,6 +60,10 @@ Array = npt.NDArray[Any]
 #: temporaries stay cache-resident between passes (measured on a 1M-element chunk:
 #: 5-20% faster than whole-chunk passes; much smaller blocks lose to per-call overhead).
 BLOCK_ELEMS = 1 << 17
+
+#: Use the fused one-pass kernels of :mod:`zmqps.core._kernels` for float32 / float64
+#: parameters when numba is available (tests switch it off to check the reference path).
+USE_KERNELS = True
 
 
 def compute_dtype(dtype: str | np.dtype[Any]) -> np.dtype[Any]:
@@ -135,6 +140,10 @@ class Optimizer(ABC):
         """
         n = self._check(param, grad, slots, step, scratch)
         scale = float(scale)
+        fused = _kernels.kernel(self.name, param) if USE_KERNELS else None
+        if fused is not None:
+            self._fused(fused, param, grad, slots, step, scale, param.dtype.type)
+            return
         b = max(1, min(n, BLOCK_ELEMS))
         g_buf = scratch[:b]
         tmp_buf = scratch[b : 2 * b]
@@ -155,6 +164,19 @@ class Optimizer(ABC):
         if self.weight_decay:
             np.multiply(p, self.weight_decay, out=tmp)
             np.add(g, tmp, out=g)
+
+    @abstractmethod
+    def _fused(
+        self,
+        kernel: Any,
+        p: Array,
+        g: Array,
+        slots: Mapping[str, Array],
+        step: int,
+        scale: float,
+        dt: Any,
+    ) -> None:
+        """Run the fused kernel; scalars are passed as ``dt`` (the parameter's dtype)."""
 
     @abstractmethod
     def _update(
@@ -244,8 +266,13 @@ class SGD(Optimizer):
     ) -> None:
         # Two passes, no blocking needed: p = p * (1 - lr*wd) + (-lr*scale) * grad
         n = self._check(param, grad, slots, step, scratch)
-        b = max(1, min(n, BLOCK_ELEMS))
         factor = -self.lr * float(scale)
+        fused = _kernels.kernel(self.name, param) if USE_KERNELS else None
+        if fused is not None:
+            dt = param.dtype.type
+            fused(param, grad, dt(factor), dt(1.0 - self.lr * self.weight_decay))
+            return
+        b = max(1, min(n, BLOCK_ELEMS))
         for lo in range(0, n, b):
             hi = min(lo + b, n)
             p, s = param[lo:hi], scratch[: hi - lo]
@@ -253,6 +280,18 @@ class SGD(Optimizer):
             if self.weight_decay:
                 np.multiply(p, 1.0 - self.lr * self.weight_decay, out=p)
             np.add(p, s, out=p)
+
+    def _fused(
+        self,
+        kernel: Any,
+        p: Array,
+        g: Array,
+        slots: Mapping[str, Array],
+        step: int,
+        scale: float,
+        dt: Any,
+    ) -> None:  # pragma: no cover - apply_dense is overridden
+        raise AssertionError("SGD.apply_dense runs its kernel itself")
 
     def _update(
         self, p: Array, g: Array, slots: Mapping[str, Array], step: int, tmp: Array
@@ -276,6 +315,27 @@ class Momentum(Optimizer):
         if not isinstance(nesterov, bool):
             raise InvalidArgument(f"nesterov must be a bool, got {nesterov!r}")
         self.nesterov = nesterov
+
+    def _fused(
+        self,
+        kernel: Any,
+        p: Array,
+        g: Array,
+        slots: Mapping[str, Array],
+        step: int,
+        scale: float,
+        dt: Any,
+    ) -> None:
+        kernel(
+            p,
+            g,
+            slots["momentum"],
+            dt(self.lr),
+            dt(self.momentum),
+            dt(scale),
+            dt(self.weight_decay),
+            self.nesterov,
+        )
 
     def _update(
         self, p: Array, g: Array, slots: Mapping[str, Array], step: int, tmp: Array
@@ -310,6 +370,26 @@ class Adagrad(Optimizer):
         acc = np.full(shape, self.initial_accumulator, dtype=compute_dtype(dtype))
         return {"accumulator": acc}
 
+    def _fused(
+        self,
+        kernel: Any,
+        p: Array,
+        g: Array,
+        slots: Mapping[str, Array],
+        step: int,
+        scale: float,
+        dt: Any,
+    ) -> None:
+        kernel(
+            p,
+            g,
+            slots["accumulator"],
+            dt(self.lr),
+            dt(self.eps),
+            dt(scale),
+            dt(self.weight_decay),
+        )
+
     def _update(
         self, p: Array, g: Array, slots: Mapping[str, Array], step: int, tmp: Array
     ) -> None:
@@ -343,6 +423,29 @@ class Adam(Optimizer):
     def lr_t(self, step: int) -> float:
         """The bias-corrected step size at 1-based ``step``."""
         return self.lr * math.sqrt(1.0 - self.beta2**step) / (1.0 - self.beta1**step)
+
+    def _fused(
+        self,
+        kernel: Any,
+        p: Array,
+        g: Array,
+        slots: Mapping[str, Array],
+        step: int,
+        scale: float,
+        dt: Any,
+    ) -> None:
+        kernel(
+            p,
+            g,
+            slots["m"],
+            slots["v"],
+            dt(self.lr_t(step)),
+            dt(self.beta1),
+            dt(self.beta2),
+            dt(self.eps),
+            dt(scale),
+            dt(self.weight_decay),
+        )
 
     def _update(
         self, p: Array, g: Array, slots: Mapping[str, Array], step: int, tmp: Array

@@ -1,0 +1,60 @@
+"""The fused optimizer kernels compute what the numpy reference path computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from zmqps.core import _kernels, optimizers
+from zmqps.core.optimizers import make_optimizer
+
+CONFIGS = [
+    {"name": "sgd", "lr": 0.1},
+    {"name": "sgd", "lr": 0.1, "weight_decay": 0.01},
+    {"name": "momentum", "lr": 0.05, "momentum": 0.9},
+    {"name": "momentum", "lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.001},
+    {"name": "adagrad", "lr": 0.1, "initial_accumulator": 0.1},
+    {"name": "adam", "lr": 1e-3},
+    {"name": "adam", "lr": 1e-2, "beta1": 0.8, "beta2": 0.99, "weight_decay": 0.01},
+]
+
+
+def test_numba_kernels_are_available() -> None:
+    assert _kernels.available()
+
+
+def _run(config, dtype, grad_dtype, use_kernels, monkeypatch):
+    monkeypatch.setattr(optimizers, "USE_KERNELS", use_kernels)
+    rng = np.random.default_rng(7)
+    n = 10_001
+    opt = make_optimizer(config)
+    p = rng.normal(size=n).astype(dtype)
+    slots = {k: v.reshape(-1) for k, v in opt.init_slots((n,), dtype).items()}
+    scratch = np.empty(opt.scratch_factor * n, dtype=dtype)
+    for step in range(1, 6):
+        g = rng.normal(size=n).astype(grad_dtype)
+        g.setflags(write=False)
+        opt.apply_dense(p, g, slots, step, scratch, scale=0.5 if step % 2 else 1.0)
+    return p, slots
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: str(sorted(c.items())))
+@pytest.mark.parametrize(
+    ("dtype", "grad_dtype", "rtol"),
+    [
+        (np.float32, np.float32, 2e-5),
+        (np.float64, np.float64, 1e-12),
+        (np.float32, np.float64, 2e-5),
+    ],
+)
+def test_fused_matches_reference(config, dtype, grad_dtype, rtol, monkeypatch) -> None:
+    p_ref, s_ref = _run(config, dtype, grad_dtype, False, monkeypatch)
+    p_fast, s_fast = _run(config, dtype, grad_dtype, True, monkeypatch)
+    np.testing.assert_allclose(p_fast, p_ref, rtol=rtol, atol=rtol)
+    for k in s_ref:
+        np.testing.assert_allclose(s_fast[k], s_ref[k], rtol=rtol, atol=rtol)
+
+
+def test_float16_uses_the_reference_path() -> None:
+    assert _kernels.kernel("adam", np.zeros(4, np.float16)) is None
+    assert _kernels.kernel("adam", np.zeros(4, np.float32)) is not None

@@ -1,0 +1,87 @@
+"""Fused optimizer kernels: one pass over memory per dense update.
+
+Rules of this module:
+
+* Each kernel computes exactly the formula of its optimizer in
+  :mod:`zmqps.core.optimizers` (effective gradient ``scale * grad + wd * p``
+  included) in one loop, so an update reads each array once and writes each
+  once: near memory bandwidth, no temporaries. The numpy implementation there
+  is the reference they are tested against.
+* Kernels take float32 / float64 parameters (slots of the same dtype); the
+  gradient may be of any float dtype. Anything else uses the numpy path.
+* numba is imported lazily; :data:`available` says whether it could be.
+  ``error_model="numpy"`` keeps divisions vectorizable; single-threaded, because
+  a PS shares its cores with the transport and, on one host, with workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["available", "kernel"]
+
+_KERNELS: dict[str, Any] | None = None
+_FAILED = False
+
+
+def _build() -> dict[str, Any] | None:
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - numba is a dependency; kept for odd platforms
+        return None
+    jit = numba.njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
+
+    @jit  # type: ignore[misc]
+    def sgd(p, g, a, keep):  # type: ignore[no-untyped-def]
+        # p = keep * p + a * g   (a = -lr * scale, keep = 1 - lr * wd)
+        for i in range(p.shape[0]):
+            p[i] = keep * p[i] + a * g[i]
+
+    @jit  # type: ignore[misc]
+    def momentum(p, g, m, lr, mu, scale, wd, nesterov):  # type: ignore[no-untyped-def]
+        for i in range(p.shape[0]):
+            gi = scale * g[i] + wd * p[i]
+            mi = mu * m[i] + gi
+            m[i] = mi
+            if nesterov:
+                p[i] -= lr * (gi + mu * mi)
+            else:
+                p[i] -= lr * mi
+
+    @jit  # type: ignore[misc]
+    def adagrad(p, g, a, lr, eps, scale, wd):  # type: ignore[no-untyped-def]
+        for i in range(p.shape[0]):
+            gi = scale * g[i] + wd * p[i]
+            ai = a[i] + gi * gi
+            a[i] = ai
+            p[i] -= lr * gi / (np.sqrt(ai) + eps)
+
+    @jit  # type: ignore[misc]
+    def adam(p, g, m, v, lr_t, b1, b2, eps, scale, wd):  # type: ignore[no-untyped-def]
+        for i in range(p.shape[0]):
+            gi = scale * g[i] + wd * p[i]
+            mi = m[i] + (1 - b1) * (gi - m[i])
+            vi = v[i] + (1 - b2) * (gi * gi - v[i])
+            m[i] = mi
+            v[i] = vi
+            p[i] -= lr_t * mi / (np.sqrt(vi) + eps)
+
+    return {"sgd": sgd, "momentum": momentum, "adagrad": adagrad, "adam": adam}
+
+
+def available() -> bool:
+    global _KERNELS, _FAILED
+    if _KERNELS is None and not _FAILED:
+        _KERNELS = _build()
+        _FAILED = _KERNELS is None
+    return _KERNELS is not None
+
+
+def kernel(name: str, param: np.ndarray[Any, Any]) -> Any:
+    """The fused kernel for optimizer ``name`` and this parameter, or None (numpy path)."""
+    if param.dtype not in (np.float32, np.float64) or not available():
+        return None
+    assert _KERNELS is not None
+    return _KERNELS.get(name)
