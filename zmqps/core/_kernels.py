@@ -10,6 +10,7 @@ Rules of this module:
 * Kernels take float32 / float64 parameters (slots of the same dtype); the
   gradient may be of any float dtype. Anything else uses the numpy path.
 * numba is imported lazily; :data:`available` says whether it could be.
+  No fastmath: results are IEEE-exact like numpy (an FMA would differ in the last bit);
   ``error_model="numpy"`` keeps divisions vectorizable; single-threaded, because
   a PS shares its cores with the transport and, on one host, with workers.
 """
@@ -31,7 +32,7 @@ def _build() -> dict[str, Any] | None:
         import numba
     except ImportError:  # pragma: no cover - numba is a dependency; kept for odd platforms
         return None
-    jit = numba.njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
+    jit = numba.njit(nogil=True, cache=True, error_model="numpy")
 
     @jit  # type: ignore[misc]
     def sgd(p, g, a, keep):  # type: ignore[no-untyped-def]

@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import zmq.asyncio
 
 from zmqps.core.dedup import PushDeduper
@@ -44,6 +46,35 @@ class PSConfig:
     chunk_bytes: int = 4 << 20
 
 
+class SnapshotPool:
+    """Reusable buffers for pull snapshots, so a pull costs one memcpy, not fresh pages.
+
+    A buffer handed to the transport stays referenced by its frames until libzmq has
+    sent them (pyzmq releases zero-copy buffers only then); a buffer whose only
+    reference is the pool's is free again. At most ``per_shard`` buffers are kept per
+    shard; beyond that (a slow reader), snapshots are plain allocations.
+    """
+
+    def __init__(self, per_shard: int = 3) -> None:
+        self.per_shard = per_shard
+        self._buffers: dict[int, list[np.ndarray[Any, Any]]] = {}
+        self.reused = 0
+        self.allocated = 0
+
+    def take(self, sid: int, size: int, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        pool = self._buffers.setdefault(sid, [])
+        for buf in pool:
+            # 3 = the pool's list, the loop variable and getrefcount's own argument
+            if sys.getrefcount(buf) <= 3 and buf.size == size and buf.dtype == dtype:
+                self.reused += 1
+                return buf
+        self.allocated += 1
+        buf = np.empty(size, dtype=dtype)
+        if len(pool) < self.per_shard:
+            pool.append(buf)
+        return buf
+
+
 class PSService:
     """Request handler of one PS task."""
 
@@ -54,6 +85,7 @@ class PSService:
         self.chunk_elems_bytes = chunk_bytes
         self.duplicates = 0
         self.fenced = 0
+        self.snapshots = SnapshotPool()
         self.shutdown_requested = asyncio.Event()
 
     # The transport calls this for every decoded request.
@@ -77,8 +109,9 @@ class PSService:
         versions: list[int] = []
         tensors: list[Tensor] = []
         for sid in sids:
-            version, values = self.store.snapshot(sid)
-            flat = values.reshape(-1)
+            shard = self.store.get(sid)
+            flat = self.snapshots.take(sid, shard.values.size, shard.values.dtype)
+            version = self.store.snapshot_into(sid, flat.reshape(shard.values.shape))
             step = max(1, self.chunk_elems_bytes // flat.itemsize)
             versions.append(version)
             tensors.extend(
