@@ -121,13 +121,20 @@ class Cluster:
         *,
         chunk_bytes: int = 4 << 20,
         wrap: Callable[[FakeClient], Requester] | None = None,
+        shared_memory: bool = False,
     ) -> ParameterClient:
+        """A client; TCP-style frames unless ``shared_memory`` (tests/unit/test_shm.py)."""
         reqs: list[Requester] = []
         for i in range(len(self.services)):
             c = self.net.client(f"ps{i}", f"{worker}:{incarnation}")
             reqs.append(wrap(c) if wrap else c)
         return ParameterClient(
-            reqs, self.placement, worker=worker, incarnation=incarnation, chunk_bytes=chunk_bytes
+            reqs,
+            self.placement,
+            worker=worker,
+            incarnation=incarnation,
+            chunk_bytes=chunk_bytes,
+            shared_memory=shared_memory,
         )
 
     def shard_values(self, name: str) -> np.ndarray:

@@ -11,13 +11,19 @@ Rules of this module:
   gradients are sent zero-copy as views of the caller's arrays.
 * Every push carries (worker, incarnation, sequence): a retried push is applied
   at most once, and pushes of a replaced incarnation are fenced by the PS.
+* Same-host fast path (``shared_memory=True``, the default): on first use of a PS
+  the client offers it two shared-memory regions (pull, push) laid out with every
+  dense shard it holds there; if the PS can map them (same machine, same
+  ``/dev/shm``), dense pulls and pushes move their bytes through them and ZeroMQ
+  carries only the control message. Otherwise, and for rows, TCP is used.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,12 +31,34 @@ import numpy.typing as npt
 
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.transport.base import Requester
+from zmqps.transport.shm import Region, create_region, unlink_region
 from zmqps.wire import Message, Tensor
-from zmqps.wire.errors import InvalidArgument, ProtocolError
+from zmqps.wire.errors import InvalidArgument, NotFound, ProtocolError, ZmqpsError
 
 __all__ = ["ParameterClient"]
 
+log = logging.getLogger("zmqps.client")
+
 Array = npt.NDArray[Any]
+ALIGN = 64
+
+
+@dataclass
+class _FastPath:
+    """Shared-memory regions with one PS: the same layout in both."""
+
+    pull: Region
+    push: Region
+    pull_id: int
+    push_id: int
+    offsets: dict[int, int]  # shard id -> data byte offset
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def ref(self, pull: bool, sids: Sequence[int]) -> dict[str, Any]:
+        return {
+            "region": self.pull_id if pull else self.push_id,
+            "offsets": [self.offsets[s] for s in sids],
+        }
 
 
 @dataclass(frozen=True)
@@ -52,6 +80,7 @@ class ParameterClient:
         chunk_bytes: int = 4 << 20,
         timeout: float = 30.0,
         push_attempts: int = 3,
+        shared_memory: bool = True,
     ) -> None:
         self.ps = list(ps)
         self.placement = placement
@@ -73,6 +102,9 @@ class ParameterClient:
             v.name: np.zeros(v.shape, dtype=v.dtype) for v in placement.variables if not v.sparse
         }
         self.versions: dict[int, int] = dict.fromkeys(self.routes, 0)
+        self.shared_memory = shared_memory
+        self._fast: list[_FastPath | bool | None] = [None] * len(self.ps)
+        self._fast_setup = [asyncio.Lock() for _ in self.ps]
         self.last_staleness = 0
         self._row_bounds: dict[str, tuple[Array, list[ShardInfo]]] = {}
         for v in placement.variables:
@@ -109,11 +141,7 @@ class ParameterClient:
         ] or [Tensor(part, kind, sid, 0)]
 
     def _take_values(self, reply: Message, sids: Sequence[int]) -> None:
-        versions = reply.body.get("versions")
-        if not isinstance(versions, list) or len(versions) != len(sids):
-            raise ProtocolError("pull reply: versions do not match the shards asked for")
-        for sid, version in zip(sids, versions, strict=True):
-            self.versions[sid] = int(version)
+        self._set_versions(reply, sids)
         for t in reply.tensors:
             r = self.routes.get(t.ref)
             if r is None or t.kind != "value" or t.offset + t.array.size > r.size:
@@ -137,6 +165,92 @@ class ParameterClient:
         if isinstance(staleness, list) and staleness:
             self.last_staleness = max(int(s) for s in staleness)
 
+    # ------------------------------------------------------------------ fast path
+
+    def transport_of(self, ps: int) -> str:
+        """ "shm" when dense tensors to PS ``ps`` travel through shared memory, else "tcp"."""
+        return "shm" if isinstance(self._fast[ps], _FastPath) else "tcp"
+
+    async def _fast_path(self, ps: int) -> _FastPath | None:
+        state = self._fast[ps]
+        if isinstance(state, _FastPath):
+            return state
+        if state is False or not self.shared_memory:
+            return None
+        async with self._fast_setup[ps]:
+            if self._fast[ps] is None:
+                self._fast[ps] = await self._attach(ps) or False
+        state = self._fast[ps]
+        return state if isinstance(state, _FastPath) else None
+
+    async def _attach(self, ps: int) -> _FastPath | None:
+        offsets: dict[int, int] = {}
+        pos = 0
+        for sid, r in sorted(self.routes.items()):
+            if r.shard.ps == ps and not r.var.sparse:
+                offsets[sid] = pos
+                pos += -(-r.size * r.var.itemsize // ALIGN) * ALIGN
+        if not offsets:
+            return None
+        regions: list[Region] = []
+        try:
+            regions = [create_region(pos), create_region(pos)]
+            ids = []
+            for region in regions:
+                body = {
+                    "name": region.name,
+                    "size": region.size,
+                    "worker": self.worker,
+                    "inc": self.incarnation,
+                }
+                rep = await self.ps[ps].request("shm_attach", body, timeout=self.timeout)
+                if rep.body.get("token") != region.token.hex():
+                    raise NotFound("the PS maps different memory under that name")
+                ids.append(int(rep.body["region"]))
+        except (OSError, ZmqpsError) as exc:
+            log.info("ps %d: no same-host fast path (%s); using TCP", ps, exc)
+            for region in regions:
+                region.close()
+            return None
+        finally:
+            for region in regions:
+                unlink_region(region)
+        log.info("ps %d: dense tensors travel through shared memory (%d bytes)", ps, pos)
+        return _FastPath(regions[0], regions[1], ids[0], ids[1], offsets)
+
+    async def close(self) -> None:
+        """Release shared-memory regions (best effort: the PS also drops them on rejoin)."""
+        for ps, state in enumerate(self._fast):
+            if isinstance(state, _FastPath):
+                for rid in (state.pull_id, state.push_id):
+                    try:
+                        await self.ps[ps].request("shm_detach", {"region": rid}, timeout=2.0)
+                    except ZmqpsError as exc:
+                        log.debug("ps %d: shm_detach failed: %s", ps, exc)
+                state.pull.close()
+                state.push.close()
+            self._fast[ps] = None
+
+    def _copy_out(self, fp: _FastPath, sids: Sequence[int]) -> None:
+        for sid in sids:
+            r = self.routes[sid]
+            src = fp.pull.view(fp.offsets[sid], np.dtype(r.var.dtype), r.size)
+            flat = self.params[r.var.name].reshape(-1)
+            np.copyto(flat[r.start : r.start + r.size], src)
+
+    def _copy_in(self, fp: _FastPath, sids: Sequence[int], flat: Mapping[str, Array]) -> None:
+        for sid in sids:
+            r = self.routes[sid]
+            dst = fp.push.view(fp.offsets[sid], np.dtype(r.var.dtype), r.size)
+            np.copyto(dst, flat[r.var.name][r.start : r.start + r.size])
+
+    def _set_versions(self, reply: Message, sids: Sequence[int]) -> None:
+        versions = reply.body.get("versions")
+        if not isinstance(versions, list) or len(versions) != len(sids):
+            raise ProtocolError("reply: versions do not match the shards asked for")
+        for sid, version in zip(sids, versions, strict=True):
+            self.versions[sid] = int(version)
+
     # ------------------------------------------------------------------ dense
 
     async def pull(self, names: Iterable[str] | None = None) -> dict[str, Array]:
@@ -150,6 +264,14 @@ class ParameterClient:
                     self.params[name] = np.zeros(v.shape, dtype=v.dtype)
 
         async def one(ps: int, sids: list[int]) -> None:
+            fp = await self._fast_path(ps)
+            if fp is not None and all(s in fp.offsets for s in sids):
+                async with fp.lock:
+                    body = {"shards": sids, "shm_out": fp.ref(True, sids)}
+                    rep = await self.ps[ps].request("pull", body, timeout=self.timeout)
+                    self._set_versions(rep, sids)
+                    self._copy_out(fp, sids)
+                return
             rep = await self.ps[ps].request("pull", {"shards": sids}, timeout=self.timeout)
             self._take_values(rep, sids)
 
@@ -177,6 +299,22 @@ class ParameterClient:
         op = "push_pull" if pull else "push"
 
         async def one(ps: int, sids: list[int]) -> None:
+            fp = await self._fast_path(ps)
+            if fp is not None and all(s in fp.offsets for s in sids):
+                async with fp.lock:
+                    self._copy_in(fp, sids, flat)
+                    body = self._push_body(ps, sids)
+                    body["shm"] = fp.ref(False, sids)
+                    if pull:
+                        body["shm_out"] = fp.ref(True, sids)
+                    rep = await self.ps[ps].request(
+                        op, body, timeout=self.timeout, attempts=self.push_attempts
+                    )
+                    self._after_push(rep, sids)
+                    if pull:
+                        self._set_versions(rep, sids)
+                        self._copy_out(fp, sids)
+                return
             tensors = [
                 t
                 for sid in sids

@@ -11,11 +11,16 @@ Rules of this module:
 * A pull reply is a consistent snapshot of each shard at one version: values are
   copied before they are handed to the transport (a zero-copy send of a live
   shard would race with the next update).
+* Same-host fast path: a worker may attach shared-memory regions; then a pull
+  writes each snapshot straight into the worker's region and a push applies the
+  gradient straight from it. Offsets are checked against the region (in bounds,
+  aligned, no two shards overlapping) before anything is read or written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import signal
 import sys
@@ -31,6 +36,7 @@ from zmqps.core.dedup import PushDeduper
 from zmqps.core.store import ShardStore
 from zmqps.core.variables import ShardDef
 from zmqps.transport import Server, SocketOptions
+from zmqps.transport.shm import Region, attach_region
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire.errors import FencedError, InvalidArgument, NotFound, ProtocolError
 
@@ -78,7 +84,15 @@ class SnapshotPool:
 class PSService:
     """Request handler of one PS task."""
 
-    def __init__(self, index: int, store: ShardStore | None = None, chunk_bytes: int = 4 << 20):
+    MAX_REGIONS_PER_WORKER = 4
+
+    def __init__(
+        self,
+        index: int,
+        store: ShardStore | None = None,
+        chunk_bytes: int = 4 << 20,
+        max_region_bytes: int = 16 << 30,
+    ):
         self.index = index
         self.store = store or ShardStore()
         self.dedup = PushDeduper()
@@ -86,6 +100,9 @@ class PSService:
         self.duplicates = 0
         self.fenced = 0
         self.snapshots = SnapshotPool()
+        self.regions: dict[int, tuple[str, Region]] = {}  # id -> (worker, region)
+        self._next_region = 1
+        self.max_region_bytes = max_region_bytes
         self.shutdown_requested = asyncio.Event()
 
     # The transport calls this for every decoded request.
@@ -124,8 +141,60 @@ class PSService:
         sids = msg.body["shards"]
         for sid in sids:
             self.store.get(sid)  # NotFound before any work
+        if "shm_out" in msg.body:
+            return reply(msg, {"versions": self._snapshot_to_region(sids, msg.body["shm_out"])})
         versions, tensors = self._snapshot_tensors(sids)
         return reply(msg, {"versions": versions}, tensors)
+
+    # -- same-host fast path ---------------------------------------------------
+
+    def _op_shm_attach(self, msg: Message) -> Message:
+        b = msg.body
+        region = attach_region(b["name"], b["size"], max_bytes=self.max_region_bytes)
+        worker = b["worker"]
+        mine = sorted(rid for rid, (w, _) in self.regions.items() if w == worker)
+        for rid in mine[: max(0, len(mine) - self.MAX_REGIONS_PER_WORKER + 1)]:
+            self.regions.pop(rid)[1].close()  # the oldest of this worker's regions
+        rid = self._next_region
+        self._next_region += 1
+        self.regions[rid] = (worker, region)
+        log.info("ps %d: %s attached shared memory (%d bytes)", self.index, worker, region.size)
+        return reply(msg, {"region": rid, "token": region.token.hex()})
+
+    def _op_shm_detach(self, msg: Message) -> Message:
+        entry = self.regions.pop(msg.body["region"], None)
+        if entry is not None:
+            entry[1].close()
+        return reply(msg)
+
+    def _region_views(self, sids: Sequence[int], ref: Any) -> list[np.ndarray[Any, Any]]:
+        """The shards' places in a region, validated whole before any use."""
+        entry = self.regions.get(ref["region"])
+        if entry is None:
+            raise NotFound(f"shm region {ref['region']} is not attached")
+        offsets = ref["offsets"]
+        if len(offsets) != len(sids):
+            raise InvalidArgument("shm: one offset per shard expected")
+        region = entry[1]
+        views = []
+        spans = []
+        for sid, off in zip(sids, offsets, strict=True):
+            shard = self.store.get(sid)
+            view = region.view(off, shard.values.dtype, shard.values.size)
+            views.append(view)
+            spans.append((off, off + view.nbytes))
+        spans.sort()
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            if start < end:
+                raise InvalidArgument("shm: shards overlap in the region")
+        return views
+
+    def _snapshot_to_region(self, sids: Sequence[int], ref: Any) -> list[int]:
+        views = self._region_views(sids, ref)
+        return [
+            self.store.snapshot_into(sid, view.reshape(self.store.get(sid).values.shape))
+            for sid, view in zip(sids, views, strict=True)
+        ]
 
     def _grad_chunks(self, msg: Message, kinds: tuple[str, ...]) -> dict[int, list[Tensor]]:
         sids = msg.body["shards"]
@@ -166,9 +235,17 @@ class PSService:
         return new
 
     def _op_push(self, msg: Message, pull: bool = False) -> Message:
-        by_shard = self._grad_chunks(msg, ("grad",))
         sids, pulled = msg.body["shards"], msg.body["versions"]
-        chunks = {sid: [(t.offset, t.array.reshape(-1)) for t in by_shard[sid]] for sid in sids}
+        if "shm" in msg.body:
+            if msg.tensors or len(set(sids)) != len(sids) or len(pulled) != len(sids):
+                raise InvalidArgument("push: shm pushes name each shard once, with no tensors")
+            views = self._region_views(sids, msg.body["shm"])
+            chunks = {sid: [(0, view)] for sid, view in zip(sids, views, strict=True)}
+        else:
+            by_shard = self._grad_chunks(msg, ("grad",))
+            chunks = {sid: [(t.offset, t.array.reshape(-1)) for t in by_shard[sid]] for sid in sids}
+        if pull and "shm_out" in msg.body:
+            self._region_views(sids, msg.body["shm_out"])  # validate before applying
         for sid, ver in zip(sids, pulled, strict=True):
             self.store.check_dense(sid, chunks[sid], ver)
         applied = self._is_new(msg)
@@ -179,13 +256,15 @@ class PSService:
                 staleness.append(s)
             body = msg.body
             self.dedup.commit(body["worker"], body["inc"], body["seq"])
+        body_out: dict[str, Any] = {"applied": applied, "staleness": staleness}
+        if pull and "shm_out" in msg.body:
+            body_out["versions"] = self._snapshot_to_region(sids, msg.body["shm_out"])
+            return reply(msg, body_out)
         if pull:
-            versions, tensors = self._snapshot_tensors(sids)
-            return reply(
-                msg, {"applied": applied, "versions": versions, "staleness": staleness}, tensors
-            )
-        versions = [self.store.get(sid).version for sid in sids]
-        return reply(msg, {"applied": applied, "versions": versions, "staleness": staleness})
+            body_out["versions"], tensors = self._snapshot_tensors(sids)
+            return reply(msg, body_out, tensors)
+        body_out["versions"] = [self.store.get(sid).version for sid in sids]
+        return reply(msg, body_out)
 
     def _op_push_pull(self, msg: Message) -> Message:
         return self._op_push(msg, pull=True)

@@ -25,7 +25,7 @@ import zmq.asyncio
 from zmqps.transport.base import Handler, TransportStats
 from zmqps.transport.dispatch import Dispatcher
 from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
-from zmqps.wire import Limits, Message, encode
+from zmqps.wire import Limits, Message, encode, error_reply
 
 __all__ = ["Server"]
 
@@ -85,19 +85,25 @@ class Server:
         await self._loop_task
 
     async def stop(self) -> None:
-        """Stop receiving, let in-flight handler tasks finish briefly, close the socket."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-            self._loop_task = None
-        if self._tasks:
-            _done, pending = await asyncio.wait(self._tasks, timeout=1.0)
-            for t in pending:
-                t.cancel()
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        """Stop receiving, let in-flight handler tasks finish briefly, close the socket.
+
+        The socket is closed whatever happened before (a receive loop that died
+        would otherwise leave it open and hang ``ctx.term()``).
+        """
+        try:
+            if self._loop_task is not None:
+                task, self._loop_task = self._loop_task, None
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if self._tasks:
+                _done, pending = await asyncio.wait(self._tasks, timeout=1.0)
+                for t in pending:
+                    t.cancel()
+        finally:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
@@ -129,7 +135,14 @@ class Server:
         sock = self._sock
         if sock is None:
             return
-        frames = encode(msg)
+        try:
+            frames = encode(msg)
+        except Exception as exc:
+            # A handler bug (e.g. a numpy scalar in a reply body) must not kill the
+            # receive loop: the caller gets an internal error instead.
+            log.exception("%s: cannot encode the reply to request %s", self._name, msg.id)
+            self.stats.errors += 1
+            frames = encode(error_reply(msg.id, exc))
         try:
             send_now(sock, [identity, *frames])
         except zmq.Again:

@@ -50,6 +50,8 @@ REQUEST_OPS = frozenset(
         "push_pull",
         "pull_rows",
         "push_rows",
+        "shm_attach",
+        "shm_detach",
         "status",
         "shutdown",
     }

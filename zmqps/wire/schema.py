@@ -193,6 +193,9 @@ SHARD = Map(
 
 WHO = {"role": ROLE, "index": Int(0, 1 << 20), "incarnation": Int(0)}
 
+#: Where a shard's bytes are in a shared-memory region (same-host fast path).
+SHM_REF = Map({"region": Int(0, 2**31 - 1), "offsets": List(Int(0, 2**48), MAX_SHARDS)})
+
 PUSH = Map(
     {
         "shards": List(SHARD_ID, MAX_SHARDS),
@@ -201,7 +204,7 @@ PUSH = Map(
         "inc": Int(0),
         "seq": Int(0),
     },
-    {"step": Int(0)},
+    {"step": Int(0), "shm": SHM_REF, "shm_out": SHM_REF},
 )
 
 #: The body schema of every request op. Replies ("ok" / "error") are checked generically.
@@ -216,7 +219,9 @@ REQUEST_BODIES: Mapping[str, Schema] = {
     "create_vars": Map({"variables": List(VARIABLE, 1 << 14)}, {"optimizer": OPTIMIZER}),
     "get_placement": Map({}, {"wait": Float(0.0, 3600.0)}),
     "create_shards": Map({"shards": List(SHARD, MAX_SHARDS)}),
-    "pull": Map({"shards": List(SHARD_ID, MAX_SHARDS)}),
+    "pull": Map({"shards": List(SHARD_ID, MAX_SHARDS)}, {"shm_out": SHM_REF}),
+    "shm_attach": Map({"name": Str(64), "size": Int(0, 2**48), "worker": Str(64), "inc": Int(0)}),
+    "shm_detach": Map({"region": Int(0, 2**31 - 1)}),
     "push": PUSH,
     "push_pull": PUSH,
     "pull_rows": Map({"shards": List(SHARD_ID, MAX_SHARDS)}),

@@ -1,0 +1,593 @@
+"""The transport contract over real ZeroMQ sockets on 127.0.0.1, and (where the
+contract is the same) over the in-memory FakeNetwork.
+
+Every test binds port 0, closes what it opens and terminates its context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from zmqps.transport import Client, FakeNetwork, Server, SocketOptions, TransportStats
+from zmqps.transport.base import Handler, Requester
+from zmqps.wire import ERROR, Message, Tensor, decode, encode, reply, request
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    FencedError,
+    InvalidArgument,
+    NotFound,
+    NotReady,
+    ProtocolError,
+    RemoteError,
+    ShutdownError,
+    ZmqpsError,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+LOCAL = "127.0.0.1:0"
+#: Tests leave nothing worth lingering for; a bounded linger keeps ctx.term() prompt.
+OPTS = SocketOptions(linger_ms=0)
+KINDS = ["zmq", "fake"]
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(main())  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def zmq_server(
+    ctx: zmq.asyncio.Context, handler: Handler, **kwargs: Any
+) -> AsyncIterator[Server]:
+    server = Server(ctx, LOCAL, handler, name="test", options=OPTS, **kwargs)
+    endpoint = server.bind()
+    assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0")
+    server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@contextlib.asynccontextmanager
+async def zmq_client(
+    ctx: zmq.asyncio.Context, endpoint: str, identity: str = "c0", timeout: float = 5.0
+) -> AsyncIterator[Client]:
+    client = Client(ctx, endpoint, identity, options=OPTS, timeout=timeout)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    kind: str, handler: Handler, timeout: float = 5.0
+) -> AsyncIterator[tuple[Requester, TransportStats, TransportStats]]:
+    """(client, server stats, client stats) for ``handler`` behind transport ``kind``."""
+    if kind == "fake":
+        net = FakeNetwork()
+        stats = net.serve("srv", handler, name="fake")
+        fake = net.client("srv", "c0", timeout=timeout)
+        try:
+            yield fake, stats, fake.stats
+        finally:
+            await fake.close()
+        return
+    ctx = zmq.asyncio.Context()
+    try:
+        async with (
+            zmq_server(ctx, handler) as server,
+            zmq_client(ctx, server.endpoint, timeout=timeout) as client,
+        ):
+            yield client, server.stats, client.stats
+    finally:
+        ctx.term()
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ping_handler(msg: Message) -> Message:
+    return reply(msg, {"pong": msg.op})
+
+
+# --------------------------------------------------------------------------- pipelining
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_500_requests_in_flight_on_one_socket_matched_by_id(kind: str) -> None:
+    rng = random.Random(7)
+    delays = [rng.uniform(0.0, 0.02) for _ in range(500)]
+    active = peak = 0
+
+    async def echo(msg: Message) -> Message:
+        nonlocal active, peak
+        (i,) = msg.body["shards"]
+        active += 1
+        peak = max(peak, active)
+        await asyncio.sleep(delays[i])  # finish out of order
+        active -= 1
+        (t,) = msg.tensors
+        assert t.ref == i and not t.array.flags.owndata  # a view of the frame
+        return reply(msg, {"n": i}, [Tensor(t.array * 2, "value", i, i * 3)])
+
+    async def main() -> None:
+        async with serving(kind, echo) as (client, sstats, cstats):
+
+            async def one(i: int) -> None:
+                payload = np.full(i % 17 + 1, i, dtype=np.int64)
+                rep = await client.request("pull", {"shards": [i]}, [Tensor(payload, "value", i)])
+                assert rep.body == {"n": i}
+                (t,) = rep.tensors
+                assert (t.ref, t.offset, t.array.size) == (i, i * 3, i % 17 + 1)
+                assert np.all(t.array == 2 * i)
+
+            await asyncio.gather(*(one(i) for i in range(500)))
+            assert sstats.requests == 500 and sstats.by_op == {"pull": 500}
+            assert cstats.replies == 500
+            assert cstats.late_replies == 0 and cstats.timeouts == 0
+
+    run(main)
+    assert peak > 50  # really in flight together, not one after another
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(), (0,), (0, 4), (3, 0, 2), (2, 3, 1, 1, 1, 1, 1, 2)])
+def test_edge_shaped_tensors_echo(kind: str, shape: tuple[int, ...]) -> None:
+    def echo(msg: Message) -> Message:
+        return reply(msg, {}, [Tensor(t.array, "rows", t.ref) for t in msg.tensors])
+
+    async def main() -> None:
+        async with serving(kind, echo) as (client, _, _):
+            arr = np.arange(int(np.prod(shape)), dtype=np.float16).reshape(shape)
+            rep = await client.request("pull_rows", {"shards": [1]}, [Tensor(arr, "index", 1)])
+            (t,) = rep.tensors
+            assert t.array.shape == shape and t.array.dtype == np.float16
+            assert np.array_equal(t.array, arr)
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- deadlines
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_slow_handler_gives_deadline_exceeded(kind: str) -> None:
+    async def slow(msg: Message) -> Message:
+        if msg.op == "status":
+            await asyncio.sleep(0.5)
+        return reply(msg)
+
+    async def main() -> None:
+        async with serving(kind, slow) as (client, _, cstats):
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                await client.request("status", timeout=0.1)
+            assert time.monotonic() - t0 < 0.45
+            assert (await client.request("ping", timeout=2.0)).op == "ok"  # still usable
+            if kind == "zmq":
+                assert cstats.timeouts == 1
+                # the late reply arrives after its caller gave up: dropped and counted
+                await wait_until(lambda: cstats.late_replies == 1)
+                assert cstats.replies == 1
+
+    run(main)
+
+
+def test_server_drops_requests_past_their_deadline() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with zmq_server(ctx, ping_handler) as server:
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.connect(server.endpoint)
+                try:
+                    stale = request("ping", id=1, deadline=time.time() - 30.0)
+                    fresh = request("ping", id=2, deadline=time.time() + 30.0)
+                    await dealer.send_multipart(encode(stale))
+                    await dealer.send_multipart(encode(fresh))
+                    rep = decode(await asyncio.wait_for(dealer.recv_multipart(), 5))
+                    assert (rep.op, rep.id) == ("ok", 2)
+                    assert server.stats.expired == 1
+                    assert server.stats.requests == 1  # the stale one never reached the handler
+                    assert await dealer.poll(200) == 0  # and got no reply
+                finally:
+                    dealer.close()
+        finally:
+            ctx.term()
+
+    run(main)
+
+
+def test_stuck_server_drops_what_its_clients_gave_up_on() -> None:
+    served: list[str] = []
+
+    def handler(msg: Message) -> Message:
+        served.append(msg.op)
+        if msg.op == "status":
+            time.sleep(0.3)  # a handler that blocks the whole loop
+        return reply(msg)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with (
+                zmq_server(ctx, handler, clock_skew=0.0) as server,
+                zmq_client(ctx, server.endpoint) as client,
+            ):
+                status = asyncio.ensure_future(client.request("status", timeout=5.0))
+                ping = asyncio.ensure_future(client.request("ping", timeout=0.1))
+                assert (await status).op == "ok"
+                with pytest.raises(DeadlineExceeded):
+                    await ping
+                assert server.stats.expired == 1
+                assert served == ["status"]
+        finally:
+            ctx.term()
+
+    run(main)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_server_at_all_gives_deadline_exceeded(kind: str) -> None:
+    async def main() -> None:
+        if kind == "fake":
+            net = FakeNetwork()
+            fake = net.client("nobody", "c0", timeout=0.2)
+            with pytest.raises(DeadlineExceeded):
+                await fake.request("ping")
+            await fake.close()
+            return
+        ctx = zmq.asyncio.Context()
+        try:
+            async with zmq_client(ctx, f"127.0.0.1:{free_port()}", timeout=0.2) as client:
+                t0 = time.monotonic()
+                with pytest.raises(DeadlineExceeded):
+                    await client.request("ping")
+                with pytest.raises(DeadlineExceeded):
+                    await client.request("ping", attempts=2)
+                assert time.monotonic() - t0 < 2.0
+        finally:
+            ctx.term()  # linger 0: the unsent requests do not hold it up
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- errors
+
+ERRORS: list[tuple[Exception, type[ZmqpsError]]] = [
+    (NotFound("no shard 12 here"), NotFound),
+    (InvalidArgument("shape (3,) != (4,)"), InvalidArgument),
+    (FencedError("incarnation 1 replaced by 2"), FencedError),
+    (NotReady("variables not created"), NotReady),
+    (ProtocolError("a PS does not serve 'register'"), ProtocolError),
+    (ValueError("boom"), RemoteError),
+    (KeyError("k"), RemoteError),
+    (ZeroDivisionError(), RemoteError),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(("err", "typ"), ERRORS, ids=lambda e: type(e).__name__)
+def test_handler_errors_become_typed_exceptions(
+    kind: str, is_async: bool, err: Exception, typ: type[ZmqpsError]
+) -> None:
+    def sync_handler(msg: Message) -> Message:
+        if msg.op == "status":
+            raise err
+        return reply(msg)
+
+    async def async_handler(msg: Message) -> Message:
+        await asyncio.sleep(0)
+        return sync_handler(msg)
+
+    async def main() -> None:
+        handler = async_handler if is_async else sync_handler
+        async with serving(kind, handler) as (client, sstats, _):
+            for round_ in range(3):
+                with pytest.raises(typ) as info:
+                    await client.request("status")
+                assert type(info.value) is typ
+                if typ is RemoteError:
+                    assert info.value.code == "internal"
+                    assert type(err).__name__ in str(info.value) or str(err) in str(info.value)
+                else:
+                    assert str(err) in str(info.value)
+                # the server keeps serving everyone
+                assert (await client.request("ping")).op == "ok"
+                assert sstats.errors == round_ + 1
+            assert sstats.requests == 6
+
+    run(main)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_closed_client_refuses_requests(kind: str) -> None:
+    async def main() -> None:
+        async with serving(kind, ping_handler) as (client, _, _):
+            assert (await client.request("ping")).op == "ok"
+            await client.close()
+            with pytest.raises(ShutdownError):
+                await client.request("ping")
+            await client.close()  # idempotent
+
+    run(main)
+
+
+def test_close_fails_pending_requests_with_shutdown() -> None:
+    async def never(msg: Message) -> Message:
+        await asyncio.sleep(10)
+        return reply(msg)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with zmq_server(ctx, never) as server:
+                client = Client(ctx, server.endpoint, "c0", options=OPTS, timeout=5)
+                pending = asyncio.ensure_future(client.request("status"))
+                await asyncio.sleep(0.05)
+                await client.close()
+                with pytest.raises(ShutdownError):
+                    await pending
+        finally:
+            ctx.term()
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- retries
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_retry_after_a_lost_reply(kind: str) -> None:
+    calls = 0
+
+    async def first_is_lost(msg: Message) -> Message:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0.6)  # the first attempt's reply comes too late
+        return reply(msg, {"call": calls})
+
+    async def main() -> None:
+        nonlocal calls
+        async with serving(kind, first_is_lost, timeout=0.25) as (client, _, cstats):
+            rep = await client.request("push", _push_body(), attempts=2)
+            assert rep.body == {"call": 2}
+            assert calls == 2
+            if kind == "zmq":
+                assert cstats.timeouts == 1
+                await wait_until(lambda: cstats.late_replies == 1)
+            calls = 0
+            with pytest.raises(DeadlineExceeded):
+                await client.request("push", _push_body(), attempts=1)
+
+    run(main)
+
+
+def _push_body() -> dict[str, Any]:
+    return {"shards": [0], "versions": [0], "worker": "w", "inc": 0, "seq": 1}
+
+
+# --------------------------------------------------------------------------- large payloads
+
+
+def test_64mb_tensor_in_4mb_chunks_arrives_intact() -> None:
+    n = 16 << 20  # 64 MiB of float32
+    step = 1 << 20  # 4 MiB chunks
+    data = np.random.default_rng(3).standard_normal(n, dtype=np.float32)
+    seen: dict[str, Any] = {}
+
+    def handler(msg: Message) -> Message:
+        got = np.empty(n, dtype=np.float32)
+        for t in msg.tensors:
+            assert t.kind == "grad" and t.ref == 5 and t.array.dtype == np.float32
+            assert not t.array.flags.owndata  # a view of the received frame, not a copy
+            got[t.offset : t.offset + t.array.size] = t.array
+        seen["chunks"] = len(msg.tensors)
+        seen["equal"] = np.array_equal(got, data)
+        # echo the chunks back, zero-copy, in reverse order
+        return reply(msg, {}, [Tensor(t.array, "value", 5, t.offset) for t in msg.tensors[::-1]])
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with (
+                zmq_server(ctx, handler) as server,
+                zmq_client(ctx, server.endpoint, timeout=20.0) as client,
+            ):
+                chunks = [Tensor(data[o : o + step], "grad", 5, o) for o in range(0, n, step)]
+                rep = await client.request("push", _push_body(), chunks)
+                assert seen == {"chunks": 16, "equal": True}
+                back = np.empty(n, dtype=np.float32)
+                for t in rep.tensors:
+                    back[t.offset : t.offset + t.array.size] = t.array
+                assert len(rep.tensors) == 16 and np.array_equal(back, data)
+                assert server.stats.bytes_in >= data.nbytes
+                assert client.stats.bytes_in >= data.nbytes
+        finally:
+            ctx.term()
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- identities
+
+
+@pytest.mark.parametrize("first_still_open", [False, True], ids=["closed", "open"])
+def test_router_handover_serves_a_restarted_peer_with_the_same_identity(
+    first_still_open: bool,
+) -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with zmq_server(ctx, ping_handler) as server:
+                first = Client(ctx, server.endpoint, "worker:0", options=OPTS, timeout=3)
+                try:
+                    assert (await first.request("ping")).op == "ok"
+                    if not first_still_open:
+                        await first.close()
+                    async with zmq_client(ctx, server.endpoint, "worker:0", timeout=3) as second:
+                        assert (await second.request("ping")).op == "ok"
+                        assert (await second.request("ping")).op == "ok"
+                finally:
+                    await first.close()
+                assert server.stats.requests == 3
+        finally:
+            ctx.term()
+
+    run(main)
+
+
+def test_reply_to_a_gone_peer_is_dropped_and_counted() -> None:
+    async def slow(msg: Message) -> Message:
+        if msg.op == "status":
+            await asyncio.sleep(0.3)
+        return reply(msg)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with zmq_server(ctx, slow) as server:
+                async with zmq_client(ctx, server.endpoint, "leaver") as leaver:
+                    assert (await leaver.request("ping")).op == "ok"
+                    asyncio.ensure_future(leaver.request("status")).add_done_callback(
+                        lambda f: f.exception()
+                    )
+                    await asyncio.sleep(0.05)
+                # the leaver is gone before its reply is ready
+                await wait_until(lambda: server.stats.unroutable == 1)
+                async with zmq_client(ctx, server.endpoint, "stayer") as stayer:
+                    assert (await stayer.request("ping")).op == "ok"
+        finally:
+            ctx.term()
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- bad peers
+
+
+def test_garbage_is_dropped_or_answered_and_the_server_keeps_serving() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with (
+                zmq_server(ctx, ping_handler) as server,
+                zmq_client(ctx, server.endpoint) as good,
+            ):
+                raw = ctx.socket(zmq.DEALER)
+                raw.setsockopt(zmq.LINGER, 0)
+                raw.connect(server.endpoint)
+                try:
+                    await raw.send_multipart([b"\xc1garbage"])  # undecodable: dropped
+                    await raw.send_multipart([b""])  # empty header: dropped
+                    await raw.send_multipart([b"\x00" * 100, b"x", b"y"])  # dropped
+                    bad_version = encode(request("ping", id=11))
+                    bad_version[0] = bad_version[0].replace(b"\xa1v\x01", b"\xa1v\x02")
+                    await raw.send_multipart(bad_version)  # id readable: error reply
+                    await raw.send_multipart(encode(reply(request("ping", id=12))))
+                    await raw.send_multipart(encode(request("ping", id=13)))
+                    assert (await good.request("ping")).op == "ok"
+                    replies = [
+                        decode(await asyncio.wait_for(raw.recv_multipart(), 5)) for _ in range(3)
+                    ]
+                    assert [(m.op, m.id) for m in replies] == [(ERROR, 11), (ERROR, 12), ("ok", 13)]
+                    assert replies[0].body["code"] == "protocol"
+                    assert "version" in replies[0].body["message"]
+                    assert replies[1].body["code"] == "protocol"
+                    assert await raw.poll(200) == 0
+                    assert server.stats.bad_messages == 5
+                    assert server.stats.requests == 2
+                finally:
+                    raw.close()
+        finally:
+            ctx.term()
+
+    run(main)
+
+
+def test_bad_reply_fails_only_its_own_request() -> None:
+    """A malformed reply with a readable id fails that request with ProtocolError."""
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            async with zmq_client(ctx, f"127.0.0.1:{port}", timeout=3) as client:
+
+                async def serve_badly() -> None:
+                    for _ in range(2):
+                        ident, *frames = await router.recv_multipart()
+                        msg = decode(frames)
+                        rep = encode(reply(msg, {"x": 1}, [Tensor(np.zeros(2, np.float32))]))
+                        if msg.op == "status":
+                            rep = rep[:1]  # announces a buffer it does not carry
+                        await router.send_multipart([ident, *rep])
+
+                server_task = asyncio.ensure_future(serve_badly())
+                bad = asyncio.ensure_future(client.request("status"))
+                good = asyncio.ensure_future(client.request("ping"))
+                with pytest.raises(ProtocolError):
+                    await bad
+                assert (await good).body == {"x": 1}
+                await server_task
+                assert client.stats.bad_messages == 1
+        finally:
+            router.close()
+            ctx.term()
+
+    run(main)
+
+
+def test_unencodable_reply_is_an_internal_error_and_the_server_keeps_serving() -> None:
+    """A handler bug (a numpy scalar in a reply body) must not kill the receive loop."""
+
+    def handler(msg: Message) -> Message:
+        if msg.op == "status":
+            return reply(msg, {"n": np.int64(3)})
+        return reply(msg)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with (
+                zmq_server(ctx, handler) as server,
+                zmq_client(ctx, server.endpoint, timeout=3) as client,
+            ):
+                for _ in range(2):
+                    with pytest.raises(RemoteError, match="internal"):
+                        await client.request("status")
+                    assert (await client.request("ping")).op == "ok"
+                assert server.stats.errors == 2
+        finally:
+            ctx.term()
+
+    run(main)

@@ -1,0 +1,219 @@
+"""The same-host fast path: dense tensors through shared memory, same results as TCP."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+from test_ps_client import (  # the in-memory cluster of the protocol tests
+    ALL,
+    DENSE,
+    LAYOUTS,
+    LR,
+    Recorder,
+    grads_for,
+    initial,
+    make_cluster,
+    run,
+)
+
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.ps import PSService
+from zmqps.transport import shm
+from zmqps.wire import request
+from zmqps.wire.errors import InvalidArgument, NotFound
+
+
+def shm_files() -> set[str]:
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("zmqps-")}
+
+
+@pytest.mark.parametrize(("num_ps", "num_shards"), LAYOUTS)
+def test_fast_path_gives_the_same_results_as_tcp(num_ps: int, num_shards: int) -> None:
+    async def body() -> None:
+        fast_c = await make_cluster(ALL, num_ps, num_shards)
+        tcp_c = await make_cluster(ALL, num_ps, num_shards)
+        fast = fast_c.client(shared_memory=True)
+        tcp = tcp_c.client(shared_memory=False)
+        for client in (fast, tcp):
+            params = await client.pull()
+            for v in DENSE:
+                np.testing.assert_array_equal(params[v.name], initial(v))
+        assert {fast.transport_of(i) for i in range(num_ps)} == {"shm"}
+        assert {tcp.transport_of(i) for i in range(num_ps)} == {"tcp"}
+        for step in range(3):
+            g = grads_for(DENSE, seed=step)
+            await fast.push(g, pull=step % 2 == 0)
+            await tcp.push(g, pull=step % 2 == 0)
+            assert fast.versions == tcp.versions
+            for v in DENSE:
+                np.testing.assert_array_equal(fast.params[v.name], tcp.params[v.name])
+        await fast.pull()
+        await tcp.pull()
+        for v in DENSE:
+            np.testing.assert_array_equal(fast.params[v.name], tcp.params[v.name])
+            np.testing.assert_array_equal(fast_c.shard_values(v.name), tcp_c.shard_values(v.name))
+        await fast.close()
+
+    run(body())
+
+
+def test_fast_path_moves_no_tensor_frames_and_leaves_no_files() -> None:
+    async def body() -> None:
+        before = shm_files()
+        c = await make_cluster(ALL, 2, 3)
+        client = c.client(shared_memory=True, wrap=Recorder)
+        await client.pull()
+        g = grads_for(DENSE, seed=1)
+        await client.push(g, pull=True)
+        dense_ops = [
+            (op, len(tensors))
+            for rec in client.ps
+            for op, _body, tensors in getattr(rec, "sent", [])
+            if op in ("pull", "push", "push_pull")
+        ]
+        assert dense_ops and all(n == 0 for _, n in dense_ops)  # control messages only
+        replies = [rep for rec in client.ps for rep in getattr(rec, "replies", [])]
+        assert all(not rep.tensors for rep in replies)
+        for v in DENSE:
+            np.testing.assert_array_equal(
+                client.params[v.name], initial(v) - np.float32(LR) * g[v.name].astype(v.dtype)
+            )
+        assert shm_files() == before  # names are unlinked once both sides map them
+        await client.close()
+        assert all(not svc.regions for svc in c.services)
+
+    run(body())
+
+
+def test_retried_push_through_shared_memory_is_applied_once() -> None:
+    async def body() -> None:
+        c = await make_cluster(DENSE, 1, 2)
+        client = c.client(shared_memory=True)
+        await client.pull()
+        fp = await client._fast_path(0)
+        assert fp is not None
+        g = grads_for(DENSE, seed=3)
+        await client.push(g)
+        # resend the very same push message (same worker, incarnation, seq) to the PS
+        sids = sorted(fp.offsets)
+        body = {
+            "shards": sids,
+            "versions": [0] * len(sids),
+            "worker": "w0",
+            "inc": 0,
+            "seq": client._seq[0],
+            "shm": fp.ref(False, sids),
+        }
+        rep = c.services[0](request("push", body, id=99))
+        assert rep.body["applied"] is False
+        assert all(c.services[0].store.get(s).version == 1 for s in sids)
+
+    run(body())
+
+
+def test_falls_back_to_tcp_when_the_ps_cannot_map_the_region() -> None:
+    class RemotePS(PSService):
+        def _op_shm_attach(self, msg: Any) -> Any:
+            raise NotFound("shm region not visible here")
+
+    async def body() -> None:
+        c = await make_cluster(DENSE, 1, 2)
+        c.net.serve("ps0", RemotePS(0), name="ps0")  # a PS on "another host"
+        svc = c.net._dispatcher("ps0").handler
+        for _ps, d in c.placement.shard_defs():
+            svc.store.create([d])
+        client = c.client(shared_memory=True)
+        params = await client.pull()
+        assert client.transport_of(0) == "tcp"
+        for v in DENSE:
+            np.testing.assert_array_equal(params[v.name], initial(v))
+
+    run(body())
+
+
+def _attach_body(region: shm.Region, **over: Any) -> dict[str, Any]:
+    return {"name": region.name, "size": region.size, "worker": "w", "inc": 0, **over}
+
+
+def test_ps_refuses_bad_regions_and_bad_offsets() -> None:
+    async def body() -> None:
+        c = await make_cluster(DENSE, 1, 1)
+        svc = c.services[0]
+        region = shm.create_region(1024)
+        try:
+            with pytest.raises(InvalidArgument):
+                svc(request("shm_attach", _attach_body(region, name="../etc/passwd")))
+            with pytest.raises(InvalidArgument):
+                svc(request("shm_attach", _attach_body(region, size=region.size + 4096)))
+            with pytest.raises(NotFound):
+                svc(request("shm_attach", _attach_body(region, name="zmqps-" + "0" * 32)))
+            rep = svc(request("shm_attach", _attach_body(region)))
+            assert rep.body["token"] == region.token.hex()
+            rid = rep.body["region"]
+        finally:
+            shm.unlink_region(region)
+        w = next(s for s in c.placement.shards if s.var == "w")
+        nbytes = 10 * 4 * 4
+        bad = [
+            {"region": rid, "offsets": [1024 - 8]},  # runs past the end
+            {"region": rid, "offsets": [2]},  # misaligned
+            {"region": rid + 7, "offsets": [0]},  # not attached
+        ]
+        for ref in bad:
+            with pytest.raises((InvalidArgument, NotFound)):
+                svc(request("pull", {"shards": [w.id], "shm_out": ref}))
+        b = next(s for s in c.placement.shards if s.var == "b")
+        overlapping = {"region": rid, "offsets": [0, nbytes - 4]}
+        with pytest.raises(InvalidArgument, match="overlap"):
+            svc(request("pull", {"shards": [w.id, b.id], "shm_out": overlapping}))
+        before = svc.store.get(w.id).values.copy()
+        push = {
+            "shards": [w.id],
+            "versions": [0],
+            "worker": "w",
+            "inc": 0,
+            "seq": 1,
+            "shm": {"region": rid, "offsets": [1024 - 8]},
+        }
+        with pytest.raises(InvalidArgument):
+            svc(request("push", push))
+        np.testing.assert_array_equal(svc.store.get(w.id).values, before)
+        assert svc.store.get(w.id).version == 0
+
+    run(body())
+
+
+def test_regions_per_worker_are_bounded() -> None:
+    async def body() -> None:
+        c = await make_cluster(DENSE, 1, 1)
+        svc = c.services[0]
+        for _ in range(PSService.MAX_REGIONS_PER_WORKER + 3):
+            region = shm.create_region(64)
+            try:
+                svc(request("shm_attach", _attach_body(region)))
+            finally:
+                shm.unlink_region(region)
+                region.close()
+        assert len(svc.regions) == PSService.MAX_REGIONS_PER_WORKER
+
+    run(body())
+
+
+def test_client_without_dense_shards_on_a_ps_uses_no_region() -> None:
+    async def body() -> None:
+        c = await make_cluster(ALL, 2, 1)
+        client = ParameterClient(
+            [c.net.client(f"ps{i}", "w:0") for i in range(2)],
+            c.placement,
+            worker="w",
+            incarnation=0,
+        )
+        await client.pull()
+        for ps in range(2):
+            has_dense = any(s.ps == ps and s.var != "emb" for s in c.placement.shards)
+            assert client.transport_of(ps) == ("shm" if has_dense else "tcp")
+
+    run(body())
