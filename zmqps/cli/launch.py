@@ -48,6 +48,12 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--placement", choices=("round_robin", "greedy"), default="round_robin")
     g.add_argument("--num-shards", type=int, help="fixed number of shards per variable")
     g.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    g.add_argument(
+        "--no-shm",
+        dest="shared_memory",
+        action="store_false",
+        help="workers talk to the PS over TCP only (no same-host shared memory)",
+    )
     add_job_args(p)
     g = p.add_argument_group("launcher")
     g.add_argument(
@@ -141,6 +147,7 @@ class Launcher:
         spec = json.dumps({"cluster": self.cluster.to_dict()})
         common = ["--cluster", spec, "--parent-pid", str(os.getpid())]
         job = _job_flags(a)
+        worker = [] if a.shared_memory else ["--no-shm"]
         server = ["--placement", a.placement, "--heartbeat-timeout", str(a.heartbeat_timeout)]
         if a.num_shards:
             server += ["--num-shards", str(a.num_shards)]
@@ -165,7 +172,7 @@ class Launcher:
             for i in range(a.ps)
         ]
         kids += [
-            Child(f"worker{i}", [*base, "worker", "--index", str(i), *common, *job])
+            Child(f"worker{i}", [*base, "worker", "--index", str(i), *common, *job, *worker])
             for i in range(a.workers)
         ]
         return kids

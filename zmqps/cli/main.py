@@ -1,4 +1,5 @@
-"""Entry points: ``zmqps`` (launch, server, worker, status), ``zmqps-server``, ``zmqps-worker``.
+"""Entry points: ``zmqps`` (launch, server, worker, status, bench), ``zmqps-server``,
+``zmqps-worker``.
 
 Errors users can fix (a bad cluster spec, a bad flag) print one line and exit 2;
 runtime failures print one line and exit 1; tracebacks only with ``-v``.
@@ -43,6 +44,12 @@ def _server_parser(p: argparse.ArgumentParser) -> None:
 def _worker_parser(p: argparse.ArgumentParser) -> None:
     add_cluster_args(p)
     add_job_args(p)
+    p.add_argument(
+        "--no-shm",
+        dest="shared_memory",
+        action="store_false",
+        help="never move tensors through shared memory with a PS on this host (TCP only)",
+    )
     p.add_argument(
         "--connect-timeout",
         type=float,
@@ -98,7 +105,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminated)
     try:
         with Worker.from_cluster(
-            cluster, task, connect_timeout=args.connect_timeout, steps_planned=planned
+            cluster,
+            task,
+            connect_timeout=args.connect_timeout,
+            steps_planned=planned,
+            shared_memory=args.shared_memory,
         ) as worker:
             train(worker, job, cluster.num_workers)
     except Terminated:
@@ -130,7 +141,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from zmqps.bench.suites import run_bench
+
+    return run_bench(args)
+
+
 def _build() -> argparse.ArgumentParser:
+    from zmqps.bench.suites import add_bench_args
     from zmqps.cli.launch import add_launch_args
 
     parser = argparse.ArgumentParser(
@@ -156,6 +174,9 @@ def _build() -> argparse.ArgumentParser:
         "--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)"
     )
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("bench", help="benchmarks: zmqps vs raw pyzmq vs torch RPC (BENCHMARKS.md)")
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

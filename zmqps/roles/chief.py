@@ -261,7 +261,9 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
     if cfg.job is not None and service.placement is not None:
         test = cfg.job.load("test")
         model = cfg.job.build_model(test)
-        client = ParameterClient(service.ps, service.placement, worker="chief", incarnation=0)
+        client = ParameterClient(
+            service.ps, service.placement, worker="chief", incarnation=0, shared_memory=False
+        )
         params = await client.pull()
         metrics = model.evaluate(params, test.x, test.y)
         summary.update(

@@ -64,6 +64,7 @@ class Worker:
         connect_timeout: float = 120.0,
         steps_planned: int = 0,
         chunk_bytes: int = 4 << 20,
+        shared_memory: bool = True,
         options: SocketOptions | None = None,
     ) -> None:
         self.index = index
@@ -76,6 +77,7 @@ class Worker:
         self.loss: float | None = None
         self._options = options
         self._chunk_bytes = chunk_bytes
+        self._shared_memory = shared_memory
         self._io = LoopThread(f"zmqps-{role}-{index}")
         self._ctx = zmq.asyncio.Context()
         self._closed = False
@@ -144,6 +146,7 @@ class Worker:
                 incarnation=self.incarnation,
                 chunk_bytes=self._chunk_bytes,
                 timeout=self.timeout,
+                shared_memory=self._shared_memory,
             )
 
         self._client = self._io.run(make())
@@ -275,6 +278,8 @@ class Worker:
 
     def _teardown(self) -> None:
         async def close_all() -> None:
+            if self._client is not None:
+                await self._client.close()
             clients = [self._chief] + (self._client.ps if self._client is not None else [])
             for c in clients:
                 await c.close()
