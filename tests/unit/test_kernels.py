@@ -58,3 +58,27 @@ def test_fused_matches_reference(config, dtype, grad_dtype, rtol, monkeypatch) -
 def test_float16_uses_the_reference_path() -> None:
     assert _kernels.kernel("adam", np.zeros(4, np.float16)) is None
     assert _kernels.kernel("adam", np.zeros(4, np.float32)) is not None
+
+
+def _run_rows(config, dtype, use_kernels, monkeypatch):
+    monkeypatch.setattr(optimizers, "USE_KERNELS", use_kernels)
+    rng = np.random.default_rng(11)
+    n_rows, width = 300, 8
+    opt = make_optimizer(config)
+    p = rng.normal(size=(n_rows, width)).astype(dtype)
+    slots = opt.init_slots((n_rows, width), dtype)
+    for step in range(1, 5):
+        rows = np.sort(rng.choice(n_rows, size=40, replace=False)).astype(np.int64)
+        g = rng.normal(size=(rows.size, width)).astype(dtype)
+        opt.apply_rows(p, rows, g, slots, step, scale=2.0 if step % 2 else 1.0)
+    return p, slots
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: str(sorted(c.items())))
+@pytest.mark.parametrize(("dtype", "rtol"), [(np.float32, 2e-5), (np.float64, 1e-12)])
+def test_fused_rows_match_reference(config, dtype, rtol, monkeypatch) -> None:
+    p_ref, s_ref = _run_rows(config, dtype, False, monkeypatch)
+    p_fast, s_fast = _run_rows(config, dtype, True, monkeypatch)
+    np.testing.assert_allclose(p_fast, p_ref, rtol=rtol, atol=rtol)
+    for k in s_ref:
+        np.testing.assert_allclose(s_fast[k], s_ref[k], rtol=rtol, atol=rtol)

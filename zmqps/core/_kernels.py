@@ -69,7 +69,42 @@ def _build() -> dict[str, Any] | None:
             v[i] = vi
             p[i] -= lr_t * mi / (np.sqrt(vi) + eps)
 
-    return {"sgd": sgd, "momentum": momentum, "adagrad": adagrad, "adam": adam}
+    # Row variants: ``rows`` (unique local row ids) first, then 2-D parameter, 2-D
+    # gradient (one row per id) and 2-D slots; each touched row is updated in place
+    # by the dense kernel, with no gather / scatter copies.
+    @jit  # type: ignore[misc]
+    def sgd_rows(rows, p, g, a, keep):  # type: ignore[no-untyped-def]
+        for k in range(rows.shape[0]):
+            sgd(p[rows[k]], g[k], a, keep)
+
+    @jit  # type: ignore[misc]
+    def momentum_rows(rows, p, g, m, lr, mu, scale, wd, nesterov):  # type: ignore[no-untyped-def]
+        for k in range(rows.shape[0]):
+            r = rows[k]
+            momentum(p[r], g[k], m[r], lr, mu, scale, wd, nesterov)
+
+    @jit  # type: ignore[misc]
+    def adagrad_rows(rows, p, g, a, lr, eps, scale, wd):  # type: ignore[no-untyped-def]
+        for k in range(rows.shape[0]):
+            r = rows[k]
+            adagrad(p[r], g[k], a[r], lr, eps, scale, wd)
+
+    @jit  # type: ignore[misc]
+    def adam_rows(rows, p, g, m, v, lr_t, b1, b2, eps, scale, wd):  # type: ignore[no-untyped-def]
+        for k in range(rows.shape[0]):
+            r = rows[k]
+            adam(p[r], g[k], m[r], v[r], lr_t, b1, b2, eps, scale, wd)
+
+    return {
+        "sgd": sgd,
+        "momentum": momentum,
+        "adagrad": adagrad,
+        "adam": adam,
+        "sgd_rows": sgd_rows,
+        "momentum_rows": momentum_rows,
+        "adagrad_rows": adagrad_rows,
+        "adam_rows": adam_rows,
+    }
 
 
 def available() -> bool:

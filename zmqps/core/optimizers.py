@@ -175,8 +175,13 @@ class Optimizer(ABC):
         step: int,
         scale: float,
         dt: Any,
+        rows: Array | None = None,
     ) -> None:
-        """Run the fused kernel; scalars are passed as ``dt`` (the parameter's dtype)."""
+        """Run the fused kernel; scalars are passed as ``dt`` (the parameter's dtype).
+
+        With ``rows``, ``p``, ``g`` and the slots are 2-D and the ``*_rows`` kernel
+        updates just those rows (``g[k]`` belongs to ``rows[k]``).
+        """
 
     @abstractmethod
     def _update(
@@ -231,6 +236,13 @@ class Optimizer(ABC):
             return
         if int(rows.min()) < 0 or int(rows.max()) >= param.shape[0]:
             raise InvalidArgument(f"apply_rows: row index outside [0, {param.shape[0]})")
+        fused = _kernels.kernel(f"{self.name}_rows", param) if USE_KERNELS else None
+        if fused is not None and param.flags.c_contiguous:
+            g = np.ascontiguousarray(grad_rows)
+            self._fused(
+                fused, param, g, slots, step, float(scale), param.dtype.type, rows.astype(np.int64)
+            )
+            return
         p = np.take(param, rows, axis=0)
         gathered = {name: np.take(s, rows, axis=0) for name, s in slots.items()}
         scratch = np.empty(
@@ -269,8 +281,7 @@ class SGD(Optimizer):
         factor = -self.lr * float(scale)
         fused = _kernels.kernel(self.name, param) if USE_KERNELS else None
         if fused is not None:
-            dt = param.dtype.type
-            fused(param, grad, dt(factor), dt(1.0 - self.lr * self.weight_decay))
+            self._fused(fused, param, grad, slots, step, float(scale), param.dtype.type)
             return
         b = max(1, min(n, BLOCK_ELEMS))
         for lo in range(0, n, b):
@@ -290,8 +301,10 @@ class SGD(Optimizer):
         step: int,
         scale: float,
         dt: Any,
-    ) -> None:  # pragma: no cover - apply_dense is overridden
-        raise AssertionError("SGD.apply_dense runs its kernel itself")
+        rows: Array | None = None,
+    ) -> None:
+        lead = () if rows is None else (rows,)
+        kernel(*lead, p, g, dt(-self.lr * scale), dt(1.0 - self.lr * self.weight_decay))
 
     def _update(
         self, p: Array, g: Array, slots: Mapping[str, Array], step: int, tmp: Array
@@ -325,8 +338,11 @@ class Momentum(Optimizer):
         step: int,
         scale: float,
         dt: Any,
+        rows: Array | None = None,
     ) -> None:
+        lead = () if rows is None else (rows,)
         kernel(
+            *lead,
             p,
             g,
             slots["momentum"],
@@ -379,8 +395,11 @@ class Adagrad(Optimizer):
         step: int,
         scale: float,
         dt: Any,
+        rows: Array | None = None,
     ) -> None:
+        lead = () if rows is None else (rows,)
         kernel(
+            *lead,
             p,
             g,
             slots["accumulator"],
@@ -433,8 +452,11 @@ class Adam(Optimizer):
         step: int,
         scale: float,
         dt: Any,
+        rows: Array | None = None,
     ) -> None:
+        lead = () if rows is None else (rows,)
         kernel(
+            *lead,
             p,
             g,
             slots["m"],
