@@ -91,6 +91,10 @@ BODIES: dict[str, dict[str, Any]] = {
     "push_rows": dict(PUSH),
     "shm_attach": {"name": "zmqps-" + "ab" * 16, "size": 4096, "worker": "worker:0", "inc": 3},
     "shm_detach": {"region": 2},
+    "sync_config": {"mode": "sync", "required": 2},
+    "wait_step": {"step": 3, "wait": 1.5},
+    "take_token": {"role": "worker", "index": 0, "incarnation": 1, "wait": 2.0},
+    "ssp_clock": {"role": "worker", "index": 1, "incarnation": 1, "completed": 4},
     "status": {},
     "shutdown": {"reason": "end of job"},
 }

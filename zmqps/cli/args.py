@@ -14,14 +14,17 @@ from typing import Any
 
 from zmqps.config import ClusterSpec, TaskSpec, resolve, split_address
 from zmqps.core.partition import Partitioner
+from zmqps.core.sync import MODES
 from zmqps.data import DATASETS
 from zmqps.models import MODELS
-from zmqps.roles.job import MODES, JobConfig
+from zmqps.roles.job import JobConfig
+from zmqps.roles.sync import SyncConfig
 
 __all__ = [
     "add_cluster_args",
     "add_job_args",
     "add_server_args",
+    "add_sync_args",
     "bind_address",
     "cluster_and_task",
     "exit_with_parent",
@@ -29,6 +32,8 @@ __all__ = [
     "optimizer_from_args",
     "partitioner_from_args",
     "setup_logging",
+    "sync_flags",
+    "sync_from_args",
 ]
 
 OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam")
@@ -91,7 +96,11 @@ def exit_with_parent(pid: int, poll_s: float = 0.5) -> None:
 def add_job_args(p: argparse.ArgumentParser, *, model_default: str | None = "mlp") -> None:
     g = p.add_argument_group("job")
     g.add_argument(
-        "--mode", choices=MODES, default="async", help="consistency model (default: async)"
+        "--mode",
+        choices=MODES,
+        default="async",
+        help="consistency model: async, sync (SyncReplicas) or ssp (bounded staleness);"
+        " set on the chief, workers follow it (default: async)",
     )
     g.add_argument(
         "--model",
@@ -131,6 +140,57 @@ def add_job_args(p: argparse.ArgumentParser, *, model_default: str | None = "mlp
     g.add_argument(
         "--log-every", type=int, default=50, help="log a training line every N steps (default: 50)"
     )
+
+
+def add_sync_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sync / ssp (chief)")
+    g.add_argument(
+        "--replicas-to-aggregate",
+        type=int,
+        metavar="N",
+        help="sync: gradients averaged per step (default: --total-replicas)",
+    )
+    g.add_argument(
+        "--total-replicas",
+        type=int,
+        metavar="M",
+        help="sync: replicas computing each step; M > N gives backup workers"
+        " (default: number of workers)",
+    )
+    g.add_argument(
+        "--init-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="sync: extra tokens of step 0 so workers can run ahead (default: 0)",
+    )
+    g.add_argument(
+        "--max-staleness",
+        type=int,
+        default=2,
+        metavar="S",
+        help="ssp: how many steps a worker may run ahead of the slowest (default: 2)",
+    )
+
+
+def sync_from_args(args: argparse.Namespace) -> SyncConfig:
+    return SyncConfig(
+        mode=args.mode,
+        replicas_to_aggregate=args.replicas_to_aggregate,
+        total_replicas=args.total_replicas,
+        init_tokens=args.init_tokens,
+        max_staleness=args.max_staleness,
+    )
+
+
+def sync_flags(args: argparse.Namespace) -> list[str]:
+    """The sync flags of ``args`` as a command line (for the launcher's chief)."""
+    flags = ["--init-tokens", str(args.init_tokens), "--max-staleness", str(args.max_staleness)]
+    if args.replicas_to_aggregate is not None:
+        flags += ["--replicas-to-aggregate", str(args.replicas_to_aggregate)]
+    if args.total_replicas is not None:
+        flags += ["--total-replicas", str(args.total_replicas)]
+    return flags
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -224,7 +284,6 @@ def job_from_args(args: argparse.Namespace) -> JobConfig | None:
         epochs=args.epochs,
         optimizer=optimizer_from_args(args),
         seed=args.seed,
-        mode=args.mode,
         log_every=args.log_every,
     )
 

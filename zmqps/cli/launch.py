@@ -30,7 +30,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from zmqps.cli.args import add_job_args
+from zmqps.cli.args import add_job_args, add_sync_args, sync_flags
 from zmqps.config import ClusterSpec
 from zmqps.roles.status import fetch_status
 from zmqps.wire.errors import ConfigError, ZmqpsError
@@ -55,6 +55,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         help="workers talk to the PS over TCP only (no same-host shared memory)",
     )
     add_job_args(p)
+    add_sync_args(p)
     g = p.add_argument_group("launcher")
     g.add_argument(
         "--run-dir", help="folder for logs and results (default: a new temporary folder)"
@@ -148,7 +149,13 @@ class Launcher:
         common = ["--cluster", spec, "--parent-pid", str(os.getpid())]
         job = _job_flags(a)
         worker = [] if a.shared_memory else ["--no-shm"]
-        server = ["--placement", a.placement, "--heartbeat-timeout", str(a.heartbeat_timeout)]
+        server = [
+            "--placement",
+            a.placement,
+            "--heartbeat-timeout",
+            str(a.heartbeat_timeout),
+            *sync_flags(a),
+        ]
         if a.num_shards:
             server += ["--num-shards", str(a.num_shards)]
         kids = [

@@ -20,6 +20,7 @@ from zmqps.cli.args import (
     add_cluster_args,
     add_job_args,
     add_server_args,
+    add_sync_args,
     bind_address,
     cluster_and_task,
     exit_with_parent,
@@ -27,6 +28,7 @@ from zmqps.cli.args import (
     optimizer_from_args,
     partitioner_from_args,
     setup_logging,
+    sync_from_args,
 )
 from zmqps.wire.errors import ConfigError, ZmqpsError
 
@@ -39,6 +41,7 @@ def _server_parser(p: argparse.ArgumentParser) -> None:
     add_cluster_args(p)
     add_job_args(p, model_default=None)
     add_server_args(p)
+    add_sync_args(p)
 
 
 def _worker_parser(p: argparse.ArgumentParser) -> None:
@@ -80,6 +83,7 @@ def cmd_server(args: argparse.Namespace) -> int:
                 startup_timeout=args.startup_timeout,
                 summary_path=args.summary,
                 keep_alive=args.keep_alive,
+                sync=sync_from_args(args),
             )
         )
     raise ConfigError(

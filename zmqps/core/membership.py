@@ -160,6 +160,10 @@ class Membership:
     def steps_planned(self) -> int:
         return sum(w.steps_planned for w in self.workers.values())
 
+    @property
+    def max_steps_planned(self) -> int:
+        return max((w.steps_planned for w in self.workers.values()), default=0)
+
     def _state(self, w: WorkerState, now: float) -> str:
         if w.done:
             return "done"

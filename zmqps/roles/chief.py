@@ -35,6 +35,7 @@ from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
+from zmqps.roles.sync import SyncConfig, SyncDriver
 from zmqps.transport import Client, Requester, Server, SocketOptions
 from zmqps.wire import Message, reply
 from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotReady, ProtocolError
@@ -57,6 +58,7 @@ class ChiefConfig:
     startup_timeout: float = 120.0
     summary_path: str | None = None
     keep_alive: bool = False
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
 
 class ChiefService:
@@ -70,6 +72,7 @@ class ChiefService:
         self.ps = list(ps_clients)
         self.clock = clock
         self.members = Membership(cfg.cluster.num_workers, cfg.heartbeat_timeout)
+        self.sync = SyncDriver(cfg.sync, self.members, self.ps, clock)
         self.placement: Placement | None = None
         self._creating: asyncio.Task[Placement] | None = None
         self.placement_ready = asyncio.Event()
@@ -89,7 +92,15 @@ class ChiefService:
     def _op_ping(self, msg: Message) -> Message:
         return reply(msg, {"role": "chief", "index": 0})
 
-    def _op_register(self, msg: Message) -> Message:
+    @property
+    def mode(self) -> str:
+        return self.cfg.sync.mode
+
+    @property
+    def global_step(self) -> int:
+        return self.sync.global_step if self.mode == "sync" else self.members.global_step
+
+    async def _op_register(self, msg: Message) -> Message:
         b = msg.body
         if b["role"] != "worker":
             return reply(msg, self._cluster_info())
@@ -102,14 +113,15 @@ class ChiefService:
             b["incarnation"],
             "rejoined" if rejoin else "registered",
         )
+        await self.sync.membership_changed(rejoined=rejoin)
         return reply(msg, self._cluster_info())
 
     def _cluster_info(self) -> dict[str, Any]:
         return {
             "ps": list(self.cfg.cluster.ps),
             "placement": None if self.placement is None else self.placement.to_wire(),
-            "global_step": self.members.global_step,
-            "mode": self.cfg.job.mode if self.cfg.job else "async",
+            "global_step": self.global_step,
+            "mode": self.mode,
             "heartbeat_interval": self.cfg.heartbeat_interval,
         }
 
@@ -118,9 +130,25 @@ class ChiefService:
         self.members.heartbeat(
             b["index"], b["incarnation"], b["step"], self.clock(), b.get("loss"), b.get("examples")
         )
-        return reply(msg, {"global_step": self.members.global_step, "stop": False})
+        return reply(msg, {"global_step": self.global_step, "stop": False})
 
-    def _op_leave(self, msg: Message) -> Message:
+    async def _op_take_token(self, msg: Message) -> Message:
+        b = msg.body
+        self.members.heartbeat(b["index"], b["incarnation"], 0, self.clock())
+        if self.mode != "sync":
+            raise InvalidArgument(f"take_token: the job runs in {self.mode} mode")
+        step = await self.sync.take_token(float(b.get("wait", 10.0)))
+        return reply(msg, {"step": step})
+
+    async def _op_ssp_clock(self, msg: Message) -> Message:
+        b = msg.body
+        self.members.heartbeat(b["index"], b["incarnation"], b["completed"], self.clock())
+        if self.mode != "ssp":
+            raise InvalidArgument(f"ssp_clock: the job runs in {self.mode} mode")
+        slowest = await self.sync.ssp_clock(b["index"], b["completed"], float(b.get("wait", 10.0)))
+        return reply(msg, {"slowest": slowest})
+
+    async def _op_leave(self, msg: Message) -> Message:
         b = msg.body
         reason = b.get("reason", "done")
         self.members.leave(
@@ -129,7 +157,8 @@ class ChiefService:
         log.info("worker %d left (%s) after %d steps", b["index"], reason, b["step"])
         if self.members.all_done():
             self.all_done.set()
-        return reply(msg, {"global_step": self.members.global_step})
+        await self.sync.membership_changed()
+        return reply(msg, {"global_step": self.global_step})
 
     # ---------------------------------------------------------------- variables
 
@@ -220,9 +249,13 @@ class ChiefService:
         now = self.clock()
         return {
             "role": "chief",
-            "mode": self.cfg.job.mode if self.cfg.job else "async",
-            "global_step": self.members.global_step,
-            "steps_planned": self.members.steps_planned,
+            **self.sync.status(),
+            "global_step": self.global_step,
+            "steps_planned": (
+                self.members.max_steps_planned
+                if self.mode == "sync"
+                else self.members.steps_planned
+            ),
             "examples": self.members.examples,
             "workers_expected": self.members.num_workers,
             "workers_alive": self.members.alive(now),
@@ -234,8 +267,11 @@ class ChiefService:
             "uptime_s": round(time.time() - self.started, 3),
         }
 
-    def _op_status(self, msg: Message) -> Message:
-        return reply(msg, self.status())
+    async def _op_status(self, msg: Message) -> Message:
+        out = self.status()
+        if self.mode == "sync":
+            out["waiting_on"] = await self.sync.waiting_on(out["workers_alive"])
+        return reply(msg, out)
 
     def _op_shutdown(self, msg: Message) -> Message:
         log.info("shutdown requested by %s", msg.sender or "?")
@@ -250,10 +286,11 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
     first = m.first_registration or service.clock()
     train_s = max(1e-9, (m.all_done_at or service.clock()) - first)
     summary: dict[str, Any] = {
-        "mode": cfg.job.mode if cfg.job else "async",
+        "mode": service.mode,
         "ps": cfg.cluster.num_ps,
         "workers": cfg.cluster.num_workers,
-        "global_step": m.global_step,
+        "global_step": service.global_step,
+        "worker_steps": m.global_step,
         "examples": m.examples,
         "train_seconds": round(train_s, 3),
         "examples_per_second": round(m.examples / train_s, 1),
@@ -276,7 +313,7 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
             "final model: test accuracy %.4f, test loss %.4f (global step %d)",
             summary["test_accuracy"],
             summary["test_loss"],
-            m.global_step,
+            service.global_step,
         )
     return summary
 
@@ -300,6 +337,7 @@ async def serve_chief(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.shutdown_requested.set)
     watcher = asyncio.ensure_future(_watch_workers(service))
+    driver = asyncio.ensure_future(_drive(service))
     try:
         if cfg.job is not None:
             train = cfg.job.load("train")
@@ -307,9 +345,11 @@ async def serve_chief(
             await service.create_variables(model.variables(), dict(cfg.job.optimizer))
         done = asyncio.ensure_future(service.all_done.wait())
         stop = asyncio.ensure_future(service.shutdown_requested.wait())
-        await asyncio.wait([done, stop], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([done, stop, driver], return_when=asyncio.FIRST_COMPLETED)
         for t in (done, stop):
             t.cancel()
+        if driver.done() and not driver.cancelled() and driver.exception() is not None:
+            raise driver.exception()  # type: ignore[misc]
         if service.all_done.is_set():
             service.result = await _finish(service, ctx)
             if cfg.summary_path:
@@ -319,6 +359,7 @@ async def serve_chief(
         await _shutdown_ps(ps_clients)
     finally:
         watcher.cancel()
+        driver.cancel()
         await server.stop()
         for c in ps_clients:
             await c.close()
@@ -335,11 +376,19 @@ async def _shutdown_ps(ps_clients: Sequence[Requester]) -> None:
     await asyncio.gather(*(one(c) for c in ps_clients))
 
 
+async def _drive(service: ChiefService) -> None:
+    """Once the variables exist (so the PS are up), run the sync / SSP driver."""
+    await service.placement_ready.wait()
+    await service.sync.run()
+    await asyncio.Future()  # async / ssp: nothing more to drive; wait to be cancelled
+
+
 async def _watch_workers(service: ChiefService) -> None:
-    """Log every worker that stops heartbeating (and every one that comes back)."""
+    """Log every worker that stops heartbeating (and every one that comes back); a death
+    shrinks M (and N if needed) so no step waits for a dead worker."""
     dead: set[int] = set()
     while True:
-        await asyncio.sleep(service.cfg.heartbeat_interval)
+        await asyncio.sleep(min(service.cfg.heartbeat_interval, service.cfg.heartbeat_timeout / 4))
         now_dead = set(service.members.dead(service.clock()))
         for i in sorted(now_dead - dead):
             log.warning(
@@ -349,6 +398,8 @@ async def _watch_workers(service: ChiefService) -> None:
             )
         for i in sorted(dead - now_dead):
             log.info("worker %d is back", i)
+        if now_dead != dead:
+            await service.sync.membership_changed()
         dead = now_dead
 
 

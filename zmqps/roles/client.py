@@ -106,6 +106,7 @@ class ParameterClient:
         self._fast: list[_FastPath | bool | None] = [None] * len(self.ps)
         self._fast_setup = [asyncio.Lock() for _ in self.ps]
         self.last_staleness = 0
+        self.dropped: dict[str, int] = {}  # pushes the PS acknowledged without applying
         self._row_bounds: dict[str, tuple[Array, list[ShardInfo]]] = {}
         for v in placement.variables:
             shards = sorted(placement.shards_of(v.name), key=lambda s: s.row_start)
@@ -150,20 +151,30 @@ class ParameterClient:
             dst = flat[r.start + t.offset : r.start + t.offset + t.array.size]
             np.copyto(dst, t.array.reshape(-1), casting="same_kind")
 
-    def _push_body(self, ps: int, sids: Sequence[int]) -> dict[str, Any]:
+    def _push_body(self, ps: int, sids: Sequence[int], step: int | None) -> dict[str, Any]:
         self._seq[ps] += 1
-        return {
+        body: dict[str, Any] = {
             "shards": list(sids),
             "versions": [self.versions[s] for s in sids],
             "worker": self.worker,
             "inc": self.incarnation,
             "seq": self._seq[ps],
         }
+        if step is not None:
+            body["step"] = step
+        return body
 
-    def _after_push(self, reply: Message, sids: Sequence[int]) -> None:
+    def _after_push(self, reply: Message, sids: Sequence[int]) -> bool:
         staleness = reply.body.get("staleness")
         if isinstance(staleness, list) and staleness:
             self.last_staleness = max(int(s) for s in staleness)
+        if reply.body.get("applied", True):
+            return True
+        reason = str(
+            reply.body.get("dropped") or ("duplicate" if reply.body.get("duplicate") else "?")
+        )
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        return False
 
     # ------------------------------------------------------------------ fast path
 
@@ -291,44 +302,50 @@ class ParameterClient:
             out[name] = arr.reshape(-1)
         return out
 
-    async def push(self, grads: Mapping[str, Any], *, pull: bool = False) -> None:
+    async def push(
+        self, grads: Mapping[str, Any], *, pull: bool = False, step: int | None = None
+    ) -> bool:
         """Push whole-variable gradients; with ``pull=True`` the fresh values come back
-        in the same round trip (push_pull) and land in ``params``."""
+        in the same round trip (push_pull) and land in ``params``. ``step`` is the local
+        step (sync mode: the token's value). Returns False if some PS dropped the push
+        (stale in sync mode, or a duplicate)."""
         flat = self._grad_arrays(grads)
         by_ps = self._by_ps(flat)
         op = "push_pull" if pull else "push"
 
-        async def one(ps: int, sids: list[int]) -> None:
+        async def one(ps: int, sids: list[int]) -> bool:
             fp = await self._fast_path(ps)
             if fp is not None and all(s in fp.offsets for s in sids):
                 async with fp.lock:
                     self._copy_in(fp, sids, flat)
-                    body = self._push_body(ps, sids)
+                    body = self._push_body(ps, sids, step)
                     body["shm"] = fp.ref(False, sids)
                     if pull:
                         body["shm_out"] = fp.ref(True, sids)
                     rep = await self.ps[ps].request(
                         op, body, timeout=self.timeout, attempts=self.push_attempts
                     )
-                    self._after_push(rep, sids)
+                    accepted = self._after_push(rep, sids)
                     if pull:
                         self._set_versions(rep, sids)
                         self._copy_out(fp, sids)
-                return
+                return accepted
             tensors = [
                 t
                 for sid in sids
                 for t in self._chunks(sid, flat[self.routes[sid].var.name], "grad")
             ]
-            body = self._push_body(ps, sids)
+            body = self._push_body(ps, sids, step)
             rep = await self.ps[ps].request(
                 op, body, tensors, timeout=self.timeout, attempts=self.push_attempts
             )
-            self._after_push(rep, sids)
+            accepted = self._after_push(rep, sids)
             if pull:
                 self._take_values(rep, sids)
+            return accepted
 
-        await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
+        results = await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
+        return all(results)
 
     # ------------------------------------------------------------------ rows
 
@@ -338,8 +355,13 @@ class ParameterClient:
         except KeyError:
             raise InvalidArgument(f"unknown variable {name!r}") from None
 
-    def _route_rows(self, name: str, ids: Array) -> dict[int, list[tuple[ShardInfo, Array, Array]]]:
-        """Group unique row ids by PS: ps -> [(shard, positions into ids, ids)]."""
+    def _route_rows(
+        self, name: str, ids: Array, every_shard: bool = False
+    ) -> dict[int, list[tuple[ShardInfo, Array, Array]]]:
+        """Group unique row ids by PS: ps -> [(shard, positions into ids, ids)].
+
+        ``every_shard`` includes shards no id falls in (with no rows): in sync mode
+        every shard must hear from every replica each step."""
         v = self._variable(name)
         if ids.ndim != 1:
             raise InvalidArgument("row ids must be 1-D")
@@ -350,7 +372,7 @@ class ParameterClient:
         out: dict[int, list[tuple[ShardInfo, Array, Array]]] = {}
         for k, s in enumerate(shards):
             pos = np.flatnonzero(which == k)
-            if pos.size:
+            if pos.size or every_shard:
                 out.setdefault(s.ps, []).append((s, pos, ids[pos]))
         return out
 
@@ -382,8 +404,9 @@ class ParameterClient:
         await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))
         return rows[inverse]
 
-    async def push_rows(self, name: str, ids: Any, grads: Any) -> None:
-        """Push row gradients; duplicate ids are summed here, before sending."""
+    async def push_rows(self, name: str, ids: Any, grads: Any, *, step: int | None = None) -> bool:
+        """Push row gradients; duplicate ids are summed here, before sending. With a
+        ``step`` (sync mode) every shard of the table gets a push, empty or not."""
         v = self._variable(name)
         ids = np.asarray(ids, dtype=np.int64)
         grads = np.asarray(grads, dtype=v.dtype)
@@ -399,17 +422,18 @@ class ParameterClient:
             summed = np.zeros((uniq.size, *v.shape[1:]), dtype=v.dtype)
             np.add.at(summed, inverse, grads)
 
-        async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> None:
+        async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> bool:
             sids = [s.id for s, _, _ in parts]
             tensors: list[Tensor] = []
             for s, pos, i in parts:
                 tensors.append(Tensor(np.ascontiguousarray(i), "index", s.id))
                 tensors.append(Tensor(np.ascontiguousarray(summed[pos]), "rows", s.id))
-            body = self._push_body(ps, sids)
+            body = self._push_body(ps, sids, step)
             rep = await self.ps[ps].request(
                 "push_rows", body, tensors, timeout=self.timeout, attempts=self.push_attempts
             )
-            self._after_push(rep, sids)
+            return self._after_push(rep, sids)
 
-        routed = self._route_rows(name, uniq)
-        await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))
+        routed = self._route_rows(name, uniq, every_shard=step is not None)
+        results = await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))
+        return all(results)

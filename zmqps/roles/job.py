@@ -13,9 +13,7 @@ from typing import Any
 from zmqps.data import Dataset, load_dataset
 from zmqps.models import Model, build_model
 
-__all__ = ["MODES", "JobConfig"]
-
-MODES = ("async",)
+__all__ = ["JobConfig"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +28,6 @@ class JobConfig:
         default_factory=lambda: {"name": "momentum", "lr": 0.05, "momentum": 0.9}
     )
     seed: int = 0
-    mode: str = "async"
     log_every: int = 50
 
     def load(self, split: str) -> Dataset:

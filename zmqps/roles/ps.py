@@ -20,12 +20,13 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import signal
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ import zmq.asyncio
 
 from zmqps.core.dedup import PushDeduper
 from zmqps.core.store import ShardStore
+from zmqps.core.sync import MODES, SyncShards
 from zmqps.core.variables import ShardDef
 from zmqps.transport import Server, SocketOptions
 from zmqps.transport.shm import Region, attach_region
@@ -100,6 +102,8 @@ class PSService:
         self.duplicates = 0
         self.fenced = 0
         self.snapshots = SnapshotPool()
+        self.sync: SyncShards | None = None
+        self._step_waiters: list[tuple[int, asyncio.Future[int]]] = []
         self.regions: dict[int, tuple[str, Region]] = {}  # id -> (worker, region)
         self._next_region = 1
         self.max_region_bytes = max_region_bytes
@@ -248,15 +252,13 @@ class PSService:
             self._region_views(sids, msg.body["shm_out"])  # validate before applying
         for sid, ver in zip(sids, pulled, strict=True):
             self.store.check_dense(sid, chunks[sid], ver)
-        applied = self._is_new(msg)
-        staleness: list[int] = []
-        if applied:
-            for sid, ver in zip(sids, pulled, strict=True):
-                _, s = self.store.apply_dense(sid, chunks[sid], ver)
-                staleness.append(s)
-            body = msg.body
-            self.dedup.commit(body["worker"], body["inc"], body["seq"])
-        body_out: dict[str, Any] = {"applied": applied, "staleness": staleness}
+        body_out = self._commit_push(
+            msg,
+            lambda sid, ver: self.store.apply_dense(sid, chunks[sid], ver)[1],
+            lambda sid: (
+                self.sync is not None and self.sync.add_dense(sid, chunks[sid], msg.body["worker"])
+            ),
+        )
         if pull and "shm_out" in msg.body:
             body_out["versions"] = self._snapshot_to_region(sids, msg.body["shm_out"])
             return reply(msg, body_out)
@@ -295,25 +297,104 @@ class PSService:
             pairs[sid] = (ts[0].array, ts[1].array)
         for sid, ver in zip(sids, pulled, strict=True):
             self.store.check_rows(sid, *pairs[sid], ver)
-        applied = self._is_new(msg)
-        staleness: list[int] = []
-        if applied:
+        body_out = self._commit_push(
+            msg,
+            lambda sid, ver: self.store.apply_rows(sid, *pairs[sid], ver)[1],
+            lambda sid: (
+                self.sync is not None and self.sync.add_rows(sid, *pairs[sid], msg.body["worker"])
+            ),
+        )
+        body_out["versions"] = [self.store.get(sid).version for sid in sids]
+        return reply(msg, body_out)
+
+    def _commit_push(
+        self,
+        msg: Message,
+        apply: Callable[[int, int], int],
+        accumulate: Callable[[int], bool],
+    ) -> dict[str, Any]:
+        """Deduplicate, then apply (async, ssp) or accumulate (sync) a validated push.
+
+        Sync: the message's local step is the worker's token; if any of its shards has
+        moved past it, the whole push is stale and dropped (counted). Returns the
+        reply's fields (without versions).
+        """
+        body = msg.body
+        sids, pulled = body["shards"], body["versions"]
+        if self.sync is not None and "step" not in body:
+            raise InvalidArgument("sync mode: a push carries its local step (take a token first)")
+        if not self._is_new(msg):
+            return {"applied": False, "duplicate": True, "staleness": []}
+        out: dict[str, Any] = {"applied": True, "staleness": []}
+        if self.sync is None:
+            out["staleness"] = [apply(sid, ver) for sid, ver in zip(sids, pulled, strict=True)]
+        elif any(self.sync.is_stale(sid, body["step"]) for sid in sids):
+            self.sync.dropped["stale"] += 1
+            out = {"applied": False, "dropped": "stale", "staleness": []}
+        else:
+            advanced = False
             for sid, ver in zip(sids, pulled, strict=True):
-                _, s = self.store.apply_rows(sid, *pairs[sid], ver)
-                staleness.append(s)
-            body = msg.body
-            self.dedup.commit(body["worker"], body["inc"], body["seq"])
-        versions = [self.store.get(sid).version for sid in sids]
-        return reply(msg, {"applied": applied, "versions": versions, "staleness": staleness})
+                out["staleness"].append(self.store.get(sid).version - ver)
+                advanced = accumulate(sid) or advanced
+            if advanced:
+                self._notify_steps()
+        self.dedup.commit(body["worker"], body["inc"], body["seq"])
+        return out
+
+    # -- sync coordination -----------------------------------------------------
+
+    @property
+    def sync_step(self) -> int:
+        return 0 if self.sync is None else self.sync.min_step()
+
+    def _notify_steps(self) -> None:
+        step = self.sync_step
+        still = []
+        for target, fut in self._step_waiters:
+            if fut.done():
+                continue
+            if step >= target:
+                fut.set_result(step)
+            else:
+                still.append((target, fut))
+        self._step_waiters = still
+
+    def _op_sync_config(self, msg: Message) -> Message:
+        mode, required = msg.body["mode"], msg.body["required"]
+        if mode not in MODES:
+            raise InvalidArgument(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if mode != "sync":
+            self.sync = None
+        elif self.sync is None:
+            self.sync = SyncShards(self.store, required)
+        elif self.sync.set_required(required):
+            self._notify_steps()
+        log.info("ps %d: mode %s (replicas to aggregate %d)", self.index, mode, required)
+        return reply(msg, {"step": self.sync_step})
+
+    async def _op_wait_step(self, msg: Message) -> Message:
+        target, wait = msg.body["step"], float(msg.body.get("wait", 0.0))
+        if self.sync_step < target and wait > 0:
+            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            self._step_waiters.append((target, fut))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(fut, wait)
+        return reply(msg, {"step": self.sync_step})
 
     def status(self) -> dict[str, Any]:
-        return {
+        out = {
             "role": "ps",
             "index": self.index,
             "duplicates": self.duplicates,
             "fenced": self.fenced,
             **self.store.stats(),
         }
+        if self.sync is not None:
+            out["sync"] = {
+                **self.sync.status(),
+                "contributors": self.sync.contributors_of_current_step(),
+            }
+        return out
 
     def _op_status(self, msg: Message) -> Message:
         return reply(msg, self.status())

@@ -7,6 +7,10 @@ Rules of this module:
   so the loop can heartbeat the chief while the user's code computes.
 * One push is one step of this worker; steps, examples and the last loss travel
   to the chief with every heartbeat.
+* :meth:`Worker.begin_step` is where the consistency model lives, so one loop
+  serves every mode: async returns at once; sync takes a token from the chief
+  (long polls, no busy waiting) and tags the step's pushes with its value; ssp
+  waits until the slowest live worker is close enough.
 * The incarnation identifies this process run: a restarted worker registers
   with a newer one, and the PS fence pushes of the old one.
 * Arrays returned by :meth:`Worker.pull` belong to the worker and are refreshed
@@ -31,7 +35,7 @@ from zmqps.data import batches, shard, steps_per_epoch
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
 from zmqps.transport import Client, LoopThread, SocketOptions
-from zmqps.wire.errors import DeadlineExceeded, NotReady, ShutdownError
+from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotReady, ShutdownError
 
 __all__ = ["Terminated", "Worker", "train"]
 
@@ -75,6 +79,7 @@ class Worker:
         self.step = 0
         self.examples = 0
         self.loss: float | None = None
+        self.token: int | None = None  # sync: the step this worker is computing
         self._options = options
         self._chunk_bytes = chunk_bytes
         self._shared_memory = shared_memory
@@ -189,13 +194,49 @@ class Worker:
 
     @property
     def global_step(self) -> int:
-        """Updates applied to the model as last seen by this worker."""
-        return 0 if self._client is None else self._client.global_step
+        """The global step as last seen: updates applied to the model (async, ssp), or
+        the step of this worker's token (sync)."""
+        seen = 0 if self._client is None else self._client.global_step
+        return max(seen, self.token or 0)
 
     @property
     def staleness(self) -> int:
         """Staleness (in updates) of this worker's last push, as measured by the PS."""
         return 0 if self._client is None else self._client.last_staleness
+
+    def begin_step(self, poll: float = 10.0) -> int:
+        """Wait until this worker may start its next step; returns the step it computes.
+
+        async: returns at once (this worker's local step). sync: takes a token from
+        the chief's queue and returns its value (the global step the gradients are
+        for). ssp: waits while this worker is more than ``max_staleness`` steps ahead
+        of the slowest live worker. Waiting is done by long polls of ``poll`` seconds.
+        """
+        if self.mode == "sync":
+            self.token = self._io.run(self._long_poll("take_token", {}, poll))["step"]
+            return int(self.token)
+        if self.mode == "ssp":
+            self._io.run(self._long_poll("ssp_clock", {"completed": self.step}, poll))
+        return self.step
+
+    async def _long_poll(self, op: str, extra: dict[str, Any], poll: float) -> dict[str, Any]:
+        body = {"role": self.role, "index": self.index, "incarnation": self.incarnation, **extra}
+        body["wait"] = poll
+        while True:
+            try:
+                rep = await self._chief.request(op, body, timeout=poll + 10.0)
+                return dict(rep.body)
+            except NotReady:
+                continue  # nothing yet: ask again (the chief holds each poll open)
+            except DeadlineExceeded:
+                log.warning("%s: the chief did not answer %s; retrying", self.name, op)
+
+    def _step_tag(self) -> int | None:
+        if self.mode != "sync":
+            return None
+        if self.token is None:
+            raise InvalidArgument("sync mode: call begin_step() before pushing")
+        return self.token
 
     def pull(self, names: Iterable[str] | None = None) -> dict[str, Array]:
         """Current values of the dense variables (or ``names``)."""
@@ -210,16 +251,19 @@ class Worker:
 
     def push(
         self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None
-    ) -> None:
-        """Push one step's gradients (applied by each PS's optimizer on arrival)."""
-        self._io.run(self.client.push(grads))
+    ) -> bool:
+        """Push one step's gradients. async / ssp: each PS applies them on arrival; sync:
+        they count toward the step of the token taken by :meth:`begin_step`. Returns
+        False if they were dropped (sync: stale, the step had already been applied)."""
+        accepted = self._io.run(self.client.push(grads, step=self._step_tag()))
         self._count(loss, examples)
+        return accepted
 
     def push_pull(
         self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None
     ) -> dict[str, Array]:
         """Push gradients and get the updated values back in the same round trip."""
-        self._io.run(self.client.push(grads, pull=True))
+        self._io.run(self.client.push(grads, pull=True, step=self._step_tag()))
         self._count(loss, examples)
         return self.client.params
 
@@ -227,9 +271,9 @@ class Worker:
         """Rows ``ids`` of the embedding variable ``name``."""
         return self._io.run(self.client.pull_rows(name, ids))
 
-    def push_rows(self, name: str, ids: Any, grads: Any) -> None:
+    def push_rows(self, name: str, ids: Any, grads: Any) -> bool:
         """Row gradients for the embedding variable ``name`` (duplicate ids are summed)."""
-        self._io.run(self.client.push_rows(name, ids, grads))
+        return self._io.run(self.client.push_rows(name, ids, grads, step=self._step_tag()))
 
     # ------------------------------------------------------------------ liveness
 
@@ -320,8 +364,14 @@ def train(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
     loss = float("nan")
     for epoch in range(job.epochs):
         for x, y in batches(data, job.batch_size, epoch, seed=job.seed * 1000 + worker.index):
+            worker.begin_step()
+            if worker.mode != "async":
+                params = worker.pull()  # sync: the values of the token's step
             loss, grads = model.loss_and_grads(params, x, y)
-            params = worker.push_pull(grads, loss=loss, examples=len(x))
+            if worker.mode == "async":
+                params = worker.push_pull(grads, loss=loss, examples=len(x))
+            else:
+                worker.push(grads, loss=loss, examples=len(x))
             if worker.step % job.log_every == 0:
                 now = time.perf_counter()
                 log.info(

@@ -54,6 +54,10 @@ REQUEST_OPS = frozenset(
         "shm_detach",
         "status",
         "shutdown",
+        "sync_config",
+        "wait_step",
+        "take_token",
+        "ssp_clock",
     }
 )
 

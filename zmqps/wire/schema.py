@@ -228,4 +228,9 @@ REQUEST_BODIES: Mapping[str, Schema] = {
     "push_rows": PUSH,
     "status": Map(),
     "shutdown": Map({}, {"reason": Str(256)}),
+    # sync / ssp coordination
+    "sync_config": Map({"mode": Str(8), "required": Int(1, 1 << 20)}),
+    "wait_step": Map({"step": Int(0)}, {"wait": Float(0.0, 3600.0)}),
+    "take_token": Map(WHO, {"wait": Float(0.0, 3600.0)}),
+    "ssp_clock": Map({**WHO, "completed": Int(0)}, {"wait": Float(0.0, 3600.0)}),
 }

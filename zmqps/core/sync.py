@@ -1,0 +1,220 @@
+"""Synchronous training state: per-shard step accumulators, the token queue, the SSP bound.
+
+Rules of this module (the semantics of TensorFlow's ``SyncReplicasOptimizer``):
+
+* Every gradient is tagged with the worker's local step: the value of the token it
+  took. A shard accumulates gradients whose local step is >= its own step
+  ("fresh"); older ones are dropped and counted with the reason ``stale``.
+* When ``required`` (N) fresh gradients have arrived, the shard applies their
+  mean exactly once and advances its step; the accumulator is then empty again.
+  ``required`` can shrink (dead workers, M < N): a shard that already holds that
+  many gradients applies at once. A step is never applied from zero gradients.
+* The token queue holds tokens for the current global step only: when the step
+  advances, leftover tokens of older steps are discarded (a late backup worker
+  takes a fresh token instead of computing a gradient that is sure to be dropped),
+  then M tokens of the new step are put. ``init_tokens`` extra tokens of step 0
+  let workers run ahead at the start.
+* SSP: a worker may start step ``c`` only while the slowest live worker has
+  completed at least ``c - s`` steps.
+* Nothing here does IO or reads a clock; waiting is the roles' business.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from zmqps.core.optimizers import compute_dtype
+from zmqps.core.store import ShardStore
+from zmqps.wire.errors import InvalidArgument
+
+__all__ = ["MODES", "ShardAccumulator", "StalenessBound", "SyncShards", "TokenQueue"]
+
+Array = npt.NDArray[Any]
+
+MODES = ("async", "sync", "ssp")
+
+
+@dataclass
+class ShardAccumulator:
+    """The gradients of one shard for its current step."""
+
+    step: int = 0
+    count: int = 0
+    dense: Array | None = None  # running sum, flat, compute dtype
+    rows: list[tuple[Array, Array]] = field(default_factory=list)  # (global ids, rows)
+    contributors: list[str] = field(default_factory=list)
+
+
+class SyncShards:
+    """Sync accumulation for the shards of one PS."""
+
+    def __init__(self, store: ShardStore, required: int) -> None:
+        if required < 1:
+            raise InvalidArgument("replicas_to_aggregate must be >= 1")
+        self.store = store
+        self.required = required
+        self.acc: dict[int, ShardAccumulator] = {}
+        self.dropped: Counter[str] = Counter()
+        self.steps_applied = 0
+
+    def _acc(self, sid: int) -> ShardAccumulator:
+        acc = self.acc.get(sid)
+        if acc is None:
+            self.store.get(sid)  # NotFound for unknown shards
+            acc = self.acc[sid] = ShardAccumulator(step=self.min_step())
+        return acc
+
+    def min_step(self) -> int:
+        """The step every shard of this PS has reached (the PS's step)."""
+        return min((a.step for a in self.acc.values()), default=0) if self.acc else 0
+
+    def step_of(self, sid: int) -> int:
+        return self._acc(sid).step
+
+    def is_stale(self, sid: int, local_step: int) -> bool:
+        return local_step < self._acc(sid).step
+
+    def add_dense(self, sid: int, chunks: Sequence[tuple[int, Array]], worker: str) -> bool:
+        """Accumulate a validated whole-shard gradient; True when the step was applied."""
+        acc = self._acc(sid)
+        shard = self.store.get(sid)
+        if acc.dense is None:
+            acc.dense = np.zeros(shard.definition.size, compute_dtype(shard.values.dtype))
+        for offset, chunk in chunks:
+            part = acc.dense[offset : offset + chunk.shape[0]]
+            np.add(part, chunk, out=part)
+        return self._counted(sid, acc, worker)
+
+    def add_rows(self, sid: int, ids: Array, rows: Array, worker: str) -> bool:
+        """Accumulate validated row gradients (copied: frames do not outlive the request)."""
+        acc = self._acc(sid)
+        acc.rows.append((np.array(ids, dtype=np.int64), np.array(rows)))
+        return self._counted(sid, acc, worker)
+
+    def _counted(self, sid: int, acc: ShardAccumulator, worker: str) -> bool:
+        acc.count += 1
+        acc.contributors.append(worker)
+        if acc.count >= self.required:
+            self._apply(sid, acc)
+            return True
+        return False
+
+    def _apply(self, sid: int, acc: ShardAccumulator) -> None:
+        shard = self.store.get(sid)
+        scale = 1.0 / acc.count
+        if acc.dense is not None:
+            self.store.apply_dense(sid, [(0, acc.dense)], shard.version, scale=scale)
+            acc.dense.fill(0)
+        if acc.rows:
+            ids = np.concatenate([i for i, _ in acc.rows])
+            rows = np.concatenate([r.reshape(len(i), -1) for i, r in acc.rows])
+            self.store.apply_rows(
+                sid,
+                ids,
+                rows.reshape(len(ids), *shard.definition.shape[1:]),
+                shard.version,
+                scale=scale,
+            )
+            acc.rows.clear()
+        acc.step += 1
+        acc.count = 0
+        acc.contributors.clear()
+        self.steps_applied += 1
+
+    def set_required(self, required: int) -> list[int]:
+        """Change N; returns the shards that applied their step because of it."""
+        if required < 1:
+            raise InvalidArgument("replicas_to_aggregate must be >= 1")
+        self.required = required
+        applied = []
+        for sid, acc in self.acc.items():
+            if acc.count >= required:
+                self._apply(sid, acc)
+                applied.append(sid)
+        return applied
+
+    def contributors_of_current_step(self) -> list[str]:
+        """Workers whose gradient every shard still at the PS's step has received."""
+        step = self.min_step()
+        behind = [set(a.contributors) for a in self.acc.values() if a.step == step]
+        return sorted(set.intersection(*behind)) if behind else []
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "step": self.min_step(),
+            "required": self.required,
+            "accumulated": {str(sid): a.count for sid, a in sorted(self.acc.items())},
+            "dropped": dict(self.dropped),
+            "steps_applied": self.steps_applied,
+        }
+
+
+class TokenQueue:
+    """The chief's SyncReplicas token queue (tokens carry the global step)."""
+
+    def __init__(self) -> None:
+        self._tokens: deque[int] = deque()
+        self.discarded = 0
+        self.taken = 0
+
+    def put(self, step: int, n: int) -> None:
+        self._tokens.extend([step] * n)
+
+    def take(self) -> int | None:
+        if not self._tokens:
+            return None
+        self.taken += 1
+        return self._tokens.popleft()
+
+    def advance(self, step: int, n: int) -> None:
+        """The global step is now ``step``: drop older tokens, put ``n`` new ones."""
+        kept = [t for t in self._tokens if t >= step]
+        self.discarded += len(self._tokens) - len(kept)
+        self._tokens = deque(kept)
+        self.put(step, n)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+
+class StalenessBound:
+    """Stale synchronous parallel: clocks are completed steps per worker."""
+
+    def __init__(self, max_staleness: int) -> None:
+        if max_staleness < 0:
+            raise InvalidArgument("max_staleness must be >= 0")
+        self.max_staleness = max_staleness
+        self.clocks: dict[int, int] = {}
+        self.max_spread = 0
+
+    def report(self, worker: int, completed: int) -> None:
+        self.clocks[worker] = max(self.clocks.get(worker, 0), completed)
+
+    def slowest(self, live: Iterable[int]) -> int | None:
+        clocks = [self.clocks.get(w, 0) for w in live]
+        return min(clocks) if clocks else None
+
+    def may_start(self, step: int, live: Iterable[int]) -> bool:
+        """May a worker start (0-based) step ``step``, given the live workers' clocks?
+
+        Granting records the spread ``step - slowest`` (the largest ever granted is
+        ``max_spread``, never above ``max_staleness``).
+        """
+        slowest = self.slowest(live)
+        if slowest is not None and step - slowest > self.max_staleness:
+            return False
+        self.max_spread = max(self.max_spread, step - (slowest if slowest is not None else step))
+        return True
+
+    def snapshot(self) -> Mapping[str, Any]:
+        return {
+            "max_staleness": self.max_staleness,
+            "clocks": {str(k): v for k, v in sorted(self.clocks.items())},
+            "max_spread": self.max_spread,
+        }

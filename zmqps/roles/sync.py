@@ -1,0 +1,218 @@
+"""The chief's side of sync and SSP training: tokens, the global step, the staleness bound.
+
+Rules of this module:
+
+* Sync (SyncReplicas): the global step advances only when every PS has applied
+  it (each PS is long-polled with ``wait_step``); then the token queue gets M
+  tokens of the new step (:class:`~zmqps.core.sync.TokenQueue`).
+* M is the number of replicas not known to be gone (dead, left, done), at most
+  ``total_replicas``; N is ``min(replicas_to_aggregate, M)``, pushed to every PS
+  whenever it changes, so a dead worker never stalls a step for longer than the
+  heartbeat timeout.
+* SSP: :class:`~zmqps.core.sync.StalenessBound` over the live workers.
+* Every wait is a long poll with a deadline (no busy polling); clients re-poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zmqps.core.membership import Membership
+from zmqps.core.sync import MODES, StalenessBound, TokenQueue
+from zmqps.transport import Requester
+from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotReady, ZmqpsError
+
+__all__ = ["SyncConfig", "SyncDriver"]
+
+log = logging.getLogger("zmqps.chief")
+
+POLL_S = 5.0  # one long poll to a PS
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    mode: str = "async"
+    replicas_to_aggregate: int | None = None  # N; default: total replicas
+    total_replicas: int | None = None  # M; default: number of workers
+    init_tokens: int = 0  # K extra tokens of step 0
+    max_staleness: int = 2  # S (ssp)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidArgument(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        for name in ("replicas_to_aggregate", "total_replicas"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise InvalidArgument(f"{name} must be >= 1")
+        if self.init_tokens < 0 or self.max_staleness < 0:
+            raise InvalidArgument("init_tokens and max_staleness must be >= 0")
+
+
+class SyncDriver:
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        members: Membership,
+        ps: Sequence[Requester],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.members = members
+        self.ps = list(ps)
+        self.clock = clock
+        self.total = cfg.total_replicas or members.num_workers
+        self.aggregate = cfg.replicas_to_aggregate or self.total
+        self.tokens = TokenQueue()
+        self.bound = StalenessBound(cfg.max_staleness)
+        self.global_step = 0
+        self.required = 0  # N as last told to the PS
+        self.changed = asyncio.Condition()
+        self.started = False
+        self.step_started_at = clock()
+
+    @property
+    def mode(self) -> str:
+        return self.cfg.mode
+
+    # ------------------------------------------------------------ replicas
+
+    def replicas(self) -> int:
+        """M: replicas not known to be gone, at most ``total_replicas``."""
+        now = self.clock()
+        gone = len(self.members.dead(now)) + sum(
+            1 for w in self.members.workers.values() if w.done or w.gone
+        )
+        return max(0, min(self.total, self.members.num_workers - gone))
+
+    def needed(self) -> int:
+        """N as it must be now: never more than M (never less than 1)."""
+        return max(1, min(self.aggregate, self.replicas()))
+
+    async def _configure_ps(self, required: int) -> None:
+        body = {"mode": self.mode, "required": required}
+        await asyncio.gather(*(c.request("sync_config", body, timeout=10.0) for c in self.ps))
+        self.required = required
+
+    async def membership_changed(self, rejoined: bool = False) -> None:
+        """Re-derive N after a worker joined, left or died; wake every waiter."""
+        if self.mode == "sync" and self.started:
+            if rejoined:
+                self.tokens.put(self.global_step, 1)  # its share of the current step
+            needed = self.needed()
+            if needed != self.required:
+                log.info(
+                    "replicas to aggregate %d -> %d (M = %d live replicas)",
+                    self.required,
+                    needed,
+                    self.replicas(),
+                )
+                await self._configure_ps(needed)
+        async with self.changed:
+            self.changed.notify_all()
+
+    # ------------------------------------------------------------ sync
+
+    async def run(self) -> None:
+        """Drive sync training: start tokens, then advance the global step forever."""
+        if self.mode == "async":
+            return
+        await self._configure_ps(self.needed() if self.mode == "sync" else 1)
+        self.started = True
+        if self.mode != "sync":
+            return
+        self.tokens.put(0, self.replicas() + self.cfg.init_tokens)
+        async with self.changed:
+            self.changed.notify_all()
+        while True:
+            await asyncio.gather(*(self._wait_ps(c, self.global_step + 1) for c in self.ps))
+            self.global_step += 1
+            self.step_started_at = self.clock()
+            self.tokens.advance(self.global_step, self.replicas())
+            async with self.changed:
+                self.changed.notify_all()
+
+    async def _wait_ps(self, ps: Requester, step: int) -> None:
+        while True:
+            try:
+                rep = await ps.request(
+                    "wait_step", {"step": step, "wait": POLL_S}, timeout=POLL_S + 5
+                )
+            except DeadlineExceeded:
+                log.warning("ps at %s does not answer while step %d waits on it", ps.endpoint, step)
+                continue
+            if int(rep.body["step"]) >= step:
+                return
+
+    async def take_token(self, wait: float) -> int:
+        """A token (its value is the step to compute); NotReady after ``wait`` seconds."""
+        deadline = self.clock() + wait
+        async with self.changed:
+            while True:
+                token = self.tokens.take() if self.started else None
+                if token is not None:
+                    return token
+                left = deadline - self.clock()
+                if left <= 0:
+                    raise NotReady(f"no token within {wait:g}s (global step {self.global_step})")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), left)
+
+    # ------------------------------------------------------------ ssp
+
+    async def ssp_clock(self, index: int, completed: int, wait: float) -> int:
+        """Record that worker ``index`` completed ``completed`` steps; return once it may start
+        the next one (the slowest live worker's clock), NotReady after ``wait`` seconds."""
+        self.bound.report(index, completed)
+        deadline = self.clock() + wait
+        async with self.changed:
+            self.changed.notify_all()
+            while True:
+                live = self.members.alive(self.clock())
+                if index not in live:
+                    live.append(index)
+                if self.bound.may_start(completed, live):
+                    slowest = self.bound.slowest(live)
+                    return completed if slowest is None else slowest
+                left = deadline - self.clock()
+                if left <= 0:
+                    raise NotReady(f"step {completed} waits on slower workers (ssp)")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), left)
+
+    # ------------------------------------------------------------ status
+
+    async def waiting_on(self, live: Sequence[int]) -> list[int]:
+        """Live workers whose gradient for the current step some PS has not received."""
+        if self.mode != "sync":
+            return []
+        names = {f"worker:{i}": i for i in live}
+        missing: set[int] = set()
+        for c in self.ps:
+            try:
+                rep = await c.request("status", timeout=2.0)
+            except ZmqpsError:
+                continue
+            sync = rep.body.get("sync") or {}
+            got = set(sync.get("contributors", []))
+            missing |= {i for name, i in names.items() if name not in got}
+        return sorted(missing)
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.mode}
+        if self.mode == "sync":
+            out.update(
+                replicas_to_aggregate=self.required or self.needed(),
+                total_replicas=self.replicas(),
+                tokens_available=len(self.tokens),
+                tokens_discarded=self.tokens.discarded,
+                step_age_s=round(self.clock() - self.step_started_at, 3),
+            )
+        if self.mode == "ssp":
+            out["ssp"] = dict(self.bound.snapshot())
+        return out
