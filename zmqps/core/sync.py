@@ -12,8 +12,10 @@ Rules of this module (the semantics of TensorFlow's ``SyncReplicasOptimizer``):
 * The token queue holds tokens for the current global step only: when the step
   advances, leftover tokens of older steps are discarded (a late backup worker
   takes a fresh token instead of computing a gradient that is sure to be dropped),
-  then M tokens of the new step are put. ``init_tokens`` extra tokens of step 0
-  let workers run ahead at the start.
+  then M tokens of the new step are put. A worker (incarnation) takes at most one
+  token per step, so a fast worker cannot fill a step with its own gradients; the
+  ``init_tokens`` extra tokens of step 0 are the exception that lets workers run
+  ahead at the start.
 * SSP: a worker may start step ``c`` only while the slowest live worker has
   completed at least ``c - s`` steps.
 * Nothing here does IO or reads a clock; waiting is the roles' business.
@@ -159,24 +161,31 @@ class TokenQueue:
     """The chief's SyncReplicas token queue (tokens carry the global step)."""
 
     def __init__(self) -> None:
-        self._tokens: deque[int] = deque()
+        self._tokens: deque[tuple[int, bool]] = deque()  # (step, extra: any taker)
+        self._takers: dict[int, set[str]] = {}  # step -> workers holding one of its tokens
         self.discarded = 0
         self.taken = 0
 
-    def put(self, step: int, n: int) -> None:
-        self._tokens.extend([step] * n)
+    def put(self, step: int, n: int, *, extra: bool = False) -> None:
+        self._tokens.extend([(step, extra)] * n)
 
-    def take(self) -> int | None:
-        if not self._tokens:
-            return None
-        self.taken += 1
-        return self._tokens.popleft()
+    def take(self, worker: str = "") -> int | None:
+        """The oldest token ``worker`` may take (one per step, extra tokens aside)."""
+        for i, (step, extra) in enumerate(self._tokens):
+            takers = self._takers.setdefault(step, set())
+            if extra or worker not in takers:
+                del self._tokens[i]
+                takers.add(worker)
+                self.taken += 1
+                return step
+        return None
 
     def advance(self, step: int, n: int) -> None:
         """The global step is now ``step``: drop older tokens, put ``n`` new ones."""
-        kept = [t for t in self._tokens if t >= step]
+        kept = [t for t in self._tokens if t[0] >= step]
         self.discarded += len(self._tokens) - len(kept)
         self._tokens = deque(kept)
+        self._takers = {k: v for k, v in self._takers.items() if k >= step}
         self.put(step, n)
 
     def __len__(self) -> int:

@@ -137,7 +137,8 @@ class ChiefService:
         self.members.heartbeat(b["index"], b["incarnation"], 0, self.clock())
         if self.mode != "sync":
             raise InvalidArgument(f"take_token: the job runs in {self.mode} mode")
-        step = await self.sync.take_token(float(b.get("wait", 10.0)))
+        taker = f"{b['index']}:{b['incarnation']}"
+        step = await self.sync.take_token(taker, float(b.get("wait", 10.0)))
         return reply(msg, {"step": step})
 
     async def _op_ssp_clock(self, msg: Message) -> Message:

@@ -23,6 +23,12 @@ async def fetch_status(chief: str, timeout: float = 5.0) -> dict[str, Any]:
         ctx.term()
 
 
+def _workers(indices: Any) -> str:
+    if not indices:
+        return "nobody"
+    return ", ".join(f"worker {i}" for i in indices)
+
+
 def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"mode          {s.get('mode')}",
@@ -34,6 +40,19 @@ def format_status(s: dict[str, Any]) -> str:
         f"ps            {', '.join(s.get('ps', []))}",
         f"variables     {s.get('variables')} in {s.get('shards')} shards",
     ]
+    if s.get("mode") == "sync":
+        lines += [
+            f"replicas      N = {s.get('replicas_to_aggregate')} of M = {s.get('total_replicas')}",
+            f"tokens        {s.get('tokens_available')} available"
+            f" ({s.get('tokens_discarded')} discarded)",
+            f"step waits on {_workers(s.get('waiting_on'))} (for {s.get('step_age_s', 0):.1f}s)",
+        ]
+    if s.get("mode") == "ssp" and s.get("ssp"):
+        ssp = s["ssp"]
+        lines.append(
+            f"ssp           max staleness {ssp['max_staleness']},"
+            f" largest spread granted {ssp['max_spread']}"
+        )
     workers = s.get("workers") or []
     if workers:
         lines.append("worker  incarnation       state  step    loss    last seen")

@@ -126,7 +126,8 @@ class SyncDriver:
         self.started = True
         if self.mode != "sync":
             return
-        self.tokens.put(0, self.replicas() + self.cfg.init_tokens)
+        self.tokens.put(0, self.replicas())
+        self.tokens.put(0, self.cfg.init_tokens, extra=True)
         async with self.changed:
             self.changed.notify_all()
         while True:
@@ -149,12 +150,13 @@ class SyncDriver:
             if int(rep.body["step"]) >= step:
                 return
 
-    async def take_token(self, wait: float) -> int:
-        """A token (its value is the step to compute); NotReady after ``wait`` seconds."""
+    async def take_token(self, worker: str, wait: float) -> int:
+        """A token for ``worker`` (its value is the step to compute); NotReady after
+        ``wait`` seconds."""
         deadline = self.clock() + wait
         async with self.changed:
             while True:
-                token = self.tokens.take() if self.started else None
+                token = self.tokens.take(worker) if self.started else None
                 if token is not None:
                     return token
                 left = deadline - self.clock()
