@@ -34,14 +34,15 @@ def main() -> None:
             [zmqps.VariableDef("w", (8, 1)), zmqps.VariableDef("b", (1,))],
             optimizer={"name": "sgd", "lr": 0.1},
         )
-        params = worker.pull()
         batches = np.random.default_rng(args.index)
         for _ in range(args.steps):
+            worker.begin_step()  # sync: take a token; ssp: wait for the staleness bound
+            params = worker.pull()
             i = batches.integers(0, len(x), size=32)
             err = x[i] @ params["w"] + params["b"] - y[i]
             grads = {"w": 2 * x[i].T @ err / len(i), "b": 2 * err.mean(axis=0)}
-            # One round trip: the PS apply the gradients and send the new values back.
-            params = worker.push_pull(grads, loss=float(np.mean(err**2)), examples=len(i))
+            worker.push(grads, loss=float(np.mean(err**2)), examples=len(i))
+        params = worker.pull()
         loss = float(np.mean((x @ params["w"] + params["b"] - y) ** 2))
     print(f"worker {args.index}: final loss {loss:.6f} after {args.steps} steps")
 
