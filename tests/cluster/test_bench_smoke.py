@@ -1,0 +1,125 @@
+"""``zmqps bench`` at tiny sizes: every suite runs, reports figures and ratios, cleans up.
+
+No timing assertions: figures on a shared machine say nothing about correctness.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import Proc, Reaper, read_json, wait_for, zmqps_cmd
+
+TINY = [
+    "--size-mb",
+    "1",
+    "--rows",
+    "20000",
+    "--batch-rows",
+    "256",
+    "--variables",
+    "20",
+    "--steps",
+    "3",
+    "--repeat",
+    "1",
+    "--warmup",
+    "1",
+    "--workers",
+    "1",
+]
+
+
+def _bench(procs: Reaper, tmp_path: Path, *flags: str) -> tuple[Proc, Path, Path]:
+    out, logs = tmp_path / "bench.json", tmp_path / "logs"
+    argv = zmqps_cmd("bench", *flags, "--json", str(out), "--keep-logs", str(logs))
+    return procs.spawn(argv, name="bench"), out, logs
+
+
+def _children_of(logs: Path) -> list[int]:
+    """Live processes whose command line names a file of the bench's log folder."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            argv = (p / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(logs) in argv:
+            found.append(int(p.name))
+    return found
+
+
+def _runs(report: dict[str, Any], suite: str) -> list[dict[str, Any]]:
+    return [r for r in report["runs"] if r["suite"] == suite]
+
+
+@pytest.mark.timeout(60)
+def test_every_suite_reports_medians_and_ratios(procs: Reaper, tmp_path: Path) -> None:
+    bench, out, logs = _bench(
+        procs, tmp_path, "dense", "sparse", "small", "--sides", "zmqps,zmqps-tcp,raw", *TINY
+    )
+    bench.expect_exit(0, timeout=50)
+    report = read_json(out)
+    assert report["ok"] is True and report["failures"] == []
+    assert report["machine"]["nproc"] >= 1 and report["machine"]["pyzmq"]
+    for suite, variants in (
+        ("dense", {"pull+push", "push_pull"}),
+        ("sparse", {"rows"}),
+        ("small", {"pull+push", "push_pull"}),
+    ):
+        runs = _runs(report, suite)
+        assert {r["variant"] for r in runs} == variants, runs
+        for run in runs:
+            for side in ("zmqps", "zmqps-tcp", "raw"):
+                s = run["sides"][side]
+                assert s["status"] == "ok", s
+                assert s["median"] > 0 and s["min"] <= s["median"] <= s["max"]
+                assert len(s["values"]) == 1 and len(s["runs"]) == 1
+            assert run["ratios"]["zmqps/raw"] > 0
+            assert run["ratios"]["zmqps-tcp/raw"] > 0
+    assert _runs(report, "dense")[0]["sides"]["zmqps-tcp"]["transport"] == ["tcp"]
+    assert "zmqps/raw" in bench.stdout and "median steps/s" in bench.stdout
+    assert not _children_of(logs)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_torch_side(procs: Reaper, tmp_path: Path) -> None:
+    bench, out, logs = _bench(procs, tmp_path, "sparse", "--sides", "zmqps,torch", *TINY)
+    bench.expect_exit(0, timeout=50)
+    (run,) = read_json(out)["runs"]
+    assert run["sides"]["torch"]["status"] == "ok" and run["sides"]["torch"]["median"] > 0
+    assert run["ratios"]["zmqps/torch"] > 0
+    assert run["targets"]["zmqps/torch"]["min"] == 2.0
+    assert not _children_of(logs)
+
+
+@pytest.mark.timeout(40)
+def test_a_side_that_misses_its_deadline_fails_the_bench_and_is_stopped(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    # No worker can connect, create variables and warm up in 50 ms.
+    bench, out, logs = _bench(
+        procs, tmp_path, "dense", "--sides", "zmqps,raw", *TINY, "--timeout", "0.05"
+    )
+    bench.expect_exit(1, timeout=30)
+    (run, *_) = read_json(out)["runs"]
+    assert run["sides"]["zmqps"]["status"] == "failed"
+    assert "no answer within" in run["sides"]["zmqps"]["error"]
+    assert "failed" in bench.stderr
+    assert not _children_of(logs)
+
+
+@pytest.mark.timeout(40)
+def test_ctrl_c_stops_every_child(procs: Reaper, tmp_path: Path) -> None:
+    flags = [*TINY, "--steps", "100000", "--sides", "zmqps,raw"]
+    bench, _, logs = _bench(procs, tmp_path, "dense", *flags)
+    wait_for(lambda: "raw ready" in bench.stderr, 25, what="both sides to be ready")
+    bench.send(signal.SIGINT)
+    bench.expect_exit(130, timeout=20)
+    assert not _children_of(logs)

@@ -1,0 +1,166 @@
+"""Side (a): zmqps itself — real daemons and workers on the public :class:`zmqps.Worker` API.
+
+Rules of this module:
+
+* The chief and the PS are the product's own processes (``python -m zmqps
+  server``), with ``--model none`` and the partitioner flags of the workload;
+  workers are benchmark children calling ``create_variables``, then per step
+  ``pull`` + ``push`` (or ``push_pull``), or ``pull_rows`` + ``push_rows``.
+* Each worker reports the placement it received, so the other sides can move
+  exactly the same shards.
+* Leaving is the product's normal end: every worker closes with "done", the
+  chief then shuts the PS down and every process exits 0.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from zmqps.bench.common import (
+    HOST,
+    Child,
+    Control,
+    Side,
+    SideContext,
+    child_argv,
+    child_env,
+    serve_steps,
+)
+from zmqps.bench.workload import Workload
+from zmqps.cli.launch import free_ports
+
+__all__ = ["spawn", "worker_main"]
+
+
+def spawn(wl: Workload, ctx: SideContext, *, tcp_only: bool = False) -> Side:
+    """Chief, PS and workers; ``tcp_only`` turns the same-host fast path off."""
+    name = "zmqps-tcp" if tcp_only else "zmqps"
+    ports = free_ports(1 + wl.num_ps + ctx.workers, HOST)
+    cluster = {
+        "chief": [f"{HOST}:{ports[0]}"],
+        "ps": [f"{HOST}:{p}" for p in ports[1 : 1 + wl.num_ps]],
+        "worker": [f"{HOST}:{p}" for p in ports[1 + wl.num_ps :]],
+    }
+    spec = json.dumps({"cluster": cluster})
+    base = [sys.executable, "-m", "zmqps", "server", "--cluster", spec]
+    parent = ["--parent-pid", str(os.getpid())]
+    part = wl.partitioner
+    chief = [
+        *base,
+        "--role",
+        "chief",
+        "--model",
+        "none",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        str(wl.lr),
+        "--min-shard-bytes",
+        str(part.min_shard_bytes),
+        "--max-shard-bytes",
+        str(part.max_shard_bytes),
+        "--heartbeat-timeout",
+        str(max(60.0, ctx.timeout)),
+        "--startup-timeout",
+        str(ctx.timeout),
+        *parent,
+    ]
+    if part.num_shards:
+        chief += ["--num-shards", str(part.num_shards)]
+    env = child_env(ctx.zmqps_env)
+    side = Side(name, wl.units_per_step, ctx.timeout)
+    side.servers.append(Child(f"{name}-chief", chief, ctx.run_dir, env))
+    for i in range(wl.num_ps):
+        argv = [*base, "--role", "ps", "--index", str(i), *parent]
+        side.servers.append(Child(f"{name}-ps{i}", argv, ctx.run_dir, env))
+    for i in range(ctx.workers):
+        config = {
+            "workload": wl.to_json(),
+            "chief": cluster["chief"][0],
+            "index": i,
+            "seed": ctx.seed,
+            "timeout": ctx.timeout,
+            "tcp_only": tcp_only,
+        }
+        path = ctx.write_config(f"{name}-worker{i}", config)
+        side.workers.append(
+            Child(
+                f"{name}-worker{i}",
+                child_argv("zmqps", "worker", path),
+                ctx.run_dir,
+                env,
+                control=True,
+            )
+        )
+    return side
+
+
+def _dense_steps(w: Any, wl: Workload) -> dict[str, Callable[[], object]]:
+    grads = {v.name: np.full(v.shape, 1e-6, dtype=v.dtype) for v in wl.variables}
+
+    def pull_push() -> None:
+        w.pull()
+        w.push(grads)
+
+    def push_pull() -> None:
+        w.push_pull(grads)
+
+    return {"pull+push": pull_push, "push_pull": push_pull}
+
+
+def _sparse_steps(w: Any, wl: Workload, seed: int, index: int) -> dict[str, Callable[[], object]]:
+    pool = wl.id_pool(seed, index)
+    name = wl.variables[0].name
+    grads = np.full((wl.batch_rows, *wl.variables[0].shape[1:]), 1e-3, dtype=np.float32)
+    batches = itertools.cycle(pool)
+
+    def rows() -> None:
+        ids = next(batches)
+        w.pull_rows(name, ids)
+        w.push_rows(name, ids, grads)
+
+    return {"rows": rows}
+
+
+def _transports(w: Any) -> list[str]:
+    """How dense tensors travel to each PS ("shm" or "tcp"), when this zmqps says."""
+    client = w.client
+    if not hasattr(client, "transport_of"):
+        return []
+    return [str(client.transport_of(ps)) for ps in range(len(client.ps))]
+
+
+def worker_main(config: dict[str, Any], ctl: Control | None) -> None:
+    from zmqps import Worker
+
+    assert ctl is not None
+    wl = Workload.from_json(config["workload"])
+    timeout = float(config["timeout"])
+    index = int(config["index"])
+    kwargs: dict[str, Any] = {}
+    if config.get("tcp_only"):
+        if "shared_memory" not in inspect.signature(Worker).parameters:
+            raise RuntimeError("this zmqps has no shared_memory switch: nothing to turn off")
+        kwargs["shared_memory"] = False
+    w = Worker(config["chief"], index=index, timeout=timeout, connect_timeout=timeout, **kwargs)
+    try:
+        placement = w.create_variables(list(wl.variables), optimizer=wl.optimizer)
+        if wl.suite == "sparse":
+            steps = _sparse_steps(w, wl, int(config["seed"]), index)
+        else:
+            w.pull()  # sets up the data path before any timing
+            steps = _dense_steps(w, wl)
+        info = {"shards": [s.to_wire() for s in placement.shards], "transport": _transports(w)}
+        serve_steps(ctl, steps, info)
+    except BaseException:
+        w.close("error")
+        raise
+    w.close("done")
