@@ -23,6 +23,7 @@ Rules of this module (the semantics of TensorFlow's ``SyncReplicasOptimizer``):
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -115,7 +116,9 @@ class SyncShards:
             acc.dense.fill(0)
         if acc.rows:
             ids = np.concatenate([i for i, _ in acc.rows])
-            rows = np.concatenate([r.reshape(len(i), -1) for i, r in acc.rows])
+            # explicit row width: a shard no id fell in gets an empty push (size 0)
+            width = math.prod(shard.definition.shape[1:])
+            rows = np.concatenate([r.reshape(len(i), width) for i, r in acc.rows])
             self.store.apply_rows(
                 sid,
                 ids,

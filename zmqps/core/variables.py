@@ -226,11 +226,12 @@ class Placement:
     shards: tuple[ShardInfo, ...]
     optimizer: Mapping[str, Any] = field(default_factory=lambda: {"name": "sgd", "lr": 0.01})
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {v.name: v for v in self.variables})
+
     def variable(self, name: str) -> VariableDef:
-        for v in self.variables:
-            if v.name == name:
-                return v
-        raise KeyError(name)
+        by_name: dict[str, VariableDef] = self._by_name  # type: ignore[attr-defined]
+        return by_name[name]
 
     def shards_of(self, name: str) -> list[ShardInfo]:
         return [s for s in self.shards if s.var == name]

@@ -158,7 +158,7 @@ class ChiefService:
         log.info("worker %d left (%s) after %d steps", b["index"], reason, b["step"])
         if self.members.all_done():
             self.all_done.set()
-        await self.sync.membership_changed()
+        await self.sync.membership_changed(gone=[b["index"]])
         return reply(msg, {"global_step": self.global_step})
 
     # ---------------------------------------------------------------- variables
@@ -290,7 +290,7 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
         "mode": service.mode,
         "ps": cfg.cluster.num_ps,
         "workers": cfg.cluster.num_workers,
-        "global_step": service.global_step,
+        "global_step": await service.sync.applied_step(),
         "worker_steps": m.global_step,
         "examples": m.examples,
         "train_seconds": round(train_s, 3),
@@ -380,7 +380,8 @@ async def _shutdown_ps(ps_clients: Sequence[Requester]) -> None:
 async def _drive(service: ChiefService) -> None:
     """Once the variables exist (so the PS are up), run the sync / SSP driver."""
     await service.placement_ready.wait()
-    await service.sync.run()
+    assert service.placement is not None
+    await service.sync.run(sorted({s.ps for s in service.placement.shards}))
     await asyncio.Future()  # async / ssp: nothing more to drive; wait to be cancelled
 
 
@@ -400,7 +401,7 @@ async def _watch_workers(service: ChiefService) -> None:
         for i in sorted(dead - now_dead):
             log.info("worker %d is back", i)
         if now_dead != dead:
-            await service.sync.membership_changed()
+            await service.sync.membership_changed(gone=sorted(now_dead - dead))
         dead = now_dead
 
 

@@ -414,13 +414,14 @@ class ParameterClient:
             raise InvalidArgument(
                 f"row gradients of {name}: shape {grads.shape} != {(ids.size, *v.shape[1:])}"
             )
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        if uniq.size == ids.size:
-            order = np.argsort(ids, kind="stable")
-            summed = grads[order]
-        else:
-            summed = np.zeros((uniq.size, *v.shape[1:]), dtype=v.dtype)
-            np.add.at(summed, inverse, grads)
+        # sort once; runs of equal ids are summed with reduceat (np.add.at is slow)
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]][: ids.size])
+        uniq = sorted_ids[starts]
+        summed = grads[order]
+        if uniq.size != ids.size:
+            summed = np.add.reduceat(summed, starts, axis=0)
 
         async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> bool:
             sids = [s.id for s, _, _ in parts]

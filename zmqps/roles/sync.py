@@ -8,8 +8,12 @@ Rules of this module:
 * M is the number of replicas not known to be gone (dead, left, done), at most
   ``total_replicas``; N is ``min(replicas_to_aggregate, M)``, pushed to every PS
   whenever it changes, so a dead worker never stalls a step for longer than the
-  heartbeat timeout.
-* SSP: :class:`~zmqps.core.sync.StalenessBound` over the live workers.
+  heartbeat timeout. A worker gone after every PS got its gradient for the current
+  step still counts for that step: shrinking N then would apply the step before the
+  live workers' gradients arrive, and drop them as stale.
+* Only the PS that hold shards have steps; the global step waits for those.
+* SSP: :class:`~zmqps.core.sync.StalenessBound` over the live workers and those not
+  registered yet (at clock 0), as sync waits for them too.
 * Every wait is a long poll with a deadline (no busy polling); clients re-poll.
 """
 
@@ -65,6 +69,7 @@ class SyncDriver:
         self.cfg = cfg
         self.members = members
         self.ps = list(ps)
+        self.stepping = list(ps)  # the PS whose steps make the global step
         self.clock = clock
         self.total = cfg.total_replicas or members.num_workers
         self.aggregate = cfg.replicas_to_aggregate or self.total
@@ -72,6 +77,8 @@ class SyncDriver:
         self.bound = StalenessBound(cfg.max_staleness)
         self.global_step = 0
         self.required = 0  # N as last told to the PS
+        self.counted: set[int] = set()  # gone workers whose gradient the current step holds
+        self._configuring = asyncio.Lock()
         self.changed = asyncio.Condition()
         self.started = False
         self.step_started_at = clock()
@@ -83,12 +90,12 @@ class SyncDriver:
     # ------------------------------------------------------------ replicas
 
     def replicas(self) -> int:
-        """M: replicas not known to be gone, at most ``total_replicas``."""
+        """M: replicas not known to be gone, at most ``total_replicas`` (a gone worker
+        whose gradient the current step holds counts until the step is applied)."""
         now = self.clock()
-        gone = len(self.members.dead(now)) + sum(
-            1 for w in self.members.workers.values() if w.done or w.gone
-        )
-        return max(0, min(self.total, self.members.num_workers - gone))
+        gone = set(self.members.dead(now))
+        gone |= {i for i, w in self.members.workers.items() if w.done or w.gone}
+        return max(0, min(self.total, self.members.num_workers - len(gone - self.counted)))
 
     def needed(self) -> int:
         """N as it must be now: never more than M (never less than 1)."""
@@ -99,11 +106,9 @@ class SyncDriver:
         await asyncio.gather(*(c.request("sync_config", body, timeout=10.0) for c in self.ps))
         self.required = required
 
-    async def membership_changed(self, rejoined: bool = False) -> None:
-        """Re-derive N after a worker joined, left or died; wake every waiter."""
-        if self.mode == "sync" and self.started:
-            if rejoined:
-                self.tokens.put(self.global_step, 1)  # its share of the current step
+    async def _reconfigure(self) -> None:
+        """Tell the PS the N of now, if it changed (serialized: the last word is fresh)."""
+        async with self._configuring:
             needed = self.needed()
             if needed != self.required:
                 log.info(
@@ -113,15 +118,48 @@ class SyncDriver:
                     self.replicas(),
                 )
                 await self._configure_ps(needed)
+
+    async def _count_contributions(self, gone: Sequence[int]) -> None:
+        """Keep counting, for the current step, the ``gone`` workers whose gradient for it
+        every PS already holds."""
+        step = self.global_step
+        held = {f"worker:{i}": i for i in gone}
+        for c in self.stepping:
+            try:
+                rep = await c.request("status", timeout=2.0)
+            except ZmqpsError:
+                return
+            sync = rep.body.get("sync") or {}
+            if sync.get("step") != step:
+                return  # the step is applied (or not known): nothing to wait for
+            got = set(sync.get("contributors", []))
+            held = {name: i for name, i in held.items() if name in got}
+        if self.global_step == step:
+            self.counted |= set(held.values())
+
+    async def membership_changed(self, rejoined: bool = False, gone: Sequence[int] = ()) -> None:
+        """Re-derive N after a worker joined, or the workers ``gone`` left or died; wake
+        every waiter."""
+        if self.mode == "sync" and self.started:
+            if rejoined:
+                self.tokens.put(self.global_step, 1)  # its share of the current step
+            if gone:
+                await self._count_contributions(gone)
+            await self._reconfigure()
         async with self.changed:
             self.changed.notify_all()
 
     # ------------------------------------------------------------ sync
 
-    async def run(self) -> None:
-        """Drive sync training: start tokens, then advance the global step forever."""
+    async def run(self, holders: Sequence[int] | None = None) -> None:
+        """Drive sync training: start tokens, then advance the global step forever.
+
+        ``holders``: the indices of the PS that hold shards (default: every PS).
+        """
         if self.mode == "async":
             return
+        if holders is not None:
+            self.stepping = [self.ps[i] for i in sorted(set(holders))]
         await self._configure_ps(self.needed() if self.mode == "sync" else 1)
         self.started = True
         if self.mode != "sync":
@@ -131,8 +169,11 @@ class SyncDriver:
         async with self.changed:
             self.changed.notify_all()
         while True:
-            await asyncio.gather(*(self._wait_ps(c, self.global_step + 1) for c in self.ps))
-            self.global_step += 1
+            step = self.global_step + 1
+            await asyncio.gather(*(self._wait_ps(c, step) for c in self.stepping))
+            self.global_step = step
+            self.counted.clear()
+            await self._reconfigure()
             self.step_started_at = self.clock()
             self.tokens.advance(self.global_step, self.replicas())
             async with self.changed:
@@ -149,6 +190,19 @@ class SyncDriver:
                 continue
             if int(rep.body["step"]) >= step:
                 return
+
+    async def applied_step(self) -> int:
+        """The step every PS has applied, without the lag of the loop above (at the end
+        of training the last push can be acknowledged before the loop hears of it)."""
+        if self.mode != "sync" or not self.stepping:
+            return self.global_step
+        try:
+            reps = await asyncio.gather(
+                *(c.request("wait_step", {"step": 0}, timeout=5.0) for c in self.stepping)
+            )
+        except ZmqpsError:
+            return self.global_step
+        return max(self.global_step, min(int(r.body["step"]) for r in reps))
 
     async def take_token(self, worker: str, wait: float) -> int:
         """A token for ``worker`` (its value is the step to compute); NotReady after
@@ -175,7 +229,7 @@ class SyncDriver:
         async with self.changed:
             self.changed.notify_all()
             while True:
-                live = self.members.alive(self.clock())
+                live = self._ssp_live()
                 if index not in live:
                     live.append(index)
                 if self.bound.may_start(completed, live):
@@ -187,6 +241,11 @@ class SyncDriver:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), left)
 
+    def _ssp_live(self) -> list[int]:
+        """The workers the bound waits for: the live ones and those not registered yet."""
+        unseen = (i for i in range(self.members.num_workers) if i not in self.members.workers)
+        return sorted({*self.members.alive(self.clock()), *unseen})
+
     # ------------------------------------------------------------ status
 
     async def waiting_on(self, live: Sequence[int]) -> list[int]:
@@ -195,7 +254,7 @@ class SyncDriver:
             return []
         names = {f"worker:{i}": i for i in live}
         missing: set[int] = set()
-        for c in self.ps:
+        for c in self.stepping:
             try:
                 rep = await c.request("status", timeout=2.0)
             except ZmqpsError:
