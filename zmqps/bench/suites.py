@@ -40,6 +40,8 @@ from zmqps.wire.errors import ConfigError
 __all__ = ["add_bench_args", "run_bench"]
 
 SIDES = ("zmqps", "zmqps-tcp", "raw", "torch")
+#: suites that are not "the same workload on every side": see their modules.
+EXTRA_SUITES = ("optimizer", "sync")
 ZMQPS_SIDES = ("zmqps", "zmqps-tcp")
 OTHER_SIDES = ("raw", "torch")
 SPAWN: dict[str, Callable[[Workload, SideContext], Side]] = {
@@ -78,7 +80,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "suites",
         nargs="*",
         metavar="SUITE",
-        help=f"suites to run: {', '.join(SUITES)} (default: all)",
+        help=f"suites to run: {', '.join(SUITES + EXTRA_SUITES)} (default: all)",
     )
     g = p.add_argument_group("what runs")
     g.add_argument(
@@ -166,6 +168,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class BenchConfig:
     suites: tuple[str, ...]
+    extras: tuple[str, ...]
     sides: tuple[str, ...]
     workers: tuple[int, ...] | None
     variants: tuple[str, ...] | None
@@ -207,10 +210,12 @@ class BenchConfig:
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
-    suites = tuple(args.suites) or SUITES
-    for s in suites:
-        if s not in SUITES:
-            raise ConfigError(f"unknown suite {s!r} (expected {', '.join(SUITES)})")
+    requested = tuple(args.suites) or SUITES + EXTRA_SUITES
+    for s in requested:
+        if s not in SUITES + EXTRA_SUITES:
+            raise ConfigError(f"unknown suite {s!r} (expected {', '.join(SUITES + EXTRA_SUITES)})")
+    suites = tuple(s for s in requested if s in SUITES)
+    extras = tuple(s for s in requested if s in EXTRA_SUITES)
     for s in args.sides:
         if s not in SIDES:
             raise ConfigError(f"unknown side {s!r} (expected {', '.join(SIDES)})")
@@ -233,6 +238,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         env[key] = value
     return BenchConfig(
         suites=suites,
+        extras=extras,
         sides=tuple(dict.fromkeys(args.sides)),
         workers=args.workers,
         variants=args.variants,
@@ -531,6 +537,18 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     failures: list[str] = []
     with _sigterm_interrupts():
+        if "optimizer" in cfg.extras:
+            from zmqps.bench.optimizer import format_optimizer, run_optimizer
+
+            run = run_optimizer(size_mb=cfg.size_mb, repeat=max(cfg.repeat, 3))
+            report["runs"].append(run)
+            print(format_optimizer(run) + "\n", flush=True)
+        if "sync" in cfg.extras:
+            from zmqps.bench.sync_overhead import format_sync, run_sync
+
+            run = run_sync(steps=cfg.steps or 200, repeat=min(cfg.repeat, 3), timeout=cfg.timeout)
+            report["runs"].append(run)
+            print(format_sync(run) + "\n", flush=True)
         for suite in cfg.suites:
             for workers in cfg.workers_for(suite):
                 runs = run_case(suite, workers, cfg, run_dir / f"{suite}-x{workers}")
