@@ -19,6 +19,7 @@ Rules of this module:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,9 +92,47 @@ class Shard:
     flat: Array = field(init=False, repr=False)
     flat_slots: dict[str, Array] = field(init=False, repr=False)
 
+    #: A spare buffer for copy-on-write (reused once nothing references it).
+    spare: Array | None = field(init=False, repr=False, default=None)
+
     def __post_init__(self) -> None:
-        self.flat = self.values.reshape(-1)
+        if self.values.base is not None:  # must own its data: views of it reference it
+            self.values = self.values.copy()
+        self._views()
         self.flat_slots = {k: v.reshape(-1) for k, v in self.slots.items()}
+
+    def _views(self) -> None:
+        self.flat = self.values.reshape(-1)
+
+    def lend(self) -> Array:
+        """The live values, flat, to hand to a zero-copy send. They stay unchanged while
+        anything still references them: :meth:`own` copies before the next update."""
+        return self.flat
+
+    #: references to ``values`` that are the shard's own: the attribute, the base of
+    #: ``flat``, and getrefcount's argument
+    OWN_REFS = 3
+
+    def is_lent(self) -> bool:
+        """Does anything beyond the shard (a frame in flight) still reference the values?
+
+        Read ``shard.values`` afresh: after an update it may be another buffer."""
+        return sys.getrefcount(self.values) > self.OWN_REFS
+
+    def own(self) -> bool:
+        """Make ``values`` safe to update in place; True if that took a copy
+        (copy-on-write: the lent buffer goes on serving the sends that hold it)."""
+        if not self.is_lent():
+            return False
+        spare = self.spare
+        self.spare = None
+        if spare is None or sys.getrefcount(spare) > 2:  # the local name + the argument
+            spare = np.empty_like(self.values)
+        np.copyto(spare, self.values)
+        self.values, lent = spare, self.values
+        self._views()
+        self.spare = lent  # free again once the sends that hold it are done
+        return True
 
     @property
     def nbytes(self) -> int:
@@ -116,6 +155,8 @@ class ShardStore:
         self.observer = observer
         self.staleness = StalenessStats()
         self.updates_applied = 0
+        #: updates that first copied values still lent to a send (copy-on-write)
+        self.copies_on_write = 0
         self._shards: dict[int, Shard] = {}
         self._scratch = np.empty(0, dtype=np.uint8)
 
@@ -209,6 +250,8 @@ class ShardStore:
         Returns ``(new version, staleness)``.
         """
         shard, staleness, scale = self._checked_dense(shard_id, chunks, pulled_version, scale)
+        if shard.own():
+            self.copies_on_write += 1
         optimizer, step = shard.optimizer, shard.version + 1
         scratch = self._scratch_for(shard)
         for offset, chunk in chunks:
@@ -241,6 +284,8 @@ class ShardStore:
         shard, staleness, scale, local = self._checked_rows(
             shard_id, indices, grad_rows, pulled_version, scale
         )
+        if shard.own():
+            self.copies_on_write += 1
         row_shape = shard.definition.shape[1:]
         grad2d = grad_rows.reshape(local.shape[0], math.prod(row_shape))
         rows, inverse = np.unique(local, return_inverse=True)
@@ -403,6 +448,7 @@ class ShardStore:
             "shards": len(self._shards),
             "bytes": self.nbytes(),
             "updates_applied": self.updates_applied,
+            "copies_on_write": self.copies_on_write,
             "staleness": self.staleness.to_dict(),
         }
 

@@ -8,9 +8,10 @@ Rules of this module:
   applied: a bad push changes nothing; a good one is applied completely.
 * A duplicate push (same worker, incarnation and sequence) is acknowledged with
   ``applied: false`` and not applied again; an older incarnation is fenced.
-* A pull reply is a consistent snapshot of each shard at one version: values are
-  copied before they are handed to the transport (a zero-copy send of a live
-  shard would race with the next update).
+* A pull reply is a consistent snapshot of each shard at one version. Over TCP
+  the live values are lent to the transport without a copy; an update that comes
+  while a send still holds them copies them first (copy-on-write,
+  :meth:`Shard.own`), so the frames in flight never change.
 * Same-host fast path: a worker may attach shared-memory regions; then a pull
   writes each snapshot straight into the worker's region and a push applies the
   gradient straight from it. Offsets are checked against the region (in bounds,
@@ -24,7 +25,6 @@ import contextlib
 import itertools
 import logging
 import signal
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,35 +54,6 @@ class PSConfig:
     chunk_bytes: int = 4 << 20
 
 
-class SnapshotPool:
-    """Reusable buffers for pull snapshots, so a pull costs one memcpy, not fresh pages.
-
-    A buffer handed to the transport stays referenced by its frames until libzmq has
-    sent them (pyzmq releases zero-copy buffers only then); a buffer whose only
-    reference is the pool's is free again. At most ``per_shard`` buffers are kept per
-    shard; beyond that (a slow reader), snapshots are plain allocations.
-    """
-
-    def __init__(self, per_shard: int = 3) -> None:
-        self.per_shard = per_shard
-        self._buffers: dict[int, list[np.ndarray[Any, Any]]] = {}
-        self.reused = 0
-        self.allocated = 0
-
-    def take(self, sid: int, size: int, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-        pool = self._buffers.setdefault(sid, [])
-        for buf in pool:
-            # 3 = the pool's list, the loop variable and getrefcount's own argument
-            if sys.getrefcount(buf) <= 3 and buf.size == size and buf.dtype == dtype:
-                self.reused += 1
-                return buf
-        self.allocated += 1
-        buf = np.empty(size, dtype=dtype)
-        if len(pool) < self.per_shard:
-            pool.append(buf)
-        return buf
-
-
 class PSService:
     """Request handler of one PS task."""
 
@@ -101,7 +72,6 @@ class PSService:
         self.chunk_elems_bytes = chunk_bytes
         self.duplicates = 0
         self.fenced = 0
-        self.snapshots = SnapshotPool()
         self.sync: SyncShards | None = None
         self._step_waiters: list[tuple[int, asyncio.Future[int]]] = []
         self.regions: dict[int, tuple[str, Region]] = {}  # id -> (worker, region)
@@ -131,8 +101,8 @@ class PSService:
         tensors: list[Tensor] = []
         for sid in sids:
             shard = self.store.get(sid)
-            flat = self.snapshots.take(sid, shard.values.size, shard.values.dtype)
-            version = self.store.snapshot_into(sid, flat.reshape(shard.values.shape))
+            flat = shard.lend()  # zero-copy; the next update of this shard copies first
+            version = shard.version
             step = max(1, self.chunk_elems_bytes // flat.itemsize)
             versions.append(version)
             tensors.extend(
