@@ -165,7 +165,6 @@ class Optimizer(ABC):
             np.multiply(p, self.weight_decay, out=tmp)
             np.add(g, tmp, out=g)
 
-    @abstractmethod
     def _fused(
         self,
         kernel: Any,
@@ -177,11 +176,20 @@ class Optimizer(ABC):
         dt: Any,
         rows: Array | None = None,
     ) -> None:
-        """Run the fused kernel; scalars are passed as ``dt`` (the parameter's dtype).
+        """Run the fused kernel: ``kernel([rows,] p, g, *slots, *scalars)``.
 
-        With ``rows``, ``p``, ``g`` and the slots are 2-D and the ``*_rows`` kernel
-        updates just those rows (``g[k]`` belongs to ``rows[k]``).
+        Scalars are passed as ``dt`` (the parameter's dtype). With ``rows``, ``p``, ``g``
+        and the slots are 2-D and the ``*_rows`` kernel updates just those rows
+        (``g[k]`` belongs to ``rows[k]``).
         """
+        lead = () if rows is None else (rows,)
+        kernel(
+            *lead, p, g, *(slots[n] for n in self.slot_names), *self._kernel_args(step, scale, dt)
+        )
+
+    @abstractmethod
+    def _kernel_args(self, step: int, scale: float, dt: Any) -> tuple[Any, ...]:
+        """The scalar arguments of this optimizer's kernel, after the slots."""
 
     @abstractmethod
     def _update(
@@ -292,19 +300,8 @@ class SGD(Optimizer):
                 np.multiply(p, 1.0 - self.lr * self.weight_decay, out=p)
             np.add(p, s, out=p)
 
-    def _fused(
-        self,
-        kernel: Any,
-        p: Array,
-        g: Array,
-        slots: Mapping[str, Array],
-        step: int,
-        scale: float,
-        dt: Any,
-        rows: Array | None = None,
-    ) -> None:
-        lead = () if rows is None else (rows,)
-        kernel(*lead, p, g, dt(-self.lr * scale), dt(1.0 - self.lr * self.weight_decay))
+    def _kernel_args(self, step: int, scale: float, dt: Any) -> tuple[Any, ...]:
+        return dt(-self.lr * scale), dt(1.0 - self.lr * self.weight_decay)
 
     def _update(
         self, p: Array, g: Array, slots: Mapping[str, Array], step: int, tmp: Array
@@ -329,29 +326,8 @@ class Momentum(Optimizer):
             raise InvalidArgument(f"nesterov must be a bool, got {nesterov!r}")
         self.nesterov = nesterov
 
-    def _fused(
-        self,
-        kernel: Any,
-        p: Array,
-        g: Array,
-        slots: Mapping[str, Array],
-        step: int,
-        scale: float,
-        dt: Any,
-        rows: Array | None = None,
-    ) -> None:
-        lead = () if rows is None else (rows,)
-        kernel(
-            *lead,
-            p,
-            g,
-            slots["momentum"],
-            dt(self.lr),
-            dt(self.momentum),
-            dt(scale),
-            dt(self.weight_decay),
-            self.nesterov,
-        )
+    def _kernel_args(self, step: int, scale: float, dt: Any) -> tuple[Any, ...]:
+        return (dt(self.lr), dt(self.momentum), dt(scale), dt(self.weight_decay), self.nesterov)
 
     def _update(
         self, p: Array, g: Array, slots: Mapping[str, Array], step: int, tmp: Array
@@ -386,28 +362,8 @@ class Adagrad(Optimizer):
         acc = np.full(shape, self.initial_accumulator, dtype=compute_dtype(dtype))
         return {"accumulator": acc}
 
-    def _fused(
-        self,
-        kernel: Any,
-        p: Array,
-        g: Array,
-        slots: Mapping[str, Array],
-        step: int,
-        scale: float,
-        dt: Any,
-        rows: Array | None = None,
-    ) -> None:
-        lead = () if rows is None else (rows,)
-        kernel(
-            *lead,
-            p,
-            g,
-            slots["accumulator"],
-            dt(self.lr),
-            dt(self.eps),
-            dt(scale),
-            dt(self.weight_decay),
-        )
+    def _kernel_args(self, step: int, scale: float, dt: Any) -> tuple[Any, ...]:
+        return dt(self.lr), dt(self.eps), dt(scale), dt(self.weight_decay)
 
     def _update(
         self, p: Array, g: Array, slots: Mapping[str, Array], step: int, tmp: Array
@@ -443,24 +399,8 @@ class Adam(Optimizer):
         """The bias-corrected step size at 1-based ``step``."""
         return self.lr * math.sqrt(1.0 - self.beta2**step) / (1.0 - self.beta1**step)
 
-    def _fused(
-        self,
-        kernel: Any,
-        p: Array,
-        g: Array,
-        slots: Mapping[str, Array],
-        step: int,
-        scale: float,
-        dt: Any,
-        rows: Array | None = None,
-    ) -> None:
-        lead = () if rows is None else (rows,)
-        kernel(
-            *lead,
-            p,
-            g,
-            slots["m"],
-            slots["v"],
+    def _kernel_args(self, step: int, scale: float, dt: Any) -> tuple[Any, ...]:
+        return (
             dt(self.lr_t(step)),
             dt(self.beta1),
             dt(self.beta2),
