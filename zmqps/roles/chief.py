@@ -286,11 +286,12 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
     m = service.members
     first = m.first_registration or service.clock()
     train_s = max(1e-9, (m.all_done_at or service.clock()) - first)
+    sync = service.mode == "sync"
     summary: dict[str, Any] = {
         "mode": service.mode,
         "ps": cfg.cluster.num_ps,
         "workers": cfg.cluster.num_workers,
-        "global_step": await service.sync.applied_step(),
+        "global_step": await service.sync.applied_step() if sync else service.global_step,
         "worker_steps": m.global_step,
         "examples": m.examples,
         "train_seconds": round(train_s, 3),

@@ -194,7 +194,7 @@ class SyncDriver:
     async def applied_step(self) -> int:
         """The step every PS has applied, without the lag of the loop above (at the end
         of training the last push can be acknowledged before the loop hears of it)."""
-        if self.mode != "sync" or not self.stepping:
+        if not self.stepping:
             return self.global_step
         try:
             reps = await asyncio.gather(

@@ -254,7 +254,9 @@ class Worker:
     ) -> bool:
         """Push one step's gradients. async / ssp: each PS applies them on arrival; sync:
         they count toward the step of the token taken by :meth:`begin_step`. Returns
-        False if they were dropped (sync: stale, the step had already been applied)."""
+        False if they were dropped (sync: stale, the step had already been applied),
+        or if this was a retry of a push the PS had already handled (whose first
+        outcome this call cannot know)."""
         accepted = self._io.run(self.client.push(grads, step=self._step_tag()))
         self._count(loss, examples)
         return accepted

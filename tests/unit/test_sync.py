@@ -1,0 +1,771 @@
+"""Sync (SyncReplicas) and SSP without sockets.
+
+Three layers: the pure state of :mod:`zmqps.core.sync` (accumulators, token queue,
+staleness bound); the PS sync path (``sync_config``, tagged pushes, ``wait_step``)
+through the in-memory cluster of tests/unit/test_ps_client.py; and the chief's
+:class:`~zmqps.roles.sync.SyncDriver` running its real loop against in-memory PS, with
+workers played by :class:`ParameterClient` objects and chief messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from test_chief import Env, call, make_env, who
+from test_ps_client import EMB, SGD, Cluster, DoublePush, initial, make_cluster, run
+
+from zmqps.core.membership import Membership
+from zmqps.core.optimizers import compute_dtype, make_optimizer
+from zmqps.core.partition import Partitioner, plan
+from zmqps.core.store import ShardStore
+from zmqps.core.sync import ShardAccumulator, StalenessBound, SyncShards, TokenQueue
+from zmqps.core.variables import Placement, VariableDef
+from zmqps.roles.chief import _drive
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.status import format_status
+from zmqps.roles.sync import SyncConfig, SyncDriver
+from zmqps.wire.errors import InvalidArgument, NotFound, NotReady
+
+LR = SGD["lr"]
+W = VariableDef("w", (6, 4), init={"name": "glorot_uniform", "seed": 1})
+B = VariableDef("b", (5,), init={"name": "normal", "stddev": 0.5, "seed": 2})
+DENSE = (W, B)
+ADAM = {"name": "adam", "lr": 0.05}
+
+
+def grads(seed: int, variables: Sequence[VariableDef] = DENSE) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {v.name: rng.standard_normal(v.shape).astype(np.float32) for v in variables}
+
+
+def mean(gs: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.mean([g[k] for g in gs], axis=0, dtype=np.float64) for k in gs[0]}
+
+
+def step_reference(
+    params: dict[str, np.ndarray],
+    slots: dict[str, dict[str, np.ndarray]],
+    optimizer: dict[str, Any],
+    g: dict[str, np.ndarray],
+    step: int,
+) -> None:
+    """One single-process update of ``params`` (in place) with the gradient ``g``."""
+    opt = make_optimizer(optimizer)
+    for name, p in params.items():
+        s = slots.setdefault(name, opt.init_slots(p.shape, p.dtype))
+        scratch = np.empty(opt.scratch_factor * p.size, compute_dtype(p.dtype))
+        flat = {k: v.reshape(-1) for k, v in s.items()}
+        opt.apply_dense(p.reshape(-1), g[name].astype(p.dtype).reshape(-1), flat, step, scratch)
+
+
+async def until(predicate: Callable[[], Any], timeout: float = 2.0, what: str = "") -> None:
+    """Let the event loop run until ``predicate()`` holds (fail after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or predicate}"
+        await asyncio.sleep(0.001)
+
+
+# ============================================================== core: SyncShards
+
+
+def one_ps_store(variables: Sequence[VariableDef], optimizer: dict[str, Any] = SGD) -> ShardStore:
+    placement = plan(variables, 1, Partitioner(num_shards=1), optimizer=optimizer)
+    store = ShardStore()
+    store.create([d for _, d in placement.shard_defs()])
+    return store
+
+
+def test_the_mean_is_applied_exactly_once_per_step() -> None:
+    store = one_ps_store([W], ADAM)
+    sync = SyncShards(store, required=3)
+    params, slots = {"w": initial(W)}, {}
+    for step in range(1, 4):
+        gs = [grads(10 * step + k, [W]) for k in range(3)]
+        before = store.get(0).values.copy()
+        assert not sync.add_dense(0, [(0, gs[0]["w"].reshape(-1))], "worker:0")
+        assert not sync.add_dense(0, [(0, gs[1]["w"].reshape(-1))], "worker:1")
+        np.testing.assert_array_equal(store.get(0).values, before)  # nothing yet
+        assert sync.contributors_of_current_step() == ["worker:0", "worker:1"]
+        assert sync.add_dense(0, [(0, gs[2]["w"].reshape(-1))], "worker:2")
+        step_reference(params, slots, ADAM, mean(gs), step)
+        np.testing.assert_allclose(store.get(0).values, params["w"], rtol=1e-6, atol=1e-7)
+        assert (sync.step_of(0), store.get(0).version, sync.steps_applied) == (step, step, step)
+        acc = sync.acc[0]
+        assert (acc.count, acc.contributors) == (0, [])
+        assert acc.dense is not None and not acc.dense.any()  # the sum starts over
+    assert sync.status() == {
+        "step": 3,
+        "required": 3,
+        "accumulated": {"0": 0},
+        "dropped": {},
+        "steps_applied": 3,
+    }
+
+
+def test_chunks_of_one_gradient_add_up() -> None:
+    store = one_ps_store([W])
+    sync = SyncShards(store, required=2)
+    g0, g1 = grads(1, [W])["w"].reshape(-1), grads(2, [W])["w"].reshape(-1)
+    sync.add_dense(0, [(10, g0[10:]), (0, g0[:10])], "worker:0")
+    sync.add_dense(0, [(0, g1)], "worker:1")
+    expected = initial(W).reshape(-1) - LR * (g0 + g1) / 2
+    np.testing.assert_allclose(store.get(0).values.reshape(-1), expected, rtol=1e-6)
+
+
+def test_shrinking_required_applies_a_step_that_has_enough() -> None:
+    store = one_ps_store([W])
+    sync = SyncShards(store, required=3)
+    g0, g1 = grads(1, [W])["w"].reshape(-1), grads(2, [W])["w"].reshape(-1)
+    sync.add_dense(0, [(0, g0)], "worker:0")
+    sync.add_dense(0, [(0, g1)], "worker:2")
+    assert sync.set_required(3) == []  # unchanged: still waiting
+    assert sync.set_required(2) == [0]
+    expected = initial(W).reshape(-1) - LR * (g0 + g1) / 2
+    np.testing.assert_allclose(store.get(0).values.reshape(-1), expected, rtol=1e-6)
+    assert sync.min_step() == 1
+    assert sync.set_required(1) == []  # the new step holds nothing: nothing to apply
+
+
+def test_a_step_is_never_applied_from_zero_gradients() -> None:
+    store = one_ps_store([W])
+    sync = SyncShards(store, required=2)
+    sync.step_of(0)  # the accumulator exists, empty
+    assert sync.set_required(1) == []
+    assert (sync.min_step(), store.get(0).version, sync.steps_applied) == (0, 0, 0)
+    np.testing.assert_array_equal(store.get(0).values, initial(W))
+    with pytest.raises(InvalidArgument):
+        sync.set_required(0)
+    with pytest.raises(InvalidArgument):
+        SyncShards(store, required=0)
+    g = grads(1, [W])["w"].reshape(-1)
+    assert sync.add_dense(0, [(0, g)], "worker:0")  # required 1: applied alone, unscaled
+    np.testing.assert_allclose(store.get(0).values.reshape(-1), initial(W).reshape(-1) - LR * g)
+
+
+def test_stale_is_relative_to_each_shard() -> None:
+    store = one_ps_store([W, B])
+    sync = SyncShards(store, required=1)
+    assert (sync.step_of(0), sync.step_of(1)) == (0, 0)
+    sync.add_dense(0, [(0, grads(1, [W])["w"].reshape(-1))], "worker:0")
+    assert (sync.step_of(0), sync.step_of(1), sync.min_step()) == (1, 0, 0)
+    assert sync.is_stale(0, 0) and not sync.is_stale(0, 1) and not sync.is_stale(1, 0)
+    with pytest.raises(NotFound):
+        sync.step_of(7)
+
+
+def test_row_gradients_accumulate_and_apply_their_mean() -> None:
+    emb = VariableDef("emb", (8, 3), init={"name": "uniform", "seed": 4}, sparse=True)
+    store = one_ps_store([emb])
+    sync = SyncShards(store, required=2)
+    rng = np.random.default_rng(0)
+    ids0, rows0 = np.array([1, 3]), rng.standard_normal((2, 3)).astype(np.float32)
+    ids1, rows1 = np.array([3, 5]), rng.standard_normal((2, 3)).astype(np.float32)
+    assert not sync.add_rows(0, ids0, rows0, "worker:0")
+    rows0[:] = 99.0  # the accumulator kept its own copy (frames die with the request)
+    assert sync.add_rows(0, ids1, rows1, "worker:1")
+    rows0 = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    expected = initial(emb)
+    expected[1] -= LR * rows0[0] / 2
+    expected[3] -= LR * (rows0[1] + rows1[0]) / 2  # both workers' rows, one mean
+    expected[5] -= LR * rows1[1] / 2
+    np.testing.assert_allclose(store.get(0).values, expected, rtol=1e-6)
+    assert sync.acc[0].rows == [] and store.get(0).version == 1
+
+
+def test_accumulator_defaults() -> None:
+    acc = ShardAccumulator()
+    assert (acc.step, acc.count, acc.dense, acc.rows, acc.contributors) == (0, 0, None, [], [])
+
+
+# ============================================================== core: TokenQueue
+
+
+def test_token_queue_put_take_advance() -> None:
+    q = TokenQueue()
+    assert q.take("a") is None and len(q) == 0
+    q.put(0, 3)
+    assert q.take("a") == 0
+    assert q.take("a") is None  # one token per worker and step
+    assert q.take("b") == 0 and len(q) == 1
+    q.advance(1, 3)  # the leftover token of step 0 is discarded
+    assert (q.discarded, len(q)) == (1, 3)
+    assert [q.take(w) for w in ("a", "b", "c")] == [1, 1, 1]
+    assert q.take("d") is None and q.taken == 5
+    q.put(1, 1)  # e.g. a rejoined worker's share of the current step
+    q.advance(3, 2)
+    assert (q.discarded, len(q)) == (2, 2)
+    assert q.take("a") == 3
+
+
+def test_extra_tokens_may_be_taken_by_anyone() -> None:
+    q = TokenQueue()
+    q.put(0, 2)
+    q.put(0, 2, extra=True)  # init_tokens
+    assert [q.take("a") for _ in range(4)] == [0, 0, 0, None]
+    assert q.take("b") == 0 and len(q) == 0
+
+
+# ============================================================== core: StalenessBound
+
+
+def test_staleness_bound() -> None:
+    b = StalenessBound(2)
+    live = [0, 1, 2]
+    assert b.slowest([]) is None and b.slowest(live) == 0
+    assert b.may_start(2, live) and not b.may_start(3, live)
+    b.report(0, 3)
+    b.report(1, 1)
+    b.report(2, 1)
+    b.report(1, 0)  # clocks never go back
+    assert b.clocks == {0: 3, 1: 1, 2: 1} and b.slowest(live) == 1
+    assert b.may_start(3, live) and not b.may_start(4, live)
+    assert b.may_start(4, [0])  # alone, nothing holds it back
+    assert b.max_spread == 2
+    assert b.snapshot() == {
+        "max_staleness": 2,
+        "clocks": {"0": 3, "1": 1, "2": 1},
+        "max_spread": 2,
+    }
+    with pytest.raises(InvalidArgument):
+        StalenessBound(-1)
+
+
+def test_staleness_zero_is_lock_step() -> None:
+    b = StalenessBound(0)
+    b.report(0, 1)
+    assert not b.may_start(1, [0, 1])
+    b.report(1, 1)
+    assert b.may_start(1, [0, 1]) and b.max_spread == 0
+
+
+# ============================================================== PS sync path (in memory)
+
+
+async def sync_cluster(
+    required: int, variables: Sequence[VariableDef] = DENSE, num_ps: int = 2
+) -> Cluster:
+    c = await make_cluster(variables, num_ps, 2)
+    for i in range(num_ps):
+        rep = await c.net.client(f"ps{i}", "chief:0").request(
+            "sync_config", {"mode": "sync", "required": required}
+        )
+        assert rep.body == {"step": 0}
+    return c
+
+
+def ps_sync(c: Cluster, i: int) -> dict[str, Any]:
+    return dict(c.services[i].status()["sync"])
+
+
+def test_ps_applies_the_mean_once_n_pushes_arrived() -> None:
+    async def body() -> None:
+        c = await sync_cluster(required=2)
+        w0, w1, w2 = (c.client(f"worker:{i}") for i in range(3))
+        g0, g1, g2 = grads(0), grads(1), grads(2)
+        assert await w0.push(g0, step=0)
+        for v in DENSE:
+            np.testing.assert_array_equal(c.shard_values(v.name), initial(v))
+        assert [ps_sync(c, i)["contributors"] for i in (0, 1)] == [["worker:0"]] * 2
+        assert await w1.push(g1, step=0)
+        for v in DENSE:
+            expected = initial(v) - LR * (g0[v.name] + g1[v.name]) / 2
+            np.testing.assert_allclose(c.shard_values(v.name), expected, rtol=1e-6)
+        assert set(c.versions().values()) == {1}
+        # The third (backup) gradient of step 0 is late: dropped, counted, not applied.
+        before = {v.name: c.shard_values(v.name) for v in DENSE}
+        assert not await w2.push(g2, step=0)
+        assert w2.dropped == {"stale": 2}  # one reply per PS
+        for v in DENSE:
+            np.testing.assert_array_equal(c.shard_values(v.name), before[v.name])
+        for i in (0, 1):
+            st = ps_sync(c, i)
+            assert (st["step"], st["dropped"], st["contributors"]) == (1, {"stale": 1}, [])
+        # A push without its step is refused in sync mode.
+        with pytest.raises(InvalidArgument, match="local step"):
+            await w0.push(g0)
+
+    run(body())
+
+
+def test_ps_counts_a_duplicate_push_once() -> None:
+    async def body() -> None:
+        c = await sync_cluster(required=2)
+        twice = c.client("worker:0", wrap=DoublePush)
+        g0, g1 = grads(0), grads(1)
+        assert not await twice.push(g0, step=0)  # the second copy: a duplicate
+        assert twice.dropped == {"duplicate": 2}  # one reply per PS
+        assert [svc.duplicates for svc in c.services] == [1, 1]
+        for i in (0, 1):
+            assert set(ps_sync(c, i)["accumulated"].values()) == {1}
+        assert set(c.versions().values()) == {0}  # one gradient, not the two N needs
+        assert await c.client("worker:1").push(g1, step=0)
+        for v in DENSE:
+            expected = initial(v) - LR * (g0[v.name] + g1[v.name]) / 2
+            np.testing.assert_allclose(c.shard_values(v.name), expected, rtol=1e-6)
+
+    run(body())
+
+
+def test_ps_shrinking_n_applies_the_waiting_step() -> None:
+    async def body() -> None:
+        c = await sync_cluster(required=3)
+        g0, g1 = grads(0), grads(1)
+        await c.client("worker:0").push(g0, step=0)
+        await c.client("worker:1").push(g1, step=0)
+        assert set(c.versions().values()) == {0}
+        chief = c.net.client("ps0", "chief:0")
+        waiter = asyncio.ensure_future(chief.request("wait_step", {"step": 1, "wait": 2.0}))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        for i in (0, 1):
+            rep = await c.net.client(f"ps{i}", "chief:0").request(
+                "sync_config", {"mode": "sync", "required": 2}
+            )
+            assert rep.body == {"step": 1}
+        assert (await asyncio.wait_for(waiter, 1.0)).body == {"step": 1}
+        for v in DENSE:
+            expected = initial(v) - LR * (g0[v.name] + g1[v.name]) / 2
+            np.testing.assert_allclose(c.shard_values(v.name), expected, rtol=1e-6)
+        # N = 1 with nothing accumulated for step 1 applies nothing.
+        rep = await chief.request("sync_config", {"mode": "sync", "required": 1})
+        assert rep.body == {"step": 1} and set(c.versions().values()) == {1}
+
+    run(body())
+
+
+def test_ps_wait_step_long_poll() -> None:
+    async def body() -> None:
+        c = await sync_cluster(required=1, num_ps=1)
+        chief = c.net.client("ps0", "chief:0")
+        t0 = time.monotonic()
+        rep = await chief.request("wait_step", {"step": 1, "wait": 0.05})
+        assert rep.body == {"step": 0} and time.monotonic() - t0 >= 0.04  # no progress
+        rep = await chief.request("wait_step", {"step": 0})  # reached: at once
+        assert rep.body == {"step": 0}
+        far = asyncio.ensure_future(chief.request("wait_step", {"step": 2, "wait": 2.0}))
+        near = asyncio.ensure_future(chief.request("wait_step", {"step": 1, "wait": 2.0}))
+        await asyncio.sleep(0.01)
+        worker = c.client("worker:0")
+        await worker.push(grads(0), step=0)
+        assert (await asyncio.wait_for(near, 1.0)).body == {"step": 1}
+        assert not far.done()
+        await worker.push(grads(1), step=1)
+        assert (await asyncio.wait_for(far, 1.0)).body == {"step": 2}
+
+    run(body())
+
+
+def test_ps_rows_in_sync_mode() -> None:
+    async def body() -> None:
+        c = await sync_cluster(required=2, variables=(EMB,))
+        rng = np.random.default_rng(0)
+        ids0, ids1 = np.array([1, 3, 3]), np.array([3, 20])  # rows in one shard of two
+        r0, r1 = rng.standard_normal((3, 3)), rng.standard_normal((2, 3))
+        assert await c.client("worker:0").push_rows("emb", ids0, r0, step=0)
+        assert set(c.versions().values()) == {0}
+        assert await c.client("worker:1").push_rows("emb", ids1, r1, step=0)
+        # every shard heard from both workers (empty pushes included): one step each
+        assert set(c.versions().values()) == {1}
+        expected = initial(EMB)
+        expected[1] -= LR * r0[0] / 2
+        expected[3] -= LR * (r0[1] + r0[2] + r1[0]) / 2
+        expected[20] -= LR * r1[1] / 2
+        np.testing.assert_allclose(c.shard_values("emb"), expected, rtol=1e-5)
+        assert not await c.client("worker:2").push_rows("emb", ids0, r0, step=0)  # late
+
+    run(body())
+
+
+def test_ps_back_to_async() -> None:
+    async def body() -> None:
+        c = await sync_cluster(required=3, num_ps=1)
+        chief = c.net.client("ps0", "chief:0")
+        with pytest.raises(InvalidArgument):
+            await chief.request("sync_config", {"mode": "lockstep", "required": 1})
+        await chief.request("sync_config", {"mode": "async", "required": 1})
+        assert "sync" not in c.services[0].status()
+        assert await c.client("worker:0").push(grads(0))  # applied on arrival again
+        assert set(c.versions().values()) == {1}
+
+    run(body())
+
+
+# ============================================================== the chief's driver (in memory)
+
+
+@dataclass
+class SyncJob:
+    env: Env
+    placement: Placement
+    workers: list[ParameterClient]
+    driver: asyncio.Future[None]
+
+    @property
+    def step(self) -> int:
+        return self.env.chief.global_step
+
+    async def token(self, i: int, wait: float = 1.0) -> int:
+        rep = await call(self.env.chief, "take_token", who(i, wait=wait))
+        return int(rep.body["step"])
+
+    async def leave(self, i: int, reason: str = "done") -> None:
+        await call(self.env.chief, "leave", who(i, step=0, reason=reason))
+
+    async def status(self) -> dict[str, Any]:
+        return dict((await call(self.env.chief, "status")).body)
+
+    def values(self, name: str) -> np.ndarray:
+        v = self.placement.variable(name)
+        out = np.empty(v.shape, v.dtype)
+        for s in self.placement.shards_of(name):
+            shard = self.env.services[s.ps].store.get(s.id)
+            out[s.row_start : s.row_start + s.rows] = shard.values
+        return out
+
+    async def close(self) -> None:
+        self.driver.cancel()
+        await asyncio.gather(self.driver, return_exceptions=True)
+
+
+async def sync_job(
+    num_workers: int = 3,
+    num_ps: int = 2,
+    *,
+    variables: Sequence[VariableDef] = DENSE,
+    optimizer: dict[str, Any] = SGD,
+    num_shards: int = 2,
+    **sync: Any,
+) -> SyncJob:
+    env = make_env(
+        num_ps,
+        num_workers,
+        sync=SyncConfig(**{"mode": "sync", **sync}),
+        partitioner=Partitioner(num_shards=num_shards),
+    )
+    placement = await env.chief.create_variables(variables, optimizer)
+    for i in range(num_workers):
+        await call(env.chief, "register", who(i))
+    workers = [
+        ParameterClient(
+            [env.net.client(addr, f"worker:{i}:0") for addr in env.cfg.cluster.ps],
+            placement,
+            worker=f"worker:{i}",
+            incarnation=0,
+            shared_memory=False,
+        )
+        for i in range(num_workers)
+    ]
+    job = SyncJob(env, placement, workers, asyncio.ensure_future(_drive(env.chief)))
+    await until(lambda: env.chief.sync.started, what="the driver to start")
+    return job
+
+
+@pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd", "adam"])
+def test_sync_steps_equal_steps_on_the_mean(optimizer: dict[str, Any]) -> None:
+    async def body() -> None:
+        job = await sync_job(3, 2, optimizer=optimizer)
+        params = {v.name: initial(v) for v in DENSE}
+        slots: dict[str, dict[str, np.ndarray]] = {}
+        for step in range(4):
+            assert [await job.token(i) for i in range(3)] == [step] * 3
+            gs = [grads(10 * step + i) for i in range(3)]
+            for i in (2, 0, 1):  # arrival order does not matter
+                await job.workers[i].pull()
+                assert await job.workers[i].push(gs[i], step=step)
+            await until(lambda s=step: job.step == s + 1, what=f"global step {step + 1}")
+            step_reference(params, slots, optimizer, mean(gs), step + 1)
+            for v in DENSE:
+                np.testing.assert_allclose(job.values(v.name), params[v.name], atol=1e-6)
+        await job.close()
+
+    run(body())
+
+
+def test_take_token_long_polls_then_not_ready() -> None:
+    async def body() -> None:
+        members = Membership(2)
+        driver = SyncDriver(SyncConfig(mode="sync"), members, [], clock=time.monotonic)
+        t0 = time.monotonic()
+        with pytest.raises(NotReady, match=r"no token within 0\.05s"):
+            await driver.take_token("0:0", 0.05)
+        assert time.monotonic() - t0 >= 0.04
+        # A waiting poll gets the token as soon as it is put (and the waiters woken).
+        waiter = asyncio.ensure_future(driver.take_token("0:0", 2.0))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        driver.started = True
+        driver.tokens.put(0, 1)
+        async with driver.changed:
+            driver.changed.notify_all()
+        assert await asyncio.wait_for(waiter, 1.0) == 0
+        with pytest.raises(NotReady):  # one token per worker and step
+            await driver.take_token("0:0", 0.01)
+
+    run(body())
+
+
+def test_take_token_waits_for_the_step_to_advance() -> None:
+    async def body() -> None:
+        job = await sync_job(2, 1)
+        assert await job.token(0) == 0
+        waiter = asyncio.ensure_future(job.token(0, wait=2.0))  # its next token
+        assert await job.token(1) == 0
+        await job.workers[0].push(grads(0), step=0)
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # step 0 still waits for worker 1
+        await job.workers[1].push(grads(1), step=0)
+        assert await asyncio.wait_for(waiter, 1.0) == 1
+        with pytest.raises(InvalidArgument, match="sync mode"):
+            await call(job.env.chief, "ssp_clock", who(0, completed=0))
+        await job.close()
+
+    run(body())
+
+
+def test_backup_workers_late_gradient_and_discarded_tokens() -> None:
+    async def body() -> None:
+        job = await sync_job(3, 2, total_replicas=3, replicas_to_aggregate=2)
+        st = await job.status()
+        assert (st["replicas_to_aggregate"], st["total_replicas"], st["tokens_available"]) == (
+            2,
+            3,
+            3,
+        )
+        for i in (0, 1, 2):
+            assert await job.token(i) == 0
+        await job.workers[0].push(grads(0), step=0)
+        await job.workers[1].push(grads(1), step=0)
+        await until(lambda: job.step == 1)
+        assert not await job.workers[2].push(grads(2), step=0)  # the backup was late
+        for i in (0, 1):
+            assert await job.token(i) == 1
+            await job.workers[i].push(grads(i), step=1)
+        await until(lambda: job.step == 2)
+        st = await job.status()
+        assert st["tokens_discarded"] == 1  # worker 2 never took its token of step 1
+        assert await job.token(2) == 2  # a fresh one, not a sure-to-be-dropped one
+        for svc in job.env.services:
+            assert svc.status()["sync"]["dropped"] == {"stale": 1}
+        await job.close()
+
+    run(body())
+
+
+def test_status_names_whom_the_step_waits_on_and_a_dead_worker_is_dropped() -> None:
+    async def body() -> None:
+        job = await sync_job(3, 2)
+        for i in range(3):
+            await job.token(i)
+        for i in (0, 2):
+            await job.workers[i].push(grads(i), step=0)
+        st = await job.status()
+        assert (st["global_step"], st["waiting_on"]) == (0, [1])
+        # Worker 1 goes silent; the others heartbeat. Past the timeout it is dead: the
+        # watcher's membership change shrinks N and the step is applied without it.
+        job.env.clock.now += 11.0
+        for i in (0, 2):
+            await call(job.env.chief, "heartbeat", who(i, step=1))
+        await job.env.chief.sync.membership_changed(gone=[1])
+        await until(lambda: job.step == 1)
+        st = await job.status()
+        assert (st["replicas_to_aggregate"], st["total_replicas"]) == (2, 2)
+        assert st["workers_dead"] == [1] and st["tokens_available"] == 2
+        for v in DENSE:
+            g0, g2 = grads(0)[v.name], grads(2)[v.name]
+            np.testing.assert_allclose(job.values(v.name), initial(v) - LR * (g0 + g2) / 2)
+        await job.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("how", ["done", "dead"])
+def test_a_worker_gone_after_its_push_still_counts_for_that_step(how: str) -> None:
+    """N = M = 2: worker 0 pushes its last gradient and leaves (or dies) while worker 1
+    still computes the step. The step must wait for worker 1, not be applied from
+    worker 0's gradient alone (which would drop worker 1's as stale)."""
+
+    async def body() -> None:
+        job = await sync_job(2, 2)
+        for i in (0, 1):
+            await job.token(i)
+        await job.workers[0].push(grads(0), step=0)
+        if how == "done":
+            await job.leave(0)
+        else:
+            job.env.clock.now += 11.0
+            await call(job.env.chief, "heartbeat", who(1, step=0))
+            await job.env.chief.sync.membership_changed(gone=[0])
+        await asyncio.sleep(0.01)
+        assert job.step == 0 and set(job.env.chief.sync.counted) == {0}
+        assert (await job.status())["replicas_to_aggregate"] == 2
+        assert await job.workers[1].push(grads(1), step=0)
+        await until(lambda: job.step == 1)
+        for v in DENSE:
+            g0, g1 = grads(0)[v.name], grads(1)[v.name]
+            np.testing.assert_allclose(job.values(v.name), initial(v) - LR * (g0 + g1) / 2)
+        # From the next step on it no longer counts.
+        await until(lambda: job.env.chief.sync.required == 1)
+        assert (await job.status())["total_replicas"] == 1
+        assert await job.token(1) == 1
+        assert await job.workers[1].push(grads(3), step=1)
+        await until(lambda: job.step == 2)
+        for svc in job.env.services:
+            assert svc.status()["sync"]["dropped"] == {}
+        await job.close()
+
+    run(body())
+
+
+def test_a_worker_gone_before_its_push_shrinks_n_at_once() -> None:
+    async def body() -> None:
+        job = await sync_job(2, 2)
+        for i in (0, 1):
+            await job.token(i)
+        await job.leave(0)  # took a token, never pushed: nothing to wait for
+        assert job.env.chief.sync.required == 1
+        assert await job.workers[1].push(grads(1), step=0)
+        await until(lambda: job.step == 1)
+        for v in DENSE:
+            np.testing.assert_allclose(job.values(v.name), initial(v) - LR * grads(1)[v.name])
+        await job.close()
+
+    run(body())
+
+
+def test_a_ps_without_shards_does_not_stall_the_step() -> None:
+    async def body() -> None:
+        # One variable in two shards on three PS: ps2 holds nothing and never steps.
+        job = await sync_job(2, 3, variables=(W,))
+        assert not job.env.services[2].store.ids()
+        for i in (0, 1):
+            await job.token(i)
+        await job.workers[0].push(grads(0, [W]), step=0)
+        assert (await job.status())["waiting_on"] == [1]
+        await job.workers[1].push(grads(1, [W]), step=0)
+        await until(lambda: job.step == 1, what="the global step")
+        await job.close()
+
+    run(body())
+
+
+def test_a_rejoined_worker_gets_its_share_of_the_current_step() -> None:
+    async def body() -> None:
+        job = await sync_job(2, 1)
+        assert await job.token(0) == 0
+        await job.leave(1, reason="terminated")  # gone, expected back
+        assert job.env.chief.sync.required == 1
+        await job.workers[0].push(grads(0), step=0)
+        await until(lambda: job.step == 1)
+        await call(job.env.chief, "register", who(1, 1))  # a new incarnation
+        assert job.env.chief.sync.required == 2
+        assert (await call(job.env.chief, "take_token", who(1, 1, wait=1.0))).body["step"] == 1
+        await job.close()
+
+    run(body())
+
+
+def test_applied_step_does_not_lag_behind_the_ps() -> None:
+    async def body() -> None:
+        job = await sync_job(2, 2)
+        for i in (0, 1):
+            await job.token(i)
+        await job.close()  # the loop stops: it will not hear of the next step
+        for i in (0, 1):
+            await job.workers[i].push(grads(i), step=0)
+        driver = job.env.chief.sync
+        assert driver.global_step == 0
+        assert await driver.applied_step() == 1  # what the end-of-training summary reports
+
+    run(body())
+
+
+# ============================================================== SSP (chief)
+
+
+def test_ssp_clock_long_poll_and_bound() -> None:
+    async def body() -> None:
+        env = make_env(1, 3, sync=SyncConfig(mode="ssp", max_staleness=2))
+        for i in range(3):
+            await call(env.chief, "register", who(i))
+        rep = await call(env.chief, "ssp_clock", who(0, completed=2, wait=0.05))
+        assert rep.body == {"slowest": 0}
+        with pytest.raises(NotReady):
+            await call(env.chief, "ssp_clock", who(0, completed=3, wait=0.0))
+        waiter = asyncio.ensure_future(call(env.chief, "ssp_clock", who(0, completed=3, wait=2.0)))
+        await call(env.chief, "ssp_clock", who(1, completed=1, wait=0.0))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # worker 2 is still at 0
+        await call(env.chief, "ssp_clock", who(2, completed=1, wait=0.0))
+        assert (await asyncio.wait_for(waiter, 1.0)).body == {"slowest": 1}
+        st = env.chief.status()
+        assert st["ssp"] == {
+            "max_staleness": 2,
+            "clocks": {"0": 3, "1": 1, "2": 1},
+            "max_spread": 2,
+        }
+        with pytest.raises(InvalidArgument, match="ssp mode"):
+            await call(env.chief, "take_token", who(0))
+
+    run(body())
+
+
+def test_ssp_waits_for_workers_not_registered_yet() -> None:
+    async def body() -> None:
+        env = make_env(1, 2, sync=SyncConfig(mode="ssp", max_staleness=1))
+        await call(env.chief, "register", who(0))
+        await call(env.chief, "ssp_clock", who(0, completed=1, wait=0.0))
+        with pytest.raises(NotReady):  # worker 1 has not even started
+            await call(env.chief, "ssp_clock", who(0, completed=2, wait=0.0))
+        waiter = asyncio.ensure_future(call(env.chief, "ssp_clock", who(0, completed=2, wait=2.0)))
+        await call(env.chief, "register", who(1))
+        await call(env.chief, "ssp_clock", who(1, completed=1, wait=0.0))
+        assert (await asyncio.wait_for(waiter, 1.0)).body == {"slowest": 1}
+
+    run(body())
+
+
+def test_ssp_stops_waiting_for_a_dead_worker() -> None:
+    async def body() -> None:
+        env = make_env(1, 2, sync=SyncConfig(mode="ssp", max_staleness=0), heartbeat_timeout=5.0)
+        for i in (0, 1):
+            await call(env.chief, "register", who(i))
+        await call(env.chief, "ssp_clock", who(0, completed=0, wait=0.0))
+        with pytest.raises(NotReady):  # lock-step: worker 1 has not finished step 0
+            await call(env.chief, "ssp_clock", who(0, completed=1, wait=0.0))
+        env.clock.now += 6.0
+        rep = await call(env.chief, "ssp_clock", who(0, completed=1, wait=0.0))
+        assert rep.body == {"slowest": 1}  # worker 1 is dead: only worker 0 is live
+
+    run(body())
+
+
+# ============================================================== zmqps status (text)
+
+
+def test_status_text_for_sync_and_ssp() -> None:
+    base = {"global_step": 7, "examples": 0, "workers_alive": [0, 2], "workers_expected": 3}
+    sync = {
+        **base,
+        "mode": "sync",
+        "replicas_to_aggregate": 2,
+        "total_replicas": 3,
+        "tokens_available": 1,
+        "tokens_discarded": 4,
+        "waiting_on": [1],
+        "step_age_s": 2.5,
+    }
+    text = format_status(sync)
+    assert "N = 2 of M = 3" in text
+    assert "1 available (4 discarded)" in text
+    assert "step waits on worker 1 (for 2.5s)" in text
+    assert "step waits on nobody" in format_status({**sync, "waiting_on": []})
+    ssp = {**base, "mode": "ssp", "ssp": {"max_staleness": 2, "clocks": {}, "max_spread": 2}}
+    assert "max staleness 2, largest spread granted 2" in format_status(ssp)
+    assert "step waits on" not in format_status(ssp)
