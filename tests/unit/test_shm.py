@@ -217,3 +217,26 @@ def test_client_without_dense_shards_on_a_ps_uses_no_region() -> None:
             assert client.transport_of(ps) == ("shm" if has_dense else "tcp")
 
     run(body())
+
+
+def test_params_of_variables_held_whole_are_views_of_the_pull_region() -> None:
+    async def body() -> None:
+        c = await make_cluster(ALL, 2, 2)  # each variable split in 2 shards, round robin on 2 PS
+        one_ps = await make_cluster(ALL, 1, 3)  # every variable whole on PS 0
+        for cluster, whole in ((c, False), (one_ps, True)):
+            client = cluster.client(shared_memory=True)
+            await client.pull()
+            fp = await client._fast_path(0)
+            assert fp is not None
+            region = np.frombuffer(fp.pull._mmap, np.uint8)
+            for v in DENSE:
+                assert np.shares_memory(client.params[v.name], region) is whole
+                np.testing.assert_array_equal(client.params[v.name], initial(v))
+            g = grads_for(DENSE, seed=5)
+            await client.push(g, pull=True)
+            for v in DENSE:
+                np.testing.assert_array_equal(
+                    client.params[v.name], initial(v) - np.float32(LR) * g[v.name].astype(v.dtype)
+                )
+
+    run(body())

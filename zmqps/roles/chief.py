@@ -33,6 +33,7 @@ from zmqps.core.membership import Membership
 from zmqps.core.optimizers import make_optimizer
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
+from zmqps.roles._run import run_server
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
 from zmqps.roles.sync import SyncConfig, SyncDriver
@@ -407,12 +408,4 @@ async def _watch_workers(service: ChiefService) -> None:
 
 
 def run_chief(cfg: ChiefConfig) -> int:
-    async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        try:
-            await serve_chief(cfg, ctx)
-        finally:
-            ctx.term()
-
-    asyncio.run(main())
-    return 0
+    return run_server(lambda ctx: serve_chief(cfg, ctx))

@@ -15,13 +15,16 @@ Rules of this module:
   the client offers it two shared-memory regions (pull, push) laid out with every
   dense shard it holds there; if the PS can map them (same machine, same
   ``/dev/shm``), dense pulls and pushes move their bytes through them and ZeroMQ
-  carries only the control message. Otherwise, and for rows, TCP is used.
+  carries only the control message. Otherwise, and for rows, TCP is used. A
+  variable held whole by one PS is laid out in row order, and its ``params``
+  array becomes a view of the pull region: pulls land in it with no extra copy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +55,7 @@ class _FastPath:
     pull_id: int
     push_id: int
     offsets: dict[int, int]  # shard id -> data byte offset
+    whole: dict[str, int] = field(default_factory=dict)  # variables held whole: name -> offset
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def ref(self, pull: bool, sids: Sequence[int]) -> dict[str, Any]:
@@ -195,12 +199,7 @@ class ParameterClient:
         return state if isinstance(state, _FastPath) else None
 
     async def _attach(self, ps: int) -> _FastPath | None:
-        offsets: dict[int, int] = {}
-        pos = 0
-        for sid, r in sorted(self.routes.items()):
-            if r.shard.ps == ps and not r.var.sparse:
-                offsets[sid] = pos
-                pos += -(-r.size * r.var.itemsize // ALIGN) * ALIGN
+        offsets, whole, pos = self._layout(ps)
         if not offsets:
             return None
         regions: list[Region] = []
@@ -227,7 +226,43 @@ class ParameterClient:
             for region in regions:
                 unlink_region(region)
         log.info("ps %d: dense tensors travel through shared memory (%d bytes)", ps, pos)
-        return _FastPath(regions[0], regions[1], ids[0], ids[1], offsets)
+        fp = _FastPath(regions[0], regions[1], ids[0], ids[1], offsets, whole)
+        for name, off in whole.items():
+            # the variable lives whole in this region: pulls land in params directly
+            v = self.placement.variable(name)
+            view = fp.pull.view(off, np.dtype(v.dtype), math.prod(v.shape)).reshape(v.shape)
+            view[...] = self.params[name]
+            self.params[name] = view
+        return fp
+
+    def _layout(self, ps: int) -> tuple[dict[int, int], dict[str, int], int]:
+        """Byte offsets of PS ``ps``'s dense shards in its regions. A variable whose
+        shards all live on this PS is laid out whole, in row order, so ``params`` can
+        be a view of the pull region; other shards get blocks of their own."""
+        offsets: dict[int, int] = {}
+        whole: dict[str, int] = {}
+        pos = 0
+
+        def block(nbytes: int) -> int:
+            nonlocal pos
+            start = pos
+            pos += -(-nbytes // ALIGN) * ALIGN
+            return start
+
+        for v in self.placement.variables:
+            if v.sparse:
+                continue
+            shards = self.placement.shards_of(v.name)
+            mine = [s for s in shards if s.ps == ps]
+            if mine and len(mine) == len(shards):
+                start = whole[v.name] = block(v.nbytes)
+                row_bytes = v.row_size * v.itemsize
+                for s in mine:
+                    offsets[s.id] = start + s.row_start * row_bytes
+            else:
+                for s in mine:
+                    offsets[s.id] = block(s.rows * v.row_size * v.itemsize)
+        return offsets, whole, pos
 
     async def close(self) -> None:
         """Release shared-memory regions (best effort: the PS also drops them on rejoin)."""
@@ -245,6 +280,8 @@ class ParameterClient:
     def _copy_out(self, fp: _FastPath, sids: Sequence[int]) -> None:
         for sid in sids:
             r = self.routes[sid]
+            if r.var.name in fp.whole:
+                continue  # params[name] is a view of the pull region
             src = fp.pull.view(fp.offsets[sid], np.dtype(r.var.dtype), r.size)
             flat = self.params[r.var.name].reshape(-1)
             np.copyto(flat[r.start : r.start + r.size], src)

@@ -37,6 +37,7 @@ from zmqps.core.dedup import PushDeduper
 from zmqps.core.store import ShardStore
 from zmqps.core.sync import MODES, SyncShards
 from zmqps.core.variables import ShardDef
+from zmqps.roles._run import run_server
 from zmqps.transport import Server, SocketOptions
 from zmqps.transport.shm import Region, attach_region
 from zmqps.wire import Message, Tensor, reply
@@ -396,12 +397,4 @@ async def serve_ps(
 
 
 def run_ps(cfg: PSConfig) -> int:
-    async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        try:
-            await serve_ps(cfg, ctx)
-        finally:
-            ctx.term()
-
-    asyncio.run(main())
-    return 0
+    return run_server(lambda ctx: serve_ps(cfg, ctx))
