@@ -7,7 +7,8 @@ Layer map (DESIGN §10)::
                 initializers, partitioning, membership
     transport/  the only importer of zmq: ROUTER server,    (imports wire)
                 DEALER client, in-memory fake
-    roles/      ps, chief, worker: transport + core         (imports core, transport)
+    metrics/    Prometheus catalogue + /metrics exporter    (imports prometheus_client only)
+    roles/      ps, chief, worker: transport + core         (imports core, transport, metrics)
     cli/        argument parsing, launch                     (imports roles)
 
 The public API for training loops is :class:`Worker` with :class:`VariableDef`.

@@ -19,16 +19,19 @@ from zmqps.data import DATASETS
 from zmqps.models import MODELS
 from zmqps.roles.job import JobConfig
 from zmqps.roles.sync import SyncConfig
+from zmqps.wire.errors import ConfigError
 
 __all__ = [
     "add_cluster_args",
     "add_job_args",
+    "add_metrics_args",
     "add_server_args",
     "add_sync_args",
     "bind_address",
     "cluster_and_task",
     "exit_with_parent",
     "job_from_args",
+    "metrics_port",
     "optimizer_from_args",
     "partitioner_from_args",
     "setup_logging",
@@ -191,6 +194,33 @@ def sync_flags(args: argparse.Namespace) -> list[str]:
     if args.total_replicas is not None:
         flags += ["--total-replicas", str(args.total_replicas)]
     return flags
+
+
+def add_metrics_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("metrics (Prometheus)")
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics; 0 picks a free port"
+        " (logged at start); omitted or -1: no metrics endpoint (default)",
+    )
+    g.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the metrics endpoint binds (default: 127.0.0.1, this host only)",
+    )
+
+
+def metrics_port(args: argparse.Namespace) -> int | None:
+    """The --metrics-port to serve on, or None (no endpoint)."""
+    port: int | None = args.metrics_port
+    if port is None or port < 0:
+        return None
+    if port > 65535:
+        raise ConfigError(f"--metrics-port must be at most 65535, got {port}")
+    return port
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

@@ -68,6 +68,13 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         help="stop everything after this many seconds (default: none)",
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="no Prometheus endpoints (default: each task serves /metrics on a free"
+        f" {HOST} port, printed at start)",
+    )
     g.add_argument("-q", "--quiet", action="store_true", help="print only warnings and the summary")
 
 
@@ -129,11 +136,24 @@ class Launcher:
     def __init__(self, args: argparse.Namespace, run_dir: Path) -> None:
         self.args = args
         self.run_dir = run_dir
-        ports = free_ports(1 + args.ps + args.workers)
+        n = 1 + args.ps + args.workers
+        ports = free_ports(2 * n if getattr(args, "metrics", True) else n)
+        #: Task name -> its metrics port (empty with --no-metrics).
+        self.metrics_ports = dict(
+            zip(
+                [
+                    "chief",
+                    *(f"ps{i}" for i in range(args.ps)),
+                    *(f"worker{i}" for i in range(args.workers)),
+                ],
+                ports[n:],
+                strict=False,
+            )
+        )
         self.cluster = ClusterSpec(
             chief=f"{HOST}:{ports[0]}",
             ps=tuple(f"{HOST}:{p}" for p in ports[1 : 1 + args.ps]),
-            worker=tuple(f"{HOST}:{p}" for p in ports[1 + args.ps :]),
+            worker=tuple(f"{HOST}:{p}" for p in ports[1 + args.ps : n]),
         )
         self.chief_summary = run_dir / "chief-summary.json"
         self.children = self._children()
@@ -182,7 +202,15 @@ class Launcher:
             Child(f"worker{i}", [*base, "worker", "--index", str(i), *common, *job, *worker])
             for i in range(a.workers)
         ]
+        for kid in kids:
+            if kid.name in self.metrics_ports:
+                port = str(self.metrics_ports[kid.name])
+                kid.argv += ["--metrics-host", HOST, "--metrics-port", port]
         return kids
+
+    def metrics_urls(self) -> list[str]:
+        """One line per task: its name and /metrics URL."""
+        return [f"{name} http://{HOST}:{port}/metrics" for name, port in self.metrics_ports.items()]
 
     def say(self, line: str) -> None:
         if self.bar is not None:
@@ -322,6 +350,8 @@ def launch(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    for line in launcher.metrics_urls():
+        print(f"zmqps launch: metrics {line}", file=sys.stderr, flush=True)
     code = asyncio.run(launcher.run())
     if code != 0:
         first = launcher.first_failed

@@ -19,12 +19,14 @@ from typing import Any
 from zmqps.cli.args import (
     add_cluster_args,
     add_job_args,
+    add_metrics_args,
     add_server_args,
     add_sync_args,
     bind_address,
     cluster_and_task,
     exit_with_parent,
     job_from_args,
+    metrics_port,
     optimizer_from_args,
     partitioner_from_args,
     setup_logging,
@@ -42,11 +44,13 @@ def _server_parser(p: argparse.ArgumentParser) -> None:
     add_job_args(p, model_default=None)
     add_server_args(p)
     add_sync_args(p)
+    add_metrics_args(p)
 
 
 def _worker_parser(p: argparse.ArgumentParser) -> None:
     add_cluster_args(p)
     add_job_args(p)
+    add_metrics_args(p)
     p.add_argument(
         "--no-shm",
         dest="shared_memory",
@@ -68,7 +72,14 @@ def cmd_server(args: argparse.Namespace) -> int:
     cluster, task = cluster_and_task(args)
     bind = args.bind or bind_address(cluster.address(task.role, task.index))
     if task.role == "ps":
-        return run_ps(PSConfig(index=task.index, bind=bind))
+        return run_ps(
+            PSConfig(
+                index=task.index,
+                bind=bind,
+                metrics_host=args.metrics_host,
+                metrics_port=metrics_port(args),
+            )
+        )
     if task.role == "chief":
         job = job_from_args(args)
         return run_chief(
@@ -84,6 +95,8 @@ def cmd_server(args: argparse.Namespace) -> int:
                 summary_path=args.summary,
                 keep_alive=args.keep_alive,
                 sync=sync_from_args(args),
+                metrics_host=args.metrics_host,
+                metrics_port=metrics_port(args),
             )
         )
     raise ConfigError(
@@ -93,6 +106,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from zmqps.data import shard, steps_per_epoch
+    from zmqps.metrics import Metrics, MetricsServer
     from zmqps.roles.worker import Terminated, Worker, train
 
     cluster, task = cluster_and_task(args, default_role="worker")
@@ -107,6 +121,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     planned = steps_per_epoch(len(data), job.batch_size) * job.epochs
     # SIGTERM (Kubernetes, the launcher) leaves the cluster cleanly instead of vanishing.
     signal.signal(signal.SIGTERM, _terminated)
+    port = metrics_port(args)
+    metrics = Metrics() if port is not None else None
+    exporter = None
+    if metrics is not None and port is not None:
+        exporter = MetricsServer(metrics, args.metrics_host, port)
+        log.info("worker %d: metrics at %s", task.index, exporter.url)
     try:
         with Worker.from_cluster(
             cluster,
@@ -114,11 +134,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
             connect_timeout=args.connect_timeout,
             steps_planned=planned,
             shared_memory=args.shared_memory,
+            metrics=metrics,
         ) as worker:
             train(worker, job, cluster.num_workers)
     except Terminated:
         log.warning("worker %d: terminated by SIGTERM; left the cluster", task.index)
         return 128 + signal.SIGTERM
+    finally:
+        if exporter is not None:
+            exporter.close()
     return 0
 
 

@@ -33,6 +33,7 @@ from zmqps.core.membership import Membership
 from zmqps.core.optimizers import make_optimizer
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
+from zmqps.metrics import Metrics, MetricsServer
 from zmqps.roles._run import run_server
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
@@ -60,6 +61,8 @@ class ChiefConfig:
     summary_path: str | None = None
     keep_alive: bool = False
     sync: SyncConfig = field(default_factory=SyncConfig)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no exporter; 0: a free port
 
 
 class ChiefService:
@@ -68,8 +71,10 @@ class ChiefService:
         cfg: ChiefConfig,
         ps_clients: Sequence[Requester],
         clock: Callable[[], float] = time.monotonic,
+        metrics: Metrics | None = None,
     ) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.ps = list(ps_clients)
         self.clock = clock
         self.members = Membership(cfg.cluster.num_workers, cfg.heartbeat_timeout)
@@ -81,12 +86,31 @@ class ChiefService:
         self.shutdown_requested = asyncio.Event()
         self.started = time.time()
         self.result: dict[str, Any] = {}
+        if metrics is not None:
+            self._watch(metrics)
+
+    def _watch(self, m: Metrics) -> None:
+        """The chief's gauges read its state at scrape time (no per-event updates)."""
+        m.set_info("chief", 0, self.mode)
+        m.watch(m.global_step, lambda: self.global_step)
+        m.watch(m.workers_alive, self._alive_count)
+        m.watch(m.tokens_available, lambda: len(self.sync.tokens))
 
     def __call__(self, msg: Message) -> Any:
         handler = getattr(self, f"_op_{msg.op}", None)
         if handler is None:
             raise ProtocolError(f"the chief does not serve {msg.op!r}")
         return handler(msg)
+
+    def _alive_count(self) -> float:
+        # Runs in the exporter's thread: a worker registering meanwhile can change the
+        # membership dict under the iteration; read again rather than fail the scrape.
+        for _ in range(3):
+            try:
+                return len(self.members.alive(self.clock()))
+            except RuntimeError:
+                continue
+        return float("nan")
 
     # ---------------------------------------------------------------- membership
 
@@ -139,7 +163,12 @@ class ChiefService:
         if self.mode != "sync":
             raise InvalidArgument(f"take_token: the job runs in {self.mode} mode")
         taker = f"{b['index']}:{b['incarnation']}"
-        step = await self.sync.take_token(taker, float(b.get("wait", 10.0)))
+        started = time.perf_counter()
+        try:
+            step = await self.sync.take_token(taker, float(b.get("wait", 10.0)))
+        finally:
+            if self.metrics is not None:
+                self.metrics.token_wait.observe(time.perf_counter() - started)
         return reply(msg, {"step": step})
 
     async def _op_ssp_clock(self, msg: Message) -> Message:
@@ -324,11 +353,17 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
 async def serve_chief(
     cfg: ChiefConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None
 ) -> dict[str, Any]:
+    metrics = Metrics() if cfg.metrics_port is not None else None
+    exporter = None
+    if metrics is not None and cfg.metrics_port is not None:
+        # Before any socket exists: a port in use fails here, leaving nothing open.
+        exporter = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port)
+        log.info("chief: metrics at %s", exporter.url)
     ps_clients = [
         Client(ctx, addr, "chief:0", options=options, timeout=30.0) for addr in cfg.cluster.ps
     ]
-    service = ChiefService(cfg, ps_clients)
-    server = Server(ctx, cfg.bind, service, name="chief", options=options)
+    service = ChiefService(cfg, ps_clients, metrics=metrics)
+    server = Server(ctx, cfg.bind, service, name="chief", options=options, observer=metrics)
     log.info(
         "chief: serving on %s (%d PS, %d workers)",
         server.bind(),
@@ -364,6 +399,8 @@ async def serve_chief(
         watcher.cancel()
         driver.cancel()
         await server.stop()
+        if exporter is not None:
+            exporter.close()
         for c in ps_clients:
             await c.close()
     return service.result

@@ -37,6 +37,7 @@ from zmqps.core.dedup import PushDeduper
 from zmqps.core.store import ShardStore
 from zmqps.core.sync import MODES, SyncShards
 from zmqps.core.variables import ShardDef
+from zmqps.metrics import Metrics, MetricsServer
 from zmqps.roles._run import run_server
 from zmqps.transport import Server, SocketOptions
 from zmqps.transport.shm import Region, attach_region
@@ -53,6 +54,11 @@ class PSConfig:
     index: int
     bind: str
     chunk_bytes: int = 4 << 20
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no exporter; 0: a free port
+
+
+_PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
 
 
 class PSService:
@@ -66,9 +72,22 @@ class PSService:
         store: ShardStore | None = None,
         chunk_bytes: int = 4 << 20,
         max_region_bytes: int = 16 << 30,
+        metrics: Metrics | None = None,
     ):
         self.index = index
         self.store = store or ShardStore()
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.set_info("ps", index)
+            previous = self.store.observer
+
+            def observe(shard: ShardDef, staleness: int) -> None:
+                metrics.applied(shard.var, staleness)
+                if previous is not None:
+                    previous(shard, staleness)
+
+            self.store.observer = observe
+            metrics.watch(metrics.shard_bytes, self.store.nbytes)
         self.dedup = PushDeduper()
         self.chunk_elems_bytes = chunk_bytes
         self.duplicates = 0
@@ -85,8 +104,19 @@ class PSService:
         handler = getattr(self, f"_op_{msg.op}", None)
         if handler is None:
             raise ProtocolError(f"a PS does not serve {msg.op!r}")
-        result: Message = handler(msg)
+        if self.metrics is None or msg.op not in _PUSH_OPS:
+            result: Message = handler(msg)
+            return result
+        try:
+            result = handler(msg)
+        except (InvalidArgument, NotFound):
+            self.metrics.drop("invalid")
+            raise
         return result
+
+    def _drop(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.drop(reason)
 
     def _op_ping(self, msg: Message) -> Message:
         return reply(msg, {"role": "ps", "index": self.index})
@@ -197,9 +227,11 @@ class PSService:
             new = self.dedup.check(body["worker"], body["inc"], body["seq"])
         except FencedError:
             self.fenced += 1
+            self._drop("fenced")
             raise
         if not new:
             self.duplicates += 1
+            self._drop("duplicate")
             log.debug(
                 "ps %d: duplicate push %s/%s/%s",
                 self.index,
@@ -301,6 +333,7 @@ class PSService:
             out["staleness"] = [apply(sid, ver) for sid, ver in zip(sids, pulled, strict=True)]
         elif any(self.sync.is_stale(sid, body["step"]) for sid in sids):
             self.sync.dropped["stale"] += 1
+            self._drop("stale")
             out = {"applied": False, "dropped": "stale", "staleness": []}
         else:
             advanced = False
@@ -340,6 +373,8 @@ class PSService:
             self.sync = SyncShards(self.store, required)
         elif self.sync.set_required(required):
             self._notify_steps()
+        if self.metrics is not None:
+            self.metrics.set_info("ps", self.index, mode)
         log.info("ps %d: mode %s (replicas to aggregate %d)", self.index, mode, required)
         return reply(msg, {"step": self.sync_step})
 
@@ -379,9 +414,22 @@ class PSService:
 async def serve_ps(
     cfg: PSConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None
 ) -> PSService:
-    service = PSService(cfg.index, chunk_bytes=cfg.chunk_bytes)
-    server = Server(ctx, cfg.bind, service, name=f"ps{cfg.index}", options=options)
-    endpoint = server.bind()
+    metrics = Metrics() if cfg.metrics_port is not None else None
+    service = PSService(cfg.index, chunk_bytes=cfg.chunk_bytes, metrics=metrics)
+    exporter = None
+    if metrics is not None and cfg.metrics_port is not None:
+        # Before any socket exists: a port in use fails here, leaving nothing open.
+        exporter = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port)
+        log.info("ps %d: metrics at %s", cfg.index, exporter.url)
+    server = Server(
+        ctx, cfg.bind, service, name=f"ps{cfg.index}", options=options, observer=metrics
+    )
+    try:
+        endpoint = server.bind()
+    except OSError:
+        if exporter is not None:
+            exporter.close()
+        raise
     log.info("ps %d: serving on %s", cfg.index, endpoint)
     server.start()
     loop = asyncio.get_running_loop()
@@ -392,6 +440,8 @@ async def serve_ps(
         await asyncio.sleep(0.05)  # let the shutdown reply leave
     finally:
         await server.stop()
+        if exporter is not None:
+            exporter.close()
     log.info("ps %d: stopped (%s)", cfg.index, service.status())
     return service
 

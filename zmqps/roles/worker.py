@@ -32,6 +32,7 @@ import zmq.asyncio
 from zmqps.config import ClusterSpec, TaskSpec
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.data import batches, shard, steps_per_epoch
+from zmqps.metrics import Metrics
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
 from zmqps.transport import Client, LoopThread, SocketOptions
@@ -70,8 +71,10 @@ class Worker:
         chunk_bytes: int = 4 << 20,
         shared_memory: bool = True,
         options: SocketOptions | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.index = index
+        self.metrics = metrics
         self.role = role
         self.name = f"{role}:{index}"
         self.incarnation = time.time_ns() // 1000 if incarnation is None else incarnation
@@ -99,6 +102,8 @@ class Worker:
         self._heartbeat_interval = float(info["heartbeat_interval"])
         if info["placement"] is not None:
             self._use(Placement.from_wire(info["placement"]))
+        if metrics is not None:
+            metrics.set_info(role, index, self.mode)
         self._heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeats(), self._io.loop)  # type: ignore[assignment]
 
     @classmethod
@@ -240,7 +245,16 @@ class Worker:
 
     def pull(self, names: Iterable[str] | None = None) -> dict[str, Array]:
         """Current values of the dense variables (or ``names``)."""
-        return self._io.run(self.client.pull(names))
+        started = time.perf_counter()
+        out = self._io.run(self.client.pull(names))
+        self.record_phase("pull", started)
+        return out
+
+    def record_phase(self, phase: str, started: float) -> None:
+        """Time one phase (pull, compute, push) of a step that began at ``started``
+        (a :func:`time.perf_counter` value); a no-op without metrics."""
+        if self.metrics is not None:
+            self.metrics.phase(phase, time.perf_counter() - started)
 
     def _count(self, loss: float | None, examples: int | None) -> None:
         self.step += 1
@@ -248,6 +262,8 @@ class Worker:
             self.loss = float(loss)
         if examples is not None:
             self.examples += int(examples)
+        if self.metrics is not None:
+            self.metrics.step_done(self.loss if loss is not None else None, examples)
 
     def push(
         self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None
@@ -257,15 +273,20 @@ class Worker:
         False if they were dropped (sync: stale, the step had already been applied),
         or if this was a retry of a push the PS had already handled (whose first
         outcome this call cannot know)."""
+        started = time.perf_counter()
         accepted = self._io.run(self.client.push(grads, step=self._step_tag()))
+        self.record_phase("push", started)
         self._count(loss, examples)
         return accepted
 
     def push_pull(
         self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None
     ) -> dict[str, Array]:
-        """Push gradients and get the updated values back in the same round trip."""
+        """Push gradients and get the updated values back in the same round trip
+        (timed as the push phase)."""
+        started = time.perf_counter()
         self._io.run(self.client.push(grads, pull=True, step=self._step_tag()))
+        self.record_phase("push", started)
         self._count(loss, examples)
         return self.client.params
 
@@ -369,7 +390,9 @@ def train(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
             worker.begin_step()
             if worker.mode != "async":
                 params = worker.pull()  # sync: the values of the token's step
+            started = time.perf_counter()
             loss, grads = model.loss_and_grads(params, x, y)
+            worker.record_phase("compute", started)
             if worker.mode == "async":
                 params = worker.push_pull(grads, loss=loss, examples=len(x))
             else:

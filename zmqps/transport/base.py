@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from zmqps.wire import Message, Tensor
 
-__all__ = ["Handler", "Requester", "TransportStats"]
+__all__ = ["Handler", "Requester", "TransportObserver", "TransportStats"]
 
 
 class Handler(Protocol):
@@ -23,6 +23,20 @@ class Handler(Protocol):
     """
 
     def __call__(self, msg: Message) -> Message | Awaitable[Message]: ...
+
+
+class TransportObserver(Protocol):
+    """Told about every served request (e.g. :class:`zmqps.metrics.Metrics`).
+
+    ``status`` is ``ok`` or the error reply's code; called once per request, so
+    implementations must be cheap.
+    """
+
+    def request_done(self, op: str, status: str, seconds: float) -> None: ...
+
+    def bytes_in(self, n: int) -> None: ...
+
+    def bytes_out(self, n: int) -> None: ...
 
 
 class Requester(Protocol):

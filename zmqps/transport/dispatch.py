@@ -13,8 +13,8 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-from zmqps.transport.base import Handler, TransportStats
-from zmqps.wire import Limits, Message, decode, error_reply
+from zmqps.transport.base import Handler, TransportObserver, TransportStats
+from zmqps.wire import ERROR, Limits, Message, decode, error_reply
 from zmqps.wire.errors import ProtocolError, ZmqpsError
 
 __all__ = ["Dispatcher"]
@@ -35,8 +35,10 @@ class Dispatcher:
         stats: TransportStats,
         limits: Limits | None = None,
         clock_skew: float = 1.0,
+        observer: TransportObserver | None = None,
     ) -> None:
         self.handler = handler
+        self.observer = observer
         self.name = name
         self.stats = stats
         self.limits = limits or Limits()
@@ -59,19 +61,27 @@ class Dispatcher:
             return None
         self.stats.requests += 1
         self.stats.by_op[msg.op] = self.stats.by_op.get(msg.op, 0) + 1
+        started = time.perf_counter()
         try:
             result = self.handler(msg)
         except Exception as exc:
-            return self.error(msg, exc)
+            return self._observed(msg, self.error(msg, exc), started)
         if inspect.isawaitable(result):
-            return self._finish(msg, result)
-        return result
+            return self._finish(msg, result, started)
+        return self._observed(msg, result, started)
 
-    async def _finish(self, msg: Message, result: Awaitable[Message]) -> Message:
+    async def _finish(self, msg: Message, result: Awaitable[Message], started: float) -> Message:
         try:
-            return await result
+            out = await result
         except Exception as exc:
-            return self.error(msg, exc)
+            out = self.error(msg, exc)
+        return self._observed(msg, out, started)
+
+    def _observed(self, msg: Message, out: Message, started: float) -> Message:
+        if self.observer is not None:
+            status = out.body.get("code", "internal") if out.op == ERROR else "ok"
+            self.observer.request_done(msg.op, status, time.perf_counter() - started)
+        return out
 
     def error(self, msg: Message, exc: Exception) -> Message:
         self.stats.errors += 1

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zmqps.transport.base import Handler, TransportStats
+from zmqps.transport.base import Handler, TransportObserver, TransportStats
 from zmqps.transport.dispatch import Dispatcher
 from zmqps.wire import ERROR, Message, Tensor, decode, encode, request
 from zmqps.wire.errors import DeadlineExceeded, ShutdownError, error_from_code
@@ -30,9 +30,16 @@ class FakeNetwork:
     def __init__(self) -> None:
         self._servers: dict[str, Dispatcher] = {}
 
-    def serve(self, address: str, handler: Handler, *, name: str = "fake") -> TransportStats:
+    def serve(
+        self,
+        address: str,
+        handler: Handler,
+        *,
+        name: str = "fake",
+        observer: TransportObserver | None = None,
+    ) -> TransportStats:
         stats = TransportStats()
-        self._servers[address] = Dispatcher(handler, name=name, stats=stats)
+        self._servers[address] = Dispatcher(handler, name=name, stats=stats, observer=observer)
         return stats
 
     def remove(self, address: str) -> None:
@@ -85,12 +92,18 @@ class FakeClient:
         if server is None:
             await asyncio.Future()  # nobody listens: wait for the deadline, like zmq
         assert server is not None
-        outcome = server.dispatch(_wire_copy(msg), self.identity)
+        frames = _wire_copy(msg)
+        if server.observer is not None:
+            server.observer.bytes_in(sum(len(f) for f in frames))
+        outcome = server.dispatch(frames, self.identity)
         if outcome is None:
             await asyncio.Future()  # dropped: the deadline fires
             raise AssertionError("unreachable")
         out = outcome if isinstance(outcome, Message) else await outcome
-        rep = decode(_wire_copy(out))
+        frames = _wire_copy(out)
+        if server.observer is not None:
+            server.observer.bytes_out(sum(len(f) for f in frames))
+        rep = decode(frames)
         self.stats.replies += 1
         if rep.op == ERROR:
             raise error_from_code(rep.body["code"], rep.body["message"])

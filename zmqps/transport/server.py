@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zmqps.transport.base import Handler, TransportStats
+from zmqps.transport.base import Handler, TransportObserver, TransportStats
 from zmqps.transport.dispatch import Dispatcher
 from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
 from zmqps.wire import Limits, Message, encode, error_reply
@@ -45,8 +45,10 @@ class Server:
         options: SocketOptions | None = None,
         limits: Limits | None = None,
         clock_skew: float = 1.0,
+        observer: TransportObserver | None = None,
     ) -> None:
         self._ctx = ctx
+        self._observer = observer
         self._address = tcp_endpoint(address)
         self._name = name
         self._options = options or SocketOptions()
@@ -55,7 +57,12 @@ class Server:
         self._loop_task: asyncio.Task[None] | None = None
         self.stats = TransportStats()
         self._dispatcher = Dispatcher(
-            handler, name=name, stats=self.stats, limits=limits, clock_skew=clock_skew
+            handler,
+            name=name,
+            stats=self.stats,
+            limits=limits,
+            clock_skew=clock_skew,
+            observer=observer,
         )
         self.endpoint = ""
 
@@ -117,7 +124,10 @@ class Server:
             self.stats.bad_messages += 1
             return
         identity = frames[0].bytes
-        self.stats.bytes_in += sum(len(f) for f in frames[1:])
+        received = sum(len(f) for f in frames[1:])
+        self.stats.bytes_in += received
+        if self._observer is not None:
+            self._observer.bytes_in(received)
         outcome = self._dispatcher.dispatch(frames[1:], identity)
         if outcome is None:
             return
@@ -157,4 +167,7 @@ class Server:
                 return
             raise
         self.stats.replies += 1
-        self.stats.bytes_out += sum(getattr(f, "nbytes", None) or len(f) for f in frames)
+        sent = sum(getattr(f, "nbytes", None) or len(f) for f in frames)
+        self.stats.bytes_out += sent
+        if self._observer is not None:
+            self._observer.bytes_out(sent)

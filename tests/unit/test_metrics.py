@@ -1,0 +1,338 @@
+"""The metric catalogue and the instrumented roles, on a fresh registry per test.
+
+PS instrumentation is driven through the in-memory FakeNetwork (real codec and the
+transport Dispatcher's observer), the chief's gauges through ChiefService directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from zmqps.config import ClusterSpec
+from zmqps.core.partition import Partitioner, plan
+from zmqps.core.variables import VariableDef
+from zmqps.metrics import DROP_REASONS, PHASES, STALENESS_BUCKETS, Metrics
+from zmqps.roles.chief import ChiefConfig, ChiefService
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.ps import PSService
+from zmqps.roles.sync import SyncConfig
+from zmqps.transport.base import Requester
+from zmqps.transport.fake import FakeNetwork
+from zmqps.wire import Message, Tensor
+from zmqps.wire.errors import FencedError, InvalidArgument
+
+T = TypeVar("T")
+
+#: DESIGN.md §7: name (as exposed) -> (type, labels).
+CATALOGUE: dict[str, tuple[str, tuple[str, ...]]] = {
+    "zmqps_requests": ("counter", ("op", "status")),
+    "zmqps_request_duration_seconds": ("histogram", ("op",)),
+    "zmqps_bytes_sent": ("counter", ()),
+    "zmqps_bytes_received": ("counter", ()),
+    "zmqps_gradient_staleness": ("histogram", ("variable",)),
+    "zmqps_gradients_dropped": ("counter", ("reason",)),
+    "zmqps_updates_applied": ("counter", ()),
+    "zmqps_global_step": ("gauge", ()),
+    "zmqps_sync_tokens_available": ("gauge", ()),
+    "zmqps_sync_token_wait_seconds": ("histogram", ()),
+    "zmqps_workers_alive": ("gauge", ()),
+    "zmqps_worker_examples": ("counter", ()),
+    "zmqps_worker_step_seconds": ("histogram", ("phase",)),
+    "zmqps_train_loss": ("gauge", ()),
+    "zmqps_shard_bytes": ("gauge", ()),
+    "zmqps_checkpoint_duration_seconds": ("histogram", ()),
+    "zmqps_checkpoint_last_step": ("gauge", ()),
+    "zmqps_info": ("gauge", ("role", "index", "mode", "version")),
+}
+
+VARS = (
+    VariableDef("w", (10, 4), init={"name": "glorot_uniform", "seed": 1}),
+    VariableDef("b", (7,), init={"name": "zeros"}),
+)
+
+
+def run(coro: Awaitable[T], timeout: float = 5.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+def value(m: Metrics, name: str, **labels: str) -> float:
+    v = m.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+# ---------------------------------------------------------------- the catalogue
+
+
+def test_fresh_registry_per_instance_never_the_default() -> None:
+    before = set(REGISTRY._names_to_collectors)
+    a, b = Metrics(), Metrics()
+    assert a.registry is not b.registry
+    assert set(REGISTRY._names_to_collectors) == before
+    a.updates_applied.inc()
+    assert value(a, "zmqps_updates_applied_total") == 1
+    assert value(b, "zmqps_updates_applied_total") == 0
+
+
+def test_an_injected_registry_is_used() -> None:
+    reg = CollectorRegistry()
+    m = Metrics(reg)
+    assert m.registry is reg
+    m.drop("stale")
+    assert reg.get_sample_value("zmqps_gradients_dropped_total", {"reason": "stale"}) == 1
+
+
+def test_catalogue_names_types_labels_and_help() -> None:
+    m = Metrics()
+    m.set_info("ps", 3, "sync")
+    m.request_done("pull", "ok", 0.001)
+    m.applied("w", 2)
+    m.drop("duplicate")
+    m.phase("pull", 0.01)
+    m.token_wait.observe(0.1)
+    m.checkpoint_duration.observe(0.5)
+    text = generate_latest(m.registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, (kind, labels) in CATALOGUE.items():
+        assert name in families, name
+        fam = families[name]
+        assert fam.type == kind, name
+        assert fam.documentation, name
+        main = [s for s in fam.samples if not s.name.endswith(("_created", "_bucket"))]
+        for s in main:
+            assert set(s.labels) - {"le"} == set(labels), (name, s)
+    assert 'zmqps_info{index="3",mode="sync",role="ps",version="' in text
+    for name in families:
+        assert name.startswith("zmqps"), name
+
+
+def test_staleness_buckets_are_the_documented_steps() -> None:
+    assert STALENESS_BUCKETS == (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+    m = Metrics()
+    m.applied("w", 5)
+    assert value(m, "zmqps_gradient_staleness_bucket", variable="w", le="4.0") == 0
+    assert value(m, "zmqps_gradient_staleness_bucket", variable="w", le="6.0") == 1
+    assert value(m, "zmqps_gradient_staleness_bucket", variable="w", le="+Inf") == 1
+
+
+def test_bounded_label_sets() -> None:
+    assert set(DROP_REASONS) == {"duplicate", "stale", "fenced", "invalid"}
+    assert set(PHASES) == {"pull", "compute", "push"}
+
+
+def test_worker_step_helpers() -> None:
+    m = Metrics()
+    m.step_done(0.75, 32)
+    m.step_done(None, 32)
+    m.phase("compute", 0.02)
+    assert value(m, "zmqps_worker_examples_total") == 64
+    assert value(m, "zmqps_train_loss") == 0.75
+    assert value(m, "zmqps_worker_step_seconds_count", phase="compute") == 1
+
+
+# ---------------------------------------------------------------- an instrumented PS
+
+
+class Twice:
+    """Sends every push twice (a retry after a lost reply); tests only."""
+
+    def __init__(self, inner: Requester) -> None:
+        self.inner = inner
+        self.endpoint = inner.endpoint
+
+    async def request(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None = None,
+        tensors: Sequence[Tensor] = (),
+        *,
+        timeout: float | None = None,
+        attempts: int = 1,
+    ) -> Message:
+        if op.startswith("push"):
+            await self.inner.request(op, body, tensors, timeout=timeout, attempts=attempts)
+        return await self.inner.request(op, body, tensors, timeout=timeout, attempts=attempts)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def one_ps(m: Metrics) -> tuple[FakeNetwork, PSService, Any]:
+    placement = plan(VARS, 1, Partitioner(num_shards=2), optimizer={"name": "sgd", "lr": 0.1})
+    net = FakeNetwork()
+    svc = PSService(0, metrics=m)
+    net.serve("ps0", svc, name="ps0", observer=m)
+    defs = [d.to_wire() for _, d in placement.shard_defs()]
+    await net.client("ps0", "chief:0").request("create_shards", {"shards": defs})
+    return net, svc, placement
+
+
+def grads() -> dict[str, np.ndarray]:
+    return {v.name: np.ones(v.shape, v.dtype) for v in VARS}
+
+
+def test_ps_requests_bytes_updates_staleness_and_shard_bytes() -> None:
+    async def body() -> None:
+        m = Metrics()
+        net, svc, placement = await one_ps(m)
+        client = ParameterClient(
+            [net.client("ps0", "w0:0")], placement, worker="w0", incarnation=0, shared_memory=False
+        )
+        await client.pull()
+        await client.push(grads())
+        await client.push(grads())
+        assert value(m, "zmqps_requests_total", op="create_shards", status="ok") == 1
+        assert value(m, "zmqps_requests_total", op="pull", status="ok") == 1
+        assert value(m, "zmqps_requests_total", op="push", status="ok") == 2
+        assert value(m, "zmqps_request_duration_seconds_count", op="push") == 2
+        assert value(m, "zmqps_bytes_received_total") > 2 * sum(
+            v.shape[0] * 4 * (v.shape[1] if len(v.shape) > 1 else 1) for v in VARS
+        )
+        assert value(m, "zmqps_bytes_sent_total") > 0
+        shards = len(placement.shards)
+        assert value(m, "zmqps_updates_applied_total") == 2 * shards
+        # every shard of w: one update at staleness 0, the second at staleness 1
+        w_shards = len(placement.shards_of("w"))
+        assert value(m, "zmqps_gradient_staleness_count", variable="w") == 2 * w_shards
+        assert value(m, "zmqps_gradient_staleness_bucket", variable="w", le="0.0") == w_shards
+        assert value(m, "zmqps_shard_bytes") == svc.store.nbytes() > 0
+        assert value(m, "zmqps_info", role="ps", index="0", mode="", version=_version()) == 1
+
+    run(body())
+
+
+def _version() -> str:
+    from zmqps import __version__
+
+    return __version__
+
+
+def test_ps_counts_drops_by_reason() -> None:
+    async def body() -> None:
+        m = Metrics()
+        net, _svc, placement = await one_ps(m)
+        retrying = ParameterClient(
+            [Twice(net.client("ps0", "w0:1"))],
+            placement,
+            worker="w0",
+            incarnation=1,
+            shared_memory=False,
+        )
+        await retrying.pull()
+        await retrying.push(grads())
+        assert value(m, "zmqps_gradients_dropped_total", reason="duplicate") == 1
+        old = ParameterClient(
+            [net.client("ps0", "w0:0")], placement, worker="w0", incarnation=0, shared_memory=False
+        )
+        await old.pull()
+        with pytest.raises(FencedError):
+            await old.push(grads())
+        assert value(m, "zmqps_gradients_dropped_total", reason="fenced") == 1
+        assert value(m, "zmqps_requests_total", op="push", status="fenced") == 1
+        raw = net.client("ps0", "w1:0")
+        with pytest.raises(InvalidArgument):
+            await raw.request(
+                "push",
+                {"worker": "w1", "inc": 0, "seq": 1, "shards": [0, 0], "versions": [0, 0]},
+            )
+        assert value(m, "zmqps_gradients_dropped_total", reason="invalid") == 1
+        assert value(m, "zmqps_requests_total", op="push", status="invalid_argument") == 1
+
+    run(body())
+
+
+def test_ps_without_metrics_still_serves() -> None:
+    async def body() -> None:
+        net = FakeNetwork()
+        net.serve("ps0", PSService(0), name="ps0")
+        rep = await net.client("ps0", "w0:0").request("ping")
+        assert rep.body["role"] == "ps"
+
+    run(body())
+
+
+# ---------------------------------------------------------------- the chief's gauges
+
+
+def test_chief_gauges_read_its_state() -> None:
+    async def body() -> None:
+        m = Metrics()
+        cluster = ClusterSpec(
+            chief="127.0.0.1:7000", ps=("127.0.0.1:7100",), worker=("127.0.0.1:7200",)
+        )
+        cfg = ChiefConfig(bind="127.0.0.1:7000", cluster=cluster, sync=SyncConfig(mode="sync"))
+        chief = ChiefService(cfg, [], clock=lambda: 100.0, metrics=m)
+        assert value(m, "zmqps_global_step") == 0
+        assert value(m, "zmqps_workers_alive") == 0
+        assert value(m, "zmqps_sync_tokens_available") == 0
+        chief.members.register(0, 1, 100.0, 10)
+        assert value(m, "zmqps_workers_alive") == 1
+        chief.sync.tokens.put(0, 2)
+        assert value(m, "zmqps_sync_tokens_available") == 2
+        assert value(m, "zmqps_info", role="chief", index="0", mode="sync", version=_version()) == 1
+
+    run(body())
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _launcher(tmp_path: Any, *flags: str) -> Any:
+    import argparse
+
+    from zmqps.cli.launch import Launcher, add_launch_args
+
+    p = argparse.ArgumentParser()
+    add_launch_args(p)
+    return Launcher(p.parse_args(["--ps", "2", "--workers", "3", *flags]), tmp_path)
+
+
+def test_launch_gives_every_task_a_metrics_port(tmp_path: Any) -> None:
+    launcher = _launcher(tmp_path)
+    assert len(launcher.cluster.ps) == 2 and len(launcher.cluster.worker) == 3
+    names = ["chief", "ps0", "ps1", "worker0", "worker1", "worker2"]
+    assert list(launcher.metrics_ports) == names
+    task_ports = {int(a.rsplit(":", 1)[1]) for a in launcher.cluster.ps + launcher.cluster.worker}
+    assert not task_ports & set(launcher.metrics_ports.values())
+    urls = launcher.metrics_urls()
+    assert len(urls) == 6 and all("http://127.0.0.1:" in u and u.endswith("/metrics") for u in urls)
+    for child in launcher.children:
+        port = launcher.metrics_ports[child.name]
+        assert child.argv[-4:] == ["--metrics-host", "127.0.0.1", "--metrics-port", str(port)]
+
+
+def test_launch_no_metrics(tmp_path: Any) -> None:
+    launcher = _launcher(tmp_path, "--no-metrics")
+    assert launcher.metrics_urls() == []
+    assert len(launcher.cluster.worker) == 3
+    assert all("--metrics-port" not in c.argv for c in launcher.children)
+
+
+@pytest.mark.parametrize(
+    ("given", "port"),
+    [
+        ([], None),
+        (["--metrics-port", "-1"], None),
+        (["--metrics-port", "0"], 0),
+        (["--metrics-port", "9100"], 9100),
+    ],
+)
+def test_metrics_port_flag(given: list[str], port: int | None) -> None:
+    import argparse
+
+    from zmqps.cli.args import add_metrics_args, metrics_port
+
+    p = argparse.ArgumentParser()
+    add_metrics_args(p)
+    args = p.parse_args(given)
+    assert metrics_port(args) == port
+    assert args.metrics_host == "127.0.0.1"

@@ -1,0 +1,191 @@
+"""The metric catalogue (DESIGN.md §7): every zmqps metric, declared once.
+
+Rules of this module:
+
+* :class:`Metrics` owns one :class:`~prometheus_client.CollectorRegistry`
+  (a fresh one unless one is injected) and declares every metric on it; the
+  process-wide default registry is never touched.
+* Roles update metrics through the small methods here, once per request or
+  step, never per element; values a role already keeps (global step, alive
+  workers, tokens, shard bytes) are read at scrape time through :meth:`watch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+__all__ = ["DROP_REASONS", "PHASES", "STALENESS_BUCKETS", "Metrics"]
+
+#: Staleness in steps; exact at small values, coarser beyond.
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+#: Why a PS acknowledged a push without applying it.
+DROP_REASONS = ("duplicate", "stale", "fenced", "invalid")
+#: The phases of one worker step.
+PHASES = ("pull", "compute", "push")
+
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    """The zmqps metrics on one registry (``registry`` or a fresh one)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.info = Info("zmqps", "The task this process runs.", registry=r)
+        # -- transport (every role) ------------------------------------------------
+        self.requests = Counter(
+            "zmqps_requests_total",
+            "Requests served, by op and status (ok or the error code).",
+            ["op", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "zmqps_request_duration_seconds",
+            "Time to serve a request, by op.",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.bytes_sent = Counter(
+            "zmqps_bytes_sent_total", "Bytes of replies sent (frames).", registry=r
+        )
+        self.bytes_received = Counter(
+            "zmqps_bytes_received_total", "Bytes of requests received (frames).", registry=r
+        )
+        # -- parameter server ------------------------------------------------------
+        self.staleness = Histogram(
+            "zmqps_gradient_staleness",
+            "Staleness (in updates of the shard) of a gradient when applied, by variable.",
+            ["variable"],
+            buckets=STALENESS_BUCKETS,
+            registry=r,
+        )
+        self.dropped = Counter(
+            "zmqps_gradients_dropped_total",
+            "Pushes acknowledged or refused without being applied, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.updates_applied = Counter(
+            "zmqps_updates_applied_total",
+            "Optimizer applications to a shard on this PS.",
+            registry=r,
+        )
+        self.shard_bytes = Gauge(
+            "zmqps_shard_bytes", "Bytes held by this PS's shards (values and slots).", registry=r
+        )
+        # -- chief -----------------------------------------------------------------
+        self.global_step = Gauge("zmqps_global_step", "The chief's global step.", registry=r)
+        self.tokens_available = Gauge(
+            "zmqps_sync_tokens_available", "Tokens waiting in the sync token queue.", registry=r
+        )
+        self.token_wait = Histogram(
+            "zmqps_sync_token_wait_seconds",
+            "Time a worker's take_token request waited for a token.",
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.workers_alive = Gauge(
+            "zmqps_workers_alive", "Workers the chief has heard from recently.", registry=r
+        )
+        # -- worker ----------------------------------------------------------------
+        self.examples = Counter(
+            "zmqps_worker_examples_total", "Training examples processed by this worker.", registry=r
+        )
+        self.step_seconds = Histogram(
+            "zmqps_worker_step_seconds",
+            "Time of one phase (pull, compute, push) of a worker step.",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.train_loss = Gauge("zmqps_train_loss", "The last training loss seen.", registry=r)
+        # -- checkpoints -----------------------------------------------------------
+        self.checkpoint_duration = Histogram(
+            "zmqps_checkpoint_duration_seconds",
+            "Time to write one checkpoint.",
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.checkpoint_last_step = Gauge(
+            "zmqps_checkpoint_last_step", "Global step of the last checkpoint written.", registry=r
+        )
+        self._counts: dict[tuple[str, str], Counter] = {}
+        self._timers: dict[str, Histogram] = {}
+        self._staleness: dict[str, Histogram] = {}
+
+    # -- identity ------------------------------------------------------------------
+
+    def set_info(self, role: str, index: int, mode: str = "") -> None:
+        from zmqps import __version__
+
+        self.info.info({"role": role, "index": str(index), "mode": mode, "version": __version__})
+
+    def watch(self, gauge: Gauge, read: Callable[[], float]) -> None:
+        """Make ``gauge`` read its value from ``read`` at scrape time."""
+        gauge.set_function(read)
+
+    # -- transport observer (zmqps.transport.base.TransportObserver) ------------------
+
+    def request_done(self, op: str, status: str, seconds: float) -> None:
+        # Label children are cached: .labels() costs more than the update itself.
+        key = (op, status)
+        count = self._counts.get(key)
+        if count is None:
+            count = self._counts[key] = self.requests.labels(op, status)
+        count.inc()
+        timer = self._timers.get(op)
+        if timer is None:
+            timer = self._timers[op] = self.request_duration.labels(op)
+        timer.observe(seconds)
+
+    def bytes_in(self, n: int) -> None:
+        self.bytes_received.inc(n)
+
+    def bytes_out(self, n: int) -> None:
+        self.bytes_sent.inc(n)
+
+    # -- parameter server ----------------------------------------------------------
+
+    def applied(self, variable: str, staleness: int) -> None:
+        self.updates_applied.inc()
+        hist = self._staleness.get(variable)
+        if hist is None:
+            hist = self._staleness[variable] = self.staleness.labels(variable)
+        hist.observe(staleness)
+
+    def drop(self, reason: str) -> None:
+        self.dropped.labels(reason).inc()
+
+    # -- worker --------------------------------------------------------------------
+
+    def phase(self, phase: str, seconds: float) -> None:
+        self.step_seconds.labels(phase).observe(seconds)
+
+    def step_done(self, loss: float | None, examples: int | None) -> None:
+        if loss is not None:
+            self.train_loss.set(loss)
+        if examples:
+            self.examples.inc(examples)
