@@ -1,0 +1,520 @@
+#!/usr/bin/env python3
+"""Regenerate grafana/dashboards/*.json (the shipped JSON is the source of truth
+that Grafana loads; this script is how it was written). Run from anywhere:
+
+    python grafana/gen_dashboards.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent / "dashboards"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+RI = "$__rate_interval"
+#: A query variable: name, label, label_values query, multi-select.
+Var = tuple[str, str, str, bool]
+
+
+def _templating(extra: list[Var] | None = None) -> dict[str, Any]:
+    lst: list[dict[str, Any]] = [
+        {
+            "name": "datasource",
+            "label": "Prometheus",
+            "type": "datasource",
+            "query": "prometheus",
+            "current": {"text": "zmqps Prometheus", "value": "zmqps-prometheus"},
+            "hide": 0,
+            "refresh": 1,
+            "regex": "",
+        }
+    ]
+    for name, label, query, multi in extra or []:
+        lst.append(
+            {
+                "name": name,
+                "label": label,
+                "type": "query",
+                "datasource": DS,
+                "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+                "definition": None,
+                "current": {"text": "All", "value": "$__all"},
+                "includeAll": True,
+                "allValue": ".*",
+                "multi": multi,
+                "refresh": 2,
+                "sort": 1,
+                "hide": 0,
+            }
+        )
+    for v in lst:
+        v.pop("definition", None)
+    return {"list": lst}
+
+
+class Builder:
+    def __init__(self) -> None:
+        self.panels: list[dict[str, Any]] = []
+        self.next_id = 1
+        self.x = 0
+        self.y = 0
+        self.row_h = 0
+
+    def _pos(self, w: int, h: int) -> dict[str, Any]:
+        if self.x + w > 24:
+            self.x = 0
+            self.y += self.row_h
+            self.row_h = 0
+        pos = {"h": h, "w": w, "x": self.x, "y": self.y}
+        self.x += w
+        self.row_h = max(self.row_h, h)
+        return pos
+
+    def row(self, title: str) -> None:
+        if self.x:
+            self.x = 0
+            self.y += self.row_h
+            self.row_h = 0
+        self.panels.append(
+            {
+                "type": "row",
+                "id": self.next_id,
+                "title": title,
+                "collapsed": False,
+                "panels": [],
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y},
+            }
+        )
+        self.next_id += 1
+        self.y += 1
+
+    def panel(
+        self,
+        title: str,
+        targets: list[tuple[str, str]],
+        *,
+        unit: str = "short",
+        kind: str = "timeseries",
+        w: int = 12,
+        h: int = 8,
+        description: str = "",
+        fmt: str | None = None,
+        thresholds: list[tuple[str, float | None]] | None = None,
+    ) -> None:
+        tg = []
+        for i, (expr, legend) in enumerate(targets):
+            t = {
+                "refId": chr(ord("A") + i),
+                "datasource": DS,
+                "expr": expr,
+                "legendFormat": legend,
+                "range": kind != "stat",
+                "instant": kind == "stat",
+            }
+            if fmt:
+                t["format"] = fmt
+            tg.append(t)
+        defaults: dict[str, Any] = {"unit": unit}
+        if thresholds:
+            defaults["thresholds"] = {
+                "mode": "absolute",
+                "steps": [{"color": c, "value": v} for c, v in thresholds],
+            }
+        p: dict[str, Any] = {
+            "type": kind,
+            "id": self.next_id,
+            "title": title,
+            "datasource": DS,
+            "gridPos": self._pos(w, h),
+            "targets": tg,
+            "fieldConfig": {"defaults": defaults, "overrides": []},
+        }
+        if description:
+            p["description"] = description
+        if kind == "timeseries":
+            p["options"] = {
+                "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                "tooltip": {"mode": "multi", "sort": "desc"},
+            }
+        elif kind == "stat":
+            p["options"] = {
+                "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                "colorMode": "value",
+                "graphMode": "area",
+                "textMode": "auto",
+            }
+        elif kind == "heatmap":
+            p["options"] = {
+                "calculate": False,
+                "cellGap": 1,
+                "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+                "yAxis": {"unit": unit},
+                "tooltip": {"mode": "single", "yHistogram": True},
+                "legend": {"show": True},
+            }
+        self.panels.append(p)
+        self.next_id += 1
+
+
+def dashboard(
+    uid: str, title: str, desc: str, b: Builder, extra_vars: list[Var] | None = None
+) -> dict[str, Any]:
+    return {
+        "uid": uid,
+        "title": title,
+        "description": desc,
+        "tags": ["zmqps"],
+        "editable": True,
+        "graphTooltip": 1,
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-30m", "to": "now"},
+        "refresh": "10s",
+        "templating": _templating(extra_vars),
+        "annotations": {"list": []},
+        "links": [
+            {
+                "title": "zmqps",
+                "type": "dashboards",
+                "tags": ["zmqps"],
+                "asDropdown": True,
+                "includeVars": True,
+                "keepTime": True,
+                "icon": "external link",
+                "targetBlank": False,
+                "tooltip": "",
+                "url": "",
+            }
+        ],
+        "panels": b.panels,
+    }
+
+
+def overview() -> dict[str, Any]:
+    b = Builder()
+    b.row("Progress")
+    b.panel("Global step", [('max(zmqps_global_step{job="chief"})', "step")], kind="stat", w=4, h=5)
+    b.panel(
+        "Step rate (steps/s)",
+        [('max(deriv(zmqps_global_step{job="chief"}[$__rate_interval]))', "global step")],
+        kind="stat",
+        unit="ops",
+        w=4,
+        h=5,
+    )
+    b.panel(
+        "Examples/s",
+        [(f'sum(rate(zmqps_worker_examples_total{{job="worker"}}[{RI}]))', "examples/s")],
+        kind="stat",
+        unit="short",
+        w=4,
+        h=5,
+    )
+    b.panel(
+        "Workers alive",
+        [('max(zmqps_workers_alive{job="chief"})', "alive")],
+        kind="stat",
+        w=4,
+        h=5,
+        thresholds=[("red", None), ("green", 1)],
+    )
+    b.panel(
+        "Sync tokens available",
+        [('max(zmqps_sync_tokens_available{job="chief"})', "tokens")],
+        kind="stat",
+        w=4,
+        h=5,
+    )
+    b.panel(
+        "Last checkpoint step",
+        [('max(zmqps_checkpoint_last_step{job="chief"})', "step")],
+        kind="stat",
+        w=4,
+        h=5,
+    )
+    b.row("Throughput")
+    b.panel(
+        "Training throughput (examples/s)",
+        [(f'sum(rate(zmqps_worker_examples_total{{job="worker"}}[{RI}]))', "all workers")],
+        unit="short",
+    )
+    b.panel(
+        "Step rate",
+        [
+            (f'max(deriv(zmqps_global_step{{job="chief"}}[{RI}]))', "global step/s (chief)"),
+            (
+                f'sum(rate(zmqps_updates_applied_total{{job="ps"}}[{RI}]))',
+                "updates applied/s (all PS)",
+            ),
+        ],
+        unit="ops",
+        description="Global-step rate from the chief's gauge, and optimizer applications "
+        "summed over every PS (one per variable shard per step).",
+    )
+    b.row("Staleness and dropped gradients")
+    b.panel(
+        "Gradient staleness quantiles (steps)",
+        [
+            (
+                f"histogram_quantile({q}, sum by (le) "
+                f'(rate(zmqps_gradient_staleness_bucket{{job="ps"}}[{RI}])))',
+                f"p{int(q * 100)}",
+            )
+            for q in (0.5, 0.9, 0.99)
+        ],
+        unit="none",
+    )
+    b.panel(
+        "Gradient staleness distribution",
+        [(f'sum by (le) (rate(zmqps_gradient_staleness_bucket{{job="ps"}}[{RI}]))', "{{le}}")],
+        kind="heatmap",
+        unit="none",
+        fmt="heatmap",
+    )
+    b.panel(
+        "Dropped gradients by reason",
+        [
+            (
+                f'sum by (reason) (rate(zmqps_gradients_dropped_total{{job="ps"}}[{RI}]))',
+                "{{reason}}",
+            ),
+            (f'sum(rate(zmqps_gradients_dropped_total{{job="ps"}}[{RI}])) or vector(0)', "total"),
+        ],
+        unit="ops",
+        description="Pushes a PS acknowledged without applying (duplicate, stale, fenced, "
+        "invalid). The per-reason series exist only once a push was dropped.",
+    )
+    b.panel(
+        "Sync tokens and wait",
+        [
+            ('max(zmqps_sync_tokens_available{job="chief"})', "tokens available"),
+            (
+                f"histogram_quantile(0.99, sum by (le) "
+                f'(rate(zmqps_sync_token_wait_seconds_bucket{{job="chief"}}[{RI}])))',
+                "token wait p99 (s)",
+            ),
+        ],
+        unit="short",
+    )
+    b.row("Model and cluster")
+    b.panel(
+        "Train loss",
+        [
+            ('avg(zmqps_train_loss{job="worker"})', "mean over workers"),
+            ('min(zmqps_train_loss{job="worker"})', "min"),
+            ('max(zmqps_train_loss{job="worker"})', "max"),
+        ],
+    )
+    b.panel(
+        "Workers alive / scrape targets up",
+        [
+            ('max(zmqps_workers_alive{job="chief"})', "workers alive (chief's view)"),
+            ('sum by (job) (up{job=~"chief|ps|worker|evaluator"})', "targets up: {{job}}"),
+        ],
+    )
+    return dashboard(
+        "zmqps-overview",
+        "zmqps / Overview",
+        "Cluster-wide training progress, throughput, staleness and loss.",
+        b,
+    )
+
+
+def ps() -> dict[str, Any]:
+    sel = 'job="ps", instance=~"$instance"'
+    b = Builder()
+    b.row("Requests")
+    b.panel(
+        "Request rate by op",
+        [
+            (
+                f"sum by (instance, op) (rate(zmqps_requests_total{{{sel}}}[{RI}]))",
+                "{{instance}} {{op}}",
+            )
+        ],
+        unit="reqps",
+    )
+    b.panel(
+        "Requests by op and status",
+        [
+            (
+                f"sum by (instance, op, status) (rate(zmqps_requests_total{{{sel}}}[{RI}]))",
+                "{{instance}} {{op}} {{status}}",
+            )
+        ],
+        unit="reqps",
+        description="status is ok or the error code the PS answered with.",
+    )
+    b.panel(
+        "Latency p50 by op",
+        [
+            (
+                f"histogram_quantile(0.5, sum by (instance, op, le) "
+                f"(rate(zmqps_request_duration_seconds_bucket{{{sel}}}[{RI}])))",
+                "{{instance}} {{op}}",
+            )
+        ],
+        unit="s",
+    )
+    b.panel(
+        "Latency p99 by op",
+        [
+            (
+                f"histogram_quantile(0.99, sum by (instance, op, le) "
+                f"(rate(zmqps_request_duration_seconds_bucket{{{sel}}}[{RI}])))",
+                "{{instance}} {{op}}",
+            )
+        ],
+        unit="s",
+    )
+    b.row("Traffic and updates")
+    b.panel(
+        "Bytes in / out",
+        [
+            (
+                f"sum by (instance) (rate(zmqps_bytes_received_total{{{sel}}}[{RI}]))",
+                "{{instance}} in",
+            ),
+            (
+                f"sum by (instance) (rate(zmqps_bytes_sent_total{{{sel}}}[{RI}]))",
+                "{{instance}} out",
+            ),
+        ],
+        unit="Bps",
+    )
+    b.panel(
+        "Updates applied/s",
+        [(f"sum by (instance) (rate(zmqps_updates_applied_total{{{sel}}}[{RI}]))", "{{instance}}")],
+        unit="ops",
+    )
+    b.row("Memory")
+    b.panel(
+        "Shard bytes / resident memory",
+        [
+            (f"sum by (instance) (zmqps_shard_bytes{{{sel}}})", "{{instance}} shards"),
+            (f"process_resident_memory_bytes{{{sel}}}", "{{instance}} RSS"),
+        ],
+        unit="bytes",
+        w=24,
+        description="Bytes held by each PS's shards (values and optimizer slots) and, when "
+        "the process collector is exported, the process's resident memory.",
+    )
+    b.row("Staleness")
+    b.panel(
+        "Staleness p99 by variable (steps)",
+        [
+            (
+                f"histogram_quantile(0.99, sum by (variable, le) "
+                f'(rate(zmqps_gradient_staleness_bucket{{{sel}, variable=~"$variable"}}[{RI}])))',
+                "{{variable}}",
+            )
+        ],
+        unit="none",
+    )
+    b.panel(
+        "Dropped gradients by reason",
+        [
+            (
+                f"sum by (instance, reason) (rate(zmqps_gradients_dropped_total{{{sel}}}[{RI}]))",
+                "{{instance}} {{reason}}",
+            ),
+            (f"sum(rate(zmqps_gradients_dropped_total{{{sel}}}[{RI}])) or vector(0)", "total"),
+        ],
+        unit="ops",
+    )
+    return dashboard(
+        "zmqps-ps",
+        "zmqps / Parameter servers",
+        "Per-PS load: request rate and latency by op, traffic, updates, memory, staleness.",
+        b,
+        extra_vars=[
+            (
+                "instance",
+                "PS instance",
+                'label_values(zmqps_requests_total{job="ps"}, instance)',
+                True,
+            ),
+            (
+                "variable",
+                "Variable",
+                'label_values(zmqps_gradient_staleness_bucket{job="ps"}, variable)',
+                True,
+            ),
+        ],
+    )
+
+
+def worker() -> dict[str, Any]:
+    sel = 'job="worker", instance=~"$instance"'
+    b = Builder()
+    b.row("Step time")
+    for q in (0.5, 0.99):
+        b.panel(
+            f"Step time p{int(q * 100)} by phase",
+            [
+                (
+                    f"histogram_quantile({q}, sum by (phase, le) "
+                    f"(rate(zmqps_worker_step_seconds_bucket{{{sel}}}[{RI}])))",
+                    "{{phase}}",
+                )
+            ],
+            unit="s",
+        )
+    b.panel(
+        "Mean step time by phase (stacked)",
+        [
+            (
+                f"sum by (phase) (rate(zmqps_worker_step_seconds_sum{{{sel}}}[{RI}])) / "
+                f"sum by (phase) (rate(zmqps_worker_step_seconds_count{{{sel}}}[{RI}]))",
+                "{{phase}}",
+            )
+        ],
+        unit="s",
+        w=24,
+    )
+    b.row("Throughput and loss")
+    b.panel(
+        "Examples/s per worker",
+        [(f"sum by (instance) (rate(zmqps_worker_examples_total{{{sel}}}[{RI}]))", "{{instance}}")],
+        unit="short",
+    )
+    b.panel("Loss per worker", [(f"zmqps_train_loss{{{sel}}}", "{{instance}}")])
+    b.panel(
+        "Steps/s per worker",
+        [
+            (
+                f"sum by (instance) "
+                f'(rate(zmqps_worker_step_seconds_count{{{sel}, phase="compute"}}[{RI}]))',
+                "{{instance}}",
+            )
+        ],
+        unit="ops",
+        w=24,
+    )
+    return dashboard(
+        "zmqps-worker",
+        "zmqps / Workers",
+        "Per-worker step time by phase (pull / compute / push), throughput and loss.",
+        b,
+        extra_vars=[
+            (
+                "instance",
+                "Worker instance",
+                'label_values(zmqps_worker_examples_total{job="worker"}, instance)',
+                True,
+            )
+        ],
+    )
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, fn in (("zmqps-overview", overview), ("zmqps-ps", ps), ("zmqps-worker", worker)):
+        (OUT / f"{name}.json").write_text(json.dumps(fn(), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
