@@ -39,14 +39,17 @@ from zmqps.wire.errors import ConfigError
 
 __all__ = ["add_bench_args", "run_bench"]
 
-SIDES = ("zmqps", "zmqps-tcp", "raw", "torch")
+SIDES = ("zmqps", "zmqps-tcp", "zmqps-metrics", "raw", "torch")
+#: zmqps-metrics (every process serving Prometheus metrics) runs only when asked for
+DEFAULT_SIDES = ("zmqps", "zmqps-tcp", "raw", "torch")
 #: suites that are not "the same workload on every side": see their modules.
 EXTRA_SUITES = ("optimizer", "sync")
-ZMQPS_SIDES = ("zmqps", "zmqps-tcp")
+ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-metrics")
 OTHER_SIDES = ("raw", "torch")
 SPAWN: dict[str, Callable[[Workload, SideContext], Side]] = {
     "zmqps": zmqps_side.spawn,
     "zmqps-tcp": functools.partial(zmqps_side.spawn, tcp_only=True),
+    "zmqps-metrics": functools.partial(zmqps_side.spawn, metrics=True),
     "raw": raw_zmq.spawn,
     "torch": torch_rpc.spawn,
 }
@@ -86,9 +89,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--sides",
         type=_names,
-        default=SIDES,
+        default=DEFAULT_SIDES,
         help="comma-separated sides among zmqps (as it runs by default), zmqps-tcp (its"
-        " same-host fast path off), raw (pyzmq), torch (RPC) (default: all; torch is"
+        " same-host fast path off), zmqps-metrics (zmqps with every process serving"
+        " Prometheus metrics), raw (pyzmq), torch (RPC) (default: all but zmqps-metrics; torch is"
         " skipped with a note when it is not installed)",
     )
     g.add_argument(

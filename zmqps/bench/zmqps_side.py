@@ -40,9 +40,10 @@ from zmqps.cli.launch import free_ports
 __all__ = ["spawn", "worker_main"]
 
 
-def spawn(wl: Workload, ctx: SideContext, *, tcp_only: bool = False) -> Side:
-    """Chief, PS and workers; ``tcp_only`` turns the same-host fast path off."""
-    name = "zmqps-tcp" if tcp_only else "zmqps"
+def spawn(wl: Workload, ctx: SideContext, *, tcp_only: bool = False, metrics: bool = False) -> Side:
+    """Chief, PS and workers; ``tcp_only`` turns the same-host fast path off;
+    ``metrics`` serves Prometheus metrics on every process (to price them)."""
+    name = "zmqps-tcp" if tcp_only else ("zmqps-metrics" if metrics else "zmqps")
     ports = free_ports(1 + wl.num_ps + ctx.workers, HOST)
     cluster = {
         "chief": [f"{HOST}:{ports[0]}"],
@@ -52,6 +53,8 @@ def spawn(wl: Workload, ctx: SideContext, *, tcp_only: bool = False) -> Side:
     spec = json.dumps({"cluster": cluster})
     base = [sys.executable, "-m", "zmqps", "server", "--cluster", spec]
     parent = ["--parent-pid", str(os.getpid())]
+    if metrics:
+        parent += ["--metrics-port", "0"]
     part = wl.partitioner
     chief = [
         *base,
@@ -89,6 +92,7 @@ def spawn(wl: Workload, ctx: SideContext, *, tcp_only: bool = False) -> Side:
             "seed": ctx.seed,
             "timeout": ctx.timeout,
             "tcp_only": tcp_only,
+            "metrics": metrics,
         }
         path = ctx.write_config(f"{name}-worker{i}", config)
         side.workers.append(
@@ -150,6 +154,11 @@ def worker_main(config: dict[str, Any], ctl: Control | None) -> None:
         if "shared_memory" not in inspect.signature(Worker).parameters:
             raise RuntimeError("this zmqps has no shared_memory switch: nothing to turn off")
         kwargs["shared_memory"] = False
+    if config.get("metrics"):
+        from zmqps.metrics import Metrics, start_metrics_server
+
+        kwargs["metrics"] = Metrics()
+        start_metrics_server(kwargs["metrics"], "127.0.0.1", 0)
     w = Worker(config["chief"], index=index, timeout=timeout, connect_timeout=timeout, **kwargs)
     try:
         placement = w.create_variables(list(wl.variables), optimizer=wl.optimizer)

@@ -69,6 +69,12 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument(
+        "--prometheus-targets",
+        metavar="FILE",
+        help="write the tasks' /metrics endpoints as Prometheus file_sd JSON (labels job:"
+        " chief, ps, worker), for docker/prometheus/prometheus-local.yml and zmqps top",
+    )
+    g.add_argument(
         "--no-metrics",
         dest="metrics",
         action="store_false",
@@ -207,6 +213,14 @@ class Launcher:
                 port = str(self.metrics_ports[kid.name])
                 kid.argv += ["--metrics-host", HOST, "--metrics-port", port]
         return kids
+
+    def file_sd(self) -> list[dict[str, Any]]:
+        """The metrics endpoints as Prometheus file_sd target groups, labelled by job."""
+        groups: dict[str, list[str]] = {}
+        for name, port in self.metrics_ports.items():
+            job = name.rstrip("0123456789")
+            groups.setdefault(job, []).append(f"{HOST}:{port}")
+        return [{"targets": t, "labels": {"job": job}} for job, t in groups.items()]
 
     def metrics_urls(self) -> list[str]:
         """One line per task: its name and /metrics URL."""
@@ -352,6 +366,14 @@ def launch(args: argparse.Namespace) -> int:
     )
     for line in launcher.metrics_urls():
         print(f"zmqps launch: metrics {line}", file=sys.stderr, flush=True)
+    if args.prometheus_targets and launcher.metrics_ports:
+        Path(args.prometheus_targets).write_text(json.dumps(launcher.file_sd(), indent=2) + "\n")
+        print(
+            f"zmqps launch: Prometheus targets in {args.prometheus_targets}"
+            f" (zmqps top {args.prometheus_targets})",
+            file=sys.stderr,
+            flush=True,
+        )
     code = asyncio.run(launcher.run())
     if code != 0:
         first = launcher.first_failed

@@ -163,6 +163,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from zmqps.metrics.top import main_args
+
+    return main_args(args)
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from zmqps.cli.launch import launch
 
@@ -195,6 +201,18 @@ def _build() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a worker task of a built-in job (same as zmqps-worker)")
     _worker_parser(p)
     p.set_defaults(func=cmd_worker)
+    p = sub.add_parser("top", help="live view of a running cluster, from its /metrics endpoints")
+    p.add_argument(
+        "targets",
+        nargs="+",
+        metavar="URL|FILE",
+        help="/metrics URLs, or the file_sd JSON of zmqps launch --prometheus-targets",
+    )
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between redraws")
+    p.add_argument(
+        "--iterations", type=int, default=0, help="stop after N redraws (default: run until Ctrl-C)"
+    )
+    p.set_defaults(func=cmd_top)
     p = sub.add_parser("status", help="show a running cluster's state, from its chief")
     p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -33,8 +33,8 @@ from zmqps.core.membership import Membership
 from zmqps.core.optimizers import make_optimizer
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
-from zmqps.metrics import Metrics, MetricsServer
-from zmqps.roles._run import run_server
+from zmqps.metrics import Metrics
+from zmqps.roles._run import run_server, start_exporter
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
 from zmqps.roles.sync import SyncConfig, SyncDriver
@@ -354,19 +354,24 @@ async def serve_chief(
     cfg: ChiefConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None
 ) -> dict[str, Any]:
     metrics = Metrics() if cfg.metrics_port is not None else None
-    exporter = None
-    if metrics is not None and cfg.metrics_port is not None:
-        # Before any socket exists: a port in use fails here, leaving nothing open.
-        exporter = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port)
-        log.info("chief: metrics at %s", exporter.url)
     ps_clients = [
         Client(ctx, addr, "chief:0", options=options, timeout=30.0) for addr in cfg.cluster.ps
     ]
     service = ChiefService(cfg, ps_clients, metrics=metrics)
     server = Server(ctx, cfg.bind, service, name="chief", options=options, observer=metrics)
+    # The task's own address first (the cluster spec names it); the metrics port after,
+    # so a metrics port picked as 0 can never take it.
+    endpoint = server.bind()
+    try:
+        exporter = start_exporter(metrics, cfg.metrics_host, cfg.metrics_port, "chief")
+    except OSError:
+        await server.stop()
+        for c in ps_clients:
+            await c.close()
+        raise
     log.info(
         "chief: serving on %s (%d PS, %d workers)",
-        server.bind(),
+        endpoint,
         cfg.cluster.num_ps,
         cfg.cluster.num_workers,
     )

@@ -37,8 +37,8 @@ from zmqps.core.dedup import PushDeduper
 from zmqps.core.store import ShardStore
 from zmqps.core.sync import MODES, SyncShards
 from zmqps.core.variables import ShardDef
-from zmqps.metrics import Metrics, MetricsServer
-from zmqps.roles._run import run_server
+from zmqps.metrics import Metrics
+from zmqps.roles._run import run_server, start_exporter
 from zmqps.transport import Server, SocketOptions
 from zmqps.transport.shm import Region, attach_region
 from zmqps.wire import Message, Tensor, reply
@@ -416,19 +416,16 @@ async def serve_ps(
 ) -> PSService:
     metrics = Metrics() if cfg.metrics_port is not None else None
     service = PSService(cfg.index, chunk_bytes=cfg.chunk_bytes, metrics=metrics)
-    exporter = None
-    if metrics is not None and cfg.metrics_port is not None:
-        # Before any socket exists: a port in use fails here, leaving nothing open.
-        exporter = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port)
-        log.info("ps %d: metrics at %s", cfg.index, exporter.url)
     server = Server(
         ctx, cfg.bind, service, name=f"ps{cfg.index}", options=options, observer=metrics
     )
+    # The task's own address first (the cluster spec names it); the metrics port after,
+    # so a metrics port picked as 0 can never take it.
+    endpoint = server.bind()
     try:
-        endpoint = server.bind()
+        exporter = start_exporter(metrics, cfg.metrics_host, cfg.metrics_port, f"ps {cfg.index}")
     except OSError:
-        if exporter is not None:
-            exporter.close()
+        await server.stop()
         raise
     log.info("ps %d: serving on %s", cfg.index, endpoint)
     server.start()

@@ -1,0 +1,195 @@
+"""``zmqps top``: a live terminal view of a running cluster, from its /metrics endpoints.
+
+For users without Grafana: it reads the same expositions Prometheus scrapes
+(every ``--interval`` seconds), derives rates from the difference of two
+scrapes, and prints step rate, examples/s, staleness quantiles, drops, and the
+load of every PS. Targets are URLs, or the Prometheus file_sd JSON that
+``zmqps launch --prometheus-targets FILE`` writes (labels ``job``: chief, ps,
+worker). Plain text: the screen is redrawn only when stdout is a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import urllib.request
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["Sample", "Target", "load_targets", "render", "scrape", "top"]
+
+
+@dataclass(frozen=True)
+class Target:
+    job: str
+    url: str
+
+
+@dataclass
+class Sample:
+    """One scrape of one target: ``values[(name, labels)] = value``."""
+
+    target: Target
+    at: float
+    values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+    error: str = ""
+
+    def get(self, name: str, **labels: str) -> float:
+        return self.values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def total(self, name: str, **match: str) -> float:
+        """Sum of ``name`` over every label set containing ``match``."""
+        return sum(
+            v
+            for (n, labels), v in self.values.items()
+            if n == name and all((k, val) in labels for k, val in match.items())
+        )
+
+
+def load_targets(items: Sequence[str]) -> list[Target]:
+    """URLs (job guessed as "?") or file_sd JSON files written by ``zmqps launch``."""
+    out: list[Target] = []
+    for item in items:
+        if item.startswith(("http://", "https://")):
+            out.append(Target("?", item))
+            continue
+        for group in json.loads(Path(item).read_text()):
+            job = group.get("labels", {}).get("job", "?")
+            for addr in group["targets"]:
+                out.append(Target(job, f"http://{addr}/metrics"))
+    return out
+
+
+def scrape(target: Target, timeout: float = 2.0) -> Sample:
+    sample = Sample(target, time.monotonic())
+    try:
+        with urllib.request.urlopen(target.url, timeout=timeout) as resp:
+            text = resp.read().decode()
+    except OSError as exc:
+        sample.error = str(exc)
+        return sample
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            sample.values[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    if target.job == "?":
+        for (name, labels), _ in sample.values.items():
+            if name == "zmqps_info":
+                role = dict(labels).get("role")
+                if role:
+                    sample.target = Target(role, target.url)
+                break
+    return sample
+
+
+def _rate(now: Sample, before: Sample | None, name: str, **match: str) -> float:
+    if before is None or now.at <= before.at:
+        return 0.0
+    return max(0.0, now.total(name, **match) - before.total(name, **match)) / (now.at - before.at)
+
+
+def _quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """Prometheus-style histogram_quantile over (le, cumulative count) pairs."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    rank = q * buckets[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            if count == prev_count:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+def _staleness_buckets(
+    now: Iterable[Sample], before: dict[str, Sample]
+) -> list[tuple[float, float]]:
+    """Bucket counts of staleness observed between the two scrapes, over every PS."""
+    acc: dict[float, float] = {}
+    for s in now:
+        old = before.get(s.target.url)
+        for (name, labels), v in s.values.items():
+            if name != "zmqps_gradient_staleness_bucket":
+                continue
+            le = float(dict(labels)["le"])
+            prev = old.values.get((name, labels), 0.0) if old else 0.0
+            acc[le] = acc.get(le, 0.0) + max(0.0, v - prev)
+    return sorted(acc.items())
+
+
+def render(now: list[Sample], before: dict[str, Sample]) -> str:
+    by_job: dict[str, list[Sample]] = {}
+    for s in now:
+        by_job.setdefault(s.target.job, []).append(s)
+
+    def prev(s: Sample) -> Sample | None:
+        return before.get(s.target.url)
+
+    chiefs = by_job.get("chief", [])
+    chief = chiefs[0] if chiefs else None
+    lines = [f"zmqps top  {time.strftime('%H:%M:%S')}  ({len(now)} targets)"]
+    if chief is not None and not chief.error:
+        lines.append(
+            f"global step {chief.get('zmqps_global_step'):.0f}"
+            f"   step rate {_rate(chief, prev(chief), 'zmqps_global_step'):.1f}/s"
+            f"   workers alive {chief.get('zmqps_workers_alive'):.0f}"
+            f"   tokens {chief.get('zmqps_sync_tokens_available'):.0f}"
+        )
+    workers = [s for s in by_job.get("worker", []) if not s.error]
+    examples = sum(_rate(s, prev(s), "zmqps_worker_examples_total") for s in workers)
+    losses = [s.get("zmqps_train_loss") for s in workers]
+    loss = f"{sum(losses) / len(losses):.4f}" if losses else "-"
+    lines.append(f"examples/s {examples:,.0f}   loss (mean of workers) {loss}")
+    pss = [s for s in by_job.get("ps", []) if not s.error]
+    buckets = _staleness_buckets(pss, before)
+    q = [_quantile(x, buckets) for x in (0.5, 0.9, 0.99)]
+    stale = " / ".join("-" if math.isnan(v) else f"{v:.1f}" for v in q)
+    drops = sum(_rate(s, prev(s), "zmqps_gradients_dropped_total") for s in pss)
+    lines.append(f"staleness p50 / p90 / p99 {stale} steps   dropped {drops:.1f}/s")
+    lines.append("ps    requests/s   MB/s in   MB/s out   updates/s   shard MB")
+    for s in sorted(pss, key=lambda s: s.target.url):
+        p = prev(s)
+        lines.append(
+            f"{s.target.url.split('//')[1].split('/')[0]:<22}"
+            f" {_rate(s, p, 'zmqps_requests_total'):9.1f}"
+            f" {_rate(s, p, 'zmqps_bytes_received_total') / 1e6:9.1f}"
+            f" {_rate(s, p, 'zmqps_bytes_sent_total') / 1e6:10.1f}"
+            f" {_rate(s, p, 'zmqps_updates_applied_total'):11.1f}"
+            f" {s.get('zmqps_shard_bytes') / 1e6:10.1f}"
+        )
+    for s in now:
+        if s.error:
+            lines.append(f"{s.target.job} {s.target.url}: {s.error}")
+    return "\n".join(lines)
+
+
+def top(targets: list[Target], interval: float = 1.0, iterations: int = 0) -> int:
+    """Redraw every ``interval`` seconds; ``iterations`` > 0 stops after that many."""
+    before: dict[str, Sample] = {s.target.url: s for s in map(scrape, targets)}
+    tty = sys.stdout.isatty()
+    n = 0
+    while iterations <= 0 or n < iterations:
+        time.sleep(interval)
+        now = [scrape(t) for t in targets]
+        text = render(now, before)
+        print(("\033[H\033[J" if tty else "") + text + ("" if tty else "\n"), flush=True)
+        before = {s.target.url: s for s in now}
+        n += 1
+    return 0
+
+
+def main_args(args: Any) -> int:
+    targets = load_targets(args.targets)
+    if not targets:
+        raise SystemExit("zmqps top: no targets")
+    return top(targets, args.interval, args.iterations)
