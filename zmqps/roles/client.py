@@ -85,6 +85,7 @@ class ParameterClient:
         timeout: float = 30.0,
         push_attempts: int = 3,
         shared_memory: bool = True,
+        group_bytes: int = 16 << 20,
     ) -> None:
         self.ps = list(ps)
         self.placement = placement
@@ -93,6 +94,8 @@ class ParameterClient:
         self.timeout = timeout
         self.push_attempts = push_attempts
         self._chunk_bytes = max(1, chunk_bytes)
+        #: over TCP, one PS's shards travel in messages of about this many bytes
+        self.group_bytes = group_bytes
         self._seq = [0] * len(self.ps)
         self.routes: dict[int, _Route] = {}
         for s in placement.shards:
@@ -320,11 +323,31 @@ class ParameterClient:
                     self._set_versions(rep, sids)
                     self._copy_out(fp, sids)
                 return
-            rep = await self.ps[ps].request("pull", {"shards": sids}, timeout=self.timeout)
-            self._take_values(rep, sids)
+            await asyncio.gather(*(self._pull_tcp(ps, group) for group in self._groups(sids)))
 
         await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
         return self.params
+
+    def _groups(self, sids: list[int]) -> list[list[int]]:
+        """Shards of one PS in messages of about ``group_bytes``: small shards travel
+        together, large ones alone, so the PS applies one message while the next
+        arrives and the worker copies one reply while the next streams in."""
+        groups: list[list[int]] = []
+        size = self.group_bytes
+        for sid in sids:
+            r = self.routes[sid]
+            nbytes = r.size * r.var.itemsize
+            if groups and size + nbytes <= self.group_bytes:
+                groups[-1].append(sid)
+                size += nbytes
+            else:
+                groups.append([sid])
+                size = nbytes
+        return groups
+
+    async def _pull_tcp(self, ps: int, sids: list[int]) -> None:
+        rep = await self.ps[ps].request("pull", {"shards": sids}, timeout=self.timeout)
+        self._take_values(rep, sids)
 
     def _grad_arrays(self, grads: Mapping[str, Any]) -> dict[str, Array]:
         out = {}
@@ -367,6 +390,10 @@ class ParameterClient:
                         self._set_versions(rep, sids)
                         self._copy_out(fp, sids)
                 return accepted
+            parts = await asyncio.gather(*(tcp(ps, group) for group in self._groups(sids)))
+            return all(parts)
+
+        async def tcp(ps: int, sids: list[int]) -> bool:
             tensors = [
                 t
                 for sid in sids
