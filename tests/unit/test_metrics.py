@@ -7,13 +7,14 @@ transport Dispatcher's observer), the chief's gauges through ChiefService direct
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_ps_client import DoublePush  # the protocol tests' retry wrapper
 
 from zmqps.config import ClusterSpec
 from zmqps.core.partition import Partitioner, plan
@@ -23,9 +24,7 @@ from zmqps.roles.chief import ChiefConfig, ChiefService
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.ps import PSService
 from zmqps.roles.sync import SyncConfig
-from zmqps.transport.base import Requester
 from zmqps.transport.fake import FakeNetwork
-from zmqps.wire import Message, Tensor
 from zmqps.wire.errors import FencedError, InvalidArgument
 
 T = TypeVar("T")
@@ -142,30 +141,6 @@ def test_worker_step_helpers() -> None:
 # ---------------------------------------------------------------- an instrumented PS
 
 
-class Twice:
-    """Sends every push twice (a retry after a lost reply); tests only."""
-
-    def __init__(self, inner: Requester) -> None:
-        self.inner = inner
-        self.endpoint = inner.endpoint
-
-    async def request(
-        self,
-        op: str,
-        body: Mapping[str, Any] | None = None,
-        tensors: Sequence[Tensor] = (),
-        *,
-        timeout: float | None = None,
-        attempts: int = 1,
-    ) -> Message:
-        if op.startswith("push"):
-            await self.inner.request(op, body, tensors, timeout=timeout, attempts=attempts)
-        return await self.inner.request(op, body, tensors, timeout=timeout, attempts=attempts)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
 async def one_ps(m: Metrics) -> tuple[FakeNetwork, PSService, Any]:
     placement = plan(VARS, 1, Partitioner(num_shards=2), optimizer={"name": "sgd", "lr": 0.1})
     net = FakeNetwork()
@@ -221,7 +196,7 @@ def test_ps_counts_drops_by_reason() -> None:
         m = Metrics()
         net, _svc, placement = await one_ps(m)
         retrying = ParameterClient(
-            [Twice(net.client("ps0", "w0:1"))],
+            [DoublePush(net.client("ps0", "w0:1"))],
             placement,
             worker="w0",
             incarnation=1,
