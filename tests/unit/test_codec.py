@@ -84,8 +84,8 @@ BODIES: dict[str, dict[str, Any]] = {
             ).to_wire()
         ]
     },
-    "pull": {"shards": [0, 1, 2]},
-    "push": {**PUSH, "step": 3},
+    "pull": {"shards": [0, 1, 2], "gen": 1},
+    "push": {**PUSH, "step": 3, "gen": 2},
     "push_pull": dict(PUSH),
     "pull_rows": {"shards": [9]},
     "push_rows": dict(PUSH),
@@ -97,6 +97,11 @@ BODIES: dict[str, dict[str, Any]] = {
     "ssp_clock": {"role": "worker", "index": 1, "incarnation": 1, "completed": 4},
     "status": {},
     "shutdown": {"reason": "end of job"},
+    "ps_state": {},
+    "checkpoint": {"wait": 30.0},
+    "checkpoint_save": {"name": ".tmp-ckpt-000000000012-ab12", "id": 7},
+    "checkpoint_done": {"id": 7, "wait": 5.0},
+    "restore": {"gen": 1, "step": 12, "shards": [], "name": "ckpt-000000000012"},
 }
 
 

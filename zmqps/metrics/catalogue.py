@@ -21,7 +21,7 @@ __all__ = ["DROP_REASONS", "PHASES", "STALENESS_BUCKETS", "Metrics"]
 #: Staleness in steps; exact at small values, coarser beyond.
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 #: Why a PS acknowledged a push without applying it.
-DROP_REASONS = ("duplicate", "stale", "fenced", "invalid")
+DROP_REASONS = ("duplicate", "stale", "fenced", "invalid", "rolled_back")
 #: The phases of one worker step.
 PHASES = ("pull", "compute", "push")
 
@@ -131,6 +131,41 @@ class Metrics:
         )
         self.checkpoint_last_step = Gauge(
             "zmqps_checkpoint_last_step", "Global step of the last checkpoint written.", registry=r
+        )
+        self.checkpoints = Counter(
+            "zmqps_checkpoints_total",
+            "Checkpoints attempted, by status (committed, failed).",
+            ["status"],
+            registry=r,
+        )
+        for status in ("committed", "failed"):
+            self.checkpoints.labels(status)
+        # -- recovery --------------------------------------------------------------
+        self.restores = Counter(
+            "zmqps_restores_total",
+            "Cluster-wide restores of every shard to a committed checkpoint, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.recovery_seconds = Histogram(
+            "zmqps_recovery_seconds",
+            "From detecting a lost PS to training resumed on restored shards.",
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.generation = Gauge(
+            "zmqps_generation", "Restores so far: the cluster's generation number.", registry=r
+        )
+        # -- evaluator -------------------------------------------------------------
+        self.eval_accuracy = Gauge(
+            "zmqps_eval_accuracy", "Accuracy of the last evaluated model.", registry=r
+        )
+        self.eval_loss = Gauge("zmqps_eval_loss", "Loss of the last evaluated model.", registry=r)
+        self.eval_step = Gauge(
+            "zmqps_eval_step", "Global step of the last evaluated model.", registry=r
+        )
+        self.evaluations = Counter(
+            "zmqps_evaluations_total", "Models evaluated by the evaluator.", registry=r
         )
         self._counts: dict[tuple[str, str], Counter] = {}
         self._timers: dict[str, Histogram] = {}

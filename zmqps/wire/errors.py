@@ -21,6 +21,7 @@ __all__ = [
     "NotReady",
     "ProtocolError",
     "RemoteError",
+    "RolledBack",
     "ShutdownError",
     "ZmqpsError",
     "error_from_code",
@@ -69,6 +70,14 @@ class ShutdownError(ZmqpsError):
     code = "shutdown"
 
 
+class RolledBack(ZmqpsError):
+    """The cluster restored a checkpoint since the request's generation: what the
+    request was based on (pulled values, a sync token) is gone. Re-pull (and, in sync
+    mode, take a new token); do not retry the same push."""
+
+    code = "rolled_back"
+
+
 class DeadlineExceeded(ZmqpsError):
     """No reply arrived before the request's deadline."""
 
@@ -98,6 +107,7 @@ _BY_CODE: dict[str, type[ZmqpsError]] = {
         NotFound,
         NotReady,
         FencedError,
+        RolledBack,
         ShutdownError,
         DeadlineExceeded,
     )

@@ -58,6 +58,12 @@ REQUEST_OPS = frozenset(
         "wait_step",
         "take_token",
         "ssp_clock",
+        # checkpoints and recovery
+        "ps_state",
+        "checkpoint",
+        "checkpoint_save",
+        "checkpoint_done",
+        "restore",
     }
 )
 

@@ -204,8 +204,11 @@ PUSH = Map(
         "inc": Int(0),
         "seq": Int(0),
     },
-    {"step": Int(0), "shm": SHM_REF, "shm_out": SHM_REF},
+    {"step": Int(0), "shm": SHM_REF, "shm_out": SHM_REF, "gen": Int(0)},
 )
+
+#: A checkpoint directory's name inside the checkpoint root (never a path).
+CKPT_NAME = Str(96)
 
 #: The body schema of every request op. Replies ("ok" / "error") are checked generically.
 REQUEST_BODIES: Mapping[str, Schema] = {
@@ -219,12 +222,12 @@ REQUEST_BODIES: Mapping[str, Schema] = {
     "create_vars": Map({"variables": List(VARIABLE, 1 << 14)}, {"optimizer": OPTIMIZER}),
     "get_placement": Map({}, {"wait": Float(0.0, 3600.0)}),
     "create_shards": Map({"shards": List(SHARD, MAX_SHARDS)}),
-    "pull": Map({"shards": List(SHARD_ID, MAX_SHARDS)}, {"shm_out": SHM_REF}),
+    "pull": Map({"shards": List(SHARD_ID, MAX_SHARDS)}, {"shm_out": SHM_REF, "gen": Int(0)}),
     "shm_attach": Map({"name": Str(64), "size": Int(0, 2**48), "worker": Str(64), "inc": Int(0)}),
     "shm_detach": Map({"region": Int(0, 2**31 - 1)}),
     "push": PUSH,
     "push_pull": PUSH,
-    "pull_rows": Map({"shards": List(SHARD_ID, MAX_SHARDS)}),
+    "pull_rows": Map({"shards": List(SHARD_ID, MAX_SHARDS)}, {"gen": Int(0)}),
     "push_rows": PUSH,
     "status": Map(),
     "shutdown": Map({}, {"reason": Str(256)}),
@@ -233,4 +236,13 @@ REQUEST_BODIES: Mapping[str, Schema] = {
     "wait_step": Map({"step": Int(0)}, {"wait": Float(0.0, 3600.0)}),
     "take_token": Map(WHO, {"wait": Float(0.0, 3600.0)}),
     "ssp_clock": Map({**WHO, "completed": Int(0)}, {"wait": Float(0.0, 3600.0)}),
+    # checkpoints and recovery
+    "ps_state": Map(),
+    "checkpoint": Map({}, {"wait": Float(0.0, 3600.0)}),
+    "checkpoint_save": Map({"name": CKPT_NAME, "id": Int(0)}),
+    "checkpoint_done": Map({"id": Int(0)}, {"wait": Float(0.0, 3600.0)}),
+    "restore": Map(
+        {"gen": Int(0), "step": Int(0), "shards": List(SHARD, MAX_SHARDS)},
+        {"name": CKPT_NAME},
+    ),
 }
