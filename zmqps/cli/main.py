@@ -163,6 +163,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from zmqps.cli.inspect import run
+
+    return run(args)
+
+
 def cmd_top(args: argparse.Namespace) -> int:
     from zmqps.metrics.top import main_args
 
@@ -183,6 +189,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _build() -> argparse.ArgumentParser:
     from zmqps.bench.suites import add_bench_args
+    from zmqps.cli.inspect import add_args as add_inspect_args
     from zmqps.cli.launch import add_launch_args
 
     parser = argparse.ArgumentParser(
@@ -213,6 +220,9 @@ def _build() -> argparse.ArgumentParser:
         "--iterations", type=int, default=0, help="stop after N redraws (default: run until Ctrl-C)"
     )
     p.set_defaults(func=cmd_top)
+    p = sub.add_parser("inspect", help="list and verify the checkpoints in a checkpoint root")
+    add_inspect_args(p)
+    p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("status", help="show a running cluster's state, from its chief")
     p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
     p.add_argument("--json", action="store_true", help="machine-readable output")
