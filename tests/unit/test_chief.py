@@ -398,6 +398,8 @@ def test_register_heartbeat_leave() -> None:
             "global_step": 0,
             "mode": "async",
             "heartbeat_interval": 0.5,
+            "gen": 0,
+            "recovering": False,
         }
         placement = await env.chief.create_variables(VARS, SGD)
         rep = await call(env.chief, "register", who(1, 3))
@@ -405,7 +407,13 @@ def test_register_heartbeat_leave() -> None:
 
         env.clock.now += 1.0
         rep = await call(env.chief, "heartbeat", who(0, 7, step=4, loss=0.5, examples=128))
-        assert rep.body == {"global_step": 4, "stop": False}
+        assert rep.body == {
+            "global_step": 4,
+            "stop": False,
+            "gen": 0,
+            "recovering": False,
+            "finished": False,
+        }
         rep = await call(env.chief, "heartbeat", who(1, 3, step=2))
         assert rep.body["global_step"] == 6
         w0 = env.chief.members.workers[0]

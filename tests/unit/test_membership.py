@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zmqps.core.membership import Membership
-from zmqps.wire.errors import FencedError, InvalidArgument
+from zmqps.wire.errors import FencedError, InvalidArgument, NotFound
 
 
 def states(m: Membership, now: float) -> dict[int, str]:
@@ -102,7 +102,8 @@ def test_older_incarnation_is_fenced_on_register_and_heartbeat() -> None:
 
 def test_heartbeat_of_unknown_worker_or_incarnation() -> None:
     m = Membership(2)
-    with pytest.raises(InvalidArgument, match="not registered"):
+    # NotFound (not InvalidArgument): the worker's cue to register again (a new chief)
+    with pytest.raises(NotFound, match="not registered"):
         m.heartbeat(1, 0, step=1, now=0.0)
     m.register(1, 3, now=0.0)
     with pytest.raises(InvalidArgument, match="never registered"):

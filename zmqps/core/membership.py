@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zmqps.wire.errors import FencedError, InvalidArgument
+from zmqps.wire.errors import FencedError, InvalidArgument, NotFound
 
 __all__ = ["UNFINISHED_REASONS", "Membership", "WorkerState"]
 
@@ -71,7 +71,7 @@ class Membership:
         self._check_index(index)
         w = self.workers.get(index)
         if w is None:
-            raise InvalidArgument(f"worker {index} is not registered")
+            raise NotFound(f"worker {index} is not registered (the chief restarted?): register")
         if incarnation < w.incarnation:
             raise FencedError(
                 f"worker {index} incarnation {incarnation} replaced by {w.incarnation}"

@@ -183,6 +183,48 @@ class ShardStore:
         made = {sid: self._make(d) for sid, d in new.items()}  # may still refuse (overflow)
         self._shards.update(made)
 
+    def replace(self, states: Sequence[tuple[ShardDef, Array, Mapping[str, Array], int]]) -> None:
+        """Replace every shard with the given ``(definition, values, slots, version)``
+        (a restore); all or nothing: everything is checked before the store changes.
+
+        The arrays are copied. Slots must be exactly the optimizer's slots.
+        """
+        made: dict[int, Shard] = {}
+        for d, values, slots, version in states:
+            if d.id in made:
+                raise InvalidArgument(f"shard {d.id} restored twice")
+            optimizer = make_optimizer(d.optimizer)
+            validate_init(d.init)
+            expected = optimizer.init_slots((1,) * len(d.shape), d.dtype)
+            if values.shape != d.shape or values.dtype != np.dtype(d.dtype):
+                raise InvalidArgument(
+                    f"shard {d.id}: restored values {values.dtype}{list(values.shape)},"
+                    f" expected {d.dtype}{list(d.shape)}"
+                )
+            if set(slots) != set(expected):
+                raise InvalidArgument(
+                    f"shard {d.id}: restored slots {sorted(slots)}, expected {sorted(expected)}"
+                )
+            own_slots = {}
+            for name, ref in expected.items():
+                slot = slots[name]
+                if slot.shape != d.shape or slot.dtype != ref.dtype:
+                    raise InvalidArgument(
+                        f"shard {d.id}: slot {name} is {slot.dtype}{list(slot.shape)},"
+                        f" expected {ref.dtype}{list(d.shape)}"
+                    )
+                own_slots[name] = np.array(slot, copy=True, order="C")
+            if version < 0:
+                raise InvalidArgument(f"shard {d.id}: negative version {version}")
+            made[d.id] = Shard(
+                d, np.array(values, copy=True, order="C"), own_slots, optimizer, int(version)
+            )
+        self._shards = made
+
+    def clear(self) -> None:
+        """Drop every shard (a restore to the initial values re-creates them)."""
+        self._shards = {}
+
     @staticmethod
     def _make(d: ShardDef) -> Shard:
         optimizer = make_optimizer(d.optimizer)

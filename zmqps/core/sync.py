@@ -57,14 +57,21 @@ class ShardAccumulator:
 class SyncShards:
     """Sync accumulation for the shards of one PS."""
 
-    def __init__(self, store: ShardStore, required: int) -> None:
+    def __init__(self, store: ShardStore, required: int, step: int = 0) -> None:
         if required < 1:
             raise InvalidArgument("replicas_to_aggregate must be >= 1")
         self.store = store
         self.required = required
+        #: the step shards start at (0, or the step of a restored checkpoint)
+        self.base_step = step
         self.acc: dict[int, ShardAccumulator] = {}
         self.dropped: Counter[str] = Counter()
         self.steps_applied = 0
+
+    def reset(self, step: int) -> None:
+        """Forget every accumulated gradient; every shard is at ``step`` (a restore)."""
+        self.base_step = step
+        self.acc.clear()
 
     def _acc(self, sid: int) -> ShardAccumulator:
         acc = self.acc.get(sid)
@@ -75,7 +82,19 @@ class SyncShards:
 
     def min_step(self) -> int:
         """The step every shard of this PS has reached (the PS's step)."""
-        return min((a.step for a in self.acc.values()), default=0) if self.acc else 0
+        return min((a.step for a in self.acc.values()), default=0) if self.acc else self.base_step
+
+    def has_contributed(self, sid: int, worker: str, local_step: int) -> bool:
+        """Did ``worker`` already give shard ``sid`` a gradient for ``local_step``? One
+        gradient per worker per step (the extra tokens of step 0 aside): a worker that
+        took a second token for a step (e.g. from a restarted chief) is not counted twice."""
+        acc = self._acc(sid)
+        return local_step > 0 and acc.step == local_step and worker in acc.contributors
+
+    def is_ahead(self, sid: int, local_step: int) -> bool:
+        """A token for a step this shard has not reached: it was issued before a restore
+        rolled the cluster back (tokens of a step exist only once every PS reached it)."""
+        return local_step > self._acc(sid).step
 
     def step_of(self, sid: int) -> int:
         return self._acc(sid).step
@@ -150,6 +169,11 @@ class SyncShards:
         behind = [set(a.contributors) for a in self.acc.values() if a.step == step]
         return sorted(set.intersection(*behind)) if behind else []
 
+    def contributors_any(self) -> list[str]:
+        """Workers whose gradient some shard still at the PS's step has received."""
+        step = self.min_step()
+        return sorted({w for a in self.acc.values() if a.step == step for w in a.contributors})
+
     def status(self) -> dict[str, Any]:
         return {
             "step": self.min_step(),
@@ -182,6 +206,14 @@ class TokenQueue:
                 self.taken += 1
                 return step
         return None
+
+    def restart(self, step: int, n: int, takers: Iterable[str] = ()) -> None:
+        """Start over at ``step`` (a restore, or a restarted chief): only ``n`` tokens of
+        ``step``; ``takers`` already gave their gradient for it and get none."""
+        self.discarded += len(self._tokens)
+        self._tokens = deque()
+        self._takers = {step: set(takers)}
+        self.put(step, n)
 
     def advance(self, step: int, n: int) -> None:
         """The global step is now ``step``: drop older tokens, put ``n`` new ones."""

@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from zmqps.checkpoint import Checkpoint
 from zmqps.config import ClusterSpec
 from zmqps.core.initializers import validate_init
 from zmqps.core.membership import Membership
@@ -35,12 +36,19 @@ from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server, start_exporter
+from zmqps.roles.checkpointer import Checkpointer, CheckpointPolicy
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
 from zmqps.roles.sync import SyncConfig, SyncDriver
 from zmqps.transport import Client, Requester, Server, SocketOptions
 from zmqps.wire import Message, reply
-from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotReady, ProtocolError
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotReady,
+    ProtocolError,
+    ZmqpsError,
+)
 
 __all__ = ["ChiefConfig", "ChiefService", "run_chief", "serve_chief"]
 
@@ -63,6 +71,9 @@ class ChiefConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no exporter; 0: a free port
+    checkpoint: CheckpointPolicy | None = None
+    export_dir: str | None = None  # where the final model is exported (built-in jobs)
+    stop_grace: float = 8.0  # SIGTERM: seconds for the final checkpoint before exiting
 
 
 class ChiefService:
@@ -86,6 +97,19 @@ class ChiefService:
         self.shutdown_requested = asyncio.Event()
         self.started = time.time()
         self.result: dict[str, Any] = {}
+        #: restores so far; data requests of another generation are refused by the PS
+        self.gen = 0
+        #: while True, every PS is being restored: no tokens, workers wait
+        self.recovering = False
+        self.recoveries: list[dict[str, Any]] = []
+        self.step_offset = 0  # async / ssp: steps of the run a checkpoint was taken in
+        self.ps_boots: dict[int, str] = {}
+        self.checkpointer = (
+            Checkpointer(cfg.checkpoint, self.ps, metrics, clock) if cfg.checkpoint else None
+        )
+        self.driver: asyncio.Task[None] | None = None
+        self.driver_failed = asyncio.Event()
+        self.driver_error: BaseException | None = None
         if metrics is not None:
             self._watch(metrics)
 
@@ -95,6 +119,7 @@ class ChiefService:
         m.watch(m.global_step, lambda: self.global_step)
         m.watch(m.workers_alive, self._alive_count)
         m.watch(m.tokens_available, lambda: len(self.sync.tokens))
+        m.watch(m.generation, lambda: self.gen)
 
     def __call__(self, msg: Message) -> Any:
         handler = getattr(self, f"_op_{msg.op}", None)
@@ -123,7 +148,13 @@ class ChiefService:
 
     @property
     def global_step(self) -> int:
-        return self.sync.global_step if self.mode == "sync" else self.members.global_step
+        if self.mode == "sync":
+            return self.sync.global_step
+        return self.step_offset + self.members.global_step
+
+    @property
+    def finished(self) -> bool:
+        return self.all_done.is_set()
 
     async def _op_register(self, msg: Message) -> Message:
         b = msg.body
@@ -148,6 +179,8 @@ class ChiefService:
             "global_step": self.global_step,
             "mode": self.mode,
             "heartbeat_interval": self.cfg.heartbeat_interval,
+            "gen": self.gen,
+            "recovering": self.recovering,
         }
 
     def _op_heartbeat(self, msg: Message) -> Message:
@@ -155,7 +188,16 @@ class ChiefService:
         self.members.heartbeat(
             b["index"], b["incarnation"], b["step"], self.clock(), b.get("loss"), b.get("examples")
         )
-        return reply(msg, {"global_step": self.global_step, "stop": False})
+        return reply(
+            msg,
+            {
+                "global_step": self.global_step,
+                "stop": False,
+                "gen": self.gen,
+                "recovering": self.recovering,
+                "finished": self.finished,
+            },
+        )
 
     async def _op_take_token(self, msg: Message) -> Message:
         b = msg.body
@@ -169,7 +211,7 @@ class ChiefService:
         finally:
             if self.metrics is not None:
                 self.metrics.token_wait.observe(time.perf_counter() - started)
-        return reply(msg, {"step": step})
+        return reply(msg, {"step": step, "gen": self.gen})
 
     async def _op_ssp_clock(self, msg: Message) -> Message:
         b = msg.body
@@ -232,9 +274,10 @@ class ChiefService:
         for ps, d in placement.shard_defs():
             by_ps[ps].append(d.to_wire())
         deadline = time.monotonic() + self.cfg.startup_timeout
+        wire = placement.to_wire()
         try:
             await asyncio.gather(
-                *(self._create_on(i, defs, deadline) for i, defs in by_ps.items() if defs)
+                *(self._create_on(i, defs, wire, deadline) for i, defs in by_ps.items() if defs)
             )
         except BaseException:
             self._creating = None
@@ -250,12 +293,15 @@ class ChiefService:
         )
         return placement
 
-    async def _create_on(self, ps: int, defs: list[dict[str, Any]], deadline: float) -> None:
+    async def _create_on(
+        self, ps: int, defs: list[dict[str, Any]], placement: dict[str, Any], deadline: float
+    ) -> None:
         while True:
             # never wait past the deadline: a short startup_timeout must be honored
             timeout = min(2.0, max(0.01, deadline - time.monotonic()))
+            body = {"shards": defs, "placement": placement}
             try:
-                await self.ps[ps].request("create_shards", {"shards": defs}, timeout=timeout)
+                await self.ps[ps].request("create_shards", body, timeout=timeout)
                 return
             except DeadlineExceeded:
                 if time.monotonic() > deadline:
@@ -264,6 +310,292 @@ class ChiefService:
                         f" {self.cfg.startup_timeout:g}s"
                     ) from None
                 log.info("waiting for ps %d at %s", ps, self.ps[ps].endpoint)
+
+    def _use_placement(self, placement: Placement) -> None:
+        self.placement = placement
+        done: asyncio.Future[Placement] = asyncio.get_running_loop().create_future()
+        done.set_result(placement)
+        self._creating = done  # type: ignore[assignment]
+        self.placement_ready.set()
+
+    # ---------------------------------------------------------------- recovery
+
+    async def ps_states(self, timeout: float) -> list[dict[str, Any]]:
+        """``ps_state`` of every PS, waiting up to ``timeout`` s for each to answer."""
+        deadline = self.clock() + timeout
+
+        async def one(i: int) -> dict[str, Any]:
+            while True:
+                left = deadline - self.clock()
+                try:
+                    rep = await self.ps[i].request("ps_state", timeout=max(0.05, min(2.0, left)))
+                    return dict(rep.body)
+                except DeadlineExceeded:
+                    if self.clock() >= deadline:
+                        raise NotReady(
+                            f"ps {i} ({self.ps[i].endpoint}) did not answer within {timeout:g}s"
+                        ) from None
+                    log.info("waiting for ps %d at %s", i, self.ps[i].endpoint)
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(self.ps)))))
+
+    async def resume(self) -> None:
+        """At start: adopt the state of PS that already hold shards (this chief was
+        restarted), or restore every PS from the latest checkpoint, or start fresh."""
+        if self.checkpointer is not None:
+            await asyncio.to_thread(self.checkpointer.clean)
+        states = await self.ps_states(self.cfg.startup_timeout)
+        self.ps_boots = {i: st["boot"] for i, st in enumerate(states)}
+        self.gen = max(int(st["gen"]) for st in states)
+        held = [st for st in states if st["shards"]]
+        known = [st["placement"] for st in held if "placement" in st]
+        if held and known:
+            placement = Placement.from_wire(known[0])
+            problem = self._inconsistency(states, placement)
+            if problem is None:
+                self._adopt(states, placement)
+                return
+            log.warning("the PS do not agree (%s): restoring every shard", problem)
+            self._use_placement(placement)
+            await self.restore_all("chief restart with PS in disagreement")
+            return
+        ckpt = None if self.checkpointer is None else self.checkpointer.latest()
+        if ckpt is None:
+            return  # a fresh start
+        variables = tuple(ckpt.variable_defs())
+        optimizer = dict(ckpt.manifest.optimizer)
+        placement = plan(
+            variables, len(self.ps), self.cfg.partitioner, self.cfg.placement, optimizer
+        )
+        self._use_placement(placement)
+        if self.mode != "sync":
+            self.step_offset = ckpt.step
+        self.gen = max(self.gen, ckpt.manifest.generation)
+        await self.restore_all("start", ckpt=ckpt)
+
+    def _inconsistency(self, states: Sequence[dict[str, Any]], placement: Placement) -> str | None:
+        gens = {int(st["gen"]) for st in states}
+        if len(gens) > 1:
+            return f"generations {sorted(gens)}"
+        for i, st in enumerate(states):
+            want = {s.id for s in placement.shards if s.ps == i}
+            have = {int(sid) for sid, _ in st["shards"]}
+            if want != have:
+                return (
+                    f"ps {i} holds shards {sorted(have)[:8]}, the placement says {sorted(want)[:8]}"
+                )
+        if self.mode == "sync":
+            holders = sorted({s.ps for s in placement.shards})
+            steps = {int(states[i]["step"]) for i in holders}
+            if len(steps) > 1 and max(steps) - min(steps) > 1:
+                return f"sync steps {sorted(steps)}"
+        return None
+
+    def _adopt(self, states: Sequence[dict[str, Any]], placement: Placement) -> None:
+        self._use_placement(placement)
+        holders = sorted({s.ps for s in placement.shards})
+        step = min(int(states[i]["step"]) for i in holders)
+        if self.mode == "sync":
+            self.sync.global_step = step
+        log.info(
+            "adopted the running PS: %d variables, generation %d%s",
+            len(placement.variables),
+            self.gen,
+            f", global step {step}" if self.mode == "sync" else "",
+        )
+
+    def _defs_by_ps(self, placement: Placement) -> dict[int, list[dict[str, Any]]]:
+        by_ps: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(self.ps))}
+        for ps, d in placement.shard_defs():
+            by_ps[ps].append(d.to_wire())
+        return by_ps
+
+    async def restore_all(self, reason: str, ckpt: Checkpoint | None = None) -> int:
+        """Restore every shard on every PS to ``ckpt`` (default: the latest committed
+        checkpoint, or the initial values if there is none), all PS to one step, in a
+        new generation. Returns the step restored."""
+        placement = self.placement
+        assert placement is not None
+        if ckpt is None and self.checkpointer is not None:
+            await self.checkpointer.cancel()
+            ckpt = await asyncio.to_thread(self.checkpointer.latest)
+        step = 0 if ckpt is None else ckpt.step
+        sync_step = step if self.mode == "sync" else 0
+        self.gen += 1
+        body_base: dict[str, Any] = {
+            "gen": self.gen,
+            "step": sync_step,
+            "placement": placement.to_wire(),
+        }
+        if ckpt is not None:
+            body_base["name"] = ckpt.name
+        if ckpt is None:
+            log.warning("no committed checkpoint: every shard restarts from its initial values")
+        await asyncio.gather(
+            *(
+                self.ps[i].request(
+                    "restore", {**body_base, "shards": defs}, timeout=self.cfg.startup_timeout
+                )
+                for i, defs in self._defs_by_ps(placement).items()
+            )
+        )
+        if self.mode == "sync":
+            self.sync.global_step = sync_step
+        if self.metrics is not None:
+            self.metrics.restores.labels(reason.split()[0]).inc()
+        log.info(
+            "restored every shard to %s (step %d, generation %d): %s",
+            "initial values" if ckpt is None else ckpt.name,
+            step,
+            self.gen,
+            reason,
+        )
+        return step
+
+    async def recover(self, lost: Sequence[int], detected_at: float, reason: str) -> None:
+        """A PS lost its shards: stop handing out tokens, wait for every PS, restore every
+        shard to the latest committed checkpoint, restart the sync driver."""
+        if self.placement is None:
+            return
+        self.recovering = True
+        started = self.clock()
+        try:
+            self._stop_driver()
+            states = await self.ps_states(self.cfg.startup_timeout)
+            self.ps_boots = {i: st["boot"] for i, st in enumerate(states)}
+            self.gen = max([self.gen, *(int(st["gen"]) for st in states)])
+            step = await self.restore_all(reason)
+            self._start_driver()
+        finally:
+            self.recovering = False
+            async with self.sync.changed:
+                self.sync.changed.notify_all()
+        now = self.clock()
+        record = {
+            "reason": reason,
+            "ps": list(lost),
+            "step": step,
+            "gen": self.gen,
+            "detect_to_resume_s": round(now - detected_at, 3),
+            "restore_s": round(now - started, 3),
+            "at": time.time(),
+        }
+        self.recoveries.append(record)
+        if self.metrics is not None:
+            self.metrics.recovery_seconds.observe(now - detected_at)
+        log.warning(
+            "recovered from %s: every shard at step %d (generation %d), %.2fs after detection",
+            reason,
+            step,
+            self.gen,
+            now - detected_at,
+        )
+
+    # ---------------------------------------------------------------- driver
+
+    def _start_driver(self) -> None:
+        assert self.placement is not None
+        holders = sorted({s.ps for s in self.placement.shards})
+
+        async def drive() -> None:
+            await self.sync.run(holders, start_step=self.sync.global_step)
+            await self._checkpoint_loop()
+
+        self.driver = asyncio.ensure_future(drive())
+        self.driver.add_done_callback(self._driver_done)
+
+    def _driver_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self.driver_error = task.exception()
+        self.driver_failed.set()
+
+    def _stop_driver(self) -> None:
+        if self.driver is not None:
+            self.driver.cancel()
+            self.driver = None
+        self.sync.started = False
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def _extra(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "workers": {str(w.index): w.total_steps for w in self.members.workers.values()},
+            "examples": self.members.examples,
+        }
+
+    async def sync_boundary(self, step: int) -> None:
+        """Sync: called with every new global step, before its tokens are put; the PS
+        are idle, so a snapshot here is one step everywhere."""
+        ck = self.checkpointer
+        if ck is None or self.placement is None or not ck.due(step):
+            return
+        snap = await ck.snapshot(step, self.placement)
+        if snap is not None:
+            ck.write(snap, self.placement, self.mode, self.gen, self._extra())
+
+    async def _checkpoint_loop(self) -> None:
+        """Async / SSP: checkpoint every N global steps or T seconds."""
+        ck = self.checkpointer
+        if ck is None or self.mode == "sync":
+            await asyncio.Future()  # nothing to do; wait to be cancelled
+            return
+        while True:
+            await asyncio.sleep(0.2)
+            step = self.global_step
+            if self.placement is not None and not self.recovering and ck.due(step):
+                snap = await ck.snapshot(step, self.placement)
+                if snap is not None:
+                    ck.write(snap, self.placement, self.mode, self.gen, self._extra())
+
+    async def final_checkpoint(self) -> None:
+        """At the end (all done, or SIGTERM): one more checkpoint if anything changed."""
+        ck = self.checkpointer
+        if ck is None or self.placement is None or self.recovering:
+            return
+        await ck.wait()
+        step = self.global_step
+        if self.mode == "sync":
+            step = await self.sync.applied_step()
+            holders = sorted({s.ps for s in self.placement.shards})
+            steps = {
+                int(st["step"]) for i, st in enumerate(await self.ps_states(5.0)) if i in holders
+            }
+            if len(steps) > 1:
+                log.warning(
+                    "final checkpoint skipped: the PS are at different steps %s (a step was"
+                    " cut short); %s stays the latest",
+                    sorted(steps),
+                    ck.last_committed.name if ck.last_committed else "nothing",
+                )
+                return
+        if step <= ck.last_step:
+            return
+        await ck.take(step, self.placement, self.mode, self.gen, self._extra())
+
+    async def _op_checkpoint(self, msg: Message) -> Message:
+        """Take a checkpoint now (``zmqps`` tools and tests)."""
+        ck = self.checkpointer
+        if ck is None:
+            raise InvalidArgument("the chief runs without --checkpoint-dir")
+        if self.placement is None:
+            raise NotReady("no variables yet")
+        if self.mode != "sync":
+            ckpt = await ck.take(
+                self.global_step, self.placement, self.mode, self.gen, self._extra()
+            )
+        else:  # at the next step boundary
+            before, ck.forced = ck.committed + ck.failed, True
+            deadline = self.clock() + float(msg.body.get("wait", 60.0))
+            while ck.committed + ck.failed == before or ck.busy:
+                if self.clock() > deadline:
+                    raise NotReady("no step boundary came in time for a checkpoint")
+                await asyncio.sleep(0.05)
+            ckpt = ck.last_committed if ck.committed + ck.failed > before else None
+        if ckpt is None:
+            raise InvalidArgument(f"checkpoint failed: {ck.last_error}")
+        return reply(msg, {"name": ckpt.name, "step": ckpt.step})
 
     async def _op_get_placement(self, msg: Message) -> Message:
         wait = float(msg.body.get("wait", 0.0))
@@ -296,6 +628,11 @@ class ChiefService:
             "variables": 0 if self.placement is None else len(self.placement.variables),
             "shards": 0 if self.placement is None else len(self.placement.shards),
             "uptime_s": round(time.time() - self.started, 3),
+            "finished": self.finished,
+            "gen": self.gen,
+            "recovering": self.recovering,
+            "recoveries": self.recoveries[-5:],
+            "checkpoints": None if self.checkpointer is None else self.checkpointer.status(),
         }
 
     async def _op_status(self, msg: Message) -> Message:
@@ -333,6 +670,7 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
         client = ParameterClient(
             service.ps, service.placement, worker="chief", incarnation=0, shared_memory=False
         )
+        client.gen = service.gen
         params = await client.pull()
         metrics = model.evaluate(params, test.x, test.y)
         summary.update(
@@ -341,6 +679,14 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
             test_accuracy=round(float(metrics["accuracy"]), 4),
             test_loss=round(float(metrics["loss"]), 4),
         )
+        if cfg.export_dir:
+            from zmqps.export import export_model
+
+            path = await asyncio.to_thread(
+                export_model, cfg.export_dir, model.signature(), params, metrics=summary
+            )
+            summary["export_dir"] = str(path)
+            log.info("exported the model to %s", path)
         log.info(
             "final model: test accuracy %.4f, test loss %.4f (global step %d)",
             summary["test_accuracy"],
@@ -379,30 +725,46 @@ async def serve_chief(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.shutdown_requested.set)
+    service.sync.on_step = service.sync_boundary
     watcher = asyncio.ensure_future(_watch_workers(service))
-    driver = asyncio.ensure_future(_drive(service))
+    ps_watcher: asyncio.Future[None] | None = None
+    starter = asyncio.ensure_future(_drive(service))
     try:
+        await service.resume()
+        ps_watcher = asyncio.ensure_future(_watch_ps(service))
         if cfg.job is not None:
             train = cfg.job.load("train")
             model = cfg.job.build_model(train)
             await service.create_variables(model.variables(), dict(cfg.job.optimizer))
         done = asyncio.ensure_future(service.all_done.wait())
         stop = asyncio.ensure_future(service.shutdown_requested.wait())
-        await asyncio.wait([done, stop, driver], return_when=asyncio.FIRST_COMPLETED)
-        for t in (done, stop):
+        failed = asyncio.ensure_future(service.driver_failed.wait())
+        await asyncio.wait([done, stop, failed], return_when=asyncio.FIRST_COMPLETED)
+        for t in (done, stop, failed):
             t.cancel()
-        if driver.done() and not driver.cancelled() and driver.exception() is not None:
-            raise driver.exception()  # type: ignore[misc]
+        if service.driver_error is not None:
+            raise service.driver_error
         if service.all_done.is_set():
+            await service.final_checkpoint()
             service.result = await _finish(service, ctx)
             if cfg.summary_path:
                 Path(cfg.summary_path).write_text(json.dumps(service.result, indent=2) + "\n")
             if cfg.keep_alive:
                 await service.shutdown_requested.wait()
+        else:  # SIGTERM / shutdown: one last checkpoint, within the grace period
+            try:
+                await asyncio.wait_for(service.final_checkpoint(), cfg.stop_grace)
+            except asyncio.TimeoutError:
+                log.error("final checkpoint not committed within %.0fs", cfg.stop_grace)
         await _shutdown_ps(ps_clients)
     finally:
         watcher.cancel()
-        driver.cancel()
+        starter.cancel()
+        if ps_watcher is not None:
+            ps_watcher.cancel()
+        service._stop_driver()
+        if service.checkpointer is not None:
+            await service.checkpointer.cancel()
         await server.stop()
         if exporter is not None:
             exporter.close()
@@ -422,11 +784,67 @@ async def _shutdown_ps(ps_clients: Sequence[Requester]) -> None:
 
 
 async def _drive(service: ChiefService) -> None:
-    """Once the variables exist (so the PS are up), run the sync / SSP driver."""
+    """Once the variables exist (so the PS are up), start the sync / SSP driver and the
+    checkpoint schedule."""
     await service.placement_ready.wait()
-    assert service.placement is not None
-    await service.sync.run(sorted({s.ps for s in service.placement.shards}))
-    await asyncio.Future()  # async / ssp: nothing more to drive; wait to be cancelled
+    service._start_driver()
+    try:
+        await asyncio.Future()  # a restore restarts the driver; cancel this to stop it
+    finally:
+        service._stop_driver()
+
+
+async def _watch_ps(service: ChiefService) -> None:
+    """Probe every PS each heartbeat interval. A PS that answers with another boot id
+    (restarted) or another generation has lost its shards: restore every PS from the
+    latest checkpoint. A PS that stops answering is logged as down (training waits for
+    it: its shards exist nowhere else) until it is back."""
+    cfg = service.cfg
+    interval = min(cfg.heartbeat_interval, cfg.heartbeat_timeout / 4)
+    last_ok = {i: service.clock() for i in range(len(service.ps))}
+    first_fail: dict[int, float] = {}
+    down: set[int] = set()
+
+    async def probe(i: int) -> dict[str, Any] | None:
+        try:
+            rep = await service.ps[i].request("ps_state", timeout=max(0.5, 2 * interval))
+            return dict(rep.body)
+        except ZmqpsError:
+            return None
+
+    while True:
+        await asyncio.sleep(interval)
+        if service.placement is None or service.recovering:
+            continue
+        states = await asyncio.gather(*(probe(i) for i in range(len(service.ps))))
+        now = service.clock()
+        lost = []
+        for i, st in enumerate(states):
+            if st is None:
+                first_fail.setdefault(i, now)
+                if i not in down and now - last_ok[i] > cfg.heartbeat_timeout:
+                    down.add(i)
+                    log.warning(
+                        "ps %d (%s) has not answered for %.0fs: down; waiting for it to restart",
+                        i,
+                        service.ps[i].endpoint,
+                        now - last_ok[i],
+                    )
+                continue
+            last_ok[i] = now
+            if i in down:
+                down.discard(i)
+                log.info("ps %d answers again", i)
+            if st["boot"] != service.ps_boots.get(i) or int(st["gen"]) != service.gen:
+                lost.append(i)
+            else:
+                first_fail.pop(i, None)
+        if lost:
+            detected = min(first_fail.get(i, now) for i in lost)
+            log.warning("ps %s restarted without its shards: restoring every PS", lost)
+            await service.recover(lost, detected, f"ps {','.join(map(str, lost))} restarted")
+            for i in lost:
+                first_fail.pop(i, None)
 
 
 async def _watch_workers(service: ChiefService) -> None:

@@ -91,6 +91,9 @@ class ParameterClient:
         self.placement = placement
         self.worker = worker
         self.incarnation = incarnation
+        #: the cluster generation this client's values belong to (sent with every data
+        #: request; a PS of another generation refuses it with RolledBack)
+        self.gen = 0
         self.timeout = timeout
         self.push_attempts = push_attempts
         self._chunk_bytes = max(1, chunk_bytes)
@@ -166,6 +169,7 @@ class ParameterClient:
             "worker": self.worker,
             "inc": self.incarnation,
             "seq": self._seq[ps],
+            "gen": self.gen,
         }
         if step is not None:
             body["step"] = step
@@ -318,7 +322,7 @@ class ParameterClient:
             fp = await self._fast_path(ps)
             if fp is not None and all(s in fp.offsets for s in sids):
                 async with fp.lock:
-                    body = {"shards": sids, "shm_out": fp.ref(True, sids)}
+                    body = {"shards": sids, "shm_out": fp.ref(True, sids), "gen": self.gen}
                     rep = await self.ps[ps].request("pull", body, timeout=self.timeout)
                     self._set_versions(rep, sids)
                     self._copy_out(fp, sids)
@@ -346,7 +350,9 @@ class ParameterClient:
         return groups
 
     async def _pull_tcp(self, ps: int, sids: list[int]) -> None:
-        rep = await self.ps[ps].request("pull", {"shards": sids}, timeout=self.timeout)
+        rep = await self.ps[ps].request(
+            "pull", {"shards": sids, "gen": self.gen}, timeout=self.timeout
+        )
         self._take_values(rep, sids)
 
     def _grad_arrays(self, grads: Mapping[str, Any]) -> dict[str, Array]:
@@ -451,7 +457,7 @@ class ParameterClient:
             sids = [s.id for s, _, _ in parts]
             tensors = [Tensor(np.ascontiguousarray(i), "index", s.id) for s, _, i in parts]
             rep = await self.ps[ps].request(
-                "pull_rows", {"shards": sids}, tensors, timeout=self.timeout
+                "pull_rows", {"shards": sids, "gen": self.gen}, tensors, timeout=self.timeout
             )
             versions = rep.body.get("versions")
             if not isinstance(versions, list) or len(versions) != len(parts):

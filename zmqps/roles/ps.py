@@ -24,10 +24,13 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 import signal
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,7 +45,15 @@ from zmqps.roles._run import run_server, start_exporter
 from zmqps.transport import Server, SocketOptions
 from zmqps.transport.shm import Region, attach_region
 from zmqps.wire import Message, Tensor, reply
-from zmqps.wire.errors import FencedError, InvalidArgument, NotFound, ProtocolError
+from zmqps.wire.errors import (
+    FencedError,
+    InvalidArgument,
+    NotFound,
+    NotReady,
+    ProtocolError,
+    RolledBack,
+    ZmqpsError,
+)
 
 __all__ = ["PSConfig", "PSService", "run_ps"]
 
@@ -56,9 +67,11 @@ class PSConfig:
     chunk_bytes: int = 4 << 20
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no exporter; 0: a free port
+    checkpoint_dir: str | None = None  # the shared checkpoint root this PS writes shards to
 
 
 _PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
+_DATA_OPS = _PUSH_OPS | {"pull", "pull_rows"}
 
 
 class PSService:
@@ -73,8 +86,17 @@ class PSService:
         chunk_bytes: int = 4 << 20,
         max_region_bytes: int = 16 << 30,
         metrics: Metrics | None = None,
+        checkpoint_dir: str | Path | None = None,
     ):
         self.index = index
+        #: a new value every process start: the chief tells a restarted PS by it
+        self.boot = secrets.token_hex(8)
+        #: the cluster's generation (restores so far); requests of another one are refused
+        self.gen = 0
+        self.placement: dict[str, Any] | None = None  # as the chief sent it (wire form)
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self._saves: dict[int, asyncio.Future[list[dict[str, Any]]]] = {}
+        self.restored_step = 0  # the step of the last restore (sync shards start there)
         self.store = store or ShardStore()
         self.metrics = metrics
         if metrics is not None:
@@ -104,6 +126,8 @@ class PSService:
         handler = getattr(self, f"_op_{msg.op}", None)
         if handler is None:
             raise ProtocolError(f"a PS does not serve {msg.op!r}")
+        if msg.op in _DATA_OPS:
+            self._check_generation(msg)
         if self.metrics is None or msg.op not in _PUSH_OPS:
             result: Message = handler(msg)
             return result
@@ -113,6 +137,20 @@ class PSService:
             self.metrics.drop("invalid")
             raise
         return result
+
+    def _check_generation(self, msg: Message) -> None:
+        """Data requests of another generation (made before a restore) are refused, and
+        so is every data request to a PS that holds no shards (restarted, not restored)."""
+        gen = msg.body.get("gen")
+        if gen is not None and gen != self.gen:
+            if msg.op in _PUSH_OPS:
+                self._drop("rolled_back")
+            raise RolledBack(
+                f"ps {self.index} is at generation {self.gen}; the request is of generation"
+                f" {gen}: pull again"
+            )
+        if not len(self.store):
+            raise NotReady(f"ps {self.index} holds no shards (restarted and not restored yet?)")
 
     def _drop(self, reason: str) -> None:
         if self.metrics is not None:
@@ -124,6 +162,8 @@ class PSService:
     def _op_create_shards(self, msg: Message) -> Message:
         defs = [ShardDef.from_wire(d) for d in msg.body["shards"]]
         self.store.create(defs)
+        if "placement" in msg.body:
+            self.placement = msg.body["placement"]
         log.info("ps %d: %d shards ready (%d bytes)", self.index, len(defs), self.store.nbytes())
         return reply(msg, {"shards": [d.id for d in defs]})
 
@@ -331,10 +371,20 @@ class PSService:
         out: dict[str, Any] = {"applied": True, "staleness": []}
         if self.sync is None:
             out["staleness"] = [apply(sid, ver) for sid, ver in zip(sids, pulled, strict=True)]
+        elif any(self.sync.is_ahead(sid, body["step"]) for sid in sids):
+            self._drop("rolled_back")
+            raise RolledBack(
+                f"ps {self.index}: a gradient for step {body['step']}, but the shards are at"
+                f" step {self.sync.min_step()} (restored): take a new token"
+            )
         elif any(self.sync.is_stale(sid, body["step"]) for sid in sids):
             self.sync.dropped["stale"] += 1
             self._drop("stale")
             out = {"applied": False, "dropped": "stale", "staleness": []}
+        elif all(self.sync.has_contributed(sid, body["worker"], body["step"]) for sid in sids):
+            self.sync.dropped["duplicate"] += 1
+            self._drop("duplicate")
+            out = {"applied": False, "dropped": "duplicate", "staleness": []}
         else:
             advanced = False
             for sid, ver in zip(sids, pulled, strict=True):
@@ -370,7 +420,7 @@ class PSService:
         if mode != "sync":
             self.sync = None
         elif self.sync is None:
-            self.sync = SyncShards(self.store, required)
+            self.sync = SyncShards(self.store, required, self.restored_step)
         elif self.sync.set_required(required):
             self._notify_steps()
         if self.metrics is not None:
@@ -387,10 +437,140 @@ class PSService:
                 await asyncio.wait_for(fut, wait)
         return reply(msg, {"step": self.sync_step})
 
+    # -- checkpoints and recovery ----------------------------------------------
+
+    def _op_ps_state(self, msg: Message) -> Message:
+        """What a (restarted) chief needs to adopt this PS's state or to restore it."""
+        body: dict[str, Any] = {
+            "index": self.index,
+            "boot": self.boot,
+            "gen": self.gen,
+            "shards": [[sh.definition.id, sh.version] for sh in self.store],
+            "mode": "sync" if self.sync is not None else "",
+            "step": self.sync_step,
+            "contributors": [] if self.sync is None else self.sync.contributors_any(),
+        }
+        if self.placement is not None:
+            body["placement"] = self.placement
+        return reply(msg, body)
+
+    def _root(self) -> Path:
+        if self.checkpoint_dir is None:
+            raise InvalidArgument(f"ps {self.index} runs without --checkpoint-dir")
+        return self.checkpoint_dir
+
+    def _checkpoint_path(self, name: str) -> Path:
+        from zmqps.checkpoint import is_valid_name
+
+        if not is_valid_name(name):
+            raise InvalidArgument(f"not a checkpoint directory name: {name!r}")
+        path = self._root() / name
+        if not path.is_dir():
+            raise NotFound(f"ps {self.index}: no checkpoint directory {path}")
+        return path
+
+    def _op_checkpoint_save(self, msg: Message) -> Message:
+        """Snapshot every shard now (values, slots, version: one consistent state of this
+        PS), reply, and write the snapshot into the checkpoint directory in a thread."""
+        from zmqps.checkpoint import write_shard
+
+        path = self._checkpoint_path(msg.body["name"])
+        started = time.perf_counter()
+        snap = [
+            (
+                sh.definition,
+                sh.values.copy(),
+                {k: v.copy() for k, v in sh.slots.items()},
+                sh.version,
+            )
+            for sh in self.store
+        ]
+        copied = time.perf_counter() - started
+
+        def write() -> list[dict[str, Any]]:
+            return [write_shard(path, d, v, sl, ver).to_json() for d, v, sl, ver in snap]
+
+        save_id = msg.body["id"]
+        for old in sorted(self._saves)[: max(0, len(self._saves) - 7)]:
+            self._saves.pop(old)  # keep a few outcomes for retried checkpoint_done
+        self._saves[save_id] = asyncio.ensure_future(asyncio.to_thread(write))
+        log.debug("ps %d: checkpoint snapshot in %.3fs", self.index, copied)
+        return reply(
+            msg,
+            {
+                "versions": [[d.id, ver] for d, _, _, ver in snap],
+                "step": self.sync_step,
+                "snapshot_s": round(copied, 6),
+            },
+        )
+
+    async def _op_checkpoint_done(self, msg: Message) -> Message:
+        fut = self._saves.get(msg.body["id"])
+        if fut is None:
+            raise NotFound(f"ps {self.index}: no checkpoint save {msg.body['id']}")
+        wait = float(msg.body.get("wait", 0.0))
+        if not fut.done() and wait > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(fut), wait)
+        if not fut.done():
+            raise NotReady(f"ps {self.index}: checkpoint save {msg.body['id']} still writing")
+        try:
+            records = fut.result()
+        except ZmqpsError:
+            raise
+        except OSError as e:
+            raise InvalidArgument(f"ps {self.index}: writing the checkpoint failed: {e}") from e
+        return reply(msg, {"shards": records})
+
+    async def _op_restore(self, msg: Message) -> Message:
+        """Replace every shard by its state in a checkpoint (``name``; resharded as the
+        shard definitions say) or by its initial values (no ``name``); enter generation
+        ``gen``. Every accumulated sync gradient is dropped; the PS is at ``step``."""
+        b = msg.body
+        defs = [ShardDef.from_wire(d) for d in b["shards"]]
+        if b["gen"] < self.gen:
+            raise InvalidArgument(f"ps {self.index}: restore to generation {b['gen']} < {self.gen}")
+        if "name" in b:
+            from zmqps.checkpoint import Checkpoint
+
+            ckpt = Checkpoint.load(self._checkpoint_path(b["name"]))
+
+            def load() -> list[tuple[ShardDef, Any, dict[str, Any], int]]:
+                out = []
+                for d in defs:
+                    values, slots, version = ckpt.read_rows(d.var, d.row_start, d.rows)
+                    out.append((d, values.reshape(d.shape), slots, version))
+                return out
+
+            states = await asyncio.to_thread(load)
+            self.store.replace(states)
+        else:
+            self.store.clear()
+            self.store.create(defs)
+        self.gen = b["gen"]
+        self.restored_step = b["step"]
+        if "placement" in b:
+            self.placement = b["placement"]
+        if self.sync is not None:
+            self.sync.reset(b["step"])
+            self._notify_steps()
+        log.info(
+            "ps %d: restored %d shards from %s (generation %d, step %d)",
+            self.index,
+            len(defs),
+            b.get("name", "initial values"),
+            self.gen,
+            b["step"],
+        )
+        return reply(
+            msg, {"gen": self.gen, "versions": [[d.id, self.store.get(d.id).version] for d in defs]}
+        )
+
     def status(self) -> dict[str, Any]:
         out = {
             "role": "ps",
             "index": self.index,
+            "gen": self.gen,
             "duplicates": self.duplicates,
             "fenced": self.fenced,
             **self.store.stats(),
@@ -415,7 +595,9 @@ async def serve_ps(
     cfg: PSConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None
 ) -> PSService:
     metrics = Metrics() if cfg.metrics_port is not None else None
-    service = PSService(cfg.index, chunk_bytes=cfg.chunk_bytes, metrics=metrics)
+    service = PSService(
+        cfg.index, chunk_bytes=cfg.chunk_bytes, metrics=metrics, checkpoint_dir=cfg.checkpoint_dir
+    )
     server = Server(
         ctx, cfg.bind, service, name=f"ps{cfg.index}", options=options, observer=metrics
     )

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +82,8 @@ class SyncDriver:
         self.changed = asyncio.Condition()
         self.started = False
         self.step_started_at = clock()
+        #: awaited with each new global step before its tokens are put
+        self.on_step: Callable[[int], Awaitable[None]] | None = None
 
     @property
     def mode(self) -> str:
@@ -151,21 +153,29 @@ class SyncDriver:
 
     # ------------------------------------------------------------ sync
 
-    async def run(self, holders: Sequence[int] | None = None) -> None:
+    async def run(self, holders: Sequence[int] | None = None, start_step: int = 0) -> None:
         """Drive sync training: start tokens, then advance the global step forever.
 
         ``holders``: the indices of the PS that hold shards (default: every PS).
+        ``start_step``: the step the PS are at (not 0 after a restore or when a
+        restarted chief adopts running PS); only step 0 gets the extra init tokens.
+        Cancel the task to stop (a restore restarts it).
         """
         if self.mode == "async":
             return
         if holders is not None:
             self.stepping = [self.ps[i] for i in sorted(set(holders))]
+        self.required = 0  # tell every PS N afresh (a restarted PS has forgotten it)
         await self._configure_ps(self.needed() if self.mode == "sync" else 1)
         self.started = True
         if self.mode != "sync":
             return
-        self.tokens.put(0, self.replicas())
-        self.tokens.put(0, self.cfg.init_tokens, extra=True)
+        self.global_step = start_step
+        self.counted.clear()
+        self.tokens.restart(start_step, self.replicas())
+        if start_step == 0:
+            self.tokens.put(0, self.cfg.init_tokens, extra=True)
+        self.step_started_at = self.clock()
         async with self.changed:
             self.changed.notify_all()
         while True:
@@ -174,6 +184,8 @@ class SyncDriver:
             self.global_step = step
             self.counted.clear()
             await self._reconfigure()
+            if self.on_step is not None:
+                await self.on_step(step)  # e.g. a checkpoint, while no tokens are out
             self.step_started_at = self.clock()
             self.tokens.advance(self.global_step, self.replicas())
             async with self.changed:

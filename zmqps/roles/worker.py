@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -36,13 +36,21 @@ from zmqps.metrics import Metrics
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
 from zmqps.transport import Client, LoopThread, SocketOptions
-from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotReady, ShutdownError
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    NotReady,
+    RolledBack,
+    ShutdownError,
+)
 
 __all__ = ["Terminated", "Worker", "train"]
 
 log = logging.getLogger("zmqps.worker")
 
 Array = npt.NDArray[Any]
+T = TypeVar("T")
 
 
 class Terminated(BaseException):
@@ -72,6 +80,7 @@ class Worker:
         shared_memory: bool = True,
         options: SocketOptions | None = None,
         metrics: Metrics | None = None,
+        recovery_timeout: float = 300.0,
     ) -> None:
         self.index = index
         self.metrics = metrics
@@ -91,6 +100,12 @@ class Worker:
         self._closed = False
         self._client: ParameterClient | None = None
         self._heartbeat: asyncio.Future[None] | None = None
+        self._steps_planned = steps_planned
+        self.recovery_timeout = recovery_timeout
+        #: pushes dropped because the cluster was restored meanwhile (their values are gone)
+        self.rolled_back = 0
+        #: set by a SIGTERM handler: the built-in loop stops after the current step
+        self.stop_requested = False
         self._chief = self._io.run(self._connect_chief(chief))
         try:
             info = self._io.run(self._register(connect_timeout, steps_planned))
@@ -99,6 +114,7 @@ class Worker:
             raise
         self.ps_addresses: list[str] = list(info["ps"])
         self.mode: str = info["mode"]
+        self.gen = int(info.get("gen", 0))
         self._heartbeat_interval = float(info["heartbeat_interval"])
         if info["placement"] is not None:
             self._use(Placement.from_wire(info["placement"]))
@@ -160,6 +176,7 @@ class Worker:
             )
 
         self._client = self._io.run(make())
+        self._client.gen = self.gen
 
     @property
     def client(self) -> ParameterClient:
@@ -233,8 +250,65 @@ class Worker:
                 return dict(rep.body)
             except NotReady:
                 continue  # nothing yet: ask again (the chief holds each poll open)
+            except NotFound:
+                await self._reregister()  # a restarted chief does not know this worker
             except DeadlineExceeded:
                 log.warning("%s: the chief did not answer %s; retrying", self.name, op)
+
+    async def _reregister(self) -> None:
+        log.warning("%s: the chief does not know this worker (restarted?): registering", self.name)
+        info = await self._register(self.recovery_timeout, self._steps_planned)
+        if int(info.get("gen", self.gen)) != self.gen:
+            log.warning("%s: the cluster is at generation %s now", self.name, info.get("gen"))
+
+    async def _chief_state(self) -> dict[str, Any]:
+        """A heartbeat round trip: the chief's generation and whether it is restoring."""
+        body = {
+            "role": self.role,
+            "index": self.index,
+            "incarnation": self.incarnation,
+            "step": self.step,
+            "examples": self.examples,
+        }
+        while True:
+            try:
+                rep = await self._chief.request("heartbeat", body, timeout=5.0)
+                return dict(rep.body)
+            except NotFound:
+                await self._reregister()
+            except DeadlineExceeded:
+                log.warning("%s: the chief does not answer; retrying", self.name)
+
+    async def _resync(self, error: Exception) -> None:
+        """A PS refused or failed a data request: wait until the chief has restored the
+        cluster into a generation newer than this worker's values (or say why not)."""
+        old = self.gen
+        log.warning("%s: %s; waiting for the cluster to recover", self.name, error)
+        deadline = time.monotonic() + self.recovery_timeout
+        while True:
+            state = await self._chief_state()
+            gen = int(state.get("gen", old))
+            if gen != old and not state.get("recovering", False):
+                break
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"{self.name}: the cluster did not recover within"
+                    f" {self.recovery_timeout:g}s ({error})"
+                ) from error
+            await asyncio.sleep(0.2)
+        self.gen = gen
+        self.token = None  # a token of before the restore is void
+        if self._client is not None:
+            self._client.gen = gen
+        log.warning("%s: resuming in generation %d", self.name, gen)
+
+    def _recovering(self, call: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run a data request; through a restore, resync and run it again."""
+        while True:
+            try:
+                return self._io.run(call())
+            except (RolledBack, NotReady, DeadlineExceeded) as e:
+                self._io.run(self._resync(e))
 
     def _step_tag(self) -> int | None:
         if self.mode != "sync":
@@ -246,7 +320,12 @@ class Worker:
     def pull(self, names: Iterable[str] | None = None) -> dict[str, Array]:
         """Current values of the dense variables (or ``names``)."""
         started = time.perf_counter()
-        out = self._io.run(self.client.pull(names))
+        wanted = None if names is None else list(names)
+        gen = self.gen
+        out = self._recovering(lambda: self.client.pull(wanted))
+        if gen != self.gen and self.mode == "sync":
+            # restored meanwhile: these values are of the restored step; compute for it
+            self.token = self._io.run(self._long_poll("take_token", {}, 10.0))["step"]
         self.record_phase("pull", started)
         return out
 
@@ -274,29 +353,48 @@ class Worker:
         or if this was a retry of a push the PS had already handled (whose first
         outcome this call cannot know)."""
         started = time.perf_counter()
-        accepted = self._io.run(self.client.push(grads, step=self._step_tag()))
+        accepted = self._push_or_drop(lambda: self.client.push(grads, step=self._step_tag()))
         self.record_phase("push", started)
         self._count(loss, examples)
         return accepted
+
+    def _push_or_drop(self, call: Callable[[], Coroutine[Any, Any, bool]]) -> bool:
+        """Push; if the cluster was restored meanwhile, the gradient is of values that no
+        longer exist: drop it (counted) and resync, so the next pull is of the new ones."""
+        try:
+            return self._io.run(call())
+        except (RolledBack, NotReady, DeadlineExceeded) as e:
+            self._io.run(self._resync(e))
+            self.rolled_back += 1
+            return False
 
     def push_pull(
         self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None
     ) -> dict[str, Array]:
         """Push gradients and get the updated values back in the same round trip
         (timed as the push phase)."""
+        gen_before = self.gen
         started = time.perf_counter()
-        self._io.run(self.client.push(grads, pull=True, step=self._step_tag()))
+        if (
+            not self._push_or_drop(
+                lambda: self.client.push(grads, pull=True, step=self._step_tag())
+            )
+            and self.gen != gen_before
+        ):
+            self._recovering(lambda: self.client.pull())
         self.record_phase("push", started)
         self._count(loss, examples)
         return self.client.params
 
     def pull_rows(self, name: str, ids: Any) -> Array:
         """Rows ``ids`` of the embedding variable ``name``."""
-        return self._io.run(self.client.pull_rows(name, ids))
+        return self._recovering(lambda: self.client.pull_rows(name, ids))
 
     def push_rows(self, name: str, ids: Any, grads: Any) -> bool:
         """Row gradients for the embedding variable ``name`` (duplicate ids are summed)."""
-        return self._io.run(self.client.push_rows(name, ids, grads, step=self._step_tag()))
+        return self._push_or_drop(
+            lambda: self.client.push_rows(name, ids, grads, step=self._step_tag())
+        )
 
     # ------------------------------------------------------------------ liveness
 
@@ -316,6 +414,8 @@ class Worker:
                 await self._chief.request(
                     "heartbeat", body, timeout=max(2.0, self._heartbeat_interval * 3)
                 )
+            except NotFound:
+                await self._reregister()
             except DeadlineExceeded:
                 log.warning("%s: chief did not answer a heartbeat", self.name)
             except ShutdownError:
@@ -337,7 +437,11 @@ class Worker:
             "reason": reason,
         }
         try:
-            self._io.run(self._chief.request("leave", body, timeout=10.0, attempts=2))
+            try:
+                self._io.run(self._chief.request("leave", body, timeout=10.0, attempts=2))
+            except NotFound:
+                self._io.run(self._reregister())
+                self._io.run(self._chief.request("leave", body, timeout=10.0, attempts=2))
         except DeadlineExceeded:
             log.warning("%s: the chief did not acknowledge leave", self.name)
         finally:
@@ -397,6 +501,8 @@ def train(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
                 params = worker.push_pull(grads, loss=loss, examples=len(x))
             else:
                 worker.push(grads, loss=loss, examples=len(x))
+            if worker.stop_requested:
+                raise Terminated()
             if worker.step % job.log_every == 0:
                 now = time.perf_counter()
                 log.info(

@@ -27,6 +27,7 @@ __all__ = [
     "Map",
     "Schema",
     "Str",
+    "Tuple",
 ]
 
 INT64_MAX = 2**63 - 1
@@ -135,6 +136,21 @@ class AnyList(Schema):
             raise ProtocolError(f"{path}: expected list, got {type(value).__name__}")
 
 
+@dataclass(frozen=True)
+class Tuple(Schema):
+    """A list of fixed length whose i-th item matches ``items[i]``."""
+
+    items: tuple[Schema, ...]
+
+    def check(self, value: Any, path: str) -> None:
+        if type(value) is not list:
+            raise ProtocolError(f"{path}: expected list, got {type(value).__name__}")
+        if len(value) != len(self.items):
+            raise ProtocolError(f"{path}: expected {len(self.items)} items, got {len(value)}")
+        for i, (item, v) in enumerate(zip(self.items, value, strict=True)):
+            item.check(v, f"{path}[{i}]")
+
+
 # ---------------------------------------------------------------------------
 # Building blocks shared by several ops.
 
@@ -191,6 +207,18 @@ SHARD = Map(
     }
 )
 
+#: The chief's placement map (``Placement.to_wire``); the PS keep it so a restarted
+#: chief can learn it back from them.
+PLACEMENT = Map(
+    {
+        "variables": List(VARIABLE, 1 << 14),
+        "shards": List(
+            Tuple((SHARD_ID, NAME, Int(0, MAX_SHARDS), DIM, DIM, Int(0, 1 << 20))), MAX_SHARDS
+        ),
+        "optimizer": OPTIMIZER,
+    }
+)
+
 WHO = {"role": ROLE, "index": Int(0, 1 << 20), "incarnation": Int(0)}
 
 #: Where a shard's bytes are in a shared-memory region (same-host fast path).
@@ -221,7 +249,7 @@ REQUEST_BODIES: Mapping[str, Schema] = {
     "leave": Map({**WHO, "step": COUNT}, {"reason": Str(256), "examples": COUNT}),
     "create_vars": Map({"variables": List(VARIABLE, 1 << 14)}, {"optimizer": OPTIMIZER}),
     "get_placement": Map({}, {"wait": Float(0.0, 3600.0)}),
-    "create_shards": Map({"shards": List(SHARD, MAX_SHARDS)}),
+    "create_shards": Map({"shards": List(SHARD, MAX_SHARDS)}, {"placement": PLACEMENT}),
     "pull": Map({"shards": List(SHARD_ID, MAX_SHARDS)}, {"shm_out": SHM_REF, "gen": Int(0)}),
     "shm_attach": Map({"name": Str(64), "size": Int(0, 2**48), "worker": Str(64), "inc": Int(0)}),
     "shm_detach": Map({"region": Int(0, 2**31 - 1)}),
@@ -243,6 +271,6 @@ REQUEST_BODIES: Mapping[str, Schema] = {
     "checkpoint_done": Map({"id": Int(0)}, {"wait": Float(0.0, 3600.0)}),
     "restore": Map(
         {"gen": Int(0), "step": Int(0), "shards": List(SHARD, MAX_SHARDS)},
-        {"name": CKPT_NAME},
+        {"name": CKPT_NAME, "placement": PLACEMENT},
     ),
 }

@@ -1,0 +1,273 @@
+"""The chief's side of checkpoints: when to take one, how the PS write it, the commit.
+
+Rules of this module:
+
+* Every PS writes its own shards into the shared checkpoint root (DESIGN §6); the
+  chief makes the temporary directory, asks every PS that holds shards to snapshot
+  (``checkpoint_save``: a copy in memory, so training goes on at once) and to write
+  (``checkpoint_done``), then commits the manifest last
+  (:meth:`zmqps.checkpoint.CheckpointRoot.commit`: atomic rename, then ``LATEST``).
+  A failure anywhere aborts the temporary directory: the previous checkpoint stays
+  the latest, and the failure is logged and counted.
+* Sync mode takes the snapshot at a step boundary (the chief holds the next step's
+  tokens back until every PS has its copy), so all shards are at one step. Async
+  and SSP record each shard's version in the manifest.
+* One checkpoint at a time; a trigger that comes while one is being written waits
+  for the next one.
+* Which checkpoint to restore is the newest one that verifies (sha256 of every
+  file); broken ones are skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zmqps.checkpoint import Checkpoint, CheckpointRoot, Manifest, ShardRecord
+from zmqps.core.variables import Placement
+from zmqps.metrics import Metrics
+from zmqps.transport import Requester
+from zmqps.wire.errors import NotReady, ZmqpsError
+
+__all__ = ["CheckpointPolicy", "Checkpointer", "Snapshot"]
+
+log = logging.getLogger("zmqps.chief")
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    directory: str
+    steps: int = 0  # every N global steps (0: not by steps)
+    secs: float = 0.0  # every T seconds (0: not by time)
+    keep: int = 5
+
+    def due(self, step: int, last_step: int, last_time: float, now: float) -> bool:
+        if step <= last_step:
+            return False
+        if self.steps > 0 and step - last_step >= self.steps:
+            return True
+        return self.secs > 0 and now - last_time >= self.secs
+
+
+@dataclass
+class Snapshot:
+    """A checkpoint whose shards every PS has copied, being written."""
+
+    step: int
+    temp: Path
+    save_id: int
+    holders: list[int]
+    versions: dict[int, int]
+    started: float
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        policy: CheckpointPolicy,
+        ps: Sequence[Requester],
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy
+        self.root = CheckpointRoot(policy.directory, keep=policy.keep)
+        self.ps = list(ps)
+        self.metrics = metrics
+        self.clock = clock
+        self.last_step = -1
+        self.last_time = clock()
+        self.last_committed: Checkpoint | None = None
+        self.committed = 0
+        self.failed = 0
+        self.last_error = ""
+        self._ids = itertools.count(int(time.time() * 1000) % (1 << 40))
+        self._writing: asyncio.Task[Checkpoint | None] | None = None
+        #: take one at the next chance whatever the policy says (``checkpoint`` op)
+        self.forced = False
+
+    # ------------------------------------------------------------ start
+
+    def clean(self) -> list[str]:
+        removed = self.root.clean_orphans()
+        if removed:
+            log.info("checkpoints: removed %d orphaned temporary files", len(removed))
+        return removed
+
+    def latest(self) -> Checkpoint | None:
+        ckpt = self.root.latest(verify=True)
+        for _ in self.root.skipped:  # each logged by latest()
+            if self.metrics is not None:
+                self.metrics.checkpoints.labels("failed").inc()
+        if ckpt is not None:
+            self.last_step = ckpt.step
+            self.last_committed = ckpt
+        return ckpt
+
+    # ------------------------------------------------------------ taking one
+
+    @property
+    def busy(self) -> bool:
+        return self._writing is not None and not self._writing.done()
+
+    def due(self, step: int) -> bool:
+        if self.busy:
+            return False
+        if self.forced and step > self.last_step:
+            return True
+        return self.policy.due(step, self.last_step, self.last_time, self.clock())
+
+    async def cancel(self) -> None:
+        """Give up the checkpoint being written (a PS was lost): its directory is removed."""
+        task, self._writing = self._writing, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def snapshot(self, step: int, placement: Placement) -> Snapshot | None:
+        """Ask every PS holding shards to copy them now (fast); None if that failed."""
+        holders = sorted({s.ps for s in placement.shards})
+        temp = self.root.new_temp(step)
+        save_id = next(self._ids)
+        started = self.clock()
+        try:
+            reps = await asyncio.gather(
+                *(
+                    self.ps[i].request(
+                        "checkpoint_save", {"name": temp.name, "id": save_id}, timeout=30.0
+                    )
+                    for i in holders
+                )
+            )
+        except ZmqpsError as e:
+            self._failed(temp, step, f"snapshot: {e}")
+            return None
+        versions = {int(sid): int(v) for r in reps for sid, v in r.body["versions"]}
+        return Snapshot(step, temp, save_id, holders, versions, started)
+
+    def write(
+        self,
+        snap: Snapshot,
+        placement: Placement,
+        mode: str,
+        generation: int,
+        extra: Mapping[str, Any],
+    ) -> asyncio.Task[Checkpoint | None]:
+        """Wait for every PS to write its files, then commit (in the background)."""
+        self.last_step, self.last_time = snap.step, self.clock()
+        self.forced = False
+        self._writing = asyncio.ensure_future(
+            self._finish(snap, placement, mode, generation, dict(extra))
+        )
+        return self._writing
+
+    async def take(
+        self,
+        step: int,
+        placement: Placement,
+        mode: str,
+        generation: int,
+        extra: Mapping[str, Any],
+    ) -> Checkpoint | None:
+        """Snapshot and write one checkpoint; wait for its commit."""
+        if self._writing is not None:
+            await asyncio.shield(self._writing)
+        snap = await self.snapshot(step, placement)
+        if snap is None:
+            return None
+        return await self.write(snap, placement, mode, generation, extra)
+
+    async def wait(self) -> None:
+        if self._writing is not None:
+            await asyncio.shield(self._writing)
+
+    async def _done(self, ps: int, save_id: int, deadline: float) -> list[dict[str, Any]]:
+        while True:
+            left = deadline - self.clock()
+            if left <= 0:
+                raise NotReady(f"ps {ps} did not finish writing its shards in time")
+            try:
+                rep = await self.ps[ps].request(
+                    "checkpoint_done",
+                    {"id": save_id, "wait": min(5.0, left)},
+                    timeout=min(5.0, left) + 5.0,
+                )
+            except NotReady:
+                continue
+            return list(rep.body["shards"])
+
+    async def _finish(
+        self,
+        snap: Snapshot,
+        placement: Placement,
+        mode: str,
+        generation: int,
+        extra: dict[str, Any],
+    ) -> Checkpoint | None:
+        deadline = self.clock() + 600.0
+        cancelled = True
+        try:
+            per_ps = await asyncio.gather(
+                *(self._done(i, snap.save_id, deadline) for i in snap.holders)
+            )
+            records = [ShardRecord.from_json(r) for rs in per_ps for r in rs]
+            manifest = Manifest(
+                format_version=1,
+                step=snap.step,
+                generation=generation,
+                mode=mode,
+                created=time.time(),
+                variables=[v.to_wire() for v in placement.variables],
+                optimizer=dict(placement.optimizer),
+                num_ps=len(self.ps),
+                shards=records,
+                extra=extra,
+            )
+            ckpt = await asyncio.to_thread(self.root.commit, snap.temp, manifest)
+            cancelled = False
+        except (ZmqpsError, OSError) as e:
+            cancelled = False
+            self._failed(snap.temp, snap.step, str(e))
+            return None
+        finally:
+            if cancelled:
+                self._failed(snap.temp, snap.step, "cancelled (a PS was lost)")
+        seconds = self.clock() - snap.started
+        self.committed += 1
+        self.last_committed = ckpt
+        if self.metrics is not None:
+            self.metrics.checkpoints.labels("committed").inc()
+            self.metrics.checkpoint_duration.observe(seconds)
+            self.metrics.checkpoint_last_step.set(snap.step)
+        log.info("checkpoint %s committed in %.2fs", ckpt.name, seconds)
+        return ckpt
+
+    def _failed(self, temp: Path, step: int, why: str) -> None:
+        self.failed += 1
+        self.last_error = why
+        if self.metrics is not None:
+            self.metrics.checkpoints.labels("failed").inc()
+        log.error("checkpoint of step %d failed: %s (the previous one stays the latest)", step, why)
+        try:
+            self.root.abort(temp)
+        except OSError as e:
+            log.warning("could not remove %s: %s", temp, e)
+
+    def status(self) -> dict[str, Any]:
+        last = self.last_committed
+        return {
+            "directory": str(self.policy.directory),
+            "committed": self.committed,
+            "failed": self.failed,
+            "last": None if last is None else last.name,
+            "last_step": None if last is None else last.step,
+            "last_error": self.last_error,
+            "writing": self.busy,
+        }
