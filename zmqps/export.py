@@ -1,0 +1,295 @@
+"""Exported models: a directory with the trained variables and what rebuilds the model.
+
+An export is a directory holding two files:
+
+* ``model.safetensors``: every variable of the model, whole (gathered from its
+  shards), in the safetensors format (raw little-endian buffers and a JSON
+  header; nothing is pickled).
+* ``signature.json``: the model's :meth:`~zmqps.models.Model.signature` (kind,
+  config, inputs, outputs, variables) plus ``format_version``, ``created``,
+  ``zmqps_version``, ``weights`` (file name and sha256) and the training
+  ``metrics`` (e.g. ``test_accuracy``, ``global_step``).
+
+Rules of this module:
+
+* Writing is atomic: both files are written into a temporary directory next to
+  the target, flushed to disk (fsync), and the directory is renamed into place.
+  A reader sees the old export or the new one, never half of one; an existing
+  export is replaced (it is moved aside first, so there is an instant where the
+  target name is absent, never one where it is incomplete).
+* What is written is checked against the signature first (names, shapes,
+  dtypes): an export that would not load is never written.
+* Loading trusts nothing: the sha256 of the weights, the variables' names,
+  shapes and dtypes are checked against the signature, and the model is rebuilt
+  from the signature with :func:`zmqps.models.build_model`; every problem is one
+  :class:`ExportError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from zmqps.models import Model, build_model
+from zmqps.wire.errors import ZmqpsError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SIGNATURE_FILE",
+    "WEIGHTS_FILE",
+    "ExportError",
+    "export_model",
+    "load_model",
+    "read_signature",
+]
+
+Array = npt.NDArray[Any]
+
+#: The version of the export layout this module writes and reads.
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+SIGNATURE_FILE = "signature.json"
+
+_REQUIRED_KEYS = ("kind", "config", "inputs", "outputs", "variables")
+#: keys of signature.json this module writes itself (around the model's signature).
+_OWN_KEYS = ("format_version", "created", "zmqps_version", "weights", "metrics", "extra")
+
+
+class ExportError(ZmqpsError):
+    """An export cannot be written or read: missing, corrupted, or inconsistent."""
+
+    code = "export"
+
+
+def _json_safe(value: Any, what: str) -> Any:
+    """``value`` with numpy scalars and arrays turned into plain JSON values."""
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v, what) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v, what) for v in value]
+    if isinstance(value, np.ndarray):
+        return _json_safe(value.tolist(), what)
+    if isinstance(value, np.generic):
+        return _json_safe(value.item(), what)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN / inf
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise ExportError(f"{what}: {type(value).__name__} is not JSON data")
+
+
+def _variables(signature: Mapping[str, Any], where: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """The signature's variables as (name, shape, dtype), checked for form."""
+    missing = [k for k in _REQUIRED_KEYS if k not in signature]
+    if missing:
+        raise ExportError(f"{where}: signature lacks {', '.join(missing)}")
+    out = []
+    try:
+        for v in signature["variables"]:
+            name, shape, dtype = str(v["name"]), tuple(int(d) for d in v["shape"]), str(v["dtype"])
+            np.dtype(dtype)
+            out.append((name, shape, dtype))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ExportError(f"{where}: malformed variable list in the signature ({exc})") from None
+    names = [n for n, _, _ in out]
+    if len(set(names)) != len(names):
+        raise ExportError(f"{where}: the signature names a variable twice")
+    return out
+
+
+def _check_params(
+    params: Mapping[str, Array],
+    wanted: list[tuple[str, tuple[int, ...], str]],
+    where: str,
+) -> None:
+    """``params`` holds exactly the ``wanted`` variables with their shapes and dtypes."""
+    names = {n for n, _, _ in wanted}
+    extra = sorted(set(params) - names)
+    if extra:
+        raise ExportError(f"{where}: variables not in the signature: {', '.join(extra)}")
+    for name, shape, dtype in wanted:
+        if name not in params:
+            raise ExportError(f"{where}: variable {name!r} is missing")
+        a = params[name]
+        if tuple(a.shape) != shape:
+            raise ExportError(
+                f"{where}: variable {name!r} has shape {tuple(a.shape)}, signature says {shape}"
+            )
+        if a.dtype != np.dtype(dtype):
+            raise ExportError(
+                f"{where}: variable {name!r} has dtype {a.dtype}, signature says {dtype}"
+            )
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, data: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def export_model(
+    directory: str | os.PathLike[str],
+    signature: Mapping[str, Any],
+    params: Mapping[str, Array],
+    *,
+    metrics: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``params`` and ``signature`` as an export in ``directory`` (atomically).
+
+    ``signature`` is a model's :meth:`~zmqps.models.Model.signature`; ``params``
+    must hold exactly its variables, whole, with their shapes and dtypes.
+    ``metrics`` (e.g. the chief's summary: ``test_accuracy``, ``global_step``) and
+    ``extra`` (anything else worth keeping) go into ``signature.json``. Returns
+    the export's path.
+    """
+    from zmqps import __version__
+
+    target = Path(directory)
+    where = f"export {target}"
+    wanted = _variables(signature, where)
+    _check_params(params, wanted, where)
+    tensors = {name: np.ascontiguousarray(params[name]) for name, _, _ in wanted}
+    weights = st_save(tensors, metadata={"format": "zmqps", "kind": str(signature["kind"])})
+    model_part = _json_safe(dict(signature), "signature")
+    for key in _OWN_KEYS:  # a signature read back from an export carries these: renew them
+        model_part.pop(key, None)
+    doc: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "zmqps_version": __version__,
+        **model_part,
+        "weights": {"file": WEIGHTS_FILE, "sha256": hashlib.sha256(weights).hexdigest()},
+        "metrics": _json_safe(dict(metrics or {}), "metrics"),
+    }
+    if extra:
+        doc["extra"] = _json_safe(dict(extra), "extra")
+
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:12]
+    tmp = parent / f".{target.name}.tmp-{tag}"
+    old = parent / f".{target.name}.old-{tag}"
+    tmp.mkdir()
+    try:
+        _write(tmp / WEIGHTS_FILE, weights)
+        _write(tmp / SIGNATURE_FILE, (json.dumps(doc, indent=2) + "\n").encode())
+        _fsync(tmp)
+        if target.exists():
+            target.rename(old)
+        tmp.rename(target)
+        _fsync(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not target.exists():
+            with contextlib.suppress(OSError):
+                old.rename(target)  # put the previous export back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def read_signature(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``signature.json`` of the export in ``directory`` (its form checked, not the weights)."""
+    path = Path(directory) / SIGNATURE_FILE
+    where = f"export {Path(directory)}"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        if not Path(directory).is_dir():
+            raise ExportError(f"{where}: no such directory") from None
+        raise ExportError(f"{where}: no {SIGNATURE_FILE} (not a zmqps export?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExportError(f"{where}: cannot read {SIGNATURE_FILE}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ExportError(f"{where}: {SIGNATURE_FILE} is not a JSON object")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ExportError(
+            f"{where}: format_version {version!r} is not supported (expected {FORMAT_VERSION})"
+        )
+    _variables(doc, where)
+    weights = doc.get("weights")
+    if not isinstance(weights, dict) or not isinstance(weights.get("sha256"), str):
+        raise ExportError(f"{where}: {SIGNATURE_FILE} lacks the weights' sha256")
+    return doc
+
+
+def _rebuild(signature: Mapping[str, Any], where: str) -> Model:
+    config = signature["config"]
+    inputs = signature["inputs"]
+    outputs = signature["outputs"]
+    try:
+        options = dict(config)
+        input_dim = int(options.pop("input_dim", inputs["x"]["shape"][1]))
+        num_classes = int(
+            options.pop("num_classes", outputs["probabilities"]["shape"][1]),
+        )
+        return build_model(str(signature["kind"]), input_dim, num_classes, **options)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ExportError(f"{where}: cannot rebuild the model from the signature: {exc}") from None
+
+
+def load_model(directory: str | os.PathLike[str]) -> tuple[Model, dict[str, Array], dict[str, Any]]:
+    """Load the export in ``directory``: ``(model, params, signature)``.
+
+    Raises :class:`ExportError` when the export is missing, corrupted (the sha256
+    of the weights differs), or inconsistent (variables that differ from the
+    signature, or a signature that does not rebuild into the same model).
+    """
+    where = f"export {Path(directory)}"
+    signature = read_signature(directory)
+    weights_name = str(signature["weights"].get("file", WEIGHTS_FILE))
+    if Path(weights_name).name != weights_name:
+        raise ExportError(f"{where}: weights file {weights_name!r} is not a plain file name")
+    try:
+        data = (Path(directory) / weights_name).read_bytes()
+    except OSError as exc:
+        raise ExportError(f"{where}: cannot read {weights_name}: {exc.strerror}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != signature["weights"]["sha256"]:
+        raise ExportError(
+            f"{where}: {weights_name} is corrupted (sha256 {digest[:16]}..., the signature"
+            f" says {signature['weights']['sha256'][:16]}...)"
+        )
+    try:
+        params: dict[str, Array] = st_load(data)
+    except (SafetensorError, ValueError) as exc:
+        raise ExportError(
+            f"{where}: {weights_name} is not a valid safetensors file: {exc}"
+        ) from None
+    wanted = _variables(signature, where)
+    _check_params(params, wanted, where)
+    params = {name: params[name] for name, _, _ in wanted}  # the signature's order
+    model = _rebuild(signature, where)
+    built = [(v.name, v.shape, v.dtype) for v in model.variables()]
+    if built != wanted:
+        raise ExportError(
+            f"{where}: the signature's variables do not match a {signature['kind']} model"
+            f" built from its config"
+        )
+    return model, params, signature
