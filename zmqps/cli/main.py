@@ -1,4 +1,4 @@
-"""Entry points: ``zmqps`` (launch, server, worker, status, bench), ``zmqps-server``,
+"""Entry points: ``zmqps`` (launch, server, worker, status, predict, bench), ``zmqps-server``,
 ``zmqps-worker``.
 
 Errors users can fix (a bad cluster spec, a bad flag) print one line and exit 2;
@@ -175,6 +175,12 @@ def cmd_top(args: argparse.Namespace) -> int:
     return main_args(args)
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    from zmqps.cli.predict import run
+
+    return run(args)
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from zmqps.cli.launch import launch
 
@@ -191,6 +197,7 @@ def _build() -> argparse.ArgumentParser:
     from zmqps.bench.suites import add_bench_args
     from zmqps.cli.inspect import add_args as add_inspect_args
     from zmqps.cli.launch import add_launch_args
+    from zmqps.cli.predict import add_args as add_predict_args
 
     parser = argparse.ArgumentParser(
         prog="zmqps", description="zmqps: a parameter server over ZeroMQ"
@@ -230,6 +237,9 @@ def _build() -> argparse.ArgumentParser:
         "--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)"
     )
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("predict", help="run an exported model on a file of examples")
+    add_predict_args(p)
+    p.set_defaults(func=cmd_predict)
     p = sub.add_parser("bench", help="benchmarks: zmqps vs raw pyzmq vs torch RPC (BENCHMARKS.md)")
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
