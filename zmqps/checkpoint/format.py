@@ -329,6 +329,7 @@ def write_shard(
     renamed = False
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, 0o644)  # safetensors creates 0600; other readers (evaluator, inspect)
         _fsync_file(tmp)
         digest = sha256_file(tmp)
         nbytes = tmp.stat().st_size
