@@ -400,6 +400,7 @@ def test_register_heartbeat_leave() -> None:
             "heartbeat_interval": 0.5,
             "gen": 0,
             "recovering": False,
+            "steps_done": 0,
         }
         placement = await env.chief.create_variables(VARS, SGD)
         rep = await call(env.chief, "register", who(1, 3))

@@ -82,6 +82,58 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         f" {HOST} port, printed at start)",
     )
     g.add_argument("-q", "--quiet", action="store_true", help="print only warnings and the summary")
+    g = p.add_argument_group("checkpoints and faults")
+    g.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="checkpoint root (default: RUN_DIR/checkpoints); a run started on a root"
+        " that holds checkpoints resumes from the latest",
+    )
+    g.add_argument(
+        "--checkpoint-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="checkpoint every N global steps (default: by time, see --checkpoint-secs)",
+    )
+    g.add_argument(
+        "--checkpoint-secs",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="checkpoint every S seconds (default: 5 unless --checkpoint-steps is given)",
+    )
+    g.add_argument("--keep-checkpoints", type=int, default=3, metavar="K")
+    g.add_argument(
+        "--no-checkpoints",
+        dest="checkpoints",
+        action="store_false",
+        help="no checkpoints (a lost PS then restarts from the initial values)",
+    )
+    g.add_argument(
+        "--export-dir",
+        metavar="DIR",
+        help="export the final model here (default: RUN_DIR/model when --run-dir is given)",
+    )
+    g.add_argument(
+        "--restart",
+        choices=("on-failure", "never"),
+        default="on-failure",
+        help="restart a task that dies (like a Kubernetes restart policy; default: on-failure)",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="restarts per task before the launch gives up (default: 3)",
+    )
+    g.add_argument(
+        "--evaluator",
+        action="store_true",
+        help="also run a side-car evaluator on each new checkpoint (zmqps-worker --role"
+        " evaluator); its evaluations go to RUN_DIR/evaluator.jsonl",
+    )
 
 
 def free_ports(n: int, host: str = HOST) -> list[int]:
@@ -136,6 +188,7 @@ class Child:
     returncode: int | None = None
     log: IO[str] | None = None
     tail: list[str] = field(default_factory=list)
+    restarts: int = 0
 
 
 class Launcher:
@@ -162,11 +215,19 @@ class Launcher:
             worker=tuple(f"{HOST}:{p}" for p in ports[1 + args.ps : n]),
         )
         self.chief_summary = run_dir / "chief-summary.json"
+        self.checkpoint_dir: Path | None = None
+        if args.checkpoints:
+            self.checkpoint_dir = Path(args.checkpoint_dir or run_dir / "checkpoints").resolve()
+        self.export_dir: Path | None = None
+        if args.export_dir or args.run_dir:
+            self.export_dir = Path(args.export_dir or run_dir / "model").resolve()
+        self.restarts: list[dict[str, Any]] = []
         self.children = self._children()
         self.bar: tqdm[Any] | None = None
         self.stopping = False
         self.failure = ""
         self.first_failed: Child | None = None
+        self.env: dict[str, str] = {}
 
     def _children(self) -> list[Child]:
         a = self.args
@@ -184,6 +245,19 @@ class Launcher:
         ]
         if a.num_shards:
             server += ["--num-shards", str(a.num_shards)]
+        ckpt: list[str] = []
+        if self.checkpoint_dir is not None:
+            ckpt = ["--checkpoint-dir", str(self.checkpoint_dir)]
+            policy = ["--keep-checkpoints", str(a.keep_checkpoints)]
+            if a.checkpoint_steps:
+                policy += ["--checkpoint-steps", str(a.checkpoint_steps)]
+            policy += [
+                "--checkpoint-secs",
+                str(a.checkpoint_secs or (0 if a.checkpoint_steps else 5)),
+            ]
+            server += [*ckpt, *policy]
+        if self.export_dir is not None:
+            server += ["--export-dir", str(self.export_dir)]
         kids = [
             Child(
                 "chief",
@@ -201,13 +275,30 @@ class Launcher:
             )
         ]
         kids += [
-            Child(f"ps{i}", [*base, "server", "--role", "ps", "--index", str(i), *common])
+            Child(f"ps{i}", [*base, "server", "--role", "ps", "--index", str(i), *common, *ckpt])
             for i in range(a.ps)
         ]
         kids += [
             Child(f"worker{i}", [*base, "worker", "--index", str(i), *common, *job, *worker])
             for i in range(a.workers)
         ]
+        if a.evaluator:
+            kids.append(
+                Child(
+                    "evaluator",
+                    [
+                        *base,
+                        "worker",
+                        "--role",
+                        "evaluator",
+                        *common,
+                        *job,
+                        *ckpt,
+                        "--eval-log",
+                        str(self.run_dir / "evaluator.jsonl"),
+                    ],
+                )
+            )
         for kid in kids:
             if kid.name in self.metrics_ports:
                 port = str(self.metrics_ports[kid.name])
@@ -242,16 +333,53 @@ class Launcher:
             if not self.args.quiet or " W " in line or " E " in line or "Traceback" in line:
                 self.say(f"[{child.name}] {line}")
 
+    async def _start(self, child: Child) -> None:
+        child.returncode = None
+        child.proc = await asyncio.create_subprocess_exec(
+            *child.argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+        )
+
     async def _watch(self, child: Child) -> None:
-        assert child.proc is not None
-        relay = asyncio.ensure_future(self._relay(child))
-        child.returncode = await child.proc.wait()
-        await relay
-        if child.returncode != 0 and not self.stopping:
+        """Supervise one task: restart it when it dies (``--restart on-failure``, at most
+        ``--max-restarts`` times), else stop the whole cluster."""
+        while True:
+            assert child.proc is not None
+            relay = asyncio.ensure_future(self._relay(child))
+            child.returncode = await child.proc.wait()
+            await relay
+            if child.returncode == 0 or self.stopping:
+                return
+            chief = self.children[0]
+            if child is not chief and chief.returncode == 0:
+                self.say(f"zmqps launch: {child.name} exited with {child.returncode} after the end")
+                return  # training is over: nothing to restart it for
+            how = (
+                f"killed by signal {-child.returncode}"
+                if child.returncode < 0
+                else f"exited with code {child.returncode}"
+            )
+            if self.args.restart == "on-failure" and child.restarts < self.args.max_restarts:
+                child.restarts += 1
+                self.restarts.append({"task": child.name, "why": how, "at": time.time()})
+                self.say(
+                    f"zmqps launch: {child.name} {how}; restarting it"
+                    f" ({child.restarts}/{self.args.max_restarts})"
+                )
+                await asyncio.sleep(0.2)
+                if self.stopping:
+                    return
+                await self._start(child)
+                continue
             self.first_failed = child
-            self.failure = f"{child.name} exited with code {child.returncode}"
+            self.failure = f"{child.name} {how}"
             self.say(f"zmqps launch: {self.failure}; stopping the cluster")
             await self.stop()
+            return
 
     async def stop(self) -> None:
         self.stopping = True
@@ -292,18 +420,11 @@ class Launcher:
         interrupted = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, interrupted.set)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("TF_CONFIG", None)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.env.pop("TF_CONFIG", None)
         for c in self.children:
             c.log = open(self.run_dir / f"{c.name}.log", "w")  # noqa: SIM115 - closed below
-            c.proc = await asyncio.create_subprocess_exec(
-                *c.argv,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                stdin=asyncio.subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
+            await self._start(c)
         if not self.args.no_progress and sys.stderr.isatty():
             self.bar = tqdm(
                 total=None, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True
@@ -384,6 +505,7 @@ def launch(args: argparse.Namespace) -> int:
         return code
     summary = json.loads(launcher.chief_summary.read_text())
     summary["wall_seconds"] = round(time.monotonic() - started, 3)
+    summary["restarts"] = launcher.restarts
     if args.run_dir:
         summary["run_dir"] = str(run_dir)
     else:

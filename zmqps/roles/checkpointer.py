@@ -81,7 +81,7 @@ class Checkpointer:
         self.ps = list(ps)
         self.metrics = metrics
         self.clock = clock
-        self.last_step = -1
+        self.last_step = 0
         self.last_time = clock()
         self.last_committed: Checkpoint | None = None
         self.committed = 0

@@ -170,7 +170,10 @@ class ChiefService:
             "rejoined" if rejoin else "registered",
         )
         await self.sync.membership_changed(rejoined=rejoin)
-        return reply(msg, self._cluster_info())
+        info = self._cluster_info()
+        # a new incarnation resumes its work where the earlier ones stopped
+        info["steps_done"] = self.members.workers[b["index"]].steps_before
+        return reply(msg, info)
 
     def _cluster_info(self) -> dict[str, Any]:
         return {

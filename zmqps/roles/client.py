@@ -36,7 +36,7 @@ from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.transport.base import Requester
 from zmqps.transport.shm import Region, create_region, unlink_region
 from zmqps.wire import Message, Tensor
-from zmqps.wire.errors import InvalidArgument, NotFound, ProtocolError, ZmqpsError
+from zmqps.wire.errors import InvalidArgument, NotFound, ProtocolError, RolledBack, ZmqpsError
 
 __all__ = ["ParameterClient"]
 
@@ -270,6 +270,17 @@ class ParameterClient:
                 for s in mine:
                     offsets[s.id] = block(s.rows * v.row_size * v.itemsize)
         return offsets, whole, pos
+
+    def restored(self, gen: int) -> None:
+        """The cluster was restored into generation ``gen``: fail the requests still
+        waiting (a restarted PS never answers them), and attach shared memory afresh (a
+        restarted PS does not know the old regions; the old ones are freed once unused)."""
+        self.gen = gen
+        for c in self.ps:
+            fail = getattr(c, "fail_pending", None)
+            if fail is not None:
+                fail(RolledBack(f"the cluster was restored (generation {gen})"))
+        self._fast = [None] * len(self.ps)
 
     async def close(self) -> None:
         """Release shared-memory regions (best effort: the PS also drops them on rejoin)."""

@@ -68,6 +68,7 @@ class PSConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no exporter; 0: a free port
     checkpoint_dir: str | None = None  # the shared checkpoint root this PS writes shards to
+    stop_grace: float = 8.0  # SIGTERM: seconds to serve on for the chief's final checkpoint
 
 
 _PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
@@ -612,10 +613,21 @@ async def serve_ps(
     log.info("ps %d: serving on %s", cfg.index, endpoint)
     server.start()
     loop = asyncio.get_running_loop()
+    terminated = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, service.shutdown_requested.set)
+        loop.add_signal_handler(sig, terminated.set)
     try:
-        await service.shutdown_requested.wait()
+        stop = asyncio.ensure_future(service.shutdown_requested.wait())
+        term = asyncio.ensure_future(terminated.wait())
+        await asyncio.wait([stop, term], return_when=asyncio.FIRST_COMPLETED)
+        if not service.shutdown_requested.is_set():
+            # SIGTERM (the whole cluster is stopping): serve on a little, so the chief
+            # can take its final checkpoint, until it says shutdown or the grace ends.
+            log.info("ps %d: SIGTERM; serving until the chief's shutdown", cfg.index)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(service.shutdown_requested.wait(), cfg.stop_grace)
+        stop.cancel()
+        term.cancel()
         await asyncio.sleep(0.05)  # let the shutdown reply leave
     finally:
         await server.stop()

@@ -115,6 +115,8 @@ class Worker:
         self.ps_addresses: list[str] = list(info["ps"])
         self.mode: str = info["mode"]
         self.gen = int(info.get("gen", 0))
+        #: steps earlier incarnations of this worker did (the built-in loop skips them)
+        self.steps_done = int(info.get("steps_done", 0))
         self._heartbeat_interval = float(info["heartbeat_interval"])
         if info["placement"] is not None:
             self._use(Placement.from_wire(info["placement"]))
@@ -298,8 +300,8 @@ class Worker:
             await asyncio.sleep(0.2)
         self.gen = gen
         self.token = None  # a token of before the restore is void
-        if self._client is not None:
-            self._client.gen = gen
+        if self._client is not None and self._client.gen != gen:
+            self._client.restored(gen)
         log.warning("%s: resuming in generation %d", self.name, gen)
 
     def _recovering(self, call: Callable[[], Coroutine[Any, Any, T]]) -> T:
@@ -411,9 +413,19 @@ class Worker:
             if self.loss is not None and np.isfinite(self.loss):
                 body["loss"] = self.loss
             try:
-                await self._chief.request(
+                rep = await self._chief.request(
                     "heartbeat", body, timeout=max(2.0, self._heartbeat_interval * 3)
                 )
+                gen = rep.body.get("gen")
+                client = self._client
+                if (
+                    isinstance(gen, int)
+                    and client is not None
+                    and gen != client.gen
+                    and not rep.body.get("recovering")
+                ):
+                    log.warning("%s: the cluster was restored (generation %d)", self.name, gen)
+                    client.restored(gen)  # requests waiting on a lost PS fail now
             except NotFound:
                 await self._reregister()
             except DeadlineExceeded:
@@ -489,8 +501,14 @@ def train(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
     )
     t_last, s_last = time.perf_counter(), 0
     loss = float("nan")
+    skip = worker.steps_done
+    if skip:
+        log.info("worker %d: resuming after the %d steps of earlier runs", worker.index, skip)
     for epoch in range(job.epochs):
         for x, y in batches(data, job.batch_size, epoch, seed=job.seed * 1000 + worker.index):
+            if skip:
+                skip -= 1
+                continue
             worker.begin_step()
             if worker.mode != "async":
                 params = worker.pull()  # sync: the values of the token's step

@@ -155,6 +155,16 @@ class Client:
             else:
                 fut.set_result(msg)
 
+    def fail_pending(self, exc: BaseException) -> int:
+        """Fail every request waiting for a reply with ``exc`` (their peer's state is gone,
+        e.g. the cluster was restored); returns how many."""
+        n = 0
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+                n += 1
+        return n
+
     async def close(self) -> None:
         if self._closed:
             return
