@@ -41,6 +41,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,8 @@ MANIFEST = "manifest.json"
 LATEST = "LATEST"
 #: Longest name accepted (the wire's CKPT_NAME limit).
 MAX_NAME = 96
+#: Shard files :meth:`Checkpoint.verify` hashes at once.
+VERIFY_THREADS = 4
 
 _COMMITTED = re.compile(r"ckpt-([0-9]{12,})")
 _TEMP = re.compile(r"\.tmp-ckpt-([0-9]{12,})-[0-9a-f]{8}")
@@ -189,10 +192,14 @@ class Checkpoint:
         if m is not None and int(m.group(1)) != self.step:
             problems.append(f"directory name says step {int(m.group(1))}, manifest {self.step}")
         defs = {v.name: v for v in self.variable_defs()}
-        for rec in self.manifest.shards:
-            problem = self._verify_shard(rec, defs[rec.var])
-            if problem:
-                problems.append(f"{rec.file}: {problem}")
+        shards = self.manifest.shards
+        # hashlib releases the GIL on large buffers: hash a few files at once
+        workers = max(1, min(VERIFY_THREADS, len(shards)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="zmqps-verify") as pool:
+            found = pool.map(lambda rec: self._verify_shard(rec, defs[rec.var]), shards)
+            for rec, problem in zip(shards, found, strict=True):
+                if problem:
+                    problems.append(f"{rec.file}: {problem}")
         return problems
 
     def _verify_shard(self, rec: ShardRecord, var: VariableDef) -> str | None:
