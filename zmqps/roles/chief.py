@@ -467,6 +467,7 @@ class ChiefService:
             states = await self.ps_states(self.cfg.startup_timeout)
             self.ps_boots = {i: st["boot"] for i, st in enumerate(states)}
             self.gen = max([self.gen, *(int(st["gen"]) for st in states)])
+            before = self.global_step
             step = await self.restore_all(reason)
             self._start_driver()
         finally:
@@ -478,6 +479,7 @@ class ChiefService:
             "reason": reason,
             "ps": list(lost),
             "step": step,
+            "lost_steps": max(0, before - step) if self.mode == "sync" else None,
             "gen": self.gen,
             "detect_to_resume_s": round(now - detected_at, 3),
             "restore_s": round(now - started, 3),
