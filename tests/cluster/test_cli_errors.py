@@ -34,7 +34,7 @@ CASES = {
     "ps-task-for-zmqps-worker": (
         ["zmqps-worker"],
         {"TF_CONFIG": _tf_config("ps", 0)},
-        "zmqps-worker runs role worker, not 'ps'",
+        "zmqps-worker runs roles worker and evaluator, not 'ps'",
     ),
     "worker-role-for-zmqps-server": (
         ["zmqps-server"],

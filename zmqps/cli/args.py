@@ -23,6 +23,7 @@ from zmqps.wire.errors import ConfigError
 
 __all__ = [
     "add_cluster_args",
+    "add_evaluator_args",
     "add_job_args",
     "add_metrics_args",
     "add_server_args",
@@ -210,6 +211,32 @@ def add_metrics_args(p: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         metavar="HOST",
         help="address the metrics endpoint binds (default: 127.0.0.1, this host only)",
+    )
+
+
+def add_evaluator_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("evaluator (--role evaluator)")
+    g.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="evaluate each new committed checkpoint in DIR (default: pull snapshots"
+        " from the PS when the global step moved)",
+    )
+    g.add_argument(
+        "--eval-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds between evaluations, at most one per interval (default: 2)",
+    )
+    g.add_argument("--eval-log", metavar="FILE", help="append one JSON line per evaluation to FILE")
+    g.add_argument(
+        "--chief-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="exit with an error when the chief has not answered for S seconds before"
+        " training finished (default: 30)",
     )
 
 

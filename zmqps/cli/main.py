@@ -18,6 +18,7 @@ from typing import Any
 
 from zmqps.cli.args import (
     add_cluster_args,
+    add_evaluator_args,
     add_job_args,
     add_metrics_args,
     add_server_args,
@@ -51,6 +52,7 @@ def _worker_parser(p: argparse.ArgumentParser) -> None:
     add_cluster_args(p)
     add_job_args(p)
     add_metrics_args(p)
+    add_evaluator_args(p)
     p.add_argument(
         "--no-shm",
         dest="shared_memory",
@@ -110,8 +112,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from zmqps.roles.worker import Terminated, Worker, train
 
     cluster, task = cluster_and_task(args, default_role="worker")
+    if task.role == "evaluator":
+        return _evaluator(cluster.chief, args)
     if task.role != "worker":
-        raise ConfigError(f"zmqps-worker runs role worker, not {task.role!r}")
+        raise ConfigError(f"zmqps-worker runs roles worker and evaluator, not {task.role!r}")
     job = job_from_args(args)
     if job is None:
         raise ConfigError(
@@ -144,6 +148,29 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if exporter is not None:
             exporter.close()
     return 0
+
+
+def _evaluator(chief: str | None, args: argparse.Namespace) -> int:
+    from zmqps.roles.evaluator import EvaluatorConfig, run_evaluator
+
+    job = job_from_args(args)
+    if job is None:
+        raise ConfigError("the evaluator needs the job's built-in --model")
+    if chief is None:
+        raise ConfigError("the cluster spec has no chief for the evaluator to follow")
+    return run_evaluator(
+        EvaluatorConfig(
+            chief=chief,
+            job=job,
+            checkpoint_dir=args.checkpoint_dir,
+            interval=args.eval_interval,
+            chief_timeout=args.chief_timeout,
+            connect_timeout=args.connect_timeout,
+            eval_log=args.eval_log,
+            metrics_host=args.metrics_host,
+            metrics_port=metrics_port(args),
+        )
+    )
 
 
 def _terminated(signum: int, frame: object) -> None:

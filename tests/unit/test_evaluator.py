@@ -1,0 +1,389 @@
+"""The side-car evaluator against a real ChiefService and PSService over the in-memory network.
+
+Workers are played by the test (register, heartbeat, leave, a push through a
+ParameterClient); checkpoints are written with the checkpoint library into tmp_path.
+Every test runs inside ``asyncio.run`` with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+import zmqps
+from zmqps.config import ClusterSpec
+from zmqps.core.partition import Partitioner, plan
+from zmqps.data import Dataset, load_digits
+from zmqps.metrics import Metrics
+from zmqps.models import Model
+from zmqps.roles.chief import ChiefConfig, ChiefService
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.evaluator import Evaluator, EvaluatorConfig
+from zmqps.roles.job import JobConfig
+from zmqps.roles.ps import PSService
+from zmqps.transport import FakeNetwork, Requester, TransportStats
+from zmqps.wire.errors import ConfigError, DeadlineExceeded
+
+pytestmark = pytest.mark.timeout(60)
+
+T = TypeVar("T")
+CHIEF = "127.0.0.1:7000"
+PS = ("127.0.0.1:7100", "127.0.0.1:7101")
+SGD = {"name": "sgd", "lr": 0.5}
+JOB = JobConfig(model="softmax", optimizer=SGD)
+FAST = 0.05  # seconds: the evaluation interval of these tests
+
+
+def run(coro: Awaitable[T], timeout: float = 30.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+@pytest.fixture(scope="module")
+def test_split() -> Dataset:
+    return load_digits("test")
+
+
+async def until(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@dataclass
+class Cluster:
+    """A chief and two PS on a FakeNetwork, the softmax job's variables created."""
+
+    net: FakeNetwork
+    chief: ChiefService
+    model: Model
+    workers: int
+    ps_stats: list[TransportStats]
+    probe_answer: bool = False  # what the evaluator's port probe says (True: nobody listens)
+    probed: list[str] = field(default_factory=list)
+
+    def probe(self, address: str) -> bool:
+        self.probed.append(address)
+        return self.probe_answer
+
+    def evaluator(self, test: Dataset, **cfg: Any) -> Evaluator:
+        cfg.setdefault("interval", FAST)
+        cfg.setdefault("chief_timeout", 5.0)
+        cfg.setdefault("request_timeout", 0.2)
+        metrics = cfg.pop("metrics", None)
+        config = EvaluatorConfig(chief=CHIEF, job=cfg.pop("job", JOB), **cfg)
+
+        def connect_ps(addresses: Any) -> list[Requester]:
+            return [self.net.client(a, "evaluator:0") for a in addresses]
+
+        return Evaluator(
+            config,
+            self.net.client(CHIEF, "evaluator:0:1"),
+            connect_ps,
+            test,
+            metrics=metrics,
+            probe=self.probe,
+        )
+
+    async def worker(self, index: int, op: str, **body: Any) -> None:
+        who = {"role": "worker", "index": index, "incarnation": 1, **body}
+        if op != "register":
+            who.setdefault("step", 0)
+        await self.net.client(CHIEF, f"worker:{index}").request(op, who)
+
+    def params_client(self) -> ParameterClient:
+        assert self.chief.placement is not None
+        ps = [self.net.client(a, "trainer") for a in PS]
+        return ParameterClient(
+            ps, self.chief.placement, worker="trainer", incarnation=1, shared_memory=False
+        )
+
+
+async def make_cluster(test: Dataset, workers: int = 1, create: bool = True) -> Cluster:
+    spec = ClusterSpec(
+        chief=CHIEF, ps=PS, worker=tuple(f"127.0.0.1:{7200 + i}" for i in range(workers))
+    )
+    net = FakeNetwork()
+    stats = [net.serve(addr, PSService(i), name=f"ps{i}") for i, addr in enumerate(PS)]
+    cfg = ChiefConfig(
+        bind=f"tcp://{CHIEF}",
+        cluster=spec,
+        optimizer=dict(SGD),
+        partitioner=Partitioner(num_shards=2),
+    )
+    chief = ChiefService(cfg, [net.client(a, "chief:0") for a in PS])
+    net.serve(CHIEF, chief, name="chief")
+    model = JOB.build_model(test)
+    if create:
+        await chief.create_variables(model.variables(), dict(SGD))
+    return Cluster(net, chief, model, workers, stats)
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# -- source B: snapshots pulled from the PS ---------------------------------------
+
+
+def test_snapshots_follow_the_global_step_until_training_finishes(
+    tmp_path: Path, test_split: Dataset
+) -> None:
+    log_path = tmp_path / "eval.jsonl"
+    metrics = Metrics()
+
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        ev = c.evaluator(test_split, eval_log=str(log_path), metrics=metrics)
+        task = asyncio.ensure_future(ev.run())
+        await until(lambda: len(ev.evaluations) == 1, "the first evaluation")
+        assert ev.evaluations[0].step == 0  # the initial model
+
+        # The step does not move: no new evaluation, however many intervals pass.
+        await asyncio.sleep(6 * FAST)
+        assert len(ev.evaluations) == 1
+
+        # A worker trains: one SGD step on the train split, reported in a heartbeat.
+        await c.worker(0, "register", steps_planned=1)
+        trainer = c.params_client()
+        train = load_digits("train")
+        params = await trainer.pull()
+        _, grads = c.model.loss_and_grads(params, train.x[:256], train.y[:256])
+        await trainer.push(grads)
+        await c.worker(0, "heartbeat", step=1)
+        await until(lambda: len(ev.evaluations) == 2, "an evaluation of step 1")
+        trained = {k: v.copy() for k, v in (await trainer.pull()).items()}
+        want = c.model.evaluate(trained, test_split.x, test_split.y)
+        second = ev.evaluations[1]
+        assert (second.step, second.source) == (1, "snapshot")
+        assert second.accuracy == pytest.approx(want["accuracy"])
+        assert second.loss == pytest.approx(want["loss"], rel=1e-6)
+
+        # The worker leaves having done its work: finished; one last snapshot (step 2).
+        await c.worker(0, "leave", step=2, reason="done")
+        evaluations = await asyncio.wait_for(task, 5.0)
+        assert [e.step for e in evaluations] == [0, 1, 2]
+        assert c.probed == []  # the end was seen in the status, not guessed
+        # The evaluator only pulled (the one push is the trainer's).
+        assert sum(s.by_op.get("pull", 0) for s in c.ps_stats) >= 3
+        assert sum(s.by_op.get("push", 0) for s in c.ps_stats) == 2  # 1 push x 2 PS
+
+    run(body())
+    lines = read_log(log_path)
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    for line in lines:
+        assert set(line) == {"step", "accuracy", "loss", "source", "time"}
+        assert 0.0 <= line["accuracy"] <= 1.0 and line["source"] == "snapshot"
+    sample = metrics.registry.get_sample_value
+    assert sample("zmqps_evaluations_total") == 3
+    assert sample("zmqps_eval_step") == 2
+    assert sample("zmqps_eval_accuracy") == pytest.approx(lines[-1]["accuracy"])
+    assert sample("zmqps_eval_loss") == pytest.approx(lines[-1]["loss"])
+    info = {"role": "evaluator", "index": "0", "mode": "async", "version": zmqps.__version__}
+    assert sample("zmqps_info", info) == 1
+
+
+def test_the_evaluator_is_not_a_worker(test_split: Dataset) -> None:
+    async def body() -> None:
+        c = await make_cluster(test_split, create=False)
+        ev = c.evaluator(test_split)
+        task = asyncio.ensure_future(ev.run())
+        await asyncio.sleep(5 * FAST)
+        assert ev.placement is None  # waiting for the variables
+        assert c.chief.members.workers == {}  # registered, but not counted as a worker
+        await c.chief.create_variables(c.model.variables(), dict(SGD))
+        await until(lambda: ev.evaluations, "an evaluation once the variables exist")
+        assert c.chief.members.workers == {}
+        ev.stop()
+        await asyncio.wait_for(task, 5.0)
+
+    run(body())
+
+
+def test_job_flags_that_do_not_match_the_cluster(test_split: Dataset) -> None:
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        ev = c.evaluator(test_split, job=JobConfig(model="mlp", hidden=(8,), optimizer=SGD))
+        with pytest.raises(ConfigError, match="do not match --model mlp"):
+            await ev.run()
+
+    run(body())
+
+
+def test_a_silent_chief_is_an_error_after_chief_timeout(test_split: Dataset) -> None:
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        ev = c.evaluator(test_split, chief_timeout=0.5)
+        task = asyncio.ensure_future(ev.run())
+        await until(lambda: ev.evaluations, "the first evaluation")
+        c.net.remove(CHIEF)  # the chief crashed; the PS still listen (probe: False)
+        with pytest.raises(DeadlineExceeded, match=r"has not answered status requests for 0\.5s"):
+            await asyncio.wait_for(task, 5.0)
+        assert CHIEF in c.probed and set(PS) <= set(c.probed)
+
+    run(body())
+
+
+def test_a_cluster_that_shut_down_ends_the_evaluation(test_split: Dataset) -> None:
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        ev = c.evaluator(test_split, chief_timeout=30.0)
+        task = asyncio.ensure_future(ev.run())
+        await until(lambda: ev.evaluations, "the first evaluation")
+        await c.worker(0, "register", steps_planned=5)
+        await c.worker(0, "heartbeat", step=3)
+        await until(lambda: ev._watch.global_step == 3, "the step seen")
+        # The chief ended and shut the PS down between two polls: every port is closed.
+        c.probe_answer = True
+        c.net.remove(CHIEF)
+        for addr in PS:
+            c.net.remove(addr)
+        evaluations = await asyncio.wait_for(task, 5.0)  # well before chief_timeout
+        assert evaluations[-1].step in (0, 3)  # no final snapshot: the PS are gone
+
+    run(body())
+
+
+def test_stop_ends_it_promptly(test_split: Dataset) -> None:
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        ev = c.evaluator(test_split, interval=60.0)
+        task = asyncio.ensure_future(ev.run())
+        await until(lambda: ev.evaluations, "the first evaluation")
+        ev.stop()
+        await asyncio.wait_for(task, 1.0)
+
+    run(body())
+
+
+def test_config_checks() -> None:
+    with pytest.raises(ConfigError, match="--eval-interval must be > 0"):
+        EvaluatorConfig(chief=CHIEF, job=JOB, interval=0)
+    with pytest.raises(ConfigError, match="--chief-timeout must be > 0"):
+        EvaluatorConfig(chief=CHIEF, job=JOB, chief_timeout=-1)
+
+
+# -- source A: checkpoints --------------------------------------------------------
+
+
+def write_checkpoint(root_dir: Path, model: Model, params: dict[str, np.ndarray], step: int) -> str:
+    """Commit ``params`` as the checkpoint of ``step`` (two PS, two shards a variable)."""
+    from zmqps.checkpoint import CheckpointRoot, Manifest, write_shard
+
+    pl = plan(model.variables(), 2, Partitioner(num_shards=2), optimizer=dict(SGD))
+    root = CheckpointRoot(root_dir, keep=0)
+    temp = root.new_temp(step)
+    records = []
+    for _, sd in pl.shard_defs():
+        rows = params[sd.var][sd.row_start : sd.row_start + sd.rows]
+        records.append(write_shard(temp, sd, np.ascontiguousarray(rows), {}, version=step))
+    manifest = Manifest(
+        step=step,
+        variables=[v.to_wire() for v in pl.variables],
+        optimizer=dict(SGD),
+        num_ps=2,
+        shards=records,
+    )
+    return root.commit(temp, manifest).name
+
+
+def corrupt(ckpt_dir: Path) -> None:
+    shard = sorted(ckpt_dir.glob("shard-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x40
+    shard.write_bytes(bytes(data))
+
+
+def test_checkpoints_each_new_one_once_corrupted_ones_skipped(
+    tmp_path: Path, test_split: Dataset, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("zmqps.checkpoint", reason="the checkpoint library is not available")
+    ckpts = tmp_path / "ckpts"
+    log_path = tmp_path / "eval.jsonl"
+
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        m = c.model
+        rng = np.random.default_rng(0)
+        values = [
+            {v.name: rng.normal(size=v.shape).astype(v.dtype) for v in m.variables()}
+            for _ in range(4)
+        ]
+        ev = c.evaluator(test_split, checkpoint_dir=str(ckpts), eval_log=str(log_path))
+        task = asyncio.ensure_future(ev.run())
+        await asyncio.sleep(4 * FAST)
+        assert ev.evaluations == []  # no checkpoint yet (the directory does not even exist)
+
+        first = write_checkpoint(ckpts, m, values[0], 10)
+        await until(lambda: len(ev.evaluations) == 1, "the first checkpoint's evaluation")
+        await asyncio.sleep(4 * FAST)
+        assert len(ev.evaluations) == 1  # evaluated once
+
+        bad = write_checkpoint(ckpts, m, values[1], 20)
+        corrupt(ckpts / bad)
+        await until(lambda: "skipped" in caplog.text, "the warning about the corrupted one")
+        good = write_checkpoint(ckpts, m, values[2], 30)
+        await until(lambda: len(ev.evaluations) == 2, "the third checkpoint's evaluation")
+
+        last = write_checkpoint(ckpts, m, values[3], 40)
+        await c.worker(0, "register", steps_planned=1)
+        await c.worker(0, "leave", step=1, reason="done")
+        await until(lambda: ev._watch.finished, "the end of training seen")
+        c.net.remove(CHIEF)  # the chief ends soon after "finished"
+        evaluations = await asyncio.wait_for(task, 10.0)
+
+        assert [(e.step, e.checkpoint) for e in evaluations] == [
+            (10, first),
+            (30, good),
+            (40, last),
+        ]
+        for e, v in zip(evaluations, (values[0], values[2], values[3]), strict=True):
+            want = m.evaluate(v, test_split.x, test_split.y)
+            assert e.source == "checkpoint"
+            assert e.accuracy == pytest.approx(want["accuracy"])
+            assert e.loss == pytest.approx(want["loss"], rel=1e-6)
+
+    with caplog.at_level(logging.WARNING, logger="zmqps"):
+        run(body())
+    assert "checkpoint ckpt-000000000020 skipped" in caplog.text
+    lines = read_log(log_path)
+    assert [(x["step"], x["checkpoint"]) for x in lines] == [
+        (10, "ckpt-000000000010"),
+        (30, "ckpt-000000000030"),
+        (40, "ckpt-000000000040"),
+    ]
+
+
+def test_checkpoint_of_another_model_is_skipped(
+    tmp_path: Path, test_split: Dataset, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("zmqps.checkpoint", reason="the checkpoint library is not available")
+    ckpts = tmp_path / "ckpts"
+
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        other = JobConfig(model="mlp", hidden=(4,)).build_model(test_split)
+        params = {v.name: np.zeros(v.shape, v.dtype) for v in other.variables()}
+        write_checkpoint(ckpts, other, params, 5)
+        ev = c.evaluator(test_split, checkpoint_dir=str(ckpts))
+        task = asyncio.ensure_future(ev.run())
+        await until(lambda: "skipped" in caplog.text, "the warning")
+        assert ev.evaluations == []
+        ev.stop()
+        await asyncio.wait_for(task, 5.0)
+
+    with caplog.at_level(logging.WARNING, logger="zmqps"):
+        run(body())
+    assert "variables missing or of another shape: softmax/b, softmax/w" in caplog.text

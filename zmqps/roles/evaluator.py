@@ -1,0 +1,586 @@
+"""The side-car evaluator: scores the model on the test split while the cluster trains.
+
+Rules of this module:
+
+* The evaluator registers with the chief as role ``evaluator`` (never counted as
+  a worker), waits for the placement and never pushes anything: it cannot change
+  the model, and training never waits for it.
+* Two sources of models. With a checkpoint directory it evaluates each new
+  committed checkpoint it finds there (read from disk, verified; one that fails
+  verification is skipped with a warning). Without one it pulls a snapshot of
+  every dense variable from the PS, at most once per interval and only when the
+  chief's global step has moved since the last evaluation.
+* Each evaluation is published three ways: a log line, the ``zmqps_eval_*``
+  metrics (when an exporter runs) and, optionally, a JSON line in the eval log.
+* The end: training is over when the chief's status says ``finished`` (or shows
+  every worker done), or when the chief and every PS refuse connections (the
+  chief shuts the PS down as it ends; the ``finished`` moment lasts milliseconds
+  and a poll can miss it). The evaluator then scores the final model once more if
+  it is new and readable, and exits 0. A chief that does not answer for
+  ``chief_timeout`` seconds otherwise (a crash: the PS still listen; a network
+  problem: connections time out) is an error (exit 1). SIGTERM / SIGINT stop it
+  cleanly (exit 0).
+* Reading a checkpoint and scoring run in a worker thread, so the event loop
+  keeps watching the chief and signals meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import signal
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy.typing as npt
+import zmq.asyncio
+
+from zmqps.config import split_address
+from zmqps.core.variables import Placement
+from zmqps.data import Dataset
+from zmqps.metrics import Metrics
+from zmqps.models import Model
+from zmqps.roles._run import start_exporter
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.job import JobConfig
+from zmqps.transport import Client, Requester, SocketOptions
+from zmqps.wire.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    NotReady,
+    ShutdownError,
+    ZmqpsError,
+)
+
+__all__ = [
+    "Evaluation",
+    "Evaluator",
+    "EvaluatorConfig",
+    "run_evaluator",
+    "serve_evaluator",
+]
+
+log = logging.getLogger("zmqps.evaluator")
+
+Array = npt.NDArray[Any]
+
+#: Seconds between two looks at the chief's status (an evaluation still happens at
+#: most once per interval).
+STATUS_POLL_S = 0.5
+#: After ``finished`` (checkpoint source): how long to wait for the chief to go away,
+#: so a checkpoint written at the very end is seen.
+FINAL_GRACE_S = 10.0
+
+
+class CheckpointLike(Protocol):
+    """What the evaluator reads of a committed checkpoint."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    def variables(self) -> dict[str, Array]: ...
+
+
+class CheckpointRootLike(Protocol):
+    """A checkpoint directory: its committed checkpoints, oldest first."""
+
+    def checkpoints(self) -> Sequence[CheckpointLike]: ...
+
+    def latest(self, verify: bool = ...) -> CheckpointLike | None: ...
+
+
+def port_closed(address: str, timeout: float = 1.0) -> bool:
+    """Whether a TCP connection to ``address`` (host:port) is refused: nobody listens.
+
+    A timeout or an unreachable host is not "closed" (the peer may be alive behind a
+    slow or broken network).
+    """
+    host, port = split_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def open_checkpoint_root(directory: str) -> CheckpointRootLike:
+    """The checkpoint library's view of ``directory``."""
+    from zmqps.checkpoint import CheckpointRoot
+
+    root: CheckpointRootLike = CheckpointRoot(directory)
+    return root
+
+
+@dataclass(frozen=True)
+class EvaluatorConfig:
+    chief: str
+    job: JobConfig
+    checkpoint_dir: str | None = None  # set: evaluate checkpoints; None: pull snapshots
+    interval: float = 2.0  # seconds between evaluations (at most one per interval)
+    chief_timeout: float = 30.0  # seconds the chief may stay silent before training ended
+    connect_timeout: float = 120.0  # seconds to wait for the chief at start
+    eval_log: str | None = None  # append one JSON line per evaluation here
+    request_timeout: float = 3.0
+    pull_timeout: float = 30.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no exporter; 0: a free port
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "chief_timeout", "connect_timeout"):
+            if not getattr(self, name) > 0:
+                flag = {"interval": "eval-interval"}.get(name, name.replace("_", "-"))
+                raise ConfigError(f"--{flag} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def source(self) -> str:
+        return "checkpoint" if self.checkpoint_dir else "snapshot"
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One model scored on the test split."""
+
+    step: int
+    accuracy: float
+    loss: float
+    source: str  # "checkpoint" or "snapshot"
+    time: float  # Unix time of the evaluation
+    checkpoint: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "step": self.step,
+            "accuracy": self.accuracy,
+            "loss": self.loss if math.isfinite(self.loss) else None,
+            "source": self.source,
+            "time": round(self.time, 3),
+        }
+        if self.checkpoint is not None:
+            out["checkpoint"] = self.checkpoint
+        return out
+
+
+@dataclass
+class _Watch:
+    """What the evaluator knows of the chief."""
+
+    last_contact: float
+    finished: bool = False
+    global_step: int | None = None
+    gen: int = 0  # restores so far: pulls must carry it
+    mode: str = ""
+
+
+@dataclass
+class Evaluator:
+    """The evaluator's state and loop; IO comes in as a chief client and a PS-client
+    factory, so tests can run it over :class:`~zmqps.transport.FakeNetwork`."""
+
+    cfg: EvaluatorConfig
+    chief: Requester
+    connect_ps: Callable[[Sequence[str]], list[Requester]]
+    test: Dataset
+    metrics: Metrics | None = None
+    open_root: Callable[[str], CheckpointRootLike] = open_checkpoint_root
+    probe: Callable[[str], bool] = port_closed  # whether nobody listens at an address
+    clock: Callable[[], float] = time.monotonic
+    incarnation: int = field(default_factory=lambda: time.time_ns() // 1000)
+    evaluations: list[Evaluation] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.model: Model = self.cfg.job.build_model(self.test)
+        self.stopping = asyncio.Event()
+        self.placement: Placement | None = None
+        self.ps: list[Requester] = []
+        self.ps_addresses: list[str] = []
+        self._ps_gone = False  # the PS were seen shut down: no snapshot to pull
+        self._client: ParameterClient | None = None
+        self._seen: set[str] = set()  # checkpoints evaluated or skipped
+        self._last_step: int | None = None  # snapshot: step of the last evaluation
+        self._watch = _Watch(last_contact=self.clock())
+        self._next_eval = 0.0
+
+    # ------------------------------------------------------------------ control
+
+    def stop(self) -> None:
+        """Ask the loop to end (signal handlers call this)."""
+        self.stopping.set()
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), max(0.0, seconds))
+
+    async def _ask(self, op: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any] | None:
+        """The chief's reply body, or None when it did not answer (or is going away)."""
+        try:
+            rep = await self.chief.request(op, body, timeout=timeout)
+        except (DeadlineExceeded, ShutdownError):
+            return None
+        self._watch.last_contact = self.clock()
+        return dict(rep.body)
+
+    def _chief_lost(self, what: str) -> ZmqpsError:
+        return DeadlineExceeded(
+            f"evaluator: the chief at {self.chief.endpoint} has not answered {what} for"
+            f" {self.cfg.chief_timeout:g}s and training was not seen finished"
+        )
+
+    # ------------------------------------------------------------------ setup
+
+    async def _register(self) -> dict[str, Any]:
+        deadline = self.clock() + self.cfg.connect_timeout
+        body = {"role": "evaluator", "index": 0, "incarnation": self.incarnation}
+        while not self.stopping.is_set():
+            info = await self._ask("register", body, timeout=2.0)
+            if info is not None:
+                return info
+            if self.clock() > deadline:
+                raise DeadlineExceeded(
+                    f"evaluator: the chief at {self.chief.endpoint} did not answer"
+                    f" within {self.cfg.connect_timeout:g}s"
+                )
+            log.info("evaluator: waiting for the chief at %s", self.chief.endpoint)
+        return {}
+
+    async def _wait_placement(self, info: Mapping[str, Any]) -> Placement | None:
+        wire = info.get("placement")
+        while wire is None and not self.stopping.is_set():
+            try:
+                rep = await self.chief.request("get_placement", {"wait": 5.0}, timeout=10.0)
+                self._watch.last_contact = self.clock()
+                wire = rep.body["placement"]
+            except NotReady:
+                self._watch.last_contact = self.clock()
+                log.info("evaluator: waiting for the model's variables")
+            except (DeadlineExceeded, ShutdownError):
+                if self.clock() - self._watch.last_contact > self.cfg.chief_timeout:
+                    raise self._chief_lost("get_placement") from None
+        return None if wire is None else Placement.from_wire(wire)
+
+    def _check_variables(self, placement: Placement) -> None:
+        """The job flags must describe the model the cluster trains."""
+        have = {v.name: (v.shape, v.dtype) for v in placement.variables if not v.sparse}
+        want = {v.name: (v.shape, v.dtype) for v in self.model.variables()}
+        if have != want:
+            missing = sorted(set(want) - set(have))
+            differ = sorted(n for n in set(want) & set(have) if want[n] != have[n])
+            detail = (
+                f"missing {', '.join(missing)}" if missing else f"different {', '.join(differ)}"
+            )
+            if not missing and not differ:
+                detail = f"extra {', '.join(sorted(set(have) - set(want)))}"
+            raise ConfigError(
+                f"evaluator: the cluster's variables do not match --model {self.cfg.job.model}"
+                f" on --dataset {self.cfg.job.dataset} ({detail}); pass the job flags the"
+                " workers got"
+            )
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> list[Evaluation]:
+        """Register, then evaluate until training ends or :meth:`stop` is called (which
+        abandons a request or pull in flight); returns the evaluations made."""
+        work = asyncio.ensure_future(self._run())
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+        if work.cancelled():
+            log.info("evaluator: stopped after %d evaluations", len(self.evaluations))
+            return self.evaluations
+        return work.result()
+
+    async def _run(self) -> list[Evaluation]:
+        info = await self._register()
+        if self.stopping.is_set():
+            return self.evaluations
+        self._watch.mode = str(info.get("mode", ""))
+        if self.metrics is not None:
+            self.metrics.set_info("evaluator", 0, self._watch.mode)
+        placement = await self._wait_placement(info)
+        if placement is None:
+            return self.evaluations
+        self._check_variables(placement)
+        self.placement = placement
+        self.ps_addresses = [str(a) for a in info["ps"]]
+        self.ps = self.connect_ps(self.ps_addresses)
+        self._client = ParameterClient(
+            self.ps,
+            placement,
+            worker="evaluator",
+            incarnation=0,
+            timeout=self.cfg.pull_timeout,
+            shared_memory=False,
+        )
+        log.info(
+            "evaluator: %s on %s, every %gs, source %s%s",
+            self.cfg.job.model,
+            self.cfg.job.dataset,
+            self.cfg.interval,
+            self.cfg.source,
+            f" ({self.cfg.checkpoint_dir})" if self.cfg.checkpoint_dir else " (PS)",
+        )
+        if await self._loop():
+            await self._evaluate_new(final=True)
+            log.info("evaluator: training finished; %d evaluations", len(self.evaluations))
+        else:
+            log.info("evaluator: stopped after %d evaluations", len(self.evaluations))
+        return self.evaluations
+
+    async def _loop(self) -> bool:
+        """Watch the chief and evaluate; True once training is over."""
+        w = self._watch
+        finished_at: float | None = None
+        while not self.stopping.is_set():
+            status = await self._ask("status", {}, timeout=self.cfg.request_timeout)
+            now = self.clock()
+            if status is not None:
+                self._take_status(status)
+            elif w.finished:
+                log.info("evaluator: the chief has gone away after the end of training")
+                return True
+            elif await self._cluster_shut_down():
+                self._ps_gone = True
+                log.info(
+                    "evaluator: the chief and every PS have closed their ports:"
+                    " the cluster has shut down (training is over)"
+                )
+                return True
+            elif now - w.last_contact > self.cfg.chief_timeout:
+                raise self._chief_lost("status requests")
+            if w.finished:
+                if finished_at is None:
+                    finished_at = now
+                    log.info("evaluator: the chief reports training finished")
+                if self.cfg.checkpoint_dir is None or now - finished_at > FINAL_GRACE_S:
+                    return True
+                # Checkpoints: a last one may still be written as the chief ends.
+            if now >= self._next_eval and status is not None:
+                self._next_eval = now + self.cfg.interval
+                await self._evaluate_new(final=False)
+            await self._sleep(min(STATUS_POLL_S, self.cfg.interval))
+        return False
+
+    async def _cluster_shut_down(self) -> bool:
+        """Whether the chief and every PS refuse connections: their processes exited.
+
+        The chief shuts the PS down when training ends, so both being gone tells an
+        ended job from a lost chief (the PS still listen) or a network partition
+        (connections time out instead of being refused). The moment when the chief
+        reports ``finished`` lasts only milliseconds, so a poll can miss it.
+        """
+        addresses = [self.cfg.chief, *self.ps_addresses]
+        closed = await asyncio.gather(*(asyncio.to_thread(self.probe, a) for a in addresses))
+        return all(closed)
+
+    def _take_status(self, status: Mapping[str, Any]) -> None:
+        w = self._watch
+        # Training is over when the chief says so, or (a chief that does not say it)
+        # when every expected worker has left with its work done: the same condition.
+        workers = status.get("workers") or []
+        expected = int(status.get("workers_expected") or 0)
+        all_done = (
+            expected > 0
+            and len(workers) >= expected
+            and all(x.get("state") == "done" for x in workers)
+        )
+        w.finished = w.finished or bool(status.get("finished", False)) or all_done
+        step = status.get("global_step")
+        if isinstance(step, int):
+            w.global_step = step
+        gen = status.get("gen")
+        if isinstance(gen, int):
+            w.gen = gen
+        mode = status.get("mode")
+        if isinstance(mode, str) and mode != w.mode:
+            w.mode = mode
+            if self.metrics is not None:
+                self.metrics.set_info("evaluator", 0, mode)
+
+    # ------------------------------------------------------------------ evaluating
+
+    async def _evaluate_new(self, *, final: bool) -> Evaluation | None:
+        if self.cfg.checkpoint_dir is not None:
+            return await self._from_checkpoint(self.cfg.checkpoint_dir)
+        return await self._from_snapshot(final)
+
+    async def _from_checkpoint(self, directory: str) -> Evaluation | None:
+        found = await asyncio.to_thread(self._newest_checkpoint, directory)
+        if found is None:
+            return None
+        ckpt, variables = found
+        return await self._score(variables, int(ckpt.step), "checkpoint", ckpt.name)
+
+    def _newest_checkpoint(self, directory: str) -> tuple[CheckpointLike, dict[str, Array]] | None:
+        """The newest committed checkpoint not evaluated yet, verified, and its variables."""
+        try:
+            root = self.open_root(directory)
+            listed = list(root.checkpoints())
+        except (ZmqpsError, OSError, ValueError) as exc:
+            log.warning("evaluator: cannot list checkpoints in %s: %s", directory, exc)
+            return None
+        if not listed or listed[-1].name in self._seen:
+            return None
+        newest = listed[-1].name
+        try:
+            ckpt = root.latest(verify=True)
+            if ckpt is not None and ckpt.name != newest:
+                # latest() passed over the newest: it did not verify.
+                self._skip(newest, "it failed verification")
+            if ckpt is None or ckpt.name in self._seen:
+                return None
+            variables = ckpt.variables()
+        except (ZmqpsError, OSError, ValueError, KeyError) as exc:
+            self._skip(newest, f"it failed verification: {exc}")
+            return None
+        missing = sorted(
+            v.name
+            for v in self.model.variables()
+            if v.name not in variables or variables[v.name].shape != v.shape
+        )
+        if missing:
+            self._skip(ckpt.name, f"variables missing or of another shape: {', '.join(missing)}")
+            return None
+        self._seen.add(ckpt.name)
+        return ckpt, variables
+
+    def _skip(self, name: str, why: str) -> None:
+        if name not in self._seen:
+            log.warning("evaluator: checkpoint %s skipped: %s", name, why)
+            self._seen.add(name)
+
+    async def _from_snapshot(self, final: bool) -> Evaluation | None:
+        step = self._watch.global_step
+        if step is None or step == self._last_step or self._client is None:
+            return None
+        if self._ps_gone:
+            log.info("evaluator: no final snapshot (the PS have shut down)")
+            return None
+        if final:
+            # The chief shuts the PS down right after its own final pull: do not hang on them.
+            self._client.timeout = min(self._client.timeout, self.cfg.request_timeout)
+        self._client.gen = self._watch.gen
+        try:
+            params = await self._client.pull()
+        except (ZmqpsError, OSError) as exc:
+            if final:
+                log.info("evaluator: no final snapshot (the PS are gone: %s)", exc)
+            else:
+                log.warning("evaluator: pull failed: %s; retrying in %gs", exc, self.cfg.interval)
+            return None
+        self._last_step = step
+        return await self._score(params, step, "snapshot", None)
+
+    async def _score(
+        self, params: Mapping[str, Array], step: int, source: str, checkpoint: str | None
+    ) -> Evaluation:
+        scores = await asyncio.to_thread(self.model.evaluate, params, self.test.x, self.test.y)
+        ev = Evaluation(
+            step=step,
+            accuracy=float(scores["accuracy"]),
+            loss=float(scores["loss"]),
+            source=source,
+            time=time.time(),
+            checkpoint=checkpoint,
+        )
+        self._publish(ev)
+        return ev
+
+    def _publish(self, ev: Evaluation) -> None:
+        self.evaluations.append(ev)
+        log.info(
+            "evaluator: step %d, accuracy %.4f, loss %.4f (%s%s)",
+            ev.step,
+            ev.accuracy,
+            ev.loss,
+            ev.source,
+            f" {ev.checkpoint}" if ev.checkpoint else "",
+        )
+        m = self.metrics
+        if m is not None:
+            m.eval_accuracy.set(ev.accuracy)
+            m.eval_loss.set(ev.loss)
+            m.eval_step.set(ev.step)
+            m.evaluations.inc()
+        if self.cfg.eval_log:
+            with Path(self.cfg.eval_log).open("a") as f:
+                f.write(json.dumps(ev.to_json()) + "\n")
+
+    async def close(self) -> None:
+        for c in self.ps:
+            await c.close()
+
+
+async def serve_evaluator(
+    cfg: EvaluatorConfig,
+    ctx: zmq.asyncio.Context,
+    options: SocketOptions | None = None,
+    test: Dataset | None = None,
+) -> list[Evaluation]:
+    """Run an evaluator over real sockets until training ends or a signal stops it."""
+    metrics = Metrics() if cfg.metrics_port is not None else None
+    exporter = start_exporter(metrics, cfg.metrics_host, cfg.metrics_port, "evaluator")
+    if metrics is not None:
+        metrics.set_info("evaluator", 0, "")
+    test = cfg.job.load("test") if test is None else test
+    incarnation = time.time_ns() // 1000
+    chief = Client(
+        ctx,
+        cfg.chief,
+        f"evaluator:0:{incarnation}",
+        options=options,
+        timeout=cfg.request_timeout,
+    )
+
+    def connect_ps(addresses: Sequence[str]) -> list[Requester]:
+        # An identity of its own per process: two evaluators never take over each
+        # other's connections (ROUTER_HANDOVER).
+        return [
+            Client(ctx, a, f"evaluator:0:{incarnation}", options=options, timeout=cfg.pull_timeout)
+            for a in addresses
+        ]
+
+    ev = Evaluator(cfg, chief, connect_ps, test, metrics, incarnation=incarnation)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ev.stop)
+    try:
+        return await ev.run()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await ev.close()
+        await chief.close()
+        if exporter is not None:
+            exporter.close()
+
+
+def run_evaluator(cfg: EvaluatorConfig) -> int:
+    """The evaluator as a process: 0 when training ended (or on SIGTERM), else an error."""
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            await serve_evaluator(cfg, ctx)
+        finally:
+            ctx.term()
+
+    asyncio.run(main())
+    return 0
