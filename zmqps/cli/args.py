@@ -284,6 +284,39 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=120.0,
         help="seconds to wait for peers at start (default: 120)",
     )
+    g.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="checkpoint root shared by the chief and every PS (PS write their shards"
+        " there, the chief commits; on start the latest checkpoint is restored)",
+    )
+    g.add_argument(
+        "--checkpoint-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="(chief) checkpoint every N global steps (default: off)",
+    )
+    g.add_argument(
+        "--checkpoint-secs",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="(chief) checkpoint every S seconds (default: 600 with --checkpoint-dir"
+        " unless --checkpoint-steps is given)",
+    )
+    g.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=5,
+        metavar="K",
+        help="(chief) keep the last K checkpoints (default: 5)",
+    )
+    g.add_argument(
+        "--export-dir",
+        metavar="DIR",
+        help="(chief) export the final model here (built-in jobs; see zmqps predict)",
+    )
     g.add_argument("--summary", help="(chief) write the end-of-training summary JSON here")
     g.add_argument(
         "--keep-alive", action="store_true", help="(chief) keep serving after training ends"

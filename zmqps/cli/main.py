@@ -80,6 +80,7 @@ def cmd_server(args: argparse.Namespace) -> int:
                 bind=bind,
                 metrics_host=args.metrics_host,
                 metrics_port=metrics_port(args),
+                checkpoint_dir=args.checkpoint_dir,
             )
         )
     if task.role == "chief":
@@ -99,10 +100,27 @@ def cmd_server(args: argparse.Namespace) -> int:
                 sync=sync_from_args(args),
                 metrics_host=args.metrics_host,
                 metrics_port=metrics_port(args),
+                checkpoint=_checkpoint_policy(args),
+                export_dir=args.export_dir,
             )
         )
     raise ConfigError(
         f"zmqps-server serves roles chief and ps, not {task.role!r} (use zmqps-worker)"
+    )
+
+
+def _checkpoint_policy(args: argparse.Namespace) -> Any:
+    from zmqps.roles.checkpointer import CheckpointPolicy
+
+    if not args.checkpoint_dir:
+        if args.checkpoint_steps or args.checkpoint_secs:
+            raise ConfigError("--checkpoint-steps / --checkpoint-secs need --checkpoint-dir")
+        return None
+    if args.checkpoint_steps < 0 or args.checkpoint_secs < 0 or args.keep_checkpoints < 1:
+        raise ConfigError("checkpoint intervals must be >= 0 and --keep-checkpoints >= 1")
+    secs = args.checkpoint_secs or (0.0 if args.checkpoint_steps else 600.0)
+    return CheckpointPolicy(
+        args.checkpoint_dir, args.checkpoint_steps, secs, args.keep_checkpoints
     )
 
 
@@ -140,6 +158,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
             shared_memory=args.shared_memory,
             metrics=metrics,
         ) as worker:
+            # From now on a SIGTERM ends the current step first (its gradient reaches
+            # every PS, so a sync step is not left half done); a second one ends at once.
+            signal.signal(signal.SIGTERM, _stop_after_step(worker))
             train(worker, job, cluster.num_workers)
     except Terminated:
         log.warning("worker %d: terminated by SIGTERM; left the cluster", task.index)
@@ -171,6 +192,15 @@ def _evaluator(chief: str | None, args: argparse.Namespace) -> int:
             metrics_port=metrics_port(args),
         )
     )
+
+
+def _stop_after_step(worker: Any) -> Callable[[int, object], None]:
+    def handler(signum: int, frame: object) -> None:
+        if worker.stop_requested:
+            _terminated(signum, frame)
+        worker.stop_requested = True
+
+    return handler
 
 
 def _terminated(signum: int, frame: object) -> None:
