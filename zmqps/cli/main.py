@@ -119,9 +119,7 @@ def _checkpoint_policy(args: argparse.Namespace) -> Any:
     if args.checkpoint_steps < 0 or args.checkpoint_secs < 0 or args.keep_checkpoints < 1:
         raise ConfigError("checkpoint intervals must be >= 0 and --keep-checkpoints >= 1")
     secs = args.checkpoint_secs or (0.0 if args.checkpoint_steps else 600.0)
-    return CheckpointPolicy(
-        args.checkpoint_dir, args.checkpoint_steps, secs, args.keep_checkpoints
-    )
+    return CheckpointPolicy(args.checkpoint_dir, args.checkpoint_steps, secs, args.keep_checkpoints)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
