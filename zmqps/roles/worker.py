@@ -163,8 +163,11 @@ class Worker:
 
     def _use(self, placement: Placement) -> None:
         async def make() -> ParameterClient:
+            # An identity per incarnation (as toward the chief): a paused old incarnation
+            # that resumes must not take this one's connections over (ROUTER_HANDOVER).
+            identity = f"{self.name}:{self.incarnation}"
             clients = [
-                Client(self._ctx, addr, self.name, options=self._options, timeout=self.timeout)
+                Client(self._ctx, addr, identity, options=self._options, timeout=self.timeout)
                 for addr in self.ps_addresses
             ]
             return ParameterClient(
