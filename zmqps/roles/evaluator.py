@@ -77,6 +77,8 @@ STATUS_POLL_S = 0.5
 #: After ``finished`` (checkpoint source): how long to wait for the chief to go away,
 #: so a checkpoint written at the very end is seen.
 FINAL_GRACE_S = 10.0
+#: The final snapshot's pull waits at most this long (the PS may be shutting down).
+FINAL_PULL_S = 5.0
 
 
 class CheckpointLike(Protocol):
@@ -132,7 +134,9 @@ class EvaluatorConfig:
     chief_timeout: float = 30.0  # seconds the chief may stay silent before training ended
     connect_timeout: float = 120.0  # seconds to wait for the chief at start
     eval_log: str | None = None  # append one JSON line per evaluation here
-    request_timeout: float = 3.0
+    # A status reply later than this is treated as none: the ports are probed at once
+    # (a slow but live chief only costs a probe; it is an error after chief_timeout).
+    request_timeout: float = 1.0
     pull_timeout: float = 30.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no exporter; 0: a free port
@@ -475,7 +479,7 @@ class Evaluator:
             return None
         if final:
             # The chief shuts the PS down right after its own final pull: do not hang on them.
-            self._client.timeout = min(self._client.timeout, self.cfg.request_timeout)
+            self._client.timeout = min(self._client.timeout, FINAL_PULL_S)
         self._client.gen = self._watch.gen
         try:
             params = await self._client.pull()
