@@ -86,8 +86,26 @@ def test_chief_exposition_is_promtool_clean() -> None:
     chief.members.register(0, 1, 1.0, 10)
     m.token_wait.observe(0.2)
     m.request_done("take_token", "ok", 0.2)
+    m.checkpoints.labels("committed").inc()
+    m.checkpoint_duration.observe(0.05)
+    m.checkpoint_last_step.set(100)
+    m.restores.labels("ps").inc()
+    m.recovery_seconds.observe(1.5)
     text = check(m)
     assert "zmqps_workers_alive 1.0" in text
+    assert 'zmqps_restores_total{reason="ps"} 1.0' in text
+
+
+def test_evaluator_exposition_is_promtool_clean() -> None:
+    m = Metrics()
+    m.set_info("evaluator", 0, "async")
+    m.eval_accuracy.set(0.97)
+    m.eval_loss.set(0.12)
+    m.eval_step.set(500)
+    m.evaluations.inc()
+    text = check(m)
+    assert "zmqps_eval_accuracy 0.97" in text
+    assert "zmqps_evaluations_total 1.0" in text
 
 
 def test_worker_exposition_is_promtool_clean() -> None:

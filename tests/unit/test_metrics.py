@@ -48,6 +48,14 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...]]] = {
     "zmqps_shard_bytes": ("gauge", ()),
     "zmqps_checkpoint_duration_seconds": ("histogram", ()),
     "zmqps_checkpoint_last_step": ("gauge", ()),
+    "zmqps_checkpoints": ("counter", ("status",)),
+    "zmqps_restores": ("counter", ("reason",)),
+    "zmqps_recovery_seconds": ("histogram", ()),
+    "zmqps_generation": ("gauge", ()),
+    "zmqps_eval_accuracy": ("gauge", ()),
+    "zmqps_eval_loss": ("gauge", ()),
+    "zmqps_eval_step": ("gauge", ()),
+    "zmqps_evaluations": ("counter", ()),
     "zmqps_info": ("gauge", ("role", "index", "mode", "version")),
 }
 
@@ -99,6 +107,7 @@ def test_catalogue_names_types_labels_and_help() -> None:
     m.phase("pull", 0.01)
     m.token_wait.observe(0.1)
     m.checkpoint_duration.observe(0.5)
+    m.restores.labels("ps").inc()
     text = generate_latest(m.registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, (kind, labels) in CATALOGUE.items():
@@ -110,6 +119,10 @@ def test_catalogue_names_types_labels_and_help() -> None:
         for s in main:
             assert set(s.labels) - {"le"} == set(labels), (name, s)
     assert 'zmqps_info{index="3",mode="sync",role="ps",version="' in text
+    # Both statuses exist from the start: the CheckpointsFailing alert's increase()
+    # sees the first failure.
+    assert 'zmqps_checkpoints_total{status="failed"} 0.0' in text
+    assert 'zmqps_checkpoints_total{status="committed"} 0.0' in text
     for name in families:
         assert name.startswith("zmqps"), name
 
@@ -283,6 +296,22 @@ def test_launch_gives_every_task_a_metrics_port(tmp_path: Any) -> None:
     for child in launcher.children:
         port = launcher.metrics_ports[child.name]
         assert child.argv[-4:] == ["--metrics-host", "127.0.0.1", "--metrics-port", str(port)]
+
+
+def test_launch_gives_the_evaluator_a_metrics_port(tmp_path: Any) -> None:
+    launcher = _launcher(tmp_path, "--evaluator")
+    assert list(launcher.metrics_ports)[-1] == "evaluator"
+    assert len(set(launcher.metrics_ports.values())) == 7
+    task_ports = {int(a.rsplit(":", 1)[1]) for a in launcher.cluster.ps + launcher.cluster.worker}
+    assert not task_ports & set(launcher.metrics_ports.values())
+    (evaluator,) = [c for c in launcher.children if c.name == "evaluator"]
+    port = launcher.metrics_ports["evaluator"]
+    assert evaluator.argv[-4:] == ["--metrics-host", "127.0.0.1", "--metrics-port", str(port)]
+    assert f"evaluator http://127.0.0.1:{port}/metrics" in launcher.metrics_urls()
+    groups = {g["labels"]["job"]: g["targets"] for g in launcher.file_sd()}
+    assert groups["evaluator"] == [f"127.0.0.1:{port}"]
+    assert set(groups) == {"chief", "ps", "worker", "evaluator"}
+    assert len(groups["worker"]) == 3
 
 
 def test_launch_no_metrics(tmp_path: Any) -> None:

@@ -72,7 +72,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         "--prometheus-targets",
         metavar="FILE",
         help="write the tasks' /metrics endpoints as Prometheus file_sd JSON (labels job:"
-        " chief, ps, worker), for docker/prometheus/prometheus-local.yml and zmqps top",
+        " chief, ps, worker, evaluator), for docker/prometheus/prometheus-local.yml and zmqps top",
     )
     g.add_argument(
         "--no-metrics",
@@ -196,7 +196,8 @@ class Launcher:
         self.args = args
         self.run_dir = run_dir
         n = 1 + args.ps + args.workers
-        ports = free_ports(2 * n if getattr(args, "metrics", True) else n)
+        n_metrics = n + (1 if args.evaluator else 0)
+        ports = free_ports(n + n_metrics if getattr(args, "metrics", True) else n)
         #: Task name -> its metrics port (empty with --no-metrics).
         self.metrics_ports = dict(
             zip(
@@ -204,6 +205,7 @@ class Launcher:
                     "chief",
                     *(f"ps{i}" for i in range(args.ps)),
                     *(f"worker{i}" for i in range(args.workers)),
+                    *(["evaluator"] if args.evaluator else []),
                 ],
                 ports[n:],
                 strict=False,
