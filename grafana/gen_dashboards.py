@@ -284,8 +284,9 @@ def overview() -> dict[str, Any]:
             (f'sum(rate(zmqps_gradients_dropped_total{{job="ps"}}[{RI}])) or vector(0)', "total"),
         ],
         unit="ops",
-        description="Pushes a PS acknowledged without applying (duplicate, stale, fenced, "
-        "invalid). The per-reason series exist only once a push was dropped.",
+        description="Pushes a PS acknowledged or refused without applying (duplicate, stale, "
+        "fenced, invalid, rolled_back: made before a restore). The per-reason series exist "
+        "only once a push was dropped.",
     )
     b.panel(
         "Sync tokens and wait",
@@ -315,11 +316,160 @@ def overview() -> dict[str, Any]:
             ('sum by (job) (up{job=~"chief|ps|worker|evaluator"})', "targets up: {{job}}"),
         ],
     )
+    checkpoints_and_evaluation(b)
     return dashboard(
         "zmqps-overview",
         "zmqps / Overview",
-        "Cluster-wide training progress, throughput, staleness and loss.",
+        "Cluster-wide training progress, throughput, staleness and loss; checkpoints, "
+        "recovery and evaluation.",
         b,
+    )
+
+
+#: The evaluator's gauges read 0 until its first evaluation: keep them out until then.
+EVALUATED = ' and on() max(zmqps_evaluations_total{job="evaluator"}) > 0'
+
+
+def checkpoints_and_evaluation(b: Builder) -> None:
+    b.row("Checkpoints, recovery and evaluation")
+    b.panel(
+        "Steps since last checkpoint",
+        [
+            (
+                'max(zmqps_global_step{job="chief"})'
+                ' - max(zmqps_checkpoint_last_step{job="chief"})',
+                "steps",
+            )
+        ],
+        kind="stat",
+        w=4,
+        h=5,
+        description="Global steps a lost PS would cost (sync mode): the chief's global step "
+        "minus the step of the last committed checkpoint.",
+    )
+    b.panel(
+        "Generation (restores)",
+        [('max(zmqps_generation{job="chief"})', "generation")],
+        kind="stat",
+        w=4,
+        h=5,
+        thresholds=[("green", None), ("orange", 1)],
+        description="Cluster-wide restores of every shard to a committed checkpoint so far.",
+    )
+    b.panel(
+        "Recoveries",
+        [('max(zmqps_recovery_seconds_count{job="chief"})', "recoveries")],
+        kind="stat",
+        w=4,
+        h=5,
+        thresholds=[("green", None), ("orange", 1)],
+        description="Lost PS the chief recovered from since it started.",
+    )
+    b.panel(
+        "Evaluation accuracy",
+        [(f'max(zmqps_eval_accuracy{{job="evaluator"}}){EVALUATED}', "accuracy")],
+        kind="stat",
+        unit="percentunit",
+        w=4,
+        h=5,
+        description="Test accuracy of the last model the evaluator scored.",
+    )
+    b.panel(
+        "Evaluated step",
+        [('max(zmqps_eval_step{job="evaluator"})', "step")],
+        kind="stat",
+        w=4,
+        h=5,
+    )
+    b.panel(
+        "Evaluations",
+        [('max(zmqps_evaluations_total{job="evaluator"})', "evaluations")],
+        kind="stat",
+        w=4,
+        h=5,
+    )
+    b.panel(
+        "Global, checkpoint and evaluated step",
+        [
+            ('max(zmqps_global_step{job="chief"})', "global step"),
+            ('max(zmqps_checkpoint_last_step{job="chief"})', "last checkpoint"),
+            (f'max(zmqps_eval_step{{job="evaluator"}}){EVALUATED}', "last evaluated"),
+        ],
+        description="How far the last committed checkpoint and the last evaluated model trail "
+        "training. After a restore the global step (sync mode) drops back to the checkpoint's.",
+    )
+    b.panel(
+        "Checkpoint duration",
+        [
+            (
+                f"histogram_quantile({q}, sum by (le) "
+                f'(rate(zmqps_checkpoint_duration_seconds_bucket{{job="chief"}}[{RI}])))',
+                f"p{int(q * 100)}",
+            )
+            for q in (0.5, 0.9)
+        ],
+        unit="s",
+        description="Time to write one checkpoint (snapshot on every PS to commit); "
+        "empty while no checkpoint was written in the interval.",
+    )
+    b.panel(
+        "Checkpoints committed / failed",
+        [
+            (
+                f'sum by (status) (rate(zmqps_checkpoints_total{{job="chief"}}[{RI}])) * 60',
+                "{{status}}",
+            )
+        ],
+        unit="opm",
+        w=8,
+        description="Checkpoints per minute by status. A failed one leaves the previous "
+        "committed checkpoint as the latest.",
+    )
+    b.panel(
+        "Generation and restores",
+        [
+            ('max(zmqps_generation{job="chief"})', "generation"),
+            ('sum by (reason) (zmqps_restores_total{job="chief"})', "restores: {{reason}}"),
+        ],
+        w=8,
+        description="The cluster's generation (restores so far, kept across chief restarts) "
+        "and this chief's restores by reason (start: resumed from a checkpoint; ps: a PS was "
+        "lost; chief: the PS disagreed after a chief restart).",
+    )
+    b.panel(
+        "Recovery time",
+        [
+            (
+                'max(zmqps_recovery_seconds_sum{job="chief"}) '
+                '/ max(zmqps_recovery_seconds_count{job="chief"})',
+                "mean since chief start",
+            ),
+            (
+                "histogram_quantile(0.9, sum by (le) "
+                f'(rate(zmqps_recovery_seconds_bucket{{job="chief"}}[{RI}])))',
+                "p90 (recent)",
+            ),
+        ],
+        unit="s",
+        w=8,
+        description="From detecting a lost PS to training resumed on restored shards; "
+        "empty until a recovery happened.",
+    )
+    b.panel(
+        "Evaluation accuracy over time",
+        [(f'max(zmqps_eval_accuracy{{job="evaluator"}}){EVALUATED}', "test accuracy")],
+        unit="percentunit",
+        description="Test-split accuracy of each model the evaluator scored (a new committed "
+        "checkpoint, or a snapshot of the PS); the value holds until the next evaluation.",
+    )
+    b.panel(
+        "Evaluation loss over time",
+        [
+            (f'max(zmqps_eval_loss{{job="evaluator"}}){EVALUATED}', "test loss"),
+            ('avg(zmqps_train_loss{job="worker"})', "train loss (mean over workers)"),
+        ],
+        description="Test-split loss of the last evaluated model, next to the workers' "
+        "training loss.",
     )
 
 

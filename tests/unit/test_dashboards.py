@@ -50,6 +50,10 @@ REQUIRED_ALERTS = {
     "StalenessHigh",
     "PSMemoryHigh",
     "GradientsDroppedHigh",
+    "CheckpointsFailing",
+    "CheckpointsStale",
+    "ClusterRestored",
+    "EvaluatorAccuracyDropped",
 }
 
 #: DESIGN.md §7: name -> type.
@@ -71,6 +75,14 @@ CATALOGUE = {
     "zmqps_shard_bytes": "gauge",
     "zmqps_checkpoint_duration_seconds": "histogram",
     "zmqps_checkpoint_last_step": "gauge",
+    "zmqps_checkpoints_total": "counter",
+    "zmqps_restores_total": "counter",
+    "zmqps_recovery_seconds": "histogram",
+    "zmqps_generation": "gauge",
+    "zmqps_eval_accuracy": "gauge",
+    "zmqps_eval_loss": "gauge",
+    "zmqps_eval_step": "gauge",
+    "zmqps_evaluations_total": "counter",
     "zmqps_info": "gauge",
 }
 #: Series names a query may use: gauges/counters as is, histograms by their series.
@@ -88,6 +100,14 @@ OWNER = {
     "zmqps_sync_token_wait_seconds": "chief",
     "zmqps_checkpoint_duration_seconds": "chief",
     "zmqps_checkpoint_last_step": "chief",
+    "zmqps_checkpoints_total": "chief",
+    "zmqps_restores_total": "chief",
+    "zmqps_recovery_seconds": "chief",
+    "zmqps_generation": "chief",
+    "zmqps_eval_accuracy": "evaluator",
+    "zmqps_eval_loss": "evaluator",
+    "zmqps_eval_step": "evaluator",
+    "zmqps_evaluations_total": "evaluator",
     "zmqps_updates_applied_total": "ps",
     "zmqps_shard_bytes": "ps",
     "zmqps_gradient_staleness": "ps",
@@ -280,6 +300,15 @@ def test_dashboards_cover_the_design() -> None:
         "zmqps_train_loss",
         "zmqps_workers_alive",
         "zmqps_sync_tokens_available",
+        "zmqps_checkpoint_last_step",
+        "histogram_quantile(0.9, sum by (le) (rate(zmqps_checkpoint_duration_seconds_bucket{",
+        'sum by (status) (rate(zmqps_checkpoints_total{job="chief"}',
+        "zmqps_generation",
+        "zmqps_restores_total",
+        "zmqps_recovery_seconds",
+        "zmqps_eval_accuracy",
+        "zmqps_eval_loss",
+        "zmqps_eval_step",
     ):
         assert needle in overview, needle
     assert "heatmap" in kinds["zmqps-overview"]
@@ -400,13 +429,16 @@ def test_scrape_configs_label_jobs() -> None:
     k8s = yaml.safe_load(K8S_CONFIG.read_text())
     relabel = k8s["scrape_configs"][0]["relabel_configs"]
     assert any(r.get("target_label") == "job" for r in relabel)
+    (keep,) = [r for r in relabel if r.get("action") == "keep" and "worker" in r.get("regex", "")]
+    assert "evaluator" in keep["regex"]
 
 
 def test_launch_targets_script(tmp_path: Path) -> None:
     out = tmp_path / "zmqps.json"
+    tasks = {"chief": 41000, "ps0": 41001, "ps1": 41002, "worker0": 41003, "evaluator": 41004}
     lines = "".join(
         f"zmqps launch: metrics {name} http://127.0.0.1:{port}/metrics\n"
-        for name, port in (("chief", 41000), ("ps0", 41001), ("ps1", 41002), ("worker0", 41003))
+        for name, port in tasks.items()
     )
     run = subprocess.run(
         [sys.executable, str(PROM / "launch_targets.py"), str(out)],
@@ -421,6 +453,7 @@ def test_launch_targets_script(tmp_path: Path) -> None:
         "chief": ["127.0.0.1:41000"],
         "ps": ["127.0.0.1:41001", "127.0.0.1:41002"],
         "worker": ["127.0.0.1:41003"],
+        "evaluator": ["127.0.0.1:41004"],
     }
 
 
@@ -510,9 +543,10 @@ def _load_launch_targets() -> Any:
 )
 def test_every_panel_returns_a_series_live(procs: Any, tmp_path: Path) -> None:
     """Walk every panel (rows included) of every dashboard and send each query to a
-    Prometheus scraping `zmqps launch` (async, 2 PS, 2 workers): every query must
-    succeed and every panel return at least one series. Also every alert's expr must
-    be a valid query against the live data."""
+    Prometheus scraping `zmqps launch` (async, 2 PS, 2 workers, an evaluator, a
+    checkpoint every 100 steps): every query must succeed and every panel return at
+    least one series. Also every alert's expr must be a valid query against the live
+    data."""
     from helpers import free_ports, wait_for
 
     launch_targets = _load_launch_targets()
@@ -535,7 +569,7 @@ def test_every_panel_returns_a_series_live(procs: Any, tmp_path: Path) -> None:
         [
             sys.executable, "-m", "zmqps", "launch", "--ps", "2", "--workers", "2",
             "--mode", "async", "--epochs", "100000", "--timeout", "150", "--no-progress",
-            "--run-dir", str(tmp_path / "run"),
+            "--run-dir", str(tmp_path / "run"), "--evaluator", "--checkpoint-steps", "100",
         ],
         name="launch",
     )  # fmt: skip
@@ -546,7 +580,7 @@ def test_every_panel_returns_a_series_live(procs: Any, tmp_path: Path) -> None:
             hit = launch_targets.parse(line)
             if hit is not None and hit[1] not in found.setdefault(hit[0], []):
                 found[hit[0]].append(hit[1])
-        if sum(map(len, found.values())) < 5:  # chief, 2 PS, 2 workers
+        if sum(map(len, found.values())) < 6:  # chief, 2 PS, 2 workers, evaluator
             return False
         launch_targets.write(cfg / "file_sd" / "zmqps.json", launch_targets.target_groups(found))
         return True
@@ -576,7 +610,8 @@ def test_every_panel_returns_a_series_live(procs: Any, tmp_path: Path) -> None:
         wait_for(targets_written, 60, what="zmqps launch's metrics lines", interval=0.2)
         wait_for(
             lambda: (
-                _query(base, 'count(up{job=~"chief|ps|worker"} == 1)') == ("success", 1)
+                _query(base, 'count(up{job=~"chief|ps|worker|evaluator"} == 1) == 6')
+                == ("success", 1)
                 and _query(base, 'sum(rate(zmqps_worker_examples_total{job="worker"}[20s])) > 0')[1]
             ),
             60,
