@@ -554,6 +554,12 @@ class ChiefService:
                 if snap is not None:
                     ck.write(snap, self.placement, self.mode, self.gen, self._extra())
 
+    async def workers_gone(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s until no worker is alive (each left, or is dead)."""
+        deadline = self.clock() + timeout
+        while self.members.alive(self.clock()) and self.clock() < deadline:
+            await asyncio.sleep(0.05)
+
     async def final_checkpoint(self) -> None:
         """At the end (all done, or SIGTERM): one more checkpoint if anything changed."""
         ck = self.checkpointer
@@ -757,8 +763,15 @@ async def serve_chief(
             if cfg.keep_alive:
                 await service.shutdown_requested.wait()
         else:  # SIGTERM / shutdown: one last checkpoint, within the grace period
+            grace_ends = time.monotonic() + cfg.stop_grace
+            # The workers were signalled too: they end their step and leave. Hear them
+            # first (half the grace at most), so their last updates are in the final
+            # checkpoint and their leave is answered.
+            await service.workers_gone(cfg.stop_grace / 2)
             try:
-                await asyncio.wait_for(service.final_checkpoint(), cfg.stop_grace)
+                await asyncio.wait_for(
+                    service.final_checkpoint(), max(0.1, grace_ends - time.monotonic())
+                )
             except asyncio.TimeoutError:
                 log.error("final checkpoint not committed within %.0fs", cfg.stop_grace)
         await _shutdown_ps(ps_clients)
