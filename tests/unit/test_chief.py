@@ -597,3 +597,17 @@ def test_placement_policy_is_honored(policy: str, expected: Any) -> None:
         assert [svc.store.nbytes() for svc in env.services] == loads  # sgd: no slots
 
     run(body())
+
+
+def test_a_rejoining_worker_is_fenced_on_every_ps_at_registration() -> None:
+    async def body() -> None:
+        env = make_env(2, num_workers=2)
+        await env.chief.create_variables(VARS, SGD)
+        await call(env.chief, "register", who(0, 7))
+        await call(env.chief, "register", who(0, 9))  # a new incarnation of worker 0
+        for svc in env.services:
+            assert svc.dedup.incarnation("worker:0") == 9
+            with pytest.raises(FencedError):
+                svc.dedup.check("worker:0", 7, 1)
+
+    run(body())

@@ -98,6 +98,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "status": {},
     "shutdown": {"reason": "end of job"},
     "ps_state": {},
+    "fence": {"worker": "worker:1", "inc": 17},
     "checkpoint": {"wait": 30.0},
     "checkpoint_save": {"name": ".tmp-ckpt-000000000012-ab12", "id": 7},
     "checkpoint_done": {"id": 7, "wait": 5.0},

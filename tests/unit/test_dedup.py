@@ -131,3 +131,16 @@ def test_matches_a_set_model(seqs: list[int], window: int) -> None:
             continue
         assert apply(d, "w", 0, seq) == (seq not in applied)
         applied.add(seq)
+
+
+def test_fence_refuses_older_incarnations_before_the_new_one_pushes() -> None:
+    d = PushDeduper()
+    d.commit("w", 1, 0)
+    assert d.fence("w", 2)  # the chief registered incarnation 2
+    with pytest.raises(FencedError):
+        d.check("w", 1, 1)  # a late push of the paused old process
+    assert d.check("w", 2, 0)  # the new one starts a fresh window
+    assert not d.fence("w", 2) and not d.fence("w", 1)  # never backwards
+    assert d.fence("never-pushed", 5)
+    with pytest.raises(FencedError):
+        d.check("never-pushed", 4, 0)

@@ -96,6 +96,16 @@ class PushDeduper:
         else:
             w.bits |= 1 << (w.high - seq)
 
+    def fence(self, worker: str, incarnation: int) -> bool:
+        """From now on refuse every incarnation of ``worker`` older than ``incarnation``
+        (the chief registered it: a paused old process that resumes is shut out even
+        before the new one's first push). True if that changed anything."""
+        w = self._workers.get(worker)
+        if w is not None and incarnation <= w.incarnation:
+            return False
+        self._workers[worker] = _Worker(incarnation)
+        return True
+
     def forget(self, worker: str) -> None:
         """Drop everything known about ``worker`` (e.g. it left the job for good)."""
         self._workers.pop(worker, None)

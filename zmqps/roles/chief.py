@@ -169,11 +169,26 @@ class ChiefService:
             b["incarnation"],
             "rejoined" if rejoin else "registered",
         )
+        if rejoin:
+            await self._fence(f"worker:{b['index']}", b["incarnation"])
         await self.sync.membership_changed(rejoined=rejoin)
         info = self._cluster_info()
         # a new incarnation resumes its work where the earlier ones stopped
         info["steps_done"] = self.members.workers[b["index"]].steps_before
         return reply(msg, info)
+
+    async def _fence(self, worker: str, incarnation: int) -> None:
+        """Tell every PS that ``worker``'s incarnations before ``incarnation`` are gone,
+        before the new one gets an answer: a late push of the old one is refused even if
+        it comes first. A PS that cannot be told fences at the new one's first push."""
+
+        async def one(c: Requester) -> None:
+            try:
+                await c.request("fence", {"worker": worker, "inc": incarnation}, timeout=2.0)
+            except ZmqpsError as e:
+                log.warning("could not fence %s on ps %s: %s", worker, c.endpoint, e)
+
+        await asyncio.gather(*(one(c) for c in self.ps))
 
     def _cluster_info(self) -> dict[str, Any]:
         return {

@@ -455,6 +455,13 @@ class PSService:
             body["placement"] = self.placement
         return reply(msg, body)
 
+    def _op_fence(self, msg: Message) -> Message:
+        """The chief registered a new incarnation of a worker: fence the older ones now."""
+        b = msg.body
+        if self.dedup.fence(b["worker"], b["inc"]):
+            log.info("ps %d: %s incarnations before %d fenced", self.index, b["worker"], b["inc"])
+        return reply(msg)
+
     def _root(self) -> Path:
         if self.checkpoint_dir is None:
             raise InvalidArgument(f"ps {self.index} runs without --checkpoint-dir")

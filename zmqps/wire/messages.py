@@ -60,6 +60,7 @@ REQUEST_OPS = frozenset(
         "ssp_clock",
         # checkpoints and recovery
         "ps_state",
+        "fence",
         "checkpoint",
         "checkpoint_save",
         "checkpoint_done",

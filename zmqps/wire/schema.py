@@ -266,6 +266,7 @@ REQUEST_BODIES: Mapping[str, Schema] = {
     "ssp_clock": Map({**WHO, "completed": Int(0)}, {"wait": Float(0.0, 3600.0)}),
     # checkpoints and recovery
     "ps_state": Map(),
+    "fence": Map({"worker": Str(64), "inc": Int(0)}),
     "checkpoint": Map({}, {"wait": Float(0.0, 3600.0)}),
     "checkpoint_save": Map({"name": CKPT_NAME, "id": Int(0)}),
     "checkpoint_done": Map({"id": Int(0)}, {"wait": Float(0.0, 3600.0)}),
