@@ -42,6 +42,8 @@ CASES = {
         "zmqps-server serves roles chief and ps, not 'worker'",
     ),
     "launch-no-ps": (["zmqps", "launch", "--ps", "0"], {}, "--ps and --workers must be >= 1"),
+    # checked once by the launcher, not by every (restarted) child
+    "launch-no-epochs": (["zmqps", "launch", "--epochs", "0"], {}, "--epochs must be >= 1"),
 }
 
 

@@ -351,11 +351,9 @@ def _hidden(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
-        raise SystemExit(
-            f"zmqps: error: --hidden {text!r}: expected sizes like 128 or 256,128"
-        ) from None
+        raise ConfigError(f"--hidden {text!r}: expected sizes like 128 or 256,128") from None
     if not sizes or min(sizes) < 1:
-        raise SystemExit(f"zmqps: error: --hidden {text!r}: sizes must be positive")
+        raise ConfigError(f"--hidden {text!r}: sizes must be positive")
     return sizes
 
 
@@ -364,7 +362,7 @@ def job_from_args(args: argparse.Namespace) -> JobConfig | None:
         return None
     for flag in ("batch_size", "epochs", "log_every"):
         if getattr(args, flag) < 1:
-            raise SystemExit(f"zmqps: error: --{flag.replace('_', '-')} must be >= 1")
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
     return JobConfig(
         model=args.model,
         dataset=args.dataset,

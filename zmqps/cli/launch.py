@@ -477,6 +477,12 @@ def launch(args: argparse.Namespace) -> int:
         raise ConfigError("--ps and --workers must be >= 1")
     if args.model in (None, "none"):
         raise ConfigError("zmqps launch runs a built-in --model")
+    # check the job flags here, once, rather than in every restarted child
+    from zmqps.cli.args import job_from_args
+
+    job_from_args(args)
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts must be >= 0")
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="zmqps-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
