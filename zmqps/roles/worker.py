@@ -92,6 +92,7 @@ class Worker:
         self.examples = 0
         self.loss: float | None = None
         self.token: int | None = None  # sync: the step this worker is computing
+        self.token_gen = 0  # the generation the token was handed out in
         self._options = options
         self._chunk_bytes = chunk_bytes
         self._shared_memory = shared_memory
@@ -240,11 +241,16 @@ class Worker:
         of the slowest live worker. Waiting is done by long polls of ``poll`` seconds.
         """
         if self.mode == "sync":
-            self.token = self._io.run(self._long_poll("take_token", {}, poll))["step"]
-            return int(self.token)
+            self._take_token(poll)
+            return int(self.token or 0)
         if self.mode == "ssp":
             self._io.run(self._long_poll("ssp_clock", {"completed": self.step}, poll))
         return self.step
+
+    def _take_token(self, poll: float) -> None:
+        rep = self._io.run(self._long_poll("take_token", {}, poll))
+        self.token = int(rep["step"])
+        self.token_gen = int(rep.get("gen", self.gen))
 
     async def _long_poll(self, op: str, extra: dict[str, Any], poll: float) -> dict[str, Any]:
         body = {"role": self.role, "index": self.index, "incarnation": self.incarnation, **extra}
@@ -302,7 +308,8 @@ class Worker:
                 ) from error
             await asyncio.sleep(0.2)
         self.gen = gen
-        self.token = None  # a token of before the restore is void
+        if self.token_gen != gen:
+            self.token = None  # a token of before the restore is void
         if self._client is not None and self._client.gen != gen:
             self._client.restored(gen)
         log.warning("%s: resuming in generation %d", self.name, gen)
@@ -326,11 +333,12 @@ class Worker:
         """Current values of the dense variables (or ``names``)."""
         started = time.perf_counter()
         wanted = None if names is None else list(names)
-        gen = self.gen
+        had_token = self.token is not None
         out = self._recovering(lambda: self.client.pull(wanted))
-        if gen != self.gen and self.mode == "sync":
-            # restored meanwhile: these values are of the restored step; compute for it
-            self.token = self._io.run(self._long_poll("take_token", {}, 10.0))["step"]
+        if had_token and self.token is None and self.mode == "sync":
+            # restored meanwhile, and the token was of before: these values are of the
+            # restored step; compute for it
+            self._take_token(10.0)
         self.record_phase("pull", started)
         return out
 
