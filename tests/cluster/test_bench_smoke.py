@@ -123,3 +123,16 @@ def test_ctrl_c_stops_every_child(procs: Reaper, tmp_path: Path) -> None:
     bench.send(signal.SIGINT)
     bench.expect_exit(130, timeout=20)
     assert not _children_of(logs)
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_suite(procs: Reaper, tmp_path: Path) -> None:
+    bench, out, _ = _bench(procs, tmp_path, "checkpoint", "--size-mb", "2", "--repeat", "1")
+    bench.expect_exit(0, timeout=50)
+    (run,) = _runs(read_json(out), "checkpoint")
+    assert run["state_mb"] > 2  # values and both adam slots
+    assert run["restore_shards"] != run["shards"] or run["shards"] == 1
+    for phase in ("snapshot", "write", "commit", "verify", "restore"):
+        s = run["seconds"][phase]
+        assert 0 < s["min"] <= s["median"] <= s["max"], (phase, s)
+    assert "checkpoint:" in bench.stdout

@@ -43,7 +43,7 @@ SIDES = ("zmqps", "zmqps-tcp", "zmqps-metrics", "raw", "torch")
 #: zmqps-metrics (every process serving Prometheus metrics) runs only when asked for
 DEFAULT_SIDES = ("zmqps", "zmqps-tcp", "raw", "torch")
 #: suites that are not "the same workload on every side": see their modules.
-EXTRA_SUITES = ("optimizer", "sync")
+EXTRA_SUITES = ("optimizer", "sync", "checkpoint")
 ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-metrics")
 OTHER_SIDES = ("raw", "torch")
 SPAWN: dict[str, Callable[[Workload, SideContext], Side]] = {
@@ -553,6 +553,12 @@ def run_bench(args: argparse.Namespace) -> int:
             run = run_sync(steps=cfg.steps or 200, repeat=min(cfg.repeat, 3), timeout=cfg.timeout)
             report["runs"].append(run)
             print(format_sync(run) + "\n", flush=True)
+        if "checkpoint" in cfg.extras:
+            from zmqps.bench.checkpoint import format_checkpoint, run_checkpoint
+
+            run = run_checkpoint(size_mb=cfg.size_mb, repeat=min(max(cfg.repeat, 3), 5))
+            report["runs"].append(run)
+            print(format_checkpoint(run) + "\n", flush=True)
         for suite in cfg.suites:
             for workers in cfg.workers_for(suite):
                 runs = run_case(suite, workers, cfg, run_dir / f"{suite}-x{workers}")
