@@ -439,7 +439,9 @@ def test_checkpoint_of_two_ps_resumes_on_three_and_on_one(procs: Reaper, tmp_pat
         assert all(len(r) == 1 for r in restored), restored
         assert sum(int(r[0]) for r in restored) == 4 * num_shards  # 4 variables
         assert summary["global_step"] == ckpt.step + epochs * steps_per_epoch, summary
-        assert summary["test_accuracy"] >= base["test_accuracy"] - 0.01, (base, summary)
+        # async continuation is not deterministic (±a few of 359 test examples); a restore
+        # that lost the trained values would score like 2 epochs from scratch (≈ 0.92)
+        assert summary["test_accuracy"] >= base["test_accuracy"] - 0.025, (base, summary)
         assert summary["restarts"] == []
         after = CheckpointRoot(copy).latest()
         assert after is not None and after.step == summary["global_step"]
