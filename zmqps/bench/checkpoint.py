@@ -31,20 +31,20 @@ __all__ = ["format_checkpoint", "run_checkpoint"]
 ADAM = {"name": "adam", "lr": 0.001}
 
 
-def _placement(n: int, num_ps: int) -> Any:
+def _placement(n: int, num_ps: int, shard_mb: int) -> Any:
     var = VariableDef("w", (n // 256, 256), "float32", init={"name": "zeros"})
-    return plan((var,), num_ps, Partitioner(max_shard_bytes=16 << 20), "round_robin", ADAM)
+    return plan((var,), num_ps, Partitioner(max_shard_bytes=shard_mb << 20), "round_robin", ADAM)
 
 
 def run_checkpoint(
     size_mb: float = 100.0, repeat: int = 3, root: str | None = None
 ) -> dict[str, Any]:
     n = max(1 << 16, int(size_mb * (1 << 20)) // 4 // 256 * 256)
-    src = _placement(n, 2)
+    src = _placement(n, 2, 16)
     store = ShardStore()
     store.create([d for _, d in src.shard_defs()])
     state_bytes = store.nbytes()
-    target = _placement(n, 3)
+    target = _placement(n, 3, 12)  # other row boundaries: every read is resharded
     base = Path(tempfile.mkdtemp(prefix="zmqps-bench-ckpt-", dir=root))
     times: dict[str, list[float]] = {k: [] for k in ("snapshot", "write", "commit", "verify")}
     times["restore"] = []
@@ -101,7 +101,7 @@ def run_checkpoint(
 def format_checkpoint(run: dict[str, Any]) -> str:
     lines = [
         f"checkpoint: {run['state_mb']:.0f} MB of state (values + adam slots) in"
-        f" {run['shards']} shards, restored onto {run['restore_shards']} shards;"
+        f" {run['shards']} shards of 2 PS, restored onto {run['restore_shards']} shards of 3 PS;"
         f" median (min-max) of {run['repeat']}"
     ]
     for k, v in run["seconds"].items():
