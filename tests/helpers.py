@@ -11,10 +11,12 @@ Rules of this module:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -265,3 +267,58 @@ class Reaper:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(5.0)
         return left
+
+
+# --- zmqps launch clusters -------------------------------------------------------------
+
+
+def launch_run(procs: Reaper, run: Path, *flags: str, timeout: float = 120) -> tuple[Proc, Path]:
+    """Start ``zmqps launch`` with its logs in ``run`` and its summary next to it."""
+    summary = run.parent / f"{run.name}-summary.json"
+    argv = zmqps_cmd(
+        "launch",
+        "--no-progress",
+        "--timeout",
+        f"{timeout:g}",
+        "--run-dir",
+        str(run),
+        "--summary",
+        str(summary),
+        *flags,
+    )
+    return procs.spawn(argv, name=run.name), summary
+
+
+def chief_address(launcher: Proc) -> str:
+    """The chief's address, as the launcher prints it at start."""
+
+    def find() -> str | None:
+        m = re.search(r"zmqps launch: chief (127\.0\.0\.1:\d+),", launcher.stderr)
+        return m.group(1) if m else None
+
+    return str(wait_for(find, 30, what="the launcher to print the chief's address"))
+
+
+def chief_status(chief: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    """The chief's status, or None while it does not answer."""
+    from zmqps.roles.status import fetch_status
+    from zmqps.wire.errors import ZmqpsError
+
+    try:
+        return asyncio.run(fetch_status(chief, timeout=timeout))
+    except (ZmqpsError, OSError):
+        return None
+
+
+def task_pid(launcher: Proc, *words: str) -> int:
+    """The pid of the launcher's child whose command line holds every one of ``words``
+    (e.g. ``"worker"``, ``"--index 1"``)."""
+
+    def find() -> int | None:
+        for pid in launched_by(launcher.pid):
+            argv = " ".join(_argv(pid))
+            if all(w in argv for w in words):
+                return pid
+        return None
+
+    return int(wait_for(find, 30, what=f"the task {' '.join(words)}"))

@@ -45,6 +45,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from zmqps.checkpoint.format import fsync_dir
 from zmqps.models import Model, build_model
 from zmqps.wire.errors import ZmqpsError
 
@@ -136,14 +137,6 @@ def _check_params(
             )
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write(path: Path, data: bytes) -> None:
     with path.open("wb") as f:
         f.write(data)
@@ -198,11 +191,11 @@ def export_model(
     try:
         _write(tmp / WEIGHTS_FILE, weights)
         _write(tmp / SIGNATURE_FILE, (json.dumps(doc, indent=2) + "\n").encode())
-        _fsync(tmp)
+        fsync_dir(tmp)
         if target.exists():
             target.rename(old)
         tmp.rename(target)
-        _fsync(parent)
+        fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not target.exists():

@@ -10,7 +10,6 @@ resumes), 14 (SIGTERM to ``zmqps launch``: a final checkpoint, everything gone w
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import re
@@ -23,66 +22,24 @@ from typing import Any
 
 import pytest
 import zmq.asyncio
-from helpers import Proc, Reaper, addresses, launched_by, read_json, wait_for, zmqps_cmd
+from helpers import (
+    Proc,
+    Reaper,
+    addresses,
+    chief_address,
+    chief_status,
+    launch_run,
+    launched_by,
+    read_json,
+    task_pid,
+    wait_for,
+    zmqps_cmd,
+)
 
 from zmqps.checkpoint import CheckpointRoot
-from zmqps.roles.status import fetch_status
 from zmqps.transport import Client
-from zmqps.wire.errors import ZmqpsError
 
 # ----------------------------------------------------------------- helpers
-
-
-def _launch(procs: Reaper, run: Path, *flags: str) -> tuple[Proc, Path]:
-    summary = run.parent / f"{run.name}-summary.json"
-    argv = zmqps_cmd(
-        "launch",
-        "--no-progress",
-        "--timeout",
-        "120",
-        "--run-dir",
-        str(run),
-        "--summary",
-        str(summary),
-        *flags,
-    )
-    return procs.spawn(argv, name=run.name), summary
-
-
-def _chief_address(launcher: Proc) -> str:
-    def find() -> str | None:
-        m = re.search(r"zmqps launch: chief (127\.0\.0\.1:\d+),", launcher.stderr)
-        return m.group(1) if m else None
-
-    return str(wait_for(find, 30, what="the launcher to print the chief's address"))
-
-
-def _status(chief: str) -> dict[str, Any] | None:
-    """The chief's status, or None while it does not answer."""
-    try:
-        return asyncio.run(fetch_status(chief, timeout=2.0))
-    except ZmqpsError:
-        return None
-
-
-def _argv(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-    except (FileNotFoundError, ProcessLookupError):
-        return []
-
-
-def _task_pid(launcher: Proc, command: str, index: int) -> int:
-    """The pid of the launcher's child ``zmqps COMMAND --index INDEX``."""
-
-    def find() -> int | None:
-        for pid in launched_by(launcher.pid):
-            argv = _argv(pid)
-            if command in argv[:4] and ("--index", str(index)) in itertools.pairwise(argv):
-                return int(pid)
-        return None
-
-    return int(wait_for(find, 30, what=f"zmqps {command} --index {index}"))
 
 
 def _worker(status: dict[str, Any], index: int) -> dict[str, Any] | None:
@@ -120,7 +77,7 @@ def test_kill9_worker_is_restarted_and_rejoins(procs: Reaper, tmp_path: Path, mo
     run."""
     epochs = 40 if mode == "async" else 20
     run = tmp_path / f"kill-worker-{mode}"
-    launcher, summary_path = _launch(
+    launcher, summary_path = launch_run(
         procs,
         run,
         "--mode",
@@ -131,23 +88,23 @@ def test_kill9_worker_is_restarted_and_rejoins(procs: Reaper, tmp_path: Path, mo
         "3",
         "--no-checkpoints",
     )
-    chief = _chief_address(launcher)
+    chief = chief_address(launcher)
     before = wait_for(
-        lambda: (s := _status(chief)) and s["global_step"] >= 30 and _worker(s, 1) and s,
+        lambda: (s := chief_status(chief)) and s["global_step"] >= 30 and _worker(s, 1) and s,
         timeout=60,
         what="training to be under way",
         interval=0.05,
     )
     old = _worker(before, 1)
     assert old is not None and old["state"] == "alive", before
-    victim = _task_pid(launcher, "worker", 1)
+    victim = task_pid(launcher, "zmqps worker", "--index 1")
     signal_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
 
     steps: list[int] = []  # the global step as the chief reports it meanwhile
 
     def rejoined() -> dict[str, Any] | None:
-        s = _status(chief)
+        s = chief_status(chief)
         if s is None:
             return None
         steps.append(s["global_step"])
@@ -226,7 +183,7 @@ def test_paused_worker_replaced_then_resumed_is_fenced(procs: Reaper, tmp_path: 
 
     old, other = worker(0, "worker0"), worker(1, "worker1")
     first = wait_for(
-        lambda: (s := _status(chief)) and (w := _worker(s, 0)) and w["step"] >= 10 and w,
+        lambda: (s := chief_status(chief)) and (w := _worker(s, 0)) and w["step"] >= 10 and w,
         timeout=60,
         what="worker 0 training",
         interval=0.05,
@@ -234,7 +191,7 @@ def test_paused_worker_replaced_then_resumed_is_fenced(procs: Reaper, tmp_path: 
     old.send(signal.SIGSTOP)
     stopped_at = time.monotonic()
     wait_for(
-        lambda: 0 in ((_status(chief) or {}).get("workers_dead") or []),
+        lambda: 0 in ((chief_status(chief) or {}).get("workers_dead") or []),
         timeout=15,
         what="the chief to consider worker 0 dead",
         interval=0.1,
@@ -243,7 +200,7 @@ def test_paused_worker_replaced_then_resumed_is_fenced(procs: Reaper, tmp_path: 
     new = worker(0, "worker0-new")
     replaced = wait_for(
         lambda: (
-            (s := _status(chief))
+            (s := chief_status(chief))
             and (w := _worker(s, 0))
             and w["incarnation"] != first["incarnation"]
             and w
@@ -274,7 +231,7 @@ def test_paused_worker_replaced_then_resumed_is_fenced(procs: Reaper, tmp_path: 
     other.expect_exit(0, timeout=60)
     summary = wait_for(lambda: read_json(summary_path), timeout=30, what="the summary")
     fenced = [_ps_request(a, "status")["fenced"] for a in (ps0, ps1)]
-    status = _status(chief)
+    status = chief_status(chief)
     assert status is not None
     w = _worker(status, 0)
     assert w is not None and (w["incarnation"], w["state"]) == (replaced["incarnation"], "done")
@@ -316,7 +273,7 @@ def test_sigterm_to_launch_takes_a_final_checkpoint(
     step and leave, the chief commits a final checkpoint holding every update the PS
     applied, and every process is gone within 10 s (none needed SIGKILL)."""
     run, ckpt_dir = tmp_path / f"sigterm-{mode}", tmp_path / "ckpt"
-    launcher, _ = _launch(
+    launcher, _ = launch_run(
         procs,
         run,
         "--mode",
@@ -332,11 +289,13 @@ def test_sigterm_to_launch_takes_a_final_checkpoint(
     )
     root = CheckpointRoot(ckpt_dir)
     wait_for(lambda: root.latest_name(), timeout=60, what="a first checkpoint", interval=0.1)
-    chief = _chief_address(launcher)
+    chief = chief_address(launcher)
     children = launched_by(launcher.pid)
     assert len(children) == 5, children
     wait_for(
-        lambda: (s := _status(chief)) and s["global_step"] > (s["checkpoints"]["last_step"] or 0),
+        lambda: (
+            (s := chief_status(chief)) and s["global_step"] > (s["checkpoints"]["last_step"] or 0)
+        ),
         timeout=30,
         what="training past the last checkpoint",
         interval=0.05,
@@ -383,7 +342,7 @@ def test_checkpoint_of_two_ps_resumes_on_three_and_on_one(procs: Reaper, tmp_pat
     variables) on copies of it. Each restores every shard from the last checkpoint,
     goes on from its global step and ends at least as accurate (minus 0.01)."""
     root = tmp_path / "ckpt"
-    first, first_summary = _launch(
+    first, first_summary = launch_run(
         procs,
         tmp_path / "ps2",
         "--ps",
@@ -408,7 +367,7 @@ def test_checkpoint_of_two_ps_resumes_on_three_and_on_one(procs: Reaper, tmp_pat
         copy = tmp_path / f"ckpt-for-{num_ps}"
         shutil.copytree(root, copy)
         run = tmp_path / f"ps{num_ps}"
-        launcher, summary_path = _launch(
+        launcher, summary_path = launch_run(
             procs,
             run,
             "--ps",

@@ -8,71 +8,34 @@ running PS (global step, placement); no step is applied twice.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import re
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Proc, Reaper, _argv, launched_by, read_json, wait_for, zmqps_cmd
+from helpers import (
+    Reaper,
+    chief_address,
+    chief_status,
+    launch_run,
+    launched_by,
+    read_json,
+    task_pid,
+    wait_for,
+)
 
 from zmqps.checkpoint import CheckpointRoot
-from zmqps.roles.status import fetch_status
-from zmqps.wire.errors import ZmqpsError
 
 CKPT_STEPS = 40
 EPOCHS = "40"
 SYNC = ("--mode", "sync", "--epochs", EPOCHS, "--checkpoint-steps", str(CKPT_STEPS))
 
 
-def _launch(procs: Reaper, run: Path, *flags: str) -> tuple[Proc, Path]:
-    summary = run.parent / f"{run.name}-summary.json"
-    argv = zmqps_cmd(
-        "launch",
-        "--no-progress",
-        "--timeout",
-        "150",
-        "--run-dir",
-        str(run),
-        "--summary",
-        str(summary),
-        *flags,
-    )
-    return procs.spawn(argv, name=run.name), summary
-
-
-def _chief_address(launcher: Proc) -> str:
-    def find() -> str | None:
-        m = re.search(r"chief (127\.0\.0\.1:\d+)", launcher.stderr + launcher.stdout)
-        return m.group(1) if m else None
-
-    return wait_for(find, 30, what="the launcher to print the chief's address")
-
-
-def _status(chief: str) -> dict[str, Any] | None:
-    try:
-        return asyncio.run(fetch_status(chief, timeout=1.0))
-    except (ZmqpsError, OSError):
-        return None
-
-
-def _task_pid(launcher: Proc, *words: str) -> int:
-    def find() -> int | None:
-        for pid in launched_by(launcher.pid):
-            argv = " ".join(_argv(pid))
-            if all(w in argv for w in words):
-                return pid
-        return None
-
-    return wait_for(find, 30, what=f"the task {' '.join(words)}")
-
-
 def _wait_for_checkpoint(chief: str, step: int) -> dict[str, Any]:
     def ready() -> dict[str, Any] | None:
-        s = _status(chief)
+        s = chief_status(chief, timeout=1.0)
         ck = (s or {}).get("checkpoints") or {}
         return s if (ck.get("last_step") or 0) >= step else None
 
@@ -94,7 +57,7 @@ def unfaulted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("unfaulted")
     procs = Reaper(base / "logs")
     try:
-        launcher, summary_path = _launch(procs, base / "run", "-q", *SYNC)
+        launcher, summary_path = launch_run(procs, base / "run", "-q", *SYNC, timeout=150)
         launcher.expect_exit(0, timeout=140)
         summary = read_json(summary_path)
         assert summary is not None
@@ -108,15 +71,15 @@ def test_kill9_ps_in_sync_mode_restores_every_shard(
     procs: Reaper, tmp_path: Path, unfaulted: dict[str, Any]
 ) -> None:
     run = tmp_path / "ps-kill"
-    launcher, summary_path = _launch(procs, run, "-q", *SYNC)
-    chief = _chief_address(launcher)
+    launcher, summary_path = launch_run(procs, run, "-q", *SYNC, timeout=150)
+    chief = chief_address(launcher)
     before = _wait_for_checkpoint(chief, 2 * CKPT_STEPS)
-    pid = _task_pid(launcher, "--role ps", "--index 1")
+    pid = task_pid(launcher, "--role ps", "--index 1")
     os.kill(pid, signal.SIGKILL)
     killed_at = time.time()
 
     def recovered() -> dict[str, Any] | None:
-        s = _status(chief)
+        s = chief_status(chief, timeout=1.0)
         recs = (s or {}).get("recoveries") or []
         return recs[-1] if recs else None
 
@@ -154,25 +117,25 @@ def test_kill9_chief_resumes_without_going_back(
     procs: Reaper, tmp_path: Path, unfaulted: dict[str, Any]
 ) -> None:
     run = tmp_path / "chief-kill"
-    launcher, summary_path = _launch(procs, run, "-q", *SYNC)
-    chief = _chief_address(launcher)
+    launcher, summary_path = launch_run(procs, run, "-q", *SYNC, timeout=150)
+    chief = chief_address(launcher)
     seen: list[int] = []
     s = _wait_for_checkpoint(chief, CKPT_STEPS)
     seen.append(int(s["global_step"]))
     ckpt_step = int(s["checkpoints"]["last_step"])
-    pid = _task_pid(launcher, "--role chief")
+    pid = task_pid(launcher, "--role chief")
     os.kill(pid, signal.SIGKILL)
     killed_at = time.time()
 
     def back() -> dict[str, Any] | None:
-        st = _status(chief)
+        st = chief_status(chief, timeout=1.0)
         return st if st is not None and st.get("workers_alive") else None
 
     st = wait_for(back, 60, what="a new chief with workers", interval=0.1)
     back_s = time.time() - killed_at
     seen.append(int(st["global_step"]))
     for _ in range(20):
-        st2 = _status(chief)
+        st2 = chief_status(chief, timeout=1.0)
         if st2 is None:
             break
         seen.append(int(st2["global_step"]))
