@@ -2,9 +2,9 @@
 
 Rules of this module:
 
-* Only :func:`resolve` reads the environment (``TF_CONFIG``), through an
-  injectable mapping (``os.environ`` by default); everything else is a pure
-  function of its arguments.
+* Only :func:`resolve` (``TF_CONFIG``) and :func:`keys_dir` (``ZMQPS_KEYS``) read
+  the environment, through an injectable mapping (``os.environ`` by default);
+  everything else is a pure function of its arguments.
 * Results are frozen dataclasses (:class:`ClusterSpec`, :class:`TaskSpec`),
   validated when built; nothing downstream re-checks addresses or role names.
 * Precedence: CLI flags (``--cluster FILE|JSON`` or the host flags) over
@@ -33,11 +33,13 @@ from typing import Any
 from zmqps.wire.errors import ConfigError
 
 __all__ = [
+    "KEYS_ENV",
     "NO_CLUSTER_MESSAGE",
     "ROLES",
     "ClusterSpec",
     "TaskSpec",
     "cluster_from_flags",
+    "keys_dir",
     "load_cluster_file_or_json",
     "parse_tf_config",
     "resolve",
@@ -450,6 +452,18 @@ def _pick_task(
     picked = TaskSpec(role, index, source="--role/--index")
     cluster.check_task(picked, source="--role/--index")
     return picked
+
+
+#: The environment variable naming the CURVE keys folder when ``--keys`` is not given.
+KEYS_ENV = "ZMQPS_KEYS"
+
+
+def keys_dir(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The CURVE keys folder: ``--keys``, else ``ZMQPS_KEYS`` (empty: none), else None."""
+    if flag:
+        return flag
+    value = (os.environ if environ is None else environ).get(KEYS_ENV, "")
+    return value or None
 
 
 def resolve(

@@ -62,6 +62,7 @@ CATALOGUE = {
     "zmqps_request_duration_seconds": "histogram",
     "zmqps_bytes_sent_total": "counter",
     "zmqps_bytes_received_total": "counter",
+    "zmqps_auth_failures_total": "counter",
     "zmqps_gradient_staleness": "histogram",
     "zmqps_gradients_dropped_total": "counter",
     "zmqps_updates_applied_total": "counter",

@@ -35,6 +35,7 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...]]] = {
     "zmqps_request_duration_seconds": ("histogram", ("op",)),
     "zmqps_bytes_sent": ("counter", ()),
     "zmqps_bytes_received": ("counter", ()),
+    "zmqps_auth_failures": ("counter", ("reason",)),
     "zmqps_gradient_staleness": ("histogram", ("variable",)),
     "zmqps_gradients_dropped": ("counter", ("reason",)),
     "zmqps_updates_applied": ("counter", ()),

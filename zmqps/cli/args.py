@@ -12,13 +12,14 @@ import threading
 import time
 from typing import Any
 
-from zmqps.config import ClusterSpec, TaskSpec, resolve, split_address
+from zmqps.config import KEYS_ENV, ClusterSpec, TaskSpec, keys_dir, resolve, split_address
 from zmqps.core.partition import Partitioner
 from zmqps.core.sync import MODES
 from zmqps.data import DATASETS
 from zmqps.models import MODELS
 from zmqps.roles.job import JobConfig
 from zmqps.roles.sync import SyncConfig
+from zmqps.transport import SocketOptions, load_keys
 from zmqps.wire.errors import ConfigError
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "add_evaluator_args",
     "add_job_args",
     "add_metrics_args",
+    "add_security_args",
     "add_server_args",
     "add_sync_args",
     "bind_address",
@@ -36,6 +38,7 @@ __all__ = [
     "optimizer_from_args",
     "partitioner_from_args",
     "setup_logging",
+    "socket_options",
     "sync_flags",
     "sync_from_args",
 ]
@@ -212,6 +215,28 @@ def add_metrics_args(p: argparse.ArgumentParser) -> None:
         metavar="HOST",
         help="address the metrics endpoint binds (default: 127.0.0.1, this host only)",
     )
+
+
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security (CurveZMQ)")
+    g.add_argument(
+        "--keys",
+        metavar="DIR",
+        help="CURVE keys folder made by zmqps keygen: every socket is encrypted and"
+        " servers accept only the clients in DIR/allowed (default: the"
+        f" {KEYS_ENV} environment variable; neither: plaintext)",
+    )
+
+
+def socket_options(
+    args: argparse.Namespace, role: str, index: int | None, *, serve: bool, connect: bool
+) -> SocketOptions | None:
+    """The SocketOptions of a task: with its CURVE keys when ``--keys`` / ZMQPS_KEYS
+    names a folder, else None (plaintext defaults)."""
+    folder = keys_dir(getattr(args, "keys", None))
+    if folder is None:
+        return None
+    return SocketOptions(curve=load_keys(folder, role, index, serve=serve, connect=connect))
 
 
 def add_evaluator_args(p: argparse.ArgumentParser) -> None:

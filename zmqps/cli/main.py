@@ -21,6 +21,7 @@ from zmqps.cli.args import (
     add_evaluator_args,
     add_job_args,
     add_metrics_args,
+    add_security_args,
     add_server_args,
     add_sync_args,
     bind_address,
@@ -31,6 +32,7 @@ from zmqps.cli.args import (
     optimizer_from_args,
     partitioner_from_args,
     setup_logging,
+    socket_options,
     sync_from_args,
 )
 from zmqps.wire.errors import ConfigError, ZmqpsError
@@ -46,6 +48,7 @@ def _server_parser(p: argparse.ArgumentParser) -> None:
     add_server_args(p)
     add_sync_args(p)
     add_metrics_args(p)
+    add_security_args(p)
 
 
 def _worker_parser(p: argparse.ArgumentParser) -> None:
@@ -53,6 +56,7 @@ def _worker_parser(p: argparse.ArgumentParser) -> None:
     add_job_args(p)
     add_metrics_args(p)
     add_evaluator_args(p)
+    add_security_args(p)
     p.add_argument(
         "--no-shm",
         dest="shared_memory",
@@ -73,6 +77,11 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     cluster, task = cluster_and_task(args)
     bind = args.bind or bind_address(cluster.address(task.role, task.index))
+    if task.role in ("ps", "chief"):
+        # the PS only serve; the chief serves and connects to every PS
+        options = socket_options(
+            args, task.role, task.index, serve=True, connect=task.role == "chief"
+        )
     if task.role == "ps":
         return run_ps(
             PSConfig(
@@ -81,7 +90,8 @@ def cmd_server(args: argparse.Namespace) -> int:
                 metrics_host=args.metrics_host,
                 metrics_port=metrics_port(args),
                 checkpoint_dir=args.checkpoint_dir,
-            )
+            ),
+            options,
         )
     if task.role == "chief":
         job = job_from_args(args)
@@ -102,7 +112,8 @@ def cmd_server(args: argparse.Namespace) -> int:
                 metrics_port=metrics_port(args),
                 checkpoint=_checkpoint_policy(args),
                 export_dir=args.export_dir,
-            )
+            ),
+            options,
         )
     raise ConfigError(
         f"zmqps-server serves roles chief and ps, not {task.role!r} (use zmqps-worker)"
@@ -139,6 +150,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         )
     data = shard(job.load("train"), task.index, cluster.num_workers)
     planned = steps_per_epoch(len(data), job.batch_size) * job.epochs
+    options = socket_options(args, "worker", task.index, serve=False, connect=True)
     # SIGTERM (Kubernetes, the launcher) leaves the cluster cleanly instead of vanishing.
     signal.signal(signal.SIGTERM, _terminated)
     port = metrics_port(args)
@@ -155,6 +167,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             steps_planned=planned,
             shared_memory=args.shared_memory,
             metrics=metrics,
+            options=options,
         ) as worker:
             # From now on a SIGTERM ends the current step first (its gradient reaches
             # every PS, so a sync step is not left half done); a second one ends at once.
@@ -188,7 +201,8 @@ def _evaluator(chief: str | None, args: argparse.Namespace) -> int:
             eval_log=args.eval_log,
             metrics_host=args.metrics_host,
             metrics_port=metrics_port(args),
-        )
+        ),
+        socket_options(args, "evaluator", None, serve=False, connect=True),
     )
 
 
@@ -210,11 +224,30 @@ def _terminated(signum: int, frame: object) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from zmqps.roles.status import fetch_status, format_status
 
-    status = asyncio.run(fetch_status(args.chief, timeout=args.timeout))
+    options = socket_options(args, "status", None, serve=False, connect=True)
+    status = asyncio.run(fetch_status(args.chief, timeout=args.timeout, options=options))
     if args.json:
         print(json.dumps(status, indent=2))
     else:
         print(format_status(status))
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from zmqps.transport.security import CLIENT_ROLES, keygen
+
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError("--workers must be >= 1")
+    clients = list(CLIENT_ROLES)
+    if args.workers:
+        clients.remove("worker")
+        clients += [f"worker{i}" for i in range(args.workers)]
+    written = keygen(args.dir, clients, force=args.force)
+    print(
+        f"zmqps keygen: {len(written)} key files in {args.dir}: server pair (chief and PS"
+        f" need server.key_secret), client pairs {', '.join(clients)},"
+        f" allow-list {args.dir}/allowed; secret keys are mode 0600"
+    )
     return 0
 
 
@@ -291,7 +324,19 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)"
     )
+    add_security_args(p)
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("keygen", help="make CurveZMQ keys for a cluster (then run it with --keys)")
+    p.add_argument("dir", metavar="DIR", help="folder for the keys (created mode 0700)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="one client pair per worker task (worker0 .. workerN-1) instead of one"
+        " shared by every worker",
+    )
+    p.add_argument("--force", action="store_true", help="replace existing key files")
+    p.set_defaults(func=cmd_keygen)
     p = sub.add_parser("predict", help="run an exported model on a file of examples")
     add_predict_args(p)
     p.set_defaults(func=cmd_predict)

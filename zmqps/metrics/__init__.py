@@ -21,6 +21,7 @@ Rules of this package:
 """
 
 from zmqps.metrics.catalogue import (
+    AUTH_FAILURE_REASONS,
     DROP_REASONS,
     PHASES,
     STALENESS_BUCKETS,
@@ -29,6 +30,7 @@ from zmqps.metrics.catalogue import (
 from zmqps.metrics.exporter import MetricsServer, start_metrics_server
 
 __all__ = [
+    "AUTH_FAILURE_REASONS",
     "DROP_REASONS",
     "PHASES",
     "STALENESS_BUCKETS",

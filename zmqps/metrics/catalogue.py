@@ -16,12 +16,15 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-__all__ = ["DROP_REASONS", "PHASES", "STALENESS_BUCKETS", "Metrics"]
+__all__ = ["AUTH_FAILURE_REASONS", "DROP_REASONS", "PHASES", "STALENESS_BUCKETS", "Metrics"]
 
 #: Staleness in steps; exact at small values, coarser beyond.
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 #: Why a PS acknowledged a push without applying it.
 DROP_REASONS = ("duplicate", "stale", "fenced", "invalid", "rolled_back")
+#: Why a server refused a client: its key is not on the allow-list (refused), or the
+#: CURVE handshake failed (a plaintext client, a wrong server key).
+AUTH_FAILURE_REASONS = ("refused", "handshake")
 #: The phases of one worker step.
 PHASES = ("pull", "compute", "push")
 
@@ -74,6 +77,15 @@ class Metrics:
         self.bytes_received = Counter(
             "zmqps_bytes_received_total", "Bytes of requests received (frames).", registry=r
         )
+        self.auth_failures = Counter(
+            "zmqps_auth_failures_total",
+            "Clients a CURVE server refused, by reason (refused: key not allowed;"
+            " handshake: plaintext client or wrong server key).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in AUTH_FAILURE_REASONS:
+            self.auth_failures.labels(reason)
         # -- parameter server ------------------------------------------------------
         self.staleness = Histogram(
             "zmqps_gradient_staleness",
@@ -201,6 +213,9 @@ class Metrics:
 
     def bytes_out(self, n: int) -> None:
         self.bytes_sent.inc(n)
+
+    def auth_failure(self, reason: str) -> None:
+        self.auth_failures.labels(reason).inc()
 
     # -- parameter server ----------------------------------------------------------
 

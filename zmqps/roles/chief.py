@@ -900,5 +900,5 @@ async def _watch_workers(service: ChiefService) -> None:
         dead = now_dead
 
 
-def run_chief(cfg: ChiefConfig) -> int:
-    return run_server(lambda ctx: serve_chief(cfg, ctx))
+def run_chief(cfg: ChiefConfig, options: SocketOptions | None = None) -> int:
+    return run_server(lambda ctx: serve_chief(cfg, ctx, options))

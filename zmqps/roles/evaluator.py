@@ -576,13 +576,13 @@ async def serve_evaluator(
             exporter.close()
 
 
-def run_evaluator(cfg: EvaluatorConfig) -> int:
+def run_evaluator(cfg: EvaluatorConfig, options: SocketOptions | None = None) -> int:
     """The evaluator as a process: 0 when training ended (or on SIGTERM), else an error."""
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         try:
-            await serve_evaluator(cfg, ctx)
+            await serve_evaluator(cfg, ctx, options)
         finally:
             ctx.term()
 

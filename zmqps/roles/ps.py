@@ -644,5 +644,5 @@ async def serve_ps(
     return service
 
 
-def run_ps(cfg: PSConfig) -> int:
-    return run_server(lambda ctx: serve_ps(cfg, ctx))
+def run_ps(cfg: PSConfig, options: SocketOptions | None = None) -> int:
+    return run_server(lambda ctx: serve_ps(cfg, ctx, options))

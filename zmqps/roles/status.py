@@ -7,14 +7,16 @@ from typing import Any
 
 import zmq.asyncio
 
-from zmqps.transport import Client
+from zmqps.transport import Client, SocketOptions
 
 __all__ = ["fetch_status", "format_status"]
 
 
-async def fetch_status(chief: str, timeout: float = 5.0) -> dict[str, Any]:
+async def fetch_status(
+    chief: str, timeout: float = 5.0, options: SocketOptions | None = None
+) -> dict[str, Any]:
     ctx = zmq.asyncio.Context()
-    client = Client(ctx, chief, f"status:{uuid.uuid4().hex[:8]}", timeout=timeout)
+    client = Client(ctx, chief, f"status:{uuid.uuid4().hex[:8]}", options=options, timeout=timeout)
     try:
         rep = await client.request("status")
         return dict(rep.body)

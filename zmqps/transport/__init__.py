@@ -10,10 +10,12 @@ from zmqps.transport.client import Client
 from zmqps.transport.fake import FakeClient, FakeNetwork
 from zmqps.transport.loop import LoopThread
 from zmqps.transport.options import SocketOptions, tcp_endpoint
+from zmqps.transport.security import CurveKeys, keygen, load_keys
 from zmqps.transport.server import Server
 
 __all__ = [
     "Client",
+    "CurveKeys",
     "FakeClient",
     "FakeNetwork",
     "Handler",
@@ -22,5 +24,7 @@ __all__ = [
     "Server",
     "SocketOptions",
     "TransportStats",
+    "keygen",
+    "load_keys",
     "tcp_endpoint",
 ]

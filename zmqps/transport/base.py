@@ -38,6 +38,10 @@ class TransportObserver(Protocol):
 
     def bytes_out(self, n: int) -> None: ...
 
+    def auth_failure(self, reason: str) -> None:
+        """A client was refused: ``refused`` (its key is not allowed) or ``handshake``
+        (the CURVE handshake failed: a plaintext client or a wrong server key)."""
+
 
 class Requester(Protocol):
     """A client bound to one peer: many requests in flight, replies matched by id."""
@@ -71,6 +75,7 @@ class TransportStats:
     timeouts: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    auth_failures: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

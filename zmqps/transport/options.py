@@ -11,6 +11,11 @@ Why each default (RELIABILITY.md, "Facts that bite"):
   application-level heartbeat: libzmq answers ZMTP pings even when our loop is stuck.)
 * ``LINGER`` bounded: 0 drops the last reply, -1 can hang ``ctx.term()``.
 * ``MAXMSGSIZE`` above the largest legitimate frame: large shards travel in chunks.
+* ``curve`` (:class:`~zmqps.transport.security.CurveKeys`): every socket uses CURVE.
+  A ROUTER is a CURVE server with ``ZAP_DOMAIN`` set and ``ZAP_ENFORCE_DOMAIN=1``
+  (with enforcement but no domain libzmq skips authentication: fail open); the
+  server starts the matching ZAP authenticator (:mod:`zmqps.transport.security`).
+  A DEALER uses its client pair and the server's public key.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+
+from zmqps.transport.security import DOMAIN, CurveKeys
+from zmqps.wire.errors import ConfigError
 
 __all__ = ["SocketOptions", "send_now", "tcp_endpoint"]
 
@@ -34,6 +42,8 @@ class SocketOptions:
     max_msg_size: int = 256 << 20
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 2_000
+    #: CURVE keys: None is plaintext
+    curve: CurveKeys | None = None
 
     def apply_common(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.SNDHWM, self.hwm)
@@ -50,10 +60,26 @@ class SocketOptions:
         self.apply_common(sock)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if self.curve is not None:
+            if self.curve.server_secret is None:
+                raise ConfigError(f"CURVE: no server secret key in {self.curve.source}")
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve.server_public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.server_secret)
+            # Both, always: a domain without enforcement (or enforcement without a
+            # domain) lets clients in when no ZAP handler answers.
+            sock.setsockopt(zmq.ZAP_DOMAIN, DOMAIN.encode())
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
     def apply_dealer(self, sock: zmq.Socket[Any], identity: bytes) -> None:
         self.apply_common(sock)
         sock.setsockopt(zmq.ROUTING_ID, identity)
+        if self.curve is not None:
+            if self.curve.client_secret is None or self.curve.client_public is None:
+                raise ConfigError(f"CURVE: no client key pair for this task in {self.curve.source}")
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve.server_public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve.client_public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.client_secret)
 
 
 def tcp_endpoint(address: str) -> str:

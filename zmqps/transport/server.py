@@ -9,13 +9,19 @@ Rules of this module:
 * Handlers returning a plain reply run inline, in arrival order; handlers
   returning an awaitable run as tasks the server keeps (and cancels on stop).
 * A reply to a gone or non-reading peer is dropped and counted, never blocks.
+* With CURVE keys (``options.curve``) the ZAP authenticator is running before the
+  socket binds, or :meth:`bind` raises; refused clients (ZAP) and failed
+  handshakes (a socket monitor: plaintext clients, a wrong server key) are
+  counted. Without keys, binding a non-loopback address logs a warning.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -25,11 +31,39 @@ import zmq.asyncio
 from zmqps.transport.base import Handler, TransportObserver, TransportStats
 from zmqps.transport.dispatch import Dispatcher
 from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
+from zmqps.transport.security import acquire_authenticator, release_authenticator
 from zmqps.wire import Limits, Message, encode, error_reply
 
 __all__ = ["Server"]
 
 log = logging.getLogger("zmqps.transport")
+
+#: Handshake failures the ZAP handler does not see (it counts its own refusals):
+#: protocol errors (a plaintext client: mechanism mismatch; a wrong server key:
+#: cryptographic). NO_DETAIL is left out: it is a peer that hung up mid-handshake
+#: (a port probe, a client closing), not a refusal.
+_HANDSHAKE_FAILED: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake"}
+
+
+#: Seconds between two log lines about failed handshakes on one server (all are counted).
+_LOG_EVERY_S = 30.0
+
+
+def _protocol_error(value: int) -> str:
+    for name in dir(zmq):
+        if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == value:
+            return name[len("PROTOCOL_ERROR_") :].lower()
+    return str(value)
+
+
+def _is_loopback(endpoint: str) -> bool:
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", a host name or an interface: reachable from elsewhere
 
 
 class Server:
@@ -53,6 +87,9 @@ class Server:
         self._name = name
         self._options = options or SocketOptions()
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._monitor_sock: zmq.asyncio.Socket | None = None
+        self._authenticated = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.stats = TransportStats()
@@ -69,20 +106,80 @@ class Server:
     def bind(self) -> str:
         """Bind the socket; returns the actual endpoint (useful with port 0)."""
         sock = self._ctx.socket(zmq.ROUTER)
-        self._options.apply_router(sock)
+        curve = self._options.curve
         try:
+            self._options.apply_router(sock)
+            if curve is not None:
+                # Before binding: no connection is ever accepted unauthenticated.
+                acquire_authenticator(self._ctx, curve, self._auth_failed)
+                self._authenticated = True
             sock.bind(self._address)
-        except zmq.ZMQError as exc:
+        except BaseException as exc:
             sock.close(linger=0)
-            raise OSError(f"{self._name}: cannot bind {self._address}: {exc}") from None
+            self._release()
+            if isinstance(exc, zmq.ZMQError):
+                raise OSError(f"{self._name}: cannot bind {self._address}: {exc}") from None
+            raise
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if curve is None and not _is_loopback(self.endpoint):
+            log.warning(
+                "%s: serving %s in plaintext: anyone who reaches it can read and change"
+                " the parameters; run with --keys (zmqps keygen) for CURVE",
+                self._name,
+                self.endpoint,
+            )
+        elif curve is not None:
+            log.info(
+                "%s: CURVE on %s (allow-list %s)", self._name, self.endpoint, curve.allowed_dir
+            )
         return self.endpoint
+
+    def _release(self) -> None:
+        if self._authenticated:
+            self._authenticated = False
+            release_authenticator(self._ctx, self._auth_failed)
+
+    def _auth_failed(self, peer: str, reason: str) -> None:
+        self.stats.auth_failures += 1
+        if self._observer is not None:
+            self._observer.auth_failure("refused")
+
+    async def _watch_handshakes(self, monitor: zmq.asyncio.Socket) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        last_logged = -_LOG_EVERY_S
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            kind = _HANDSHAKE_FAILED.get(int(event["event"]))
+            if kind is None:
+                continue
+            self.stats.auth_failures += 1
+            if self._observer is not None:
+                self._observer.auth_failure(kind)
+            now = time.monotonic()
+            if now - last_logged < _LOG_EVERY_S:
+                continue
+            last_logged = now
+            # libzmq names only our own endpoint here, not the peer's address.
+            log.warning(
+                "%s: a CURVE handshake failed on %s (%s: a plaintext client or a wrong"
+                " server key?); %d refused so far",
+                self._name,
+                event["endpoint"].decode(errors="replace"),
+                _protocol_error(int(event["value"])),
+                self.stats.auth_failures,
+            )
 
     def start(self) -> None:
         """Bind (if not yet) and start the receive loop as a task."""
         if self._sock is None:
             self.bind()
+        assert self._sock is not None
+        if self._options.curve is not None and self._monitor is None:
+            events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            monitor = self._monitor_sock = self._sock.get_monitor_socket(events)
+            self._monitor = asyncio.ensure_future(self._watch_handshakes(monitor))
         self._loop_task = asyncio.ensure_future(self._recv_loop())
 
     async def serve_forever(self) -> None:
@@ -108,9 +205,21 @@ class Server:
                 for t in pending:
                     t.cancel()
         finally:
+            if self._monitor is not None:
+                monitor, self._monitor = self._monitor, None
+                monitor.cancel()
+                with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                    await monitor
             if self._sock is not None:
+                # A monitor socket left open hangs ctx.term().
+                if self._monitor_sock is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        self._sock.disable_monitor()
+                    self._monitor_sock.close(linger=0)
+                    self._monitor_sock = None
                 self._sock.close()
                 self._sock = None
+            self._release()
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None

@@ -1,0 +1,331 @@
+"""CurveZMQ over real TCP on 127.0.0.1 (RELIABILITY.md scenario 1): the access matrix,
+a server that fails closed, key files and their modes, refusals counted.
+
+In-process servers and clients for the matrix; daemons as processes (reaped by
+``procs``) for the refusals to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+from helpers import Reaper, addresses, zmqps_cmd
+
+from zmqps.metrics import Metrics
+from zmqps.transport import Client, CurveKeys, Server, SocketOptions, keygen, load_keys, security
+from zmqps.transport.security import DOMAIN, AuthenticatorNotRunning, InsecureKeyFile
+from zmqps.transport.server import _is_loopback
+from zmqps.wire import Message, reply
+from zmqps.wire.errors import ConfigError, DeadlineExceeded
+
+pytestmark = pytest.mark.timeout(60)
+
+LOCAL = "127.0.0.1:0"
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(main())  # type: ignore[arg-type]
+
+
+def ping(msg: Message) -> Message:
+    return reply(msg, {"pong": True})
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CurveKeys]:
+    """The cluster's keys, and a stranger's (keys of another cluster)."""
+    root = tmp_path_factory.mktemp("keys")
+    keygen(root / "cluster")
+    keygen(root / "other")
+    server = load_keys(root / "cluster", "ps", 0, serve=True, connect=False)
+    worker = load_keys(root / "cluster", "worker", 0, serve=False, connect=True)
+    stranger = load_keys(root / "other", "worker", 0, serve=False, connect=True)
+    return {
+        "server": server,
+        "allowed": worker,
+        # a key pair the allow-list does not hold, aimed at the right server
+        "unknown": dataclasses.replace(stranger, server_public=worker.server_public),
+        # an allowed client pair, but another cluster's server key
+        "wrong_server": dataclasses.replace(worker, server_public=stranger.server_public),
+    }
+
+
+async def _ask(
+    ctx: zmq.asyncio.Context, endpoint: str, curve: CurveKeys | None, timeout: float = 1.0
+) -> Any:
+    client = Client(
+        ctx,
+        endpoint,
+        f"c-{time.monotonic_ns()}",
+        options=SocketOptions(linger_ms=0, curve=curve),
+        timeout=timeout,
+    )
+    try:
+        return (await client.request("ping")).body
+    finally:
+        await client.close()
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def _failures(m: Metrics, reason: str) -> float:
+    v = m.registry.get_sample_value("zmqps_auth_failures_total", {"reason": reason})
+    return 0.0 if v is None else v
+
+
+# --------------------------------------------------------------------------- the matrix
+
+
+def test_access_matrix_only_the_allowed_client_is_served(keys: dict[str, CurveKeys]) -> None:
+    metrics = Metrics()
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(
+            ctx,
+            LOCAL,
+            ping,
+            name="ps0",
+            options=SocketOptions(linger_ms=0, curve=keys["server"]),
+            observer=metrics,
+        )
+        try:
+            endpoint = server.bind()
+            server.start()
+            assert await _ask(ctx, endpoint, keys["allowed"]) == {"pong": True}
+            for curve in [keys["unknown"], keys["wrong_server"], None]:  # None: plaintext
+                with pytest.raises(DeadlineExceeded, match="no reply within"):
+                    await _ask(ctx, endpoint, curve)
+            # still serving the allowed client after the refusals
+            assert await _ask(ctx, endpoint, keys["allowed"]) == {"pong": True}
+            assert server.stats.replies == 2
+        finally:
+            await server.stop()
+            ctx.term()
+
+    run(main)
+
+
+def test_refusals_are_counted_and_logged_with_the_peer(
+    keys: dict[str, CurveKeys], caplog: pytest.LogCaptureFixture
+) -> None:
+    metrics = Metrics()
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(
+            ctx,
+            LOCAL,
+            ping,
+            name="ps0",
+            options=SocketOptions(linger_ms=0, curve=keys["server"]),
+            observer=metrics,
+        )
+        try:
+            endpoint = server.bind()
+            server.start()
+            assert _failures(metrics, "refused") == 0 and _failures(metrics, "handshake") == 0
+            with pytest.raises(DeadlineExceeded):
+                await _ask(ctx, endpoint, keys["unknown"], timeout=0.5)
+            await _until(lambda: _failures(metrics, "refused") >= 1)
+            with pytest.raises(DeadlineExceeded):
+                await _ask(ctx, endpoint, None, timeout=0.5)
+            await _until(lambda: _failures(metrics, "handshake") >= 1)
+            n = server.stats.auth_failures
+            assert n >= 2
+            # an allowed client is not counted
+            await _ask(ctx, endpoint, keys["allowed"])
+            await asyncio.sleep(0.1)
+            assert server.stats.auth_failures == n
+        finally:
+            await server.stop()
+            ctx.term()
+
+    with caplog.at_level("WARNING"):
+        run(main)
+    unknown = keys["unknown"].client_public
+    assert unknown is not None
+    refused = [r.getMessage() for r in caplog.records if "refused a CURVE client" in r.getMessage()]
+    assert refused and "from 127.0.0.1" in refused[0] and unknown.decode() in refused[0]
+    assert any("handshake failed" in r.getMessage() for r in caplog.records)
+
+
+def test_router_fails_closed_domain_and_enforcement_set(keys: dict[str, CurveKeys]) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.ROUTER)
+        SocketOptions(curve=keys["server"]).apply_router(sock)
+        assert sock.getsockopt(zmq.CURVE_SERVER) == 1
+        assert sock.getsockopt(zmq.ZAP_DOMAIN) == DOMAIN.encode()
+        assert sock.getsockopt(zmq.ZAP_ENFORCE_DOMAIN) == 1
+        sock.close(linger=0)
+        plain = ctx.socket(zmq.ROUTER)
+        SocketOptions().apply_router(plain)
+        assert plain.getsockopt(zmq.CURVE_SERVER) == 0
+        plain.close(linger=0)
+    finally:
+        ctx.term()
+
+
+def test_server_refuses_to_bind_without_a_running_authenticator(
+    keys: dict[str, CurveKeys], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(security, "start_authenticator", lambda ctx, allowed: None)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(ctx, LOCAL, ping, options=SocketOptions(linger_ms=0, curve=keys["server"]))
+        try:
+            with pytest.raises(AuthenticatorNotRunning, match="not running; refusing to start"):
+                server.bind()
+            assert server.endpoint == ""
+        finally:
+            await server.stop()
+            ctx.term()
+
+    run(main)
+
+
+def test_two_servers_of_one_context_share_one_authenticator(keys: dict[str, CurveKeys]) -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        opts = SocketOptions(linger_ms=0, curve=keys["server"])
+        a, b = Server(ctx, LOCAL, ping, options=opts), Server(ctx, LOCAL, ping, options=opts)
+        try:
+            for s in (a, b):
+                s.bind()
+                s.start()
+            await a.stop()  # b's authenticator must outlive a
+            assert await _ask(ctx, b.endpoint, keys["allowed"]) == {"pong": True}
+            with pytest.raises(DeadlineExceeded):
+                await _ask(ctx, b.endpoint, keys["unknown"], timeout=0.5)
+        finally:
+            await a.stop()
+            await b.stop()
+            ctx.term()  # hangs if a ZAP or monitor socket were left open
+
+    run(main)
+
+
+def test_plaintext_warning_only_off_loopback() -> None:
+    assert _is_loopback("tcp://127.0.0.1:5555")
+    assert _is_loopback("tcp://[::1]:5555")
+    assert _is_loopback("tcp://localhost:5555")
+    assert not _is_loopback("tcp://0.0.0.0:5555")
+    assert not _is_loopback("tcp://*:5555")
+    assert not _is_loopback("tcp://10.1.2.3:5555")
+    assert not _is_loopback("tcp://ps-0.example:5555")
+
+
+# --------------------------------------------------------------------------- key files
+
+
+def test_keygen_writes_secret_keys_0600_whatever_the_umask(tmp_path: Path) -> None:
+    out = subprocess.run(
+        zmqps_cmd("keygen", str(tmp_path / "k"), "--workers", "2"),
+        capture_output=True,
+        text=True,
+        umask=0,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    root = tmp_path / "k"
+    names = ["server", "chief", "evaluator", "status", "worker0", "worker1"]
+    for name in names:
+        assert (root / f"{name}.key_secret").stat().st_mode & 0o777 == 0o600, name
+        assert (root / f"{name}.key").stat().st_mode & 0o777 == 0o644, name
+    allowed = sorted(p.name for p in (root / "allowed").iterdir())
+    assert allowed == sorted(f"{n}.key" for n in names[1:])  # clients only, public only
+    assert root.stat().st_mode & 0o777 == 0o700
+    # a worker task finds its own pair; others the shared one of their role
+    w1 = load_keys(root, "worker", 1, serve=False, connect=True)
+    assert w1.client_public == (root / "allowed" / "worker1.key").read_text().split('"')[1].encode()
+    assert w1.client_secret is not None and w1.client_secret.decode() not in repr(w1)
+
+
+def test_keygen_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
+    root = tmp_path / "k"
+    keygen(root)
+    before = (root / "server.key_secret").read_bytes()
+    out = subprocess.run(zmqps_cmd("keygen", str(root)), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "--force" in out.stderr, out.stderr
+    assert (root / "server.key_secret").read_bytes() == before
+    out = subprocess.run(
+        zmqps_cmd("keygen", str(root), "--force"), capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    assert (root / "server.key_secret").read_bytes() != before
+    assert (root / "server.key_secret").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_loading_a_readable_secret_key_is_refused(tmp_path: Path, mode: int) -> None:
+    keygen(tmp_path)
+    os.chmod(tmp_path / "worker.key_secret", mode)
+    with pytest.raises(InsecureKeyFile, match="chmod 600"):
+        load_keys(tmp_path, "worker", 0, serve=False, connect=True)
+    with pytest.raises(ConfigError, match="not found"):
+        load_keys(tmp_path / "missing", "worker", 0, serve=False, connect=True)
+
+
+# --------------------------------------------------------------------------- daemons
+
+
+def _ps_argv(keys_dir: Path) -> list[str]:
+    chief, ps = addresses(2)
+    argv = ["server", "--chief-host", chief, "--ps-hosts", ps, "--role", "ps"]
+    return zmqps_cmd(*argv, "--keys", str(keys_dir))
+
+
+def test_daemon_refuses_to_start_with_a_readable_secret_key(procs: Reaper, tmp_path: Path) -> None:
+    keygen(tmp_path / "k")
+    os.chmod(tmp_path / "k" / "server.key_secret", 0o644)
+    ps = procs.spawn(_ps_argv(tmp_path / "k"), name="ps")
+    ps.expect_exit(2, timeout=30)
+    lines = ps.stderr.strip().splitlines()
+    assert len(lines) == 1, ps.stderr
+    assert "server.key_secret is readable by group/others (mode 0644)" in lines[0]
+
+
+def test_daemon_refuses_to_start_without_the_authenticator(procs: Reaper, tmp_path: Path) -> None:
+    keygen(tmp_path / "k")
+    hook = (
+        "import sys; import zmqps.transport.security as s;"
+        " s.start_authenticator = lambda ctx, allowed: None;"
+        " from zmqps.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    )
+    argv = [sys.executable, "-c", hook, *_ps_argv(tmp_path / "k")[3:]]
+    ps = procs.spawn(argv, name="ps")
+    ps.expect_exit(1, timeout=30)
+    errors = [line for line in ps.stderr.splitlines() if "error" in line]
+    assert errors == [
+        "zmqps: error: CURVE: the ZAP authenticator is not running; refusing to start"
+        " (clients would not be authenticated)"
+    ], ps.stderr
+
+
+def test_keys_from_the_environment(procs: Reaper, tmp_path: Path) -> None:
+    """ZMQPS_KEYS stands for --keys: a readable secret key there is refused too."""
+    keygen(tmp_path / "k")
+    os.chmod(tmp_path / "k" / "server.key_secret", 0o640)
+    argv = _ps_argv(tmp_path / "k")[:-2]
+    ps = procs.spawn(argv, name="ps", env={"ZMQPS_KEYS": str(tmp_path / "k")})
+    ps.expect_exit(2, timeout=30)
+    assert "readable by group/others" in ps.stderr
