@@ -127,3 +127,20 @@ def test_mnist_from_idx_files(procs: Reaper, tmp_path: Path) -> None:
     assert summary["examples"] == 5 * 600
     assert summary["test_accuracy"] >= 0.95, summary
     _expect_no_children(launcher)
+
+
+@pytest.mark.timeout(120)
+def test_secure_cluster_trains_on_curve(procs: Reaper, tmp_path: Path) -> None:
+    launcher, summary_path = _launch(procs, tmp_path, "--secure", "--evaluator")
+    launcher.expect_exit(0, timeout=110)
+    summary = read_json(summary_path)
+    assert summary["test_accuracy"] >= 0.95, summary
+    run = tmp_path / "run"
+    keys = run / "keys"
+    assert (keys / "server.key_secret").stat().st_mode & 0o777 == 0o600
+    for task in ("chief", "ps0", "ps1"):
+        assert "CURVE on tcp://127.0.0.1:" in (run / f"{task}.log").read_text(), task
+    for task in ("chief", "ps0", "ps1", "worker0", "worker1", "evaluator"):
+        text = (run / f"{task}.log").read_text()
+        assert "refused a" not in text and "handshake failed" not in text, task
+    _expect_no_children(launcher)

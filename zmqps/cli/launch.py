@@ -7,6 +7,9 @@ Rules of this module:
 * Children run in their own sessions and watch this process: if the launcher dies,
   they stop. Ctrl-C, a timeout or any child failing stops every child (SIGTERM,
   then SIGKILL after a grace period); the exit code is non-zero when anything failed.
+* ``--secure``: fresh CURVE keys in ``RUN_DIR/keys`` and every child (and the
+  progress bar's status requests) on CURVE; a ``ZMQPS_KEYS`` of the environment is
+  not passed on (the run is plaintext or uses its own keys).
 * Child output is relayed line by line, prefixed with its task, and kept in
   ``RUN_DIR/<task>.log``; the progress bar reads the chief's status.
 """
@@ -53,6 +56,13 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         dest="shared_memory",
         action="store_false",
         help="workers talk to the PS over TCP only (no same-host shared memory)",
+    )
+    g.add_argument(
+        "--secure",
+        action="store_true",
+        help="CurveZMQ on every socket: keys made in RUN_DIR/keys, every task gets --keys"
+        " (tensors on the same-host shared-memory path stay in 0600 memory of this user;"
+        " add --no-shm to send them through CURVE too)",
     )
     add_job_args(p)
     add_sync_args(p)
@@ -224,6 +234,16 @@ class Launcher:
         if args.export_dir or args.run_dir:
             self.export_dir = Path(args.export_dir or run_dir / "model").resolve()
         self.restarts: list[dict[str, Any]] = []
+        self.keys_dir: Path | None = None
+        self.status_options: Any = None
+        if getattr(args, "secure", False):
+            from zmqps.transport import SocketOptions, keygen, load_keys
+
+            self.keys_dir = (run_dir / "keys").resolve()
+            keygen(self.keys_dir, force=True)
+            self.status_options = SocketOptions(
+                curve=load_keys(self.keys_dir, "status", None, serve=False, connect=True)
+            )
         self.children = self._children()
         self.bar: tqdm[Any] | None = None
         self.stopping = False
@@ -302,6 +322,8 @@ class Launcher:
                 )
             )
         for kid in kids:
+            if self.keys_dir is not None:
+                kid.argv += ["--keys", str(self.keys_dir)]
             if kid.name in self.metrics_ports:
                 port = str(self.metrics_ports[kid.name])
                 kid.argv += ["--metrics-host", HOST, "--metrics-port", port]
@@ -405,7 +427,7 @@ class Launcher:
         while True:
             await asyncio.sleep(0.5)
             try:
-                s = await fetch_status(self.cluster.chief, timeout=2.0)
+                s = await fetch_status(self.cluster.chief, timeout=2.0, options=self.status_options)
             except ZmqpsError:
                 continue
             if self.bar is not None:
@@ -424,6 +446,7 @@ class Launcher:
             loop.add_signal_handler(sig, interrupted.set)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.env.pop("TF_CONFIG", None)
+        self.env.pop("ZMQPS_KEYS", None)
         for c in self.children:
             c.log = open(self.run_dir / f"{c.name}.log", "w")  # noqa: SIM115 - closed below
             await self._start(c)
@@ -489,7 +512,9 @@ def launch(args: argparse.Namespace) -> int:
     launcher = Launcher(args, run_dir)
     print(
         f"zmqps launch: chief {launcher.cluster.chief}, {args.ps} PS, {args.workers} workers;"
-        f" logs in {run_dir}" + ("" if args.run_dir else " (removed after a successful run)"),
+        f" logs in {run_dir}"
+        + ("" if args.run_dir else " (removed after a successful run)")
+        + (f"; CURVE keys in {launcher.keys_dir}" if launcher.keys_dir else ""),
         file=sys.stderr,
         flush=True,
     )
