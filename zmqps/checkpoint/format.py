@@ -25,7 +25,6 @@ import contextlib
 import errno
 import hashlib
 import json
-import math
 import os
 import re
 import secrets
@@ -78,6 +77,9 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ST_DTYPES = {"F16": "float16", "F32": "float32", "F64": "float64"}
 #: A manifest larger than this is refused before parsing.
 MAX_MANIFEST_BYTES = 64 << 20
+#: A manifest nesting deeper than this is refused right after parsing (validation and
+#: error messages recurse into values; a JSON document can nest ~1000 deep).
+MAX_MANIFEST_DEPTH = 64
 _HASH_CHUNK = 1 << 20
 
 
@@ -391,6 +393,9 @@ def read_shard_file(path: str | os.PathLike[str]) -> ShardContents:
             keys = list(f.keys())
             if "values" not in keys:
                 raise CheckpointError(f"{p}: no 'values' tensor (not a zmqps shard file)")
+            for k in keys:  # numpy cannot hold every safetensors dtype (e.g. BF16)
+                if k == "values" or k.startswith("slot."):
+                    st_dtype(f.get_slice(k).get_dtype(), f"{p} {k}")
             values = np.array(f.get_tensor("values"))
             slots = {
                 k[len("slot.") :]: np.array(f.get_tensor(k))
@@ -452,7 +457,7 @@ class Manifest:
         created = self.created
         if isinstance(created, bool) or not isinstance(created, (int, float)):
             raise CheckpointError(f"manifest: 'created' must be a number, got {created!r}")
-        if not math.isfinite(created):
+        if not -1e300 < created < 1e300:  # math.isfinite overflows on a huge int
             raise CheckpointError("manifest: 'created' must be finite")
         object.__setattr__(self, "created", float(created))
         _json_safe("optimizer", self.optimizer)
@@ -466,9 +471,18 @@ class Manifest:
         """The variables, as :class:`VariableDef` (in manifest order)."""
         out = []
         for i, d in enumerate(self.variables):
+            if not isinstance(d.get("name"), str):
+                raise CheckpointError(f"manifest: variable {i}: the name must be a string")
             try:
                 out.append(VariableDef.from_wire(d))
-            except (InvalidArgument, KeyError, TypeError, ValueError) as exc:
+            except (
+                InvalidArgument,
+                KeyError,
+                TypeError,
+                ValueError,
+                AttributeError,  # init / optimizer that are not maps
+                OverflowError,  # a dim of 1e400 (a float that overflows to inf)
+            ) as exc:
                 raise CheckpointError(f"manifest: variable {i}: {exc!r}") from None
         return out
 
@@ -547,6 +561,8 @@ class Manifest:
                 data = json.loads(data, parse_constant=_refuse_constant)
             except (ValueError, RecursionError) as exc:
                 raise CheckpointError(f"manifest: not valid JSON ({exc})") from None
+        if _nesting(data) > MAX_MANIFEST_DEPTH:
+            raise CheckpointError(f"manifest: nested deeper than {MAX_MANIFEST_DEPTH} levels")
         if not isinstance(data, Mapping):
             raise CheckpointError(
                 f"manifest: expected a JSON object, got {type(data).__name__}"
@@ -592,3 +608,22 @@ class Manifest:
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
+
+
+def _nesting(value: Any) -> int:
+    """How deep lists and maps nest in ``value`` (iteratively: never recurses)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, Mapping):
+            items: Any = v.values()
+        elif isinstance(v, (list, tuple)):
+            items = v
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_MANIFEST_DEPTH:
+            break
+        stack.extend((x, depth + 1) for x in items)
+    return deepest

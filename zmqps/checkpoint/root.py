@@ -250,7 +250,13 @@ class Checkpoint:
             )
         end = row_start + rows
         row_shape = v.shape[1:]
-        values = np.empty((rows, *row_shape), dtype=v.dtype)
+        try:  # the manifest's shape is checked against the files only below
+            values = np.empty((rows, *row_shape), dtype=v.dtype)
+        except (ValueError, MemoryError) as exc:
+            raise CheckpointError(
+                f"checkpoint {self.name}: cannot hold rows [{row_start}, {end}) of {var!r}"
+                f" {v.shape}: {exc}"
+            ) from None
         slot_out: dict[str, Array] = {}
         slot_names: tuple[str, ...] | None = None
         version = 0
