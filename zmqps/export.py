@@ -67,6 +67,8 @@ WEIGHTS_FILE = "model.safetensors"
 SIGNATURE_FILE = "signature.json"
 
 _REQUIRED_KEYS = ("kind", "config", "inputs", "outputs", "variables")
+#: signature.json nesting deeper than this is refused (checks and messages recurse).
+MAX_SIGNATURE_DEPTH = 64
 #: keys of signature.json this module writes itself (around the model's signature).
 _OWN_KEYS = ("format_version", "created", "zmqps_version", "weights", "metrics", "extra")
 
@@ -94,6 +96,25 @@ def _json_safe(value: Any, what: str) -> Any:
     raise ExportError(f"{what}: {type(value).__name__} is not JSON data")
 
 
+def _nesting(value: Any) -> int:
+    """How deep lists and maps nest in ``value`` (iteratively: never recurses)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            items: Any = v.values()
+        elif isinstance(v, list):
+            items = v
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_SIGNATURE_DEPTH:
+            break
+        stack.extend((x, depth + 1) for x in items)
+    return deepest
+
+
 def _variables(signature: Mapping[str, Any], where: str) -> list[tuple[str, tuple[int, ...], str]]:
     """The signature's variables as (name, shape, dtype), checked for form."""
     missing = [k for k in _REQUIRED_KEYS if k not in signature]
@@ -105,7 +126,7 @@ def _variables(signature: Mapping[str, Any], where: str) -> list[tuple[str, tupl
             name, shape, dtype = str(v["name"]), tuple(int(d) for d in v["shape"]), str(v["dtype"])
             np.dtype(dtype)
             out.append((name, shape, dtype))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ExportError(f"{where}: malformed variable list in the signature ({exc})") from None
     names = [n for n, _, _ in out]
     if len(set(names)) != len(names):
@@ -218,6 +239,10 @@ def read_signature(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise ExportError(f"{where}: no {SIGNATURE_FILE} (not a zmqps export?)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ExportError(f"{where}: cannot read {SIGNATURE_FILE}: {exc}") from None
+    except RecursionError:
+        raise ExportError(f"{where}: {SIGNATURE_FILE} nests too deeply") from None
+    if _nesting(doc) > MAX_SIGNATURE_DEPTH:
+        raise ExportError(f"{where}: {SIGNATURE_FILE} nests deeper than {MAX_SIGNATURE_DEPTH}")
     if not isinstance(doc, dict):
         raise ExportError(f"{where}: {SIGNATURE_FILE} is not a JSON object")
     version = doc.get("format_version")
@@ -243,7 +268,7 @@ def _rebuild(signature: Mapping[str, Any], where: str) -> Model:
             options.pop("num_classes", outputs["probabilities"]["shape"][1]),
         )
         return build_model(str(signature["kind"]), input_dim, num_classes, **options)
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
         raise ExportError(f"{where}: cannot rebuild the model from the signature: {exc}") from None
 
 
@@ -257,7 +282,7 @@ def load_model(directory: str | os.PathLike[str]) -> tuple[Model, dict[str, Arra
     where = f"export {Path(directory)}"
     signature = read_signature(directory)
     weights_name = str(signature["weights"].get("file", WEIGHTS_FILE))
-    if Path(weights_name).name != weights_name:
+    if Path(weights_name).name != weights_name or "\x00" in weights_name:
         raise ExportError(f"{where}: weights file {weights_name!r} is not a plain file name")
     try:
         data = (Path(directory) / weights_name).read_bytes()
@@ -271,6 +296,8 @@ def load_model(directory: str | os.PathLike[str]) -> tuple[Model, dict[str, Arra
         )
     try:
         params: dict[str, Array] = st_load(data)
+    except KeyError as exc:  # a dtype numpy cannot hold (BF16, F8_*...)
+        raise ExportError(f"{where}: {weights_name} holds a tensor of dtype {exc}") from None
     except (SafetensorError, ValueError) as exc:
         raise ExportError(
             f"{where}: {weights_name} is not a valid safetensors file: {exc}"
