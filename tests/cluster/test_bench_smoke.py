@@ -88,6 +88,18 @@ def test_every_suite_reports_medians_and_ratios(procs: Reaper, tmp_path: Path) -
 
 
 @pytest.mark.timeout(60)
+def test_curve_side(procs: Reaper, tmp_path: Path) -> None:
+    bench, out, logs = _bench(procs, tmp_path, "dense", "--sides", "zmqps-tcp,zmqps-curve", *TINY)
+    bench.expect_exit(0, timeout=50)
+    for run in read_json(out)["runs"]:
+        curve = run["sides"]["zmqps-curve"]
+        assert curve["status"] == "ok" and curve["median"] > 0, curve
+        assert curve["transport"] == ["tcp"]  # every tensor byte through CURVE
+        assert run["ratios"]["zmqps-curve/zmqps-tcp"] > 0
+    assert not _children_of(logs)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_torch_side(procs: Reaper, tmp_path: Path) -> None:
     bench, out, logs = _bench(procs, tmp_path, "sparse", "--sides", "zmqps,torch", *TINY)

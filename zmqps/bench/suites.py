@@ -39,16 +39,20 @@ from zmqps.wire.errors import ConfigError
 
 __all__ = ["add_bench_args", "run_bench"]
 
-SIDES = ("zmqps", "zmqps-tcp", "zmqps-metrics", "raw", "torch")
-#: zmqps-metrics (every process serving Prometheus metrics) runs only when asked for
+SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics", "raw", "torch")
+#: zmqps-curve (CURVE on every socket) and zmqps-metrics (every process serving
+#: Prometheus metrics) run only when asked for
 DEFAULT_SIDES = ("zmqps", "zmqps-tcp", "raw", "torch")
 #: suites that are not "the same workload on every side": see their modules.
 EXTRA_SUITES = ("optimizer", "sync", "checkpoint")
-ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-metrics")
+ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics")
+#: ratios of zmqps sides to each other: what CURVE costs on the wire
+OWN_RATIOS = (("zmqps-curve", "zmqps-tcp"),)
 OTHER_SIDES = ("raw", "torch")
 SPAWN: dict[str, Callable[[Workload, SideContext], Side]] = {
     "zmqps": zmqps_side.spawn,
     "zmqps-tcp": functools.partial(zmqps_side.spawn, tcp_only=True),
+    "zmqps-curve": functools.partial(zmqps_side.spawn, tcp_only=True, curve=True),
     "zmqps-metrics": functools.partial(zmqps_side.spawn, metrics=True),
     "raw": raw_zmq.spawn,
     "torch": torch_rpc.spawn,
@@ -91,8 +95,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         type=_names,
         default=DEFAULT_SIDES,
         help="comma-separated sides among zmqps (as it runs by default), zmqps-tcp (its"
-        " same-host fast path off), zmqps-metrics (zmqps with every process serving"
-        " Prometheus metrics), raw (pyzmq), torch (RPC) (default: all but zmqps-metrics; torch is"
+        " same-host fast path off), zmqps-curve (zmqps-tcp with CURVE on every socket:"
+        " every tensor byte encrypted), zmqps-metrics (zmqps with every process serving"
+        " Prometheus metrics), raw (pyzmq), torch (RPC) (default: all but zmqps-curve and"
+        " zmqps-metrics; torch is"
         " skipped with a note when it is not installed)",
     )
     g.add_argument(
@@ -380,6 +386,13 @@ class Case:
                 for other in OTHER_SIDES
                 if z in sides and other in sides
             }
+            ratios.update(
+                {
+                    f"{a}/{b}": _ratio(sides[a], sides[b])
+                    for a, b in OWN_RATIOS
+                    if a in sides and b in sides
+                }
+            )
             targets = {
                 key: {"min": t, "ratio": ratios.get(key), "met": _met(ratios.get(key), t)}
                 for key, t in TARGETS.get((self.suite, variant), {}).items()

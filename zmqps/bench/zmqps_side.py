@@ -40,10 +40,21 @@ from zmqps.cli.launch import free_ports
 __all__ = ["spawn", "worker_main"]
 
 
-def spawn(wl: Workload, ctx: SideContext, *, tcp_only: bool = False, metrics: bool = False) -> Side:
+def spawn(
+    wl: Workload,
+    ctx: SideContext,
+    *,
+    tcp_only: bool = False,
+    metrics: bool = False,
+    curve: bool = False,
+) -> Side:
     """Chief, PS and workers; ``tcp_only`` turns the same-host fast path off;
-    ``metrics`` serves Prometheus metrics on every process (to price them)."""
-    name = "zmqps-tcp" if tcp_only else ("zmqps-metrics" if metrics else "zmqps")
+    ``metrics`` serves Prometheus metrics on every process (to price them); ``curve``
+    runs every socket on CURVE (keys made in the run folder)."""
+    if curve:
+        name = "zmqps-curve"
+    else:
+        name = "zmqps-tcp" if tcp_only else ("zmqps-metrics" if metrics else "zmqps")
     ports = free_ports(1 + wl.num_ps + ctx.workers, HOST)
     cluster = {
         "chief": [f"{HOST}:{ports[0]}"],
@@ -55,6 +66,13 @@ def spawn(wl: Workload, ctx: SideContext, *, tcp_only: bool = False, metrics: bo
     parent = ["--parent-pid", str(os.getpid())]
     if metrics:
         parent += ["--metrics-port", "0"]
+    keys = ""
+    if curve:
+        from zmqps.transport import keygen
+
+        keys = str((ctx.run_dir / f"{name}-keys").resolve())
+        keygen(keys, force=True)
+        parent += ["--keys", keys]
     part = wl.partitioner
     chief = [
         *base,
@@ -93,6 +111,7 @@ def spawn(wl: Workload, ctx: SideContext, *, tcp_only: bool = False, metrics: bo
             "timeout": ctx.timeout,
             "tcp_only": tcp_only,
             "metrics": metrics,
+            "keys": keys,
         }
         path = ctx.write_config(f"{name}-worker{i}", config)
         side.workers.append(
@@ -159,6 +178,11 @@ def worker_main(config: dict[str, Any], ctl: Control | None) -> None:
 
         kwargs["metrics"] = Metrics()
         start_metrics_server(kwargs["metrics"], "127.0.0.1", 0)
+    if config.get("keys"):
+        from zmqps.transport import SocketOptions, load_keys
+
+        curve = load_keys(config["keys"], "worker", index, serve=False, connect=True)
+        kwargs["options"] = SocketOptions(curve=curve)
     w = Worker(config["chief"], index=index, timeout=timeout, connect_timeout=timeout, **kwargs)
     try:
         placement = w.create_variables(list(wl.variables), optimizer=wl.optimizer)
