@@ -1030,7 +1030,8 @@ def test_fuzzing_a_live_ps_while_a_worker_trains(procs: Reaper, tmp_path: Path) 
 
 
 def test_oversize_request_surfaces_deadline_exceeded() -> None:
-    """A frame over the server's MAXMSGSIZE is dropped by ZeroMQ together with the
+    """A frame over the server's MAXMSGSIZE (but not over the client's own) is dropped
+    by ZeroMQ together with the
     connection, silently: the caller gets DeadlineExceeded within its deadline, naming
     the request. Requests in flight beside it on that connection may be lost with it
     (they time out the same way, never hang); the client is served again afterwards."""
@@ -1042,7 +1043,10 @@ def test_oversize_request_surfaces_deadline_exceeded() -> None:
         server = Server(ctx, "127.0.0.1:0", PSService(0), name="ps0", options=options)
         server.bind()
         server.start()
-        client = Client(ctx, server.endpoint, "w", options=options, timeout=1.0)
+        # a client configured with a larger limit than this server's (with the same
+        # limit it refuses to send such a frame: test_transport.py)
+        client_options = SocketOptions(linger_ms=0, max_msg_size=4 * limit)
+        client = Client(ctx, server.endpoint, "w", options=client_options, timeout=1.0)
         big = np.zeros(limit // 4 + 1, np.float32)  # one frame of limit + 4 bytes
 
         async def timed(op: str, tensors: list[Tensor]) -> tuple[float, BaseException | None]:

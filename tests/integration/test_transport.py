@@ -591,3 +591,30 @@ def test_unencodable_reply_is_an_internal_error_and_the_server_keeps_serving() -
             ctx.term()
 
     run(main)
+
+
+@pytest.mark.timeout(20)
+def test_a_frame_over_maxmsgsize_is_refused_before_sending() -> None:
+    """The peer would drop it and the connection silently: the sender gets a clear error
+    at once (not a timeout), and the same client goes on working."""
+
+    async def body() -> None:
+        ctx = zmq.asyncio.Context()
+        opts = SocketOptions(max_msg_size=1 << 16)
+        server = Server(ctx, "tcp://127.0.0.1:0", lambda m: reply(m), name="t", options=opts)
+        endpoint = server.bind()
+        server.start()
+        client = Client(ctx, endpoint, "c", options=opts, timeout=5.0)
+        try:
+            big = Tensor(np.zeros(1 << 15, np.float32), "grad", 0, 0)  # 128 KiB
+            t0 = time.monotonic()
+            with pytest.raises(InvalidArgument, match="over MAXMSGSIZE"):
+                await client.request("push", {"x": 1}, [big])
+            assert time.monotonic() - t0 < 1.0
+            assert (await client.request("ping")).op == "ok"
+        finally:
+            await client.close()
+            await server.stop()
+            ctx.term()
+
+    asyncio.run(body())

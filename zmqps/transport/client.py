@@ -28,7 +28,13 @@ import zmq.asyncio
 from zmqps.transport.base import TransportStats
 from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
 from zmqps.wire import ERROR, Limits, Message, Tensor, decode, encode, request
-from zmqps.wire.errors import DeadlineExceeded, ProtocolError, ShutdownError, error_from_code
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    ProtocolError,
+    ShutdownError,
+    error_from_code,
+)
 
 __all__ = ["Client"]
 
@@ -101,6 +107,14 @@ class Client:
             op, body, tensors, id=rid, sender=self.identity, deadline=time.time() + timeout
         )
         frames = encode(msg)
+        limit = self._options.max_msg_size
+        for f in frames:
+            size = getattr(f, "nbytes", None) or len(f)
+            if limit > 0 and size > limit:
+                raise InvalidArgument(
+                    f"{op} to {self.endpoint}: a frame of {size} bytes is over MAXMSGSIZE"
+                    f" ({limit}); the peer would drop it and the connection: send smaller chunks"
+                )
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:

@@ -11,6 +11,10 @@ Why each default (RELIABILITY.md, "Facts that bite"):
   application-level heartbeat: libzmq answers ZMTP pings even when our loop is stuck.)
 * ``LINGER`` bounded: 0 drops the last reply, -1 can hang ``ctx.term()``.
 * ``MAXMSGSIZE`` above the largest legitimate frame: large shards travel in chunks.
+  A peer drops a larger frame and the connection with no error, so a client refuses
+  to send one (a clear error at once instead of a timeout).
+* ``HANDSHAKE_IVL`` 10 s: a connection that never completes its ZMTP handshake (a
+  port scanner, a bad greeting) is dropped after 10 s instead of libzmq's 30 s.
 * ``curve`` (:class:`~zmqps.transport.security.CurveKeys`): every socket uses CURVE.
   A ROUTER is a CURVE server with ``ZAP_DOMAIN`` set and ``ZAP_ENFORCE_DOMAIN=1``
   (with enforcement but no domain libzmq skips authentication: fail open); the
@@ -42,6 +46,7 @@ class SocketOptions:
     max_msg_size: int = 256 << 20
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 2_000
+    handshake_ivl_ms: int = 10_000
     #: CURVE keys: None is plaintext
     curve: CurveKeys | None = None
 
@@ -55,6 +60,7 @@ class SocketOptions:
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_size)
         sock.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, self.handshake_ivl_ms)
 
     def apply_router(self, sock: zmq.Socket[Any]) -> None:
         self.apply_common(sock)
