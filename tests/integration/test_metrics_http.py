@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from zmqps.cli.launch import free_ports
@@ -23,6 +24,7 @@ from zmqps.metrics import Metrics, MetricsServer, start_metrics_server
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.ps import PSConfig, PSService, serve_ps
 from zmqps.transport import Client, Server, SocketOptions
+from zmqps.wire.errors import NotReady
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -108,6 +110,35 @@ def test_live_ps_requests_show_up_on_metrics() -> None:
         assert s[("zmqps_bytes_received_total", ())] > 16 * 4 * 4
         assert s[("zmqps_bytes_sent_total", ())] > 16 * 4 * 4
         assert s[("zmqps_shard_bytes", ())] >= 16 * 4 * 4
+
+    run(main)
+
+
+def test_requests_made_by_a_client_show_up_on_its_metrics() -> None:
+    """A worker's /metrics counts the requests it makes (op, outcome, latency, bytes)."""
+
+    async def main() -> None:
+        served, made = Metrics(), Metrics()
+        ctx = zmq.asyncio.Context()
+        server = Server(ctx, "127.0.0.1:0", PSService(0), name="ps0", options=OPTS, observer=served)
+        endpoint = server.bind().removeprefix("tcp://")
+        server.start()
+        client = Client(ctx, endpoint, "w0:0", options=OPTS, observer=made, timeout=5.0)
+        try:
+            await client.request("ping")
+            with pytest.raises(NotReady):  # a PS without shards
+                await client.request("pull", {"shards": [7]})
+        finally:
+            await client.close()
+            await server.stop()
+            ctx.term()
+        s = samples(generate_latest(made.registry).decode())
+        assert s[("zmqps_requests_total", (("op", "ping"), ("status", "ok")))] == 1
+        assert s[("zmqps_request_duration_seconds_count", (("op", "ping"),))] == 1
+        failed = [k for k in s if k[0] == "zmqps_requests_total" and ("op", "pull") in k[1]]
+        assert failed and all(dict(k[1])["status"] != "ok" for k in failed), failed
+        assert s[("zmqps_bytes_sent_total", ())] > 0
+        assert s[("zmqps_bytes_received_total", ())] > 0
 
     run(main)
 

@@ -140,6 +140,7 @@ class Worker:
             f"{self.name}:{self.incarnation}",
             options=self._options,
             timeout=self.timeout,
+            observer=self.metrics,
         )
 
     async def _register(self, connect_timeout: float, steps_planned: int) -> dict[str, Any]:
@@ -168,7 +169,14 @@ class Worker:
             # that resumes must not take this one's connections over (ROUTER_HANDOVER).
             identity = f"{self.name}:{self.incarnation}"
             clients = [
-                Client(self._ctx, addr, identity, options=self._options, timeout=self.timeout)
+                Client(
+                    self._ctx,
+                    addr,
+                    identity,
+                    options=self._options,
+                    timeout=self.timeout,
+                    observer=self.metrics,
+                )
                 for addr in self.ps_addresses
             ]
             return ParameterClient(

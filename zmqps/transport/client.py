@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zmqps.transport.base import TransportStats
+from zmqps.transport.base import TransportObserver, TransportStats
 from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
 from zmqps.wire import ERROR, Limits, Message, Tensor, decode, encode, request
 from zmqps.wire.errors import (
@@ -33,6 +33,7 @@ from zmqps.wire.errors import (
     InvalidArgument,
     ProtocolError,
     ShutdownError,
+    ZmqpsError,
     error_from_code,
 )
 
@@ -53,8 +54,11 @@ class Client:
         options: SocketOptions | None = None,
         limits: Limits | None = None,
         timeout: float = 30.0,
+        observer: TransportObserver | None = None,
     ) -> None:
         self.endpoint = tcp_endpoint(address)
+        #: told about every request made (op, outcome, seconds) and its bytes
+        self.observer = observer
         self.identity = identity
         self.timeout = timeout
         self._options = options or SocketOptions()
@@ -125,14 +129,25 @@ class Client:
                     f"{op} to {self.endpoint}: send queue full (peer unreachable?)"
                 ) from None
             self.stats.requests += 1
-            self.stats.bytes_out += sum(getattr(f, "nbytes", None) or len(f) for f in frames)
+            sent = sum(getattr(f, "nbytes", None) or len(f) for f in frames)
+            self.stats.bytes_out += sent
+            started = time.perf_counter()
+            status = "ok"
             try:
                 return await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
                 self.stats.timeouts += 1
+                status = DeadlineExceeded.code
                 raise DeadlineExceeded(
                     f"{op} to {self.endpoint}: no reply within {timeout:g}s"
                 ) from None
+            except ZmqpsError as exc:
+                status = exc.code
+                raise
+            finally:
+                if self.observer is not None:
+                    self.observer.bytes_out(sent)
+                    self.observer.request_done(op, status, time.perf_counter() - started)
         finally:
             self._pending.pop(rid, None)
 
@@ -145,7 +160,10 @@ class Client:
                 if self._closed:
                     return
                 raise
-            self.stats.bytes_in += sum(len(f) for f in frames)
+            received = sum(len(f) for f in frames)
+            self.stats.bytes_in += received
+            if self.observer is not None:
+                self.observer.bytes_in(received)
             try:
                 msg = decode(frames, self._limits)
             except ProtocolError as exc:
