@@ -45,7 +45,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from zmqps.checkpoint.format import fsync_dir
+from zmqps.checkpoint.format import fsync_dir, nesting_depth
 from zmqps.models import Model, build_model
 from zmqps.wire.errors import ZmqpsError
 
@@ -94,25 +94,6 @@ def _json_safe(value: Any, what: str) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     raise ExportError(f"{what}: {type(value).__name__} is not JSON data")
-
-
-def _nesting(value: Any) -> int:
-    """How deep lists and maps nest in ``value`` (iteratively: never recurses)."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, dict):
-            items: Any = v.values()
-        elif isinstance(v, list):
-            items = v
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if depth > MAX_SIGNATURE_DEPTH:
-            break
-        stack.extend((x, depth + 1) for x in items)
-    return deepest
 
 
 def _variables(signature: Mapping[str, Any], where: str) -> list[tuple[str, tuple[int, ...], str]]:
@@ -241,7 +222,7 @@ def read_signature(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise ExportError(f"{where}: cannot read {SIGNATURE_FILE}: {exc}") from None
     except RecursionError:
         raise ExportError(f"{where}: {SIGNATURE_FILE} nests too deeply") from None
-    if _nesting(doc) > MAX_SIGNATURE_DEPTH:
+    if nesting_depth(doc, MAX_SIGNATURE_DEPTH) > MAX_SIGNATURE_DEPTH:
         raise ExportError(f"{where}: {SIGNATURE_FILE} nests deeper than {MAX_SIGNATURE_DEPTH}")
     if not isinstance(doc, dict):
         raise ExportError(f"{where}: {SIGNATURE_FILE} is not a JSON object")

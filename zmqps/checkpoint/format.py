@@ -51,6 +51,7 @@ __all__ = [
     "ShardContents",
     "ShardRecord",
     "fsync_dir",
+    "nesting_depth",
     "read_shard_file",
     "sha256_file",
     "shard_file_name",
@@ -561,7 +562,7 @@ class Manifest:
                 data = json.loads(data, parse_constant=_refuse_constant)
             except (ValueError, RecursionError) as exc:
                 raise CheckpointError(f"manifest: not valid JSON ({exc})") from None
-        if _nesting(data) > MAX_MANIFEST_DEPTH:
+        if nesting_depth(data, MAX_MANIFEST_DEPTH) > MAX_MANIFEST_DEPTH:
             raise CheckpointError(f"manifest: nested deeper than {MAX_MANIFEST_DEPTH} levels")
         if not isinstance(data, Mapping):
             raise CheckpointError(
@@ -610,8 +611,9 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
-def _nesting(value: Any) -> int:
-    """How deep lists and maps nest in ``value`` (iteratively: never recurses)."""
+def nesting_depth(value: Any, limit: int) -> int:
+    """How deep lists and maps nest in ``value``, counted up to just past ``limit``
+    (iteratively: a hostile document cannot exhaust the stack)."""
     deepest = 0
     stack = [(value, 1)]
     while stack:
@@ -623,7 +625,7 @@ def _nesting(value: Any) -> int:
         else:
             continue
         deepest = max(deepest, depth)
-        if depth > MAX_MANIFEST_DEPTH:
+        if depth > limit:
             break
         stack.extend((x, depth + 1) for x in items)
     return deepest
