@@ -60,11 +60,13 @@ def _build() -> dict[str, Any] | None:
             p[i] -= lr * gi / (np.sqrt(ai) + eps)
 
     @jit  # type: ignore[misc]
-    def adam(p, g, m, v, lr_t, b1, b2, eps, scale, wd):  # type: ignore[no-untyped-def]
+    def adam(p, g, m, v, lr_t, c1, c2, eps, scale, wd):  # type: ignore[no-untyped-def]
+        # c1 = 1 - beta1, c2 = 1 - beta2, in the parameters' dtype: an int literal here
+        # (``1 - b1``) would promote the whole loop to float64 and halve its speed
         for i in range(p.shape[0]):
             gi = scale * g[i] + wd * p[i]
-            mi = m[i] + (1 - b1) * (gi - m[i])
-            vi = v[i] + (1 - b2) * (gi * gi - v[i])
+            mi = m[i] + c1 * (gi - m[i])
+            vi = v[i] + c2 * (gi * gi - v[i])
             m[i] = mi
             v[i] = vi
             p[i] -= lr_t * mi / (np.sqrt(vi) + eps)
@@ -90,10 +92,10 @@ def _build() -> dict[str, Any] | None:
             adagrad(p[r], g[k], a[r], lr, eps, scale, wd)
 
     @jit  # type: ignore[misc]
-    def adam_rows(rows, p, g, m, v, lr_t, b1, b2, eps, scale, wd):  # type: ignore[no-untyped-def]
+    def adam_rows(rows, p, g, m, v, lr_t, c1, c2, eps, scale, wd):  # type: ignore[no-untyped-def]
         for k in range(rows.shape[0]):
             r = rows[k]
-            adam(p[r], g[k], m[r], v[r], lr_t, b1, b2, eps, scale, wd)
+            adam(p[r], g[k], m[r], v[r], lr_t, c1, c2, eps, scale, wd)
 
     return {
         "sgd": sgd,

@@ -402,8 +402,8 @@ class Adam(Optimizer):
     def _kernel_args(self, step: int, scale: float, dt: Any) -> tuple[Any, ...]:
         return (
             dt(self.lr_t(step)),
-            dt(self.beta1),
-            dt(self.beta2),
+            dt(1.0 - self.beta1),
+            dt(1.0 - self.beta2),
             dt(self.eps),
             dt(scale),
             dt(self.weight_decay),
