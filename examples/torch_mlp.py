@@ -1,0 +1,63 @@
+"""A PyTorch nn.Module trained on a zmqps cluster: an MLP on the digits.
+
+Start a chief and the PS with zmqps-server (no --model: the chief only
+coordinates; add --mode sync or --mode ssp to the chief for those modes), then
+one of these per worker:
+
+    python examples/torch_mlp.py --chief 127.0.0.1:2222 --index 0 --workers 2
+
+The loop is the same in every mode. The module's parameters are the PS's values:
+they are pulled into it (as views of the worker's arrays, no copy), and its
+gradients are pushed from ``p.grad``; the PS runs the optimizer.
+"""
+
+import argparse
+
+import torch
+
+import zmqps
+from zmqps.adapters.torch import TorchModel
+from zmqps.data import batches, load_digits, shard
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="a PyTorch MLP on a zmqps cluster")
+    p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
+    p.add_argument("--index", type=int, default=0, help="this worker's index")
+    p.add_argument("--workers", type=int, default=1, help="number of workers")
+    p.add_argument("--epochs", type=int, default=10, help="passes over this worker's data")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.1, help="the PS's SGD learning rate")
+    args = p.parse_args()
+    torch.set_num_threads(1)  # small batches: threads cost more than they bring
+
+    train = shard(load_digits("train"), args.index, args.workers)
+    test = load_digits("test")
+    net = torch.nn.Sequential(
+        torch.nn.Linear(train.num_features, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, train.num_classes),
+    )
+
+    with zmqps.Worker(args.chief, args.index) as worker:
+        model = TorchModel(net, worker)
+        # Every worker declares the same variables; the first call creates them.
+        model.create(optimizer={"name": "momentum", "lr": args.lr, "momentum": 0.9})
+        for epoch in range(args.epochs):
+            for x, y in batches(train, args.batch_size, epoch, seed=args.index):
+                model.begin_step()  # sync: take a token; ssp: wait; then the step's values
+                loss = torch.nn.functional.cross_entropy(
+                    net(torch.from_numpy(x)), torch.from_numpy(y)
+                )
+                loss.backward()
+                model.push(loss=loss, examples=len(x))
+        model.pull()  # the final values
+        with torch.no_grad():
+            predicted = net(torch.from_numpy(test.x)).argmax(dim=1).numpy()
+        steps = worker.step
+    accuracy = float((predicted == test.y).mean())
+    print(f"worker {args.index}: test accuracy {accuracy:.4f} after {steps} steps")
+
+
+if __name__ == "__main__":
+    main()
