@@ -8,12 +8,13 @@ In-process servers and clients for the matrix; daemons as processes (reaped by
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,29 @@ def _failures(m: Metrics, reason: str) -> float:
     return 0.0 if v is None else v
 
 
+@contextlib.asynccontextmanager
+async def _curve_server(
+    server_keys: CurveKeys, metrics: Metrics
+) -> AsyncIterator[tuple[zmq.asyncio.Context, Server, str]]:
+    """A started CURVE ping server on 127.0.0.1: (context, server, endpoint)."""
+    ctx = zmq.asyncio.Context()
+    server = Server(
+        ctx,
+        LOCAL,
+        ping,
+        name="ps0",
+        options=SocketOptions(linger_ms=0, curve=server_keys),
+        observer=metrics,
+    )
+    try:
+        endpoint = server.bind()
+        server.start()
+        yield ctx, server, endpoint
+    finally:
+        await server.stop()
+        ctx.term()
+
+
 # --------------------------------------------------------------------------- the matrix
 
 
@@ -96,18 +120,7 @@ def test_access_matrix_only_the_allowed_client_is_served(keys: dict[str, CurveKe
     metrics = Metrics()
 
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        server = Server(
-            ctx,
-            LOCAL,
-            ping,
-            name="ps0",
-            options=SocketOptions(linger_ms=0, curve=keys["server"]),
-            observer=metrics,
-        )
-        try:
-            endpoint = server.bind()
-            server.start()
+        async with _curve_server(keys["server"], metrics) as (ctx, server, endpoint):
             assert await _ask(ctx, endpoint, keys["allowed"]) == {"pong": True}
             for curve in [keys["unknown"], keys["wrong_server"], None]:  # None: plaintext
                 with pytest.raises(DeadlineExceeded, match="no reply within"):
@@ -115,9 +128,6 @@ def test_access_matrix_only_the_allowed_client_is_served(keys: dict[str, CurveKe
             # still serving the allowed client after the refusals
             assert await _ask(ctx, endpoint, keys["allowed"]) == {"pong": True}
             assert server.stats.replies == 2
-        finally:
-            await server.stop()
-            ctx.term()
 
     run(main)
 
@@ -128,18 +138,7 @@ def test_refusals_are_counted_and_logged_with_the_peer(
     metrics = Metrics()
 
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        server = Server(
-            ctx,
-            LOCAL,
-            ping,
-            name="ps0",
-            options=SocketOptions(linger_ms=0, curve=keys["server"]),
-            observer=metrics,
-        )
-        try:
-            endpoint = server.bind()
-            server.start()
+        async with _curve_server(keys["server"], metrics) as (ctx, server, endpoint):
             assert _failures(metrics, "refused") == 0 and _failures(metrics, "handshake") == 0
             with pytest.raises(DeadlineExceeded):
                 await _ask(ctx, endpoint, keys["unknown"], timeout=0.5)
@@ -153,9 +152,6 @@ def test_refusals_are_counted_and_logged_with_the_peer(
             await _ask(ctx, endpoint, keys["allowed"])
             await asyncio.sleep(0.1)
             assert server.stats.auth_failures == n
-        finally:
-            await server.stop()
-            ctx.term()
 
     with caplog.at_level("WARNING"):
         run(main)

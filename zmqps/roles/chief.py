@@ -91,7 +91,7 @@ class ChiefService:
         self.members = Membership(cfg.cluster.num_workers, cfg.heartbeat_timeout)
         self.sync = SyncDriver(cfg.sync, self.members, self.ps, clock)
         self.placement: Placement | None = None
-        self._creating: asyncio.Task[Placement] | None = None
+        self._creating: asyncio.Future[Placement] | None = None
         self.placement_ready = asyncio.Event()
         self.all_done = asyncio.Event()
         self.shutdown_requested = asyncio.Event()
@@ -333,7 +333,7 @@ class ChiefService:
         self.placement = placement
         done: asyncio.Future[Placement] = asyncio.get_running_loop().create_future()
         done.set_result(placement)
-        self._creating = done  # type: ignore[assignment]
+        self._creating = done
         self.placement_ready.set()
 
     # ---------------------------------------------------------------- recovery
