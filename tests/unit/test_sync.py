@@ -160,6 +160,18 @@ def test_stale_is_relative_to_each_shard() -> None:
         sync.step_of(7)
 
 
+def test_a_shard_first_touched_after_another_advanced_is_still_at_the_step() -> None:
+    """Layer-by-layer pushes: the gradient of one shard arrives (and is applied) before
+    another shard of the PS was ever touched; that one is still at the PS's step."""
+    store = one_ps_store([W, B])
+    sync = SyncShards(store, required=1, step=4)
+    assert sync.add_dense(0, [(0, grads(1, [W])["w"].reshape(-1))], "worker:0")
+    assert (sync.step_of(0), sync.min_step()) == (5, 4)
+    assert not sync.is_stale(1, 4)  # a gradient for step 4 is fresh for shard 1
+    assert sync.add_dense(1, [(0, grads(2, [B])["b"].reshape(-1))], "worker:0")
+    assert (sync.step_of(1), sync.min_step()) == (5, 5)
+
+
 def test_row_gradients_accumulate_and_apply_their_mean() -> None:
     emb = VariableDef("emb", (8, 3), init={"name": "uniform", "seed": 4}, sparse=True)
     store = one_ps_store([emb])

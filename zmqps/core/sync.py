@@ -77,7 +77,15 @@ class SyncShards:
         acc = self.acc.get(sid)
         if acc is None:
             self.store.get(sid)  # NotFound for unknown shards
-            acc = self.acc[sid] = ShardAccumulator(step=self.min_step())
+            # Every shard of the store starts at the PS's step together: a worker may push
+            # one shard's gradient before another's (layer by layer), and the second must
+            # not start at the step the first has already reached. A shard created later
+            # starts at the PS's step then.
+            step = self.min_step()
+            for other in self.store.ids():
+                if other not in self.acc:
+                    self.acc[other] = ShardAccumulator(step=step)
+            acc = self.acc[sid]
         return acc
 
     def min_step(self) -> int:
