@@ -9,25 +9,36 @@ Rules of this module:
   for gradient checks); gradients come back in that dtype, C-contiguous, one per
   variable with the variable's shape.
 * Losses are means over the batch, so gradients do not scale with batch size.
+* One code path for every device: the array module (numpy or cupy) comes from the
+  parameters (:func:`zmqps.device.array_module`); inputs are moved to it.
+* ``loss_and_grads(..., on_ready=f)`` calls ``f(grads)`` with each layer's finished
+  gradients as soon as backpropagation has produced them (output layer first), so a
+  worker can send them while the remaining layers compute. Every gradient is handed
+  over exactly once and never modified afterwards; the returned dict has them all.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from zmqps.core.variables import VariableDef
+from zmqps.device import array_module
 
-__all__ = ["Model", "log_softmax", "softmax_cross_entropy"]
+__all__ = ["GradsReady", "Model", "log_softmax", "softmax_cross_entropy"]
+
+#: Called with finished gradients (name -> array) during backpropagation.
+GradsReady = Callable[[dict[str, Any]], None]
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise log-softmax of ``(n, classes)`` logits, stable for large magnitudes."""
+    xp = array_module(logits)
     shifted: np.ndarray = logits - logits.max(axis=1, keepdims=True)
-    shifted -= np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    shifted -= xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
     return shifted
 
 
@@ -37,12 +48,14 @@ def softmax_cross_entropy(logits: np.ndarray, y: np.ndarray) -> tuple[float, np.
     The gradient w.r.t. the logits is ``(softmax(logits) - onehot(y)) / n``. ``logits``
     is not modified.
     """
+    xp = array_module(logits)
+    y = xp.asarray(y)
     n = logits.shape[0]
-    rows = np.arange(n)
+    rows = xp.arange(n)
     shifted = logits - logits.max(axis=1, keepdims=True)
-    exp = np.exp(shifted)
+    exp = xp.exp(shifted)
     total = exp.sum(axis=1)
-    loss = float(np.mean(np.log(total) - shifted[rows, y]))
+    loss = float(xp.mean(xp.log(total) - shifted[rows, y]))
     exp /= total[:, None]
     exp[rows, y] -= 1
     exp /= n
@@ -75,9 +88,15 @@ class Model(abc.ABC):
 
     @abc.abstractmethod
     def loss_and_grads(
-        self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray
+        self,
+        params: Mapping[str, np.ndarray],
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        on_ready: GradsReady | None = None,
     ) -> tuple[float, dict[str, np.ndarray]]:
-        """Mean training loss over the batch (regularizers included) and its gradients."""
+        """Mean training loss over the batch (regularizers included) and its gradients
+        (handed to ``on_ready`` layer by layer as they are finished, if given)."""
 
     @abc.abstractmethod
     def config(self) -> dict[str, Any]:
@@ -85,7 +104,8 @@ class Model(abc.ABC):
 
     def predict_proba(self, params: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
         """Class probabilities ``(n, num_classes)``."""
-        probs: np.ndarray = np.exp(log_softmax(self.logits(params, x)))
+        logits = self.logits(params, x)
+        probs: np.ndarray = array_module(logits).exp(log_softmax(logits))
         return probs
 
     def predict(self, params: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
@@ -100,8 +120,9 @@ class Model(abc.ABC):
         if x.shape[0] == 0:
             raise ValueError("cannot evaluate on an empty batch")
         logits = self.logits(params, x)
+        xp = array_module(logits)
         loss, _ = softmax_cross_entropy(logits, y)
-        accuracy = float(np.mean(logits.argmax(axis=1) == y))
+        accuracy = float(xp.mean(logits.argmax(axis=1) == xp.asarray(y)))
         return {"accuracy": accuracy, "loss": loss}
 
     def signature(self) -> dict[str, Any]:
@@ -118,6 +139,12 @@ class Model(abc.ABC):
                 {"name": v.name, "shape": list(v.shape), "dtype": v.dtype} for v in self.variables()
             ],
         }
+
+    @staticmethod
+    def _inputs(params: Mapping[str, Any], x: Any, dtype: Any) -> Any:
+        """``x`` as an array of ``dtype`` on the parameters' device."""
+        xp = array_module(*params.values())
+        return xp.asarray(x, dtype=dtype)
 
     def _param(
         self, params: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...]

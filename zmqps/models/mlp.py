@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from zmqps.core.variables import VariableDef
-from zmqps.models.base import Model, softmax_cross_entropy
+from zmqps.device import array_module
+from zmqps.models.base import GradsReady, Model, softmax_cross_entropy
 
 __all__ = ["MLP"]
 
@@ -82,11 +83,12 @@ class MLP(Model):
         weights: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray
     ) -> tuple[list[np.ndarray], np.ndarray]:
         """Inputs of every layer (``x`` first) and the output logits."""
-        acts = [np.asarray(x, dtype=weights[0][0].dtype)]
+        xp = array_module(weights[0][0])
+        acts = [xp.asarray(x, dtype=weights[0][0].dtype)]
         for w, b in weights[:-1]:
             h = acts[-1] @ w
             h += b
-            np.maximum(h, 0, out=h)
+            xp.maximum(h, 0, out=h)
             acts.append(h)
         w, b = weights[-1]
         logits = acts[-1] @ w
@@ -97,25 +99,33 @@ class MLP(Model):
         return self._forward(self._weights(params), x)[1]
 
     def loss_and_grads(
-        self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray
+        self,
+        params: Mapping[str, np.ndarray],
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        on_ready: GradsReady | None = None,
     ) -> tuple[float, dict[str, np.ndarray]]:
         weights = self._weights(params)
+        xp = array_module(weights[0][0])
         acts, logits = self._forward(weights, x)
         loss, delta = softmax_cross_entropy(logits, y)
         grads: dict[str, np.ndarray] = {}
+        penalty = 0.0
         for i in reversed(range(len(weights))):
             w_name, _, b_name, _ = self._layers[i]
             w = weights[i][0]
-            grads[w_name] = acts[i].T @ delta
+            gw = acts[i].T @ delta
+            if self.l2:
+                penalty += float(xp.vdot(w, w))
+                gw += self.l2 * w
+            grads[w_name] = gw
             grads[b_name] = delta.sum(axis=0)
+            if on_ready is not None:
+                on_ready({w_name: gw, b_name: grads[b_name]})
             if i > 0:
                 # Back through layer i, then through the ReLU that produced acts[i].
                 delta = delta @ w.T
-                np.multiply(delta, acts[i] > 0, out=delta)
-        if self.l2:
-            penalty = 0.0
-            for (w_name, *_), (w, _) in zip(self._layers, weights, strict=True):
-                penalty += float(np.vdot(w, w))
-                grads[w_name] += self.l2 * w
-            loss += 0.5 * self.l2 * penalty
+                xp.multiply(delta, acts[i] > 0, out=delta)
+        loss += 0.5 * self.l2 * penalty
         return loss, {name: grads[name] for name in self._names}

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from zmqps.core.variables import VariableDef
-from zmqps.models.base import Model, softmax_cross_entropy
+from zmqps.models.base import GradsReady, Model, softmax_cross_entropy
 
 __all__ = ["SoftmaxRegression"]
 
@@ -39,16 +39,24 @@ class SoftmaxRegression(Model):
 
     def logits(self, params: Mapping[str, np.ndarray], x: np.ndarray) -> np.ndarray:
         w, b = self._wb(params)
-        z: np.ndarray = np.asarray(x, dtype=w.dtype) @ w
+        z: np.ndarray = self._inputs(params, x, w.dtype) @ w
         z += b
         return z
 
     def loss_and_grads(
-        self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray
+        self,
+        params: Mapping[str, np.ndarray],
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        on_ready: GradsReady | None = None,
     ) -> tuple[float, dict[str, np.ndarray]]:
         w, b = self._wb(params)
-        x = np.asarray(x, dtype=w.dtype)
+        x = self._inputs(params, x, w.dtype)
         z = x @ w
         z += b
         loss, dz = softmax_cross_entropy(z, y)
-        return loss, {self._w[0]: x.T @ dz, self._b[0]: dz.sum(axis=0)}
+        grads = {self._w[0]: x.T @ dz, self._b[0]: dz.sum(axis=0)}
+        if on_ready is not None:
+            on_ready(dict(grads))
+        return loss, grads
