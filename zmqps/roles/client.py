@@ -151,21 +151,31 @@ class ParameterClient:
             Tensor(part[off : off + step], kind, sid, off) for off in range(0, r.size, step)
         ] or [Tensor(part, kind, sid, 0)]
 
-    def _take_values(self, reply: Message, sids: Sequence[int]) -> None:
+    def _take_values(
+        self, reply: Message, sids: Sequence[int], out: Mapping[str, Array] | None = None
+    ) -> None:
         self._set_versions(reply, sids)
+        dst_arrays = self.params if out is None else out
         for t in reply.tensors:
             r = self.routes.get(t.ref)
             if r is None or t.kind != "value" or t.offset + t.array.size > r.size:
                 raise ProtocolError(f"pull reply: unexpected tensor for shard {t.ref}")
-            flat = self.params[r.var.name].reshape(-1)
+            flat = dst_arrays[r.var.name].reshape(-1)
             dst = flat[r.start + t.offset : r.start + t.offset + t.array.size]
             np.copyto(dst, t.array.reshape(-1), casting="same_kind")
 
-    def _push_body(self, ps: int, sids: Sequence[int], step: int | None) -> dict[str, Any]:
+    def _push_body(
+        self,
+        ps: int,
+        sids: Sequence[int],
+        step: int | None,
+        versions: Mapping[int, int] | None = None,
+    ) -> dict[str, Any]:
         self._seq[ps] += 1
+        pulled = self.versions if versions is None else versions
         body: dict[str, Any] = {
             "shards": list(sids),
-            "versions": [self.versions[s] for s in sids],
+            "versions": [pulled[s] for s in sids],
             "worker": self.worker,
             "inc": self.incarnation,
             "seq": self._seq[ps],
@@ -295,13 +305,15 @@ class ParameterClient:
                 state.push.close()
             self._fast[ps] = None
 
-    def _copy_out(self, fp: _FastPath, sids: Sequence[int]) -> None:
+    def _copy_out(
+        self, fp: _FastPath, sids: Sequence[int], out: Mapping[str, Array] | None = None
+    ) -> None:
         for sid in sids:
             r = self.routes[sid]
-            if r.var.name in fp.whole:
+            if out is None and r.var.name in fp.whole:
                 continue  # params[name] is a view of the pull region
             src = fp.pull.view(fp.offsets[sid], np.dtype(r.var.dtype), r.size)
-            flat = self.params[r.var.name].reshape(-1)
+            flat = (self.params if out is None else out)[r.var.name].reshape(-1)
             np.copyto(flat[r.start : r.start + r.size], src)
 
     def _copy_in(self, fp: _FastPath, sids: Sequence[int], flat: Mapping[str, Array]) -> None:
@@ -319,13 +331,33 @@ class ParameterClient:
 
     # ------------------------------------------------------------------ dense
 
-    async def pull(self, names: Iterable[str] | None = None) -> dict[str, Array]:
-        """Pull whole variables (default: every dense one) into ``params``."""
+    def _check_out(self, out: Mapping[str, Array], by_ps: Mapping[int, Sequence[int]]) -> None:
+        for sids in by_ps.values():
+            for sid in sids:
+                v = self.routes[sid].var
+                a = out.get(v.name)
+                if not isinstance(a, np.ndarray):
+                    raise InvalidArgument(f"no host array for {v.name} to pull into")
+                if a.shape != v.shape or a.dtype != np.dtype(v.dtype):
+                    raise InvalidArgument(
+                        f"pull into {v.name}: {a.dtype}{list(a.shape)} is not"
+                        f" {v.dtype}{list(v.shape)}"
+                    )
+                if not a.flags.c_contiguous or not a.flags.writeable:
+                    raise InvalidArgument(f"pull into {v.name}: a writeable C-contiguous array")
+
+    async def pull(
+        self, names: Iterable[str] | None = None, *, out: Mapping[str, Array] | None = None
+    ) -> dict[str, Array]:
+        """Pull whole variables (default: every dense one) into ``params``, or into the
+        caller's host arrays ``out`` (same shapes and dtypes; returned as a dict)."""
         by_ps = self._by_ps(self.dense_names() if names is None else names)
+        if out is not None:
+            self._check_out(out, by_ps)
         for sids in by_ps.values():
             for sid in sids:
                 name = self.routes[sid].var.name
-                if name not in self.params:
+                if out is None and name not in self.params:
                     v = self.routes[sid].var
                     self.params[name] = np.zeros(v.shape, dtype=v.dtype)
 
@@ -336,12 +368,12 @@ class ParameterClient:
                     body = {"shards": sids, "shm_out": fp.ref(True, sids), "gen": self.gen}
                     rep = await self.ps[ps].request("pull", body, timeout=self.timeout)
                     self._set_versions(rep, sids)
-                    self._copy_out(fp, sids)
+                    self._copy_out(fp, sids, out)
                 return
-            await asyncio.gather(*(self._pull_tcp(ps, group) for group in self._groups(sids)))
+            await asyncio.gather(*(self._pull_tcp(ps, group, out) for group in self._groups(sids)))
 
         await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
-        return self.params
+        return self.params if out is None else dict(out)
 
     def _groups(self, sids: list[int]) -> list[list[int]]:
         """Shards of one PS in messages of about ``group_bytes``: small shards travel
@@ -360,11 +392,13 @@ class ParameterClient:
                 size = nbytes
         return groups
 
-    async def _pull_tcp(self, ps: int, sids: list[int]) -> None:
+    async def _pull_tcp(
+        self, ps: int, sids: list[int], out: Mapping[str, Array] | None = None
+    ) -> None:
         rep = await self.ps[ps].request(
             "pull", {"shards": sids, "gen": self.gen}, timeout=self.timeout
         )
-        self._take_values(rep, sids)
+        self._take_values(rep, sids, out)
 
     def _grad_arrays(self, grads: Mapping[str, Any]) -> dict[str, Array]:
         out = {}
@@ -380,14 +414,24 @@ class ParameterClient:
         return out
 
     async def push(
-        self, grads: Mapping[str, Any], *, pull: bool = False, step: int | None = None
+        self,
+        grads: Mapping[str, Any],
+        *,
+        pull: bool = False,
+        step: int | None = None,
+        out: Mapping[str, Array] | None = None,
+        versions: Mapping[int, int] | None = None,
     ) -> bool:
         """Push whole-variable gradients; with ``pull=True`` the fresh values come back
-        in the same round trip (push_pull) and land in ``params``. ``step`` is the local
-        step (sync mode: the token's value). Returns False if some PS dropped the push
-        (stale in sync mode, or a duplicate)."""
+        in the same round trip (push_pull) and land in ``params`` (or in ``out``, see
+        :meth:`pull`). ``step`` is the local step (sync mode: the token's value);
+        ``versions`` the shard versions the gradients were computed from (default: of
+        the last pull; a caller that pulls ahead keeps its own).
+        Returns False if some PS dropped the push (stale in sync mode, or a duplicate)."""
         flat = self._grad_arrays(grads)
         by_ps = self._by_ps(flat)
+        if pull and out is not None:
+            self._check_out(out, by_ps)
         op = "push_pull" if pull else "push"
 
         async def one(ps: int, sids: list[int]) -> bool:
@@ -395,7 +439,7 @@ class ParameterClient:
             if fp is not None and all(s in fp.offsets for s in sids):
                 async with fp.lock:
                     self._copy_in(fp, sids, flat)
-                    body = self._push_body(ps, sids, step)
+                    body = self._push_body(ps, sids, step, versions)
                     body["shm"] = fp.ref(False, sids)
                     if pull:
                         body["shm_out"] = fp.ref(True, sids)
@@ -405,7 +449,7 @@ class ParameterClient:
                     accepted = self._after_push(rep, sids)
                     if pull:
                         self._set_versions(rep, sids)
-                        self._copy_out(fp, sids)
+                        self._copy_out(fp, sids, out)
                 return accepted
             parts = await asyncio.gather(*(tcp(ps, group) for group in self._groups(sids)))
             return all(parts)
@@ -416,13 +460,13 @@ class ParameterClient:
                 for sid in sids
                 for t in self._chunks(sid, flat[self.routes[sid].var.name], "grad")
             ]
-            body = self._push_body(ps, sids, step)
+            body = self._push_body(ps, sids, step, versions)
             rep = await self.ps[ps].request(
                 op, body, tensors, timeout=self.timeout, attempts=self.push_attempts
             )
             accepted = self._after_push(rep, sids)
             if pull:
-                self._take_values(rep, sids)
+                self._take_values(rep, sids, out)
             return accepted
 
         results = await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
