@@ -623,7 +623,11 @@ def worker() -> dict[str, Any]:
             )
         ],
         unit="s",
-        w=24,
+    )
+    b.panel(
+        "Communication hidden behind compute",
+        [(f"zmqps_worker_overlap_ratio{{{sel}}}", "{{instance}}")],
+        unit="percentunit",
     )
     b.row("Throughput and loss")
     b.panel(
@@ -647,7 +651,8 @@ def worker() -> dict[str, Any]:
     return dashboard(
         "zmqps-worker",
         "zmqps / Workers",
-        "Per-worker step time by phase (pull / compute / push), throughput and loss.",
+        "Per-worker step time by phase (pull / h2d / compute / d2h / push), overlap,"
+        " throughput and loss.",
         b,
         extra_vars=[
             (

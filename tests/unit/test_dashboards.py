@@ -73,6 +73,7 @@ CATALOGUE = {
     "zmqps_worker_examples_total": "counter",
     "zmqps_worker_step_seconds": "histogram",
     "zmqps_train_loss": "gauge",
+    "zmqps_worker_overlap_ratio": "gauge",
     "zmqps_shard_bytes": "gauge",
     "zmqps_checkpoint_duration_seconds": "histogram",
     "zmqps_checkpoint_last_step": "gauge",
@@ -116,6 +117,7 @@ OWNER = {
     "zmqps_worker_examples_total": "worker",
     "zmqps_worker_step_seconds": "worker",
     "zmqps_train_loss": "worker",
+    "zmqps_worker_overlap_ratio": "worker",
 }
 STANDARD = re.compile(r"^(up|scrape_[a-z_]+|process_[a-z_]+|python_[a-z_]+)$")
 

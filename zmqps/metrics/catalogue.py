@@ -25,8 +25,9 @@ DROP_REASONS = ("duplicate", "stale", "fenced", "invalid", "rolled_back")
 #: Why a server refused a client: its key is not on the allow-list (refused), or the
 #: CURVE handshake failed (a plaintext client, a wrong server key).
 AUTH_FAILURE_REASONS = ("refused", "handshake")
-#: The phases of one worker step.
-PHASES = ("pull", "compute", "push")
+#: The phases of one worker step: pull, host -> device copy, compute, device -> host
+#: copy, push. With overlap, a phase's time is how long the step waited for it.
+PHASES = ("pull", "h2d", "compute", "d2h", "push")
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -128,12 +129,19 @@ class Metrics:
         )
         self.step_seconds = Histogram(
             "zmqps_worker_step_seconds",
-            "Time of one phase (pull, compute, push) of a worker step.",
+            "Time a worker step spent in (or, overlapped, waiting for) one phase:"
+            " pull, h2d, compute, d2h, push.",
             ["phase"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.train_loss = Gauge("zmqps_train_loss", "The last training loss seen.", registry=r)
+        self.overlap_ratio = Gauge(
+            "zmqps_worker_overlap_ratio",
+            "Share of the worker's communication time (pull, push, host <-> device copies)"
+            " hidden behind compute, over its last steps.",
+            registry=r,
+        )
         # -- checkpoints -----------------------------------------------------------
         self.checkpoint_duration = Histogram(
             "zmqps_checkpoint_duration_seconds",

@@ -15,6 +15,11 @@ Rules of this module:
   with a newer one, and the PS fence pushes of the old one.
 * Arrays returned by :meth:`Worker.pull` belong to the worker and are refreshed
   in place by the next pull; copy them to keep them.
+* ``device="cuda:N"``: :meth:`Worker.pull` returns cupy arrays on that GPU (landed
+  in pinned host buffers, then copied on a copy stream) and :meth:`Worker.push`
+  takes cupy gradients (copied to pinned buffers, then sent); see
+  :mod:`zmqps.device`. :class:`zmqps.roles.overlap.StepPipeline` overlaps those
+  copies and the network with compute.
 """
 
 from __future__ import annotations
@@ -32,9 +37,12 @@ import zmq.asyncio
 from zmqps.config import ClusterSpec, TaskSpec
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.data import batches, shard, steps_per_epoch
+from zmqps.device import Device
+from zmqps.device.staging import Mirror
 from zmqps.metrics import Metrics
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
+from zmqps.roles.overlap import StepPipeline
 from zmqps.transport import Client, LoopThread, SocketOptions
 from zmqps.wire.errors import (
     DeadlineExceeded,
@@ -81,7 +89,11 @@ class Worker:
         options: SocketOptions | None = None,
         metrics: Metrics | None = None,
         recovery_timeout: float = 300.0,
+        device: str | Device | None = None,
     ) -> None:
+        #: where the parameters and gradients of :meth:`pull` / :meth:`push` live
+        self.device = Device.parse(device).check()
+        self._mirror: Mirror | None = None
         self.index = index
         self.metrics = metrics
         self.role = role
@@ -191,6 +203,7 @@ class Worker:
 
         self._client = self._io.run(make())
         self._client.gen = self.gen
+        self._mirror = None
 
     @property
     def client(self) -> ParameterClient:
@@ -337,18 +350,47 @@ class Worker:
             raise InvalidArgument("sync mode: call begin_step() before pushing")
         return self.token
 
-    def pull(self, names: Iterable[str] | None = None) -> dict[str, Array]:
-        """Current values of the dense variables (or ``names``)."""
+    @property
+    def mirror(self) -> Mirror:
+        """Pinned host buffers and device arrays of the dense variables (a separate device)."""
+        if self._mirror is None:
+            client = self.client
+            variables = [client.placement.variable(n) for n in client.dense_names()]
+            self._mirror = Mirror(self.device, variables, slots=1)
+        return self._mirror
+
+    def pull(
+        self, names: Iterable[str] | None = None, *, out: Mapping[str, Array] | None = None
+    ) -> dict[str, Any]:
+        """Current values of the dense variables (or ``names``): on the worker's device,
+        or landed in the host arrays ``out`` (of the variables' shapes and dtypes)."""
         started = time.perf_counter()
         wanted = None if names is None else list(names)
+        staged = out is None and self.device.separate
+        dest = self.mirror.host[0] if staged else out
         had_token = self.token is not None
-        out = self._recovering(lambda: self.client.pull(wanted))
+        values = self._recovering(lambda: self.client.pull(wanted, out=dest))
         if had_token and self.token is None and self.mode == "sync":
             # restored meanwhile, and the token was of before: these values are of the
             # restored step; compute for it
             self._take_token(10.0)
         self.record_phase("pull", started)
-        return out
+        if not staged:
+            return values
+        started = time.perf_counter()
+        self.mirror.upload(0, values).wait()
+        self.record_phase("h2d", started)
+        return {n: self.mirror.dev[0][n] for n in values}
+
+    def _to_host(self, grads: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Gradients on the device: copied to pinned host buffers (waited for)."""
+        if not self.device.separate:
+            return grads
+        started = time.perf_counter()
+        host, copy = self.mirror.download(grads)
+        copy.wait()
+        self.record_phase("d2h", started)
+        return host
 
     def record_phase(self, phase: str, started: float) -> None:
         """Time one phase (pull, compute, push) of a step that began at ``started``
@@ -373,6 +415,7 @@ class Worker:
         False if they were dropped (sync: stale, the step had already been applied),
         or if this was a retry of a push the PS had already handled (whose first
         outcome this call cannot know)."""
+        grads = self._to_host(grads)
         started = time.perf_counter()
         accepted = self._push_or_drop(lambda: self.client.push(grads, step=self._step_tag()))
         self.record_phase("push", started)
@@ -393,7 +436,10 @@ class Worker:
         self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None
     ) -> dict[str, Array]:
         """Push gradients and get the updated values back in the same round trip
-        (timed as the push phase)."""
+        (timed as the push phase; on a separate device: a push, then a pull)."""
+        if self.device.separate:
+            self.push(grads, loss=loss, examples=examples)
+            return self.pull()
         gen_before = self.gen
         started = time.perf_counter()
         if (
@@ -504,59 +550,68 @@ class Worker:
             self.close("error")
 
 
-def train(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
-    """The built-in training program: this worker's shard of the data, ``job.epochs`` epochs."""
+def train(
+    worker: Worker, job: JobConfig, num_workers: int, *, prefetch: bool = False
+) -> dict[str, Any]:
+    """The built-in training program: this worker's shard of the data, ``job.epochs``
+    epochs, on the worker's device, communication overlapped with compute (see
+    :mod:`zmqps.roles.overlap`; ``prefetch`` there)."""
     data = shard(job.load("train"), worker.index, num_workers)
     model = job.build_model(data)
     worker.create_variables(model.variables(), optimizer=job.optimizer)
-    params = worker.pull()
+    pipe = StepPipeline(worker, prefetch=prefetch)
+    device = worker.device
     per_epoch = steps_per_epoch(len(data), job.batch_size)
     log.info(
-        "worker %d: %d examples, %d steps per epoch, %d epochs",
+        "worker %d: %d examples, %d steps per epoch, %d epochs, on %s",
         worker.index,
         len(data),
         per_epoch,
         job.epochs,
+        device,
     )
     t_last, s_last = time.perf_counter(), 0
     loss = float("nan")
     skip = worker.steps_done
     if skip:
         log.info("worker %d: resuming after the %d steps of earlier runs", worker.index, skip)
-    for epoch in range(job.epochs):
-        for x, y in batches(data, job.batch_size, epoch, seed=job.seed * 1000 + worker.index):
-            if skip:
-                skip -= 1
-                continue
-            worker.begin_step()
-            if worker.mode != "async":
-                params = worker.pull()  # sync: the values of the token's step
-            started = time.perf_counter()
-            loss, grads = model.loss_and_grads(params, x, y)
-            worker.record_phase("compute", started)
-            if worker.mode == "async":
-                params = worker.push_pull(grads, loss=loss, examples=len(x))
-            else:
-                worker.push(grads, loss=loss, examples=len(x))
-            if worker.stop_requested:
-                raise Terminated()
-            if worker.step % job.log_every == 0:
-                now = time.perf_counter()
-                log.info(
-                    "worker %d: step %d, global step %d, loss %.4f (%.4f s/batch, staleness %d)",
-                    worker.index,
-                    worker.step,
-                    worker.global_step,
-                    loss,
-                    (now - t_last) / max(1, worker.step - s_last),
-                    worker.staleness,
+    try:
+        for epoch in range(job.epochs):
+            for x, y in batches(data, job.batch_size, epoch, seed=job.seed * 1000 + worker.index):
+                if skip:
+                    skip -= 1
+                    continue
+                params = pipe.begin()
+                started = time.perf_counter()
+                loss, grads = model.loss_and_grads(
+                    params, device.asarray(x), device.asarray(y), on_ready=pipe.grads_ready
                 )
-                t_last, s_last = now, worker.step
+                worker.record_phase("compute", started)
+                pipe.end(grads, loss=loss, examples=len(x))
+                if worker.stop_requested:
+                    raise Terminated()
+                if worker.step % job.log_every == 0:
+                    now = time.perf_counter()
+                    log.info(
+                        "worker %d: step %d, global step %d, loss %.4f (%.4f s/batch,"
+                        " staleness %d, overlap %.2f)",
+                        worker.index,
+                        worker.step,
+                        worker.global_step,
+                        loss,
+                        (now - t_last) / max(1, worker.step - s_last),
+                        worker.staleness,
+                        pipe.stats.overlap,
+                    )
+                    t_last, s_last = now, worker.step
+    finally:
+        pipe.close()
     log.info(
-        "worker %d: done after %d steps (global step %d, loss %.4f)",
+        "worker %d: done after %d steps (global step %d, loss %.4f, overlap %.2f)",
         worker.index,
         worker.step,
         worker.global_step,
         loss,
+        pipe.stats.overlap,
     )
-    return {"steps": worker.step, "loss": loss}
+    return {"steps": worker.step, "loss": loss, "overlap": pipe.stats.as_dict()}

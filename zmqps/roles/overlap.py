@@ -1,0 +1,335 @@
+"""Training steps with communication overlapped with compute, on any device.
+
+    pipe = StepPipeline(worker)                    # after create_variables()
+    params = pipe.begin()                          # this step's values, on the device
+    loss, grads = model.loss_and_grads(params, x, y, on_ready=pipe.grads_ready)
+    pipe.end(grads, loss=loss, examples=len(x))
+
+Rules of this module:
+
+* Pushes leave per layer: when backpropagation has finished a layer
+  (``on_ready``), its gradients are queued device -> pinned host on the copy stream
+  and their shards are pushed, one message per PS, while the earlier layers still
+  compute. Layers smaller than ``push_bytes`` wait for the next ones (a message
+  costs about 100 us whatever its size, so tiny ones are not worth sending alone).
+  :meth:`StepPipeline.end` sends what was not handed over and waits for
+  every push of the step, so a step's pushes are all acknowledged before the next
+  step begins (its pinned gradient buffers are reused).
+* async: the values for step t+1 travel while step t computes, into the other slot
+  of a double-buffered :class:`~zmqps.device.staging.Mirror`, and are copied to the
+  device as soon as they land.
+
+  - ``prefetch=False`` (the default): each push is a push_pull; a layer's values
+    come back with this worker's own step-t gradient applied, while earlier layers
+    still compute. Staleness is what it is without overlap.
+  - ``prefetch=True``: the pull for step t+1 is sent when step t begins, before any
+    of its pushes, so it overlaps the whole step; its values lack this worker's own
+    step-t gradient (one more step of staleness, measured by the PS and exported).
+
+* sync and ssp pull after :meth:`Worker.begin_step`: sync needs the token step's
+  values, which exist only once every replica pushed the step before; ssp's clock
+  wait is what bounds staleness, so a pull sent before it would break the bound.
+  Pushes and device copies still overlap compute there.
+* Failures are those of :meth:`Worker.pull` / :meth:`Worker.push`: through a
+  restore, a failed push is dropped (counted in ``worker.rolled_back``) and the next
+  step pulls afresh; a failed prefetch is pulled again.
+* Each phase's time in ``zmqps_worker_step_seconds{phase}`` is what the step waited
+  for it; :class:`OverlapStats` also sums how long each transfer took wherever it
+  ran, and the overlap ratio is ``1 - waited / took`` over communication.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from zmqps.device.staging import Copy
+from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack
+
+if TYPE_CHECKING:
+    from zmqps.roles.worker import Worker
+
+__all__ = ["COMM_PHASES", "OverlapStats", "StepPipeline"]
+
+#: The phases that move data (everything but compute).
+COMM_PHASES = ("pull", "h2d", "d2h", "push")
+_RECOVERABLE = (RolledBack, NotReady, DeadlineExceeded)
+T = TypeVar("T")
+
+
+@dataclass
+class OverlapStats:
+    """Per-phase seconds over a run: ``waited`` (the step was blocked on the phase)
+    and ``took`` (the transfer's own duration, wherever it ran)."""
+
+    steps: int = 0
+    wall: float = 0.0
+    waited: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMM_PHASES, 0.0))
+    took: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMM_PHASES, 0.0))
+    compute: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _recent: collections.deque[tuple[float, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=100), repr=False
+    )
+
+    def add_took(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.took[phase] += seconds
+
+    def add_waited(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.waited[phase] += seconds
+
+    @staticmethod
+    def ratio(waited: float, took: float) -> float:
+        return 0.0 if took <= 0 else min(1.0, max(0.0, 1.0 - waited / took))
+
+    @property
+    def overlap(self) -> float:
+        """Share of communication time hidden behind compute, over the whole run."""
+        return self.ratio(sum(self.waited.values()), sum(self.took.values()))
+
+    def step_done(self, waited: float, took: float) -> float:
+        """Record one step's communication; returns the overlap over the recent steps."""
+        with self._lock:
+            self.steps += 1
+            self._recent.append((waited, took))
+            return self.ratio(sum(w for w, _ in self._recent), sum(t for _, t in self._recent))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Seconds per step by phase (waited and took), and the overlap ratio."""
+        n = max(1, self.steps)
+        return {
+            "steps": self.steps,
+            "step_seconds": round(self.wall / n, 6),
+            "compute_seconds": round(self.compute / n, 6),
+            "waited_seconds": {p: round(s / n, 6) for p, s in self.waited.items()},
+            "took_seconds": {p: round(s / n, 6) for p, s in self.took.items()},
+            "overlap": round(self.overlap, 4),
+        }
+
+
+class StepPipeline:
+    """One worker's steps with pulls, pushes and device copies overlapping compute."""
+
+    def __init__(
+        self, worker: Worker, *, prefetch: bool = False, push_bytes: int = 1 << 20
+    ) -> None:
+        from zmqps.device.staging import Mirror
+
+        self.worker = worker
+        client = worker.client
+        self.names = client.dense_names()
+        variables = [client.placement.variable(n) for n in self.names]
+        self.mirror = Mirror(worker.device, variables, slots=2)
+        self.front = 0
+        #: async only: pushes bring the next step's values back (push_pull)
+        self.push_pull = worker.mode == "async" and not prefetch
+        self.prefetch = worker.mode == "async" and prefetch
+        self.stats = OverlapStats()
+        #: gradients wait until this many bytes are ready before they are pushed
+        self.push_bytes = push_bytes
+        self._ready: dict[str, Any] = {}
+        self._ready_bytes = 0
+        self._next: concurrent.futures.Future[Copy] | None = None
+        self._pending: list[concurrent.futures.Future[tuple[bool, Copy | None]]] = []
+        self._uploads: list[Copy] = []
+        self._later: list[Copy] = []  # device copies whose duration is read at end()
+        self._sent: set[str] = set()
+        #: per slot: the shard versions its values are of (sent with the gradients)
+        self._versions: list[dict[int, int]] = [{}, {}]
+        self._need_pull = True
+        self._began = 0.0
+        self._took_before = 0.0
+        self._computing = 0.0
+        self._step_waited = 0.0
+        self._step_took = 0.0
+
+    @property
+    def back(self) -> int:
+        return 1 - self.front
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.worker._io.loop)
+
+    def _waited(self, phase: str, seconds: float) -> None:
+        self.stats.add_waited(phase, seconds)
+        self._step_waited += seconds
+        if self.worker.metrics is not None:
+            self.worker.metrics.phase(phase, seconds)
+
+    def _took(self, phase: str, seconds: float) -> None:
+        self.stats.add_took(phase, seconds)
+
+    # ------------------------------------------------------------------ steps
+
+    def begin(self) -> dict[str, Any]:
+        """Wait until this worker may compute its next step (:meth:`Worker.begin_step`);
+        returns the parameters to compute it with, on the worker's device."""
+        self._began = time.perf_counter()
+        self._step_waited = 0.0
+        took_before = sum(self.stats.took.values())
+        self.worker.begin_step()
+        if self.prefetch and self._next is not None and not self._need_pull:
+            started = time.perf_counter()
+            try:
+                upload = self._next.result()
+            except _RECOVERABLE as exc:
+                self.worker._io.run(self.worker._resync(exc))
+                self._need_pull = True
+            else:
+                self._waited("pull", time.perf_counter() - started)
+                self.front = self.back
+                upload.before_compute()
+            self._next = None
+        elif self.push_pull and not self._need_pull:
+            self.front = self.back
+            for upload in self._uploads:
+                upload.before_compute()
+        self._uploads = []
+        if self._need_pull or not (self.prefetch or self.push_pull):
+            self._pull_now()
+        if self.prefetch:
+            self._next = self._submit(self._fetch(self.back))
+        self._sent = set()
+        self._ready, self._ready_bytes = {}, 0
+        self._pending = []
+        self._took_before = took_before
+        self._computing = time.perf_counter()
+        return self.mirror.dev[self.front]
+
+    def _pull_now(self) -> None:
+        slot = self.front
+        started = time.perf_counter()
+        self.worker.pull(out=self.mirror.host[slot])  # with recovery; records "pull"
+        self._versions[slot] = dict(self.worker.client.versions)
+        took = time.perf_counter() - started
+        self.stats.add_waited("pull", took)
+        self._step_waited += took
+        self._took("pull", took)
+        upload = self.mirror.upload(slot)
+        if upload.done:  # host copies run at once: the step waited for them
+            self._waited("h2d", upload.seconds())
+            self._took("h2d", upload.seconds())
+        else:  # the compute stream waits for it, not the host
+            upload.before_compute()
+            self._later.append(upload)
+        self._need_pull = False
+
+    async def _fetch(self, slot: int) -> Copy:
+        started = time.perf_counter()
+        await self.worker.client.pull(out=self.mirror.host[slot])
+        self._versions[slot] = dict(self.worker.client.versions)
+        self._took("pull", time.perf_counter() - started)
+        upload = self.mirror.upload(slot)
+        await upload.wait_async()
+        self._took("h2d", upload.seconds())
+        return upload
+
+    def grads_ready(self, grads: Mapping[str, Any]) -> None:
+        """Hand over finished gradients (a model's ``on_ready``): copied to the host and
+        pushed while the step goes on computing."""
+        for name, g in grads.items():
+            if name not in self._sent and name not in self._ready:
+                self._ready[name] = g
+                self._ready_bytes += int(g.nbytes)
+        if self._ready and self._ready_bytes >= self.push_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        ready, self._ready, self._ready_bytes = self._ready, {}, 0
+        if not ready:
+            return
+        host, copy = self.mirror.download(ready)
+        self._sent.update(ready)
+        step = self.worker._step_tag()
+        versions = self._versions[self.front]
+        self._pending.append(self._submit(self._push(host, copy, step, versions, self.back)))
+
+    async def _push(
+        self,
+        host: dict[str, Any],
+        copy: Copy,
+        step: int | None,
+        versions: dict[int, int],
+        slot: int,
+    ) -> tuple[bool, Copy | None]:
+        await copy.wait_async()
+        self._took("d2h", copy.seconds())
+        client = self.worker.client
+        started = time.perf_counter()
+        if self.push_pull:
+            accepted = await client.push(
+                host, pull=True, step=step, out=self.mirror.host[slot], versions=versions
+            )
+            self._took("push", time.perf_counter() - started)
+            upload = self.mirror.upload(slot, host)
+            await upload.wait_async()
+            self._took("h2d", upload.seconds())
+            return accepted, upload
+        accepted = await client.push(host, step=step, versions=versions)
+        self._took("push", time.perf_counter() - started)
+        return accepted, None
+
+    def end(
+        self,
+        grads: Mapping[str, Any],
+        *,
+        loss: float | None = None,
+        examples: int | None = None,
+    ) -> bool:
+        """Finish the step: push the gradients not handed over yet, wait for every push
+        of the step. Returns False if some push was dropped (see :meth:`Worker.push`)."""
+        computed = time.perf_counter()
+        self.stats.compute += computed - self._computing
+        self.grads_ready(grads)
+        self._flush()
+        accepted = True
+        failure: Exception | None = None
+        for fut in self._pending:
+            try:
+                ok, upload = fut.result()
+            except _RECOVERABLE as exc:
+                failure = exc
+                continue
+            accepted = accepted and ok
+            if upload is not None:
+                self._uploads.append(upload)
+        self._pending = []
+        self._waited("push", time.perf_counter() - computed)
+        for copy in self._later:
+            self._took("h2d", copy.seconds())
+        self._later = []
+        if failure is not None:
+            self.worker._io.run(self.worker._resync(failure))
+            self.worker.rolled_back += 1
+            accepted = False
+            self._need_pull = True
+            self._uploads = []
+        elif self.push_pull:
+            if set(self.names) - self._sent:
+                self._need_pull = True  # values of variables without a gradient: not back
+            self._versions[self.back] = dict(self.worker.client.versions)
+        self.worker._count(loss, examples)
+        now = time.perf_counter()
+        self.stats.wall += now - self._began
+        took = sum(self.stats.took.values()) - self._took_before
+        ratio = self.stats.step_done(self._step_waited, took)
+        if self.worker.metrics is not None:
+            self.worker.metrics.overlap_ratio.set(ratio)
+        return accepted
+
+    def close(self) -> None:
+        """Wait for a prefetch still in flight (its values are not used)."""
+        if self._next is not None:
+            # the worker is leaving: nothing uses these values, a failure does not matter
+            with contextlib.suppress(Exception):
+                self._next.result(timeout=self.worker.timeout)
+            self._next = None
