@@ -148,3 +148,22 @@ def test_checkpoint_suite(procs: Reaper, tmp_path: Path) -> None:
         s = run["seconds"][phase]
         assert 0 < s["min"] <= s["median"] <= s["max"], (phase, s)
     assert "checkpoint:" in bench.stdout
+
+
+@pytest.mark.timeout(120)
+def test_overlap_suite(procs: Reaper, tmp_path: Path) -> None:
+    flags = ["--steps", "4", "--repeat", "1", "--hidden", "64,32"]
+    bench, out, logs = _bench(procs, tmp_path, "overlap", *flags)
+    bench.expect_exit(0, timeout=110)
+    (run,) = _runs(read_json(out), "overlap")
+    assert run["device"] == "cpu" and run["hidden"] == [64, 32]
+    assert set(run["examples_per_second"]) == {"serial", "layers", "prefetch"}
+    assert run["ratio_to_serial"]["serial"] == 1.0
+    for schedule, rec in run["split"].items():
+        assert rec["steps"] == 4, schedule
+        assert 0.0 <= rec["overlap"] <= 1.0
+        assert rec["took_seconds"]["push"] > 0
+    # serial waits for every push it makes, from before it is sent: nothing is hidden
+    assert run["split"]["serial"]["overlap"] == 0.0
+    assert "overlap:" in bench.stdout
+    assert not _children_of(logs)

@@ -44,7 +44,7 @@ SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics", "raw", "torch")
 #: Prometheus metrics) run only when asked for
 DEFAULT_SIDES = ("zmqps", "zmqps-tcp", "raw", "torch")
 #: suites that are not "the same workload on every side": see their modules.
-EXTRA_SUITES = ("optimizer", "sync", "checkpoint")
+EXTRA_SUITES = ("optimizer", "sync", "checkpoint", "overlap")
 ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics")
 #: ratios of zmqps sides to each other: what CURVE costs on the wire
 OWN_RATIOS = (("zmqps-curve", "zmqps-tcp"),)
@@ -108,6 +108,17 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         " (default: 1,2 for dense, 1 for sparse and small)",
     )
     g.add_argument("--ps", type=int, default=1, help="PS tasks (raw: servers) (default: 1)")
+    g.add_argument(
+        "--device",
+        default="cpu",
+        help="overlap: where the workers compute, cpu or cuda[:N] (default: cpu)",
+    )
+    g.add_argument(
+        "--hidden",
+        type=_int_list,
+        default=(1024, 1024, 1024),
+        help="overlap: the MLP's hidden layer sizes, comma-separated (default: 1024,1024,1024)",
+    )
     g.add_argument(
         "--variants",
         type=_names,
@@ -196,6 +207,8 @@ class BenchConfig:
     variables: int
     seed: int
     zmqps_env: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"
+    hidden: tuple[int, ...] = (1024, 1024, 1024)
     pause_idle: bool = True
     quiet: bool = False
 
@@ -266,6 +279,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         variables=args.variables,
         seed=args.seed,
         zmqps_env=env,
+        device=args.device,
+        hidden=tuple(args.hidden),
         pause_idle=not args.no_pause,
         quiet=args.quiet,
     )
@@ -572,6 +587,18 @@ def run_bench(args: argparse.Namespace) -> int:
             run = run_checkpoint(size_mb=cfg.size_mb, repeat=min(max(cfg.repeat, 3), 5))
             report["runs"].append(run)
             print(format_checkpoint(run) + "\n", flush=True)
+        if "overlap" in cfg.extras:
+            from zmqps.bench.overlap import format_overlap, run_overlap
+
+            run = run_overlap(
+                cfg.device,
+                steps=cfg.steps or 100,
+                repeat=min(cfg.repeat, 3),
+                hidden=cfg.hidden,
+                timeout=cfg.timeout,
+            )
+            report["runs"].append(run)
+            print(format_overlap(run) + "\n", flush=True)
         for suite in cfg.suites:
             for workers in cfg.workers_for(suite):
                 runs = run_case(suite, workers, cfg, run_dir / f"{suite}-x{workers}")

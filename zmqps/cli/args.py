@@ -265,6 +265,29 @@ def add_evaluator_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_device_args(p: argparse.ArgumentParser, *, launch: bool = False) -> None:
+    who = "every worker computes" if launch else "this worker computes"
+    g = p.add_argument_group("device")
+    g.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEV",
+        help=f"where {who}: cpu, cuda or cuda:N (cupy: pip install 'zmqps[gpu]') (default: cpu)",
+    )
+    g.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="async: pull the next step's values when a step begins, overlapping the whole"
+        " step (they lack the worker's own last gradient: one more step of staleness);"
+        " default: each layer's push brings its fresh values back",
+    )
+
+
+def device_flags(args: argparse.Namespace) -> list[str]:
+    """The worker flags of :func:`add_device_args`, as given."""
+    return ["--device", args.device] + (["--prefetch"] if args.prefetch else [])
+
+
 def metrics_port(args: argparse.Namespace) -> int | None:
     """The --metrics-port to serve on, or None (no endpoint)."""
     port: int | None = args.metrics_port

@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from zmqps.cli.args import add_job_args, add_sync_args, sync_flags
+from zmqps.cli.args import add_device_args, add_job_args, add_sync_args, device_flags, sync_flags
 from zmqps.config import ClusterSpec
 from zmqps.roles.status import fetch_status
 from zmqps.wire.errors import ConfigError, ZmqpsError
@@ -66,6 +66,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     )
     add_job_args(p)
     add_sync_args(p)
+    add_device_args(p, launch=True)
     g = p.add_argument_group("launcher")
     g.add_argument(
         "--run-dir", help="folder for logs and results (default: a new temporary folder)"
@@ -251,13 +252,17 @@ class Launcher:
         self.first_failed: Child | None = None
         self.env: dict[str, str] = {}
 
+    def worker_stats(self, index: int) -> Path:
+        """Where worker ``index`` writes its step statistics."""
+        return self.run_dir / f"worker{index}-stats.json"
+
     def _children(self) -> list[Child]:
         a = self.args
         base = [sys.executable, "-m", "zmqps"]
         spec = json.dumps({"cluster": self.cluster.to_dict()})
         common = ["--cluster", spec, "--parent-pid", str(os.getpid())]
         job = _job_flags(a)
-        worker = [] if a.shared_memory else ["--no-shm"]
+        worker = [*device_flags(a)] + ([] if a.shared_memory else ["--no-shm"])
         server = [
             "--placement",
             a.placement,
@@ -301,7 +306,20 @@ class Launcher:
             for i in range(a.ps)
         ]
         kids += [
-            Child(f"worker{i}", [*base, "worker", "--index", str(i), *common, *job, *worker])
+            Child(
+                f"worker{i}",
+                [
+                    *base,
+                    "worker",
+                    "--index",
+                    str(i),
+                    *common,
+                    *job,
+                    *worker,
+                    "--stats",
+                    str(self.worker_stats(i)),
+                ],
+            )
             for i in range(a.workers)
         ]
         if a.evaluator:
@@ -481,6 +499,17 @@ class Launcher:
         return 1 if self.failure else 0
 
 
+def _worker_stats(launcher: Launcher, workers: int) -> list[dict[str, Any]]:
+    """Each worker's step statistics (time per phase, overlap) of its last run."""
+    out = []
+    for i in range(workers):
+        try:
+            out.append(json.loads(launcher.worker_stats(i).read_text()))
+        except (OSError, ValueError):
+            continue  # a worker that was restarted and then skipped every step
+    return out
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     acc = summary.get("test_accuracy")
     lines = [
@@ -492,6 +521,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
     ]
     if acc is not None:
         lines.append(f"  test accuracy {acc:.4f}, test loss {summary.get('test_loss'):.4f}")
+    stats = summary.get("worker_stats") or []
+    if stats:
+        overlap = sum(s["overlap"] for s in stats) / len(stats)
+        step = sum(s["step_seconds"] for s in stats) / len(stats)
+        lines.append(
+            f"  workers on {summary.get('device', 'cpu')}: {step * 1000:.2f} ms/step,"
+            f" {overlap:.0%} of communication hidden behind compute"
+        )
     print("\n".join(lines), flush=True)
 
 
@@ -538,6 +575,8 @@ def launch(args: argparse.Namespace) -> int:
         return code
     summary = json.loads(launcher.chief_summary.read_text())
     summary["wall_seconds"] = round(time.monotonic() - started, 3)
+    summary["device"] = args.device
+    summary["worker_stats"] = _worker_stats(launcher, args.workers)
     summary["restarts"] = launcher.restarts
     if args.run_dir:
         summary["run_dir"] = str(run_dir)

@@ -14,10 +14,12 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from zmqps.cli.args import (
     add_cluster_args,
+    add_device_args,
     add_evaluator_args,
     add_job_args,
     add_metrics_args,
@@ -35,6 +37,7 @@ from zmqps.cli.args import (
     socket_options,
     sync_from_args,
 )
+from zmqps.device import Device, DeviceError
 from zmqps.wire.errors import ConfigError, ZmqpsError
 
 __all__ = ["main", "server_main", "worker_main"]
@@ -54,6 +57,7 @@ def _server_parser(p: argparse.ArgumentParser) -> None:
 def _worker_parser(p: argparse.ArgumentParser) -> None:
     add_cluster_args(p)
     add_job_args(p)
+    add_device_args(p)
     add_metrics_args(p)
     add_evaluator_args(p)
     add_security_args(p)
@@ -68,6 +72,11 @@ def _worker_parser(p: argparse.ArgumentParser) -> None:
         type=float,
         default=120.0,
         help="seconds to wait for the chief (default: 120)",
+    )
+    p.add_argument(
+        "--stats",
+        metavar="FILE",
+        help="write this worker's step statistics (seconds per phase, overlap) as JSON",
     )
 
 
@@ -151,6 +160,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     data = shard(job.load("train"), task.index, cluster.num_workers)
     planned = steps_per_epoch(len(data), job.batch_size) * job.epochs
     options = socket_options(args, "worker", task.index, serve=False, connect=True)
+    try:
+        device = Device.parse(args.device).check()
+    except DeviceError as exc:
+        raise ConfigError(f"--device: {exc}") from None
     # SIGTERM (Kubernetes, the launcher) leaves the cluster cleanly instead of vanishing.
     signal.signal(signal.SIGTERM, _terminated)
     port = metrics_port(args)
@@ -168,11 +181,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
             shared_memory=args.shared_memory,
             metrics=metrics,
             options=options,
+            device=device,
         ) as worker:
             # From now on a SIGTERM ends the current step first (its gradient reaches
             # every PS, so a sync step is not left half done); a second one ends at once.
             signal.signal(signal.SIGTERM, _stop_after_step(worker))
-            train(worker, job, cluster.num_workers)
+            result = train(worker, job, cluster.num_workers, prefetch=args.prefetch)
+        if args.stats:
+            stats = {"worker": task.index, "device": str(device), **result["overlap"]}
+            Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
     except Terminated:
         log.warning("worker %d: terminated by SIGTERM; left the cluster", task.index)
         return 128 + signal.SIGTERM
