@@ -25,6 +25,7 @@ from test_ps_client import Cluster, initial, make_cluster  # noqa: E402
 from test_sync import SyncJob, sync_job  # noqa: E402
 
 from zmqps.adapters.torch import (  # noqa: E402
+    DLPackBridge,
     TorchModel,
     grads_of,
     pull_into,
@@ -283,3 +284,27 @@ def test_two_sync_workers_match_single_process_sgd_on_the_global_batch(
     moved = max(float(np.abs(expected[v.name] - initial(v)).max()) for v in variables)
     assert moved > 0.05  # the steps did move the model
     loop.run_until_complete(job.close())
+
+
+def test_dlpack_bridge_shares_memory_both_ways() -> None:
+    """The bridge a GPU worker uses, run on the host device: no copies either way."""
+    from zmqps.device import Device
+
+    bridge = DLPackBridge(Device())
+    grad = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    a = bridge.to_push(grad)
+    assert isinstance(a, np.ndarray) and a.shape == (2, 3)
+    assert a.ctypes.data == grad.data_ptr()  # a view of the gradient
+    assert bridge.to_push(torch.tensor(2.5)).shape == (1,)  # scalars travel as (1,)
+    # a transposed gradient is made contiguous first (the wire sends C order)
+    np.testing.assert_array_equal(bridge.to_push(grad.t()), grad.t().numpy())
+
+    param = torch.nn.Parameter(torch.zeros(2, 3))
+    pulled = np.full((2, 3), 1.5, np.float32)
+    bridge.load(param, pulled)
+    assert param.data.data_ptr() == pulled.ctypes.data  # the pulled array is its storage
+    pulled[...] = 4.0  # a later pull refreshes it in place
+    assert float(param.data.sum()) == 24.0
+    other = np.full((2, 3), 7.0, np.float64)  # another dtype: copied in
+    bridge.load(param, other)
+    assert param.dtype == torch.float32 and float(param.data.sum()) == 42.0

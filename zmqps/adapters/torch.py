@@ -21,9 +21,11 @@ Rules of this module:
   that cannot be shared (read-only, dtype or layout mismatch) is copied instead.
   Gradients are pushed as ``p.grad.numpy()`` views (no copy), then set to ``None``.
 * Other devices go through a :class:`DeviceBridge` registered per device type
-  (:func:`register_bridge`). The default for CUDA copies through host memory; a
-  device-resident path (DLPack / ``__cuda_array_interface__`` into a GPU-aware
-  worker) plugs in here without changing the callers.
+  (:func:`register_bridge`). The default copies through host memory. A worker on a
+  GPU (``Worker(device="cuda:N")``, :mod:`zmqps.device`) gets :class:`DLPackBridge`
+  from :class:`TorchModel`: pulled cupy arrays become the CUDA parameters' storage
+  and gradients are handed to the worker as cupy views, both through DLPack with no
+  copy; the worker stages them through pinned host buffers.
 * The one loop for every mode: :meth:`TorchModel.begin_step` (sync: takes a token,
   then pulls the values of its step; ssp: waits for the bound, then pulls; async:
   pulls only if the last push did not bring values back), forward / backward, then
@@ -42,11 +44,13 @@ import numpy as np
 import numpy.typing as npt
 
 from zmqps.core.variables import FLOAT_DTYPES, VariableDef
+from zmqps.device import Device, is_device_array
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "DLPackBridge",
     "DeviceBridge",
     "HostCopyBridge",
     "TorchModel",
@@ -118,6 +122,33 @@ class HostCopyBridge:
     def load(self, param: torch.Tensor, array: Array) -> None:
         th = _torch()
         param.data.copy_(th.from_numpy(np.ascontiguousarray(array)))
+
+
+class DLPackBridge:
+    """Tensors <-> arrays of a device-aware worker on the same device, with no copy:
+    a gradient is handed over as a view (DLPack); a pulled device array becomes the
+    parameter's storage (later pulls refresh it in place), or is copied on the device
+    if its dtype or layout does not fit."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+
+    def to_push(self, grad: torch.Tensor) -> Any:
+        g = grad.detach()
+        a = self.device.from_dlpack(g if g.is_contiguous() else g.contiguous())
+        return a.reshape(1) if a.ndim == 0 else a
+
+    def load(self, param: torch.Tensor, array: Any) -> None:
+        th = _torch()
+        if not is_device_array(array) and self.device.is_cuda:
+            _DEFAULT_BRIDGE.load(param, array)
+            return
+        t = th.from_dlpack(array)
+        if t.device == param.device and t.dtype == param.dtype and t.is_contiguous():
+            if param.data.data_ptr() != t.data_ptr():
+                param.data = t.view(param.shape)
+            return
+        param.data.copy_(t.view(param.shape))
 
 
 _BRIDGES: dict[str, DeviceBridge] = {}
@@ -333,6 +364,9 @@ class TorchModel:
         self.prefix = prefix
         self.zero_copy = zero_copy
         self.variables = variables_of(module, prefix=prefix, seed=seed, init=init)
+        device = getattr(worker, "device", None)
+        if isinstance(device, Device) and device.is_cuda and "cuda" not in _BRIDGES:
+            register_bridge("cuda", DLPackBridge(device))
         self._fresh = False  # the module holds the values the last push_pull returned
 
     def create(self, optimizer: Mapping[str, Any] | None = None) -> Any:

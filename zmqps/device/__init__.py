@@ -181,6 +181,14 @@ class Device:
         mem = self.xp.cuda.alloc_pinned_memory(max(1, count * dt.itemsize))
         return np.frombuffer(mem, dt, count).reshape(shape)
 
+    def from_dlpack(self, obj: Any) -> Any:
+        """An array of this device's module viewing ``obj`` (a torch / JAX tensor on
+        this device), with no copy (DLPack)."""
+        if self.is_cuda:
+            with self.xp.cuda.Device(self.index):
+                return self.xp.from_dlpack(obj)
+        return np.from_dlpack(obj)
+
     def synchronize(self) -> None:
         """Wait for all work queued on this device."""
         if self.is_cuda:
