@@ -43,6 +43,7 @@ __all__ = [
     "child_argv",
     "child_env",
     "machine_info",
+    "run_local_cluster",
     "serve_steps",
     "stop_all",
     "summarize",
@@ -291,6 +292,66 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
+
+
+def run_local_cluster(
+    ps: int,
+    workers: int,
+    worker_argv: Callable[[str, int], list[str]],
+    *,
+    chief_flags: Sequence[str] = (),
+    timeout: float = 120.0,
+    what: str = "bench",
+) -> list[dict[str, Any]]:
+    """A zmqps chief and ``ps`` PS on 127.0.0.1 (``zmqps server``), and ``workers``
+    processes ``worker_argv(chief_address, index)`` that each print one JSON line last.
+    Returns those records (in index order) once the servers have exited; every process
+    is killed if anything fails."""
+    from zmqps.cli.launch import free_ports
+
+    ports = free_ports(1 + ps + workers)
+    addrs = [f"{HOST}:{p}" for p in ports]
+    spec = json.dumps(
+        {"cluster": {"chief": addrs[:1], "ps": addrs[1 : 1 + ps], "worker": addrs[1 + ps :]}}
+    )
+    env = child_env()
+    server = [sys.executable, "-m", "zmqps", "server", "--cluster", spec]
+    procs: list[subprocess.Popen[Any]] = [
+        subprocess.Popen(
+            [*server, "--role", "chief", *chief_flags], env=env, stderr=subprocess.DEVNULL
+        )
+    ]
+    procs += [
+        subprocess.Popen(
+            [*server, "--role", "ps", "--index", str(i)], env=env, stderr=subprocess.DEVNULL
+        )
+        for i in range(ps)
+    ]
+    kids = [
+        subprocess.Popen(
+            worker_argv(addrs[0], i),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(workers)
+    ]
+    try:
+        out = []
+        for k in kids:
+            stdout, stderr = k.communicate(timeout=timeout)
+            if k.returncode != 0:
+                raise BenchError(f"{what}: a worker exited with {k.returncode}: {stderr[-500:]}")
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+        for p in procs:
+            p.wait(timeout=30)
+        return out
+    finally:
+        for p in [*procs, *kids]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def child_argv(side: str, role: str, config: Path) -> list[str]:

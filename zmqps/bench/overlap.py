@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -82,57 +80,15 @@ def _worker(
 def _one(
     schedule: str, device: str, steps: int, hidden: tuple[int, ...], batch: int, timeout: float
 ) -> list[dict[str, Any]]:
-    from zmqps.cli.launch import free_ports
+    from zmqps.bench.common import run_local_cluster
 
-    ports = free_ports(5)
-    spec = json.dumps(
-        {
-            "cluster": {
-                "chief": [f"127.0.0.1:{ports[0]}"],
-                "ps": [f"127.0.0.1:{p}" for p in ports[1:3]],
-                "worker": [f"127.0.0.1:{p}" for p in ports[3:]],
-            }
-        }
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    server = [sys.executable, "-m", "zmqps", "server", "--cluster", spec]
-    procs = [subprocess.Popen([*server, "--role", "chief"], env=env, stderr=subprocess.DEVNULL)]
-    procs += [
-        subprocess.Popen(
-            [*server, "--role", "ps", "--index", str(i)], env=env, stderr=subprocess.DEVNULL
-        )
-        for i in (0, 1)
-    ]
-    me = [sys.executable, "-m", "zmqps.bench.overlap", "--worker"]
     shape = ",".join(str(h) for h in hidden)
-    kids = [
-        subprocess.Popen(
-            [*me, f"127.0.0.1:{ports[0]}", str(i), schedule, device, str(steps), shape, str(batch)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in (0, 1)
-    ]
-    try:
-        out = []
-        for k in kids:
-            stdout, stderr = k.communicate(timeout=timeout)
-            if k.returncode != 0:
-                raise RuntimeError(
-                    f"overlap {schedule}: a worker exited with {k.returncode}: {stderr[-500:]}"
-                )
-            out.append(json.loads(stdout.strip().splitlines()[-1]))
-        for p in procs:
-            p.wait(timeout=30)
-        return out
-    finally:
-        everyone: list[subprocess.Popen[Any]] = [*procs, *kids]
-        for p in everyone:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+
+    def argv(chief: str, i: int) -> list[str]:
+        me = [sys.executable, "-m", "zmqps.bench.overlap", "--worker"]
+        return [*me, chief, str(i), schedule, device, str(steps), shape, str(batch)]
+
+    return run_local_cluster(2, 2, argv, timeout=timeout, what=f"overlap {schedule}")
 
 
 def run_overlap(

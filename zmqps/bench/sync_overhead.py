@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -47,56 +45,16 @@ def _worker(chief: str, index: int, steps: int, warmup: int) -> None:
 
 
 def _one(mode: str, workers: int, steps: int, warmup: int, timeout: float) -> list[float]:
-    from zmqps.cli.launch import free_ports
+    from zmqps.bench.common import run_local_cluster
 
-    ports = free_ports(2 + workers)
-    spec = json.dumps(
-        {
-            "cluster": {
-                "chief": [f"127.0.0.1:{ports[0]}"],
-                "ps": [f"127.0.0.1:{ports[1]}"],
-                "worker": [f"127.0.0.1:{p}" for p in ports[2:]],
-            }
-        }
+    def argv(chief: str, i: int) -> list[str]:
+        me = [sys.executable, "-m", "zmqps.bench.sync_overhead", "--worker"]
+        return [*me, chief, str(i), str(steps), str(warmup)]
+
+    recs = run_local_cluster(
+        1, workers, argv, chief_flags=["--mode", mode], timeout=timeout, what=mode
     )
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    server = [sys.executable, "-m", "zmqps", "server", "--cluster", spec]
-    procs = [
-        subprocess.Popen(
-            [*server, "--role", "chief", "--mode", mode], env=env, stderr=subprocess.DEVNULL
-        ),
-        subprocess.Popen(
-            [*server, "--role", "ps", "--index", "0"], env=env, stderr=subprocess.DEVNULL
-        ),
-    ]
-    me = [sys.executable, "-m", "zmqps.bench.sync_overhead", "--worker"]
-    kids = [
-        subprocess.Popen(
-            [*me, f"127.0.0.1:{ports[0]}", str(i), str(steps), str(warmup)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        for i in range(workers)
-    ]
-    try:
-        ms = []
-        for k in kids:
-            out, _ = k.communicate(timeout=timeout)
-            if k.returncode != 0:
-                raise RuntimeError(f"{mode}: a worker exited with {k.returncode}")
-            rec = json.loads(out.strip().splitlines()[-1])
-            ms.append(rec["seconds"] / rec["steps"] * 1000)
-        for p in procs:
-            p.wait(timeout=30)
-        return ms
-    finally:
-        everyone: list[subprocess.Popen[Any]] = [*procs, *kids]
-        for p in everyone:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    return [rec["seconds"] / rec["steps"] * 1000 for rec in recs]
 
 
 def run_sync(
