@@ -93,6 +93,7 @@ class Worker:
     ) -> None:
         #: where the parameters and gradients of :meth:`pull` / :meth:`push` live
         self.device = Device.parse(device).check()
+        self.device.use()  # the calling thread computes on it (cupy's current device)
         self._mirror: Mirror | None = None
         self.index = index
         self.metrics = metrics
