@@ -1,6 +1,6 @@
 """``zmqps bench overlap``: what overlapping communication with compute buys.
 
-A chief, 2 PS and 2 workers on 127.0.0.1, async; each worker trains an MLP
+A chief, 2 PS and 2 workers (``--workers``) on 127.0.0.1, async; each worker trains an MLP
 (784 -> hidden... -> 10, synthetic data) for ``--steps`` steps through
 :class:`~zmqps.roles.overlap.StepPipeline` on ``--device``, in three schedules,
 interleaved per repeat:
@@ -12,7 +12,7 @@ interleaved per repeat:
 * ``prefetch``: the pull for the next step is sent when a step begins, overlapping
   all of it (one more step of staleness).
 
-Per schedule: examples/s of both workers together (median over repeats), the ratio
+Per schedule: examples/s of the workers together (median over repeats), the ratio
 to serial, and one worker's time split per step: how long each transfer took
 (pull, h2d, d2h, push) against how long the step waited for it, and the share of
 communication hidden behind compute.
@@ -78,7 +78,13 @@ def _worker(
 
 
 def _one(
-    schedule: str, device: str, steps: int, hidden: tuple[int, ...], batch: int, timeout: float
+    schedule: str,
+    device: str,
+    steps: int,
+    hidden: tuple[int, ...],
+    batch: int,
+    workers: int,
+    timeout: float,
 ) -> list[dict[str, Any]]:
     from zmqps.bench.common import run_local_cluster
 
@@ -88,7 +94,7 @@ def _one(
         me = [sys.executable, "-m", "zmqps.bench.overlap", "--worker"]
         return [*me, chief, str(i), schedule, device, str(steps), shape, str(batch)]
 
-    return run_local_cluster(2, 2, argv, timeout=timeout, what=f"overlap {schedule}")
+    return run_local_cluster(2, workers, argv, timeout=timeout, what=f"overlap {schedule}")
 
 
 def run_overlap(
@@ -97,13 +103,14 @@ def run_overlap(
     repeat: int = 3,
     hidden: tuple[int, ...] = (1024, 1024, 1024),
     batch: int = 64,
+    workers: int = 2,
     timeout: float = 300.0,
 ) -> dict[str, Any]:
     samples: dict[str, list[float]] = {s: [] for s in SCHEDULES}
     split: dict[str, dict[str, Any]] = {}
     for r in range(repeat):
         for schedule in SCHEDULES[r % 3 :] + SCHEDULES[: r % 3]:
-            recs = _one(schedule, device, steps, hidden, batch, timeout)
+            recs = _one(schedule, device, steps, hidden, batch, workers, timeout)
             samples[schedule].append(sum(x["examples"] / x["seconds"] for x in recs))
             split[schedule] = recs[0]  # the last repeat's worker 0
     med = {s: statistics.median(v) for s, v in samples.items()}
@@ -114,6 +121,7 @@ def run_overlap(
         "repeat": repeat,
         "hidden": list(hidden),
         "batch": batch,
+        "workers": workers,
         "examples_per_second": {
             s: {"median": med[s], "min": min(v), "max": max(v), "samples": v}
             for s, v in samples.items()
@@ -126,7 +134,7 @@ def run_overlap(
 def format_overlap(run: dict[str, Any]) -> str:
     lines = [
         f"overlap: MLP 784-{'-'.join(map(str, run['hidden']))}-10, batch {run['batch']},"
-        f" 2 workers on {run['device']}, 2 PS, async, {run['steps']} steps;"
+        f" {run['workers']} workers on {run['device']}, 2 PS, async, {run['steps']} steps;"
         " examples/s (median, min-max), ratio to serial",
     ]
     for s, v in run["examples_per_second"].items():

@@ -105,7 +105,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--workers",
         type=_int_list,
         help="worker counts, comma-separated, each a separate case"
-        " (default: 1,2 for dense, 1 for sparse and small)",
+        " (default: 1,2 for dense, 1 for sparse and small; overlap: the first, default 2)",
     )
     g.add_argument("--ps", type=int, default=1, help="PS tasks (raw: servers) (default: 1)")
     g.add_argument(
@@ -595,6 +595,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 steps=cfg.steps or 100,
                 repeat=min(cfg.repeat, 3),
                 hidden=cfg.hidden,
+                workers=cfg.workers[0] if cfg.workers else 2,
                 timeout=cfg.timeout,
             )
             report["runs"].append(run)
