@@ -12,6 +12,10 @@ Rules of this module:
   and their shards are pushed, one message per PS, while the earlier layers still
   compute. Layers smaller than ``push_bytes`` wait for the next ones (a message
   costs about 100 us whatever its size, so tiny ones are not worth sending alone).
+  By default that is 1 MiB on a GPU (or emulated) device, and everything at once
+  on the CPU: there the PS, the network code and the worker's compute share the
+  cores, and per-layer pushes measured 0.86x the examples/s of one push after
+  backprop on 2 cores (compute slowed by the work they overlap; BENCHMARKS.md).
   :meth:`StepPipeline.end` sends what was not handed over and waits for
   every push of the step, so a step's pushes are all acknowledged before the next
   step begins (its pinned gradient buffers are reused).
@@ -120,7 +124,7 @@ class StepPipeline:
     """One worker's steps with pulls, pushes and device copies overlapping compute."""
 
     def __init__(
-        self, worker: Worker, *, prefetch: bool = False, push_bytes: int = 1 << 20
+        self, worker: Worker, *, prefetch: bool = False, push_bytes: int | None = None
     ) -> None:
         from zmqps.device.staging import Mirror
 
@@ -135,6 +139,8 @@ class StepPipeline:
         self.prefetch = worker.mode == "async" and prefetch
         self.stats = OverlapStats()
         #: gradients wait until this many bytes are ready before they are pushed
+        if push_bytes is None:
+            push_bytes = 1 << 20 if worker.device.separate else 1 << 62
         self.push_bytes = push_bytes
         self._ready: dict[str, Any] = {}
         self._ready_bytes = 0
