@@ -8,7 +8,9 @@ one of these per worker:
 
 The loop is the same in every mode. The module's parameters are the PS's values:
 they are pulled into it (as views of the worker's arrays, no copy), and its
-gradients are pushed from ``p.grad``; the PS runs the optimizer.
+gradients are pushed from ``p.grad``; the PS runs the optimizer. ``--device cuda``
+trains on the GPU: the worker keeps the values on it (cupy, pip install
+'zmqps[gpu]') and the module's CUDA parameters share that memory (DLPack).
 """
 
 import argparse
@@ -28,6 +30,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=10, help="passes over this worker's data")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.1, help="the PS's SGD learning rate")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     args = p.parse_args()
     torch.set_num_threads(1)  # small batches: threads cost more than they bring
 
@@ -37,23 +40,23 @@ def main() -> None:
         torch.nn.Linear(train.num_features, 64),
         torch.nn.ReLU(),
         torch.nn.Linear(64, train.num_classes),
-    )
+    ).to(args.device)
 
-    with zmqps.Worker(args.chief, args.index) as worker:
+    with zmqps.Worker(args.chief, args.index, device=args.device) as worker:
         model = TorchModel(net, worker)
         # Every worker declares the same variables; the first call creates them.
         model.create(optimizer={"name": "momentum", "lr": args.lr, "momentum": 0.9})
         for epoch in range(args.epochs):
             for x, y in batches(train, args.batch_size, epoch, seed=args.index):
                 model.begin_step()  # sync: take a token; ssp: wait; then the step's values
-                loss = torch.nn.functional.cross_entropy(
-                    net(torch.from_numpy(x)), torch.from_numpy(y)
-                )
+                x_t = torch.from_numpy(x).to(args.device)
+                y_t = torch.from_numpy(y).to(args.device)
+                loss = torch.nn.functional.cross_entropy(net(x_t), y_t)
                 loss.backward()
                 model.push(loss=loss, examples=len(x))
         model.pull()  # the final values
         with torch.no_grad():
-            predicted = net(torch.from_numpy(test.x)).argmax(dim=1).numpy()
+            predicted = net(torch.from_numpy(test.x).to(args.device)).argmax(dim=1).cpu().numpy()
         steps = worker.step
     accuracy = float((predicted == test.y).mean())
     print(f"worker {args.index}: test accuracy {accuracy:.4f} after {steps} steps")
