@@ -104,6 +104,9 @@ class ChiefService:
         self.recoveries: list[dict[str, Any]] = []
         self.step_offset = 0  # async / ssp: steps of the run a checkpoint was taken in
         self.ps_boots: dict[int, str] = {}
+        #: PS that have not answered ps_state for longer than the heartbeat timeout
+        #: (dead, or cut off by a partition), by index: seconds of silence when found
+        self.ps_down: dict[int, float] = {}
         self.checkpointer = (
             Checkpointer(cfg.checkpoint, self.ps, metrics, clock) if cfg.checkpoint else None
         )
@@ -120,6 +123,7 @@ class ChiefService:
         m.watch(m.workers_alive, self._alive_count)
         m.watch(m.tokens_available, lambda: len(self.sync.tokens))
         m.watch(m.generation, lambda: self.gen)
+        m.watch(m.ps_down, lambda: len(self.ps_down))
 
     def __call__(self, msg: Message) -> Any:
         handler = getattr(self, f"_op_{msg.op}", None)
@@ -214,6 +218,7 @@ class ChiefService:
                 "gen": self.gen,
                 "recovering": self.recovering,
                 "finished": self.finished,
+                "ps_down": sorted(self.ps_down),
             },
         )
 
@@ -651,6 +656,7 @@ class ChiefService:
             "workers_dead": self.members.dead(now),
             "workers": self.members.snapshot(now),
             "ps": list(self.cfg.cluster.ps),
+            "ps_down": {str(i): s for i, s in sorted(self.ps_down.items())},
             "variables": 0 if self.placement is None else len(self.placement.variables),
             "shards": 0 if self.placement is None else len(self.placement.shards),
             "uptime_s": round(time.time() - self.started, 3),
@@ -836,7 +842,7 @@ async def _watch_ps(service: ChiefService) -> None:
     interval = min(cfg.heartbeat_interval, cfg.heartbeat_timeout / 4)
     last_ok = {i: service.clock() for i in range(len(service.ps))}
     first_fail: dict[int, float] = {}
-    down: set[int] = set()
+    down = service.ps_down
 
     async def probe(i: int) -> dict[str, Any] | None:
         try:
@@ -856,7 +862,7 @@ async def _watch_ps(service: ChiefService) -> None:
             if st is None:
                 first_fail.setdefault(i, now)
                 if i not in down and now - last_ok[i] > cfg.heartbeat_timeout:
-                    down.add(i)
+                    down[i] = round(now - last_ok[i], 3)
                     log.warning(
                         "ps %d (%s) has not answered for %.0fs: down; waiting for it to restart",
                         i,
@@ -866,7 +872,7 @@ async def _watch_ps(service: ChiefService) -> None:
                 continue
             last_ok[i] = now
             if i in down:
-                down.discard(i)
+                del down[i]
                 log.info("ps %d answers again", i)
             if st["boot"] != service.ps_boots.get(i) or int(st["gen"]) != service.gen:
                 lost.append(i)
