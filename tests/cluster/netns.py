@@ -12,8 +12,8 @@ Rules of this module:
 * Faults are injected from outside the product: :meth:`Hosts.partition` drops every
   packet on a host's interface (nftables, else iptables), :meth:`Hosts.heal` removes
   the rule.
-* Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2; :func:`unavailable` says
-  why namespaces cannot be made here, or None.
+* Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN), iproute2 and util-linux' unshare;
+  :func:`unavailable` says why namespaces cannot be made here, or None.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def unavailable() -> str | None:
     """Why network namespaces cannot be created here (None: they can)."""
     if shutil.which("ip") is None:
         return "iproute2 (`ip`) is not installed"
+    if shutil.which("unshare") is None:
+        return "util-linux (`unshare`) is not installed"
     if os.geteuid() != 0:
         return "network namespaces need root (run the tests as root, as CI does)"
     probe = f"{_PREFIX}{os.getpid()}-probe"
@@ -117,11 +119,17 @@ class Hosts:
         self.ip[name] = address
 
     def argv(self, host: str, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside ``host``'s namespace."""
-        return ["ip", "netns", "exec", self.ns[host], *argv]
+        """``argv`` run inside ``host``'s namespace, with a /dev/shm of its own (hosts
+        share no memory: zmqps' same-host fast path must find that out and use TCP)."""
+        own_shm = 'mount -t tmpfs -o size=256m,mode=1777 shm /dev/shm && exec "$@"'
+        return [
+            *("ip", "netns", "exec", self.ns[host]),
+            *("unshare", "--mount", "--propagation", "private"),
+            *("sh", "-c", own_shm, "sh", *argv),
+        ]
 
     def run(self, host: str, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-        return _run(self.argv(host, argv))
+        return _run(["ip", "netns", "exec", self.ns[host], *argv])
 
     def partition(self, host: str) -> None:
         """Drop every packet in and out of ``host``'s interface (its processes keep running)."""
@@ -134,7 +142,7 @@ class Hosts:
                 "}\n"
             )
             res = subprocess.run(
-                self.argv(host, ["nft", "-f", "-"]),
+                ["ip", "netns", "exec", self.ns[host], "nft", "-f", "-"],
                 input=rules,
                 capture_output=True,
                 text=True,

@@ -203,6 +203,10 @@ def test_cluster_across_namespaces_survives_a_ps_partition(
         f" {resumed[0][0] - healed_at:.1f}s after the heal"
     )
 
+    # The hosts share no memory: tensors crossed the bridge over TCP.
+    for w in tasks[3:]:
+        assert "no same-host fast path" in w.stderr, w.tail()
+
     # Completed with the usual accuracy, every step of both workers in the global step.
     assert summary["test_accuracy"] >= 0.93, summary
     assert summary["worker_steps"] == 2 * summary["global_step"], summary
