@@ -399,6 +399,8 @@ def test_each_role_mounts_the_keys_it_needs(tmp_path: Path) -> None:
         role = "worker" if args.command == "worker" else workload.removeprefix("zmqps-")
         serve, connect = role in ("chief", "ps"), role != "ps"
         load_keys(out, role, index, serve=serve, connect=connect)  # raises if unusable
+        if role == "chief":  # `kubectl exec zmqps-chief-0 -- zmqps status` (README)
+            load_keys(out, "status", None, serve=False, connect=True)
         for f in out.rglob("*.key_secret"):
             assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
         # least privilege: only servers hold the server's secret key
