@@ -2,7 +2,8 @@
 
     python netns_probe.py --chief HOST:PORT --out FILE [--metrics URL ...]
 
-Each line: ``{"t": unix time, "status": the chief's status or null, "metrics": {URL:
+Lines ``{"t": unix time, "status": the chief's status or null, "metrics": {}}`` and,
+from a thread of their own, ``{"t": ..., "status": null, "metrics": {URL:
 {"name{label=value,...}": value} or null}}`` (only zmqps_* samples). Runs until
 SIGTERM (exit 0). The test process lives in the host's namespace and cannot reach
 the cluster's addresses; this script runs next to the chief and can.
@@ -15,6 +16,7 @@ import asyncio
 import json
 import signal
 import sys
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -54,23 +56,30 @@ def main() -> int:
     p.add_argument("--metrics", nargs="*", default=[])
     p.add_argument("--interval", type=float, default=0.25)
     args = p.parse_args()
-    stop = False
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    lock = threading.Lock()
 
-    def on_term(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_term)
     with open(args.out, "a") as f:
-        while not stop:
-            line = {
-                "t": time.time(),
-                "status": asyncio.run(status(args.chief)),
-                "metrics": {url: scrape(url) for url in args.metrics},
-            }
-            f.write(json.dumps(line) + "\n")
-            f.flush()
-            time.sleep(args.interval)
+
+        def write(line: dict[str, Any]) -> None:
+            with lock:
+                f.write(json.dumps({"t": time.time(), **line}) + "\n")
+                f.flush()
+
+        def scrape_loop() -> None:
+            # On its own thread: a status request can take seconds while a PS is cut
+            # off (the chief asks every PS whom the step waits on); /metrics cannot.
+            while not stop.is_set():
+                write({"status": None, "metrics": {u: scrape(u) for u in args.metrics}})
+                stop.wait(args.interval)
+
+        scraper = threading.Thread(target=scrape_loop, daemon=True)
+        scraper.start()
+        while not stop.is_set():
+            write({"status": asyncio.run(status(args.chief)), "metrics": {}})
+            stop.wait(args.interval)
+        scraper.join(timeout=5)
     return 0
 
 

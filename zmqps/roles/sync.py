@@ -260,8 +260,9 @@ class SyncDriver:
 
     # ------------------------------------------------------------ status
 
-    async def waiting_on(self, live: Sequence[int]) -> list[int]:
-        """Live workers whose gradient for the current step some PS has not received."""
+    async def waiting_on(self, live: Sequence[int], skip: Sequence[Requester] = ()) -> list[int]:
+        """Live workers whose gradient for the current step some PS has not received
+        (``skip``: PS known not to answer, not asked)."""
         if self.mode != "sync":
             return []
         names = {f"worker:{i}": i for i in live}
@@ -277,7 +278,7 @@ class SyncDriver:
             missing.update(i for name, i in names.items() if name not in got)
 
         # All PS at once: one cut off by a partition costs the status 2 s, not 2 s each.
-        await asyncio.gather(*(ask(c) for c in self.stepping))
+        await asyncio.gather(*(ask(c) for c in self.stepping if c not in skip))
         return sorted(missing)
 
     def status(self) -> dict[str, Any]:
