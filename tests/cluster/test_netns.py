@@ -147,8 +147,9 @@ def _ps_final_state(ps: Proc) -> dict[str, Any]:
 
 @pytest.mark.timeout(420)
 def test_cluster_across_namespaces_survives_a_ps_partition(
-    procs: Reaper, hosts: netns.Hosts, tmp_path: Path
+    hosts: netns.Hosts, procs: Reaper, tmp_path: Path
 ) -> None:
+    # hosts before procs: the processes are reaped before their namespaces go
     tasks, probe, probe_proc, where = _start(procs, hosts, tmp_path)
     chief_p = tasks[0]
 
