@@ -25,6 +25,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,33 @@ def test_dockerignore_lets_in_what_the_images_copy() -> None:
             if line.startswith("COPY ") and "--from" not in line:
                 for src in line.split()[1:-1]:
                     assert f"!{src.rstrip('/')}" in {i.rstrip("/") for i in ignore}, line
+
+
+def test_the_build_context_makes_the_wheel(tmp_path: Path) -> None:
+    """The image's build stage without the network: only what .dockerignore lets in
+    builds the zmqps wheel, with every module and the entry points."""
+    pytest.importorskip("setuptools", reason="setuptools not installed (the test extra has it)")
+    ctx = tmp_path / "context"
+    ctx.mkdir()
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    for entry in (line[1:].rstrip("/") for line in ignore if line.startswith("!")):
+        src = ROOT / entry
+        if src.is_dir():
+            shutil.copytree(src, ctx / entry, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy(src, ctx / entry)
+    out = tmp_path / "wheel"
+    pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    run = _run([*pip, str(ctx), "-w", str(out)])
+    assert run.returncode == 0, run.stderr
+    (wheel,) = out.glob("zmqps-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        (ep,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        entry_points = z.read(ep).decode()
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "zmqps").rglob("*.py")}
+    assert modules <= names, sorted(modules - names)[:5]
+    assert "zmqps = zmqps.cli.main:main" in entry_points
 
 
 # -- docker compose -------------------------------------------------------------------
