@@ -179,31 +179,34 @@ def test_cluster_across_namespaces_survives_a_ps_partition(
     steps = [s["global_step"] for _, s in statuses]
     assert steps == sorted(steps), "the global step went backwards"
 
-    # Detected: the chief reports PS 1 down while it is cut off (its heartbeat timeout
-    # is well inside the partition), and up again after the heal.
-    down = [(t, s) for t, s in statuses if cut_at <= t <= healed_at and "1" in s["ps_down"]]
-    assert down, f"the chief never reported ps 1 down during the partition\n{chief_p.tail()}"
-    assert "ps 1 (" in chief_p.stderr and "down" in chief_p.stderr
+    stalled_at = max(s["global_step"] for t, s in statuses if t <= healed_at)
+    resumed = [(t, s) for t, s in statuses if t > healed_at and s["global_step"] > stalled_at]
+    assert resumed, "training did not resume after the heal"
+    assert not resumed[-1][1]["ps_down"], resumed[-1]
+
+    # Detected: the chief's gauge says PS 1 is down before the heal (its heartbeat
+    # timeout is well inside the partition); zmqps status and its log say so too.
     gauge = [
         (ln["t"], m.get("zmqps_ps_down{}"))
         for ln in probe.lines()
         if (m := ln["metrics"].get(where["chief"])) and cut_at <= ln["t"] <= healed_at
     ]
     assert any(v == 1 for _, v in gauge), f"zmqps_ps_down never 1 during the partition: {gauge}"
-    stalled_at = max(s["global_step"] for t, s in statuses if t <= healed_at)
-    resumed = [(t, s) for t, s in statuses if t > healed_at and s["global_step"] > stalled_at]
-    assert resumed, "training did not resume after the heal"
-    assert not resumed[-1][1]["ps_down"], resumed[-1]
+    down = [(t, s) for t, s in statuses if cut_at <= t <= resumed[0][0] and "1" in s["ps_down"]]
+    assert down, f"zmqps status never reported ps 1 down\n{chief_p.tail()}"
+    assert "ps 1 (" in chief_p.stderr and "down" in chief_p.stderr
     # A partitioned PS keeps its shards and its boot id: nothing is restored, no step
     # is lost, the generation stays 0.
     assert all(s["gen"] == 0 and not s["recoveries"] for _, s in statuses)
     found = next(t for t, v in gauge if v == 1)
+    up_again = next(t for t, s in statuses if t > healed_at and not s["ps_down"])
     print(
         f"\nps 1 cut off at global step ~{before['global_step']} for {PARTITION_S:g}s:"
         f" zmqps_ps_down 1 {found - cut_at:.1f}s after the cut, in zmqps status"
         f" {down[0][0] - cut_at:.1f}s after (heartbeat timeout"
         f" {HEARTBEAT_TIMEOUT:g}s); stalled at step {stalled_at}, stepping again"
-        f" {resumed[0][0] - healed_at:.1f}s after the heal"
+        f" {resumed[0][0] - healed_at:.1f}s after the heal, reported up again"
+        f" {up_again - healed_at:.1f}s after it"
     )
 
     # The hosts share no memory: tensors crossed the bridge over TCP.

@@ -852,7 +852,11 @@ async def _watch_ps(service: ChiefService) -> None:
 
     async def probe(i: int, gen: int) -> tuple[int, dict[str, Any] | None]:
         try:
-            rep = await service.ps[i].request("ps_state", timeout=max(0.5, 2 * interval))
+            # attempts=2: a read, so it may be sent again, and is, at once, when the
+            # connection comes back after a partition (the PS is heard without delay)
+            rep = await service.ps[i].request(
+                "ps_state", timeout=max(0.5, 2 * interval), attempts=2
+            )
             return gen, dict(rep.body)
         except ZmqpsError:
             return gen, None
