@@ -314,6 +314,7 @@ def overview() -> dict[str, Any]:
         [
             ('max(zmqps_workers_alive{job="chief"})', "workers alive (chief's view)"),
             ('sum by (job) (up{job=~"chief|ps|worker|evaluator"})', "targets up: {{job}}"),
+            ('max(zmqps_ps_down{job="chief"})', "PS the chief cannot reach"),
         ],
     )
     checkpoints_and_evaluation(b)

@@ -390,6 +390,49 @@ def test_retry_after_a_lost_reply(kind: str) -> None:
     run(main)
 
 
+def test_a_lost_connection_coming_back_resends_what_may_be_resent() -> None:
+    """Requests on a connection that dies (a partition noticed by the heartbeat, a
+    restarted peer) are lost with it. When the connection comes back, those that may
+    be sent again (attempts > 1) are, at once, not after their deadline; the others
+    wait for their deadline."""
+    port = free_port()
+    seen: list[str] = []
+
+    def handler(msg: Message) -> Message:
+        seen.append(msg.op)
+        return reply(msg, {"op": msg.op})
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        hole = ctx.socket(zmq.ROUTER)  # takes the requests, never answers, then goes
+        hole.bind(f"tcp://127.0.0.1:{port}")
+        client = Client(ctx, f"127.0.0.1:{port}", "c0", options=OPTS, timeout=20.0)
+        try:
+            push = asyncio.ensure_future(client.request("push", _push_body(), attempts=2))
+            once = asyncio.ensure_future(client.request("status", timeout=3.0))
+            for _ in range(2):
+                await asyncio.wait_for(hole.recv_multipart(), 5.0)
+            hole.close(linger=0)
+            server = Server(ctx, f"127.0.0.1:{port}", handler, name="back", options=OPTS)
+            server.bind()
+            server.start()
+            try:
+                rep = await asyncio.wait_for(push, 15.0)
+                assert rep.body == {"op": "push"}
+                with pytest.raises(DeadlineExceeded):
+                    await once
+            finally:
+                await server.stop()
+            assert seen == ["push"]
+            assert client.stats.resent == 1
+            assert client.stats.timeouts == 1  # the status request only
+        finally:
+            await client.close()
+            ctx.term()
+
+    run(main)
+
+
 def _push_body() -> dict[str, Any]:
     return {"shards": [0], "versions": [0], "worker": "w", "inc": 0, "seq": 1}
 

@@ -414,6 +414,7 @@ def test_register_heartbeat_leave() -> None:
             "gen": 0,
             "recovering": False,
             "finished": False,
+            "ps_down": [],
         }
         rep = await call(env.chief, "heartbeat", who(1, 3, step=2))
         assert rep.body["global_step"] == 6

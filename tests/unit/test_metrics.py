@@ -53,6 +53,7 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...]]] = {
     "zmqps_restores": ("counter", ("reason",)),
     "zmqps_recovery_seconds": ("histogram", ()),
     "zmqps_generation": ("gauge", ()),
+    "zmqps_ps_down": ("gauge", ()),
     "zmqps_eval_accuracy": ("gauge", ()),
     "zmqps_eval_loss": ("gauge", ()),
     "zmqps_eval_step": ("gauge", ()),

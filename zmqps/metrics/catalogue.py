@@ -176,6 +176,11 @@ class Metrics:
         self.generation = Gauge(
             "zmqps_generation", "Restores so far: the cluster's generation number.", registry=r
         )
+        self.ps_down = Gauge(
+            "zmqps_ps_down",
+            "PS tasks that have not answered the chief for longer than the heartbeat timeout.",
+            registry=r,
+        )
         # -- evaluator -------------------------------------------------------------
         self.eval_accuracy = Gauge(
             "zmqps_eval_accuracy", "Accuracy of the last evaluated model.", registry=r

@@ -104,6 +104,9 @@ class ChiefService:
         self.recoveries: list[dict[str, Any]] = []
         self.step_offset = 0  # async / ssp: steps of the run a checkpoint was taken in
         self.ps_boots: dict[int, str] = {}
+        #: PS that have not answered ps_state for longer than the heartbeat timeout
+        #: (dead, or cut off by a partition), by index: seconds of silence when found
+        self.ps_down: dict[int, float] = {}
         self.checkpointer = (
             Checkpointer(cfg.checkpoint, self.ps, metrics, clock) if cfg.checkpoint else None
         )
@@ -120,6 +123,7 @@ class ChiefService:
         m.watch(m.workers_alive, self._alive_count)
         m.watch(m.tokens_available, lambda: len(self.sync.tokens))
         m.watch(m.generation, lambda: self.gen)
+        m.watch(m.ps_down, lambda: len(self.ps_down))
 
     def __call__(self, msg: Message) -> Any:
         handler = getattr(self, f"_op_{msg.op}", None)
@@ -214,6 +218,7 @@ class ChiefService:
                 "gen": self.gen,
                 "recovering": self.recovering,
                 "finished": self.finished,
+                "ps_down": sorted(self.ps_down),
             },
         )
 
@@ -651,6 +656,7 @@ class ChiefService:
             "workers_dead": self.members.dead(now),
             "workers": self.members.snapshot(now),
             "ps": list(self.cfg.cluster.ps),
+            "ps_down": {str(i): s for i, s in sorted(self.ps_down.items())},
             "variables": 0 if self.placement is None else len(self.placement.variables),
             "shards": 0 if self.placement is None else len(self.placement.shards),
             "uptime_s": round(time.time() - self.started, 3),
@@ -664,7 +670,8 @@ class ChiefService:
     async def _op_status(self, msg: Message) -> Message:
         out = self.status()
         if self.mode == "sync":
-            out["waiting_on"] = await self.sync.waiting_on(out["workers_alive"])
+            down = [self.ps[i] for i in self.ps_down]
+            out["waiting_on"] = await self.sync.waiting_on(out["workers_alive"], skip=down)
         return reply(msg, out)
 
     def _op_shutdown(self, msg: Message) -> Message:
@@ -830,54 +837,88 @@ async def _drive(service: ChiefService) -> None:
 async def _watch_ps(service: ChiefService) -> None:
     """Probe every PS each heartbeat interval. A PS that answers with another boot id
     (restarted) or another generation has lost its shards: restore every PS from the
-    latest checkpoint. A PS that stops answering is logged as down (training waits for
-    it: its shards exist nowhere else) until it is back."""
+    latest checkpoint. A PS that stops answering is reported down (``ps_down``; training
+    waits for it: its shards exist nowhere else) until it is back.
+
+    A probe still in flight when the interval ends counts as no answer yet, and the next
+    probe of that PS waits for it: a silent PS is found within an interval of the
+    heartbeat timeout, not after its probe's own timeout on top."""
     cfg = service.cfg
     interval = min(cfg.heartbeat_interval, cfg.heartbeat_timeout / 4)
     last_ok = {i: service.clock() for i in range(len(service.ps))}
     first_fail: dict[int, float] = {}
-    down: set[int] = set()
+    down = service.ps_down
+    inflight: dict[int, asyncio.Task[tuple[int, dict[str, Any] | None]]] = {}
 
-    async def probe(i: int) -> dict[str, Any] | None:
+    async def probe(i: int, gen: int) -> tuple[int, dict[str, Any] | None]:
         try:
-            rep = await service.ps[i].request("ps_state", timeout=max(0.5, 2 * interval))
-            return dict(rep.body)
+            # attempts=2: a read, so it may be sent again, and is, at once, when the
+            # connection comes back after a partition (the PS is heard without delay)
+            rep = await service.ps[i].request(
+                "ps_state", timeout=max(0.5, 2 * interval), attempts=2
+            )
+            return gen, dict(rep.body)
         except ZmqpsError:
-            return None
+            return gen, None
 
-    while True:
-        await asyncio.sleep(interval)
-        if service.placement is None or service.recovering:
-            continue
-        states = await asyncio.gather(*(probe(i) for i in range(len(service.ps))))
-        now = service.clock()
-        lost = []
-        for i, st in enumerate(states):
-            if st is None:
-                first_fail.setdefault(i, now)
-                if i not in down and now - last_ok[i] > cfg.heartbeat_timeout:
-                    down.add(i)
-                    log.warning(
-                        "ps %d (%s) has not answered for %.0fs: down; waiting for it to restart",
-                        i,
-                        service.ps[i].endpoint,
-                        now - last_ok[i],
-                    )
-                continue
-            last_ok[i] = now
-            if i in down:
-                down.discard(i)
-                log.info("ps %d answers again", i)
-            if st["boot"] != service.ps_boots.get(i) or int(st["gen"]) != service.gen:
-                lost.append(i)
+    def forget_probes() -> None:
+        for t in inflight.values():
+            t.cancel()
+        inflight.clear()
+
+    def answer(i: int) -> dict[str, Any] | None:
+        task = inflight.get(i)
+        if task is None or not task.done():
+            return None
+        del inflight[i]
+        gen, st = task.result()
+        # an answer to a probe sent before a restore describes the old generation
+        return st if gen == service.gen else None
+
+    try:
+        while True:
+            if service.placement is None or service.recovering:
+                forget_probes()
             else:
-                first_fail.pop(i, None)
-        if lost:
-            detected = min(first_fail.get(i, now) for i in lost)
-            log.warning("ps %s restarted without its shards: restoring every PS", lost)
-            await service.recover(lost, detected, f"ps {','.join(map(str, lost))} restarted")
-            for i in lost:
-                first_fail.pop(i, None)
+                for i in range(len(service.ps)):
+                    if i not in inflight:
+                        inflight[i] = asyncio.ensure_future(probe(i, service.gen))
+            await asyncio.sleep(interval)
+            if not inflight or service.placement is None or service.recovering:
+                continue
+            now = service.clock()
+            lost = []
+            for i in range(len(service.ps)):
+                st = answer(i)
+                if st is None:
+                    first_fail.setdefault(i, now)
+                    if i not in down and now - last_ok[i] > cfg.heartbeat_timeout:
+                        down[i] = round(now - last_ok[i], 3)
+                        log.warning(
+                            "ps %d (%s) has not answered for %.0fs: down;"
+                            " waiting for it to come back",
+                            i,
+                            service.ps[i].endpoint,
+                            now - last_ok[i],
+                        )
+                    continue
+                last_ok[i] = now
+                if i in down:
+                    del down[i]
+                    log.info("ps %d answers again", i)
+                if st["boot"] != service.ps_boots.get(i) or int(st["gen"]) != service.gen:
+                    lost.append(i)
+                else:
+                    first_fail.pop(i, None)
+            if lost:
+                forget_probes()
+                detected = min(first_fail.get(i, now) for i in lost)
+                log.warning("ps %s restarted without its shards: restoring every PS", lost)
+                await service.recover(lost, detected, f"ps {','.join(map(str, lost))} restarted")
+                for i in lost:
+                    first_fail.pop(i, None)
+    finally:
+        forget_probes()
 
 
 async def _watch_workers(service: ChiefService) -> None:

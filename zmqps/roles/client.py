@@ -395,8 +395,11 @@ class ParameterClient:
     async def _pull_tcp(
         self, ps: int, sids: list[int], out: Mapping[str, Array] | None = None
     ) -> None:
+        # A TCP pull is idempotent: it may be sent again (after its deadline, or at once
+        # when a lost connection comes back). A shared-memory pull may not: a second copy
+        # would rewrite the region while the first reply is read.
         rep = await self.ps[ps].request(
-            "pull", {"shards": sids, "gen": self.gen}, timeout=self.timeout
+            "pull", {"shards": sids, "gen": self.gen}, timeout=self.timeout, attempts=2
         )
         self._take_values(rep, sids, out)
 
@@ -512,7 +515,11 @@ class ParameterClient:
             sids = [s.id for s, _, _ in parts]
             tensors = [Tensor(np.ascontiguousarray(i), "index", s.id) for s, _, i in parts]
             rep = await self.ps[ps].request(
-                "pull_rows", {"shards": sids, "gen": self.gen}, tensors, timeout=self.timeout
+                "pull_rows",
+                {"shards": sids, "gen": self.gen},
+                tensors,
+                timeout=self.timeout,
+                attempts=2,
             )
             versions = rep.body.get("versions")
             if not isinstance(versions, list) or len(versions) != len(parts):

@@ -42,6 +42,12 @@ def format_status(s: dict[str, Any]) -> str:
         f"ps            {', '.join(s.get('ps', []))}",
         f"variables     {s.get('variables')} in {s.get('shards')} shards",
     ]
+    down = s.get("ps_down") or {}
+    if down:
+        lines.append(
+            "ps down       "
+            + ", ".join(f"ps {i} (silent {sec:.0f}s when found)" for i, sec in down.items())
+        )
     if s.get("mode") == "sync":
         lines += [
             f"replicas      N = {s.get('replicas_to_aggregate')} of M = {s.get('total_replicas')}",

@@ -260,20 +260,25 @@ class SyncDriver:
 
     # ------------------------------------------------------------ status
 
-    async def waiting_on(self, live: Sequence[int]) -> list[int]:
-        """Live workers whose gradient for the current step some PS has not received."""
+    async def waiting_on(self, live: Sequence[int], skip: Sequence[Requester] = ()) -> list[int]:
+        """Live workers whose gradient for the current step some PS has not received
+        (``skip``: PS known not to answer, not asked)."""
         if self.mode != "sync":
             return []
         names = {f"worker:{i}": i for i in live}
         missing: set[int] = set()
-        for c in self.stepping:
+
+        async def ask(c: Requester) -> None:
             try:
                 rep = await c.request("status", timeout=2.0)
             except ZmqpsError:
-                continue
+                return  # an unreachable PS: zmqps status reports it under ps_down
             sync = rep.body.get("sync") or {}
             got = set(sync.get("contributors", []))
-            missing |= {i for name, i in names.items() if name not in got}
+            missing.update(i for name, i in names.items() if name not in got)
+
+        # All PS at once: one cut off by a partition costs the status 2 s, not 2 s each.
+        await asyncio.gather(*(ask(c) for c in self.stepping if c not in skip))
         return sorted(missing)
 
     def status(self) -> dict[str, Any]:

@@ -323,6 +323,9 @@ class Worker:
             gen = int(state.get("gen", old))
             if gen != old and not state.get("recovering", False):
                 break
+            if _unreachable_again(error, gen, old, state):
+                log.warning("%s: every PS answers the chief again: retrying", self.name)
+                return
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(
                     f"{self.name}: the cluster did not recover within"
@@ -616,3 +619,16 @@ def train(
         pipe.stats.overlap,
     )
     return {"steps": worker.step, "loss": loss, "overlap": pipe.stats.as_dict()}
+
+
+def _unreachable_again(error: Exception, gen: int, old: int, state: Mapping[str, Any]) -> bool:
+    """A request timed out, yet the cluster was not restored and the chief hears every
+    PS: the PS was cut off (a partition) with its shards intact, not lost. No restore
+    will come, so waiting for one would wait forever: retry instead (a retried push
+    carries its sequence number, so it is applied at most once)."""
+    return (
+        isinstance(error, DeadlineExceeded)
+        and gen == old
+        and not state.get("recovering", False)
+        and not state.get("ps_down")
+    )

@@ -76,6 +76,8 @@ class TransportStats:
     bytes_in: int = 0
     bytes_out: int = 0
     auth_failures: int = 0
+    #: requests sent again when their connection came back (Client)
+    resent: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

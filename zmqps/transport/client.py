@@ -10,6 +10,11 @@ Rules of this module:
 * ``attempts > 1`` resends the *same* message (same body) after a deadline;
   only ops that are idempotent or deduplicated by the server may use it
   (pushes are: (worker, incarnation, sequence)).
+* Such requests are also sent again, at once and with the same id, when the
+  connection comes back after a disconnect (a partition noticed by the ZMTP
+  heartbeat, a restarted peer): whatever was on the lost connection is gone, and
+  waiting for the deadline would stall the caller for nothing. The server's
+  deadline check still drops a copy that arrives too late.
 """
 
 from __future__ import annotations
@@ -68,13 +73,48 @@ class Client:
         self._sock.connect(self.endpoint)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Message]] = {}
+        #: frames of the pending requests that may be sent again (attempts > 1)
+        self._resendable: dict[int, list[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._monitor_sock: zmq.asyncio.Socket | None = None
         self._closed = False
         self.stats = TransportStats()
 
     def _ensure_reader(self) -> None:
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read_loop())
+            events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            self._monitor_sock = self._sock.get_monitor_socket(events)
+            self._watcher = asyncio.ensure_future(self._watch_connection(self._monitor_sock))
+
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        lost = False
+        while True:
+            event = int(parse_monitor_message(await monitor.recv_multipart())["event"])
+            if event == zmq.EVENT_DISCONNECTED:
+                lost = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and lost:
+                lost = False
+                self._resend_pending()
+
+    def _resend_pending(self) -> None:
+        again = [
+            (rid, frames)
+            for rid, frames in self._resendable.items()
+            if rid in self._pending and not self._pending[rid].done()
+        ]
+        if not again:
+            return
+        log.info("connection to %s is back: sending %d requests again", self.endpoint, len(again))
+        for _, frames in again:
+            try:
+                send_now(self._sock, frames)
+            except zmq.Again:
+                return  # the queue is full: the deadlines and attempts take over
+            self.stats.resent += 1
 
     async def request(
         self,
@@ -89,7 +129,7 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         for attempt in range(1, attempts + 1):
             try:
-                return await self._request_once(op, body, tensors, timeout)
+                return await self._request_once(op, body, tensors, timeout, attempts > 1)
             except DeadlineExceeded:
                 if attempt == attempts:
                     raise
@@ -102,6 +142,7 @@ class Client:
         body: Mapping[str, Any] | None,
         tensors: Sequence[Tensor],
         timeout: float,
+        resendable: bool = False,
     ) -> Message:
         if self._closed:
             raise ShutdownError(f"client to {self.endpoint} is closed")
@@ -121,6 +162,8 @@ class Client:
                 )
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
+        if resendable:
+            self._resendable[rid] = frames
         try:
             try:
                 send_now(self._sock, frames)
@@ -150,6 +193,7 @@ class Client:
                     self.observer.request_done(op, status, time.perf_counter() - started)
         finally:
             self._pending.pop(rid, None)
+            self._resendable.pop(rid, None)
 
     async def _read_loop(self) -> None:
         sock = self._sock
@@ -208,4 +252,14 @@ class Client:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
                 await self._reader
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                await self._watcher
+        if self._monitor_sock is not None:
+            # A monitor socket left open hangs ctx.term().
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            self._monitor_sock.close(linger=0)
+            self._monitor_sock = None
         self._sock.close()
