@@ -34,6 +34,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from zmqps.cli.args import add_job_args, add_sync_args, sync_flags
+from zmqps.cli.coordinator import add_driver_args, check_launch, launch_flags
 from zmqps.config import ClusterSpec
 from zmqps.roles.status import fetch_status
 from zmqps.wire.errors import ConfigError, ZmqpsError
@@ -66,6 +67,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     )
     add_job_args(p)
     add_sync_args(p)
+    add_driver_args(p)
     g = p.add_argument_group("launcher")
     g.add_argument(
         "--run-dir", help="folder for logs and results (default: a new temporary folder)"
@@ -280,6 +282,10 @@ class Launcher:
             server += [*ckpt, *policy]
         if self.export_dir is not None:
             server += ["--export-dir", str(self.export_dir)]
+        # --driver coordinator: the chief drives, workers serve its functions
+        driver, serving = launch_flags(a)
+        server += driver
+        worker += serving
         kids = [
             Child(
                 "chief",
@@ -492,6 +498,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
     ]
     if acc is not None:
         lines.append(f"  test accuracy {acc:.4f}, test loss {summary.get('test_loss'):.4f}")
+    coord = summary.get("coordinator")
+    if coord:
+        lines.append(
+            f"  coordinator: {coord.get('scheduled')} functions scheduled,"
+            f" {coord.get('completed')} completed, {coord.get('retried')} retried"
+            f" (steps per execution {coord.get('steps_per_execution')})"
+        )
     print("\n".join(lines), flush=True)
 
 
@@ -504,6 +517,7 @@ def launch(args: argparse.Namespace) -> int:
     from zmqps.cli.args import job_from_args
 
     job_from_args(args)
+    check_launch(args)
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts must be >= 0")
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="zmqps-run-"))
