@@ -166,8 +166,14 @@ class Tree(Schema):
 
     max_depth: int = 32
     max_nodes: int = 1 << 16
+    #: the tag the top node must have (``t``: positional arguments, ``d``: keywords)
+    root: str | None = None
 
     def check(self, value: Any, path: str) -> None:
+        if self.root is not None and not (
+            type(value) is list and len(value) == 2 and value[0] == self.root
+        ):
+            raise ProtocolError(f"{path}: expected a {self.root!r} node")
         stack: list[tuple[Any, int]] = [(value, 0)]
         nodes = 0
         while stack:
@@ -324,11 +330,21 @@ REQUEST_BODIES: Mapping[str, Schema] = {
     ),
     # coordinator mode: a function of the worker's job module, by name, never code
     "run": Map(
-        {"fn": Str(128), "args": Tree(), "kwargs": Tree(), "steps": Int(1, 1 << 20)},
+        {
+            "fn": Str(128),
+            "args": Tree(root="t"),
+            "kwargs": Tree(root="d"),
+            "steps": Int(1, 1 << 20),
+        },
         {"closure": Int(0), "inc": Int(0)},
     ),
     "make_resource": Map(
-        {"id": Int(0, 2**31 - 1), "fn": Str(128), "args": Tree(), "kwargs": Tree()},
+        {
+            "id": Int(0, 2**31 - 1),
+            "fn": Str(128),
+            "args": Tree(root="t"),
+            "kwargs": Tree(root="d"),
+        },
         {"inc": Int(0)},
     ),
 }

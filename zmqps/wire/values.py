@@ -91,14 +91,15 @@ def _encode(v: Any, tensors: list[Tensor], depth: int, path: str) -> Any:
 
 
 def _buffer(arr: np.ndarray, tensors: list[Tensor], path: str) -> int:
+    # as_wire_array (np.ascontiguousarray) makes 0-d arrays 1-d: keep the shape
+    wire = as_wire_array(arr).reshape(arr.shape)
     try:
-        wire_dtype(arr.dtype)
+        wire_dtype(wire.dtype)
     except ProtocolError:
         raise InvalidArgument(
             f"{path}: arrays of dtype {arr.dtype} cannot cross the wire"
         ) from None
-    # as_wire_array (np.ascontiguousarray) makes 0-d arrays 1-d: keep the shape
-    tensors.append(Tensor(as_wire_array(arr).reshape(arr.shape)))
+    tensors.append(Tensor(wire))
     return len(tensors) - 1
 
 
