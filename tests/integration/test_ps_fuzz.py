@@ -86,6 +86,7 @@ from zmqps.wire.schema import (
     Map,
     Schema,
     Str,
+    Tree,
     Tuple,
 )
 
@@ -363,6 +364,8 @@ def example(schema: Schema) -> Any:
         return {}
     if isinstance(schema, AnyList):
         return []
+    if isinstance(schema, Tree):
+        return ["d", {}] if schema.root == "d" else ["t", []]
     raise AssertionError(schema)
 
 

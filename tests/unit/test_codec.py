@@ -103,7 +103,26 @@ BODIES: dict[str, dict[str, Any]] = {
     "checkpoint_save": {"name": ".tmp-ckpt-000000000012-ab12", "id": 7},
     "checkpoint_done": {"id": 7, "wait": 5.0},
     "restore": {"gen": 1, "step": 12, "shards": [], "name": "ckpt-000000000012"},
+    "run": {
+        "fn": "train_step",
+        "args": ["t", []],
+        "kwargs": ["d", {}],
+        "steps": 10,
+        "closure": 3,
+        "inc": 5,
+    },
+    "make_resource": {"id": 1, "fn": "dataset", "args": ["t", []], "kwargs": ["d", {}], "inc": 5},
 }
+
+#: Fields holding a value tree (zmqps.wire.values): any scalar is a valid leaf and a
+#: dict node's payload takes any str key, so only the node's own shape is mutated here
+#: (the Tree schema has its own tests).
+TREE_FIELDS = {("run", "args"), ("run", "kwargs"), ("make_resource", "args"),
+               ("make_resource", "kwargs")}  # fmt: skip
+
+
+def _inside_tree(op: str, path: tuple[Any, ...]) -> bool:
+    return len(path) >= 2 and (op, path[0]) in TREE_FIELDS
 
 
 def test_every_request_op_has_a_body_here() -> None:
@@ -335,11 +354,11 @@ def _mutants(op: str) -> Iterator[tuple[str, str, tuple[Any, ...], dict[str, Any
     ``what`` is "wrong" (a wrong-typed value), "extra" (an unknown field) or "drop"."""
     body = BODIES[op]
     for path, value in _paths(body):
-        if path:
+        if path and not (_inside_tree(op, path) and len(path) > 2):
             for wrong in _wrong_values(value):
                 yield "wrong", f"{path}={wrong!r}", path, _replace(body, path, wrong)
     for path, value in _paths(body):
-        if not isinstance(value, dict):
+        if not isinstance(value, dict) or _inside_tree(op, path):
             continue
         node = copy.deepcopy(body)
         target: Any = node

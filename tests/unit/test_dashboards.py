@@ -86,6 +86,15 @@ CATALOGUE = {
     "zmqps_eval_loss": "gauge",
     "zmqps_eval_step": "gauge",
     "zmqps_evaluations_total": "counter",
+    "zmqps_coordinator_scheduled_total": "counter",
+    "zmqps_coordinator_functions_total": "counter",
+    "zmqps_coordinator_retries_total": "counter",
+    "zmqps_coordinator_queue_depth": "gauge",
+    "zmqps_coordinator_inflight": "gauge",
+    "zmqps_coordinator_workers_available": "gauge",
+    "zmqps_coordinator_dispatch_seconds": "histogram",
+    "zmqps_worker_functions_total": "counter",
+    "zmqps_worker_function_seconds": "histogram",
     "zmqps_info": "gauge",
 }
 #: Series names a query may use: gauges/counters as is, histograms by their series.

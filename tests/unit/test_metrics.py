@@ -58,6 +58,15 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...]]] = {
     "zmqps_eval_loss": ("gauge", ()),
     "zmqps_eval_step": ("gauge", ()),
     "zmqps_evaluations": ("counter", ()),
+    "zmqps_coordinator_scheduled": ("counter", ()),
+    "zmqps_coordinator_functions": ("counter", ("outcome",)),
+    "zmqps_coordinator_retries": ("counter", ()),
+    "zmqps_coordinator_queue_depth": ("gauge", ()),
+    "zmqps_coordinator_inflight": ("gauge", ()),
+    "zmqps_coordinator_workers_available": ("gauge", ()),
+    "zmqps_coordinator_dispatch_seconds": ("histogram", ()),
+    "zmqps_worker_functions": ("counter", ("status",)),
+    "zmqps_worker_function_seconds": ("histogram", ()),
     "zmqps_info": ("gauge", ("role", "index", "mode", "version")),
 }
 
@@ -110,6 +119,7 @@ def test_catalogue_names_types_labels_and_help() -> None:
     m.token_wait.observe(0.1)
     m.checkpoint_duration.observe(0.5)
     m.restores.labels("ps").inc()
+    m.function_done("ok", 0.01)
     text = generate_latest(m.registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, (kind, labels) in CATALOGUE.items():

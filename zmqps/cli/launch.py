@@ -34,6 +34,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from zmqps.cli.args import add_device_args, add_job_args, add_sync_args, device_flags, sync_flags
+from zmqps.cli.coordinator import add_driver_args, check_launch, launch_flags
 from zmqps.config import ClusterSpec
 from zmqps.roles.status import fetch_status
 from zmqps.wire.errors import ConfigError, ZmqpsError
@@ -67,6 +68,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     add_job_args(p)
     add_sync_args(p)
     add_device_args(p, launch=True)
+    add_driver_args(p)
     g = p.add_argument_group("launcher")
     g.add_argument(
         "--run-dir", help="folder for logs and results (default: a new temporary folder)"
@@ -285,6 +287,10 @@ class Launcher:
             server += [*ckpt, *policy]
         if self.export_dir is not None:
             server += ["--export-dir", str(self.export_dir)]
+        # --driver coordinator: the chief drives, workers serve its functions
+        driver, serving = launch_flags(a)
+        server += driver
+        worker += serving
         kids = [
             Child(
                 "chief",
@@ -529,6 +535,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"  workers on {summary.get('device', 'cpu')}: {step * 1000:.2f} ms/step,"
             f" {overlap:.0%} of communication hidden behind compute"
         )
+    coord = summary.get("coordinator")
+    if coord:
+        lines.append(
+            f"  coordinator: {coord.get('scheduled')} functions scheduled,"
+            f" {coord.get('completed')} completed, {coord.get('retried')} retried"
+            f" (steps per execution {coord.get('steps_per_execution')})"
+        )
     print("\n".join(lines), flush=True)
 
 
@@ -541,6 +554,7 @@ def launch(args: argparse.Namespace) -> int:
     from zmqps.cli.args import job_from_args
 
     job_from_args(args)
+    check_launch(args)
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts must be >= 0")
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="zmqps-run-"))

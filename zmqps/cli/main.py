@@ -46,15 +46,21 @@ log = logging.getLogger("zmqps")
 
 
 def _server_parser(p: argparse.ArgumentParser) -> None:
+    from zmqps.cli.coordinator import add_driver_args
+
     add_cluster_args(p)
     add_job_args(p, model_default=None)
     add_server_args(p)
     add_sync_args(p)
     add_metrics_args(p)
     add_security_args(p)
+    add_driver_args(p)
 
 
 def _worker_parser(p: argparse.ArgumentParser) -> None:
+    from zmqps.cli.coordinator import add_serve_args
+
+    add_serve_args(p)
     add_cluster_args(p)
     add_job_args(p)
     add_device_args(p)
@@ -104,26 +110,28 @@ def cmd_server(args: argparse.Namespace) -> int:
         )
     if task.role == "chief":
         job = job_from_args(args)
-        return run_chief(
-            ChiefConfig(
-                bind=bind,
-                cluster=cluster,
-                job=job,
-                optimizer=dict(job.optimizer) if job else optimizer_from_args(args),
-                partitioner=partitioner_from_args(args),
-                placement=args.placement,
-                heartbeat_timeout=args.heartbeat_timeout,
-                startup_timeout=args.startup_timeout,
-                summary_path=args.summary,
-                keep_alive=args.keep_alive,
-                sync=sync_from_args(args),
-                metrics_host=args.metrics_host,
-                metrics_port=metrics_port(args),
-                checkpoint=_checkpoint_policy(args),
-                export_dir=args.export_dir,
-            ),
-            options,
+        cfg = ChiefConfig(
+            bind=bind,
+            cluster=cluster,
+            job=job,
+            optimizer=dict(job.optimizer) if job else optimizer_from_args(args),
+            partitioner=partitioner_from_args(args),
+            placement=args.placement,
+            heartbeat_timeout=args.heartbeat_timeout,
+            startup_timeout=args.startup_timeout,
+            summary_path=args.summary,
+            keep_alive=args.keep_alive,
+            sync=sync_from_args(args),
+            metrics_host=args.metrics_host,
+            metrics_port=metrics_port(args),
+            checkpoint=_checkpoint_policy(args),
+            export_dir=args.export_dir,
         )
+        if args.driver == "coordinator":
+            from zmqps.cli.coordinator import run_driver
+
+            return run_driver(cfg, args, options)
+        return run_chief(cfg, options)
     raise ConfigError(
         f"zmqps-server serves roles chief and ps, not {task.role!r} (use zmqps-worker)"
     )
@@ -152,6 +160,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return _evaluator(cluster.chief, args)
     if task.role != "worker":
         raise ConfigError(f"zmqps-worker runs roles worker and evaluator, not {task.role!r}")
+    if args.serve:
+        return _serve(args, cluster, task)
+    if args.job:
+        raise ConfigError("--job names the module of --serve (coordinator mode)")
     job = job_from_args(args)
     if job is None:
         raise ConfigError(
@@ -197,6 +209,24 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if exporter is not None:
             exporter.close()
     return 0
+
+
+def _serve(args: argparse.Namespace, cluster: Any, task: Any) -> int:
+    from zmqps.cli.coordinator import serve
+    from zmqps.metrics import Metrics, MetricsServer
+
+    options = socket_options(args, "worker", task.index, serve=True, connect=True)
+    port = metrics_port(args)
+    metrics = Metrics() if port is not None else None
+    exporter = None
+    if metrics is not None and port is not None:
+        exporter = MetricsServer(metrics, args.metrics_host, port)
+        log.info("worker %d: metrics at %s", task.index, exporter.url)
+    try:
+        return serve(args, cluster, task, options, metrics)
+    finally:
+        if exporter is not None:
+            exporter.close()
 
 
 def _evaluator(chief: str | None, args: argparse.Namespace) -> int:

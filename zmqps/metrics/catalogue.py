@@ -16,7 +16,14 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-__all__ = ["AUTH_FAILURE_REASONS", "DROP_REASONS", "PHASES", "STALENESS_BUCKETS", "Metrics"]
+__all__ = [
+    "AUTH_FAILURE_REASONS",
+    "DROP_REASONS",
+    "FUNCTION_OUTCOMES",
+    "PHASES",
+    "STALENESS_BUCKETS",
+    "Metrics",
+]
 
 #: Staleness in steps; exact at small values, coarser beyond.
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
@@ -28,6 +35,8 @@ AUTH_FAILURE_REASONS = ("refused", "handshake")
 #: The phases of one worker step: pull, host -> device copy, compute, device -> host
 #: copy, push. With overlap, a phase's time is how long the step waited for it.
 PHASES = ("pull", "h2d", "compute", "d2h", "push")
+#: How a function scheduled by the coordinator ended (retries are counted apart).
+FUNCTION_OUTCOMES = ("ok", "failed", "cancelled")
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -192,6 +201,62 @@ class Metrics:
         self.evaluations = Counter(
             "zmqps_evaluations_total", "Models evaluated by the evaluator.", registry=r
         )
+        # -- coordinator mode ------------------------------------------------------
+        self.coordinator_scheduled = Counter(
+            "zmqps_coordinator_scheduled_total",
+            "Functions the coordinator scheduled onto workers.",
+            registry=r,
+        )
+        self.coordinator_functions = Counter(
+            "zmqps_coordinator_functions_total",
+            "Scheduled functions finished, by outcome (ok, failed: the function raised,"
+            " cancelled: never ran because an earlier one failed).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in FUNCTION_OUTCOMES:
+            self.coordinator_functions.labels(outcome)
+        self.coordinator_retries = Counter(
+            "zmqps_coordinator_retries_total",
+            "Scheduled functions sent again to a worker because theirs died or restarted"
+            " while running them (they run at least once).",
+            registry=r,
+        )
+        self.coordinator_queue_depth = Gauge(
+            "zmqps_coordinator_queue_depth",
+            "Scheduled functions waiting for a worker.",
+            registry=r,
+        )
+        self.coordinator_inflight = Gauge(
+            "zmqps_coordinator_inflight",
+            "Scheduled functions running on a worker now.",
+            registry=r,
+        )
+        self.coordinator_workers_available = Gauge(
+            "zmqps_coordinator_workers_available",
+            "Worker servers answering the coordinator's pings.",
+            registry=r,
+        )
+        self.coordinator_dispatch = Histogram(
+            "zmqps_coordinator_dispatch_seconds",
+            "Dispatch overhead of one scheduled function: the run request's round trip"
+            " minus the function's execution time on the worker.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.worker_functions = Counter(
+            "zmqps_worker_functions_total",
+            "Scheduled functions (and per-worker dataset makers) a worker server ran,"
+            " by status (ok, failed).",
+            ["status"],
+            registry=r,
+        )
+        self.worker_function_seconds = Histogram(
+            "zmqps_worker_function_seconds",
+            "Execution time of one scheduled function on a worker server (all its steps).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self._counts: dict[tuple[str, str], Counter] = {}
         self._timers: dict[str, Histogram] = {}
         self._staleness: dict[str, Histogram] = {}
@@ -252,3 +317,9 @@ class Metrics:
             self.train_loss.set(loss)
         if examples:
             self.examples.inc(examples)
+
+    # -- coordinator mode ----------------------------------------------------------
+
+    def function_done(self, status: str, seconds: float) -> None:
+        self.worker_functions.labels(status).inc()
+        self.worker_function_seconds.observe(seconds)

@@ -730,9 +730,16 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
 
 
 async def serve_chief(
-    cfg: ChiefConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None
+    cfg: ChiefConfig,
+    ctx: zmq.asyncio.Context,
+    options: SocketOptions | None = None,
+    metrics: Metrics | None = None,
 ) -> dict[str, Any]:
-    metrics = Metrics() if cfg.metrics_port is not None else None
+    """Serve the chief until training ends; ``metrics``: a catalogue to fill and export
+    (e.g. shared with a coordinator in this process; default: a fresh one when
+    ``cfg.metrics_port`` is set)."""
+    if metrics is None and cfg.metrics_port is not None:
+        metrics = Metrics()
     ps_clients = [
         Client(ctx, addr, "chief:0", options=options, timeout=30.0) for addr in cfg.cluster.ps
     ]

@@ -16,6 +16,7 @@ __all__ = [
     "ConfigError",
     "DeadlineExceeded",
     "FencedError",
+    "FunctionError",
     "InvalidArgument",
     "NotFound",
     "NotReady",
@@ -84,6 +85,18 @@ class DeadlineExceeded(ZmqpsError):
     code = "deadline_exceeded"
 
 
+class FunctionError(ZmqpsError):
+    """A scheduled function (coordinator mode) raised on the worker that ran it. The
+    message is ``"ExceptionType: text"`` and then the tail of the worker's traceback."""
+
+    code = "function_error"
+
+    @property
+    def exc_type(self) -> str:
+        """The class name of the exception the function raised (e.g. ``ValueError``)."""
+        return str(self).split(":", 1)[0]
+
+
 class ConfigError(ZmqpsError):
     """The cluster spec or command line is invalid; the message is one clear line."""
 
@@ -110,6 +123,7 @@ _BY_CODE: dict[str, type[ZmqpsError]] = {
         RolledBack,
         ShutdownError,
         DeadlineExceeded,
+        FunctionError,
     )
 }
 

@@ -65,6 +65,9 @@ REQUEST_OPS = frozenset(
         "checkpoint_save",
         "checkpoint_done",
         "restore",
+        # coordinator mode: functions scheduled onto worker servers
+        "run",
+        "make_resource",
     }
 )
 

@@ -27,6 +27,7 @@ __all__ = [
     "Map",
     "Schema",
     "Str",
+    "Tree",
     "Tuple",
 ]
 
@@ -151,6 +152,59 @@ class Tuple(Schema):
             item.check(v, f"{path}[{i}]")
 
 
+#: Tags of :class:`Tree` nodes (see :mod:`zmqps.wire.values`): list, tuple, dict,
+#: array buffer, numpy scalar buffer, per-worker resource reference.
+TREE_TAGS = frozenset({"l", "t", "d", "a", "s", "r"})
+
+
+@dataclass(frozen=True)
+class Tree(Schema):
+    """A nested value of a scheduled function (:mod:`zmqps.wire.values`): scalars (None,
+    bool, int, float, str) or ``[tag, payload]`` nodes. Walked without recursion, so a
+    hostile nesting depth costs no stack; deeper than ``max_depth`` or more than
+    ``max_nodes`` nodes is refused."""
+
+    max_depth: int = 32
+    max_nodes: int = 1 << 16
+    #: the tag the top node must have (``t``: positional arguments, ``d``: keywords)
+    root: str | None = None
+
+    def check(self, value: Any, path: str) -> None:
+        if self.root is not None and not (
+            type(value) is list and len(value) == 2 and value[0] == self.root
+        ):
+            raise ProtocolError(f"{path}: expected a {self.root!r} node")
+        stack: list[tuple[Any, int]] = [(value, 0)]
+        nodes = 0
+        while stack:
+            v, depth = stack.pop()
+            nodes += 1
+            if nodes > self.max_nodes:
+                raise ProtocolError(f"{path}: more than {self.max_nodes} nodes")
+            if v is None or type(v) in (bool, int, float, str):
+                continue
+            if depth >= self.max_depth:
+                raise ProtocolError(f"{path}: nested deeper than {self.max_depth}")
+            if type(v) is not list or len(v) != 2 or type(v[0]) is not str:
+                raise ProtocolError(f"{path}: expected a scalar or a [tag, payload] node")
+            tag, payload = v
+            if tag not in TREE_TAGS:
+                raise ProtocolError(f"{path}: unknown node tag {tag[:8]!r}")
+            if tag in ("l", "t"):
+                if type(payload) is not list:
+                    raise ProtocolError(f"{path}: a {tag!r} node holds a list")
+                stack.extend((item, depth + 1) for item in payload)
+            elif tag == "d":
+                if type(payload) is not dict:
+                    raise ProtocolError(f"{path}: a 'd' node holds a map")
+                for key, item in payload.items():
+                    if type(key) is not str:
+                        raise ProtocolError(f"{path}: map keys must be strings")
+                    stack.append((item, depth + 1))
+            elif type(payload) is not int or not 0 <= payload < 2**31:
+                raise ProtocolError(f"{path}: a {tag!r} node holds an index")
+
+
 # ---------------------------------------------------------------------------
 # Building blocks shared by several ops.
 
@@ -273,5 +327,24 @@ REQUEST_BODIES: Mapping[str, Schema] = {
     "restore": Map(
         {"gen": Int(0), "step": Int(0), "shards": List(SHARD, MAX_SHARDS)},
         {"name": CKPT_NAME, "placement": PLACEMENT},
+    ),
+    # coordinator mode: a function of the worker's job module, by name, never code
+    "run": Map(
+        {
+            "fn": Str(128),
+            "args": Tree(root="t"),
+            "kwargs": Tree(root="d"),
+            "steps": Int(1, 1 << 20),
+        },
+        {"closure": Int(0), "inc": Int(0)},
+    ),
+    "make_resource": Map(
+        {
+            "id": Int(0, 2**31 - 1),
+            "fn": Str(128),
+            "args": Tree(root="t"),
+            "kwargs": Tree(root="d"),
+        },
+        {"inc": Int(0)},
     ),
 }

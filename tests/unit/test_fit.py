@@ -1,0 +1,160 @@
+"""fit() and its callbacks against a stand-in coordinator (sans-IO: no sockets)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zmqps.coordinator import BackupAndRestore, ModelCheckpoint, fit
+from zmqps.coordinator.fit import Callback, History
+from zmqps.models import build_model
+from zmqps.wire.errors import InvalidArgument
+
+
+class Done:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def fetch(self) -> Any:
+        return self.value
+
+
+class FakeCoordinator:
+    """Records what fit asks for; every function 'returns' its step count as the loss."""
+
+    def __init__(self, steps_per_execution: int = 1) -> None:
+        self.steps_per_execution = steps_per_execution
+        self.retried = 0
+        self.created: list[Any] = []
+        self.scheduled: list[tuple[str, int]] = []
+        self.joins = 0
+        self.checkpoints = 0
+
+    def create_variables(self, variables: Any, optimizer: Any = None) -> None:
+        self.created.append(([v.name for v in variables], optimizer))
+
+    def create_per_worker_dataset(self, fn: str, *args: Any) -> Any:
+        name = f"iterator of {fn}{args}"
+
+        class Iterator:  # like PerWorkerIterator: advanced on the workers only
+            def __iter__(self) -> Iterator:
+                return self
+
+            def __next__(self) -> Any:
+                raise TypeError
+
+            def __repr__(self) -> str:
+                return name
+
+        class Dataset:
+            def __iter__(self) -> Iterator:
+                return Iterator()
+
+        return Dataset()
+
+    def schedule(self, fn: str, *args: Any, steps: int = 1) -> Done:
+        assert repr(args[0]) == "iterator of batch_stream(32,)"
+        assert args[1]["kind"] == "mlp" and args[1]["config"]["hidden"] == [8]
+        self.scheduled.append((fn, steps))
+        return Done(float(steps))
+
+    def join(self) -> None:
+        self.joins += 1
+
+    def checkpoint(self) -> dict[str, Any]:
+        self.checkpoints += 1
+        return {"name": f"ckpt-{self.checkpoints:012d}", "step": 10 * self.checkpoints}
+
+
+MODEL = build_model("mlp", 4, 3, hidden=(8,))
+
+
+def test_an_epoch_is_its_steps_packed_steps_per_execution_per_function() -> None:
+    coord = FakeCoordinator(steps_per_execution=4)
+    history = fit(
+        coord,  # type: ignore[arg-type]
+        MODEL,
+        "batch_stream",
+        epochs=3,
+        steps_per_epoch=10,
+        dataset_args=(32,),
+        optimizer={"name": "sgd", "lr": 0.1},
+    )
+    assert coord.created == [(["mlp/dense_0/w", "mlp/dense_0/b", "mlp/out/w", "mlp/out/b"],
+                              {"name": "sgd", "lr": 0.1})]  # fmt: skip
+    # 10 steps: functions of 4, 4 and 2 steps, each epoch, joined once per epoch
+    assert coord.scheduled == [("train_step", 4), ("train_step", 4), ("train_step", 2)] * 3
+    assert coord.joins == 3
+    assert history.epochs == [0, 1, 2] and history.initial_epoch == 0
+    assert history.loss == pytest.approx([10 / 3] * 3)
+    assert [entry["functions"] for entry in history.logs] == [3, 3, 3]
+
+
+def test_callbacks_are_called_in_order() -> None:
+    seen: list[Any] = []
+
+    class Spy(Callback):
+        def on_train_begin(self, coordinator: Any, initial_epoch: int) -> int:
+            seen.append(("begin", initial_epoch))
+            return 1  # resume at the second epoch
+
+        def on_epoch_end(self, coordinator: Any, epoch: int, logs: dict[str, Any]) -> None:
+            seen.append(("epoch", epoch, logs["steps"]))
+
+        def on_train_end(self, coordinator: Any, history: History) -> None:
+            seen.append(("end", history.epochs))
+
+    fit(FakeCoordinator(), MODEL, "batch_stream", epochs=3, steps_per_epoch=2,  # type: ignore[arg-type]
+        dataset_args=(32,), callbacks=[Spy()])  # fmt: skip
+    assert seen == [("begin", 0), ("epoch", 1, 2), ("epoch", 2, 2), ("end", [1, 2])]
+
+
+def test_backup_and_restore_resumes_after_the_last_backed_up_epoch(tmp_path: Path) -> None:
+    backup = BackupAndRestore(tmp_path / "backup", delete_on_end=True)
+    coord = FakeCoordinator()
+
+    class Interrupt(Callback):
+        def on_epoch_end(self, coordinator: Any, epoch: int, logs: dict[str, Any]) -> None:
+            if epoch == 1:
+                raise KeyboardInterrupt  # the chief dies after backing up epoch 1
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(coord, MODEL, "batch_stream", epochs=5, steps_per_epoch=2,  # type: ignore[arg-type]
+            dataset_args=(32,), callbacks=[backup, Interrupt()])  # fmt: skip
+    record = json.loads((tmp_path / "backup" / "fit.json").read_text())
+    assert record["epoch"] == 1 and record["checkpoint"] == "ckpt-000000000002"
+    assert coord.checkpoints == 2  # one per epoch, through the chief
+
+    again = BackupAndRestore(tmp_path / "backup")
+    history = fit(coord, MODEL, "batch_stream", epochs=5, steps_per_epoch=2,  # type: ignore[arg-type]
+                  dataset_args=(32,), callbacks=[again])  # fmt: skip
+    assert again.resumed_from == 1
+    assert history.initial_epoch == 2 and history.epochs == [2, 3, 4]
+    # a completed fit removes its record: the next one starts at epoch 0
+    assert not (tmp_path / "backup" / "fit.json").exists()
+
+
+def test_a_damaged_backup_record_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "fit.json").write_text("{not json")
+    with pytest.raises(InvalidArgument, match="unreadable backup record"):
+        BackupAndRestore(tmp_path).on_train_begin(FakeCoordinator(), 0)  # type: ignore[arg-type]
+    (tmp_path / "fit.json").write_text('{"epoch": "two"}')
+    with pytest.raises(InvalidArgument, match="not a fit backup record"):
+        BackupAndRestore(tmp_path).on_train_begin(FakeCoordinator(), 0)  # type: ignore[arg-type]
+
+
+def test_model_checkpoint_every_n_epochs() -> None:
+    coord = FakeCoordinator()
+    ckpt = ModelCheckpoint(every_epochs=2)
+    history = fit(coord, MODEL, "batch_stream", epochs=5, steps_per_epoch=1,  # type: ignore[arg-type]
+                  dataset_args=(32,), callbacks=[ckpt])  # fmt: skip
+    assert [s["name"] for s in ckpt.saved] == ["ckpt-000000000001", "ckpt-000000000002"]
+    assert [entry.get("checkpoint") for entry in history.logs] == [
+        None, "ckpt-000000000001", None, "ckpt-000000000002", None]  # fmt: skip
+    with pytest.raises(InvalidArgument):
+        ModelCheckpoint(every_epochs=0)
+    with pytest.raises(InvalidArgument):
+        fit(coord, MODEL, "batch_stream", epochs=0, steps_per_epoch=1)  # type: ignore[arg-type]

@@ -1,0 +1,144 @@
+"""``zmqps-server --role chief --driver coordinator --job package.module``: the chief
+serves as usual and, in the same process, runs the job module's ``drive(coordinator,
+job, callbacks)`` with a :class:`Coordinator` over the cluster's worker servers.
+
+Rules of this module:
+
+* The chief's server runs on the process's event loop; the driver runs in a thread
+  (user code blocks in ``join()``), its coordinator on its own loop thread.
+* When the driver returns, the worker servers are told to shut down: they leave
+  the cluster with their work done, so the chief finishes as in the worker-driven
+  mode (final checkpoint, evaluation, summary, PS shut down). The summary gets the
+  coordinator's counters (``"coordinator"``: scheduled, retried, ...).
+* When the driver fails, the same happens and the process then exits with the
+  driver's error; when the chief stops first (SIGTERM), the coordinator is closed
+  (pending functions cancelled) and the driver's error is not reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import zmq.asyncio
+
+from zmqps.coordinator.coordinator import Coordinator
+from zmqps.coordinator.fit import BackupAndRestore, Callback
+from zmqps.coordinator.server import load_job_module, lookup
+from zmqps.metrics import Metrics
+from zmqps.roles._run import run_server
+from zmqps.roles.chief import ChiefConfig, serve_chief
+from zmqps.transport import Client, SocketOptions
+from zmqps.wire.errors import ConfigError, NotFound, ZmqpsError
+
+__all__ = ["run_chief_driver"]
+
+log = logging.getLogger("zmqps.coordinator")
+
+#: Seconds the chief gets to finish after the driver is done before it is told to stop.
+FINISH_TIMEOUT = 120.0
+
+
+def run_chief_driver(
+    cfg: ChiefConfig,
+    job_module: str,
+    *,
+    steps_per_execution: int = 1,
+    options: SocketOptions | None = None,
+) -> int:
+    """The chief's process in coordinator mode; returns its exit code."""
+    module = load_job_module(job_module)
+    try:
+        drive = lookup(module, "drive")
+    except (NotFound, ZmqpsError) as exc:
+        raise ConfigError(f"--job {job_module}: the chief needs its drive() function") from exc
+    if cfg.job is None:
+        raise ConfigError("--driver coordinator runs a built-in --model")
+    if cfg.sync.mode != "async":
+        raise ConfigError("--driver coordinator trains asynchronously (--mode async)")
+    if steps_per_execution < 1:
+        raise ConfigError("--steps-per-execution must be >= 1")
+    metrics = Metrics() if cfg.metrics_port is not None else None
+    outcome: dict[str, Any] = {}
+
+    def run_driver(holder: dict[str, Coordinator]) -> None:
+        coord = Coordinator(
+            cfg.cluster,
+            steps_per_execution=steps_per_execution,
+            options=options,
+            heartbeat_timeout=cfg.heartbeat_timeout,
+            metrics=metrics,
+        )
+        holder["coord"] = coord
+        callbacks: list[Callback] = []
+        if cfg.checkpoint is not None:
+            callbacks.append(BackupAndRestore(Path(cfg.checkpoint.directory) / "fit-backup"))
+        try:
+            outcome["result"] = drive(coord, cfg.job, callbacks)
+        finally:
+            outcome["stats"] = coord.stats()
+            coord.close(shutdown_workers=True)
+
+    async def main(ctx: zmq.asyncio.Context) -> None:
+        holder: dict[str, Coordinator] = {}
+        chief = asyncio.ensure_future(serve_chief(cfg, ctx, options, metrics))
+        driver = asyncio.ensure_future(asyncio.to_thread(run_driver, holder))
+        await asyncio.wait([chief, driver], return_when=asyncio.FIRST_COMPLETED)
+        if not driver.done():  # the chief stopped first (SIGTERM, or it failed)
+            if "coord" in holder:
+                await asyncio.to_thread(holder["coord"].close)
+            await asyncio.gather(driver, return_exceptions=True)
+            await chief  # its own error, if any
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(chief), FINISH_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.error(
+                "the chief did not finish %.0fs after the driver: stopping it", FINISH_TIMEOUT
+            )
+            await _stop_chief(ctx, cfg, options)
+            await chief
+        driver.result()  # the driver's error, if it failed
+        _annotate(cfg, outcome)
+
+    return run_server(main)
+
+
+async def _stop_chief(
+    ctx: zmq.asyncio.Context, cfg: ChiefConfig, options: SocketOptions | None
+) -> None:
+    assert cfg.cluster.chief is not None
+    client = Client(ctx, cfg.cluster.chief, "coordinator:driver", options=options)
+    try:
+        await client.request("shutdown", {"reason": "driver finished"}, timeout=5.0)
+    except ZmqpsError as exc:
+        log.warning("the chief did not acknowledge shutdown: %s", exc)
+    finally:
+        await client.close()
+
+
+def _annotate(cfg: ChiefConfig, outcome: dict[str, Any]) -> None:
+    """Add the driver's result and the coordinator's counters to the chief's summary."""
+    stats = outcome.get("stats", {})
+    log.info(
+        "coordinator: %d functions scheduled, %d completed, %d retried, %d failed",
+        stats.get("scheduled", 0),
+        stats.get("completed", 0),
+        stats.get("retried", 0),
+        stats.get("failed", 0),
+    )
+    if not cfg.summary_path:
+        return
+    path = Path(cfg.summary_path)
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # the chief wrote none (it stopped before the end)
+    summary["driver"] = "coordinator"
+    summary["coordinator"] = {**stats, **outcome.get("result", {})}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
