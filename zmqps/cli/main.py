@@ -134,7 +134,6 @@ def _checkpoint_policy(args: argparse.Namespace) -> Any:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from zmqps.data import shard, steps_per_epoch
     from zmqps.metrics import Metrics, MetricsServer
     from zmqps.roles.worker import Terminated, Worker, train
 
@@ -148,8 +147,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ConfigError(
             "zmqps-worker needs a built-in --model (write your own loop with zmqps.Worker)"
         )
-    data = shard(job.load("train"), task.index, cluster.num_workers)
-    planned = steps_per_epoch(len(data), job.batch_size) * job.epochs
+    planned = job.planned_steps(task.index, cluster.num_workers)
     options = socket_options(args, "worker", task.index, serve=False, connect=True)
     # SIGTERM (Kubernetes, the launcher) leaves the cluster cleanly instead of vanishing.
     signal.signal(signal.SIGTERM, _terminated)
