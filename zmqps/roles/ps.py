@@ -561,7 +561,11 @@ class PSService:
             def load_tables() -> list[Any]:
                 from zmqps.checkpoint.tables import read_table
 
-                return [(d, *read_table(ckpt, d.var, d.row_start, d.rows)) for d in defs if d.table]
+                return [
+                    (d, *read_table(ckpt, d.var, d.row_start, d.rows))
+                    for d in defs
+                    if d.table is not None
+                ]
 
             states = await asyncio.to_thread(load)
             tables = await asyncio.to_thread(load_tables)
