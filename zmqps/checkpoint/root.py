@@ -240,6 +240,11 @@ class Checkpoint:
         covered exactly, or a file disagrees with the manifest.
         """
         v = self.variable(var)
+        if v.hashed:
+            raise CheckpointError(
+                f"checkpoint {self.name}: {var!r} is a hash-keyed table (rows by id:"
+                " zmqps.checkpoint.read_table)"
+            )
         n = v.shape[0]
         for what, x in (("row_start", row_start), ("rows", rows)):
             if isinstance(x, bool) or not isinstance(x, int):
@@ -306,8 +311,9 @@ class Checkpoint:
         return self.read_rows(var, 0, self.variable(var).shape[0], slots=False)[0]
 
     def variables(self) -> dict[str, Array]:
-        """Every variable's whole values, by name (for export and evaluation)."""
-        return {v.name: self.read_variable(v.name) for v in self.variable_defs()}
+        """Every variable's whole values, by name (for export and evaluation); hash-keyed
+        tables have no whole values and are left out (``read_table`` reads them)."""
+        return {v.name: self.read_variable(v.name) for v in self.variable_defs() if not v.hashed}
 
 
 def _check_meta(f: Any, rec: ShardRecord) -> None:
@@ -349,6 +355,10 @@ def _tensor_slice(
 def _check_header(f: Any, rec: ShardRecord, var: VariableDef) -> str | None:
     """Does the open shard file agree with its record? (``None``: yes)."""
     _check_meta(f, rec)
+    if var.hashed:
+        from zmqps.checkpoint.tables import check_table_header
+
+        return check_table_header(f, rec, var)
     keys = set(f.keys())
     want = {"values", *(f"slot.{s}" for s in rec.slots)}
     if keys != want:

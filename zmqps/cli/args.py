@@ -16,6 +16,7 @@ from zmqps.config import KEYS_ENV, ClusterSpec, TaskSpec, keys_dir, resolve, spl
 from zmqps.core.partition import Partitioner
 from zmqps.core.sync import MODES
 from zmqps.data import DATASETS
+from zmqps.data.ctr import CTR_DATASETS
 from zmqps.models import MODELS
 from zmqps.roles.job import JobConfig
 from zmqps.roles.sync import SyncConfig
@@ -43,7 +44,7 @@ __all__ = [
     "sync_from_args",
 ]
 
-OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam")
+OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam", "ftrl")
 
 
 def setup_logging(verbose: int = 0, quiet: bool = False) -> None:
@@ -111,12 +112,23 @@ def add_job_args(p: argparse.ArgumentParser, *, model_default: str | None = "mlp
     )
     g.add_argument(
         "--model",
-        choices=(*MODELS, "none"),
+        choices=(*MODELS, "ctr", "none"),
         default=model_default,
-        help=f"built-in model (default: {model_default or 'none'})",
+        help=f"built-in model; ctr: wide-and-deep click-through rate over hash-keyed"
+        f" embedding tables (default: {model_default or 'none'})",
     )
     g.add_argument(
-        "--dataset", choices=DATASETS, default="digits", help="built-in dataset (default: digits)"
+        "--dataset",
+        choices=(*DATASETS, *CTR_DATASETS),
+        default=None,
+        help="built-in dataset (default: digits; synthetic-ctr for --model ctr; criteo reads"
+        " DATA_DIR/train.txt)",
+    )
+    g.add_argument(
+        "--examples",
+        type=int,
+        default=100_000,
+        help="--dataset synthetic-ctr: training examples (default: 100000)",
     )
     g.add_argument("--data-dir", help="folder with the MNIST IDX files (for --dataset mnist)")
     g.add_argument(
@@ -131,14 +143,14 @@ def add_job_args(p: argparse.ArgumentParser, *, model_default: str | None = "mlp
     g.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        default="momentum",
-        help="server-side optimizer (default: momentum)",
+        default=None,
+        help="server-side optimizer (default: momentum; adam for --model ctr's dense tower)",
     )
     g.add_argument(
         "--lr",
         type=float,
         default=None,
-        help="learning rate (default: 0.05; adam 0.001; adagrad 0.1)",
+        help="learning rate (default: 0.05; adam 0.001, 0.003 for ctr; adagrad, ftrl 0.1)",
     )
     g.add_argument("--momentum", type=float, default=0.9, help="momentum (default: 0.9)")
     g.add_argument(
@@ -387,8 +399,11 @@ def cluster_and_task(
 
 
 def optimizer_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    name = args.optimizer
-    default_lr = {"sgd": 0.1, "momentum": 0.05, "adagrad": 0.1, "adam": 0.001}[name]
+    ctr = getattr(args, "model", None) == "ctr"
+    name = args.optimizer or ("adam" if ctr else "momentum")
+    default_lr = {"sgd": 0.1, "momentum": 0.05, "adagrad": 0.1, "adam": 0.001, "ftrl": 0.1}[name]
+    if ctr and name == "adam":
+        default_lr = 0.003
     opt: dict[str, Any] = {"name": name, "lr": default_lr if args.lr is None else args.lr}
     if name == "momentum":
         opt["momentum"] = args.momentum
@@ -411,9 +426,18 @@ def job_from_args(args: argparse.Namespace) -> JobConfig | None:
     for flag in ("batch_size", "epochs", "log_every"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    dataset = args.dataset or ("synthetic-ctr" if args.model == "ctr" else "digits")
+    if (args.model == "ctr") != (dataset in CTR_DATASETS):
+        raise ConfigError(
+            f"--model {args.model} cannot train on --dataset {dataset}"
+            f" (ctr takes {', '.join(CTR_DATASETS)}; the others {', '.join(DATASETS)})"
+        )
+    if args.examples < 1:
+        raise ConfigError("--examples must be >= 1")
     return JobConfig(
         model=args.model,
-        dataset=args.dataset,
+        dataset=dataset,
+        examples=args.examples,
         data_dir=args.data_dir,
         hidden=_hidden(args.hidden),
         batch_size=args.batch_size,

@@ -169,16 +169,12 @@ def _job_flags(args: argparse.Namespace) -> list[str]:
         args.mode,
         "--model",
         args.model,
-        "--dataset",
-        args.dataset,
         "--hidden",
         args.hidden,
         "--batch-size",
         str(args.batch_size),
         "--epochs",
         str(args.epochs),
-        "--optimizer",
-        args.optimizer,
         "--momentum",
         str(args.momentum),
         "--seed",
@@ -188,6 +184,11 @@ def _job_flags(args: argparse.Namespace) -> list[str]:
     ]
     if args.lr is not None:
         flags += ["--lr", str(args.lr)]
+    if args.dataset is not None:
+        flags += ["--dataset", args.dataset]
+    if args.optimizer is not None:
+        flags += ["--optimizer", args.optimizer]
+    flags += ["--examples", str(args.examples)]
     if args.data_dir:
         flags += ["--data-dir", str(Path(args.data_dir).resolve())]
     return flags
@@ -542,6 +543,11 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f" {coord.get('completed')} completed, {coord.get('retried')} retried"
             f" (steps per execution {coord.get('steps_per_execution')})"
         )
+    if "test_auc" in summary:
+        line = f"  test AUC {summary['test_auc']:.4f}, log loss {summary['test_logloss']:.4f}"
+        if "ground_truth_auc" in summary:
+            line += f" (ground truth: AUC {summary['ground_truth_auc']:.4f})"
+        lines.append(line)
     print("\n".join(lines), flush=True)
 
 

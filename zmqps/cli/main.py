@@ -151,7 +151,6 @@ def _checkpoint_policy(args: argparse.Namespace) -> Any:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from zmqps.data import shard, steps_per_epoch
     from zmqps.metrics import Metrics, MetricsServer
     from zmqps.roles.worker import Terminated, Worker, train
 
@@ -169,8 +168,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ConfigError(
             "zmqps-worker needs a built-in --model (write your own loop with zmqps.Worker)"
         )
-    data = shard(job.load("train"), task.index, cluster.num_workers)
-    planned = steps_per_epoch(len(data), job.batch_size) * job.epochs
+    planned = job.planned_steps(task.index, cluster.num_workers)
     options = socket_options(args, "worker", task.index, serve=False, connect=True)
     try:
         device = Device.parse(args.device).check()
@@ -199,7 +197,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             # every PS, so a sync step is not left half done); a second one ends at once.
             signal.signal(signal.SIGTERM, _stop_after_step(worker))
             result = train(worker, job, cluster.num_workers, prefetch=args.prefetch)
-        if args.stats:
+        if args.stats and "overlap" in result:
             stats = {"worker": task.index, "device": str(device), **result["overlap"]}
             Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
     except Terminated:

@@ -1,4 +1,4 @@
-"""Server-side optimizers: SGD, momentum (optionally Nesterov), Adagrad and Adam.
+"""Server-side optimizers: SGD, momentum (optionally Nesterov), Adagrad, Adam and FTRL.
 
 Rules of this module:
 
@@ -28,6 +28,11 @@ Rules of this module:
   - adam:     ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g**2``;
     ``lr_t = lr * sqrt(1 - b2**t) / (1 - b1**t)``; ``p -= lr_t * m / (sqrt(v) + eps)``
     (TF ``AdamOptimizer``, the "epsilon hat" form of Kingma & Ba, Sec. 2)
+  - ftrl:     FTRL-proximal (McMahan et al. 2013, TF ``FtrlOptimizer`` with
+    ``lr_power = -0.5``): ``n' = n + g**2``; ``z += g - (sqrt(n') - sqrt(n)) / lr * p``;
+    ``n = n'``; ``p = (clip(z, -l1, l1) - z) / ((beta + sqrt(n)) / lr + 2 * l2)``
+    (zero where ``|z| <= l1``). Slots ``accumulator`` (n, starts at
+    ``initial_accumulator``) and ``linear`` (z).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ __all__ = [
     "SGD",
     "Adagrad",
     "Adam",
+    "Ftrl",
     "Momentum",
     "Optimizer",
     "compute_dtype",
@@ -430,9 +436,73 @@ class Adam(Optimizer):
         np.subtract(p, tmp, out=p)
 
 
+class Ftrl(Optimizer):
+    """FTRL-proximal (TF ``FtrlOptimizer``, ``lr_power = -0.5``), the classic CTR optimizer.
+
+    ``l1`` makes weights exactly zero while ``|z| <= l1`` (sparse models); ``l2`` and
+    ``beta`` damp the per-coordinate step ``lr / (beta + sqrt(n))``."""
+
+    name = "ftrl"
+    slot_names = ("accumulator", "linear")
+    defaults: ClassVar[Mapping[str, float | bool]] = {
+        "initial_accumulator": 0.1,
+        "l1": 0.0,
+        "l2": 0.0,
+        "beta": 0.0,
+    }
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__(config)
+        if self.lr <= 0.0:
+            raise InvalidArgument("ftrl: lr must be > 0")
+        self.initial_accumulator = _number(config, "initial_accumulator", 0.1)
+        self.l1 = _number(config, "l1", 0.0)
+        self.l2 = _number(config, "l2", 0.0)
+        self.beta = _number(config, "beta", 0.0)
+        if self.initial_accumulator == 0.0 and self.beta == 0.0 and self.l2 == 0.0:
+            raise InvalidArgument("ftrl needs initial_accumulator > 0, beta > 0 or l2 > 0")
+
+    def init_slots(self, shape: tuple[int, ...], dtype: str | np.dtype[Any]) -> dict[str, Array]:
+        cdt = compute_dtype(dtype)
+        return {
+            "accumulator": np.full(shape, self.initial_accumulator, dtype=cdt),
+            "linear": np.zeros(shape, dtype=cdt),
+        }
+
+    def _kernel_args(self, step: int, scale: float, dt: Any) -> tuple[Any, ...]:
+        return ()  # no fused kernel: the numpy path below
+
+    def _update(
+        self, p: Array, g: Array, slots: Mapping[str, Array], step: int, tmp: Array
+    ) -> None:
+        n, z = slots["accumulator"], slots["linear"]
+        inv_lr = 1.0 / self.lr
+        # z += g + sqrt(n) * p / lr  ...
+        np.sqrt(n, out=tmp)
+        np.multiply(tmp, p, out=tmp)
+        np.multiply(tmp, inv_lr, out=tmp)
+        np.add(z, tmp, out=z)
+        np.add(z, g, out=z)
+        # ... - sqrt(n + g*g) * p / lr, with n += g*g
+        np.multiply(g, g, out=tmp)
+        np.add(n, tmp, out=n)
+        np.sqrt(n, out=tmp)
+        np.multiply(tmp, p, out=tmp)
+        np.multiply(tmp, inv_lr, out=tmp)
+        np.subtract(z, tmp, out=z)
+        # p = (clip(z, -l1, l1) - z) / ((beta + sqrt(n)) / lr + 2 * l2)
+        np.sqrt(n, out=tmp)
+        np.add(tmp, self.beta, out=tmp)
+        np.multiply(tmp, inv_lr, out=tmp)
+        np.add(tmp, 2.0 * self.l2, out=tmp)
+        np.clip(z, -self.l1, self.l1, out=p)
+        np.subtract(p, z, out=p)
+        np.divide(p, tmp, out=p)
+
+
 #: Optimizer classes by config name.
 OPTIMIZERS: Mapping[str, type[Optimizer]] = {
-    cls.name: cls for cls in (SGD, Momentum, Adagrad, Adam)
+    cls.name: cls for cls in (SGD, Momentum, Adagrad, Adam, Ftrl)
 }
 
 

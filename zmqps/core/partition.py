@@ -98,6 +98,8 @@ class Partitioner:
         """The number of shards ``var`` is split into on a cluster of ``num_ps`` PS tasks."""
         _check_positive("num_ps", num_ps)
         rows = var.shape[0]
+        if var.hashed:  # buckets: one shard per PS (the row budget is per shard)
+            return min(self.num_shards or num_ps, rows)
         if self.num_shards is not None:
             return min(self.num_shards, rows)
         n = max(1, var.nbytes // self.min_shard_bytes)

@@ -14,6 +14,9 @@ Rules of this module:
   of at most ``chunk_elems`` elements, through one scratch buffer owned by the store.
 * Reads (:meth:`ShardStore.snapshot`, :meth:`ShardStore.pull_rows`) return copies:
   a consistent snapshot at one version, never a live buffer.
+* Shards of hash-keyed tables (:class:`~zmqps.core.hashshard.HashShard`) are addressed
+  by int64 id: ``pull_rows`` / ``apply_rows`` take ids (a pull may create rows), and
+  every dense access to them is refused.
 """
 
 from __future__ import annotations
@@ -183,12 +186,18 @@ class ShardStore:
         made = {sid: self._make(d) for sid, d in new.items()}  # may still refuse (overflow)
         self._shards.update(made)
 
-    def replace(self, states: Sequence[tuple[ShardDef, Array, Mapping[str, Array], int]]) -> None:
+    def replace(
+        self,
+        states: Sequence[tuple[ShardDef, Array, Mapping[str, Array], int]],
+        tables: Sequence[tuple[ShardDef, Array, Array, Mapping[str, Array], Array, int]] = (),
+    ) -> None:
         """Replace every shard with the given ``(definition, values, slots, version)``
-        (a restore); all or nothing: everything is checked before the store changes.
+        (a restore) and hash-table shards ``(definition, ids, values, slots, touched,
+        version)``; all or nothing: everything is checked before the store changes.
 
         The arrays are copied. Slots must be exactly the optimizer's slots.
         """
+        hashed = self._restored_tables(tables)
         made: dict[int, Shard] = {}
         for d, values, slots, version in states:
             if d.id in made:
@@ -219,7 +228,33 @@ class ShardStore:
             made[d.id] = Shard(
                 d, np.array(values, copy=True, order="C"), own_slots, optimizer, int(version)
             )
-        self._shards = made
+        if set(made) & set(hashed):
+            raise InvalidArgument("a shard is restored twice")
+        self._shards = {**made, **hashed}
+
+    @staticmethod
+    def _restored_tables(
+        states: Sequence[tuple[ShardDef, Array, Array, Mapping[str, Array], Array, int]],
+    ) -> dict[int, Shard]:
+        """Hash shards built (validated, copied) from restored rows."""
+        from zmqps.core.hashshard import HashShard
+
+        made: dict[int, Shard] = {}
+        for d, ids, values, slots, touched, version in states:
+            if d.table is None or d.id in made:
+                raise InvalidArgument(f"shard {d.id}: not a hash-table shard, or twice")
+            shard = HashShard.make(d)
+            n, row = ids.shape[0], tuple(d.shape[1:])
+            if ids.dtype != np.int64 or ids.ndim != 1 or np.unique(ids).size != n:
+                raise InvalidArgument(f"shard {d.id}: restored ids must be unique int64")
+            if values.shape != (n, *row) or values.dtype != np.dtype(d.dtype):
+                raise InvalidArgument(f"shard {d.id}: restored rows {values.shape} do not match")
+            if set(slots) != set(shard.slots) or touched.shape != (n,) or version < 0:
+                raise InvalidArgument(f"shard {d.id}: restored slots or stamps do not match")
+            shard.check_buckets(ids)
+            shard.load(ids, values, slots, touched, int(version))
+            made[d.id] = shard
+        return made
 
     def clear(self) -> None:
         """Drop every shard (a restore to the initial values re-creates them)."""
@@ -227,6 +262,10 @@ class ShardStore:
 
     @staticmethod
     def _make(d: ShardDef) -> Shard:
+        if d.table is not None:
+            from zmqps.core.hashshard import HashShard
+
+            return HashShard.make(d)
         optimizer = make_optimizer(d.optimizer)
         values = initialize(d.init, d.var, d.full_shape, d.dtype, d.row_start, d.rows)
         return Shard(d, values, optimizer.init_slots(d.shape, d.dtype), optimizer)
@@ -255,14 +294,27 @@ class ShardStore:
 
     # -- reads ---------------------------------------------------------------
 
+    def get_dense(self, shard_id: int) -> Shard:
+        """The shard, refused (InvalidArgument) if it is a hash-keyed table."""
+        shard = self.get(shard_id)
+        if shard.definition.table is not None:
+            raise InvalidArgument(
+                f"shard {shard_id} is a hash-keyed table: pull and push rows by id"
+            )
+        return shard
+
+    def tables(self) -> list[Any]:
+        """Shards of hash-keyed tables held here (``HashShard``)."""
+        return [s for s in self._shards.values() if s.definition.table is not None]
+
     def snapshot(self, shard_id: int) -> tuple[int, Array]:
         """``(version, copy of the values)``: a consistent snapshot of the shard."""
-        shard = self.get(shard_id)
+        shard = self.get_dense(shard_id)
         return shard.version, shard.values.copy()
 
     def snapshot_into(self, shard_id: int, out: Array) -> int:
         """Copy the shard's values into ``out`` (same shape and dtype); returns the version."""
-        shard = self.get(shard_id)
+        shard = self.get_dense(shard_id)
         if out.shape != shard.values.shape or out.dtype != shard.values.dtype:
             raise InvalidArgument(
                 f"snapshot_into: out is {out.dtype}{out.shape},"
@@ -272,8 +324,13 @@ class ShardStore:
         return shard.version
 
     def pull_rows(self, shard_id: int, indices: Array) -> tuple[int, Array]:
-        """``(version, rows)`` for GLOBAL row ids ``indices``; rows is ``(k, *row_shape)``."""
+        """``(version, rows)`` for GLOBAL row ids ``indices``; rows is ``(k, *row_shape)``.
+
+        For a hash-keyed table ``indices`` are ids; rows are created on first touch."""
         shard = self.get(shard_id)
+        if shard.definition.table is not None:
+            ids = shard.check_ids(indices)  # type: ignore[attr-defined]
+            return shard.version, shard.pull(ids)  # type: ignore[attr-defined]
         local = self._local_rows(shard, indices)
         return shard.version, np.take(shard.values, local, axis=0)
 
@@ -326,6 +383,9 @@ class ShardStore:
         shard, staleness, scale, local = self._checked_rows(
             shard_id, indices, grad_rows, pulled_version, scale
         )
+        if shard.definition.table is not None:
+            self._apply_table(shard, local, grad_rows, scale)
+            return self._applied(shard, staleness)
         if shard.own():
             self.copies_on_write += 1
         row_shape = shard.definition.shape[1:]
@@ -341,6 +401,29 @@ class ShardStore:
         slots2d = {k: v.reshape(v.shape[0], -1) for k, v in shard.slots.items()}
         shard.optimizer.apply_rows(values2d, local, grad2d, slots2d, shard.version + 1, scale)
         return self._applied(shard, staleness)
+
+    @staticmethod
+    def _apply_table(shard: Any, ids: Array, grad_rows: Array, scale: float) -> None:
+        """Lazy update of a hash table's rows ``ids`` (duplicates summed; ids not
+        admitted dropped and counted)."""
+        grad2d = grad_rows.reshape(ids.shape[0], -1)
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        if uniq.shape[0] != ids.shape[0]:
+            summed = np.zeros(
+                (uniq.shape[0], grad2d.shape[1]), np.promote_types(grad2d.dtype, np.float32)
+            )
+            np.add.at(summed, inverse.reshape(-1), grad2d)
+            grad2d = summed
+        rows = shard.rows_for(uniq, sighting=False)
+        have = rows >= 0
+        shard.counters.not_admitted += int((~have).sum())
+        if not have.all():
+            rows, grad2d = rows[have], grad2d[have]
+        shard.optimizer.apply_rows(
+            shard.values, rows, grad2d, shard.slots, shard.version + 1, scale
+        )
+        shard.table.touched[rows] = shard.version + 1
+        shard.evict_idle(shard.version + 1)
 
     def check_dense(
         self,
@@ -373,7 +456,7 @@ class ShardStore:
         pulled_version: int,
         scale: float,
     ) -> tuple[Shard, int, float]:
-        shard = self.get(shard_id)
+        shard = self.get_dense(shard_id)
         staleness = self._check_version(shard, pulled_version)
         scale = self._check_scale(scale)
         self._check_tiling(shard, chunks)
@@ -390,7 +473,10 @@ class ShardStore:
         shard = self.get(shard_id)
         staleness = self._check_version(shard, pulled_version)
         scale = self._check_scale(scale)
-        local = self._local_rows(shard, indices)
+        if shard.definition.table is not None:
+            local = shard.check_ids(indices)  # type: ignore[attr-defined]
+        else:
+            local = self._local_rows(shard, indices)
         row_shape = shard.definition.shape[1:]
         if not isinstance(grad_rows, np.ndarray) or grad_rows.dtype.kind != "f":
             raise InvalidArgument(f"shard {shard_id}: row gradients must be a float array")
@@ -486,8 +572,12 @@ class ShardStore:
 
     def stats(self) -> dict[str, Any]:
         """JSON-able summary: shards, bytes, updates applied, staleness."""
+        tables: dict[str, list[dict[str, Any]]] = {}
+        for t in self.tables():
+            tables.setdefault(t.definition.var, []).append(t.stats())
         return {
             "shards": len(self._shards),
+            **({"tables": tables} if tables else {}),
             "bytes": self.nbytes(),
             "updates_applied": self.updates_applied,
             "copies_on_write": self.copies_on_write,

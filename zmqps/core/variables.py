@@ -32,6 +32,17 @@ def _frozen(d: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(sorted((d or {}).items()))
 
 
+def _check_table(name: str, table: Mapping[str, Any], init: Mapping[str, Any]) -> dict[str, Any]:
+    from zmqps.core.hashtable import TableConfig, validate_table_init
+
+    try:
+        TableConfig.parse(table)
+        validate_table_init(init)
+    except ValueError as e:
+        raise InvalidArgument(f"variable {name}: {e}") from None
+    return _frozen(table)
+
+
 @dataclass(frozen=True)
 class VariableDef:
     """A variable as users declare it.
@@ -47,12 +58,18 @@ class VariableDef:
     init: Mapping[str, Any] = field(default_factory=lambda: {"name": "zeros"})
     optimizer: Mapping[str, Any] | None = None
     sparse: bool = False
+    #: a hash-keyed table's row policy (:mod:`zmqps.core.hashtable`); ``shape[0]`` is then
+    #: its number of hash buckets
+    table: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         object.__setattr__(self, "init", _frozen(self.init))
         if self.optimizer is not None:
             object.__setattr__(self, "optimizer", _frozen(self.optimizer))
+        if self.table is not None:
+            object.__setattr__(self, "table", _check_table(self.name, self.table, self.init))
+            object.__setattr__(self, "sparse", True)
         if not self.name or len(self.name) > 256:
             raise InvalidArgument(f"variable name {self.name!r} must be 1..256 characters")
         if self.dtype not in FLOAT_DTYPES:
@@ -80,11 +97,18 @@ class VariableDef:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
 
+    @property
+    def hashed(self) -> bool:
+        """Is this a hash-keyed table (rows addressed by int64 id)?"""
+        return self.table is not None
+
     def with_optimizer(self, default: Mapping[str, Any]) -> VariableDef:
         """This variable with ``default`` filled in when it has no optimizer of its own."""
         if self.optimizer is not None:
             return self
-        return VariableDef(self.name, self.shape, self.dtype, self.init, default, self.sparse)
+        return VariableDef(
+            self.name, self.shape, self.dtype, self.init, default, self.sparse, self.table
+        )
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -96,6 +120,8 @@ class VariableDef:
         }
         if self.optimizer is not None:
             out["optimizer"] = dict(self.optimizer)
+        if self.table is not None:
+            out["table"] = dict(self.table)
         return out
 
     @classmethod
@@ -107,6 +133,7 @@ class VariableDef:
             init=d.get("init", {"name": "zeros"}),
             optimizer=d.get("optimizer"),
             sparse=d.get("sparse", False),
+            table=d.get("table"),
         )
 
 
@@ -144,11 +171,14 @@ class ShardDef:
     init: Mapping[str, Any]
     optimizer: Mapping[str, Any]
     sparse: bool = False
+    table: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "full_shape", tuple(int(d) for d in self.full_shape))
         object.__setattr__(self, "init", _frozen(self.init))
         object.__setattr__(self, "optimizer", _frozen(self.optimizer))
+        if self.table is not None:
+            object.__setattr__(self, "table", _check_table(self.var, self.table, self.init))
         if self.dtype not in FLOAT_DTYPES:
             raise InvalidArgument(f"shard {self.id}: dtype {self.dtype!r} not allowed")
         if not self.full_shape or any(d <= 0 for d in self.full_shape):
@@ -186,6 +216,7 @@ class ShardDef:
             init=var.init,
             optimizer=var.optimizer if var.optimizer is not None else default_optimizer,
             sparse=var.sparse,
+            table=var.table,
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -200,6 +231,7 @@ class ShardDef:
             "init": dict(self.init),
             "optimizer": dict(self.optimizer),
             "sparse": self.sparse,
+            **({} if self.table is None else {"table": dict(self.table)}),
         }
 
     @classmethod
@@ -215,6 +247,7 @@ class ShardDef:
             init=d["init"],
             optimizer=d["optimizer"],
             sparse=d["sparse"],
+            table=d.get("table"),
         )
 
 

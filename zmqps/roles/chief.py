@@ -697,7 +697,16 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
         "train_seconds": round(train_s, 3),
         "examples_per_second": round(m.examples / train_s, 1),
     }
-    if cfg.job is not None and service.placement is not None:
+    if cfg.job is not None and cfg.job.is_ctr and service.placement is not None:
+        from zmqps.roles.ctr_job import evaluate_ctr
+
+        client = ParameterClient(
+            service.ps, service.placement, worker="chief", incarnation=0, shared_memory=False
+        )
+        client.gen = service.gen
+        summary.update(await evaluate_ctr(client, cfg.job))
+        log.info("final model: %s", {k: v for k, v in summary.items() if "auc" in k})
+    elif cfg.job is not None and service.placement is not None:
         test = cfg.job.load("test")
         model = cfg.job.build_model(test)
         client = ParameterClient(
@@ -772,7 +781,10 @@ async def serve_chief(
     try:
         await service.resume()
         ps_watcher = asyncio.ensure_future(_watch_ps(service))
-        if cfg.job is not None:
+        if cfg.job is not None and cfg.job.is_ctr:
+            ctr = cfg.job.build_ctr_model(cfg.job.load_ctr("train"))
+            await service.create_variables(ctr.variables(), dict(cfg.job.optimizer))
+        elif cfg.job is not None:
             train = cfg.job.load("train")
             model = cfg.job.build_model(train)
             await service.create_variables(model.variables(), dict(cfg.job.optimizer))

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from zmqps.core.hashtable import bucket_of
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.transport.base import Requester
 from zmqps.transport.shm import Region, create_region, unlink_region
@@ -493,10 +494,14 @@ class ParameterClient:
         v = self._variable(name)
         if ids.ndim != 1:
             raise InvalidArgument("row ids must be 1-D")
-        if ids.size and (ids.min() < 0 or ids.max() >= v.shape[0]):
+        if v.hashed:  # any int64 id; routed by its stable hash bucket
+            keys = bucket_of(ids, v.shape[0])
+        elif ids.size and (ids.min() < 0 or ids.max() >= v.shape[0]):
             raise InvalidArgument(f"row ids of {name} must be in [0, {v.shape[0]})")
+        else:
+            keys = ids
         starts, shards = self._row_bounds[name]
-        which = np.searchsorted(starts, ids, side="right") - 1
+        which = np.searchsorted(starts, keys, side="right") - 1
         out: dict[int, list[tuple[ShardInfo, Array, Array]]] = {}
         for k, s in enumerate(shards):
             pos = np.flatnonzero(which == k)

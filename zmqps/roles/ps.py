@@ -481,6 +481,7 @@ class PSService:
         """Snapshot every shard now (values, slots, version: one consistent state of this
         PS), reply, and write the snapshot into the checkpoint directory in a thread."""
         from zmqps.checkpoint import write_shard
+        from zmqps.checkpoint.tables import write_table_shard
 
         path = self._checkpoint_path(msg.body["name"])
         started = time.perf_counter()
@@ -492,11 +493,16 @@ class PSService:
                 sh.version,
             )
             for sh in self.store
+            if sh.definition.table is None
         ]
+        tables = [(t.definition, t.state(), t.version) for t in self.store.tables()]
         copied = time.perf_counter() - started
 
         def write() -> list[dict[str, Any]]:
-            return [write_shard(path, d, v, sl, ver).to_json() for d, v, sl, ver in snap]
+            out = [write_shard(path, d, v, sl, ver).to_json() for d, v, sl, ver in snap]
+            for d, (ids, v, sl, touched), ver in tables:
+                out.append(write_table_shard(path, d, ids, v, sl, touched, ver).to_json())
+            return out
 
         save_id = msg.body["id"]
         for old in sorted(self._saves)[: max(0, len(self._saves) - 7)]:
@@ -506,7 +512,8 @@ class PSService:
         return reply(
             msg,
             {
-                "versions": [[d.id, ver] for d, _, _, ver in snap],
+                "versions": [[d.id, ver] for d, _, _, ver in snap]
+                + [[d.id, ver] for d, _, ver in tables],
                 "step": self.sync_step,
                 "snapshot_s": round(copied, 6),
             },
@@ -546,12 +553,23 @@ class PSService:
             def load() -> list[tuple[ShardDef, Any, dict[str, Any], int]]:
                 out = []
                 for d in defs:
-                    values, slots, version = ckpt.read_rows(d.var, d.row_start, d.rows)
-                    out.append((d, values.reshape(d.shape), slots, version))
+                    if d.table is None:
+                        values, slots, version = ckpt.read_rows(d.var, d.row_start, d.rows)
+                        out.append((d, values.reshape(d.shape), slots, version))
                 return out
 
+            def load_tables() -> list[Any]:
+                from zmqps.checkpoint.tables import read_table
+
+                return [
+                    (d, *read_table(ckpt, d.var, d.row_start, d.rows))
+                    for d in defs
+                    if d.table is not None
+                ]
+
             states = await asyncio.to_thread(load)
-            self.store.replace(states)
+            tables = await asyncio.to_thread(load_tables)
+            self.store.replace(states, tables)
         else:
             self.store.clear()
             self.store.create(defs)

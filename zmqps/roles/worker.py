@@ -25,6 +25,7 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
@@ -461,6 +462,20 @@ class Worker:
         """Rows ``ids`` of the embedding variable ``name``."""
         return self._recovering(lambda: self.client.pull_rows(name, ids))
 
+    def pull_rows_async(
+        self, lookups: Mapping[str, Any]
+    ) -> concurrent.futures.Future[dict[str, Array]]:
+        """Start pulling rows of several tables now (``{name: ids}``, all concurrently)
+        and return at once, so the pull overlaps with compute; ``.result()`` waits.
+        A restore meanwhile surfaces from ``result()``: call :meth:`pull_rows` then."""
+
+        async def pull_all() -> dict[str, Array]:
+            names = list(lookups)
+            got = await asyncio.gather(*(self.client.pull_rows(n, lookups[n]) for n in names))
+            return dict(zip(names, got, strict=True))
+
+        return self._io.submit(pull_all())
+
     def push_rows(self, name: str, ids: Any, grads: Any) -> bool:
         """Row gradients for the embedding variable ``name`` (duplicate ids are summed)."""
         return self._push_or_drop(
@@ -560,6 +575,10 @@ def train(
     """The built-in training program: this worker's shard of the data, ``job.epochs``
     epochs, on the worker's device, communication overlapped with compute (see
     :mod:`zmqps.roles.overlap`; ``prefetch`` there)."""
+    if job.is_ctr:
+        from zmqps.roles.ctr_job import train_ctr
+
+        return train_ctr(worker, job, num_workers)
     data = shard(job.load("train"), worker.index, num_workers)
     model = job.build_model(data)
     worker.create_variables(model.variables(), optimizer=job.optimizer)

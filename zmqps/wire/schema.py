@@ -238,12 +238,26 @@ OPTIMIZER = Map(
         "eps": Float(0.0),
         "initial_accumulator": Float(0.0),
         "weight_decay": Float(0.0),
+        "l1": Float(0.0),
+        "l2": Float(0.0),
+        "beta": Float(0.0),
+    },
+)
+
+#: A hash-keyed table's row policy (``zmqps.core.hashtable.TableConfig``).
+TABLE = Map(
+    {},
+    {
+        "row_budget": Int(1, INT64_MAX),
+        "admit_after": Int(1, INT64_MAX),
+        "evict_after": Int(1, INT64_MAX),
+        "pending_limit": Int(1, INT64_MAX),
     },
 )
 
 VARIABLE = Map(
     {"name": NAME, "shape": SHAPE, "dtype": Str(16)},
-    {"init": INIT, "optimizer": OPTIMIZER, "sparse": Bool()},
+    {"init": INIT, "optimizer": OPTIMIZER, "sparse": Bool(), "table": TABLE},
 )
 
 SHARD = Map(
@@ -258,7 +272,8 @@ SHARD = Map(
         "init": INIT,
         "optimizer": OPTIMIZER,
         "sparse": Bool(),
-    }
+    },
+    {"table": TABLE},
 )
 
 #: The chief's placement map (``Placement.to_wire``); the PS keep it so a restarted

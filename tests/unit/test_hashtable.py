@@ -1,0 +1,206 @@
+"""Hash-keyed tables: the documented hash, per-id initial values, admission, eviction,
+a row budget that holds under a stream of ever-new ids, and refusals that change nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zmqps.core.hashtable import bucket_of, initial_rows, mix64
+from zmqps.core.partition import Partitioner, plan
+from zmqps.core.store import ShardStore
+from zmqps.core.variables import ShardDef, VariableDef
+from zmqps.wire.errors import InvalidArgument
+
+MASK = (1 << 64) - 1
+
+
+def splitmix64_finalizer(x: int) -> int:
+    """The documented hash, written out in plain Python integers."""
+    z = x & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def table_def(
+    table: dict[str, Any] | None = None,
+    *,
+    buckets: int = 64,
+    start: int = 0,
+    rows: int | None = None,
+    sid: int = 0,
+    init: dict[str, Any] | None = None,
+    optimizer: dict[str, Any] | None = None,
+) -> ShardDef:
+    return ShardDef(
+        id=sid,
+        var="emb",
+        index=sid,
+        dtype="float32",
+        full_shape=(buckets, 4),
+        row_start=start,
+        rows=buckets - start if rows is None else rows,
+        init=init or {"name": "normal", "stddev": 0.1, "seed": 3},
+        optimizer=optimizer or {"name": "sgd", "lr": 0.5},
+        sparse=True,
+        table=table or {},
+    )
+
+
+def store_of(*defs: ShardDef) -> ShardStore:
+    s = ShardStore()
+    s.create(list(defs))
+    return s
+
+
+def test_the_hash_is_the_documented_splitmix64_finalizer() -> None:
+    ids = [0, 1, -1, 42, 2**63 - 1, -(2**63), 123456789012345]
+    got = mix64(np.array(ids, np.int64))
+    assert [int(v) for v in got] == [splitmix64_finalizer(i) for i in ids]
+    assert [int(b) for b in bucket_of(np.array(ids, np.int64), 1000)] == [
+        splitmix64_finalizer(i) % 1000 for i in ids
+    ]
+
+
+def test_initial_rows_depend_on_id_variable_and_seed_only() -> None:
+    init = {"name": "normal", "stddev": 0.1, "seed": 3}
+    ids = np.array([5, -9, 2**50], np.int64)
+    a = initial_rows(init, "emb", ids, 4, "float32")
+    b = initial_rows(init, "emb", ids[::-1], 4, "float32")[::-1]
+    assert np.array_equal(a, b)  # not a function of position or batch
+    assert not np.array_equal(a, initial_rows({**init, "seed": 4}, "emb", ids, 4, "float32"))
+    assert not np.array_equal(a, initial_rows(init, "other", ids, 4, "float32"))
+    many = initial_rows(init, "emb", np.arange(20_000), 4, "float64")
+    assert abs(many.mean()) < 0.005 and abs(many.std() - 0.1) < 0.005
+    trunc = initial_rows({"name": "truncated_normal", "stddev": 1.0}, "e", np.arange(5000), 4, "f8")
+    assert np.abs(trunc).max() <= 2.0
+    uni = initial_rows({"name": "uniform", "low": -1, "high": 3}, "e", np.arange(5000), 2, "f8")
+    assert uni.min() >= -1 and uni.max() <= 3 and abs(uni.mean() - 1.0) < 0.05
+
+
+def test_rows_are_the_same_whatever_the_sharding() -> None:
+    ids = np.arange(-500, 500, 7, dtype=np.int64)
+    whole = store_of(table_def())
+    _, want = whole.pull_rows(0, ids)
+    parts = store_of(table_def(rows=20, sid=0), table_def(start=20, sid=1))
+    b = bucket_of(ids, 64)
+    got = np.empty_like(want)
+    for sid, sel in ((0, b < 20), (1, b >= 20)):
+        got[sel] = parts.pull_rows(sid, ids[sel])[1]
+    assert np.array_equal(got, want)
+
+
+def test_ids_of_another_shard_are_refused_and_change_nothing() -> None:
+    store = store_of(table_def(rows=20))
+    ids = np.arange(200, dtype=np.int64)
+    outside = ids[bucket_of(ids, 64) >= 20][:1]
+    inside = ids[bucket_of(ids, 64) < 20][:3]
+    with pytest.raises(InvalidArgument, match="hashes outside"):
+        store.pull_rows(0, np.concatenate([inside, outside]))
+    with pytest.raises(InvalidArgument, match="hashes outside"):
+        store.apply_rows(0, outside, np.ones((1, 4), np.float32), 0)
+    with pytest.raises(InvalidArgument, match="integer"):
+        store.pull_rows(0, inside.astype(np.float64))
+    with pytest.raises(InvalidArgument, match="row gradients"):
+        store.apply_rows(0, inside, np.ones((2, 4), np.float32), 0)
+    shard: Any = store.get(0)
+    assert shard.rows == 0 and shard.version == 0 and shard.counters.created == 0
+
+
+def test_dense_access_to_a_table_is_refused() -> None:
+    store = store_of(table_def())
+    with pytest.raises(InvalidArgument, match="hash-keyed"):
+        store.snapshot(0)
+    with pytest.raises(InvalidArgument, match="hash-keyed"):
+        store.apply_dense(0, [(0, np.zeros(4, np.float32))], 0)
+    with pytest.raises(InvalidArgument, match="hash-keyed"):
+        store.get(0).lend()
+
+
+def test_admission_after_k_sightings() -> None:
+    store = store_of(table_def({"admit_after": 3}))
+    ids = np.array([11, 12], np.int64)
+    for _ in range(2):
+        _, rows = store.pull_rows(0, ids)
+        assert np.array_equal(rows, np.zeros((2, 4), np.float32))  # not admitted: zeros
+    store.apply_rows(0, ids, np.ones((2, 4), np.float32), 0)  # dropped, counted
+    shard: Any = store.get(0)
+    assert (shard.rows, shard.counters.not_admitted, shard.counters.admitted) == (0, 2, 0)
+    _, rows = store.pull_rows(0, ids)  # the third sighting admits them
+    want = initial_rows(table_def().init, "emb", ids, 4, "float32")
+    assert np.array_equal(rows, want)
+    assert (shard.rows, shard.counters.admitted, shard.counters.created) == (2, 2, 2)
+
+
+def test_rows_idle_too_long_are_evicted_and_come_back_at_their_initial_value() -> None:
+    store = store_of(table_def({"evict_after": 8}))
+    hot, cold = np.array([1], np.int64), np.array([2], np.int64)
+    _, cold0 = store.pull_rows(0, cold)
+    store.apply_rows(0, cold, np.ones((1, 4), np.float32), 0)
+    for _ in range(20):
+        store.apply_rows(0, hot, np.ones((1, 4), np.float32), store.get(0).version)
+    shard: Any = store.get(0)
+    assert shard.rows == 1 and shard.counters.evicted_idle == 1
+    _, again = store.pull_rows(0, cold)
+    assert np.array_equal(again, cold0)  # recreated from the id: its initial value
+
+
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_a_stream_of_ever_new_ids_never_exceeds_the_row_budget(admit_after: int) -> None:
+    budget, pending_limit = 500, 2000
+    store = store_of(
+        table_def(
+            {"row_budget": budget, "admit_after": admit_after, "pending_limit": pending_limit}
+        )
+    )
+    shard: Any = store.get(0)
+    rng = np.random.default_rng(1)
+    nbytes = []
+    for step in range(300):
+        fresh = np.arange(step * 100, step * 100 + 100, dtype=np.int64)
+        recent = rng.integers(max(0, step - 3) * 100, step * 100 + 100, 20)
+        ids = np.unique(np.concatenate([fresh, fresh if admit_after > 1 else [], recent]))
+        ids = ids.astype(np.int64)
+        store.pull_rows(0, ids)
+        store.pull_rows(0, ids)
+        store.apply_rows(0, ids, np.ones((ids.size, 4), np.float32), shard.version)
+        assert shard.rows <= budget and shard.table.capacity <= budget
+        assert len(shard.pending) <= pending_limit
+        nbytes.append(store.nbytes())
+    c = shard.counters
+    assert c.created > 20 * budget  # the stream went far past the budget...
+    assert c.created - c.evicted_budget == shard.rows  # ...and every row left is counted
+    assert max(nbytes) == nbytes[-1] == nbytes[len(nbytes) // 2]  # memory flat
+    # the most recent ids survived; long-gone ones were evicted
+    table = shard.table
+    assert table.lookup(np.array([299 * 100 + 5]))[0] >= 0
+    assert table.lookup(np.array([5]))[0] < 0
+
+
+def test_one_request_beyond_the_budget_is_refused() -> None:
+    store = store_of(table_def({"row_budget": 10}))
+    with pytest.raises(InvalidArgument, match="row budget"):
+        store.pull_rows(0, np.arange(11, dtype=np.int64))
+    assert store.get(0).rows == 0  # type: ignore[attr-defined]
+
+
+def test_bad_table_configs_are_refused() -> None:
+    with pytest.raises(InvalidArgument, match="row_budget"):
+        VariableDef("t", (16, 4), table={"row_budget": 0})
+    with pytest.raises(InvalidArgument, match="does not take"):
+        VariableDef("t", (16, 4), table={"budget": 10})
+    with pytest.raises(InvalidArgument, match="cannot use initializer"):
+        VariableDef("t", (16, 4), init={"name": "glorot_uniform"}, table={})
+    v = VariableDef("t", (16, 4), table={"row_budget": 10})
+    assert v.sparse and v.hashed and VariableDef.from_wire(v.to_wire()) == v
+
+
+def test_a_table_gets_one_shard_per_ps() -> None:
+    v = VariableDef("t", (4096, 8), table={})
+    pl = plan([VariableDef("w", (3, 3)), v], 3, Partitioner())
+    shards = pl.shards_of("t")
+    assert sorted(s.ps for s in shards) == [0, 1, 2]
+    assert [(s.row_start, s.rows) for s in shards] == [(0, 1366), (1366, 1365), (2731, 1365)]

@@ -1,0 +1,128 @@
+"""Hash-keyed tables through PSService and ParameterClient (in-memory transport, real
+codec): routing of any int64 id, duplicates summed on the worker, sync accumulation,
+checkpoint_save / restore onto another number of PS with identical lookups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from test_ps_client import run
+from test_ps_recovery import bare_cluster, chief, created_cluster, defs_by_ps
+
+from zmqps.checkpoint import CheckpointRoot, Manifest, ShardRecord
+from zmqps.core.hashtable import initial_rows
+from zmqps.core.partition import Partitioner, plan
+from zmqps.core.variables import Placement, VariableDef
+
+EMB = VariableDef(
+    "emb",
+    (256, 3),
+    init={"name": "normal", "stddev": 0.1, "seed": 5},
+    optimizer={"name": "sgd", "lr": 0.5},
+    table={},
+)
+WIDE = VariableDef(
+    "wide", (256, 1), optimizer={"name": "ftrl", "lr": 0.1, "l2": 0.01}, table={"row_budget": 1000}
+)
+W = VariableDef("w", (4, 2), init={"name": "ones"})
+
+
+def placement(num_ps: int) -> Placement:
+    return plan([W, EMB, WIDE], num_ps, Partitioner(), optimizer={"name": "sgd", "lr": 0.1})
+
+
+IDS = np.array([-1, 7, 2**63 - 1, -(2**63), 7, 123456789, 0, 42, -99], np.int64)
+
+
+def test_rows_by_any_int64_id_and_duplicates_summed(tmp_path: Path) -> None:
+    async def body() -> None:
+        c = await created_cluster(placement(3), 3, None)
+        w = c.client("w0")
+        rows = await w.pull_rows("emb", IDS)
+        want = initial_rows(EMB.init, "emb", IDS, 3, "float32")
+        assert np.array_equal(rows, want)
+        grads = np.arange(IDS.size * 3, dtype=np.float32).reshape(IDS.size, 3)
+        assert await w.push_rows("emb", IDS, grads)
+        summed = {int(i): np.zeros(3) for i in IDS}
+        for i, g in zip(IDS.tolist(), grads, strict=True):
+            summed[i] += g
+        after = await w.pull_rows("emb", IDS)
+        for k, i in enumerate(IDS.tolist()):
+            np.testing.assert_allclose(after[k], want[k] - 0.5 * summed[i], rtol=1e-6)
+        held = [
+            svc.store.stats().get("tables", {}).get("emb", [{}])[0].get("rows", 0)
+            for svc in c.services
+        ]
+        assert sum(held) == np.unique(IDS).size and max(held) < np.unique(IDS).size
+
+    run(body())
+
+
+def test_sync_accumulates_row_gradients_of_every_replica() -> None:
+    async def body() -> None:
+        c = await created_cluster(placement(2), 2, None)
+        for i in (0, 1):
+            await chief(c, i).request("sync_config", {"mode": "sync", "required": 2})
+        w0, w1 = c.client("worker:0"), c.client("worker:1")
+        ids = np.array([3, 4], np.int64)
+        before = await w0.pull_rows("emb", ids)
+        await w0.push_rows("emb", ids, np.ones((2, 3), np.float32), step=0)
+        assert np.array_equal(await w0.pull_rows("emb", ids), before)  # 1 of 2: not yet
+        await w1.push_rows("emb", ids[:1], np.full((1, 3), 3.0, np.float32), step=0)
+        after = await w0.pull_rows("emb", ids)
+        # the mean of the two replicas' (summed) gradients: (1 + 3) / 2 and (1 + 0) / 2
+        np.testing.assert_allclose(after[0], before[0] - 0.5 * 2.0, rtol=1e-6)
+        np.testing.assert_allclose(after[1], before[1] - 0.5 * 0.5, rtol=1e-6)
+
+    run(body())
+
+
+async def _save(c: Any, root: CheckpointRoot, step: int) -> Any:
+    temp = root.new_temp(step)
+    records: list[ShardRecord] = []
+    for i in range(len(c.services)):
+        await chief(c, i).request("checkpoint_save", {"name": temp.name, "id": 1})
+    for i in range(len(c.services)):
+        rep = await chief(c, i).request("checkpoint_done", {"id": 1, "wait": 5.0})
+        records += [ShardRecord.from_json(r) for r in rep.body["shards"]]
+    manifest = Manifest(
+        step=step,
+        variables=[v.to_wire() for v in c.placement.variables],
+        optimizer=dict(c.placement.optimizer),
+        num_ps=len(c.services),
+        shards=records,
+    )
+    return root.commit(temp, manifest)
+
+
+def test_checkpoint_and_restore_onto_another_ps_count(tmp_path: Path) -> None:
+    async def body() -> None:
+        root = CheckpointRoot(tmp_path / "ckpt")
+        c = await created_cluster(placement(2), 2, root.path)
+        w = c.client("w0")
+        rng = np.random.default_rng(3)
+        pool = rng.integers(-(2**63), 2**63 - 1, 200, dtype=np.int64)
+        for _ in range(8):
+            ids = rng.choice(pool, 40)
+            for t, width in (("emb", 3), ("wide", 1)):
+                await w.pull_rows(t, ids)
+                await w.push_rows(t, ids, rng.normal(size=(40, width)).astype(np.float32))
+        want = {t: await w.pull_rows(t, pool) for t in ("emb", "wide")}
+        ckpt = await _save(c, root, 8)
+        assert ckpt.verify() == []
+
+        for num_ps in (1, 3):
+            pl = placement(num_ps)
+            c2 = bare_cluster(pl, num_ps, root.path)
+            body = {"gen": 1, "step": 8, "placement": pl.to_wire(), "name": ckpt.name}
+            by_ps = defs_by_ps(pl)
+            for ps in range(num_ps):
+                await chief(c2, ps).request("restore", {**body, "shards": by_ps[ps]})
+            w2 = c2.client("w0")
+            w2.gen = 1
+            for t in ("emb", "wide"):
+                assert np.array_equal(await w2.pull_rows(t, pool), want[t]), (num_ps, t)
+
+    run(body(), timeout=30)

@@ -1,0 +1,231 @@
+"""The PS side of a hash-keyed table: one shard's rows, admission and eviction.
+
+Rules of this module (see :mod:`zmqps.core.hashtable` for the hash, the initial
+values and the row policy):
+
+* :class:`HashShard` is a :class:`~zmqps.core.store.Shard` whose rows are addressed
+  by int64 id instead of row number; :class:`~zmqps.core.store.ShardStore` routes
+  ``pull_rows`` / ``apply_rows`` of such a shard here and refuses dense access.
+* ``check_ids`` validates a request whole (1-D integer ids, every id's bucket in this
+  shard's range, not more new ids than the row budget) before anything changes.
+* Counters (``created``, ``admitted``, ``evicted`` by reason, ``not_admitted``) only
+  grow; :meth:`HashShard.stats` reports them with the live row count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from zmqps.core.hashtable import RowTable, TableConfig, bucket_of, initial_rows
+from zmqps.core.optimizers import Optimizer, make_optimizer
+from zmqps.core.store import Shard
+from zmqps.core.variables import ShardDef
+from zmqps.wire.errors import InvalidArgument
+
+__all__ = ["HashShard", "TableCounters"]
+
+Array = npt.NDArray[Any]
+
+#: Rows a new shard starts with (capacity doubles as rows arrive, up to the budget).
+INITIAL_CAPACITY = 1024
+
+
+@dataclass
+class TableCounters:
+    created: int = 0
+    admitted: int = 0
+    not_admitted: int = 0
+    evicted_budget: int = 0
+    evicted_idle: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "created": self.created,
+            "admitted": self.admitted,
+            "not_admitted": self.not_admitted,
+            "evicted": {"budget": self.evicted_budget, "idle": self.evicted_idle},
+        }
+
+
+@dataclass
+class HashShard(Shard):
+    """One shard of a hash-keyed table (``definition.table`` is set)."""
+
+    table: RowTable = field(default=None, repr=False)  # type: ignore[assignment]
+    config: TableConfig = field(default_factory=TableConfig)
+    counters: TableCounters = field(default_factory=TableCounters)
+    #: ids seen but not admitted yet -> sightings (insertion order = age)
+    pending: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, d: ShardDef, optimizer: Optimizer | None = None) -> HashShard:
+        optimizer = optimizer or make_optimizer(d.optimizer)
+        config = TableConfig.parse(d.table or {})
+        dim = int(np.prod(d.full_shape[1:]))
+        table = RowTable(dim, d.dtype, optimizer, INITIAL_CAPACITY, config.row_budget)
+        return cls(d, table.values, table.slots, optimizer, table=table, config=config)
+
+    def _sync(self) -> None:
+        self.values, self.slots = self.table.values, self.table.slots
+        self._views()
+        self.flat_slots = {k: v.reshape(-1) for k, v in self.slots.items()}
+
+    def lend(self) -> Array:
+        raise InvalidArgument(
+            f"shard {self.definition.id} is a hash-keyed table: pull rows by id (pull_rows)"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        t = self.table
+        return int(t.values.nbytes + sum(s.nbytes for s in t.slots.values()) + t.ids.nbytes * 2)
+
+    @property
+    def rows(self) -> int:
+        return len(self.table)
+
+    # -- validation ------------------------------------------------------------
+
+    def check_ids(self, ids: Any) -> Array:
+        """Validated ids as int64 (any values; their buckets must be this shard's)."""
+        d = self.definition
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise InvalidArgument(f"shard {d.id}: ids must be a 1-D integer array")
+        if ids.dtype == np.uint64:
+            ids = ids.view(np.int64)  # the same 64-bit patterns
+        out: Array = ids.astype(np.int64, copy=False)
+        self.check_buckets(out)
+        budget = self.config.row_budget
+        if budget is not None and out.size > budget and np.unique(out).size > budget:
+            raise InvalidArgument(
+                f"shard {d.id}: one request names more ids than the row budget {budget}"
+            )
+        return out
+
+    def check_buckets(self, ids: Array) -> None:
+        """InvalidArgument unless every id hashes into this shard's bucket range."""
+        d = self.definition
+        if ids.size:
+            b = bucket_of(ids, d.full_shape[0])
+            if int(b.min()) < d.row_start or int(b.max()) >= d.row_start + d.rows:
+                raise InvalidArgument(
+                    f"shard {d.id}: an id hashes outside buckets"
+                    f" [{d.row_start}, {d.row_start + d.rows}) (routed to the wrong shard?)"
+                )
+
+    # -- rows ------------------------------------------------------------------
+
+    def _admit(self, missing: Array) -> Array:
+        """Count a sighting of every missing id; return those admitted now."""
+        k = self.config.admit_after
+        if k <= 1:
+            return missing
+        pending = self.pending
+        ready = []
+        for i in missing.tolist():
+            c = pending.pop(i, 0) + 1
+            if c >= k:
+                ready.append(i)
+            else:
+                pending[i] = c
+        over = len(pending) - self.config.pending_limit
+        if over > 0:  # forget the ids waiting longest (dicts keep insertion order)
+            for i in [i for i, _ in zip(pending, range(over), strict=False)]:
+                del pending[i]
+        self.counters.admitted += len(ready)
+        return np.array(ready, np.int64)
+
+    def _make_room(self, n: int, protect: Array) -> None:
+        budget = self.config.row_budget
+        if budget is None:
+            return
+        excess = len(self.table) + n - budget
+        if excess > 0:
+            # evict a little more than needed so the next requests find room at once
+            victims = self.table.oldest(excess + budget // 64, protect)
+            self.table.evict_rows(victims)
+            self.counters.evicted_budget += int(victims.size)
+
+    def rows_for(self, ids: Array, sighting: bool) -> Array:
+        """Row of every (unique) id, creating the admitted ones; -1 for ids not admitted.
+
+        ``sighting``: count this as a sighting for admission (pulls do)."""
+        rows = self.table.lookup(ids)
+        missing_at = np.flatnonzero(rows < 0)
+        if missing_at.size:
+            missing = ids[missing_at]
+            if sighting or self.config.admit_after <= 1:
+                new = self._admit(missing)
+            else:
+                new = np.zeros(0, np.int64)
+            if new.size:
+                self._make_room(new.size, rows[rows >= 0])
+                d = self.definition
+                values = initial_rows(d.init, d.var, new, self.table.dim, d.dtype)
+                made = self.table.insert(new, values, self.version)
+                self.counters.created += int(new.size)
+                self._sync()
+                pos = {i: r for i, r in zip(new.tolist(), made.tolist(), strict=True)}
+                rows[missing_at] = [pos.get(i, -1) for i in missing.tolist()]
+        present = rows[rows >= 0]
+        self.table.touched[present] = self.version
+        return rows
+
+    def pull(self, ids: Array) -> Array:
+        """Rows of ``ids`` (validated; duplicates allowed), zeros for ids not admitted."""
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        rows = self.rows_for(uniq, sighting=True)
+        out = np.zeros((uniq.size, self.table.dim), self.table.values.dtype)
+        have = rows >= 0
+        out[have] = self.table.values[rows[have]]
+        return out[inverse.reshape(-1)].reshape((ids.size, *self.definition.shape[1:]))
+
+    def evict_idle(self, version: int) -> None:
+        """Drop rows untouched for more than ``evict_after`` updates (checked every
+        ``evict_after // 8`` updates, so a row may outstay it by that much)."""
+        t = self.config.evict_after
+        if t is None or version % max(1, t // 8):
+            return
+        live = self.table.touched >= 0
+        idle = np.flatnonzero(live & (self.table.touched < version - t))
+        if idle.size:
+            self.table.evict_rows(idle)
+            self.counters.evicted_idle += int(idle.size)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "rows": len(self.table),
+            "capacity": self.table.capacity,
+            "pending": len(self.pending),
+            **self.counters.to_dict(),
+        }
+
+    # -- checkpoints -----------------------------------------------------------
+
+    def state(self) -> tuple[Array, Array, dict[str, Array], Array]:
+        """``(ids, values, slots, touched)`` of every live row (copies, id order)."""
+        return self.table.compact_state()
+
+    def load(
+        self, ids: Array, values: Array, slots: Mapping[str, Array], touched: Array, version: int
+    ) -> None:
+        """Fill an empty shard with restored rows (already validated by the caller)."""
+        budget = self.config.row_budget
+        if budget is not None and ids.size > budget:
+            # restored onto fewer PS than the budget allows: keep the most recent rows
+            self.counters.evicted_budget += int(ids.size - budget)
+            keep = np.argsort(-touched, kind="stable")[:budget]
+            keep.sort()
+            ids, values, touched = ids[keep], values[keep], touched[keep]
+            slots = {k: v[keep] for k, v in slots.items()}
+        self.version = int(version)
+        rows = self.table.insert(ids, values.reshape(ids.size, -1), 0)
+        for k, v in slots.items():
+            self.table.slots[k][rows] = v.reshape(ids.size, -1)
+        self.table.touched[rows] = np.minimum(touched, self.version)
+        self._sync()

@@ -1,0 +1,152 @@
+"""The built-in click-through-rate job (``--model ctr``): training loop and evaluation.
+
+Rules of this module:
+
+* Each step deduplicates the batch's ids (:class:`~zmqps.models.ctr.SparseBatch`),
+  pulls every unique row of each hash table once, gathers them per (example, field),
+  and pushes one summed gradient per unique row.
+* async: the rows of the NEXT batch are pulled while this batch computes and pushes
+  (one step staler for ids both batches share, which async tolerates anyway); sync:
+  rows must be of the token's step, so they are pulled after the token, together with
+  the dense variables.
+* Evaluation pulls the test set's rows in pieces and reports ``test_auc``,
+  ``test_logloss`` and, for synthetic data, the true model's ``ground_truth_auc`` /
+  ``ground_truth_logloss`` on the same examples.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from zmqps.data.ctr import CTRDataset, auc, logloss
+from zmqps.models.ctr import CTRModel, SparseBatch
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.job import JobConfig
+from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack
+
+if TYPE_CHECKING:
+    from zmqps.roles.worker import Worker
+
+__all__ = ["evaluate_ctr", "train_ctr"]
+
+log = logging.getLogger("zmqps.worker")
+
+Rows = dict[str, np.ndarray]
+
+
+def _lookups(model: CTRModel, batch: SparseBatch) -> dict[str, np.ndarray]:
+    return {name: batch.unique for name in model.tables}
+
+
+def _rows(
+    worker: Worker, model: CTRModel, batch: SparseBatch, fut: concurrent.futures.Future[Rows]
+) -> Rows:
+    """The prefetched rows, or (the prefetch met a restore) pulled again with recovery."""
+    try:
+        return fut.result()
+    except (RolledBack, NotReady, DeadlineExceeded) as e:
+        log.warning("worker %d: row prefetch failed (%s); pulling again", worker.index, e)
+        return {name: worker.pull_rows(name, batch.unique) for name in model.tables}
+
+
+def _batches(data: CTRDataset, job: JobConfig, worker: Worker) -> Iterator[CTRDataset]:
+    skip = worker.steps_done
+    for epoch in range(job.epochs):
+        for b in data.batches(job.batch_size, epoch, seed=job.seed * 1000 + worker.index):
+            if skip:
+                skip -= 1
+                continue
+            yield b
+
+
+def train_ctr(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
+    """Train the wide-and-deep CTR model on this worker's shard of the data."""
+    from zmqps.roles.worker import Terminated
+
+    data = job.load_ctr("train").shard(worker.index, num_workers)
+    model = job.build_ctr_model(data)
+    worker.create_variables(model.variables(), optimizer=job.optimizer)
+    params = worker.pull()
+    asynchronous = worker.mode == "async"
+    it = _batches(data, job, worker)
+    batch = next(it, None)
+    sparse = SparseBatch.of(batch.ids) if batch is not None else None
+    fut = worker.pull_rows_async(_lookups(model, sparse)) if asynchronous and sparse else None
+    loss, t_last, s_last = float("nan"), time.perf_counter(), 0
+    while batch is not None and sparse is not None:
+        worker.begin_step()
+        started = time.perf_counter()
+        if asynchronous:
+            assert fut is not None
+            rows = _rows(worker, model, sparse, fut)
+        else:
+            fut = worker.pull_rows_async(_lookups(model, sparse))
+            params = worker.pull()  # the token's step, while the rows travel
+            rows = _rows(worker, model, sparse, fut)
+        worker.record_phase("pull", started)
+        nxt = next(it, None)
+        nxt_sparse = SparseBatch.of(nxt.ids) if nxt is not None else None
+        if asynchronous and nxt_sparse is not None:
+            fut = worker.pull_rows_async(_lookups(model, nxt_sparse))  # overlaps this step
+        started = time.perf_counter()
+        loss, grads, row_grads = model.loss_and_grads(params, rows, sparse, batch.dense, batch.y)
+        worker.record_phase("compute", started)
+        for name, g in row_grads.items():
+            worker.push_rows(name, sparse.unique, g)
+        if asynchronous:
+            params = worker.push_pull(grads, loss=loss, examples=len(batch))
+        else:
+            worker.push(grads, loss=loss, examples=len(batch))
+        if worker.stop_requested:
+            raise Terminated()
+        if worker.step % job.log_every == 0:
+            now = time.perf_counter()
+            log.info(
+                "worker %d: step %d, global step %d, loss %.4f (%.4f s/batch, %d unique ids)",
+                worker.index,
+                worker.step,
+                worker.global_step,
+                loss,
+                (now - t_last) / max(1, worker.step - s_last),
+                sparse.unique.size,
+            )
+            t_last, s_last = now, worker.step
+        batch, sparse = nxt, nxt_sparse
+    log.info("worker %d: done after %d steps (loss %.4f)", worker.index, worker.step, loss)
+    return {"steps": worker.step, "loss": loss}
+
+
+async def evaluate_ctr(
+    client: ParameterClient, job: JobConfig, piece: int = 8192
+) -> dict[str, Any]:
+    """AUC and log loss of the trained model on the held-out split (the chief's summary).
+
+    Pulling the test rows creates the rows of ids training never saw (their initial
+    values: what serving would read too)."""
+    test = job.load_ctr("test")
+    model = job.build_ctr_model(test)
+    params = await client.pull()
+    scores = np.empty(len(test), np.float64)
+    for lo in range(0, len(test), piece):
+        part = test.take(slice(lo, lo + piece))
+        sparse = SparseBatch.of(part.ids)
+        rows = {name: await client.pull_rows(name, sparse.unique) for name in model.tables}
+        logit = model.predict_logits(params, rows, sparse, part.dense)
+        scores[lo : lo + len(part)] = 1.0 / (1.0 + np.exp(-logit.astype(np.float64)))
+    out: dict[str, Any] = {
+        "model": "ctr",
+        "dataset": job.dataset,
+        "test_examples": len(test),
+        "test_auc": round(auc(test.y, scores), 4),
+        "test_logloss": round(logloss(test.y, scores), 4),
+    }
+    if test.p_true is not None:
+        out["ground_truth_auc"] = round(auc(test.y, test.p_true), 4)
+        out["ground_truth_logloss"] = round(logloss(test.y, test.p_true), 4)
+    return out
