@@ -58,6 +58,12 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...]]] = {
     "zmqps_eval_step": ("gauge", ()),
     "zmqps_evaluations": ("counter", ()),
     "zmqps_info": ("gauge", ("role", "index", "mode", "version")),
+    "zmqps_sparse_rows": ("counter", ("variable", "op")),
+    "zmqps_table_rows": ("gauge", ("variable",)),
+    "zmqps_table_rows_created": ("counter", ("variable",)),
+    "zmqps_table_rows_admitted": ("counter", ("variable",)),
+    "zmqps_table_gradients_not_admitted": ("counter", ("variable",)),
+    "zmqps_table_rows_evicted": ("counter", ("variable", "reason")),
 }
 
 VARS = (
@@ -109,6 +115,8 @@ def test_catalogue_names_types_labels_and_help() -> None:
     m.token_wait.observe(0.1)
     m.checkpoint_duration.observe(0.5)
     m.restores.labels("ps").inc()
+    m.rows("emb", "pull", 3)
+    m.watch_tables(lambda: {"emb": {"rows": 2, "created": 3, "evicted": {"budget": 1}}})
     text = generate_latest(m.registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, (kind, labels) in CATALOGUE.items():
