@@ -68,6 +68,12 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...]]] = {
     "zmqps_worker_functions": ("counter", ("status",)),
     "zmqps_worker_function_seconds": ("histogram", ()),
     "zmqps_info": ("gauge", ("role", "index", "mode", "version")),
+    "zmqps_sparse_rows": ("counter", ("variable", "op")),
+    "zmqps_table_rows": ("gauge", ("variable",)),
+    "zmqps_table_rows_created": ("counter", ("variable",)),
+    "zmqps_table_rows_admitted": ("counter", ("variable",)),
+    "zmqps_table_gradients_not_admitted": ("counter", ("variable",)),
+    "zmqps_table_rows_evicted": ("counter", ("variable", "reason")),
 }
 
 VARS = (
@@ -120,6 +126,8 @@ def test_catalogue_names_types_labels_and_help() -> None:
     m.checkpoint_duration.observe(0.5)
     m.restores.labels("ps").inc()
     m.function_done("ok", 0.01)
+    m.rows("emb", "pull", 3)
+    m.watch_tables(lambda: {"emb": {"rows": 2, "created": 3, "evicted": {"budget": 1}}})
     text = generate_latest(m.registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, (kind, labels) in CATALOGUE.items():

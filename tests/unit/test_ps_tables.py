@@ -126,3 +126,46 @@ def test_checkpoint_and_restore_onto_another_ps_count(tmp_path: Path) -> None:
                 assert np.array_equal(await w2.pull_rows(t, pool), want[t]), (num_ps, t)
 
     run(body(), timeout=30)
+
+
+def test_table_metrics_on_a_ps() -> None:
+    from test_metrics import value
+    from test_ps_client import Cluster
+
+    from zmqps.metrics import Metrics
+    from zmqps.roles.ps import PSService
+    from zmqps.transport.fake import FakeNetwork
+
+    async def body() -> None:
+        pl = plan(
+            [VariableDef("t", (16, 2), table={"row_budget": 8, "admit_after": 2})],
+            1,
+            Partitioner(),
+            optimizer={"name": "sgd", "lr": 0.1},
+        )
+        m = Metrics()
+        net = FakeNetwork()
+        svc = PSService(0, metrics=m)
+        net.serve("ps0", svc, name="ps0")
+        c = Cluster(net, [svc], pl)
+        await chief(c, 0).request(
+            "create_shards", {"shards": [d.to_wire() for _, d in pl.shard_defs()]}
+        )
+        w = c.client("w0")
+        ids = np.arange(6, dtype=np.int64)
+        await w.pull_rows("t", ids)  # first sighting: nothing created
+        await w.push_rows("t", ids, np.ones((6, 2), np.float32))  # dropped: not admitted
+        await w.pull_rows("t", ids)  # admitted, created
+        await w.pull_rows("t", ids + 100)
+        await w.pull_rows("t", ids + 100)  # 6 more: over the budget of 8
+        assert value(m, "zmqps_sparse_rows_total", variable="t", op="pull") == 24
+        assert value(m, "zmqps_sparse_rows_total", variable="t", op="push") == 6
+        assert value(m, "zmqps_table_gradients_not_admitted_total", variable="t") == 6
+        assert value(m, "zmqps_table_rows_created_total", variable="t") == 12
+        assert value(m, "zmqps_table_rows_admitted_total", variable="t") == 12
+        evicted = value(m, "zmqps_table_rows_evicted_total", variable="t", reason="budget")
+        rows = value(m, "zmqps_table_rows", variable="t")
+        assert rows <= 8 and evicted == 12 - rows and evicted >= 4
+        assert value(m, "zmqps_table_rows_evicted_total", variable="t", reason="idle") == 0
+
+    run(body())

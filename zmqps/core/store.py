@@ -307,6 +307,22 @@ class ShardStore:
         """Shards of hash-keyed tables held here (``HashShard``)."""
         return [s for s in self._shards.values() if s.definition.table is not None]
 
+    def table_stats(self) -> dict[str, dict[str, Any]]:
+        """Per hash-keyed variable, the stats of its shards here summed (rows, created,
+        admitted, not_admitted, evicted by reason)."""
+        out: dict[str, dict[str, Any]] = {}
+        for t in self.tables():
+            st = t.stats()
+            acc = out.setdefault(
+                t.definition.var,
+                {"rows": 0, "created": 0, "admitted": 0, "not_admitted": 0, "evicted": {}},
+            )
+            for k in ("rows", "created", "admitted", "not_admitted"):
+                acc[k] += st[k]
+            for reason, n in st["evicted"].items():
+                acc["evicted"][reason] = acc["evicted"].get(reason, 0) + n
+        return out
+
     def snapshot(self, shard_id: int) -> tuple[int, Array]:
         """``(version, copy of the values)``: a consistent snapshot of the shard."""
         shard = self.get_dense(shard_id)

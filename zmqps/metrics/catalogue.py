@@ -12,13 +12,17 @@ Rules of this module:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 __all__ = [
     "AUTH_FAILURE_REASONS",
     "DROP_REASONS",
+    "EVICTION_REASONS",
     "FUNCTION_OUTCOMES",
     "PHASES",
     "STALENESS_BUCKETS",
@@ -37,6 +41,61 @@ AUTH_FAILURE_REASONS = ("refused", "handshake")
 PHASES = ("pull", "h2d", "compute", "d2h", "push")
 #: How a function scheduled by the coordinator ended (retries are counted apart).
 FUNCTION_OUTCOMES = ("ok", "failed", "cancelled")
+#: Why a hash-keyed table dropped a row: over its row budget, or untouched too long.
+EVICTION_REASONS = ("budget", "idle")
+
+#: Reads ``{variable: stats}`` of the hash tables a PS holds (``HashShard.stats`` summed
+#: over its shards): rows, created, admitted, not_admitted, evicted {reason: n}.
+TableStats = Callable[[], Mapping[str, Mapping[str, Any]]]
+
+
+class _TableCollector(Collector):
+    """Hash-table metrics read from the PS's tables at scrape time (counters the
+    tables already keep, so nothing is counted twice)."""
+
+    def __init__(self) -> None:
+        self.read: TableStats | None = None
+
+    def describe(self) -> list[Metric]:
+        return list(self._families({}))
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self.read() if self.read is not None else {})
+
+    @staticmethod
+    def _families(stats: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
+        rows = GaugeMetricFamily(
+            "zmqps_table_rows", "Rows a hash-keyed table holds on this PS.", labels=["variable"]
+        )
+        created = CounterMetricFamily(
+            "zmqps_table_rows_created",
+            "Rows a hash-keyed table created on this PS (first touch or admission).",
+            labels=["variable"],
+        )
+        admitted = CounterMetricFamily(
+            "zmqps_table_rows_admitted",
+            "Ids admitted after waiting for admit_after sightings.",
+            labels=["variable"],
+        )
+        refused = CounterMetricFamily(
+            "zmqps_table_gradients_not_admitted",
+            "Row gradients dropped because their id was not admitted (yet).",
+            labels=["variable"],
+        )
+        evicted = CounterMetricFamily(
+            "zmqps_table_rows_evicted",
+            "Rows a hash-keyed table dropped on this PS, by reason (budget, idle).",
+            labels=["variable", "reason"],
+        )
+        for var, st in sorted(stats.items()):
+            rows.add_metric([var], float(st.get("rows", 0)))
+            created.add_metric([var], float(st.get("created", 0)))
+            admitted.add_metric([var], float(st.get("admitted", 0)))
+            refused.add_metric([var], float(st.get("not_admitted", 0)))
+            for reason in EVICTION_REASONS:
+                evicted.add_metric([var, reason], float(st.get("evicted", {}).get(reason, 0)))
+        yield from (rows, created, admitted, refused, evicted)
+
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -115,6 +174,14 @@ class Metrics:
             "Optimizer applications to a shard on this PS.",
             registry=r,
         )
+        self.sparse_rows = Counter(
+            "zmqps_sparse_rows",
+            "Rows of row-sparse variables served (op=pull) or received (op=push) by a PS.",
+            ["variable", "op"],
+            registry=r,
+        )
+        self._tables = _TableCollector()
+        r.register(self._tables)
         self.shard_bytes = Gauge(
             "zmqps_shard_bytes", "Bytes held by this PS's shards (values and slots).", registry=r
         )
@@ -260,6 +327,7 @@ class Metrics:
         self._counts: dict[tuple[str, str], Counter] = {}
         self._timers: dict[str, Histogram] = {}
         self._staleness: dict[str, Histogram] = {}
+        self._rows: dict[tuple[str, str], Counter] = {}
 
     # -- identity ------------------------------------------------------------------
 
@@ -306,6 +374,18 @@ class Metrics:
 
     def drop(self, reason: str) -> None:
         self.dropped.labels(reason).inc()
+
+    def rows(self, variable: str, op: str, n: int) -> None:
+        """``n`` rows of ``variable`` pulled or pushed (``op``)."""
+        key = (variable, op)
+        child = self._rows.get(key)
+        if child is None:
+            child = self._rows[key] = self.sparse_rows.labels(variable, op)
+        child.inc(n)
+
+    def watch_tables(self, read: TableStats) -> None:
+        """Read the hash-table metrics from ``read`` at scrape time."""
+        self._tables.read = read
 
     # -- worker --------------------------------------------------------------------
 

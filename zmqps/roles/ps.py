@@ -111,6 +111,7 @@ class PSService:
 
             self.store.observer = observe
             metrics.watch(metrics.shard_bytes, self.store.nbytes)
+            metrics.watch_tables(self.store.table_stats)
         self.dedup = PushDeduper()
         self.chunk_elems_bytes = chunk_bytes
         self.duplicates = 0
@@ -327,6 +328,8 @@ class PSService:
             version, rows = self.store.pull_rows(sid, t.array)
             versions.append(version)
             tensors.append(Tensor(rows, "rows", sid))
+            if self.metrics is not None:
+                self.metrics.rows(self.store.get(sid).definition.var, "pull", rows.shape[0])
         return reply(msg, {"versions": versions}, tensors)
 
     def _op_push_rows(self, msg: Message) -> Message:
@@ -341,6 +344,9 @@ class PSService:
             pairs[sid] = (ts[0].array, ts[1].array)
         for sid, ver in zip(sids, pulled, strict=True):
             self.store.check_rows(sid, *pairs[sid], ver)
+            if self.metrics is not None:
+                var = self.store.get(sid).definition.var
+                self.metrics.rows(var, "push", pairs[sid][0].shape[0])
         body_out = self._commit_push(
             msg,
             lambda sid, ver: self.store.apply_rows(sid, *pairs[sid], ver)[1],
