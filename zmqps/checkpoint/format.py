@@ -316,6 +316,22 @@ def write_shard(
         tensors[f"slot.{name}"] = _check_array(
             f"{where} slot {name}", slots[name], shard.shape, None
         )
+    return write_shard_file(directory, shard, tensors, version, sorted(slots), where)
+
+
+def write_shard_file(
+    directory: Path,
+    shard: ShardDef,
+    tensors: Mapping[str, Any],
+    version: int,
+    slots: Sequence[str],
+    where: str,
+    extra: Mapping[str, str] | None = None,
+) -> ShardRecord:
+    """Write checked ``tensors`` of one shard as its safetensors file, atomically: a
+    temp file in ``directory``, fsynced, hashed, renamed, the directory fsynced. The
+    metadata names the shard (``extra`` adds keys). Raises :class:`CheckpointError` on
+    any IO failure, leaving no partial file."""
     metadata = {
         "format": SHARD_FORMAT,
         "format_version": str(FORMAT_VERSION),
@@ -326,12 +342,13 @@ def write_shard(
         "full_shape": json.dumps(list(shard.full_shape)),
         "dtype": shard.dtype,
         "version": str(version),
+        **(extra or {}),
     }
     final = directory / shard_file_name(shard.id)
     tmp = directory / _tmp_name(final.name)
     renamed = False
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        save_file(dict(tensors), tmp, metadata=metadata)
         os.chmod(tmp, 0o644)  # safetensors creates 0600; other readers (evaluator, inspect)
         _fsync_file(tmp)
         digest = sha256_file(tmp)

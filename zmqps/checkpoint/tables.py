@@ -18,9 +18,6 @@ Rules of this module:
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,21 +25,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 from safetensors import SafetensorError
-from safetensors.numpy import save_file
 
 from zmqps.checkpoint.format import (
-    FORMAT_VERSION,
-    SHARD_FORMAT,
     CheckpointError,
     ShardRecord,
-    _describe,
-    _fsync_file,
-    _tmp_name,
-    fsync_dir,
     open_shard,
-    sha256_file,
-    shard_file_name,
     st_dtype,
+    write_shard_file,
 )
 from zmqps.core.hashtable import bucket_of
 from zmqps.core.variables import ShardDef, VariableDef
@@ -84,48 +73,8 @@ def write_table_shard(
         if slots[name].shape[0] != n:
             raise CheckpointError(f"{where}: slot {name} has {slots[name].shape[0]} rows")
         tensors[f"slot.{name}"] = np.ascontiguousarray(slots[name]).reshape(n, *row_shape)
-    metadata = {
-        "format": SHARD_FORMAT,
-        "format_version": str(FORMAT_VERSION),
-        "var": shard.var,
-        "shard": str(shard.id),
-        "row_start": str(shard.row_start),
-        "rows": str(shard.rows),
-        "full_shape": json.dumps(list(shard.full_shape)),
-        "dtype": shard.dtype,
-        "version": str(version),
-        "table": "hash",
-        "table_rows": str(n),
-    }
-    final = directory / shard_file_name(shard.id)
-    tmp = directory / _tmp_name(final.name)
-    renamed = False
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, 0o644)
-        _fsync_file(tmp)
-        digest = sha256_file(tmp)
-        nbytes = tmp.stat().st_size
-        os.replace(tmp, final)
-        renamed = True
-        fsync_dir(directory)
-    except (OSError, SafetensorError) as exc:
-        for p in (tmp, final) if renamed else (tmp,):
-            with contextlib.suppress(OSError):
-                p.unlink()
-        raise CheckpointError(f"cannot write {where} to {final}: {_describe(exc)}") from exc
-    return ShardRecord(
-        file=final.name,
-        shard_id=shard.id,
-        var=shard.var,
-        row_start=shard.row_start,
-        rows=shard.rows,
-        dtype=shard.dtype,
-        version=version,
-        sha256=digest,
-        nbytes=nbytes,
-        slots=tuple(sorted(slots)),
-    )
+    extra = {"table": "hash", "table_rows": str(n)}
+    return write_shard_file(directory, shard, tensors, version, sorted(slots), where, extra)
 
 
 def check_table_header(f: Any, rec: ShardRecord, var: VariableDef) -> str | None:
