@@ -151,7 +151,6 @@ def _checkpoint_policy(args: argparse.Namespace) -> Any:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from zmqps.metrics import Metrics, MetricsServer
     from zmqps.roles.worker import Terminated, Worker, train
 
     cluster, task = cluster_and_task(args, default_role="worker")
@@ -176,12 +175,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ConfigError(f"--device: {exc}") from None
     # SIGTERM (Kubernetes, the launcher) leaves the cluster cleanly instead of vanishing.
     signal.signal(signal.SIGTERM, _terminated)
-    port = metrics_port(args)
-    metrics = Metrics() if port is not None else None
-    exporter = None
-    if metrics is not None and port is not None:
-        exporter = MetricsServer(metrics, args.metrics_host, port)
-        log.info("worker %d: metrics at %s", task.index, exporter.url)
+    metrics, exporter = _worker_metrics(args, task.index)
     try:
         with Worker.from_cluster(
             cluster,
@@ -209,17 +203,24 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace, cluster: Any, task: Any) -> int:
-    from zmqps.cli.coordinator import serve
+def _worker_metrics(args: argparse.Namespace, index: int) -> tuple[Any, Any]:
+    """The worker's Metrics and its /metrics server (both None without --metrics-port)."""
     from zmqps.metrics import Metrics, MetricsServer
 
-    options = socket_options(args, "worker", task.index, serve=True, connect=True)
     port = metrics_port(args)
-    metrics = Metrics() if port is not None else None
-    exporter = None
-    if metrics is not None and port is not None:
-        exporter = MetricsServer(metrics, args.metrics_host, port)
-        log.info("worker %d: metrics at %s", task.index, exporter.url)
+    if port is None:
+        return None, None
+    metrics = Metrics()
+    exporter = MetricsServer(metrics, args.metrics_host, port)
+    log.info("worker %d: metrics at %s", index, exporter.url)
+    return metrics, exporter
+
+
+def _serve(args: argparse.Namespace, cluster: Any, task: Any) -> int:
+    from zmqps.cli.coordinator import serve
+
+    options = socket_options(args, "worker", task.index, serve=True, connect=True)
+    metrics, exporter = _worker_metrics(args, task.index)
     try:
         return serve(args, cluster, task, options, metrics)
     finally:
