@@ -44,7 +44,7 @@ SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics", "raw", "torch")
 #: Prometheus metrics) run only when asked for
 DEFAULT_SIDES = ("zmqps", "zmqps-tcp", "raw", "torch")
 #: suites that are not "the same workload on every side": see their modules.
-EXTRA_SUITES = ("optimizer", "sync", "checkpoint", "overlap")
+EXTRA_SUITES = ("optimizer", "sync", "checkpoint", "overlap", "coordinator")
 ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics")
 #: ratios of zmqps sides to each other: what CURVE costs on the wire
 OWN_RATIOS = (("zmqps-curve", "zmqps-tcp"),)
@@ -600,6 +600,17 @@ def run_bench(args: argparse.Namespace) -> int:
             )
             report["runs"].append(run)
             print(format_overlap(run) + "\n", flush=True)
+        if "coordinator" in cfg.extras:
+            from zmqps.bench.coordinator import format_coordinator, run_coordinator
+
+            run = run_coordinator(
+                workers=cfg.workers or (1, 2),
+                functions=cfg.steps or 1000,
+                repeat=min(cfg.repeat, 5),
+                timeout=cfg.timeout,
+            )
+            report["runs"].append(run)
+            print(format_coordinator(run) + "\n", flush=True)
         for suite in cfg.suites:
             for workers in cfg.workers_for(suite):
                 runs = run_case(suite, workers, cfg, run_dir / f"{suite}-x{workers}")

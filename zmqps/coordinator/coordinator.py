@@ -375,6 +375,9 @@ class Coordinator:
             "dispatch_overhead_ms": (
                 round(1000 * self._dispatch_s / self._runs, 4) if self._runs else None
             ),
+            "dispatch_runs": self._runs,
+            "dispatch_seconds": self._dispatch_s,
+            "workers_available": int(self._available_count()),
         }
 
     # ------------------------------------------------------------------ the chief
