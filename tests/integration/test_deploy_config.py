@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import yaml
 
-from zmqps.cli.args import job_from_args
+from zmqps.cli.args import cluster_and_task, job_from_args
 from zmqps.cli.main import _build
 from zmqps.config import ClusterSpec, TaskSpec, parse_tf_config, resolve
 from zmqps.transport.security import keygen, load_keys
@@ -197,16 +197,7 @@ def _tasks_of(services: dict[str, Any]) -> dict[str, tuple[ClusterSpec, TaskSpec
             continue
         command = svc["command"]
         args = _build().parse_args(command)
-        cluster, task = resolve(
-            args.cluster,
-            args.ps_hosts,
-            args.worker_hosts,
-            args.chief_host,
-            args.evaluator_hosts,
-            args.role,
-            args.index,
-            {"TF_CONFIG": tf_config},
-        )
+        cluster, task = cluster_and_task(args, environ={"TF_CONFIG": tf_config})
         assert parse_tf_config(tf_config)[1] == task
         out[name] = (cluster, task, command)
     return out

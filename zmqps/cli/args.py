@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from zmqps.config import KEYS_ENV, ClusterSpec, TaskSpec, keys_dir, resolve, split_address
@@ -384,8 +385,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def cluster_and_task(
-    args: argparse.Namespace, *, default_role: str | None = None
+    args: argparse.Namespace,
+    *,
+    default_role: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[ClusterSpec, TaskSpec]:
+    """This task's cluster and task from its flags, else ``TF_CONFIG`` in ``environ``
+    (default: this process' environment)."""
     return resolve(
         args.cluster,
         args.ps_hosts,
@@ -394,6 +400,7 @@ def cluster_and_task(
         args.evaluator_hosts,
         args.role,
         args.index,
+        environ,
         default_role=default_role,
     )
 
