@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zmqps.core.hashtable import bucket_of, initial_rows, mix64
 from zmqps.core.partition import Partitioner, plan
@@ -178,6 +180,36 @@ def test_a_stream_of_ever_new_ids_never_exceeds_the_row_budget(admit_after: int)
     table = shard.table
     assert table.lookup(np.array([299 * 100 + 5]))[0] >= 0
     assert table.lookup(np.array([5]))[0] < 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=6),
+    budget=st.one_of(st.none(), st.integers(5000, 9000)),
+)
+def test_requests_of_any_size_get_every_row_and_lose_no_free_row(
+    sizes: list[int], budget: int | None
+) -> None:
+    """Requests of new ids bigger than the capacity (several times over, at once)
+    all get their rows; rows in use plus free rows always make up the capacity."""
+    store = store_of(table_def({} if budget is None else {"row_budget": budget}))
+    shard: Any = store.get(0)
+    start, seen = 0, 0
+    for n in sizes:
+        ids = np.arange(start, start + n, dtype=np.int64) * 7919
+        start += n
+        _, rows = store.pull_rows(0, ids)
+        expect = initial_rows(shard.definition.init, "emb", ids, 4, "float32")
+        assert np.array_equal(rows, expect)
+        seen += n
+        table = shard.table
+        if budget is None:
+            assert len(table) == seen
+        else:  # older rows make room; this request's rows are all there
+            assert n <= len(table) <= table.capacity <= budget
+        assert len(table) + len(table.free) == table.capacity
+        assert len(set(table.index.values())) == len(table)  # no row given twice
+        assert (table.lookup(ids) >= 0).all()
 
 
 def test_one_request_beyond_the_budget_is_refused() -> None:

@@ -231,8 +231,9 @@ class RowTable:
         return np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, ids.size)
 
     def _grow(self, need: int) -> None:
+        """Room for ``need`` more rows than are free now (doubling; at most the budget)."""
         cap = self.capacity
-        new_cap = max(2 * cap, len(self.index) + need)
+        new_cap = max(2 * cap, cap + need)
         if self.budget is not None:
             new_cap = min(new_cap, self.budget)
         if new_cap <= cap:
@@ -271,7 +272,11 @@ class RowTable:
         """Rows for new ``ids`` (room must exist within the budget); returns them."""
         if len(self.free) < ids.size:
             self._grow(ids.size - len(self.free))
-        rows = np.array([self.free.pop() for _ in range(ids.size)], np.int64)
+        if len(self.free) < ids.size:  # the caller made no room within the budget
+            raise ValueError(f"no room for {ids.size} rows ({len(self.free)} free)")
+        taken = self.free[len(self.free) - ids.size :]
+        del self.free[len(self.free) - ids.size :]
+        rows = np.array(taken[::-1], np.int64)
         self.values[rows] = values
         for name, slot in self.optimizer.init_slots((ids.size, self.dim), self.dtype).items():
             self.slots[name][rows] = slot
