@@ -58,18 +58,27 @@ def _runs(report: dict[str, Any], suite: str) -> list[dict[str, Any]]:
     return [r for r in report["runs"] if r["suite"] == suite]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(100)
 def test_every_suite_reports_medians_and_ratios(procs: Reaper, tmp_path: Path) -> None:
     bench, out, logs = _bench(
-        procs, tmp_path, "dense", "sparse", "small", "--sides", "zmqps,zmqps-tcp,raw", *TINY
+        procs,
+        tmp_path,
+        "dense",
+        "sparse",
+        "small",
+        "--sides",
+        "zmqps,zmqps-tcp,zmqps-hash,raw",
+        "--row-budget",
+        "300",
+        *TINY,
     )
-    bench.expect_exit(0, timeout=50)
+    bench.expect_exit(0, timeout=90)
     report = read_json(out)
     assert report["ok"] is True and report["failures"] == []
     assert report["machine"]["nproc"] >= 1 and report["machine"]["pyzmq"]
     for suite, variants in (
         ("dense", {"pull+push", "push_pull"}),
-        ("sparse", {"rows"}),
+        ("sparse", {"rows", "fresh"}),
         ("small", {"pull+push", "push_pull"}),
     ):
         runs = _runs(report, suite)
@@ -82,6 +91,19 @@ def test_every_suite_reports_medians_and_ratios(procs: Reaper, tmp_path: Path) -
                 assert len(s["values"]) == 1 and len(s["runs"]) == 1
             assert run["ratios"]["zmqps/raw"] > 0
             assert run["ratios"]["zmqps-tcp/raw"] > 0
+            # the hash-keyed table is a sparse-suite side only
+            assert ("zmqps-hash" in run["sides"]) == (suite == "sparse"), run["sides"].keys()
+    for run in _runs(report, "sparse"):
+        h = run["sides"]["zmqps-hash"]
+        assert h["status"] == "ok" and h["median"] > 0, h
+        assert run["ratios"]["zmqps-hash/zmqps"] > 0 and run["ratios"]["zmqps-hash/raw"] > 0
+        # its tables, read from the PS after the runs: 256 new ids per fresh step
+        # against a budget of 300 rows, so rows were evicted to keep it
+        t = h["tables"]["emb_fresh"]
+        assert t["rows"] <= 300 and t["capacity"] <= 300, t
+        assert t["created"] >= 256 * 4 and t["evicted_budget"] > 0, t
+        pool = h["tables"]["emb"]  # the rows variant's: 8 batches of the pool, 256 ids
+        assert 0 < pool["rows"] <= 300 and pool["created"] >= 256, pool
     assert _runs(report, "dense")[0]["sides"]["zmqps-tcp"]["transport"] == ["tcp"]
     assert "zmqps/raw" in bench.stdout and "median steps/s" in bench.stdout
     assert not _children_of(logs)
@@ -102,12 +124,16 @@ def test_curve_side(procs: Reaper, tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_torch_side(procs: Reaper, tmp_path: Path) -> None:
-    bench, out, logs = _bench(procs, tmp_path, "sparse", "--sides", "zmqps,torch", *TINY)
+    bench, out, logs = _bench(
+        procs, tmp_path, "sparse", "--sides", "zmqps,zmqps-hash,torch", "--row-budget", "300", *TINY
+    )
     bench.expect_exit(0, timeout=50)
-    (run,) = read_json(out)["runs"]
-    assert run["sides"]["torch"]["status"] == "ok" and run["sides"]["torch"]["median"] > 0
-    assert run["ratios"]["zmqps/torch"] > 0
-    assert run["targets"]["zmqps/torch"]["min"] == 2.0
+    runs = {r["variant"]: r for r in read_json(out)["runs"]}
+    assert set(runs) == {"rows", "fresh"}
+    for run in runs.values():
+        assert run["sides"]["torch"]["status"] == "ok" and run["sides"]["torch"]["median"] > 0
+        assert run["ratios"]["zmqps/torch"] > 0 and run["ratios"]["zmqps-hash/torch"] > 0
+    assert runs["rows"]["targets"]["zmqps/torch"]["min"] == 2.0
     assert not _children_of(logs)
 
 

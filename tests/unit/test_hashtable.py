@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zmqps.core.hashtable import bucket_of, initial_rows, mix64
+from zmqps.core.hashtable import IdIndex, bucket_of, initial_rows, mix64
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.store import ShardStore
 from zmqps.core.variables import ShardDef, VariableDef
@@ -207,9 +207,83 @@ def test_requests_of_any_size_get_every_row_and_lose_no_free_row(
             assert len(table) == seen
         else:  # older rows make room; this request's rows are all there
             assert n <= len(table) <= table.capacity <= budget
-        assert len(table) + len(table.free) == table.capacity
-        assert len(set(table.index.values())) == len(table)  # no row given twice
+        assert len(table) + table.nfree == table.capacity
+        _, used = table.index.items()
+        free = table.free[: table.nfree]
+        assert np.unique(np.concatenate([used, free])).size == table.capacity  # none twice
         assert (table.lookup(ids) >= 0).all()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "remove"]),
+            st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(-50, 50), max_size=300),
+        ),
+        max_size=25,
+    )
+)
+def test_the_id_index_answers_like_a_dict(ops: list[tuple[str, list[int]]]) -> None:
+    """Batches of inserts and removals (any int64, extremes and small ids, repeats
+    across batches) leave the index answering every lookup as a dict would."""
+    index, model, next_row = IdIndex(), {}, 0
+    for op, batch in ops:
+        ids = np.array(sorted(set(batch)), np.int64)
+        if op == "insert":
+            ids = np.array([i for i in ids.tolist() if i not in model], np.int64)
+            rows = np.arange(next_row, next_row + ids.size, dtype=np.int64)
+            next_row += ids.size
+            index.insert(ids, rows)
+            model.update(zip(ids.tolist(), rows.tolist(), strict=True))
+        else:
+            index.remove(ids)
+            for i in ids.tolist():
+                model.pop(i, None)
+        assert len(index) == len(model)
+        asked = np.array(list(model) + batch + [0, -1, 2**63 - 1], np.int64)
+        want = np.array([model.get(i, -1) for i in asked.tolist()], np.int64)
+        assert np.array_equal(index.lookup(asked), want)
+        keys, rows = index.items()
+        assert dict(zip(keys.tolist(), rows.tolist(), strict=True)) == model
+        assert 2 * (index.live + index.gone) <= index.rows.size  # never over half full
+
+
+def test_the_id_index_stays_fast_for_ids_of_one_bucket_range() -> None:
+    """Ids of one shard share their bucket's hash bits; the index hashes them again,
+    so probe runs stay short (counted, not timed)."""
+    ids = np.arange(2_000_000, dtype=np.int64)
+    ids = ids[bucket_of(ids, 4096) < 16][:20_000]  # one shard of 16 buckets out of 4096
+    index = IdIndex()
+    index.insert(ids, np.arange(ids.size))
+    home = index._home(ids)
+    slot = index._probe(ids)[1]
+    distance = (slot - home) & index._mask
+    assert distance.mean() < 1.5 and distance.max() < 64, (distance.mean(), distance.max())
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled", "repeated"])
+def test_row_gradients_land_on_their_ids_in_any_order(order: str) -> None:
+    """A push names ids in any order, repeats included: each gradient reaches its
+    own id's row (the reference: one sorted push of the summed gradients)."""
+    ids = np.array([9, -4, 2**62, 17, 3], np.int64)
+    grads = np.arange(20, dtype=np.float32).reshape(5, 4)
+    ref = store_of(table_def())
+    ref.pull_rows(0, np.sort(ids))
+    order_ = np.argsort(ids)
+    ref.apply_rows(0, ids[order_], grads[order_], 0)
+    got = store_of(table_def())
+    got.pull_rows(0, np.sort(ids))
+    if order == "sorted":
+        got.apply_rows(0, ids[order_], grads[order_], 0)
+    elif order == "shuffled":
+        got.apply_rows(0, ids, grads, 0)
+    else:  # each gradient split in two halves, pushed under the same id twice
+        twice = np.concatenate([ids, ids[::-1]])
+        got.apply_rows(0, twice, np.concatenate([grads / 2, grads[::-1] / 2]), 0)
+    for i in ids:
+        one = np.array([i], np.int64)
+        np.testing.assert_allclose(got.pull_rows(0, one)[1], ref.pull_rows(0, one)[1], rtol=1e-6)
 
 
 def test_one_request_beyond_the_budget_is_refused() -> None:

@@ -391,6 +391,8 @@ class Side:
     pause_idle: bool = False
     paused: bool = False
     info: list[dict[str, Any]] = field(default_factory=list)
+    #: zmqps sides: the PS addresses, whose ``status`` the report reads after the runs
+    ps_addresses: list[str] = field(default_factory=list)
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
 

@@ -165,8 +165,8 @@ def _sparse_steps(
 ) -> dict[str, Callable[[], object]]:
     row_bytes = wl.row_bytes
     grads = _buffer(wl.batch_rows * row_bytes, 1)
-    prepared: list[tuple[dict[int, Frames], dict[int, Frames]]] = []
-    for ids in wl.id_pool(seed, index):
+
+    def frames(ids: Any) -> tuple[dict[int, Frames], dict[int, Frames]]:
         pulls: dict[int, Frames] = {}
         pushes: dict[int, Frames] = {}
         for ps, parts in wl.split_ids(ids).items():
@@ -178,15 +178,19 @@ def _sparse_steps(
                 n = i.size * row_bytes
                 pushes[ps] += [i, grads[off : off + n]]
                 off += n
-        prepared.append((pulls, pushes))
-    batches = itertools.cycle(prepared)
+        return pulls, pushes
 
-    def rows() -> None:
-        pulls, pushes = next(batches)
+    prepared = itertools.cycle([frames(ids) for ids in wl.id_pool(seed, index)])
+    fresh = wl.fresh_ids(seed, index)
+
+    def exchange(pulls: dict[int, Frames], pushes: dict[int, Frames]) -> None:
         _exchange(socks, pulls)
         _exchange(socks, pushes)
 
-    return {"rows": rows}
+    return {
+        "rows": lambda: exchange(*next(prepared)),
+        "fresh": lambda: exchange(*frames(next(fresh))),  # frames built in the step, like zmqps
+    }
 
 
 def worker_main(config: dict[str, Any], ctl: Control | None) -> None:

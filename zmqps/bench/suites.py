@@ -33,27 +33,39 @@ from typing import Any
 
 from zmqps.bench import raw_zmq, torch_rpc, zmqps_side
 from zmqps.bench.common import BenchError, Side, SideContext, machine_info, stop_all, summarize
-from zmqps.bench.workload import SUITES, VARIANTS, Workload, dense, small, sparse
+from zmqps.bench.workload import (
+    DEFAULT_ROW_BUDGET,
+    SUITES,
+    VARIANTS,
+    Workload,
+    dense,
+    small,
+    sparse,
+)
 from zmqps.core.variables import ShardInfo
 from zmqps.wire.errors import ConfigError
 
 __all__ = ["add_bench_args", "run_bench"]
 
-SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics", "raw", "torch")
+SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics", "zmqps-hash", "raw", "torch")
 #: zmqps-curve (CURVE on every socket) and zmqps-metrics (every process serving
 #: Prometheus metrics) run only when asked for
-DEFAULT_SIDES = ("zmqps", "zmqps-tcp", "raw", "torch")
+DEFAULT_SIDES = ("zmqps", "zmqps-tcp", "zmqps-hash", "raw", "torch")
+#: sides that exist for some suites only (a hash-keyed table is an embedding table)
+SIDE_SUITES = {"zmqps-hash": ("sparse",)}
 #: suites that are not "the same workload on every side": see their modules.
 EXTRA_SUITES = ("optimizer", "sync", "checkpoint", "overlap", "coordinator")
-ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics")
-#: ratios of zmqps sides to each other: what CURVE costs on the wire
-OWN_RATIOS = (("zmqps-curve", "zmqps-tcp"),)
+ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics", "zmqps-hash")
+#: ratios of zmqps sides to each other: what CURVE costs on the wire, what a
+#: hash-keyed table costs against a fixed-size one
+OWN_RATIOS = (("zmqps-curve", "zmqps-tcp"), ("zmqps-hash", "zmqps"))
 OTHER_SIDES = ("raw", "torch")
 SPAWN: dict[str, Callable[[Workload, SideContext], Side]] = {
     "zmqps": zmqps_side.spawn,
     "zmqps-tcp": functools.partial(zmqps_side.spawn, tcp_only=True),
     "zmqps-curve": functools.partial(zmqps_side.spawn, tcp_only=True, curve=True),
     "zmqps-metrics": functools.partial(zmqps_side.spawn, metrics=True),
+    "zmqps-hash": functools.partial(zmqps_side.spawn, hashed=True),
     "raw": raw_zmq.spawn,
     "torch": torch_rpc.spawn,
 }
@@ -97,7 +109,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="comma-separated sides among zmqps (as it runs by default), zmqps-tcp (its"
         " same-host fast path off), zmqps-curve (zmqps-tcp with CURVE on every socket:"
         " every tensor byte encrypted), zmqps-metrics (zmqps with every process serving"
-        " Prometheus metrics), raw (pyzmq), torch (RPC) (default: all but zmqps-curve and"
+        " Prometheus metrics), zmqps-hash (sparse: zmqps with the table hash-keyed),"
+        " raw (pyzmq), torch (RPC) (default: all but zmqps-curve and"
         " zmqps-metrics; torch is"
         " skipped with a note when it is not installed)",
     )
@@ -122,7 +135,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--variants",
         type=_names,
-        help="step variants: pull+push, push_pull (dense, small); rows (sparse)"
+        help="step variants: pull+push, push_pull (dense, small); rows (sparse: ids from a"
+        " pool of 32 batches), fresh (sparse: new ids every step)"
         " (default: all of the suite's)",
     )
     g = p.add_argument_group("timing")
@@ -158,6 +172,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--variables", type=int, default=300, help="small: number of variables (default: 300)"
+    )
+    g.add_argument(
+        "--row-budget",
+        type=int,
+        default=DEFAULT_ROW_BUDGET,
+        help="sparse, zmqps-hash: rows per PS shard of the hash-keyed table"
+        f" (default: {DEFAULT_ROW_BUDGET})",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the sparse ids (default: 0)")
     g = p.add_argument_group("output")
@@ -205,6 +226,7 @@ class BenchConfig:
     dim: int
     batch_rows: int
     variables: int
+    row_budget: int
     seed: int
     zmqps_env: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
@@ -217,8 +239,19 @@ class BenchConfig:
         if suite == "dense":
             return dense(self.size_mb, self.ps, shard_mb, self.num_shards)
         if suite == "sparse":
-            return sparse(self.rows, self.dim, self.batch_rows, self.ps, shard_mb, self.num_shards)
+            return sparse(
+                self.rows,
+                self.dim,
+                self.batch_rows,
+                self.ps,
+                shard_mb,
+                self.num_shards,
+                self.row_budget,
+            )
         return small(self.variables, self.ps)
+
+    def sides_for(self, suite: str) -> tuple[str, ...]:
+        return tuple(s for s in self.sides if suite in SIDE_SUITES.get(s, (suite,)))
 
     def steps_for(self, suite: str) -> int:
         return self.steps or DEFAULT_STEPS[suite]
@@ -246,9 +279,14 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     for v in args.variants or ():
         if v not in known:
             raise ConfigError(f"unknown variant {v!r} (expected {', '.join(sorted(known))})")
-    for flag in ("ps", "repeat", "rows", "dim", "batch_rows", "variables"):
+    for flag in ("ps", "repeat", "rows", "dim", "batch_rows", "variables", "row_budget"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    if "sparse" in requested and "zmqps-hash" in args.sides and args.row_budget < args.batch_rows:
+        raise ConfigError(
+            f"--row-budget {args.row_budget} is below --batch-rows {args.batch_rows}: a PS"
+            " refuses a request naming more new ids than its table may hold"
+        )
     if args.steps is not None and args.steps < 1:
         raise ConfigError("--steps must be >= 1")
     if args.warmup < 0 or args.timeout <= 0 or args.size_mb <= 0:
@@ -277,6 +315,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         dim=args.dim,
         batch_rows=args.batch_rows,
         variables=args.variables,
+        row_budget=args.row_budget,
         seed=args.seed,
         zmqps_env=env,
         device=args.device,
@@ -303,6 +342,7 @@ class Case:
     results: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
     setup_s: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    tables: dict[str, Any] = field(default_factory=dict)
 
     def say(self, text: str) -> None:
         if not self.cfg.quiet:
@@ -331,7 +371,7 @@ class Case:
         self.sides[name] = side
         try:
             side.wait_ready()
-            if name in ZMQPS_SIDES:
+            if name in ZMQPS_SIDES and name != "zmqps-hash":  # its shards are hash buckets
                 self._adopt_placement(side)
             for variant in self.cfg.variants_for(self.suite):
                 if self.cfg.warmup:
@@ -377,6 +417,16 @@ class Case:
                 )
             )
 
+    def read_tables(self) -> None:
+        """The hash-keyed side's table figures after the runs (rows, created, evicted)."""
+        side = self.sides.get("zmqps-hash")
+        if side is None or side.error is not None:
+            return
+        try:
+            self.tables = zmqps_side.table_stats(side)
+        except Exception as exc:  # a figure beside the results: say so, keep the results
+            side.warnings.append(f"could not read its tables: {exc}")
+
     def close(self) -> None:
         for side in self.sides.values():
             side.close()
@@ -393,7 +443,7 @@ class Case:
         runs = []
         for variant in self.cfg.variants_for(self.suite):
             sides: dict[str, Any] = {}
-            for name in self.cfg.sides:
+            for name in self.cfg.sides_for(self.suite):
                 sides[name] = self._side_report(name, variant)
             ratios = {
                 f"{z}/{other}": _ratio(sides[z], sides[other])
@@ -444,6 +494,8 @@ class Case:
         }
         if side is not None and side.info and "transport" in side.info[0]:
             out["transport"] = side.info[0]["transport"]
+        if name == "zmqps-hash" and self.tables:
+            out["tables"] = self.tables
         if side is not None and side.error is not None:
             out.update(status="failed", error=side.error)
         elif len(reps) < self.cfg.repeat:
@@ -473,10 +525,11 @@ def run_case(suite: str, workers: int, cfg: BenchConfig, run_dir: Path) -> list[
     case = Case(suite, workers, cfg, run_dir, cfg.workload(suite))
     case.say(case.workload.describe())
     try:
-        for name in cfg.sides:
+        for name in cfg.sides_for(suite):
             case.start(name)
         if case.live():
             case.measure()
+            case.read_tables()
     except BaseException:
         case.kill()
         raise
@@ -528,6 +581,13 @@ def format_runs(runs: Sequence[dict[str, Any]]) -> str:
                 )
             label = ""
         lines += [f"  {'':<10} {text}" for text in _ratio_lines(run)]
+        tables = run["sides"].get("zmqps-hash", {}).get("tables", {})
+        for name, t in tables.items() if run is runs[-1] else ():
+            lines.append(
+                f"  zmqps-hash table {name} after all runs: {t['rows']:,} rows (capacity"
+                f" {t['capacity']:,}), {t['created']:,} created, {t.get('evicted_budget', 0):,}"
+                " evicted to keep the row budget"
+            )
         lines += [f"  note: {note}" for note in run["notes"]]
     return "\n".join(lines)
 

@@ -209,10 +209,8 @@ def _sparse_steps(wl: Workload, seed: int, index: int) -> dict[str, Callable[[],
     starts = np.array([s.row_start for s in shards], dtype=np.int64)
     grads = torch.full((wl.batch_rows, *var.shape[1:]), 1e-3)
     out = torch.empty((wl.batch_rows, *var.shape[1:]))
-    batches = itertools.cycle(wl.id_pool(seed, index))
 
-    def rows() -> None:
-        ids = next(batches)
+    def rows(ids: Any) -> None:
         which = np.searchsorted(starts, ids, side="right") - 1
         pulls: dict[int, list[tuple[int, Any]]] = {}
         pushes: dict[int, list[tuple[int, Any, Any]]] = {}
@@ -235,7 +233,9 @@ def _sparse_steps(wl: Workload, seed: int, index: int) -> dict[str, Callable[[],
             taken[ps] += 1
         _call_all(apply_rows, {p: (v,) for p, v in pushes.items()})
 
-    return {"rows": rows}
+    batches = itertools.cycle(wl.id_pool(seed, index))
+    fresh = wl.fresh_ids(seed, index)
+    return {"rows": lambda: rows(next(batches)), "fresh": lambda: rows(next(fresh))}
 
 
 def worker_main(config: dict[str, Any], ctl: Control | None) -> None:

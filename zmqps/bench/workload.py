@@ -15,7 +15,7 @@ Rules of this module:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,6 +31,7 @@ __all__ = [
     "VARIANTS",
     "Workload",
     "dense",
+    "hashed_ids",
     "header_bytes",
     "small",
     "sparse",
@@ -45,11 +46,16 @@ SUITES = ("dense", "sparse", "small")
 #: step variants per suite; the first one is the issue's (acceptance) pattern.
 VARIANTS = {
     "dense": ("pull+push", "push_pull"),
-    "sparse": ("rows",),
+    "sparse": ("rows", "fresh"),
     "small": ("pull+push", "push_pull"),
 }
 #: distinct id batches each sparse worker cycles through (drawn before timing).
 ID_POOL = 32
+#: the hash-keyed side's ids: the pool's ids times this odd constant, mod 2**64, as
+#: int64 (a bijection, so as many distinct ids, spread over the whole int64 range).
+_SPREAD = np.uint64(0x9E3779B97F4A7C15)
+#: rows per PS shard of the hash-keyed side's table unless the bench says otherwise.
+DEFAULT_ROW_BUDGET = 262_144
 #: shapes of the ``small`` suite's variables, cycled (256 B .. 4 KiB each).
 SMALL_SHAPES: tuple[tuple[int, ...], ...] = (
     (64,),
@@ -60,6 +66,13 @@ SMALL_SHAPES: tuple[tuple[int, ...], ...] = (
     (32, 32),
     (64, 16),
 )
+
+
+def hashed_ids(ids: Array) -> Array:
+    """The hash-keyed side's ids for the pool's ``ids`` (same count, same repeats)."""
+    with np.errstate(over="ignore"):
+        spread: Array = (np.asarray(ids, np.int64).view(np.uint64) * _SPREAD).view(np.int64)
+    return spread
 
 
 def header_bytes(buffers: int) -> int:
@@ -155,6 +168,19 @@ class Workload:
         rows = self.variables[0].shape[0]
         rng = np.random.default_rng([seed, worker])
         return rng.integers(0, rows, size=(ID_POOL, self.batch_rows), dtype=np.int64)
+
+    def fresh_ids(self, seed: int, worker: int, *, hashed: bool = False) -> Iterator[Array]:
+        """Endless (batch_rows,) int64 id batches, each drawn anew (the ``fresh`` variant):
+        uniform over the table's rows, or for a hash-keyed table over the whole int64
+        range, so (with overwhelming probability) every id is one the table has not seen."""
+        rows = self.variables[0].shape[0]
+        rng = np.random.default_rng([seed, worker, 1])
+        info = np.iinfo(np.int64)
+        while True:
+            if hashed:
+                yield rng.integers(info.min, info.max, size=self.batch_rows, dtype=np.int64)
+            else:
+                yield rng.integers(0, rows, size=self.batch_rows, dtype=np.int64)
 
     def split_ids(self, ids: Array) -> dict[int, list[tuple[ShardInfo, Array]]]:
         """Unique ``ids`` grouped like zmqps' client: ps -> [(shard, its ids)]."""
@@ -280,14 +306,19 @@ def sparse(
     num_ps: int = 1,
     shard_mb: float = 64,
     num_shards: int | None = None,
+    row_budget: int = DEFAULT_ROW_BUDGET,
 ) -> Workload:
-    """One embedding table ``(rows, dim)``, ``batch_rows`` uniform random ids per step."""
+    """One embedding table ``(rows, dim)``, ``batch_rows`` uniform random ids per step.
+
+    The ``zmqps-hash`` side moves the same ids (spread by :func:`hashed_ids`) through a
+    hash-keyed table of the same row width, ``row_budget`` rows per PS shard."""
     var = VariableDef("emb", (rows, dim), "float32", sparse=True)
     part = Partitioner(num_shards=num_shards, max_shard_bytes=max(1, int(shard_mb * (1 << 20))))
-    w = _planned("sparse", [var], num_ps, part, batch_rows)
+    w = _planned("sparse", [var], num_ps, part, batch_rows, extra={"row_budget": row_budget})
     desc = (
         f"embedding {var.shape} float32 ({_mib(var.nbytes)}), {len(w.shards)} shards"
-        f" on {num_ps} PS, {batch_rows} random ids per step (pull_rows + push_rows)"
+        f" on {num_ps} PS, {batch_rows} random ids per step (pull_rows + push_rows);"
+        f" hash-keyed: {row_budget} rows per shard at most"
     )
     return replace(w, description=desc)
 

@@ -8,18 +8,24 @@ Rules of this module:
   ``pull`` + ``push`` (or ``push_pull``), or ``pull_rows`` + ``push_rows``.
 * Each worker reports the placement it received, so the other sides can move
   exactly the same shards.
+* ``zmqps-hash`` (sparse suite) is the same processes with the table declared
+  hash-keyed (:func:`hashed_tables`): the same ids, spread over the int64 range,
+  routed by their hash bucket; the pool's rows are created before timing, the
+  ``fresh`` variant's ids are new every step (rows created, and evicted once the
+  row budget is reached, inside the timed steps).
 * Leaving is the product's normal end: every worker closes with "done", the
   chief then shuts the PS down and every process exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -34,10 +40,12 @@ from zmqps.bench.common import (
     child_env,
     serve_steps,
 )
-from zmqps.bench.workload import Workload
+from zmqps.bench.workload import DEFAULT_ROW_BUDGET, Workload, hashed_ids
 from zmqps.cli.launch import free_ports
+from zmqps.core.hashtable import DEFAULT_BUCKETS
+from zmqps.core.variables import VariableDef
 
-__all__ = ["spawn", "worker_main"]
+__all__ = ["hashed_tables", "spawn", "table_stats", "worker_main"]
 
 
 def spawn(
@@ -47,11 +55,15 @@ def spawn(
     tcp_only: bool = False,
     metrics: bool = False,
     curve: bool = False,
+    hashed: bool = False,
 ) -> Side:
     """Chief, PS and workers; ``tcp_only`` turns the same-host fast path off;
     ``metrics`` serves Prometheus metrics on every process (to price them); ``curve``
-    runs every socket on CURVE (keys made in the run folder)."""
-    if curve:
+    runs every socket on CURVE (keys made in the run folder); ``hashed`` (sparse
+    suite) makes the table a hash-keyed one (:func:`hashed_tables`)."""
+    if hashed:
+        name = "zmqps-hash"
+    elif curve:
         name = "zmqps-curve"
     else:
         name = "zmqps-tcp" if tcp_only else ("zmqps-metrics" if metrics else "zmqps")
@@ -97,7 +109,7 @@ def spawn(
     if part.num_shards:
         chief += ["--num-shards", str(part.num_shards)]
     env = child_env(ctx.zmqps_env)
-    side = Side(name, wl.units_per_step, ctx.timeout)
+    side = Side(name, wl.units_per_step, ctx.timeout, ps_addresses=cluster["ps"])
     side.servers.append(Child(f"{name}-chief", chief, ctx.run_dir, env))
     for i in range(wl.num_ps):
         argv = [*base, "--role", "ps", "--index", str(i), *parent]
@@ -112,6 +124,7 @@ def spawn(
             "tcp_only": tcp_only,
             "metrics": metrics,
             "keys": keys,
+            "hashed": hashed,
         }
         path = ctx.write_config(f"{name}-worker{i}", config)
         side.workers.append(
@@ -124,6 +137,24 @@ def spawn(
             )
         )
     return side
+
+
+def table_stats(side: Side) -> dict[str, dict[str, int]]:
+    """Rows, creations and evictions of each of the side's hash-keyed tables, summed
+    over its PS (read from each PS's ``status``): ``{table: {figure: n}}``."""
+    from zmqps.roles.status import fetch_status
+
+    out: dict[str, dict[str, int]] = {}
+    for address in side.ps_addresses:
+        status = asyncio.run(fetch_status(address, timeout=side.timeout))
+        for var, shards in status.get("tables", {}).items():
+            total = out.setdefault(var, {})
+            for t in shards:
+                figures = {k: t[k] for k in ("rows", "capacity", "created")}
+                figures.update({f"evicted_{why}": n for why, n in t["evicted"].items()})
+                for key, n in figures.items():
+                    total[key] = total.get(key, 0) + int(n)
+    return out
 
 
 def _dense_steps(w: Any, wl: Workload) -> dict[str, Callable[[], object]]:
@@ -139,18 +170,51 @@ def _dense_steps(w: Any, wl: Workload) -> dict[str, Callable[[], object]]:
     return {"pull+push": pull_push, "push_pull": push_pull}
 
 
-def _sparse_steps(w: Any, wl: Workload, seed: int, index: int) -> dict[str, Callable[[], object]]:
-    pool = wl.id_pool(seed, index)
+def hashed_tables(wl: Workload) -> list[VariableDef]:
+    """The sparse workload's table as hash-keyed ones: the same row width and dtype,
+    :data:`DEFAULT_BUCKETS` buckets (one shard per PS), the workload's row budget;
+    one for the ``rows`` variant and one (``<name>_fresh``) for the ``fresh`` one,
+    so the rows the fresh ids push out are never the pool's."""
+    v = wl.variables[0]
+    budget = int(wl.extra.get("row_budget", DEFAULT_ROW_BUDGET))
+    return [
+        VariableDef(
+            name,
+            (DEFAULT_BUCKETS, *v.shape[1:]),
+            v.dtype,
+            sparse=True,
+            table={"row_budget": budget},
+        )
+        for name in (v.name, f"{v.name}_fresh")
+    ]
+
+
+def _sparse_steps(
+    w: Any, wl: Workload, seed: int, index: int, hashed: bool
+) -> dict[str, Callable[[], object]]:
+    pool = list(wl.id_pool(seed, index))
+    if hashed:
+        pool = [hashed_ids(ids) for ids in pool]
     name = wl.variables[0].name
     grads = np.full((wl.batch_rows, *wl.variables[0].shape[1:]), 1e-3, dtype=np.float32)
-    batches = itertools.cycle(pool)
+    if hashed:  # every row of the pool exists before timing, as in a fixed-size table
+        for ids in pool:
+            w.pull_rows(name, ids)
 
-    def rows() -> None:
-        ids = next(batches)
-        w.pull_rows(name, ids)
-        w.push_rows(name, ids, grads)
+    def step(table: str, batches: Iterator[Any]) -> Callable[[], None]:
+        def rows() -> None:
+            ids = next(batches)
+            w.pull_rows(table, ids)
+            w.push_rows(table, ids, grads)
 
-    return {"rows": rows}
+        return rows
+
+    return {
+        "rows": step(name, itertools.cycle(pool)),
+        "fresh": step(
+            f"{name}_fresh" if hashed else name, wl.fresh_ids(seed, index, hashed=hashed)
+        ),
+    }
 
 
 def _transports(w: Any) -> list[str]:
@@ -185,9 +249,11 @@ def worker_main(config: dict[str, Any], ctl: Control | None) -> None:
         kwargs["options"] = SocketOptions(curve=curve)
     w = Worker(config["chief"], index=index, timeout=timeout, connect_timeout=timeout, **kwargs)
     try:
-        placement = w.create_variables(list(wl.variables), optimizer=wl.optimizer)
+        hashed = bool(config.get("hashed"))
+        variables = hashed_tables(wl) if hashed else list(wl.variables)
+        placement = w.create_variables(variables, optimizer=wl.optimizer)
         if wl.suite == "sparse":
-            steps = _sparse_steps(w, wl, int(config["seed"]), index)
+            steps = _sparse_steps(w, wl, int(config["seed"]), index, hashed)
         else:
             w.pull()  # sets up the data path before any timing
             steps = _dense_steps(w, wl)

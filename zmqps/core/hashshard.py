@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from zmqps.core.hashtable import RowTable, TableConfig, bucket_of, initial_rows
+from zmqps.core.hashtable import RowTable, TableConfig, bucket_of, initial_rows, unique_ids
 from zmqps.core.optimizers import Optimizer, make_optimizer
 from zmqps.core.store import Shard
 from zmqps.core.variables import ShardDef
@@ -146,8 +146,9 @@ class HashShard(Shard):
             return
         excess = len(self.table) + n - budget
         if excess > 0:
-            # evict a little more than needed so the next requests find room at once
-            victims = self.table.oldest(excess + budget // 64, protect)
+            # evict 1/16 of the budget more than needed: finding the oldest rows is a
+            # pass over the whole table, so the next requests find room without one
+            victims = self.table.oldest(excess + budget // 16, protect)
             self.table.evict_rows(victims)
             self.counters.evicted_budget += int(victims.size)
 
@@ -170,20 +171,27 @@ class HashShard(Shard):
                 made = self.table.insert(new, values, self.version)
                 self.counters.created += int(new.size)
                 self._sync()
-                pos = {i: r for i, r in zip(new.tolist(), made.tolist(), strict=True)}
-                rows[missing_at] = [pos.get(i, -1) for i in missing.tolist()]
+                if new.size == missing.size:  # all admitted: made is in missing's order
+                    rows[missing_at] = made
+                else:
+                    rows[missing_at] = self.table.lookup(missing)
         present = rows[rows >= 0]
         self.table.touched[present] = self.version
         return rows
 
     def pull(self, ids: Array) -> Array:
         """Rows of ``ids`` (validated; duplicates allowed), zeros for ids not admitted."""
-        uniq, inverse = np.unique(ids, return_inverse=True)
+        uniq, inverse = unique_ids(ids)
         rows = self.rows_for(uniq, sighting=True)
-        out = np.zeros((uniq.size, self.table.dim), self.table.values.dtype)
         have = rows >= 0
-        out[have] = self.table.values[rows[have]]
-        return out[inverse.reshape(-1)].reshape((ids.size, *self.definition.shape[1:]))
+        if have.all():
+            out = np.take(self.table.values, rows, axis=0)
+        else:
+            out = np.zeros((uniq.size, self.table.dim), self.table.values.dtype)
+            out[have] = self.table.values[rows[have]]
+        if inverse is not None:
+            out = out[inverse]
+        return out.reshape((ids.size, *self.definition.shape[1:]))
 
     def evict_idle(self, version: int) -> None:
         """Drop rows untouched for more than ``evict_after`` updates (checked every

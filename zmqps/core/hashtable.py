@@ -56,6 +56,7 @@ __all__ = [
     "bucket_of",
     "initial_rows",
     "mix64",
+    "unique_ids",
 ]
 
 Array = npt.NDArray[Any]
@@ -199,6 +200,129 @@ def validate_table_init(init: Mapping[str, Any]) -> None:
         )
 
 
+def unique_ids(ids: Array) -> tuple[Array, Array | None]:
+    """``(unique ids, inverse)``; inverse is None when ``ids`` are already strictly
+    increasing (as clients send them), which saves a sort and a gather."""
+    if ids.size < 2 or bool((ids[1:] > ids[:-1]).all()):
+        return ids, None
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    return uniq, inverse.reshape(-1)
+
+
+class IdIndex:
+    """int64 id -> row number: open addressing with linear probing, on numpy arrays.
+
+    Every call takes a whole batch of ids and probes them together (one numpy pass
+    per probe step, about as many passes as the longest probe run), so a lookup of
+    thousands of ids costs microseconds per probe step instead of a Python dict call
+    per id; and a row costs two int64 slots (16 bytes each; 32 to 64 bytes a row)
+    where a dict entry and its two Python ints cost about 100.
+
+    A slot holds a row (>= 0), :data:`EMPTY` or :data:`GONE` (a removed key: probes
+    go past it, inserts reuse it). The slot of an id is the top bits of
+    ``mix64(id ^ 0x9E3779B97F4A7C15)``: another hash than the bucket, whose low bits
+    are shared by every id of a shard. Live plus GONE slots never pass half of the
+    slots (probe runs stay short); when they would, the arrays are rebuilt with at
+    least four slots per live id (so, at a steady size, a rebuild that clears GONE
+    slots comes only after a quarter of the slots have been removed).
+    """
+
+    EMPTY = -1
+    GONE = -2
+    MIN_SLOTS = 16
+
+    def __init__(self, capacity: int = 0) -> None:
+        self._alloc(self._slots_for(capacity))
+        self.live = 0
+        self.gone = 0
+
+    @classmethod
+    def _slots_for(cls, n: int) -> int:
+        return max(cls.MIN_SLOTS, 1 << max(0, 4 * n - 1).bit_length())
+
+    def _alloc(self, size: int) -> None:
+        self.keys = np.zeros(size, np.int64)
+        self.rows = np.full(size, self.EMPTY, np.int64)
+        self._shift = np.uint64(64 - (size.bit_length() - 1))
+        self._mask = size - 1
+
+    def __len__(self) -> int:
+        return self.live
+
+    def _home(self, ids: Array) -> Array:
+        with np.errstate(over="ignore"):
+            h = mix64(ids.view(np.uint64) ^ _GOLDEN) >> self._shift
+        out: Array = h.astype(np.int64)
+        return out
+
+    def _probe(self, ids: Array) -> tuple[Array, Array]:
+        """``(rows, slots)`` of every id: its row and slot, or -1 and -1."""
+        n = ids.size
+        rows = np.full(n, -1, np.int64)
+        slots = np.full(n, -1, np.int64)
+        todo = np.arange(n)
+        pos = self._home(ids)
+        keys = ids
+        while todo.size:
+            r = self.rows[pos]
+            hit = (r >= 0) & (self.keys[pos] == keys)
+            rows[todo[hit]] = r[hit]
+            slots[todo[hit]] = pos[hit]
+            go = ~hit & (r != self.EMPTY)
+            todo, keys = todo[go], keys[go]
+            pos = (pos[go] + 1) & self._mask
+        return rows, slots
+
+    def lookup(self, ids: Array) -> Array:
+        """The row of every id, -1 where it has none."""
+        return self._probe(np.ascontiguousarray(ids, np.int64))[0]
+
+    def insert(self, ids: Array, rows: Array) -> None:
+        """Add ``ids`` (distinct, none present) with their ``rows``."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        if 2 * (self.live + self.gone + ids.size) > self.rows.size:
+            self._rebuild(self.live + ids.size)
+        self._place(ids, np.asarray(rows, np.int64))
+
+    def _place(self, ids: Array, rows: Array) -> None:
+        todo = np.arange(ids.size)
+        pos = self._home(ids)
+        while todo.size:
+            free = np.flatnonzero(self.rows[pos] < 0)
+            # several ids may reach the same free slot in one pass: the first takes it
+            _, first = np.unique(pos[free], return_index=True)
+            win = free[first]
+            at = pos[win]
+            self.gone -= int((self.rows[at] == self.GONE).sum())
+            self.keys[at] = ids[todo[win]]
+            self.rows[at] = rows[todo[win]]
+            self.live += int(win.size)
+            lose = np.ones(todo.size, bool)
+            lose[win] = False
+            todo = todo[lose]
+            pos = (pos[lose] + 1) & self._mask
+
+    def remove(self, ids: Array) -> None:
+        """Drop ``ids`` (ids absent are ignored)."""
+        _, slots = self._probe(np.ascontiguousarray(ids, np.int64))
+        slots = np.unique(slots[slots >= 0])
+        self.rows[slots] = self.GONE
+        self.live -= int(slots.size)
+        self.gone += int(slots.size)
+
+    def _rebuild(self, need: int) -> None:
+        live = np.flatnonzero(self.rows >= 0)
+        keys, rows = self.keys[live], self.rows[live]
+        self._alloc(max(self.rows.size, self._slots_for(need)))
+        self.live = self.gone = 0
+        self._place(keys, rows)
+
+    def items(self) -> tuple[Array, Array]:
+        """``(ids, rows)`` of every live entry (slot order)."""
+        live = np.flatnonzero(self.rows >= 0)
+        return self.keys[live].copy(), self.rows[live].copy()
+
+
 class RowTable:
     """The rows of one hash shard: ids, values, slots, last-touched stamps, free rows.
 
@@ -215,8 +339,10 @@ class RowTable:
         self.ids = np.zeros(cap, np.int64)
         #: the shard version a row was last touched at; -1 marks a free row
         self.touched = np.full(cap, -1, np.int64)
-        self.index: dict[int, int] = {}
-        self.free: list[int] = list(range(cap - 1, -1, -1))
+        self.index = IdIndex(cap)
+        #: free rows, a stack: the next one handed out is ``free[nfree - 1]``
+        self.free = np.arange(cap - 1, -1, -1, dtype=np.int64)
+        self.nfree = cap
 
     @property
     def capacity(self) -> int:
@@ -227,8 +353,16 @@ class RowTable:
 
     def lookup(self, ids: Array) -> Array:
         """Row of every id, -1 where it has none."""
-        get = self.index.get
-        return np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, ids.size)
+        return self.index.lookup(ids)
+
+    def _push_free(self, rows: Array) -> None:
+        end = self.nfree + rows.size
+        if end > self.free.size:
+            grown = np.empty(max(end, 2 * self.free.size), np.int64)
+            grown[: self.nfree] = self.free[: self.nfree]
+            self.free = grown
+        self.free[self.nfree : end] = rows
+        self.nfree = end
 
     def _grow(self, need: int) -> None:
         """Room for ``need`` more rows than are free now (doubling; at most the budget)."""
@@ -251,12 +385,12 @@ class RowTable:
         self.slots = {k: np.concatenate([v, fresh_slots[k]], axis=0) for k, v in self.slots.items()}
         self.ids = grown(self.ids, 0)
         self.touched = grown(self.touched, -1)
-        self.free.extend(range(new_cap - 1, cap - 1, -1))
+        self._push_free(np.arange(new_cap - 1, cap - 1, -1, dtype=np.int64))
 
     def evict_rows(self, rows: Array) -> None:
-        for r, i in zip(rows.tolist(), self.ids[rows].tolist(), strict=True):
-            del self.index[i]
-            self.free.append(r)
+        rows = np.asarray(rows, np.int64)
+        self.index.remove(self.ids[rows])
+        self._push_free(rows)
         self.touched[rows] = -1
 
     def oldest(self, n: int, protect: Array) -> Array:
@@ -270,19 +404,18 @@ class RowTable:
 
     def insert(self, ids: Array, values: Array, stamp: int) -> Array:
         """Rows for new ``ids`` (room must exist within the budget); returns them."""
-        if len(self.free) < ids.size:
-            self._grow(ids.size - len(self.free))
-        if len(self.free) < ids.size:  # the caller made no room within the budget
-            raise ValueError(f"no room for {ids.size} rows ({len(self.free)} free)")
-        taken = self.free[len(self.free) - ids.size :]
-        del self.free[len(self.free) - ids.size :]
-        rows = np.array(taken[::-1], np.int64)
+        if self.nfree < ids.size:
+            self._grow(ids.size - self.nfree)
+        if self.nfree < ids.size:  # the caller made no room within the budget
+            raise ValueError(f"no room for {ids.size} rows ({self.nfree} free)")
+        rows: Array = self.free[self.nfree - ids.size : self.nfree][::-1].copy()
+        self.nfree -= ids.size
         self.values[rows] = values
         for name, slot in self.optimizer.init_slots((ids.size, self.dim), self.dtype).items():
             self.slots[name][rows] = slot
         self.ids[rows] = ids
         self.touched[rows] = stamp
-        self.index.update(zip(ids.tolist(), rows.tolist(), strict=True))
+        self.index.insert(ids, rows)
         return rows
 
     def compact_state(self) -> tuple[Array, Array, dict[str, Array], Array]:

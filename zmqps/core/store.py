@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from zmqps.core.hashtable import unique_ids
 from zmqps.core.initializers import initialize, validate_init
 from zmqps.core.optimizers import BLOCK_ELEMS, Optimizer, compute_dtype, make_optimizer
 from zmqps.core.variables import ShardDef
@@ -423,12 +424,12 @@ class ShardStore:
         """Lazy update of a hash table's rows ``ids`` (duplicates summed; ids not
         admitted dropped and counted)."""
         grad2d = grad_rows.reshape(ids.shape[0], -1)
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        if uniq.shape[0] != ids.shape[0]:
+        uniq, inverse = unique_ids(ids)
+        if inverse is not None:  # unsorted or repeated ids: sum into uniq's order
             summed = np.zeros(
                 (uniq.shape[0], grad2d.shape[1]), np.promote_types(grad2d.dtype, np.float32)
             )
-            np.add.at(summed, inverse.reshape(-1), grad2d)
+            np.add.at(summed, inverse, grad2d)
             grad2d = summed
         rows = shard.rows_for(uniq, sighting=False)
         have = rows >= 0
