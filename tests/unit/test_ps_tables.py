@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from test_ps_client import run
 from test_ps_recovery import bare_cluster, chief, created_cluster, defs_by_ps
 
 from zmqps.checkpoint import CheckpointRoot, Manifest, ShardRecord
-from zmqps.core.hashtable import initial_rows
+from zmqps.core.hashtable import bucket_of, initial_rows
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
 
@@ -169,3 +170,68 @@ def test_table_metrics_on_a_ps() -> None:
         assert value(m, "zmqps_table_rows_evicted_total", variable="t", reason="idle") == 0
 
     run(body())
+
+
+def test_a_read_only_pull_leaves_tables_counters_and_checkpoints_unchanged(
+    tmp_path: Path,
+) -> None:
+    from zmqps.checkpoint.tables import read_table
+    from zmqps.wire.errors import ZmqpsError
+    from zmqps.wire.messages import Tensor
+
+    async def body() -> None:
+        root = CheckpointRoot(tmp_path / "ckpt")
+        c = await created_cluster(placement(2), 2, root.path)
+        w = c.client("w0")
+        rng = np.random.default_rng(4)
+        trained = rng.integers(-(2**63), 2**63 - 1, 60, dtype=np.int64)
+        for _ in range(4):
+            for t, width in (("emb", 3), ("wide", 1)):
+                await w.pull_rows(t, trained)
+                await w.push_rows(t, trained, rng.normal(size=(60, width)).astype(np.float32))
+        versions = dict(w.versions)
+        stats = [svc.store.table_stats() for svc in c.services]
+        first = await _save(c, root, 4)
+
+        fresh = rng.integers(-(2**63), 2**63 - 1, 500, dtype=np.int64)
+        ids = np.concatenate([trained, fresh, trained[:5]])
+        read = {t: await w.pull_rows(t, ids, create=False) for t in ("emb", "wide")}
+        assert [svc.store.table_stats() for svc in c.services] == stats
+        assert w.versions == versions  # a read-only pull is not a training read
+        second = await _save(c, root, 5)
+        for t in ("emb", "wide"):
+            a, b = read_table(first, t, 0, 256), read_table(second, t, 0, 256)
+            for x, y in zip(a[:2] + (a[3],), b[:2] + (b[3],), strict=True):
+                assert np.array_equal(x, y), t
+            assert a[2].keys() == b[2].keys() and all(
+                np.array_equal(a[2][k], b[2][k]) for k in a[2]
+            )
+
+        # exactly what creating pulls return: trained rows, initial values of fresh ids
+        want_fresh = initial_rows(EMB.init, "emb", fresh, 3, "float32")
+        assert np.array_equal(read["emb"][60:560], want_fresh)
+        assert np.array_equal(read["wide"][60:560], np.zeros((500, 1), np.float32))
+        for t in ("emb", "wide"):
+            assert np.array_equal(read[t], await w.pull_rows(t, ids)), t
+
+        # a request without the flag (as older clients send) creates rows, as before
+        first_shard = c.placement.shards_of("emb")[0]
+        sid, ps = first_shard.id, first_shard.ps
+        d = c.services[ps].store.get(sid).definition
+        candidates = np.arange(-5000, 0, dtype=np.int64)
+        b = bucket_of(candidates, 256)
+        owned = candidates[(b >= d.row_start) & (b < d.row_start + d.rows)][:8]
+        new_ids, other_ids = owned[:4], owned[4:]
+        raw = c.net.client(f"ps{ps}", "old:0")
+        before = c.services[ps].store.table_stats()["emb"]["rows"]
+        await raw.request("pull_rows", {"shards": [sid]}, [Tensor(new_ids, "index", sid)])
+        assert c.services[ps].store.table_stats()["emb"]["rows"] == before + 4
+        # a malformed flag is refused and changes nothing
+        stats = c.services[ps].store.table_stats()
+        with pytest.raises(ZmqpsError, match="create"):
+            await raw.request(
+                "pull_rows", {"shards": [sid], "create": 0}, [Tensor(other_ids, "index", sid)]
+            )
+        assert c.services[ps].store.table_stats() == stats
+
+    run(body(), timeout=30)

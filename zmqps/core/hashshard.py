@@ -91,8 +91,11 @@ class HashShard(Shard):
 
     # -- validation ------------------------------------------------------------
 
-    def check_ids(self, ids: Any) -> Array:
-        """Validated ids as int64 (any values; their buckets must be this shard's)."""
+    def check_ids(self, ids: Any, create: bool = True) -> Array:
+        """Validated ids as int64 (any values; their buckets must be this shard's).
+
+        ``create=False`` (a read-only pull) creates no row, so the row budget does not
+        bound how many ids one request names."""
         d = self.definition
         if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise InvalidArgument(f"shard {d.id}: ids must be a 1-D integer array")
@@ -101,7 +104,7 @@ class HashShard(Shard):
         out: Array = ids.astype(np.int64, copy=False)
         self.check_buckets(out)
         budget = self.config.row_budget
-        if budget is not None and out.size > budget and np.unique(out).size > budget:
+        if create and budget is not None and out.size > budget and np.unique(out).size > budget:
             raise InvalidArgument(
                 f"shard {d.id}: one request names more ids than the row budget {budget}"
             )
@@ -183,6 +186,24 @@ class HashShard(Shard):
         out = np.zeros((uniq.size, self.table.dim), self.table.values.dtype)
         have = rows >= 0
         out[have] = self.table.values[rows[have]]
+        return out[inverse.reshape(-1)].reshape((ids.size, *self.definition.shape[1:]))
+
+    def peek(self, ids: Array) -> Array:
+        """Rows of ``ids`` as a pull would return them, changing nothing (read-only).
+
+        A live row reads as its values; an id without a row reads as what a creating
+        pull would give it now: its initial value (:func:`initial_rows`) when ids are
+        admitted at once, zeros while admission needs more sightings (``admit_after >
+        1``: training reads such ids as zeros too). No row is created, stamped or
+        evicted; no sighting, admission or counter is recorded."""
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        rows = self.table.lookup(uniq)
+        have = rows >= 0
+        out = np.zeros((uniq.size, self.table.dim), self.table.values.dtype)
+        out[have] = self.table.values[rows[have]]
+        if self.config.admit_after <= 1 and not have.all():
+            d = self.definition
+            out[~have] = initial_rows(d.init, d.var, uniq[~have], self.table.dim, d.dtype)
         return out[inverse.reshape(-1)].reshape((ids.size, *self.definition.shape[1:]))
 
     def evict_idle(self, version: int) -> None:

@@ -509,8 +509,13 @@ class ParameterClient:
                 out.setdefault(s.ps, []).append((s, pos, ids[pos]))
         return out
 
-    async def pull_rows(self, name: str, ids: Any) -> Array:
-        """Rows ``ids`` of variable ``name`` (duplicates allowed), shape (len(ids), *row)."""
+    async def pull_rows(self, name: str, ids: Any, *, create: bool = True) -> Array:
+        """Rows ``ids`` of variable ``name`` (duplicates allowed), shape (len(ids), *row).
+
+        ``create=False``: a read-only pull for evaluation and serving. A hash-keyed
+        table then creates, stamps and admits nothing; an id without a row reads as
+        its initial value (zeros while not admitted), as a creating pull would return
+        it. The shard versions of a read-only pull are not recorded (no push follows)."""
         v = self._variable(name)
         ids = np.asarray(ids, dtype=np.int64)
         uniq, inverse = np.unique(ids, return_inverse=True)
@@ -519,9 +524,12 @@ class ParameterClient:
         async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> None:
             sids = [s.id for s, _, _ in parts]
             tensors = [Tensor(np.ascontiguousarray(i), "index", s.id) for s, _, i in parts]
+            body: dict[str, Any] = {"shards": sids, "gen": self.gen}
+            if not create:  # only then: a creating pull stays what older PS understand
+                body["create"] = False
             rep = await self.ps[ps].request(
                 "pull_rows",
-                {"shards": sids, "gen": self.gen},
+                body,
                 tensors,
                 timeout=self.timeout,
                 attempts=2,
@@ -535,7 +543,8 @@ class ParameterClient:
                 if t.ref != s.id or t.array.shape != (pos.size, *v.shape[1:]):
                     raise ProtocolError(f"pull_rows reply: bad rows for shard {s.id}")
                 rows[pos] = t.array
-                self.versions[s.id] = int(ver)
+                if create:
+                    self.versions[s.id] = int(ver)
 
         routed = self._route_rows(name, uniq)
         await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))

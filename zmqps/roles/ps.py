@@ -324,8 +324,9 @@ class PSService:
         for sid, t in zip(sids, msg.tensors, strict=True):
             if t.kind != "index" or t.ref != sid:
                 raise InvalidArgument(f"pull_rows: expected the index tensor of shard {sid}")
+        create = msg.body.get("create", True)  # False: read-only (evaluation, serving)
         for sid, t in zip(sids, msg.tensors, strict=True):
-            version, rows = self.store.pull_rows(sid, t.array)
+            version, rows = self.store.pull_rows(sid, t.array, create)
             versions.append(version)
             tensors.append(Tensor(rows, "rows", sid))
             if self.metrics is not None:

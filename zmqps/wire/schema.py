@@ -324,7 +324,8 @@ REQUEST_BODIES: Mapping[str, Schema] = {
     "shm_detach": Map({"region": Int(0, 2**31 - 1)}),
     "push": PUSH,
     "push_pull": PUSH,
-    "pull_rows": Map({"shards": List(SHARD_ID, MAX_SHARDS)}, {"gen": Int(0)}),
+    # create False: a read-only pull (hash tables create, stamp and admit nothing)
+    "pull_rows": Map({"shards": List(SHARD_ID, MAX_SHARDS)}, {"gen": Int(0), "create": Bool()}),
     "push_rows": PUSH,
     "status": Map(),
     "shutdown": Map({}, {"reason": Str(256)}),
