@@ -16,6 +16,7 @@ from zmqps.checkpoint import CheckpointRoot, Manifest, ShardRecord
 from zmqps.core.hashtable import bucket_of, initial_rows
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
+from zmqps.wire.errors import ZmqpsError
 
 EMB = VariableDef(
     "emb",
@@ -176,7 +177,6 @@ def test_a_read_only_pull_leaves_tables_counters_and_checkpoints_unchanged(
     tmp_path: Path,
 ) -> None:
     from zmqps.checkpoint.tables import read_table
-    from zmqps.wire.errors import ZmqpsError
     from zmqps.wire.messages import Tensor
 
     async def body() -> None:
@@ -201,7 +201,7 @@ def test_a_read_only_pull_leaves_tables_counters_and_checkpoints_unchanged(
         second = await _save(c, root, 5)
         for t in ("emb", "wide"):
             a, b = read_table(first, t, 0, 256), read_table(second, t, 0, 256)
-            for x, y in zip(a[:2] + (a[3],), b[:2] + (b[3],), strict=True):
+            for x, y in zip((*a[:2], a[3]), (*b[:2], b[3]), strict=True):
                 assert np.array_equal(x, y), t
             assert a[2].keys() == b[2].keys() and all(
                 np.array_equal(a[2][k], b[2][k]) for k in a[2]
@@ -233,5 +233,32 @@ def test_a_read_only_pull_leaves_tables_counters_and_checkpoints_unchanged(
                 "pull_rows", {"shards": [sid], "create": 0}, [Tensor(other_ids, "index", sid)]
             )
         assert c.services[ps].store.table_stats() == stats
+
+    run(body(), timeout=30)
+
+
+def test_table_rows_lists_every_live_row_in_pages_and_changes_nothing() -> None:
+    async def body() -> None:
+        c = await created_cluster(placement(3), 3, None)
+        w = c.client("w0", chunk_bytes=200)  # a few rows per page: many pages per shard
+        rng = np.random.default_rng(5)
+        ids = np.unique(rng.integers(-(2**63), 2**63 - 1, 300, dtype=np.int64))
+        await w.pull_rows("emb", ids)
+        await w.push_rows("emb", ids, rng.normal(size=(ids.size, 3)).astype(np.float32))
+        stats = [svc.store.table_stats() for svc in c.services]
+        got_ids, got_values = await w.table_rows("emb")
+        assert np.array_equal(got_ids, ids)  # every live row, ascending
+        assert np.array_equal(got_values, await w.pull_rows("emb", ids, create=False))
+        assert [svc.store.table_stats() for svc in c.services] == stats
+        empty_ids, empty_values = await w.table_rows("wide")  # no rows yet
+        assert empty_ids.shape == (0,) and empty_values.shape == (0, 1)
+        with pytest.raises(ZmqpsError, match="not a hash-keyed table"):
+            await w.table_rows("w")
+        raw = chief(c, 0)
+        sid = c.placement.shards_of("w")[0].id
+        with pytest.raises(ZmqpsError, match="not a hash-keyed table"):
+            await raw.request("table_rows", {"shard": sid, "start": 0, "limit": 4})
+        with pytest.raises(ZmqpsError, match="limit"):
+            await raw.request("table_rows", {"shard": sid, "start": 0, "limit": 0})
 
     run(body(), timeout=30)

@@ -206,6 +206,16 @@ class HashShard(Shard):
             out[~have] = initial_rows(d.init, d.var, uniq[~have], self.table.dim, d.dtype)
         return out[inverse.reshape(-1)].reshape((ids.size, *self.definition.shape[1:]))
 
+    def page(self, start: int, limit: int) -> tuple[Array, Array, int]:
+        """Live rows ``[start, start + limit)`` in ascending id order: ``(ids, values,
+        live row count)`` (copies; reads only, like :meth:`peek`). Pages of an unchanged
+        table tile its rows exactly (exports list a table this way)."""
+        t = self.table
+        live = np.flatnonzero(t.touched >= 0)
+        order = live[np.argsort(t.ids[live], kind="stable")][start : start + limit]
+        values = t.values[order].reshape((order.size, *self.definition.shape[1:]))
+        return t.ids[order].copy(), values.copy(), int(live.size)
+
     def evict_idle(self, version: int) -> None:
         """Drop rows untouched for more than ``evict_after`` updates (checked every
         ``evict_after // 8`` updates, so a row may outstay it by that much)."""

@@ -355,6 +355,18 @@ class ShardStore:
         local = self._local_rows(shard, indices)
         return shard.version, np.take(shard.values, local, axis=0)
 
+    def table_page(self, shard_id: int, start: int, limit: int) -> tuple[int, Array, Array, int]:
+        """``(version, ids, values, live rows)``: live rows ``[start, start + limit)`` of a
+        hash-table shard in ascending id order (reads only). InvalidArgument for any
+        other shard."""
+        shard = self.get(shard_id)
+        if shard.definition.table is None:
+            raise InvalidArgument(f"shard {shard_id} is not a hash-keyed table")
+        if start < 0 or limit < 1:
+            raise InvalidArgument(f"table page [{start}, +{limit}): bad range")
+        ids, values, total = shard.page(start, limit)  # type: ignore[attr-defined]
+        return shard.version, ids, values, total
+
     # -- updates -------------------------------------------------------------
 
     def apply_dense(
