@@ -21,13 +21,14 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from zmqps.data.ctr import CTRDataset, auc, logloss
-from zmqps.models.ctr import CTRModel, SparseBatch
+from zmqps.models.ctr import EVAL_PIECE, CTRModel, SparseBatch
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
 from zmqps.transport import Requester
@@ -36,7 +37,7 @@ from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack
 if TYPE_CHECKING:
     from zmqps.roles.worker import Worker
 
-__all__ = ["evaluate_ctr", "table_summary", "train_ctr"]
+__all__ = ["ctr_metrics", "evaluate_ctr", "export_ctr", "table_summary", "train_ctr"]
 
 log = logging.getLogger("zmqps.worker")
 
@@ -126,7 +127,7 @@ def train_ctr(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any
 
 
 async def evaluate_ctr(
-    client: ParameterClient, job: JobConfig, piece: int = 8192
+    client: ParameterClient, job: JobConfig, piece: int = EVAL_PIECE
 ) -> dict[str, Any]:
     """AUC and log loss of the trained model on the held-out split (the chief's summary).
 
@@ -142,8 +143,13 @@ async def evaluate_ctr(
         rows = {
             name: await client.pull_rows(name, sparse.unique, create=False) for name in model.tables
         }
-        logit = model.predict_logits(params, rows, sparse, part.dense)
-        scores[lo : lo + len(part)] = 1.0 / (1.0 + np.exp(-logit.astype(np.float64)))
+        scores[lo : lo + len(part)] = model.probabilities(params, rows, sparse, part.dense)
+    return ctr_metrics(job, test, scores)
+
+
+def ctr_metrics(job: JobConfig, test: CTRDataset, scores: np.ndarray) -> dict[str, Any]:
+    """The summary keys of a CTR evaluation: ``test_auc``, ``test_logloss`` (and the
+    true model's ``ground_truth_*`` on synthetic data)."""
     out: dict[str, Any] = {
         "model": "ctr",
         "dataset": job.dataset,
@@ -155,6 +161,21 @@ async def evaluate_ctr(
         out["ground_truth_auc"] = round(auc(test.y, test.p_true), 4)
         out["ground_truth_logloss"] = round(logloss(test.y, test.p_true), 4)
     return out
+
+
+async def export_ctr(
+    client: ParameterClient, job: JobConfig, directory: str, metrics: Mapping[str, Any]
+) -> Path:
+    """Export the trained CTR model: its dense variables and every table's live rows
+    (:func:`zmqps.export.export_model`; ``load_model`` + ``model.predict`` serve it)."""
+    from zmqps.export import export_model
+
+    model = job.build_ctr_model(job.load_ctr("test"))
+    params = await client.pull()
+    tables = {name: await client.table_rows(name) for name in model.tables}
+    return await asyncio.to_thread(
+        export_model, directory, model.signature(), params, tables=tables, metrics=metrics
+    )
 
 
 async def table_summary(ps: Sequence[Requester], timeout: float = 10.0) -> dict[str, Any]:
