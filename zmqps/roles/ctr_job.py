@@ -21,7 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,15 @@ from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack
 if TYPE_CHECKING:
     from zmqps.roles.worker import Worker
 
-__all__ = ["ctr_metrics", "evaluate_ctr", "export_ctr", "table_summary", "train_ctr"]
+__all__ = [
+    "ctr_metrics",
+    "ctr_scores",
+    "ctr_scores_summary",
+    "evaluate_ctr",
+    "export_ctr",
+    "table_summary",
+    "train_ctr",
+]
 
 log = logging.getLogger("zmqps.worker")
 
@@ -135,25 +143,50 @@ async def evaluate_ctr(
     as their initial values, what serving reads too, without taking rows on the PS."""
     test = job.load_ctr("test")
     model = job.build_ctr_model(test)
+    return ctr_metrics(job, test, await ctr_scores(client, model, test, piece))
+
+
+async def ctr_scores(
+    client: ParameterClient,
+    model: CTRModel,
+    data: CTRDataset,
+    piece: int = EVAL_PIECE,
+    compute: Callable[..., Awaitable[Any]] | None = None,
+) -> np.ndarray:
+    """Click probabilities of ``data`` from the PS: the dense variables pulled once, the
+    rows of each piece's ids pulled read-only. ``compute(fn, *args)`` runs the math
+    (e.g. ``asyncio.to_thread``; default: here)."""
     params = await client.pull()
-    scores = np.empty(len(test), np.float64)
-    for lo in range(0, len(test), piece):
-        part = test.take(slice(lo, lo + piece))
+    scores = np.empty(len(data), np.float64)
+    for lo in range(0, len(data), piece):
+        part = data.take(slice(lo, lo + piece))
         sparse = SparseBatch.of(part.ids)
         rows = {
             name: await client.pull_rows(name, sparse.unique, create=False) for name in model.tables
         }
-        scores[lo : lo + len(part)] = model.probabilities(params, rows, sparse, part.dense)
-    return ctr_metrics(job, test, scores)
+        if compute is None:
+            p = model.probabilities(params, rows, sparse, part.dense)
+        else:
+            p = await compute(model.probabilities, params, rows, sparse, part.dense)
+        scores[lo : lo + len(part)] = p
+    return scores
 
 
 def ctr_metrics(job: JobConfig, test: CTRDataset, scores: np.ndarray) -> dict[str, Any]:
     """The summary keys of a CTR evaluation: ``test_auc``, ``test_logloss`` (and the
     true model's ``ground_truth_*`` on synthetic data)."""
-    out: dict[str, Any] = {
+    return {
         "model": "ctr",
         "dataset": job.dataset,
         "test_examples": len(test),
+        **ctr_scores_summary(test, scores),
+    }
+
+
+def ctr_scores_summary(test: CTRDataset, scores: np.ndarray) -> dict[str, float]:
+    """``test_auc``, ``test_logloss`` (rounded as in the summary) and, on synthetic
+    data, ``ground_truth_auc`` / ``ground_truth_logloss``."""
+    out = {
         "test_auc": round(auc(test.y, scores), 4),
         "test_logloss": round(logloss(test.y, scores), 4),
     }
