@@ -333,8 +333,14 @@ def _rebuild(signature: Mapping[str, Any], where: str) -> Model | CTRModel:
     config = signature["config"]
     if signature["kind"] == CTRModel.name:
         try:
-            return CTRModel(**dict(config))
-        except (TypeError, ValueError) as exc:
+            options = dict(config)
+            for key in ("fields", "num_dense", "dim", "hidden", "buckets", "seed"):
+                if key in options and type(options[key]) is not int:
+                    raise TypeError(f"{key} must be an integer, got {options[key]!r}")
+            ctr = CTRModel(**options)
+            ctr.variables()  # a config whose variables are invalid fails here, not later
+            return ctr
+        except (TypeError, ValueError, OverflowError, ZmqpsError) as exc:
             raise ExportError(f"{where}: cannot rebuild the ctr model: {exc}") from None
     inputs = signature["inputs"]
     outputs = signature["outputs"]

@@ -154,8 +154,25 @@ def test_tampered_table_rows_are_detected(exported: Path) -> None:
         (lambda s: s["tables"][0].pop("init"), "malformed table list"),
         (lambda s: s["config"].update(dim=5), "do not match a ctr model"),
         (lambda s: s["config"].update(fields=0), "cannot rebuild the ctr model"),
+        (lambda s: s["config"].update(table={"row_budget": 0}), "cannot rebuild the ctr model"),
+        (lambda s: s["config"].update(buckets="many"), "cannot rebuild the ctr model"),
+        (lambda s: s["tables"][0].update(table={"x": 1}), "does not take x"),
+        (lambda s: s.update(tables="none"), "malformed table list"),
     ],
-    ids=["rows", "seed", "row-shape", "table-dropped", "twice", "no-init", "dim", "config"],
+    ids=[
+        "rows",
+        "seed",
+        "row-shape",
+        "table-dropped",
+        "twice",
+        "no-init",
+        "dim",
+        "config",
+        "bad-policy",
+        "buckets",
+        "table-policy",
+        "not-a-list",
+    ],
 )
 def test_inconsistent_table_signatures(exported: Path, edit: Any, message: str) -> None:
     _edit_signature(exported, edit)
@@ -186,3 +203,35 @@ def test_export_refuses_tables_unlike_the_signature(
     with pytest.raises(ExportError, match=message):
         export_model(tmp_path / "e", model.signature(), dense_params(model), tables=tables)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def _leaves(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    if isinstance(doc, dict):
+        return [p for k, v in doc.items() for p in _leaves(v, (*path, k))] + [path]
+    if isinstance(doc, list):
+        return [p for i, v in enumerate(doc) for p in _leaves(v, (*path, i))] + [path]
+    return [path]
+
+
+def test_mutated_signatures_of_a_ctr_export_fail_cleanly(exported: Path) -> None:
+    """Any value of signature.json replaced by junk: loaded, or one ExportError."""
+    path = exported / SIGNATURE_FILE
+    original = json.loads(path.read_text())
+    junk: list[Any] = [None, -1, 0, 2**70, 1e308, "x", "", [], {}, [1, 2], {"name": 1}, True]
+    rng = np.random.default_rng(0)
+    leaves = [p for p in _leaves(original) if p]
+    outcomes = {"loaded": 0, "refused": 0}
+    for _ in range(400):
+        doc = json.loads(json.dumps(original))
+        where = leaves[rng.integers(len(leaves))]
+        node = doc
+        for k in where[:-1]:
+            node = node[k]
+        node[where[-1]] = junk[rng.integers(len(junk))]
+        path.write_text(json.dumps(doc))
+        try:
+            load_model(exported)
+            outcomes["loaded"] += 1
+        except ExportError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 100, outcomes
