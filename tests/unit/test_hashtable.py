@@ -294,3 +294,22 @@ def test_a_read_only_pull_still_refuses_ids_of_another_shard() -> None:
         store.pull_rows(0, foreign, create=False)
     with pytest.raises(InvalidArgument, match="ids must be"):
         store.pull_rows(0, np.zeros(3, np.float32), create=False)
+
+
+def test_pages_of_a_table_tile_its_rows_and_follow_a_change_of_its_ids() -> None:
+    store = store_of(table_def())
+    ids = np.arange(-30, 30, dtype=np.int64) * 1_000_003
+    store.pull_rows(0, ids)
+    pages = [store.table_page(0, start, 7) for start in range(0, 60, 7)]
+    assert [p[3] for p in pages] == [60] * 9
+    assert np.array_equal(np.concatenate([p[1] for p in pages]), np.sort(ids))
+    _, rows = store.pull_rows(0, np.sort(ids), create=False)
+    assert np.array_equal(np.concatenate([p[2] for p in pages]), rows)
+    assert store.get(0)._order is None  # type: ignore[attr-defined]  # listing over: dropped
+
+    store.table_page(0, 0, 7)
+    store.pull_rows(0, np.array([5], np.int64))  # a new row between two pages
+    _, page_ids, _, total = store.table_page(0, 7, 7)
+    assert total == 61 and np.array_equal(page_ids, np.sort(np.append(ids, 5))[7:14])
+    with pytest.raises(InvalidArgument, match="bad range"):
+        store.table_page(0, -1, 7)

@@ -262,3 +262,23 @@ def test_table_rows_lists_every_live_row_in_pages_and_changes_nothing() -> None:
             await raw.request("table_rows", {"shard": sid, "start": 0, "limit": 0})
 
     run(body(), timeout=30)
+
+
+def test_a_ps_bounds_the_bytes_of_a_table_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmqps.core.store
+
+    monkeypatch.setattr(zmqps.core.store, "TABLE_PAGE_BYTES", 100)  # 8 rows of 3 float32
+
+    async def body() -> None:
+        c = await created_cluster(placement(1), 1, None)
+        w = c.client("w0")  # asks for pages of 4 MiB
+        ids = np.arange(-50, 50, dtype=np.int64) * 7
+        await w.pull_rows("emb", ids)
+        sid = c.placement.shards_of("emb")[0].id
+        rep = await chief(c, 0).request("table_rows", {"shard": sid, "start": 0, "limit": 1000})
+        assert rep.body["rows"] == 100 and rep.tensors[0].array.shape == (8,)
+        got_ids, got_values = await w.table_rows("emb")  # 13 pages, each one smaller
+        assert np.array_equal(got_ids, np.sort(ids))
+        assert np.array_equal(got_values, await w.pull_rows("emb", got_ids, create=False))
+
+    run(body(), timeout=30)

@@ -61,6 +61,8 @@ class HashShard(Shard):
     counters: TableCounters = field(default_factory=TableCounters)
     #: ids seen but not admitted yet -> sightings (insertion order = age)
     pending: dict[int, int] = field(default_factory=dict)
+    #: a listing in progress (:meth:`page`): (what the id set was, rows in id order)
+    _order: tuple[tuple[int, ...], Array] | None = field(default=None, repr=False)
 
     @classmethod
     def make(cls, d: ShardDef, optimizer: Optimizer | None = None) -> HashShard:
@@ -208,13 +210,22 @@ class HashShard(Shard):
 
     def page(self, start: int, limit: int) -> tuple[Array, Array, int]:
         """Live rows ``[start, start + limit)`` in ascending id order: ``(ids, values,
-        live row count)`` (copies; reads only, like :meth:`peek`). Pages of an unchanged
-        table tile its rows exactly (exports list a table this way)."""
+        live row count)`` (copies; reads only, like :meth:`peek`). Pages of a table
+        whose set of ids did not change tile its rows exactly (exports list a table
+        this way). The id order is kept between the pages of one listing (until the
+        last page is read or a row is created or evicted), not sorted again per page."""
         t = self.table
-        live = np.flatnonzero(t.touched >= 0)
-        order = live[np.argsort(t.ids[live], kind="stable")][start : start + limit]
-        values = t.values[order].reshape((order.size, *self.definition.shape[1:]))
-        return t.ids[order].copy(), values.copy(), int(live.size)
+        c = self.counters
+        key = (len(t), c.created, c.evicted_budget, c.evicted_idle)
+        if self._order is None or self._order[0] != key:
+            live = np.flatnonzero(t.touched >= 0)
+            self._order = (key, live[np.argsort(t.ids[live], kind="stable")])
+        order = self._order[1]
+        rows = order[start : start + limit]
+        if start + limit >= order.size:
+            self._order = None  # the listing is over: do not hold the order
+        values = t.values[rows].reshape((rows.size, *self.definition.shape[1:]))
+        return t.ids[rows].copy(), values.copy(), int(order.size)
 
     def evict_idle(self, version: int) -> None:
         """Drop rows untouched for more than ``evict_after`` updates (checked every

@@ -40,6 +40,9 @@ __all__ = ["HISTOGRAM_EXACT", "Shard", "ShardStore", "StalenessStats"]
 
 Array = npt.NDArray[Any]
 
+#: The most bytes of row values one page of a table listing carries (``table_page``).
+TABLE_PAGE_BYTES = 16 << 20
+
 #: StalenessStats counts staleness values 0..HISTOGRAM_EXACT-1 exactly, the rest together.
 HISTOGRAM_EXACT = 64
 
@@ -364,6 +367,9 @@ class ShardStore:
             raise InvalidArgument(f"shard {shard_id} is not a hash-keyed table")
         if start < 0 or limit < 1:
             raise InvalidArgument(f"table page [{start}, +{limit}): bad range")
+        # a page is at most TABLE_PAGE_BYTES of values, whatever the request asks
+        row_bytes = max(1, math.prod(shard.definition.shape[1:]) * shard.values.itemsize)
+        limit = min(limit, max(1, TABLE_PAGE_BYTES // row_bytes))
         ids, values, total = shard.page(start, limit)  # type: ignore[attr-defined]
         return shard.version, ids, values, total
 

@@ -570,11 +570,13 @@ class ParameterClient:
             version, total = rep.body.get("version"), rep.body.get("rows")
             if not isinstance(version, int) or not isinstance(total, int) or total < start:
                 raise ProtocolError("table_rows reply: bad version or row count")
-            want = min(limit, total - start)
+            n = rep.tensors[0].array.shape[0] if len(rep.tensors) == 2 else -1
+            # the PS may send fewer rows than asked (it bounds a page's bytes), never none
+            # while rows are left
             if (
-                len(rep.tensors) != 2
-                or rep.tensors[0].array.shape != (want,)
-                or rep.tensors[1].array.shape != (want, *row_shape)
+                not (0 < n <= limit if start < total else n == 0)
+                or rep.tensors[0].array.shape != (n,)
+                or rep.tensors[1].array.shape != (n, *row_shape)
             ):
                 raise ProtocolError(f"table_rows reply: bad rows for shard {s.id}")
             return version, total, rep.tensors[0].array, rep.tensors[1].array
