@@ -23,6 +23,14 @@ Rules of this module:
   shapes and dtypes are checked against the signature, and the model is rebuilt
   from the signature with :func:`zmqps.models.build_model`; every problem is one
   :class:`ExportError` with a one-line message.
+* Hash-keyed tables (the CTR model's): the signature's optional ``tables`` list
+  names each table with its ``row_shape``, ``dtype``, ``init`` (initializer and seed),
+  ``table`` (row policy) and ``rows`` (how many it holds). Its live rows travel in the
+  same safetensors file as ``table:NAME:ids`` (int64 ``(rows,)``, ascending) and
+  ``table:NAME:values`` (``(rows, *row_shape)``), under the same sha256: the ids the
+  PS held at the end, never the bucket-shaped placeholder. :func:`load_model` returns
+  each table as a :class:`~zmqps.core.tableview.TableView` in ``params``, which reads
+  a known id's row and gives an unknown id its initial value, as the PS would.
 """
 
 from __future__ import annotations
@@ -46,7 +54,9 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from zmqps.checkpoint.format import fsync_dir, nesting_depth
+from zmqps.core.tableview import TableView
 from zmqps.models import Model, build_model
+from zmqps.models.ctr import CTRModel
 from zmqps.wire.errors import ZmqpsError
 
 __all__ = [
@@ -139,6 +149,60 @@ def _check_params(
             )
 
 
+#: keys of a table's tensors in the weights file
+def _table_keys(name: str) -> tuple[str, str]:
+    return f"table:{name}:ids", f"table:{name}:values"
+
+
+_TABLE_KEYS = ("name", "row_shape", "dtype", "init", "table")
+
+
+def _table_specs(signature: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+    """The signature's ``tables`` (none: ``[]``), checked for form."""
+    specs = signature.get("tables", [])
+    out = []
+    try:
+        if not isinstance(specs, list):
+            raise TypeError("not a list")
+        for t in specs:
+            spec = {k: t[k] for k in _TABLE_KEYS}
+            spec["name"] = str(spec["name"])
+            spec["row_shape"] = [int(d) for d in spec["row_shape"]]
+            np.dtype(str(spec["dtype"]))
+            if not isinstance(spec["init"], dict) or not isinstance(spec["table"], dict):
+                raise TypeError("init and table must be maps")
+            if "rows" in t:
+                spec["rows"] = int(t["rows"])
+            out.append(spec)
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise ExportError(f"{where}: malformed table list in the signature ({exc})") from None
+    names = [t["name"] for t in out]
+    if len(set(names)) != len(names):
+        raise ExportError(f"{where}: the signature names a table twice")
+    return out
+
+
+def _table_view(spec: Mapping[str, Any], ids: Array, values: Array, where: str) -> TableView:
+    """A table's rows checked against its spec, as a :class:`TableView`."""
+    name = spec["name"]
+    shape = (ids.shape[0] if ids.ndim == 1 else -1, *spec["row_shape"])
+    if ids.dtype != np.int64 or ids.ndim != 1:
+        raise ExportError(f"{where}: table {name!r}: ids must be int64 of shape (rows,)")
+    if values.shape != shape or values.dtype != np.dtype(spec["dtype"]):
+        raise ExportError(
+            f"{where}: table {name!r}: values {values.dtype}{tuple(values.shape)},"
+            f" expected {spec['dtype']}{shape}"
+        )
+    if "rows" in spec and spec["rows"] != ids.shape[0]:
+        raise ExportError(
+            f"{where}: table {name!r} holds {ids.shape[0]} rows, the signature says {spec['rows']}"
+        )
+    try:
+        return TableView(name, ids, values, spec["init"], spec["table"])
+    except ValueError as exc:
+        raise ExportError(f"{where}: {exc}") from None
+
+
 def _write(path: Path, data: bytes) -> None:
     with path.open("wb") as f:
         f.write(data)
@@ -149,15 +213,20 @@ def _write(path: Path, data: bytes) -> None:
 def export_model(
     directory: str | os.PathLike[str],
     signature: Mapping[str, Any],
-    params: Mapping[str, Array],
+    params: Mapping[str, Any],
     *,
+    tables: Mapping[str, tuple[Array, Array]] | None = None,
     metrics: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``params`` and ``signature`` as an export in ``directory`` (atomically).
 
     ``signature`` is a model's :meth:`~zmqps.models.Model.signature`; ``params``
-    must hold exactly its variables, whole, with their shapes and dtypes.
+    must hold exactly its variables, whole, with their shapes and dtypes; ``tables``
+    exactly its hash-keyed tables (the signature's ``tables``) as ``(ids, values)``
+    of their live rows (any order, each id once), or as the
+    :class:`~zmqps.core.tableview.TableView` in ``params`` that :func:`load_model`
+    returned.
     ``metrics`` (e.g. the chief's summary: ``test_accuracy``, ``global_step``) and
     ``extra`` (anything else worth keeping) go into ``signature.json``. Returns
     the export's path.
@@ -167,12 +236,34 @@ def export_model(
     target = Path(directory)
     where = f"export {target}"
     wanted = _variables(signature, where)
+    given = dict(tables or {})
+    params = dict(params)
+    for name in [n for n, p in params.items() if isinstance(p, TableView)]:
+        view = params.pop(name)
+        given.setdefault(name, (view.ids, view.values))
     _check_params(params, wanted, where)
     tensors = {name: np.ascontiguousarray(params[name]) for name, _, _ in wanted}
+    specs = _table_specs(signature, where)
+    if sorted(given) != sorted(t["name"] for t in specs):
+        raise ExportError(
+            f"{where}: tables {sorted(given)} given, the signature has"
+            f" {sorted(t['name'] for t in specs)}"
+        )
+    for spec in specs:
+        ids, values = (np.asarray(a) for a in given[spec["name"]])
+        order = np.argsort(ids, kind="stable")
+        view = _table_view({**spec, "rows": ids.shape[0]}, ids[order], values[order], where)
+        spec["rows"] = len(view)
+        for key, a in zip(_table_keys(view.name), (view.ids, view.values), strict=True):
+            if key in tensors:
+                raise ExportError(f"{where}: a variable is named like table tensor {key!r}")
+            tensors[key] = np.ascontiguousarray(a)
     weights = st_save(tensors, metadata={"format": "zmqps", "kind": str(signature["kind"])})
     model_part = _json_safe(dict(signature), "signature")
     for key in _OWN_KEYS:  # a signature read back from an export carries these: renew them
         model_part.pop(key, None)
+    if specs:
+        model_part["tables"] = _json_safe(specs, "tables")
     doc: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -238,8 +329,19 @@ def read_signature(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return doc
 
 
-def _rebuild(signature: Mapping[str, Any], where: str) -> Model:
+def _rebuild(signature: Mapping[str, Any], where: str) -> Model | CTRModel:
     config = signature["config"]
+    if signature["kind"] == CTRModel.name:
+        try:
+            options = dict(config)
+            for key in ("fields", "num_dense", "dim", "hidden", "buckets", "seed"):
+                if key in options and type(options[key]) is not int:
+                    raise TypeError(f"{key} must be an integer, got {options[key]!r}")
+            ctr = CTRModel(**options)
+            ctr.variables()  # a config whose variables are invalid fails here, not later
+            return ctr
+        except (TypeError, ValueError, OverflowError, ZmqpsError) as exc:
+            raise ExportError(f"{where}: cannot rebuild the ctr model: {exc}") from None
     inputs = signature["inputs"]
     outputs = signature["outputs"]
     try:
@@ -253,12 +355,17 @@ def _rebuild(signature: Mapping[str, Any], where: str) -> Model:
         raise ExportError(f"{where}: cannot rebuild the model from the signature: {exc}") from None
 
 
-def load_model(directory: str | os.PathLike[str]) -> tuple[Model, dict[str, Array], dict[str, Any]]:
+def load_model(
+    directory: str | os.PathLike[str],
+) -> tuple[Model | CTRModel, dict[str, Any], dict[str, Any]]:
     """Load the export in ``directory``: ``(model, params, signature)``.
 
-    Raises :class:`ExportError` when the export is missing, corrupted (the sha256
-    of the weights differs), or inconsistent (variables that differ from the
-    signature, or a signature that does not rebuild into the same model).
+    ``params`` maps each variable to its array and each hash-keyed table to a
+    :class:`~zmqps.core.tableview.TableView` (a CTR export:
+    ``model.predict(params, ids, dense)``). Raises :class:`ExportError` when the
+    export is missing, corrupted (the sha256 of the weights differs), or
+    inconsistent (variables or tables that differ from the signature, or a signature
+    that does not rebuild into the same model).
     """
     where = f"export {Path(directory)}"
     signature = read_signature(directory)
@@ -284,13 +391,38 @@ def load_model(directory: str | os.PathLike[str]) -> tuple[Model, dict[str, Arra
             f"{where}: {weights_name} is not a valid safetensors file: {exc}"
         ) from None
     wanted = _variables(signature, where)
+    specs = _table_specs(signature, where)
+    views: dict[str, TableView] = {}
+    for spec in specs:
+        keys = _table_keys(spec["name"])
+        if not all(k in params for k in keys):
+            raise ExportError(f"{where}: the rows of table {spec['name']!r} are missing")
+        ids, values = (params.pop(k) for k in keys)
+        views[spec["name"]] = _table_view(spec, ids, values, where)
     _check_params(params, wanted, where)
-    params = {name: params[name] for name, _, _ in wanted}  # the signature's order
+    out: dict[str, Any] = {name: params[name] for name, _, _ in wanted}  # the signature's order
     model = _rebuild(signature, where)
-    built = [(v.name, v.shape, v.dtype) for v in model.variables()]
+    built = [(v.name, v.shape, v.dtype) for v in model.variables() if not v.hashed]
     if built != wanted:
         raise ExportError(
             f"{where}: the signature's variables do not match a {signature['kind']} model"
             f" built from its config"
         )
-    return model, params, signature
+    built_tables = [
+        {
+            "name": v.name,
+            "row_shape": list(v.shape[1:]),
+            "dtype": v.dtype,
+            "init": dict(v.init),
+            "table": dict(v.table),
+        }
+        for v in model.variables()
+        if v.table is not None
+    ]
+    if built_tables != [{k: t[k] for k in _TABLE_KEYS} for t in specs]:
+        raise ExportError(
+            f"{where}: the signature's tables do not match a {signature['kind']} model"
+            f" built from its config"
+        )
+    out.update(views)
+    return model, out, signature

@@ -87,7 +87,8 @@ BODIES: dict[str, dict[str, Any]] = {
     "pull": {"shards": [0, 1, 2], "gen": 1},
     "push": {**PUSH, "step": 3, "gen": 2},
     "push_pull": dict(PUSH),
-    "pull_rows": {"shards": [9]},
+    "pull_rows": {"shards": [9], "create": False},
+    "table_rows": {"shard": 9, "start": 4096, "limit": 1024, "gen": 2},
     "push_rows": dict(PUSH),
     "shm_attach": {"name": "zmqps-" + "ab" * 16, "size": 4096, "worker": "worker:0", "inc": 3},
     "shm_detach": {"region": 2},
@@ -414,6 +415,7 @@ REQUIRED_DROPS = {
     "push_pull": ["seq"],
     "pull_rows": ["shards"],
     "push_rows": ["worker"],
+    "table_rows": ["shard", "start", "limit"],
 }
 
 
@@ -438,6 +440,9 @@ def test_missing_required_field(op: str, field: str) -> None:
         ("push", {**PUSH, "seq": 2**63}),
         ("push", {**PUSH, "shards": list(range(65537))}),  # longer than MAX_SHARDS
         ("pull", {"shards": "0"}),
+        ("pull_rows", {"shards": [0], "create": 0}),  # not a bool
+        ("table_rows", {"shard": 0, "start": -1, "limit": 8}),
+        ("table_rows", {"shard": 0, "start": 0, "limit": 0}),
         ("pull", {"shards": [1.0]}),
         ("heartbeat", {**WHO, "step": 1, "loss": float("nan")}),
         ("heartbeat", {**WHO, "step": 1, "loss": True}),

@@ -310,3 +310,112 @@ def test_a_table_gets_one_shard_per_ps() -> None:
     shards = pl.shards_of("t")
     assert sorted(s.ps for s in shards) == [0, 1, 2]
     assert [(s.row_start, s.rows) for s in shards] == [(0, 1366), (1366, 1365), (2731, 1365)]
+
+
+def _frozen(shard: Any) -> tuple[Any, ...]:
+    """Everything a pull could change in a hash shard (copies)."""
+    ids, values, slots, touched = shard.state()
+    return (
+        ids,
+        values,
+        slots,
+        touched,
+        shard.counters.to_dict(),
+        dict(shard.pending),
+        shard.version,
+        shard.table.capacity,
+        shard.nbytes,
+    )
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, np.ndarray):
+            if x.dtype != y.dtype or not np.array_equal(x, y):
+                return False
+        elif isinstance(x, dict) and x and isinstance(next(iter(x.values())), np.ndarray):
+            if x.keys() != y.keys() or not all(np.array_equal(x[k], y[k]) for k in x):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "table",
+    [{}, {"admit_after": 2}, {"row_budget": 8}, {"evict_after": 4}],
+    ids=["plain", "admit_after", "row_budget", "evict_after"],
+)
+def test_a_read_only_pull_changes_nothing_and_reads_what_a_creating_pull_would(
+    table: dict[str, Any],
+) -> None:
+    store = store_of(table_def(table, optimizer={"name": "adagrad", "lr": 0.1}))
+    shard: Any = store.get(0)
+    trained = np.array([5, -3, 2**62, 77], np.int64)
+    for step in range(3):  # rows with values of their own, slots, stamps, sightings
+        store.pull_rows(0, trained)
+        grads = np.full((trained.size, 4), 0.5 + step, np.float32)
+        store.apply_rows(0, trained, grads, shard.version)
+    seen_once = np.array([900], np.int64)
+    store.pull_rows(0, seen_once)  # admit_after 2: a sighting pending, no row
+    fresh = np.array([123456789, -(2**63), 31337], np.int64)
+    ids = np.concatenate([trained[:2], fresh, seen_once, trained[:1], fresh[:1]])
+    before = _frozen(shard)
+
+    _, read = store.pull_rows(0, ids, create=False)
+    assert _same(_frozen(shard), before)  # no row, stamp, sighting, counter, eviction
+    _, again = store.pull_rows(0, ids, create=False)
+    assert np.array_equal(read, again)
+
+    _, created = store.pull_rows(0, ids)  # what training would have read
+    assert read.dtype == created.dtype
+    if table.get("admit_after", 1) == 1:
+        assert np.array_equal(read, created)
+        want = initial_rows(shard.definition.init, "emb", fresh, 4, "float32")
+        assert np.array_equal(read[2:5], want)  # the initial values, computed, not stored
+    else:
+        # ids not admitted read as zeros, as training reads them; the creating pull was
+        # the second sighting of 900 and admitted it, the read-only pull admitted nothing
+        not_900 = np.flatnonzero(ids != 900)
+        assert np.array_equal(read[not_900], created[not_900])
+        assert np.array_equal(read[2:6], np.zeros((4, 4), np.float32))
+        want = initial_rows(shard.definition.init, "emb", seen_once, 4, "float32")
+        assert np.array_equal(created[5:6], want)
+
+
+def test_a_read_only_pull_is_not_bounded_by_the_row_budget() -> None:
+    store = store_of(table_def({"row_budget": 10}))
+    ids = np.arange(50, dtype=np.int64)
+    _, rows = store.pull_rows(0, ids, create=False)
+    assert np.array_equal(rows, initial_rows(table_def().init, "emb", ids, 4, "float32"))
+    assert store.get(0).rows == 0  # type: ignore[attr-defined]
+
+
+def test_a_read_only_pull_still_refuses_ids_of_another_shard() -> None:
+    d = table_def(buckets=64, start=0, rows=32)
+    store = store_of(d)
+    ids = np.arange(200, dtype=np.int64)
+    foreign = ids[bucket_of(ids, 64) >= 32][:3]
+    with pytest.raises(InvalidArgument, match="hashes outside"):
+        store.pull_rows(0, foreign, create=False)
+    with pytest.raises(InvalidArgument, match="ids must be"):
+        store.pull_rows(0, np.zeros(3, np.float32), create=False)
+
+
+def test_pages_of_a_table_tile_its_rows_and_follow_a_change_of_its_ids() -> None:
+    store = store_of(table_def())
+    ids = np.arange(-30, 30, dtype=np.int64) * 1_000_003
+    store.pull_rows(0, ids)
+    pages = [store.table_page(0, start, 7) for start in range(0, 60, 7)]
+    assert [p[3] for p in pages] == [60] * 9
+    assert np.array_equal(np.concatenate([p[1] for p in pages]), np.sort(ids))
+    _, rows = store.pull_rows(0, np.sort(ids), create=False)
+    assert np.array_equal(np.concatenate([p[2] for p in pages]), rows)
+    assert store.get(0)._order is None  # type: ignore[attr-defined]  # listing over: dropped
+
+    store.table_page(0, 0, 7)
+    store.pull_rows(0, np.array([5], np.int64))  # a new row between two pages
+    _, page_ids, _, total = store.table_page(0, 7, 7)
+    assert total == 61 and np.array_equal(page_ids, np.sort(np.append(ids, 5))[7:14])
+    with pytest.raises(InvalidArgument, match="bad range"):
+        store.table_page(0, -1, 7)

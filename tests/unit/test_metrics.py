@@ -56,6 +56,7 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...]]] = {
     "zmqps_ps_down": ("gauge", ()),
     "zmqps_eval_accuracy": ("gauge", ()),
     "zmqps_eval_loss": ("gauge", ()),
+    "zmqps_eval_auc": ("gauge", ()),
     "zmqps_eval_step": ("gauge", ()),
     "zmqps_evaluations": ("counter", ()),
     "zmqps_coordinator_scheduled": ("counter", ()),

@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from test_ps_client import run
 from test_ps_recovery import bare_cluster, chief, created_cluster, defs_by_ps
 
 from zmqps.checkpoint import CheckpointRoot, Manifest, ShardRecord
-from zmqps.core.hashtable import initial_rows
+from zmqps.core.hashtable import bucket_of, initial_rows
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
+from zmqps.wire.errors import ZmqpsError
 
 EMB = VariableDef(
     "emb",
@@ -169,3 +171,114 @@ def test_table_metrics_on_a_ps() -> None:
         assert value(m, "zmqps_table_rows_evicted_total", variable="t", reason="idle") == 0
 
     run(body())
+
+
+def test_a_read_only_pull_leaves_tables_counters_and_checkpoints_unchanged(
+    tmp_path: Path,
+) -> None:
+    from zmqps.checkpoint.tables import read_table
+    from zmqps.wire.messages import Tensor
+
+    async def body() -> None:
+        root = CheckpointRoot(tmp_path / "ckpt")
+        c = await created_cluster(placement(2), 2, root.path)
+        w = c.client("w0")
+        rng = np.random.default_rng(4)
+        trained = rng.integers(-(2**63), 2**63 - 1, 60, dtype=np.int64)
+        for _ in range(4):
+            for t, width in (("emb", 3), ("wide", 1)):
+                await w.pull_rows(t, trained)
+                await w.push_rows(t, trained, rng.normal(size=(60, width)).astype(np.float32))
+        versions = dict(w.versions)
+        stats = [svc.store.table_stats() for svc in c.services]
+        first = await _save(c, root, 4)
+
+        fresh = rng.integers(-(2**63), 2**63 - 1, 500, dtype=np.int64)
+        ids = np.concatenate([trained, fresh, trained[:5]])
+        read = {t: await w.pull_rows(t, ids, create=False) for t in ("emb", "wide")}
+        assert [svc.store.table_stats() for svc in c.services] == stats
+        assert w.versions == versions  # a read-only pull is not a training read
+        second = await _save(c, root, 5)
+        for t in ("emb", "wide"):
+            a, b = read_table(first, t, 0, 256), read_table(second, t, 0, 256)
+            for x, y in zip((*a[:2], a[3]), (*b[:2], b[3]), strict=True):
+                assert np.array_equal(x, y), t
+            assert a[2].keys() == b[2].keys() and all(
+                np.array_equal(a[2][k], b[2][k]) for k in a[2]
+            )
+
+        # exactly what creating pulls return: trained rows, initial values of fresh ids
+        want_fresh = initial_rows(EMB.init, "emb", fresh, 3, "float32")
+        assert np.array_equal(read["emb"][60:560], want_fresh)
+        assert np.array_equal(read["wide"][60:560], np.zeros((500, 1), np.float32))
+        for t in ("emb", "wide"):
+            assert np.array_equal(read[t], await w.pull_rows(t, ids)), t
+
+        # a request without the flag (as older clients send) creates rows, as before
+        first_shard = c.placement.shards_of("emb")[0]
+        sid, ps = first_shard.id, first_shard.ps
+        d = c.services[ps].store.get(sid).definition
+        candidates = np.arange(-5000, 0, dtype=np.int64)
+        b = bucket_of(candidates, 256)
+        owned = candidates[(b >= d.row_start) & (b < d.row_start + d.rows)][:8]
+        new_ids, other_ids = owned[:4], owned[4:]
+        raw = c.net.client(f"ps{ps}", "old:0")
+        before = c.services[ps].store.table_stats()["emb"]["rows"]
+        await raw.request("pull_rows", {"shards": [sid]}, [Tensor(new_ids, "index", sid)])
+        assert c.services[ps].store.table_stats()["emb"]["rows"] == before + 4
+        # a malformed flag is refused and changes nothing
+        stats = c.services[ps].store.table_stats()
+        with pytest.raises(ZmqpsError, match="create"):
+            await raw.request(
+                "pull_rows", {"shards": [sid], "create": 0}, [Tensor(other_ids, "index", sid)]
+            )
+        assert c.services[ps].store.table_stats() == stats
+
+    run(body(), timeout=30)
+
+
+def test_table_rows_lists_every_live_row_in_pages_and_changes_nothing() -> None:
+    async def body() -> None:
+        c = await created_cluster(placement(3), 3, None)
+        w = c.client("w0", chunk_bytes=200)  # a few rows per page: many pages per shard
+        rng = np.random.default_rng(5)
+        ids = np.unique(rng.integers(-(2**63), 2**63 - 1, 300, dtype=np.int64))
+        await w.pull_rows("emb", ids)
+        await w.push_rows("emb", ids, rng.normal(size=(ids.size, 3)).astype(np.float32))
+        stats = [svc.store.table_stats() for svc in c.services]
+        got_ids, got_values = await w.table_rows("emb")
+        assert np.array_equal(got_ids, ids)  # every live row, ascending
+        assert np.array_equal(got_values, await w.pull_rows("emb", ids, create=False))
+        assert [svc.store.table_stats() for svc in c.services] == stats
+        empty_ids, empty_values = await w.table_rows("wide")  # no rows yet
+        assert empty_ids.shape == (0,) and empty_values.shape == (0, 1)
+        with pytest.raises(ZmqpsError, match="not a hash-keyed table"):
+            await w.table_rows("w")
+        raw = chief(c, 0)
+        sid = c.placement.shards_of("w")[0].id
+        with pytest.raises(ZmqpsError, match="not a hash-keyed table"):
+            await raw.request("table_rows", {"shard": sid, "start": 0, "limit": 4})
+        with pytest.raises(ZmqpsError, match="limit"):
+            await raw.request("table_rows", {"shard": sid, "start": 0, "limit": 0})
+
+    run(body(), timeout=30)
+
+
+def test_a_ps_bounds_the_bytes_of_a_table_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmqps.core.store
+
+    monkeypatch.setattr(zmqps.core.store, "TABLE_PAGE_BYTES", 100)  # 8 rows of 3 float32
+
+    async def body() -> None:
+        c = await created_cluster(placement(1), 1, None)
+        w = c.client("w0")  # asks for pages of 4 MiB
+        ids = np.arange(-50, 50, dtype=np.int64) * 7
+        await w.pull_rows("emb", ids)
+        sid = c.placement.shards_of("emb")[0].id
+        rep = await chief(c, 0).request("table_rows", {"shard": sid, "start": 0, "limit": 1000})
+        assert rep.body["rows"] == 100 and rep.tensors[0].array.shape == (8,)
+        got_ids, got_values = await w.table_rows("emb")  # 13 pages, each one smaller
+        assert np.array_equal(got_ids, np.sort(ids))
+        assert np.array_equal(got_values, await w.pull_rows("emb", got_ids, create=False))
+
+    run(body(), timeout=30)

@@ -548,6 +548,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
         if "ground_truth_auc" in summary:
             line += f" (ground truth: AUC {summary['ground_truth_auc']:.4f})"
         lines.append(line)
+    tables = summary.get("tables") or {}
+    if tables:
+        rows = ", ".join(f"{name} {t.get('rows')} rows" for name, t in sorted(tables.items()))
+        lines.append(f"  hash tables at the end: {rows}")
     print("\n".join(lines), flush=True)
 
 

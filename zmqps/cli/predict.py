@@ -214,6 +214,12 @@ def run(args: argparse.Namespace) -> int:
         model, params, signature = load_model(args.model)
     except ExportError as exc:
         raise ConfigError(str(exc)) from None
+    if not isinstance(model, Model):
+        raise ConfigError(
+            f"{args.model} is a {signature['kind']} export (ids and dense features, hash-keyed"
+            " tables): zmqps predict reads feature matrices; load it in Python with"
+            " zmqps.export.load_model and call model.predict(params, ids, dense)"
+        )
     x, labels = read_examples(args.input, args.label_column)
     if args.labels is not None:
         labels = read_labels(args.labels)

@@ -61,6 +61,8 @@ class HashShard(Shard):
     counters: TableCounters = field(default_factory=TableCounters)
     #: ids seen but not admitted yet -> sightings (insertion order = age)
     pending: dict[int, int] = field(default_factory=dict)
+    #: a listing in progress (:meth:`page`): (what the id set was, rows in id order)
+    _order: tuple[tuple[int, ...], Array] | None = field(default=None, repr=False)
 
     @classmethod
     def make(cls, d: ShardDef, optimizer: Optimizer | None = None) -> HashShard:
@@ -91,8 +93,11 @@ class HashShard(Shard):
 
     # -- validation ------------------------------------------------------------
 
-    def check_ids(self, ids: Any) -> Array:
-        """Validated ids as int64 (any values; their buckets must be this shard's)."""
+    def check_ids(self, ids: Any, create: bool = True) -> Array:
+        """Validated ids as int64 (any values; their buckets must be this shard's).
+
+        ``create=False`` (a read-only pull) creates no row, so the row budget does not
+        bound how many ids one request names."""
         d = self.definition
         if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise InvalidArgument(f"shard {d.id}: ids must be a 1-D integer array")
@@ -101,7 +106,7 @@ class HashShard(Shard):
         out: Array = ids.astype(np.int64, copy=False)
         self.check_buckets(out)
         budget = self.config.row_budget
-        if budget is not None and out.size > budget and np.unique(out).size > budget:
+        if create and budget is not None and out.size > budget and np.unique(out).size > budget:
             raise InvalidArgument(
                 f"shard {d.id}: one request names more ids than the row budget {budget}"
             )
@@ -192,6 +197,43 @@ class HashShard(Shard):
         if inverse is not None:
             out = out[inverse]
         return out.reshape((ids.size, *self.definition.shape[1:]))
+
+    def peek(self, ids: Array) -> Array:
+        """Rows of ``ids`` as a pull would return them, changing nothing (read-only).
+
+        A live row reads as its values; an id without a row reads as what a creating
+        pull would give it now: its initial value (:func:`initial_rows`) when ids are
+        admitted at once, zeros while admission needs more sightings (``admit_after >
+        1``: training reads such ids as zeros too). No row is created, stamped or
+        evicted; no sighting, admission or counter is recorded."""
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        rows = self.table.lookup(uniq)
+        have = rows >= 0
+        out = np.zeros((uniq.size, self.table.dim), self.table.values.dtype)
+        out[have] = self.table.values[rows[have]]
+        if self.config.admit_after <= 1 and not have.all():
+            d = self.definition
+            out[~have] = initial_rows(d.init, d.var, uniq[~have], self.table.dim, d.dtype)
+        return out[inverse.reshape(-1)].reshape((ids.size, *self.definition.shape[1:]))
+
+    def page(self, start: int, limit: int) -> tuple[Array, Array, int]:
+        """Live rows ``[start, start + limit)`` in ascending id order: ``(ids, values,
+        live row count)`` (copies; reads only, like :meth:`peek`). Pages of a table
+        whose set of ids did not change tile its rows exactly (exports list a table
+        this way). The id order is kept between the pages of one listing (until the
+        last page is read or a row is created or evicted), not sorted again per page."""
+        t = self.table
+        c = self.counters
+        key = (len(t), c.created, c.evicted_budget, c.evicted_idle)
+        if self._order is None or self._order[0] != key:
+            live = np.flatnonzero(t.touched >= 0)
+            self._order = (key, live[np.argsort(t.ids[live], kind="stable")])
+        order = self._order[1]
+        rows = order[start : start + limit]
+        if start + limit >= order.size:
+            self._order = None  # the listing is over: do not hold the order
+        values = t.values[rows].reshape((rows.size, *self.definition.shape[1:]))
+        return t.ids[rows].copy(), values.copy(), int(order.size)
 
     def evict_idle(self, version: int) -> None:
         """Drop rows untouched for more than ``evict_after`` updates (checked every

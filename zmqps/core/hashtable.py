@@ -33,6 +33,10 @@ Rules of this module:
   ``B``). A single request naming more than ``B`` new ids is refused.
 * Everything is validated before any state changes; pulls change state only by
   creating rows, admitting ids and stamping rows as touched.
+* A read-only pull (:meth:`HashShard.peek`, ``pull_rows(..., create=False)``)
+  changes nothing at all: ids without a row read as the value a creating pull would
+  give them (their initial value, or zeros while not admitted). Evaluation and serving
+  use it, so held-out ids take no room, evict no trained row and count no sighting.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ Rules of this module:
 * Reads (:meth:`ShardStore.snapshot`, :meth:`ShardStore.pull_rows`) return copies:
   a consistent snapshot at one version, never a live buffer.
 * Shards of hash-keyed tables (:class:`~zmqps.core.hashshard.HashShard`) are addressed
-  by int64 id: ``pull_rows`` / ``apply_rows`` take ids (a pull may create rows), and
-  every dense access to them is refused.
+  by int64 id: ``pull_rows`` / ``apply_rows`` take ids (a pull may create rows; a
+  read-only pull, ``create=False``, never does), and every dense access to them is
+  refused.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from zmqps.wire.errors import InvalidArgument, NotFound
 __all__ = ["HISTOGRAM_EXACT", "Shard", "ShardStore", "StalenessStats"]
 
 Array = npt.NDArray[Any]
+
+#: The most bytes of row values one page of a table listing carries (``table_page``).
+TABLE_PAGE_BYTES = 16 << 20
 
 #: StalenessStats counts staleness values 0..HISTOGRAM_EXACT-1 exactly, the rest together.
 HISTOGRAM_EXACT = 64
@@ -340,16 +344,35 @@ class ShardStore:
         np.copyto(out, shard.values)
         return shard.version
 
-    def pull_rows(self, shard_id: int, indices: Array) -> tuple[int, Array]:
+    def pull_rows(self, shard_id: int, indices: Array, create: bool = True) -> tuple[int, Array]:
         """``(version, rows)`` for GLOBAL row ids ``indices``; rows is ``(k, *row_shape)``.
 
-        For a hash-keyed table ``indices`` are ids; rows are created on first touch."""
+        For a hash-keyed table ``indices`` are ids; rows are created on first touch,
+        unless ``create`` is False: then nothing changes and ids without a row read as
+        their initial value (zeros while not admitted). Fixed-size rows never change."""
         shard = self.get(shard_id)
         if shard.definition.table is not None:
-            ids = shard.check_ids(indices)  # type: ignore[attr-defined]
+            ids = shard.check_ids(indices, create)  # type: ignore[attr-defined]
+            if not create:
+                return shard.version, shard.peek(ids)  # type: ignore[attr-defined]
             return shard.version, shard.pull(ids)  # type: ignore[attr-defined]
         local = self._local_rows(shard, indices)
         return shard.version, np.take(shard.values, local, axis=0)
+
+    def table_page(self, shard_id: int, start: int, limit: int) -> tuple[int, Array, Array, int]:
+        """``(version, ids, values, live rows)``: live rows ``[start, start + limit)`` of a
+        hash-table shard in ascending id order (reads only). InvalidArgument for any
+        other shard."""
+        shard = self.get(shard_id)
+        if shard.definition.table is None:
+            raise InvalidArgument(f"shard {shard_id} is not a hash-keyed table")
+        if start < 0 or limit < 1:
+            raise InvalidArgument(f"table page [{start}, +{limit}): bad range")
+        # a page is at most TABLE_PAGE_BYTES of values, whatever the request asks
+        row_bytes = max(1, math.prod(shard.definition.shape[1:]) * shard.values.itemsize)
+        limit = min(limit, max(1, TABLE_PAGE_BYTES // row_bytes))
+        ids, values, total = shard.page(start, limit)  # type: ignore[attr-defined]
+        return shard.version, ids, values, total
 
     # -- updates -------------------------------------------------------------
 

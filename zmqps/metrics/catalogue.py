@@ -262,6 +262,11 @@ class Metrics:
             "zmqps_eval_accuracy", "Accuracy of the last evaluated model.", registry=r
         )
         self.eval_loss = Gauge("zmqps_eval_loss", "Loss of the last evaluated model.", registry=r)
+        self.eval_auc = Gauge(
+            "zmqps_eval_auc",
+            "AUC of the last evaluated click-through-rate model (its loss: the log loss).",
+            registry=r,
+        )
         self.eval_step = Gauge(
             "zmqps_eval_step", "Global step of the last evaluated model.", registry=r
         )

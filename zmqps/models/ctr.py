@@ -28,7 +28,7 @@ import numpy as np
 from zmqps.core.hashtable import DEFAULT_BUCKETS
 from zmqps.core.variables import VariableDef
 
-__all__ = ["CTRModel", "SparseBatch", "segment_sum"]
+__all__ = ["EVAL_PIECE", "CTRModel", "SparseBatch", "segment_sum"]
 
 Array = Any  # numpy or cupy array
 
@@ -37,6 +37,9 @@ Array = Any  # numpy or cupy array
 #: batch mean, so one example's gradient of a row is small).
 WIDE_OPTIMIZER = {"name": "ftrl", "lr": 0.1, "initial_accumulator": 1e-4, "l2": 1e-3}
 EMB_OPTIMIZER = {"name": "adagrad", "lr": 0.05, "initial_accumulator": 1e-4}
+#: Examples scored at a time in evaluation and prediction (the same pieces everywhere,
+#: so an export scores the held-out set exactly as the cluster's evaluation did).
+EVAL_PIECE = 8192
 
 
 def segment_sum(values: Array, segments: Array, n: int, xp: Any = np) -> Array:
@@ -139,6 +142,37 @@ class CTRModel:
             "dim": self.dim,
             "hidden": self.hidden,
             "buckets": self.buckets,
+            "seed": self.seed,
+            "table": dict(self.table),
+        }
+
+    def signature(self) -> dict[str, Any]:
+        """What an export needs (:mod:`zmqps.export`): kind, config, inputs, outputs, the
+        dense variables and the hash-keyed tables (their rows travel by id, not whole)."""
+        by_name = {v.name: v for v in self.variables()}
+        return {
+            "kind": self.name,
+            "config": self.config(),
+            "inputs": {
+                "ids": {"shape": [None, self.fields], "dtype": "int64"},
+                "dense": {"shape": [None, self.num_dense], "dtype": "float32"},
+            },
+            "outputs": {"probabilities": {"shape": [None], "dtype": "float64"}},
+            "variables": [
+                {"name": v.name, "shape": list(v.shape), "dtype": v.dtype}
+                for v in by_name.values()
+                if not v.hashed
+            ],
+            "tables": [
+                {
+                    "name": name,
+                    "row_shape": list(by_name[name].shape[1:]),
+                    "dtype": by_name[name].dtype,
+                    "init": dict(by_name[name].init),
+                    "table": dict(by_name[name].table or {}),
+                }
+                for name in self.tables
+            ],
         }
 
     # -- math --------------------------------------------------------------------
@@ -172,6 +206,40 @@ class CTRModel:
         dense: Array,
     ) -> Array:
         return self._forward(params, rows, batch, dense)[0]
+
+    def probabilities(
+        self,
+        params: Mapping[str, Array],
+        rows: Mapping[str, Array],
+        batch: SparseBatch,
+        dense: Array,
+    ) -> Array:
+        """Click probabilities (float64) of a batch: ``sigmoid(logit)``."""
+        logit = self.predict_logits(params, rows, batch, dense)
+        return 1.0 / (1.0 + self.xp.exp(-logit.astype(self.xp.float64)))
+
+    def predict(
+        self, params: Mapping[str, Any], ids: Array, dense: Array, piece: int = EVAL_PIECE
+    ) -> Array:
+        """Click probabilities of examples ``ids`` ``(n, fields)`` / ``dense`` ``(n, d)``.
+
+        ``params`` holds the dense variables and, per table, anything with ``rows(ids)``
+        (what :func:`zmqps.export.load_model` returns: a
+        :class:`~zmqps.core.tableview.TableView`); ``piece`` examples at a time."""
+        ids = np.asarray(ids, dtype=np.int64)
+        dense = np.asarray(dense, dtype=np.float32)
+        if ids.ndim != 2 or ids.shape[1] != self.fields:
+            raise ValueError(f"ctr: ids must be (n, {self.fields}), got {ids.shape}")
+        if dense.shape != (ids.shape[0], self.num_dense):
+            raise ValueError(
+                f"ctr: dense must be ({ids.shape[0]}, {self.num_dense}), got {dense.shape}"
+            )
+        out = np.empty(ids.shape[0], np.float64)
+        for lo in range(0, ids.shape[0], piece):
+            batch = SparseBatch.of(ids[lo : lo + piece])
+            rows = {name: params[name].rows(batch.unique) for name in self.tables}
+            out[lo : lo + piece] = self.probabilities(params, rows, batch, dense[lo : lo + piece])
+        return out
 
     def loss_and_grads(
         self,

@@ -698,13 +698,18 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
         "examples_per_second": round(m.examples / train_s, 1),
     }
     if cfg.job is not None and cfg.job.is_ctr and service.placement is not None:
-        from zmqps.roles.ctr_job import evaluate_ctr
+        from zmqps.roles.ctr_job import evaluate_ctr, export_ctr, table_summary
 
         client = ParameterClient(
             service.ps, service.placement, worker="chief", incarnation=0, shared_memory=False
         )
         client.gen = service.gen
         summary.update(await evaluate_ctr(client, cfg.job))
+        summary["tables"] = await table_summary(service.ps)
+        if cfg.export_dir:
+            path = await export_ctr(client, cfg.job, cfg.export_dir, summary)
+            summary["export_dir"] = str(path)
+            log.info("exported the model (its tables' live rows) to %s", path)
         log.info("final model: %s", {k: v for k, v in summary.items() if "auc" in k})
     elif cfg.job is not None and service.placement is not None:
         test = cfg.job.load("test")

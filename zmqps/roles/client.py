@@ -509,8 +509,13 @@ class ParameterClient:
                 out.setdefault(s.ps, []).append((s, pos, ids[pos]))
         return out
 
-    async def pull_rows(self, name: str, ids: Any) -> Array:
-        """Rows ``ids`` of variable ``name`` (duplicates allowed), shape (len(ids), *row)."""
+    async def pull_rows(self, name: str, ids: Any, *, create: bool = True) -> Array:
+        """Rows ``ids`` of variable ``name`` (duplicates allowed), shape (len(ids), *row).
+
+        ``create=False``: a read-only pull for evaluation and serving. A hash-keyed
+        table then creates, stamps and admits nothing; an id without a row reads as
+        its initial value (zeros while not admitted), as a creating pull would return
+        it. The shard versions of a read-only pull are not recorded (no push follows)."""
         v = self._variable(name)
         ids = np.asarray(ids, dtype=np.int64)
         uniq, inverse = np.unique(ids, return_inverse=True)
@@ -519,9 +524,12 @@ class ParameterClient:
         async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> None:
             sids = [s.id for s, _, _ in parts]
             tensors = [Tensor(np.ascontiguousarray(i), "index", s.id) for s, _, i in parts]
+            body: dict[str, Any] = {"shards": sids, "gen": self.gen}
+            if not create:  # only then: a creating pull stays what older PS understand
+                body["create"] = False
             rep = await self.ps[ps].request(
                 "pull_rows",
-                {"shards": sids, "gen": self.gen},
+                body,
                 tensors,
                 timeout=self.timeout,
                 attempts=2,
@@ -535,11 +543,64 @@ class ParameterClient:
                 if t.ref != s.id or t.array.shape != (pos.size, *v.shape[1:]):
                     raise ProtocolError(f"pull_rows reply: bad rows for shard {s.id}")
                 rows[pos] = t.array
-                self.versions[s.id] = int(ver)
+                if create:
+                    self.versions[s.id] = int(ver)
 
         routed = self._route_rows(name, uniq)
         await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))
         return rows[inverse]
+
+    async def table_rows(self, name: str, *, attempts: int = 3) -> tuple[Array, Array]:
+        """Every live row of the hash-keyed table ``name``: ``(ids, values)``, ids
+        ascending (an export's tables). Reads only; each shard is listed in pages of
+        about ``chunk_bytes``, and listed again if it changed meanwhile."""
+        v = self._variable(name)
+        if not v.hashed:
+            raise InvalidArgument(f"{name} is not a hash-keyed table")
+        row_shape = tuple(v.shape[1:])
+        limit = max(1, self._chunk_bytes // (8 + math.prod(row_shape) * np.dtype(v.dtype).itemsize))
+
+        async def page(s: ShardInfo, start: int) -> tuple[int, int, Array, Array]:
+            rep = await self.ps[s.ps].request(
+                "table_rows",
+                {"shard": s.id, "start": start, "limit": limit, "gen": self.gen},
+                timeout=self.timeout,
+                attempts=2,
+            )
+            version, total = rep.body.get("version"), rep.body.get("rows")
+            if not isinstance(version, int) or not isinstance(total, int) or total < start:
+                raise ProtocolError("table_rows reply: bad version or row count")
+            n = rep.tensors[0].array.shape[0] if len(rep.tensors) == 2 else -1
+            # the PS may send fewer rows than asked (it bounds a page's bytes), never none
+            # while rows are left
+            if (
+                not (0 < n <= limit if start < total else n == 0)
+                or rep.tensors[0].array.shape != (n,)
+                or rep.tensors[1].array.shape != (n, *row_shape)
+            ):
+                raise ProtocolError(f"table_rows reply: bad rows for shard {s.id}")
+            return version, total, rep.tensors[0].array, rep.tensors[1].array
+
+        async def shard(s: ShardInfo) -> tuple[Array, Array]:
+            for _ in range(attempts):
+                version, total, ids, values = await page(s, 0)
+                got_ids, got_values, at, same = [ids], [values], ids.size, True
+                while at < total and same:
+                    ver, tot, ids, values = await page(s, at)
+                    same = (ver, tot) == (version, total)
+                    got_ids.append(ids)
+                    got_values.append(values)
+                    at += ids.size
+                all_ids = np.concatenate(got_ids)
+                if same and (all_ids.size < 2 or bool((np.diff(all_ids) > 0).all())):
+                    return all_ids, np.concatenate(got_values)
+            raise ZmqpsError(f"table {name}: shard {s.id} kept changing while being listed")
+
+        parts = await asyncio.gather(*(shard(s) for s in self.placement.shards_of(name)))
+        ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+        values = np.concatenate([p[1] for p in parts]).astype(v.dtype, copy=False)
+        order = np.argsort(ids, kind="stable")
+        return ids[order], values[order]
 
     async def push_rows(self, name: str, ids: Any, grads: Any, *, step: int | None = None) -> bool:
         """Push row gradients; duplicate ids are summed here, before sending. With a

@@ -9,31 +9,43 @@ Rules of this module:
   (one step staler for ids both batches share, which async tolerates anyway); sync:
   rows must be of the token's step, so they are pulled after the token, together with
   the dense variables.
-* Evaluation pulls the test set's rows in pieces and reports ``test_auc``,
+* Evaluation pulls the test set's rows in pieces, read-only (no row is created for a
+  held-out id), and reports ``test_auc``,
   ``test_logloss`` and, for synthetic data, the true model's ``ground_truth_auc`` /
   ``ground_truth_logloss`` on the same examples.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from zmqps.data.ctr import CTRDataset, auc, logloss
-from zmqps.models.ctr import CTRModel, SparseBatch
+from zmqps.models.ctr import EVAL_PIECE, CTRModel, SparseBatch
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
+from zmqps.transport import Requester
 from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack
 
 if TYPE_CHECKING:
     from zmqps.roles.worker import Worker
 
-__all__ = ["evaluate_ctr", "train_ctr"]
+__all__ = [
+    "ctr_metrics",
+    "ctr_scores",
+    "ctr_scores_summary",
+    "evaluate_ctr",
+    "export_ctr",
+    "table_summary",
+    "train_ctr",
+]
 
 log = logging.getLogger("zmqps.worker")
 
@@ -123,30 +135,95 @@ def train_ctr(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any
 
 
 async def evaluate_ctr(
-    client: ParameterClient, job: JobConfig, piece: int = 8192
+    client: ParameterClient, job: JobConfig, piece: int = EVAL_PIECE
 ) -> dict[str, Any]:
     """AUC and log loss of the trained model on the held-out split (the chief's summary).
 
-    Pulling the test rows creates the rows of ids training never saw (their initial
-    values: what serving would read too)."""
+    The test rows are pulled read-only (``create=False``): ids training never saw read
+    as their initial values, what serving reads too, without taking rows on the PS."""
     test = job.load_ctr("test")
     model = job.build_ctr_model(test)
+    return ctr_metrics(job, test, await ctr_scores(client, model, test, piece))
+
+
+async def ctr_scores(
+    client: ParameterClient,
+    model: CTRModel,
+    data: CTRDataset,
+    piece: int = EVAL_PIECE,
+    compute: Callable[..., Awaitable[Any]] | None = None,
+) -> np.ndarray:
+    """Click probabilities of ``data`` from the PS: the dense variables pulled once, the
+    rows of each piece's ids pulled read-only. ``compute(fn, *args)`` runs the math
+    (e.g. ``asyncio.to_thread``; default: here)."""
     params = await client.pull()
-    scores = np.empty(len(test), np.float64)
-    for lo in range(0, len(test), piece):
-        part = test.take(slice(lo, lo + piece))
+    scores = np.empty(len(data), np.float64)
+    for lo in range(0, len(data), piece):
+        part = data.take(slice(lo, lo + piece))
         sparse = SparseBatch.of(part.ids)
-        rows = {name: await client.pull_rows(name, sparse.unique) for name in model.tables}
-        logit = model.predict_logits(params, rows, sparse, part.dense)
-        scores[lo : lo + len(part)] = 1.0 / (1.0 + np.exp(-logit.astype(np.float64)))
-    out: dict[str, Any] = {
+        rows = {
+            name: await client.pull_rows(name, sparse.unique, create=False) for name in model.tables
+        }
+        if compute is None:
+            p = model.probabilities(params, rows, sparse, part.dense)
+        else:
+            p = await compute(model.probabilities, params, rows, sparse, part.dense)
+        scores[lo : lo + len(part)] = p
+    return scores
+
+
+def ctr_metrics(job: JobConfig, test: CTRDataset, scores: np.ndarray) -> dict[str, Any]:
+    """The summary keys of a CTR evaluation: ``test_auc``, ``test_logloss`` (and the
+    true model's ``ground_truth_*`` on synthetic data)."""
+    return {
         "model": "ctr",
         "dataset": job.dataset,
         "test_examples": len(test),
+        **ctr_scores_summary(test, scores),
+    }
+
+
+def ctr_scores_summary(test: CTRDataset, scores: np.ndarray) -> dict[str, float]:
+    """``test_auc``, ``test_logloss`` (rounded as in the summary) and, on synthetic
+    data, ``ground_truth_auc`` / ``ground_truth_logloss``."""
+    out = {
         "test_auc": round(auc(test.y, scores), 4),
         "test_logloss": round(logloss(test.y, scores), 4),
     }
     if test.p_true is not None:
         out["ground_truth_auc"] = round(auc(test.y, test.p_true), 4)
         out["ground_truth_logloss"] = round(logloss(test.y, test.p_true), 4)
+    return out
+
+
+async def export_ctr(
+    client: ParameterClient, job: JobConfig, directory: str, metrics: Mapping[str, Any]
+) -> Path:
+    """Export the trained CTR model: its dense variables and every table's live rows
+    (:func:`zmqps.export.export_model`; ``load_model`` + ``model.predict`` serve it)."""
+    from zmqps.export import export_model
+
+    model = job.build_ctr_model(job.load_ctr("test"))
+    params = await client.pull()
+    tables = {name: await client.table_rows(name) for name in model.tables}
+    return await asyncio.to_thread(
+        export_model, directory, model.signature(), params, tables=tables, metrics=metrics
+    )
+
+
+async def table_summary(ps: Sequence[Requester], timeout: float = 10.0) -> dict[str, Any]:
+    """Per hash-keyed table, its rows and counters summed over every PS (their
+    ``status``): ``{name: {"rows", "created", "admitted", "not_admitted", "evicted"}}``."""
+    replies = await asyncio.gather(*(c.request("status", {}, timeout=timeout) for c in ps))
+    out: dict[str, dict[str, Any]] = {}
+    for rep in replies:
+        for name, shards in (rep.body.get("tables") or {}).items():
+            acc = out.setdefault(
+                name, {"rows": 0, "created": 0, "admitted": 0, "not_admitted": 0, "evicted": {}}
+            )
+            for st in shards:
+                for k in ("rows", "created", "admitted", "not_admitted"):
+                    acc[k] += int(st.get(k, 0))
+                for reason, n in (st.get("evicted") or {}).items():
+                    acc["evicted"][reason] = acc["evicted"].get(reason, 0) + int(n)
     return out

@@ -22,6 +22,14 @@ Rules of this module:
   cleanly (exit 0).
 * Reading a checkpoint and scoring run in a worker thread, so the event loop
   keeps watching the chief and signals meanwhile.
+* A CTR job (``--model ctr``) is scored like the chief scores it at the end: AUC and
+  log loss on the held-out split (``test_auc``, ``test_logloss``, and on synthetic
+  data ``ground_truth_auc`` / ``ground_truth_logloss``). A snapshot pulls the dense
+  variables once and the test ids' rows read-only (``pull_rows(create=False)``: no
+  row is created, touched or admitted for them; pieces are pulled one after another
+  while training goes on, so rows and dense variables may be a few updates apart); a
+  checkpoint's tables are read with ``read_table`` and looked up like a read-only
+  pull (:class:`~zmqps.core.tableview.TableView`).
 """
 
 from __future__ import annotations
@@ -43,12 +51,16 @@ import numpy.typing as npt
 import zmq.asyncio
 
 from zmqps.config import split_address
+from zmqps.core.tableview import TableView
 from zmqps.core.variables import Placement
 from zmqps.data import Dataset
+from zmqps.data.ctr import CTRDataset
 from zmqps.metrics import Metrics
 from zmqps.models import Model
+from zmqps.models.ctr import CTRModel
 from zmqps.roles._run import start_exporter
 from zmqps.roles.client import ParameterClient
+from zmqps.roles.ctr_job import ctr_scores, ctr_scores_summary
 from zmqps.roles.job import JobConfig
 from zmqps.transport import Client, Requester, SocketOptions
 from zmqps.wire.errors import (
@@ -157,20 +169,22 @@ class Evaluation:
     """One model scored on the test split."""
 
     step: int
-    accuracy: float
-    loss: float
+    accuracy: float | None  # None for a CTR job (scored by AUC: see scores)
+    loss: float  # a CTR job: the log loss
     source: str  # "checkpoint" or "snapshot"
     time: float  # Unix time of the evaluation
     checkpoint: str | None = None
+    #: a CTR job: test_auc, test_logloss (and ground_truth_auc / ground_truth_logloss)
+    scores: Mapping[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "step": self.step,
-            "accuracy": self.accuracy,
-            "loss": self.loss if math.isfinite(self.loss) else None,
-            "source": self.source,
-            "time": round(self.time, 3),
-        }
+        out: dict[str, Any] = {"step": self.step}
+        if self.accuracy is not None:
+            out["accuracy"] = self.accuracy
+        out["loss"] = self.loss if math.isfinite(self.loss) else None
+        out.update(self.scores)
+        out["source"] = self.source
+        out["time"] = round(self.time, 3)
         if self.checkpoint is not None:
             out["checkpoint"] = self.checkpoint
         return out
@@ -195,7 +209,7 @@ class Evaluator:
     cfg: EvaluatorConfig
     chief: Requester
     connect_ps: Callable[[Sequence[str]], list[Requester]]
-    test: Dataset
+    test: Dataset | CTRDataset
     metrics: Metrics | None = None
     open_root: Callable[[str], CheckpointRootLike] = open_checkpoint_root
     probe: Callable[[str], bool] = port_closed  # whether nobody listens at an address
@@ -204,7 +218,11 @@ class Evaluator:
     evaluations: list[Evaluation] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.model: Model = self.cfg.job.build_model(self.test)
+        self.model: Model | CTRModel
+        if isinstance(self.test, CTRDataset):
+            self.model = self.cfg.job.build_ctr_model(self.test)
+        else:
+            self.model = self.cfg.job.build_model(self.test)
         self.stopping = asyncio.Event()
         self.placement: Placement | None = None
         self.ps: list[Requester] = []
@@ -275,7 +293,7 @@ class Evaluator:
 
     def _check_variables(self, placement: Placement) -> None:
         """The job flags must describe the model the cluster trains."""
-        have = {v.name: (v.shape, v.dtype) for v in placement.variables if not v.sparse}
+        have = {v.name: (v.shape, v.dtype) for v in placement.variables if not v.sparse or v.hashed}
         want = {v.name: (v.shape, v.dtype) for v in self.model.variables()}
         if have != want:
             missing = sorted(set(want) - set(have))
@@ -432,7 +450,7 @@ class Evaluator:
         ckpt, variables = found
         return await self._score(variables, int(ckpt.step), "checkpoint", ckpt.name)
 
-    def _newest_checkpoint(self, directory: str) -> tuple[CheckpointLike, dict[str, Array]] | None:
+    def _newest_checkpoint(self, directory: str) -> tuple[CheckpointLike, dict[str, Any]] | None:
         """The newest committed checkpoint not evaluated yet, verified, and its variables."""
         try:
             root = self.open_root(directory)
@@ -450,20 +468,40 @@ class Evaluator:
                 self._skip(newest, "it failed verification")
             if ckpt is None or ckpt.name in self._seen:
                 return None
-            variables = ckpt.variables()
+            variables: dict[str, Any] = dict(ckpt.variables())
         except (ZmqpsError, OSError, ValueError, KeyError) as exc:
             self._skip(newest, f"it failed verification: {exc}")
             return None
         missing = sorted(
             v.name
             for v in self.model.variables()
-            if v.name not in variables or variables[v.name].shape != v.shape
+            if not v.hashed and (v.name not in variables or variables[v.name].shape != v.shape)
         )
         if missing:
             self._skip(ckpt.name, f"variables missing or of another shape: {', '.join(missing)}")
             return None
+        if isinstance(self.model, CTRModel):
+            try:
+                variables.update(self._checkpoint_tables(ckpt))
+            except (ZmqpsError, OSError, ValueError, KeyError) as exc:
+                self._skip(ckpt.name, f"its tables cannot be read: {exc}")
+                return None
         self._seen.add(ckpt.name)
         return ckpt, variables
+
+    def _checkpoint_tables(self, ckpt: Any) -> dict[str, TableView]:
+        """Every hash-keyed table of a checkpoint, as lookups that read like the PS."""
+        from zmqps.checkpoint.tables import read_table
+
+        out: dict[str, TableView] = {}
+        for v in self.model.variables():
+            if v.hashed:
+                saved = ckpt.variable(v.name)
+                if not saved.hashed or saved.shape[1:] != v.shape[1:]:
+                    raise ValueError(f"{v.name} is not a table of rows {v.shape[1:]} there")
+                ids, values, _, _, _ = read_table(ckpt, v.name, 0, saved.shape[0])
+                out[v.name] = TableView(v.name, ids, values, saved.init, saved.table or {})
+        return out
 
     def _skip(self, name: str, why: str) -> None:
         if name not in self._seen:
@@ -482,6 +520,12 @@ class Evaluator:
             self._client.timeout = min(self._client.timeout, FINAL_PULL_S)
         self._client.gen = self._watch.gen
         try:
+            if isinstance(self.model, CTRModel) and isinstance(self.test, CTRDataset):
+                probabilities = await ctr_scores(
+                    self._client, self.model, self.test, compute=asyncio.to_thread
+                )
+                self._last_step = step
+                return self._publish_ctr(probabilities, step, "snapshot", None)
             params = await self._client.pull()
         except (ZmqpsError, OSError) as exc:
             if final:
@@ -493,8 +537,15 @@ class Evaluator:
         return await self._score(params, step, "snapshot", None)
 
     async def _score(
-        self, params: Mapping[str, Array], step: int, source: str, checkpoint: str | None
+        self, params: Mapping[str, Any], step: int, source: str, checkpoint: str | None
     ) -> Evaluation:
+        if isinstance(self.model, CTRModel) and isinstance(self.test, CTRDataset):
+            test = self.test
+            probabilities = await asyncio.to_thread(
+                self.model.predict, params, test.ids, test.dense
+            )
+            return self._publish_ctr(probabilities, step, source, checkpoint)
+        assert isinstance(self.model, Model) and isinstance(self.test, Dataset)
         scores = await asyncio.to_thread(self.model.evaluate, params, self.test.x, self.test.y)
         ev = Evaluation(
             step=step,
@@ -507,19 +558,48 @@ class Evaluator:
         self._publish(ev)
         return ev
 
+    def _publish_ctr(
+        self, probabilities: Array, step: int, source: str, checkpoint: str | None
+    ) -> Evaluation:
+        assert isinstance(self.test, CTRDataset)
+        scores = ctr_scores_summary(self.test, probabilities)
+        ev = Evaluation(
+            step=step,
+            accuracy=None,
+            loss=float(scores["test_logloss"]),
+            source=source,
+            time=time.time(),
+            checkpoint=checkpoint,
+            scores=scores,
+        )
+        self._publish(ev)
+        return ev
+
     def _publish(self, ev: Evaluation) -> None:
         self.evaluations.append(ev)
-        log.info(
-            "evaluator: step %d, accuracy %.4f, loss %.4f (%s%s)",
-            ev.step,
-            ev.accuracy,
-            ev.loss,
-            ev.source,
-            f" {ev.checkpoint}" if ev.checkpoint else "",
-        )
+        where = f"({ev.source}{f' {ev.checkpoint}' if ev.checkpoint else ''})"
+        if "test_auc" in ev.scores:
+            log.info(
+                "evaluator: step %d, test AUC %.4f, log loss %.4f %s",
+                ev.step,
+                ev.scores["test_auc"],
+                ev.loss,
+                where,
+            )
+        else:
+            log.info(
+                "evaluator: step %d, accuracy %.4f, loss %.4f %s",
+                ev.step,
+                ev.accuracy,
+                ev.loss,
+                where,
+            )
         m = self.metrics
         if m is not None:
-            m.eval_accuracy.set(ev.accuracy)
+            if ev.accuracy is not None:
+                m.eval_accuracy.set(ev.accuracy)
+            if "test_auc" in ev.scores:
+                m.eval_auc.set(ev.scores["test_auc"])
             m.eval_loss.set(ev.loss)
             m.eval_step.set(ev.step)
             m.evaluations.inc()
@@ -536,14 +616,15 @@ async def serve_evaluator(
     cfg: EvaluatorConfig,
     ctx: zmq.asyncio.Context,
     options: SocketOptions | None = None,
-    test: Dataset | None = None,
+    test: Dataset | CTRDataset | None = None,
 ) -> list[Evaluation]:
     """Run an evaluator over real sockets until training ends or a signal stops it."""
     metrics = Metrics() if cfg.metrics_port is not None else None
     exporter = start_exporter(metrics, cfg.metrics_host, cfg.metrics_port, "evaluator")
     if metrics is not None:
         metrics.set_info("evaluator", 0, "")
-    test = cfg.job.load("test") if test is None else test
+    if test is None:
+        test = cfg.job.load_ctr("test") if cfg.job.is_ctr else cfg.job.load("test")
     incarnation = time.time_ns() // 1000
     chief = Client(
         ctx,

@@ -72,7 +72,7 @@ class PSConfig:
 
 
 _PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
-_DATA_OPS = _PUSH_OPS | {"pull", "pull_rows"}
+_DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
 
 
 class PSService:
@@ -324,13 +324,20 @@ class PSService:
         for sid, t in zip(sids, msg.tensors, strict=True):
             if t.kind != "index" or t.ref != sid:
                 raise InvalidArgument(f"pull_rows: expected the index tensor of shard {sid}")
+        create = msg.body.get("create", True)  # False: read-only (evaluation, serving)
         for sid, t in zip(sids, msg.tensors, strict=True):
-            version, rows = self.store.pull_rows(sid, t.array)
+            version, rows = self.store.pull_rows(sid, t.array, create)
             versions.append(version)
             tensors.append(Tensor(rows, "rows", sid))
             if self.metrics is not None:
                 self.metrics.rows(self.store.get(sid).definition.var, "pull", rows.shape[0])
         return reply(msg, {"versions": versions}, tensors)
+
+    def _op_table_rows(self, msg: Message) -> Message:
+        b = msg.body
+        version, ids, values, total = self.store.table_page(b["shard"], b["start"], b["limit"])
+        tensors = [Tensor(ids, "index", b["shard"]), Tensor(values, "rows", b["shard"])]
+        return reply(msg, {"version": version, "rows": total}, tensors)
 
     def _op_push_rows(self, msg: Message) -> Message:
         by_shard = self._grad_chunks(msg, ("index", "rows"))

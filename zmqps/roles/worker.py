@@ -458,9 +458,10 @@ class Worker:
         self._count(loss, examples)
         return self.client.params
 
-    def pull_rows(self, name: str, ids: Any) -> Array:
-        """Rows ``ids`` of the embedding variable ``name``."""
-        return self._recovering(lambda: self.client.pull_rows(name, ids))
+    def pull_rows(self, name: str, ids: Any, *, create: bool = True) -> Array:
+        """Rows ``ids`` of the embedding variable ``name``; ``create=False`` reads
+        without creating or touching rows of a hash-keyed table (evaluation, serving)."""
+        return self._recovering(lambda: self.client.pull_rows(name, ids, create=create))
 
     def pull_rows_async(
         self, lookups: Mapping[str, Any]

@@ -324,8 +324,13 @@ REQUEST_BODIES: Mapping[str, Schema] = {
     "shm_detach": Map({"region": Int(0, 2**31 - 1)}),
     "push": PUSH,
     "push_pull": PUSH,
-    "pull_rows": Map({"shards": List(SHARD_ID, MAX_SHARDS)}, {"gen": Int(0)}),
+    # create False: a read-only pull (hash tables create, stamp and admit nothing)
+    "pull_rows": Map({"shards": List(SHARD_ID, MAX_SHARDS)}, {"gen": Int(0), "create": Bool()}),
     "push_rows": PUSH,
+    # the live rows of a hash-table shard, a page at a time in id order (export)
+    "table_rows": Map(
+        {"shard": SHARD_ID, "start": Int(0, 2**48), "limit": Int(1, 1 << 24)}, {"gen": Int(0)}
+    ),
     "status": Map(),
     "shutdown": Map({}, {"reason": Str(256)}),
     # sync / ssp coordination
