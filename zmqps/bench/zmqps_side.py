@@ -227,8 +227,10 @@ def _transports(w: Any) -> list[str]:
 
 def worker_main(config: dict[str, Any], ctl: Control | None) -> None:
     from zmqps import Worker
+    from zmqps.malloc import tune_malloc
 
     assert ctl is not None
+    tune_malloc()  # as zmqps-worker does
     wl = Workload.from_json(config["workload"])
     timeout = float(config["timeout"])
     index = int(config["index"])

@@ -38,6 +38,7 @@ from zmqps.cli.args import (
     sync_from_args,
 )
 from zmqps.device import Device, DeviceError
+from zmqps.malloc import tune_malloc
 from zmqps.wire.errors import ConfigError, ZmqpsError
 
 __all__ = ["main", "server_main", "worker_main"]
@@ -91,6 +92,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     from zmqps.roles.ps import PSConfig, run_ps
 
     cluster, task = cluster_and_task(args)
+    tune_malloc()
     bind = args.bind or bind_address(cluster.address(task.role, task.index))
     if task.role in ("ps", "chief"):
         # the PS only serve; the chief serves and connects to every PS
@@ -154,6 +156,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from zmqps.roles.worker import Terminated, Worker, train
 
     cluster, task = cluster_and_task(args, default_role="worker")
+    tune_malloc()
     if task.role == "evaluator":
         return _evaluator(cluster.chief, args)
     if task.role != "worker":
