@@ -17,8 +17,10 @@ from zmqps.data.ctr import (
     load_ctr,
     logloss,
     read_criteo,
+    read_ctr_text,
     synthetic_ctr,
     write_criteo,
+    write_ctr_text,
 )
 from zmqps.models.ctr import CTRModel, SparseBatch
 
@@ -82,6 +84,27 @@ def test_criteo_text_format_round_trip(tmp_path: Path) -> None:
     assert (len(train), len(test)) == (45, 5)
     assert np.array_equal(test.ids, data.ids[45:])
     assert len(read_criteo(path, limit=7)) == 7
+
+
+def test_synthetic_text_round_trip_with_and_without_labels(tmp_path: Path) -> None:
+    data = synthetic_ctr(200, fields=5, vocab=30, num_dense=3, seed=2, split="test")
+    assert data.raw is not None and np.array_equal(data.take(slice(3, 9)).raw, data.raw[3:9])
+    for labels in (True, False):
+        path = tmp_path / f"{labels}.txt"
+        write_ctr_text(path, data, labels=labels)
+        ids, dense, y, raw = read_ctr_text(path, fields=5, num_dense=3, dense="raw")
+        assert np.array_equal(ids, data.ids) and np.array_equal(raw, data.raw)
+        assert np.array_equal(dense, data.dense) and dense.dtype == np.float32  # exact
+        assert (y is not None) == labels and (y is None or np.array_equal(y, data.y))
+    with pytest.raises(ValueError, match=r"True\.txt:1: 9 fields, expected 8"):
+        read_ctr_text(tmp_path / "True.txt", fields=5, num_dense=3, dense="raw", label=False)
+    with pytest.raises(ValueError, match=r"False\.txt:1: 8 fields, expected 9"):
+        read_ctr_text(tmp_path / "False.txt", fields=5, num_dense=3, dense="raw", label=True)
+    mixed = tmp_path / "mixed.txt"
+    lines = (tmp_path / "True.txt").read_text().splitlines(True)[:2]
+    mixed.write_text(lines[0] + lines[1].split("\t", 1)[1])
+    with pytest.raises(ValueError, match=r"mixed\.txt:2: 8 fields, expected 9"):
+        read_ctr_text(mixed, fields=5, num_dense=3, dense="raw")
 
 
 @pytest.mark.parametrize(

@@ -18,11 +18,19 @@ Rules of this module:
   strings; empty fields are missing. Integers become ``log1p(max(x, 0))`` (missing: 0);
   a categorical value becomes the id ``mix64(field << 40 | int(hex, 16))`` (missing:
   its own id per field). Bad lines raise ValueError naming the line.
+* :func:`read_ctr_text` reads that layout with any widths: ``num_dense`` dense then
+  ``fields`` hex categorical fields, the label first and optional (a line one field
+  shorter has none; every line of a file the same). Dense fields are Criteo integers
+  (``"log1p"``, as above) or decimal numbers taken as they are (``"raw"``, the
+  synthetic data's features); categorical values map to ids as above, so
+  :func:`write_ctr_text` writes synthetic examples (``raw`` holds each categorical
+  value before hashing: the Zipf rank) that read back into the same ids and features.
 * Metrics: :func:`auc` (Mann-Whitney, ties counted half) and :func:`logloss`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,8 +50,10 @@ __all__ = [
     "field_ids",
     "logloss",
     "read_criteo",
+    "read_ctr_text",
     "synthetic_ctr",
     "write_criteo",
+    "write_ctr_text",
 ]
 
 Array = npt.NDArray[Any]
@@ -68,6 +78,8 @@ class CTRDataset:
     y: Array
     name: str
     p_true: Array | None = None
+    #: the categorical values before hashing (uint64 ``(n, fields)``), where known
+    raw: Array | None = None
 
     def __post_init__(self) -> None:
         dense = np.ascontiguousarray(self.dense, dtype=np.float32)
@@ -97,7 +109,8 @@ class CTRDataset:
 
     def take(self, index: Array | slice) -> CTRDataset:
         p = None if self.p_true is None else self.p_true[index]
-        return CTRDataset(self.dense[index], self.ids[index], self.y[index], self.name, p)
+        raw = None if self.raw is None else self.raw[index]
+        return CTRDataset(self.dense[index], self.ids[index], self.y[index], self.name, p, raw)
 
     def shard(self, index: int, count: int) -> CTRDataset:
         """Examples ``index, index + count, ...`` (disjoint shards covering the set)."""
@@ -141,7 +154,7 @@ def synthetic_ctr(
     p = 1.0 / (1.0 + np.exp(-logit))
     y = (rng.random(n) < p).astype(np.float32)
     ids = np.stack([field_ids(f, ranks[:, f]) for f in range(fields)], axis=1)
-    return CTRDataset(dense, ids, y, f"synthetic-ctr-{split}", p)
+    return CTRDataset(dense, ids, y, f"synthetic-ctr-{split}", p, ranks.astype(np.uint64))
 
 
 def auc(y: Array, score: Array) -> float:
@@ -169,40 +182,79 @@ def logloss(y: Array, p: Array, eps: float = 1e-7) -> float:
     return float(-np.mean(y * np.log(p) + (1.0 - y) * np.log1p(-p)))
 
 
-def read_criteo(path: str | os.PathLike[str], limit: int | None = None) -> CTRDataset:
-    """Read a Criteo text file (see the module rules); ``limit`` caps the examples."""
+#: dense encodings of :func:`read_ctr_text`
+DENSE_ENCODINGS = ("log1p", "raw")
+
+
+def read_ctr_text(
+    path: str | os.PathLike[str],
+    *,
+    fields: int = CRITEO_CATEGORICAL,
+    num_dense: int = CRITEO_INTEGER,
+    dense: str = "log1p",
+    label: bool | None = None,
+    limit: int | None = None,
+) -> tuple[Array, Array, Array | None, Array]:
+    """Read ``path`` in the Criteo layout with these widths (see the module rules):
+    ``(ids, dense, labels, raw)``, labels float32 or None. ``label``: True, the label
+    column is required; False, refused; None, a line's width says (every line alike)."""
+    if dense not in DENSE_ENCODINGS:
+        raise ValueError(f"dense encoding {dense!r}: expected one of {DENSE_ENCODINGS}")
+    width = num_dense + fields
     dense_rows: list[list[float]] = []
-    id_rows: list[list[int]] = []
+    raw_rows: list[list[int]] = []
     labels: list[float] = []
-    fields = 1 + CRITEO_INTEGER + CRITEO_CATEGORICAL
     with open(path, encoding="ascii", errors="strict") as f:
         for lineno, line in enumerate(f, 1):
-            if limit is not None and len(labels) >= limit:
+            if limit is not None and len(raw_rows) >= limit:
                 break
             line = line.rstrip("\n").rstrip("\r")
             if not line:
                 continue
             parts = line.split("\t")
-            if len(parts) != fields:
-                raise ValueError(f"{path}:{lineno}: {len(parts)} fields, expected {fields}")
+            if label is None and len(parts) in (width, width + 1):
+                label = len(parts) == width + 1
+            want = width + 1 if label else width
+            if len(parts) != want:
+                hint = f" ({width + 1} with a label)" if label is None else ""
+                raise ValueError(f"{path}:{lineno}: {len(parts)} fields, expected {want}{hint}")
+            if label:
+                try:
+                    y = int(parts[0])
+                except ValueError as e:
+                    raise ValueError(f"{path}:{lineno}: {e}") from None
+                if y not in (0, 1):
+                    raise ValueError(f"{path}:{lineno}: label {y} is not 0 or 1")
+                labels.append(float(y))
+                parts = parts[1:]
             try:
-                label = int(parts[0])
-                ints = [int(v) if v else 0 for v in parts[1 : 1 + CRITEO_INTEGER]]
-                cats = [int(v, 16) if v else _MISSING for v in parts[1 + CRITEO_INTEGER :]]
-            except ValueError as e:
+                if dense == "log1p":
+                    nums = [float(max(int(v), 0)) if v else 0.0 for v in parts[:num_dense]]
+                else:
+                    nums = [float(v) if v else 0.0 for v in parts[:num_dense]]
+                cats = [int(v, 16) & _MISSING if v else _MISSING for v in parts[num_dense:]]
+            except (ValueError, OverflowError) as e:
                 raise ValueError(f"{path}:{lineno}: {e}") from None
-            if label not in (0, 1):
-                raise ValueError(f"{path}:{lineno}: label {label} is not 0 or 1")
-            labels.append(float(label))
-            dense_rows.append([float(np.log1p(max(v, 0))) for v in ints])
-            id_rows.append([c & _MISSING for c in cats])
-    if not labels:
+            if dense == "raw" and not all(map(math.isfinite, nums)):
+                raise ValueError(f"{path}:{lineno}: a dense value is not finite")
+            dense_rows.append(nums)
+            raw_rows.append(cats)
+    if not raw_rows:
         raise ValueError(f"{path}: no examples")
-    raw = np.array(id_rows, dtype=np.uint64)
-    ids = np.stack([field_ids(f, raw[:, f]) for f in range(CRITEO_CATEGORICAL)], axis=1)
-    return CTRDataset(
-        np.array(dense_rows, np.float32), ids, np.array(labels, np.float32), Path(path).name
-    )
+    values = np.array(dense_rows, np.float64).reshape(len(raw_rows), num_dense)
+    if dense == "log1p":
+        values = np.log1p(values)
+    raw = np.array(raw_rows, dtype=np.uint64).reshape(len(raw_rows), fields)
+    ids = np.stack([field_ids(f, raw[:, f]) for f in range(fields)], axis=1)
+    y_out = np.array(labels, np.float32) if label else None
+    return ids.reshape(len(raw), fields), values.astype(np.float32), y_out, raw
+
+
+def read_criteo(path: str | os.PathLike[str], limit: int | None = None) -> CTRDataset:
+    """Read a Criteo text file (see the module rules); ``limit`` caps the examples."""
+    ids, dense, y, raw = read_ctr_text(path, label=True, limit=limit)
+    assert y is not None
+    return CTRDataset(dense, ids, y, Path(path).name, raw=raw)
 
 
 def write_criteo(path: str | os.PathLike[str], labels: Array, ints: Array, cats: Array) -> None:
@@ -212,6 +264,20 @@ def write_criteo(path: str | os.PathLike[str], labels: Array, ints: Array, cats:
             iv = ["" if v < 0 else str(int(v)) for v in row_i]
             cv = ["" if v < 0 else format(int(v), "08x") for v in row_c]
             f.write("\t".join([str(int(y)), *iv, *cv]) + "\n")
+
+
+def write_ctr_text(path: str | os.PathLike[str], data: CTRDataset, labels: bool = True) -> None:
+    """Write ``data`` in the Criteo layout with its widths, dense values as decimal numbers
+    (read back with ``dense="raw"``: the same float32 features and ids). Needs
+    ``data.raw`` (synthetic sets and Criteo files have it)."""
+    if data.raw is None:
+        raise ValueError(f"dataset {data.name}: the categorical values before hashing are unknown")
+    with open(path, "w", encoding="ascii") as f:
+        for k in range(len(data)):
+            dv = [format(float(v), ".9g") for v in data.dense[k]]  # exact for float32
+            cv = ["" if v == _MISSING else format(int(v), "x") for v in data.raw[k]]
+            head = [str(int(data.y[k]))] if labels else []
+            f.write("\t".join([*head, *dv, *cv]) + "\n")
 
 
 #: dataset names for the CTR job (``--dataset``)
