@@ -1,5 +1,8 @@
 """``zmqps predict``: run an exported model (:mod:`zmqps.export`) on a file of examples.
 
+A CTR export (hash-keyed tables) reads text in the Criteo layout instead:
+:mod:`zmqps.cli.predict_ctr`.
+
 Rules of this module:
 
 * Inputs are ``.npy`` (read with ``allow_pickle=False``) or ``.csv`` (numbers
@@ -40,7 +43,10 @@ BATCH = 4096
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="an exported model's directory")
     p.add_argument(
-        "--input", required=True, metavar="FILE", help="examples: .npy (n, d) or .csv (n rows)"
+        "--input",
+        required=True,
+        metavar="FILE",
+        help="examples: .npy (n, d) or .csv (n rows); a ctr export: Criteo-layout text",
     )
     p.add_argument(
         "--output",
@@ -50,13 +56,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format",
         choices=FORMATS,
-        default="classes",
-        help="classes (one int per example, default) or probabilities (one row per example)",
+        help="classes (one int per example; the default, a ctr export's: probabilities)"
+        " or probabilities (one row per example)",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        metavar="P",
+        help="(ctr export, --format classes) class 1 where the click probability >= P"
+        " (default 0.5)",
     )
     p.add_argument(
         "--labels",
         metavar="FILE",
-        help="true labels (.npy or one-column .csv): print accuracy and loss",
+        help="true labels (.npy or one-column .csv): print accuracy and loss (ctr: AUC and"
+        " log loss)",
     )
     p.add_argument(
         "--label-column",
@@ -215,11 +229,12 @@ def run(args: argparse.Namespace) -> int:
     except ExportError as exc:
         raise ConfigError(str(exc)) from None
     if not isinstance(model, Model):
-        raise ConfigError(
-            f"{args.model} is a {signature['kind']} export (ids and dense features, hash-keyed"
-            " tables): zmqps predict reads feature matrices; load it in Python with"
-            " zmqps.export.load_model and call model.predict(params, ids, dense)"
-        )
+        from zmqps.cli import predict_ctr
+
+        return predict_ctr.run(args, model, params, signature, output)
+    if args.threshold is not None:
+        raise ConfigError(f"--threshold: {args.model} is a classifier (its class: the argmax)")
+    fmt = args.format or "classes"
     x, labels = read_examples(args.input, args.label_column)
     if args.labels is not None:
         labels = read_labels(args.labels)
@@ -234,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{len(labels)} labels for {len(x)} examples")
         if labels.min() < 0 or labels.max() >= model.num_classes:
             raise ConfigError(f"labels must lie in 0..{model.num_classes - 1}")
-    out = predict(model, params, x, args.format)
+    out = predict(model, params, x, fmt)
     _write(out, output, sys.stdout)
     sys.stdout.flush()
     if labels is not None:
