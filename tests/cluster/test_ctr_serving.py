@@ -1,17 +1,19 @@
 """``zmqps launch --model ctr --evaluator``: the held-out evaluation takes no rows on the
 PS, the export carries the tables' live rows and scores the held-out set exactly as the
-run reported, and the side-car evaluator scores the CTR job's checkpoints by AUC."""
+run reported (in Python and through ``zmqps predict`` on the held-out rows as text), and
+the side-car evaluator scores the CTR job's checkpoints by AUC."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import Reaper, launch_run, launched_by, read_json
+from helpers import Reaper, launch_run, launched_by, read_json, zmqps_cmd
 
-from zmqps.data.ctr import auc, logloss
+from zmqps.data.ctr import auc, logloss, write_ctr_text
 from zmqps.export import load_model
 from zmqps.models.ctr import CTRModel
 from zmqps.roles.job import JobConfig
@@ -51,6 +53,19 @@ def test_ctr_export_and_evaluator(procs: Reaper, tmp_path: Path) -> None:
     assert round(auc(test.y, scores), 4) == summary["test_auc"], summary
     assert round(logloss(test.y, scores), 4) == summary["test_logloss"], summary
     assert signature["metrics"]["test_auc"] == summary["test_auc"]
+
+    # zmqps predict on the held-out rows written as text: the same probabilities and AUC
+    write_ctr_text(tmp_path / "test.txt", test)
+    out = tmp_path / "p.npy"
+    argv = ("--model", str(run / "model"), "--input", str(tmp_path / "test.txt"))
+    predict = procs.spawn(zmqps_cmd("predict", *argv, "--output", str(out)), name="predict")
+    predict.expect_exit(0, timeout=60)
+    assert np.array_equal(np.load(out), scores)
+    m = re.search(r"auc (\S+), logloss (\S+) \((\d+) examples", predict.stdout)
+    assert m is not None, predict.tail()
+    assert round(float(m.group(1)), 4) == summary["test_auc"], (m.group(0), summary)
+    assert round(float(m.group(2)), 4) == summary["test_logloss"], (m.group(0), summary)
+    assert int(m.group(3)) == len(test) == summary["test_examples"]
 
     # the evaluator scored the checkpoints by AUC under the summary's keys; the last one
     # is the final model, the one the chief evaluated
