@@ -102,6 +102,7 @@ class Builder:
         description: str = "",
         fmt: str | None = None,
         thresholds: list[tuple[str, float | None]] | None = None,
+        overrides: list[dict[str, Any]] | None = None,
     ) -> None:
         tg = []
         for i, (expr, legend) in enumerate(targets):
@@ -129,7 +130,7 @@ class Builder:
             "datasource": DS,
             "gridPos": self._pos(w, h),
             "targets": tg,
-            "fieldConfig": {"defaults": defaults, "overrides": []},
+            "fieldConfig": {"defaults": defaults, "overrides": overrides or []},
         }
         if description:
             p["description"] = description
@@ -329,6 +330,23 @@ def overview() -> dict[str, Any]:
 
 #: The evaluator's gauges read 0 until its first evaluation: keep them out until then.
 EVALUATED = ' and on() max(zmqps_evaluations_total{job="evaluator"}) > 0'
+#: A CTR job's evaluator sets zmqps_eval_auc (above 0) and leaves the accuracy at 0;
+#: other jobs the reverse: each panel shows the one the job has.
+EVAL_AUC = f'max(zmqps_eval_auc{{job="evaluator"}}) > 0{EVALUATED}'
+EVAL_ACCURACY = (
+    'max(zmqps_eval_accuracy{job="evaluator"})'
+    f' unless on() max(zmqps_eval_auc{{job="evaluator"}}) > 0{EVALUATED}'
+)
+
+
+def auc_override(ref_id: str) -> list[dict[str, Any]]:
+    """The AUC query (``ref_id``) as a plain number, next to an accuracy in percent."""
+    return [
+        {
+            "matcher": {"id": "byFrameRefID", "options": ref_id},
+            "properties": [{"id": "unit", "value": "none"}, {"id": "decimals", "value": 3}],
+        }
+    ]
 
 
 def checkpoints_and_evaluation(b: Builder) -> None:
@@ -367,13 +385,15 @@ def checkpoints_and_evaluation(b: Builder) -> None:
         description="Lost PS the chief recovered from since it started.",
     )
     b.panel(
-        "Evaluation accuracy",
-        [(f'max(zmqps_eval_accuracy{{job="evaluator"}}){EVALUATED}', "accuracy")],
+        "Evaluation accuracy / AUC",
+        [(EVAL_ACCURACY, "accuracy"), (EVAL_AUC, "AUC")],
         kind="stat",
         unit="percentunit",
         w=4,
         h=5,
-        description="Test accuracy of the last model the evaluator scored.",
+        overrides=auc_override("B"),
+        description="Test accuracy of the last model the evaluator scored; for a CTR job "
+        "(--model ctr) its AUC instead.",
     )
     b.panel(
         "Evaluated step",
@@ -457,11 +477,13 @@ def checkpoints_and_evaluation(b: Builder) -> None:
         "empty until a recovery happened.",
     )
     b.panel(
-        "Evaluation accuracy over time",
-        [(f'max(zmqps_eval_accuracy{{job="evaluator"}}){EVALUATED}', "test accuracy")],
+        "Evaluation accuracy / AUC over time",
+        [(EVAL_ACCURACY, "test accuracy"), (EVAL_AUC, "test AUC")],
         unit="percentunit",
+        overrides=auc_override("B"),
         description="Test-split accuracy of each model the evaluator scored (a new committed "
-        "checkpoint, or a snapshot of the PS); the value holds until the next evaluation.",
+        "checkpoint, or a snapshot of the PS), for a CTR job its AUC; the value holds until "
+        "the next evaluation.",
     )
     b.panel(
         "Evaluation loss over time",
@@ -469,8 +491,8 @@ def checkpoints_and_evaluation(b: Builder) -> None:
             (f'max(zmqps_eval_loss{{job="evaluator"}}){EVALUATED}', "test loss"),
             ('avg(zmqps_train_loss{job="worker"})', "train loss (mean over workers)"),
         ],
-        description="Test-split loss of the last evaluated model, next to the workers' "
-        "training loss.",
+        description="Test-split loss of the last evaluated model (a CTR job: the log loss), "
+        "next to the workers' training loss.",
     )
 
 

@@ -54,6 +54,7 @@ REQUIRED_ALERTS = {
     "CheckpointsStale",
     "ClusterRestored",
     "EvaluatorAccuracyDropped",
+    "EvaluatorAUCDropped",
 }
 
 #: DESIGN.md §7: name -> type.
@@ -83,6 +84,7 @@ CATALOGUE = {
     "zmqps_generation": "gauge",
     "zmqps_ps_down": "gauge",
     "zmqps_eval_accuracy": "gauge",
+    "zmqps_eval_auc": "gauge",
     "zmqps_eval_loss": "gauge",
     "zmqps_eval_step": "gauge",
     "zmqps_evaluations_total": "counter",
@@ -118,6 +120,7 @@ OWNER = {
     "zmqps_generation": "chief",
     "zmqps_ps_down": "chief",
     "zmqps_eval_accuracy": "evaluator",
+    "zmqps_eval_auc": "evaluator",
     "zmqps_eval_loss": "evaluator",
     "zmqps_eval_step": "evaluator",
     "zmqps_evaluations_total": "evaluator",
@@ -321,6 +324,7 @@ def test_dashboards_cover_the_design() -> None:
         "zmqps_restores_total",
         "zmqps_recovery_seconds",
         "zmqps_eval_accuracy",
+        "zmqps_eval_auc",
         "zmqps_eval_loss",
         "zmqps_eval_step",
     ):
@@ -492,6 +496,56 @@ def test_promtool_check_rules() -> None:
 @needs_promtool
 def test_promtool_test_rules() -> None:
     run = _promtool("test", "rules", str(RULE_TESTS))
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _evaluation_exprs() -> dict[str, list[str]]:
+    """Per evaluation accuracy / AUC panel of the overview, its queries (accuracy, AUC)."""
+    panels = walk_panels(load(DASHBOARDS / "zmqps-overview.json")["panels"])
+    return {
+        p["title"]: [t["expr"] for t in p["targets"]]
+        for p in panels
+        if p["title"].startswith("Evaluation accuracy / AUC")
+    }
+
+
+@needs_promtool
+def test_evaluation_panels_show_the_score_the_job_has(tmp_path: Path) -> None:
+    """Through promtool: a CTR job's evaluator shows its AUC and no accuracy (its accuracy
+    gauge reads 0), a classifier's its accuracy and no AUC, and neither before the
+    first evaluation."""
+    exprs = _evaluation_exprs()
+    assert len(exprs) == 2 and all(len(e) == 2 for e in exprs.values()), exprs
+    scenarios = [  # (auc, accuracy, evaluations) -> (accuracy shown, AUC shown)
+        ((0.78, 0, 3), (None, 0.78)),
+        ((0, 0.9, 3), (0.9, None)),
+        ((0, 0, 0), (None, None)),
+    ]
+    tests = []
+    for (auc, accuracy, evaluations), shown in scenarios:
+        series = {"zmqps_eval_auc": auc, "zmqps_eval_accuracy": accuracy}
+        series["zmqps_evaluations_total"] = evaluations
+        tests.append(
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": f'{name}{{job="evaluator", instance="e:9400"}}', "values": f"{v}x5"}
+                    for name, v in series.items()
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": expr,
+                        "eval_time": "3m",
+                        "exp_samples": [] if want is None else [{"labels": "{}", "value": want}],
+                    }
+                    for pair in exprs.values()
+                    for expr, want in zip(pair, shown, strict=True)
+                ],
+            }
+        )
+    path = tmp_path / "panels.test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [], "tests": tests}))
+    run = _promtool("test", "rules", str(path), cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
