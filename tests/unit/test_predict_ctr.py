@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from zmqps.cli.main import main
+from zmqps.cli.predict_ctr import metrics_line
 from zmqps.data.ctr import (
     CRITEO_CATEGORICAL,
     CRITEO_INTEGER,
@@ -229,3 +230,14 @@ def test_threshold_is_refused_for_a_classifier(
         capsys, "--model", str(export), "--input", str(tmp_path / "x.npy"), "--threshold", "0.5"
     )
     assert rc == 2 and "--threshold" in err and "classifier" in err
+
+
+def test_metrics_line_without_both_classes() -> None:
+    p = np.array([0.2, 0.4, 0.9])
+    line = metrics_line(np.zeros(3, np.float32), p)
+    assert line == f"auc undefined (every label is 0), logloss {logloss(np.zeros(3), p):.6f}" + (
+        " (3 examples, 0 positive)"
+    )
+    assert metrics_line(np.ones(3, np.float32), p).startswith("auc undefined (every label is 1)")
+    y = np.array([0, 1, 1], np.float32)
+    assert metrics_line(y, p).startswith(f"auc {auc(y, p):.6f}, logloss")

@@ -56,8 +56,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format",
         choices=FORMATS,
-        help="classes (one int per example; the default, a ctr export's: probabilities)"
-        " or probabilities (one row per example)",
+        help="classes (one int per example) or probabilities (one row per example);"
+        " default: classes, for a ctr export probabilities",
     )
     p.add_argument(
         "--threshold",
@@ -77,7 +77,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="the input's column N (0-based; -1 the last) holds the labels: split it off"
-        " and print accuracy and loss",
+        " and print accuracy and loss (a ctr export: 0, and a line's width says anyway)",
     )
 
 
