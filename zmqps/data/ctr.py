@@ -252,9 +252,10 @@ def read_ctr_text(
 
 def read_criteo(path: str | os.PathLike[str], limit: int | None = None) -> CTRDataset:
     """Read a Criteo text file (see the module rules); ``limit`` caps the examples."""
-    ids, dense, y, raw = read_ctr_text(path, label=True, limit=limit)
+    ids, dense, y, _ = read_ctr_text(path, label=True, limit=limit)
     assert y is not None
-    return CTRDataset(dense, ids, y, Path(path).name, raw=raw)
+    # no raw values: a Criteo file is text already, and they would double the ids' memory
+    return CTRDataset(dense, ids, y, Path(path).name)
 
 
 def write_criteo(path: str | os.PathLike[str], labels: Array, ints: Array, cats: Array) -> None:
@@ -269,7 +270,7 @@ def write_criteo(path: str | os.PathLike[str], labels: Array, ints: Array, cats:
 def write_ctr_text(path: str | os.PathLike[str], data: CTRDataset, labels: bool = True) -> None:
     """Write ``data`` in the Criteo layout with its widths, dense values as decimal numbers
     (read back with ``dense="raw"``: the same float32 features and ids). Needs
-    ``data.raw`` (synthetic sets and Criteo files have it)."""
+    ``data.raw`` (synthetic sets have it; a Criteo file is text already)."""
     if data.raw is None:
         raise ValueError(f"dataset {data.name}: the categorical values before hashing are unknown")
     with open(path, "w", encoding="ascii") as f:
