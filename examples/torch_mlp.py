@@ -14,12 +14,36 @@ trains on the GPU: the worker keeps the values on it (cupy, pip install
 """
 
 import argparse
+from typing import Any
 
 import torch
 
 import zmqps
 from zmqps.adapters.torch import TorchModel
 from zmqps.data import batches, load_digits, shard
+
+#: The PS's optimizer. Momentum 0.5, not the usual 0.9: in async mode every gradient
+#: is computed on values one or more updates old, and that staleness acts as extra
+#: momentum (Mitliagkas et al. 2016, "Asynchrony begets momentum"). With 0.9 and
+#: lr 0.1, two async workers make the model swing from update to update through the
+#: second half of training (test accuracy anywhere from about 0.4 to 0.95), so a
+#: worker that finishes while another still trains (one started later, or was slowed
+#: by a busy machine) evaluates wherever the swing happens to be. With 0.5 every model
+#: of the second half stays near 0.9 (tests/cluster/test_torch_example.py).
+LR = 0.1
+MOMENTUM = 0.5
+
+
+def optimizer(lr: float = LR, momentum: float = MOMENTUM) -> dict[str, Any]:
+    return {"name": "momentum", "lr": lr, "momentum": momentum}
+
+
+def make_net(num_features: int, num_classes: int) -> torch.nn.Sequential:
+    return torch.nn.Sequential(
+        torch.nn.Linear(num_features, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, num_classes),
+    )
 
 
 def main() -> None:
@@ -29,23 +53,22 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=1, help="number of workers")
     p.add_argument("--epochs", type=int, default=10, help="passes over this worker's data")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.1, help="the PS's SGD learning rate")
+    p.add_argument("--lr", type=float, default=LR, help="the PS's learning rate")
+    p.add_argument(
+        "--momentum", type=float, default=MOMENTUM, help="the PS's momentum (see MOMENTUM)"
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     args = p.parse_args()
     torch.set_num_threads(1)  # small batches: threads cost more than they bring
 
     train = shard(load_digits("train"), args.index, args.workers)
     test = load_digits("test")
-    net = torch.nn.Sequential(
-        torch.nn.Linear(train.num_features, 64),
-        torch.nn.ReLU(),
-        torch.nn.Linear(64, train.num_classes),
-    ).to(args.device)
+    net = make_net(train.num_features, train.num_classes).to(args.device)
 
     with zmqps.Worker(args.chief, args.index, device=args.device) as worker:
         model = TorchModel(net, worker)
         # Every worker declares the same variables; the first call creates them.
-        model.create(optimizer={"name": "momentum", "lr": args.lr, "momentum": 0.9})
+        model.create(optimizer=optimizer(args.lr, args.momentum))
         for epoch in range(args.epochs):
             for x, y in batches(train, args.batch_size, epoch, seed=args.index):
                 model.begin_step()  # sync: take a token; ssp: wait; then the step's values
@@ -57,9 +80,12 @@ def main() -> None:
         model.pull()  # the final values
         with torch.no_grad():
             predicted = net(torch.from_numpy(test.x).to(args.device)).argmax(dim=1).cpu().numpy()
-        steps = worker.step
+        steps, updates = worker.step, worker.global_step
     accuracy = float((predicted == test.y).mean())
-    print(f"worker {args.index}: test accuracy {accuracy:.4f} after {steps} steps")
+    print(
+        f"worker {args.index}: test accuracy {accuracy:.4f} after {steps} steps"
+        f" (global step {updates})"
+    )
 
 
 if __name__ == "__main__":

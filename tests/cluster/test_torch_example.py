@@ -6,6 +6,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import Reaper, addresses, read_json, script
@@ -41,7 +42,9 @@ def test_torch_mlp_example(procs: Reaper, tmp_path: Path, mode: str) -> None:
         w.expect_exit(0, timeout=80)
         found = re.search(r"worker \d: test accuracy (\S+) after (\d+) steps", w.stdout)
         assert found, w.tail()
-        assert float(found[1]) >= 0.85, w.stdout  # about 0.95; async runs vary
+        # about 0.93; async: the model of the moment this worker finished, perhaps before
+        # the other (see test_async_example_holds_a_good_model_while_one_worker_lags)
+        assert float(found[1]) >= 0.85, w.stdout
         steps.append(int(found[2]))
     chief_p.expect_exit(0, timeout=30)
     ps_p.expect_exit(0, timeout=30)
@@ -128,5 +131,117 @@ def test_sync_workers_in_threads_match_single_process_sgd(procs: Reaper, tmp_pat
     for i in (0, 1):
         for n, p in reference.named_parameters():
             np.testing.assert_allclose(finals[i][n], p.detach().numpy(), rtol=1e-5, atol=1e-6)
+    chief_p.expect_exit(0, timeout=30)
+    ps_p.expect_exit(0, timeout=30)
+
+
+def _example() -> Any:
+    """examples/torch_mlp.py as a module (its model and optimizer)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torch_mlp_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(90)
+def test_async_example_holds_a_good_model_while_one_worker_lags(procs: Reaper) -> None:
+    """The example's model and optimizer in async mode, worker 1 starting ``lead`` steps
+    after worker 0 (as a busy machine makes it: a slow start, a descheduled process),
+    then the two taking strict turns, each computing on values one update old.
+
+    Worker 0 then finishes while worker 1 trains on, and evaluates the model of that
+    moment: every model of the second half of training must be good, not only the
+    final one. The turns are fixed, so the run is deterministic. With momentum 0.9
+    (the example's former setting) a model held here falls to 0.38 test accuracy (at
+    update 258); with the example's optimizer none is under 0.89."""
+    import threading
+
+    import torch
+
+    import zmqps
+    from zmqps.adapters.torch import TorchModel
+    from zmqps.data import batches, load_digits, shard
+
+    example = _example()
+    chief, ps, w0, w1 = addresses(4)
+    cluster = {"chief": [chief], "ps": [ps], "worker": [w0, w1]}
+
+    def tf_config(task_type: str) -> dict[str, str]:
+        return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type}})}
+
+    server = script("zmqps-server")
+    chief_p = procs.spawn([server, "--mode", "async"], name="chief", env=tf_config("chief"))
+    ps_p = procs.spawn([server], name="ps0", env=tf_config("ps"))
+
+    lead, steps = 150, 23 * EPOCHS
+    # whose turn each step is: worker 0 alone, then strict turns, then worker 1 alone
+    turns = [0] * lead + [1, 0] * (steps - lead) + [1] * lead
+    test = load_digits("test")
+    test_x = torch.from_numpy(test.x)
+    turn = threading.Condition()
+    at = [0]  # index into turns
+    # (global step, worker, test accuracy) of the model a worker holds after each step
+    held: list[tuple[int, int, float]] = []
+    errors: list[BaseException] = []
+
+    def wait_turn(i: int) -> None:
+        with turn:
+            turn.wait_for(lambda: bool(errors) or turns[at[0]] == i, timeout=60)
+            if errors or turns[at[0]] != i:
+                raise RuntimeError(f"worker {i}: no turn (the other worker failed or hangs)")
+
+    def next_turn() -> None:
+        with turn:
+            at[0] = min(at[0] + 1, len(turns) - 1)
+            turn.notify_all()
+
+    def work(i: int) -> None:
+        try:
+            train = shard(load_digits("train"), i, 2)
+            net = example.make_net(train.num_features, train.num_classes)
+            wait_turn(i)  # worker 1 joins, creates (idempotent) and pulls when it starts
+            with zmqps.Worker(chief, i) as worker:
+                model = TorchModel(net, worker)
+                model.create(optimizer=example.optimizer())
+                for epoch in range(EPOCHS):
+                    for x, y in batches(train, 32, epoch, seed=i):
+                        if worker.step > 0:
+                            wait_turn(i)
+                        model.begin_step()
+                        loss = torch.nn.functional.cross_entropy(
+                            net(torch.from_numpy(x)), torch.from_numpy(y)
+                        )
+                        loss.backward()
+                        model.push(loss=loss, examples=len(x))
+                        with torch.no_grad():
+                            predicted = net(test_x).argmax(dim=1).numpy()
+                        accuracy = float((predicted == test.y).mean())
+                        held.append((worker.global_step, i, accuracy))
+                        next_turn()
+        except BaseException as e:  # pragma: no cover - reported below
+            with turn:
+                errors.append(e)
+                turn.notify_all()
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(75)
+    finally:
+        torch.set_num_threads(threads_before)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    # every step applied in the order of the turns: update k is turn k's
+    assert [g for g, _, _ in held] == list(range(1, 2 * steps + 1))
+    assert [i for _, i, _ in held] == turns
+    g, i, worst = min((h for h in held if h[0] > steps), key=lambda h: h[2])
+    assert worst >= 0.85, f"worker {i} held a model of test accuracy {worst} at update {g}"
     chief_p.expect_exit(0, timeout=30)
     ps_p.expect_exit(0, timeout=30)
