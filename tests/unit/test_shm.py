@@ -12,6 +12,7 @@ from test_ps_client import (  # the in-memory cluster of the protocol tests
     DENSE,
     LAYOUTS,
     LR,
+    DoublePush,
     Recorder,
     grads_for,
     initial,
@@ -110,6 +111,70 @@ def test_retried_push_through_shared_memory_is_applied_once() -> None:
         rep = c.services[0](request("push", body, id=99))
         assert rep.body["applied"] is False
         assert all(c.services[0].store.get(s).version == 1 for s in sids)
+
+    run(body())
+
+
+def test_a_resent_push_pull_leaves_the_region_the_worker_computes_on_alone() -> None:
+    """The worker got the first reply and computes on the pull region (its params are
+    views of it); the resend of the same push_pull reaches the PS later, after another
+    worker moved the values: the region is not rewritten, the values come in the reply."""
+
+    async def body() -> None:
+        c = await make_cluster(DENSE, 1, 1)  # every variable whole: params are region views
+        client = c.client(shared_memory=True)
+        other = c.client("w1", shared_memory=False)
+        await client.pull()
+        await other.pull()
+        fp = await client._fast_path(0)
+        assert fp is not None
+        g = grads_for(DENSE, seed=4)
+        await client.push(g, pull=True)
+        held = {v.name: client.params[v.name].copy() for v in DENSE}
+        await other.push(grads_for(DENSE, seed=5))  # the PS moves on
+        sids = sorted(fp.offsets)
+        resent = {
+            "shards": sids,
+            "versions": [0] * len(sids),
+            "worker": "w0",
+            "inc": 0,
+            "seq": client._seq[0],
+            "shm": fp.ref(False, sids),
+            "shm_out": fp.ref(True, sids),
+        }
+        rep = c.services[0](request("push_pull", resent, id=99))
+        assert rep.body["applied"] is False and rep.body["duplicate"] is True
+        for v in DENSE:  # the worker's values did not move under it
+            np.testing.assert_array_equal(client.params[v.name], held[v.name])
+        got = {t.ref: t.array.reshape(-1) for t in rep.tensors}
+        assert sorted(got) == sids and rep.body["versions"] == [2] * len(sids)
+        for sid in sids:
+            np.testing.assert_array_equal(got[sid], c.services[0].store.get(sid).values.reshape(-1))
+
+    run(body())
+
+
+def test_a_worker_whose_first_push_pull_reply_was_lost_takes_the_resend_values() -> None:
+    """Every push_pull sent twice, the second reply kept: the first (lost) reply wrote
+    the region, the second carries the values; the worker ends where TCP ends."""
+
+    async def body() -> None:
+        fast_c = await make_cluster(DENSE, 2, 2)
+        tcp_c = await make_cluster(DENSE, 2, 2)
+        fast = fast_c.client(shared_memory=True, wrap=DoublePush)
+        tcp = tcp_c.client(shared_memory=False)
+        await fast.pull()
+        await tcp.pull()
+        for step in range(3):
+            g = grads_for(DENSE, seed=10 + step)
+            assert await fast.push(g, pull=True) is False  # the duplicate says so
+            await tcp.push(g, pull=True)
+            assert fast.versions == tcp.versions
+            for v in DENSE:
+                np.testing.assert_array_equal(fast.params[v.name], tcp.params[v.name])
+        replies = [r for rec in fast.ps for r in getattr(rec, "replies", [])]
+        assert any(r.tensors for r in replies)  # the resends' values came by TCP
+        await fast.close()
 
     run(body())
 

@@ -451,7 +451,9 @@ class ParameterClient:
                         op, body, timeout=self.timeout, attempts=self.push_attempts
                     )
                     accepted = self._after_push(rep, sids)
-                    if pull:
+                    if pull and rep.tensors:  # a resend's reply: values by TCP (ps.py)
+                        self._take_values(rep, sids, out)
+                    elif pull:
                         self._set_versions(rep, sids)
                         self._copy_out(fp, sids, out)
                 return accepted

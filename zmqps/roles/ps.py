@@ -304,10 +304,13 @@ class PSService:
                 self.sync is not None and self.sync.add_dense(sid, chunks[sid], msg.body["worker"])
             ),
         )
-        if pull and "shm_out" in msg.body:
+        if pull and "shm_out" in msg.body and not body_out.get("duplicate"):
             body_out["versions"] = self._snapshot_to_region(sids, msg.body["shm_out"])
             return reply(msg, body_out)
         if pull:
+            # TCP, or a resent shared-memory push_pull: the worker may already have the
+            # first reply and be computing on the region, so the values travel in the
+            # reply instead (a worker still waiting copies them in; else it is dropped)
             body_out["versions"], tensors = self._snapshot_tensors(sids)
             return reply(msg, body_out, tensors)
         body_out["versions"] = [self.store.get(sid).version for sid in sids]
