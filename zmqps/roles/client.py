@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zmqps.core.hashtable import bucket_of
+from zmqps.core.segments import sum_runs
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.transport.base import Requester
 from zmqps.transport.shm import Region, create_region, unlink_region
@@ -614,14 +615,14 @@ class ParameterClient:
             raise InvalidArgument(
                 f"row gradients of {name}: shape {grads.shape} != {(ids.size, *v.shape[1:])}"
             )
-        # sort once; runs of equal ids are summed with reduceat (np.add.at is slow)
+        # sort once; runs of equal ids are summed in order (core/segments.py)
         order = np.argsort(ids, kind="stable")
         sorted_ids = ids[order]
         starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]][: ids.size])
         uniq = sorted_ids[starts]
         summed = grads[order]
         if uniq.size != ids.size:
-            summed = np.add.reduceat(summed, starts, axis=0)
+            summed = sum_runs(summed, starts)
 
         async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> bool:
             sids = [s.id for s, _, _ in parts]
