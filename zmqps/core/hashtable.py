@@ -78,15 +78,19 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 def mix64(x: Array) -> Array:
     """The splitmix64 finalizer of every element (any int64/uint64 array), as uint64."""
-    z = np.asarray(x).astype(np.uint64, copy=True)
+    return _mix64_inplace(np.asarray(x).astype(np.uint64, copy=True))
+
+
+def _mix64_inplace(z: Array) -> Array:
+    """:func:`mix64` of a uint64 array, in place, with one scratch array."""
+    tmp = np.empty_like(z)
     with np.errstate(over="ignore"):
-        z ^= z >> np.uint64(30)
-        z *= _M1
-        z ^= z >> np.uint64(27)
-        z *= _M2
-        z ^= z >> np.uint64(31)
-    out: Array = z
-    return out
+        for shift, mult in ((30, _M1), (27, _M2), (31, None)):
+            np.right_shift(z, np.uint64(shift), out=tmp)
+            np.bitwise_xor(z, tmp, out=z)
+            if mult is not None:
+                np.multiply(z, mult, out=z)
+    return z
 
 
 def bucket_of(ids: Array, buckets: int) -> Array:
@@ -107,15 +111,25 @@ def _uniform01(ids: Array, key: np.uint64, dim: int, counter: int) -> Array:
     with np.errstate(over="ignore"):
         base = mix64(mix64(ids) ^ key)
         elems = np.arange(dim, dtype=np.uint64) + np.uint64(counter * dim)
-        z = mix64(base[:, None] + (elems[None, :] + np.uint64(1)) * _GOLDEN)
-    out: Array = ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+        z = _mix64_inplace(np.add(base[:, None], (elems[None, :] + np.uint64(1)) * _GOLDEN))
+    np.right_shift(z, np.uint64(11), out=z)
+    out: Array = z.astype(np.float64)
+    out += 0.5
+    out *= 1.0 / (1 << 53)
     return out
 
 
 def _normal(ids: Array, key: np.uint64, dim: int, counter: int) -> Array:
-    u1 = _uniform01(ids, key, dim, 2 * counter)
-    u2 = _uniform01(ids, key, dim, 2 * counter + 1)
-    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)
+    """Standard normal float64 ``(len(ids), dim)`` by Box-Muller (in place: no temporaries)."""
+    r = _uniform01(ids, key, dim, 2 * counter)
+    theta = _uniform01(ids, key, dim, 2 * counter + 1)
+    np.log(r, out=r)
+    r *= -2.0
+    np.sqrt(r, out=r)
+    theta *= 2.0 * math.pi
+    np.cos(theta, out=theta)
+    r *= theta
+    return r
 
 
 def initial_rows(init: Mapping[str, Any], var: str, ids: Array, dim: int, dtype: str) -> Array:
@@ -132,7 +146,9 @@ def initial_rows(init: Mapping[str, Any], var: str, ids: Array, dim: int, dtype:
     key = _key(var, int(init.get("seed", 0)))
     if name == "uniform":
         low, high = float(init.get("low", -0.05)), float(init.get("high", 0.05))
-        out = low + (high - low) * _uniform01(ids, key, dim, 0)
+        out = _uniform01(ids, key, dim, 0)
+        out *= high - low
+        out += low
     else:
         mean, std = float(init.get("mean", 0.0)), float(init.get("stddev", 0.05))
         z = _normal(ids, key, dim, 0)
@@ -143,7 +159,9 @@ def initial_rows(init: Mapping[str, Any], var: str, ids: Array, dim: int, dtype:
                     break
                 z = np.where(bad, _normal(ids, key, dim, counter), z)
             np.clip(z, -2.0, 2.0, out=z)
-        out = mean + std * z
+        z *= std
+        z += mean
+        out = z
     return out.astype(dtype)
 
 
