@@ -89,6 +89,21 @@ def test_fast_path_moves_no_tensor_frames_and_leaves_no_files() -> None:
     run(body())
 
 
+def _resent(client: ParameterClient, fp: Any, sids: list[int], *, pull: bool) -> dict[str, Any]:
+    """The body of worker w0's last shared-memory push to PS 0, as a resend carries it."""
+    body = {
+        "shards": sids,
+        "versions": [0] * len(sids),
+        "worker": "w0",
+        "inc": 0,
+        "seq": client._seq[0],
+        "shm": fp.ref(False, sids),
+    }
+    if pull:
+        body["shm_out"] = fp.ref(True, sids)
+    return body
+
+
 def test_retried_push_through_shared_memory_is_applied_once() -> None:
     async def body() -> None:
         c = await make_cluster(DENSE, 1, 2)
@@ -100,15 +115,7 @@ def test_retried_push_through_shared_memory_is_applied_once() -> None:
         await client.push(g)
         # resend the very same push message (same worker, incarnation, seq) to the PS
         sids = sorted(fp.offsets)
-        body = {
-            "shards": sids,
-            "versions": [0] * len(sids),
-            "worker": "w0",
-            "inc": 0,
-            "seq": client._seq[0],
-            "shm": fp.ref(False, sids),
-        }
-        rep = c.services[0](request("push", body, id=99))
+        rep = c.services[0](request("push", _resent(client, fp, sids, pull=False), id=99))
         assert rep.body["applied"] is False
         assert all(c.services[0].store.get(s).version == 1 for s in sids)
 
@@ -133,16 +140,7 @@ def test_a_resent_push_pull_leaves_the_region_the_worker_computes_on_alone() -> 
         held = {v.name: client.params[v.name].copy() for v in DENSE}
         await other.push(grads_for(DENSE, seed=5))  # the PS moves on
         sids = sorted(fp.offsets)
-        resent = {
-            "shards": sids,
-            "versions": [0] * len(sids),
-            "worker": "w0",
-            "inc": 0,
-            "seq": client._seq[0],
-            "shm": fp.ref(False, sids),
-            "shm_out": fp.ref(True, sids),
-        }
-        rep = c.services[0](request("push_pull", resent, id=99))
+        rep = c.services[0](request("push_pull", _resent(client, fp, sids, pull=True), id=99))
         assert rep.body["applied"] is False and rep.body["duplicate"] is True
         for v in DENSE:  # the worker's values did not move under it
             np.testing.assert_array_equal(client.params[v.name], held[v.name])
