@@ -311,11 +311,16 @@ class IdIndex:
         pos = self._home(ids)
         while todo.size:
             free = np.flatnonzero(self.rows[pos] < 0)
-            # several ids may reach the same free slot in one pass: the first takes it
-            _, first = np.unique(pos[free], return_index=True)
-            win = free[first]
-            at = pos[win]
-            self.gone -= int((self.rows[at] == self.GONE).sum())
+            # Several ids may reach the same free slot in one pass: each writes its own
+            # mark (below EMPTY and GONE) there, and the one whose mark stayed takes it.
+            at = pos[free]
+            was = self.rows[at]
+            mark = -3 - free
+            self.rows[at] = mark
+            won = self.rows[at] == mark
+            win = free[won]
+            at = at[won]
+            self.gone -= int((was[won] == self.GONE).sum())
             self.keys[at] = ids[todo[win]]
             self.rows[at] = rows[todo[win]]
             self.live += int(win.size)
