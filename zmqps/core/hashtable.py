@@ -241,7 +241,8 @@ class IdIndex:
     where a dict entry and its two Python ints cost about 100.
 
     A slot holds a row (>= 0), :data:`EMPTY` or :data:`GONE` (a removed key: probes
-    go past it, inserts reuse it). The slot of an id is the top bits of
+    go past it, inserts reuse it); inside an insert, for an instant, an id's claim
+    mark (below GONE). The slot of an id is the top bits of
     ``mix64(id ^ 0x9E3779B97F4A7C15)``: another hash than the bucket, whose low bits
     are shared by every id of a shard. Live plus GONE slots never pass half of the
     slots (probe runs stay short); when they would, the arrays are rebuilt with at
