@@ -198,15 +198,6 @@ class CTRModel:
             logit = logit + (dense @ params["ctr/dense_w"])[:, 0]
         return logit, {"x": x, "pre": pre, "h": h}
 
-    def predict_logits(
-        self,
-        params: Mapping[str, Array],
-        rows: Mapping[str, Array],
-        batch: SparseBatch,
-        dense: Array,
-    ) -> Array:
-        return self._forward(params, rows, batch, dense)[0]
-
     def probabilities(
         self,
         params: Mapping[str, Array],
@@ -215,7 +206,7 @@ class CTRModel:
         dense: Array,
     ) -> Array:
         """Click probabilities (float64) of a batch: ``sigmoid(logit)``."""
-        logit = self.predict_logits(params, rows, batch, dense)
+        logit = self._forward(params, rows, batch, dense)[0]
         return 1.0 / (1.0 + self.xp.exp(-logit.astype(self.xp.float64)))
 
     def predict(
