@@ -62,6 +62,25 @@ async def until(predicate: Callable[[], Any], what: str, timeout: float = 10.0) 
         await asyncio.sleep(0.01)
 
 
+def make_evaluator(
+    net: FakeNetwork, test: Any, probe: Callable[[str], bool], **cfg: Any
+) -> Evaluator:
+    """An evaluator on the in-memory network, asking CHIEF (fast interval, short
+    timeouts unless ``cfg`` says otherwise; ``job`` defaults to this module's JOB)."""
+    cfg.setdefault("interval", FAST)
+    cfg.setdefault("chief_timeout", 5.0)
+    cfg.setdefault("request_timeout", 0.2)
+    metrics = cfg.pop("metrics", None)
+    config = EvaluatorConfig(chief=CHIEF, job=cfg.pop("job", JOB), **cfg)
+
+    def connect_ps(addresses: Any) -> list[Requester]:
+        return [net.client(a, "evaluator:0") for a in addresses]
+
+    return Evaluator(
+        config, net.client(CHIEF, "evaluator:0:1"), connect_ps, test, metrics=metrics, probe=probe
+    )
+
+
 @dataclass
 class Cluster:
     """A chief and two PS on a FakeNetwork, the softmax job's variables created."""
@@ -79,23 +98,7 @@ class Cluster:
         return self.probe_answer
 
     def evaluator(self, test: Dataset, **cfg: Any) -> Evaluator:
-        cfg.setdefault("interval", FAST)
-        cfg.setdefault("chief_timeout", 5.0)
-        cfg.setdefault("request_timeout", 0.2)
-        metrics = cfg.pop("metrics", None)
-        config = EvaluatorConfig(chief=CHIEF, job=cfg.pop("job", JOB), **cfg)
-
-        def connect_ps(addresses: Any) -> list[Requester]:
-            return [self.net.client(a, "evaluator:0") for a in addresses]
-
-        return Evaluator(
-            config,
-            self.net.client(CHIEF, "evaluator:0:1"),
-            connect_ps,
-            test,
-            metrics=metrics,
-            probe=self.probe,
-        )
+        return make_evaluator(self.net, test, self.probe, **cfg)
 
     async def worker(self, index: int, op: str, **body: Any) -> None:
         who = {"role": "worker", "index": index, "incarnation": 1, **body}

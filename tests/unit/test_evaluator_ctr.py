@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_evaluator import CHIEF, FAST, PS, run, until
+from test_evaluator import CHIEF, PS, make_evaluator, run, until
 
 from zmqps.checkpoint import CheckpointRoot, Manifest, ShardRecord
 from zmqps.config import ClusterSpec
@@ -22,10 +22,10 @@ from zmqps.models.ctr import CTRModel, SparseBatch
 from zmqps.roles.chief import ChiefConfig, ChiefService
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.ctr_job import ctr_scores, ctr_scores_summary
-from zmqps.roles.evaluator import Evaluator, EvaluatorConfig
+from zmqps.roles.evaluator import Evaluator
 from zmqps.roles.job import JobConfig
 from zmqps.roles.ps import PSService
-from zmqps.transport import FakeNetwork, Requester
+from zmqps.transport import FakeNetwork
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -64,22 +64,7 @@ class CTRCluster:
         return ParameterClient(ps, self.chief.placement, worker=who, incarnation=1)
 
     def evaluator(self, test: CTRDataset, **cfg: Any) -> Evaluator:
-        metrics = cfg.pop("metrics", None)
-        config = EvaluatorConfig(
-            chief=CHIEF, job=JOB, interval=FAST, chief_timeout=5.0, request_timeout=0.2, **cfg
-        )
-
-        def connect_ps(addresses: Any) -> list[Requester]:
-            return [self.net.client(a, "evaluator:0") for a in addresses]
-
-        return Evaluator(
-            config,
-            self.net.client(CHIEF, "evaluator:0:1"),
-            connect_ps,
-            test,
-            metrics=metrics,
-            probe=lambda _: False,
-        )
+        return make_evaluator(self.net, test, lambda _: False, job=JOB, **cfg)
 
     async def worker(self, op: str, **body: Any) -> None:
         who = {"role": "worker", "index": 0, "incarnation": 1, **body}
