@@ -77,10 +77,46 @@ class HashShard(Shard):
         self._views()
         self.flat_slots = {k: v.reshape(-1) for k, v in self.slots.items()}
 
+    is_table = True
+
     def lend(self) -> Array:
         raise InvalidArgument(
             f"shard {self.definition.id} is a hash-keyed table: pull rows by id (pull_rows)"
         )
+
+    def dense(self) -> Shard:
+        raise InvalidArgument(
+            f"shard {self.definition.id} is a hash-keyed table: pull and push rows by id"
+        )
+
+    def row_keys(self, indices: Array, create: bool = True) -> Array:
+        """The validated ids of a request (:meth:`check_ids`): a table's rows by id."""
+        return self.check_ids(indices, create)
+
+    def read_rows(self, keys: Array, create: bool) -> Array:
+        """Rows of validated ids: :meth:`pull` (creates admitted rows) or, read-only,
+        :meth:`peek`."""
+        return self.pull(keys) if create else self.peek(keys)
+
+    def apply_row_grads(self, keys: Array, grad_rows: Array, scale: float) -> None:
+        """Lazy update of the rows of validated ids ``keys`` (duplicates summed; ids
+        not admitted dropped and counted)."""
+        grad2d = grad_rows.reshape(keys.shape[0], -1)
+        uniq, inverse = unique_ids(keys)
+        if inverse is not None:  # unsorted or repeated ids: sum into uniq's order
+            summed = np.zeros(
+                (uniq.shape[0], grad2d.shape[1]), np.promote_types(grad2d.dtype, np.float32)
+            )
+            np.add.at(summed, inverse, grad2d)
+            grad2d = summed
+        rows = self.rows_for(uniq, sighting=False)
+        have = rows >= 0
+        self.counters.not_admitted += int((~have).sum())
+        if not have.all():
+            rows, grad2d = rows[have], grad2d[have]
+        self.optimizer.apply_rows(self.values, rows, grad2d, self.slots, self.version + 1, scale)
+        self.table.touched[rows] = self.version + 1
+        self.evict_idle(self.version + 1)
 
     @property
     def nbytes(self) -> int:

@@ -31,13 +31,20 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from zmqps.core.hashtable import unique_ids
 from zmqps.core.initializers import initialize, validate_init
 from zmqps.core.optimizers import BLOCK_ELEMS, Optimizer, compute_dtype, make_optimizer
 from zmqps.core.variables import ShardDef
 from zmqps.wire.errors import InvalidArgument, NotFound
 
-__all__ = ["HISTOGRAM_EXACT", "Shard", "ShardStore", "StalenessStats"]
+__all__ = [
+    "HISTOGRAM_EXACT",
+    "DenseUpdate",
+    "RowUpdate",
+    "Shard",
+    "ShardStore",
+    "StalenessStats",
+    "Update",
+]
 
 Array = npt.NDArray[Any]
 
@@ -145,6 +152,78 @@ class Shard:
     @property
     def nbytes(self) -> int:
         return int(self.values.nbytes + sum(s.nbytes for s in self.slots.values()))
+
+    # -- the shard protocol: what the store asks of a shard, dense or hash-keyed ------
+
+    #: a hash-keyed table's shard (rows by id) rather than a dense one
+    is_table = False
+
+    def dense(self) -> Shard:
+        """This shard, for whole-shard access (a table refuses it)."""
+        return self
+
+    def row_keys(self, indices: Array, create: bool = True) -> Array:
+        """The validated keys of GLOBAL row ``indices``: here, local row numbers."""
+        d = self.definition
+        if (
+            not isinstance(indices, np.ndarray)
+            or indices.ndim != 1
+            or indices.dtype.kind not in "iu"
+        ):
+            raise InvalidArgument(f"shard {d.id}: row indices must be a 1-D integer array")
+        if indices.shape[0] and (
+            int(indices.min()) < d.row_start or int(indices.max()) >= d.row_start + d.rows
+        ):
+            raise InvalidArgument(
+                f"shard {d.id}: row index outside [{d.row_start}, {d.row_start + d.rows})"
+            )
+        return indices.astype(np.int64) - d.row_start
+
+    def read_rows(self, keys: Array, create: bool) -> Array:
+        """The rows of validated ``keys`` (a copy); fixed-size rows never change."""
+        return np.take(self.values, keys, axis=0)
+
+    def apply_row_grads(self, keys: Array, grad_rows: Array, scale: float) -> None:
+        """Apply gradients of validated row ``keys`` (duplicates summed first); the
+        caller made the values its own (:meth:`own`)."""
+        row_shape = self.definition.shape[1:]
+        grad2d = grad_rows.reshape(keys.shape[0], math.prod(row_shape))
+        rows, inverse = np.unique(keys, return_inverse=True)
+        if rows.shape[0] != keys.shape[0]:
+            summed = np.zeros(
+                (rows.shape[0], grad2d.shape[1]), np.promote_types(grad2d.dtype, np.float32)
+            )
+            np.add.at(summed, inverse.reshape(-1), grad2d)
+            keys, grad2d = rows, summed
+        values2d = self.values.reshape(self.values.shape[0], -1)
+        slots2d = {k: v.reshape(v.shape[0], -1) for k, v in self.slots.items()}
+        self.optimizer.apply_rows(values2d, keys, grad2d, slots2d, self.version + 1, scale)
+
+    def page(self, start: int, limit: int) -> tuple[Array, Array, int]:
+        """Live rows in id order: only hash-keyed tables list their rows."""
+        raise InvalidArgument(f"shard {self.definition.id} is not a hash-keyed table")
+
+
+@dataclass(frozen=True, slots=True)
+class DenseUpdate:
+    """A validated whole-shard gradient: ``chunks`` tile the shard exactly."""
+
+    shard: Shard
+    chunks: Sequence[tuple[int, Array]]
+    staleness: int
+
+
+@dataclass(frozen=True, slots=True)
+class RowUpdate:
+    """Validated row gradients: ``keys`` as the shard addresses its rows."""
+
+    shard: Shard
+    keys: Array
+    grads: Array
+    staleness: int
+
+
+Update = DenseUpdate | RowUpdate
 
 
 ShardObserver = Callable[[ShardDef, int], None]
@@ -267,7 +346,7 @@ class ShardStore:
 
     @staticmethod
     def _make(d: ShardDef) -> Shard:
-        if d.table is not None:
+        if d.table is not None:  # the one place the kind of shard is chosen
             from zmqps.core.hashshard import HashShard
 
             return HashShard.make(d)
@@ -301,16 +380,11 @@ class ShardStore:
 
     def get_dense(self, shard_id: int) -> Shard:
         """The shard, refused (InvalidArgument) if it is a hash-keyed table."""
-        shard = self.get(shard_id)
-        if shard.definition.table is not None:
-            raise InvalidArgument(
-                f"shard {shard_id} is a hash-keyed table: pull and push rows by id"
-            )
-        return shard
+        return self.get(shard_id).dense()
 
     def tables(self) -> list[Any]:
         """Shards of hash-keyed tables held here (``HashShard``)."""
-        return [s for s in self._shards.values() if s.definition.table is not None]
+        return [s for s in self._shards.values() if s.is_table]
 
     def table_stats(self) -> dict[str, dict[str, Any]]:
         """Per hash-keyed variable, the stats of its shards here summed (rows, created,
@@ -351,49 +425,68 @@ class ShardStore:
         unless ``create`` is False: then nothing changes and ids without a row read as
         their initial value (zeros while not admitted). Fixed-size rows never change."""
         shard = self.get(shard_id)
-        if shard.definition.table is not None:
-            ids = shard.check_ids(indices, create)  # type: ignore[attr-defined]
-            if not create:
-                return shard.version, shard.peek(ids)  # type: ignore[attr-defined]
-            return shard.version, shard.pull(ids)  # type: ignore[attr-defined]
-        local = self._local_rows(shard, indices)
-        return shard.version, np.take(shard.values, local, axis=0)
+        keys = shard.row_keys(indices, create)
+        return shard.version, shard.read_rows(keys, create)
 
     def table_page(self, shard_id: int, start: int, limit: int) -> tuple[int, Array, Array, int]:
         """``(version, ids, values, live rows)``: live rows ``[start, start + limit)`` of a
         hash-table shard in ascending id order (reads only). InvalidArgument for any
         other shard."""
         shard = self.get(shard_id)
-        if shard.definition.table is None:
-            raise InvalidArgument(f"shard {shard_id} is not a hash-keyed table")
         if start < 0 or limit < 1:
             raise InvalidArgument(f"table page [{start}, +{limit}): bad range")
         # a page is at most TABLE_PAGE_BYTES of values, whatever the request asks
         row_bytes = max(1, math.prod(shard.definition.shape[1:]) * shard.values.itemsize)
         limit = min(limit, max(1, TABLE_PAGE_BYTES // row_bytes))
-        ids, values, total = shard.page(start, limit)  # type: ignore[attr-defined]
+        ids, values, total = shard.page(start, limit)
         return shard.version, ids, values, total
 
     # -- updates -------------------------------------------------------------
 
-    def apply_dense(
-        self,
-        shard_id: int,
-        chunks: Sequence[tuple[int, Array]],
-        pulled_version: int,
-        scale: float = 1.0,
-    ) -> tuple[int, int]:
-        """Apply a whole-shard gradient given as flat ``(element offset, chunk)`` pieces.
+    def plan_dense(
+        self, shard_id: int, chunks: Sequence[tuple[int, Array]], pulled_version: int
+    ) -> DenseUpdate:
+        """Validate a whole-shard gradient given as flat ``(element offset, chunk)``
+        pieces (they must tile ``[0, size)`` exactly, any order, 1-D float arrays);
+        changes nothing. :meth:`apply` applies the plan without checking again."""
+        shard = self.get_dense(shard_id)
+        staleness = self._check_version(shard, pulled_version)
+        self._check_tiling(shard, chunks)
+        return DenseUpdate(shard, chunks, staleness)
 
-        The chunks must tile ``[0, size)`` exactly (any order) and be 1-D float arrays.
-        Returns ``(new version, staleness)``.
-        """
-        shard, staleness, scale = self._checked_dense(shard_id, chunks, pulled_version, scale)
-        if shard.own():
+    def plan_rows(
+        self, shard_id: int, indices: Array, grad_rows: Array, pulled_version: int
+    ) -> RowUpdate:
+        """Validate gradients of GLOBAL rows ``indices`` (``grad_rows`` of shape
+        ``(len(indices), *row_shape)``, a float array; ids for a hash-keyed table);
+        changes nothing."""
+        shard = self.get(shard_id)
+        staleness = self._check_version(shard, pulled_version)
+        keys = shard.row_keys(indices)
+        row_shape = shard.definition.shape[1:]
+        if not isinstance(grad_rows, np.ndarray) or grad_rows.dtype.kind != "f":
+            raise InvalidArgument(f"shard {shard_id}: row gradients must be a float array")
+        if grad_rows.shape != (keys.shape[0], *row_shape):
+            raise InvalidArgument(
+                f"shard {shard_id}: row gradients {grad_rows.shape}"
+                f" != {(keys.shape[0], *row_shape)}"
+            )
+        return RowUpdate(shard, keys, grad_rows, staleness)
+
+    def apply(self, update: Update, scale: float = 1.0) -> tuple[int, int]:
+        """Apply a validated update (from :meth:`plan_dense` / :meth:`plan_rows` in this
+        event-loop turn); returns ``(new version, staleness)``. Dense updates allocate
+        nothing: chunks go through the optimizer in place, in pieces."""
+        scale = self._check_scale(scale)
+        shard = update.shard
+        if not shard.is_table and shard.own():  # a send still holds the values: copy first
             self.copies_on_write += 1
+        if isinstance(update, RowUpdate):
+            shard.apply_row_grads(update.keys, update.grads, scale)
+            return self._applied(shard, update.staleness)
         optimizer, step = shard.optimizer, shard.version + 1
         scratch = self._scratch_for(shard)
-        for offset, chunk in chunks:
+        for offset, chunk in update.chunks:
             for lo in range(0, chunk.shape[0], self.chunk_elems):
                 hi = min(lo + self.chunk_elems, chunk.shape[0])
                 a, b = offset + lo, offset + hi
@@ -405,7 +498,18 @@ class ShardStore:
                     scratch,
                     scale,
                 )
-        return self._applied(shard, staleness)
+        return self._applied(shard, update.staleness)
+
+    def apply_dense(
+        self,
+        shard_id: int,
+        chunks: Sequence[tuple[int, Array]],
+        pulled_version: int,
+        scale: float = 1.0,
+    ) -> tuple[int, int]:
+        """Validate and apply a whole-shard gradient (:meth:`plan_dense`, :meth:`apply`).
+        Returns ``(new version, staleness)``."""
+        return self.apply(self.plan_dense(shard_id, chunks, pulled_version), scale)
 
     def apply_rows(
         self,
@@ -415,55 +519,9 @@ class ShardStore:
         pulled_version: int,
         scale: float = 1.0,
     ) -> tuple[int, int]:
-        """Apply gradients of GLOBAL rows ``indices`` (duplicates are summed first).
-
-        ``grad_rows`` has shape ``(len(indices), *row_shape)`` and a float dtype. Only the
-        touched rows (and their slots) change. Returns ``(new version, staleness)``.
-        """
-        shard, staleness, scale, local = self._checked_rows(
-            shard_id, indices, grad_rows, pulled_version, scale
-        )
-        if shard.definition.table is not None:
-            self._apply_table(shard, local, grad_rows, scale)
-            return self._applied(shard, staleness)
-        if shard.own():
-            self.copies_on_write += 1
-        row_shape = shard.definition.shape[1:]
-        grad2d = grad_rows.reshape(local.shape[0], math.prod(row_shape))
-        rows, inverse = np.unique(local, return_inverse=True)
-        if rows.shape[0] != local.shape[0]:
-            summed = np.zeros(
-                (rows.shape[0], grad2d.shape[1]), np.promote_types(grad2d.dtype, np.float32)
-            )
-            np.add.at(summed, inverse.reshape(-1), grad2d)
-            local, grad2d = rows, summed
-        values2d = shard.values.reshape(shard.values.shape[0], -1)
-        slots2d = {k: v.reshape(v.shape[0], -1) for k, v in shard.slots.items()}
-        shard.optimizer.apply_rows(values2d, local, grad2d, slots2d, shard.version + 1, scale)
-        return self._applied(shard, staleness)
-
-    @staticmethod
-    def _apply_table(shard: Any, ids: Array, grad_rows: Array, scale: float) -> None:
-        """Lazy update of a hash table's rows ``ids`` (duplicates summed; ids not
-        admitted dropped and counted)."""
-        grad2d = grad_rows.reshape(ids.shape[0], -1)
-        uniq, inverse = unique_ids(ids)
-        if inverse is not None:  # unsorted or repeated ids: sum into uniq's order
-            summed = np.zeros(
-                (uniq.shape[0], grad2d.shape[1]), np.promote_types(grad2d.dtype, np.float32)
-            )
-            np.add.at(summed, inverse, grad2d)
-            grad2d = summed
-        rows = shard.rows_for(uniq, sighting=False)
-        have = rows >= 0
-        shard.counters.not_admitted += int((~have).sum())
-        if not have.all():
-            rows, grad2d = rows[have], grad2d[have]
-        shard.optimizer.apply_rows(
-            shard.values, rows, grad2d, shard.slots, shard.version + 1, scale
-        )
-        shard.table.touched[rows] = shard.version + 1
-        shard.evict_idle(shard.version + 1)
+        """Validate and apply row gradients (:meth:`plan_rows`, :meth:`apply`): only the
+        touched rows (and their slots) change. Returns ``(new version, staleness)``."""
+        return self.apply(self.plan_rows(shard_id, indices, grad_rows, pulled_version), scale)
 
     def check_dense(
         self,
@@ -472,11 +530,9 @@ class ShardStore:
         pulled_version: int,
         scale: float = 1.0,
     ) -> None:
-        """Raise what :meth:`apply_dense` would raise for these arguments; change nothing.
-
-        Lets a caller validate every shard of a multi-shard push before applying any.
-        """
-        self._checked_dense(shard_id, chunks, pulled_version, scale)
+        """Raise what :meth:`apply_dense` would raise for these arguments; change nothing."""
+        self._check_scale(scale)
+        self.plan_dense(shard_id, chunks, pulled_version)
 
     def check_rows(
         self,
@@ -487,45 +543,8 @@ class ShardStore:
         scale: float = 1.0,
     ) -> None:
         """Raise what :meth:`apply_rows` would raise for these arguments; change nothing."""
-        self._checked_rows(shard_id, indices, grad_rows, pulled_version, scale)
-
-    def _checked_dense(
-        self,
-        shard_id: int,
-        chunks: Sequence[tuple[int, Array]],
-        pulled_version: int,
-        scale: float,
-    ) -> tuple[Shard, int, float]:
-        shard = self.get_dense(shard_id)
-        staleness = self._check_version(shard, pulled_version)
-        scale = self._check_scale(scale)
-        self._check_tiling(shard, chunks)
-        return shard, staleness, scale
-
-    def _checked_rows(
-        self,
-        shard_id: int,
-        indices: Array,
-        grad_rows: Array,
-        pulled_version: int,
-        scale: float,
-    ) -> tuple[Shard, int, float, Array]:
-        shard = self.get(shard_id)
-        staleness = self._check_version(shard, pulled_version)
-        scale = self._check_scale(scale)
-        if shard.definition.table is not None:
-            local = shard.check_ids(indices)  # type: ignore[attr-defined]
-        else:
-            local = self._local_rows(shard, indices)
-        row_shape = shard.definition.shape[1:]
-        if not isinstance(grad_rows, np.ndarray) or grad_rows.dtype.kind != "f":
-            raise InvalidArgument(f"shard {shard_id}: row gradients must be a float array")
-        if grad_rows.shape != (local.shape[0], *row_shape):
-            raise InvalidArgument(
-                f"shard {shard_id}: row gradients {grad_rows.shape}"
-                f" != {(local.shape[0], *row_shape)}"
-            )
-        return shard, staleness, scale, local
+        self._check_scale(scale)
+        self.plan_rows(shard_id, indices, grad_rows, pulled_version)
 
     def _applied(self, shard: Shard, staleness: int) -> tuple[int, int]:
         shard.version += 1
@@ -579,23 +598,6 @@ class ShardStore:
             end = hi
         if end != size:
             raise InvalidArgument(f"shard {sid}: gradient chunks cover [0, {end}), not [0, {size})")
-
-    @staticmethod
-    def _local_rows(shard: Shard, indices: Array) -> Array:
-        d = shard.definition
-        if (
-            not isinstance(indices, np.ndarray)
-            or indices.ndim != 1
-            or indices.dtype.kind not in "iu"
-        ):
-            raise InvalidArgument(f"shard {d.id}: row indices must be a 1-D integer array")
-        if indices.shape[0] and (
-            int(indices.min()) < d.row_start or int(indices.max()) >= d.row_start + d.rows
-        ):
-            raise InvalidArgument(
-                f"shard {d.id}: row index outside [{d.row_start}, {d.row_start + d.rows})"
-            )
-        return indices.astype(np.int64) - d.row_start
 
     def _scratch_for(self, shard: Shard) -> Array:
         """The store's scratch buffer viewed as the shard's compute dtype, grown if needed."""

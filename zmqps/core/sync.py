@@ -9,13 +9,14 @@ Rules of this module (the semantics of TensorFlow's ``SyncReplicasOptimizer``):
   mean exactly once and advances its step; the accumulator is then empty again.
   ``required`` can shrink (dead workers, M < N): a shard that already holds that
   many gradients applies at once. A step is never applied from zero gradients.
-* The token queue holds tokens for the current global step only: when the step
-  advances, leftover tokens of older steps are discarded (a late backup worker
-  takes a fresh token instead of computing a gradient that is sure to be dropped),
-  then M tokens of the new step are put. A worker (incarnation) takes at most one
-  token per step, so a fast worker cannot fill a step with its own gradients; the
-  ``init_tokens`` extra tokens of step 0 are the exception that lets workers run
-  ahead at the start.
+* Tokens exist for the current global step only (:class:`TokenLedger`): when the
+  step advances, the old step's untaken tokens are discarded (a late backup worker
+  takes a fresh token instead of computing a gradient that is sure to be dropped).
+  How many a step has left is derived from the replicas live now, never counted
+  once when the step begins: a worker that comes back finds its token. A worker
+  takes at most one token per step, so a fast worker cannot fill a step with its
+  own gradients; the ``init_tokens`` extra tokens of step 0 are the exception that
+  lets workers run ahead at the start.
 * SSP: a worker may start step ``c`` only while the slowest live worker has
   completed at least ``c - s`` steps.
 * Nothing here does IO or reads a clock; waiting is the roles' business.
@@ -24,7 +25,7 @@ Rules of this module (the semantics of TensorFlow's ``SyncReplicasOptimizer``):
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ from zmqps.core.optimizers import compute_dtype
 from zmqps.core.store import ShardStore
 from zmqps.wire.errors import InvalidArgument
 
-__all__ = ["MODES", "ShardAccumulator", "StalenessBound", "SyncShards", "TokenQueue"]
+__all__ = ["MODES", "ShardAccumulator", "StalenessBound", "SyncShards", "TokenLedger"]
 
 Array = npt.NDArray[Any]
 
@@ -192,47 +193,80 @@ class SyncShards:
         }
 
 
-class TokenQueue:
-    """The chief's SyncReplicas token queue (tokens carry the global step)."""
+class TokenLedger:
+    """The chief's SyncReplicas tokens of the current global step.
+
+    There is no count of tokens that could drift from the cluster: how many a step
+    has left is derived, each time a worker asks, from the replicas live *now*
+    (``replicas``, M) minus the workers holding one of this step's tokens. A worker
+    that comes back after it was counted dead, or a replica that rejoins, finds its
+    token there whatever M was when the step began.
+
+    * A worker index holds at most one token per step; a new incarnation of it takes
+      over the slot of the old one (whose token died with it).
+    * ``have`` (the step of the last token the worker computed) makes a resent request
+      idempotent: an incarnation that already holds this step's token and says it has
+      not computed it gets the same token again, not a second one.
+    * ``extra`` tokens (``init_tokens``) exist for step 0 only and may be taken by any
+      worker, several by one, so workers can run ahead at the start.
+    """
 
     def __init__(self) -> None:
-        self._tokens: deque[tuple[int, bool]] = deque()  # (step, extra: any taker)
-        self._takers: dict[int, set[str]] = {}  # step -> workers holding one of its tokens
+        self.step = 0
+        self._holders: dict[int, int] = {}  # worker index -> incarnation
+        self._extra = 0
+        #: tokens of past steps that nobody took (a late backup worker, a worker gone)
         self.discarded = 0
         self.taken = 0
 
-    def put(self, step: int, n: int, *, extra: bool = False) -> None:
-        self._tokens.extend([(step, extra)] * n)
+    def restart(self, step: int, *, extra: int = 0, holders: Mapping[int, int] = {}) -> None:
+        """Start over at ``step`` (a restore, a restarted chief): ``holders`` already
+        gave their gradient for it; ``extra`` tokens (step 0 only)."""
+        self.step = step
+        self._holders = dict(holders)
+        self._extra = extra if step == 0 else 0
 
-    def take(self, worker: str = "") -> int | None:
-        """The oldest token ``worker`` may take (one per step, extra tokens aside)."""
-        for i, (step, extra) in enumerate(self._tokens):
-            takers = self._takers.setdefault(step, set())
-            if extra or worker not in takers:
-                del self._tokens[i]
-                takers.add(worker)
+    def advance(self, step: int, replicas: int) -> None:
+        """The global step is now ``step``; the old step's untaken tokens are discarded."""
+        self.discarded += self.available(replicas)
+        self.step = step
+        self._holders = {}
+        self._extra = 0
+
+    def available(self, replicas: int) -> int:
+        """Tokens of the current step still to take, with ``replicas`` (M) live."""
+        return max(0, replicas - len(self._holders)) + self._extra
+
+    def holders(self) -> dict[int, int]:
+        """Worker index -> incarnation, of the workers holding this step's token."""
+        return dict(self._holders)
+
+    def take(
+        self, index: int, incarnation: int, replicas: int, have: int | None = None
+    ) -> int | None:
+        """A token (its value: the step to compute) for this worker, or None to wait.
+
+        ``have``: the step of the last token this worker computed (None: not said). A
+        worker that computed the current step already gets only an extra token.
+        """
+        held = self._holders.get(index)
+        if have is None or have < self.step:
+            if held == incarnation:
+                if have is not None:
+                    return self.step  # its first answer was lost: the same token again
+            elif held is not None and incarnation > held:
+                self._holders[index] = incarnation  # a new incarnation takes over the slot
                 self.taken += 1
-                return step
+                return self.step
+            elif held is None and len(self._holders) < replicas:
+                self._holders[index] = incarnation
+                self.taken += 1
+                return self.step
+        if self._extra > 0:
+            self._extra -= 1
+            self.taken += 1
+            return self.step
         return None
-
-    def restart(self, step: int, n: int, takers: Iterable[str] = ()) -> None:
-        """Start over at ``step`` (a restore, or a restarted chief): only ``n`` tokens of
-        ``step``; ``takers`` already gave their gradient for it and get none."""
-        self.discarded += len(self._tokens)
-        self._tokens = deque()
-        self._takers = {step: set(takers)}
-        self.put(step, n)
-
-    def advance(self, step: int, n: int) -> None:
-        """The global step is now ``step``: drop older tokens, put ``n`` new ones."""
-        kept = [t for t in self._tokens if t[0] >= step]
-        self.discarded += len(self._tokens) - len(kept)
-        self._tokens = deque(kept)
-        self._takers = {k: v for k, v in self._takers.items() if k >= step}
-        self.put(step, n)
-
-    def __len__(self) -> int:
-        return len(self._tokens)
 
 
 class StalenessBound:

@@ -36,7 +36,8 @@ from zmqps.wire.messages import (
     Message,
     Tensor,
 )
-from zmqps.wire.schema import REQUEST_BODIES, AnyList, AnyMap, Float, Int, Map, Str
+from zmqps.wire.ops import REQUEST_BODIES
+from zmqps.wire.schema import AnyList, AnyMap, Float, Int, Map, Str
 
 __all__ = ["DTYPES", "Limits", "decode", "encode", "wire_dtype"]
 

@@ -100,8 +100,13 @@ class List(Schema):
 
 @dataclass(frozen=True)
 class Map(Schema):
+    """A map with string keys: ``required`` and ``optional`` fields, each with its
+    schema. Unknown keys are refused, unless ``extra`` (reply bodies: a newer peer may
+    send fields this side does not know; they are ignored, never trusted)."""
+
     required: Mapping[str, Schema] = field(default_factory=dict)
     optional: Mapping[str, Schema] = field(default_factory=dict)
+    extra: bool = False
 
     def check(self, value: Any, path: str) -> None:
         if type(value) is not dict:
@@ -112,6 +117,8 @@ class Map(Schema):
         for key, v in value.items():
             sub = self.required.get(key) or self.optional.get(key)
             if sub is None:
+                if self.extra and type(key) is str:
+                    continue
                 raise ProtocolError(f"{path}: unknown field {key!r}")
             sub.check(v, f"{path}.{key}")
 
@@ -288,83 +295,15 @@ PLACEMENT = Map(
     }
 )
 
-WHO = {"role": ROLE, "index": Int(0, 1 << 20), "incarnation": Int(0)}
-
-#: Where a shard's bytes are in a shared-memory region (same-host fast path).
-SHM_REF = Map({"region": Int(0, 2**31 - 1), "offsets": List(Int(0, 2**48), MAX_SHARDS)})
-
-PUSH = Map(
-    {
-        "shards": List(SHARD_ID, MAX_SHARDS),
-        "versions": List(Int(0), MAX_SHARDS),
-        "worker": Str(64),
-        "inc": Int(0),
-        "seq": Int(0),
-    },
-    {"step": Int(0), "shm": SHM_REF, "shm_out": SHM_REF, "gen": Int(0)},
-)
-
 #: A checkpoint directory's name inside the checkpoint root (never a path).
 CKPT_NAME = Str(96)
 
-#: The body schema of every request op. Replies ("ok" / "error") are checked generically.
-REQUEST_BODIES: Mapping[str, Schema] = {
-    "ping": Map(),
-    "register": Map(WHO, {"steps_planned": COUNT, "address": Str(256)}),
-    "heartbeat": Map(
-        {**WHO, "step": COUNT},
-        {"loss": Float(), "examples": COUNT},
-    ),
-    "leave": Map({**WHO, "step": COUNT}, {"reason": Str(256), "examples": COUNT}),
-    "create_vars": Map({"variables": List(VARIABLE, 1 << 14)}, {"optimizer": OPTIMIZER}),
-    "get_placement": Map({}, {"wait": Float(0.0, 3600.0)}),
-    "create_shards": Map({"shards": List(SHARD, MAX_SHARDS)}, {"placement": PLACEMENT}),
-    "pull": Map({"shards": List(SHARD_ID, MAX_SHARDS)}, {"shm_out": SHM_REF, "gen": Int(0)}),
-    "shm_attach": Map({"name": Str(64), "size": Int(0, 2**48), "worker": Str(64), "inc": Int(0)}),
-    "shm_detach": Map({"region": Int(0, 2**31 - 1)}),
-    "push": PUSH,
-    "push_pull": PUSH,
-    # create False: a read-only pull (hash tables create, stamp and admit nothing)
-    "pull_rows": Map({"shards": List(SHARD_ID, MAX_SHARDS)}, {"gen": Int(0), "create": Bool()}),
-    "push_rows": PUSH,
-    # the live rows of a hash-table shard, a page at a time in id order (export)
-    "table_rows": Map(
-        {"shard": SHARD_ID, "start": Int(0, 2**48), "limit": Int(1, 1 << 24)}, {"gen": Int(0)}
-    ),
-    "status": Map(),
-    "shutdown": Map({}, {"reason": Str(256)}),
-    # sync / ssp coordination
-    "sync_config": Map({"mode": Str(8), "required": Int(1, 1 << 20)}),
-    "wait_step": Map({"step": Int(0)}, {"wait": Float(0.0, 3600.0)}),
-    "take_token": Map(WHO, {"wait": Float(0.0, 3600.0)}),
-    "ssp_clock": Map({**WHO, "completed": Int(0)}, {"wait": Float(0.0, 3600.0)}),
-    # checkpoints and recovery
-    "ps_state": Map(),
-    "fence": Map({"worker": Str(64), "inc": Int(0)}),
-    "checkpoint": Map({}, {"wait": Float(0.0, 3600.0)}),
-    "checkpoint_save": Map({"name": CKPT_NAME, "id": Int(0)}),
-    "checkpoint_done": Map({"id": Int(0)}, {"wait": Float(0.0, 3600.0)}),
-    "restore": Map(
-        {"gen": Int(0), "step": Int(0), "shards": List(SHARD, MAX_SHARDS)},
-        {"name": CKPT_NAME, "placement": PLACEMENT},
-    ),
-    # coordinator mode: a function of the worker's job module, by name, never code
-    "run": Map(
-        {
-            "fn": Str(128),
-            "args": Tree(root="t"),
-            "kwargs": Tree(root="d"),
-            "steps": Int(1, 1 << 20),
-        },
-        {"closure": Int(0), "inc": Int(0)},
-    ),
-    "make_resource": Map(
-        {
-            "id": Int(0, 2**31 - 1),
-            "fn": Str(128),
-            "args": Tree(root="t"),
-            "kwargs": Tree(root="d"),
-        },
-        {"inc": Int(0)},
-    ),
-}
+
+def __getattr__(name: str) -> Any:
+    # The body schema of every request op is derived from the typed ops, which are
+    # built on this module: imported lazily to keep the dependency one way.
+    if name == "REQUEST_BODIES":
+        from zmqps.wire.ops import REQUEST_BODIES
+
+        return REQUEST_BODIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,693 @@
+"""Typed operations: one frozen dataclass per request body and per reply body.
+
+Rules of this module:
+
+* Every field of a body is declared once, here, with the schema that checks it on
+  the wire (:func:`wire`); the body's :class:`~zmqps.wire.schema.Map` is derived
+  from those declarations. :data:`REQUEST_BODIES` (op -> schema) is what the codec
+  checks every incoming request against, so a request body is checked exactly once,
+  at the trust boundary, and :meth:`Body.from_wire` then only builds the object.
+* A reply body is checked where it is read: :meth:`Body.parse` (schema, then build).
+  Reply schemas allow fields they do not know (a newer peer may add some); request
+  schemas refuse them (a request is untrusted input).
+* Optional fields are ``None`` when absent and are left out of the wire map, so a
+  body without them is byte-for-byte what older peers sent.
+* A :class:`Who` field is flattened into its parent map (``role``, ``index``,
+  ``incarnation``), the identity every worker request carries.
+* Nothing here does IO; converting never copies arrays (bodies hold no arrays:
+  tensors travel as buffers beside the body).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from zmqps.wire.schema import (
+    CKPT_NAME,
+    COUNT,
+    MAX_SHARDS,
+    NAME,
+    OPTIMIZER,
+    PLACEMENT,
+    ROLE,
+    SHARD,
+    SHARD_ID,
+    VARIABLE,
+    AnyList,
+    AnyMap,
+    Bool,
+    Float,
+    Int,
+    List,
+    Map,
+    Schema,
+    Str,
+    Tree,
+)
+
+__all__ = [
+    "REPLIES",
+    "REQUESTS",
+    "REQUEST_BODIES",
+    "Body",
+    "Who",
+    "wire",
+]
+
+B = TypeVar("B", bound="Body")
+
+_PLAIN, _TUPLE, _BODY, _WHO = range(4)
+
+#: Longest long poll a request may ask for (seconds).
+MAX_WAIT_S = 3600.0
+
+
+def wire(schema: Schema, *, optional: bool = False, default: Any = MISSING) -> Any:
+    """Declare a body field and the schema that checks it on the wire; ``optional``
+    fields default to None and are omitted from the wire map when None."""
+    meta = {"schema": schema, "optional": optional}
+    if optional:
+        return field(default=None, metadata=meta)
+    if default is not MISSING:
+        return field(default=default, metadata=meta)
+    return field(metadata=meta)
+
+
+class Body:
+    """Base of every typed body. Subclasses are made with :func:`_body`."""
+
+    __slots__ = ()
+    OP: ClassVar[str] = ""  # the request op (empty for reply bodies)
+    SCHEMA: ClassVar[Map]
+    _CODEC: ClassVar[tuple[tuple[str, int, bool, Any], ...]]
+
+    def to_wire(self) -> dict[str, Any]:
+        """The body as a msgpack-able map (optional fields left out when None)."""
+        out: dict[str, Any] = {}
+        for name, kind, optional, _ in self._CODEC:
+            v = getattr(self, name)
+            if v is None and optional:
+                continue
+            if kind == _TUPLE:
+                v = list(v)
+            elif kind == _BODY:
+                v = v.to_wire()
+            elif kind == _WHO:
+                out.update(v.to_wire())
+                continue
+            out[name] = v
+        return out
+
+    @classmethod
+    def from_wire(cls: type[B], body: Mapping[str, Any]) -> B:
+        """Build from a map already checked against :attr:`SCHEMA` (no checks here)."""
+        kwargs: dict[str, Any] = {}
+        for name, kind, _, sub in cls._CODEC:
+            if kind == _WHO:
+                kwargs[name] = Who(body["role"], body["index"], body["incarnation"])
+                continue
+            v = body.get(name)
+            if v is None:
+                continue
+            if kind == _TUPLE:
+                v = tuple(v)
+            elif kind == _BODY:
+                v = sub.from_wire(v)
+            kwargs[name] = v
+        return cls(**kwargs)
+
+    @classmethod
+    def parse(cls: type[B], body: Mapping[str, Any], what: str = "") -> B:
+        """Check ``body`` against :attr:`SCHEMA` (ProtocolError), then build."""
+        cls.SCHEMA.check(body, what or f"{cls.__name__} body")
+        return cls.from_wire(body)
+
+
+def _kind(hint: Any) -> tuple[int, Any]:
+    """How a field of type ``hint`` converts (plain, tuple, nested body, flattened Who)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    base = args[0] if union and len(args) == 1 else hint
+    if base is Who:
+        return _WHO, None
+    if isinstance(base, type) and issubclass(base, Body):
+        return _BODY, base
+    if typing.get_origin(base) is tuple:
+        return _TUPLE, None
+    return _PLAIN, None
+
+
+def _body(op: str = "", *, reply: bool = False) -> Callable[[type[B]], type[B]]:
+    """Make ``cls`` a frozen dataclass body; derive its schema and converters."""
+
+    def make(cls: type[B]) -> type[B]:
+        cls = dataclass(frozen=True, slots=True)(cls)
+        hints = typing.get_type_hints(cls)
+        codec, required, optional = [], {}, {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            kind, sub = _kind(hints[f.name])
+            if kind == _WHO:
+                required.update(WHO_FIELDS)
+                codec.append((f.name, kind, False, None))
+                continue
+            schema = f.metadata["schema"]
+            is_optional = bool(f.metadata["optional"]) or f.default is not MISSING
+            (optional if is_optional else required)[f.name] = schema
+            codec.append((f.name, kind, bool(f.metadata["optional"]), sub))
+        cls.OP = op
+        cls.SCHEMA = Map(required, optional, extra=reply)
+        cls._CODEC = tuple(codec)
+        return cls
+
+    return make
+
+
+# ---------------------------------------------------------------------------
+# Identity and shared pieces.
+
+WHO_FIELDS: Mapping[str, Schema] = {
+    "role": ROLE,
+    "index": Int(0, 1 << 20),
+    "incarnation": Int(0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Who:
+    """A worker-side process: its role (worker, evaluator), index and incarnation."""
+
+    role: str
+    index: int
+    incarnation: int
+
+    @property
+    def name(self) -> str:
+        """``role:index``, the name the PS key dedup state and sync contributions by."""
+        return f"{self.role}:{self.index}"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"role": self.role, "index": self.index, "incarnation": self.incarnation}
+
+
+WAIT = Float(0.0, MAX_WAIT_S)
+SHARDS = List(SHARD_ID, MAX_SHARDS)
+VERSIONS = List(Int(0), MAX_SHARDS)
+
+
+@_body()
+class ShmRef(Body):
+    """Where a shard's bytes are in a shared-memory region (same-host fast path)."""
+
+    region: int = wire(Int(0, 2**31 - 1))
+    offsets: tuple[int, ...] = wire(List(Int(0, 2**48), MAX_SHARDS))
+
+
+# ---------------------------------------------------------------------------
+# Requests: membership and the chief.
+
+
+@_body("ping")
+class Ping(Body):
+    pass
+
+
+@_body("register")
+class Register(Body):
+    who: Who
+    steps_planned: int | None = wire(COUNT, optional=True)
+    address: str | None = wire(Str(256), optional=True)
+
+
+@_body("heartbeat")
+class Heartbeat(Body):
+    who: Who
+    step: int = wire(COUNT)
+    loss: float | None = wire(Float(), optional=True)
+    examples: int | None = wire(COUNT, optional=True)
+
+
+@_body("leave")
+class Leave(Body):
+    who: Who
+    step: int = wire(COUNT)
+    reason: str | None = wire(Str(256), optional=True)
+    examples: int | None = wire(COUNT, optional=True)
+
+
+@_body("create_vars")
+class CreateVars(Body):
+    variables: tuple[Mapping[str, Any], ...] = wire(List(VARIABLE, 1 << 14))
+    optimizer: Mapping[str, Any] | None = wire(OPTIMIZER, optional=True)
+
+
+@_body("get_placement")
+class GetPlacement(Body):
+    wait: float | None = wire(WAIT, optional=True)
+
+
+@_body("take_token")
+class TakeToken(Body):
+    who: Who
+    wait: float | None = wire(WAIT, optional=True)
+    #: the step of the last token this worker computed (a resent request is then
+    #: answered with the same token, never a second one of that step)
+    have: int | None = wire(Int(-1), optional=True)
+
+
+@_body("ssp_clock")
+class SspClock(Body):
+    who: Who
+    completed: int = wire(Int(0))
+    wait: float | None = wire(WAIT, optional=True)
+
+
+@_body("checkpoint")
+class TakeCheckpoint(Body):
+    wait: float | None = wire(WAIT, optional=True)
+
+
+@_body("status")
+class Status(Body):
+    pass
+
+
+@_body("shutdown")
+class Shutdown(Body):
+    reason: str | None = wire(Str(256), optional=True)
+
+
+# ---------------------------------------------------------------------------
+# Requests: data (workers -> PS).
+
+
+@_body("create_shards")
+class CreateShards(Body):
+    shards: tuple[Mapping[str, Any], ...] = wire(List(SHARD, MAX_SHARDS))
+    placement: Mapping[str, Any] | None = wire(PLACEMENT, optional=True)
+
+
+@_body("pull")
+class Pull(Body):
+    shards: tuple[int, ...] = wire(SHARDS)
+    shm_out: ShmRef | None = wire(ShmRef.SCHEMA, optional=True)
+    gen: int | None = wire(Int(0), optional=True)
+
+
+@_body("push")
+class Push(Body):
+    """A gradient push. ``push_pull`` and ``push_rows`` share this body."""
+
+    shards: tuple[int, ...] = wire(SHARDS)
+    versions: tuple[int, ...] = wire(VERSIONS)
+    worker: str = wire(Str(64))
+    inc: int = wire(Int(0))
+    seq: int = wire(Int(0))
+    step: int | None = wire(Int(0), optional=True)
+    shm: ShmRef | None = wire(ShmRef.SCHEMA, optional=True)
+    shm_out: ShmRef | None = wire(ShmRef.SCHEMA, optional=True)
+    gen: int | None = wire(Int(0), optional=True)
+    #: how many batches this worker (all its incarnations) has pushed, this one
+    #: included: the PS keep the highest per worker, so a restarted worker resumes
+    #: after the batches that really reached them
+    cursor: int | None = wire(Int(0), optional=True)
+
+
+@_body("push_pull")
+class PushPull(Push):
+    pass
+
+
+@_body("push_rows")
+class PushRows(Push):
+    pass
+
+
+@_body("pull_rows")
+class PullRows(Body):
+    shards: tuple[int, ...] = wire(SHARDS)
+    gen: int | None = wire(Int(0), optional=True)
+    #: False: a read-only pull (hash tables create, stamp and admit nothing)
+    create: bool | None = wire(Bool(), optional=True)
+
+
+@_body("table_rows")
+class TableRows(Body):
+    """The live rows of a hash-table shard, a page at a time in id order."""
+
+    shard: int = wire(SHARD_ID)
+    start: int = wire(Int(0, 2**48))
+    limit: int = wire(Int(1, 1 << 24))
+    gen: int | None = wire(Int(0), optional=True)
+
+
+@_body("shm_attach")
+class ShmAttach(Body):
+    name: str = wire(Str(64))
+    size: int = wire(Int(0, 2**48))
+    worker: str = wire(Str(64))
+    inc: int = wire(Int(0))
+
+
+@_body("shm_detach")
+class ShmDetach(Body):
+    region: int = wire(Int(0, 2**31 - 1))
+
+
+# ---------------------------------------------------------------------------
+# Requests: sync coordination, checkpoints and recovery (chief -> PS).
+
+
+@_body("sync_config")
+class SyncConfigure(Body):
+    mode: str = wire(Str(8))
+    required: int = wire(Int(1, 1 << 20))
+
+
+@_body("wait_step")
+class WaitStep(Body):
+    step: int = wire(Int(0))
+    wait: float | None = wire(WAIT, optional=True)
+
+
+@_body("ps_state")
+class PsState(Body):
+    pass
+
+
+@_body("fence")
+class Fence(Body):
+    worker: str = wire(Str(64))
+    inc: int = wire(Int(0))
+
+
+@_body("checkpoint_save")
+class CheckpointSave(Body):
+    name: str = wire(CKPT_NAME)
+    id: int = wire(Int(0))
+
+
+@_body("checkpoint_done")
+class CheckpointDone(Body):
+    id: int = wire(Int(0))
+    wait: float | None = wire(WAIT, optional=True)
+
+
+@_body("restore")
+class Restore(Body):
+    gen: int = wire(Int(0))
+    step: int = wire(Int(0))
+    shards: tuple[Mapping[str, Any], ...] = wire(List(SHARD, MAX_SHARDS))
+    name: str | None = wire(CKPT_NAME, optional=True)
+    placement: Mapping[str, Any] | None = wire(PLACEMENT, optional=True)
+
+
+# ---------------------------------------------------------------------------
+# Requests: coordinator mode (a function of the worker's job module, by name).
+
+
+@_body("run")
+class Run(Body):
+    fn: str = wire(Str(128))
+    args: Any = wire(Tree(root="t"))
+    kwargs: Any = wire(Tree(root="d"))
+    steps: int = wire(Int(1, 1 << 20))
+    closure: int | None = wire(Int(0), optional=True)
+    inc: int | None = wire(Int(0), optional=True)
+
+
+@_body("make_resource")
+class MakeResource(Body):
+    id: int = wire(Int(0, 2**31 - 1))
+    fn: str = wire(Str(128))
+    args: Any = wire(Tree(root="t"))
+    kwargs: Any = wire(Tree(root="d"))
+    inc: int | None = wire(Int(0), optional=True)
+
+
+# ---------------------------------------------------------------------------
+# Replies.
+
+ANY = AnyMap()
+STEP = Int(0)
+
+
+@_body(reply=True)
+class Empty(Body):
+    """A reply that carries nothing but success."""
+
+
+@_body(reply=True)
+class Pong(Body):
+    role: str = wire(ROLE)
+    index: int = wire(Int(0))
+
+
+@_body(reply=True)
+class ClusterInfo(Body):
+    """What a registering task learns: the PS, the placement (None before the
+    variables exist), the mode, the generation, and for a worker's new incarnation
+    the batches its earlier incarnations did."""
+
+    ps: tuple[str, ...] = wire(List(Str(256), MAX_SHARDS))
+    mode: str = wire(Str(8))
+    heartbeat_interval: float = wire(Float(0.0))
+    gen: int = wire(Int(0), default=0)
+    global_step: int = wire(STEP, default=0)
+    placement: Mapping[str, Any] | None = wire(PLACEMENT, optional=True)
+    recovering: bool = wire(Bool(), default=False)
+    steps_done: int = wire(COUNT, default=0)
+    finished: bool = wire(Bool(), default=False)
+
+
+@_body(reply=True)
+class HeartbeatReply(Body):
+    global_step: int = wire(STEP)
+    gen: int = wire(Int(0))
+    recovering: bool = wire(Bool(), default=False)
+    finished: bool = wire(Bool(), default=False)
+    stop: bool = wire(Bool(), default=False)
+    ps_down: tuple[int, ...] = wire(List(Int(0), MAX_SHARDS), default=())
+
+
+@_body(reply=True)
+class StepReply(Body):
+    """The global step (leave) or a PS's sync step (sync_config, wait_step)."""
+
+    step: int | None = wire(STEP, optional=True)
+    global_step: int | None = wire(STEP, optional=True)
+
+
+@_body(reply=True)
+class Token(Body):
+    step: int = wire(STEP)
+    gen: int = wire(Int(0))
+
+
+@_body(reply=True)
+class SspGrant(Body):
+    slowest: int = wire(Int(0))
+
+
+@_body(reply=True)
+class PlacementReply(Body):
+    placement: Mapping[str, Any] = wire(PLACEMENT)
+
+
+@_body(reply=True)
+class ShardsCreated(Body):
+    shards: tuple[int, ...] = wire(SHARDS)
+
+
+@_body(reply=True)
+class Values(Body):
+    """A pull (pull, pull_rows) reply: the version of each shard asked for, in
+    order; the values travel as tensors (or in the shared-memory region)."""
+
+    versions: tuple[int, ...] = wire(VERSIONS)
+
+
+@_body(reply=True)
+class PushReply(Body):
+    """A push's outcome. ``applied`` False: a duplicate (``duplicate``) or dropped
+    (``dropped``: its reason, e.g. ``stale``). ``versions``: the shards' versions
+    after it (push_pull: of the values that come back)."""
+
+    applied: bool = wire(Bool())
+    staleness: tuple[int, ...] = wire(List(Int(), MAX_SHARDS), default=())
+    versions: tuple[int, ...] = wire(VERSIONS, default=())
+    duplicate: bool | None = wire(Bool(), optional=True)
+    dropped: str | None = wire(Str(32), optional=True)
+
+    @property
+    def outcome(self) -> str:
+        """``applied``, ``duplicate`` or the reason it was dropped."""
+        if self.applied:
+            return "applied"
+        return self.dropped or ("duplicate" if self.duplicate else "dropped")
+
+
+@_body(reply=True)
+class TablePage(Body):
+    version: int = wire(Int(0))
+    rows: int = wire(Int(0))
+
+
+@_body(reply=True)
+class ShmAttached(Body):
+    region: int = wire(Int(0, 2**31 - 1))
+    token: str = wire(Str(128))
+
+
+@_body(reply=True)
+class PsStateReply(Body):
+    """What a (restarted) chief needs to adopt a PS's state or to restore it."""
+
+    index: int = wire(Int(0))
+    boot: str = wire(Str(64))
+    gen: int = wire(Int(0))
+    shards: Sequence[Any] = wire(AnyList())  # [[shard id, version], ...]
+    mode: str = wire(Str(8), default="")
+    step: int = wire(STEP, default=0)
+    contributors: tuple[str, ...] = wire(List(Str(64), 1 << 20), default=())
+    placement: Mapping[str, Any] | None = wire(PLACEMENT, optional=True)
+
+
+@_body(reply=True)
+class Fenced(Body):
+    """A fence's reply: the highest batch cursor of the worker's pushes this PS
+    applied (0: none), read in the same turn as the fence."""
+
+    cursor: int = wire(COUNT, default=0)
+
+
+@_body(reply=True)
+class CheckpointTaken(Body):
+    name: str = wire(CKPT_NAME)
+    step: int = wire(STEP)
+
+
+@_body(reply=True)
+class Saved(Body):
+    versions: Sequence[Any] = wire(AnyList())  # [[shard id, version], ...]
+    step: int = wire(STEP)
+    snapshot_s: float = wire(Float(0.0))
+
+
+@_body(reply=True)
+class Written(Body):
+    shards: Sequence[Any] = wire(AnyList())  # shard records (checkpoint.ShardRecord)
+
+
+@_body(reply=True)
+class Restored(Body):
+    gen: int = wire(Int(0))
+    versions: Sequence[Any] = wire(AnyList())
+
+
+@_body(reply=True)
+class Ran(Body):
+    result: Any = wire(Tree())
+    steps: int = wire(Int(0))
+    exec_s: float = wire(Float(0.0))
+
+
+@_body(reply=True)
+class ResourceMade(Body):
+    id: int = wire(Int(0, 2**31 - 1))
+
+
+@_body(reply=True)
+class Free(Body):
+    """A free-form reply (``status``): a JSON-able map for people and tools."""
+
+    fields: Mapping[str, Any] = wire(ANY)
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> Free:
+        return cls(dict(body))
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any], what: str = "") -> Free:
+        ANY.check(body, what or "status body")
+        return cls(dict(body))
+
+
+#: Every request body type, by op.
+REQUESTS: Mapping[str, type[Body]] = {
+    cls.OP: cls
+    for cls in (
+        Ping,
+        Register,
+        Heartbeat,
+        Leave,
+        CreateVars,
+        GetPlacement,
+        TakeToken,
+        SspClock,
+        TakeCheckpoint,
+        Status,
+        Shutdown,
+        CreateShards,
+        Pull,
+        Push,
+        PushPull,
+        PushRows,
+        PullRows,
+        TableRows,
+        ShmAttach,
+        ShmDetach,
+        SyncConfigure,
+        WaitStep,
+        PsState,
+        Fence,
+        CheckpointSave,
+        CheckpointDone,
+        Restore,
+        Run,
+        MakeResource,
+    )
+}
+
+#: The body schema of every request op: what the codec checks each request against.
+REQUEST_BODIES: Mapping[str, Map] = {op: cls.SCHEMA for op, cls in REQUESTS.items()}
+
+#: The reply body type of every request op.
+REPLIES: Mapping[str, type[Body]] = {
+    "ping": Pong,
+    "register": ClusterInfo,
+    "heartbeat": HeartbeatReply,
+    "leave": StepReply,
+    "create_vars": PlacementReply,
+    "get_placement": PlacementReply,
+    "take_token": Token,
+    "ssp_clock": SspGrant,
+    "checkpoint": CheckpointTaken,
+    "status": Free,
+    "shutdown": Empty,
+    "create_shards": ShardsCreated,
+    "pull": Values,
+    "push": PushReply,
+    "push_pull": PushReply,
+    "push_rows": PushReply,
+    "pull_rows": Values,
+    "table_rows": TablePage,
+    "shm_attach": ShmAttached,
+    "shm_detach": Empty,
+    "sync_config": StepReply,
+    "wait_step": StepReply,
+    "ps_state": PsStateReply,
+    "fence": Fenced,
+    "checkpoint_save": Saved,
+    "checkpoint_done": Written,
+    "restore": Restored,
+    "run": Ran,
+    "make_resource": ResourceMade,
+}
