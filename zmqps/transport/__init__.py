@@ -7,6 +7,7 @@ matches replies by id; ``FakeNetwork`` implements the same contract in memory.
 
 from zmqps.transport.base import Handler, Requester, TransportStats
 from zmqps.transport.client import Client
+from zmqps.transport.context import ZmqContext, new_context, zmq_versions
 from zmqps.transport.fake import FakeClient, FakeNetwork
 from zmqps.transport.loop import LoopThread
 from zmqps.transport.options import SocketOptions, tcp_endpoint
@@ -24,7 +25,10 @@ __all__ = [
     "Server",
     "SocketOptions",
     "TransportStats",
+    "ZmqContext",
     "keygen",
     "load_keys",
+    "new_context",
     "tcp_endpoint",
+    "zmq_versions",
 ]
