@@ -307,7 +307,7 @@ def run_local_cluster(
     processes ``worker_argv(chief_address, index)`` that each print one JSON line last.
     Returns those records (in index order) once the servers have exited; every process
     is killed if anything fails."""
-    from zmqps.cli.launch import free_ports
+    from zmqps.transport import free_ports
 
     ports = free_ports(1 + ps + workers)
     addrs = [f"{HOST}:{p}" for p in ports]

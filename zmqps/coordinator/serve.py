@@ -13,7 +13,7 @@ import logging
 import signal
 from typing import Any
 
-from zmqps.config import ClusterSpec, TaskSpec
+from zmqps.config import ClusterSpec, TaskSpec, bind_address
 from zmqps.coordinator.server import FunctionContext, FunctionServer, load_job_module
 from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server
@@ -78,8 +78,6 @@ def run_function_server(
     **worker_kwargs: Any,
 ) -> int:
     """The process of a worker in coordinator mode; returns its exit code."""
-    from zmqps.cli.args import bind_address
-
     module = load_job_module(job_module)
     if task.role != "worker" or task.index >= cluster.num_workers:
         raise ConfigError("--serve runs a worker task named in the cluster spec")

@@ -11,6 +11,7 @@ from zmqps.transport.context import ZmqContext, new_context, zmq_versions
 from zmqps.transport.fake import FakeClient, FakeNetwork
 from zmqps.transport.loop import LoopThread
 from zmqps.transport.options import SocketOptions, tcp_endpoint
+from zmqps.transport.ports import free_ports
 from zmqps.transport.security import CurveKeys, keygen, load_keys
 from zmqps.transport.server import Server
 
@@ -26,6 +27,7 @@ __all__ = [
     "SocketOptions",
     "TransportStats",
     "ZmqContext",
+    "free_ports",
     "keygen",
     "load_keys",
     "new_context",
