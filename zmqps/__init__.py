@@ -27,6 +27,7 @@ from zmqps.errors import (
     ZmqpsError,
 )
 from zmqps.roles.worker import Worker
+from zmqps.version import __version__ as __version__
 
 __all__ = [
     "ConfigError",
@@ -42,5 +43,3 @@ __all__ = [
     "Worker",
     "ZmqpsError",
 ]
-
-__version__ = "0.1.0"

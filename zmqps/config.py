@@ -38,6 +38,7 @@ __all__ = [
     "ROLES",
     "ClusterSpec",
     "TaskSpec",
+    "bind_address",
     "cluster_from_flags",
     "keys_dir",
     "load_cluster_file_or_json",
@@ -122,6 +123,23 @@ def split_address(address: str, *, allow_port_zero: bool = False) -> tuple[str, 
         raise ConfigError(f"bad address: {problem}")
     host, _, port = address.rpartition(":")
     return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def bind_address(address: str) -> str:
+    """Where a server binds for its advertised ``address``.
+
+    IP literals and localhost are bound as given; a host name (a Kubernetes pod
+    or service name, say) binds every interface, as TensorFlow's servers do.
+    """
+    host, port = split_address(address)
+    bare = host.strip("[]")
+    if bare == "localhost":
+        return f"127.0.0.1:{port}"
+    try:
+        ipaddress.ip_address(bare)
+        return address
+    except ValueError:
+        return f"*:{port}"
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ from zmqps.checkpoint.format import fsync_dir, nesting_depth
 from zmqps.core.tableview import TableView
 from zmqps.models import Model, build_model
 from zmqps.models.ctr import CTRModel
+from zmqps.version import __version__
 from zmqps.wire.errors import ZmqpsError
 
 __all__ = [
@@ -231,8 +232,6 @@ def export_model(
     ``extra`` (anything else worth keeping) go into ``signature.json``. Returns
     the export's path.
     """
-    from zmqps import __version__
-
     target = Path(directory)
     where = f"export {target}"
     wanted = _variables(signature, where)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from zmqps.bench.common import Control
-from zmqps.cli.args import exit_with_parent
+from zmqps.process import exit_with_parent
 
 __all__ = ["main"]
 

@@ -93,7 +93,8 @@ def _version(module: str) -> str | None:
 
 def machine_info() -> dict[str, Any]:
     import numpy
-    import zmq
+
+    from zmqps.transport import zmq_versions
 
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -105,8 +106,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_model": _cpu_model(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(),
+        **zmq_versions(),  # pyzmq, libzmq
         "numpy": numpy.__version__,
         "torch": _version("torch"),
         "zmqps": _version("zmqps"),
@@ -307,7 +307,7 @@ def run_local_cluster(
     processes ``worker_argv(chief_address, index)`` that each print one JSON line last.
     Returns those records (in index order) once the servers have exited; every process
     is killed if anything fails."""
-    from zmqps.cli.launch import free_ports
+    from zmqps.transport import free_ports
 
     ports = free_ports(1 + ps + workers)
     addrs = [f"{HOST}:{p}" for p in ports]

@@ -24,8 +24,8 @@ import sys
 import time
 from typing import Any
 
-from zmqps.cli.launch import free_ports
 from zmqps.config import ClusterSpec
+from zmqps.transport import free_ports
 
 __all__ = ["format_coordinator", "run_coordinator"]
 

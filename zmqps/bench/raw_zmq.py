@@ -35,7 +35,7 @@ from zmqps.bench.common import (
     serve_steps,
 )
 from zmqps.bench.workload import Workload, header_bytes
-from zmqps.cli.launch import free_ports
+from zmqps.transport import free_ports
 
 __all__ = ["server_main", "spawn", "worker_main"]
 

@@ -41,9 +41,9 @@ from zmqps.bench.common import (
     serve_steps,
 )
 from zmqps.bench.workload import DEFAULT_ROW_BUDGET, Workload, hashed_ids
-from zmqps.cli.launch import free_ports
 from zmqps.core.hashtable import DEFAULT_BUCKETS
 from zmqps.core.variables import VariableDef
+from zmqps.transport import free_ports
 
 __all__ = ["hashed_tables", "spawn", "table_stats", "worker_main"]
 

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
-import os
-import signal
 import sys
-import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from zmqps.config import KEYS_ENV, ClusterSpec, TaskSpec, keys_dir, resolve, split_address
+from zmqps.config import (  # bind_address is re-exported: it moved to zmqps.config
+    KEYS_ENV,
+    ClusterSpec,
+    TaskSpec,
+    bind_address,
+    keys_dir,
+    resolve,
+)
 from zmqps.core.partition import Partitioner
 from zmqps.core.sync import MODES
 from zmqps.data import DATASETS
 from zmqps.data.ctr import CTR_DATASETS
 from zmqps.models import MODELS
+from zmqps.process import exit_with_parent  # re-exported: it moved to zmqps.process
 from zmqps.roles.job import JobConfig
 from zmqps.roles.sync import SyncConfig
 from zmqps.transport import SocketOptions, load_keys
@@ -89,17 +92,6 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="task index within its role",
     )
     g.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
-
-
-def exit_with_parent(pid: int, poll_s: float = 0.5) -> None:
-    """Stop this process (SIGTERM to itself) once its parent ``pid`` is gone."""
-
-    def watch() -> None:
-        while os.getppid() == pid:
-            time.sleep(poll_s)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="zmqps-parent-watch", daemon=True).start()
 
 
 def add_job_args(p: argparse.ArgumentParser, *, model_default: str | None = "mlp") -> None:
@@ -461,20 +453,3 @@ def partitioner_from_args(args: argparse.Namespace) -> Partitioner:
         min_shard_bytes=args.min_shard_bytes,
         max_shard_bytes=args.max_shard_bytes,
     )
-
-
-def bind_address(address: str) -> str:
-    """Where a server binds for its advertised ``address``.
-
-    IP literals and localhost are bound as given; a host name (a Kubernetes pod
-    or service name, say) binds every interface, as TensorFlow's servers do.
-    """
-    host, port = split_address(address)
-    bare = host.strip("[]")
-    if bare == "localhost":
-        return f"127.0.0.1:{port}"
-    try:
-        ipaddress.ip_address(bare)
-        return address
-    except ValueError:
-        return f"*:{port}"

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from zmqps.cli.args import add_device_args, add_job_args, add_sync_args, device_
 from zmqps.cli.coordinator import add_driver_args, check_launch, launch_flags
 from zmqps.config import ClusterSpec
 from zmqps.roles.status import fetch_status
+from zmqps.transport import free_ports  # re-exported: it moved to zmqps.transport.ports
 from zmqps.wire.errors import ConfigError, ZmqpsError
 
 __all__ = ["add_launch_args", "free_ports", "launch"]
@@ -147,20 +147,6 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         help="also run a side-car evaluator on each new checkpoint (zmqps-worker --role"
         " evaluator); its evaluations go to RUN_DIR/evaluator.jsonl",
     )
-
-
-def free_ports(n: int, host: str = HOST) -> list[int]:
-    """``n`` distinct free TCP ports on ``host`` (held open together while picking)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _job_flags(args: argparse.Namespace) -> list[str]:

@@ -35,10 +35,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import zmq.asyncio
-
 from zmqps.config import ClusterSpec
-from zmqps.transport import Client, LoopThread, SocketOptions
+from zmqps.transport import Client, LoopThread, SocketOptions, new_context
 from zmqps.wire import Tensor
 from zmqps.wire.errors import (
     DeadlineExceeded,
@@ -254,7 +252,7 @@ class Coordinator:
         self._dispatch_s = 0.0  # round trip minus execution, summed over runs
         self._runs = 0
         self._io = LoopThread("zmqps-coordinator")
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = new_context()
         self._chief: Client | None = None
         self.workers: list[_RemoteWorker] = self._io.run(self._start(addresses))
         if metrics is not None:

@@ -23,15 +23,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import zmq.asyncio
-
 from zmqps.coordinator.coordinator import Coordinator
 from zmqps.coordinator.fit import BackupAndRestore, Callback
 from zmqps.coordinator.server import load_job_module, lookup
 from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server
 from zmqps.roles.chief import ChiefConfig, serve_chief
-from zmqps.transport import Client, SocketOptions
+from zmqps.transport import Client, SocketOptions, ZmqContext
 from zmqps.wire.errors import ConfigError, NotFound, ZmqpsError
 
 __all__ = ["run_chief_driver"]
@@ -82,7 +80,7 @@ def run_chief_driver(
             outcome["stats"] = coord.stats()
             coord.close(shutdown_workers=True)
 
-    async def main(ctx: zmq.asyncio.Context) -> None:
+    async def main(ctx: ZmqContext) -> None:
         holder: dict[str, Coordinator] = {}
         chief = asyncio.ensure_future(serve_chief(cfg, ctx, options, metrics))
         driver = asyncio.ensure_future(asyncio.to_thread(run_driver, holder))
@@ -108,7 +106,7 @@ def run_chief_driver(
 
 
 async def _stop_chief(
-    ctx: zmq.asyncio.Context, cfg: ChiefConfig, options: SocketOptions | None
+    ctx: ZmqContext, cfg: ChiefConfig, options: SocketOptions | None
 ) -> None:
     assert cfg.cluster.chief is not None
     client = Client(ctx, cfg.cluster.chief, "coordinator:driver", options=options)

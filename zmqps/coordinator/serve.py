@@ -13,15 +13,13 @@ import logging
 import signal
 from typing import Any
 
-import zmq.asyncio
-
-from zmqps.config import ClusterSpec, TaskSpec
+from zmqps.config import ClusterSpec, TaskSpec, bind_address
 from zmqps.coordinator.server import FunctionContext, FunctionServer, load_job_module
 from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server
 from zmqps.roles.job import JobConfig
 from zmqps.roles.worker import Worker
-from zmqps.transport import Server, SocketOptions
+from zmqps.transport import Server, SocketOptions, ZmqContext
 from zmqps.wire.errors import ConfigError
 
 __all__ = ["run_function_server", "serve_functions"]
@@ -30,7 +28,7 @@ log = logging.getLogger("zmqps.coordinator")
 
 
 async def serve_functions(
-    ctx: zmq.asyncio.Context,
+    ctx: ZmqContext,
     bind: str,
     handler: FunctionServer,
     *,
@@ -80,8 +78,6 @@ def run_function_server(
     **worker_kwargs: Any,
 ) -> int:
     """The process of a worker in coordinator mode; returns its exit code."""
-    from zmqps.cli.args import bind_address
-
     module = load_job_module(job_module)
     if task.role != "worker" or task.index >= cluster.num_workers:
         raise ConfigError("--serve runs a worker task named in the cluster spec")
@@ -112,7 +108,7 @@ def _serve(
 ) -> str:
     out: list[str] = []
 
-    async def main(ctx: zmq.asyncio.Context) -> None:
+    async def main(ctx: ZmqContext) -> None:
         out.append(await serve_functions(ctx, address, handler, options=options, metrics=metrics))
 
     run_server(main)

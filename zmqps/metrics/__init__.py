@@ -1,7 +1,7 @@
 """Prometheus metrics of zmqps: the catalogue (declared once) and the /metrics exporter.
 
 Layer map (this package depends on prometheus_client and nothing else of zmqps
-except ``zmqps.__version__``; roles and the transport call into it, never the
+except ``zmqps.version``; roles and the transport call into it, never the
 other way round)::
 
     zmqps.metrics.catalogue   Metrics: every metric, declared once, on an

@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from zmqps.version import __version__
+
 __all__ = [
     "AUTH_FAILURE_REASONS",
     "DROP_REASONS",
@@ -337,8 +339,6 @@ class Metrics:
     # -- identity ------------------------------------------------------------------
 
     def set_info(self, role: str, index: int, mode: str = "") -> None:
-        from zmqps import __version__
-
         self.info.info({"role": role, "index": str(index), "mode": mode, "version": __version__})
 
     def watch(self, gauge: Gauge, read: Callable[[], float]) -> None:

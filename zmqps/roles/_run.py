@@ -7,20 +7,19 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import zmq.asyncio
-
 from zmqps.metrics import Metrics, MetricsServer
+from zmqps.transport import ZmqContext, new_context
 
 __all__ = ["run_server", "start_exporter"]
 
 log = logging.getLogger("zmqps")
 
 
-def run_server(serve: Callable[[zmq.asyncio.Context], Awaitable[Any]]) -> int:
+def run_server(serve: Callable[[ZmqContext], Awaitable[Any]]) -> int:
     """Run ``serve(ctx)`` to completion; the context is terminated whatever happens."""
 
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
+        ctx = new_context()
         try:
             await serve(ctx)
         finally:

@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import zmq.asyncio
-
 from zmqps.checkpoint import Checkpoint
 from zmqps.config import ClusterSpec
 from zmqps.core.initializers import validate_init
@@ -40,7 +38,7 @@ from zmqps.roles.checkpointer import Checkpointer, CheckpointPolicy
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
 from zmqps.roles.sync import SyncConfig, SyncDriver
-from zmqps.transport import Client, Requester, Server, SocketOptions
+from zmqps.transport import Client, Requester, Server, SocketOptions, ZmqContext
 from zmqps.wire import Message, reply
 from zmqps.wire.errors import (
     DeadlineExceeded,
@@ -680,7 +678,7 @@ class ChiefService:
         return reply(msg)
 
 
-async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, Any]:
+async def _finish(service: ChiefService, ctx: ZmqContext) -> dict[str, Any]:
     """Evaluate the final model (built-in jobs) and build the summary."""
     cfg = service.cfg
     m = service.members
@@ -745,7 +743,7 @@ async def _finish(service: ChiefService, ctx: zmq.asyncio.Context) -> dict[str, 
 
 async def serve_chief(
     cfg: ChiefConfig,
-    ctx: zmq.asyncio.Context,
+    ctx: ZmqContext,
     options: SocketOptions | None = None,
     metrics: Metrics | None = None,
 ) -> dict[str, Any]:

@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy.typing as npt
-import zmq.asyncio
 
 from zmqps.config import split_address
 from zmqps.core.tableview import TableView
@@ -62,7 +61,7 @@ from zmqps.roles._run import start_exporter
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.ctr_job import ctr_scores, ctr_scores_summary
 from zmqps.roles.job import JobConfig
-from zmqps.transport import Client, Requester, SocketOptions
+from zmqps.transport import Client, Requester, SocketOptions, ZmqContext, new_context
 from zmqps.wire.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -614,7 +613,7 @@ class Evaluator:
 
 async def serve_evaluator(
     cfg: EvaluatorConfig,
-    ctx: zmq.asyncio.Context,
+    ctx: ZmqContext,
     options: SocketOptions | None = None,
     test: Dataset | CTRDataset | None = None,
 ) -> list[Evaluation]:
@@ -661,7 +660,7 @@ def run_evaluator(cfg: EvaluatorConfig, options: SocketOptions | None = None) ->
     """The evaluator as a process: 0 when training ended (or on SIGTERM), else an error."""
 
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
+        ctx = new_context()
         try:
             await serve_evaluator(cfg, ctx, options)
         finally:

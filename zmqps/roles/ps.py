@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zmq.asyncio
 
 from zmqps.core.dedup import PushDeduper
 from zmqps.core.store import ShardStore
@@ -42,7 +41,7 @@ from zmqps.core.sync import MODES, SyncShards
 from zmqps.core.variables import ShardDef
 from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server, start_exporter
-from zmqps.transport import Server, SocketOptions
+from zmqps.transport import Server, SocketOptions, ZmqContext
 from zmqps.transport.shm import Region, attach_region
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire.errors import (
@@ -634,7 +633,7 @@ class PSService:
 
 
 async def serve_ps(
-    cfg: PSConfig, ctx: zmq.asyncio.Context, options: SocketOptions | None = None
+    cfg: PSConfig, ctx: ZmqContext, options: SocketOptions | None = None
 ) -> PSService:
     metrics = Metrics() if cfg.metrics_port is not None else None
     service = PSService(

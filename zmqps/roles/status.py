@@ -5,9 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import zmq.asyncio
-
-from zmqps.transport import Client, SocketOptions
+from zmqps.transport import Client, SocketOptions, new_context
 
 __all__ = ["fetch_status", "format_status"]
 
@@ -15,7 +13,7 @@ __all__ = ["fetch_status", "format_status"]
 async def fetch_status(
     chief: str, timeout: float = 5.0, options: SocketOptions | None = None
 ) -> dict[str, Any]:
-    ctx = zmq.asyncio.Context()
+    ctx = new_context()
     client = Client(ctx, chief, f"status:{uuid.uuid4().hex[:8]}", options=options, timeout=timeout)
     try:
         rep = await client.request("status")

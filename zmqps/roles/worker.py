@@ -33,7 +33,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-import zmq.asyncio
 
 from zmqps.config import ClusterSpec, TaskSpec
 from zmqps.core.variables import Placement, VariableDef
@@ -44,7 +43,7 @@ from zmqps.metrics import Metrics
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
 from zmqps.roles.overlap import StepPipeline
-from zmqps.transport import Client, LoopThread, SocketOptions
+from zmqps.transport import Client, LoopThread, SocketOptions, new_context
 from zmqps.wire.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -111,7 +110,7 @@ class Worker:
         self._chunk_bytes = chunk_bytes
         self._shared_memory = shared_memory
         self._io = LoopThread(f"zmqps-{role}-{index}")
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = new_context()
         self._closed = False
         self._client: ParameterClient | None = None
         self._heartbeat: asyncio.Future[None] | None = None

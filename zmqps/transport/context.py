@@ -1,0 +1,30 @@
+"""The ZeroMQ context every zmqps socket is made from.
+
+Roles, the coordinator and the benchmarks hold a context (one per process or
+per event loop) and pass it to :class:`~zmqps.transport.Server` and
+:class:`~zmqps.transport.Client`; they create it here and annotate it with
+:data:`ZmqContext`, so that nothing outside this package imports ``zmq``
+(an import contract in pyproject.toml checks it).
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import zmq
+import zmq.asyncio
+
+__all__ = ["ZmqContext", "new_context", "zmq_versions"]
+
+#: the asyncio ZeroMQ context (``zmq.asyncio.Context``), for annotations
+ZmqContext: TypeAlias = zmq.asyncio.Context
+
+
+def new_context() -> ZmqContext:
+    """A new asyncio ZeroMQ context; its owner calls ``term()`` on it when done."""
+    return zmq.asyncio.Context()
+
+
+def zmq_versions() -> dict[str, str]:
+    """The pyzmq and libzmq versions (``{"pyzmq": ..., "libzmq": ...}``)."""
+    return {"pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
