@@ -234,7 +234,7 @@ BAD_INITS = [
 
 def _assert_nothing_created(env: Env) -> None:
     assert env.chief.placement is None
-    assert env.chief._creating is None
+    assert env.chief.variables._creating is None
     assert not env.chief.placement_ready.is_set()
     assert env.created() == [0] * len(env.services)
     assert all(len(svc.store) == 0 for svc in env.services)
@@ -391,6 +391,7 @@ def test_get_placement_not_ready_when_never_created() -> None:
 def test_register_heartbeat_leave() -> None:
     async def body() -> None:
         env = make_env(2, num_workers=2, heartbeat_interval=0.5)
+        await env.chief.start()  # the PS answer, hold nothing: a fresh cluster
         rep = await call(env.chief, "register", who(0, 7, steps_planned=10))
         assert rep.body == {
             "ps": list(env.cfg.cluster.ps),
@@ -401,6 +402,8 @@ def test_register_heartbeat_leave() -> None:
             "gen": 0,
             "recovering": False,
             "steps_done": 0,
+            "last_step": -1,
+            "finished": False,
         }
         placement = await env.chief.create_variables(VARS, SGD)
         rep = await call(env.chief, "register", who(1, 3))
@@ -488,6 +491,7 @@ def test_all_done_only_when_every_worker_left() -> None:
 def test_status() -> None:
     async def body() -> None:
         env = make_env(2, num_workers=3, heartbeat_timeout=10.0)
+        await env.chief.start()
         st = env.chief.status()
         assert st["role"] == "chief"
         assert st["mode"] == "async"
@@ -519,7 +523,12 @@ def test_status() -> None:
         assert st["workers"][1]["last_seen_s"] == 11.0
         assert (st["variables"], st["shards"]) == (3, 6)
         rep = await call(env.chief, "status")
-        assert rep.body == {**st, "uptime_s": rep.body["uptime_s"]}
+        assert rep.body == {
+            **st,
+            "uptime_s": rep.body["uptime_s"],
+            "waiting_on": [],  # async: no step waits on anyone
+            "blocker": None,  # worker 0 trains: nothing holds it back
+        }
 
     run(body())
 

@@ -174,8 +174,10 @@ def test_snapshots_follow_the_global_step_until_training_finishes(
         assert second.accuracy == pytest.approx(want["accuracy"])
         assert second.loss == pytest.approx(want["loss"], rel=1e-6)
 
-        # The worker leaves having done its work: finished; one last snapshot (step 2).
+        # The worker leaves having done its work, the chief's process finishes the run
+        # (summary written): finished; one last snapshot (step 2).
         await c.worker(0, "leave", step=2, reason="done")
+        c.chief.finished = True
         evaluations = await asyncio.wait_for(task, 5.0)
         assert [e.step for e in evaluations] == [0, 1, 2]
         assert c.probed == []  # the end was seen in the status, not guessed
@@ -343,6 +345,7 @@ def test_checkpoints_each_new_one_once_corrupted_ones_skipped(
         last = write_checkpoint(ckpts, m, values[3], 40)
         await c.worker(0, "register", steps_planned=1)
         await c.worker(0, "leave", step=1, reason="done")
+        c.chief.finished = True  # the chief's process finished the run
         await until(lambda: ev._watch.finished, "the end of training seen")
         c.net.remove(CHIEF)  # the chief ends soon after "finished"
         evaluations = await asyncio.wait_for(task, 10.0)

@@ -154,6 +154,7 @@ def test_snapshots_of_a_ctr_job_score_auc_and_change_no_table(
         assert first.loss == want["test_logloss"]
 
         await c.worker("leave", step=3, reason="done")
+        c.chief.finished = True  # the chief's process finished the run
         evaluations = await asyncio.wait_for(task, 30.0)
         assert [e.step for e in evaluations] == [2, 3]
         assert same_tables(c.table_state(), trained)
@@ -192,6 +193,7 @@ def test_checkpoints_of_a_ctr_job_score_what_the_ps_served(
             wants.append(ctr_scores_summary(test_split, scores))
             await until(lambda: len(ev.evaluations) == len(wants), f"checkpoint {step}", 30)
         await c.worker("leave", step=3, reason="done")
+        c.chief.finished = True  # the chief's process finished the run
         await until(lambda: ev._watch.finished, "the end of training seen")
         c.net.remove(CHIEF)
         evaluations = await asyncio.wait_for(task, 30.0)

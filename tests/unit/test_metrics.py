@@ -285,7 +285,8 @@ def test_chief_gauges_read_its_state() -> None:
         assert value(m, "zmqps_sync_tokens_available") == 0
         chief.members.register(0, 1, 100.0, 10)
         assert value(m, "zmqps_workers_alive") == 1
-        chief.sync.tokens.put(0, 2)
+        chief.consistency.tokens.restart(0, extra=1)  # step 0: M = 1 token, 1 init token
+        chief.consistency.started = True
         assert value(m, "zmqps_sync_tokens_available") == 2
         assert value(m, "zmqps_info", role="chief", index="0", mode="sync", version=_version()) == 1
 

@@ -97,10 +97,10 @@ def _resent(client: ParameterClient, fp: Any, sids: list[int], *, pull: bool) ->
         "worker": "w0",
         "inc": 0,
         "seq": client._seq[0],
-        "shm": fp.ref(False, sids),
+        "shm": fp.ref(False, sids).to_wire(),
     }
     if pull:
-        body["shm_out"] = fp.ref(True, sids)
+        body["shm_out"] = fp.ref(True, sids).to_wire()
     return body
 
 
@@ -179,7 +179,7 @@ def test_a_worker_whose_first_push_pull_reply_was_lost_takes_the_resend_values()
 
 def test_falls_back_to_tcp_when_the_ps_cannot_map_the_region() -> None:
     class RemotePS(PSService):
-        def _op_shm_attach(self, msg: Any) -> Any:
+        def _op_shm_attach(self, msg: Any, req: Any) -> Any:
             raise NotFound("shm region not visible here")
 
     async def body() -> None:
@@ -291,7 +291,7 @@ def test_params_of_variables_held_whole_are_views_of_the_pull_region() -> None:
             await client.pull()
             fp = await client._fast_path(0)
             assert fp is not None
-            region = np.frombuffer(fp.pull._mmap, np.uint8)
+            region = np.frombuffer(fp.regions.pull._mmap, np.uint8)
             for v in DENSE:
                 assert np.shares_memory(client.params[v.name], region) is whole
                 np.testing.assert_array_equal(client.params[v.name], initial(v))

@@ -1,10 +1,11 @@
 """Sync (SyncReplicas) and SSP without sockets.
 
-Three layers: the pure state of :mod:`zmqps.core.sync` (accumulators, token queue,
+Three layers: the pure state of :mod:`zmqps.core.sync` (accumulators, token ledger,
 staleness bound); the PS sync path (``sync_config``, tagged pushes, ``wait_step``)
-through the in-memory cluster of tests/unit/test_ps_client.py; and the chief's
-:class:`~zmqps.roles.sync.SyncDriver` running its real loop against in-memory PS, with
-workers played by :class:`ParameterClient` objects and chief messages.
+through the in-memory cluster of tests/unit/test_ps_client.py; and the chief's sync
+mode (:class:`~zmqps.roles.chief.modes.SyncMode`) running its real loop against
+in-memory PS, with workers played by :class:`ParameterClient` objects and chief
+messages.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from zmqps.core.membership import Membership
 from zmqps.core.optimizers import compute_dtype, make_optimizer
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.store import ShardStore
-from zmqps.core.sync import ShardAccumulator, StalenessBound, SyncShards, TokenQueue
+from zmqps.core.sync import ShardAccumulator, StalenessBound, SyncShards, TokenLedger
 from zmqps.core.variables import Placement, VariableDef
-from zmqps.roles.chief import _drive
+from zmqps.roles.chief.modes import SyncMode
 from zmqps.roles.client import ParameterClient
+from zmqps.roles.configs import SyncConfig
 from zmqps.roles.status import format_status
-from zmqps.roles.sync import SyncConfig, SyncDriver
+from zmqps.wire.ops import Who
 from zmqps.wire.errors import InvalidArgument, NotFound, NotReady
 
 LR = SGD["lr"]
@@ -196,32 +198,52 @@ def test_accumulator_defaults() -> None:
     assert (acc.step, acc.count, acc.dense, acc.rows, acc.contributors) == (0, 0, None, [], [])
 
 
-# ============================================================== core: TokenQueue
+# ============================================================== core: TokenLedger
 
 
-def test_token_queue_put_take_advance() -> None:
-    q = TokenQueue()
-    assert q.take("a") is None and len(q) == 0
-    q.put(0, 3)
-    assert q.take("a") == 0
-    assert q.take("a") is None  # one token per worker and step
-    assert q.take("b") == 0 and len(q) == 1
+def test_token_ledger_take_advance() -> None:
+    q = TokenLedger()
+    assert q.take(0, 0, replicas=0) is None and q.available(0) == 0
+    assert q.take(0, 0, replicas=3) == 0
+    assert q.take(0, 0, replicas=3) is None  # one token per worker and step
+    assert q.take(1, 0, replicas=3) == 0 and q.available(3) == 1
     q.advance(1, 3)  # the leftover token of step 0 is discarded
-    assert (q.discarded, len(q)) == (1, 3)
-    assert [q.take(w) for w in ("a", "b", "c")] == [1, 1, 1]
-    assert q.take("d") is None and q.taken == 5
-    q.put(1, 1)  # e.g. a rejoined worker's share of the current step
+    assert (q.discarded, q.available(3)) == (1, 3)
+    assert [q.take(w, 0, 3) for w in (0, 1, 2)] == [1, 1, 1]
+    assert q.take(3, 0, 3) is None and q.taken == 5
+    assert q.take(3, 0, 4) == 1  # a rejoined replica (M grew): its share of the current step
     q.advance(3, 2)
-    assert (q.discarded, len(q)) == (2, 2)
-    assert q.take("a") == 3
+    assert (q.discarded, q.available(2)) == (1, 2)
+    assert q.take(0, 0, 2) == 3
 
 
 def test_extra_tokens_may_be_taken_by_anyone() -> None:
-    q = TokenQueue()
-    q.put(0, 2)
-    q.put(0, 2, extra=True)  # init_tokens
-    assert [q.take("a") for _ in range(4)] == [0, 0, 0, None]
-    assert q.take("b") == 0 and len(q) == 0
+    q = TokenLedger()
+    q.restart(0, extra=2)  # init_tokens
+    assert [q.take(0, 0, 2) for _ in range(4)] == [0, 0, 0, None]
+    assert q.take(1, 0, 2) == 0 and q.available(2) == 0
+
+
+def test_a_worker_that_comes_back_finds_its_token_whatever_m_was() -> None:
+    """Worker 1 counted dead while step 5 began (M = 1): when it comes back M is 2 again
+    and step 5 has a token for it, although none was 'put' for it."""
+    q = TokenLedger()
+    q.advance(5, replicas=1)
+    assert q.take(0, 0, replicas=1) == 5
+    q.advance(6, replicas=0)  # worker 0 finished its data, worker 1 dead: M = 0
+    assert q.available(0) == 0
+    assert q.take(1, 0, replicas=1) == 6  # worker 1 is back: M = 1, and its token is there
+
+
+def test_a_new_incarnation_takes_over_and_a_resent_request_gets_the_same_token() -> None:
+    q = TokenLedger()
+    q.restart(4)
+    assert q.take(1, 10, replicas=2, have=3) == 4
+    assert q.take(1, 10, replicas=2, have=3) == 4  # its answer was lost: the same token
+    assert q.take(1, 10, replicas=2, have=4) is None  # it computed step 4: wait for 5
+    assert q.take(1, 11, replicas=2, have=-1) == 4  # a new incarnation: the old one's slot
+    assert q.take(0, 10, replicas=2) == 4 and q.available(2) == 0
+    assert q.taken == 3
 
 
 # ============================================================== core: StalenessBound
@@ -417,7 +439,6 @@ class SyncJob:
     env: Env
     placement: Placement
     workers: list[ParameterClient]
-    driver: asyncio.Future[None]
 
     @property
     def step(self) -> int:
@@ -442,8 +463,7 @@ class SyncJob:
         return out
 
     async def close(self) -> None:
-        self.driver.cancel()
-        await asyncio.gather(self.driver, return_exceptions=True)
+        await self.env.chief.recovery.close()  # training stops
 
 
 async def sync_job(
@@ -461,6 +481,7 @@ async def sync_job(
         sync=SyncConfig(**{"mode": "sync", **sync}),
         partitioner=Partitioner(num_shards=num_shards),
     )
+    await env.chief.start()  # a fresh cluster: training starts with the variables
     placement = await env.chief.create_variables(variables, optimizer)
     for i in range(num_workers):
         await call(env.chief, "register", who(i))
@@ -474,8 +495,8 @@ async def sync_job(
         )
         for i in range(num_workers)
     ]
-    job = SyncJob(env, placement, workers, asyncio.ensure_future(_drive(env.chief)))
-    await until(lambda: env.chief.sync.started, what="the driver to start")
+    job = SyncJob(env, placement, workers)
+    await until(lambda: env.chief.consistency.started, what="the driver to start")
     return job
 
 
@@ -503,22 +524,21 @@ def test_sync_steps_equal_steps_on_the_mean(optimizer: dict[str, Any]) -> None:
 def test_take_token_long_polls_then_not_ready() -> None:
     async def body() -> None:
         members = Membership(2)
-        driver = SyncDriver(SyncConfig(mode="sync"), members, [], clock=time.monotonic)
+        mode = SyncMode(SyncConfig(mode="sync"), members, [], clock=time.monotonic)
+        w0 = Who("worker", 0, 0)
         t0 = time.monotonic()
         with pytest.raises(NotReady, match=r"no token within 0\.05s"):
-            await driver.take_token("0:0", 0.05)
+            await mode.take_token(w0, 0.05, None)
         assert time.monotonic() - t0 >= 0.04
-        # A waiting poll gets the token as soon as it is put (and the waiters woken).
-        waiter = asyncio.ensure_future(driver.take_token("0:0", 2.0))
+        # A waiting poll gets the token as soon as there is one (and the waiters woken).
+        waiter = asyncio.ensure_future(mode.take_token(w0, 2.0, None))
         await asyncio.sleep(0.01)
         assert not waiter.done()
-        driver.started = True
-        driver.tokens.put(0, 1)
-        async with driver.changed:
-            driver.changed.notify_all()
+        mode.started = True
+        await mode.membership_changed()
         assert await asyncio.wait_for(waiter, 1.0) == 0
         with pytest.raises(NotReady):  # one token per worker and step
-            await driver.take_token("0:0", 0.01)
+            await mode.take_token(w0, 0.01, None)
 
     run(body())
 
@@ -584,7 +604,7 @@ def test_status_names_whom_the_step_waits_on_and_a_dead_worker_is_dropped() -> N
         job.env.clock.now += 11.0
         for i in (0, 2):
             await call(job.env.chief, "heartbeat", who(i, step=1))
-        await job.env.chief.sync.membership_changed(gone=[1])
+        await job.env.chief.consistency.membership_changed(gone=[1])
         await until(lambda: job.step == 1)
         st = await job.status()
         assert (st["replicas_to_aggregate"], st["total_replicas"]) == (2, 2)
@@ -613,9 +633,9 @@ def test_a_worker_gone_after_its_push_still_counts_for_that_step(how: str) -> No
         else:
             job.env.clock.now += 11.0
             await call(job.env.chief, "heartbeat", who(1, step=0))
-            await job.env.chief.sync.membership_changed(gone=[0])
+            await job.env.chief.consistency.membership_changed(gone=[0])
         await asyncio.sleep(0.01)
-        assert job.step == 0 and set(job.env.chief.sync.counted) == {0}
+        assert job.step == 0 and set(job.env.chief.consistency.counted) == {0}
         assert (await job.status())["replicas_to_aggregate"] == 2
         assert await job.workers[1].push(grads(1), step=0)
         await until(lambda: job.step == 1)
@@ -623,7 +643,7 @@ def test_a_worker_gone_after_its_push_still_counts_for_that_step(how: str) -> No
             g0, g1 = grads(0)[v.name], grads(1)[v.name]
             np.testing.assert_allclose(job.values(v.name), initial(v) - LR * (g0 + g1) / 2)
         # From the next step on it no longer counts.
-        await until(lambda: job.env.chief.sync.required == 1)
+        await until(lambda: job.env.chief.consistency.required == 1)
         assert (await job.status())["total_replicas"] == 1
         assert await job.token(1) == 1
         assert await job.workers[1].push(grads(3), step=1)
@@ -641,7 +661,7 @@ def test_a_worker_gone_before_its_push_shrinks_n_at_once() -> None:
         for i in (0, 1):
             await job.token(i)
         await job.leave(0)  # took a token, never pushed: nothing to wait for
-        assert job.env.chief.sync.required == 1
+        assert job.env.chief.consistency.required == 1
         assert await job.workers[1].push(grads(1), step=0)
         await until(lambda: job.step == 1)
         for v in DENSE:
@@ -672,11 +692,11 @@ def test_a_rejoined_worker_gets_its_share_of_the_current_step() -> None:
         job = await sync_job(2, 1)
         assert await job.token(0) == 0
         await job.leave(1, reason="terminated")  # gone, expected back
-        assert job.env.chief.sync.required == 1
+        assert job.env.chief.consistency.required == 1
         await job.workers[0].push(grads(0), step=0)
         await until(lambda: job.step == 1)
         await call(job.env.chief, "register", who(1, 1))  # a new incarnation
-        assert job.env.chief.sync.required == 2
+        assert job.env.chief.consistency.required == 2
         assert (await call(job.env.chief, "take_token", who(1, 1, wait=1.0))).body["step"] == 1
         await job.close()
 
@@ -691,7 +711,7 @@ def test_applied_step_does_not_lag_behind_the_ps() -> None:
         await job.close()  # the loop stops: it will not hear of the next step
         for i in (0, 1):
             await job.workers[i].push(grads(i), step=0)
-        driver = job.env.chief.sync
+        driver = job.env.chief.consistency
         assert driver.global_step == 0
         assert await driver.applied_step() == 1  # what the end-of-training summary reports
 

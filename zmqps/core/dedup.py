@@ -19,12 +19,12 @@ Rules of this module:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from zmqps.wire.errors import FencedError, InvalidArgument
 
-__all__ = ["PushDeduper"]
+__all__ = ["PushDeduper", "PushLedger", "WorkerPushes"]
 
 
 @dataclass
@@ -145,3 +145,75 @@ def _int(v: Any, lo: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ValueError(f"expected int >= {lo}, got {v!r}")
     return v
+
+
+@dataclass
+class WorkerPushes:
+    """What a PS did with one worker's pushes, over all its incarnations."""
+
+    #: pushes applied (async, ssp) or counted toward their step (sync)
+    applied: int = 0
+    #: pushes acknowledged without being applied, by reason (duplicate, stale, ...)
+    dropped: dict[str, int] = field(default_factory=dict)
+    #: the highest batch cursor among the applied pushes (0: none)
+    cursor: int = 0
+    #: the sync step of the push that carried that cursor (-1: none, or not sync)
+    step: int = -1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "applied": self.applied,
+            "dropped": dict(self.dropped),
+            "cursor": self.cursor,
+            "step": self.step,
+        }
+
+
+class PushLedger:
+    """Per worker name (``worker:3``, every incarnation together): pushes applied and
+    dropped, and how far its data got (the batch cursor of its pushes).
+
+    A worker's new incarnation resumes after the batches its pushes really brought
+    to the PS (the chief reads the cursor when it fences the old incarnation), not
+    after the steps the chief last heard of in a heartbeat. The counts let anyone
+    check that every push acknowledged as applied was applied once.
+    """
+
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerPushes] = {}
+
+    def get(self, worker: str) -> WorkerPushes:
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._workers[worker] = WorkerPushes()
+        return w
+
+    def applied(self, worker: str, cursor: int | None, step: int | None) -> None:
+        w = self.get(worker)
+        w.applied += 1
+        if cursor is not None and cursor > w.cursor:
+            w.cursor, w.step = cursor, -1 if step is None else step
+
+    def dropped(self, worker: str, reason: str) -> None:
+        w = self.get(worker)
+        w.dropped[reason] = w.dropped.get(reason, 0) + 1
+
+    def progress(self, worker: str) -> tuple[int, int]:
+        """``(cursor, step)`` of the worker's furthest applied push (``(0, -1)``: none)."""
+        w = self._workers.get(worker)
+        return (0, -1) if w is None else (w.cursor, w.step)
+
+    def restored(self, cursors: Mapping[str, int]) -> None:
+        """A restore: raise cursors to at least ``cursors`` (what every PS knew), and
+        forget the sync steps of pushes (the steps went back with the restore)."""
+        for worker, cursor in cursors.items():
+            w = self.get(worker)
+            w.cursor = max(w.cursor, cursor)
+        for w in self._workers.values():
+            w.step = -1
+
+    def cursors(self) -> dict[str, int]:
+        return {name: w.cursor for name, w in self._workers.items() if w.cursor}
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        return {name: w.to_dict() for name, w in sorted(self._workers.items())}

@@ -33,27 +33,14 @@ from typing import Any
 from zmqps.checkpoint import Checkpoint, CheckpointRoot, Manifest, ShardRecord
 from zmqps.core.variables import Placement
 from zmqps.metrics import Metrics
+from zmqps.roles.configs import CheckpointPolicy
 from zmqps.transport import Requester
+from zmqps.wire import ops as o
 from zmqps.wire.errors import NotReady, ZmqpsError
 
 __all__ = ["CheckpointPolicy", "Checkpointer", "Snapshot"]
 
 log = logging.getLogger("zmqps.chief")
-
-
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    directory: str
-    steps: int = 0  # every N global steps (0: not by steps)
-    secs: float = 0.0  # every T seconds (0: not by time)
-    keep: int = 5
-
-    def due(self, step: int, last_step: int, last_time: float, now: float) -> bool:
-        if step <= last_step:
-            return False
-        if self.steps > 0 and step - last_step >= self.steps:
-            return True
-        return self.secs > 0 and now - last_time >= self.secs
 
 
 @dataclass
@@ -66,6 +53,8 @@ class Snapshot:
     holders: list[int]
     versions: dict[int, int]
     started: float
+    #: the sync step each holder reported when it copied its shards
+    steps: dict[int, int]
 
 
 class Checkpointer:
@@ -137,20 +126,27 @@ class Checkpointer:
         temp = self.root.new_temp(step)
         save_id = next(self._ids)
         started = self.clock()
+        body = o.CheckpointSave(temp.name, save_id).to_wire()
         try:
             reps = await asyncio.gather(
-                *(
-                    self.ps[i].request(
-                        "checkpoint_save", {"name": temp.name, "id": save_id}, timeout=30.0
-                    )
-                    for i in holders
-                )
+                *(self.ps[i].request("checkpoint_save", body, timeout=30.0) for i in holders)
             )
+            saved = [o.Saved.parse(r.body) for r in reps]
         except ZmqpsError as e:
             self._failed(temp, step, f"snapshot: {e}")
             return None
-        versions = {int(sid): int(v) for r in reps for sid, v in r.body["versions"]}
-        return Snapshot(step, temp, save_id, holders, versions, started)
+        versions = {int(sid): int(v) for s in saved for sid, v in s.versions}
+        steps = {i: s.step for i, s in zip(holders, saved, strict=True)}
+        return Snapshot(step, temp, save_id, holders, versions, started, steps)
+
+    async def snapshot_sync(self, step: int, placement: Placement) -> Snapshot | None:
+        """Sync: a snapshot of ``step`` that every PS holding shards copied at that very
+        step (else None, and nothing is written: a checkpoint is one step everywhere)."""
+        snap = await self.snapshot(step, placement)
+        if snap is not None and set(snap.steps.values()) != {step}:
+            self._failed(snap.temp, step, f"the PS were at steps {sorted(set(snap.steps.values()))}")
+            return None
+        return snap
 
     def write(
         self,
@@ -187,6 +183,12 @@ class Checkpointer:
     async def wait(self) -> None:
         if self._writing is not None:
             await asyncio.shield(self._writing)
+
+    async def wait_committed(self) -> Checkpoint | None:
+        """The checkpoint being written, once committed (None: it failed, or none)."""
+        if self._writing is None:
+            return None
+        return await asyncio.shield(self._writing)
 
     async def _done(self, ps: int, save_id: int, deadline: float) -> list[dict[str, Any]]:
         while True:

@@ -25,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,9 +35,11 @@ import numpy.typing as npt
 from zmqps.core.hashtable import bucket_of
 from zmqps.core.segments import sum_runs
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
+from zmqps.roles.channels import DenseChannel, ShmChannel, TcpChannel, Transfer, layout
 from zmqps.transport.base import Requester
 from zmqps.transport.shm import Region, create_region, unlink_region
 from zmqps.wire import Message, Tensor
+from zmqps.wire import ops as o
 from zmqps.wire.errors import InvalidArgument, NotFound, ProtocolError, RolledBack, ZmqpsError
 
 __all__ = ["ParameterClient"]
@@ -45,26 +47,6 @@ __all__ = ["ParameterClient"]
 log = logging.getLogger("zmqps.client")
 
 Array = npt.NDArray[Any]
-ALIGN = 64
-
-
-@dataclass
-class _FastPath:
-    """Shared-memory regions with one PS: the same layout in both."""
-
-    pull: Region
-    push: Region
-    pull_id: int
-    push_id: int
-    offsets: dict[int, int]  # shard id -> data byte offset
-    whole: dict[str, int] = field(default_factory=dict)  # variables held whole: name -> offset
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def ref(self, pull: bool, sids: Sequence[int]) -> dict[str, Any]:
-        return {
-            "region": self.pull_id if pull else self.push_id,
-            "offsets": [self.offsets[s] for s in sids],
-        }
 
 
 @dataclass(frozen=True)
@@ -88,14 +70,16 @@ class ParameterClient:
         push_attempts: int = 3,
         shared_memory: bool = True,
         group_bytes: int = 16 << 20,
+        generation: Callable[[], int] | None = None,
     ) -> None:
         self.ps = list(ps)
         self.placement = placement
         self.worker = worker
         self.incarnation = incarnation
-        #: the cluster generation this client's values belong to (sent with every data
-        #: request; a PS of another generation refuses it with RolledBack)
-        self.gen = 0
+        #: where the cluster generation comes from (a worker's session owns it); a
+        #: client of its own (tests, tools) keeps one here
+        self._generation = generation
+        self._gen = 0
         self.timeout = timeout
         self.push_attempts = push_attempts
         self._chunk_bytes = max(1, chunk_bytes)
@@ -115,16 +99,30 @@ class ParameterClient:
         }
         self.versions: dict[int, int] = dict.fromkeys(self.routes, 0)
         self.shared_memory = shared_memory
-        self._fast: list[_FastPath | bool | None] = [None] * len(self.ps)
-        self._fast_setup = [asyncio.Lock() for _ in self.ps]
+        self._channels: list[DenseChannel | None] = [None] * len(self.ps)
+        self._channel_setup = [asyncio.Lock() for _ in self.ps]
         self.last_staleness = 0
         self.dropped: dict[str, int] = {}  # pushes the PS acknowledged without applying
+        #: per PS: how its push replies came back (applied, duplicate, stale, ...)
+        self.outcomes: list[dict[str, int]] = [{} for _ in self.ps]
         self._row_bounds: dict[str, tuple[Array, list[ShardInfo]]] = {}
         for v in placement.variables:
             shards = sorted(placement.shards_of(v.name), key=lambda s: s.row_start)
             self._row_bounds[v.name] = (np.array([s.row_start for s in shards], np.int64), shards)
 
     # ------------------------------------------------------------------ helpers
+
+    @property
+    def gen(self) -> int:
+        """The cluster generation this client's values belong to (sent with every data
+        request; a PS of another generation refuses it with RolledBack)."""
+        return self._gen if self._generation is None else self._generation()
+
+    @gen.setter
+    def gen(self, value: int) -> None:
+        if self._generation is not None:
+            raise AttributeError("this client reads the generation from its session")
+        self._gen = value
 
     @property
     def global_step(self) -> int:
@@ -145,18 +143,22 @@ class ParameterClient:
                 out.setdefault(r.shard.ps, []).append(sid)
         return out
 
-    def _chunks(self, sid: int, flat: Array, kind: str) -> list[Tensor]:
+    def chunks(self, sid: int, grads: Mapping[str, Array], kind: str) -> list[Tensor]:
+        """Shard ``sid`` of the flat gradient in ``grads``, as message tensors of at most
+        ``chunk_bytes`` (zero-copy views)."""
         r = self.routes[sid]
+        flat = grads[r.var.name]
         step = max(1, self._chunk_bytes // flat.itemsize)
         part = flat[r.start : r.start + r.size]
         return [
             Tensor(part[off : off + step], kind, sid, off) for off in range(0, r.size, step)
         ] or [Tensor(part, kind, sid, 0)]
 
-    def _take_values(
+    def take_values(
         self, reply: Message, sids: Sequence[int], out: Mapping[str, Array] | None = None
     ) -> None:
-        self._set_versions(reply, sids)
+        """The values a reply carries, copied into ``params`` (or ``out``)."""
+        self.set_versions(reply, sids)
         dst_arrays = self.params if out is None else out
         for t in reply.tensors:
             r = self.routes.get(t.ref)
@@ -166,59 +168,82 @@ class ParameterClient:
             dst = flat[r.start + t.offset : r.start + t.offset + t.array.size]
             np.copyto(dst, t.array.reshape(-1), casting="same_kind")
 
-    def _push_body(
+    def push_body(
         self,
         ps: int,
         sids: Sequence[int],
         step: int | None,
         versions: Mapping[int, int] | None = None,
-    ) -> dict[str, Any]:
+        cursor: int | None = None,
+        *,
+        op: str = "push",
+        shm: o.ShmRef | None = None,
+        shm_out: o.ShmRef | None = None,
+    ) -> o.Push:
+        """The body of the next push to PS ``ps`` (its own sequence number)."""
         self._seq[ps] += 1
         pulled = self.versions if versions is None else versions
-        body: dict[str, Any] = {
-            "shards": list(sids),
-            "versions": [pulled[s] for s in sids],
-            "worker": self.worker,
-            "inc": self.incarnation,
-            "seq": self._seq[ps],
-            "gen": self.gen,
-        }
-        if step is not None:
-            body["step"] = step
-        return body
-
-    def _after_push(self, reply: Message, sids: Sequence[int]) -> bool:
-        staleness = reply.body.get("staleness")
-        if isinstance(staleness, list) and staleness:
-            self.last_staleness = max(int(s) for s in staleness)
-        if reply.body.get("applied", True):
-            return True
-        reason = str(
-            reply.body.get("dropped") or ("duplicate" if reply.body.get("duplicate") else "?")
+        kind = o.PushPull if op == "push_pull" else o.PushRows if op == "push_rows" else o.Push
+        return kind(
+            shards=tuple(sids),
+            versions=tuple(pulled[s] for s in sids),
+            worker=self.worker,
+            inc=self.incarnation,
+            seq=self._seq[ps],
+            step=step,
+            shm=shm,
+            shm_out=shm_out,
+            gen=self.gen,
+            cursor=cursor,
         )
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def after_push(self, ps: int, reply: Message) -> bool:
+        """Read a push's reply; True if it was applied."""
+        rep = o.PushReply.parse(reply.body, "push reply")
+        if rep.staleness:
+            self.last_staleness = max(rep.staleness)
+        outcome = rep.outcome
+        counts = self.outcomes[ps]
+        counts[outcome] = counts.get(outcome, 0) + 1
+        if rep.applied:
+            return True
+        self.dropped[outcome] = self.dropped.get(outcome, 0) + 1
         return False
 
-    # ------------------------------------------------------------------ fast path
+    def set_versions(self, reply: Message, sids: Sequence[int]) -> None:
+        versions = reply.body.get("versions")
+        if not isinstance(versions, list) or len(versions) != len(sids):
+            raise ProtocolError("reply: versions do not match the shards asked for")
+        for sid, version in zip(sids, versions, strict=True):
+            self.versions[sid] = int(version)
+
+    # ------------------------------------------------------------------ channels
 
     def transport_of(self, ps: int) -> str:
         """ "shm" when dense tensors to PS ``ps`` travel through shared memory, else "tcp"."""
-        return "shm" if isinstance(self._fast[ps], _FastPath) else "tcp"
+        ch = self._channels[ps]
+        return "shm" if isinstance(ch, ShmChannel) else "tcp"
 
-    async def _fast_path(self, ps: int) -> _FastPath | None:
-        state = self._fast[ps]
-        if isinstance(state, _FastPath):
-            return state
-        if state is False or not self.shared_memory:
+    async def _channel(self, ps: int, sids: Sequence[int]) -> DenseChannel:
+        """The channel to PS ``ps`` (set up on first use) that carries ``sids``."""
+        ch = self._channels[ps]
+        if ch is None:
+            async with self._channel_setup[ps]:
+                if self._channels[ps] is None:
+                    self._channels[ps] = await self._attach(ps) or TcpChannel(self, ps)
+            ch = self._channels[ps]
+        assert ch is not None
+        return ch if ch.covers(sids) else TcpChannel(self, ps)
+
+    async def _fast_path(self, ps: int) -> ShmChannel | None:
+        """The shared-memory channel to PS ``ps``, if there is one."""
+        ch = await self._channel(ps, [])
+        return ch if isinstance(ch, ShmChannel) else None
+
+    async def _attach(self, ps: int) -> ShmChannel | None:
+        if not self.shared_memory:
             return None
-        async with self._fast_setup[ps]:
-            if self._fast[ps] is None:
-                self._fast[ps] = await self._attach(ps) or False
-        state = self._fast[ps]
-        return state if isinstance(state, _FastPath) else None
-
-    async def _attach(self, ps: int) -> _FastPath | None:
-        offsets, whole, pos = self._layout(ps)
+        offsets, whole, pos = layout(self, ps)
         if not offsets:
             return None
         regions: list[Region] = []
@@ -226,16 +251,14 @@ class ParameterClient:
             regions = [create_region(pos), create_region(pos)]
             ids = []
             for region in regions:
-                body = {
-                    "name": region.name,
-                    "size": region.size,
-                    "worker": self.worker,
-                    "inc": self.incarnation,
-                }
-                rep = await self.ps[ps].request("shm_attach", body, timeout=self.timeout)
-                if rep.body.get("token") != region.token.hex():
+                body = o.ShmAttach(region.name, region.size, self.worker, self.incarnation)
+                rep = await self.ps[ps].request(
+                    "shm_attach", body.to_wire(), timeout=self.timeout
+                )
+                got = o.ShmAttached.parse(rep.body, "shm_attach reply")
+                if got.token != region.token.hex():
                     raise NotFound("the PS maps different memory under that name")
-                ids.append(int(rep.body["region"]))
+                ids.append(got.region)
         except (OSError, ZmqpsError) as exc:
             log.info("ps %d: no same-host fast path (%s); using TCP", ps, exc)
             for region in regions:
@@ -245,91 +268,26 @@ class ParameterClient:
             for region in regions:
                 unlink_region(region)
         log.info("ps %d: dense tensors travel through shared memory (%d bytes)", ps, pos)
-        fp = _FastPath(regions[0], regions[1], ids[0], ids[1], offsets, whole)
-        for name, off in whole.items():
-            # the variable lives whole in this region: pulls land in params directly
-            v = self.placement.variable(name)
-            view = fp.pull.view(off, np.dtype(v.dtype), math.prod(v.shape)).reshape(v.shape)
-            view[...] = self.params[name]
-            self.params[name] = view
-        return fp
-
-    def _layout(self, ps: int) -> tuple[dict[int, int], dict[str, int], int]:
-        """Byte offsets of PS ``ps``'s dense shards in its regions. A variable whose
-        shards all live on this PS is laid out whole, in row order, so ``params`` can
-        be a view of the pull region; other shards get blocks of their own."""
-        offsets: dict[int, int] = {}
-        whole: dict[str, int] = {}
-        pos = 0
-
-        def block(nbytes: int) -> int:
-            nonlocal pos
-            start = pos
-            pos += -(-nbytes // ALIGN) * ALIGN
-            return start
-
-        for v in self.placement.variables:
-            if v.sparse:
-                continue
-            shards = self.placement.shards_of(v.name)
-            mine = [s for s in shards if s.ps == ps]
-            if mine and len(mine) == len(shards):
-                start = whole[v.name] = block(v.nbytes)
-                row_bytes = v.row_size * v.itemsize
-                for s in mine:
-                    offsets[s.id] = start + s.row_start * row_bytes
-            else:
-                for s in mine:
-                    offsets[s.id] = block(s.rows * v.row_size * v.itemsize)
-        return offsets, whole, pos
+        return ShmChannel.make(self, ps, regions[0], regions[1], (ids[0], ids[1]), offsets, whole)
 
     def restored(self, gen: int) -> None:
         """The cluster was restored into generation ``gen``: fail the requests still
         waiting (a restarted PS never answers them), and attach shared memory afresh (a
         restarted PS does not know the old regions; the old ones are freed once unused)."""
-        self.gen = gen
+        if self._generation is None:
+            self._gen = gen
         for c in self.ps:
             fail = getattr(c, "fail_pending", None)
             if fail is not None:
                 fail(RolledBack(f"the cluster was restored (generation {gen})"))
-        self._fast = [None] * len(self.ps)
+        self._channels = [None] * len(self.ps)
 
     async def close(self) -> None:
         """Release shared-memory regions (best effort: the PS also drops them on rejoin)."""
-        for ps, state in enumerate(self._fast):
-            if isinstance(state, _FastPath):
-                for rid in (state.pull_id, state.push_id):
-                    try:
-                        await self.ps[ps].request("shm_detach", {"region": rid}, timeout=2.0)
-                    except ZmqpsError as exc:
-                        log.debug("ps %d: shm_detach failed: %s", ps, exc)
-                state.pull.close()
-                state.push.close()
-            self._fast[ps] = None
-
-    def _copy_out(
-        self, fp: _FastPath, sids: Sequence[int], out: Mapping[str, Array] | None = None
-    ) -> None:
-        for sid in sids:
-            r = self.routes[sid]
-            if out is None and r.var.name in fp.whole:
-                continue  # params[name] is a view of the pull region
-            src = fp.pull.view(fp.offsets[sid], np.dtype(r.var.dtype), r.size)
-            flat = (self.params if out is None else out)[r.var.name].reshape(-1)
-            np.copyto(flat[r.start : r.start + r.size], src)
-
-    def _copy_in(self, fp: _FastPath, sids: Sequence[int], flat: Mapping[str, Array]) -> None:
-        for sid in sids:
-            r = self.routes[sid]
-            dst = fp.push.view(fp.offsets[sid], np.dtype(r.var.dtype), r.size)
-            np.copyto(dst, flat[r.var.name][r.start : r.start + r.size])
-
-    def _set_versions(self, reply: Message, sids: Sequence[int]) -> None:
-        versions = reply.body.get("versions")
-        if not isinstance(versions, list) or len(versions) != len(sids):
-            raise ProtocolError("reply: versions do not match the shards asked for")
-        for sid, version in zip(sids, versions, strict=True):
-            self.versions[sid] = int(version)
+        for ps, ch in enumerate(self._channels):
+            if ch is not None:
+                await ch.close()
+            self._channels[ps] = None
 
     # ------------------------------------------------------------------ dense
 
@@ -348,36 +306,7 @@ class ParameterClient:
                 if not a.flags.c_contiguous or not a.flags.writeable:
                     raise InvalidArgument(f"pull into {v.name}: a writeable C-contiguous array")
 
-    async def pull(
-        self, names: Iterable[str] | None = None, *, out: Mapping[str, Array] | None = None
-    ) -> dict[str, Array]:
-        """Pull whole variables (default: every dense one) into ``params``, or into the
-        caller's host arrays ``out`` (same shapes and dtypes; returned as a dict)."""
-        by_ps = self._by_ps(self.dense_names() if names is None else names)
-        if out is not None:
-            self._check_out(out, by_ps)
-        for sids in by_ps.values():
-            for sid in sids:
-                name = self.routes[sid].var.name
-                if out is None and name not in self.params:
-                    v = self.routes[sid].var
-                    self.params[name] = np.zeros(v.shape, dtype=v.dtype)
-
-        async def one(ps: int, sids: list[int]) -> None:
-            fp = await self._fast_path(ps)
-            if fp is not None and all(s in fp.offsets for s in sids):
-                async with fp.lock:
-                    body = {"shards": sids, "shm_out": fp.ref(True, sids), "gen": self.gen}
-                    rep = await self.ps[ps].request("pull", body, timeout=self.timeout)
-                    self._set_versions(rep, sids)
-                    self._copy_out(fp, sids, out)
-                return
-            await asyncio.gather(*(self._pull_tcp(ps, group, out) for group in self._groups(sids)))
-
-        await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
-        return self.params if out is None else dict(out)
-
-    def _groups(self, sids: list[int]) -> list[list[int]]:
+    def groups(self, sids: list[int]) -> list[list[int]]:
         """Shards of one PS in messages of about ``group_bytes``: small shards travel
         together, large ones alone, so the PS applies one message while the next
         arrives and the worker copies one reply while the next streams in."""
@@ -394,17 +323,6 @@ class ParameterClient:
                 size = nbytes
         return groups
 
-    async def _pull_tcp(
-        self, ps: int, sids: list[int], out: Mapping[str, Array] | None = None
-    ) -> None:
-        # A TCP pull is idempotent: it may be sent again (after its deadline, or at once
-        # when a lost connection comes back). A shared-memory pull may not: a second copy
-        # would rewrite the region while the first reply is read.
-        rep = await self.ps[ps].request(
-            "pull", {"shards": sids, "gen": self.gen}, timeout=self.timeout, attempts=2
-        )
-        self._take_values(rep, sids, out)
-
     def _grad_arrays(self, grads: Mapping[str, Any]) -> dict[str, Array]:
         out = {}
         for name, g in grads.items():
@@ -418,6 +336,42 @@ class ParameterClient:
             out[name] = arr.reshape(-1)
         return out
 
+    async def _dense(
+        self,
+        op: str,
+        names: Iterable[str],
+        grads: Mapping[str, Array] | None = None,
+        out: Mapping[str, Array] | None = None,
+        step: int | None = None,
+        versions: Mapping[int, int] | None = None,
+        cursor: int | None = None,
+    ) -> bool:
+        """One dense operation over every PS at once, each through its channel."""
+        by_ps = self._by_ps(names)
+        if out is not None and op != "push":
+            self._check_out(out, by_ps)
+        if out is None and op == "pull":
+            for sids in by_ps.values():
+                for sid in sids:
+                    v = self.routes[sid].var
+                    if v.name not in self.params:
+                        self.params[v.name] = np.zeros(v.shape, dtype=v.dtype)
+
+        async def one(ps: int, sids: list[int]) -> bool:
+            channel = await self._channel(ps, sids)
+            return await channel.transfer(Transfer(op, sids, grads, out, step, versions, cursor))
+
+        results = await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
+        return all(results)
+
+    async def pull(
+        self, names: Iterable[str] | None = None, *, out: Mapping[str, Array] | None = None
+    ) -> dict[str, Array]:
+        """Pull whole variables (default: every dense one) into ``params``, or into the
+        caller's host arrays ``out`` (same shapes and dtypes; returned as a dict)."""
+        await self._dense("pull", self.dense_names() if names is None else names, out=out)
+        return self.params if out is None else dict(out)
+
     async def push(
         self,
         grads: Mapping[str, Any],
@@ -426,58 +380,30 @@ class ParameterClient:
         step: int | None = None,
         out: Mapping[str, Array] | None = None,
         versions: Mapping[int, int] | None = None,
+        cursor: int | None = None,
     ) -> bool:
-        """Push whole-variable gradients; with ``pull=True`` the fresh values come back
-        in the same round trip (push_pull) and land in ``params`` (or in ``out``, see
-        :meth:`pull`). ``step`` is the local step (sync mode: the token's value);
-        ``versions`` the shard versions the gradients were computed from (default: of
-        the last pull; a caller that pulls ahead keeps its own).
+        """Push whole-variable gradients (``pull=True``: :meth:`push_pull`). ``step`` is
+        the local step (sync mode: the token's value); ``versions`` the shard versions
+        the gradients were computed from (default: of the last pull; a caller that
+        pulls ahead keeps its own); ``cursor`` the batch the worker computed them on.
         Returns False if some PS dropped the push (stale in sync mode, or a duplicate)."""
         flat = self._grad_arrays(grads)
-        by_ps = self._by_ps(flat)
-        if pull and out is not None:
-            self._check_out(out, by_ps)
         op = "push_pull" if pull else "push"
+        return await self._dense(op, flat, flat, out, step, versions, cursor)
 
-        async def one(ps: int, sids: list[int]) -> bool:
-            fp = await self._fast_path(ps)
-            if fp is not None and all(s in fp.offsets for s in sids):
-                async with fp.lock:
-                    self._copy_in(fp, sids, flat)
-                    body = self._push_body(ps, sids, step, versions)
-                    body["shm"] = fp.ref(False, sids)
-                    if pull:
-                        body["shm_out"] = fp.ref(True, sids)
-                    rep = await self.ps[ps].request(
-                        op, body, timeout=self.timeout, attempts=self.push_attempts
-                    )
-                    accepted = self._after_push(rep, sids)
-                    if pull and rep.tensors:  # a resend's reply: values by TCP (ps.py)
-                        self._take_values(rep, sids, out)
-                    elif pull:
-                        self._set_versions(rep, sids)
-                        self._copy_out(fp, sids, out)
-                return accepted
-            parts = await asyncio.gather(*(tcp(ps, group) for group in self._groups(sids)))
-            return all(parts)
-
-        async def tcp(ps: int, sids: list[int]) -> bool:
-            tensors = [
-                t
-                for sid in sids
-                for t in self._chunks(sid, flat[self.routes[sid].var.name], "grad")
-            ]
-            body = self._push_body(ps, sids, step, versions)
-            rep = await self.ps[ps].request(
-                op, body, tensors, timeout=self.timeout, attempts=self.push_attempts
-            )
-            accepted = self._after_push(rep, sids)
-            if pull:
-                self._take_values(rep, sids, out)
-            return accepted
-
-        results = await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
-        return all(results)
+    async def push_pull(
+        self,
+        grads: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        out: Mapping[str, Array] | None = None,
+        versions: Mapping[int, int] | None = None,
+        cursor: int | None = None,
+    ) -> bool:
+        """Push gradients and get the fresh values back in the same round trip; they
+        land in ``params`` (or in ``out``, see :meth:`pull`)."""
+        flat = self._grad_arrays(grads)
+        return await self._dense("push_pull", flat, flat, out, step, versions, cursor)
 
     # ------------------------------------------------------------------ rows
 
@@ -527,18 +453,13 @@ class ParameterClient:
         async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> None:
             sids = [s.id for s, _, _ in parts]
             tensors = [Tensor(np.ascontiguousarray(i), "index", s.id) for s, _, i in parts]
-            body: dict[str, Any] = {"shards": sids, "gen": self.gen}
-            if not create:  # only then: a creating pull stays what older PS understand
-                body["create"] = False
+            # create is sent only when false: a creating pull stays what older PS understand
+            body = o.PullRows(tuple(sids), self.gen, None if create else False)
             rep = await self.ps[ps].request(
-                "pull_rows",
-                body,
-                tensors,
-                timeout=self.timeout,
-                attempts=2,
+                "pull_rows", body.to_wire(), tensors, timeout=self.timeout, attempts=2
             )
-            versions = rep.body.get("versions")
-            if not isinstance(versions, list) or len(versions) != len(parts):
+            versions = o.Values.parse(rep.body, "pull_rows reply").versions
+            if len(versions) != len(parts):
                 raise ProtocolError("pull_rows reply: versions do not match")
             if len(rep.tensors) != len(parts):
                 raise ProtocolError("pull_rows reply: one rows tensor per shard expected")
@@ -564,14 +485,13 @@ class ParameterClient:
         limit = max(1, self._chunk_bytes // (8 + math.prod(row_shape) * np.dtype(v.dtype).itemsize))
 
         async def page(s: ShardInfo, start: int) -> tuple[int, int, Array, Array]:
+            body = o.TableRows(s.id, start, limit, self.gen)
             rep = await self.ps[s.ps].request(
-                "table_rows",
-                {"shard": s.id, "start": start, "limit": limit, "gen": self.gen},
-                timeout=self.timeout,
-                attempts=2,
+                "table_rows", body.to_wire(), timeout=self.timeout, attempts=2
             )
-            version, total = rep.body.get("version"), rep.body.get("rows")
-            if not isinstance(version, int) or not isinstance(total, int) or total < start:
+            got = o.TablePage.parse(rep.body, "table_rows reply")
+            version, total = got.version, got.rows
+            if total < start:
                 raise ProtocolError("table_rows reply: bad version or row count")
             n = rep.tensors[0].array.shape[0] if len(rep.tensors) == 2 else -1
             # the PS may send fewer rows than asked (it bounds a page's bytes), never none
@@ -605,7 +525,9 @@ class ParameterClient:
         order = np.argsort(ids, kind="stable")
         return ids[order], values[order]
 
-    async def push_rows(self, name: str, ids: Any, grads: Any, *, step: int | None = None) -> bool:
+    async def push_rows(
+        self, name: str, ids: Any, grads: Any, *, step: int | None = None, cursor: int | None = None
+    ) -> bool:
         """Push row gradients; duplicate ids are summed here, before sending. With a
         ``step`` (sync mode) every shard of the table gets a push, empty or not."""
         v = self._variable(name)
@@ -630,11 +552,12 @@ class ParameterClient:
             for s, pos, i in parts:
                 tensors.append(Tensor(np.ascontiguousarray(i), "index", s.id))
                 tensors.append(Tensor(np.ascontiguousarray(summed[pos]), "rows", s.id))
-            body = self._push_body(ps, sids, step)
+            body = self.push_body(ps, sids, step, cursor=cursor, op="push_rows")
             rep = await self.ps[ps].request(
-                "push_rows", body, tensors, timeout=self.timeout, attempts=self.push_attempts
-            )
-            return self._after_push(rep, sids)
+                "push_rows", body.to_wire(), tensors, timeout=self.timeout,
+                attempts=self.push_attempts,
+            )  # fmt: skip
+            return self.after_push(ps, rep)
 
         routed = self._route_rows(name, uniq, every_shard=step is not None)
         results = await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))

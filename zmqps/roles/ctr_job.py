@@ -31,8 +31,8 @@ from zmqps.data.ctr import CTRDataset, auc, logloss
 from zmqps.models.ctr import EVAL_PIECE, CTRModel, SparseBatch
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
+from zmqps.roles.worker.session import RECOVERABLE
 from zmqps.transport import Requester
-from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack
 
 if TYPE_CHECKING:
     from zmqps.roles.worker import Worker
@@ -62,7 +62,7 @@ def _rows(
     """The prefetched rows, or (the prefetch met a restore) pulled again with recovery."""
     try:
         return fut.result()
-    except (RolledBack, NotReady, DeadlineExceeded) as e:
+    except RECOVERABLE as e:
         log.warning("worker %d: row prefetch failed (%s); pulling again", worker.index, e)
         return {name: worker.pull_rows(name, batch.unique) for name in model.tables}
 
@@ -79,13 +79,13 @@ def _batches(data: CTRDataset, job: JobConfig, worker: Worker) -> Iterator[CTRDa
 
 def train_ctr(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
     """Train the wide-and-deep CTR model on this worker's shard of the data."""
-    from zmqps.roles.worker import Terminated
+    from zmqps.roles.worker.worker import Terminated
 
     data = job.load_ctr("train").shard(worker.index, num_workers)
     model = job.build_ctr_model(data)
     worker.create_variables(model.variables(), optimizer=job.optimizer)
     params = worker.pull()
-    asynchronous = worker.mode == "async"
+    asynchronous = worker.steps.pulls_ahead  # rows of the next batch pulled during this one
     it = _batches(data, job, worker)
     batch = next(it, None)
     sparse = SparseBatch.of(batch.ids) if batch is not None else None

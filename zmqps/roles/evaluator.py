@@ -2,9 +2,10 @@
 
 Rules of this module:
 
-* The evaluator registers with the chief as role ``evaluator`` (never counted as
-  a worker), waits for the placement and never pushes anything: it cannot change
-  the model, and training never waits for it.
+* The evaluator registers with the chief as role ``evaluator`` through a
+  :class:`~zmqps.roles.worker.session.Session` (heartbeats, the generation), is
+  never counted as a worker, waits for the placement and never pushes anything: it
+  cannot change the model, and training never waits for it.
 * Two sources of models. With a checkpoint directory it evaluates each new
   committed checkpoint it finds there (read from disk, verified; one that fails
   verification is skipped with a warning). Without one it pulls a snapshot of
@@ -12,14 +13,18 @@ Rules of this module:
   chief's global step has moved since the last evaluation.
 * Each evaluation is published three ways: a log line, the ``zmqps_eval_*``
   metrics (when an exporter runs) and, optionally, a JSON line in the eval log.
-* The end: training is over when the chief's status says ``finished`` (or shows
-  every worker done), or when the chief and every PS refuse connections (the
-  chief shuts the PS down as it ends; the ``finished`` moment lasts milliseconds
-  and a poll can miss it). The evaluator then scores the final model once more if
-  it is new and readable, and exits 0. A chief that does not answer for
-  ``chief_timeout`` seconds otherwise (a crash: the PS still listen; a network
-  problem: connections time out) is an error (exit 1). SIGTERM / SIGINT stop it
-  cleanly (exit 0).
+* The end: training is over when the chief says ``finished`` (its summary is
+  written and the final checkpoint committed). The chief keeps the PS up until this
+  evaluator scored the final model (a snapshot pull, or the final checkpoint) and
+  left; then the evaluator exits 0. If the chief and every PS refuse connections
+  (a chief that could not wait), the evaluator scores what it can and exits 0. A
+  chief that does not answer for ``chief_timeout`` seconds otherwise (a crash: the
+  PS still listen; a network problem: connections time out) is an error (exit 1).
+  SIGTERM / SIGINT stop it cleanly (exit 0).
+* A lone evaluator (no chief in its cluster, TF2's side-car evaluation job)
+  evaluates the checkpoints of ``checkpoint_dir`` as they appear: each new committed
+  one once, and it ends after a run's final checkpoint, or when none appeared for
+  ``idle_timeout`` seconds after the last it evaluated (an error if it found none).
 * Reading a checkpoint and scoring run in a worker thread, so the event loop
   keeps watching the chief and signals meanwhile.
 * A CTR job (``--model ctr``) is scored like the chief scores it at the end: AUC and
@@ -59,9 +64,11 @@ from zmqps.models import Model
 from zmqps.models.ctr import CTRModel
 from zmqps.roles._run import start_exporter
 from zmqps.roles.client import ParameterClient
+from zmqps.roles.configs import EvaluatorConfig
 from zmqps.roles.ctr_job import ctr_scores, ctr_scores_summary
-from zmqps.roles.job import JobConfig
+from zmqps.roles.worker.session import Session
 from zmqps.transport import Client, Requester, SocketOptions, ZmqContext, new_context
+from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -85,9 +92,6 @@ Array = npt.NDArray[Any]
 #: Seconds between two looks at the chief's status (an evaluation still happens at
 #: most once per interval).
 STATUS_POLL_S = 0.5
-#: After ``finished`` (checkpoint source): how long to wait for the chief to go away,
-#: so a checkpoint written at the very end is seen.
-FINAL_GRACE_S = 10.0
 #: The final snapshot's pull waits at most this long (the PS may be shutting down).
 FINAL_PULL_S = 5.0
 
@@ -137,33 +141,6 @@ def open_checkpoint_root(directory: str) -> CheckpointRootLike:
 
 
 @dataclass(frozen=True)
-class EvaluatorConfig:
-    chief: str
-    job: JobConfig
-    checkpoint_dir: str | None = None  # set: evaluate checkpoints; None: pull snapshots
-    interval: float = 2.0  # seconds between evaluations (at most one per interval)
-    chief_timeout: float = 30.0  # seconds the chief may stay silent before training ended
-    connect_timeout: float = 120.0  # seconds to wait for the chief at start
-    eval_log: str | None = None  # append one JSON line per evaluation here
-    # A status reply later than this is treated as none: the ports are probed at once
-    # (a slow but live chief only costs a probe; it is an error after chief_timeout).
-    request_timeout: float = 1.0
-    pull_timeout: float = 30.0
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = None  # None: no exporter; 0: a free port
-
-    def __post_init__(self) -> None:
-        for name in ("interval", "chief_timeout", "connect_timeout"):
-            if not getattr(self, name) > 0:
-                flag = {"interval": "eval-interval"}.get(name, name.replace("_", "-"))
-                raise ConfigError(f"--{flag} must be > 0, got {getattr(self, name)}")
-
-    @property
-    def source(self) -> str:
-        return "checkpoint" if self.checkpoint_dir else "snapshot"
-
-
-@dataclass(frozen=True)
 class Evaluation:
     """One model scored on the test split."""
 
@@ -206,7 +183,7 @@ class Evaluator:
     factory, so tests can run it over :class:`~zmqps.transport.FakeNetwork`."""
 
     cfg: EvaluatorConfig
-    chief: Requester
+    chief: Requester | None  # None: a lone evaluator (checkpoints only)
     connect_ps: Callable[[Sequence[str]], list[Requester]]
     test: Dataset | CTRDataset
     metrics: Metrics | None = None
@@ -229,9 +206,14 @@ class Evaluator:
         self._ps_gone = False  # the PS were seen shut down: no snapshot to pull
         self._client: ParameterClient | None = None
         self._seen: set[str] = set()  # checkpoints evaluated or skipped
+        self._final_seen = False  # the last checkpoint evaluated is a run's final one
         self._last_step: int | None = None  # snapshot: step of the last evaluation
         self._watch = _Watch(last_contact=self.clock())
         self._next_eval = 0.0
+        self.session: Session | None = None
+        if self.chief is not None:
+            who = o.Who("evaluator", 0, self.incarnation)
+            self.session = Session(self.chief, who)
 
     # ------------------------------------------------------------------ control
 
@@ -245,6 +227,7 @@ class Evaluator:
 
     async def _ask(self, op: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any] | None:
         """The chief's reply body, or None when it did not answer (or is going away)."""
+        assert self.chief is not None
         try:
             rep = await self.chief.request(op, body, timeout=timeout)
         except (DeadlineExceeded, ShutdownError):
@@ -253,6 +236,7 @@ class Evaluator:
         return dict(rep.body)
 
     def _chief_lost(self, what: str) -> ZmqpsError:
+        assert self.chief is not None
         return DeadlineExceeded(
             f"evaluator: the chief at {self.chief.endpoint} has not answered {what} for"
             f" {self.cfg.chief_timeout:g}s and training was not seen finished"
@@ -260,23 +244,15 @@ class Evaluator:
 
     # ------------------------------------------------------------------ setup
 
-    async def _register(self) -> dict[str, Any]:
-        deadline = self.clock() + self.cfg.connect_timeout
-        body = {"role": "evaluator", "index": 0, "incarnation": self.incarnation}
-        while not self.stopping.is_set():
-            info = await self._ask("register", body, timeout=2.0)
-            if info is not None:
-                return info
-            if self.clock() > deadline:
-                raise DeadlineExceeded(
-                    f"evaluator: the chief at {self.chief.endpoint} did not answer"
-                    f" within {self.cfg.connect_timeout:g}s"
-                )
-            log.info("evaluator: waiting for the chief at %s", self.chief.endpoint)
-        return {}
+    async def _register(self) -> o.ClusterInfo | None:
+        assert self.session is not None
+        info = await self.session.open(self.cfg.connect_timeout)
+        self._watch.last_contact = self.clock()
+        return info
 
-    async def _wait_placement(self, info: Mapping[str, Any]) -> Placement | None:
-        wire = info.get("placement")
+    async def _wait_placement(self, info: o.ClusterInfo) -> Placement | None:
+        assert self.chief is not None
+        wire = info.placement
         while wire is None and not self.stopping.is_set():
             try:
                 rep = await self.chief.request("get_placement", {"wait": 5.0}, timeout=10.0)
@@ -329,19 +305,23 @@ class Evaluator:
         return work.result()
 
     async def _run(self) -> list[Evaluation]:
+        if self.session is None:
+            return await self._alone()
         info = await self._register()
-        if self.stopping.is_set():
+        if self.stopping.is_set() or info is None:
             return self.evaluations
-        self._watch.mode = str(info.get("mode", ""))
+        self._watch.mode = info.mode
         if self.metrics is not None:
             self.metrics.set_info("evaluator", 0, self._watch.mode)
+        self.session.start_heartbeats(info.heartbeat_interval)
         placement = await self._wait_placement(info)
         if placement is None:
             return self.evaluations
         self._check_variables(placement)
         self.placement = placement
-        self.ps_addresses = [str(a) for a in info["ps"]]
+        self.ps_addresses = list(info.ps)
         self.ps = self.connect_ps(self.ps_addresses)
+        session = self.session
         self._client = ParameterClient(
             self.ps,
             placement,
@@ -349,7 +329,20 @@ class Evaluator:
             incarnation=0,
             timeout=self.cfg.pull_timeout,
             shared_memory=False,
+            generation=lambda: session.gen,
         )
+        self._announce()
+        if await self._loop():
+            await self._evaluate_new(final=True)
+            log.info("evaluator: training finished; %d evaluations", len(self.evaluations))
+            if not self._ps_gone:
+                # the chief may shut the PS down now (it answers at once, or is gone)
+                await session.leave("done", timeout=max(1.0, 2 * self.cfg.request_timeout))
+        else:
+            log.info("evaluator: stopped after %d evaluations", len(self.evaluations))
+        return self.evaluations
+
+    def _announce(self) -> None:
         log.info(
             "evaluator: %s on %s, every %gs, source %s%s",
             self.cfg.job.model,
@@ -358,17 +351,38 @@ class Evaluator:
             self.cfg.source,
             f" ({self.cfg.checkpoint_dir})" if self.cfg.checkpoint_dir else " (PS)",
         )
-        if await self._loop():
-            await self._evaluate_new(final=True)
-            log.info("evaluator: training finished; %d evaluations", len(self.evaluations))
-        else:
-            log.info("evaluator: stopped after %d evaluations", len(self.evaluations))
+
+    async def _alone(self) -> list[Evaluation]:
+        """No chief: evaluate each new checkpoint until a run's final one, or until none
+        appeared for ``idle_timeout`` seconds."""
+        assert self.cfg.checkpoint_dir is not None
+        self._announce()
+        idle_since = self.clock()
+        while not self.stopping.is_set():
+            ev = await self._from_checkpoint(self.cfg.checkpoint_dir)
+            if ev is not None:
+                idle_since = self.clock()
+                if self._final_seen:
+                    log.info("evaluator: that was the run's final checkpoint")
+                    return self.evaluations
+            elif self.clock() - idle_since > self.cfg.idle_timeout:
+                if not self.evaluations:
+                    raise DeadlineExceeded(
+                        f"evaluator: no committed checkpoint in {self.cfg.checkpoint_dir}"
+                        f" within {self.cfg.idle_timeout:g}s"
+                    )
+                log.info(
+                    "evaluator: no new checkpoint for %gs; %d evaluations",
+                    self.cfg.idle_timeout,
+                    len(self.evaluations),
+                )
+                return self.evaluations
+            await self._sleep(min(STATUS_POLL_S, self.cfg.interval))
         return self.evaluations
 
     async def _loop(self) -> bool:
         """Watch the chief and evaluate; True once training is over."""
         w = self._watch
-        finished_at: float | None = None
         while not self.stopping.is_set():
             status = await self._ask("status", {}, timeout=self.cfg.request_timeout)
             now = self.clock()
@@ -387,12 +401,8 @@ class Evaluator:
             elif now - w.last_contact > self.cfg.chief_timeout:
                 raise self._chief_lost("status requests")
             if w.finished:
-                if finished_at is None:
-                    finished_at = now
-                    log.info("evaluator: the chief reports training finished")
-                if self.cfg.checkpoint_dir is None or now - finished_at > FINAL_GRACE_S:
-                    return True
-                # Checkpoints: a last one may still be written as the chief ends.
+                log.info("evaluator: the chief reports training finished")
+                return True
             if now >= self._next_eval and status is not None:
                 self._next_eval = now + self.cfg.interval
                 await self._evaluate_new(final=False)
@@ -413,22 +423,17 @@ class Evaluator:
 
     def _take_status(self, status: Mapping[str, Any]) -> None:
         w = self._watch
-        # Training is over when the chief says so, or (a chief that does not say it)
-        # when every expected worker has left with its work done: the same condition.
-        workers = status.get("workers") or []
-        expected = int(status.get("workers_expected") or 0)
-        all_done = (
-            expected > 0
-            and len(workers) >= expected
-            and all(x.get("state") == "done" for x in workers)
-        )
-        w.finished = w.finished or bool(status.get("finished", False)) or all_done
+        # Training is over when the chief says so: its summary is written, its final
+        # checkpoint committed, and it keeps the PS up until this evaluator leaves.
+        w.finished = w.finished or bool(status.get("finished", False))
         step = status.get("global_step")
         if isinstance(step, int):
             w.global_step = step
         gen = status.get("gen")
         if isinstance(gen, int):
             w.gen = gen
+            if self.session is not None and not status.get("recovering"):
+                self.session.enter(gen)
         mode = status.get("mode")
         if isinstance(mode, str) and mode != w.mode:
             w.mode = mode
@@ -486,6 +491,8 @@ class Evaluator:
                 self._skip(ckpt.name, f"its tables cannot be read: {exc}")
                 return None
         self._seen.add(ckpt.name)
+        extra = getattr(getattr(ckpt, "manifest", None), "extra", None) or {}
+        self._final_seen = bool(extra.get("final"))
         return ckpt, variables
 
     def _checkpoint_tables(self, ckpt: Any) -> dict[str, TableView]:
@@ -515,9 +522,8 @@ class Evaluator:
             log.info("evaluator: no final snapshot (the PS have shut down)")
             return None
         if final:
-            # The chief shuts the PS down right after its own final pull: do not hang on them.
+            # A chief that could not wait shuts the PS down: do not hang on them.
             self._client.timeout = min(self._client.timeout, FINAL_PULL_S)
-        self._client.gen = self._watch.gen
         try:
             if isinstance(self.model, CTRModel) and isinstance(self.test, CTRDataset):
                 probabilities = await ctr_scores(
@@ -609,6 +615,8 @@ class Evaluator:
     async def close(self) -> None:
         for c in self.ps:
             await c.close()
+        if self.session is not None:
+            await self.session.close()
 
 
 async def serve_evaluator(
@@ -625,13 +633,15 @@ async def serve_evaluator(
     if test is None:
         test = cfg.job.load_ctr("test") if cfg.job.is_ctr else cfg.job.load("test")
     incarnation = time.time_ns() // 1000
-    chief = Client(
-        ctx,
-        cfg.chief,
-        f"evaluator:0:{incarnation}",
-        options=options,
-        timeout=cfg.request_timeout,
-    )
+    chief: Requester | None = None
+    if cfg.chief is not None:
+        chief = Client(
+            ctx,
+            cfg.chief,
+            f"evaluator:0:{incarnation}",
+            options=options,
+            timeout=cfg.request_timeout,
+        )
 
     def connect_ps(addresses: Sequence[str]) -> list[Requester]:
         # An identity of its own per process: two evaluators never take over each
@@ -651,7 +661,6 @@ async def serve_evaluator(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await ev.close()
-        await chief.close()
         if exporter is not None:
             exporter.close()
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from zmqps.device.staging import Copy
-from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack
+from zmqps.roles.worker.session import RECOVERABLE
 
 if TYPE_CHECKING:
     from zmqps.roles.worker import Worker
@@ -64,7 +64,6 @@ __all__ = ["COMM_PHASES", "OverlapStats", "StepPipeline"]
 
 #: The phases that move data (everything but compute).
 COMM_PHASES = ("pull", "h2d", "d2h", "push")
-_RECOVERABLE = (RolledBack, NotReady, DeadlineExceeded)
 T = TypeVar("T")
 
 
@@ -135,8 +134,8 @@ class StepPipeline:
         self.mirror = Mirror(worker.device, variables, slots=2)
         self.front = 0
         #: async only: pushes bring the next step's values back (push_pull)
-        self.push_pull = worker.mode == "async" and not prefetch
-        self.prefetch = worker.mode == "async" and prefetch
+        self.push_pull = worker.steps.pulls_ahead and not prefetch
+        self.prefetch = worker.steps.pulls_ahead and prefetch
         self.stats = OverlapStats()
         #: gradients wait until this many bytes are ready before they are pushed
         if push_bytes is None:
@@ -163,7 +162,7 @@ class StepPipeline:
         return 1 - self.front
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.worker._io.loop)
+        return self.worker.io.submit(coro)
 
     def _waited(self, phase: str, seconds: float) -> None:
         self.stats.add_waited(phase, seconds)
@@ -187,8 +186,8 @@ class StepPipeline:
             started = time.perf_counter()
             try:
                 upload = self._next.result()
-            except _RECOVERABLE as exc:
-                self.worker._io.run(self.worker._resync(exc))
+            except RECOVERABLE as exc:
+                self.worker.recover(exc)
                 self._need_pull = True
             else:
                 self._waited("pull", time.perf_counter() - started)
@@ -255,15 +254,18 @@ class StepPipeline:
             return
         host, copy = self.mirror.download(ready)
         self._sent.update(ready)
-        step = self.worker._step_tag()
+        step, cursor = self.worker.steps.tag(), self.worker.cursor
         versions = self._versions[self.front]
-        self._pending.append(self._submit(self._push(host, copy, step, versions, self.back)))
+        self._pending.append(
+            self._submit(self._push(host, copy, step, cursor, versions, self.back))
+        )
 
     async def _push(
         self,
         host: dict[str, Any],
         copy: Copy,
         step: int | None,
+        cursor: int,
         versions: dict[int, int],
         slot: int,
     ) -> tuple[bool, Copy | None]:
@@ -272,15 +274,15 @@ class StepPipeline:
         client = self.worker.client
         started = time.perf_counter()
         if self.push_pull:
-            accepted = await client.push(
-                host, pull=True, step=step, out=self.mirror.host[slot], versions=versions
+            accepted = await client.push_pull(
+                host, step=step, out=self.mirror.host[slot], versions=versions, cursor=cursor
             )
             self._took("push", time.perf_counter() - started)
             upload = self.mirror.upload(slot, host)
             await upload.wait_async()
             self._took("h2d", upload.seconds())
             return accepted, upload
-        accepted = await client.push(host, step=step, versions=versions)
+        accepted = await client.push(host, step=step, versions=versions, cursor=cursor)
         self._took("push", time.perf_counter() - started)
         return accepted, None
 
@@ -302,7 +304,7 @@ class StepPipeline:
         for fut in self._pending:
             try:
                 ok, upload = fut.result()
-            except _RECOVERABLE as exc:
+            except RECOVERABLE as exc:
                 failure = exc
                 continue
             accepted = accepted and ok
@@ -314,8 +316,7 @@ class StepPipeline:
             self._took("h2d", copy.seconds())
         self._later = []
         if failure is not None:
-            self.worker._io.run(self.worker._resync(failure))
-            self.worker.rolled_back += 1
+            self.worker.recover(failure, dropped=True)
             accepted = False
             self._need_pull = True
             self._uploads = []
@@ -323,7 +324,7 @@ class StepPipeline:
             if set(self.names) - self._sent:
                 self._need_pull = True  # values of variables without a gradient: not back
             self._versions[self.back] = dict(self.worker.client.versions)
-        self.worker._count(loss, examples)
+        self.worker.count_step(loss, examples)
         now = time.perf_counter()
         self.stats.wall += now - self._began
         took = sum(self.stats.took.values()) - self._took_before

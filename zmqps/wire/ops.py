@@ -41,10 +41,12 @@ from zmqps.wire.schema import (
     AnyList,
     AnyMap,
     Bool,
+    Dict,
     Float,
     Int,
     List,
     Map,
+    Nullable,
     Schema,
     Str,
     Tree,
@@ -195,6 +197,7 @@ class Who:
 
 
 WAIT = Float(0.0, MAX_WAIT_S)
+CURSORS = Dict(COUNT, Str(64), 1 << 20)
 SHARDS = List(SHARD_ID, MAX_SHARDS)
 VERSIONS = List(Int(0), MAX_SHARDS)
 
@@ -404,6 +407,8 @@ class Restore(Body):
     shards: tuple[Mapping[str, Any], ...] = wire(List(SHARD, MAX_SHARDS))
     name: str | None = wire(CKPT_NAME, optional=True)
     placement: Mapping[str, Any] | None = wire(PLACEMENT, optional=True)
+    #: per worker, the highest batch cursor any PS applied (a restarted PS learns it)
+    cursors: Mapping[str, int] | None = wire(CURSORS, optional=True)
 
 
 # ---------------------------------------------------------------------------
@@ -458,9 +463,11 @@ class ClusterInfo(Body):
     heartbeat_interval: float = wire(Float(0.0))
     gen: int = wire(Int(0), default=0)
     global_step: int = wire(STEP, default=0)
-    placement: Mapping[str, Any] | None = wire(PLACEMENT, optional=True)
+    placement: Mapping[str, Any] | None = wire(Nullable(PLACEMENT), default=None)
     recovering: bool = wire(Bool(), default=False)
     steps_done: int = wire(COUNT, default=0)
+    #: sync: the step of the last token the worker's earlier incarnations computed
+    last_step: int = wire(Int(-1), default=-1)
     finished: bool = wire(Bool(), default=False)
 
 
@@ -555,14 +562,19 @@ class PsStateReply(Body):
     step: int = wire(STEP, default=0)
     contributors: tuple[str, ...] = wire(List(Str(64), 1 << 20), default=())
     placement: Mapping[str, Any] | None = wire(PLACEMENT, optional=True)
+    #: per worker, the highest batch cursor this PS applied
+    cursors: Mapping[str, int] | None = wire(CURSORS, optional=True)
 
 
 @_body(reply=True)
 class Fenced(Body):
-    """A fence's reply: the highest batch cursor of the worker's pushes this PS
-    applied (0: none), read in the same turn as the fence."""
+    """A fence's reply, read in the same turn as the fence: the highest batch cursor
+    of the worker's pushes this PS applied (0: none), the sync step of that push
+    (-1: none), and whether the PS holds shards (one without never hears pushes)."""
 
     cursor: int = wire(COUNT, default=0)
+    step: int = wire(Int(-1), default=-1)
+    holds: bool = wire(Bool(), default=True)
 
 
 @_body(reply=True)

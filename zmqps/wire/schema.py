@@ -21,10 +21,12 @@ __all__ = [
     "AnyList",
     "AnyMap",
     "Bool",
+    "Dict",
     "Float",
     "Int",
     "List",
     "Map",
+    "Nullable",
     "Schema",
     "Str",
     "Tree",
@@ -121,6 +123,35 @@ class Map(Schema):
                     continue
                 raise ProtocolError(f"{path}: unknown field {key!r}")
             sub.check(v, f"{path}.{key}")
+
+
+@dataclass(frozen=True)
+class Nullable(Schema):
+    """``None``, or a value of ``schema`` (a field that is always sent, maybe empty)."""
+
+    schema: Schema
+
+    def check(self, value: Any, path: str) -> None:
+        if value is not None:
+            self.schema.check(value, path)
+
+
+@dataclass(frozen=True)
+class Dict(Schema):
+    """A map from strings (at most ``max_len`` of them) to values of one schema."""
+
+    value: Schema
+    key: Str = field(default_factory=lambda: Str(256))
+    max_len: int = 1 << 16
+
+    def check(self, value: Any, path: str) -> None:
+        if type(value) is not dict:
+            raise ProtocolError(f"{path}: expected map, got {type(value).__name__}")
+        if len(value) > self.max_len:
+            raise ProtocolError(f"{path}: more than {self.max_len} entries")
+        for k, v in value.items():
+            self.key.check(k, f"{path} key")
+            self.value.check(v, f"{path}.{k}")
 
 
 @dataclass(frozen=True)

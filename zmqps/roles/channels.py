@@ -1,0 +1,258 @@
+"""Dense channels: how a worker's dense tensors travel to and from one PS.
+
+Rules of this module:
+
+* A channel moves whole shards for the three dense operations, written once per
+  channel in :meth:`transfer`: ``pull`` (values back), ``push`` (gradients out) and
+  ``push_pull`` (both in one round trip).
+* :class:`TcpChannel`: tensors travel in the messages, as chunks of at most
+  ``chunk_bytes``, in messages of about ``group_bytes`` (small shards together,
+  large ones alone), sent zero-copy as views of the caller's arrays.
+* :class:`ShmChannel` (same host): the bytes move through two shared-memory
+  regions (pull, push) laid out alike; ZeroMQ carries only the control message. A
+  variable held whole by the PS is laid out in row order and the client's
+  ``params`` array is a view of the pull region, so pulls land in it without a
+  copy. Nothing may write the pull region once the worker holds its reply: a
+  shared-memory pull is never resent, and a resent push_pull's values come in the
+  reply (the PS answers a duplicate that way) and are copied only while the worker
+  still waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from zmqps.transport.shm import Region
+from zmqps.wire import ops as o
+from zmqps.wire.errors import ZmqpsError
+
+if TYPE_CHECKING:
+    from zmqps.roles.client import ParameterClient
+
+__all__ = ["ALIGN", "DenseChannel", "ShmChannel", "TcpChannel", "layout"]
+
+log = logging.getLogger("zmqps.client")
+
+Array = npt.NDArray[Any]
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One dense operation on some shards of one PS."""
+
+    op: str  # pull, push or push_pull
+    sids: list[int]
+    grads: Mapping[str, Array] | None = None  # flat gradients by variable (push ops)
+    out: Mapping[str, Array] | None = None  # where pulled values land (default: params)
+    step: int | None = None
+    versions: Mapping[int, int] | None = None
+    cursor: int | None = None
+
+    @property
+    def pushes(self) -> bool:
+        return self.op != "pull"
+
+    @property
+    def pulls(self) -> bool:
+        return self.op != "push"
+
+
+class DenseChannel:
+    """The interface (see the two channels below)."""
+
+    kind = ""
+
+    def __init__(self, client: ParameterClient, ps: int) -> None:
+        self.client = client
+        self.ps = ps
+
+    async def transfer(self, t: Transfer) -> bool:
+        """Carry out ``t``; False if a push was acknowledged without being applied."""
+        raise NotImplementedError
+
+    def covers(self, sids: Sequence[int]) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+
+class TcpChannel(DenseChannel):
+    kind = "tcp"
+
+    async def transfer(self, t: Transfer) -> bool:
+        groups = self.client.groups(t.sids)
+        if len(groups) == 1:
+            return await self._message(t, groups[0])
+        parts = await asyncio.gather(*(self._message(t, g) for g in groups))
+        return all(parts)
+
+    async def _message(self, t: Transfer, sids: list[int]) -> bool:
+        c = self.client
+        requester = c.ps[self.ps]
+        if not t.pushes:
+            # A TCP pull is idempotent: it may be sent again (after its deadline, or at
+            # once when a lost connection comes back).
+            body = o.Pull(tuple(sids), gen=c.gen).to_wire()
+            rep = await requester.request("pull", body, timeout=c.timeout, attempts=2)
+            c.take_values(rep, sids, t.out)
+            return True
+        assert t.grads is not None
+        tensors = [tensor for sid in sids for tensor in c.chunks(sid, t.grads, "grad")]
+        body = c.push_body(self.ps, sids, t.step, t.versions, t.cursor, op=t.op).to_wire()
+        rep = await requester.request(
+            t.op, body, tensors, timeout=c.timeout, attempts=c.push_attempts
+        )
+        accepted = c.after_push(self.ps, rep)
+        if t.pulls:
+            c.take_values(rep, sids, t.out)
+        return accepted
+
+
+@dataclass
+class _Regions:
+    pull: Region
+    push: Region
+    pull_id: int
+    push_id: int
+    offsets: dict[int, int]  # shard id -> data byte offset
+    whole: dict[str, int] = field(default_factory=dict)  # variables held whole -> offset
+
+
+class ShmChannel(DenseChannel):
+    kind = "shm"
+
+    def __init__(self, client: ParameterClient, ps: int, regions: _Regions) -> None:
+        super().__init__(client, ps)
+        self.regions = regions
+        self.lock = asyncio.Lock()
+        self.offsets = regions.offsets  # tests and the client read the layout here
+
+    @classmethod
+    def make(
+        cls,
+        client: ParameterClient,
+        ps: int,
+        pull: Region,
+        push: Region,
+        ids: tuple[int, int],
+        offsets: dict[int, int],
+        whole: dict[str, int],
+    ) -> ShmChannel:
+        ch = cls(client, ps, _Regions(pull, push, ids[0], ids[1], offsets, whole))
+        for name, off in whole.items():
+            # the variable lives whole in this region: pulls land in params directly
+            v = client.placement.variable(name)
+            view = pull.view(off, np.dtype(v.dtype), math.prod(v.shape)).reshape(v.shape)
+            view[...] = client.params[name]
+            client.params[name] = view
+        return ch
+
+    def covers(self, sids: Sequence[int]) -> bool:
+        return all(s in self.regions.offsets for s in sids)
+
+    def ref(self, pull: bool, sids: Sequence[int]) -> o.ShmRef:
+        r = self.regions
+        return o.ShmRef(r.pull_id if pull else r.push_id, tuple(r.offsets[s] for s in sids))
+
+    async def transfer(self, t: Transfer) -> bool:
+        c = self.client
+        async with self.lock:
+            if t.pushes:
+                assert t.grads is not None
+                self._copy_in(t.sids, t.grads)
+                req = c.push_body(
+                    self.ps,
+                    t.sids,
+                    t.step,
+                    t.versions,
+                    t.cursor,
+                    op=t.op,
+                    shm=self.ref(False, t.sids),
+                    shm_out=self.ref(True, t.sids) if t.pulls else None,
+                )
+                rep = await c.ps[self.ps].request(
+                    t.op, req.to_wire(), timeout=c.timeout, attempts=c.push_attempts
+                )
+                accepted = c.after_push(self.ps, rep)
+            else:
+                pull = o.Pull(tuple(t.sids), self.ref(True, t.sids), c.gen)
+                rep = await c.ps[self.ps].request("pull", pull.to_wire(), timeout=c.timeout)
+                accepted = True
+            if t.pulls and rep.tensors:  # a resend's reply: values by TCP (see above)
+                c.take_values(rep, t.sids, t.out)
+            elif t.pulls:
+                c.set_versions(rep, t.sids)
+                self._copy_out(t.sids, t.out)
+        return accepted
+
+    def _copy_out(self, sids: Sequence[int], out: Mapping[str, Array] | None) -> None:
+        c, r = self.client, self.regions
+        for sid in sids:
+            route = c.routes[sid]
+            if out is None and route.var.name in r.whole:
+                continue  # params[name] is a view of the pull region
+            src = r.pull.view(r.offsets[sid], np.dtype(route.var.dtype), route.size)
+            flat = (c.params if out is None else out)[route.var.name].reshape(-1)
+            np.copyto(flat[route.start : route.start + route.size], src)
+
+    def _copy_in(self, sids: Sequence[int], flat: Mapping[str, Array]) -> None:
+        c, r = self.client, self.regions
+        for sid in sids:
+            route = c.routes[sid]
+            dst = r.push.view(r.offsets[sid], np.dtype(route.var.dtype), route.size)
+            np.copyto(dst, flat[route.var.name][route.start : route.start + route.size])
+
+    async def close(self) -> None:
+        """Release the regions (best effort: the PS also drops them on rejoin)."""
+        r = self.regions
+        for rid in (r.pull_id, r.push_id):
+            try:
+                await self.client.ps[self.ps].request(
+                    "shm_detach", o.ShmDetach(rid).to_wire(), timeout=2.0
+                )
+            except ZmqpsError as exc:  # the PS is gone already (it drops them itself)
+                log.debug("ps %d: shm_detach failed: %s", self.ps, exc)
+        r.pull.close()
+        r.push.close()
+
+
+def layout(client: ParameterClient, ps: int) -> tuple[dict[int, int], dict[str, int], int]:
+    """Byte offsets of PS ``ps``'s dense shards in its regions. A variable whose shards
+    all live on this PS is laid out whole, in row order, so ``params`` can be a view of
+    the pull region; other shards get blocks of their own."""
+    offsets: dict[int, int] = {}
+    whole: dict[str, int] = {}
+    pos = 0
+
+    def block(nbytes: int) -> int:
+        nonlocal pos
+        start = pos
+        pos += -(-nbytes // ALIGN) * ALIGN
+        return start
+
+    placement = client.placement
+    for v in placement.variables:
+        if v.sparse:
+            continue
+        shards = placement.shards_of(v.name)
+        mine = [s for s in shards if s.ps == ps]
+        if mine and len(mine) == len(shards):
+            start = whole[v.name] = block(v.nbytes)
+            row_bytes = v.row_size * v.itemsize
+            for s in mine:
+                offsets[s.id] = start + s.row_start * row_bytes
+        else:
+            for s in mine:
+                offsets[s.id] = block(s.rows * v.row_size * v.itemsize)
+    return offsets, whole, pos
+

@@ -1,0 +1,126 @@
+"""When the chief takes checkpoints: at sync step boundaries, on a schedule, at the end.
+
+Rules of this module:
+
+* sync: at a step boundary, before the step's tokens are out (the PS are idle, so a
+  snapshot is one step everywhere; :meth:`Checkpointer.snapshot_sync` refuses one
+  that is not). async / ssp: every N global steps or T seconds, per shard with its
+  version. At the end (every worker done, or a shutdown): one more if anything
+  changed. On request (the ``checkpoint`` op): now (async) or at the next boundary.
+* No checkpoint is taken while the cluster recovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from zmqps.checkpoint import Checkpoint
+from zmqps.roles.checkpointer import Checkpointer
+from zmqps.wire.errors import InvalidArgument, NotReady
+
+if TYPE_CHECKING:
+    from zmqps.roles.chief.service import ChiefService
+
+__all__ = ["ChiefCheckpoints"]
+
+log = logging.getLogger("zmqps.chief")
+
+
+class ChiefCheckpoints:
+    def __init__(self, checkpointer: Checkpointer, chief: ChiefService) -> None:
+        self.ck = checkpointer
+        self.chief = chief
+
+    @property
+    def sync(self) -> bool:
+        return self.chief.consistency.name == "sync"
+
+    def _extra(self, final: bool = False) -> dict[str, Any]:
+        members = self.chief.members
+        extra: dict[str, Any] = {
+            "global_step": self.chief.global_step,
+            "workers": {str(w.index): w.total_steps for w in members.workers.values()},
+            "examples": members.examples,
+        }
+        if final:  # every worker finished: a lone evaluator ends after this one
+            extra["final"] = True
+        return extra
+
+    def _write(self, snap: Any, final: bool = False) -> None:
+        placement = self.chief.variables.placement
+        assert placement is not None
+        gen = self.chief.recovery.gen
+        self.ck.write(snap, placement, self.chief.consistency.name, gen, self._extra(final))
+
+    async def at_boundary(self, step: int) -> None:
+        """sync: called with every new global step, before its tokens are put."""
+        placement = self.chief.variables.placement
+        if placement is None or not self.ck.due(step):
+            return
+        snap = await self.ck.snapshot_sync(step, placement)
+        if snap is not None:
+            self._write(snap)
+
+    async def schedule(self) -> None:
+        """async / ssp: checkpoint every N global steps or T seconds (until cancelled)."""
+        while True:
+            await asyncio.sleep(0.2)
+            step = self.chief.global_step
+            placement = self.chief.variables.placement
+            if placement is not None and self.chief.recovery.training and self.ck.due(step):
+                snap = await self.ck.snapshot(step, placement)
+                if snap is not None:
+                    self._write(snap)
+
+    async def final(self, finished: bool = False) -> Checkpoint | None:
+        """At the end: one more checkpoint if anything changed since the last
+        (``finished``: every worker did its work; the manifest says so)."""
+        placement = self.chief.variables.placement
+        if placement is None or self.chief.recovery.recovering:
+            return None
+        await self.ck.wait()
+        mode = self.chief.consistency
+        step = await mode.applied_step() if self.sync else mode.global_step
+        if step <= self.ck.last_step:
+            return None
+        if self.sync:
+            snap = await self.ck.snapshot_sync(step, placement)
+            if snap is None:
+                log.warning(
+                    "final checkpoint skipped: a step was cut short; %s stays the latest",
+                    self.ck.last_committed.name if self.ck.last_committed else "nothing",
+                )
+                return None
+            self._write(snap, finished)
+            return await self.ck.wait_committed()
+        return await self.ck.take(
+            step, placement, mode.name, self.chief.recovery.gen, self._extra(finished)
+        )
+
+    async def now(self, wait: float) -> Checkpoint:
+        """The ``checkpoint`` op: one now (async, ssp) or at the next boundary (sync)."""
+        placement = self.chief.variables.placement
+        if placement is None:
+            raise NotReady("no variables yet")
+        ck = self.ck
+        if not self.sync:
+            ckpt = await ck.take(
+                self.chief.global_step,
+                placement,
+                self.chief.consistency.name,
+                self.chief.recovery.gen,
+                self._extra(),
+            )
+        else:  # at the next step boundary
+            before, ck.forced = ck.committed + ck.failed, True
+            deadline = self.chief.clock() + wait
+            while ck.committed + ck.failed == before or ck.busy:
+                if self.chief.clock() > deadline:
+                    raise NotReady("no step boundary came in time for a checkpoint")
+                await asyncio.sleep(0.05)
+            ckpt = ck.last_committed if ck.committed + ck.failed > before else None
+        if ckpt is None:
+            raise InvalidArgument(f"checkpoint failed: {ck.last_error}")
+        return ckpt

@@ -1,0 +1,83 @@
+"""The end of a run on the chief: the summary, the final model's evaluation, the export."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from zmqps.roles.chief.service import ChiefService
+from zmqps.roles.client import ParameterClient
+
+__all__ = ["summarize"]
+
+log = logging.getLogger("zmqps.chief")
+
+
+async def summarize(service: ChiefService) -> dict[str, Any]:
+    """Evaluate the final model (built-in jobs), export it, build the summary."""
+    cfg = service.cfg
+    m = service.members
+    first = m.first_registration or service.clock()
+    train_s = max(1e-9, (m.all_done_at or service.clock()) - first)
+    mode = service.consistency
+    step = await mode.applied_step()
+    mode.global_step = step  # what status says from now on: the step the PS are at
+    summary: dict[str, Any] = {
+        "mode": service.mode,
+        "ps": cfg.cluster.num_ps,
+        "workers": cfg.cluster.num_workers,
+        "global_step": step,
+        "worker_steps": m.global_step,
+        "examples": m.examples,
+        "train_seconds": round(train_s, 3),
+        "examples_per_second": round(m.examples / train_s, 1),
+    }
+    job = cfg.job
+    placement = service.placement
+    if job is None or placement is None:
+        return summary
+    client = ParameterClient(
+        service.ps,
+        placement,
+        worker="chief",
+        incarnation=0,
+        shared_memory=False,
+        generation=lambda: service.recovery.gen,
+    )
+    if job.is_ctr:
+        from zmqps.roles.ctr_job import evaluate_ctr, export_ctr, table_summary
+
+        summary.update(await evaluate_ctr(client, job))
+        summary["tables"] = await table_summary(service.ps)
+        if cfg.export_dir:
+            path = await export_ctr(client, job, cfg.export_dir, summary)
+            summary["export_dir"] = str(path)
+            log.info("exported the model (its tables' live rows) to %s", path)
+        log.info("final model: %s", {k: v for k, v in summary.items() if "auc" in k})
+        return summary
+    test = job.load("test")
+    model = job.build_model(test)
+    params = await client.pull()
+    metrics = model.evaluate(params, test.x, test.y)
+    summary.update(
+        model=job.model,
+        dataset=job.dataset,
+        test_accuracy=round(float(metrics["accuracy"]), 4),
+        test_loss=round(float(metrics["loss"]), 4),
+    )
+    if cfg.export_dir:
+        from zmqps.export import export_model
+
+        path = await asyncio.to_thread(
+            export_model, cfg.export_dir, model.signature(), params, metrics=summary
+        )
+        summary["export_dir"] = str(path)
+        log.info("exported the model to %s", path)
+    log.info(
+        "final model: test accuracy %.4f, test loss %.4f (global step %d)",
+        summary["test_accuracy"],
+        summary["test_loss"],
+        step,
+    )
+    return summary

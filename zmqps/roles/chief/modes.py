@@ -1,0 +1,364 @@
+"""The consistency mode on the chief, as a strategy chosen once: async, ssp or sync.
+
+Rules of this module:
+
+* :func:`make_chief_mode` is the one place the chief reads the mode's name; every
+  difference between the modes lives in the classes here.
+* async and ssp: the global step is the number of updates the workers reported
+  (plus the steps of the run a restored checkpoint was taken in). ssp: a worker may
+  start step ``c`` only while the slowest live worker (or one not registered yet)
+  has completed ``c - s`` (:class:`~zmqps.core.sync.StalenessBound`).
+* sync (SyncReplicas): the global step advances only when every PS holding shards
+  applied it (each is long-polled with ``wait_step``); tokens of a step are derived
+  from the replicas live *now* (:class:`~zmqps.core.sync.TokenLedger`), so a worker
+  that comes back, after it was counted dead or after a rejoin, finds its token.
+  M is the number of replicas not known to be gone, at most ``total_replicas``; N is
+  ``min(replicas_to_aggregate, M)``, pushed to every PS whenever it changes. A
+  worker gone after every PS got its gradient for the current step still counts
+  for that step (shrinking N then would apply the step before the live workers'
+  gradients arrive, and drop them as stale).
+* Every wait is a long poll with a deadline (no busy polling); clients re-poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from zmqps.core.membership import Membership
+from zmqps.core.sync import StalenessBound, TokenLedger
+from zmqps.roles.configs import SyncConfig
+from zmqps.transport import Requester
+from zmqps.wire import ops as o
+from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotReady, ZmqpsError
+
+__all__ = ["AsyncMode", "ChiefMode", "SspMode", "SyncMode", "make_chief_mode"]
+
+log = logging.getLogger("zmqps.chief")
+
+POLL_S = 5.0  # one long poll to a PS
+
+
+class ChiefMode:
+    """What the modes have in common: the PS to configure, waiters to wake."""
+
+    name = ""
+
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        members: Membership,
+        ps: Sequence[Requester],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.members = members
+        self.ps = list(ps)
+        self.stepping = list(ps)  # the PS whose steps make the global step
+        self.clock = clock
+        self.started = False
+        self.changed = asyncio.Condition()
+        #: async / ssp: the steps of the run a restored checkpoint was taken in
+        self.step_offset = 0
+        self.step_started_at = clock()
+        #: awaited with each new global step before its tokens are put (sync)
+        self.on_step: Callable[[int], Awaitable[None]] | None = None
+
+    @property
+    def global_step(self) -> int:
+        """Updates applied to the model, as the workers reported them."""
+        return self.step_offset + self.members.global_step
+
+    @global_step.setter
+    def global_step(self, step: int) -> None:
+        self.step_offset = step - self.members.global_step
+
+    async def _configure_ps(self, required: int) -> None:
+        body = o.SyncConfigure(self.name, required).to_wire()
+        await asyncio.gather(*(c.request("sync_config", body, timeout=10.0) for c in self.ps))
+
+    async def start(self, holders: Sequence[int], step: int) -> None:
+        """Training (re)starts: the PS holding shards are ``holders``, at ``step``.
+        Returns once the mode runs (sync: its stepping loop runs until cancelled)."""
+        self.stepping = [self.ps[i] for i in sorted(set(holders))]
+        await self._configure_ps(1)
+        self.started = True
+        await self._wake()
+
+    def stop(self) -> None:
+        self.started = False
+
+    async def _wake(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def membership_changed(self, gone: Sequence[int] = (), back: Sequence[int] = ()) -> None:
+        """Workers registered, came back (``back``), left or died (``gone``)."""
+        await self._wake()
+
+    async def take_token(self, who: o.Who, wait: float, have: int | None) -> int:
+        raise InvalidArgument(f"take_token: the job runs in {self.name} mode")
+
+    async def ssp_clock(self, who: o.Who, completed: int, wait: float) -> int:
+        raise InvalidArgument(f"ssp_clock: the job runs in {self.name} mode")
+
+    async def applied_step(self) -> int:
+        return self.global_step
+
+    async def waiting_on(self, live: Sequence[int], skip: Sequence[Requester] = ()) -> list[int]:
+        return []
+
+    def steps_planned(self) -> int:
+        return self.members.steps_planned
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": self.name}
+
+    async def _long_wait(self, ready: Callable[[], Any], wait: float, what: str) -> Any:
+        """``ready()``'s value once truthy (waking on every change), NotReady after
+        ``wait`` seconds."""
+        deadline = self.clock() + wait
+        async with self.changed:
+            while True:
+                value = ready()
+                if value is not None and value is not False:
+                    return value
+                left = deadline - self.clock()
+                if left <= 0:
+                    raise NotReady(what)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), left)
+
+
+class AsyncMode(ChiefMode):
+    name = "async"
+
+
+class SspMode(ChiefMode):
+    name = "ssp"
+
+    def __init__(self, cfg: SyncConfig, members: Membership, ps: Sequence[Requester],
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        super().__init__(cfg, members, ps, clock)
+        self.bound = StalenessBound(cfg.max_staleness)
+
+    async def ssp_clock(self, who: o.Who, completed: int, wait: float) -> int:
+        """Record that worker ``who`` completed ``completed`` steps; return once it may
+        start the next one (the slowest live worker's clock), NotReady after ``wait``."""
+        self.bound.report(who.index, completed)
+        await self._wake()
+
+        def grant() -> int | None:
+            live = self._live()
+            if who.index not in live:
+                live.append(who.index)
+            if not self.bound.may_start(completed, live):
+                return None
+            slowest = self.bound.slowest(live)
+            return completed if slowest is None else slowest
+
+        return int(
+            await self._long_wait(grant, wait, f"step {completed} waits on slower workers (ssp)")
+        )
+
+    def _live(self) -> list[int]:
+        """The workers the bound waits for: the live ones and those not registered yet."""
+        unseen = (i for i in range(self.members.num_workers) if i not in self.members.workers)
+        return sorted({*self.members.alive(self.clock()), *unseen})
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": self.name, "ssp": dict(self.bound.snapshot())}
+
+
+class SyncMode(ChiefMode):
+    name = "sync"
+
+    def __init__(self, cfg: SyncConfig, members: Membership, ps: Sequence[Requester],
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        super().__init__(cfg, members, ps, clock)
+        self.total = cfg.total_replicas or members.num_workers
+        self.aggregate = cfg.replicas_to_aggregate or self.total
+        self.tokens = TokenLedger()
+        self._step = 0
+        self.required = 0  # N as last told to the PS
+        self.counted: set[int] = set()  # gone workers whose gradient the current step holds
+        self._configuring = asyncio.Lock()
+
+    @property
+    def global_step(self) -> int:
+        return self._step
+
+    @global_step.setter
+    def global_step(self, step: int) -> None:
+        self._step = step
+
+    # ------------------------------------------------------------ replicas
+
+    def replicas(self) -> int:
+        """M: replicas not known to be gone, at most ``total_replicas`` (a gone worker
+        whose gradient the current step holds counts until the step is applied)."""
+        now = self.clock()
+        gone = set(self.members.dead(now))
+        gone |= {i for i, w in self.members.workers.items() if w.done or w.gone}
+        return max(0, min(self.total, self.members.num_workers - len(gone - self.counted)))
+
+    def needed(self) -> int:
+        """N as it must be now: never more than M (never less than 1)."""
+        return max(1, min(self.aggregate, self.replicas()))
+
+    async def _configure_ps(self, required: int) -> None:
+        await super()._configure_ps(required)
+        self.required = required
+
+    async def _reconfigure(self) -> None:
+        """Tell the PS the N of now, if it changed (serialized: the last word is fresh)."""
+        async with self._configuring:
+            needed = self.needed()
+            if needed != self.required:
+                log.info(
+                    "replicas to aggregate %d -> %d (M = %d live replicas)",
+                    self.required,
+                    needed,
+                    self.replicas(),
+                )
+                await self._configure_ps(needed)
+
+    async def _count_contributions(self, gone: Sequence[int]) -> None:
+        """Keep counting, for the current step, the ``gone`` workers whose gradient for
+        it every PS already holds."""
+        step = self._step
+        held = {f"worker:{i}": i for i in gone}
+        for c in self.stepping:
+            try:
+                rep = await c.request("status", timeout=2.0)
+            except ZmqpsError:
+                return
+            sync = rep.body.get("sync") or {}
+            if sync.get("step") != step:
+                return  # the step is applied (or not known): nothing to wait for
+            got = set(sync.get("contributors", []))
+            held = {name: i for name, i in held.items() if name in got}
+        if self._step == step:
+            self.counted |= set(held.values())
+
+    async def membership_changed(self, gone: Sequence[int] = (), back: Sequence[int] = ()) -> None:
+        if self.started:
+            if gone:
+                await self._count_contributions(gone)
+            await self._reconfigure()
+        await self._wake()
+
+    # ------------------------------------------------------------ the stepping loop
+
+    async def start(self, holders: Sequence[int], step: int) -> None:
+        """Drive sync training from ``step`` (0, or the step of a restore or of adopted
+        PS; only step 0 gets the extra init tokens) until cancelled."""
+        self.stepping = [self.ps[i] for i in sorted(set(holders))]
+        self.required = 0  # tell every PS N afresh (a restarted PS has forgotten it)
+        await self._configure_ps(self.needed())
+        self._step = step
+        self.counted.clear()
+        self.tokens.restart(step, extra=self.cfg.init_tokens)
+        self.step_started_at = self.clock()
+        self.started = True
+        await self._wake()
+        while True:
+            nxt = self._step + 1
+            await asyncio.gather(*(self._wait_ps(c, nxt) for c in self.stepping))
+            replicas = self.replicas()  # before the step's gone workers stop counting
+            self._step = nxt
+            self.counted.clear()
+            await self._reconfigure()
+            if self.on_step is not None:
+                await self.on_step(nxt)  # e.g. a checkpoint, while no tokens are out
+            self.step_started_at = self.clock()
+            self.tokens.advance(nxt, replicas)
+            await self._wake()
+
+    async def _wait_ps(self, ps: Requester, step: int) -> None:
+        body = o.WaitStep(step, POLL_S).to_wire()
+        while True:
+            try:
+                rep = await ps.request("wait_step", body, timeout=POLL_S + 5, attempts=2)
+            except DeadlineExceeded:
+                log.warning("ps at %s does not answer while step %d waits on it", ps.endpoint, step)
+                continue
+            if int(rep.body["step"]) >= step:
+                return
+
+    async def applied_step(self) -> int:
+        """The step every PS has applied, without the lag of the loop above (at the end
+        of training the last push can be acknowledged before the loop hears of it)."""
+        if not self.stepping:
+            return self._step
+        body = o.WaitStep(0).to_wire()
+        try:
+            reps = await asyncio.gather(
+                *(c.request("wait_step", body, timeout=5.0) for c in self.stepping)
+            )
+        except ZmqpsError:
+            return self._step
+        return max(self._step, min(int(r.body["step"]) for r in reps))
+
+    async def take_token(self, who: o.Who, wait: float, have: int | None) -> int:
+        """A token for ``who`` (its value is the step to compute); NotReady after
+        ``wait`` seconds."""
+
+        def grant() -> int | None:
+            if not self.started:
+                return None
+            return self.tokens.take(who.index, who.incarnation, self.replicas(), have)
+
+        return int(
+            await self._long_wait(grant, wait, f"no token within {wait:g}s (global step"
+                                  f" {self._step})")  # fmt: skip
+        )
+
+    def steps_planned(self) -> int:
+        return self.members.max_steps_planned
+
+    # ------------------------------------------------------------ status
+
+    async def waiting_on(self, live: Sequence[int], skip: Sequence[Requester] = ()) -> list[int]:
+        """Live workers whose gradient for the current step some PS has not received
+        (``skip``: PS known not to answer, not asked)."""
+        names = {f"worker:{i}": i for i in live}
+        missing: set[int] = set()
+
+        async def ask(c: Requester) -> None:
+            try:
+                rep = await c.request("status", timeout=2.0)
+            except ZmqpsError:
+                return  # an unreachable PS: zmqps status reports it under ps_down
+            got = set((rep.body.get("sync") or {}).get("contributors", []))
+            missing.update(i for name, i in names.items() if name not in got)
+
+        # All PS at once: one cut off by a partition costs the status 2 s, not 2 s each.
+        await asyncio.gather(*(ask(c) for c in self.stepping if c not in skip))
+        return sorted(missing)
+
+    def status(self) -> dict[str, Any]:
+        replicas = self.replicas()
+        return {
+            "mode": self.name,
+            "replicas_to_aggregate": self.required or self.needed(),
+            "total_replicas": replicas,
+            "tokens_available": self.tokens.available(replicas) if self.started else 0,
+            "tokens_discarded": self.tokens.discarded,
+            "step_age_s": round(self.clock() - self.step_started_at, 3),
+        }
+
+
+def make_chief_mode(
+    cfg: SyncConfig,
+    members: Membership,
+    ps: Sequence[Requester],
+    clock: Callable[[], float] = time.monotonic,
+) -> ChiefMode:
+    """The strategy for ``cfg.mode``."""
+    kinds: dict[str, type[ChiefMode]] = {"async": AsyncMode, "ssp": SspMode, "sync": SyncMode}
+    return kinds[cfg.mode](cfg, members, ps, clock)

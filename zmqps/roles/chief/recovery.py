@@ -1,0 +1,505 @@
+"""The chief's recovery controller: one owner for everything that keeps training alive
+through faults.
+
+Rules of this module:
+
+* :class:`RecoveryController` owns the cluster's phase (the state machine of
+  :mod:`zmqps.core.recovery`), each PS's health, the generation, restores, the
+  adoption of running PS by a restarted chief, and the admission of workers
+  (fencing their old incarnations, the batch they resume after, re-admission of a
+  worker that comes back). Op handlers and variable placement live elsewhere and
+  ask it.
+* Training runs only in the phases that allow it: entering RUNNING starts the
+  consistency mode's loop and the checkpoint schedule (:meth:`_start_training`),
+  leaving it stops them.
+* A PS silent for the heartbeat timeout is *down*: training waits for it (its
+  shards exist nowhere else) and status says so. A PS that answers with another
+  boot id or generation lost its shards: every shard of every PS is restored to
+  the latest committed checkpoint, into a new generation, all at one step.
+* A worker's every registration fences its older incarnations on every PS before
+  it gets an answer, and reads there how far its pushes got: a new incarnation
+  resumes after the batches that really reached the PS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from zmqps.checkpoint import Checkpoint
+from zmqps.core.membership import Membership
+from zmqps.core.recovery import (
+    Event,
+    Lifecycle,
+    Phase,
+    Progress,
+    PsHealth,
+    decide_start,
+    resume_point,
+)
+from zmqps.core.variables import Placement
+from zmqps.metrics import Metrics
+from zmqps.roles.checkpointer import Checkpointer
+from zmqps.roles.chief.modes import ChiefMode
+from zmqps.roles.chief.variables import Variables
+from zmqps.roles.configs import ChiefConfig
+from zmqps.transport import Requester
+from zmqps.wire import ops as o
+from zmqps.wire.errors import DeadlineExceeded, NotReady, ZmqpsError
+
+if TYPE_CHECKING:
+    from zmqps.roles.chief.checkpoints import ChiefCheckpoints
+
+__all__ = ["RecoveryController"]
+
+log = logging.getLogger("zmqps.chief")
+
+
+class RecoveryController:
+    def __init__(
+        self,
+        cfg: ChiefConfig,
+        ps: Sequence[Requester],
+        members: Membership,
+        mode: ChiefMode,
+        variables: Variables,
+        checkpointer: Checkpointer | None,
+        checkpoints: ChiefCheckpoints | None,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.ps = list(ps)
+        self.members = members
+        self.mode = mode
+        self.variables = variables
+        self.checkpointer = checkpointer
+        self.checkpoints = checkpoints
+        self.metrics = metrics
+        self.clock = clock
+        self.lifecycle = Lifecycle()
+        self.health = PsHealth(len(self.ps), cfg.heartbeat_timeout, clock())
+        #: restores so far; data requests of another generation are refused by the PS
+        self.gen = 0
+        self.recoveries: list[dict[str, Any]] = []
+        #: each PS's boot id as last heard at a start or a restore
+        self.boots: dict[int, str] = {}
+        #: set once the start decision is made (adopt, restore or fresh)
+        self.started = asyncio.Event()
+        self.training_failed = asyncio.Event()
+        self.training_error: BaseException | None = None
+        self._training: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ the phase
+
+    @property
+    def phase(self) -> Phase:
+        return self.lifecycle.phase
+
+    @property
+    def recovering(self) -> bool:
+        """Workers wait: their values may be rolled back."""
+        return self.lifecycle.recovering
+
+    @property
+    def training(self) -> bool:
+        return self.phase in (Phase.RUNNING, Phase.DEGRADED, Phase.FINISHING)
+
+    @property
+    def ps_down(self) -> dict[int, float]:
+        return self.health.down
+
+    def handle(self, event: Event) -> Phase:
+        before = self.phase
+        after = self.lifecycle.handle(event)
+        if after is not before:
+            log.debug("cluster %s -> %s (%s)", before.value, after.value, event.value)
+        return after
+
+    # ------------------------------------------------------------------ training
+
+    def _start_training(self, step: int) -> None:
+        holders = self.variables.holders()
+
+        async def train() -> None:
+            if self.checkpoints is not None and self.mode.name != "sync":
+                await asyncio.gather(self.mode.start(holders, step), self.checkpoints.schedule())
+            else:
+                await self.mode.start(holders, step)
+                await asyncio.Future()  # async: nothing more to drive; wait to be stopped
+
+        self._stop_training()
+        self._training = asyncio.ensure_future(train())
+        self._training.add_done_callback(self._training_done)
+
+    def _training_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self.training_error = task.exception()
+        self.training_failed.set()
+
+    def _stop_training(self) -> None:
+        if self._training is not None:
+            self._training.cancel()
+            self._training = None
+        self.mode.stop()
+
+    async def close(self) -> None:
+        self._stop_training()
+        if self.checkpointer is not None:
+            await self.checkpointer.cancel()
+
+    # ------------------------------------------------------------------ start
+
+    async def ps_states(self, timeout: float) -> list[dict[str, Any]]:
+        """``ps_state`` of every PS, waiting up to ``timeout`` s for each to answer."""
+        deadline = self.clock() + timeout
+
+        async def one(i: int) -> dict[str, Any]:
+            while True:
+                left = deadline - self.clock()
+                try:
+                    rep = await self.ps[i].request("ps_state", timeout=max(0.05, min(2.0, left)))
+                    return dict(rep.body)
+                except DeadlineExceeded:
+                    if self.clock() >= deadline:
+                        raise NotReady(
+                            f"ps {i} ({self.ps[i].endpoint}) did not answer within {timeout:g}s"
+                        ) from None
+                    log.info("waiting for ps %d at %s", i, self.ps[i].endpoint)
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(self.ps)))))
+
+    async def start(self) -> None:
+        """At start: adopt the state of PS that already hold shards (this chief was
+        restarted), or restore every PS from the latest checkpoint, or start fresh."""
+        if self.checkpointer is not None:
+            await asyncio.to_thread(self.checkpointer.clean)
+        states = await self.ps_states(self.cfg.startup_timeout)
+        plan = decide_start(states, sync=self.mode.name == "sync")
+        self.gen = plan.gen
+        self.boots = boots = {i: str(st["boot"]) for i, st in enumerate(states)}
+        try:
+            if plan.kind == "adopt":
+                assert plan.placement is not None
+                self.variables.use(Placement.from_wire(plan.placement))
+                if self.mode.name == "sync":
+                    self.mode.global_step = plan.step
+                self.health.expect(boots, self.gen, self.clock())
+                self.handle(Event.ADOPTED)
+                log.info(
+                    "adopted the running PS: %d variables, generation %d%s",
+                    len(self.variables.placement.variables),  # type: ignore[union-attr]
+                    self.gen,
+                    f", global step {plan.step}" if self.mode.name == "sync" else "",
+                )
+                self._start_training(self.mode.global_step)
+                return
+            if plan.placement is not None:
+                log.warning("%s: restoring every shard", plan.reason)
+                self.variables.use(Placement.from_wire(plan.placement))
+                await self._restore(Event.RESTORE, "chief restart with PS in disagreement", states)
+                return
+            ckpt = None if self.checkpointer is None else self.checkpointer.latest()
+            if ckpt is None:
+                self.handle(Event.FRESH)
+                return
+            variables = tuple(ckpt.variable_defs())
+            placement = self.variables.plan(variables, dict(ckpt.manifest.optimizer))
+            self.variables.use(placement)
+            if self.mode.name != "sync":
+                self.mode.step_offset = ckpt.step
+            self.gen = max(self.gen, ckpt.manifest.generation)
+            await self._restore(Event.RESTORE, "start", states, ckpt=ckpt)
+        finally:
+            self.started.set()
+
+    def variables_created(self) -> None:
+        """The variables of a fresh cluster exist now: training may begin."""
+        if self.phase is Phase.WAITING:
+            self.handle(Event.VARIABLES)
+            self.health.expect(self.boots, self.gen, self.clock())
+            self._start_training(0)
+
+    # ------------------------------------------------------------------ restores
+
+    async def _restore(
+        self,
+        event: Event,
+        reason: str,
+        states: Sequence[dict[str, Any]],
+        ckpt: Checkpoint | None = None,
+        lost: Sequence[int] = (),
+        detected_at: float | None = None,
+    ) -> int:
+        """Restore every shard on every PS (``states``: what they answered) to ``ckpt``
+        (default: the latest committed checkpoint, or the initial values if there is
+        none), all PS to one step, in a new generation; training restarts there."""
+        self.handle(event)
+        started = self.clock()
+        self._stop_training()
+        before = self.mode.global_step
+        self.boots = boots = {i: str(st["boot"]) for i, st in enumerate(states)}
+        self.gen = max([self.gen, *(int(st["gen"]) for st in states)])
+        cursors: dict[str, int] = {}
+        for st in states:
+            for worker, c in (st.get("cursors") or {}).items():
+                cursors[worker] = max(cursors.get(worker, 0), int(c))
+        step = await self.restore_all(reason, ckpt, cursors)
+        self.health.expect(boots, self.gen, self.clock())
+        self.handle(Event.RESTORED)
+        self._start_training(step)
+        if detected_at is not None:
+            now = self.clock()
+            record = {
+                "reason": reason,
+                "ps": list(lost),
+                "step": step,
+                "lost_steps": max(0, before - step) if self.mode.name == "sync" else None,
+                "gen": self.gen,
+                "detect_to_resume_s": round(now - detected_at, 3),
+                "restore_s": round(now - started, 3),
+                "at": time.time(),
+            }
+            self.recoveries.append(record)
+            self.recoveries = self.recoveries[-20:]
+            if self.metrics is not None:
+                self.metrics.recovery_seconds.observe(now - detected_at)
+            log.warning(
+                "recovered from %s: every shard at step %d (generation %d), %.2fs after"
+                " detection",
+                reason,
+                step,
+                self.gen,
+                now - detected_at,
+            )
+        return step
+
+    async def restore_all(
+        self,
+        reason: str,
+        ckpt: Checkpoint | None = None,
+        cursors: dict[str, int] | None = None,
+    ) -> int:
+        """Send every PS its shards of ``ckpt`` (default: the latest), in a new
+        generation; returns the step restored."""
+        placement = self.variables.placement
+        assert placement is not None
+        if ckpt is None and self.checkpointer is not None:
+            await self.checkpointer.cancel()
+            ckpt = await asyncio.to_thread(self.checkpointer.latest)
+        step = 0 if ckpt is None else ckpt.step
+        sync_step = step if self.mode.name == "sync" else 0
+        self.gen += 1
+        if ckpt is None:
+            log.warning("no committed checkpoint: every shard restarts from its initial values")
+        await asyncio.gather(
+            *(
+                self.ps[i].request(
+                    "restore",
+                    o.Restore(
+                        self.gen,
+                        sync_step,
+                        tuple(defs),
+                        None if ckpt is None else ckpt.name,
+                        placement.to_wire(),
+                        cursors or None,
+                    ).to_wire(),
+                    timeout=self.cfg.startup_timeout,
+                )
+                for i, defs in self.variables.defs_by_ps().items()
+            )
+        )
+        if self.mode.name == "sync":
+            self.mode.global_step = sync_step
+        if self.metrics is not None:
+            self.metrics.restores.labels(reason.split()[0]).inc()
+        log.info(
+            "restored every shard to %s (step %d, generation %d): %s",
+            "initial values" if ckpt is None else ckpt.name,
+            step,
+            self.gen,
+            reason,
+        )
+        return step
+
+    async def restore_lost(self, lost: Sequence[int], detected_at: float, reason: str) -> None:
+        """PS ``lost`` restarted without their shards: restore every PS."""
+        if self.variables.placement is None:
+            return
+        states = await self.ps_states(self.cfg.startup_timeout)
+        await self._restore(Event.RESTORE, reason, states, lost=lost, detected_at=detected_at)
+
+    # ------------------------------------------------------------------ watching the PS
+
+    async def watch_ps(self) -> None:
+        """Probe every PS each heartbeat interval (until cancelled). A probe still in
+        flight when the interval ends counts as no answer yet, and the next probe of
+        that PS waits for it: a silent PS is found within an interval of the heartbeat
+        timeout, not after its probe's own timeout on top."""
+        interval = min(self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout / 4)
+        inflight: dict[int, asyncio.Task[tuple[int, o.PsStateReply | None]]] = {}
+
+        async def probe(i: int, gen: int) -> tuple[int, o.PsStateReply | None]:
+            try:
+                # attempts=2: a read, so it may be sent again, and is, at once, when the
+                # connection comes back after a partition (the PS is heard without delay)
+                rep = await self.ps[i].request(
+                    "ps_state", timeout=max(0.5, 2 * interval), attempts=2
+                )
+                return gen, o.PsStateReply.parse(rep.body)
+            except ZmqpsError:
+                return gen, None
+
+        def forget() -> None:
+            for t in inflight.values():
+                t.cancel()
+            inflight.clear()
+
+        try:
+            while True:
+                if not self.training or self.variables.placement is None:
+                    forget()
+                else:
+                    for i in range(len(self.ps)):
+                        if i not in inflight:
+                            inflight[i] = asyncio.ensure_future(probe(i, self.gen))
+                await asyncio.sleep(interval)
+                if not inflight or not self.training:
+                    continue
+                lost = self._hear(inflight)
+                if lost:
+                    forget()
+                    detected = self.health.detected(lost, self.clock())
+                    log.warning("ps %s restarted without its shards: restoring every PS", lost)
+                    reason = f"ps {','.join(map(str, lost))} restarted"
+                    await self.restore_lost(lost, detected, reason)
+        finally:
+            forget()
+
+    def _hear(self, inflight: dict[int, asyncio.Task[tuple[int, o.PsStateReply | None]]]
+              ) -> list[int]:  # fmt: skip
+        """Take the answered probes; returns the PS that restarted."""
+        now = self.clock()
+        lost = []
+        for i in range(len(self.ps)):
+            task = inflight.get(i)
+            st: o.PsStateReply | None = None
+            if task is not None and task.done():
+                del inflight[i]
+                gen, st = task.result()
+                st = st if gen == self.gen else None  # a probe of before a restore
+            if st is None:
+                if self.health.silent(i, now):
+                    log.warning(
+                        "ps %d (%s) has not answered for %.0fs: down; waiting for it to come back",
+                        i,
+                        self.ps[i].endpoint,
+                        self.health.down[i],
+                    )
+                    self.handle(Event.PS_SILENT)
+                continue
+            heard = self.health.answered(i, st.boot, st.gen, now)
+            if heard == "restarted":
+                lost.append(i)
+            elif heard == "back":
+                log.info("ps %d answers again", i)
+                if not self.health.down and self.phase is Phase.DEGRADED:
+                    self.handle(Event.PS_BACK)
+        return lost
+
+    # ------------------------------------------------------------------ workers
+
+    async def admit(self, who: o.Who, steps_planned: int) -> tuple[bool, int, int]:
+        """Register a worker: ``(rejoin, batches to skip, last sync step computed)``.
+
+        Its older incarnations are fenced on every PS first (a late push of a paused
+        old process is refused even if it comes before the new one's first push), and
+        each PS says how far the worker's pushes got there."""
+        rejoin = self.members.register(who.index, who.incarnation, self.clock(), steps_planned)
+        progress = await self._fence(who)
+        state = self.members.workers[who.index]
+        skip, last = resume_point(
+            state.steps_before,
+            progress,
+            sync=self.mode.name == "sync",
+            global_step=self.mode.global_step,
+        )
+        log.info(
+            "worker %d (incarnation %d) %s%s",
+            who.index,
+            who.incarnation,
+            "rejoined" if rejoin else "registered",
+            f"; resumes after batch {skip}" if skip else "",
+        )
+        await self.mode.membership_changed(back=[who.index])
+        return rejoin, skip, last
+
+    async def _fence(self, who: o.Who) -> list[Progress]:
+        """Tell every PS that the worker's incarnations before this one are gone; what
+        each PS holding shards applied from it. A PS that cannot be told fences at the
+        new incarnation's first push (and is left out of the resume point)."""
+        body = o.Fence(who.name, who.incarnation).to_wire()
+
+        async def one(c: Requester) -> Progress | None:
+            try:
+                rep = o.Fenced.parse((await c.request("fence", body, timeout=2.0)).body)
+            except ZmqpsError as e:
+                log.warning("could not fence %s on ps %s: %s", who.name, c.endpoint, e)
+                return None
+            return Progress(rep.cursor, rep.step) if rep.holds else None
+
+        got = await asyncio.gather(*(one(c) for c in self.ps))
+        return [p for p in got if p is not None]
+
+    async def watch_workers(self) -> None:
+        """Log every worker that stops heartbeating (and every one that comes back); a
+        death shrinks M (and N if needed) so no step waits for a dead worker, and a
+        worker back is re-admitted (its token, its share of N)."""
+        dead: set[int] = set()
+        period = min(self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            now_dead = set(self.members.dead(self.clock()))
+            for i in sorted(now_dead - dead):
+                log.warning(
+                    "worker %d missed heartbeats for %.0fs: considered dead",
+                    i,
+                    self.cfg.heartbeat_timeout,
+                )
+            for i in sorted(dead - now_dead):
+                log.info("worker %d is back: re-admitted", i)
+            if now_dead != dead:
+                await self.mode.membership_changed(
+                    gone=sorted(now_dead - dead), back=sorted(dead - now_dead)
+                )
+            dead = now_dead
+
+    # ------------------------------------------------------------------ status
+
+    def blocker(self) -> str | None:
+        """Why training cannot advance now, from the recovery side (None: nothing here)."""
+        phase = self.phase
+        if phase is Phase.STARTING:
+            return "the chief is starting: waiting for every PS to answer"
+        if phase is Phase.WAITING:
+            return "waiting for the variables to be created"
+        if phase is Phase.RESTORING:
+            return "restoring every shard from the checkpoint"
+        if phase is Phase.DEGRADED or self.health.down:
+            down = ", ".join(f"ps {i} (silent {s:.0f}s when found)" for i, s in
+                             sorted(self.health.down.items()))  # fmt: skip
+            return f"waiting for {down} to come back"
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase.value,
+            "gen": self.gen,
+            "recovering": self.recovering,
+            "recoveries": self.recoveries[-5:],
+            "ps_down": {str(i): s for i, s in sorted(self.health.down.items())},
+        }

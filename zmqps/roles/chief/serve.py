@@ -1,0 +1,212 @@
+"""The chief as a process: server, watchers, signals, and the end of the run.
+
+The order of the end matters and is kept here, in one place:
+
+1. every worker has left with its work done (the leaves' changes of N reached the
+   PS, so no step will be applied after this);
+2. the final checkpoint (labelled with the step every PS reports);
+3. the final model's evaluation, export and the summary; status says ``finished``;
+4. the PS stay up until every live side-car evaluator took its last evaluation of
+   that model and left (at most ``final_eval_timeout`` seconds);
+5. the PS are shut down, the chief exits.
+
+A shutdown (SIGTERM, SIGINT, the ``shutdown`` op) instead hears the workers leave
+(half the grace period at most), takes a last checkpoint within the grace period,
+and shuts the PS down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from zmqps.core.recovery import Event
+from zmqps.metrics import Metrics
+from zmqps.roles._run import run_server, start_exporter
+from zmqps.roles.chief.finish import summarize
+from zmqps.roles.chief.service import ChiefService
+from zmqps.roles.configs import ChiefConfig
+from zmqps.transport import Client, Requester, Server, SocketOptions, ZmqContext
+from zmqps.wire import ops as o
+from zmqps.wire.errors import DeadlineExceeded, ZmqpsError
+
+__all__ = ["run_chief", "serve_chief"]
+
+log = logging.getLogger("zmqps.chief")
+
+
+async def _first(*events: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+async def serve_chief(
+    cfg: ChiefConfig,
+    ctx: ZmqContext,
+    options: SocketOptions | None = None,
+    metrics: Metrics | None = None,
+) -> dict[str, Any]:
+    """Serve the chief until training ends; ``metrics``: a catalogue to fill and export
+    (e.g. shared with a coordinator in this process; default: a fresh one when
+    ``cfg.metrics_port`` is set)."""
+    if metrics is None and cfg.metrics_port is not None:
+        metrics = Metrics()
+    ps_clients = [
+        Client(ctx, addr, "chief:0", options=options, timeout=30.0) for addr in cfg.cluster.ps
+    ]
+    service = ChiefService(cfg, ps_clients, metrics=metrics)
+    server = Server(ctx, cfg.bind, service, name="chief", options=options, observer=metrics)
+    # The task's own address first (the cluster spec names it); the metrics port after,
+    # so a metrics port picked as 0 can never take it.
+    try:
+        endpoint = server.bind()
+        exporter = start_exporter(metrics, cfg.metrics_host, cfg.metrics_port, "chief")
+    except OSError:
+        await server.stop()
+        for c in ps_clients:
+            await c.close()
+        raise
+    log.info(
+        "chief: serving on %s (%d PS, %d workers)",
+        endpoint,
+        cfg.cluster.num_ps,
+        cfg.cluster.num_workers,
+    )
+    server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.shutdown_requested.set)
+    watchers = [asyncio.ensure_future(service.recovery.watch_workers())]
+    try:
+        await _run(service, watchers)
+        await _shutdown_ps(ps_clients)
+        if service.recovery.lifecycle.can(Event.FINISHED):
+            service.recovery.handle(Event.FINISHED)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        for w in watchers:
+            w.cancel()
+        await service.recovery.close()
+        await server.stop()
+        if exporter is not None:
+            exporter.close()
+        for c in ps_clients:
+            await c.close()
+    return service.result
+
+
+async def _run(service: ChiefService, watchers: list[asyncio.Future[Any]]) -> None:
+    cfg = service.cfg
+    recovery = service.recovery
+    starting = asyncio.ensure_future(service.start())
+    stop = asyncio.ensure_future(service.shutdown_requested.wait())
+    await asyncio.wait([starting, stop], return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    if not starting.done():  # a shutdown before the PS ever answered
+        starting.cancel()
+        log.info("chief: shutdown before the cluster started")
+        return
+    starting.result()
+    watchers.append(asyncio.ensure_future(recovery.watch_ps()))
+    await _create_job_variables(service)
+    await _first(service.all_done, service.shutdown_requested, recovery.training_failed)
+    if recovery.training_error is not None:
+        raise recovery.training_error
+    if service.all_done.is_set() and not service.shutdown_requested.is_set():
+        await _finish(service)
+        if cfg.keep_alive:
+            await service.shutdown_requested.wait()
+        return
+    # a shutdown: one last checkpoint, within the grace period
+    recovery.handle(Event.SHUTDOWN)
+    grace_ends = time.monotonic() + cfg.stop_grace
+    # The workers were signalled too: they end their step and leave. Hear them first
+    # (half the grace at most), so their last updates are in the final checkpoint and
+    # their leave is answered.
+    await _workers_gone(service, cfg.stop_grace / 2)
+    if service.checkpoints is not None:
+        try:
+            await asyncio.wait_for(
+                service.checkpoints.final(), max(0.1, grace_ends - time.monotonic())
+            )
+        except asyncio.TimeoutError:
+            log.error("final checkpoint not committed within %.0fs", cfg.stop_grace)
+
+
+async def _create_job_variables(service: ChiefService) -> None:
+    """A built-in job: the chief creates its model's variables itself."""
+    job = service.cfg.job
+    if job is None:
+        return
+    if job.is_ctr:
+        model: Any = job.build_ctr_model(job.load_ctr("train"))
+    else:
+        model = job.build_model(job.load("train"))
+    await service.create_variables(model.variables(), dict(job.optimizer))
+
+
+async def _finish(service: ChiefService) -> None:
+    cfg = service.cfg
+    recovery = service.recovery
+    while not recovery.lifecycle.can(Event.ALL_DONE):  # a restore in progress ends first
+        await asyncio.sleep(0.05)
+    recovery.handle(Event.ALL_DONE)
+    if service.checkpoints is not None:
+        await service.checkpoints.final(finished=True)
+    service.result = await summarize(service)
+    if cfg.summary_path:
+        Path(cfg.summary_path).write_text(json.dumps(service.result, indent=2) + "\n")
+    service.finished = True
+    await _evaluators_done(service)
+
+
+async def _evaluators_done(service: ChiefService) -> None:
+    """Keep the PS up until every live side-car evaluator scored the final model and
+    left (it says so), at most ``final_eval_timeout`` seconds."""
+    if not service.live_evaluators():
+        return
+    deadline = time.monotonic() + service.cfg.final_eval_timeout
+    log.info("waiting for the evaluator's last evaluation before shutting the PS down")
+    while service.live_evaluators() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if service.live_evaluators():
+        log.warning(
+            "the evaluator did not finish within %.0fs; shutting the PS down",
+            service.cfg.final_eval_timeout,
+        )
+
+
+async def _workers_gone(service: ChiefService, timeout: float) -> None:
+    """Wait up to ``timeout`` s until no worker is alive (each left, or is dead)."""
+    deadline = service.clock() + timeout
+    while service.members.alive(service.clock()) and service.clock() < deadline:
+        await asyncio.sleep(0.05)
+
+
+async def _shutdown_ps(ps_clients: Sequence[Requester]) -> None:
+    body = o.Shutdown("training finished").to_wire()
+
+    async def one(c: Requester) -> None:
+        try:
+            await c.request("shutdown", body, timeout=5.0)
+        except DeadlineExceeded:
+            log.warning("ps at %s did not acknowledge shutdown", c.endpoint)
+        except ZmqpsError as e:
+            log.warning("ps at %s refused shutdown: %s", c.endpoint, e)
+
+    await asyncio.gather(*(one(c) for c in ps_clients))
+
+
+def run_chief(cfg: ChiefConfig, options: SocketOptions | None = None) -> int:
+    return run_server(lambda ctx: serve_chief(cfg, ctx, options))

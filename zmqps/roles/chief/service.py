@@ -1,0 +1,343 @@
+"""The chief's request handler: membership, variables, the global step, status.
+
+Rules of this module:
+
+* :class:`ChiefService` only answers requests: its op table (:meth:`ChiefService.ops`)
+  names every op with its typed body. The state lives in its parts, each the one
+  owner of its kind: :class:`~zmqps.core.membership.Membership` (workers),
+  :class:`~zmqps.roles.chief.variables.Variables` (the placement), the consistency
+  mode (:mod:`zmqps.roles.chief.modes`: tokens, the global step),
+  :class:`~zmqps.roles.chief.recovery.RecoveryController` (phase, PS health,
+  generation, restores, worker admission), the checkpoint schedule.
+* Side-car evaluators register and heartbeat like workers but are never members:
+  the chief tracks them only to keep the PS up, at the end, until each took its
+  last evaluation (bounded by ``final_eval_timeout``).
+* When every worker has left with its work done (after the membership change that
+  leave caused has reached the PS), ``all_done`` is set; the process (serve.py)
+  then finishes the run.
+* ``status`` names the blocker whenever training cannot advance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from zmqps.core.membership import Membership
+from zmqps.core.recovery import Phase
+from zmqps.core.variables import Placement, VariableDef
+from zmqps.metrics import Metrics
+from zmqps.roles.checkpointer import Checkpointer
+from zmqps.roles.chief.checkpoints import ChiefCheckpoints
+from zmqps.roles.chief.modes import ChiefMode, make_chief_mode
+from zmqps.roles.chief.recovery import RecoveryController
+from zmqps.roles.chief.variables import Variables
+from zmqps.roles.configs import ChiefConfig
+from zmqps.transport import Requester
+from zmqps.wire import Message, reply
+from zmqps.wire import ops as o
+from zmqps.wire.errors import InvalidArgument, NotReady, ProtocolError
+
+__all__ = ["ChiefService"]
+
+log = logging.getLogger("zmqps.chief")
+
+Handler = Callable[[Message, Any], "Message | Awaitable[Message]"]
+
+
+class ChiefService:
+    def __init__(
+        self,
+        cfg: ChiefConfig,
+        ps_clients: Sequence[Requester],
+        clock: Callable[[], float] = time.monotonic,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.ps = list(ps_clients)
+        self.clock = clock
+        self.members = Membership(cfg.cluster.num_workers, cfg.heartbeat_timeout)
+        self.consistency: ChiefMode = make_chief_mode(cfg.sync, self.members, self.ps, clock)
+        self.variables = Variables(cfg, self.ps)
+        self.checkpointer = (
+            Checkpointer(cfg.checkpoint, self.ps, metrics, clock) if cfg.checkpoint else None
+        )
+        self.checkpoints = (
+            ChiefCheckpoints(self.checkpointer, self) if self.checkpointer is not None else None
+        )
+        if self.checkpoints is not None:
+            self.consistency.on_step = self.checkpoints.at_boundary
+        self.recovery = RecoveryController(
+            cfg,
+            self.ps,
+            self.members,
+            self.consistency,
+            self.variables,
+            self.checkpointer,
+            self.checkpoints,
+            metrics,
+            clock,
+        )
+        #: side-car evaluators: (index, incarnation) -> last heard (monotonic)
+        self.evaluators: dict[tuple[int, int], float] = {}
+        self.all_done = asyncio.Event()
+        self.shutdown_requested = asyncio.Event()
+        #: the run is over and its summary written: heartbeats tell every task
+        self.finished = False
+        self.started = time.time()
+        self.result: dict[str, Any] = {}
+        self._ops = self.ops()
+        if metrics is not None:
+            self._watch(metrics)
+
+    def ops(self) -> dict[str, tuple[type[o.Body], Handler]]:
+        """The op table: every op the chief serves, its typed body, its handler."""
+        return {
+            "ping": (o.Ping, self._op_ping),
+            "register": (o.Register, self._op_register),
+            "heartbeat": (o.Heartbeat, self._op_heartbeat),
+            "leave": (o.Leave, self._op_leave),
+            "create_vars": (o.CreateVars, self._op_create_vars),
+            "get_placement": (o.GetPlacement, self._op_get_placement),
+            "take_token": (o.TakeToken, self._op_take_token),
+            "ssp_clock": (o.SspClock, self._op_ssp_clock),
+            "checkpoint": (o.TakeCheckpoint, self._op_checkpoint),
+            "status": (o.Status, self._op_status),
+            "shutdown": (o.Shutdown, self._op_shutdown),
+        }
+
+    def __call__(self, msg: Message) -> Message | Awaitable[Message]:
+        entry = self._ops.get(msg.op)
+        if entry is None:
+            raise ProtocolError(f"the chief does not serve {msg.op!r}")
+        body, handler = entry
+        return handler(msg, body.from_wire(msg.body))
+
+    def _watch(self, m: Metrics) -> None:
+        """The chief's gauges read its state at scrape time (no per-event updates)."""
+        m.set_info("chief", 0, self.mode)
+        m.watch(m.global_step, lambda: self.global_step)
+        m.watch(m.workers_alive, self._alive_count)
+        m.watch(m.tokens_available, lambda: self.consistency.status().get("tokens_available", 0))
+        m.watch(m.generation, lambda: self.recovery.gen)
+        m.watch(m.ps_down, lambda: len(self.recovery.ps_down))
+
+    def _alive_count(self) -> float:
+        # Runs in the exporter's thread: a worker registering meanwhile can change the
+        # membership dict under the iteration; read again rather than fail the scrape.
+        for _ in range(3):
+            try:
+                return len(self.members.alive(self.clock()))
+            except RuntimeError:
+                continue
+        return float("nan")
+
+    # ---------------------------------------------------------------- the parts' state
+
+    @property
+    def mode(self) -> str:
+        return self.consistency.name
+
+    @property
+    def global_step(self) -> int:
+        return self.consistency.global_step
+
+    @property
+    def placement(self) -> Placement | None:
+        return self.variables.placement
+
+    @property
+    def placement_ready(self) -> asyncio.Event:
+        return self.variables.ready
+
+    @property
+    def gen(self) -> int:
+        return self.recovery.gen
+
+    async def create_variables(
+        self, variables: Sequence[VariableDef], optimizer: dict[str, Any]
+    ) -> Placement:
+        """Create the model's variables (idempotent); a fresh cluster starts training."""
+        if self.recovery.phase is Phase.STARTING and self._starting:
+            await self.recovery.started.wait()  # adopted or restored ones come first
+        placement = await self.variables.create(variables, optimizer)
+        self.recovery.variables_created()
+        return placement
+
+    _starting = False
+
+    async def start(self) -> None:
+        """Decide how the cluster starts (adopt, restore, fresh) and start training."""
+        self._starting = True
+        await self.recovery.start()
+
+    # ---------------------------------------------------------------- membership
+
+    def _op_ping(self, msg: Message, req: o.Ping) -> Message:
+        return reply(msg, o.Pong("chief", 0).to_wire())
+
+    def _info(self, steps_done: int = 0, last_step: int = -1) -> o.ClusterInfo:
+        placement = self.variables.placement
+        return o.ClusterInfo(
+            ps=tuple(self.cfg.cluster.ps),
+            mode=self.mode,
+            heartbeat_interval=self.cfg.heartbeat_interval,
+            gen=self.recovery.gen,
+            global_step=self.global_step,
+            placement=None if placement is None else placement.to_wire(),
+            recovering=self.recovery.recovering,
+            steps_done=steps_done,
+            last_step=last_step,
+            finished=self.finished,
+        )
+
+    async def _op_register(self, msg: Message, req: o.Register) -> Message:
+        who = req.who
+        if who.role != "worker":
+            self.evaluators[(who.index, who.incarnation)] = self.clock()
+            return reply(msg, self._info().to_wire())
+        rejoin, skip, last = await self.recovery.admit(who, req.steps_planned or 0)
+        return reply(msg, self._info(skip, last).to_wire())
+
+    def _op_heartbeat(self, msg: Message, req: o.Heartbeat) -> Message:
+        who = req.who
+        if who.role != "worker":
+            self.evaluators[(who.index, who.incarnation)] = self.clock()
+        else:
+            self.members.heartbeat(
+                who.index, who.incarnation, req.step, self.clock(), req.loss, req.examples
+            )
+        beat = o.HeartbeatReply(
+            global_step=self.global_step,
+            gen=self.recovery.gen,
+            recovering=self.recovery.recovering,
+            finished=self.finished,
+            ps_down=tuple(sorted(self.recovery.ps_down)),
+        )
+        return reply(msg, beat.to_wire())
+
+    async def _op_leave(self, msg: Message, req: o.Leave) -> Message:
+        who = req.who
+        if who.role != "worker":
+            self.evaluators.pop((who.index, who.incarnation), None)
+            log.info("evaluator left (%s)", req.reason or "done")
+            return reply(msg, o.StepReply(global_step=self.global_step).to_wire())
+        reason = req.reason or "done"
+        self.members.leave(who.index, who.incarnation, req.step, self.clock(), reason, req.examples)
+        log.info("worker %d left (%s) after %d steps", who.index, reason, req.step)
+        # N shrinks first (it may apply the step the leaver's gradient completed), so
+        # the end of training sees every step the PS will ever apply.
+        await self.consistency.membership_changed(gone=[who.index])
+        if self.members.all_done():
+            self.all_done.set()
+        return reply(msg, o.StepReply(global_step=self.global_step).to_wire())
+
+    # ---------------------------------------------------------------- steps
+
+    async def _op_take_token(self, msg: Message, req: o.TakeToken) -> Message:
+        who = req.who
+        self.members.heartbeat(who.index, who.incarnation, 0, self.clock())
+        started = time.perf_counter()
+        try:
+            step = await self.consistency.take_token(who, (10.0 if req.wait is None else req.wait), req.have)
+        finally:
+            if self.metrics is not None:
+                self.metrics.token_wait.observe(time.perf_counter() - started)
+        return reply(msg, o.Token(step, self.recovery.gen).to_wire())
+
+    async def _op_ssp_clock(self, msg: Message, req: o.SspClock) -> Message:
+        who = req.who
+        self.members.heartbeat(who.index, who.incarnation, req.completed, self.clock())
+        slowest = await self.consistency.ssp_clock(who, req.completed, (10.0 if req.wait is None else req.wait))
+        return reply(msg, o.SspGrant(slowest).to_wire())
+
+    # ---------------------------------------------------------------- variables
+
+    async def _op_create_vars(self, msg: Message, req: o.CreateVars) -> Message:
+        variables = tuple(VariableDef.from_wire(v) for v in req.variables)
+        optimizer = dict(req.optimizer or self.cfg.optimizer)
+        placement = await self.create_variables(variables, optimizer)
+        return reply(msg, o.PlacementReply(placement.to_wire()).to_wire())
+
+    async def _op_get_placement(self, msg: Message, req: o.GetPlacement) -> Message:
+        placement = await self.variables.wait((0.0 if req.wait is None else req.wait))
+        if placement is None:
+            raise NotReady("variables have not been created yet")
+        return reply(msg, o.PlacementReply(placement.to_wire()).to_wire())
+
+    async def _op_checkpoint(self, msg: Message, req: o.TakeCheckpoint) -> Message:
+        """Take a checkpoint now (``zmqps`` tools and tests)."""
+        if self.checkpoints is None:
+            raise InvalidArgument("the chief runs without --checkpoint-dir")
+        ckpt = await self.checkpoints.now((60.0 if req.wait is None else req.wait))
+        return reply(msg, o.CheckpointTaken(ckpt.name, ckpt.step).to_wire())
+
+    # ---------------------------------------------------------------- status
+
+    def live_evaluators(self) -> list[tuple[int, int]]:
+        """Side-car evaluators heard within the heartbeat timeout."""
+        now = self.clock()
+        return [k for k, seen in self.evaluators.items()
+                if now - seen <= self.cfg.heartbeat_timeout]  # fmt: skip
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        placement = self.variables.placement
+        return {
+            "role": "chief",
+            **self.consistency.status(),
+            "global_step": self.global_step,
+            "steps_planned": self.consistency.steps_planned(),
+            "examples": self.members.examples,
+            "workers_expected": self.members.num_workers,
+            "workers_alive": self.members.alive(now),
+            "workers_dead": self.members.dead(now),
+            "workers": self.members.snapshot(now),
+            "evaluators": len(self.live_evaluators()),
+            "ps": list(self.cfg.cluster.ps),
+            "variables": 0 if placement is None else len(placement.variables),
+            "shards": 0 if placement is None else len(placement.shards),
+            "uptime_s": round(time.time() - self.started, 3),
+            "finished": self.finished,
+            **self.recovery.status(),
+            "checkpoints": None if self.checkpointer is None else self.checkpointer.status(),
+        }
+
+    async def _op_status(self, msg: Message, req: o.Status) -> Message:
+        out = self.status()
+        down = [self.ps[i] for i in self.recovery.ps_down]
+        out["waiting_on"] = await self.consistency.waiting_on(out["workers_alive"], skip=down)
+        out["blocker"] = self.blocker(out)
+        return reply(msg, out)
+
+    def blocker(self, st: dict[str, Any]) -> str | None:
+        """Why training cannot advance now (None: nothing holds it back)."""
+        if self.finished:
+            return None
+        why = self.recovery.blocker()
+        if why is not None:
+            return why
+        if self.recovery.phase is Phase.FINISHING:
+            return "finishing: the final checkpoint, evaluation and export"
+        if self.recovery.phase is Phase.STOPPING:
+            return "stopping (a shutdown was requested)"
+        if st["waiting_on"]:
+            names = ", ".join(f"worker {i}" for i in st["waiting_on"])
+            return f"step {st['global_step']} waits on {names}"
+        if not st["workers_alive"] and not self.members.all_done():
+            if st["workers_dead"]:
+                return f"no live worker: waiting for workers {st['workers_dead']} to come back"
+            missing = sorted(set(range(self.members.num_workers)) - set(self.members.workers))
+            if missing:
+                return f"waiting for workers {missing} to register"
+            return "no live worker: every worker left without finishing its work"
+        return None
+
+    def _op_shutdown(self, msg: Message, req: o.Shutdown) -> Message:
+        log.info("shutdown requested by %s", msg.sender or "?")
+        self.shutdown_requested.set()
+        return reply(msg)

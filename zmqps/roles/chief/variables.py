@@ -1,0 +1,145 @@
+"""The chief's variables: creation (idempotent), the placement, shards on the PS.
+
+Rules of this module:
+
+* The placement is computed once, here, and handed to every worker; creating
+  variables is idempotent (same definitions: same placement; different: error), and
+  concurrent creations make one placement.
+* Shards are created on the PS before any worker learns the placement, so a worker
+  that has a placement can always pull.
+* A placement adopted from running PS or taken from a checkpoint (:meth:`use`)
+  counts as created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from zmqps.core.initializers import validate_init
+from zmqps.core.optimizers import make_optimizer
+from zmqps.core.partition import plan
+from zmqps.core.variables import Placement, VariableDef
+from zmqps.roles.configs import ChiefConfig
+from zmqps.transport import Requester
+from zmqps.wire import ops as o
+from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotReady
+
+__all__ = ["Variables"]
+
+log = logging.getLogger("zmqps.chief")
+
+
+class Variables:
+    def __init__(self, cfg: ChiefConfig, ps: Sequence[Requester]) -> None:
+        self.cfg = cfg
+        self.ps = list(ps)
+        self.placement: Placement | None = None
+        self.ready = asyncio.Event()
+        self._creating: asyncio.Future[Placement] | None = None
+
+    def plan(self, variables: Sequence[VariableDef], optimizer: dict[str, Any]) -> Placement:
+        return plan(
+            tuple(variables), len(self.ps), self.cfg.partitioner, self.cfg.placement, optimizer
+        )
+
+    def holders(self) -> list[int]:
+        """The PS that hold shards of the placement."""
+        assert self.placement is not None
+        return sorted({s.ps for s in self.placement.shards})
+
+    def defs_by_ps(self) -> dict[int, list[dict[str, Any]]]:
+        """Every PS's shard definitions (wire form) under the placement."""
+        assert self.placement is not None
+        by_ps: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(self.ps))}
+        for ps, d in self.placement.shard_defs():
+            by_ps[ps].append(d.to_wire())
+        return by_ps
+
+    def use(self, placement: Placement) -> None:
+        """A placement that exists already (adopted PS, a checkpoint)."""
+        self.placement = placement
+        done: asyncio.Future[Placement] = asyncio.get_running_loop().create_future()
+        done.set_result(placement)
+        self._creating = done
+        self.ready.set()
+
+    async def wait(self, seconds: float) -> Placement | None:
+        if self.placement is None and seconds > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.ready.wait(), seconds)
+        return self.placement
+
+    async def create(
+        self, variables: Sequence[VariableDef], optimizer: dict[str, Any]
+    ) -> Placement:
+        """Create the variables (every PS gets its shards), or return the placement
+        they were created with; a different definition is refused."""
+        variables = tuple(variables)
+        make_optimizer(optimizer)
+        for v in variables:
+            validate_init(v.init)
+            if v.optimizer is not None:
+                make_optimizer(v.optimizer)
+        if self._creating is None:
+            self._creating = asyncio.ensure_future(self._create(variables, optimizer))
+        placement = await asyncio.shield(self._creating)
+        if placement.variables != variables or dict(placement.optimizer) != optimizer:
+            raise InvalidArgument(
+                "variables were already created with different definitions"
+                f" ({', '.join(v.name for v in placement.variables)})"
+            )
+        return placement
+
+    async def _create(
+        self, variables: tuple[VariableDef, ...], optimizer: dict[str, Any]
+    ) -> Placement:
+        try:
+            placement = self.plan(variables, optimizer)
+        except InvalidArgument:
+            self._creating = None
+            raise
+        by_ps: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(self.ps))}
+        for ps, d in placement.shard_defs():
+            by_ps[ps].append(d.to_wire())
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        wire = placement.to_wire()
+        try:
+            await asyncio.gather(
+                *(self._create_on(i, defs, wire, deadline) for i, defs in by_ps.items() if defs)
+            )
+        except BaseException:
+            self._creating = None
+            raise
+        self.placement = placement
+        self.ready.set()
+        log.info(
+            "created %d variables in %d shards on %d PS (%s placement)",
+            len(variables),
+            len(placement.shards),
+            len(self.ps),
+            self.cfg.placement,
+        )
+        return placement
+
+    async def _create_on(
+        self, ps: int, defs: list[dict[str, Any]], placement: dict[str, Any], deadline: float
+    ) -> None:
+        body = o.CreateShards(tuple(defs), placement).to_wire()
+        while True:
+            # never wait past the deadline: a short startup_timeout must be honored
+            timeout = min(2.0, max(0.01, deadline - time.monotonic()))
+            try:
+                await self.ps[ps].request("create_shards", body, timeout=timeout)
+                return
+            except DeadlineExceeded:
+                if time.monotonic() > deadline:
+                    raise NotReady(
+                        f"ps {ps} ({self.ps[ps].endpoint}) did not answer within"
+                        f" {self.cfg.startup_timeout:g}s"
+                    ) from None
+                log.info("waiting for ps %d at %s", ps, self.ps[ps].endpoint)

@@ -1,0 +1,223 @@
+"""Every task's configuration: frozen dataclasses, built once, passed as data.
+
+Rules of this module:
+
+* A task's whole configuration is one frozen dataclass (:class:`PSConfig`,
+  :class:`ChiefConfig`, :class:`WorkerConfig`, :class:`EvaluatorConfig`), validated
+  when built; nothing downstream reads flags or the environment.
+* :class:`TaskConfig` is what a process runs: one of them, plus the process-level
+  settings (CURVE keys folder, logging). ``zmqps launch`` builds every child's
+  TaskConfig in its own process, checks it, writes it as JSON (:func:`dumps`), and
+  the child reads it back (:func:`loads`): children never get a command line
+  rebuilt from parsed flags.
+* Secrets never travel in a config: keys stay in their 0600 files; a config names
+  the folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import cattrs
+
+from zmqps.config import ClusterSpec
+from zmqps.core.partition import Partitioner
+from zmqps.core.sync import MODES
+from zmqps.roles.job import JobConfig
+from zmqps.wire.errors import ConfigError, InvalidArgument
+
+__all__ = [
+    "CheckpointPolicy",
+    "ChiefConfig",
+    "DriverConfig",
+    "EvaluatorConfig",
+    "PSConfig",
+    "SyncConfig",
+    "TaskConfig",
+    "WorkerConfig",
+    "dumps",
+    "loads",
+]
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    mode: str = "async"
+    replicas_to_aggregate: int | None = None  # N; default: total replicas
+    total_replicas: int | None = None  # M; default: number of workers
+    init_tokens: int = 0  # K extra tokens of step 0
+    max_staleness: int = 2  # S (ssp)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidArgument(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        for name in ("replicas_to_aggregate", "total_replicas"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise InvalidArgument(f"{name} must be >= 1")
+        if self.init_tokens < 0 or self.max_staleness < 0:
+            raise InvalidArgument("init_tokens and max_staleness must be >= 0")
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    directory: str
+    steps: int = 0  # every N global steps (0: not by steps)
+    secs: float = 0.0  # every T seconds (0: not by time)
+    keep: int = 5
+
+    def due(self, step: int, last_step: int, last_time: float, now: float) -> bool:
+        if step <= last_step:
+            return False
+        if self.steps > 0 and step - last_step >= self.steps:
+            return True
+        return self.secs > 0 and now - last_time >= self.secs
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    index: int
+    bind: str
+    chunk_bytes: int = 4 << 20
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no exporter; 0: a free port
+    checkpoint_dir: str | None = None  # the shared checkpoint root this PS writes shards to
+    stop_grace: float = 8.0  # SIGTERM: seconds to serve on for the chief's final checkpoint
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    """Coordinator mode: the chief runs ``job_module``'s ``drive()`` and schedules its
+    functions onto workers that serve them."""
+
+    job_module: str
+    steps_per_execution: int = 1
+
+
+@dataclass(frozen=True)
+class ChiefConfig:
+    bind: str
+    cluster: ClusterSpec
+    job: JobConfig | None = None  # a built-in job: the chief creates and evaluates its model
+    optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "sgd", "lr": 0.01})
+    partitioner: Partitioner = field(default_factory=Partitioner)
+    placement: str = "round_robin"
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    startup_timeout: float = 120.0
+    summary_path: str | None = None
+    keep_alive: bool = False
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no exporter; 0: a free port
+    checkpoint: CheckpointPolicy | None = None
+    export_dir: str | None = None  # where the final model is exported (built-in jobs)
+    stop_grace: float = 8.0  # SIGTERM: seconds for the final checkpoint before exiting
+    #: at the end, how long the chief keeps the PS up for a side-car evaluator's last
+    #: evaluation (it says when it is done; a silent one is not waited for)
+    final_eval_timeout: float = 60.0
+    driver: DriverConfig | None = None  # coordinator mode
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A worker task of the built-in training program (or, with ``serve_job``, a
+    function server of coordinator mode)."""
+
+    cluster: ClusterSpec
+    index: int
+    job: JobConfig | None = None
+    device: str = "cpu"
+    prefetch: bool = False
+    shared_memory: bool = True
+    connect_timeout: float = 120.0
+    stats_path: str | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    serve_job: str | None = None  # coordinator mode: the module whose functions it serves
+
+
+@dataclass(frozen=True)
+class EvaluatorConfig:
+    """The side-car evaluator. ``chief`` None: a lone evaluator (no cluster to follow:
+    it evaluates the checkpoints in ``checkpoint_dir`` as they appear)."""
+
+    chief: str | None
+    job: JobConfig
+    checkpoint_dir: str | None = None  # set: evaluate checkpoints; None: pull snapshots
+    interval: float = 2.0  # seconds between evaluations (at most one per interval)
+    chief_timeout: float = 30.0  # seconds the chief may stay silent before training ended
+    connect_timeout: float = 120.0  # seconds to wait for the chief at start
+    eval_log: str | None = None  # append one JSON line per evaluation here
+    # A status reply later than this is treated as none: the ports are probed at once
+    # (a slow but live chief only costs a probe; it is an error after chief_timeout).
+    request_timeout: float = 1.0
+    pull_timeout: float = 30.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no exporter; 0: a free port
+    #: a lone evaluator ends when no new checkpoint appeared for this long after its
+    #: last evaluation (or when it evaluated a run's final checkpoint)
+    idle_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "chief_timeout", "connect_timeout", "idle_timeout"):
+            if not getattr(self, name) > 0:
+                flag = {"interval": "eval-interval", "idle_timeout": "eval-idle-timeout"}.get(
+                    name, name.replace("_", "-")
+                )
+                raise ConfigError(f"--{flag} must be > 0, got {getattr(self, name)}")
+        if self.chief is None and self.checkpoint_dir is None:
+            raise ConfigError(
+                "an evaluator without a chief in its cluster evaluates checkpoints:"
+                " pass --checkpoint-dir"
+            )
+
+    @property
+    def source(self) -> str:
+        return "checkpoint" if self.checkpoint_dir else "snapshot"
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """One process's task: exactly one of the role configs, and process settings."""
+
+    ps: PSConfig | None = None
+    chief: ChiefConfig | None = None
+    worker: WorkerConfig | None = None
+    evaluator: EvaluatorConfig | None = None
+    keys: str | None = None  # the CURVE keys folder (zmqps keygen); None: plaintext
+    verbose: int = 0
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("ps", "chief", "worker", "evaluator") if getattr(self, n)]
+        if len(given) != 1:
+            raise ConfigError(f"a task runs exactly one role, got {given or 'none'}")
+
+    @property
+    def role(self) -> str:
+        return next(n for n in ("ps", "chief", "worker", "evaluator") if getattr(self, n))
+
+
+_converter = cattrs.Converter()
+
+
+def dumps(task: TaskConfig) -> str:
+    """The task as JSON (what a child process reads back with :func:`loads`)."""
+    return json.dumps(_converter.unstructure(task), indent=1, sort_keys=True)
+
+
+def loads(text: str, source: str = "task config") -> TaskConfig:
+    """A :class:`TaskConfig` from :func:`dumps`' JSON; every config is validated again
+    as it is built. A bad one is a :class:`ConfigError` naming ``source``."""
+    try:
+        return _converter.structure(json.loads(text), TaskConfig)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}: not valid JSON ({e.msg})") from None
+    except ConfigError:
+        raise
+    except (cattrs.BaseValidationError, InvalidArgument, TypeError, ValueError) as e:
+        detail = "; ".join(str(x) for x in getattr(e, "exceptions", ())) or str(e)
+        raise ConfigError(f"{source}: {detail}") from None

@@ -1,0 +1,187 @@
+"""How a PS commits a validated push: the consistency mode as a strategy.
+
+Rules of this module:
+
+* A PS starts in :class:`Apply` (async) and changes mode only when the chief says
+  so (``sync_config``): :func:`make_mode` is the one place a mode name is read.
+* :class:`Apply` (async, ssp): each push is applied on arrival, shard by shard;
+  the reply carries each shard's staleness.
+* :class:`Accumulate` (sync, SyncReplicas): a push carries its token's step. It is
+  refused whole when its step is ahead of the shards (a token of before a restore),
+  dropped whole when a shard has moved past it (``stale``) or when every shard
+  already holds this worker's gradient for the step (``duplicate``); else it is
+  added to each shard's accumulator, which applies the mean once N arrived.
+* :class:`StepWaiters` holds the chief's ``wait_step`` long polls and wakes them
+  when the PS's step reaches theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from zmqps.core.store import DenseUpdate, RowUpdate, ShardStore, Update
+from zmqps.core.sync import MODES, SyncShards
+from zmqps.wire.errors import InvalidArgument, RolledBack
+
+__all__ = ["Accumulate", "Apply", "Committed", "PSMode", "StepWaiters", "make_mode"]
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The outcome of committing a push: ``dropped`` is None when it was applied (or
+    counted toward its step), else the reason."""
+
+    staleness: tuple[int, ...] = ()
+    dropped: str | None = None
+    advanced: bool = False  # sync: a step was applied
+
+
+class PSMode:
+    """The strategy interface (see the subclasses)."""
+
+    name = ""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+
+    @property
+    def step(self) -> int:
+        """The PS's sync step (0 outside sync)."""
+        return 0
+
+    def commit(self, sids: Sequence[int], updates: Sequence[Update], worker: str,
+               step: int | None) -> Committed:  # fmt: skip
+        raise NotImplementedError
+
+    def set_required(self, required: int) -> bool:
+        """Change N; True if a step was applied because of it."""
+        return False
+
+    def reset(self, step: int) -> None:
+        """A restore: every accumulated gradient is gone; the shards are at ``step``."""
+
+    def contributors(self, every_shard: bool) -> list[str]:
+        return []
+
+    def status(self) -> dict[str, Any] | None:
+        return None
+
+
+class Apply(PSMode):
+    """async and ssp: a push is applied on arrival."""
+
+    def __init__(self, store: ShardStore, name: str = "async") -> None:
+        super().__init__(store)
+        self.name = name
+
+    def commit(self, sids: Sequence[int], updates: Sequence[Update], worker: str,
+               step: int | None) -> Committed:  # fmt: skip
+        return Committed(tuple(self.store.apply(u)[1] for u in updates))
+
+
+class Accumulate(PSMode):
+    """sync: a push counts toward its step; N of them make the step (their mean)."""
+
+    name = "sync"
+
+    def __init__(self, store: ShardStore, required: int, step: int) -> None:
+        super().__init__(store)
+        self.shards = SyncShards(store, required, step)
+
+    @property
+    def step(self) -> int:
+        return self.shards.min_step()
+
+    def commit(self, sids: Sequence[int], updates: Sequence[Update], worker: str,
+               step: int | None) -> Committed:  # fmt: skip
+        sync = self.shards
+        if step is None:
+            raise InvalidArgument("sync mode: a push carries its local step (take a token first)")
+        if any(sync.is_ahead(sid, step) for sid in sids):
+            raise RolledBack(
+                f"a gradient for step {step}, but the shards are at step {sync.min_step()}"
+                " (restored): take a new token"
+            )
+        if any(sync.is_stale(sid, step) for sid in sids):
+            sync.dropped["stale"] += 1
+            return Committed(dropped="stale")
+        if all(sync.has_contributed(sid, worker, step) for sid in sids):
+            sync.dropped["duplicate"] += 1
+            return Committed(dropped="duplicate")
+        staleness, advanced = [], False
+        for sid, u in zip(sids, updates, strict=True):
+            staleness.append(u.staleness)
+            if isinstance(u, DenseUpdate):
+                advanced = sync.add_dense(sid, u.chunks, worker) or advanced
+            else:
+                advanced = sync.add_rows(sid, _global_ids(u), u.grads, worker) or advanced
+        return Committed(tuple(staleness), advanced=advanced)
+
+    def set_required(self, required: int) -> bool:
+        return bool(self.shards.set_required(required))
+
+    def reset(self, step: int) -> None:
+        self.shards.reset(step)
+
+    def contributors(self, every_shard: bool) -> list[str]:
+        if every_shard:
+            return self.shards.contributors_of_current_step()
+        return self.shards.contributors_any()
+
+    def status(self) -> dict[str, Any]:
+        return {**self.shards.status(), "contributors": self.contributors(True)}
+
+
+def _global_ids(u: RowUpdate) -> np.ndarray[Any, Any]:
+    """The global row ids of a row update (a table's keys are its ids already)."""
+    if u.shard.is_table:
+        return u.keys
+    return u.keys + u.shard.definition.row_start
+
+
+def make_mode(name: str, store: ShardStore, required: int, step: int,
+              current: PSMode | None = None) -> PSMode:  # fmt: skip
+    """The strategy for ``name`` (keeping ``current`` when it is that mode already,
+    with N changed to ``required``)."""
+    if name not in MODES:
+        raise InvalidArgument(f"unknown mode {name!r}; expected one of {', '.join(MODES)}")
+    if current is not None and current.name == name:
+        return current
+    if name == "sync":
+        return Accumulate(store, required, step)
+    return Apply(store, name)
+
+
+class StepWaiters:
+    """The chief's ``wait_step`` long polls: each waits until the step reaches its own."""
+
+    def __init__(self, step: Callable[[], int]) -> None:
+        self._step = step
+        self._waiting: list[tuple[int, asyncio.Future[int]]] = []
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def wait(self, target: int, seconds: float) -> int:
+        """The step once it reached ``target``, or after ``seconds``, whichever first."""
+        if self._step() < target and seconds > 0:
+            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            self._waiting.append((target, fut))
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(fut, seconds)
+            finally:
+                self._waiting = [(t, f) for t, f in self._waiting if f is not fut]
+        return self._step()
+
+    def notify(self) -> None:
+        step = self._step()
+        for target, fut in self._waiting:
+            if not fut.done() and step >= target:
+                fut.set_result(step)

@@ -1,0 +1,82 @@
+"""The same-host fast path on a PS: the shared-memory regions workers attached.
+
+Rules of this module:
+
+* A region is mapped only after :func:`~zmqps.transport.shm.attach_region` checked
+  its name, owner and size; a worker keeps at most :data:`MAX_PER_WORKER` (its
+  oldest is dropped when it attaches another: a restarted worker attaches afresh).
+* :meth:`Regions.views` validates a request's offsets whole (attached region, in
+  bounds, aligned, no two shards overlapping) before anything is read or written.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from zmqps.core.store import ShardStore
+from zmqps.transport.shm import Region, attach_region
+from zmqps.wire.errors import InvalidArgument, NotFound
+from zmqps.wire.ops import ShmRef
+
+__all__ = ["MAX_PER_WORKER", "Regions"]
+
+MAX_PER_WORKER = 4
+
+
+class Regions:
+    """Regions attached on one PS: id -> (worker, region)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._regions: dict[int, tuple[str, Region]] = {}
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._regions
+
+    def attach(self, name: str, size: int, worker: str) -> tuple[int, Region]:
+        region = attach_region(name, size, max_bytes=self.max_bytes)
+        mine = sorted(rid for rid, (w, _) in self._regions.items() if w == worker)
+        for rid in mine[: max(0, len(mine) - MAX_PER_WORKER + 1)]:
+            self._regions.pop(rid)[1].close()  # the oldest of this worker's regions
+        rid = next(self._ids)
+        self._regions[rid] = (worker, region)
+        return rid, region
+
+    def detach(self, rid: int) -> None:
+        entry = self._regions.pop(rid, None)
+        if entry is not None:
+            entry[1].close()
+
+    def close(self) -> None:
+        for rid in list(self._regions):
+            self.detach(rid)
+
+    def views(
+        self, store: ShardStore, sids: Sequence[int], ref: ShmRef
+    ) -> list[np.ndarray[Any, Any]]:
+        """The shards' places in a region (flat, each shard's dtype), validated whole."""
+        entry = self._regions.get(ref.region)
+        if entry is None:
+            raise NotFound(f"shm region {ref.region} is not attached")
+        if len(ref.offsets) != len(sids):
+            raise InvalidArgument("shm: one offset per shard expected")
+        region = entry[1]
+        views, spans = [], []
+        for sid, off in zip(sids, ref.offsets, strict=True):
+            shard = store.get_dense(sid)
+            view = region.view(off, shard.values.dtype, shard.values.size)
+            views.append(view)
+            spans.append((off, off + view.nbytes))
+        spans.sort()
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            if start < end:
+                raise InvalidArgument("shm: shards overlap in the region")
+        return views

@@ -1,0 +1,474 @@
+"""The parameter-server role: serves shards from a :class:`ShardStore` over the transport.
+
+Rules of this module:
+
+* :class:`PSService` maps requests to the store; it does no IO itself, so tests
+  drive it through the in-memory transport. Its op table (:meth:`PSService.ops`)
+  names every op it serves with its typed body (:mod:`zmqps.wire.ops`), checked
+  once by the codec.
+* A push is planned whole (every shard of the message validated by the store)
+  before anything is applied, then committed by the consistency mode
+  (:mod:`zmqps.roles.ps.modes`) without being checked again: a bad push changes
+  nothing; a good one is applied completely.
+* A duplicate push (same worker, incarnation and sequence) is acknowledged with
+  ``applied: false`` and not applied again; an older incarnation is fenced.
+* Data requests of another generation (made before a restore) are refused, and so
+  is every data request while the PS holds no shards (restarted, not restored).
+* A pull reply is a consistent snapshot of each shard at one version. Over TCP the
+  live values are lent to the transport without a copy; an update that comes while
+  a send still holds them copies them first (copy-on-write, :meth:`Shard.own`).
+* Same-host fast path: a worker may attach shared-memory regions
+  (:mod:`zmqps.roles.ps.regions`); then a pull writes each snapshot straight into
+  the worker's region and a push applies the gradient straight from it.
+* Per worker (all incarnations) the PS counts pushes applied and dropped and keeps
+  the highest batch cursor applied (:class:`~zmqps.core.dedup.PushLedger`): a
+  ``fence`` answers with it, so a worker's new incarnation resumes exactly there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from zmqps.core.dedup import PushDeduper, PushLedger
+from zmqps.core.store import ShardStore, Update
+from zmqps.core.variables import ShardDef
+from zmqps.metrics import Metrics
+from zmqps.roles.ps.checkpoints import ShardCheckpoints
+from zmqps.roles.ps.modes import Apply, PSMode, StepWaiters, make_mode
+from zmqps.roles.ps.regions import MAX_PER_WORKER, Regions
+from zmqps.wire import Message, Tensor, reply
+from zmqps.wire import ops as o
+from zmqps.wire.errors import (
+    FencedError,
+    InvalidArgument,
+    NotFound,
+    NotReady,
+    ProtocolError,
+    RolledBack,
+)
+
+__all__ = ["PSService"]
+
+log = logging.getLogger("zmqps.ps")
+
+Handler = Callable[[Message, Any], "Message | Awaitable[Message]"]
+
+_PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
+_DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
+
+
+class PSService:
+    """Request handler of one PS task."""
+
+    MAX_REGIONS_PER_WORKER = MAX_PER_WORKER
+
+    def __init__(
+        self,
+        index: int,
+        store: ShardStore | None = None,
+        chunk_bytes: int = 4 << 20,
+        max_region_bytes: int = 16 << 30,
+        metrics: Metrics | None = None,
+        checkpoint_dir: str | Path | None = None,
+    ):
+        self.index = index
+        #: a new value every process start: the chief tells a restarted PS by it
+        self.boot = secrets.token_hex(8)
+        #: the cluster's generation (restores so far); requests of another one are refused
+        self.gen = 0
+        self.placement: Mapping[str, Any] | None = None  # as the chief sent it (wire form)
+        self.store = store or ShardStore()
+        self.checkpoints = ShardCheckpoints(index, self.store, checkpoint_dir)
+        self.metrics = metrics
+        if metrics is not None:
+            self._observe(metrics)
+        self.dedup = PushDeduper()
+        self.pushes = PushLedger()
+        self.chunk_elems_bytes = chunk_bytes
+        self.duplicates = 0
+        self.fenced = 0
+        #: the consistency mode; the chief sets it (``sync_config``)
+        self.mode: PSMode = Apply(self.store)
+        self.restored_step = 0  # the step of the last restore (sync shards start there)
+        self.waiters = StepWaiters(lambda: self.mode.step)
+        self.regions = Regions(max_region_bytes)
+        self.shutdown_requested = asyncio.Event()
+        self._ops = self.ops()
+
+    def ops(self) -> dict[str, tuple[type[o.Body], Handler]]:
+        """The op table: every op this PS serves, its typed body, its handler."""
+        return {
+            "ping": (o.Ping, self._op_ping),
+            "status": (o.Status, self._op_status),
+            "shutdown": (o.Shutdown, self._op_shutdown),
+            "create_shards": (o.CreateShards, self._op_create_shards),
+            "pull": (o.Pull, self._op_pull),
+            "push": (o.Push, self._op_push),
+            "push_pull": (o.PushPull, self._op_push),
+            "push_rows": (o.PushRows, self._op_push_rows),
+            "pull_rows": (o.PullRows, self._op_pull_rows),
+            "table_rows": (o.TableRows, self._op_table_rows),
+            "shm_attach": (o.ShmAttach, self._op_shm_attach),
+            "shm_detach": (o.ShmDetach, self._op_shm_detach),
+            "sync_config": (o.SyncConfigure, self._op_sync_config),
+            "wait_step": (o.WaitStep, self._op_wait_step),
+            "ps_state": (o.PsState, self._op_ps_state),
+            "fence": (o.Fence, self._op_fence),
+            "checkpoint_save": (o.CheckpointSave, self._op_checkpoint_save),
+            "checkpoint_done": (o.CheckpointDone, self._op_checkpoint_done),
+            "restore": (o.Restore, self._op_restore),
+        }
+
+    def _observe(self, metrics: Metrics) -> None:
+        metrics.set_info("ps", self.index)
+        previous = self.store.observer
+
+        def observe(shard: ShardDef, staleness: int) -> None:
+            metrics.applied(shard.var, staleness)
+            if previous is not None:
+                previous(shard, staleness)
+
+        self.store.observer = observe
+        metrics.watch(metrics.shard_bytes, self.store.nbytes)
+        metrics.watch_tables(self.store.table_stats)
+
+    # The transport calls this for every decoded (and schema-checked) request.
+    def __call__(self, msg: Message) -> Message | Awaitable[Message]:
+        entry = self._ops.get(msg.op)
+        if entry is None:
+            raise ProtocolError(f"a PS does not serve {msg.op!r}")
+        body, handler = entry
+        req = body.from_wire(msg.body)
+        if msg.op in _DATA_OPS:
+            self._check_generation(msg.op, req.gen)  # type: ignore[attr-defined]
+        if msg.op not in _PUSH_OPS:
+            return handler(msg, req)
+        try:
+            return handler(msg, req)
+        except (InvalidArgument, NotFound):
+            self._drop("invalid")
+            raise
+
+    def _check_generation(self, op: str, gen: int | None) -> None:
+        if gen is not None and gen != self.gen:
+            if op in _PUSH_OPS:
+                self._drop("rolled_back")
+            raise RolledBack(
+                f"ps {self.index} is at generation {self.gen}; the request is of generation"
+                f" {gen}: pull again"
+            )
+        if not len(self.store):
+            raise NotReady(f"ps {self.index} holds no shards (restarted and not restored yet?)")
+
+    def _drop(self, reason: str, worker: str | None = None) -> None:
+        if worker is not None:
+            self.pushes.dropped(worker, reason)
+        if self.metrics is not None:
+            self.metrics.drop(reason)
+
+    @property
+    def sync_step(self) -> int:
+        return self.mode.step
+
+    # -- plain ops -------------------------------------------------------------
+
+    def _op_ping(self, msg: Message, req: o.Ping) -> Message:
+        return reply(msg, o.Pong("ps", self.index).to_wire())
+
+    def _op_status(self, msg: Message, req: o.Status) -> Message:
+        return reply(msg, self.status())
+
+    def _op_shutdown(self, msg: Message, req: o.Shutdown) -> Message:
+        log.info("ps %d: shutdown requested by %s", self.index, msg.sender or "?")
+        self.shutdown_requested.set()
+        return reply(msg)
+
+    def _op_create_shards(self, msg: Message, req: o.CreateShards) -> Message:
+        defs = [ShardDef.from_wire(d) for d in req.shards]
+        self.store.create(defs)
+        if req.placement is not None:
+            self.placement = req.placement
+        log.info("ps %d: %d shards ready (%d bytes)", self.index, len(defs), self.store.nbytes())
+        return reply(msg, o.ShardsCreated(tuple(d.id for d in defs)).to_wire())
+
+    # -- pulls -----------------------------------------------------------------
+
+    def _snapshot_tensors(self, sids: Sequence[int]) -> tuple[list[int], list[Tensor]]:
+        versions: list[int] = []
+        tensors: list[Tensor] = []
+        for sid in sids:
+            shard = self.store.get(sid)
+            flat = shard.lend()  # zero-copy; the next update of this shard copies first
+            step = max(1, self.chunk_elems_bytes // flat.itemsize)
+            versions.append(shard.version)
+            tensors.extend(
+                Tensor(flat[off : off + step], "value", sid, off)
+                for off in range(0, max(flat.size, 1), step)
+            )
+        return versions, tensors
+
+    def _snapshot_to_region(self, sids: Sequence[int], ref: o.ShmRef) -> list[int]:
+        views = self.regions.views(self.store, sids, ref)
+        return [
+            self.store.snapshot_into(sid, view.reshape(self.store.get(sid).values.shape))
+            for sid, view in zip(sids, views, strict=True)
+        ]
+
+    def _op_pull(self, msg: Message, req: o.Pull) -> Message:
+        for sid in req.shards:
+            self.store.get(sid)  # NotFound before any work
+        if req.shm_out is not None:
+            versions = self._snapshot_to_region(req.shards, req.shm_out)
+            return reply(msg, o.Values(tuple(versions)).to_wire())
+        versions, tensors = self._snapshot_tensors(req.shards)
+        return reply(msg, o.Values(tuple(versions)).to_wire(), tensors)
+
+    def _op_pull_rows(self, msg: Message, req: o.PullRows) -> Message:
+        if len(msg.tensors) != len(req.shards):
+            raise InvalidArgument("pull_rows: one index tensor per shard expected")
+        for sid, t in zip(req.shards, msg.tensors, strict=True):
+            if t.kind != "index" or t.ref != sid:
+                raise InvalidArgument(f"pull_rows: expected the index tensor of shard {sid}")
+        create = req.create is not False  # False: read-only (evaluation, serving)
+        versions, tensors = [], []
+        for sid, t in zip(req.shards, msg.tensors, strict=True):
+            version, rows = self.store.pull_rows(sid, t.array, create)
+            versions.append(version)
+            tensors.append(Tensor(rows, "rows", sid))
+            if self.metrics is not None:
+                self.metrics.rows(self.store.get(sid).definition.var, "pull", rows.shape[0])
+        return reply(msg, o.Values(tuple(versions)).to_wire(), tensors)
+
+    def _op_table_rows(self, msg: Message, req: o.TableRows) -> Message:
+        version, ids, values, total = self.store.table_page(req.shard, req.start, req.limit)
+        tensors = [Tensor(ids, "index", req.shard), Tensor(values, "rows", req.shard)]
+        return reply(msg, o.TablePage(version, total).to_wire(), tensors)
+
+    # -- same-host fast path ---------------------------------------------------
+
+    def _op_shm_attach(self, msg: Message, req: o.ShmAttach) -> Message:
+        rid, region = self.regions.attach(req.name, req.size, req.worker)
+        log.info("ps %d: %s attached shared memory (%d bytes)", self.index, req.worker, region.size)
+        return reply(msg, o.ShmAttached(rid, region.token.hex()).to_wire())
+
+    def _op_shm_detach(self, msg: Message, req: o.ShmDetach) -> Message:
+        self.regions.detach(req.region)
+        return reply(msg)
+
+    # -- pushes ----------------------------------------------------------------
+
+    def _grad_tensors(self, msg: Message, req: o.Push, kinds: tuple[str, ...]
+                      ) -> dict[int, list[Tensor]]:  # fmt: skip
+        """The message's gradient tensors by shard, its structure checked."""
+        sids = req.shards
+        if len(set(sids)) != len(sids):
+            raise InvalidArgument("a shard appears twice in one push")
+        if len(req.versions) != len(sids):
+            raise InvalidArgument("push: one version per shard expected")
+        by_shard: dict[int, list[Tensor]] = defaultdict(list)
+        named = set(sids)
+        for t in msg.tensors:
+            if t.kind not in kinds:
+                raise InvalidArgument(f"push: unexpected tensor kind {t.kind!r}")
+            if t.ref not in named:
+                raise InvalidArgument(f"push: tensor for shard {t.ref} not named in the body")
+            by_shard[t.ref].append(t)
+        for sid in sids:
+            if sid not in self.store:
+                raise NotFound(f"shard {sid} is not on ps {self.index}")
+            if sid not in by_shard:
+                raise InvalidArgument(f"push: no gradient for shard {sid}")
+        return by_shard
+
+    def _dense_plans(self, msg: Message, req: o.Push) -> list[Update]:
+        """Every shard's gradient, from the push region or the message, validated."""
+        sids = req.shards
+        if req.shm is not None:
+            if msg.tensors or len(set(sids)) != len(sids) or len(req.versions) != len(sids):
+                raise InvalidArgument("push: shm pushes name each shard once, with no tensors")
+            views = self.regions.views(self.store, sids, req.shm)
+            chunks: Mapping[int, list[tuple[int, Any]]] = {
+                sid: [(0, view)] for sid, view in zip(sids, views, strict=True)
+            }
+        else:
+            by_shard = self._grad_tensors(msg, req, ("grad",))
+            chunks = {sid: [(t.offset, t.array.reshape(-1)) for t in by_shard[sid]] for sid in sids}
+        return [
+            self.store.plan_dense(sid, chunks[sid], ver)
+            for sid, ver in zip(sids, req.versions, strict=True)
+        ]
+
+    def _op_push(self, msg: Message, req: o.Push) -> Message:
+        """``push`` and ``push_pull`` (the fresh values come back in the reply)."""
+        pull = msg.op == "push_pull"
+        plans = self._dense_plans(msg, req)
+        if pull and req.shm_out is not None:
+            self.regions.views(self.store, req.shards, req.shm_out)  # validate before applying
+        out = self._commit(req, plans)
+        if not pull:
+            return reply(msg, self._push_reply(out, req.shards).to_wire())
+        if req.shm_out is not None and not out.duplicate:
+            versions = self._snapshot_to_region(req.shards, req.shm_out)
+            return reply(msg, _with_versions(out, versions).to_wire())
+        # TCP, or a resent shared-memory push_pull: the worker may already have the first
+        # reply and be computing on the region, so the values travel in the reply instead
+        # (a worker still waiting copies them in; else they are dropped)
+        versions, tensors = self._snapshot_tensors(req.shards)
+        return reply(msg, _with_versions(out, versions).to_wire(), tensors)
+
+    def _op_push_rows(self, msg: Message, req: o.PushRows) -> Message:
+        by_shard = self._grad_tensors(msg, req, ("index", "rows"))
+        plans: list[Update] = []
+        for sid, ver in zip(req.shards, req.versions, strict=True):
+            ts = by_shard[sid]
+            if [t.kind for t in ts] != ["index", "rows"]:
+                raise InvalidArgument(f"push_rows: shard {sid} needs exactly (index, rows)")
+            plans.append(self.store.plan_rows(sid, ts[0].array, ts[1].array, ver))
+        if self.metrics is not None:
+            for sid, ts in by_shard.items():
+                var = self.store.get(sid).definition.var
+                self.metrics.rows(var, "push", ts[0].array.shape[0])
+        out = self._commit(req, plans)
+        return reply(msg, self._push_reply(out, req.shards).to_wire())
+
+    def _push_reply(self, out: o.PushReply, sids: Sequence[int]) -> o.PushReply:
+        return _with_versions(out, [self.store.get(sid).version for sid in sids])
+
+    def _commit(self, req: o.Push, plans: Sequence[Update]) -> o.PushReply:
+        """Deduplicate, then commit a validated push through the consistency mode."""
+        if self.mode.name == "sync" and req.step is None:
+            raise InvalidArgument("sync mode: a push carries its local step (take a token first)")
+        if not self._is_new(req):
+            return o.PushReply(False, duplicate=True)
+        try:
+            done = self.mode.commit(req.shards, plans, req.worker, req.step)
+        except RolledBack as e:
+            self._drop("rolled_back", req.worker)
+            raise RolledBack(f"ps {self.index}: {e}") from None
+        if done.dropped is not None:
+            self._drop(done.dropped, req.worker)
+        else:
+            self.pushes.applied(req.worker, req.cursor, req.step)
+        if done.advanced:
+            self.waiters.notify()
+        self.dedup.commit(req.worker, req.inc, req.seq)
+        if done.dropped is not None:
+            return o.PushReply(False, dropped=done.dropped)
+        return o.PushReply(True, done.staleness)
+
+    def _is_new(self, req: o.Push) -> bool:
+        try:
+            new = self.dedup.check(req.worker, req.inc, req.seq)
+        except FencedError:
+            self.fenced += 1
+            self._drop("fenced", req.worker)
+            raise
+        if not new:
+            self.duplicates += 1
+            self._drop("duplicate", req.worker)
+            log.debug("ps %d: duplicate push %s/%s/%s", self.index, req.worker, req.inc, req.seq)
+        return new
+
+    # -- sync coordination -----------------------------------------------------
+
+    def _op_sync_config(self, msg: Message, req: o.SyncConfigure) -> Message:
+        mode = make_mode(req.mode, self.store, req.required, self.restored_step, self.mode)
+        if mode is self.mode:
+            if mode.set_required(req.required):
+                self.waiters.notify()
+        else:
+            self.mode = mode
+        if self.metrics is not None:
+            self.metrics.set_info("ps", self.index, req.mode)
+        log.info("ps %d: mode %s (replicas to aggregate %d)", self.index, req.mode, req.required)
+        return reply(msg, o.StepReply(step=self.sync_step).to_wire())
+
+    async def _op_wait_step(self, msg: Message, req: o.WaitStep) -> Message:
+        step = await self.waiters.wait(req.step, (0.0 if req.wait is None else req.wait))
+        return reply(msg, o.StepReply(step=step).to_wire())
+
+    # -- recovery --------------------------------------------------------------
+
+    def _op_ps_state(self, msg: Message, req: o.PsState) -> Message:
+        """What a (restarted) chief needs to adopt this PS's state or to restore it."""
+        state = o.PsStateReply(
+            index=self.index,
+            boot=self.boot,
+            gen=self.gen,
+            shards=[[sh.definition.id, sh.version] for sh in self.store],
+            mode="sync" if self.mode.name == "sync" else "",
+            step=self.sync_step,
+            contributors=tuple(self.mode.contributors(every_shard=False)),
+            placement=self.placement,
+            cursors=self.pushes.cursors() or None,
+        )
+        return reply(msg, state.to_wire())
+
+    def _op_fence(self, msg: Message, req: o.Fence) -> Message:
+        """The chief registered an incarnation of a worker: fence the older ones now,
+        and say how far that worker's pushes got (read in the same turn)."""
+        if self.dedup.fence(req.worker, req.inc):
+            log.info("ps %d: %s incarnations before %d fenced", self.index, req.worker, req.inc)
+        cursor, step = self.pushes.progress(req.worker)
+        return reply(msg, o.Fenced(cursor, step, holds=bool(len(self.store))).to_wire())
+
+    def _op_checkpoint_save(self, msg: Message, req: o.CheckpointSave) -> Message:
+        versions, seconds = self.checkpoints.save(req.name, req.id)
+        log.debug("ps %d: checkpoint snapshot in %.3fs", self.index, seconds)
+        saved = o.Saved(versions, self.sync_step, round(seconds, 6))
+        return reply(msg, saved.to_wire())
+
+    async def _op_checkpoint_done(self, msg: Message, req: o.CheckpointDone) -> Message:
+        records = await self.checkpoints.done(req.id, (0.0 if req.wait is None else req.wait))
+        return reply(msg, o.Written(records).to_wire())
+
+    async def _op_restore(self, msg: Message, req: o.Restore) -> Message:
+        """Replace every shard by its state in a checkpoint (``name``; resharded as the
+        shard definitions say) or by its initial values (no ``name``); enter generation
+        ``gen``. Every accumulated sync gradient is dropped; the PS is at ``step``."""
+        defs = [ShardDef.from_wire(d) for d in req.shards]
+        if req.gen < self.gen:
+            raise InvalidArgument(f"ps {self.index}: restore to generation {req.gen} < {self.gen}")
+        await self.checkpoints.restore(req.name, defs)
+        self.gen = req.gen
+        self.restored_step = req.step
+        if req.placement is not None:
+            self.placement = req.placement
+        self.pushes.restored(req.cursors or {})
+        self.mode.reset(req.step)
+        self.waiters.notify()
+        log.info(
+            "ps %d: restored %d shards from %s (generation %d, step %d)",
+            self.index,
+            len(defs),
+            req.name or "initial values",
+            self.gen,
+            req.step,
+        )
+        versions = [[d.id, self.store.get(d.id).version] for d in defs]
+        return reply(msg, o.Restored(self.gen, versions).to_wire())
+
+    def status(self) -> dict[str, Any]:
+        out = {
+            "role": "ps",
+            "index": self.index,
+            "gen": self.gen,
+            "duplicates": self.duplicates,
+            "fenced": self.fenced,
+            "pushes": self.pushes.snapshot(),
+            **self.store.stats(),
+        }
+        sync = self.mode.status()
+        if sync is not None:
+            out["sync"] = sync
+        return out
+
+
+def _with_versions(out: o.PushReply, versions: Sequence[int]) -> o.PushReply:
+    return o.PushReply(out.applied, out.staleness, tuple(versions), out.duplicate, out.dropped)

@@ -1,0 +1,112 @@
+"""The consistency mode on a worker, as a strategy chosen once at registration.
+
+Rules of this module:
+
+* :meth:`StepMode.begin` is where a worker waits before a step: async not at all;
+  ssp until the slowest live worker is close enough (``ssp_clock``); sync until it
+  holds a token of the current global step (``take_token``), whose value tags the
+  step's pushes (:meth:`StepMode.tag`).
+* A sync worker says which step it computed last (``have``): a token request resent
+  after a lost connection gets the same token again, never a second one of a step,
+  and a new incarnation starts from what its earlier ones computed.
+* A token taken before a restore is void: the next step takes a new one.
+"""
+
+from __future__ import annotations
+
+from zmqps.roles.worker.session import Session
+from zmqps.wire import ops as o
+from zmqps.wire.errors import InvalidArgument
+
+__all__ = ["AsyncSteps", "SspSteps", "StepMode", "SyncSteps", "make_step_mode"]
+
+
+class StepMode:
+    name = ""
+    #: values for the next step may travel while this one computes (async only:
+    #: sync needs the token step's values, ssp's clock wait is what bounds staleness)
+    pulls_ahead = False
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    async def begin(self, completed: int, poll: float) -> int:
+        """Wait until the next step may start; returns its step (async, ssp: this
+        worker's local step ``completed``; sync: the token's value)."""
+        return completed
+
+    def tag(self) -> int | None:
+        """The step a push belongs to (sync: the token's value), or None."""
+        return None
+
+    def step_done(self) -> None:
+        """This worker pushed its step's gradients."""
+
+    @property
+    def voided(self) -> bool:
+        """A restore voided the step being computed (sync: its token)."""
+        return False
+
+
+class AsyncSteps(StepMode):
+    name = "async"
+    pulls_ahead = True
+
+
+class SspSteps(StepMode):
+    name = "ssp"
+
+    async def begin(self, completed: int, poll: float) -> int:
+        body = o.SspClock(self.session.who, completed, poll)
+        await self.session.long_poll("ssp_clock", body, o.SspGrant, poll)
+        return completed
+
+
+class SyncSteps(StepMode):
+    name = "sync"
+
+    def __init__(self, session: Session, last_step: int = -1) -> None:
+        super().__init__(session)
+        self.token: int | None = None  # the step this worker is computing
+        self.token_gen = 0  # the generation the token was handed out in
+        #: the step of the last token this worker computed (its earlier incarnations'
+        #: when it just started)
+        self.have = last_step
+        self._voided = False
+        session.on_restored(self._restored)
+
+    def _restored(self, gen: int) -> None:
+        self.have = -1  # the steps went back with the restore
+        if self.token is not None and self.token_gen != gen:
+            self.token = None  # a token of before the restore is void
+            self._voided = True
+
+    @property
+    def voided(self) -> bool:
+        return self._voided
+
+    async def begin(self, completed: int, poll: float) -> int:
+        body = o.TakeToken(self.session.who, poll, self.have)
+        token = await self.session.long_poll("take_token", body, o.Token, poll)
+        self.token, self.token_gen, self._voided = token.step, token.gen, False
+        return token.step
+
+    def tag(self) -> int | None:
+        if self.token is None:
+            raise InvalidArgument("sync mode: call begin_step() before pushing")
+        return self.token
+
+    def step_done(self) -> None:
+        if self.token is not None:
+            self.have = max(self.have, self.token)
+
+
+def make_step_mode(name: str, session: Session, last_step: int = -1) -> StepMode:
+    """The strategy for the cluster's mode ``name``."""
+    if name == "sync":
+        return SyncSteps(session, last_step)
+    if name == "ssp":
+        return SspSteps(session)
+    if name == "async":
+        return AsyncSteps(session)
+    raise InvalidArgument(f"the chief runs in an unknown mode {name!r}")

@@ -1,0 +1,288 @@
+"""A worker-side process's membership in the cluster: one owner for the chief
+connection, the identity, the generation, heartbeats and the recovery policy.
+
+Rules of this module:
+
+* :class:`Session` is the only holder of the cluster generation on its side: the
+  parameter client, the step modes and the evaluator read it here, and only the
+  session changes it (a heartbeat that hears of a restore, or :meth:`recover`).
+  Whoever must act on a restore registers a listener (:meth:`on_restored`).
+* Every request to the chief goes through :meth:`call` / :meth:`long_poll`: a chief
+  that does not know this task (it restarted) gets a registration first, then the
+  request again. Long polls are resendable: when the connection to a restarted
+  chief comes back they are sent again at once (the transport does it), and every
+  long poll is idempotent (a token request says which step it computed last).
+* The recovery policy is written once, here: :meth:`retrying` runs a data request
+  through restores (wait for the chief to report a newer generation, then run it
+  again); :meth:`dropping` runs a push and drops it (counted) when the cluster was
+  restored meanwhile, its gradient being of values that no longer exist.
+* A request that timed out while the chief hears every PS and no restore is under
+  way was cut off by a partition, not lost with a PS: it is retried at once (a
+  retried push carries its sequence number, so it is applied at most once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from zmqps.transport import Requester
+from zmqps.wire import ops as o
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    NotFound,
+    NotReady,
+    RolledBack,
+    ShutdownError,
+)
+
+__all__ = ["RECOVERABLE", "Session", "cut_off"]
+
+log = logging.getLogger("zmqps.worker")
+
+T = TypeVar("T")
+B = TypeVar("B", bound=o.Body)
+
+#: Failures of a data request that a restore (or a healed partition) answers.
+RECOVERABLE = (RolledBack, NotReady, DeadlineExceeded)
+
+
+class Session:
+    """One task (``who``) of the cluster whose chief is reached through ``chief``."""
+
+    def __init__(
+        self,
+        chief: Requester,
+        who: o.Who,
+        *,
+        steps_planned: int = 0,
+        recovery_timeout: float = 300.0,
+        progress: Callable[[], tuple[int, int, float | None]] | None = None,
+    ) -> None:
+        self.chief = chief
+        self.who = who
+        self.steps_planned = steps_planned
+        self.recovery_timeout = recovery_timeout
+        #: ``(steps, examples, last loss)`` of this process, for heartbeats and leave
+        self.progress = progress or (lambda: (0, 0, None))
+        #: restores so far, as this process knows; data requests carry it
+        self.gen = 0
+        self.info: o.ClusterInfo | None = None
+        #: what the last heartbeat said
+        self.recovering = False
+        self.finished = False
+        self.ps_down: tuple[int, ...] = ()
+        self.last_contact = time.monotonic()
+        #: pushes dropped because the cluster was restored meanwhile
+        self.rolled_back = 0
+        self._listeners: list[Callable[[int], None]] = []
+        self._heartbeats: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.who.name
+
+    def on_restored(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(gen)`` whenever the cluster is found restored."""
+        self._listeners.append(listener)
+
+    def enter(self, gen: int) -> None:
+        """The cluster is at generation ``gen`` now (a heartbeat or a status said so,
+        no restore under way): every listener hears of it once."""
+        if gen == self.gen:
+            return
+        self.gen = gen
+        for listener in self._listeners:
+            listener(gen)
+
+    # ------------------------------------------------------------------ the chief
+
+    async def open(self, connect_timeout: float) -> o.ClusterInfo:
+        """Register with the chief, waiting up to ``connect_timeout`` for it."""
+        info = await self._register(connect_timeout)
+        self.gen = info.gen
+        return info
+
+    async def _register(self, connect_timeout: float) -> o.ClusterInfo:
+        deadline = time.monotonic() + connect_timeout
+        body = o.Register(self.who, self.steps_planned).to_wire()
+        while True:
+            try:
+                rep = await self.chief.request("register", body, timeout=2.0)
+                self.info = o.ClusterInfo.parse(rep.body, "register reply")
+                self.last_contact = time.monotonic()
+                return self.info
+            except DeadlineExceeded:
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(
+                        f"chief at {self.chief.endpoint} did not answer"
+                        f" within {connect_timeout:g}s"
+                    ) from None
+                log.info("%s: waiting for the chief at %s", self.name, self.chief.endpoint)
+
+    async def _reregister(self) -> None:
+        log.warning("%s: the chief does not know this task (restarted?): registering", self.name)
+        info = await self._register(self.recovery_timeout)
+        if info.gen != self.gen:
+            log.warning("%s: the cluster is at generation %d now", self.name, info.gen)
+
+    async def call(
+        self,
+        op: str,
+        body: o.Body,
+        reply: type[B],
+        *,
+        timeout: float,
+        attempts: int = 1,
+    ) -> B:
+        """A request to the chief; a chief that does not know this task (it restarted)
+        hears a registration first, then the request again."""
+        wire = body.to_wire()
+        while True:
+            try:
+                rep = await self.chief.request(op, wire, timeout=timeout, attempts=attempts)
+                self.last_contact = time.monotonic()
+                return reply.parse(rep.body, f"{op} reply")
+            except NotFound:
+                await self._reregister()
+
+    async def long_poll(self, op: str, body: o.Body, reply: type[B], poll: float) -> B:
+        """A long poll to the chief, repeated until it answers (the chief holds each
+        poll open ``poll`` seconds). Resendable: after a lost connection it is sent
+        again at once; a poll with no answer in time is simply asked again."""
+        while True:
+            try:
+                return await self.call(op, body, reply, timeout=poll + 10.0, attempts=2)
+            except NotReady:
+                continue  # nothing yet: ask again (the chief holds each poll open)
+            except DeadlineExceeded:
+                log.warning("%s: the chief did not answer %s; retrying", self.name, op)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def _beat(self) -> dict[str, Any]:
+        step, examples, loss = self.progress()
+        beat = o.Heartbeat(self.who, step, examples=examples)
+        out = beat.to_wire()
+        if loss is not None and np.isfinite(loss):
+            out["loss"] = float(loss)
+        return out
+
+    async def heartbeat(self, timeout: float = 5.0) -> o.HeartbeatReply:
+        """One heartbeat round trip (re-registering with a restarted chief)."""
+        while True:
+            try:
+                rep = await self.chief.request("heartbeat", self._beat(), timeout=timeout)
+                self.last_contact = time.monotonic()
+                beat = o.HeartbeatReply.parse(rep.body, "heartbeat reply")
+                break
+            except NotFound:
+                await self._reregister()
+        self.recovering, self.finished, self.ps_down = beat.recovering, beat.finished, beat.ps_down
+        return beat
+
+    def start_heartbeats(self, interval: float) -> None:
+        self._heartbeats = asyncio.ensure_future(self._heartbeat_loop(interval))
+
+    async def _heartbeat_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                beat = await self.heartbeat(timeout=max(2.0, interval * 3))
+            except DeadlineExceeded:
+                log.warning("%s: the chief did not answer a heartbeat", self.name)
+                continue
+            except ShutdownError:
+                return
+            if beat.gen != self.gen and not beat.recovering:
+                log.warning("%s: the cluster was restored (generation %d)", self.name, beat.gen)
+                self.enter(beat.gen)  # requests waiting on a lost PS fail now
+
+    # ------------------------------------------------------------------ recovery
+
+    async def recover(self, error: Exception) -> None:
+        """A PS refused or failed a data request: wait until the chief has restored the
+        cluster into a generation newer than this task's values (or say why not)."""
+        old = self.gen
+        log.warning("%s: %s; waiting for the cluster to recover", self.name, error)
+        deadline = time.monotonic() + self.recovery_timeout
+        while True:
+            try:
+                beat = await self.heartbeat()
+            except DeadlineExceeded:
+                log.warning("%s: the chief does not answer; retrying", self.name)
+                beat = None
+            if beat is not None:
+                if beat.gen != old and not beat.recovering:
+                    break
+                if cut_off(error, beat, old):
+                    log.warning("%s: every PS answers the chief again: retrying", self.name)
+                    return
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"{self.name}: the cluster did not recover within"
+                    f" {self.recovery_timeout:g}s ({error})"
+                ) from error
+            await asyncio.sleep(0.2)
+        self.enter(beat.gen)
+        log.warning("%s: resuming in generation %d", self.name, beat.gen)
+
+    async def retrying(self, request: Callable[[], Awaitable[T]]) -> T:
+        """Run a data request; through a restore, recover and run it again."""
+        while True:
+            try:
+                return await request()
+            except RECOVERABLE as e:
+                await self.recover(e)
+
+    async def dropping(self, push: Callable[[], Awaitable[bool]]) -> bool:
+        """Run a push; if the cluster was restored meanwhile, its gradient is of values
+        that no longer exist: drop it (counted) and recover, so the next pull is of the
+        new ones. False when dropped."""
+        try:
+            return await push()
+        except RECOVERABLE as e:
+            await self.drop(e)
+            return False
+
+    async def drop(self, error: Exception) -> None:
+        """A push failed with ``error`` (a restore meanwhile): counted as rolled back,
+        then recover."""
+        self.rolled_back += 1
+        await self.recover(error)
+
+    # ------------------------------------------------------------------ the end
+
+    async def leave(self, reason: str, timeout: float = 10.0) -> None:
+        """Tell the chief this task leaves (``done``: its work is finished)."""
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+        step, examples, _ = self.progress()
+        body = o.Leave(self.who, step, reason, examples)
+        try:
+            await self.call("leave", body, o.StepReply, timeout=timeout, attempts=2)
+        except DeadlineExceeded:
+            log.warning("%s: the chief did not acknowledge leave", self.name)
+
+    async def close(self) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+        await self.chief.close()
+
+
+def cut_off(error: Exception, beat: o.HeartbeatReply, old: int) -> bool:
+    """A request timed out, yet the cluster was not restored and the chief hears every
+    PS: the PS was cut off (a partition) with its shards intact, not lost. No restore
+    will come, so waiting for one would wait forever: retry instead."""
+    return (
+        isinstance(error, DeadlineExceeded)
+        and beat.gen == old
+        and not beat.recovering
+        and not beat.ps_down
+    )
+

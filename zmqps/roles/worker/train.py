@@ -1,0 +1,94 @@
+"""The built-in training program: this worker's shard of the data, ``job.epochs`` epochs.
+
+A restarted worker resumes after the batches its earlier incarnations really pushed
+(:attr:`Worker.steps_done`, read from the PS when it registered): no batch is
+trained twice, and the run ends at its planned step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from zmqps.data import batches, shard, steps_per_epoch
+from zmqps.roles.job import JobConfig
+from zmqps.roles.overlap import StepPipeline
+from zmqps.roles.worker.worker import Terminated, Worker
+
+__all__ = ["train"]
+
+log = logging.getLogger("zmqps.worker")
+
+
+def train(
+    worker: Worker, job: JobConfig, num_workers: int, *, prefetch: bool = False
+) -> dict[str, Any]:
+    """The built-in training program: this worker's shard of the data, ``job.epochs``
+    epochs, on the worker's device, communication overlapped with compute (see
+    :mod:`zmqps.roles.overlap`; ``prefetch`` there)."""
+    if job.is_ctr:
+        from zmqps.roles.ctr_job import train_ctr
+
+        return train_ctr(worker, job, num_workers)
+    data = shard(job.load("train"), worker.index, num_workers)
+    model = job.build_model(data)
+    worker.create_variables(model.variables(), optimizer=job.optimizer)
+    pipe = StepPipeline(worker, prefetch=prefetch)
+    device = worker.device
+    per_epoch = steps_per_epoch(len(data), job.batch_size)
+    log.info(
+        "worker %d: %d examples, %d steps per epoch, %d epochs, on %s",
+        worker.index,
+        len(data),
+        per_epoch,
+        job.epochs,
+        device,
+    )
+    t_last, s_last = time.perf_counter(), 0
+    loss = float("nan")
+    skip = worker.steps_done
+    if skip:
+        log.info(
+            "worker %d: resuming after the %d batches its earlier runs pushed", worker.index, skip
+        )
+    try:
+        for epoch in range(job.epochs):
+            for x, y in batches(data, job.batch_size, epoch, seed=job.seed * 1000 + worker.index):
+                if skip:
+                    skip -= 1
+                    continue
+                params = pipe.begin()
+                started = time.perf_counter()
+                loss, grads = model.loss_and_grads(
+                    params, device.asarray(x), device.asarray(y), on_ready=pipe.grads_ready
+                )
+                worker.record_phase("compute", started)
+                pipe.end(grads, loss=loss, examples=len(x))
+                if worker.stop_requested:
+                    raise Terminated()
+                if worker.step % job.log_every == 0:
+                    now = time.perf_counter()
+                    log.info(
+                        "worker %d: step %d, global step %d, loss %.4f (%.4f s/batch,"
+                        " staleness %d, overlap %.2f)",
+                        worker.index,
+                        worker.step,
+                        worker.global_step,
+                        loss,
+                        (now - t_last) / max(1, worker.step - s_last),
+                        worker.staleness,
+                        pipe.stats.overlap,
+                    )
+                    t_last, s_last = now, worker.step
+    finally:
+        pipe.close()
+    log.info(
+        "worker %d: done after %d steps (global step %d, loss %.4f, overlap %.2f)",
+        worker.index,
+        worker.step,
+        worker.global_step,
+        loss,
+        pipe.stats.overlap,
+    )
+    return {"steps": worker.step, "loss": loss, "overlap": pipe.stats.as_dict()}

@@ -1,0 +1,464 @@
+"""The worker: a synchronous API for training loops.
+
+Rules of this module:
+
+* :class:`Worker` is what users call from their own training loop. Every call hops
+  onto a private asyncio loop (a background thread, :attr:`Worker.io`) that owns the
+  sockets, so the loop can heartbeat the chief while the user's code computes.
+* The membership (chief connection, incarnation, generation, heartbeats, recovery)
+  is the :class:`~zmqps.roles.worker.session.Session`'s; the consistency mode
+  (tokens, the ssp clock) is a :mod:`~zmqps.roles.worker.modes` strategy chosen once
+  at registration; the data path is the
+  :class:`~zmqps.roles.client.ParameterClient`'s. The Worker composes them.
+* One push is one step of this worker; steps, examples and the last loss travel to
+  the chief with every heartbeat. Each push carries its batch cursor (the batches
+  this worker, all incarnations, has pushed, this one included): a restarted worker
+  resumes after the batches that really reached the PS (``steps_done``).
+* The incarnation identifies this process run: a restarted worker registers with a
+  newer one, and the PS fence pushes of the old one.
+* Arrays returned by :meth:`Worker.pull` belong to the worker and are refreshed in
+  place by the next pull; copy them to keep them.
+* ``device="cuda:N"``: :meth:`Worker.pull` returns cupy arrays on that GPU (landed in
+  pinned host buffers, then copied on a copy stream) and :meth:`Worker.push` takes
+  cupy gradients (copied to pinned buffers, then sent); see :mod:`zmqps.device`.
+  :class:`zmqps.roles.overlap.StepPipeline` overlaps those copies and the network
+  with compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy.typing as npt
+
+from zmqps.config import ClusterSpec, TaskSpec
+from zmqps.core.variables import Placement, VariableDef
+from zmqps.device import Device
+from zmqps.device.staging import Mirror
+from zmqps.metrics import Metrics
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.worker.modes import StepMode, make_step_mode
+from zmqps.roles.worker.session import Session
+from zmqps.transport import Client, LoopThread, SocketOptions, new_context
+from zmqps.wire import ops as o
+from zmqps.wire.errors import NotReady
+
+__all__ = ["Terminated", "Worker", "WorkerOptions"]
+
+log = logging.getLogger("zmqps.worker")
+
+Array = npt.NDArray[Any]
+
+
+class Terminated(BaseException):
+    """Raise it (e.g. from a SIGTERM handler) to make ``with Worker(...)`` leave as terminated."""
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How a :class:`Worker` connects (the keyword arguments of its constructor)."""
+
+    chief: str
+    index: int = 0
+    role: str = "worker"
+    incarnation: int | None = None
+    timeout: float = 30.0
+    connect_timeout: float = 120.0
+    steps_planned: int = 0
+    chunk_bytes: int = 4 << 20
+    shared_memory: bool = True
+    recovery_timeout: float = 300.0
+
+
+class Worker:
+    """A connection of one worker task to the cluster (chief + every PS).
+
+    >>> w = Worker("127.0.0.1:2222", index=0)                 # doctest: +SKIP
+    >>> w.create_variables([VariableDef("w", (13, 1))], optimizer={"name": "sgd", "lr": 0.1})
+    >>> params = w.pull(); ...; w.push(grads, loss=loss)       # doctest: +SKIP
+    >>> w.close()                                              # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        chief: str,
+        index: int = 0,
+        *,
+        options: SocketOptions | None = None,
+        metrics: Metrics | None = None,
+        device: str | Device | None = None,
+        **settings: Any,
+    ) -> None:
+        #: how this worker connects (``WorkerOptions``: role, timeouts, ...)
+        self.settings = WorkerOptions(chief, index, **settings)
+        s = self.settings
+        #: where the parameters and gradients of :meth:`pull` / :meth:`push` live
+        self.device = Device.parse(device).check()
+        self.device.use()  # the calling thread computes on it (cupy's current device)
+        self.index, self.role, self.name = index, s.role, f"{s.role}:{index}"
+        self.incarnation = time.time_ns() // 1000 if s.incarnation is None else s.incarnation
+        self.timeout = s.timeout
+        self.metrics = metrics
+        self.step = 0
+        self.examples = 0
+        self.loss: float | None = None
+        #: set by a SIGTERM handler: the built-in loop stops after the current step
+        self.stop_requested = False
+        self._options = options
+        self._mirror: Mirror | None = None
+        self._client: ParameterClient | None = None
+        self._closed = False
+        #: the worker's private event loop (a thread); everything on the wire runs there
+        self.io = LoopThread(f"zmqps-{s.role}-{index}")
+        self._ctx = new_context()
+        who = o.Who(s.role, index, self.incarnation)
+        chief_client = self.io.run(self._connect(chief))
+        self.session = Session(
+            chief_client,
+            who,
+            steps_planned=s.steps_planned,
+            recovery_timeout=s.recovery_timeout,
+            progress=lambda: (self.step, self.examples, self.loss),
+        )
+        try:
+            info = self.io.run(self.session.open(s.connect_timeout))
+        except BaseException:
+            self._teardown()
+            raise
+        self.ps_addresses: list[str] = list(info.ps)
+        #: the consistency mode (async, ssp, sync): how a step begins, how pushes are tagged
+        self.steps: StepMode = make_step_mode(info.mode, self.session, info.last_step)
+        #: batches earlier incarnations of this worker really pushed (the built-in loop
+        #: skips them)
+        self.steps_done = info.steps_done
+        if info.placement is not None:
+            self._use(Placement.from_wire(info.placement))
+        if metrics is not None:
+            metrics.set_info(s.role, index, self.mode)
+        self.session.on_restored(self._restored)
+        self.io.run(self._start_heartbeats(info.heartbeat_interval))
+
+    @classmethod
+    def from_cluster(cls, cluster: ClusterSpec, task: TaskSpec, **kwargs: Any) -> Worker:
+        if cluster.chief is None:
+            raise NotReady("the cluster spec has no chief")
+        return cls(cluster.chief, task.index, role=task.role, **kwargs)
+
+    # ------------------------------------------------------------------ setup
+
+    async def _connect(self, address: str) -> Client:
+        return Client(
+            self._ctx,
+            address,
+            f"{self.name}:{self.incarnation}",
+            options=self._options,
+            timeout=self.timeout,
+            observer=self.metrics,
+        )
+
+    async def _start_heartbeats(self, interval: float) -> None:
+        self.session.start_heartbeats(interval)
+
+    def _use(self, placement: Placement) -> None:
+        async def make() -> ParameterClient:
+            # An identity per incarnation (as toward the chief): a paused old incarnation
+            # that resumes must not take this one's connections over (ROUTER_HANDOVER).
+            identity = f"{self.name}:{self.incarnation}"
+            clients = [
+                Client(
+                    self._ctx,
+                    addr,
+                    identity,
+                    options=self._options,
+                    timeout=self.timeout,
+                    observer=self.metrics,
+                )
+                for addr in self.ps_addresses
+            ]
+            return ParameterClient(
+                clients,
+                placement,
+                worker=self.name,
+                incarnation=self.incarnation,
+                chunk_bytes=self.settings.chunk_bytes,
+                timeout=self.timeout,
+                shared_memory=self.settings.shared_memory,
+                generation=lambda: self.session.gen,
+            )
+
+        self._client = self.io.run(make())
+        self._mirror = None
+
+    def _restored(self, gen: int) -> None:
+        if self._client is not None:
+            self._client.restored(gen)  # requests waiting on a lost PS fail now
+
+    @property
+    def client(self) -> ParameterClient:
+        if self._client is None:
+            raise NotReady("no variables yet: call create_variables() or wait_for_variables()")
+        return self._client
+
+    @property
+    def placement(self) -> Placement:
+        return self.client.placement
+
+    @property
+    def mode(self) -> str:
+        """The cluster's consistency mode: async, sync or ssp."""
+        return self.steps.name
+
+    @property
+    def gen(self) -> int:
+        """The cluster generation (restores so far) as this worker knows it."""
+        return self.session.gen
+
+    @property
+    def rolled_back(self) -> int:
+        """Pushes dropped because the cluster was restored meanwhile (their values are gone)."""
+        return self.session.rolled_back
+
+    def create_variables(
+        self, variables: Sequence[VariableDef], optimizer: Mapping[str, Any] | None = None
+    ) -> Placement:
+        """Create the model's variables (idempotent: every worker may call it)."""
+        body = o.CreateVars(
+            tuple(v.to_wire() for v in variables), None if optimizer is None else dict(optimizer)
+        )
+        rep = self.io.run(
+            self.session.call(
+                "create_vars", body, o.PlacementReply, timeout=max(self.timeout, 130.0)
+            )
+        )
+        placement = Placement.from_wire(rep.placement)
+        if self._client is None or self._client.placement != placement:
+            self._use(placement)
+        return placement
+
+    def wait_for_variables(self, timeout: float = 120.0) -> Placement:
+        """Block until some other task created the variables."""
+        rep = self.io.run(
+            self.session.call(
+                "get_placement", o.GetPlacement(timeout), o.PlacementReply, timeout=timeout + 5.0
+            )
+        )
+        placement = Placement.from_wire(rep.placement)
+        self._use(placement)
+        return placement
+
+    # ------------------------------------------------------------------ training
+
+    @property
+    def global_step(self) -> int:
+        """The global step as last seen: updates applied to the model (async, ssp), or
+        the step of this worker's token (sync)."""
+        seen = 0 if self._client is None else self._client.global_step
+        token = getattr(self.steps, "token", None)
+        return max(seen, token or 0)
+
+    @property
+    def staleness(self) -> int:
+        """Staleness (in updates) of this worker's last push, as measured by the PS."""
+        return 0 if self._client is None else self._client.last_staleness
+
+    @property
+    def cursor(self) -> int:
+        """The batch the step being computed is (1-based, over every incarnation)."""
+        return self.steps_done + self.step + 1
+
+    def begin_step(self, poll: float = 10.0) -> int:
+        """Wait until this worker may start its next step; returns the step it computes.
+
+        async: returns at once (this worker's local step). sync: takes a token from
+        the chief's queue and returns its value (the global step the gradients are
+        for). ssp: waits while this worker is more than ``max_staleness`` steps ahead
+        of the slowest live worker. Waiting is done by long polls of ``poll`` seconds.
+        """
+        return self.io.run(self.steps.begin(self.step, poll))
+
+    @property
+    def mirror(self) -> Mirror:
+        """Pinned host buffers and device arrays of the dense variables (a separate device)."""
+        if self._mirror is None:
+            client = self.client
+            variables = [client.placement.variable(n) for n in client.dense_names()]
+            self._mirror = Mirror(self.device, variables, slots=1)
+        return self._mirror
+
+    def pull(
+        self, names: Iterable[str] | None = None, *, out: Mapping[str, Array] | None = None
+    ) -> dict[str, Any]:
+        """Current values of the dense variables (or ``names``): on the worker's device,
+        or landed in the host arrays ``out`` (of the variables' shapes and dtypes)."""
+        started = time.perf_counter()
+        wanted = None if names is None else list(names)
+        staged = out is None and self.device.separate
+        dest = self.mirror.host[0] if staged else out
+        values = self.io.run(self.session.retrying(lambda: self.client.pull(wanted, out=dest)))
+        if self.steps.voided:
+            # restored meanwhile, and the token was of before: these values are of the
+            # restored step; compute for it
+            self.begin_step()
+        self.record_phase("pull", started)
+        if not staged:
+            return values
+        started = time.perf_counter()
+        self.mirror.upload(0, values).wait()
+        self.record_phase("h2d", started)
+        return {n: self.mirror.dev[0][n] for n in values}
+
+    def to_host(self, grads: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Gradients on the device: copied to pinned host buffers (waited for)."""
+        if not self.device.separate:
+            return grads
+        started = time.perf_counter()
+        host, copy = self.mirror.download(grads)
+        copy.wait()
+        self.record_phase("d2h", started)
+        return host
+
+    def record_phase(self, phase: str, started: float) -> None:
+        """Time one phase (pull, compute, push) of a step that began at ``started``
+        (a :func:`time.perf_counter` value); a no-op without metrics."""
+        if self.metrics is not None:
+            self.metrics.phase(phase, time.perf_counter() - started)
+
+    def count_step(self, loss: float | None, examples: int | None) -> None:
+        """One step done (its gradients pushed): counted for heartbeats and metrics."""
+        self.step += 1
+        self.steps.step_done()
+        if loss is not None:
+            self.loss = float(loss)
+        if examples is not None:
+            self.examples += int(examples)
+        if self.metrics is not None:
+            self.metrics.step_done(self.loss if loss is not None else None, examples)
+
+    def push(
+        self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None
+    ) -> bool:
+        """Push one step's gradients. async / ssp: each PS applies them on arrival; sync:
+        they count toward the step of the token taken by :meth:`begin_step`. Returns
+        False if they were dropped (sync: stale, the step had already been applied),
+        or if this was a retry of a push the PS had already handled (whose first
+        outcome this call cannot know)."""
+        grads = self.to_host(grads)
+        started = time.perf_counter()
+        step, cursor = self.steps.tag(), self.cursor
+        accepted = self.io.run(
+            self.session.dropping(lambda: self.client.push(grads, step=step, cursor=cursor))
+        )
+        self.record_phase("push", started)
+        self.count_step(loss, examples)
+        return accepted
+
+    def push_pull(
+        self, grads: Mapping[str, Any], *, loss: float | None = None, examples: int | None = None
+    ) -> dict[str, Array]:
+        """Push gradients and get the updated values back in the same round trip
+        (timed as the push phase; on a separate device: a push, then a pull)."""
+        if self.device.separate:
+            self.push(grads, loss=loss, examples=examples)
+            return self.pull()
+        gen_before = self.session.gen
+        started = time.perf_counter()
+        step, cursor = self.steps.tag(), self.cursor
+        pushed = self.io.run(
+            self.session.dropping(lambda: self.client.push_pull(grads, step=step, cursor=cursor))
+        )
+        if not pushed and self.session.gen != gen_before:
+            self.io.run(self.session.retrying(lambda: self.client.pull()))
+        self.record_phase("push", started)
+        self.count_step(loss, examples)
+        return self.client.params
+
+    def pull_rows(self, name: str, ids: Any, *, create: bool = True) -> Array:
+        """Rows ``ids`` of the embedding variable ``name``; ``create=False`` reads
+        without creating or touching rows of a hash-keyed table (evaluation, serving)."""
+        return self.io.run(
+            self.session.retrying(lambda: self.client.pull_rows(name, ids, create=create))
+        )
+
+    def pull_rows_async(
+        self, lookups: Mapping[str, Any]
+    ) -> concurrent.futures.Future[dict[str, Array]]:
+        """Start pulling rows of several tables now (``{name: ids}``, all concurrently)
+        and return at once, so the pull overlaps with compute; ``.result()`` waits.
+        A restore meanwhile surfaces from ``result()``: call :meth:`pull_rows` then."""
+
+        async def pull_all() -> dict[str, Array]:
+            names = list(lookups)
+            got = await asyncio.gather(*(self.client.pull_rows(n, lookups[n]) for n in names))
+            return dict(zip(names, got, strict=True))
+
+        return self.io.submit(pull_all())
+
+    def push_rows(self, name: str, ids: Any, grads: Any) -> bool:
+        """Row gradients for the embedding variable ``name`` (duplicate ids are summed)."""
+        step, cursor = self.steps.tag(), self.cursor
+        return self.io.run(
+            self.session.dropping(
+                lambda: self.client.push_rows(name, ids, grads, step=step, cursor=cursor)
+            )
+        )
+
+    def recover(self, error: Exception, *, dropped: bool = False) -> None:
+        """A data request failed (``error``): wait for the cluster to recover (see
+        :meth:`Session.recover`); ``dropped``: it was a push, now lost (counted)."""
+        self.io.run(self.session.drop(error) if dropped else self.session.recover(error))
+
+    def stats(self) -> dict[str, Any]:
+        """This worker's push outcomes per PS (applied, duplicate, stale, ...)."""
+        outcomes = [] if self._client is None else self._client.outcomes
+        return {
+            "incarnation": self.incarnation,
+            "steps": self.step,
+            "steps_done_before": self.steps_done,
+            "rolled_back": self.rolled_back,
+            "pushes": [dict(c) for c in outcomes],
+        }
+
+    # ------------------------------------------------------------------ the end
+
+    def close(self, reason: str = "done") -> None:
+        """Leave the cluster (``reason`` "done" counts this worker's work as finished)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.io.run(self.session.leave(reason))
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        async def close_all() -> None:
+            if self._client is not None:
+                await self._client.close()
+                for c in self._client.ps:
+                    await c.close()
+            session = getattr(self, "session", None)
+            if session is not None:
+                await session.close()
+
+        try:
+            self.io.run(close_all(), timeout=10)
+        finally:
+            self.io.stop()
+            self._ctx.term()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self.close("done")
+        elif issubclass(exc_type, (Terminated, KeyboardInterrupt, SystemExit)):
+            self.close("terminated")
+        else:
+            self.close("error")
