@@ -93,6 +93,8 @@ def test_an_unchanged_copy_keeps_every_contract(copy: Path) -> None:
         ("transport/server.py", "from zmqps.metrics import Metrics", {LAYERS}),
         # siblings in one layer are independent: the checkpoint must not know the device
         ("checkpoint/root.py", "import zmqps.device", {LAYERS}),
+        # the package root imports the roles (Worker): below them, read zmqps.version
+        ("metrics/catalogue.py", "from zmqps import __version__", {LAYERS}),
         ("roles/worker.py", "import zmq.asyncio", {ZMQ}),
         ("models/mlp.py", "import cupy", {CUPY}),
         ("roles/job.py", "import torch", {TORCH}),
