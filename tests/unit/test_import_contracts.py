@@ -47,7 +47,8 @@ def lint_imports(cwd: Path, config: Path) -> tuple[int, str]:
         text=True,
         timeout=60,
     )
-    return proc.returncode, proc.stdout + proc.stderr
+    # older import-linter versions colour their output even into a pipe
+    return proc.returncode, re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
 
 
 def verdicts(output: str) -> dict[str, str]:
