@@ -1,15 +1,24 @@
 """zmqps: a parameter server for distributed training over ZeroMQ.
 
-Layer map (DESIGN §10)::
+Layer map (each layer imports only those below it; ``|``: side by side, not
+importing each other). ``lint-imports`` checks it with the other import contracts
+of pyproject.toml ``[tool.importlinter]``; ARCHITECTURE.md explains them::
 
-    wire/       sans-IO messages, codec, schemas           (imports nothing of zmqps)
-    core/       sans-IO state: shard store, optimizers,     (imports wire)
-                initializers, partitioning, membership
-    transport/  the only importer of zmq: ROUTER server,    (imports wire)
-                DEALER client, in-memory fake
-    metrics/    Prometheus catalogue + /metrics exporter    (imports prometheus_client only)
-    roles/      ps, chief, worker: transport + core         (imports core, transport, metrics)
-    cli/        argument parsing, launch                     (imports roles)
+    __main__
+    cli/                   argument parsing, launch, the commands
+    bench/                 zmqps against raw pyzmq and torch.distributed.rpc
+    coordinator/           coordinator mode: schedules functions onto workers
+    roles/                 ps, chief, worker, evaluator: transport + core
+    adapters/ | export     the PyTorch binding | exported models
+    models/                the built-in models
+    checkpoint/ | data/ | device/ | metrics/
+    core/ | transport/ | config | errors | malloc | process | version
+    wire/                  sans-IO messages, codec, schemas (imports nothing of zmqps)
+
+Only ``transport`` imports zmq, only ``device`` cupy, only ``adapters`` torch,
+only ``metrics`` prometheus_client; ``wire`` and ``core`` import no I/O. This
+module (the package root) re-exports the public API, so it imports the roles:
+nothing below them imports it (``__version__`` lives in :mod:`zmqps.version`).
 
 The public API for training loops is :class:`Worker` with :class:`VariableDef`.
 """

@@ -1,7 +1,7 @@
 """``zmqps bench``: zmqps against raw pyzmq and the PyTorch RPC parameter server.
 
-Layer map (this package sits beside cli/ and uses zmqps only through its
-public API, the ``zmqps server`` command and the pure planner)::
+Layer map (this package sits below cli/, which runs it, and above coordinator/
+and roles/, which it measures; it starts PS and chief as ``zmqps server``)::
 
     suites.py      argument parsing, the coordinator, tables and JSON       (parent)
       │

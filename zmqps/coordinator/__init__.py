@@ -13,7 +13,7 @@ Layer map::
     steps        ready-made functions (train_step, batch_stream) for job modules
     digits       the built-in demo job (zmqps launch --driver coordinator)
 
-Imports roles, transport, wire and metrics; imported by cli only.
+Imports roles and the layers below them; imported by cli and bench only.
 """
 
 from zmqps.coordinator.coordinator import (

@@ -105,9 +105,7 @@ def run_chief_driver(
     return run_server(main)
 
 
-async def _stop_chief(
-    ctx: ZmqContext, cfg: ChiefConfig, options: SocketOptions | None
-) -> None:
+async def _stop_chief(ctx: ZmqContext, cfg: ChiefConfig, options: SocketOptions | None) -> None:
     assert cfg.cluster.chief is not None
     client = Client(ctx, cfg.cluster.chief, "coordinator:driver", options=options)
     try:

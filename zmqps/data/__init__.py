@@ -1,6 +1,7 @@
 """Datasets for training: loading, per-worker sharding and deterministic mini-batches.
 
-Layer map (this package depends on numpy only; scikit-learn is imported lazily)::
+Layer map (this package depends on numpy and :mod:`zmqps.core` only; scikit-learn is
+imported lazily)::
 
     batches  Dataset, shard, batches, steps_per_epoch
     digits   load_digits   (scikit-learn's bundled 8x8 digits)

@@ -1,6 +1,6 @@
 """Framework-free numpy models that a worker trains against the parameter server.
 
-Layer map (depends on :mod:`zmqps.core.variables` only)::
+Layer map (depends on :mod:`zmqps.core` and :func:`zmqps.device.array_module` only)::
 
     base     Model (the contract), log_softmax, softmax_cross_entropy
     softmax  SoftmaxRegression  ("softmax")

@@ -1,8 +1,12 @@
-"""Transport: the only package that imports zmq.
+"""Transport: the only package that imports zmq (an import contract checks it).
 
-Layer map: wire <- transport <- roles. ``Server`` (ROUTER) dispatches decoded
-requests to a handler; ``Client`` (DEALER, one per peer) pipelines requests and
-matches replies by id; ``FakeNetwork`` implements the same contract in memory.
+Layer map: wire <- transport <- roles (and coordinator, bench, cli above them);
+transport and core are side by side and do not import each other, and the
+transport never imports metrics (it reports to a ``TransportObserver``).
+``Server`` (ROUTER) dispatches decoded requests to a handler; ``Client`` (DEALER,
+one per peer) pipelines requests and matches replies by id; ``FakeNetwork``
+implements the same contract in memory. Everyone else makes its ZeroMQ context
+with :func:`new_context` and annotates it as :data:`ZmqContext`.
 """
 
 from zmqps.transport.base import Handler, Requester, TransportStats
