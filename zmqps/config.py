@@ -172,6 +172,10 @@ class ClusterSpec:
     Valid by construction: one chief, at least one ps, at most one evaluator,
     well-formed distinct addresses (port 0, allowed with ``allow_port_zero``
     for "pick a free port", may repeat). ``source`` prefixes error messages.
+
+    The one exception is TF2's side-car evaluation job: a cluster that holds only an
+    evaluator (:attr:`evaluator_only`; no chief, ps or workers), for a lone evaluator
+    that works from checkpoints alone. Only an evaluator task may run in it.
     """
 
     chief: str
@@ -192,7 +196,14 @@ class ClusterSpec:
         if problem is not None:
             raise ConfigError(f"{source}: {problem}")
 
+    @property
+    def evaluator_only(self) -> bool:
+        """A cluster of one evaluator and nothing else (TF2's side-car evaluation job)."""
+        return not self.chief and not self.ps and not self.worker and len(self.evaluator) == 1
+
     def _problem(self, allow_port_zero: bool) -> str | None:
+        if self.evaluator_only:
+            return _address_problem(self.evaluator[0], allow_port_zero)
         if not self.chief:
             return "cluster has no 'chief' (or 'master') task; zmqps needs one"
         if not self.ps:
@@ -330,6 +341,13 @@ def _cluster_from_obj(obj: object, source: str, allow_port_zero: bool) -> Cluste
     jobs = {job: _job_addresses(value, job, source) for job, value in obj.items()}
     chief_key = "master" if "master" in jobs else "chief"
     chiefs = jobs.get(chief_key, [])
+    if (
+        not chiefs
+        and len(jobs.get("evaluator", [])) == 1
+        and not any(jobs.get(j) for j in ("ps", "worker"))
+    ):
+        # TF2's side-car evaluation job: only an evaluator task may run in it (_pick_task)
+        return ClusterSpec("", (), (), tuple(jobs["evaluator"]), source=source)
     if not chiefs:
         raise ConfigError(f"{source}: cluster has no 'chief' (or 'master') task; zmqps needs one")
     if len(chiefs) > 1:
@@ -453,6 +471,18 @@ def load_cluster_file_or_json(
 
 
 def _pick_task(
+    cluster: ClusterSpec, task: TaskSpec | None, role: str | None, index: int | None
+) -> TaskSpec:
+    picked = _pick(cluster, task, role, index)
+    if cluster.evaluator_only and picked.role != "evaluator":
+        raise ConfigError(
+            f"cluster spec: cluster has no 'chief' (or 'master') task; zmqps needs one"
+            f" (a cluster of only an evaluator runs the evaluator, not a {picked.role})"
+        )
+    return picked
+
+
+def _pick(
     cluster: ClusterSpec, task: TaskSpec | None, role: str | None, index: int | None
 ) -> TaskSpec:
     if role is None:

@@ -31,8 +31,8 @@ from zmqps.roles.chief.modes import SyncMode
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.configs import SyncConfig
 from zmqps.roles.status import format_status
-from zmqps.wire.ops import Who
 from zmqps.wire.errors import InvalidArgument, NotFound, NotReady
+from zmqps.wire.ops import Who
 
 LR = SGD["lr"]
 W = VariableDef("w", (6, 4), init={"name": "glorot_uniform", "seed": 1})

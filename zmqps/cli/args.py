@@ -22,8 +22,8 @@ from zmqps.data import DATASETS
 from zmqps.data.ctr import CTR_DATASETS
 from zmqps.models import MODELS
 from zmqps.process import exit_with_parent  # re-exported: it moved to zmqps.process
+from zmqps.roles.configs import SyncConfig
 from zmqps.roles.job import JobConfig
-from zmqps.roles.sync import SyncConfig
 from zmqps.transport import SocketOptions, load_keys
 from zmqps.wire.errors import ConfigError
 
@@ -44,7 +44,6 @@ __all__ = [
     "partitioner_from_args",
     "setup_logging",
     "socket_options",
-    "sync_flags",
     "sync_from_args",
 ]
 
@@ -195,16 +194,6 @@ def sync_from_args(args: argparse.Namespace) -> SyncConfig:
     )
 
 
-def sync_flags(args: argparse.Namespace) -> list[str]:
-    """The sync flags of ``args`` as a command line (for the launcher's chief)."""
-    flags = ["--init-tokens", str(args.init_tokens), "--max-staleness", str(args.max_staleness)]
-    if args.replicas_to_aggregate is not None:
-        flags += ["--replicas-to-aggregate", str(args.replicas_to_aggregate)]
-    if args.total_replicas is not None:
-        flags += ["--total-replicas", str(args.total_replicas)]
-    return flags
-
-
 def add_metrics_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("metrics (Prometheus)")
     g.add_argument(
@@ -268,6 +257,14 @@ def add_evaluator_args(p: argparse.ArgumentParser) -> None:
         help="exit with an error when the chief has not answered for S seconds before"
         " training finished (default: 30)",
     )
+    g.add_argument(
+        "--eval-idle-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="an evaluator with no chief in its cluster (checkpoints only) ends when no new"
+        " checkpoint appeared for S seconds, or after a run's final one (default: 30)",
+    )
 
 
 def add_device_args(p: argparse.ArgumentParser, *, launch: bool = False) -> None:
@@ -286,11 +283,6 @@ def add_device_args(p: argparse.ArgumentParser, *, launch: bool = False) -> None
         " step (they lack the worker's own last gradient: one more step of staleness);"
         " default: each layer's push brings its fresh values back",
     )
-
-
-def device_flags(args: argparse.Namespace) -> list[str]:
-    """The worker flags of :func:`add_device_args`, as given."""
-    return ["--device", args.device] + (["--prefetch"] if args.prefetch else [])
 
 
 def metrics_port(args: argparse.Namespace) -> int | None:

@@ -1,11 +1,11 @@
 """Command-line flags of coordinator mode (workers as function servers, the chief as
-the driver) and the two entry points they lead to."""
+the driver); :mod:`zmqps.cli.tasks` turns them into the tasks' configurations."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
+from zmqps.cli.tasks import DEFAULT_JOB
 from zmqps.wire.errors import ConfigError
 
 __all__ = [
@@ -13,13 +13,8 @@ __all__ = [
     "add_driver_args",
     "add_launch_driver_args",
     "add_serve_args",
-    "launch_flags",
-    "run_driver",
-    "serve",
+    "check_launch",
 ]
-
-#: The built-in demo job module (the digits MLP).
-DEFAULT_JOB = "zmqps.coordinator.digits"
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -66,16 +61,6 @@ def add_launch_driver_args(p: argparse.ArgumentParser) -> None:
     add_driver_args(p)
 
 
-def launch_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """The flags of the chief and of every worker for ``zmqps launch --driver ...``."""
-    if getattr(args, "driver", "worker") != "coordinator":
-        return [], []
-    job = args.job or DEFAULT_JOB
-    chief = ["--driver", "coordinator", "--job", job]
-    chief += ["--steps-per-execution", str(args.steps_per_execution)]
-    return chief, ["--serve", "--job", job]
-
-
 def check_launch(args: argparse.Namespace) -> None:
     if getattr(args, "driver", "worker") != "coordinator":
         return
@@ -83,30 +68,3 @@ def check_launch(args: argparse.Namespace) -> None:
         raise ConfigError("--driver coordinator trains asynchronously (--mode async)")
     if args.steps_per_execution < 1:
         raise ConfigError("--steps-per-execution must be >= 1")
-
-
-def run_driver(cfg: Any, args: argparse.Namespace, options: Any) -> int:
-    from zmqps.coordinator.driver import run_chief_driver
-
-    return run_chief_driver(
-        cfg,
-        args.job or DEFAULT_JOB,
-        steps_per_execution=args.steps_per_execution,
-        options=options,
-    )
-
-
-def serve(args: argparse.Namespace, cluster: Any, task: Any, options: Any, metrics: Any) -> int:
-    from zmqps.cli.args import job_from_args
-    from zmqps.coordinator.serve import run_function_server
-
-    return run_function_server(
-        cluster,
-        task,
-        args.job or DEFAULT_JOB,
-        job=job_from_args(args),
-        options=options,
-        metrics=metrics,
-        connect_timeout=args.connect_timeout,
-        shared_memory=args.shared_memory,
-    )

@@ -32,9 +32,27 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from zmqps.cli.args import add_device_args, add_job_args, add_sync_args, device_flags, sync_flags
-from zmqps.cli.coordinator import add_driver_args, check_launch, launch_flags
+from zmqps.cli.args import (
+    add_device_args,
+    add_job_args,
+    add_sync_args,
+    job_from_args,
+    sync_from_args,
+)
+from zmqps.cli.coordinator import add_driver_args, check_launch
+from zmqps.cli.tasks import DEFAULT_JOB
 from zmqps.config import ClusterSpec
+from zmqps.core.partition import Partitioner
+from zmqps.roles.configs import (
+    CheckpointPolicy,
+    ChiefConfig,
+    DriverConfig,
+    EvaluatorConfig,
+    PSConfig,
+    TaskConfig,
+    WorkerConfig,
+    dumps,
+)
 from zmqps.roles.status import fetch_status
 from zmqps.transport import free_ports  # re-exported: it moved to zmqps.transport.ports
 from zmqps.wire.errors import ConfigError, ZmqpsError
@@ -149,37 +167,6 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _job_flags(args: argparse.Namespace) -> list[str]:
-    flags = [
-        "--mode",
-        args.mode,
-        "--model",
-        args.model,
-        "--hidden",
-        args.hidden,
-        "--batch-size",
-        str(args.batch_size),
-        "--epochs",
-        str(args.epochs),
-        "--momentum",
-        str(args.momentum),
-        "--seed",
-        str(args.seed),
-        "--log-every",
-        str(args.log_every),
-    ]
-    if args.lr is not None:
-        flags += ["--lr", str(args.lr)]
-    if args.dataset is not None:
-        flags += ["--dataset", args.dataset]
-    if args.optimizer is not None:
-        flags += ["--optimizer", args.optimizer]
-    flags += ["--examples", str(args.examples)]
-    if args.data_dir:
-        flags += ["--data-dir", str(Path(args.data_dir).resolve())]
-    return flags
-
-
 @dataclass
 class Child:
     name: str
@@ -246,99 +233,82 @@ class Launcher:
         return self.run_dir / f"worker{index}-stats.json"
 
     def _children(self) -> list[Child]:
-        a = self.args
-        base = [sys.executable, "-m", "zmqps"]
-        spec = json.dumps({"cluster": self.cluster.to_dict()})
-        common = ["--cluster", spec, "--parent-pid", str(os.getpid())]
-        job = _job_flags(a)
-        worker = [*device_flags(a)] + ([] if a.shared_memory else ["--no-shm"])
-        server = [
-            "--placement",
-            a.placement,
-            "--heartbeat-timeout",
-            str(a.heartbeat_timeout),
-            *sync_flags(a),
-        ]
-        if a.num_shards:
-            server += ["--num-shards", str(a.num_shards)]
-        ckpt: list[str] = []
-        if self.checkpoint_dir is not None:
-            ckpt = ["--checkpoint-dir", str(self.checkpoint_dir)]
-            policy = ["--keep-checkpoints", str(a.keep_checkpoints)]
-            if a.checkpoint_steps:
-                policy += ["--checkpoint-steps", str(a.checkpoint_steps)]
-            policy += [
-                "--checkpoint-secs",
-                str(a.checkpoint_secs or (0 if a.checkpoint_steps else 5)),
-            ]
-            server += [*ckpt, *policy]
-        if self.export_dir is not None:
-            server += ["--export-dir", str(self.export_dir)]
-        # --driver coordinator: the chief drives, workers serve its functions
-        driver, serving = launch_flags(a)
-        server += driver
-        worker += serving
-        kids = [
-            Child(
-                "chief",
-                [
-                    *base,
-                    "server",
-                    "--role",
-                    "chief",
-                    *common,
-                    *job,
-                    *server,
-                    "--summary",
-                    str(self.chief_summary),
-                ],
-            )
-        ]
-        kids += [
-            Child(f"ps{i}", [*base, "server", "--role", "ps", "--index", str(i), *common, *ckpt])
-            for i in range(a.ps)
-        ]
-        kids += [
-            Child(
-                f"worker{i}",
-                [
-                    *base,
-                    "worker",
-                    "--index",
-                    str(i),
-                    *common,
-                    *job,
-                    *worker,
-                    "--stats",
-                    str(self.worker_stats(i)),
-                ],
-            )
-            for i in range(a.workers)
-        ]
-        if a.evaluator:
-            kids.append(
-                Child(
-                    "evaluator",
-                    [
-                        *base,
-                        "worker",
-                        "--role",
-                        "evaluator",
-                        *common,
-                        *job,
-                        *ckpt,
-                        "--eval-log",
-                        str(self.run_dir / "evaluator.jsonl"),
-                    ],
-                )
-            )
-        for kid in kids:
-            if self.keys_dir is not None:
-                kid.argv += ["--keys", str(self.keys_dir)]
-            if kid.name in self.metrics_ports:
-                port = str(self.metrics_ports[kid.name])
-                kid.argv += ["--metrics-host", HOST, "--metrics-port", port]
+        """Every task's configuration, built and checked here, written as data for the
+        child (``zmqps task --config FILE``): nothing is rebuilt from flags."""
+        tasks_dir = self.run_dir / "tasks"
+        tasks_dir.mkdir(parents=True, exist_ok=True)
+        keys = None if self.keys_dir is None else str(self.keys_dir)
+        kids = []
+        for name, task in self.task_configs(keys):
+            path = tasks_dir / f"{name}.json"
+            path.write_text(dumps(task) + "\n")
+            argv = [sys.executable, "-m", "zmqps", "task", "--config", str(path)]
+            kids.append(Child(name, [*argv, "--parent-pid", str(os.getpid())]))
         return kids
+
+    def task_configs(self, keys: str | None) -> list[tuple[str, TaskConfig]]:
+        a = self.args
+        cluster = self.cluster
+        job = job_from_args(a)
+        assert job is not None
+        ports = self.metrics_ports
+
+        def metrics(name: str) -> dict[str, Any]:
+            return {"metrics_host": HOST, "metrics_port": ports.get(name)}
+
+        ckpt_dir = None if self.checkpoint_dir is None else str(self.checkpoint_dir)
+        policy = None
+        if ckpt_dir is not None:
+            secs = a.checkpoint_secs or (0.0 if a.checkpoint_steps else 5.0)
+            policy = CheckpointPolicy(ckpt_dir, a.checkpoint_steps, secs, a.keep_checkpoints)
+        driver = None
+        serve_job = None
+        if getattr(a, "driver", "worker") == "coordinator":
+            driver = DriverConfig(a.job or DEFAULT_JOB, a.steps_per_execution)
+            serve_job = driver.job_module
+        assert cluster.chief is not None
+        chief = ChiefConfig(
+            bind=cluster.chief,
+            cluster=cluster,
+            job=job,
+            optimizer=dict(job.optimizer),
+            partitioner=Partitioner(num_shards=a.num_shards),
+            placement=a.placement,
+            heartbeat_timeout=a.heartbeat_timeout,
+            summary_path=str(self.chief_summary),
+            sync=sync_from_args(a),
+            checkpoint=policy,
+            export_dir=None if self.export_dir is None else str(self.export_dir),
+            driver=driver,
+            **metrics("chief"),
+        )
+        out: list[tuple[str, TaskConfig]] = [("chief", TaskConfig(chief=chief, keys=keys))]
+        for i, addr in enumerate(cluster.ps):
+            ps = PSConfig(index=i, bind=addr, checkpoint_dir=ckpt_dir, **metrics(f"ps{i}"))
+            out.append((f"ps{i}", TaskConfig(ps=ps, keys=keys)))
+        for i in range(cluster.num_workers):
+            worker = WorkerConfig(
+                cluster=cluster,
+                index=i,
+                job=job,
+                device=a.device,
+                prefetch=a.prefetch,
+                shared_memory=a.shared_memory,
+                stats_path=str(self.worker_stats(i)),
+                serve_job=serve_job,
+                **metrics(f"worker{i}"),
+            )
+            out.append((f"worker{i}", TaskConfig(worker=worker, keys=keys)))
+        if a.evaluator:
+            evaluator = EvaluatorConfig(
+                chief=cluster.chief,
+                job=job,
+                checkpoint_dir=ckpt_dir,
+                eval_log=str(self.run_dir / "evaluator.jsonl"),
+                **metrics("evaluator"),
+            )
+            out.append(("evaluator", TaskConfig(evaluator=evaluator, keys=keys)))
+        return out
 
     def file_sd(self) -> list[dict[str, Any]]:
         """The metrics endpoints as Prometheus file_sd target groups, labelled by job."""

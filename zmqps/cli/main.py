@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,19 +25,12 @@ from zmqps.cli.args import (
     add_security_args,
     add_server_args,
     add_sync_args,
-    bind_address,
     cluster_and_task,
     exit_with_parent,
-    job_from_args,
-    metrics_port,
-    optimizer_from_args,
-    partitioner_from_args,
     setup_logging,
     socket_options,
-    sync_from_args,
 )
-from zmqps.device import Device, DeviceError
-from zmqps.malloc import tune_malloc
+from zmqps.cli.tasks import run_task, task_from_args
 from zmqps.wire.errors import ConfigError, ZmqpsError
 
 __all__ = ["main", "server_main", "worker_main"]
@@ -88,186 +80,35 @@ def _worker_parser(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from zmqps.roles.chief import ChiefConfig, run_chief
-    from zmqps.roles.ps import PSConfig, run_ps
-
     cluster, task = cluster_and_task(args)
-    tune_malloc()
-    bind = args.bind or bind_address(cluster.address(task.role, task.index))
-    if task.role in ("ps", "chief"):
-        # the PS only serve; the chief serves and connects to every PS
-        options = socket_options(
-            args, task.role, task.index, serve=True, connect=task.role == "chief"
+    if task.role not in ("ps", "chief"):
+        raise ConfigError(
+            f"zmqps-server serves roles chief and ps, not {task.role!r} (use zmqps-worker)"
         )
-    if task.role == "ps":
-        return run_ps(
-            PSConfig(
-                index=task.index,
-                bind=bind,
-                metrics_host=args.metrics_host,
-                metrics_port=metrics_port(args),
-                checkpoint_dir=args.checkpoint_dir,
-            ),
-            options,
-        )
-    if task.role == "chief":
-        job = job_from_args(args)
-        cfg = ChiefConfig(
-            bind=bind,
-            cluster=cluster,
-            job=job,
-            optimizer=dict(job.optimizer) if job else optimizer_from_args(args),
-            partitioner=partitioner_from_args(args),
-            placement=args.placement,
-            heartbeat_timeout=args.heartbeat_timeout,
-            startup_timeout=args.startup_timeout,
-            summary_path=args.summary,
-            keep_alive=args.keep_alive,
-            sync=sync_from_args(args),
-            metrics_host=args.metrics_host,
-            metrics_port=metrics_port(args),
-            checkpoint=_checkpoint_policy(args),
-            export_dir=args.export_dir,
-        )
-        if args.driver == "coordinator":
-            from zmqps.cli.coordinator import run_driver
-
-            return run_driver(cfg, args, options)
-        return run_chief(cfg, options)
-    raise ConfigError(
-        f"zmqps-server serves roles chief and ps, not {task.role!r} (use zmqps-worker)"
-    )
-
-
-def _checkpoint_policy(args: argparse.Namespace) -> Any:
-    from zmqps.roles.checkpointer import CheckpointPolicy
-
-    if not args.checkpoint_dir:
-        if args.checkpoint_steps or args.checkpoint_secs:
-            raise ConfigError("--checkpoint-steps / --checkpoint-secs need --checkpoint-dir")
-        return None
-    if args.checkpoint_steps < 0 or args.checkpoint_secs < 0 or args.keep_checkpoints < 1:
-        raise ConfigError("checkpoint intervals must be >= 0 and --keep-checkpoints >= 1")
-    secs = args.checkpoint_secs or (0.0 if args.checkpoint_steps else 600.0)
-    return CheckpointPolicy(args.checkpoint_dir, args.checkpoint_steps, secs, args.keep_checkpoints)
+    return run_task(task_from_args(args, cluster, task))
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from zmqps.roles.worker import Terminated, Worker, train
-
     cluster, task = cluster_and_task(args, default_role="worker")
-    tune_malloc()
-    if task.role == "evaluator":
-        return _evaluator(cluster.chief, args)
-    if task.role != "worker":
+    if task.role not in ("worker", "evaluator"):
         raise ConfigError(f"zmqps-worker runs roles worker and evaluator, not {task.role!r}")
-    if args.serve:
-        return _serve(args, cluster, task)
-    if args.job:
-        raise ConfigError("--job names the module of --serve (coordinator mode)")
-    job = job_from_args(args)
-    if job is None:
-        raise ConfigError(
-            "zmqps-worker needs a built-in --model (write your own loop with zmqps.Worker)"
+    return run_task(task_from_args(args, cluster, task))
+
+
+def cmd_task(args: argparse.Namespace) -> int:
+    """``zmqps task --config FILE``: run the task a launcher wrote as data."""
+    from zmqps.roles.configs import loads
+
+    try:
+        text = Path(args.config).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read {args.config}: {e.strerror}") from None
+    task = loads(text, source=args.config)
+    if task.verbose or task.quiet:
+        logging.getLogger().setLevel(
+            logging.DEBUG if task.verbose else logging.WARNING if task.quiet else logging.INFO
         )
-    planned = job.planned_steps(task.index, cluster.num_workers)
-    options = socket_options(args, "worker", task.index, serve=False, connect=True)
-    try:
-        device = Device.parse(args.device).check()
-    except DeviceError as exc:
-        raise ConfigError(f"--device: {exc}") from None
-    # SIGTERM (Kubernetes, the launcher) leaves the cluster cleanly instead of vanishing.
-    signal.signal(signal.SIGTERM, _terminated)
-    metrics, exporter = _worker_metrics(args, task.index)
-    try:
-        with Worker.from_cluster(
-            cluster,
-            task,
-            connect_timeout=args.connect_timeout,
-            steps_planned=planned,
-            shared_memory=args.shared_memory,
-            metrics=metrics,
-            options=options,
-            device=device,
-        ) as worker:
-            # From now on a SIGTERM ends the current step first (its gradient reaches
-            # every PS, so a sync step is not left half done); a second one ends at once.
-            signal.signal(signal.SIGTERM, _stop_after_step(worker))
-            result = train(worker, job, cluster.num_workers, prefetch=args.prefetch)
-        if args.stats and "overlap" in result:
-            stats = {"worker": task.index, "device": str(device), **result["overlap"]}
-            Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
-    except Terminated:
-        log.warning("worker %d: terminated by SIGTERM; left the cluster", task.index)
-        return 128 + signal.SIGTERM
-    finally:
-        if exporter is not None:
-            exporter.close()
-    return 0
-
-
-def _worker_metrics(args: argparse.Namespace, index: int) -> tuple[Any, Any]:
-    """The worker's Metrics and its /metrics server (both None without --metrics-port)."""
-    from zmqps.metrics import Metrics, MetricsServer
-
-    port = metrics_port(args)
-    if port is None:
-        return None, None
-    metrics = Metrics()
-    exporter = MetricsServer(metrics, args.metrics_host, port)
-    log.info("worker %d: metrics at %s", index, exporter.url)
-    return metrics, exporter
-
-
-def _serve(args: argparse.Namespace, cluster: Any, task: Any) -> int:
-    from zmqps.cli.coordinator import serve
-
-    options = socket_options(args, "worker", task.index, serve=True, connect=True)
-    metrics, exporter = _worker_metrics(args, task.index)
-    try:
-        return serve(args, cluster, task, options, metrics)
-    finally:
-        if exporter is not None:
-            exporter.close()
-
-
-def _evaluator(chief: str | None, args: argparse.Namespace) -> int:
-    from zmqps.roles.evaluator import EvaluatorConfig, run_evaluator
-
-    job = job_from_args(args)
-    if job is None:
-        raise ConfigError("the evaluator needs the job's built-in --model")
-    if chief is None:
-        raise ConfigError("the cluster spec has no chief for the evaluator to follow")
-    return run_evaluator(
-        EvaluatorConfig(
-            chief=chief,
-            job=job,
-            checkpoint_dir=args.checkpoint_dir,
-            interval=args.eval_interval,
-            chief_timeout=args.chief_timeout,
-            connect_timeout=args.connect_timeout,
-            eval_log=args.eval_log,
-            metrics_host=args.metrics_host,
-            metrics_port=metrics_port(args),
-        ),
-        socket_options(args, "evaluator", None, serve=False, connect=True),
-    )
-
-
-def _stop_after_step(worker: Any) -> Callable[[int, object], None]:
-    def handler(signum: int, frame: object) -> None:
-        if worker.stop_requested:
-            _terminated(signum, frame)
-        worker.stop_requested = True
-
-    return handler
-
-
-def _terminated(signum: int, frame: object) -> None:
-    from zmqps.roles.worker import Terminated
-
-    raise Terminated()
+    return run_task(task)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -386,6 +227,10 @@ def _build() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="replace existing key files")
     p.set_defaults(func=cmd_keygen)
+    p = sub.add_parser("task", help="run one task described as data (zmqps launch's children)")
+    p.add_argument("--config", required=True, metavar="FILE", help="the task's JSON (TaskConfig)")
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_task)
     p = sub.add_parser("predict", help="run an exported model on a file of examples")
     add_predict_args(p)
     p.set_defaults(func=cmd_predict)

@@ -181,6 +181,9 @@ class PushLedger:
 
     def __init__(self) -> None:
         self._workers: dict[str, WorkerPushes] = {}
+        #: pushes applied, by "worker/incarnation/generation" (what each incarnation's
+        #: own count of acknowledged pushes must match)
+        self.by_incarnation: dict[str, int] = {}
 
     def get(self, worker: str) -> WorkerPushes:
         w = self._workers.get(worker)
@@ -188,9 +191,13 @@ class PushLedger:
             w = self._workers[worker] = WorkerPushes()
         return w
 
-    def applied(self, worker: str, cursor: int | None, step: int | None) -> None:
+    def applied(
+        self, worker: str, incarnation: int, gen: int, cursor: int | None, step: int | None
+    ) -> None:
         w = self.get(worker)
         w.applied += 1
+        key = f"{worker}/{incarnation}/{gen}"
+        self.by_incarnation[key] = self.by_incarnation.get(key, 0) + 1
         if cursor is not None and cursor > w.cursor:
             w.cursor, w.step = cursor, -1 if step is None else step
 

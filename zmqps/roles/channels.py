@@ -102,17 +102,17 @@ class TcpChannel(DenseChannel):
         if not t.pushes:
             # A TCP pull is idempotent: it may be sent again (after its deadline, or at
             # once when a lost connection comes back).
-            body = o.Pull(tuple(sids), gen=c.gen).to_wire()
-            rep = await requester.request("pull", body, timeout=c.timeout, attempts=2)
+            pull = o.Pull(tuple(sids), gen=c.gen)
+            rep = await requester.request("pull", pull.to_wire(), timeout=c.timeout, attempts=2)
             c.take_values(rep, sids, t.out)
             return True
         assert t.grads is not None
         tensors = [tensor for sid in sids for tensor in c.chunks(sid, t.grads, "grad")]
-        body = c.push_body(self.ps, sids, t.step, t.versions, t.cursor, op=t.op).to_wire()
+        body = c.push_body(self.ps, sids, t.step, t.versions, t.cursor, op=t.op)
         rep = await requester.request(
-            t.op, body, tensors, timeout=c.timeout, attempts=c.push_attempts
+            t.op, body.to_wire(), tensors, timeout=c.timeout, attempts=c.push_attempts
         )
-        accepted = c.after_push(self.ps, rep)
+        accepted = c.after_push(self.ps, rep, body)
         if t.pulls:
             c.take_values(rep, sids, t.out)
         return accepted
@@ -183,7 +183,7 @@ class ShmChannel(DenseChannel):
                 rep = await c.ps[self.ps].request(
                     t.op, req.to_wire(), timeout=c.timeout, attempts=c.push_attempts
                 )
-                accepted = c.after_push(self.ps, rep)
+                accepted = c.after_push(self.ps, rep, req)
             else:
                 pull = o.Pull(tuple(t.sids), self.ref(True, t.sids), c.gen)
                 rep = await c.ps[self.ps].request("pull", pull.to_wire(), timeout=c.timeout)
@@ -255,4 +255,3 @@ def layout(client: ParameterClient, ps: int) -> tuple[dict[int, int], dict[str, 
             for s in mine:
                 offsets[s.id] = block(s.rows * v.row_size * v.itemsize)
     return offsets, whole, pos
-

@@ -144,7 +144,9 @@ class Checkpointer:
         step (else None, and nothing is written: a checkpoint is one step everywhere)."""
         snap = await self.snapshot(step, placement)
         if snap is not None and set(snap.steps.values()) != {step}:
-            self._failed(snap.temp, step, f"the PS were at steps {sorted(set(snap.steps.values()))}")
+            self._failed(
+                snap.temp, step, f"the PS were at steps {sorted(set(snap.steps.values()))}"
+            )
             return None
         return snap
 

@@ -103,8 +103,9 @@ class ParameterClient:
         self._channel_setup = [asyncio.Lock() for _ in self.ps]
         self.last_staleness = 0
         self.dropped: dict[str, int] = {}  # pushes the PS acknowledged without applying
-        #: per PS: how its push replies came back (applied, duplicate, stale, ...)
-        self.outcomes: list[dict[str, int]] = [{} for _ in self.ps]
+        #: pushes sent / acknowledged applied / dropped, by "ps/generation": what the PS
+        #: counted of this incarnation must match (a fault test's exactly-once check)
+        self.push_counts: dict[str, dict[str, int]] = {}
         self._row_bounds: dict[str, tuple[Array, list[ShardInfo]]] = {}
         for v in placement.variables:
             shards = sorted(placement.shards_of(v.name), key=lambda s: s.row_start)
@@ -182,6 +183,8 @@ class ParameterClient:
     ) -> o.Push:
         """The body of the next push to PS ``ps`` (its own sequence number)."""
         self._seq[ps] += 1
+        gen = self.gen
+        self._tally(ps, gen, "sent")
         pulled = self.versions if versions is None else versions
         kind = o.PushPull if op == "push_pull" else o.PushRows if op == "push_rows" else o.Push
         return kind(
@@ -193,18 +196,21 @@ class ParameterClient:
             step=step,
             shm=shm,
             shm_out=shm_out,
-            gen=self.gen,
+            gen=gen,
             cursor=cursor,
         )
 
-    def after_push(self, ps: int, reply: Message) -> bool:
-        """Read a push's reply; True if it was applied."""
+    def _tally(self, ps: int, gen: int, what: str) -> None:
+        counts = self.push_counts.setdefault(f"{ps}/{gen}", {"sent": 0, "applied": 0, "dropped": 0})
+        counts[what] += 1
+
+    def after_push(self, ps: int, reply: Message, body: o.Push) -> bool:
+        """Read the reply to push ``body`` sent to PS ``ps``; True if it was applied."""
         rep = o.PushReply.parse(reply.body, "push reply")
         if rep.staleness:
             self.last_staleness = max(rep.staleness)
         outcome = rep.outcome
-        counts = self.outcomes[ps]
-        counts[outcome] = counts.get(outcome, 0) + 1
+        self._tally(ps, body.gen or 0, "applied" if rep.applied else "dropped")
         if rep.applied:
             return True
         self.dropped[outcome] = self.dropped.get(outcome, 0) + 1
@@ -252,9 +258,7 @@ class ParameterClient:
             ids = []
             for region in regions:
                 body = o.ShmAttach(region.name, region.size, self.worker, self.incarnation)
-                rep = await self.ps[ps].request(
-                    "shm_attach", body.to_wire(), timeout=self.timeout
-                )
+                rep = await self.ps[ps].request("shm_attach", body.to_wire(), timeout=self.timeout)
                 got = o.ShmAttached.parse(rep.body, "shm_attach reply")
                 if got.token != region.token.hex():
                     raise NotFound("the PS maps different memory under that name")
@@ -554,10 +558,13 @@ class ParameterClient:
                 tensors.append(Tensor(np.ascontiguousarray(summed[pos]), "rows", s.id))
             body = self.push_body(ps, sids, step, cursor=cursor, op="push_rows")
             rep = await self.ps[ps].request(
-                "push_rows", body.to_wire(), tensors, timeout=self.timeout,
+                "push_rows",
+                body.to_wire(),
+                tensors,
+                timeout=self.timeout,
                 attempts=self.push_attempts,
-            )  # fmt: skip
-            return self.after_push(ps, rep)
+            )
+            return self.after_push(ps, rep, body)
 
         routed = self._route_rows(name, uniq, every_shard=step is not None)
         results = await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))

@@ -414,9 +414,9 @@ class Evaluator:
 
         The chief shuts the PS down when training ends, so both being gone tells an
         ended job from a lost chief (the PS still listen) or a network partition
-        (connections time out instead of being refused). The moment when the chief
-        reports ``finished`` lasts only milliseconds, so a poll can miss it.
+        (connections time out instead of being refused).
         """
+        assert self.cfg.chief is not None
         addresses = [self.cfg.chief, *self.ps_addresses]
         closed = await asyncio.gather(*(asyncio.to_thread(self.probe, a) for a in addresses))
         return all(closed)

@@ -44,7 +44,6 @@ Rules of this module:
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import contextlib

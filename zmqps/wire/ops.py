@@ -10,8 +10,8 @@ Rules of this module:
 * A reply body is checked where it is read: :meth:`Body.parse` (schema, then build).
   Reply schemas allow fields they do not know (a newer peer may add some); request
   schemas refuse them (a request is untrusted input).
-* Optional fields are ``None`` when absent and are left out of the wire map, so a
-  body without them is byte-for-byte what older peers sent.
+* Optional fields (declared with a default) that are ``None`` are left out of the
+  wire map, so a body without them is byte-for-byte what older peers sent.
 * A :class:`Who` field is flattened into its parent map (``role``, ``index``,
   ``incarnation``), the identity every worker request carries.
 * Nothing here does IO; converting never copies arrays (bodies hold no arrays:
@@ -25,13 +25,12 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from zmqps.wire.schema import (
     CKPT_NAME,
     COUNT,
     MAX_SHARDS,
-    NAME,
     OPTIMIZER,
     PLACEMENT,
     ROLE,
@@ -61,6 +60,14 @@ __all__ = [
     "wire",
 ]
 
+if TYPE_CHECKING:
+    from typing_extensions import dataclass_transform
+else:
+
+    def dataclass_transform(**_: Any) -> Callable[[Any], Any]:
+        return lambda fn: fn  # only type checkers read it
+
+
 B = TypeVar("B", bound="Body")
 
 _PLAIN, _TUPLE, _BODY, _WHO = range(4)
@@ -69,12 +76,11 @@ _PLAIN, _TUPLE, _BODY, _WHO = range(4)
 MAX_WAIT_S = 3600.0
 
 
-def wire(schema: Schema, *, optional: bool = False, default: Any = MISSING) -> Any:
-    """Declare a body field and the schema that checks it on the wire; ``optional``
-    fields default to None and are omitted from the wire map when None."""
-    meta = {"schema": schema, "optional": optional}
-    if optional:
-        return field(default=None, metadata=meta)
+def wire(schema: Schema, *, default: Any = MISSING, keep_none: bool = False) -> Any:
+    """Declare a body field and the schema that checks it on the wire. Without a
+    ``default`` it is required; with one it is optional on the wire, and a field that
+    is None is left out of the wire map (unless ``keep_none``: always sent)."""
+    meta = {"schema": schema, "keep_none": keep_none}
     if default is not MISSING:
         return field(default=default, metadata=meta)
     return field(metadata=meta)
@@ -91,9 +97,9 @@ class Body:
     def to_wire(self) -> dict[str, Any]:
         """The body as a msgpack-able map (optional fields left out when None)."""
         out: dict[str, Any] = {}
-        for name, kind, optional, _ in self._CODEC:
+        for name, kind, drop_none, _ in self._CODEC:
             v = getattr(self, name)
-            if v is None and optional:
+            if v is None and drop_none:
                 continue
             if kind == _TUPLE:
                 v = list(v)
@@ -144,13 +150,16 @@ def _kind(hint: Any) -> tuple[int, Any]:
     return _PLAIN, None
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(field, wire))
 def _body(op: str = "", *, reply: bool = False) -> Callable[[type[B]], type[B]]:
     """Make ``cls`` a frozen dataclass body; derive its schema and converters."""
 
     def make(cls: type[B]) -> type[B]:
         cls = dataclass(frozen=True, slots=True)(cls)
         hints = typing.get_type_hints(cls)
-        codec, required, optional = [], {}, {}
+        codec: list[tuple[str, int, bool, Any]] = []
+        required: dict[str, Schema] = {}
+        optional: dict[str, Schema] = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             kind, sub = _kind(hints[f.name])
             if kind == _WHO:
@@ -158,9 +167,8 @@ def _body(op: str = "", *, reply: bool = False) -> Callable[[type[B]], type[B]]:
                 codec.append((f.name, kind, False, None))
                 continue
             schema = f.metadata["schema"]
-            is_optional = bool(f.metadata["optional"]) or f.default is not MISSING
-            (optional if is_optional else required)[f.name] = schema
-            codec.append((f.name, kind, bool(f.metadata["optional"]), sub))
+            (required if f.default is MISSING else optional)[f.name] = schema
+            codec.append((f.name, kind, not f.metadata["keep_none"], sub))
         cls.OP = op
         cls.SCHEMA = Map(required, optional, extra=reply)
         cls._CODEC = tuple(codec)
@@ -222,56 +230,56 @@ class Ping(Body):
 @_body("register")
 class Register(Body):
     who: Who
-    steps_planned: int | None = wire(COUNT, optional=True)
-    address: str | None = wire(Str(256), optional=True)
+    steps_planned: int | None = wire(COUNT, default=None)
+    address: str | None = wire(Str(256), default=None)
 
 
 @_body("heartbeat")
 class Heartbeat(Body):
     who: Who
     step: int = wire(COUNT)
-    loss: float | None = wire(Float(), optional=True)
-    examples: int | None = wire(COUNT, optional=True)
+    loss: float | None = wire(Float(), default=None)
+    examples: int | None = wire(COUNT, default=None)
 
 
 @_body("leave")
 class Leave(Body):
     who: Who
     step: int = wire(COUNT)
-    reason: str | None = wire(Str(256), optional=True)
-    examples: int | None = wire(COUNT, optional=True)
+    reason: str | None = wire(Str(256), default=None)
+    examples: int | None = wire(COUNT, default=None)
 
 
 @_body("create_vars")
 class CreateVars(Body):
     variables: tuple[Mapping[str, Any], ...] = wire(List(VARIABLE, 1 << 14))
-    optimizer: Mapping[str, Any] | None = wire(OPTIMIZER, optional=True)
+    optimizer: Mapping[str, Any] | None = wire(OPTIMIZER, default=None)
 
 
 @_body("get_placement")
 class GetPlacement(Body):
-    wait: float | None = wire(WAIT, optional=True)
+    wait: float | None = wire(WAIT, default=None)
 
 
 @_body("take_token")
 class TakeToken(Body):
     who: Who
-    wait: float | None = wire(WAIT, optional=True)
+    wait: float | None = wire(WAIT, default=None)
     #: the step of the last token this worker computed (a resent request is then
     #: answered with the same token, never a second one of that step)
-    have: int | None = wire(Int(-1), optional=True)
+    have: int | None = wire(Int(-1), default=None)
 
 
 @_body("ssp_clock")
 class SspClock(Body):
     who: Who
     completed: int = wire(Int(0))
-    wait: float | None = wire(WAIT, optional=True)
+    wait: float | None = wire(WAIT, default=None)
 
 
 @_body("checkpoint")
 class TakeCheckpoint(Body):
-    wait: float | None = wire(WAIT, optional=True)
+    wait: float | None = wire(WAIT, default=None)
 
 
 @_body("status")
@@ -281,7 +289,7 @@ class Status(Body):
 
 @_body("shutdown")
 class Shutdown(Body):
-    reason: str | None = wire(Str(256), optional=True)
+    reason: str | None = wire(Str(256), default=None)
 
 
 # ---------------------------------------------------------------------------
@@ -291,14 +299,14 @@ class Shutdown(Body):
 @_body("create_shards")
 class CreateShards(Body):
     shards: tuple[Mapping[str, Any], ...] = wire(List(SHARD, MAX_SHARDS))
-    placement: Mapping[str, Any] | None = wire(PLACEMENT, optional=True)
+    placement: Mapping[str, Any] | None = wire(PLACEMENT, default=None)
 
 
 @_body("pull")
 class Pull(Body):
     shards: tuple[int, ...] = wire(SHARDS)
-    shm_out: ShmRef | None = wire(ShmRef.SCHEMA, optional=True)
-    gen: int | None = wire(Int(0), optional=True)
+    shm_out: ShmRef | None = wire(ShmRef.SCHEMA, default=None)
+    gen: int | None = wire(Int(0), default=None)
 
 
 @_body("push")
@@ -310,14 +318,14 @@ class Push(Body):
     worker: str = wire(Str(64))
     inc: int = wire(Int(0))
     seq: int = wire(Int(0))
-    step: int | None = wire(Int(0), optional=True)
-    shm: ShmRef | None = wire(ShmRef.SCHEMA, optional=True)
-    shm_out: ShmRef | None = wire(ShmRef.SCHEMA, optional=True)
-    gen: int | None = wire(Int(0), optional=True)
+    step: int | None = wire(Int(0), default=None)
+    shm: ShmRef | None = wire(ShmRef.SCHEMA, default=None)
+    shm_out: ShmRef | None = wire(ShmRef.SCHEMA, default=None)
+    gen: int | None = wire(Int(0), default=None)
     #: how many batches this worker (all its incarnations) has pushed, this one
     #: included: the PS keep the highest per worker, so a restarted worker resumes
     #: after the batches that really reached them
-    cursor: int | None = wire(Int(0), optional=True)
+    cursor: int | None = wire(Int(0), default=None)
 
 
 @_body("push_pull")
@@ -333,9 +341,9 @@ class PushRows(Push):
 @_body("pull_rows")
 class PullRows(Body):
     shards: tuple[int, ...] = wire(SHARDS)
-    gen: int | None = wire(Int(0), optional=True)
+    gen: int | None = wire(Int(0), default=None)
     #: False: a read-only pull (hash tables create, stamp and admit nothing)
-    create: bool | None = wire(Bool(), optional=True)
+    create: bool | None = wire(Bool(), default=None)
 
 
 @_body("table_rows")
@@ -345,7 +353,7 @@ class TableRows(Body):
     shard: int = wire(SHARD_ID)
     start: int = wire(Int(0, 2**48))
     limit: int = wire(Int(1, 1 << 24))
-    gen: int | None = wire(Int(0), optional=True)
+    gen: int | None = wire(Int(0), default=None)
 
 
 @_body("shm_attach")
@@ -374,7 +382,7 @@ class SyncConfigure(Body):
 @_body("wait_step")
 class WaitStep(Body):
     step: int = wire(Int(0))
-    wait: float | None = wire(WAIT, optional=True)
+    wait: float | None = wire(WAIT, default=None)
 
 
 @_body("ps_state")
@@ -397,7 +405,7 @@ class CheckpointSave(Body):
 @_body("checkpoint_done")
 class CheckpointDone(Body):
     id: int = wire(Int(0))
-    wait: float | None = wire(WAIT, optional=True)
+    wait: float | None = wire(WAIT, default=None)
 
 
 @_body("restore")
@@ -405,10 +413,10 @@ class Restore(Body):
     gen: int = wire(Int(0))
     step: int = wire(Int(0))
     shards: tuple[Mapping[str, Any], ...] = wire(List(SHARD, MAX_SHARDS))
-    name: str | None = wire(CKPT_NAME, optional=True)
-    placement: Mapping[str, Any] | None = wire(PLACEMENT, optional=True)
+    name: str | None = wire(CKPT_NAME, default=None)
+    placement: Mapping[str, Any] | None = wire(PLACEMENT, default=None)
     #: per worker, the highest batch cursor any PS applied (a restarted PS learns it)
-    cursors: Mapping[str, int] | None = wire(CURSORS, optional=True)
+    cursors: Mapping[str, int] | None = wire(CURSORS, default=None)
 
 
 # ---------------------------------------------------------------------------
@@ -421,8 +429,8 @@ class Run(Body):
     args: Any = wire(Tree(root="t"))
     kwargs: Any = wire(Tree(root="d"))
     steps: int = wire(Int(1, 1 << 20))
-    closure: int | None = wire(Int(0), optional=True)
-    inc: int | None = wire(Int(0), optional=True)
+    closure: int | None = wire(Int(0), default=None)
+    inc: int | None = wire(Int(0), default=None)
 
 
 @_body("make_resource")
@@ -431,7 +439,7 @@ class MakeResource(Body):
     fn: str = wire(Str(128))
     args: Any = wire(Tree(root="t"))
     kwargs: Any = wire(Tree(root="d"))
-    inc: int | None = wire(Int(0), optional=True)
+    inc: int | None = wire(Int(0), default=None)
 
 
 # ---------------------------------------------------------------------------
@@ -463,7 +471,7 @@ class ClusterInfo(Body):
     heartbeat_interval: float = wire(Float(0.0))
     gen: int = wire(Int(0), default=0)
     global_step: int = wire(STEP, default=0)
-    placement: Mapping[str, Any] | None = wire(Nullable(PLACEMENT), default=None)
+    placement: Mapping[str, Any] | None = wire(Nullable(PLACEMENT), default=None, keep_none=True)
     recovering: bool = wire(Bool(), default=False)
     steps_done: int = wire(COUNT, default=0)
     #: sync: the step of the last token the worker's earlier incarnations computed
@@ -485,8 +493,8 @@ class HeartbeatReply(Body):
 class StepReply(Body):
     """The global step (leave) or a PS's sync step (sync_config, wait_step)."""
 
-    step: int | None = wire(STEP, optional=True)
-    global_step: int | None = wire(STEP, optional=True)
+    step: int | None = wire(STEP, default=None)
+    global_step: int | None = wire(STEP, default=None)
 
 
 @_body(reply=True)
@@ -527,8 +535,8 @@ class PushReply(Body):
     applied: bool = wire(Bool())
     staleness: tuple[int, ...] = wire(List(Int(), MAX_SHARDS), default=())
     versions: tuple[int, ...] = wire(VERSIONS, default=())
-    duplicate: bool | None = wire(Bool(), optional=True)
-    dropped: str | None = wire(Str(32), optional=True)
+    duplicate: bool | None = wire(Bool(), default=None)
+    dropped: str | None = wire(Str(32), default=None)
 
     @property
     def outcome(self) -> str:
@@ -561,9 +569,9 @@ class PsStateReply(Body):
     mode: str = wire(Str(8), default="")
     step: int = wire(STEP, default=0)
     contributors: tuple[str, ...] = wire(List(Str(64), 1 << 20), default=())
-    placement: Mapping[str, Any] | None = wire(PLACEMENT, optional=True)
+    placement: Mapping[str, Any] | None = wire(PLACEMENT, default=None)
     #: per worker, the highest batch cursor this PS applied
-    cursors: Mapping[str, int] | None = wire(CURSORS, optional=True)
+    cursors: Mapping[str, int] | None = wire(CURSORS, default=None)
 
 
 @_body(reply=True)

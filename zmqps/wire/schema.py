@@ -16,7 +16,7 @@ from typing import Any
 
 from zmqps.wire.errors import ProtocolError
 
-__all__ = [
+__all__ = [  # noqa: F822 - REQUEST_BODIES is served by __getattr__ (the typed ops)
     "REQUEST_BODIES",
     "AnyList",
     "AnyMap",

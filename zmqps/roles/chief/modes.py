@@ -141,8 +141,13 @@ class AsyncMode(ChiefMode):
 class SspMode(ChiefMode):
     name = "ssp"
 
-    def __init__(self, cfg: SyncConfig, members: Membership, ps: Sequence[Requester],
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        members: Membership,
+        ps: Sequence[Requester],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(cfg, members, ps, clock)
         self.bound = StalenessBound(cfg.max_staleness)
 
@@ -177,8 +182,13 @@ class SspMode(ChiefMode):
 class SyncMode(ChiefMode):
     name = "sync"
 
-    def __init__(self, cfg: SyncConfig, members: Membership, ps: Sequence[Requester],
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        members: Membership,
+        ps: Sequence[Requester],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(cfg, members, ps, clock)
         self.total = cfg.total_replicas or members.num_workers
         self.aggregate = cfg.replicas_to_aggregate or self.total
@@ -314,8 +324,9 @@ class SyncMode(ChiefMode):
             return self.tokens.take(who.index, who.incarnation, self.replicas(), have)
 
         return int(
-            await self._long_wait(grant, wait, f"no token within {wait:g}s (global step"
-                                  f" {self._step})")  # fmt: skip
+            await self._long_wait(
+                grant, wait, f"no token within {wait:g}s (global step {self._step})"
+            )
         )
 
     def steps_planned(self) -> int:

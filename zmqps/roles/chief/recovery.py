@@ -269,8 +269,7 @@ class RecoveryController:
             if self.metrics is not None:
                 self.metrics.recovery_seconds.observe(now - detected_at)
             log.warning(
-                "recovered from %s: every shard at step %d (generation %d), %.2fs after"
-                " detection",
+                "recovered from %s: every shard at step %d (generation %d), %.2fs after detection",
                 reason,
                 step,
                 self.gen,
@@ -380,8 +379,9 @@ class RecoveryController:
         finally:
             forget()
 
-    def _hear(self, inflight: dict[int, asyncio.Task[tuple[int, o.PsStateReply | None]]]
-              ) -> list[int]:  # fmt: skip
+    def _hear(
+        self, inflight: dict[int, asyncio.Task[tuple[int, o.PsStateReply | None]]]
+    ) -> list[int]:
         """Take the answered probes; returns the PS that restarted."""
         now = self.clock()
         lost = []
@@ -490,8 +490,9 @@ class RecoveryController:
         if phase is Phase.RESTORING:
             return "restoring every shard from the checkpoint"
         if phase is Phase.DEGRADED or self.health.down:
-            down = ", ".join(f"ps {i} (silent {s:.0f}s when found)" for i, s in
-                             sorted(self.health.down.items()))  # fmt: skip
+            down = ", ".join(
+                f"ps {i} (silent {s:.0f}s when found)" for i, s in sorted(self.health.down.items())
+            )
             return f"waiting for {down} to come back"
         return None
 

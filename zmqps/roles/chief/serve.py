@@ -106,7 +106,7 @@ async def serve_chief(
     return service.result
 
 
-async def _run(service: ChiefService, watchers: list[asyncio.Future[Any]]) -> None:
+async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> None:
     cfg = service.cfg
     recovery = service.recovery
     starting = asyncio.ensure_future(service.start())

@@ -200,7 +200,7 @@ class ChiefService:
         if who.role != "worker":
             self.evaluators[(who.index, who.incarnation)] = self.clock()
             return reply(msg, self._info().to_wire())
-        rejoin, skip, last = await self.recovery.admit(who, req.steps_planned or 0)
+        _, skip, last = await self.recovery.admit(who, req.steps_planned or 0)
         return reply(msg, self._info(skip, last).to_wire())
 
     def _op_heartbeat(self, msg: Message, req: o.Heartbeat) -> Message:
@@ -243,7 +243,9 @@ class ChiefService:
         self.members.heartbeat(who.index, who.incarnation, 0, self.clock())
         started = time.perf_counter()
         try:
-            step = await self.consistency.take_token(who, (10.0 if req.wait is None else req.wait), req.have)
+            step = await self.consistency.take_token(
+                who, (10.0 if req.wait is None else req.wait), req.have
+            )
         finally:
             if self.metrics is not None:
                 self.metrics.token_wait.observe(time.perf_counter() - started)
@@ -252,7 +254,9 @@ class ChiefService:
     async def _op_ssp_clock(self, msg: Message, req: o.SspClock) -> Message:
         who = req.who
         self.members.heartbeat(who.index, who.incarnation, req.completed, self.clock())
-        slowest = await self.consistency.ssp_clock(who, req.completed, (10.0 if req.wait is None else req.wait))
+        slowest = await self.consistency.ssp_clock(
+            who, req.completed, (10.0 if req.wait is None else req.wait)
+        )
         return reply(msg, o.SspGrant(slowest).to_wire())
 
     # ---------------------------------------------------------------- variables
@@ -264,7 +268,7 @@ class ChiefService:
         return reply(msg, o.PlacementReply(placement.to_wire()).to_wire())
 
     async def _op_get_placement(self, msg: Message, req: o.GetPlacement) -> Message:
-        placement = await self.variables.wait((0.0 if req.wait is None else req.wait))
+        placement = await self.variables.wait(0.0 if req.wait is None else req.wait)
         if placement is None:
             raise NotReady("variables have not been created yet")
         return reply(msg, o.PlacementReply(placement.to_wire()).to_wire())
@@ -273,7 +277,7 @@ class ChiefService:
         """Take a checkpoint now (``zmqps`` tools and tests)."""
         if self.checkpoints is None:
             raise InvalidArgument("the chief runs without --checkpoint-dir")
-        ckpt = await self.checkpoints.now((60.0 if req.wait is None else req.wait))
+        ckpt = await self.checkpoints.now(60.0 if req.wait is None else req.wait)
         return reply(msg, o.CheckpointTaken(ckpt.name, ckpt.step).to_wire())
 
     # ---------------------------------------------------------------- status
@@ -281,8 +285,9 @@ class ChiefService:
     def live_evaluators(self) -> list[tuple[int, int]]:
         """Side-car evaluators heard within the heartbeat timeout."""
         now = self.clock()
-        return [k for k, seen in self.evaluators.items()
-                if now - seen <= self.cfg.heartbeat_timeout]  # fmt: skip
+        return [
+            k for k, seen in self.evaluators.items() if now - seen <= self.cfg.heartbeat_timeout
+        ]
 
     def status(self) -> dict[str, Any]:
         now = self.clock()

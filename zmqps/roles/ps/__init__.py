@@ -1,10 +1,10 @@
 """The parameter-server role.
 
-    service.py      PSService: the op table, generations, pushes planned then committed
-    modes.py        the consistency mode as a strategy: Apply (async, ssp), Accumulate (sync)
-    regions.py      shared-memory regions workers attached (same-host fast path)
-    checkpoints.py  snapshot, write and restore this PS's shards
-    serve.py        the PS as a process (server, metrics, signals)
+service.py      PSService: the op table, generations, pushes planned then committed
+modes.py        the consistency mode as a strategy: Apply (async, ssp), Accumulate (sync)
+regions.py      shared-memory regions workers attached (same-host fast path)
+checkpoints.py  snapshot, write and restore this PS's shards
+serve.py        the PS as a process (server, metrics, signals)
 """
 
 from zmqps.roles.configs import PSConfig

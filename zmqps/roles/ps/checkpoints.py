@@ -58,8 +58,12 @@ class ShardCheckpoints:
         path = self.path(name)
         started = time.perf_counter()
         snap = [
-            (sh.definition, sh.values.copy(), {k: v.copy() for k, v in sh.slots.items()},
-             sh.version)  # fmt: skip
+            (
+                sh.definition,
+                sh.values.copy(),
+                {k: v.copy() for k, v in sh.slots.items()},
+                sh.version,
+            )
             for sh in self.store
             if not sh.is_table
         ]

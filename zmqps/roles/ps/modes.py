@@ -55,8 +55,9 @@ class PSMode:
         """The PS's sync step (0 outside sync)."""
         return 0
 
-    def commit(self, sids: Sequence[int], updates: Sequence[Update], worker: str,
-               step: int | None) -> Committed:  # fmt: skip
+    def commit(
+        self, sids: Sequence[int], updates: Sequence[Update], worker: str, step: int | None
+    ) -> Committed:
         raise NotImplementedError
 
     def set_required(self, required: int) -> bool:
@@ -80,8 +81,9 @@ class Apply(PSMode):
         super().__init__(store)
         self.name = name
 
-    def commit(self, sids: Sequence[int], updates: Sequence[Update], worker: str,
-               step: int | None) -> Committed:  # fmt: skip
+    def commit(
+        self, sids: Sequence[int], updates: Sequence[Update], worker: str, step: int | None
+    ) -> Committed:
         return Committed(tuple(self.store.apply(u)[1] for u in updates))
 
 
@@ -98,8 +100,9 @@ class Accumulate(PSMode):
     def step(self) -> int:
         return self.shards.min_step()
 
-    def commit(self, sids: Sequence[int], updates: Sequence[Update], worker: str,
-               step: int | None) -> Committed:  # fmt: skip
+    def commit(
+        self, sids: Sequence[int], updates: Sequence[Update], worker: str, step: int | None
+    ) -> Committed:
         sync = self.shards
         if step is None:
             raise InvalidArgument("sync mode: a push carries its local step (take a token first)")
@@ -145,8 +148,9 @@ def _global_ids(u: RowUpdate) -> np.ndarray[Any, Any]:
     return u.keys + u.shard.definition.row_start
 
 
-def make_mode(name: str, store: ShardStore, required: int, step: int,
-              current: PSMode | None = None) -> PSMode:  # fmt: skip
+def make_mode(
+    name: str, store: ShardStore, required: int, step: int, current: PSMode | None = None
+) -> PSMode:
     """The strategy for ``name`` (keeping ``current`` when it is that mode already,
     with N changed to ``required``)."""
     if name not in MODES:

@@ -263,8 +263,9 @@ class PSService:
 
     # -- pushes ----------------------------------------------------------------
 
-    def _grad_tensors(self, msg: Message, req: o.Push, kinds: tuple[str, ...]
-                      ) -> dict[int, list[Tensor]]:  # fmt: skip
+    def _grad_tensors(
+        self, msg: Message, req: o.Push, kinds: tuple[str, ...]
+    ) -> dict[int, list[Tensor]]:
         """The message's gradient tensors by shard, its structure checked."""
         sids = req.shards
         if len(set(sids)) != len(sids):
@@ -354,7 +355,7 @@ class PSService:
         if done.dropped is not None:
             self._drop(done.dropped, req.worker)
         else:
-            self.pushes.applied(req.worker, req.cursor, req.step)
+            self.pushes.applied(req.worker, req.inc, self.gen, req.cursor, req.step)
         if done.advanced:
             self.waiters.notify()
         self.dedup.commit(req.worker, req.inc, req.seq)
@@ -462,6 +463,7 @@ class PSService:
             "duplicates": self.duplicates,
             "fenced": self.fenced,
             "pushes": self.pushes.snapshot(),
+            "applied_pushes": dict(self.pushes.by_incarnation),
             **self.store.stats(),
         }
         sync = self.mode.status()

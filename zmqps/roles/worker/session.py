@@ -120,8 +120,7 @@ class Session:
             except DeadlineExceeded:
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded(
-                        f"chief at {self.chief.endpoint} did not answer"
-                        f" within {connect_timeout:g}s"
+                        f"chief at {self.chief.endpoint} did not answer within {connect_timeout:g}s"
                     ) from None
                 log.info("%s: waiting for the chief at %s", self.name, self.chief.endpoint)
 
@@ -285,4 +284,3 @@ def cut_off(error: Exception, beat: o.HeartbeatReply, old: int) -> bool:
         and not beat.recovering
         and not beat.ps_down
     )
-

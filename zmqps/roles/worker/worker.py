@@ -414,14 +414,15 @@ class Worker:
         self.io.run(self.session.drop(error) if dropped else self.session.recover(error))
 
     def stats(self) -> dict[str, Any]:
-        """This worker's push outcomes per PS (applied, duplicate, stale, ...)."""
-        outcomes = [] if self._client is None else self._client.outcomes
+        """This incarnation: the batches it resumed after (``steps_done``), the steps it
+        did, and its pushes by "ps/generation" (sent, acknowledged applied, dropped)."""
+        pushes = {} if self._client is None else self._client.push_counts
         return {
             "incarnation": self.incarnation,
+            "steps_done": self.steps_done,
             "steps": self.step,
-            "steps_done_before": self.steps_done,
             "rolled_back": self.rolled_back,
-            "pushes": [dict(c) for c in outcomes],
+            "pushes": {k: dict(v) for k, v in pushes.items()},
         }
 
     # ------------------------------------------------------------------ the end

@@ -1,0 +1,300 @@
+"""Tasks as data: a task's :class:`~zmqps.roles.configs.TaskConfig` from its flags, and
+the one runner every process uses.
+
+Rules of this module:
+
+* :func:`task_from_args` turns ``zmqps-server`` / ``zmqps-worker`` flags (and the
+  cluster from flags or ``TF_CONFIG``) into a TaskConfig; ``zmqps launch`` builds
+  its children's TaskConfigs itself and passes them as JSON files
+  (``zmqps task --config FILE``). Either way :func:`run_task` runs it: the same code
+  path for a task started by hand, by Kubernetes, or by the launcher.
+* Every check that does not need the cluster happens while the TaskConfig is
+  built, so the launcher finds a mistake before it starts anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from zmqps.config import ClusterSpec, TaskSpec, bind_address
+from zmqps.device import Device, DeviceError
+from zmqps.roles.configs import (
+    CheckpointPolicy,
+    ChiefConfig,
+    DriverConfig,
+    EvaluatorConfig,
+    PSConfig,
+    TaskConfig,
+    WorkerConfig,
+)
+from zmqps.wire.errors import ConfigError
+
+__all__ = ["run_task", "task_from_args"]
+
+log = logging.getLogger("zmqps")
+
+#: The built-in demo job module of coordinator mode (the digits MLP).
+DEFAULT_JOB = "zmqps.coordinator.digits"
+
+
+def checkpoint_policy(args: argparse.Namespace) -> CheckpointPolicy | None:
+    if not args.checkpoint_dir:
+        if args.checkpoint_steps or args.checkpoint_secs:
+            raise ConfigError("--checkpoint-steps / --checkpoint-secs need --checkpoint-dir")
+        return None
+    if args.checkpoint_steps < 0 or args.checkpoint_secs < 0 or args.keep_checkpoints < 1:
+        raise ConfigError("checkpoint intervals must be >= 0 and --keep-checkpoints >= 1")
+    secs = args.checkpoint_secs or (0.0 if args.checkpoint_steps else 600.0)
+    return CheckpointPolicy(args.checkpoint_dir, args.checkpoint_steps, secs, args.keep_checkpoints)
+
+
+def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpec) -> TaskConfig:
+    """The TaskConfig of ``zmqps-server`` / ``zmqps-worker`` flags for ``task``."""
+    from zmqps.cli.args import job_from_args, metrics_port
+
+    common: dict[str, Any] = {
+        "keys": getattr(args, "keys", None),
+        "verbose": int(getattr(args, "verbose", 0) or 0),
+        "quiet": bool(getattr(args, "quiet", False)),
+    }
+    if task.role == "ps":
+        bind = args.bind or bind_address(cluster.address("ps", task.index))
+        ps = PSConfig(
+            index=task.index,
+            bind=bind,
+            metrics_host=args.metrics_host,
+            metrics_port=metrics_port(args),
+            checkpoint_dir=args.checkpoint_dir,
+        )
+        return TaskConfig(ps=ps, **common)
+    if task.role == "chief":
+        return TaskConfig(chief=chief_config(args, cluster), **common)
+    if task.role == "evaluator":
+        return TaskConfig(evaluator=evaluator_config(args, cluster), **common)
+    job = job_from_args(args)
+    serve_job = (args.job or DEFAULT_JOB) if getattr(args, "serve", False) else None
+    if serve_job is None and getattr(args, "job", None):
+        raise ConfigError("--job names the module of --serve (coordinator mode)")
+    if job is None and serve_job is None:
+        raise ConfigError(
+            "zmqps-worker needs a built-in --model (write your own loop with zmqps.Worker)"
+        )
+    try:
+        Device.parse(args.device).check()
+    except DeviceError as exc:
+        raise ConfigError(f"--device: {exc}") from None
+    worker = WorkerConfig(
+        cluster=cluster,
+        index=task.index,
+        job=job,
+        device=args.device,
+        prefetch=args.prefetch,
+        shared_memory=args.shared_memory,
+        connect_timeout=args.connect_timeout,
+        stats_path=args.stats,
+        metrics_host=args.metrics_host,
+        metrics_port=metrics_port(args),
+        serve_job=serve_job,
+    )
+    return TaskConfig(worker=worker, **common)
+
+
+def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
+    from zmqps.cli.args import (
+        job_from_args,
+        metrics_port,
+        optimizer_from_args,
+        partitioner_from_args,
+        sync_from_args,
+    )
+
+    job = job_from_args(args)
+    driver = None
+    if getattr(args, "driver", "worker") == "coordinator":
+        if job is None:
+            raise ConfigError("--driver coordinator runs a built-in --model")
+        if args.mode != "async":
+            raise ConfigError("--driver coordinator trains asynchronously (--mode async)")
+        if args.steps_per_execution < 1:
+            raise ConfigError("--steps-per-execution must be >= 1")
+        driver = DriverConfig(args.job or DEFAULT_JOB, args.steps_per_execution)
+    return ChiefConfig(
+        bind=args.bind or bind_address(cluster.chief),
+        cluster=cluster,
+        job=job,
+        optimizer=dict(job.optimizer) if job else optimizer_from_args(args),
+        partitioner=partitioner_from_args(args),
+        placement=args.placement,
+        heartbeat_timeout=args.heartbeat_timeout,
+        startup_timeout=args.startup_timeout,
+        summary_path=args.summary,
+        keep_alive=args.keep_alive,
+        sync=sync_from_args(args),
+        metrics_host=args.metrics_host,
+        metrics_port=metrics_port(args),
+        checkpoint=checkpoint_policy(args),
+        export_dir=args.export_dir,
+        driver=driver,
+    )
+
+
+def evaluator_config(args: argparse.Namespace, cluster: ClusterSpec) -> EvaluatorConfig:
+    from zmqps.cli.args import job_from_args, metrics_port
+
+    job = job_from_args(args)
+    if job is None:
+        raise ConfigError("the evaluator needs the job's built-in --model")
+    return EvaluatorConfig(
+        chief=cluster.chief or None,
+        job=job,
+        checkpoint_dir=args.checkpoint_dir,
+        interval=args.eval_interval,
+        chief_timeout=args.chief_timeout,
+        connect_timeout=args.connect_timeout,
+        eval_log=args.eval_log,
+        metrics_host=args.metrics_host,
+        metrics_port=metrics_port(args),
+        idle_timeout=args.eval_idle_timeout,
+    )
+
+
+# ------------------------------------------------------------------ running a task
+
+
+def _options(task: TaskConfig, role: str, index: int | None, serve: bool, connect: bool) -> Any:
+    from zmqps.config import keys_dir
+    from zmqps.transport import SocketOptions, load_keys
+
+    folder = keys_dir(task.keys)
+    if folder is None:
+        return None
+    return SocketOptions(curve=load_keys(folder, role, index, serve=serve, connect=connect))
+
+
+def run_task(task: TaskConfig) -> int:
+    """Run one task to its end; returns the process's exit code."""
+    from zmqps.malloc import tune_malloc
+
+    tune_malloc()
+    if task.ps is not None:
+        from zmqps.roles.ps import run_ps
+
+        return run_ps(task.ps, _options(task, "ps", task.ps.index, True, False))
+    if task.chief is not None:
+        options = _options(task, "chief", 0, True, True)
+        if task.chief.driver is not None:
+            from zmqps.coordinator.driver import run_chief_driver
+
+            d = task.chief.driver
+            return run_chief_driver(
+                task.chief,
+                d.job_module,
+                steps_per_execution=d.steps_per_execution,
+                options=options,
+            )
+        from zmqps.roles.chief import run_chief
+
+        return run_chief(task.chief, options)
+    if task.evaluator is not None:
+        from zmqps.roles.evaluator import run_evaluator
+
+        return run_evaluator(task.evaluator, _options(task, "evaluator", None, False, True))
+    assert task.worker is not None
+    return _run_worker(task, task.worker)
+
+
+def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
+    from zmqps.roles.worker import Terminated, Worker, train
+
+    tspec = TaskSpec("worker", cfg.index)
+    metrics, exporter = _worker_metrics(cfg)
+    try:
+        if cfg.serve_job is not None:
+            from zmqps.coordinator.serve import run_function_server
+
+            options = _options(task, "worker", cfg.index, True, True)
+            return run_function_server(
+                cfg.cluster,
+                tspec,
+                cfg.serve_job,
+                job=cfg.job,
+                options=options,
+                metrics=metrics,
+                connect_timeout=cfg.connect_timeout,
+                shared_memory=cfg.shared_memory,
+            )
+        assert cfg.job is not None
+        options = _options(task, "worker", cfg.index, False, True)
+        planned = cfg.job.planned_steps(cfg.index, cfg.cluster.num_workers)
+        # SIGTERM (Kubernetes, the launcher) leaves the cluster cleanly instead of vanishing.
+        signal.signal(signal.SIGTERM, _terminated)
+        worker: Worker | None = None
+        result: dict[str, Any] | None = None
+        try:
+            with Worker.from_cluster(
+                cfg.cluster,
+                tspec,
+                connect_timeout=cfg.connect_timeout,
+                steps_planned=planned,
+                shared_memory=cfg.shared_memory,
+                metrics=metrics,
+                options=options,
+                device=cfg.device,
+            ) as worker:
+                # From now on a SIGTERM ends the current step first (its gradient reaches
+                # every PS, so a sync step is not left half done); a second one ends at once.
+                signal.signal(signal.SIGTERM, _stop_after_step(worker))
+                result = train(worker, cfg.job, cfg.cluster.num_workers, prefetch=cfg.prefetch)
+        except Terminated:
+            log.warning("worker %d: terminated by SIGTERM; left the cluster", cfg.index)
+            return 128 + signal.SIGTERM
+        finally:
+            if worker is not None and cfg.stats_path:
+                _write_stats(cfg, worker, result)
+        return 0
+    finally:
+        if exporter is not None:
+            exporter.close()
+
+
+def _write_stats(cfg: WorkerConfig, worker: Any, result: dict[str, Any] | None) -> None:
+    """This incarnation's statistics: steps and pushes (and, when it ran to the end,
+    the time per phase and the overlap)."""
+    assert cfg.stats_path is not None
+    stats: dict[str, Any] = {"worker": cfg.index, "device": str(worker.device), **worker.stats()}
+    if result is not None and "overlap" in result:
+        stats.update(result["overlap"])
+    Path(cfg.stats_path).write_text(json.dumps(stats, indent=2) + "\n")
+
+
+def _worker_metrics(cfg: WorkerConfig) -> tuple[Any, Any]:
+    """The worker's Metrics and its /metrics server (both None without a metrics port)."""
+    from zmqps.metrics import Metrics, MetricsServer
+
+    if cfg.metrics_port is None:
+        return None, None
+    metrics = Metrics()
+    exporter = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port)
+    log.info("worker %d: metrics at %s", cfg.index, exporter.url)
+    return metrics, exporter
+
+
+def _stop_after_step(worker: Any) -> Callable[[int, object], None]:
+    def handler(signum: int, frame: object) -> None:
+        if worker.stop_requested:
+            _terminated(signum, frame)
+        worker.stop_requested = True
+
+    return handler
+
+
+def _terminated(signum: int, frame: object) -> None:
+    from zmqps.roles.worker import Terminated
+
+    raise Terminated()
