@@ -310,15 +310,15 @@ def chief_status(chief: str, timeout: float = 2.0) -> dict[str, Any] | None:
         return None
 
 
-def task_pid(launcher: Proc, *words: str) -> int:
-    """The pid of the launcher's child whose command line holds every one of ``words``
-    (e.g. ``"worker"``, ``"--index 1"``)."""
+def task_pid(launcher: Proc, task: str) -> int:
+    """The pid of the launcher's child running ``task`` (``chief``, ``ps1``, ``worker0``,
+    ``evaluator``): it runs ``zmqps task --config RUN_DIR/tasks/<task>.json``."""
+    suffix = f"/tasks/{task}.json"
 
     def find() -> int | None:
         for pid in launched_by(launcher.pid):
-            argv = " ".join(_argv(pid))
-            if all(w in argv for w in words):
+            if any(arg.endswith(suffix) for arg in _argv(pid)):
                 return pid
         return None
 
-    return int(wait_for(find, 30, what=f"the task {' '.join(words)}"))
+    return int(wait_for(find, 30, what=f"the task {task}"))

@@ -40,9 +40,10 @@ def _ping(address: str) -> dict[str, Any] | None:
 
 
 def _worker_address(pid: int, index: int) -> str:
+    """Worker ``index``'s address, from the task config the launcher gave process ``pid``."""
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    spec = json.loads(argv[argv.index(b"--cluster") + 1])
-    return str(spec["cluster"]["worker"][index])
+    task = json.loads(Path(argv[argv.index(b"--config") + 1].decode()).read_text())
+    return str(task["worker"]["cluster"]["worker"][index])
 
 
 def test_kill_9_a_worker_mid_function_every_function_completes(
@@ -75,7 +76,7 @@ def test_kill_9_a_worker_mid_function_every_function_completes(
         name="launch",
         env=env,
     )
-    pid = task_pid(launcher, "worker", "--index 1", "--serve")
+    pid = task_pid(launcher, "worker1")
     address = _worker_address(pid, 1)
     wait_for(
         lambda: (p := _ping(address)) is not None and p["running"] >= 0,

@@ -97,7 +97,7 @@ def test_kill9_worker_is_restarted_and_rejoins(procs: Reaper, tmp_path: Path, mo
     )
     old = _worker(before, 1)
     assert old is not None and old["state"] == "alive", before
-    victim = task_pid(launcher, "zmqps worker", "--index 1")
+    victim = task_pid(launcher, "worker1")
     signal_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
 

@@ -74,7 +74,7 @@ def test_kill9_ps_in_sync_mode_restores_every_shard(
     launcher, summary_path = launch_run(procs, run, "-q", *SYNC, timeout=150)
     chief = chief_address(launcher)
     before = _wait_for_checkpoint(chief, 2 * CKPT_STEPS)
-    pid = task_pid(launcher, "--role ps", "--index 1")
+    pid = task_pid(launcher, "ps1")
     os.kill(pid, signal.SIGKILL)
     killed_at = time.time()
 
@@ -123,7 +123,7 @@ def test_kill9_chief_resumes_without_going_back(
     s = _wait_for_checkpoint(chief, CKPT_STEPS)
     seen.append(int(s["global_step"]))
     ckpt_step = int(s["checkpoints"]["last_step"])
-    pid = task_pid(launcher, "--role chief")
+    pid = task_pid(launcher, "chief")
     os.kill(pid, signal.SIGKILL)
     killed_at = time.time()
 

@@ -484,7 +484,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     ]
     if acc is not None:
         lines.append(f"  test accuracy {acc:.4f}, test loss {summary.get('test_loss'):.4f}")
-    stats = summary.get("worker_stats") or []
+    stats = [s for s in summary.get("worker_stats") or [] if "overlap" in s]
     if stats:
         overlap = sum(s["overlap"] for s in stats) / len(stats)
         step = sum(s["step_seconds"] for s in stats) / len(stats)

@@ -7,12 +7,14 @@ Rules of this module:
   job module, its arguments encoded at once, a step count) and returns a
   :class:`RemoteValue`. Any available worker takes the next closure; one closure
   runs at a time per worker.
-* **At least once.** A closure whose worker dies (no answer to pings for
-  ``heartbeat_timeout`` s) or restarts (a new incarnation answers) while it runs is
-  put back at the front of the queue and runs again on another worker (or on the
-  same one once it is back): it may have run partly or wholly before, so its effects
-  (pushed gradients) can be applied more than once. Retries are counted; a closure
-  lost ``max_attempts`` times fails with :class:`WorkerLost`.
+* **Exactly once, or reported failed.** A closure whose worker dies (no answer to
+  pings for ``heartbeat_timeout`` s) or restarts (a new incarnation answers) while
+  it runs is put back at the front of the queue and runs again on another worker
+  (or on the same one once it is back). Its pushes carry the closure's key and
+  their place among its pushes to each PS, and the PS apply each at most once: the
+  run again brings the pushes its lost run did not, and its result is the one
+  returned. Retries are counted; a closure lost ``max_attempts`` times fails with
+  :class:`WorkerLost`.
 * **Errors.** A function that raises (``FunctionError``), or a request the worker
   refuses as invalid, fails its RemoteValue and cancels every closure still queued
   (their RemoteValues raise :class:`FunctionCancelled`); closures already running
@@ -30,6 +32,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -237,6 +240,10 @@ class Coordinator:
         self.metrics = metrics
         self._options = options
         self._ids = itertools.count(1)
+        #: closures are keyed on the wire by base + id: the PS deduplicate a closure's
+        #: pushes by key, so keys of a later coordinator (a restarted chief) never meet
+        #: an earlier one's
+        self._key_base = secrets.randbits(39) << 23
         self._resource_ids = itertools.count(1)
         self._resources: dict[int, tuple[str, Any, Any, list[Tensor]]] = {}
         self._cond = threading.Condition()
@@ -541,7 +548,7 @@ class Coordinator:
                 "args": c.args,
                 "kwargs": c.kwargs,
                 "steps": c.steps,
-                "closure": c.id,
+                "closure": self._key_base + c.id,
             }
             if w.incarnation is not None:
                 body["inc"] = w.incarnation

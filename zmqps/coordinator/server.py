@@ -36,6 +36,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from zmqps.wire import Message, reply
+from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     ConfigError,
     FunctionError,
@@ -102,6 +103,12 @@ class FunctionContext:
             raise NotReady("this function server has no cluster connection")
         return self.worker_or_none
 
+    def tag(self, closure: int | None) -> None:
+        """The pushes the worker makes from now on belong to scheduled function
+        ``closure`` (each is applied once, whichever worker runs the function)."""
+        if self.worker_or_none is not None:
+            self.worker_or_none.tag(closure)
+
     def ensure_variables(self, timeout: float = 120.0) -> None:
         """Wait until the model's variables exist (created by the coordinator or the
         chief) and this worker knows where they are."""
@@ -134,17 +141,29 @@ class FunctionServer:
         self.shutdown_requested = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"zmqps-fn-{ctx.index}")
         self._lock = threading.Lock()
+        self._ops = self.ops()
+
+    def ops(self) -> dict[str, tuple[type[o.Body], Callable[[Message, Any], Any]]]:
+        """The op table: every op a function server serves, its typed body, its handler."""
+        return {
+            "ping": (o.Ping, self._op_ping),
+            "status": (o.Status, self._op_status),
+            "shutdown": (o.Shutdown, self._op_shutdown),
+            "run": (o.Run, self._op_run),
+            "make_resource": (o.MakeResource, self._op_make_resource),
+        }
 
     def __call__(self, msg: Message) -> Any:
-        handler = getattr(self, f"_op_{msg.op}", None)
-        if handler is None:
+        entry = self._ops.get(msg.op)
+        if entry is None:
             raise ProtocolError(f"a worker server does not serve {msg.op!r}")
-        return handler(msg)
+        body, handler = entry
+        return handler(msg, body.from_wire(msg.body))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _op_ping(self, msg: Message) -> Message:
+    def _op_ping(self, msg: Message, req: o.Ping) -> Message:
         return reply(
             msg,
             {
@@ -155,7 +174,7 @@ class FunctionServer:
             },
         )
 
-    def _op_status(self, msg: Message) -> Message:
+    def _op_status(self, msg: Message, req: o.Status) -> Message:
         return reply(
             msg,
             {
@@ -169,13 +188,12 @@ class FunctionServer:
             },
         )
 
-    def _op_shutdown(self, msg: Message) -> Message:
+    def _op_shutdown(self, msg: Message, req: o.Shutdown) -> Message:
         log.info("worker %d: shutdown requested by %s", self.ctx.index, msg.sender or "?")
         self.shutdown_requested.set()
         return reply(msg)
 
-    def _check_incarnation(self, msg: Message) -> None:
-        inc = msg.body.get("inc")
+    def _check_incarnation(self, inc: int | None) -> None:
         if inc is not None and inc != self.incarnation:
             raise NotReady(
                 f"worker {self.ctx.index} restarted (incarnation {self.incarnation}, the"
@@ -184,48 +202,50 @@ class FunctionServer:
         if self.shutdown_requested.is_set():
             raise ShutdownError(f"worker {self.ctx.index} is shutting down")
 
-    async def _op_make_resource(self, msg: Message) -> Message:
-        self._check_incarnation(msg)
-        b = msg.body
-        fn = lookup(self.module, b["fn"])
-        args = decode_value(b["args"], msg.tensors)
-        kwargs = decode_value(b["kwargs"], msg.tensors)
+    async def _op_make_resource(self, msg: Message, req: o.MakeResource) -> Message:
+        self._check_incarnation(req.inc)
+        fn = lookup(self.module, req.fn)
+        args = decode_value(req.args, msg.tensors)
+        kwargs = decode_value(req.kwargs, msg.tensors)
         _check_call(args, kwargs)
-        rid = int(b["id"])
+        rid = req.id
 
         def make() -> Any:
             return iter(fn(self.ctx, *args, **kwargs))
 
-        self.resources[rid] = await self._in_thread(make, f"{b['fn']} (resource {rid})")
-        return reply(msg, {"id": rid})
+        self.resources[rid] = await self._in_thread(make, f"{req.fn} (resource {rid})")
+        return reply(msg, o.ResourceMade(rid).to_wire())
 
-    async def _op_run(self, msg: Message) -> Message:
-        self._check_incarnation(msg)
-        b = msg.body
-        fn = lookup(self.module, b["fn"])
-        args = decode_value(b["args"], msg.tensors, self._resource)
-        kwargs = decode_value(b["kwargs"], msg.tensors, self._resource)
+    async def _op_run(self, msg: Message, req: o.Run) -> Message:
+        self._check_incarnation(req.inc)
+        fn = lookup(self.module, req.fn)
+        args = decode_value(req.args, msg.tensors, self._resource)
+        kwargs = decode_value(req.kwargs, msg.tensors, self._resource)
         _check_call(args, kwargs)
-        steps = int(b["steps"])
+        steps, closure = req.steps, req.closure
 
         def call() -> Any:
             out = None
-            for _ in range(steps):
-                out = fn(self.ctx, *args, **kwargs)
+            self.ctx.tag(closure)
+            try:
+                for _ in range(steps):
+                    out = fn(self.ctx, *args, **kwargs)
+            finally:
+                self.ctx.tag(None)
             return out
 
-        self.running = int(b.get("closure", 0))
+        self.running = closure or 0
         started = time.perf_counter()
         try:
-            result = await self._in_thread(call, b["fn"])
+            result = await self._in_thread(call, req.fn)
         finally:
             self.running = None
         seconds = time.perf_counter() - started
         try:
             tree, tensors = encode_value(result)
         except InvalidArgument as exc:
-            raise FunctionError(f"TypeError: the result of {b['fn']}: {exc}") from None
-        return reply(msg, {"result": tree, "steps": steps, "exec_s": seconds}, tensors)
+            raise FunctionError(f"TypeError: the result of {req.fn}: {exc}") from None
+        return reply(msg, o.Ran(tree, steps, seconds).to_wire(), tensors)
 
     def _resource(self, rid: int) -> Any:
         try:

@@ -18,13 +18,14 @@ Rules of this module:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from zmqps.wire.errors import FencedError, InvalidArgument
 
-__all__ = ["PushDeduper", "PushLedger", "WorkerPushes"]
+__all__ = ["ClosureLedger", "PushDeduper", "PushLedger", "WorkerPushes"]
 
 
 @dataclass
@@ -224,3 +225,36 @@ class PushLedger:
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {name: w.to_dict() for name, w in sorted(self._workers.items())}
+
+
+class ClosureLedger:
+    """The pushes of scheduled functions (coordinator mode) that were applied, by
+    ``(closure, seq)``: a function run again because its worker was lost has each of
+    its pushes applied at most once, whichever worker sent it.
+
+    The last ``capacity`` closures are remembered (a function is run again within
+    seconds of its first run; older ones never come back); ``dropped`` counts pushes
+    refused as already applied.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._applied: OrderedDict[int, set[int]] = OrderedDict()
+        self.closures = 0  # closures with a push applied here
+        self.dropped = 0
+
+    def is_new(self, closure: int, seq: int) -> bool:
+        done = self._applied.get(closure)
+        return done is None or seq not in done
+
+    def commit(self, closure: int, seq: int) -> None:
+        done = self._applied.get(closure)
+        if done is None:
+            done = self._applied[closure] = set()
+            self.closures += 1
+            while len(self._applied) > self.capacity:
+                self._applied.popitem(last=False)
+        done.add(seq)
+
+    def stats(self) -> dict[str, int]:
+        return {"closures": self.closures, "dropped": self.dropped}

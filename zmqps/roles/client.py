@@ -86,6 +86,9 @@ class ParameterClient:
         #: over TCP, one PS's shards travel in messages of about this many bytes
         self.group_bytes = group_bytes
         self._seq = [0] * len(self.ps)
+        #: coordinator mode: the scheduled function whose pushes these are (see tag())
+        self._closure: int | None = None
+        self._closure_seq = [0] * len(self.ps)
         self.routes: dict[int, _Route] = {}
         for s in placement.shards:
             var = placement.variable(s.var)
@@ -169,6 +172,13 @@ class ParameterClient:
             dst = flat[r.start + t.offset : r.start + t.offset + t.array.size]
             np.copyto(dst, t.array.reshape(-1), casting="same_kind")
 
+    def tag(self, closure: int | None) -> None:
+        """From now on, pushes belong to scheduled function ``closure`` (None: to no
+        function); each PS deduplicates a function's pushes across the workers that
+        run it."""
+        self._closure = closure
+        self._closure_seq = [0] * len(self.ps)
+
     def push_body(
         self,
         ps: int,
@@ -185,6 +195,10 @@ class ParameterClient:
         self._seq[ps] += 1
         gen = self.gen
         self._tally(ps, gen, "sent")
+        closure_seq = None
+        if self._closure is not None:
+            self._closure_seq[ps] += 1
+            closure_seq = self._closure_seq[ps]
         pulled = self.versions if versions is None else versions
         kind = o.PushPull if op == "push_pull" else o.PushRows if op == "push_rows" else o.Push
         return kind(
@@ -198,6 +212,8 @@ class ParameterClient:
             shm_out=shm_out,
             gen=gen,
             cursor=cursor,
+            closure=self._closure,
+            closure_seq=closure_seq,
         )
 
     def _tally(self, ps: int, gen: int, what: str) -> None:

@@ -150,6 +150,7 @@ class StepPipeline:
         #: per slot: the shard versions its values are of (sent with the gradients)
         self._versions: list[dict[int, int]] = [{}, {}]
         self._need_pull = True
+        self._gen = 0  # the generation this step's requests are made in
         self._began = 0.0
         self._took_before = 0.0
         self._computing = 0.0
@@ -181,12 +182,13 @@ class StepPipeline:
         self._step_waited = 0.0
         took_before = sum(self.stats.took.values())
         self.worker.begin_step()
+        self._gen = self.worker.gen
         if self.prefetch and self._next is not None and not self._need_pull:
             started = time.perf_counter()
             try:
                 upload = self._next.result()
             except RECOVERABLE as exc:
-                self.worker.recover(exc)
+                self.worker.recover(exc, made_in=self._gen)
                 self._need_pull = True
             else:
                 self._waited("pull", time.perf_counter() - started)
@@ -315,7 +317,7 @@ class StepPipeline:
             self._took("h2d", copy.seconds())
         self._later = []
         if failure is not None:
-            self.worker.recover(failure, dropped=True)
+            self.worker.recover(failure, dropped=True, made_in=self._gen)
             accepted = False
             self._need_pull = True
             self._uploads = []

@@ -326,6 +326,11 @@ class Push(Body):
     #: included: the PS keep the highest per worker, so a restarted worker resumes
     #: after the batches that really reached them
     cursor: int | None = wire(Int(0), default=None)
+    #: coordinator mode: the scheduled function this push belongs to, and its place
+    #: among that function's pushes to this PS: a function run again on another worker
+    #: (its first worker was lost) has each of its pushes applied once
+    closure: int | None = wire(Int(0), default=None)
+    closure_seq: int | None = wire(Int(1), default=None)
 
 
 @_body("push_pull")

@@ -428,6 +428,9 @@ class RecoveryController:
             sync=self.mode.name == "sync",
             global_step=self.mode.global_step,
         )
+        # the batches its earlier incarnations really pushed, not the count last heard in
+        # a heartbeat (it lags): the run's step count stays exact
+        state.steps_before = skip
         log.info(
             "worker %d (incarnation %d) %s%s",
             who.index,

@@ -63,16 +63,8 @@ async def serve_ps(
         service.regions.close()
         if exporter is not None:
             exporter.close()
-    log.info("ps %d: stopped (%s)", cfg.index, _brief(service))
+    log.info("ps %d: stopped (%s)", cfg.index, service.status())
     return service
-
-
-def _brief(service: PSService) -> str:
-    st = service.store.stats()
-    return (
-        f"{st['shards']} shards, {st['updates_applied']} updates applied,"
-        f" {service.duplicates} duplicates, {service.fenced} fenced"
-    )
 
 
 def run_ps(cfg: PSConfig, options: SocketOptions | None = None) -> int:

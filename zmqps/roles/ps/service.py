@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from zmqps.core.dedup import PushDeduper, PushLedger
+from zmqps.core.dedup import ClosureLedger, PushDeduper, PushLedger
 from zmqps.core.store import ShardStore, Update
 from zmqps.core.variables import ShardDef
 from zmqps.metrics import Metrics
@@ -90,6 +90,7 @@ class PSService:
             self._observe(metrics)
         self.dedup = PushDeduper()
         self.pushes = PushLedger()
+        self.closures = ClosureLedger()
         self.chunk_elems_bytes = chunk_bytes
         self.duplicates = 0
         self.fenced = 0
@@ -347,6 +348,13 @@ class PSService:
             raise InvalidArgument("sync mode: a push carries its local step (take a token first)")
         if not self._is_new(req):
             return o.PushReply(False, duplicate=True)
+        tagged = req.closure is not None and req.closure_seq is not None
+        if tagged and not self.closures.is_new(req.closure, req.closure_seq):  # type: ignore[arg-type]
+            # a scheduled function run again: this push of it was applied already
+            self.closures.dropped += 1
+            self._drop("duplicate", req.worker)
+            self.dedup.commit(req.worker, req.inc, req.seq)
+            return o.PushReply(False, duplicate=True)
         try:
             done = self.mode.commit(req.shards, plans, req.worker, req.step)
         except RolledBack as e:
@@ -356,6 +364,8 @@ class PSService:
             self._drop(done.dropped, req.worker)
         else:
             self.pushes.applied(req.worker, req.inc, self.gen, req.cursor, req.step)
+            if tagged:
+                self.closures.commit(req.closure, req.closure_seq)  # type: ignore[arg-type]
         if done.advanced:
             self.waiters.notify()
         self.dedup.commit(req.worker, req.inc, req.seq)
@@ -464,6 +474,7 @@ class PSService:
             "fenced": self.fenced,
             "pushes": self.pushes.snapshot(),
             "applied_pushes": dict(self.pushes.by_incarnation),
+            "closures": self.closures.stats(),
             **self.store.stats(),
         }
         sync = self.mode.status()

@@ -204,10 +204,12 @@ class Session:
 
     # ------------------------------------------------------------------ recovery
 
-    async def recover(self, error: Exception) -> None:
-        """A PS refused or failed a data request: wait until the chief has restored the
-        cluster into a generation newer than this task's values (or say why not)."""
-        old = self.gen
+    async def recover(self, error: Exception, made_in: int | None = None) -> None:
+        """A PS refused or failed a data request (made in generation ``made_in``;
+        default: the current one): wait until the chief has restored the cluster into a
+        newer generation (or say why not). A heartbeat may have heard of the restore
+        already: then this returns after one round trip."""
+        old = self.gen if made_in is None else made_in
         log.warning("%s: %s; waiting for the cluster to recover", self.name, error)
         deadline = time.monotonic() + self.recovery_timeout
         while True:
@@ -234,26 +236,28 @@ class Session:
     async def retrying(self, request: Callable[[], Awaitable[T]]) -> T:
         """Run a data request; through a restore, recover and run it again."""
         while True:
+            gen = self.gen
             try:
                 return await request()
             except RECOVERABLE as e:
-                await self.recover(e)
+                await self.recover(e, gen)
 
     async def dropping(self, push: Callable[[], Awaitable[bool]]) -> bool:
         """Run a push; if the cluster was restored meanwhile, its gradient is of values
         that no longer exist: drop it (counted) and recover, so the next pull is of the
         new ones. False when dropped."""
+        gen = self.gen
         try:
             return await push()
         except RECOVERABLE as e:
-            await self.drop(e)
+            await self.drop(e, gen)
             return False
 
-    async def drop(self, error: Exception) -> None:
-        """A push failed with ``error`` (a restore meanwhile): counted as rolled back,
-        then recover."""
+    async def drop(self, error: Exception, made_in: int | None = None) -> None:
+        """A push made in generation ``made_in`` failed with ``error`` (a restore
+        meanwhile): counted as rolled back, then recover."""
         self.rolled_back += 1
-        await self.recover(error)
+        await self.recover(error, made_in)
 
     # ------------------------------------------------------------------ the end
 

@@ -90,13 +90,31 @@ class Worker:
         chief: str,
         index: int = 0,
         *,
+        role: str = "worker",
+        incarnation: int | None = None,
+        timeout: float = 30.0,
+        connect_timeout: float = 120.0,
+        steps_planned: int = 0,
+        chunk_bytes: int = 4 << 20,
+        shared_memory: bool = True,
+        recovery_timeout: float = 300.0,
         options: SocketOptions | None = None,
         metrics: Metrics | None = None,
         device: str | Device | None = None,
-        **settings: Any,
     ) -> None:
-        #: how this worker connects (``WorkerOptions``: role, timeouts, ...)
-        self.settings = WorkerOptions(chief, index, **settings)
+        #: how this worker connects (role, timeouts, ...), as given
+        self.settings = WorkerOptions(
+            chief,
+            index,
+            role,
+            incarnation,
+            timeout,
+            connect_timeout,
+            steps_planned,
+            chunk_bytes,
+            shared_memory,
+            recovery_timeout,
+        )
         s = self.settings
         #: where the parameters and gradients of :meth:`pull` / :meth:`push` live
         self.device = Device.parse(device).check()
@@ -113,6 +131,7 @@ class Worker:
         self._options = options
         self._mirror: Mirror | None = None
         self._client: ParameterClient | None = None
+        self._closure: int | None = None
         self._closed = False
         #: the worker's private event loop (a thread); everything on the wire runs there
         self.io = LoopThread(f"zmqps-{s.role}-{index}")
@@ -193,6 +212,7 @@ class Worker:
             )
 
         self._client = self.io.run(make())
+        self._client.tag(self._closure)
         self._mirror = None
 
     def _restored(self, gen: int) -> None:
@@ -408,10 +428,24 @@ class Worker:
             )
         )
 
-    def recover(self, error: Exception, *, dropped: bool = False) -> None:
-        """A data request failed (``error``): wait for the cluster to recover (see
+    def tag(self, closure: int | None) -> None:
+        """Coordinator mode: the pushes from now on belong to scheduled function
+        ``closure`` (None: to none); the PS apply each of them once, whichever worker
+        runs the function."""
+        self._closure = closure
+        if self._client is not None:
+            self._client.tag(closure)
+
+    def recover(
+        self, error: Exception, *, dropped: bool = False, made_in: int | None = None
+    ) -> None:
+        """A data request made in generation ``made_in`` (default: the current one)
+        failed with ``error``: wait for the cluster to recover (see
         :meth:`Session.recover`); ``dropped``: it was a push, now lost (counted)."""
-        self.io.run(self.session.drop(error) if dropped else self.session.recover(error))
+        session = self.session
+        self.io.run(
+            session.drop(error, made_in) if dropped else session.recover(error, made_in)
+        )
 
     def stats(self) -> dict[str, Any]:
         """This incarnation: the batches it resumed after (``steps_done``), the steps it
