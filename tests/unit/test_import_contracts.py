@@ -88,7 +88,7 @@ def test_an_unchanged_copy_keeps_every_contract(copy: Path) -> None:
         # core and transport are independent siblings; through transport, core reaches I/O
         ("core/dedup.py", "from zmqps.transport import new_context", {LAYERS, SANS_IO}),
         # a role importing the command line above it
-        ("roles/ps.py", "from zmqps.cli import main", {LAYERS}),
+        ("roles/ps/service.py", "from zmqps.cli import main", {LAYERS}),
         ("coordinator/serve.py", "from zmqps.cli.args import bind_address", {LAYERS}),
         # the transport must not know the metrics (it reports to an observer)
         ("transport/server.py", "from zmqps.metrics import Metrics", {LAYERS}),
@@ -96,10 +96,10 @@ def test_an_unchanged_copy_keeps_every_contract(copy: Path) -> None:
         ("checkpoint/root.py", "import zmqps.device", {LAYERS}),
         # the package root imports the roles (Worker): below them, read zmqps.version
         ("metrics/catalogue.py", "from zmqps import __version__", {LAYERS}),
-        ("roles/worker.py", "import zmq.asyncio", {ZMQ}),
+        ("roles/worker/worker.py", "import zmq.asyncio", {ZMQ}),
         ("models/mlp.py", "import cupy", {CUPY}),
         ("roles/job.py", "import torch", {TORCH}),
-        ("roles/chief.py", "import prometheus_client", {PROMETHEUS}),
+        ("roles/chief/service.py", "import prometheus_client", {PROMETHEUS}),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -296,6 +297,15 @@ def test_chief_gauges_read_its_state() -> None:
 # ---------------------------------------------------------------- CLI
 
 
+def _metrics_of(child: Any) -> tuple[str, int | None]:
+    """The metrics host and port a launcher child's task config gives it."""
+    from zmqps.roles.configs import loads
+
+    task = loads(Path(child.argv[child.argv.index("--config") + 1]).read_text())
+    cfg = getattr(task, task.role)
+    return cfg.metrics_host, cfg.metrics_port
+
+
 def _launcher(tmp_path: Any, *flags: str) -> Any:
     import argparse
 
@@ -317,7 +327,7 @@ def test_launch_gives_every_task_a_metrics_port(tmp_path: Any) -> None:
     assert len(urls) == 6 and all("http://127.0.0.1:" in u and u.endswith("/metrics") for u in urls)
     for child in launcher.children:
         port = launcher.metrics_ports[child.name]
-        assert child.argv[-4:] == ["--metrics-host", "127.0.0.1", "--metrics-port", str(port)]
+        assert _metrics_of(child) == ("127.0.0.1", port)
 
 
 def test_launch_gives_the_evaluator_a_metrics_port(tmp_path: Any) -> None:
@@ -328,7 +338,7 @@ def test_launch_gives_the_evaluator_a_metrics_port(tmp_path: Any) -> None:
     assert not task_ports & set(launcher.metrics_ports.values())
     (evaluator,) = [c for c in launcher.children if c.name == "evaluator"]
     port = launcher.metrics_ports["evaluator"]
-    assert evaluator.argv[-4:] == ["--metrics-host", "127.0.0.1", "--metrics-port", str(port)]
+    assert _metrics_of(evaluator) == ("127.0.0.1", port)
     assert f"evaluator http://127.0.0.1:{port}/metrics" in launcher.metrics_urls()
     groups = {g["labels"]["job"]: g["targets"] for g in launcher.file_sd()}
     assert groups["evaluator"] == [f"127.0.0.1:{port}"]
@@ -340,7 +350,7 @@ def test_launch_no_metrics(tmp_path: Any) -> None:
     launcher = _launcher(tmp_path, "--no-metrics")
     assert launcher.metrics_urls() == []
     assert len(launcher.cluster.worker) == 3
-    assert all("--metrics-port" not in c.argv for c in launcher.children)
+    assert all(_metrics_of(c)[1] is None for c in launcher.children)
 
 
 @pytest.mark.parametrize(
