@@ -314,10 +314,17 @@ def task_pid(launcher: Proc, task: str) -> int:
     """The pid of the launcher's child running ``task`` (``chief``, ``ps1``, ``worker0``,
     ``evaluator``): it runs ``zmqps task --config RUN_DIR/tasks/<task>.json``."""
     suffix = f"/tasks/{task}.json"
+    # launchers of before tasks were data started them with flags: --role ps --index 1
+    m = re.fullmatch(r"(chief|ps|worker|evaluator)(\d*)", task)
+    role, index = (m.group(1), m.group(2)) if m else (task, "")
+    flags = [f"--index {index}"] if index else []
+    flags += ["worker --"] if role == "worker" else [f"--role {role}"]
 
     def find() -> int | None:
         for pid in launched_by(launcher.pid):
-            if any(arg.endswith(suffix) for arg in _argv(pid)):
+            argv = _argv(pid)
+            line = " ".join(argv)
+            if any(arg.endswith(suffix) for arg in argv) or all(f in line for f in flags):
                 return pid
         return None
 

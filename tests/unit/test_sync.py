@@ -703,6 +703,48 @@ def test_a_rejoined_worker_gets_its_share_of_the_current_step() -> None:
     run(body())
 
 
+def test_a_worker_counted_dead_while_the_other_finished_gets_tokens_when_back() -> None:
+    """N = M = 2. Worker 0 pushes step 0 and runs out of data; worker 1 is stopped past
+    the heartbeat timeout, counted dead: step 0 is applied from worker 0's gradient and
+    step 1 begins with M = 0. Worker 1 comes back: M is 1 again and step 1 has a token
+    for it (it used to find none, and sync hung for ever)."""
+
+    async def body() -> None:
+        job = await sync_job(2, 1)
+        for i in (0, 1):
+            assert await job.token(i) == 0
+        await job.workers[0].push(grads(0), step=0)
+        await job.leave(0)  # out of data: its gradient still counts for step 0
+        job.env.clock.now += 11.0  # worker 1 silent past the heartbeat timeout
+        await job.env.chief.consistency.membership_changed(gone=[1])  # what the watcher does
+        await until(lambda: job.step == 1, what="step 0 applied without worker 1")
+        st = await job.status()
+        assert (st["total_replicas"], st["tokens_available"]) == (0, 0)
+        await call(job.env.chief, "heartbeat", who(1, step=0))  # SIGCONT: it is back
+        await job.env.chief.consistency.membership_changed(back=[1])
+        assert (await job.status())["tokens_available"] == 1
+        assert await job.token(1) == 1
+        assert await job.workers[1].push(grads(1), step=1)
+        await until(lambda: job.step == 2, what="worker 1 alone makes step 1")
+        await job.close()
+
+    run(body())
+
+
+def test_a_worker_gone_with_a_token_does_not_hold_a_live_ones() -> None:
+    """Worker 0 took step 0's token and left without pushing (out of data); M = 1:
+    worker 1 still finds its token (the token of a worker not counted in M is free)."""
+
+    async def body() -> None:
+        job = await sync_job(2, 1, total_replicas=1)
+        assert await job.token(0) == 0
+        await job.leave(0)
+        assert await job.token(1) == 0
+        await job.close()
+
+    run(body())
+
+
 def test_applied_step_does_not_lag_behind_the_ps() -> None:
     async def body() -> None:
         job = await sync_job(2, 2)

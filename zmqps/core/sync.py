@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,26 +226,34 @@ class TokenLedger:
         self._holders = dict(holders)
         self._extra = extra if step == 0 else 0
 
-    def advance(self, step: int, replicas: int) -> None:
+    def advance(self, step: int, replicas: int, gone: Collection[int] = ()) -> None:
         """The global step is now ``step``; the old step's untaken tokens are discarded."""
-        self.discarded += self.available(replicas)
+        self.discarded += self.available(replicas, gone)
         self.step = step
         self._holders = {}
         self._extra = 0
 
-    def available(self, replicas: int) -> int:
-        """Tokens of the current step still to take, with ``replicas`` (M) live."""
-        return max(0, replicas - len(self._holders)) + self._extra
+    def available(self, replicas: int, gone: Collection[int] = ()) -> int:
+        """Tokens of the current step still to take, with ``replicas`` (M) counted and
+        the workers ``gone`` not (a token one of them holds is no longer in M)."""
+        held = sum(1 for i in self._holders if i not in gone)
+        return max(0, replicas - held) + self._extra
 
     def holders(self) -> dict[int, int]:
         """Worker index -> incarnation, of the workers holding this step's token."""
         return dict(self._holders)
 
     def take(
-        self, index: int, incarnation: int, replicas: int, have: int | None = None
+        self,
+        index: int,
+        incarnation: int,
+        replicas: int,
+        have: int | None = None,
+        gone: Collection[int] = (),
     ) -> int | None:
         """A token (its value: the step to compute) for this worker, or None to wait.
 
+        ``replicas``: M now; ``gone``: workers not counted in it (their tokens neither).
         ``have``: the step of the last token this worker computed (None: not said). A
         worker that computed the current step already gets only an extra token.
         """
@@ -258,7 +266,7 @@ class TokenLedger:
                 self._holders[index] = incarnation  # a new incarnation takes over the slot
                 self.taken += 1
                 return self.step
-            elif held is None and len(self._holders) < replicas:
+            elif held is None and self.available(replicas, gone) - self._extra > 0:
                 self._holders[index] = incarnation
                 self.taken += 1
                 return self.step

@@ -208,13 +208,17 @@ class SyncMode(ChiefMode):
 
     # ------------------------------------------------------------ replicas
 
-    def replicas(self) -> int:
-        """M: replicas not known to be gone, at most ``total_replicas`` (a gone worker
-        whose gradient the current step holds counts until the step is applied)."""
+    def gone(self) -> set[int]:
+        """Workers not counted in M: dead, done or left (a gone worker whose gradient
+        the current step holds counts until the step is applied)."""
         now = self.clock()
         gone = set(self.members.dead(now))
         gone |= {i for i, w in self.members.workers.items() if w.done or w.gone}
-        return max(0, min(self.total, self.members.num_workers - len(gone - self.counted)))
+        return gone - self.counted
+
+    def replicas(self) -> int:
+        """M: replicas not known to be gone, at most ``total_replicas``."""
+        return max(0, min(self.total, self.members.num_workers - len(self.gone())))
 
     def needed(self) -> int:
         """N as it must be now: never more than M (never less than 1)."""
@@ -279,14 +283,15 @@ class SyncMode(ChiefMode):
         while True:
             nxt = self._step + 1
             await asyncio.gather(*(self._wait_ps(c, nxt) for c in self.stepping))
-            replicas = self.replicas()  # before the step's gone workers stop counting
+            # before the step's gone workers stop counting
+            replicas, gone = self.replicas(), self.gone()
             self._step = nxt
             self.counted.clear()
             await self._reconfigure()
             if self.on_step is not None:
                 await self.on_step(nxt)  # e.g. a checkpoint, while no tokens are out
             self.step_started_at = self.clock()
-            self.tokens.advance(nxt, replicas)
+            self.tokens.advance(nxt, replicas, gone)
             await self._wake()
 
     async def _wait_ps(self, ps: Requester, step: int) -> None:
@@ -321,7 +326,8 @@ class SyncMode(ChiefMode):
         def grant() -> int | None:
             if not self.started:
                 return None
-            return self.tokens.take(who.index, who.incarnation, self.replicas(), have)
+            gone = self.gone()
+            return self.tokens.take(who.index, who.incarnation, self.replicas(), have, gone)
 
         return int(
             await self._long_wait(
@@ -358,7 +364,7 @@ class SyncMode(ChiefMode):
             "mode": self.name,
             "replicas_to_aggregate": self.required or self.needed(),
             "total_replicas": replicas,
-            "tokens_available": self.tokens.available(replicas) if self.started else 0,
+            "tokens_available": self.tokens.available(replicas, self.gone()) if self.started else 0,
             "tokens_discarded": self.tokens.discarded,
             "step_age_s": round(self.clock() - self.step_started_at, 3),
         }

@@ -443,9 +443,7 @@ class Worker:
         failed with ``error``: wait for the cluster to recover (see
         :meth:`Session.recover`); ``dropped``: it was a push, now lost (counted)."""
         session = self.session
-        self.io.run(
-            session.drop(error, made_in) if dropped else session.recover(error, made_in)
-        )
+        self.io.run(session.drop(error, made_in) if dropped else session.recover(error, made_in))
 
     def stats(self) -> dict[str, Any]:
         """This incarnation: the batches it resumed after (``steps_done``), the steps it
