@@ -2,13 +2,17 @@
 
 The data ship inside scikit-learn, so nothing is downloaded. The split is stratified
 and seeded with numpy only, so it is the same in every process and does not depend on
-scikit-learn's splitting helpers; scikit-learn is imported lazily because it is slow
-to import.
+scikit-learn's splitting helpers. The data file is read where scikit-learn installed
+it, the way its ``load_digits`` reads it, without importing scikit-learn (about 0.8 s
+of every process start: a restarted role is back that much sooner); scikit-learn's own
+loader is the fallback.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 
@@ -20,13 +24,25 @@ __all__ = ["SPLITS", "load_digits"]
 SPLITS = ("train", "test")
 
 
-@functools.lru_cache(maxsize=1)
-def _raw() -> tuple[np.ndarray, np.ndarray]:
+def _bundled() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits: 64 pixel values (0..16) and the label, per line."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            data = np.loadtxt(path, delimiter=",")
+            return data[:, :-1], data[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits as sk_load_digits
 
     bunch = sk_load_digits()
-    x = np.ascontiguousarray(bunch.data, dtype=np.float32) / np.float32(16.0)
-    y = np.ascontiguousarray(bunch.target, dtype=np.int64)
+    return bunch.data, bunch.target
+
+
+@functools.lru_cache(maxsize=1)
+def _raw() -> tuple[np.ndarray, np.ndarray]:
+    data, target = _bundled()
+    x = np.ascontiguousarray(data, dtype=np.float32) / np.float32(16.0)
+    y = np.ascontiguousarray(target, dtype=np.int64)
     # Shared by every caller through the cache: keep it immutable.
     x.flags.writeable = False
     y.flags.writeable = False
