@@ -840,6 +840,9 @@ def test_status_text_for_sync_and_ssp() -> None:
     assert "1 available (4 discarded)" in text
     assert "step waits on worker 1 (for 2.5s)" in text
     assert "step waits on nobody" in format_status({**sync, "waiting_on": []})
+    blocked = format_status({**sync, "phase": "running", "blocker": "step 7 waits on worker 1"})
+    assert "mode          sync  (running)" in blocked
+    assert "blocked       step 7 waits on worker 1" in blocked
     ssp = {**base, "mode": "ssp", "ssp": {"max_staleness": 2, "clocks": {}, "max_spread": 2}}
     assert "max staleness 2, largest spread granted 2" in format_status(ssp)
     assert "step waits on" not in format_status(ssp)

@@ -31,7 +31,7 @@ def _workers(indices: Any) -> str:
 
 def format_status(s: dict[str, Any]) -> str:
     lines = [
-        f"mode          {s.get('mode')}",
+        f"mode          {s.get('mode')}" + (f"  ({s['phase']})" if s.get("phase") else ""),
         f"global step   {s.get('global_step')}"
         + (f" / {s['steps_planned']} planned" if s.get("steps_planned") else ""),
         f"examples      {s.get('examples')}",
@@ -40,6 +40,10 @@ def format_status(s: dict[str, Any]) -> str:
         f"ps            {', '.join(s.get('ps', []))}",
         f"variables     {s.get('variables')} in {s.get('shards')} shards",
     ]
+    if s.get("blocker"):
+        lines.append(f"blocked       {s['blocker']}")
+    elif s.get("finished"):
+        lines.append("finished      the run is over")
     down = s.get("ps_down") or {}
     if down:
         lines.append(
