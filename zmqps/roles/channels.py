@@ -57,14 +57,6 @@ class Transfer:
     versions: Mapping[int, int] | None = None
     cursor: int | None = None
 
-    @property
-    def pushes(self) -> bool:
-        return self.op != "pull"
-
-    @property
-    def pulls(self) -> bool:
-        return self.op != "push"
-
 
 class DenseChannel:
     """The interface (see the two channels below)."""
@@ -78,9 +70,6 @@ class DenseChannel:
     async def transfer(self, t: Transfer) -> bool:
         """Carry out ``t``; False if a push was acknowledged without being applied."""
         raise NotImplementedError
-
-    def covers(self, sids: Sequence[int]) -> bool:
-        return True
 
     async def close(self) -> None:
         pass
@@ -99,7 +88,7 @@ class TcpChannel(DenseChannel):
     async def _message(self, t: Transfer, sids: list[int]) -> bool:
         c = self.client
         requester = c.ps[self.ps]
-        if not t.pushes:
+        if t.op == "pull":
             # A TCP pull is idempotent: it may be sent again (after its deadline, or at
             # once when a lost connection comes back).
             pull = o.Pull(tuple(sids), gen=c.gen)
@@ -113,7 +102,7 @@ class TcpChannel(DenseChannel):
             t.op, body.to_wire(), tensors, timeout=c.timeout, attempts=c.push_attempts
         )
         accepted = c.after_push(self.ps, rep, body)
-        if t.pulls:
+        if t.op == "push_pull":
             c.take_values(rep, sids, t.out)
         return accepted
 
@@ -166,8 +155,9 @@ class ShmChannel(DenseChannel):
 
     async def transfer(self, t: Transfer) -> bool:
         c = self.client
+        pulls = t.op != "push"
         async with self.lock:
-            if t.pushes:
+            if t.op != "pull":
                 assert t.grads is not None
                 self._copy_in(t.sids, t.grads)
                 req = c.push_body(
@@ -178,7 +168,7 @@ class ShmChannel(DenseChannel):
                     t.cursor,
                     op=t.op,
                     shm=self.ref(False, t.sids),
-                    shm_out=self.ref(True, t.sids) if t.pulls else None,
+                    shm_out=self.ref(True, t.sids) if pulls else None,
                 )
                 rep = await c.ps[self.ps].request(
                     t.op, req.to_wire(), timeout=c.timeout, attempts=c.push_attempts
@@ -188,9 +178,9 @@ class ShmChannel(DenseChannel):
                 pull = o.Pull(tuple(t.sids), self.ref(True, t.sids), c.gen)
                 rep = await c.ps[self.ps].request("pull", pull.to_wire(), timeout=c.timeout)
                 accepted = True
-            if t.pulls and rep.tensors:  # a resend's reply: values by TCP (see above)
+            if pulls and rep.tensors:  # a resend's reply: values by TCP (see above)
                 c.take_values(rep, t.sids, t.out)
-            elif t.pulls:
+            elif pulls:
                 c.set_versions(rep, t.sids)
                 self._copy_out(t.sids, t.out)
         return accepted

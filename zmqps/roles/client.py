@@ -255,7 +255,9 @@ class ParameterClient:
                     self._channels[ps] = await self._attach(ps) or TcpChannel(self, ps)
             ch = self._channels[ps]
         assert ch is not None
-        return ch if ch.covers(sids) else TcpChannel(self, ps)
+        if isinstance(ch, ShmChannel) and not ch.covers(sids):
+            return TcpChannel(self, ps)
+        return ch
 
     async def _fast_path(self, ps: int) -> ShmChannel | None:
         """The shared-memory channel to PS ``ps``, if there is one."""
@@ -381,6 +383,8 @@ class ParameterClient:
             channel = await self._channel(ps, sids)
             return await channel.transfer(Transfer(op, sids, grads, out, step, versions, cursor))
 
+        if len(by_ps) == 1:
+            return await one(*next(iter(by_ps.items())))
         results = await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
         return all(results)
 

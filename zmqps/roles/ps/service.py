@@ -314,7 +314,7 @@ class PSService:
             self.regions.views(self.store, req.shards, req.shm_out)  # validate before applying
         out = self._commit(req, plans)
         if not pull:
-            return reply(msg, self._push_reply(out, req.shards).to_wire())
+            return reply(msg, self._push_reply(out, req.shards))
         if req.shm_out is not None and not out.duplicate:
             versions = self._snapshot_to_region(req.shards, req.shm_out)
             return reply(msg, _with_versions(out, versions).to_wire())
@@ -337,10 +337,11 @@ class PSService:
                 var = self.store.get(sid).definition.var
                 self.metrics.rows(var, "push", ts[0].array.shape[0])
         out = self._commit(req, plans)
-        return reply(msg, self._push_reply(out, req.shards).to_wire())
+        return reply(msg, self._push_reply(out, req.shards))
 
-    def _push_reply(self, out: o.PushReply, sids: Sequence[int]) -> o.PushReply:
-        return _with_versions(out, [self.store.get(sid).version for sid in sids])
+    def _push_reply(self, out: o.PushReply, sids: Sequence[int]) -> dict[str, Any]:
+        """The reply's body: the push's outcome and the shards' versions after it."""
+        return _with_versions(out, [self.store.get(sid).version for sid in sids]).to_wire()
 
     def _commit(self, req: o.Push, plans: Sequence[Update]) -> o.PushReply:
         """Deduplicate, then commit a validated push through the consistency mode."""
