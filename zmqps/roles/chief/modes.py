@@ -67,6 +67,10 @@ class ChiefMode:
         self.step_started_at = clock()
         #: awaited with each new global step before its tokens are put (sync)
         self.on_step: Callable[[int], Awaitable[None]] | None = None
+        self.setup()
+
+    def setup(self) -> None:
+        """The mode's own state (subclasses)."""
 
     @property
     def global_step(self) -> int:
@@ -141,15 +145,8 @@ class AsyncMode(ChiefMode):
 class SspMode(ChiefMode):
     name = "ssp"
 
-    def __init__(
-        self,
-        cfg: SyncConfig,
-        members: Membership,
-        ps: Sequence[Requester],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(cfg, members, ps, clock)
-        self.bound = StalenessBound(cfg.max_staleness)
+    def setup(self) -> None:
+        self.bound = StalenessBound(self.cfg.max_staleness)
 
     async def ssp_clock(self, who: o.Who, completed: int, wait: float) -> int:
         """Record that worker ``who`` completed ``completed`` steps; return once it may
@@ -182,16 +179,9 @@ class SspMode(ChiefMode):
 class SyncMode(ChiefMode):
     name = "sync"
 
-    def __init__(
-        self,
-        cfg: SyncConfig,
-        members: Membership,
-        ps: Sequence[Requester],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(cfg, members, ps, clock)
-        self.total = cfg.total_replicas or members.num_workers
-        self.aggregate = cfg.replicas_to_aggregate or self.total
+    def setup(self) -> None:
+        self.total = self.cfg.total_replicas or self.members.num_workers
+        self.aggregate = self.cfg.replicas_to_aggregate or self.total
         self.tokens = TokenLedger()
         self._step = 0
         self.required = 0  # N as last told to the PS
