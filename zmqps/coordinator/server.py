@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from zmqps.roles.optable import OpTable
 from zmqps.wire import Message, reply
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
@@ -43,7 +44,6 @@ from zmqps.wire.errors import (
     InvalidArgument,
     NotFound,
     NotReady,
-    ProtocolError,
     ShutdownError,
 )
 from zmqps.wire.values import decode_value, encode_value
@@ -141,7 +141,7 @@ class FunctionServer:
         self.shutdown_requested = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"zmqps-fn-{ctx.index}")
         self._lock = threading.Lock()
-        self._ops = self.ops()
+        self._ops = OpTable("a worker server", self.ops())
 
     def ops(self) -> dict[str, tuple[type[o.Body], Callable[[Message, Any], Any]]]:
         """The op table: every op a function server serves, its typed body, its handler."""
@@ -154,11 +154,7 @@ class FunctionServer:
         }
 
     def __call__(self, msg: Message) -> Any:
-        entry = self._ops.get(msg.op)
-        if entry is None:
-            raise ProtocolError(f"a worker server does not serve {msg.op!r}")
-        body, handler = entry
-        return handler(msg, body.from_wire(msg.body))
+        return self._ops(msg)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

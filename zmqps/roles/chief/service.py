@@ -36,16 +36,15 @@ from zmqps.roles.chief.modes import ChiefMode, make_chief_mode
 from zmqps.roles.chief.recovery import RecoveryController
 from zmqps.roles.chief.variables import Variables
 from zmqps.roles.configs import ChiefConfig
+from zmqps.roles.optable import Handler, OpTable
 from zmqps.transport import Requester
 from zmqps.wire import Message, reply
 from zmqps.wire import ops as o
-from zmqps.wire.errors import InvalidArgument, NotReady, ProtocolError
+from zmqps.wire.errors import InvalidArgument, NotReady
 
 __all__ = ["ChiefService"]
 
 log = logging.getLogger("zmqps.chief")
-
-Handler = Callable[[Message, Any], "Message | Awaitable[Message]"]
 
 
 class ChiefService:
@@ -90,7 +89,7 @@ class ChiefService:
         self.finished = False
         self.started = time.time()
         self.result: dict[str, Any] = {}
-        self._ops = self.ops()
+        self._ops = OpTable("the chief", self.ops())
         if metrics is not None:
             self._watch(metrics)
 
@@ -111,11 +110,7 @@ class ChiefService:
         }
 
     def __call__(self, msg: Message) -> Message | Awaitable[Message]:
-        entry = self._ops.get(msg.op)
-        if entry is None:
-            raise ProtocolError(f"the chief does not serve {msg.op!r}")
-        body, handler = entry
-        return handler(msg, body.from_wire(msg.body))
+        return self._ops(msg)
 
     def _watch(self, m: Metrics) -> None:
         """The chief's gauges read its state at scrape time (no per-event updates)."""

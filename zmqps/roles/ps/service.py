@@ -31,7 +31,7 @@ import asyncio
 import logging
 import secrets
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from zmqps.core.dedup import ClosureLedger, PushDeduper, PushLedger
 from zmqps.core.store import ShardStore, Update
 from zmqps.core.variables import ShardDef
 from zmqps.metrics import Metrics
+from zmqps.roles.optable import Handler, OpTable
 from zmqps.roles.ps.checkpoints import ShardCheckpoints
 from zmqps.roles.ps.modes import Apply, PSMode, StepWaiters, make_mode
 from zmqps.roles.ps.regions import MAX_PER_WORKER, Regions
@@ -49,15 +50,12 @@ from zmqps.wire.errors import (
     InvalidArgument,
     NotFound,
     NotReady,
-    ProtocolError,
     RolledBack,
 )
 
 __all__ = ["PSService"]
 
 log = logging.getLogger("zmqps.ps")
-
-Handler = Callable[[Message, Any], "Message | Awaitable[Message]"]
 
 _PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
 _DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
@@ -100,7 +98,7 @@ class PSService:
         self.waiters = StepWaiters(lambda: self.mode.step)
         self.regions = Regions(max_region_bytes)
         self.shutdown_requested = asyncio.Event()
-        self._ops = self.ops()
+        self._ops = OpTable("a PS", self.ops())
 
     def ops(self) -> dict[str, tuple[type[o.Body], Handler]]:
         """The op table: every op this PS serves, its typed body, its handler."""
@@ -141,13 +139,9 @@ class PSService:
 
     # The transport calls this for every decoded (and schema-checked) request.
     def __call__(self, msg: Message) -> Message | Awaitable[Message]:
-        entry = self._ops.get(msg.op)
-        if entry is None:
-            raise ProtocolError(f"a PS does not serve {msg.op!r}")
-        body, handler = entry
-        req = body.from_wire(msg.body)
+        req, handler = self._ops.resolve(msg)
         if msg.op in _DATA_OPS:
-            self._check_generation(msg.op, req.gen)  # type: ignore[attr-defined]
+            self._check_generation(msg.op, req.gen)
         if msg.op not in _PUSH_OPS:
             return handler(msg, req)
         try:
