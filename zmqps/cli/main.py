@@ -196,6 +196,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
             result = train(worker, job, cluster.num_workers, prefetch=args.prefetch)
         if args.stats and "overlap" in result:
             stats = {"worker": task.index, "device": str(device), **result["overlap"]}
+            # this incarnation: resumed after steps_done; its pushes by "ps/generation"
+            stats.update(incarnation=worker.incarnation, steps_done=worker.steps_done)
+            stats["pushes"] = worker.client.push_counts
             Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
     except Terminated:
         log.warning("worker %d: terminated by SIGTERM; left the cluster", task.index)

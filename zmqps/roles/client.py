@@ -119,6 +119,8 @@ class ParameterClient:
         self._fast_setup = [asyncio.Lock() for _ in self.ps]
         self.last_staleness = 0
         self.dropped: dict[str, int] = {}  # pushes the PS acknowledged without applying
+        #: pushes sent / acknowledged applied / dropped, by "ps/generation" (fault tests)
+        self.push_counts: dict[str, dict[str, int]] = {}
         self._row_bounds: dict[str, tuple[Array, list[ShardInfo]]] = {}
         for v in placement.variables:
             shards = sorted(placement.shards_of(v.name), key=lambda s: s.row_start)
@@ -185,13 +187,20 @@ class ParameterClient:
         }
         if step is not None:
             body["step"] = step
+        self._tally(ps, self.gen, "sent")
         return body
 
-    def _after_push(self, reply: Message, sids: Sequence[int]) -> bool:
+    def _tally(self, ps: int, gen: int, what: str) -> None:
+        counts = self.push_counts.setdefault(f"{ps}/{gen}", {"sent": 0, "applied": 0, "dropped": 0})
+        counts[what] += 1
+
+    def _after_push(self, reply: Message, sids: Sequence[int], ps: int, gen: int) -> bool:
         staleness = reply.body.get("staleness")
         if isinstance(staleness, list) and staleness:
             self.last_staleness = max(int(s) for s in staleness)
-        if reply.body.get("applied", True):
+        applied = bool(reply.body.get("applied", True))
+        self._tally(ps, gen, "applied" if applied else "dropped")
+        if applied:
             return True
         reason = str(
             reply.body.get("dropped") or ("duplicate" if reply.body.get("duplicate") else "?")
@@ -451,7 +460,7 @@ class ParameterClient:
                     rep = await self.ps[ps].request(
                         op, body, timeout=self.timeout, attempts=self.push_attempts
                     )
-                    accepted = self._after_push(rep, sids)
+                    accepted = self._after_push(rep, sids, ps, body["gen"])
                     if pull and rep.tensors:  # a resend's reply: values by TCP (ps.py)
                         self._take_values(rep, sids, out)
                     elif pull:
@@ -471,7 +480,7 @@ class ParameterClient:
             rep = await self.ps[ps].request(
                 op, body, tensors, timeout=self.timeout, attempts=self.push_attempts
             )
-            accepted = self._after_push(rep, sids)
+            accepted = self._after_push(rep, sids, ps, body["gen"])
             if pull:
                 self._take_values(rep, sids, out)
             return accepted
@@ -634,7 +643,7 @@ class ParameterClient:
             rep = await self.ps[ps].request(
                 "push_rows", body, tensors, timeout=self.timeout, attempts=self.push_attempts
             )
-            return self._after_push(rep, sids)
+            return self._after_push(rep, sids, ps, body["gen"])
 
         routed = self._route_rows(name, uniq, every_shard=step is not None)
         results = await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))

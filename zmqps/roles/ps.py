@@ -116,6 +116,8 @@ class PSService:
         self.chunk_elems_bytes = chunk_bytes
         self.duplicates = 0
         self.fenced = 0
+        #: pushes answered ``applied``, by "worker/incarnation/generation" (fault tests)
+        self.applied_pushes: dict[str, int] = defaultdict(int)
         self.sync: SyncShards | None = None
         self._step_waiters: list[tuple[int, asyncio.Future[int]]] = []
         self.regions: dict[int, tuple[str, Region]] = {}  # id -> (worker, region)
@@ -409,6 +411,8 @@ class PSService:
                 advanced = accumulate(sid) or advanced
             if advanced:
                 self._notify_steps()
+        if out["applied"]:
+            self.applied_pushes[f"{body['worker']}/{body['inc']}/{self.gen}"] += 1
         self.dedup.commit(body["worker"], body["inc"], body["seq"])
         return out
 
@@ -615,6 +619,7 @@ class PSService:
             "gen": self.gen,
             "duplicates": self.duplicates,
             "fenced": self.fenced,
+            "applied_pushes": dict(self.applied_pushes),
             **self.store.stats(),
         }
         if self.sync is not None:
