@@ -221,12 +221,68 @@ def _env() -> dict[str, str]:
     return env
 
 
+class ShmSandbox:
+    """A /dev/shm of the run's own for a loopback cluster: a holder process in a private
+    mount namespace with a fresh tmpfs on /dev/shm, which every task enters (``nsenter``
+    execs, so each task keeps its pid). The tasks share it, so the same-host fast path
+    works as usual, and what is left in it afterwards is the run's alone, however many
+    other clusters run on the machine. Needs root, util-linux' unshare and nsenter."""
+
+    def __init__(self) -> None:
+        script = (
+            "mount -t tmpfs -o size=512m,mode=1777 zmqps-faults /dev/shm"
+            " && echo ready && exec sleep 100000"
+        )
+        self.holder = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        assert self.holder.stdout is not None
+        if self.holder.stdout.readline().strip() != b"ready":
+            self.close()
+            raise OSError("could not mount a private /dev/shm")
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why a private /dev/shm cannot be made here (None: it can)."""
+        import shutil
+
+        if os.geteuid() != 0:
+            return "not root"
+        for tool in ("unshare", "nsenter"):
+            if shutil.which(tool) is None:
+                return f"no {tool}"
+        return None
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        return ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "--", *argv]
+
+    def regions(self) -> list[str]:
+        """zmqps' regions left in it (transport/shm.py names them zmqps-<hex>)."""
+        try:
+            names = os.listdir(f"/proc/{self.holder.pid}/root/dev/shm")
+        except OSError:
+            return []
+        return sorted(n for n in names if n.startswith("zmqps-"))
+
+    def close(self) -> None:
+        if self.holder.poll() is None:
+            self.holder.kill()
+        self.holder.wait(10)
+        for f in (self.holder.stdout, self.holder.stderr):
+            if f is not None:
+                f.close()
+
+
 class Supervisor:
     """Starts the tasks, restarts those that die, stops and reaps them."""
 
     def __init__(self, cluster: Cluster, wrap: Any = None) -> None:
         self.cluster = cluster
-        #: ``wrap(host, argv) -> argv``: run a task inside its namespace (None: as is)
+        #: ``wrap(host, argv) -> argv``: run a task inside its namespace(s) (None: as is)
         self.wrap = wrap
         self.stopping = False
         self.events: list[dict[str, Any]] = []  # restarts, give-ups (for the report)
@@ -235,7 +291,7 @@ class Supervisor:
     # -- processes -----------------------------------------------------------------
 
     def _spawn(self, argv: Sequence[str], host: str | None, log: Path) -> subprocess.Popen[bytes]:
-        full = list(argv) if host is None or self.wrap is None else self.wrap(host, argv)
+        full = list(argv) if self.wrap is None else self.wrap(host, argv)
         with log.open("ab") as out:
             return subprocess.Popen(
                 full,

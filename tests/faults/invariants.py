@@ -124,7 +124,7 @@ def check_end(rec: RunRecord) -> list[Check]:
             "1",
             "no-shm-left",
             not rec.leftover_shm,
-            ", ".join(f"/dev/shm/{n}" for n in rec.leftover_shm) or "none left",
+            ", ".join(f"/dev/shm/{n}" for n in rec.leftover_shm) or f"none left ({rec.shm_how})",
         )
     )
     return out

@@ -46,15 +46,14 @@ FAULT_KINDS = (
 
 #: Heartbeat timeout of every schedule (seconds): short, so detection is quick.
 HEARTBEAT_TIMEOUT = 2.5
-#: The job: the digits MLP with plain SGD. A small rate converges slowly but steadily,
-#: so unfaulted runs of one configuration end within about one test image of each
-#: other, though async updates come in an order that timing decides (and so do the
-#: float32 sums of three or more sync gradients). Sync averages the gradients of every
-#: worker in one update: a larger rate and half the epochs.
+#: The job: the digits MLP with plain SGD, trained close to convergence, so that the
+#: steps a fault costs or adds barely move the final accuracy (+25 % steps: +0.25
+#: points). Sync averages the gradients of every worker in one update: a larger rate
+#: and half the epochs.
 JOB = ("--model", "mlp", "--optimizer", "sgd", "--seed", "0")
 #: Epochs and learning rate by mode: about 2-5 s of training on 2 cores.
 EPOCHS = {"async": 80, "ssp": 80, "sync": 40}
-LR = {"async": 0.03, "ssp": 0.03, "sync": 0.05}
+LR = {"async": 0.05, "ssp": 0.05, "sync": 0.2}
 
 
 @dataclass(frozen=True)
