@@ -29,9 +29,13 @@ from faults.runner import Reference, RunRecord
 
 __all__ = ["ACCURACY_TOLERANCE", "Check", "Pause", "check_all", "longest_pause", "pauses"]
 
-#: Largest difference of accuracy from the unfaulted runs: 0.005 absolute (0.5
-#: percentage points), on all 1797 digits images (9 images). The 359 test images alone
-#: would make it 1.8 images, less than unfaulted async runs differ by (2 images).
+#: Largest difference of accuracy from the range of the unfaulted runs: 0.005 absolute
+#: (0.5 percentage points), on the 359 test images (1.8 images) and on all 1797 digits
+#: images (9 images); only a model off on both counts. The test images alone are too
+#: few: unfaulted async runs differ by 2 of them (0.56 %). All images alone are too
+#: sensitive to the order the workers' shards were trained in: a worker that trains
+#: the rest of its shard alone after a long stop costs the others' shards 0.5 % while
+#: the test images barely move. Damage (lost or doubled updates) shows on both.
 ACCURACY_TOLERANCE = 0.005
 #: Added to the heartbeat timeout for pauses and fault windows (see the module doc).
 SLACK_S = 2.0
@@ -453,6 +457,13 @@ def _coordinator_pushes(
 # ---------------------------------------------------------------- 4
 
 
+def _within(got: float, runs: list[float]) -> tuple[bool, str]:
+    """Whether ``got`` is within the tolerance of the range of the unfaulted ``runs``."""
+    lo, hi = min(runs), max(runs)
+    ok = lo - ACCURACY_TOLERANCE - 1e-9 <= got <= hi + ACCURACY_TOLERANCE + 1e-9
+    return ok, f"{lo:.4f}" if lo == hi else f"{lo:.4f}..{hi:.4f}"
+
+
 def check_model(rec: RunRecord, ref: Reference) -> list[Check]:
     out = []
     sm = rec.summary
@@ -464,19 +475,17 @@ def check_model(rec: RunRecord, ref: Reference) -> list[Check]:
         out.append(Check("4", "finite", False, detail))
     else:
         out.append(Check("4", "finite", True, f"test loss {loss}, every exported value finite"))
-    if rec.accuracy_all is not None and ref.accuracies_all:
-        lo, hi = min(ref.accuracies_all), max(ref.accuracies_all)
-        got = rec.accuracy_all
-        ok = lo - ACCURACY_TOLERANCE - 1e-9 <= got <= hi + ACCURACY_TOLERANCE + 1e-9
-        band = f"{lo:.4f}" if lo == hi else f"{lo:.4f}..{hi:.4f}"
-        test = f"{min(ref.accuracies):.4f}..{max(ref.accuracies):.4f}"
+    if rec.accuracy_all is not None and acc is not None and ref.accuracies_all:
+        test_ok, test = _within(float(acc), ref.accuracies)
+        all_ok, whole = _within(rec.accuracy_all, ref.accuracies_all)
         out.append(
             Check(
                 "4",
                 "accuracy",
-                ok,
-                f"accuracy on all digits {got:.4f}, unfaulted {band} (tolerance"
-                f" {ACCURACY_TOLERANCE} absolute); test split {acc}, unfaulted {test}",
+                test_ok or all_ok,
+                f"test split {acc}, unfaulted {test}; all digits {rec.accuracy_all:.4f},"
+                f" unfaulted {whole} (tolerance {ACCURACY_TOLERANCE} absolute; off on both"
+                " counts as a violation)",
             )
         )
     if rec.schedule.evaluator:

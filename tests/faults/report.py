@@ -35,6 +35,8 @@ class Result:
     wall: float
     run_dir: Path | None  # kept (a violation, or --keep)
     summary: dict[str, Any] | None
+    accuracy_all: float | None = None
+    reference: dict[str, Any] | None = None
 
     @property
     def violations(self) -> list[Check]:
@@ -70,6 +72,9 @@ class Result:
             "wall": round(self.wall, 2),
             "run_dir": None if self.run_dir is None else str(self.run_dir),
             "replay": replay_command(self.schedule),
+            "summary": self.summary,
+            "accuracy_all": self.accuracy_all,
+            "reference": self.reference,
         }
 
 
@@ -110,6 +115,8 @@ def run_one(
         wall=rec.wall,
         run_dir=run_dir,
         summary=rec.summary,
+        accuracy_all=rec.accuracy_all,
+        reference=ref.to_json(),
     )
     if res.ok and not keep:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -218,7 +218,7 @@ def leftover_shm(before: set[str]) -> list[str]:
 
 
 _STOPPED = re.compile(r"ps \d+: stopped \((\{.*\})\)$", re.MULTILINE)
-_PS_RESTORED = re.compile(r"restored \d+ shards from \S+ \(generation (\d+), step \d+\)")
+_PS_RESTORED = re.compile(r"restored \d+ shards from .+? \(generation (\d+), step \d+\)")
 _CHIEF_RESTORED = re.compile(r"restored every shard to (.+?) \(step (\d+), generation (\d+)\)")
 _COMMITTED = re.compile(r"checkpoint ckpt-(\d+) committed")
 _START = "### faults: start "
