@@ -99,6 +99,11 @@ def run_one(
     """Run ``s`` (its unfaulted reference first, if not cached) and check it; the run's
     folder is kept when an invariant is violated or ``keep``."""
     ref = refs.get(s)
+    unfaulted = [
+        Check("1", "unfaulted-run", False, f"an unfaulted run of {s.config_key()}: {why}")
+        for why in refs.failures.get(s.config_key(), [])
+    ]
+    refs.failures[s.config_key()] = []  # reported once, with this schedule
     run_dir = work / f"seed-{s.seed}-{time.strftime('%H%M%S')}"
     n = 1
     while run_dir.exists():
@@ -106,7 +111,7 @@ def run_one(
         run_dir = work / f"seed-{s.seed}-{time.strftime('%H%M%S')}-{n}"
     say(s.describe())
     rec = execute(s, run_dir, ref, say=say)
-    checks = check_all(rec, ref)
+    checks = unfaulted + check_all(rec, ref)
     res = Result(
         schedule=s,
         checks=checks,
