@@ -3,6 +3,7 @@ seeds, and every invariant check on made-up run records, both ways (held, violat
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -395,3 +396,23 @@ def test_descriptions_name_seed_and_faults(seed: int) -> None:
     s = draw(seed)
     assert s.describe().startswith(f"seed {seed}: {s.mode}")
     assert all(f.kind in s.describe() for f in s.faults)
+
+
+def test_a_private_dev_shm_keeps_what_a_run_leaves() -> None:
+    import subprocess
+
+    from faults.cluster import ShmSandbox
+
+    why = ShmSandbox.unavailable()
+    if why is not None:
+        pytest.skip(f"no private /dev/shm here: {why}")
+    box = ShmSandbox()
+    try:
+        name = f"zmqps-harness-test-{os.getpid()}"
+        argv = box.wrap(["sh", "-c", f"echo x > /dev/shm/{name}"])
+        assert subprocess.run(argv, timeout=30, check=False).returncode == 0
+        assert box.regions() == [name]
+        assert not Path(f"/dev/shm/{name}").exists()  # not the machine's /dev/shm
+    finally:
+        box.close()
+    assert box.regions() == []
