@@ -37,6 +37,14 @@ __all__ = ["ACCURACY_TOLERANCE", "Check", "Pause", "check_all", "longest_pause",
 #: the rest of its shard alone after a long stop costs the others' shards 0.5 % while
 #: the test images barely move. Damage (lost or doubled updates) shows on both.
 ACCURACY_TOLERANCE = 0.005
+#: Each worker trains its own shard of the data. When the last worker finishes more
+#: than this share of the unfaulted training time (+ 2 s) after the first (a worker
+#: killed or stopped while the others went on), it trained the end of its shard
+#: alone: the model leans to that shard (1 % lower on the test images, seen with a
+#: worker restarted 2 s late in a 2.6 s run, every push applied once). That is the
+#: order of the data, not damage, and no unfaulted run has it: accuracy is not
+#: compared then (the report says so); invariant 3 still checks every push.
+UNEVEN = 0.25
 #: Added to the heartbeat timeout for pauses and fault windows (see the module doc).
 SLACK_S = 2.0
 
@@ -464,6 +472,27 @@ def _within(got: float, runs: list[float]) -> tuple[bool, str]:
     return ok, f"{lo:.4f}" if lo == hi else f"{lo:.4f}..{hi:.4f}"
 
 
+def finish_spread(rec: RunRecord) -> float | None:
+    """Seconds between the first worker finishing its data and the end of training
+    (the probe sees a worker "done" as it leaves; the end: the status says finished,
+    or the chief exited). None when no worker was seen done."""
+    first = next(
+        (
+            s.t
+            for s in rec.samples
+            if s.status and any(w.get("state") == "done" for w in s.status.get("workers") or [])
+        ),
+        None,
+    )
+    if first is None:
+        return None
+    end = next((s.t for s in rec.samples if s.status and s.status.get("finished")), None)
+    if end is None:
+        chief = next(t for t in rec.tasks if t.name == "chief")
+        end = chief.current.ended if chief.current and chief.current.ended else rec.ended
+    return max(0.0, end - first)
+
+
 def check_model(rec: RunRecord, ref: Reference) -> list[Check]:
     out = []
     sm = rec.summary
@@ -475,7 +504,22 @@ def check_model(rec: RunRecord, ref: Reference) -> list[Check]:
         out.append(Check("4", "finite", False, detail))
     else:
         out.append(Check("4", "finite", True, f"test loss {loss}, every exported value finite"))
-    if rec.accuracy_all is not None and acc is not None and ref.accuracies_all:
+    spread = finish_spread(rec)
+    uneven = spread is not None and spread > UNEVEN * ref.train_seconds + SLACK_S
+    if spread is not None and uneven and rec.accuracy_all is not None and acc is not None:
+        out.append(
+            Check(
+                "4",
+                "accuracy",
+                True,
+                f"not compared: the last worker finished {spread:.1f}s after the first"
+                f" ({spread / ref.train_seconds:.0%} of the unfaulted training time), so it"
+                f" trained the end of its shard alone (test split {acc}, all digits"
+                f" {rec.accuracy_all:.4f}; unfaulted {min(ref.accuracies):.4f}..,"
+                f" {min(ref.accuracies_all):.4f}..)",
+            )
+        )
+    elif rec.accuracy_all is not None and acc is not None and ref.accuracies_all:
         test_ok, test = _within(float(acc), ref.accuracies)
         all_ok, whole = _within(rec.accuracy_all, ref.accuracies_all)
         out.append(

@@ -364,6 +364,14 @@ def test_accuracy_band_finiteness_and_the_evaluators_last_score() -> None:
     assert not model(0.9700 - 0.0051, test=0.9526 - 0.0056)["accuracy"].ok
     assert not model(0.9711 + 0.0051, test=0.9554 + 0.0056)["accuracy"].ok
     assert model(0.97, test=0.9526 - 0.0056)["accuracy"].ok
+    # a worker that finished long after the others trained the end of its shard alone:
+    # not compared (REF trains 4 s: more than 0.25 x 4 + 2 s apart)
+    done = {"workers": [{"index": 0, "state": "done"}, {"index": 1, "state": "alive"}]}
+    late = _samples([(1, _status(50, **done)), (4.5, _status(90, finished=True))])
+    uneven = model(0.9, test=0.9, samples=late)["accuracy"]
+    assert uneven.ok and uneven.detail.startswith("not compared"), uneven.detail
+    close = _samples([(1, _status(50, **done)), (2.5, _status(90, finished=True))])
+    assert not model(0.9, test=0.9, samples=close)["accuracy"].ok
     assert not model(0.97, export_problem="non-finite values in ['w']")["finite"].ok
     ev = _schedule(evaluator="snapshot")
     final = {"step": 100, "accuracy": 0.9526, "loss": 0.17002, "source": "snapshot"}
