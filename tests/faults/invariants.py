@@ -37,14 +37,14 @@ __all__ = ["ACCURACY_TOLERANCE", "Check", "Pause", "check_all", "longest_pause",
 #: the rest of its shard alone after a long stop costs the others' shards 0.5 % while
 #: the test images barely move. Damage (lost or doubled updates) shows on both.
 ACCURACY_TOLERANCE = 0.005
-#: Each worker trains its own shard of the data. When the last worker finishes more
-#: than this share of the unfaulted training time (+ 2 s) after the first (a worker
-#: killed or stopped while the others went on), it trained the end of its shard
-#: alone: the model leans to that shard (1 % lower on the test images, seen with a
-#: worker restarted 2 s late in a 2.6 s run, every push applied once). That is the
-#: order of the data, not damage, and no unfaulted run has it: accuracy is not
-#: compared then (the report says so); invariant 3 still checks every push.
-UNEVEN = 0.25
+#: Each worker trains its own shard of the data. Steps taken after the first worker
+#: finished its data are workers training their shards alone, and the model leans to
+#: those shards: with a quarter of the steps so (a worker killed early and back 2 s
+#: later in a 2.6 s run) the test images lost 1 %, with a sixth 1.4 %, every push
+#: applied once. That is the order of the data, not damage, and unfaulted runs have
+#: next to none of it: above this share accuracy is not compared (the report says
+#: so); invariant 3 still checks every push.
+LONE = 0.05
 #: Added to the heartbeat timeout for pauses and fault windows (see the module doc).
 SLACK_S = 2.0
 
@@ -472,25 +472,42 @@ def _within(got: float, runs: list[float]) -> tuple[bool, str]:
     return ok, f"{lo:.4f}" if lo == hi else f"{lo:.4f}..{hi:.4f}"
 
 
-def finish_spread(rec: RunRecord) -> float | None:
-    """Seconds between the first worker finishing its data and the end of training
-    (the probe sees a worker "done" as it leaves; the end: the status says finished,
-    or the chief exited). None when no worker was seen done."""
-    first = next(
-        (
-            s.t
-            for s in rec.samples
-            if s.status and any(w.get("state") == "done" for w in s.status.get("workers") or [])
-        ),
-        None,
-    )
-    if first is None:
+def lone_share(samples: list[Sample], planned: dict[int, int]) -> float | None:
+    """The share of all planned steps that workers took after the first worker had
+    finished its data (None: no worker seen done, or no shares planned per worker).
+
+    A worker's step at that moment is interpolated between the samples where the
+    chief's count of it changed (async steps reach the chief once a heartbeat, sent
+    with the step just reached); after it, the worker did the rest of its share."""
+    total = sum(planned.values())
+    points: dict[int, list[tuple[float, int]]] = {}
+    done: set[int] = set()
+    first_done = None
+    for s in samples:
+        for w in (s.status or {}).get("workers") or []:
+            i, step = int(w["index"]), int(w.get("step") or 0)
+            pts = points.setdefault(i, [])
+            if not pts or pts[-1][1] != step:
+                pts.append((s.t, step))
+            if w.get("state") == "done" and first_done is None:
+                first_done = s.t
+            if first_done is not None and s.t == first_done and w.get("state") == "done":
+                done.add(i)
+    if first_done is None or total <= 0:
         return None
-    end = next((s.t for s in rec.samples if s.status and s.status.get("finished")), None)
-    if end is None:
-        chief = next(t for t in rec.tasks if t.name == "chief")
-        end = chief.current.ended if chief.current and chief.current.ended else rec.ended
-    return max(0.0, end - first)
+    after = 0
+    for i, share in planned.items():
+        if i in done:
+            continue
+        pts = points.get(i, [])
+        before = [p for p in pts if p[0] <= first_done]
+        later = [p for p in pts if p[0] > first_done]
+        at = float(before[-1][1]) if before else 0.0
+        if before and later and later[0][0] > before[-1][0]:
+            (t0, s0), (t1, s1) = before[-1], later[0]
+            at = s0 + (s1 - s0) * (first_done - t0) / (t1 - t0)
+        after += max(0, share - round(at))
+    return after / total
 
 
 def check_model(rec: RunRecord, ref: Reference) -> list[Check]:
@@ -504,19 +521,17 @@ def check_model(rec: RunRecord, ref: Reference) -> list[Check]:
         out.append(Check("4", "finite", False, detail))
     else:
         out.append(Check("4", "finite", True, f"test loss {loss}, every exported value finite"))
-    spread = finish_spread(rec)
-    uneven = spread is not None and spread > UNEVEN * ref.train_seconds + SLACK_S
-    if spread is not None and uneven and rec.accuracy_all is not None and acc is not None:
+    lone = lone_share(rec.samples, ref.planned)
+    if lone is not None and lone > LONE and rec.accuracy_all is not None and acc is not None:
         out.append(
             Check(
                 "4",
                 "accuracy",
                 True,
-                f"not compared: the last worker finished {spread:.1f}s after the first"
-                f" ({spread / ref.train_seconds:.0%} of the unfaulted training time), so it"
-                f" trained the end of its shard alone (test split {acc}, all digits"
-                f" {rec.accuracy_all:.4f}; unfaulted {min(ref.accuracies):.4f}..,"
-                f" {min(ref.accuracies_all):.4f}..)",
+                f"not compared: {lone:.0%} of the steps were taken after the first worker had"
+                " finished its data (workers training their shards alone: an order no"
+                f" unfaulted run has); test split {acc}, all digits {rec.accuracy_all:.4f},"
+                f" unfaulted {min(ref.accuracies):.4f}.., {min(ref.accuracies_all):.4f}..",
             )
         )
     elif rec.accuracy_all is not None and acc is not None and ref.accuracies_all:

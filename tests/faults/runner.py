@@ -71,6 +71,8 @@ class Reference:
     train_seconds: float  # the longest training time (the chief's summary)
     closures_per_epoch: float | None = None  # coordinator driver
     version: int = REFERENCE_VERSION
+    #: share of the steps taken after the first worker finished, per run (invariant 4)
+    lone_shares: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -499,7 +501,16 @@ class References:
             wall=round(max(r.wall for r in records), 2),
             train_seconds=round(max(float(x["train_seconds"]) for x in sums), 2),
             closures_per_epoch=closures,
+            lone_shares=[
+                round(x, 4) for r in records if (x := lone_share(r.samples, planned)) is not None
+            ],
         )
+
+
+def lone_share(samples: list[Sample], planned: dict[int, int]) -> float | None:
+    from faults.invariants import lone_share as share
+
+    return share(samples, planned)
 
 
 def _unfaulted_problem(rec: RunRecord) -> str | None:

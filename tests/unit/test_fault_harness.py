@@ -17,6 +17,7 @@ from faults.invariants import (
     check_model,
     check_pushes,
     check_steps,
+    lone_share,
     longest_pause,
     pauses,
 )
@@ -364,14 +365,24 @@ def test_accuracy_band_finiteness_and_the_evaluators_last_score() -> None:
     assert not model(0.9700 - 0.0051, test=0.9526 - 0.0056)["accuracy"].ok
     assert not model(0.9711 + 0.0051, test=0.9554 + 0.0056)["accuracy"].ok
     assert model(0.97, test=0.9526 - 0.0056)["accuracy"].ok
-    # a worker that finished long after the others trained the end of its shard alone:
-    # not compared (REF trains 4 s: more than 0.25 x 4 + 2 s apart)
-    done = {"workers": [{"index": 0, "state": "done"}, {"index": 1, "state": "alive"}]}
-    late = _samples([(1, _status(50, **done)), (4.5, _status(90, finished=True))])
-    uneven = model(0.9, test=0.9, samples=late)["accuracy"]
+
+    # 40 % of the steps after worker 0 finished (worker 1 alone): not compared
+    def finishing(step1: int) -> list[Sample]:
+        done = [{"index": 0, "step": 50, "state": "done"}, {"index": 1, "step": step1}]
+        return _samples([(1, _status(50 + step1, workers=done))])
+
+    uneven = model(0.9, test=0.9, samples=finishing(10))["accuracy"]
     assert uneven.ok and uneven.detail.startswith("not compared"), uneven.detail
-    close = _samples([(1, _status(50, **done)), (2.5, _status(90, finished=True))])
-    assert not model(0.9, test=0.9, samples=close)["accuracy"].ok
+    assert not model(0.9, test=0.9, samples=finishing(48))["accuracy"].ok
+    assert lone_share(finishing(10), REF.planned) == 0.4
+    # async: worker 1's count moves once a heartbeat; its step when worker 0 finished
+    # is interpolated (0 at t=0, 40 at t=2: 20 at t=1), then it did the rest alone
+    w = [{"index": 0, "step": 30}, {"index": 1, "step": 0}]
+    w_done = [{"index": 0, "step": 50, "state": "done"}, {"index": 1, "step": 0}]
+    w_later = [{"index": 0, "step": 50, "state": "done"}, {"index": 1, "step": 40}]
+    pts = [(0, _status(30, workers=w)), (1, _status(50, workers=w_done))]
+    pts.append((2, _status(90, workers=w_later)))
+    assert lone_share(_samples(pts), REF.planned) == 0.3
     assert not model(0.97, export_problem="non-finite values in ['w']")["finite"].ok
     ev = _schedule(evaluator="snapshot")
     final = {"step": 100, "accuracy": 0.9526, "loss": 0.17002, "source": "snapshot"}
