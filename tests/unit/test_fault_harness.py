@@ -4,6 +4,7 @@ seeds, and every invariant check on made-up run records, both ways (held, violat
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,7 @@ def _status(step: int, **kw: Any) -> dict[str, Any]:
     return st
 
 
-def _samples(points: list[tuple[float, dict[str, Any] | None]]) -> list[Sample]:
+def _samples(points: Sequence[tuple[float, dict[str, Any] | None]]) -> list[Sample]:
     return [Sample(100.0 + t, 0.01, st) for t, st in points]
 
 
