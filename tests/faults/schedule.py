@@ -1,0 +1,232 @@
+"""Schedules: a cluster, a job and the faults to inject, all drawn from one integer seed.
+
+Rules of this module:
+
+* :func:`draw` is a pure function of its arguments: the same seed (and the same answer
+  to "can network namespaces be made here") gives the same schedule, on any machine.
+  Nothing in a schedule depends on timing; faults fire at fractions of the run's
+  progress (its global step over the unfaulted run's final one), so a replay injects
+  the same faults at the same points of training.
+* Faults never meant to be fatal: every kill is followed by a restart (as a supervisor
+  does), every stop by SIGCONT, every partition by a heal.
+* A fault kind that cannot be injected here (a partition without namespaces) is left
+  out of the draw, and the schedule says why (:attr:`Schedule.left_out`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+__all__ = [
+    "EPOCHS",
+    "FAULT_KINDS",
+    "HEARTBEAT_TIMEOUT",
+    "JOB",
+    "Fault",
+    "Schedule",
+    "draw",
+]
+
+#: Every fault kind the harness injects.
+FAULT_KINDS = (
+    "kill_chief",  # kill -9 the chief; restarted
+    "kill_ps",  # kill -9 one PS; restarted (the chief restores every shard)
+    "kill_worker",  # kill -9 one worker; restarted (a new incarnation)
+    "kill_evaluator",  # kill -9 the side-car evaluator; restarted
+    "stop_short",  # SIGSTOP a role for less than the heartbeat timeout, then SIGCONT
+    "stop_long",  # SIGSTOP a role for longer than the heartbeat timeout, then SIGCONT
+    "finish_while_stopped",  # SIGSTOP a worker until another one has finished its data
+    "chief_during_ps_restart",  # kill -9 a PS, then the chief while the PS restarts
+    "partition_ps",  # drop every packet of one PS's namespace, then heal
+)
+
+#: Heartbeat timeout of every schedule (seconds): short, so detection is quick.
+HEARTBEAT_TIMEOUT = 2.5
+#: The job: the digits MLP with plain SGD, trained close to convergence, so that the
+#: steps a fault costs or adds barely move the final accuracy (+25 % steps: +0.25
+#: points). Sync averages the gradients of every worker in one update: a larger rate
+#: and half the epochs.
+JOB = ("--model", "mlp", "--optimizer", "sgd", "--seed", "0")
+#: Epochs and learning rate by mode: about 2-5 s of training on 2 cores.
+EPOCHS = {"async": 80, "ssp": 80, "sync": 40}
+LR = {"async": 0.05, "ssp": 0.05, "sync": 0.2}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    #: the task: "chief", "ps1", "worker0", "evaluator"
+    target: str
+    #: fires when the global step reaches this fraction of the unfaulted run's final one
+    at: float
+    #: seconds the fault lasts (stops, partitions); for finish_while_stopped the least
+    #: time stopped; 0 for kills
+    duration: float = 0.0
+    #: chief_during_ps_restart: seconds between the PS's kill and the chief's
+    delay: float = 0.0
+
+    def describe(self) -> str:
+        what = f"{self.kind} {self.target} at {self.at:.0%}"
+        if self.duration:
+            what += f" for {self.duration:.1f}s"
+        if self.kind == "chief_during_ps_restart":
+            what += f", chief {self.delay:.1f}s later"
+        return what
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seed: int
+    mode: str  # async, sync, ssp
+    ps: int
+    workers: int
+    #: the side-car evaluator's model source: None (no evaluator), "checkpoint", "snapshot"
+    evaluator: str | None
+    #: "worker" (each worker runs its loop) or "coordinator" (the chief schedules functions)
+    driver: str
+    #: steps per scheduled function (coordinator driver)
+    steps_per_execution: int
+    #: every task in its own network namespace (schedules with a partition)
+    netns: bool
+    faults: tuple[Fault, ...]
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT
+    #: fault kinds left out of the draw, and why
+    left_out: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    @property
+    def epochs(self) -> int:
+        return EPOCHS[self.mode]
+
+    def job(self) -> list[str]:
+        """The job's flags (chief, workers and evaluator alike)."""
+        return [*JOB, "--mode", self.mode, "--lr", str(LR[self.mode]), "--epochs", str(self.epochs)]
+
+    @property
+    def checkpoint_steps(self) -> int:
+        """A checkpoint every ~2 % of the run's global steps: a restore loses little."""
+        if self.mode == "sync":
+            per_worker = 1438 // self.workers // 32 + 1  # digits: 1438 training images
+            return max(5, per_worker * self.epochs // 50)
+        return max(10, (1438 // 32) * self.epochs // 50)
+
+    def config(self) -> dict[str, Any]:
+        """What the unfaulted reference run shares with this schedule: everything but the
+        evaluator (it never pushes: it cannot change the model). In namespaces tensors
+        travel by TCP across a bridge, which changes the pace of async training."""
+        return {
+            "mode": self.mode,
+            "ps": self.ps,
+            "workers": self.workers,
+            "driver": self.driver,
+            "steps_per_execution": self.steps_per_execution,
+            "epochs": self.epochs,
+            "job": self.job(),
+            "checkpoint_steps": self.checkpoint_steps,
+            "netns": self.netns,
+        }
+
+    def config_key(self) -> str:
+        """A file name for the configuration: readable, plus a digest of all of it."""
+        c = self.config()
+        key = f"{c['mode']}-{c['driver']}-ps{c['ps']}-w{c['workers']}"
+        if self.driver == "coordinator":
+            key += f"-spe{self.steps_per_execution}"
+        key += "-netns" if self.netns else ""
+        digest = hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest()[:8]
+        return f"{key}-{digest}"
+
+    def unfaulted(self) -> Schedule:
+        return replace(self, faults=(), evaluator=None)
+
+    def kinds(self) -> list[str]:
+        return [f.kind for f in self.faults]
+
+    def describe(self) -> str:
+        cluster = f"{self.mode}, {self.ps} PS, {self.workers} workers"
+        if self.driver == "coordinator":
+            cluster += f", coordinator (steps per execution {self.steps_per_execution})"
+        if self.evaluator:
+            cluster += f", evaluator ({self.evaluator})"
+        if self.netns:
+            cluster += ", namespaces"
+        faults = "; ".join(f.describe() for f in self.faults) or "no faults"
+        return f"seed {self.seed}: {cluster}: {faults}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return json.dumps(self.to_json())
+
+
+def _tasks(rng: random.Random, ps: int, workers: int, evaluator: bool) -> list[str]:
+    out = ["chief", *(f"ps{i}" for i in range(ps)), *(f"worker{i}" for i in range(workers))]
+    return [*out, "evaluator"] if evaluator else out
+
+
+def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
+    """The schedule of ``seed``. ``netns_unavailable``: why network namespaces cannot be
+    made here (None: they can), so partitions are left out of the draw."""
+    rng = random.Random(seed)
+    mode = rng.choice(("async", "sync", "ssp"))
+    ps = rng.randint(2, 3)
+    workers = rng.randint(2, 4)
+    driver = "coordinator" if mode == "async" and rng.random() < 0.25 else "worker"
+    spe = rng.choice((2, 5)) if driver == "coordinator" else 1
+    evaluator = rng.choice(("checkpoint", "snapshot")) if rng.random() < 0.4 else None
+    hb = HEARTBEAT_TIMEOUT
+
+    kinds = list(FAULT_KINDS)
+    left_out: list[tuple[str, str]] = []
+    if evaluator is None:
+        kinds.remove("kill_evaluator")
+    if netns_unavailable is not None:
+        kinds.remove("partition_ps")
+        left_out.append(("partition_ps", f"no network namespaces: {netns_unavailable}"))
+
+    count = rng.randint(1, 4)
+    points = sorted(round(rng.uniform(0.1, 0.8), 3) for _ in range(count))
+    faults = []
+    for at in points:
+        kind = rng.choice(kinds)
+        if kind == "kill_chief":
+            f = Fault(kind, "chief", at)
+        elif kind == "kill_ps":
+            f = Fault(kind, f"ps{rng.randrange(ps)}", at)
+        elif kind == "kill_worker":
+            f = Fault(kind, f"worker{rng.randrange(workers)}", at)
+        elif kind == "kill_evaluator":
+            f = Fault(kind, "evaluator", at)
+        elif kind in ("stop_short", "stop_long"):
+            target = rng.choice(_tasks(rng, ps, workers, evaluator is not None))
+            low, high = (0.2, 0.6) if kind == "stop_short" else (1.5, 2.5)
+            f = Fault(kind, target, at, duration=round(rng.uniform(low, high) * hb, 2))
+        elif kind == "finish_while_stopped":
+            # late in the run, so another worker runs out of data while this one is stopped
+            late = max(at, round(rng.uniform(0.55, 0.8), 3))
+            f = Fault(kind, f"worker{rng.randrange(workers)}", late, duration=round(1.5 * hb, 2))
+        elif kind == "chief_during_ps_restart":
+            delay = round(rng.uniform(0.1, 1.0) * hb, 2)
+            f = Fault(kind, f"ps{rng.randrange(ps)}", at, delay=delay)
+        else:  # partition_ps
+            duration = round(rng.uniform(0.5, 3.0) * hb, 2)
+            f = Fault(kind, f"ps{rng.randrange(ps)}", at, duration=duration)
+        faults.append(f)
+    faults.sort(key=lambda f: f.at)
+    return Schedule(
+        seed=seed,
+        mode=mode,
+        ps=ps,
+        workers=workers,
+        evaluator=evaluator,
+        driver=driver,
+        steps_per_execution=spe,
+        netns=any(f.kind == "partition_ps" for f in faults),
+        faults=tuple(faults),
+        heartbeat_timeout=hb,
+        left_out=tuple(left_out),
+    )

@@ -1,0 +1,438 @@
+"""The fault harness's own logic (tests/faults/), without processes: schedules drawn from
+seeds, and every invariant check on made-up run records, both ways (held, violated)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from faults.cluster import Instance, Task
+from faults.inject import FaultRecord
+from faults.invariants import (
+    check_blockers,
+    check_coordinator,
+    check_end,
+    check_model,
+    check_pushes,
+    check_steps,
+    lone_share,
+    longest_pause,
+    pauses,
+)
+from faults.observe import Sample, Timeline, named_blockers
+from faults.report import replay_command
+from faults.runner import PSFinal, Reference, RunRecord, bound
+from faults.schedule import FAULT_KINDS, Fault, Schedule, draw
+
+# ---------------------------------------------------------------- schedules
+
+
+def test_a_seed_gives_one_schedule() -> None:
+    assert draw(7) == draw(7)
+    assert str(draw(7)) == str(draw(7))
+    assert len({str(draw(s)) for s in range(1, 50)}) == 49
+
+
+def test_schedules_cover_every_kind_and_keep_their_rules() -> None:
+    seen: set[str] = set()
+    for seed in range(1, 201):
+        s = draw(seed)
+        assert 1 <= len(s.faults) <= 4
+        assert s.mode in ("async", "sync", "ssp") and 2 <= s.ps <= 3 and 2 <= s.workers <= 4
+        if s.driver == "coordinator":
+            assert s.mode == "async"
+        assert s.netns == ("partition_ps" in s.kinds())
+        assert [f.at for f in s.faults] == sorted(f.at for f in s.faults)
+        for f in s.faults:
+            assert 0.1 <= f.at <= 0.85
+            if f.kind == "kill_evaluator":
+                assert s.evaluator
+            if f.kind == "stop_short":
+                assert f.duration < s.heartbeat_timeout
+            if f.kind == "stop_long":
+                assert f.duration > s.heartbeat_timeout
+        seen |= set(s.kinds())
+    assert seen == set(FAULT_KINDS)
+
+
+def test_without_namespaces_partitions_are_left_out_and_said_why() -> None:
+    for seed in range(1, 101):
+        s = draw(seed, "no root")
+        assert "partition_ps" not in s.kinds() and not s.netns
+        assert s.left_out == (("partition_ps", "no network namespaces: no root"),)
+        assert replay_command(s).endswith("--no-netns")
+    assert replay_command(draw(3)) == "bin/faults --seed 3 --keep"
+
+
+def test_the_unfaulted_counterpart_shares_the_configuration() -> None:
+    s = draw(12)
+    u = s.unfaulted()
+    assert u.faults == () and u.evaluator is None and u.netns == s.netns
+    assert u.config_key() == s.config_key() and u.config() == s.config()
+
+
+# ---------------------------------------------------------------- records
+
+HB = 2.5
+
+
+def _schedule(**kw: Any) -> Schedule:
+    base: dict[str, Any] = dict(
+        seed=1,
+        mode="sync",
+        ps=2,
+        workers=2,
+        evaluator=None,
+        driver="worker",
+        steps_per_execution=1,
+        netns=False,
+        faults=(),
+        heartbeat_timeout=HB,
+    )
+    base.update(kw)
+    return Schedule(**base)
+
+
+def _status(step: int, **kw: Any) -> dict[str, Any]:
+    st: dict[str, Any] = {"global_step": step, "gen": 0, "finished": False, "workers": []}
+    st.update(kw)
+    return st
+
+
+def _samples(points: Sequence[tuple[float, dict[str, Any] | None]]) -> list[Sample]:
+    return [Sample(100.0 + t, 0.01, st) for t, st in points]
+
+
+def _task(name: str, *rcs: int, killed: tuple[int, ...] = ()) -> Task:
+    t = Task(name, [])
+    for n, rc in enumerate(rcs):
+        inst = Instance(pid=1000 + n, popen=None, started=100.0 + n, ended=101.0 + n, rc=rc)  # type: ignore[arg-type]
+        inst.killed = n in killed
+        t.instances.append(inst)
+    return t
+
+
+def _record(**kw: Any) -> RunRecord:
+    s = kw.pop("schedule", None) or _schedule()
+    base: dict[str, Any] = dict(
+        schedule=s,
+        run_dir=Path("/nonexistent"),
+        started=100.0,
+        ended=130.0,
+        bound=60.0,
+        hung=False,
+        failure="",
+        stopped_at=None,
+        tasks=[_task("chief", 0), _task("ps0", 0), _task("worker0", 0)],
+        events=[],
+        faults=[],
+        samples=[],
+        summary={"test_accuracy": 0.955, "test_loss": 0.17, "worker_steps": 100},
+        stats={},
+        ps_final={},
+        restores=[],
+        committed=set(),
+        evals=[],
+        export_problem=None,
+        accuracy_all=0.97,
+    )
+    base.update(kw)
+    return RunRecord(**base)
+
+
+REF = Reference(
+    key="k",
+    accuracies=[0.9526, 0.9554],
+    accuracies_all=[0.9700, 0.9711],
+    losses=[0.17, 0.17],
+    global_steps=[100],
+    worker_steps=100,
+    planned={0: 50, 1: 50},
+    wall=7.0,
+    train_seconds=4.0,
+)
+
+
+def _fault(kind: str, target: str, fired: float, ended: float) -> FaultRecord:
+    return FaultRecord(Fault(kind, target, 0.5), fired=fired, ended=ended, targets=[target])
+
+
+# ---------------------------------------------------------------- 1
+
+
+def test_end_exit_codes_and_leftovers() -> None:
+    assert all(c.ok for c in check_end(_record()))
+    killed = _record(tasks=[_task("chief", -9, 0, killed=(0,)), _task("worker0", 0)])
+    assert all(c.ok for c in check_end(killed))
+    crashed = check_end(_record(tasks=[_task("chief", 0), _task("worker0", 1, 0)]))
+    assert [c.name for c in crashed if not c.ok] == ["exit-codes"]
+    hung = check_end(_record(hung=True))
+    assert [c.name for c in hung if not c.ok] == ["ends"]
+    left = check_end(_record(leftover_procs=["123: zmqps"], leftover_shm=["zmqps-ab"]))
+    assert {c.name for c in left if not c.ok} == {"no-process-left", "no-shm-left"}
+
+
+def test_bound_grows_with_every_fault() -> None:
+    s0 = _schedule()
+    s1 = _schedule(faults=(Fault("kill_chief", "chief", 0.5),))
+    s2 = _schedule(faults=(Fault("kill_chief", "chief", 0.5), Fault("stop_long", "ps0", 0.6, 5)))
+    assert bound(s0, REF) == 2 * REF.wall + 20
+    assert bound(s0, REF) < bound(s1, REF) < bound(s2, REF)
+
+
+# ---------------------------------------------------------------- 2
+
+
+def test_pauses_start_at_the_first_step_and_ignore_a_restore() -> None:
+    samples = _samples(
+        [
+            (0, _status(0)),
+            (1, _status(5)),
+            (2, _status(9)),
+            (3, None),
+            (4, _status(4, gen=1)),  # restored: not progress
+            (9, _status(6, gen=1)),
+            (10, _status(6, finished=True)),
+        ]
+    )
+    got = [(p.start - 100, p.end - 100, p.until) for p in pauses(samples)]
+    assert got == [(1, 2, "step"), (2, 9, "step"), (9, 10, "finished")]
+
+
+def test_the_step_may_go_back_only_to_a_committed_checkpoint() -> None:
+    samples = _samples([(0, _status(50)), (1, _status(40, gen=1)), (2, _status(42, gen=1))])
+    ok = _record(samples=samples, restores=[("ckpt-000000000040", 40, 1)], committed={40})
+    assert all(c.ok for c in check_steps(ok))
+    no_restore = _record(samples=samples, committed={40})
+    assert not check_steps(no_restore)[0].ok
+    to_zero = _record(samples=samples, restores=[("initial values", 0, 1)])
+    assert not check_steps(to_zero)[0].ok
+    same_gen = _samples([(0, _status(50)), (1, _status(40))])
+    assert not check_steps(_record(samples=same_gen))[0].ok
+
+
+def _stall(named: dict[str, Any], until: float = 12.0) -> list[Sample]:
+    pts: list[tuple[float, dict[str, Any] | None]] = [(0.0, _status(10))]
+    t = 0.5
+    while t < until:
+        pts.append((t, _status(10, **named)))
+        t += 0.5
+    pts.append((until, _status(11)))
+    return _samples(pts)
+
+
+def test_a_long_wait_must_name_a_blocker_a_fault_explains() -> None:
+    # nothing named for 12 s
+    assert not check_blockers(_record(samples=_stall({})))[0].ok
+    # PS down / recovering / the redesign's blocker field: named
+    for named in ({"ps_down": {"1": 3.0}}, {"recovering": True}, {"blocker": "ps 1"}):
+        assert check_blockers(_record(samples=_stall(named)))[0].ok
+    # waiting on worker 1, which a fault stopped (until 6 s, explained until 6 + HB + 2)
+    stopped = [_fault("stop_long", "worker1", 100.5, 106.0)]
+    waits = _stall({"waiting_on": [1]}, until=10.0)
+    assert check_blockers(_record(samples=waits, faults=stopped))[0].ok
+    # ... but not worker 0, running and never faulted
+    waits0 = _stall({"waiting_on": [0]}, until=10.0)
+    assert not check_blockers(_record(samples=waits0, faults=stopped))[0].ok
+    # ... nor worker 1 long after the fault was over
+    late = _stall({"waiting_on": [1]}, until=20.0)
+    assert not check_blockers(_record(samples=late, faults=stopped))[0].ok
+    # the chief faulted: workers wait on it
+    chief = [_fault("kill_chief", "chief", 100.5, 106.0)]
+    assert check_blockers(_record(samples=waits0, faults=chief))[0].ok
+    # the chief does not answer at all: nothing to ask of the status
+    silent = _samples(
+        [(0.0, _status(10)), *((t / 2, None) for t in range(1, 24)), (12, _status(11))]
+    )
+    assert check_blockers(_record(samples=silent))[0].ok
+    # a PS stopped: the status must name something while it is in force ...
+    ps_stop = [_fault("stop_long", "ps1", 100.5, 111.0)]
+    assert not check_blockers(_record(samples=_stall({}), faults=ps_stop))[0].ok
+    # ... and for HB + 2 s after it ended anything goes (the cluster catches up)
+    ended = [_fault("stop_short", "ps1", 100.5, 104.4)]
+    assert check_blockers(_record(samples=_stall({}, until=108.5 - 100), faults=ended))[0].ok
+    assert not check_blockers(_record(samples=_stall({}, until=10.0), faults=ended))[0].ok
+    # a fault injected less than HB + 2 s ago cannot be noticed yet
+    pts: list[tuple[float, dict[str, Any] | None]] = [(0.0, _status(10))]
+    pts += [(t / 2, _status(10, ps_down={"0": 3} if t < 16 else {})) for t in range(1, 21)]
+    pts.append((10.5, _status(11)))
+    young = [_fault("stop_long", "worker1", 108.0, 111.0)]
+    assert check_blockers(_record(samples=_samples(pts), faults=young))[0].ok
+    assert not check_blockers(_record(samples=_samples(pts)))[0].ok
+    # a pause shorter than HB + 2 s needs no name
+    assert check_blockers(_record(samples=_stall({}, until=HB + 1.5)))[0].ok
+
+
+def test_longest_pause_names_its_cause() -> None:
+    stopped = [_fault("stop_long", "worker1", 100.5, 106.0)]
+    p = longest_pause(_record(samples=_stall({"waiting_on": [1]}, 8.0), faults=stopped))
+    assert p["seconds"] == 8.0 and "stop_long worker1" in p["cause"]
+    assert p["named"] == {"waiting_on": [1]}
+    assert named_blockers({"ps_down": {"0": 2}, "waiting_on": [], "recovering": False}) == {
+        "ps_down": [0]
+    }
+
+
+def test_timeline_reads_whole_lines_only(tmp_path: Path) -> None:
+    path = tmp_path / "probe.jsonl"
+    tl = Timeline(path)
+    tl.read()
+    path.write_text('{"t": 1, "lat": 0.1, "status": null}\n{"t": 2, "lat": 0.1, "sta')
+    tl.read()
+    assert [s.t for s in tl.samples] == [1.0]
+    with path.open("a") as f:
+        f.write('tus": {"global_step": 3}}\n')
+    tl.read()
+    assert [s.t for s in tl.samples] == [1.0, 2.0] and tl.latest() == {"global_step": 3}
+    assert tl.answered_since(1.5) and not tl.answered_since(2.0)
+
+
+# ---------------------------------------------------------------- 3
+
+
+def _ps(counts: dict[str, int], gen_start: int = 0, full_life: bool = True) -> PSFinal:
+    return PSFinal({"applied_pushes": counts}, gen_start, full_life)
+
+
+def _stats(inc: int, done: int, steps: int, pushes: dict[str, dict[str, int]]) -> dict[str, Any]:
+    return {"incarnation": inc, "steps_done": done, "steps": steps, "pushes": pushes}
+
+
+def test_acknowledged_pushes_against_the_ps_counts() -> None:
+    mine = {"0/0": {"sent": 50, "applied": 49, "dropped": 1}}
+    stats = {0: _stats(7, 0, 50, mine), 1: _stats(8, 0, 50, {"0/0": dict(mine["0/0"])})}
+    ok = _record(stats=stats, ps_final={0: _ps({"worker:0/7/0": 50, "worker:1/8/0": 49})})
+    checks = {c.name: c for c in check_pushes(ok, REF)}
+    assert checks["acks-applied-once"].ok and checks["no-batch-twice"].ok
+    lost = _record(stats=stats, ps_final={0: _ps({"worker:0/7/0": 48, "worker:1/8/0": 49})})
+    assert not {c.name: c for c in check_pushes(lost, REF)}["acks-applied-once"].ok
+    twice = _record(stats=stats, ps_final={0: _ps({"worker:0/7/0": 51, "worker:1/8/0": 49})})
+    bad = {c.name: c for c in check_pushes(twice, REF)}
+    assert not bad["acks-applied-once"].ok and not bad["no-batch-twice"].ok
+
+
+def test_a_restarted_worker_that_redoes_batches_is_caught() -> None:
+    # incarnation 7 pushed 30 steps (PS counts); incarnation 9 resumed after 20: 10 twice
+    stats = {
+        0: _stats(9, 20, 30, {"0/0": {"sent": 30, "applied": 30, "dropped": 0}}),
+        1: _stats(8, 0, 50, {"0/0": {"sent": 50, "applied": 50, "dropped": 0}}),
+    }
+    ps = {0: _ps({"worker:0/7/0": 30, "worker:0/9/0": 30, "worker:1/8/0": 50})}
+    checks = {c.name: c for c in check_pushes(_record(stats=stats, ps_final=ps), REF)}
+    assert not checks["no-batch-twice"].ok
+    assert "at least 10 batches trained twice" in checks["no-batch-twice"].detail
+    assert checks["acks-applied-once"].ok
+    # resumed after exactly what the PS saw: fine
+    stats[0] = _stats(9, 30, 20, {"0/0": {"sent": 20, "applied": 20, "dropped": 0}})
+    ps = {0: _ps({"worker:0/7/0": 30, "worker:0/9/0": 20, "worker:1/8/0": 50})}
+    checks = {c.name: c for c in check_pushes(_record(stats=stats, ps_final=ps), REF)}
+    assert checks["no-batch-twice"].ok, checks["no-batch-twice"].detail
+
+
+def test_a_restarted_ps_is_compared_from_its_first_generation_on() -> None:
+    stats = {
+        0: _stats(
+            7,
+            0,
+            50,
+            {
+                "0/0": {"sent": 30, "applied": 30, "dropped": 0},
+                "0/1": {"sent": 20, "applied": 20, "dropped": 0},
+            },
+        ),
+        1: _stats(8, 0, 50, {"0/1": {"sent": 50, "applied": 50, "dropped": 0}}),
+    }
+    ps = {0: _ps({"worker:0/7/1": 20, "worker:1/8/1": 50}, gen_start=1, full_life=False)}
+    checks = {c.name: c for c in check_pushes(_record(stats=stats, ps_final=ps), REF)}
+    assert checks["acks-applied-once"].ok, checks["acks-applied-once"].detail
+
+
+# ---------------------------------------------------------------- 4, 5
+
+
+def test_accuracy_band_finiteness_and_the_evaluators_last_score() -> None:
+    def model(acc: float, test: float = 0.9526, **kw: Any) -> dict[str, Any]:
+        summary = {"test_accuracy": test, "test_loss": 0.17, "global_step": 100}
+        rec = _record(summary=summary, accuracy_all=acc, **kw)
+        return {c.name: c for c in check_model(rec, REF)}
+
+    assert model(0.9700)["accuracy"].ok and model(0.9711 + 0.0049)["accuracy"].ok
+    # off on all images, not on the test images (the order of the shards): fine
+    assert model(0.9700 - 0.0051)["accuracy"].ok
+    # off on both: a violation, either way
+    assert not model(0.9700 - 0.0051, test=0.9526 - 0.0056)["accuracy"].ok
+    assert not model(0.9711 + 0.0051, test=0.9554 + 0.0056)["accuracy"].ok
+    assert model(0.97, test=0.9526 - 0.0056)["accuracy"].ok
+
+    # 40 % of the steps after worker 0 finished (worker 1 alone): not compared
+    def finishing(step1: int) -> list[Sample]:
+        done = [{"index": 0, "step": 50, "state": "done"}, {"index": 1, "step": step1}]
+        return _samples([(1, _status(50 + step1, workers=done))])
+
+    uneven = model(0.9, test=0.9, samples=finishing(10))["accuracy"]
+    assert uneven.ok and uneven.detail.startswith("not compared"), uneven.detail
+    assert not model(0.9, test=0.9, samples=finishing(48))["accuracy"].ok
+    assert lone_share(finishing(10), REF.planned) == 0.4
+    # async: worker 1's count moves once a heartbeat; its step when worker 0 finished
+    # is interpolated (0 at t=0, 40 at t=2: 20 at t=1), then it did the rest alone
+    w = [{"index": 0, "step": 30}, {"index": 1, "step": 0}]
+    w_done = [{"index": 0, "step": 50, "state": "done"}, {"index": 1, "step": 0}]
+    w_later = [{"index": 0, "step": 50, "state": "done"}, {"index": 1, "step": 40}]
+    pts = [(0, _status(30, workers=w)), (1, _status(50, workers=w_done))]
+    pts.append((2, _status(90, workers=w_later)))
+    assert lone_share(_samples(pts), REF.planned) == 0.3
+    assert not model(0.97, export_problem="non-finite values in ['w']")["finite"].ok
+    ev = _schedule(evaluator="snapshot")
+    final = {"step": 100, "accuracy": 0.9526, "loss": 0.17002, "source": "snapshot"}
+    early = {"step": 90, "accuracy": 0.95, "loss": 0.18, "source": "snapshot"}
+    assert model(0.97, schedule=ev, evals=[early, final])["evaluator-final"].ok
+    assert not model(0.97, schedule=ev, evals=[final, early])["evaluator-final"].ok
+    assert not model(0.97, schedule=ev, evals=[])["evaluator-final"].ok
+
+
+def test_every_scheduled_function_completes_once() -> None:
+    s = _schedule(mode="async", driver="coordinator")
+    n = 9 * s.epochs
+    ref = Reference("k", [0.95], [0.97], [0.2], [n], n, {}, 9.0, 6.0, closures_per_epoch=9.0)
+
+    def coord(**kw: Any) -> bool:
+        c = {"scheduled": n, "completed": n, "failed": 0, "cancelled": 0, "retried": 3}
+        c.update(kw)
+        summary = {"test_accuracy": 0.95, "test_loss": 0.2, "coordinator": c}
+        return check_coordinator(_record(schedule=s, summary=summary), ref)[0].ok
+
+    assert coord()
+    assert coord(scheduled=n - 45, completed=n - 45, initial_epoch=5)
+    assert not coord(completed=n - 1)
+    assert not coord(completed=n - 1, failed=1)
+    assert not coord(scheduled=n - 100, completed=n - 100)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_descriptions_name_seed_and_faults(seed: int) -> None:
+    s = draw(seed)
+    assert s.describe().startswith(f"seed {seed}: {s.mode}")
+    assert all(f.kind in s.describe() for f in s.faults)
+
+
+def test_a_private_dev_shm_keeps_what_a_run_leaves() -> None:
+    import subprocess
+
+    from faults.cluster import ShmSandbox
+
+    why = ShmSandbox.unavailable()
+    if why is not None:
+        pytest.skip(f"no private /dev/shm here: {why}")
+    box = ShmSandbox()
+    try:
+        name = f"zmqps-harness-test-{os.getpid()}"
+        argv = box.wrap(["sh", "-c", f"echo x > /dev/shm/{name}"])
+        assert subprocess.run(argv, timeout=30, check=False).returncode == 0
+        assert box.regions() == [name]
+        assert not Path(f"/dev/shm/{name}").exists()  # not the machine's /dev/shm
+    finally:
+        box.close()
+    assert box.regions() == []
