@@ -303,3 +303,18 @@ def test_params_of_variables_held_whole_are_views_of_the_pull_region() -> None:
                 )
 
     run(body())
+
+
+def test_sweep_removes_the_regions_of_dead_processes_only(tmp_path: Any) -> None:
+    """A worker killed between creating its regions and unlinking them leaves names
+    behind; the next worker (or zmqps launch) removes those, never a live one's."""
+    import os
+
+    dead = 0x7FFFFF00  # above any pid_max: no such process
+    mine = tmp_path / f"zmqps-{os.getpid():08x}{'a' * 24}"
+    gone = tmp_path / f"zmqps-{dead:08x}{'b' * 24}"
+    other = tmp_path / "zmqps-not-a-region"
+    for path in (mine, gone, other):
+        path.write_bytes(b"x")
+    assert shm.sweep(str(tmp_path)) == [gone.name]
+    assert mine.exists() and other.exists() and not gone.exists()

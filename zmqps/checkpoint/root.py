@@ -423,12 +423,18 @@ class CheckpointRoot:
         """Remove a temp directory (a failed or abandoned checkpoint); no error if gone."""
         temp = Path(temp)
         self._check_temp(temp)
-        try:
-            shutil.rmtree(temp)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise CheckpointError(f"cannot remove {temp}: {exc}") from exc
+        # A PS may still be writing into it (an abandoned checkpoint): files can appear
+        # while it is removed; try again a few times, then leave what remains to
+        # clean_orphans (the next start removes every temp directory).
+        for _ in range(3):
+            try:
+                shutil.rmtree(temp)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                error = exc
+        raise CheckpointError(f"cannot remove {temp}: {error}") from error
 
     def _check_temp(self, temp: Path) -> None:
         if not is_temp_name(temp.name) or temp.parent.resolve() != self.path.resolve():

@@ -54,6 +54,7 @@ from zmqps.roles.configs import (
     dumps,
 )
 from zmqps.roles.status import fetch_status
+from zmqps.transport.shm import sweep
 from zmqps.transport import free_ports  # re-exported: it moved to zmqps.transport.ports
 from zmqps.wire.errors import ConfigError, ZmqpsError
 
@@ -457,6 +458,7 @@ class Launcher:
         for c in self.children:
             if c.log is not None:
                 c.log.close()
+        sweep()  # shared-memory regions a killed child left
         if interrupted.is_set():
             return 130
         return 1 if self.failure else 0

@@ -160,6 +160,8 @@ class WorkerPushes:
     cursor: int = 0
     #: the sync step of the push that carried that cursor (-1: none, or not sync)
     step: int = -1
+    #: the worker left with its work done, after this many batches (None: not done)
+    done: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -167,6 +169,7 @@ class WorkerPushes:
             "dropped": dict(self.dropped),
             "cursor": self.cursor,
             "step": self.step,
+            "done": self.done,
         }
 
 
@@ -219,6 +222,14 @@ class PushLedger:
             w.cursor = max(w.cursor, cursor)
         for w in self._workers.values():
             w.step = -1
+
+    def left(self, worker: str, steps: int) -> None:
+        """The worker left with its work done, after ``steps`` batches in all."""
+        self.get(worker).done = steps
+
+    def finished(self) -> dict[str, int]:
+        """Workers that left with their work done: their batches in all."""
+        return {n: w.done for n, w in self._workers.items() if w.done is not None}
 
     def cursors(self) -> dict[str, int]:
         return {name: w.cursor for name, w in self._workers.items() if w.cursor}

@@ -101,6 +101,20 @@ class Membership:
         self.all_done_at = None
         return old is not None
 
+    def known_done(self, index: int, steps: int, now: float) -> None:
+        """Worker ``index`` left with its work done before this chief started (the PS
+        said so), after ``steps`` batches in all."""
+        self._check_index(index)
+        if index in self.workers:
+            return
+        if self.first_registration is None:
+            self.first_registration = now
+        w = WorkerState(index, 0, now, now, steps_before=steps)
+        w.done, w.left_reason = True, "done"
+        self.workers[index] = w
+        if self.all_done() and self.all_done_at is None:
+            self.all_done_at = now
+
     def heartbeat(
         self,
         index: int,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zmqps.checkpoint import Checkpoint, CheckpointRoot, Manifest, ShardRecord
+from zmqps.checkpoint import Checkpoint, CheckpointError, CheckpointRoot, Manifest, ShardRecord
 from zmqps.core.variables import Placement
 from zmqps.metrics import Metrics
 from zmqps.roles.configs import CheckpointPolicy
@@ -261,7 +261,7 @@ class Checkpointer:
         log.error("checkpoint of step %d failed: %s (the previous one stays the latest)", step, why)
         try:
             self.root.abort(temp)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:  # the next start's clean_orphans will
             log.warning("could not remove %s: %s", temp, e)
 
     def status(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from zmqps.core.segments import sum_runs
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.roles.channels import DenseChannel, ShmChannel, TcpChannel, Transfer, layout
 from zmqps.transport.base import Requester
-from zmqps.transport.shm import Region, create_region, unlink_region
+from zmqps.transport.shm import Region, create_region, sweep, unlink_region
 from zmqps.wire import Message, Tensor
 from zmqps.wire import ops as o
 from zmqps.wire.errors import InvalidArgument, NotFound, ProtocolError, RolledBack, ZmqpsError
@@ -47,6 +47,19 @@ __all__ = ["ParameterClient"]
 log = logging.getLogger("zmqps.client")
 
 Array = npt.NDArray[Any]
+
+_swept = False
+
+
+def _sweep_once() -> None:
+    """Before this process's first regions: remove those dead processes left (a
+    worker killed while it set its own up, say)."""
+    global _swept
+    if not _swept:
+        _swept = True
+        removed = sweep()
+        if removed:
+            log.info("removed %d shared-memory regions of dead processes", len(removed))
 
 
 @dataclass(frozen=True)
@@ -272,6 +285,7 @@ class ParameterClient:
             return None
         regions: list[Region] = []
         try:
+            _sweep_once()
             regions = [create_region(pos), create_region(pos)]
             ids = []
             for region in regions:

@@ -6,14 +6,18 @@ messages (DESIGN §9: beat torch RPC's same-host copies).
 
 Rules of this module:
 
-* The client creates a region (``/dev/shm/zmqps-<random hex>``, mode 0600,
+* The client creates a region (``/dev/shm/zmqps-<its pid><random>``, 32 hex digits,
+  mode 0600,
   space reserved with ``posix_fallocate`` so a full ``/dev/shm`` is an error at
   creation, never a SIGBUS later) and writes a random token at its start.
 * The server attaches by name only if the name has exactly that form, the file
   is a regular file owned by the server's own user, and its size is the size
   announced; it answers with the token it read, which proves both sides see the
   same memory. Then the client unlinks the name: the mapping lives on in both
-  processes and nothing leaks if either dies.
+  processes and nothing leaks if either dies. A client killed between creating a
+  region and unlinking it leaves the name behind: :func:`sweep` removes the regions
+  of this user whose creator is gone (a worker does it before it creates its own,
+  ``zmqps launch`` when its children have exited).
 * Every access is bounds-checked against the region's size by :meth:`Region.view`.
 * Anything that fails (another host, another container's ``/dev/shm``, no space)
   means "no fast path": callers fall back to TCP.
@@ -35,7 +39,7 @@ import numpy.typing as npt
 
 from zmqps.wire.errors import InvalidArgument, NotFound
 
-__all__ = ["SHM_DIR", "TOKEN_BYTES", "Region", "attach_region", "create_region"]
+__all__ = ["SHM_DIR", "TOKEN_BYTES", "Region", "attach_region", "create_region", "sweep"]
 
 SHM_DIR = "/dev/shm"
 TOKEN_BYTES = 16
@@ -72,7 +76,7 @@ class Region:
 
 def create_region(data_bytes: int) -> Region:
     """A new region with ``data_bytes`` of room (OSError if shared memory is unavailable)."""
-    name = f"zmqps-{secrets.token_hex(16)}"
+    name = f"zmqps-{os.getpid() & 0xFFFFFFFF:08x}{secrets.token_hex(12)}"
     size = HEADER_BYTES + max(0, data_bytes)
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -88,6 +92,38 @@ def create_region(data_bytes: int) -> Region:
     token = secrets.token_bytes(TOKEN_BYTES)
     mm[:TOKEN_BYTES] = token
     return Region(name, size, token, mm)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def sweep(directory: str = SHM_DIR) -> list[str]:
+    """Remove the regions this user's dead processes left (their creator's pid is in
+    the name); returns their names. A region of a live process is never touched."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        if not _NAME.fullmatch(name) or _alive(int(name[6:14], 16)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid == uid:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
+    return removed
 
 
 def unlink_region(region: Region) -> None:

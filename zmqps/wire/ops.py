@@ -232,6 +232,9 @@ class Register(Body):
     who: Who
     steps_planned: int | None = wire(COUNT, default=None)
     address: str | None = wire(Str(256), default=None)
+    #: an incarnation already running registers again (the chief restarted): the
+    #: batches its earlier incarnations did, as it was told when it started
+    steps_done: int | None = wire(COUNT, default=None)
 
 
 @_body("heartbeat")
@@ -399,6 +402,10 @@ class PsState(Body):
 class Fence(Body):
     worker: str = wire(Str(64))
     inc: int = wire(Int(0))
+    #: the incarnation left with its work done, after ``steps`` batches in all (every
+    #: PS keeps it: a restarted chief learns which workers finished)
+    left: bool | None = wire(Bool(), default=None)
+    steps: int | None = wire(COUNT, default=None)
 
 
 @_body("checkpoint_save")
@@ -577,6 +584,8 @@ class PsStateReply(Body):
     placement: Mapping[str, Any] | None = wire(PLACEMENT, default=None)
     #: per worker, the highest batch cursor this PS applied
     cursors: Mapping[str, int] | None = wire(CURSORS, default=None)
+    #: workers that left with their work done: their batches in all
+    done: Mapping[str, int] | None = wire(CURSORS, default=None)
 
 
 @_body(reply=True)

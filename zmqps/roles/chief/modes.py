@@ -47,6 +47,7 @@ class ChiefMode:
     """What the modes have in common: the PS to configure, waiters to wake."""
 
     name = ""
+    _floor = 0  # the highest global step known (async / ssp never go back)
 
     def __init__(
         self,
@@ -74,12 +75,14 @@ class ChiefMode:
 
     @property
     def global_step(self) -> int:
-        """Updates applied to the model, as the workers reported them."""
-        return self.step_offset + self.members.global_step
+        """Updates applied to the model, as the workers reported them (never less than
+        what was known before: a restarted chief starts from what the PS applied)."""
+        self._floor = max(self._floor, self.step_offset + self.members.global_step)
+        return self._floor
 
     @global_step.setter
     def global_step(self, step: int) -> None:
-        self.step_offset = step - self.members.global_step
+        self._floor = max(self._floor, step)
 
     async def _configure_ps(self, required: int) -> None:
         body = o.SyncConfigure(self.name, required).to_wire()

@@ -131,7 +131,7 @@ class RecoveryController:
                 await self.mode.start(holders, step)
                 await asyncio.Future()  # async: nothing more to drive; wait to be stopped
 
-        self._stop_training()
+        self.stop_training()
         self._training = asyncio.ensure_future(train())
         self._training.add_done_callback(self._training_done)
 
@@ -141,14 +141,14 @@ class RecoveryController:
         self.training_error = task.exception()
         self.training_failed.set()
 
-    def _stop_training(self) -> None:
+    def stop_training(self) -> None:
         if self._training is not None:
             self._training.cancel()
             self._training = None
         self.mode.stop()
 
     async def close(self) -> None:
-        self._stop_training()
+        self.stop_training()
         if self.checkpointer is not None:
             await self.checkpointer.cancel()
 
@@ -179,6 +179,7 @@ class RecoveryController:
         if self.checkpointer is not None:
             await asyncio.to_thread(self.checkpointer.clean)
         states = await self.ps_states(self.cfg.startup_timeout)
+        self._learn_progress(states)
         plan = decide_start(states, sync=self.mode.name == "sync")
         self.gen = plan.gen
         self.boots = boots = {i: str(st["boot"]) for i, st in enumerate(states)}
@@ -217,6 +218,40 @@ class RecoveryController:
         finally:
             self.started.set()
 
+    def _learn_progress(self, states: Sequence[dict[str, Any]]) -> None:
+        """What the PS know of the workers when this chief starts (it may have been
+        restarted): which finished their work (the chief waits for no one that left),
+        and, async / ssp, the batches pushed so far (the global step never goes back)."""
+        done: dict[int, int] = {}
+        pushed: dict[str, int] = {}
+        for st in states:
+            for name, steps in (st.get("done") or {}).items():
+                role, _, index = name.partition(":")
+                if role == "worker" and index.isdigit():
+                    done[int(index)] = max(done.get(int(index), 0), int(steps))
+            for name, cursor in (st.get("cursors") or {}).items():
+                pushed[name] = max(pushed.get(name, 0), int(cursor))
+        now = self.clock()
+        for index, steps in sorted(done.items()):
+            if index < self.members.num_workers:
+                self.members.known_done(index, steps, now)
+                log.info("worker %d finished its work before this chief started", index)
+        if self.mode.name != "sync" and pushed:
+            self.mode.global_step = max(self.mode.global_step, sum(pushed.values()))
+
+    async def worker_left(self, who: o.Who, steps: int) -> None:
+        """Worker ``who`` left with its work done after ``steps`` batches: every PS keeps
+        it (a restarted chief learns it there) and fences the incarnation."""
+        body = o.Fence(who.name, who.incarnation, True, steps).to_wire()
+
+        async def one(c: Requester) -> None:
+            try:
+                await c.request("fence", body, timeout=2.0)
+            except ZmqpsError as e:
+                log.warning("could not tell ps %s that %s finished: %s", c.endpoint, who.name, e)
+
+        await asyncio.gather(*(one(c) for c in self.ps))
+
     def variables_created(self) -> None:
         """The variables of a fresh cluster exist now: training may begin."""
         if self.phase is Phase.WAITING:
@@ -240,7 +275,7 @@ class RecoveryController:
         none), all PS to one step, in a new generation; training restarts there."""
         self.handle(event)
         started = self.clock()
-        self._stop_training()
+        self.stop_training()
         before = self.mode.global_step
         self.boots = boots = {i: str(st["boot"]) for i, st in enumerate(states)}
         self.gen = max([self.gen, *(int(st["gen"]) for st in states)])
@@ -413,21 +448,28 @@ class RecoveryController:
 
     # ------------------------------------------------------------------ workers
 
-    async def admit(self, who: o.Who, steps_planned: int) -> tuple[bool, int, int]:
+    async def admit(
+        self, who: o.Who, steps_planned: int, running: int | None = None
+    ) -> tuple[bool, int, int]:
         """Register a worker: ``(rejoin, batches to skip, last sync step computed)``.
 
         Its older incarnations are fenced on every PS first (a late push of a paused
         old process is refused even if it comes before the new one's first push), and
-        each PS says how far the worker's pushes got there."""
+        each PS says how far the worker's pushes got there. ``running``: an incarnation
+        that runs already registers again (this chief restarted), having started after
+        that many batches."""
         rejoin = self.members.register(who.index, who.incarnation, self.clock(), steps_planned)
         progress = await self._fence(who)
         state = self.members.workers[who.index]
-        skip, last = resume_point(
-            state.steps_before,
-            progress,
-            sync=self.mode.name == "sync",
-            global_step=self.mode.global_step,
-        )
+        if running is not None:
+            skip, last = running, -1
+        else:
+            skip, last = resume_point(
+                state.steps_before,
+                progress,
+                sync=self.mode.name == "sync",
+                global_step=self.mode.global_step,
+            )
         # the batches its earlier incarnations really pushed, not the count last heard in
         # a heartbeat (it lags): the run's step count stays exact
         state.steps_before = skip

@@ -22,7 +22,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,13 +97,22 @@ async def serve_chief(
             loop.remove_signal_handler(sig)
         for w in watchers:
             w.cancel()
-        await service.recovery.close()
-        await server.stop()
+        # every step runs whatever the one before did: a socket left open would hang
+        # the context's termination (the process would never exit)
+        await _cleanly(service.recovery.close())
+        await _cleanly(server.stop())
         if exporter is not None:
             exporter.close()
         for c in ps_clients:
-            await c.close()
+            await _cleanly(c.close())
     return service.result
+
+
+async def _cleanly(step: Awaitable[Any]) -> None:
+    try:
+        await step
+    except Exception:
+        log.exception("chief: a step of the shutdown failed (the others go on)")
 
 
 async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> None:
@@ -135,6 +144,7 @@ async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> Non
     # (half the grace at most), so their last updates are in the final checkpoint and
     # their leave is answered.
     await _workers_gone(service, cfg.stop_grace / 2)
+    recovery.stop_training()
     if service.checkpoints is not None:
         try:
             await asyncio.wait_for(
@@ -162,6 +172,7 @@ async def _finish(service: ChiefService) -> None:
     while not recovery.lifecycle.can(Event.ALL_DONE):  # a restore in progress ends first
         await asyncio.sleep(0.05)
     recovery.handle(Event.ALL_DONE)
+    recovery.stop_training()  # no step comes any more: nothing may start a checkpoint now
     if service.checkpoints is not None:
         await service.checkpoints.final(finished=True)
     service.result = await summarize(service)

@@ -195,7 +195,7 @@ class ChiefService:
         if who.role != "worker":
             self.evaluators[(who.index, who.incarnation)] = self.clock()
             return reply(msg, self._info().to_wire())
-        _, skip, last = await self.recovery.admit(who, req.steps_planned or 0)
+        _, skip, last = await self.recovery.admit(who, req.steps_planned or 0, req.steps_done)
         return reply(msg, self._info(skip, last).to_wire())
 
     def _op_heartbeat(self, msg: Message, req: o.Heartbeat) -> Message:
@@ -227,6 +227,9 @@ class ChiefService:
         # N shrinks first (it may apply the step the leaver's gradient completed), so
         # the end of training sees every step the PS will ever apply.
         await self.consistency.membership_changed(gone=[who.index])
+        state = self.members.workers[who.index]
+        if state.done:
+            await self.recovery.worker_left(who, state.total_steps)
         if self.members.all_done():
             self.all_done.set()
         return reply(msg, o.StepReply(global_step=self.global_step).to_wire())

@@ -413,6 +413,7 @@ class PSService:
             contributors=tuple(self.mode.contributors(every_shard=False)),
             placement=self.placement,
             cursors=self.pushes.cursors() or None,
+            done=self.pushes.finished() or None,
         )
         return reply(msg, state.to_wire())
 
@@ -421,6 +422,8 @@ class PSService:
         and say how far that worker's pushes got (read in the same turn)."""
         if self.dedup.fence(req.worker, req.inc):
             log.info("ps %d: %s incarnations before %d fenced", self.index, req.worker, req.inc)
+        if req.left:
+            self.pushes.left(req.worker, req.steps or 0)
         cursor, step = self.pushes.progress(req.worker)
         return reply(msg, o.Fenced(cursor, step, holds=bool(len(self.store))).to_wire())
 

@@ -72,6 +72,8 @@ class Session:
         self.progress = progress or (lambda: (0, 0, None))
         #: restores so far, as this process knows; data requests carry it
         self.gen = 0
+        #: batches this task's earlier incarnations did, as the chief said at the start
+        self.steps_done: int | None = None
         self.info: o.ClusterInfo | None = None
         #: what the last heartbeat said
         self.recovering = False
@@ -106,11 +108,13 @@ class Session:
         """Register with the chief, waiting up to ``connect_timeout`` for it."""
         info = await self._register(connect_timeout)
         self.gen = info.gen
+        self.steps_done = info.steps_done
         return info
 
     async def _register(self, connect_timeout: float) -> o.ClusterInfo:
         deadline = time.monotonic() + connect_timeout
-        body = o.Register(self.who, self.steps_planned).to_wire()
+        # registering again (the chief restarted): say where this incarnation started
+        body = o.Register(self.who, self.steps_planned, steps_done=self.steps_done).to_wire()
         while True:
             try:
                 rep = await self.chief.request("register", body, timeout=2.0)
