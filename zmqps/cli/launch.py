@@ -54,8 +54,8 @@ from zmqps.roles.configs import (
     dumps,
 )
 from zmqps.roles.status import fetch_status
-from zmqps.transport.shm import sweep
 from zmqps.transport import free_ports  # re-exported: it moved to zmqps.transport.ports
+from zmqps.transport.shm import sweep
 from zmqps.wire.errors import ConfigError, ZmqpsError
 
 __all__ = ["add_launch_args", "free_ports", "launch"]
