@@ -265,6 +265,33 @@ def test_regions_per_worker_are_bounded() -> None:
     run(body())
 
 
+def test_attaching_again_is_idempotent() -> None:
+    """shm_attach is sent again when its connection comes back (the first copy may have
+    arrived): the same worker attaching the same region again gets the same id, and
+    maps nothing more."""
+
+    async def body() -> None:
+        c = await make_cluster(DENSE, 1, 1)
+        svc = c.services[0]
+        region = shm.create_region(1024)
+        try:
+            first = svc(request("shm_attach", _attach_body(region))).body
+            again = svc(request("shm_attach", _attach_body(region))).body
+            assert again == first
+            assert len(svc.regions) == 1
+            other = svc(request("shm_attach", _attach_body(region, worker="w2"))).body
+            assert other["region"] != first["region"]
+            assert len(svc.regions) == 2
+            svc(request("shm_detach", {"region": first["region"]}))
+            renewed = svc(request("shm_attach", _attach_body(region))).body
+            assert renewed["region"] not in (first["region"], other["region"])
+        finally:
+            shm.unlink_region(region)
+            region.close()
+
+    run(body())
+
+
 def test_client_without_dense_shards_on_a_ps_uses_no_region() -> None:
     async def body() -> None:
         c = await make_cluster(ALL, 2, 1)

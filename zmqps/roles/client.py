@@ -290,7 +290,12 @@ class ParameterClient:
             ids = []
             for region in regions:
                 body = o.ShmAttach(region.name, region.size, self.worker, self.incarnation)
-                rep = await self.ps[ps].request("shm_attach", body.to_wire(), timeout=self.timeout)
+                # attempts=2: attaching is idempotent on the PS, so the request is sent
+                # again at once when its connection comes back (a partition, a stop);
+                # two halves of the timeout in all
+                rep = await self.ps[ps].request(
+                    "shm_attach", body.to_wire(), timeout=self.timeout / 2, attempts=2
+                )
                 got = o.ShmAttached.parse(rep.body, "shm_attach reply")
                 if got.token != region.token.hex():
                     raise NotFound("the PS maps different memory under that name")
