@@ -424,7 +424,7 @@ def test_a_lost_connection_coming_back_resends_what_may_be_resent() -> None:
             try:
                 rep = await asyncio.wait_for(push, 15.0)
                 assert rep.body == {"op": "push"}
-                with pytest.raises(DeadlineExceeded, match="status .*connection was lost"):
+                with pytest.raises(DeadlineExceeded, match=r"status .*connection was lost"):
                     await asyncio.wait_for(once, 5.0)  # its own deadline is 60 s away
             finally:
                 await server.stop()

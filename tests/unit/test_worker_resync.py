@@ -3,13 +3,17 @@ was only cut off (a partition), as soon as the chief hears every PS again."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
-from zmqps.roles.worker.session import cut_off
+from zmqps.core.sync import TokenLedger
+from zmqps.roles.worker.modes import SyncSteps
+from zmqps.roles.worker.session import Session, cut_off
+from zmqps.wire import Message
 from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack
-from zmqps.wire.ops import HeartbeatReply
+from zmqps.wire.ops import HeartbeatReply, TakeToken, Token, Who
 
 TIMEOUT = DeadlineExceeded("pull to tcp://10.0.0.3:2222: no reply within 30s")
 
@@ -42,3 +46,36 @@ def test_a_new_generation_is_not_a_partition() -> None:
 def test_refusals_always_wait_for_the_restore(error: Exception) -> None:
     # The PS answered: it restarted without its shards, a restore must come.
     assert not cut_off(error, beat(), 0)
+
+
+def test_a_token_poll_after_a_restore_says_what_the_worker_has_now() -> None:
+    """A sync worker polls for a token of step 151 (it computed 150); meanwhile the
+    cluster is restored to step 144, and the poll is answered NotReady. The next poll
+    must say the worker has computed nothing since the restore, or the chief's ledger,
+    now at 144, would never give it a token (found by fault schedule seed 36: the
+    run hung with a token for the worker on the table)."""
+    ledger = TokenLedger()
+    ledger.restart(150)
+    sent: list[TakeToken] = []
+
+    class Chief:
+        endpoint = "tcp://chief"
+
+        async def request(self, op: str, body: Any, **_: Any) -> Message:
+            assert op == "take_token"
+            await asyncio.sleep(0.01)  # the chief holds the poll
+            req = TakeToken.parse(body)
+            sent.append(req)
+            if len(sent) == 1:  # the chief restarted the cluster at step 144 meanwhile
+                ledger.restart(144)
+                session.enter(1)  # the heartbeat hears of it
+            step = ledger.take(req.who.index, req.who.incarnation, 2, req.have)
+            if step is None:
+                raise NotReady("no token yet")
+            return Message(op="take_token", body=Token(step, 1).to_wire())
+
+    who = Who("worker", 0, 7)
+    session = Session(Chief(), who)  # type: ignore[arg-type]
+    steps = SyncSteps(session, last_step=150)
+    assert asyncio.run(asyncio.wait_for(steps.begin(151, 0.1), 5.0)) == 144  # not a hang
+    assert [r.have for r in sent] == [150, -1]

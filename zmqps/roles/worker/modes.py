@@ -57,7 +57,9 @@ class SspSteps(StepMode):
     name = "ssp"
 
     async def begin(self, completed: int, poll: float) -> int:
-        body = o.SspClock(self.session.who, completed, poll)
+        def body() -> o.SspClock:
+            return o.SspClock(self.session.who, completed, poll)
+
         await self.session.long_poll("ssp_clock", body, o.SspGrant, poll)
         return completed
 
@@ -86,7 +88,11 @@ class SyncSteps(StepMode):
         return self._voided
 
     async def begin(self, completed: int, poll: float) -> int:
-        body = o.TakeToken(self.session.who, poll, self.have)
+        def body() -> o.TakeToken:
+            # made afresh for every poll: a restore meanwhile resets ``have``, and a poll
+            # saying a step of before the restore would never be given a token
+            return o.TakeToken(self.session.who, poll, self.have)
+
         token = await self.session.long_poll("take_token", body, o.Token, poll)
         self.token, self.token_gen, self._voided = token.step, token.gen, False
         return token.step

@@ -154,13 +154,16 @@ class Session:
             except NotFound:
                 await self._reregister()
 
-    async def long_poll(self, op: str, body: o.Body, reply: type[B], poll: float) -> B:
+    async def long_poll(
+        self, op: str, body: Callable[[], o.Body], reply: type[B], poll: float
+    ) -> B:
         """A long poll to the chief, repeated until it answers (the chief holds each
         poll open ``poll`` seconds). Resendable: after a lost connection it is sent
-        again at once; a poll with no answer in time is simply asked again."""
+        again at once; a poll with no answer in time is asked again, its body made
+        afresh by ``body()`` (a restore meanwhile changes what this task has done)."""
         while True:
             try:
-                return await self.call(op, body, reply, timeout=poll + 10.0, attempts=2)
+                return await self.call(op, body(), reply, timeout=poll + 10.0, attempts=2)
             except NotReady:
                 continue  # nothing yet: ask again (the chief holds each poll open)
             except DeadlineExceeded:
