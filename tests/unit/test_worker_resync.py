@@ -79,3 +79,20 @@ def test_a_token_poll_after_a_restore_says_what_the_worker_has_now() -> None:
     steps = SyncSteps(session, last_step=150)
     assert asyncio.run(asyncio.wait_for(steps.begin(151, 0.1), 5.0)) == 144  # not a hang
     assert [r.have for r in sent] == [150, -1]
+
+
+def test_a_push_some_ps_may_lack_asks_for_the_same_token_again() -> None:
+    """A sync push failed and no restore came (a PS cut off past the push's attempts):
+    the step is not counted as computed, so the ledger gives this worker the same token
+    again (its new gradient completes the step on the PS that lacked the first; one
+    that has it drops the second). Counting it computed would leave the step waiting
+    forever on a gradient that never comes."""
+    ledger = TokenLedger()
+    ledger.restart(5)
+    steps = SyncSteps(Session(None, Who("worker", 0, 7)))  # type: ignore[arg-type]
+    steps.token = ledger.take(0, 7, 2, -1)
+    assert steps.token == 5
+    steps.step_done(delivered=False)
+    assert ledger.take(0, 7, 2, steps.have) == 5  # the same token again
+    steps.step_done(delivered=True)
+    assert ledger.take(0, 7, 2, steps.have) is None  # computed: wait for step 6

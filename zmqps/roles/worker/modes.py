@@ -39,8 +39,8 @@ class StepMode:
         """The step a push belongs to (sync: the token's value), or None."""
         return None
 
-    def step_done(self) -> None:
-        """This worker pushed its step's gradients."""
+    def step_done(self, delivered: bool = True) -> None:
+        """This worker pushed its step's gradients (``delivered``: every PS answered)."""
 
     @property
     def voided(self) -> bool:
@@ -102,8 +102,12 @@ class SyncSteps(StepMode):
             raise InvalidArgument("sync mode: call begin_step() before pushing")
         return self.token
 
-    def step_done(self) -> None:
-        if self.token is not None:
+    def step_done(self, delivered: bool = True) -> None:
+        # A push some PS may lack (it failed, no restore came) does not count as this
+        # step computed: the worker asks for the same token again and pushes the step
+        # anew; a PS that has its first gradient drops the second (one per worker and
+        # step), one that lacks it completes the step. Else the step would wait forever.
+        if self.token is not None and delivered:
             self.have = max(self.have, self.token)
 
 

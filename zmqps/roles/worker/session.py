@@ -82,6 +82,8 @@ class Session:
         self.last_contact = time.monotonic()
         #: pushes dropped because the cluster was restored meanwhile
         self.rolled_back = 0
+        #: the last push failed and no restore came: whether each PS has it is unknown
+        self.undelivered = False
         self._listeners: list[Callable[[int], None]] = []
         self._heartbeats: asyncio.Task[None] | None = None
 
@@ -258,6 +260,9 @@ class Session:
             return await push()
         except RECOVERABLE as e:
             await self.drop(e, gen)
+            # no restore came (a PS cut off, then back): the push may have reached
+            # some PS and not others, and its values still hold
+            self.undelivered = self.gen == gen
             return False
 
     async def drop(self, error: Exception, made_in: int | None = None) -> None:

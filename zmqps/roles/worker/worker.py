@@ -352,7 +352,8 @@ class Worker:
     def count_step(self, loss: float | None, examples: int | None) -> None:
         """One step done (its gradients pushed): counted for heartbeats and metrics."""
         self.step += 1
-        self.steps.step_done()
+        self.steps.step_done(delivered=not self.session.undelivered)
+        self.session.undelivered = False
         if loss is not None:
             self.loss = float(loss)
         if examples is not None:
