@@ -162,8 +162,8 @@ def pauses(samples: list[Sample]) -> list[Pause]:
     base = int(samples[start].status["global_step"])  # type: ignore[index]
     cur = Pause(samples[start].t, samples[start].t, "step")
     for s in samples[start + 1 :]:
-        if s.status is None:
-            cur.samples.append(s)
+        if s.status is None or not s.status.get("step_known", True):
+            cur.samples.append(s)  # no answer, or a restarted chief not started yet
             continue
         if s.status.get("finished"):
             cur.end, cur.until = s.t, "finished"
@@ -234,8 +234,8 @@ def check_steps(rec: RunRecord) -> list[Check]:
     bad = []
     prev: Sample | None = None
     for s in rec.samples:
-        if s.status is None:
-            continue
+        if s.status is None or not s.status.get("step_known", True):
+            continue  # no answer, or a restarted chief that knows no step yet
         if prev is not None:
             a, b = prev.status, s.status
             assert a is not None

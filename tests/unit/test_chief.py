@@ -23,6 +23,7 @@ from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.chief import ChiefConfig, ChiefService
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.ps import PSService
+from zmqps.roles.status import format_status
 from zmqps.transport.base import TransportStats
 from zmqps.transport.fake import FakeNetwork
 from zmqps.wire import Message, request
@@ -491,8 +492,12 @@ def test_all_done_only_when_every_worker_left() -> None:
 def test_status() -> None:
     async def body() -> None:
         env = make_env(2, num_workers=3, heartbeat_timeout=10.0)
+        # before it heard the PS, a (restarted) chief knows no step, and says so
+        assert env.chief.status()["step_known"] is False
+        assert "not known yet" in format_status(env.chief.status())
         await env.chief.start()
         st = env.chief.status()
+        assert st["step_known"] is True
         assert st["role"] == "chief"
         assert st["mode"] == "async"
         assert (st["global_step"], st["steps_planned"], st["examples"]) == (0, 0, 0)

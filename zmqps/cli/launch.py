@@ -416,9 +416,10 @@ class Launcher:
                 planned = int(s.get("steps_planned") or 0)
                 if planned and self.bar.total != planned:
                     self.bar.total = planned
-                self.bar.n = min(
-                    int(s.get("global_step", 0)), planned or int(s.get("global_step", 0))
-                )
+                if not s.get("step_known", True):
+                    continue  # a restarted chief not started yet
+                step = int(s.get("global_step", 0))
+                self.bar.n = min(step, planned or step)
                 self.bar.refresh()
 
     async def run(self) -> int:

@@ -29,10 +29,16 @@ def _workers(indices: Any) -> str:
     return ", ".join(f"worker {i}" for i in indices)
 
 
+def _step(s: dict[str, Any]) -> Any:
+    if s.get("step_known", True):
+        return s.get("global_step")
+    return "not known yet (the chief is starting: it learns it from the PS)"
+
+
 def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"mode          {s.get('mode')}" + (f"  ({s['phase']})" if s.get("phase") else ""),
-        f"global step   {s.get('global_step')}"
+        f"global step   {_step(s)}"
         + (f" / {s['steps_planned']} planned" if s.get("steps_planned") else ""),
         f"examples      {s.get('examples')}",
         f"workers alive {len(s.get('workers_alive', []))} of {s.get('workers_expected')}"

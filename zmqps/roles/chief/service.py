@@ -288,6 +288,13 @@ class ChiefService:
         ]
 
     def status(self) -> dict[str, Any]:
+        out = self._status()
+        # a (restarted) chief learns the step and generation from the PS: until then it
+        # knows neither, and says so (the fields keep their type: 0 until known)
+        out["step_known"] = self.recovery.phase is not Phase.STARTING
+        return out
+
+    def _status(self) -> dict[str, Any]:
         now = self.clock()
         placement = self.variables.placement
         return {
