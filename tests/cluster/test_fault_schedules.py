@@ -56,7 +56,7 @@ def test_the_seeds_cover_every_fault_kind() -> None:
 def references(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> References:
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)  # None with -p no:cacheprovider
     folder = (
         Path(cache.mkdir("zmqps-faults"))
         if cache is not None
