@@ -78,8 +78,6 @@ class TransportStats:
     auth_failures: int = 0
     #: requests sent again when their connection came back (Client)
     resent: int = 0
-    #: requests failed at once when their connection came back (Client: not resendable)
-    lost: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

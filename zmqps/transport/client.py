@@ -14,10 +14,7 @@ Rules of this module:
   connection comes back after a disconnect (a partition noticed by the ZMTP
   heartbeat, a restarted peer): whatever was on the lost connection is gone, and
   waiting for the deadline would stall the caller for nothing. The server's
-  deadline check still drops a copy that arrives too late. The other pending
-  requests fail at that moment with :class:`DeadlineExceeded` (what a deadline
-  would have said, without waiting for it): their callers' own retry or recovery
-  takes over.
+  deadline check still drops a copy that arrives too late.
 """
 
 from __future__ import annotations
@@ -78,8 +75,6 @@ class Client:
         self._pending: dict[int, asyncio.Future[Message]] = {}
         #: frames of the pending requests that may be sent again (attempts > 1)
         self._resendable: dict[int, list[Any]] = {}
-        #: op of each pending request (for the error of one lost with its connection)
-        self._ops: dict[int, str] = {}
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._monitor_sock: zmq.asyncio.Socket | None = None
@@ -106,32 +101,14 @@ class Client:
                 self._resend_pending()
 
     def _resend_pending(self) -> None:
-        """The connection is back: send the resendable requests again, fail the others."""
-        lost = [
-            (rid, fut)
-            for rid, fut in self._pending.items()
-            if rid not in self._resendable and not fut.done()
-        ]
-        for rid, fut in lost:
-            fut.set_exception(
-                DeadlineExceeded(
-                    f"{self._ops.get(rid, 'request')} to {self.endpoint}: the connection"
-                    " was lost meanwhile (it is back); no reply will come"
-                )
-            )
-            self.stats.lost += 1
         again = [
             (rid, frames)
             for rid, frames in self._resendable.items()
             if rid in self._pending and not self._pending[rid].done()
         ]
-        if lost or again:
-            log.info(
-                "connection to %s is back: sending %d requests again, %d failed",
-                self.endpoint,
-                len(again),
-                len(lost),
-            )
+        if not again:
+            return
+        log.info("connection to %s is back: sending %d requests again", self.endpoint, len(again))
         for _, frames in again:
             try:
                 send_now(self._sock, frames)
@@ -185,7 +162,6 @@ class Client:
                 )
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        self._ops[rid] = op
         if resendable:
             self._resendable[rid] = frames
         try:
@@ -217,7 +193,6 @@ class Client:
                     self.observer.request_done(op, status, time.perf_counter() - started)
         finally:
             self._pending.pop(rid, None)
-            self._ops.pop(rid, None)
             self._resendable.pop(rid, None)
 
     async def _read_loop(self) -> None:
