@@ -626,3 +626,24 @@ def test_a_rejoining_worker_is_fenced_on_every_ps_at_registration() -> None:
                 svc.dedup.check("worker:0", 7, 1)
 
     run(body())
+
+
+def test_a_failed_shutdown_step_is_recorded_and_the_next_ones_run() -> None:
+    from zmqps.roles.chief.serve import _cleanly
+
+    async def broken() -> None:
+        raise OSError("socket gone")
+
+    async def fine() -> None:
+        ran.append("fine")
+
+    ran: list[str] = []
+    failed: list[str] = []
+
+    async def body() -> None:
+        await _cleanly("server", broken(), failed)
+        await _cleanly("client", fine(), failed)
+
+    run(body())
+    assert failed == ["server"]
+    assert ran == ["fine"]

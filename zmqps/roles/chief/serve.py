@@ -87,6 +87,7 @@ async def serve_chief(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.shutdown_requested.set)
     watchers = [asyncio.ensure_future(service.recovery.watch_workers())]
+    failed: list[str] = []  # shutdown steps that failed (each logged with its traceback)
     try:
         await _run(service, watchers)
         await _shutdown_ps(ps_clients)
@@ -99,20 +100,26 @@ async def serve_chief(
             w.cancel()
         # every step runs whatever the one before did: a socket left open would hang
         # the context's termination (the process would never exit)
-        await _cleanly(service.recovery.close())
-        await _cleanly(server.stop())
+        await _cleanly("recovery", service.recovery.close(), failed)
+        await _cleanly("server", server.stop(), failed)
         if exporter is not None:
             exporter.close()
         for c in ps_clients:
-            await _cleanly(c.close())
+            await _cleanly(f"client of {c.endpoint}", c.close(), failed)
+    if failed:  # the run itself ended well: its exit code must still tell the truth
+        raise ZmqpsError(f"chief: shutdown steps failed: {', '.join(failed)} (see the log)")
     return service.result
 
 
-async def _cleanly(step: Awaitable[Any]) -> None:
+async def _cleanly(name: str, step: Awaitable[Any], failed: list[str]) -> None:
+    """Run one step of the shutdown. Any failure is logged and recorded, never raised
+    here: every later step must still run, or a socket left open would hang the
+    context's termination (the process would never exit)."""
     try:
         await step
-    except Exception:
-        log.exception("chief: a step of the shutdown failed (the others go on)")
+    except Exception:  # logged with its traceback, recorded, reported after the shutdown
+        log.exception("chief: closing the %s failed (the other steps go on)", name)
+        failed.append(name)
 
 
 async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> None:
