@@ -237,7 +237,7 @@ class RecoveryController:
                 self.members.known_done(index, steps, now)
                 log.info("worker %d finished its work before this chief started", index)
         if self.mode.name != "sync" and pushed:
-            self.mode.global_step = max(self.mode.global_step, sum(pushed.values()))
+            self.mode.global_step = sum(pushed.values())  # only ever raises it
 
     async def worker_left(self, who: o.Who, steps: int) -> None:
         """Worker ``who`` left with its work done after ``steps`` batches: every PS keeps

@@ -288,19 +288,15 @@ class ChiefService:
         ]
 
     def status(self) -> dict[str, Any]:
-        out = self._status()
-        # a (restarted) chief learns the step and generation from the PS: until then it
-        # knows neither, and says so (the fields keep their type: 0 until known)
-        out["step_known"] = self.recovery.phase is not Phase.STARTING
-        return out
-
-    def _status(self) -> dict[str, Any]:
         now = self.clock()
         placement = self.variables.placement
         return {
             "role": "chief",
             **self.consistency.status(),
             "global_step": self.global_step,
+            # a (restarted) chief learns the step and generation from the PS: until then
+            # it knows neither, and says so (the fields keep their type: 0 until known)
+            "step_known": self.recovery.phase is not Phase.STARTING,
             "steps_planned": self.consistency.steps_planned(),
             "examples": self.members.examples,
             "workers_expected": self.members.num_workers,

@@ -34,8 +34,7 @@ class Regions:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._regions: dict[int, tuple[str, Region]] = {}
-        self._names: dict[tuple[str, str], int] = {}  # (worker, name) -> id
+        self._regions: dict[int, tuple[str, Region]] = {}  # id -> (worker, region)
         self._ids = itertools.count(1)
 
     def __len__(self) -> int:
@@ -45,22 +44,20 @@ class Regions:
         return rid in self._regions
 
     def attach(self, name: str, size: int, worker: str) -> tuple[int, Region]:
-        known = self._names.get((worker, name))
-        if known is not None and self._regions[known][1].size == size:
-            return known, self._regions[known][1]
+        for rid, (w, known) in self._regions.items():  # at most MAX_PER_WORKER each
+            if w == worker and known.name == name and known.size == size:
+                return rid, known
         region = attach_region(name, size, max_bytes=self.max_bytes)
         mine = sorted(rid for rid, (w, _) in self._regions.items() if w == worker)
         for rid in mine[: max(0, len(mine) - MAX_PER_WORKER + 1)]:
             self.detach(rid)  # the oldest of this worker's regions
         rid = next(self._ids)
         self._regions[rid] = (worker, region)
-        self._names[(worker, name)] = rid
         return rid, region
 
     def detach(self, rid: int) -> None:
         entry = self._regions.pop(rid, None)
         if entry is not None:
-            self._names = {k: v for k, v in self._names.items() if v != rid}
             entry[1].close()
 
     def close(self) -> None:
