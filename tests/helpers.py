@@ -120,6 +120,13 @@ def _argv(pid: int) -> list[str]:
     return raw.decode(errors="replace").split("\0")
 
 
+def sigint_ignored() -> None:
+    """``preexec_fn``: start with SIGINT ignored, as a non-interactive shell starts a
+    background job (``cmd &`` in a script, a CI step). Python then installs no
+    KeyboardInterrupt, so a program must handle SIGINT itself to stop on it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def launched_by(pid: int) -> list[int]:
     """Live processes started by ``zmqps launch`` process ``pid`` (they carry its pid).
 

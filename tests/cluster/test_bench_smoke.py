@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Proc, Reaper, read_json, wait_for, zmqps_cmd
+from helpers import Proc, Reaper, read_json, sigint_ignored, wait_for, zmqps_cmd
 
 TINY = [
     "--size-mb",
@@ -33,10 +33,12 @@ TINY = [
 ]
 
 
-def _bench(procs: Reaper, tmp_path: Path, *flags: str) -> tuple[Proc, Path, Path]:
+def _bench(
+    procs: Reaper, tmp_path: Path, *flags: str, **spawn: Any
+) -> tuple[Proc, Path, Path]:
     out, logs = tmp_path / "bench.json", tmp_path / "logs"
     argv = zmqps_cmd("bench", *flags, "--json", str(out), "--keep-logs", str(logs))
-    return procs.spawn(argv, name="bench"), out, logs
+    return procs.spawn(argv, name="bench", **spawn), out, logs
 
 
 def _children_of(logs: Path) -> list[int]:
@@ -156,7 +158,8 @@ def test_a_side_that_misses_its_deadline_fails_the_bench_and_is_stopped(
 @pytest.mark.timeout(40)
 def test_ctrl_c_stops_every_child(procs: Reaper, tmp_path: Path) -> None:
     flags = [*TINY, "--steps", "100000", "--sides", "zmqps,raw"]
-    bench, _, logs = _bench(procs, tmp_path, "dense", *flags)
+    # started as a script's background job would be (SIGINT ignored): it still stops
+    bench, _, logs = _bench(procs, tmp_path, "dense", *flags, preexec_fn=sigint_ignored)
     wait_for(lambda: "raw ready" in bench.stderr, 25, what="both sides to be ready")
     bench.send(signal.SIGINT)
     bench.expect_exit(130, timeout=20)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 import signal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from helpers import Proc, Reaper, launched_by, read_json, wait_for, zmqps_cmd
+from helpers import Proc, Reaper, launched_by, read_json, sigint_ignored, wait_for, zmqps_cmd
 
 from zmqps.data import write_idx
 
@@ -23,7 +24,7 @@ SUMMARY_KEYS = {
 }
 
 
-def _launch(procs: Reaper, tmp_path: Path, *flags: str) -> tuple[Proc, Path]:
+def _launch(procs: Reaper, tmp_path: Path, *flags: str, **spawn: Any) -> tuple[Proc, Path]:
     summary = tmp_path / "summary.json"
     argv = zmqps_cmd(
         "launch",
@@ -36,7 +37,7 @@ def _launch(procs: Reaper, tmp_path: Path, *flags: str) -> tuple[Proc, Path]:
         str(summary),
         *flags,
     )
-    return procs.spawn(argv, name="launch"), summary
+    return procs.spawn(argv, name="launch", **spawn), summary
 
 
 def _expect_no_children(launcher: Proc) -> None:
@@ -86,7 +87,10 @@ def test_a_failing_child_stops_the_cluster(procs: Reaper, tmp_path: Path) -> Non
 
 @pytest.mark.timeout(60)
 def test_sigint_stops_everything_with_130(procs: Reaper, tmp_path: Path) -> None:
-    launcher, _ = _launch(procs, tmp_path, "--epochs", "1000", "--log-every", "5")
+    # started as a script's background job would be (SIGINT ignored): it still stops
+    launcher, _ = _launch(
+        procs, tmp_path, "--epochs", "1000", "--log-every", "5", preexec_fn=sigint_ignored
+    )
     # Mid-training: a worker has logged a step (relayed by the launcher).
     wait_for(
         lambda: re.search(r"\[worker\d\] .*worker \d: step \d+", launcher.stderr),

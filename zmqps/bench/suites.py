@@ -604,15 +604,24 @@ def _failed(runs: Sequence[dict[str, Any]]) -> list[str]:
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
+def _signals_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, whatever the bench inherited.
+
+    A program started in the background by a non-interactive shell inherits SIGINT
+    ignored, and Python then installs no KeyboardInterrupt for it: a Ctrl-C sent to the
+    bench (or a harness's SIGINT) would be dropped and the run go on. The launcher
+    handles both signals itself for the same reason.
+    """
+
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, interrupt)
+    old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -628,7 +637,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "runs": [],
     }
     failures: list[str] = []
-    with _sigterm_interrupts():
+    with _signals_interrupt():
         if "optimizer" in cfg.extras:
             from zmqps.bench.optimizer import format_optimizer, run_optimizer
 
