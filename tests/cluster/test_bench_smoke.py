@@ -33,9 +33,7 @@ TINY = [
 ]
 
 
-def _bench(
-    procs: Reaper, tmp_path: Path, *flags: str, **spawn: Any
-) -> tuple[Proc, Path, Path]:
+def _bench(procs: Reaper, tmp_path: Path, *flags: str, **spawn: Any) -> tuple[Proc, Path, Path]:
     out, logs = tmp_path / "bench.json", tmp_path / "logs"
     argv = zmqps_cmd("bench", *flags, "--json", str(out), "--keep-logs", str(logs))
     return procs.spawn(argv, name="bench", **spawn), out, logs
