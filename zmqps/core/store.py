@@ -380,7 +380,10 @@ class ShardStore:
 
     def get_dense(self, shard_id: int) -> Shard:
         """The shard, refused (InvalidArgument) if it is a hash-keyed table."""
-        return self.get(shard_id).dense()
+        shard = self._shards.get(shard_id)
+        if shard is None:
+            raise NotFound(f"no shard {shard_id} on this PS")
+        return shard.dense()
 
     def tables(self) -> list[Any]:
         """Shards of hash-keyed tables held here (``HashShard``)."""

@@ -208,10 +208,16 @@ class PSService:
             )
         return versions, tensors
 
-    def _snapshot_to_region(self, sids: Sequence[int], ref: o.ShmRef) -> list[int]:
-        views = self.regions.views(self.store, sids, ref)
+    def _snapshot_to_region(
+        self, sids: Sequence[int], ref: o.ShmRef, views: Sequence[Any] | None = None
+    ) -> list[int]:
+        """Each shard's values into its place in the region (``views``: those places,
+        already validated by :meth:`Regions.views` in this event-loop turn)."""
+        if views is None:
+            views = self.regions.views(self.store, sids, ref)
+        store = self.store
         return [
-            self.store.snapshot_into(sid, view.reshape(self.store.get(sid).values.shape))
+            store.snapshot_into(sid, view.reshape(store.get(sid).values.shape))
             for sid, view in zip(sids, views, strict=True)
         ]
 
@@ -304,13 +310,14 @@ class PSService:
         """``push`` and ``push_pull`` (the fresh values come back in the reply)."""
         pull = msg.op == "push_pull"
         plans = self._dense_plans(msg, req)
-        if pull and req.shm_out is not None:
-            self.regions.views(self.store, req.shards, req.shm_out)  # validate before applying
-        out = self._commit(req, plans)
+        out_views = None
+        if pull and req.shm_out is not None:  # validated before applying; used after
+            out_views = self.regions.views(self.store, req.shards, req.shm_out)
+        out = self._commit(req, plans)  # no await in between: the views stay valid
         if not pull:
             return reply(msg, self._push_reply(out, req.shards))
         if req.shm_out is not None and not out.duplicate:
-            versions = self._snapshot_to_region(req.shards, req.shm_out)
+            versions = self._snapshot_to_region(req.shards, req.shm_out, out_views)
             return reply(msg, _with_versions(out, versions).to_wire())
         # TCP, or a resent shared-memory push_pull: the worker may already have the first
         # reply and be computing on the region, so the values travel in the reply instead
