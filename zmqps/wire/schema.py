@@ -99,7 +99,10 @@ class List(Schema):
         item = self.item
         if type(item) is Int:  # the common long list (shard ids, versions): no call per item
             lo, hi = item.lo, item.hi
-            if all(type(v) is int and lo <= v <= hi for v in value):
+            for v in value:
+                if type(v) is not int or not lo <= v <= hi:
+                    break
+            else:
                 return
         for i, v in enumerate(value):  # names the first bad item
             item.check(v, f"{path}[{i}]")
