@@ -41,7 +41,7 @@ from zmqps.wire.errors import (
     error_from_code,
 )
 from zmqps.wire.messages import KINDS, REQUEST_OPS
-from zmqps.wire.schema import REQUEST_BODIES, List, Map
+from zmqps.wire.schema import REQUEST_BODIES, Int, List, Map
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -479,6 +479,28 @@ def test_missing_required_field(op: str, field: str) -> None:
 )
 def test_field_values_out_of_range(op: str, body: dict[str, Any]) -> None:
     rejects(wire(encode(request(op, body, id=77))), 77)
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(-5, 20), st.booleans(), st.floats(allow_nan=True), st.text(max_size=2)
+        ),
+        max_size=12,
+    )
+)
+def test_int_lists_are_checked_item_by_item(items: list[Any]) -> None:
+    """A list of ints is checked in one loop (no call per item): it accepts and refuses
+    exactly what checking each item does, and names the first bad one."""
+    schema = List(Int(0, 9))
+    first_bad = next(
+        (i for i, v in enumerate(items) if type(v) is not int or not 0 <= v <= 9), None
+    )
+    if first_bad is None:
+        schema.check(items, "body.shards")
+        return
+    with pytest.raises(ProtocolError, match=rf"^body\.shards\[{first_bad}\]: "):
+        schema.check(items, "body.shards")
 
 
 def test_header_checks_attach_the_request_id_when_readable() -> None:
