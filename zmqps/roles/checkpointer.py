@@ -78,6 +78,9 @@ class Checkpointer:
         self.last_error = ""
         self._ids = itertools.count(int(time.time() * 1000) % (1 << 40))
         self._writing: asyncio.Task[Checkpoint | None] | None = None
+        #: one ``take`` at a time: callers that come together (the policy's trigger, a
+        #: ``checkpoint`` request) would otherwise snapshot and commit side by side
+        self._taking = asyncio.Lock()
         #: take one at the next chance whatever the policy says (``checkpoint`` op)
         self.forced = False
 
@@ -162,7 +165,7 @@ class Checkpointer:
         self.last_step, self.last_time = snap.step, self.clock()
         self.forced = False
         self._writing = asyncio.ensure_future(
-            self._finish(snap, placement, mode, generation, dict(extra))
+            self._finish(snap, placement, mode, generation, dict(extra), self._writing)
         )
         return self._writing
 
@@ -175,12 +178,13 @@ class Checkpointer:
         extra: Mapping[str, Any],
     ) -> Checkpoint | None:
         """Snapshot and write one checkpoint; wait for its commit."""
-        if self._writing is not None:
-            await asyncio.shield(self._writing)
-        snap = await self.snapshot(step, placement)
-        if snap is None:
-            return None
-        return await self.write(snap, placement, mode, generation, extra)
+        async with self._taking:
+            if self._writing is not None:
+                await asyncio.wait([self._writing])  # its outcome is its own caller's
+            snap = await self.snapshot(step, placement)
+            if snap is None:
+                return None
+            return await self.write(snap, placement, mode, generation, extra)
 
     async def wait(self) -> None:
         if self._writing is not None:
@@ -214,6 +218,7 @@ class Checkpointer:
         mode: str,
         generation: int,
         extra: dict[str, Any],
+        previous: asyncio.Task[Checkpoint | None] | None,
     ) -> Checkpoint | None:
         deadline = self.clock() + 600.0
         cancelled = True
@@ -221,6 +226,8 @@ class Checkpointer:
             per_ps = await asyncio.gather(
                 *(self._done(i, snap.save_id, deadline) for i in snap.holders)
             )
+            if previous is not None:  # commits in the order of their snapshots, one at a time
+                await asyncio.wait([previous])
             records = [ShardRecord.from_json(r) for rs in per_ps for r in rs]
             manifest = Manifest(
                 format_version=1,

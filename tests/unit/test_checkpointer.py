@@ -1,0 +1,61 @@
+"""The chief's checkpointer against real PS services on the in-memory transport."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from zmqps.core.partition import Partitioner, plan
+from zmqps.core.variables import VariableDef
+from zmqps.roles.checkpointer import Checkpointer
+from zmqps.roles.configs import CheckpointPolicy
+from zmqps.roles.ps import PSService
+from zmqps.transport.fake import FakeNetwork
+
+VARIABLES = (VariableDef("w", (40, 8)), VariableDef("b", (8,)))
+
+
+def test_checkpoints_taken_together_commit_one_after_the_other(tmp_path: Path) -> None:
+    """Two ``take`` calls at once (the policy's trigger and a ``checkpoint`` request,
+    both at the same step, as the coordinator's epoch ends do) both commit: they used
+    to snapshot and commit side by side, and the second rename failed with
+    "Directory not empty" (found by fault schedule 86)."""
+    placement = plan(VARIABLES, 2, Partitioner(num_shards=2), optimizer={"name": "sgd", "lr": 0.1})
+
+    async def body() -> None:
+        net = FakeNetwork()
+        for i in range(2):
+            net.serve(f"ps{i}", PSService(i, checkpoint_dir=tmp_path), name=f"ps{i}")
+        chief = [net.client(f"ps{i}", "chief:0") for i in range(2)]
+        by_ps: dict[int, list[dict[str, object]]] = {}
+        for ps, d in placement.shard_defs():
+            by_ps.setdefault(ps, []).append(d.to_wire())
+        for ps, defs in by_ps.items():
+            await chief[ps].request("create_shards", {"shards": defs})
+        ck = Checkpointer(CheckpointPolicy(str(tmp_path), keep=10), chief)
+        commit, inside, most = ck.root.commit, [0], [0]
+
+        def slow_commit(*args: Any) -> Any:  # widens the window two commits race in
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            try:
+                time.sleep(0.05)
+                return commit(*args)
+            finally:
+                inside[0] -= 1
+
+        ck.root.commit = slow_commit  # type: ignore[method-assign]
+        for step in (7, 7, 7, 9):
+            got = await asyncio.gather(
+                *(ck.take(step, placement, "async", 0, {}) for _ in range(3))
+            )
+            assert all(c is not None and c.step == step for c in got), ck.last_error
+        assert ck.failed == 0 and ck.committed == 12
+        assert most[0] == 1  # one commit at a time
+        latest = ck.latest()
+        assert latest is not None and latest.step == 9
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
+
+    asyncio.run(asyncio.wait_for(body(), 20.0))
