@@ -46,7 +46,7 @@ def test_checkpoints_taken_together_commit_one_after_the_other(tmp_path: Path) -
             finally:
                 inside[0] -= 1
 
-        ck.root.commit = slow_commit  # type: ignore[method-assign]
+        ck.root.commit = slow_commit  # type: ignore[method-assign, assignment]
         for step in (7, 7, 7, 9):
             got = await asyncio.gather(
                 *(ck.take(step, placement, "async", 0, {}) for _ in range(3))
