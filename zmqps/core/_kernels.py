@@ -97,7 +97,17 @@ def _build() -> dict[str, Any] | None:
             r = rows[k]
             adam(p[r], g[k], m[r], v[r], lr_t, c1, c2, eps, scale, wd)
 
+    @jit  # type: ignore[misc]
+    def first_nonfinite(g):  # type: ignore[no-untyped-def]
+        # x - x is 0 for every finite x, NaN for NaN and for an infinity
+        for i in range(g.shape[0]):
+            x = g[i]
+            if x - x != 0:
+                return i
+        return -1
+
     return {
+        "first_nonfinite": first_nonfinite,
         "sgd": sgd,
         "momentum": momentum,
         "adagrad": adagrad,
@@ -118,7 +128,8 @@ def available() -> bool:
 
 
 def kernel(name: str, param: np.ndarray[Any, Any]) -> Any:
-    """The fused kernel for optimizer ``name`` and this parameter, or None (numpy path)."""
+    """The fused kernel for optimizer ``name`` (or ``first_nonfinite``) and this
+    parameter (array), or None (numpy path)."""
     if param.dtype not in (np.float32, np.float64) or not available():
         return None
     assert _KERNELS is not None

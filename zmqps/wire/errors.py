@@ -18,6 +18,7 @@ __all__ = [
     "FencedError",
     "FunctionError",
     "InvalidArgument",
+    "NonFiniteGradient",
     "NotFound",
     "NotReady",
     "ProtocolError",
@@ -45,6 +46,14 @@ class InvalidArgument(ZmqpsError):
     """A well-formed request asks for something impossible (bad shape, unknown optimizer...)."""
 
     code = "invalid_argument"
+
+
+class NonFiniteGradient(InvalidArgument):
+    """A pushed gradient holds NaN or an infinity: the PS refused it before changing
+    anything. The push's step was not trained; the worker goes on with its next batch
+    (see the worker's ``--on-nonfinite``)."""
+
+    code = "non_finite"
 
 
 class NotFound(ZmqpsError):
@@ -117,6 +126,7 @@ _BY_CODE: dict[str, type[ZmqpsError]] = {
     for cls in (
         ProtocolError,
         InvalidArgument,
+        NonFiniteGradient,
         NotFound,
         NotReady,
         FencedError,

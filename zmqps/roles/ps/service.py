@@ -30,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from zmqps.core.dedup import ClosureLedger, PushDeduper, PushLedger
+from zmqps.core.finite import first_nonfinite
 from zmqps.core.store import ShardStore, Update
 from zmqps.core.variables import ShardDef
 from zmqps.metrics import Metrics
@@ -48,6 +49,7 @@ from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     FencedError,
     InvalidArgument,
+    NonFiniteGradient,
     NotFound,
     NotReady,
     RolledBack,
@@ -92,6 +94,8 @@ class PSService:
         self.chunk_elems_bytes = chunk_bytes
         self.duplicates = 0
         self.fenced = 0
+        #: pushes refused or acknowledged without being applied, by reason
+        self.dropped: Counter[str] = Counter()
         #: the consistency mode; the chief sets it (``sync_config``)
         self.mode: PSMode = Apply(self.store)
         self.restored_step = 0  # the step of the last restore (sync shards start there)
@@ -146,6 +150,9 @@ class PSService:
             return handler(msg, req)
         try:
             return handler(msg, req)
+        except NonFiniteGradient:
+            self._drop("nonfinite")
+            raise
         except (InvalidArgument, NotFound):
             self._drop("invalid")
             raise
@@ -162,6 +169,7 @@ class PSService:
             raise NotReady(f"ps {self.index} holds no shards (restarted and not restored yet?)")
 
     def _drop(self, reason: str, worker: str | None = None) -> None:
+        self.dropped[reason] += 1  # reasons are a fixed handful: bounded
         if worker is not None:
             self.pushes.dropped(worker, reason)
         if self.metrics is not None:
@@ -301,10 +309,27 @@ class PSService:
         else:
             by_shard = self._grad_tensors(msg, req, ("grad",))
             chunks = {sid: [(t.offset, t.array.reshape(-1)) for t in by_shard[sid]] for sid in sids}
+        for sid in sids:
+            for offset, chunk in chunks[sid]:
+                self._check_values(sid, chunk, offset)
         return [
             self.store.plan_dense(sid, chunks[sid], ver)
             for sid, ver in zip(sids, req.versions, strict=True)
         ]
+
+    def _check_values(self, sid: int, grad: Any, offset: int) -> None:
+        """A pushed gradient is of its variable's dtype (the client converts; nothing
+        else reaches a kernel) and finite: refused before anything changes."""
+        want = self.store.get(sid).values.dtype
+        if grad.dtype != want:
+            raise InvalidArgument(
+                f"shard {sid}: the gradient is {grad.dtype}, the variable is {want}"
+            )
+        i = first_nonfinite(grad)
+        if i is not None:
+            raise NonFiniteGradient(
+                f"shard {sid}: gradient element {offset + i} is {grad[i]}; nothing was applied"
+            )
 
     def _op_push(self, msg: Message, req: o.Push) -> Message:
         """``push`` and ``push_pull`` (the fresh values come back in the reply)."""
@@ -332,6 +357,7 @@ class PSService:
             ts = by_shard[sid]
             if [t.kind for t in ts] != ["index", "rows"]:
                 raise InvalidArgument(f"push_rows: shard {sid} needs exactly (index, rows)")
+            self._check_values(sid, ts[1].array.reshape(-1), 0)
             plans.append(self.store.plan_rows(sid, ts[0].array, ts[1].array, ver))
         if self.metrics is not None:
             for sid, ts in by_shard.items():
@@ -477,6 +503,7 @@ class PSService:
             "gen": self.gen,
             "duplicates": self.duplicates,
             "fenced": self.fenced,
+            "dropped": dict(self.dropped),
             "pushes": self.pushes.snapshot(),
             "applied_pushes": dict(self.pushes.by_incarnation),
             "closures": self.closures.stats(),

@@ -1,0 +1,183 @@
+"""Bad gradient values on the PS: NaN and infinities, and dtypes other than the
+variable's, are refused before anything changes, with a typed error, and counted.
+
+The property: whatever mix of good and bad pushes a client sends (dense, push_pull,
+rows), the PS ends bit-identical to one that received only the pushes it accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zmqps.core.finite import BLOCK_ELEMS, SMALL_ELEMS, first_nonfinite
+from zmqps.core.partition import Partitioner, plan
+from zmqps.core.variables import Placement, VariableDef
+from zmqps.roles.ps import PSService
+from zmqps.transport.fake import FakeNetwork
+from zmqps.wire import Tensor
+from zmqps.wire.errors import InvalidArgument, NonFiniteGradient
+
+T = TypeVar("T")
+
+DENSE = VariableDef("w", (12, 5), init={"name": "glorot_uniform", "seed": 1})
+HALF = VariableDef("h", (9,), "float16", init={"name": "normal", "seed": 2})
+ROWS = VariableDef("e", (16, 3), init={"name": "uniform", "seed": 3}, sparse=True)
+VARIABLES = (DENSE, HALF, ROWS)
+ADAM = {"name": "adam", "lr": 0.01}
+
+#: what a bad push holds, and the reason the PS counts it under
+BAD = {
+    "nan": "nonfinite",
+    "inf": "nonfinite",
+    "-inf": "nonfinite",
+    "float64": "invalid",
+    "float16": "invalid",
+    "float32": "invalid",  # for the float16 variable
+    "int32": "invalid",
+    "bool": "invalid",
+}
+
+
+def run(coro: Awaitable[T]) -> T:
+    return asyncio.run(asyncio.wait_for(coro, 10.0))
+
+
+class PS:
+    """One PS service behind the in-memory transport."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.net = FakeNetwork()
+        self.svc = PSService(0)
+        self.net.serve("ps0", self.svc, name="ps0")
+        self.client = self.net.client("ps0", "w0:0")
+        self.placement = placement
+
+    async def create(self) -> None:
+        defs = [d.to_wire() for _, d in self.placement.shard_defs()]
+        await self.net.client("ps0", "chief:0").request("create_shards", {"shards": defs})
+
+    def state(self) -> dict[int, tuple[int, bytes, dict[str, bytes]]]:
+        out = {}
+        for s in self.placement.shards:
+            shard = self.svc.store.get(s.id)
+            slots = {k: v.tobytes() for k, v in sorted(shard.slots.items())}
+            out[s.id] = (shard.version, shard.values.tobytes(), slots)
+        return out
+
+
+def _grad(rng: np.random.Generator, n: int, dtype: str, kind: str) -> np.ndarray:
+    """``n`` gradient values of the variable's ``dtype``, spoiled as ``kind`` says."""
+    g = rng.standard_normal(n).astype(dtype)
+    if kind in ("nan", "inf", "-inf"):
+        g[int(rng.integers(n))] = float(kind)
+    elif kind in BAD:
+        g = g.astype(kind) if kind != "bool" else g > 0
+    return g
+
+
+def _push(ps: PS, rng: np.random.Generator, var: VariableDef, kind: str, seq: int) -> Any:
+    """One push of ``var``'s gradient (``kind`` "good" or one of BAD) by the raw wire."""
+    shards = ps.placement.shards_of(var.name)
+    sids = [s.id for s in shards]
+    versions = [ps.svc.store.get(sid).version for sid in sids]
+    body = {"shards": sids, "versions": versions, "worker": "w0", "inc": 0, "seq": seq}
+    spoil = int(rng.integers(len(shards)))  # the one shard whose gradient is bad
+    tensors = []
+    if var.sparse:
+        for i, s in enumerate(shards):
+            ids = np.unique(rng.integers(s.row_start, s.row_start + s.rows, size=3))
+            g = _grad(rng, ids.size * 3, var.dtype, kind if i == spoil else "good")
+            tensors += [Tensor(ids, "index", s.id), Tensor(g.reshape(-1, 3), "rows", s.id)]
+        return ps.client.request("push_rows", body, tensors)
+    for i, s in enumerate(shards):
+        n = s.rows * int(np.prod(var.shape[1:]))
+        tensors.append(
+            Tensor(_grad(rng, n, var.dtype, kind if i == spoil else "good"), "grad", s.id)
+        )
+    op = "push_pull" if rng.random() < 0.5 else "push"
+    return ps.client.request(op, body, tensors)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    kinds=st.lists(st.sampled_from(["good", "good", *BAD]), min_size=1, max_size=30),
+)
+def test_refused_pushes_change_nothing(seed: int, kinds: list[str]) -> None:
+    """A PS that received a mix is bit-identical (values, slots, versions) to one that
+    received only the pushes it accepted; every refusal is typed and counted."""
+    placement = plan(VARIABLES, 1, Partitioner(num_shards=2), optimizer=ADAM)
+
+    async def body() -> None:
+        mixed, clean = PS(placement), PS(placement)
+        await mixed.create()
+        await clean.create()
+        rng = np.random.default_rng(seed)
+        want: Counter[str] = Counter()
+        for seq, kind in enumerate(kinds, start=1):
+            var = VARIABLES[int(rng.integers(len(VARIABLES)))]
+            if kind == var.dtype:  # the variable's own dtype is no bad push
+                kind = "float64"
+            state = rng.bit_generator.state
+            if kind == "good":
+                rep = await _push(mixed, rng, var, kind, seq)
+                assert rep.body["applied"] is True
+                rng.bit_generator.state = state  # the same push, to the clean PS
+                await _push(clean, rng, var, kind, seq)
+                continue
+            want[BAD[kind]] += 1
+            error = NonFiniteGradient if BAD[kind] == "nonfinite" else InvalidArgument
+            with pytest.raises(error) as info:
+                await _push(mixed, rng, var, kind, seq)
+            if error is InvalidArgument:
+                assert not isinstance(info.value, NonFiniteGradient)
+                assert var.dtype in str(info.value)  # names both dtypes
+            assert mixed.state() == clean.state()
+        assert mixed.state() == clean.state()
+        assert dict(mixed.svc.dropped) == dict(want)
+        assert mixed.svc.status()["dropped"] == dict(want)
+
+    run(body())
+
+
+# ---------------------------------------------------------------- first_nonfinite
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("n", [1, 7, SMALL_ELEMS, SMALL_ELEMS + 1, 3 * BLOCK_ELEMS + 5])
+def test_first_nonfinite_finds_the_first_bad_element(dtype: str, n: int) -> None:
+    rng = np.random.default_rng(n)
+    a = rng.standard_normal(n).astype(dtype)
+    assert first_nonfinite(a) is None
+    places = sorted({int(i) for i in rng.integers(n, size=3)})
+    for bad in (np.nan, np.inf, -np.inf):
+        b = a.copy()
+        for i in places:
+            b[i] = bad
+        assert first_nonfinite(b) == places[0]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_finite_values_whose_sum_overflows_are_finite(dtype: str) -> None:
+    big = np.finfo(dtype).max
+    a = np.full(2 * BLOCK_ELEMS + SMALL_ELEMS, big, dtype)
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(a.sum(dtype=dtype))
+    assert first_nonfinite(a) is None
+    a[-1] = np.nan
+    assert first_nonfinite(a) == a.size - 1
+
+
+def test_strided_views_are_checked() -> None:
+    a = np.zeros(40, np.float32)
+    a[7] = np.nan
+    assert first_nonfinite(a[1::2]) == 3
+    assert first_nonfinite(a[::2]) is None
