@@ -687,6 +687,46 @@ def test_a_ps_without_shards_does_not_stall_the_step() -> None:
     run(body())
 
 
+def test_a_token_poll_held_across_a_restore_forgets_the_step_of_before() -> None:
+    """Worker 0 computed step 1 and polls for step 2, which waits on worker 1. The
+    cluster is restored to step 1 meanwhile: the poll the chief holds says "computed
+    step 1" of the old generation, and must get the token of step 1 at once. It used to
+    wait out its poll (10 s) before asking again: sync stood still about 10 s after
+    every PS restart (fault schedules 80 and 131)."""
+
+    async def body() -> None:
+        job = await sync_job(2, 1)
+        chief = job.env.chief
+        for i in (0, 1):
+            assert await job.token(i) == 0
+        for i in (0, 1):
+            await job.workers[i].push(grads(i), step=0)
+        await until(lambda: job.step == 1, what="step 0 applied")
+        assert await job.token(0) == 1
+        await job.workers[0].push(grads(0), step=1)  # worker 1 has not pushed step 1
+        poll = asyncio.ensure_future(
+            call(chief, "take_token", who(0, wait=5.0, have=1, have_gen=0))
+        )
+        await asyncio.sleep(0.2)
+        assert not poll.done()  # step 2 waits on worker 1
+        # a restore to step 1 (generation 1), as far as the tokens are concerned
+        chief.recovery.gen = 1
+        chief.consistency.tokens.restart(1)
+        await chief.consistency.membership_changed()  # wakes the polls it holds
+        rep = await asyncio.wait_for(poll, 1.0)
+        assert rep.body["step"] == 1
+        # a poll of the new generation still counts: no second token of step 1
+        again = asyncio.ensure_future(
+            call(chief, "take_token", who(0, wait=5.0, have=1, have_gen=1))
+        )
+        await asyncio.sleep(0.2)
+        assert not again.done()
+        again.cancel()
+        await job.close()
+
+    run(body())
+
+
 def test_a_rejoined_worker_gets_its_share_of_the_current_step() -> None:
     async def body() -> None:
         job = await sync_job(2, 1)

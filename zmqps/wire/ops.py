@@ -271,6 +271,9 @@ class TakeToken(Body):
     #: the step of the last token this worker computed (a resent request is then
     #: answered with the same token, never a second one of that step)
     have: int | None = wire(Int(-1), default=None)
+    #: the generation ``have`` was computed in: a poll the chief holds across a restore
+    #: then counts as saying nothing computed (the steps went back with the restore)
+    have_gen: int | None = wire(Int(0), default=None)
 
 
 @_body("ssp_clock")

@@ -40,6 +40,10 @@ __all__ = ["AsyncMode", "ChiefMode", "SspMode", "SyncMode", "make_chief_mode"]
 
 log = logging.getLogger("zmqps.chief")
 
+#: what a token request says the worker computed last: a step, None, or a function
+#: saying it as of now (a generation that changed while the poll waited voids it)
+Have = int | None | Callable[[], int | None]
+
 POLL_S = 5.0  # one long poll to a PS
 
 
@@ -107,7 +111,7 @@ class ChiefMode:
         """Workers registered, came back (``back``), left or died (``gone``)."""
         await self._wake()
 
-    async def take_token(self, who: o.Who, wait: float, have: int | None) -> int:
+    async def take_token(self, who: o.Who, wait: float, have: Have) -> int:
         raise InvalidArgument(f"take_token: the job runs in {self.name} mode")
 
     async def ssp_clock(self, who: o.Who, completed: int, wait: float) -> int:
@@ -312,15 +316,17 @@ class SyncMode(ChiefMode):
             return self._step
         return max(self._step, min(int(r.body["step"]) for r in reps))
 
-    async def take_token(self, who: o.Who, wait: float, have: int | None) -> int:
+    async def take_token(self, who: o.Who, wait: float, have: Have) -> int:
         """A token for ``who`` (its value is the step to compute); NotReady after
-        ``wait`` seconds."""
+        ``wait`` seconds. ``have``: the step the worker computed last, or a function
+        that says it each time the poll is looked at again (it may change meanwhile)."""
+        have_now = have if callable(have) else lambda: have
 
         def grant() -> int | None:
             if not self.started:
                 return None
             gone = self.gone()
-            return self.tokens.take(who.index, who.incarnation, self.replicas(), have, gone)
+            return self.tokens.take(who.index, who.incarnation, self.replicas(), have_now(), gone)
 
         return int(
             await self._long_wait(

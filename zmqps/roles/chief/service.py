@@ -240,9 +240,17 @@ class ChiefService:
         who = req.who
         self.members.heartbeat(who.index, who.incarnation, 0, self.clock())
         started = time.perf_counter()
+
+        def have() -> int | None:
+            """What the worker computed last, as of now: a step of before a restore that
+            came while this poll waited means nothing (the steps went back with it)."""
+            if req.have_gen is not None and req.have_gen != self.recovery.gen:
+                return -1
+            return req.have
+
         try:
             step = await self.consistency.take_token(
-                who, (10.0 if req.wait is None else req.wait), req.have
+                who, (10.0 if req.wait is None else req.wait), have
             )
         finally:
             if self.metrics is not None:

@@ -74,11 +74,12 @@ class SyncSteps(StepMode):
         #: the step of the last token this worker computed (its earlier incarnations'
         #: when it just started)
         self.have = last_step
+        self.have_gen = session.gen  # the generation ``have`` belongs to
         self._voided = False
         session.on_restored(self._restored)
 
     def _restored(self, gen: int) -> None:
-        self.have = -1  # the steps went back with the restore
+        self.have, self.have_gen = -1, gen  # the steps went back with the restore
         if self.token is not None and self.token_gen != gen:
             self.token = None  # a token of before the restore is void
             self._voided = True
@@ -91,7 +92,7 @@ class SyncSteps(StepMode):
         def body() -> o.TakeToken:
             # made afresh for every poll: a restore meanwhile resets ``have``, and a poll
             # saying a step of before the restore would never be given a token
-            return o.TakeToken(self.session.who, poll, self.have)
+            return o.TakeToken(self.session.who, poll, self.have, self.have_gen)
 
         token = await self.session.long_poll("take_token", body, o.Token, poll)
         self.token, self.token_gen, self._voided = token.step, token.gen, False
@@ -107,8 +108,8 @@ class SyncSteps(StepMode):
         # step computed: the worker asks for the same token again and pushes the step
         # anew; a PS that has its first gradient drops the second (one per worker and
         # step), one that lacks it completes the step. Else the step would wait forever.
-        if self.token is not None and delivered:
-            self.have = max(self.have, self.token)
+        if self.token is not None and delivered and self.token > self.have:
+            self.have, self.have_gen = self.token, self.token_gen
 
 
 def make_step_mode(name: str, session: Session, last_step: int = -1) -> StepMode:
