@@ -7,12 +7,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import VariableDef
 from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.configs import CheckpointPolicy
 from zmqps.roles.ps import PSService
 from zmqps.transport.fake import FakeNetwork
+from zmqps.wire.errors import NotReady
 
 VARIABLES = (VariableDef("w", (40, 8)), VariableDef("b", (8,)))
 
@@ -57,5 +60,33 @@ def test_checkpoints_taken_together_commit_one_after_the_other(tmp_path: Path) -
         latest = ck.latest()
         assert latest is not None and latest.step == 9
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
+
+    asyncio.run(asyncio.wait_for(body(), 20.0))
+
+
+def test_a_restarted_ps_fails_the_checkpoint_as_a_passing_state(tmp_path: Path) -> None:
+    """A PS that restarted holds no shards: it refuses ``checkpoint_save`` (NotReady)
+    instead of writing an empty part (the manifest then failed with "shards cover rows
+    [0, 0)", and the coordinator's epoch-end checkpoint request ended the run: fault
+    schedule 162). The failure is marked transient, so a ``checkpoint`` request is
+    answered NotReady (ask again once the cluster has recovered)."""
+    placement = plan(VARIABLES, 2, Partitioner(num_shards=2), optimizer={"name": "sgd", "lr": 0.1})
+
+    async def body() -> None:
+        net = FakeNetwork()
+        for i in range(2):
+            net.serve(f"ps{i}", PSService(i, checkpoint_dir=tmp_path), name=f"ps{i}")
+        chief = [net.client(f"ps{i}", "chief:0") for i in range(2)]
+        for ps, d in placement.shard_defs():
+            await chief[ps].request("create_shards", {"shards": [d.to_wire()]})
+        ck = Checkpointer(CheckpointPolicy(str(tmp_path)), chief)
+        assert await ck.take(3, placement, "async", 0, {}) is not None
+        net.serve("ps1", PSService(1, checkpoint_dir=tmp_path), name="ps1")  # restarted
+        with pytest.raises(NotReady, match="holds no shards"):
+            await chief[1].request("checkpoint_save", {"name": ".tmp-x", "id": 1})
+        assert await ck.take(4, placement, "async", 0, {}) is None
+        assert ck.last_transient and "holds no shards" in ck.last_error
+        latest = ck.latest()
+        assert latest is not None and latest.step == 3
 
     asyncio.run(asyncio.wait_for(body(), 20.0))

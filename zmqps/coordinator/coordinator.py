@@ -426,6 +426,11 @@ class Coordinator:
                 if time.monotonic() > deadline:
                     raise
                 log.info("waiting for the chief at %s (%s)", chief.endpoint, op)
+            except NotReady as exc:  # e.g. a checkpoint while a restarted PS is restored
+                if time.monotonic() > deadline:
+                    raise
+                log.info("%s: %s; asking again", op, exc)
+                await asyncio.sleep(0.5)
 
     # ------------------------------------------------------------------ closing
 

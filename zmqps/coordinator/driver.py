@@ -74,11 +74,15 @@ def run_chief_driver(
         callbacks: list[Callback] = []
         if cfg.checkpoint is not None:
             callbacks.append(BackupAndRestore(Path(cfg.checkpoint.directory) / "fit-backup"))
+        finished = False
         try:
             outcome["result"] = drive(coord, cfg.job, callbacks)
+            finished = True
         finally:
             outcome["stats"] = coord.stats()
-            coord.close(shutdown_workers=True)
+            # The workers leave only when the work is done: after a failure they stay,
+            # so that a restarted chief (a supervisor's restart) finds them to go on with
+            coord.close(shutdown_workers=finished)
 
     async def main(ctx: ZmqContext) -> None:
         holder: dict[str, Coordinator] = {}

@@ -36,7 +36,14 @@ from zmqps.metrics import Metrics
 from zmqps.roles.configs import CheckpointPolicy
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
-from zmqps.wire.errors import NotReady, ZmqpsError
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    NotFound,
+    NotReady,
+    RolledBack,
+    ShutdownError,
+    ZmqpsError,
+)
 
 __all__ = ["CheckpointPolicy", "Checkpointer", "Snapshot"]
 
@@ -76,6 +83,9 @@ class Checkpointer:
         self.committed = 0
         self.failed = 0
         self.last_error = ""
+        #: the last failure came from the cluster's state (a PS restarting, cut off, a
+        #: restore): the same checkpoint may succeed once the cluster has recovered
+        self.last_transient = False
         self._ids = itertools.count(int(time.time() * 1000) % (1 << 40))
         self._writing: asyncio.Task[Checkpoint | None] | None = None
         #: one ``take`` at a time: callers that come together (the policy's trigger, a
@@ -136,7 +146,7 @@ class Checkpointer:
             )
             saved = [o.Saved.parse(r.body) for r in reps]
         except ZmqpsError as e:
-            self._failed(temp, step, f"snapshot: {e}")
+            self._failed(temp, step, f"snapshot: {e}", transient=_transient(e))
             return None
         versions = {int(sid): int(v) for s in saved for sid, v in s.versions}
         steps = {i: s.step for i, s in zip(holders, saved, strict=True)}
@@ -245,11 +255,11 @@ class Checkpointer:
             cancelled = False
         except (ZmqpsError, OSError) as e:
             cancelled = False
-            self._failed(snap.temp, snap.step, str(e))
+            self._failed(snap.temp, snap.step, str(e), transient=_transient(e))
             return None
         finally:
             if cancelled:
-                self._failed(snap.temp, snap.step, "cancelled (a PS was lost)")
+                self._failed(snap.temp, snap.step, "cancelled (a PS was lost)", transient=True)
         seconds = self.clock() - snap.started
         self.committed += 1
         self.last_committed = ckpt
@@ -260,9 +270,9 @@ class Checkpointer:
         log.info("checkpoint %s committed in %.2fs", ckpt.name, seconds)
         return ckpt
 
-    def _failed(self, temp: Path, step: int, why: str) -> None:
+    def _failed(self, temp: Path, step: int, why: str, transient: bool = False) -> None:
         self.failed += 1
-        self.last_error = why
+        self.last_error, self.last_transient = why, transient
         if self.metrics is not None:
             self.metrics.checkpoints.labels("failed").inc()
         log.error("checkpoint of step %d failed: %s (the previous one stays the latest)", step, why)
@@ -282,3 +292,8 @@ class Checkpointer:
             "last_error": self.last_error,
             "writing": self.busy,
         }
+
+
+def _transient(exc: BaseException) -> bool:
+    """A failure that says the cluster is recovering, not that checkpoints cannot work."""
+    return isinstance(exc, (NotReady, NotFound, RolledBack, DeadlineExceeded, ShutdownError))

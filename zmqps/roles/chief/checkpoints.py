@@ -122,5 +122,10 @@ class ChiefCheckpoints:
                 await asyncio.sleep(0.05)
             ckpt = ck.last_committed if ck.committed + ck.failed > before else None
         if ckpt is None:
+            recovery = self.chief.recovery
+            if ck.last_transient or recovery.recovering or recovery.ps_down:
+                # a PS restarted or is cut off: the cluster is being recovered, and the
+                # caller may ask again once it is (NotReady: try later)
+                raise NotReady(f"checkpoint failed while the cluster recovers: {ck.last_error}")
             raise InvalidArgument(f"checkpoint failed: {ck.last_error}")
         return ckpt

@@ -461,6 +461,8 @@ class PSService:
         return reply(msg, o.Fenced(cursor, step, holds=bool(len(self.store))).to_wire())
 
     def _op_checkpoint_save(self, msg: Message, req: o.CheckpointSave) -> Message:
+        if not len(self.store):  # restarted, not restored: its part would be missing
+            raise NotReady(f"ps {self.index} holds no shards (restarted and not restored yet?)")
         versions, seconds = self.checkpoints.save(req.name, req.id)
         log.debug("ps %d: checkpoint snapshot in %.3fs", self.index, seconds)
         saved = o.Saved(versions, self.sync_step, round(seconds, 6))
