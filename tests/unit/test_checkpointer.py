@@ -14,10 +14,25 @@ from zmqps.core.variables import VariableDef
 from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.configs import CheckpointPolicy
 from zmqps.roles.ps import PSService
-from zmqps.transport.fake import FakeNetwork
+from zmqps.transport.fake import FakeClient, FakeNetwork
 from zmqps.wire.errors import NotReady
 
 VARIABLES = (VariableDef("w", (40, 8)), VariableDef("b", (8,)))
+PLACEMENT = plan(VARIABLES, 2, Partitioner(num_shards=2), optimizer={"name": "sgd", "lr": 0.1})
+
+
+async def _two_ps(tmp_path: Path) -> tuple[FakeNetwork, list[FakeClient]]:
+    """Two PS services holding PLACEMENT's shards, and the chief's clients to them."""
+    net = FakeNetwork()
+    for i in range(2):
+        net.serve(f"ps{i}", PSService(i, checkpoint_dir=tmp_path), name=f"ps{i}")
+    chief = [net.client(f"ps{i}", "chief:0") for i in range(2)]
+    by_ps: dict[int, list[dict[str, object]]] = {}
+    for ps, d in PLACEMENT.shard_defs():
+        by_ps.setdefault(ps, []).append(d.to_wire())
+    for ps, defs in by_ps.items():
+        await chief[ps].request("create_shards", {"shards": defs})
+    return net, chief
 
 
 def test_checkpoints_taken_together_commit_one_after_the_other(tmp_path: Path) -> None:
@@ -25,18 +40,10 @@ def test_checkpoints_taken_together_commit_one_after_the_other(tmp_path: Path) -
     both at the same step, as the coordinator's epoch ends do) both commit: they used
     to snapshot and commit side by side, and the second rename failed with
     "Directory not empty" (found by fault schedule 86)."""
-    placement = plan(VARIABLES, 2, Partitioner(num_shards=2), optimizer={"name": "sgd", "lr": 0.1})
+    placement = PLACEMENT
 
     async def body() -> None:
-        net = FakeNetwork()
-        for i in range(2):
-            net.serve(f"ps{i}", PSService(i, checkpoint_dir=tmp_path), name=f"ps{i}")
-        chief = [net.client(f"ps{i}", "chief:0") for i in range(2)]
-        by_ps: dict[int, list[dict[str, object]]] = {}
-        for ps, d in placement.shard_defs():
-            by_ps.setdefault(ps, []).append(d.to_wire())
-        for ps, defs in by_ps.items():
-            await chief[ps].request("create_shards", {"shards": defs})
+        _, chief = await _two_ps(tmp_path)
         ck = Checkpointer(CheckpointPolicy(str(tmp_path), keep=10), chief)
         commit, inside, most = ck.root.commit, [0], [0]
 
@@ -70,15 +77,10 @@ def test_a_restarted_ps_fails_the_checkpoint_as_a_passing_state(tmp_path: Path) 
     [0, 0)", and the coordinator's epoch-end checkpoint request ended the run: fault
     schedule 162). The failure is marked transient, so a ``checkpoint`` request is
     answered NotReady (ask again once the cluster has recovered)."""
-    placement = plan(VARIABLES, 2, Partitioner(num_shards=2), optimizer={"name": "sgd", "lr": 0.1})
+    placement = PLACEMENT
 
     async def body() -> None:
-        net = FakeNetwork()
-        for i in range(2):
-            net.serve(f"ps{i}", PSService(i, checkpoint_dir=tmp_path), name=f"ps{i}")
-        chief = [net.client(f"ps{i}", "chief:0") for i in range(2)]
-        for ps, d in placement.shard_defs():
-            await chief[ps].request("create_shards", {"shards": [d.to_wire()]})
+        net, chief = await _two_ps(tmp_path)
         ck = Checkpointer(CheckpointPolicy(str(tmp_path)), chief)
         assert await ck.take(3, placement, "async", 0, {}) is not None
         net.serve("ps1", PSService(1, checkpoint_dir=tmp_path), name="ps1")  # restarted
