@@ -8,8 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis  # noqa: F401 - imported (and assertion-rewritten) now, see below
 import pytest
 from helpers import Reaper
+
+# Imported here rather than lazily by hypothesis's pytest plugin at the end of a run:
+# rewriting its modules that late failed on CPython 3.11.7 ("AST constructor recursion
+# depth mismatch") after tests/unit/test_checkpointer.py ran alone.
 
 CLUSTER_DIR = Path(__file__).parent / "cluster"
 

@@ -15,6 +15,7 @@ from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.configs import CheckpointPolicy
 from zmqps.roles.ps import PSService
 from zmqps.transport.fake import FakeClient, FakeNetwork
+from zmqps.wire import request
 from zmqps.wire.errors import NotReady
 
 VARIABLES = (VariableDef("w", (40, 8)), VariableDef("b", (8,)))
@@ -72,11 +73,11 @@ def test_checkpoints_taken_together_commit_one_after_the_other(tmp_path: Path) -
 
 
 def test_a_restarted_ps_fails_the_checkpoint_as_a_passing_state(tmp_path: Path) -> None:
-    """A PS that restarted holds no shards: it refuses ``checkpoint_save`` (NotReady)
-    instead of writing an empty part (the manifest then failed with "shards cover rows
-    [0, 0)", and the coordinator's epoch-end checkpoint request ended the run: fault
-    schedule 162). The failure is marked transient, so a ``checkpoint`` request is
-    answered NotReady (ask again once the cluster has recovered)."""
+    """A PS that restarted holds no shards and refuses ``checkpoint_save`` (the manifest
+    used to fail with "shards cover rows [0, 0)", and the coordinator's epoch-end
+    checkpoint request ended the run: fault schedule 162). The failure is marked
+    transient, so a ``checkpoint`` request is answered NotReady (ask again once the
+    cluster has recovered)."""
     placement = PLACEMENT
 
     async def body() -> None:
@@ -84,11 +85,16 @@ def test_a_restarted_ps_fails_the_checkpoint_as_a_passing_state(tmp_path: Path) 
         ck = Checkpointer(CheckpointPolicy(str(tmp_path)), chief)
         assert await ck.take(3, placement, "async", 0, {}) is not None
         net.serve("ps1", PSService(1, checkpoint_dir=tmp_path), name="ps1")  # restarted
-        with pytest.raises(NotReady, match="holds no shards"):
-            await chief[1].request("checkpoint_save", {"name": ".tmp-x", "id": 1})
         assert await ck.take(4, placement, "async", 0, {}) is None
         assert ck.last_transient and "holds no shards" in ck.last_error
         latest = ck.latest()
         assert latest is not None and latest.step == 3
 
     asyncio.run(asyncio.wait_for(body(), 20.0))
+
+
+def test_an_empty_ps_refuses_checkpoint_save(tmp_path: Path) -> None:
+    """A restarted PS, not restored yet, would write an empty part of the checkpoint."""
+    svc = PSService(0, checkpoint_dir=tmp_path)
+    with pytest.raises(NotReady, match="holds no shards"):
+        svc(request("checkpoint_save", {"name": ".tmp-ckpt-000000000001-ab", "id": 1}))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,8 @@ from zmqps.core.variables import ShardDef
 from zmqps.wire.errors import InvalidArgument, NotFound, NotReady, ZmqpsError
 
 __all__ = ["ShardCheckpoints"]
+
+log = logging.getLogger("zmqps.ps")
 
 #: ``checkpoint_save`` outcomes kept for retried ``checkpoint_done`` requests.
 KEEP_SAVES = 8
@@ -78,9 +81,17 @@ class ShardCheckpoints:
 
         for old in sorted(self._saves)[: max(0, len(self._saves) - KEEP_SAVES + 1)]:
             self._saves.pop(old)
-        self._saves[save_id] = asyncio.ensure_future(asyncio.to_thread(write))
+        fut = self._saves[save_id] = asyncio.ensure_future(asyncio.to_thread(write))
+        fut.add_done_callback(self._written)
         versions = [[d.id, ver] for d, _, _, ver in snap] + [[d.id, ver] for d, _, ver in tables]
         return versions, copied
+
+    def _written(self, fut: asyncio.Future[list[dict[str, Any]]]) -> None:
+        """A write that failed is said in one line here (the chief hears of it through
+        ``checkpoint_done``, or gave that checkpoint up already: e.g. another PS could
+        not take part and the chief removed the directory)."""
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("ps %d: writing a checkpoint failed: %s", self.index, fut.exception())
 
     async def done(self, save_id: int, wait: float) -> list[dict[str, Any]]:
         """The records of save ``save_id`` once written (NotReady while writing)."""
