@@ -7,8 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from zmqps.checkpoint import CheckpointRoot
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import VariableDef
 from zmqps.roles.checkpointer import Checkpointer
@@ -98,3 +100,27 @@ def test_an_empty_ps_refuses_checkpoint_save(tmp_path: Path) -> None:
     svc = PSService(0, checkpoint_dir=tmp_path)
     with pytest.raises(NotReady, match="holds no shards"):
         svc(request("checkpoint_save", {"name": ".tmp-ckpt-000000000001-ab", "id": 1}))
+
+
+def test_a_checkpoint_save_sent_again_is_answered_from_the_first(tmp_path: Path) -> None:
+    """``checkpoint_save`` is sent again when a cut-off connection comes back (it used
+    to wait out its 30 s deadline after the partition healed, and the run's final
+    checkpoint failed: fault schedule 87). The same save id answers the first
+    snapshot's versions, even if the shards changed since, and writes once."""
+
+    async def body() -> None:
+        svc = PSService(0, checkpoint_dir=tmp_path)
+        defs = [d.to_wire() for ps, d in PLACEMENT.shard_defs() if ps == 0]
+        svc(request("create_shards", {"shards": defs}))
+        temp = CheckpointRoot(tmp_path).new_temp(5)
+        save = request("checkpoint_save", {"name": temp.name, "id": 7})
+        first = svc(save).body  # type: ignore[union-attr]
+        shard = next(iter(svc.store))
+        svc.store.apply_dense(
+            shard.definition.id, [(0, np.ones(shard.definition.size, np.float32))], 0
+        )
+        again = svc(save).body  # type: ignore[union-attr]
+        assert again["versions"] == first["versions"]
+        assert len(await svc.checkpoints.done(7, 5.0)) == len(defs)
+
+    asyncio.run(asyncio.wait_for(body(), 10.0))

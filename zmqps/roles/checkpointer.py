@@ -142,7 +142,14 @@ class Checkpointer:
         body = o.CheckpointSave(temp.name, save_id).to_wire()
         try:
             reps = await asyncio.gather(
-                *(self.ps[i].request("checkpoint_save", body, timeout=30.0) for i in holders)
+                # attempts=2: a save is idempotent by its id on the PS, so the request is
+                # sent again as soon as a cut-off connection comes back (else the
+                # checkpoint waited out its 30 s deadline after the partition healed);
+                # two attempts of 15 s keep the 30 s a dead PS is given
+                *(
+                    self.ps[i].request("checkpoint_save", body, timeout=15.0, attempts=2)
+                    for i in holders
+                )
             )
             saved = [o.Saved.parse(r.body) for r in reps]
         except ZmqpsError as e:

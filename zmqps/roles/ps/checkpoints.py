@@ -40,6 +40,9 @@ class ShardCheckpoints:
         self.store = store
         self.root = None if root is None else Path(root)
         self._saves: dict[int, asyncio.Future[list[dict[str, Any]]]] = {}
+        #: the versions each kept save snapshotted: a save asked again (a request sent
+        #: again after a partition healed) is answered from here, not snapshotted twice
+        self._versions: dict[int, list[list[int]]] = {}
 
     def path(self, name: str) -> Path:
         from zmqps.checkpoint import is_valid_name
@@ -54,7 +57,10 @@ class ShardCheckpoints:
         return path
 
     def save(self, name: str, save_id: int) -> tuple[list[list[int]], float]:
-        """Snapshot every shard now and start writing it; ``(versions, seconds)``."""
+        """Snapshot every shard now and start writing it; ``(versions, seconds)``. The
+        same ``save_id`` again (a resent request) answers the first one's versions."""
+        if save_id in self._saves:
+            return self._versions[save_id], 0.0
         from zmqps.checkpoint import write_shard
         from zmqps.checkpoint.tables import write_table_shard
 
@@ -81,9 +87,11 @@ class ShardCheckpoints:
 
         for old in sorted(self._saves)[: max(0, len(self._saves) - KEEP_SAVES + 1)]:
             self._saves.pop(old)
+            self._versions.pop(old, None)
         fut = self._saves[save_id] = asyncio.ensure_future(asyncio.to_thread(write))
         fut.add_done_callback(self._written)
         versions = [[d.id, ver] for d, _, _, ver in snap] + [[d.id, ver] for d, _, ver in tables]
+        self._versions[save_id] = versions
         return versions, copied
 
     def _written(self, fut: asyncio.Future[list[dict[str, Any]]]) -> None:
