@@ -228,6 +228,16 @@ def _explains(rec: RunRecord, status: dict[str, Any], t: float) -> tuple[bool, s
     return False, f"names {names}, but no fault explains them (faulted now: {faulted})"
 
 
+def _restore_explains(rec: RunRecord, name: str, step: int, before: int, after: int) -> bool:
+    """A restore explains the global step going from ``before`` back to ``after``: to a
+    committed checkpoint at or below ``after``, or, when no checkpoint at or below
+    ``before`` had been committed, to the initial values (step 0: a PS lost before
+    the first checkpoint loses the steps since the start, and only those)."""
+    if name == "initial values":
+        return after == 0 and not any(c <= before for c in rec.committed)
+    return step in rec.committed and step <= after
+
+
 def check_steps(rec: RunRecord) -> list[Check]:
     """The global step never goes back, but to a committed checkpoint's step after a
     restore (a new generation, the chief's log naming the checkpoint)."""
@@ -243,9 +253,7 @@ def check_steps(rec: RunRecord) -> list[Check]:
                 ga, gb = int(a.get("gen", 0)), int(b.get("gen", 0))
                 restores = [r for r in rec.restores if ga < r[2] <= gb]
                 fine = any(
-                    name != "initial values"
-                    and step in rec.committed
-                    and step <= int(b["global_step"])
+                    _restore_explains(rec, name, step, int(a["global_step"]), int(b["global_step"]))
                     for name, step, _ in restores
                 )
                 if not fine:

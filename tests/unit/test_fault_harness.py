@@ -212,6 +212,15 @@ def test_the_step_may_go_back_only_to_a_committed_checkpoint() -> None:
     assert not check_steps(to_zero)[0].ok
     same_gen = _samples([(0, _status(50)), (1, _status(40))])
     assert not check_steps(_record(samples=same_gen))[0].ok
+    # A PS lost before the first checkpoint: back to the initial values, step 0 (seed 45
+    # of a 200-schedule run), but only while no checkpoint at or below the step existed
+    early = _samples([(0, _status(2)), (1, _status(0, gen=1)), (2, _status(3, gen=1))])
+    initial = [("initial values", 0, 1)]
+    assert all(c.ok for c in check_steps(_record(samples=early, restores=initial)))
+    later = _record(samples=early, restores=initial, committed={12})
+    assert all(c.ok for c in check_steps(later))
+    skipped = _record(samples=early, restores=initial, committed={1})
+    assert not check_steps(skipped)[0].ok
 
 
 def _stall(named: dict[str, Any], until: float = 12.0) -> list[Sample]:
