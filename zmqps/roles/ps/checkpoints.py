@@ -42,7 +42,7 @@ class ShardCheckpoints:
         self._saves: dict[int, asyncio.Future[list[dict[str, Any]]]] = {}
         #: the versions each kept save snapshotted: a save asked again (a request sent
         #: again after a partition healed) is answered from here, not snapshotted twice
-        self._versions: dict[int, list[list[int]]] = {}
+        self._versions: dict[int, tuple[str, list[list[int]]]] = {}
 
     def path(self, name: str) -> Path:
         from zmqps.checkpoint import is_valid_name
@@ -58,9 +58,11 @@ class ShardCheckpoints:
 
     def save(self, name: str, save_id: int) -> tuple[list[list[int]], float]:
         """Snapshot every shard now and start writing it; ``(versions, seconds)``. The
-        same ``save_id`` again (a resent request) answers the first one's versions."""
-        if save_id in self._saves:
-            return self._versions[save_id], 0.0
+        same save (id and directory) again, a resent request, answers the first one's
+        versions; an id used again for another directory is a new save."""
+        first = self._versions.get(save_id)
+        if first is not None and first[0] == name:
+            return first[1], 0.0
         from zmqps.checkpoint import write_shard
         from zmqps.checkpoint.tables import write_table_shard
 
@@ -91,7 +93,7 @@ class ShardCheckpoints:
         fut = self._saves[save_id] = asyncio.ensure_future(asyncio.to_thread(write))
         fut.add_done_callback(self._written)
         versions = [[d.id, ver] for d, _, _, ver in snap] + [[d.id, ver] for d, _, ver in tables]
-        self._versions[save_id] = versions
+        self._versions[save_id] = (name, versions)
         return versions, copied
 
     def _written(self, fut: asyncio.Future[list[dict[str, Any]]]) -> None:
