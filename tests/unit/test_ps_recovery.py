@@ -368,6 +368,7 @@ def test_restore_reshards_values_slots_and_versions(
         # The same update continues the same run (Adam's step count is the version).
         client = new.client("w9", 0)
         client.gen = 1
+        await client.pull()  # a gradient is of values pulled in the restored generation
         await client.push(grads(99))
         for v in DENSE:
             values, slots = after[v.name]
@@ -445,6 +446,15 @@ def test_requests_of_another_generation_are_rolled_back(tmp_path: Path) -> None:
         future.gen = 2
         with pytest.raises(RolledBack):
             await future.push(grads(2))
+        # heard of the restore (generation 1) but still holding values of generation 0:
+        # its push says generation 0 and is refused the same way (fault schedule 86: it
+        # said 1 and was refused as invalid_argument, "pulled version 763 outside [0, 720]",
+        # which failed a coordinator's functions instead of running them again)
+        stale.gen = 1
+        with pytest.raises(RolledBack, match=r"generation 1.*generation 0"):
+            await stale.push(grads(1))
+        with pytest.raises(RolledBack):
+            await stale.push(grads(1), pull=True)
         assert c.versions() == versions
         for name, (values, slots) in before.items():
             np.testing.assert_array_equal(c.shard_values(name), values)
@@ -514,6 +524,7 @@ def test_a_sync_push_ahead_of_the_shards_is_rolled_back(tmp_path: Path) -> None:
         # restored to step 5: step 6 is ahead, 4 is stale, 5 counts
         await restore(c, gen=1, step=5)
         w0.gen = 1
+        await w0.pull()  # values of the restored generation
         assert [svc.sync_step for svc in c.services] == [5, 5]
         with pytest.raises(RolledBack):
             await w0.push(grads(1), step=6)
@@ -523,6 +534,7 @@ def test_a_sync_push_ahead_of_the_shards_is_rolled_back(tmp_path: Path) -> None:
         assert accumulated(c) == [1]
         w1 = c.client("worker:1")
         w1.gen = 1
+        await w1.pull()
         assert await w1.push(grads(4), step=5)
         assert [svc.sync_step for svc in c.services] == [6, 6]
         assert set(c.versions().values()) == {1}

@@ -93,7 +93,7 @@ class TcpChannel(DenseChannel):
             # once when a lost connection comes back).
             pull = o.Pull(tuple(sids), gen=c.gen)
             rep = await requester.request("pull", pull.to_wire(), timeout=c.timeout, attempts=2)
-            c.take_values(rep, sids, t.out)
+            c.take_values(rep, sids, t.out, pull.gen)
             return True
         assert t.grads is not None
         tensors = [tensor for sid in sids for tensor in c.chunks(sid, t.grads, "grad")]
@@ -103,7 +103,7 @@ class TcpChannel(DenseChannel):
         )
         accepted = c.after_push(self.ps, rep, body)
         if t.op == "push_pull":
-            c.take_values(rep, sids, t.out)
+            c.take_values(rep, sids, t.out, body.gen)
         return accepted
 
 
@@ -174,14 +174,15 @@ class ShmChannel(DenseChannel):
                     t.op, req.to_wire(), timeout=c.timeout, attempts=c.push_attempts
                 )
                 accepted = c.after_push(self.ps, rep, req)
+                gen = req.gen
             else:
                 pull = o.Pull(tuple(t.sids), self.ref(True, t.sids), c.gen)
                 rep = await c.ps[self.ps].request("pull", pull.to_wire(), timeout=c.timeout)
-                accepted = True
+                accepted, gen = True, pull.gen
             if pulls and rep.tensors:  # a resend's reply: values by TCP (see above)
-                c.take_values(rep, t.sids, t.out)
+                c.take_values(rep, t.sids, t.out, gen)
             elif pulls:
-                c.set_versions(rep, t.sids)
+                c.set_versions(rep, t.sids, gen)
                 self._copy_out(t.sids, t.out)
         return accepted
 

@@ -114,6 +114,10 @@ class ParameterClient:
             v.name: np.zeros(v.shape, dtype=v.dtype) for v in placement.variables if not v.sparse
         }
         self.versions: dict[int, int] = dict.fromkeys(self.routes, 0)
+        #: the generation each shard's version (and values) was pulled in: a push is
+        #: stamped with it, so that a gradient computed on values of before a restore
+        #: is refused RolledBack even when the worker has heard of the restore since
+        self.version_gens: dict[int, int] = dict.fromkeys(self.routes, 0)
         self.shared_memory = shared_memory
         self._channels: list[DenseChannel | None] = [None] * len(self.ps)
         self._channel_setup = [asyncio.Lock() for _ in self.ps]
@@ -172,10 +176,15 @@ class ParameterClient:
         ] or [Tensor(part, kind, sid, 0)]
 
     def take_values(
-        self, reply: Message, sids: Sequence[int], out: Mapping[str, Array] | None = None
+        self,
+        reply: Message,
+        sids: Sequence[int],
+        out: Mapping[str, Array] | None,
+        gen: int | None,
     ) -> None:
-        """The values a reply carries, copied into ``params`` (or ``out``)."""
-        self.set_versions(reply, sids)
+        """The values a reply carries (to a request of generation ``gen``), copied into
+        ``params`` (or ``out``)."""
+        self.set_versions(reply, sids, gen)
         dst_arrays = self.params if out is None else out
         for t in reply.tensors:
             r = self.routes.get(t.ref)
@@ -207,6 +216,8 @@ class ParameterClient:
         """The body of the next push to PS ``ps`` (its own sequence number)."""
         self._seq[ps] += 1
         gen = self.gen
+        if versions is None and sids:  # the values pulled last: their generation
+            gen = min(gen, *(self.version_gens[s] for s in sids))
         self._tally(ps, gen, "sent")
         closure_seq = None
         if self._closure is not None:
@@ -245,12 +256,16 @@ class ParameterClient:
         self.dropped[outcome] = self.dropped.get(outcome, 0) + 1
         return False
 
-    def set_versions(self, reply: Message, sids: Sequence[int]) -> None:
+    def set_versions(self, reply: Message, sids: Sequence[int], gen: int | None) -> None:
+        """The versions of the values a reply carries; ``gen``: the generation of the
+        request (a PS answers only requests of its own generation)."""
         versions = reply.body.get("versions")
         if not isinstance(versions, list) or len(versions) != len(sids):
             raise ProtocolError("reply: versions do not match the shards asked for")
+        g = self.gen if gen is None else gen
         for sid, version in zip(sids, versions, strict=True):
             self.versions[sid] = int(version)
+            self.version_gens[sid] = g
 
     # ------------------------------------------------------------------ channels
 
@@ -512,6 +527,7 @@ class ParameterClient:
                 rows[pos] = t.array
                 if create:
                     self.versions[s.id] = int(ver)
+                    self.version_gens[s.id] = body.gen if body.gen is not None else self.gen
 
         routed = self._route_rows(name, uniq)
         await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))
