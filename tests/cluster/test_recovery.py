@@ -108,6 +108,12 @@ def test_kill9_ps_in_sync_mode_restores_every_shard(
         summary["test_accuracy"],
         unfaulted["test_accuracy"],
     )
+    # nothing acknowledged lost: the workers went back to the batches the checkpoint
+    # holds and trained the later ones again (every lost step's batches at least), so
+    # the run took exactly the unfaulted run's steps
+    assert summary["global_step"] == unfaulted["global_step"], (summary, unfaulted)
+    assert summary["worker_steps"] == unfaulted["worker_steps"], (summary, unfaulted)
+    assert rec["rewound_batches"] >= 2 * rec["lost_steps"], rec
     _final_manifest_consistent(run, summary["global_step"])
     assert not launched_by(launcher.pid)
 

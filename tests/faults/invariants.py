@@ -346,6 +346,19 @@ def _applied(rec: RunRecord) -> dict[int, dict[tuple[int, int, int], int]]:
     return out
 
 
+def _rolled_back(rec: RunRecord, w: int, only: int | None = None) -> int:
+    """Batches of worker ``w`` whose applied pushes a restore took back (to be trained
+    again), as the final process of PS ``only`` counts them (default: the most any
+    PS counts)."""
+    counts = []
+    for i, fin in rec.ps_final.items():
+        if fin.status is None or (only is not None and i != only):
+            continue
+        st = (fin.status.get("pushes") or {}).get(f"worker:{w}") or {}
+        counts.append(int(st.get("rolled_back") or 0))
+    return max(counts, default=0)
+
+
 def _steps_at_least(applied: dict[int, dict[tuple[int, int, int], int]], w: int, inc: int) -> int:
     """Steps incarnation ``inc`` of worker ``w`` did at least: each step pushes once to
     each PS, so any PS's count of its applied pushes (every generation) is a floor."""
@@ -396,36 +409,42 @@ def check_pushes(rec: RunRecord, ref: Reference) -> list[Check]:
             "; ".join(acks[:3]) or f"{compared} (worker, PS, generation) counts agree",
         )
     )
-    # -- no batch trained twice
+    # -- no batch trained twice (a batch whose push a restore took back is trained
+    # again: the PS count those batches, "rolled_back", and the worker, "rewound")
     redo = []
     for w in range(s.workers):
         planned = ref.planned.get(w)
         mine = rec.stats.get(w)
         incs = sorted({inc for c in applied.values() for (ww, inc, _) in c if ww == w})
+        back = _rolled_back(rec, w)
         if mine is not None:
             st = mine
             final = int(st["incarnation"])
             earlier = [x for x in incs if x < final]
-            did = sum(_steps_at_least(applied, w, x) for x in earlier)
+            did = sum(_steps_at_least(applied, w, x) for x in earlier) - back
             if did > int(st["steps_done"]):
                 redo.append(
                     f"worker {w}: the PS applied {did} pushes of its {len(earlier)} earlier"
-                    f" incarnation(s), but the last one resumed after {st['steps_done']}"
-                    f" steps: at least {did - int(st['steps_done'])} batches trained twice"
+                    f" incarnation(s) that no restore took back, but the last one resumed"
+                    f" after {st['steps_done']} steps: at least"
+                    f" {did - int(st['steps_done'])} batches trained twice"
                 )
-            if planned is not None and int(st["steps_done"]) + int(st["steps"]) != planned:
+            net = int(st["steps_done"]) + int(st["steps"]) - int(st.get("rewound") or 0)
+            if planned is not None and net != planned:
                 redo.append(
-                    f"worker {w}: resumed after {st['steps_done']} and did {st['steps']} steps,"
-                    f" its share is {planned}"
+                    f"worker {w}: resumed after {st['steps_done']}, did {st['steps']} steps"
+                    f" and trained {st.get('rewound') or 0} again after restores: its"
+                    f" share is {planned}"
                 )
         for i, c in applied.items():
             if not rec.ps_final[i].full_life or planned is None:
                 continue
             total = sum(n for (ww, _, _), n in c.items() if ww == w)
-            if total > planned:
+            kept = total - _rolled_back(rec, w, only=i)
+            if kept > planned:
                 redo.append(
-                    f"ps {i} applied {total} pushes of worker {w} (every incarnation), its"
-                    f" share is {planned} batches"
+                    f"ps {i} applied {total} pushes of worker {w} (every incarnation), a"
+                    f" restore took {total - kept} back; its share is {planned} batches"
                 )
     if rec.summary is not None and rec.summary.get("worker_steps") != ref.worker_steps:
         redo.append(

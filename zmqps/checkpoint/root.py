@@ -156,6 +156,21 @@ class Checkpoint:
     def nbytes(self) -> int:
         return self.manifest.nbytes
 
+    @property
+    def cursors(self) -> dict[str, int] | None:
+        """Per worker, the batches (cursor) whose gradients this checkpoint holds
+        (``extra["cursors"]``); None when it does not say (an older writer, or a value
+        that is not a map of names to counts)."""
+        raw = self.manifest.extra.get("cursors")
+        if not isinstance(raw, dict):
+            return None
+        out = {}
+        for name, c in raw.items():
+            if not isinstance(name, str) or isinstance(c, bool) or not isinstance(c, int) or c < 0:
+                return None
+            out[name] = c
+        return out
+
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Checkpoint:
         """Load a checkpoint directory's manifest (validated); files are not checked."""

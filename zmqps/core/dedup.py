@@ -18,14 +18,18 @@ Rules of this module:
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from zmqps.wire.errors import FencedError, InvalidArgument
 
-__all__ = ["ClosureLedger", "PushDeduper", "PushLedger", "WorkerPushes"]
+__all__ = ["RECENT", "ClosureLedger", "PushDeduper", "PushLedger", "WorkerPushes"]
+
+#: sync: the ``(step, cursor)`` pairs of a worker's latest pushes kept per worker (a
+#: worker pushes for the step in progress or the one after; a few more for retries)
+RECENT = 8
 
 
 @dataclass
@@ -162,6 +166,29 @@ class WorkerPushes:
     step: int = -1
     #: the worker left with its work done, after this many batches (None: not done)
     done: int | None = None
+    #: batches whose applied pushes a restore took back (trained again after it)
+    rolled_back: int = 0
+    #: sync: ``(step, cursor)`` of the latest counted pushes, oldest first (bounded)
+    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=RECENT))
+    #: sync: the highest cursor among the counted pushes that left ``recent``
+    older: int = 0
+
+    def count(self, cursor: int, step: int | None) -> None:
+        """A push with batch ``cursor`` was applied (or, sync, counted toward ``step``)."""
+        if cursor > self.cursor:
+            self.cursor, self.step = cursor, -1 if step is None else step
+        if step is not None:
+            if len(self.recent) == self.recent.maxlen:
+                self.older = max(self.older, self.recent[0][1])
+            self.recent.append((step, cursor))
+
+    def included(self, sync_step: int | None) -> int:
+        """The highest batch cursor whose gradient is in the values now: async / ssp
+        (``sync_step`` None), every applied push; sync, the pushes counted toward the
+        steps before ``sync_step`` (those of the step in progress are not applied yet)."""
+        if sync_step is None:
+            return self.cursor
+        return max([self.older, *(c for s, c in self.recent if s < sync_step)])
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -170,6 +197,7 @@ class WorkerPushes:
             "cursor": self.cursor,
             "step": self.step,
             "done": self.done,
+            "rolled_back": self.rolled_back,
         }
 
 
@@ -202,8 +230,8 @@ class PushLedger:
         w.applied += 1
         key = f"{worker}/{incarnation}/{gen}"
         self.by_incarnation[key] = self.by_incarnation.get(key, 0) + 1
-        if cursor is not None and cursor > w.cursor:
-            w.cursor, w.step = cursor, -1 if step is None else step
+        if cursor is not None:
+            w.count(cursor, step)
 
     def dropped(self, worker: str, reason: str) -> None:
         w = self.get(worker)
@@ -214,14 +242,34 @@ class PushLedger:
         w = self._workers.get(worker)
         return (0, -1) if w is None else (w.cursor, w.step)
 
-    def restored(self, cursors: Mapping[str, int]) -> None:
-        """A restore: raise cursors to at least ``cursors`` (what every PS knew), and
-        forget the sync steps of pushes (the steps went back with the restore)."""
+    def restored(self, cursors: Mapping[str, int], exact: bool = False) -> None:
+        """A restore, and forget the sync steps of pushes (the steps went back with
+        it). ``exact``: ``cursors`` are those of the checkpoint restored (a worker not
+        named: 0), and every worker's batches after its cursor are trained again, so the
+        cursors go back to them. Else (a checkpoint that does not say) cursors are
+        raised to at least ``cursors`` (what every PS knew)."""
+        if exact:
+            for name, w in self._workers.items():
+                back = cursors.get(name, 0)
+                w.rolled_back += max(0, w.cursor - back)
+                w.cursor = back
         for worker, cursor in cursors.items():
             w = self.get(worker)
             w.cursor = max(w.cursor, cursor)
         for w in self._workers.values():
             w.step = -1
+            w.recent.clear()
+            w.older = w.cursor
+
+    def included(self, sync_step: int | None) -> dict[str, int]:
+        """Per worker, the highest batch cursor whose gradient the values hold now (what
+        a checkpoint taken now includes; see :meth:`WorkerPushes.included`)."""
+        out = {}
+        for name, w in self._workers.items():
+            c = w.included(sync_step)
+            if c:
+                out[name] = c
+        return out
 
     def left(self, worker: str, steps: int) -> None:
         """The worker left with its work done, after ``steps`` batches in all."""

@@ -3,7 +3,7 @@
 Layer map (this package depends on numpy and :mod:`zmqps.core` only; scikit-learn is
 imported lazily)::
 
-    batches  Dataset, shard, batches, steps_per_epoch
+    batches  Dataset, shard, batches, stream, steps_per_epoch
     digits   load_digits   (scikit-learn's bundled 8x8 digits)
     mnist    load_mnist, read_idx, write_idx   (IDX files, plain or .gz)
     (here)   load_dataset  (by name)
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from zmqps.data.batches import Dataset, batches, shard, steps_per_epoch
+from zmqps.data.batches import Dataset, batches, shard, steps_per_epoch, stream
 from zmqps.data.digits import load_digits
 from zmqps.data.mnist import load_mnist, read_idx, write_idx
 
@@ -29,6 +29,7 @@ __all__ = [
     "read_idx",
     "shard",
     "steps_per_epoch",
+    "stream",
     "write_idx",
 ]
 

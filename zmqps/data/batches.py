@@ -106,16 +106,29 @@ def batches(
     return _iterate(ds, batch_size, steps, (seed, epoch) if shuffle else None)
 
 
+def stream(
+    ds: Dataset, batch_size: int, epochs: int, seed: int, start: int = 0
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The batches of ``epochs`` shuffled epochs (as :func:`batches` yields them, one
+    epoch after the other) from the ``start``-th on: where a worker's data resumes."""
+    per_epoch = steps_per_epoch(len(ds), batch_size)
+    if start < 0 or seed < 0:
+        raise ValueError(f"start ({start}) and seed ({seed}) must be >= 0")
+    first, skip = divmod(start, per_epoch) if per_epoch else (epochs, 0)
+    for epoch in range(first, epochs):
+        yield from _iterate(ds, batch_size, per_epoch, (seed, epoch), skip if epoch == first else 0)
+
+
 def _iterate(
-    ds: Dataset, batch_size: int, steps: int, seed: tuple[int, int] | None
+    ds: Dataset, batch_size: int, steps: int, seed: tuple[int, int] | None, start: int = 0
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     if seed is None:
-        for i in range(steps):
+        for i in range(start, steps):
             lo = i * batch_size
             yield ds.x[lo : lo + batch_size], ds.y[lo : lo + batch_size]
         return
     order = np.random.default_rng(list(seed)).permutation(len(ds))
-    for i in range(steps):
+    for i in range(start, steps):
         idx = order[i * batch_size : (i + 1) * batch_size]
         # Fancy indexing copies into fresh C-contiguous arrays.
         yield ds.x[idx], ds.y[idx]

@@ -62,6 +62,9 @@ class Snapshot:
     started: float
     #: the sync step each holder reported when it copied its shards
     steps: dict[int, int]
+    #: per worker, the highest batch cursor whose gradient some holder's copy holds
+    #: (None: a PS did not say); stored in the manifest's ``extra["cursors"]``
+    cursors: dict[str, int] | None = None
 
 
 class Checkpointer:
@@ -157,7 +160,7 @@ class Checkpointer:
             return None
         versions = {int(sid): int(v) for s in saved for sid, v in s.versions}
         steps = {i: s.step for i, s in zip(holders, saved, strict=True)}
-        return Snapshot(step, temp, save_id, holders, versions, started, steps)
+        return Snapshot(step, temp, save_id, holders, versions, started, steps, _cursors(saved))
 
     async def snapshot_sync(self, step: int, placement: Placement) -> Snapshot | None:
         """Sync: a snapshot of ``step`` that every PS holding shards copied at that very
@@ -246,6 +249,8 @@ class Checkpointer:
             if previous is not None:  # commits in the order of their snapshots, one at a time
                 await asyncio.wait([previous])
             records = [ShardRecord.from_json(r) for rs in per_ps for r in rs]
+            if snap.cursors is not None:
+                extra["cursors"] = snap.cursors
             manifest = Manifest(
                 format_version=1,
                 step=snap.step,
@@ -304,3 +309,16 @@ class Checkpointer:
 def _transient(exc: BaseException) -> bool:
     """A failure that says the cluster is recovering, not that checkpoints cannot work."""
     return isinstance(exc, (NotReady, NotFound, RolledBack, DeadlineExceeded, ShutdownError))
+
+
+def _cursors(saved: list[o.Saved]) -> dict[str, int] | None:
+    """The batch cursors a checkpoint holds, per worker: the highest any PS's copy
+    holds (a batch pushed to some PS and not yet to others counts as in: trained again
+    it would be applied twice where it is). None when a PS did not say (an older PS)."""
+    if any(s.cursors is None for s in saved):
+        return None
+    out: dict[str, int] = {}
+    for s in saved:
+        for worker, c in (s.cursors or {}).items():
+            out[worker] = max(out.get(worker, 0), int(c))
+    return out

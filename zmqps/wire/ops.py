@@ -430,8 +430,11 @@ class Restore(Body):
     shards: tuple[Mapping[str, Any], ...] = wire(List(SHARD, MAX_SHARDS))
     name: str | None = wire(CKPT_NAME, default=None)
     placement: Mapping[str, Any] | None = wire(PLACEMENT, default=None)
-    #: per worker, the highest batch cursor any PS applied (a restarted PS learns it)
+    #: per worker, the highest batch cursor any PS applied (a restarted PS learns it);
+    #: with ``rewind``, the cursors the checkpoint restored holds (set exactly: the
+    #: workers train their batches after them again)
     cursors: Mapping[str, int] | None = wire(CURSORS, default=None)
+    rewind: bool = wire(Bool(), default=False)
 
 
 # ---------------------------------------------------------------------------
@@ -502,6 +505,9 @@ class HeartbeatReply(Body):
     finished: bool = wire(Bool(), default=False)
     stop: bool = wire(Bool(), default=False)
     ps_down: tuple[int, ...] = wire(List(Int(0), MAX_SHARDS), default=())
+    #: the last restore (generation ``gen``) went back to a checkpoint holding this
+    #: worker's batches up to this cursor: it trains the ones after it again
+    rewind: int | None = wire(COUNT, default=None)
 
 
 @_body(reply=True)
@@ -589,6 +595,9 @@ class PsStateReply(Body):
     cursors: Mapping[str, int] | None = wire(CURSORS, default=None)
     #: workers that left with their work done: their batches in all
     done: Mapping[str, int] | None = wire(CURSORS, default=None)
+    #: the cursors of the last restore that went back to a checkpoint's (generation
+    #: ``gen``), what a chief started since tells the workers
+    rewinds: Mapping[str, int] | None = wire(CURSORS, default=None)
 
 
 @_body(reply=True)
@@ -613,6 +622,8 @@ class Saved(Body):
     versions: Sequence[Any] = wire(AnyList())  # [[shard id, version], ...]
     step: int = wire(STEP)
     snapshot_s: float = wire(Float(0.0))
+    #: per worker, the highest batch cursor whose gradient the snapshot holds
+    cursors: Mapping[str, int] | None = wire(CURSORS, default=None)
 
 
 @_body(reply=True)

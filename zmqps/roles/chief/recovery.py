@@ -85,6 +85,12 @@ class RecoveryController:
         #: restores so far; data requests of another generation are refused by the PS
         self.gen = 0
         self.recoveries: list[dict[str, Any]] = []
+        #: the last restore to a checkpoint's batch cursors, per worker name (None: no
+        #: restore went back, or the checkpoint did not say): each live worker trains
+        #: its batches after its cursor again (heartbeat replies say it)
+        self.rewinds: dict[str, int] | None = None
+        #: batches the restores sent back to be trained again, in all
+        self.rewound = 0
         #: each PS's boot id as last heard at a start or a restore
         self.boots: dict[int, str] = {}
         #: set once the start decision is made (adopt, restore or fresh)
@@ -189,6 +195,7 @@ class RecoveryController:
                 self.variables.use(Placement.from_wire(plan.placement))
                 if self.mode.name == "sync":
                     self.mode.global_step = plan.step
+                self.rewinds = _rewinds(states, self.gen)
                 self.health.expect(boots, self.gen, self.clock())
                 self.handle(Event.ADOPTED)
                 log.info(
@@ -283,7 +290,9 @@ class RecoveryController:
         for st in states:
             for worker, c in (st.get("cursors") or {}).items():
                 cursors[worker] = max(cursors.get(worker, 0), int(c))
+        rewound = self.rewound
         step = await self.restore_all(reason, ckpt, cursors)
+        rewound = self.rewound - rewound
         self.health.expect(boots, self.gen, self.clock())
         self.handle(Event.RESTORED)
         self._start_training(step)
@@ -294,6 +303,8 @@ class RecoveryController:
                 "ps": list(lost),
                 "step": step,
                 "lost_steps": max(0, before - step) if self.mode.name == "sync" else None,
+                # batches whose pushes the restore took back, trained again
+                "rewound_batches": rewound,
                 "gen": self.gen,
                 "detect_to_resume_s": round(now - detected_at, 3),
                 "restore_s": round(now - started, 3),
@@ -330,6 +341,20 @@ class RecoveryController:
         self.gen += 1
         if ckpt is None:
             log.warning("no committed checkpoint: every shard restarts from its initial values")
+        # Pushes applied since the checkpoint are gone with the restore: when the PS
+        # applied any (a restore during the run), every worker goes back to the batches
+        # the checkpoint holds and trains the later ones again, so no acknowledged
+        # batch is lost. A checkpoint that does not say (an older writer) keeps the
+        # cursors the PS knew (those batches are lost).
+        held = {} if ckpt is None else ckpt.cursors
+        rewind = bool(cursors) and held is not None
+        if rewind:
+            assert held is not None and cursors is not None
+            back = {w: c - held.get(w, 0) for w, c in sorted(cursors.items())}
+            log.warning("the workers train again the batches after the checkpoint: %s", back)
+            self.rewound += sum(max(0, b) for b in back.values())
+            cursors = held
+        self.rewinds = dict(cursors or {}) if rewind else None
         await asyncio.gather(
             *(
                 self.ps[i].request(
@@ -341,6 +366,7 @@ class RecoveryController:
                         None if ckpt is None else ckpt.name,
                         placement.to_wire(),
                         cursors or None,
+                        rewind,
                     ).to_wire(),
                     timeout=self.cfg.startup_timeout,
                 )
@@ -359,6 +385,10 @@ class RecoveryController:
             reason,
         )
         return step
+
+    def rewind_of(self, worker: str) -> int | None:
+        """The batch cursor ``worker`` went back to at the last restore (None: none)."""
+        return None if self.rewinds is None else self.rewinds.get(worker, 0)
 
     async def restore_lost(self, lost: Sequence[int], detected_at: float, reason: str) -> None:
         """PS ``lost`` restarted without their shards: restore every PS."""
@@ -547,5 +577,15 @@ class RecoveryController:
             "gen": self.gen,
             "recovering": self.recovering,
             "recoveries": self.recoveries[-5:],
+            "rewound_batches": self.rewound,
             "ps_down": {str(i): s for i, s in sorted(self.health.down.items())},
         }
+
+
+def _rewinds(states: Sequence[dict[str, Any]], gen: int) -> dict[str, int] | None:
+    """The batch cursors of the last restore to a checkpoint, as the PS of generation
+    ``gen`` were told it (None: that restore did not go back, or no PS says)."""
+    for st in states:
+        if int(st["gen"]) == gen and st.get("rewinds") is not None:
+            return {str(w): int(c) for w, c in st["rewinds"].items()}
+    return None

@@ -212,6 +212,7 @@ class ChiefService:
             recovering=self.recovery.recovering,
             finished=self.finished,
             ps_down=tuple(sorted(self.recovery.ps_down)),
+            rewind=self.recovery.rewind_of(who.name) if who.role == "worker" else None,
         )
         return reply(msg, beat.to_wire())
 

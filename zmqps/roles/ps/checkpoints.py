@@ -42,7 +42,7 @@ class ShardCheckpoints:
         self._saves: dict[int, asyncio.Future[list[dict[str, Any]]]] = {}
         #: the versions each kept save snapshotted: a save asked again (a request sent
         #: again after a partition healed) is answered from here, not snapshotted twice
-        self._versions: dict[int, tuple[str, list[list[int]]]] = {}
+        self._versions: dict[int, tuple[str, list[list[int]], dict[str, int]]] = {}
 
     def path(self, name: str) -> Path:
         from zmqps.checkpoint import is_valid_name
@@ -56,13 +56,16 @@ class ShardCheckpoints:
             raise NotFound(f"ps {self.index}: no checkpoint directory {path}")
         return path
 
-    def save(self, name: str, save_id: int) -> tuple[list[list[int]], float]:
-        """Snapshot every shard now and start writing it; ``(versions, seconds)``. The
-        same save (id and directory) again, a resent request, answers the first one's
-        versions; an id used again for another directory is a new save."""
+    def save(
+        self, name: str, save_id: int, cursors: dict[str, int]
+    ) -> tuple[list[list[int]], dict[str, int], float]:
+        """Snapshot every shard now and start writing it; ``(versions, cursors,
+        seconds)``, ``cursors`` being the batch cursors the values hold now (the
+        caller's). The same save (id and directory) again, a resent request, answers
+        the first one's; an id used again for another directory is a new save."""
         first = self._versions.get(save_id)
         if first is not None and first[0] == name:
-            return first[1], 0.0
+            return first[1], first[2], 0.0
         from zmqps.checkpoint import write_shard
         from zmqps.checkpoint.tables import write_table_shard
 
@@ -93,8 +96,8 @@ class ShardCheckpoints:
         fut = self._saves[save_id] = asyncio.ensure_future(asyncio.to_thread(write))
         fut.add_done_callback(self._written)
         versions = [[d.id, ver] for d, _, _, ver in snap] + [[d.id, ver] for d, _, ver in tables]
-        self._versions[save_id] = (name, versions)
-        return versions, copied
+        self._versions[save_id] = (name, versions, cursors)
+        return versions, cursors, copied
 
     def _written(self, fut: asyncio.Future[list[dict[str, Any]]]) -> None:
         """A write that failed is said in one line here (the chief hears of it through

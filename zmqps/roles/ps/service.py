@@ -99,6 +99,8 @@ class PSService:
         #: the consistency mode; the chief sets it (``sync_config``)
         self.mode: PSMode = Apply(self.store)
         self.restored_step = 0  # the step of the last restore (sync shards start there)
+        #: the batch cursors of the last restore to a checkpoint's (see o.Restore.rewind)
+        self.rewinds: dict[str, int] | None = None
         self.waiters = StepWaiters(lambda: self.mode.step)
         self.regions = Regions(max_region_bytes)
         self.shutdown_requested = asyncio.Event()
@@ -447,6 +449,7 @@ class PSService:
             placement=self.placement,
             cursors=self.pushes.cursors() or None,
             done=self.pushes.finished() or None,
+            rewinds=self.rewinds,
         )
         return reply(msg, state.to_wire())
 
@@ -463,9 +466,12 @@ class PSService:
     def _op_checkpoint_save(self, msg: Message, req: o.CheckpointSave) -> Message:
         if not len(self.store):  # restarted, not restored: its part would be missing
             raise NotReady(f"ps {self.index} holds no shards (restarted and not restored yet?)")
-        versions, seconds = self.checkpoints.save(req.name, req.id)
+        sync_step = self.sync_step if self.mode.name == "sync" else None
+        versions, cursors, seconds = self.checkpoints.save(
+            req.name, req.id, self.pushes.included(sync_step)
+        )
         log.debug("ps %d: checkpoint snapshot in %.3fs", self.index, seconds)
-        saved = o.Saved(versions, self.sync_step, round(seconds, 6))
+        saved = o.Saved(versions, self.sync_step, round(seconds, 6), cursors)
         return reply(msg, saved.to_wire())
 
     async def _op_checkpoint_done(self, msg: Message, req: o.CheckpointDone) -> Message:
@@ -484,7 +490,8 @@ class PSService:
         self.restored_step = req.step
         if req.placement is not None:
             self.placement = req.placement
-        self.pushes.restored(req.cursors or {})
+        self.pushes.restored(req.cursors or {}, exact=req.rewind)
+        self.rewinds = dict(req.cursors or {}) if req.rewind else None
         self.mode.reset(req.step)
         self.waiters.notify()
         log.info(

@@ -84,6 +84,8 @@ class Session:
         self.rolled_back = 0
         #: the last push failed and no restore came: whether each PS has it is unknown
         self.undelivered = False
+        #: the batch cursor the last restore went back to, until taken (take_rewind)
+        self.rewind: int | None = None
         self._listeners: list[Callable[[int], None]] = []
         self._heartbeats: asyncio.Task[None] | None = None
 
@@ -95,12 +97,14 @@ class Session:
         """Call ``listener(gen)`` whenever the cluster is found restored."""
         self._listeners.append(listener)
 
-    def enter(self, gen: int) -> None:
+    def enter(self, gen: int, rewind: int | None = None) -> None:
         """The cluster is at generation ``gen`` now (a heartbeat or a status said so,
-        no restore under way): every listener hears of it once."""
+        no restore under way): every listener hears of it once. ``rewind``: the restore
+        went back to a checkpoint holding this task's batches up to that cursor."""
         if gen == self.gen:
             return
         self.gen = gen
+        self.rewind = rewind
         for listener in self._listeners:
             listener(gen)
 
@@ -209,7 +213,7 @@ class Session:
                 return
             if beat.gen != self.gen and not beat.recovering:
                 log.warning("%s: the cluster was restored (generation %d)", self.name, beat.gen)
-                self.enter(beat.gen)  # requests waiting on a lost PS fail now
+                self.enter(beat.gen, beat.rewind)  # requests waiting on a lost PS fail now
 
     # ------------------------------------------------------------------ recovery
 
@@ -239,8 +243,13 @@ class Session:
                     f" {self.recovery_timeout:g}s ({error})"
                 ) from error
             await asyncio.sleep(0.2)
-        self.enter(beat.gen)
+        self.enter(beat.gen, beat.rewind)
         log.warning("%s: resuming in generation %d", self.name, beat.gen)
+
+    def take_rewind(self) -> int | None:
+        """The batch cursor a restore went back to since the last call (None: none)."""
+        rewind, self.rewind = self.rewind, None
+        return rewind
 
     async def retrying(self, request: Callable[[], Awaitable[T]]) -> T:
         """Run a data request; through a restore, recover and run it again."""

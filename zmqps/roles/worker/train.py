@@ -2,7 +2,10 @@
 
 A restarted worker resumes after the batches its earlier incarnations really pushed
 (:attr:`Worker.steps_done`, read from the PS when it registered): no batch is
-trained twice, and the run ends at its planned step.
+trained twice, and the run ends at its planned step. After a restore that went back
+to a checkpoint, the loop goes back to the batches that checkpoint holds
+(:meth:`Worker.take_rewind`) and trains the later ones again: their pushes were
+acknowledged, then taken back by the restore.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from zmqps.data import batches, shard, steps_per_epoch
+from zmqps.data import shard, steps_per_epoch, stream
 from zmqps.roles.job import JobConfig
 from zmqps.roles.overlap import StepPipeline
 from zmqps.roles.worker.worker import Terminated, Worker
@@ -31,56 +34,64 @@ def train(
         from zmqps.roles.ctr_job import train_ctr
 
         return train_ctr(worker, job, num_workers)
-    data = shard(job.load("train"), worker.index, num_workers)
-    model = job.build_model(data)
+    data_set = shard(job.load("train"), worker.index, num_workers)
+    model = job.build_model(data_set)
     worker.create_variables(model.variables(), optimizer=job.optimizer)
     pipe = StepPipeline(worker, prefetch=prefetch)
     device = worker.device
-    per_epoch = steps_per_epoch(len(data), job.batch_size)
+    per_epoch = steps_per_epoch(len(data_set), job.batch_size)
     log.info(
         "worker %d: %d examples, %d steps per epoch, %d epochs, on %s",
         worker.index,
-        len(data),
+        len(data_set),
         per_epoch,
         job.epochs,
         device,
     )
     t_last, s_last = time.perf_counter(), 0
     loss = float("nan")
-    skip = worker.steps_done
-    if skip:
+    total = per_epoch * job.epochs
+    seed = job.seed * 1000 + worker.index
+    if worker.steps_done:
         log.info(
-            "worker %d: resuming after the %d batches its earlier runs pushed", worker.index, skip
+            "worker %d: resuming after the %d batches its earlier runs pushed",
+            worker.index,
+            worker.steps_done,
         )
+    data_at = worker.position
+    stream_ = stream(data_set, job.batch_size, job.epochs, seed, data_at)
     try:
-        for epoch in range(job.epochs):
-            for x, y in batches(data, job.batch_size, epoch, seed=job.seed * 1000 + worker.index):
-                if skip:
-                    skip -= 1
-                    continue
-                params = pipe.begin()
-                started = time.perf_counter()
-                loss, grads = model.loss_and_grads(
-                    params, device.asarray(x), device.asarray(y), on_ready=pipe.grads_ready
+        while worker.position < total:
+            params = pipe.begin()
+            if worker.take_rewind() is not None or worker.position != data_at:
+                data_at = worker.position  # a restore went back (see the module's doc)
+                stream_ = stream(data_set, job.batch_size, job.epochs, seed, data_at)
+                if data_at >= total:
+                    break
+            x, y = next(stream_)
+            data_at += 1
+            started = time.perf_counter()
+            loss, grads = model.loss_and_grads(
+                params, device.asarray(x), device.asarray(y), on_ready=pipe.grads_ready
+            )
+            worker.record_phase("compute", started)
+            pipe.end(grads, loss=loss, examples=len(x))
+            if worker.stop_requested:
+                raise Terminated()
+            if worker.step % job.log_every == 0:
+                now = time.perf_counter()
+                log.info(
+                    "worker %d: step %d, global step %d, loss %.4f (%.4f s/batch,"
+                    " staleness %d, overlap %.2f)",
+                    worker.index,
+                    worker.step,
+                    worker.global_step,
+                    loss,
+                    (now - t_last) / max(1, worker.step - s_last),
+                    worker.staleness,
+                    pipe.stats.overlap,
                 )
-                worker.record_phase("compute", started)
-                pipe.end(grads, loss=loss, examples=len(x))
-                if worker.stop_requested:
-                    raise Terminated()
-                if worker.step % job.log_every == 0:
-                    now = time.perf_counter()
-                    log.info(
-                        "worker %d: step %d, global step %d, loss %.4f (%.4f s/batch,"
-                        " staleness %d, overlap %.2f)",
-                        worker.index,
-                        worker.step,
-                        worker.global_step,
-                        loss,
-                        (now - t_last) / max(1, worker.step - s_last),
-                        worker.staleness,
-                        pipe.stats.overlap,
-                    )
-                    t_last, s_last = now, worker.step
+                t_last, s_last = now, worker.step
     finally:
         pipe.close()
     log.info(

@@ -124,6 +124,9 @@ class Worker:
         self.timeout = s.timeout
         self.metrics = metrics
         self.step = 0
+        #: batches given back to restores (trained again): the position is
+        #: ``steps_done + step - rewound``
+        self.rewound = 0
         self.examples = 0
         self.loss: float | None = None
         #: set by a SIGTERM handler: the built-in loop stops after the current step
@@ -143,7 +146,9 @@ class Worker:
             who,
             steps_planned=s.steps_planned,
             recovery_timeout=s.recovery_timeout,
-            progress=lambda: (self.step, self.examples, self.loss),
+            # the batches of this incarnation that hold (those given back to a
+            # restore are not counted until trained again)
+            progress=lambda: (self.step - self.rewound, self.examples, self.loss),
         )
         try:
             info = self.io.run(self.session.open(s.connect_timeout))
@@ -288,9 +293,34 @@ class Worker:
         return 0 if self._client is None else self._client.last_staleness
 
     @property
+    def position(self) -> int:
+        """The batches of this worker's data done so far (every incarnation; after a
+        restore, those the checkpoint restored holds): the next one is at this index."""
+        return self.steps_done + self.step - self.rewound
+
+    @property
     def cursor(self) -> int:
         """The batch the step being computed is (1-based, over every incarnation)."""
-        return self.steps_done + self.step + 1
+        return self.position + 1
+
+    def take_rewind(self) -> int | None:
+        """After a restore that went back to a checkpoint: the position (batches done)
+        this worker's data goes back to, once (None: no restore since the last call).
+        The training loop must take its next batch from there, so that the batches
+        whose pushes the restore took back are trained again (the built-in loop does).
+        Call it after :meth:`begin_step` and the step's pull, before choosing the batch."""
+        back = self.session.take_rewind()
+        if back is None:
+            return None
+        again = self.position - back
+        self.rewound += again
+        log.warning(
+            "%s: the cluster went back to a checkpoint holding its first %d batches: %s",
+            self.name,
+            back,
+            f"training {again} again" if again >= 0 else f"skipping {-again} it holds",
+        )
+        return back
 
     def begin_step(self, poll: float = 10.0) -> int:
         """Wait until this worker may start its next step; returns the step it computes.
@@ -448,12 +478,14 @@ class Worker:
 
     def stats(self) -> dict[str, Any]:
         """This incarnation: the batches it resumed after (``steps_done``), the steps it
-        did, and its pushes by "ps/generation" (sent, acknowledged applied, dropped)."""
+        did, the batches restores gave back (``rewound``: trained again), and its pushes
+        by "ps/generation" (sent, acknowledged applied, dropped)."""
         pushes = {} if self._client is None else self._client.push_counts
         return {
             "incarnation": self.incarnation,
             "steps_done": self.steps_done,
             "steps": self.step,
+            "rewound": self.rewound,
             "rolled_back": self.rolled_back,
             "pushes": {k: dict(v) for k, v in pushes.items()},
         }

@@ -1,0 +1,172 @@
+"""A restore that goes back to a checkpoint loses no acknowledged batch: the checkpoint
+records, per worker, the batches (cursor) its values hold; the restore sets every PS's
+cursors to them exactly; each worker's data goes back there and the later batches are
+trained again. Sans-IO pieces here; the run itself in tests/cluster/test_recovery.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_ps_client import run
+from test_ps_recovery import chief, created_cluster, defs_by_ps, grads, placement_for
+
+from zmqps.checkpoint import Checkpoint, CheckpointRoot, Manifest
+from zmqps.core.dedup import RECENT, PushLedger
+from zmqps.data import Dataset, batches, stream
+from zmqps.roles.checkpointer import _cursors
+from zmqps.roles.worker.session import Session
+from zmqps.wire import ops as o
+
+# ---------------------------------------------------------------- the PS's ledger
+
+
+def test_async_checkpoint_holds_every_applied_push() -> None:
+    led = PushLedger()
+    for c in (1, 2, 3):
+        led.applied("worker:0", 1, 0, c, None)
+    led.applied("worker:1", 1, 0, 7, None)
+    assert led.included(None) == {"worker:0": 3, "worker:1": 7}
+
+
+def test_sync_checkpoint_holds_the_pushes_of_applied_steps_only() -> None:
+    led = PushLedger()
+    # worker 0 pushed batches 1..5 for steps 0..4; step 4 is in progress (not applied)
+    for step in range(5):
+        led.applied("worker:0", 1, 0, step + 1, step)
+    assert led.included(4) == {"worker:0": 4}
+    assert led.included(5) == {"worker:0": 5}
+    assert led.included(0) == {}
+    # far more steps than are kept: the older ones still count, memory stays bounded
+    for step in range(5, 100):
+        led.applied("worker:0", 1, 0, step + 1, step)
+    assert len(led.get("worker:0").recent) == RECENT
+    assert led.included(99) == {"worker:0": 99}
+    assert led.included(50) == {"worker:0": 100 - RECENT}  # at least what left the window
+
+
+def test_an_exact_restore_sets_cursors_back_and_counts_what_it_took() -> None:
+    led = PushLedger()
+    for c in range(1, 11):
+        led.applied("worker:0", 1, 0, c, None)
+    for c in range(1, 5):
+        led.applied("worker:1", 1, 0, c, None)
+    led.restored({"worker:0": 6}, exact=True)  # worker 1: none of its batches held
+    assert led.cursors() == {"worker:0": 6}
+    assert led.get("worker:0").rolled_back == 4
+    assert led.get("worker:1").rolled_back == 4
+    assert led.progress("worker:1") == (0, -1)
+    # a restarted PS (nothing known) learns them; a non-exact restore only raises
+    fresh = PushLedger()
+    fresh.restored({"worker:0": 6, "worker:1": 2}, exact=True)
+    assert fresh.cursors() == {"worker:0": 6, "worker:1": 2}
+    led.restored({"worker:0": 3, "worker:1": 9})
+    assert led.cursors() == {"worker:0": 6, "worker:1": 9}
+
+
+def test_ps_reports_held_cursors_and_sets_them_at_a_rewinding_restore(tmp_path: Path) -> None:
+    async def body() -> None:
+        root = CheckpointRoot(tmp_path / "ckpt")
+        c = await created_cluster(placement_for(2, 3), 2, root.path)
+        w = c.client("worker:0")
+        for cursor in (1, 2, 3):
+            assert await w.push(grads(cursor), cursor=cursor)
+        temp = root.new_temp(3)
+        saved = [
+            o.Saved.parse(
+                (await chief(c, i).request("checkpoint_save", {"name": temp.name, "id": 1})).body
+            )
+            for i in range(2)
+        ]
+        assert [s.cursors for s in saved] == [{"worker:0": 3}] * 2
+        # resent (idempotent by id): the first snapshot's cursors, not today's
+        assert await w.push(grads(4), cursor=4)
+        again = await chief(c, 0).request("checkpoint_save", {"name": temp.name, "id": 1})
+        assert again.body["cursors"] == {"worker:0": 3}
+        assert _cursors(saved) == {"worker:0": 3}
+        by_ps = defs_by_ps(c.placement)
+        for i in range(2):
+            body = o.Restore(1, 0, tuple(by_ps.get(i, [])), None, c.placement.to_wire())
+            wire = {**body.to_wire(), "cursors": {"worker:0": 3}, "rewind": True}
+            await chief(c, i).request("restore", wire)
+        for svc in c.services:
+            assert svc.pushes.cursors() == {"worker:0": 3}
+            assert svc.pushes.get("worker:0").rolled_back == 1
+            state = o.PsStateReply.parse((await chief(c, svc.index).request("ps_state")).body)
+            assert state.rewinds == {"worker:0": 3}
+
+    run(body())
+
+
+# ---------------------------------------------------------------- the chief's side
+
+
+def test_snapshot_cursors_merge_by_the_highest_and_need_every_ps() -> None:
+    a = o.Saved([], 4, 0.0, {"worker:0": 5, "worker:1": 2})
+    b = o.Saved([], 4, 0.0, {"worker:0": 6})
+    assert _cursors([a, b]) == {"worker:0": 6, "worker:1": 2}
+    assert _cursors([a, o.Saved([], 4, 0.0)]) is None  # a PS that does not say
+
+
+@pytest.mark.parametrize(
+    ("extra", "want"),
+    [
+        ({"cursors": {"worker:0": 4}}, {"worker:0": 4}),
+        ({}, None),
+        ({"cursors": {"worker:0": -1}}, None),
+        ({"cursors": {"worker:0": True}}, None),
+        ({"cursors": [1, 2]}, None),
+    ],
+)
+def test_a_checkpoint_says_its_cursors_or_none(
+    tmp_path: Path, extra: dict[str, object], want: dict[str, int] | None
+) -> None:
+    m = Manifest(step=0, variables=[], optimizer={}, num_ps=1, shards=[], extra=extra)
+    assert Checkpoint(tmp_path, m).cursors == want
+
+
+# ---------------------------------------------------------------- the worker's side
+
+
+class _NoChief:
+    endpoint = "inproc://none"
+
+
+def test_session_hands_a_rewind_over_once_per_restore() -> None:
+    s = Session(_NoChief(), o.Who("worker", 0, 1))  # type: ignore[arg-type]
+    heard: list[int] = []
+    s.on_restored(heard.append)
+    s.enter(0, 5)  # the generation it is in already: nothing happened
+    assert s.take_rewind() is None
+    s.enter(1, 5)
+    assert heard == [1]
+    assert s.take_rewind() == 5
+    assert s.take_rewind() is None
+    s.enter(2, None)  # a restore that did not go back (an older checkpoint)
+    assert s.take_rewind() is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    batch=st.integers(1, 9),
+    epochs=st.integers(1, 4),
+    seed=st.integers(0, 50),
+    data=st.data(),
+)
+def test_stream_from_any_position_is_the_rest_of_the_epochs(
+    n: int, batch: int, epochs: int, seed: int, data: st.DataObject
+) -> None:
+    rng = np.random.default_rng(seed)
+    ds = Dataset(rng.standard_normal((n, 3)).astype(np.float32), rng.integers(0, 4, n), 4, "t")
+    every = [b for e in range(epochs) for b in batches(ds, batch, e, seed)]
+    start = data.draw(st.integers(0, len(every)))
+    got = list(stream(ds, batch, epochs, seed, start))
+    assert len(got) == len(every) - start
+    for (x, y), (ex, ey) in zip(got, every[start:], strict=True):
+        np.testing.assert_array_equal(x, ex)
+        np.testing.assert_array_equal(y, ey)
