@@ -489,6 +489,26 @@ def test_all_done_only_when_every_worker_left() -> None:
     run(body())
 
 
+def test_a_chief_started_after_every_worker_finished_ends_the_run() -> None:
+    # a chief that crashed at the end of a run (every worker gone, its work done) and
+    # was restarted: nobody will leave again, so it must end the run on its own
+    async def body() -> None:
+        env = make_env(2, num_workers=2)
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        for i in range(2):
+            await call(env.chief, "register", who(i))
+            await call(env.chief, "leave", who(i, step=4))
+        assert env.chief.all_done.is_set()
+        clients = [env.net.client(addr, "chief:0") for addr in env.cfg.cluster.ps]
+        restarted = ChiefService(env.cfg, clients, clock=env.clock)
+        await restarted.start()
+        assert restarted.all_done.is_set()
+        assert restarted.status()["global_step"] == 8
+
+    run(body())
+
+
 def test_status() -> None:
     async def body() -> None:
         env = make_env(2, num_workers=3, heartbeat_timeout=10.0)

@@ -34,7 +34,7 @@ from zmqps.roles.chief.service import ChiefService
 from zmqps.roles.configs import ChiefConfig
 from zmqps.transport import Client, Requester, Server, SocketOptions, ZmqContext
 from zmqps.wire import ops as o
-from zmqps.wire.errors import DeadlineExceeded, ZmqpsError
+from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack, ZmqpsError
 
 __all__ = ["run_chief", "serve_chief"]
 
@@ -176,17 +176,40 @@ async def _create_job_variables(service: ChiefService) -> None:
 async def _finish(service: ChiefService) -> None:
     cfg = service.cfg
     recovery = service.recovery
-    while not recovery.lifecycle.can(Event.ALL_DONE):  # a restore in progress ends first
-        await asyncio.sleep(0.05)
-    recovery.handle(Event.ALL_DONE)
-    recovery.stop_training()  # no step comes any more: nothing may start a checkpoint now
-    if service.checkpoints is not None:
-        await service.checkpoints.final(finished=True)
-    service.result = await summarize(service)
+    deadline = time.monotonic() + cfg.startup_timeout
+    while True:
+        while not recovery.lifecycle.can(Event.ALL_DONE):  # a restore in progress ends first
+            await asyncio.sleep(0.05)
+        recovery.handle(Event.ALL_DONE)
+        recovery.stop_training()  # no step comes any more: nothing may start a checkpoint now
+        gen = recovery.gen
+        try:
+            if service.checkpoints is not None:
+                await service.checkpoints.final(finished=True)
+            service.result = await summarize(service)
+            break
+        except (RolledBack, NotReady, DeadlineExceeded) as e:
+            # a PS restarted (or was cut off) at the end of the run: the final checkpoint
+            # and the summary are taken once it is restored (or answers again)
+            if time.monotonic() > deadline:
+                raise
+            log.warning("the end of the run waits for the PS (%s)", e)
+            await _recovered(service, gen, deadline)
     if cfg.summary_path:
         Path(cfg.summary_path).write_text(json.dumps(service.result, indent=2) + "\n")
     service.finished = True
     await _evaluators_done(service)
+
+
+async def _recovered(service: ChiefService, gen: int, deadline: float) -> None:
+    """Wait until the cluster left generation ``gen`` (a restore) or every PS answers
+    again with no restore under way (a partition healed), or ``deadline``."""
+    recovery = service.recovery
+    await asyncio.sleep(service.cfg.heartbeat_interval)  # a PS lost is found meanwhile
+    while time.monotonic() < deadline:
+        if not recovery.recovering and (recovery.gen != gen or not recovery.ps_down):
+            return
+        await asyncio.sleep(0.05)
 
 
 async def _evaluators_done(service: ChiefService) -> None:

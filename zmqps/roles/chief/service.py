@@ -169,6 +169,8 @@ class ChiefService:
         """Decide how the cluster starts (adopt, restore, fresh) and start training."""
         self._starting = True
         await self.recovery.start()
+        if self.members.all_done():  # every worker finished before this chief started
+            self.all_done.set()
 
     # ---------------------------------------------------------------- membership
 
