@@ -6,20 +6,26 @@ trained again. Sans-IO pieces here; the run itself in tests/cluster/test_recover
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_chief import SGD, VARS, call, make_env, who
+from test_chief import run as run_chief
 from test_ps_client import run
 from test_ps_recovery import chief, created_cluster, defs_by_ps, grads, placement_for
 
 from zmqps.checkpoint import Checkpoint, CheckpointRoot, Manifest
 from zmqps.core.dedup import RECENT, PushLedger
+from zmqps.core.membership import Membership
 from zmqps.data import Dataset, batches, stream
 from zmqps.roles.checkpointer import _cursors
 from zmqps.roles.worker.session import Session
+from zmqps.wire import Message
 from zmqps.wire import ops as o
 
 # ---------------------------------------------------------------- the PS's ledger
@@ -170,3 +176,96 @@ def test_stream_from_any_position_is_the_rest_of_the_epochs(
     for (x, y), (ex, ey) in zip(got, every[start:], strict=True):
         np.testing.assert_array_equal(x, ex)
         np.testing.assert_array_equal(y, ey)
+
+
+# ---------------------------------------------------------------- finished workers
+
+
+def test_a_finished_worker_that_waits_is_reopened_by_a_restore_taking_its_batches() -> None:
+    m = Membership(3, timeout=10.0)
+    for i in range(3):
+        m.register(i, 1, 0.0)
+    m.leave(0, 1, 50, 1.0, "done", None, waits=True)
+    m.leave(1, 1, 50, 1.0, "done", None)  # left for good (a loop that does not wait)
+    m.leave(2, 1, 50, 1.0, "done", None, waits=True)
+    assert m.all_done() and m.waiting(2.0) == [0, 2]
+    assert m.reopen(0, 2.0)
+    assert not m.reopen(1, 2.0)  # gone: it cannot train again, nothing waits for it
+    assert not m.reopen(2, 30.0)  # no longer heard from
+    assert not m.all_done() and m.alive(2.0) == [0]
+    assert m.global_step == 150  # the steps reported stay (they never go back)
+
+
+def test_the_chief_sends_back_only_the_workers_whose_batches_the_restore_took() -> None:
+    async def body() -> None:
+        env = make_env(1, num_workers=2)
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        for i in range(2):
+            await call(env.chief, "register", who(i))
+            await call(env.chief, "leave", who(i, step=20, waits=True))
+        assert env.chief.all_done.is_set()
+        rec = env.chief.recovery
+        rec.rewinds = {"worker:0": 12, "worker:1": 20}
+        rec._reopen(rec.rewinds)
+        assert [w.done for _, w in sorted(env.chief.members.workers.items())] == [False, True]
+        beat = o.HeartbeatReply.parse((await call(env.chief, "heartbeat", who(0, step=20))).body)
+        assert beat.rewind == 12
+        done = o.HeartbeatReply.parse((await call(env.chief, "heartbeat", who(1, step=20))).body)
+        assert done.rewind is None
+
+    run_chief(body())
+
+
+class _ScriptedChief:
+    """Answers heartbeats with the replies given, in turn (the last one for ever)."""
+
+    endpoint = "inproc://chief"
+
+    def __init__(self, *replies: o.HeartbeatReply) -> None:
+        self.replies = list(replies)
+        self.beats = 0
+
+    async def request(self, op: str, body: Any = None, *_: Any, **__: Any) -> Message:
+        assert op == "heartbeat"
+        self.beats += 1
+        rep = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
+        return Message("ok", body=rep.to_wire())
+
+    async def close(self) -> None:
+        pass
+
+
+def _lingering(chief: _ScriptedChief, position: int) -> tuple[int | None, Session]:
+    s = Session(chief, o.Who("worker", 0, 1))  # type: ignore[arg-type]
+    s.info = o.ClusterInfo(ps=(), mode="sync", heartbeat_interval=0.01)
+
+    async def go() -> int | None:
+        try:
+            return await s.linger(position, lambda: False)
+        finally:
+            if s._heartbeats is not None:
+                s._heartbeats.cancel()
+
+    return asyncio.run(asyncio.wait_for(go(), 5.0)), s
+
+
+def test_a_waiting_worker_goes_back_to_work_when_a_restore_takes_its_batches() -> None:
+    chief = _ScriptedChief(
+        o.HeartbeatReply(10, 0),
+        o.HeartbeatReply(10, 1, recovering=True),
+        o.HeartbeatReply(8, 1, rewind=7),
+    )
+    back, s = _lingering(chief, 10)
+    assert back == 7 and s.gen == 1 and chief.beats == 3
+    # the run finished: no more waiting
+    back, _ = _lingering(
+        _ScriptedChief(o.HeartbeatReply(10, 0), o.HeartbeatReply(10, 0, finished=True)), 10
+    )
+    assert back is None
+    # a restore that keeps every batch of this worker: it stays done
+    back, s = _lingering(
+        _ScriptedChief(o.HeartbeatReply(9, 1, rewind=10), o.HeartbeatReply(10, 1, finished=True)),
+        10,
+    )
+    assert back is None and s.gen == 1

@@ -42,6 +42,8 @@ class WorkerState:
     loss: float | None = None
     done: bool = False
     gone: bool = False  # left without finishing; expected to rejoin
+    waits: bool = False  # done, and heartbeats until the run's end (Leave.waits)
+    told_finished: bool = False  # heard that the run finished (a heartbeat after it)
     left_reason: str = ""
 
     @property
@@ -133,17 +135,45 @@ class Membership:
             w.loss = loss
 
     def leave(
-        self, index: int, incarnation: int, step: int, now: float, reason: str, examples: int | None
+        self,
+        index: int,
+        incarnation: int,
+        step: int,
+        now: float,
+        reason: str,
+        examples: int | None,
+        waits: bool = False,
     ) -> None:
         self.heartbeat(index, incarnation, step, now, examples=examples)
         w = self.workers[index]
         w.left_reason = reason
+        w.waits = waits and reason not in UNFINISHED_REASONS
         if reason in UNFINISHED_REASONS:
             w.gone = True
             return
         w.done = True
         if self.all_done() and self.all_done_at is None:
             self.all_done_at = now
+
+    def reopen(self, index: int, now: float) -> bool:
+        """Worker ``index``, done and still heard from (it waits for the run's end), must
+        train again (a restore took its last batches back): it is a member at work
+        again. False (nothing changed) if it is not done or no longer heard from."""
+        w = self.workers.get(index)
+        if w is None or not w.done or not w.waits or now - w.last_seen > self.timeout:
+            return False
+        w.done, w.waits, w.left_reason, w.last_seen = False, False, "", now
+        self.all_done_at = None
+        return True
+
+    def waiting(self, now: float) -> list[int]:
+        """Workers done that wait for the run's end, still heard from, and not yet told
+        it finished (the chief stays until they are, briefly)."""
+        return sorted(
+            i
+            for i, w in self.workers.items()
+            if w.done and w.waits and not w.told_finished and now - w.last_seen <= self.timeout
+        )
 
     def alive(self, now: float) -> list[int]:
         return sorted(

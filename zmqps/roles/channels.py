@@ -56,6 +56,8 @@ class Transfer:
     step: int | None = None
     versions: Mapping[int, int] | None = None
     cursor: int | None = None
+    #: the generation of the values ``versions`` are of (with explicit versions)
+    versions_gen: int | None = None
 
 
 class DenseChannel:
@@ -97,7 +99,9 @@ class TcpChannel(DenseChannel):
             return True
         assert t.grads is not None
         tensors = [tensor for sid in sids for tensor in c.chunks(sid, t.grads, "grad")]
-        body = c.push_body(self.ps, sids, t.step, t.versions, t.cursor, op=t.op)
+        body = c.push_body(
+            self.ps, sids, t.step, t.versions, t.cursor, op=t.op, versions_gen=t.versions_gen
+        )
         rep = await requester.request(
             t.op, body.to_wire(), tensors, timeout=c.timeout, attempts=c.push_attempts
         )
@@ -167,6 +171,7 @@ class ShmChannel(DenseChannel):
                     t.versions,
                     t.cursor,
                     op=t.op,
+                    versions_gen=t.versions_gen,
                     shm=self.ref(False, t.sids),
                     shm_out=self.ref(True, t.sids) if pulls else None,
                 )

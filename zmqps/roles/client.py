@@ -212,12 +212,18 @@ class ParameterClient:
         op: str = "push",
         shm: o.ShmRef | None = None,
         shm_out: o.ShmRef | None = None,
+        versions_gen: int | None = None,
     ) -> o.Push:
-        """The body of the next push to PS ``ps`` (its own sequence number)."""
+        """The body of the next push to PS ``ps`` (its own sequence number), stamped
+        with the generation of the values its gradients were computed on: those pulled
+        last, or, with explicit ``versions``, ``versions_gen`` (default: the current
+        one)."""
         self._seq[ps] += 1
         gen = self.gen
         if versions is None and sids:  # the values pulled last: their generation
             gen = min(gen, *(self.version_gens[s] for s in sids))
+        elif versions_gen is not None:
+            gen = min(gen, versions_gen)
         self._tally(ps, gen, "sent")
         closure_seq = None
         if self._closure is not None:
@@ -401,6 +407,7 @@ class ParameterClient:
         step: int | None = None,
         versions: Mapping[int, int] | None = None,
         cursor: int | None = None,
+        versions_gen: int | None = None,
     ) -> bool:
         """One dense operation over every PS at once, each through its channel."""
         by_ps = self._by_ps(names)
@@ -415,7 +422,9 @@ class ParameterClient:
 
         async def one(ps: int, sids: list[int]) -> bool:
             channel = await self._channel(ps, sids)
-            return await channel.transfer(Transfer(op, sids, grads, out, step, versions, cursor))
+            return await channel.transfer(
+                Transfer(op, sids, grads, out, step, versions, cursor, versions_gen)
+            )
 
         if len(by_ps) == 1:
             return await one(*next(iter(by_ps.items())))
@@ -439,15 +448,18 @@ class ParameterClient:
         out: Mapping[str, Array] | None = None,
         versions: Mapping[int, int] | None = None,
         cursor: int | None = None,
+        versions_gen: int | None = None,
     ) -> bool:
         """Push whole-variable gradients (``pull=True``: :meth:`push_pull`). ``step`` is
         the local step (sync mode: the token's value); ``versions`` the shard versions
         the gradients were computed from (default: of the last pull; a caller that
-        pulls ahead keeps its own); ``cursor`` the batch the worker computed them on.
-        Returns False if some PS dropped the push (stale in sync mode, or a duplicate)."""
+        pulls ahead keeps its own, and says their generation, ``versions_gen``, from
+        :meth:`values_gen` when it took them); ``cursor`` the batch the worker computed
+        them on. Returns False if some PS dropped the push (stale in sync mode, or a
+        duplicate)."""
         flat = self._grad_arrays(grads)
         op = "push_pull" if pull else "push"
-        return await self._dense(op, flat, flat, out, step, versions, cursor)
+        return await self._dense(op, flat, flat, out, step, versions, cursor, versions_gen)
 
     async def push_pull(
         self,
@@ -457,11 +469,17 @@ class ParameterClient:
         out: Mapping[str, Array] | None = None,
         versions: Mapping[int, int] | None = None,
         cursor: int | None = None,
+        versions_gen: int | None = None,
     ) -> bool:
         """Push gradients and get the fresh values back in the same round trip; they
         land in ``params`` (or in ``out``, see :meth:`pull`)."""
         flat = self._grad_arrays(grads)
-        return await self._dense("push_pull", flat, flat, out, step, versions, cursor)
+        return await self._dense("push_pull", flat, flat, out, step, versions, cursor, versions_gen)
+
+    def values_gen(self) -> int:
+        """The generation of the dense values pulled last (the oldest of any shard):
+        what a caller keeping their ``versions`` passes as ``versions_gen``."""
+        return min(self.version_gens.values(), default=self.gen)
 
     # ------------------------------------------------------------------ rows
 

@@ -147,8 +147,10 @@ class StepPipeline:
         self._uploads: list[Copy] = []
         self._later: list[Copy] = []  # device copies whose duration is read at end()
         self._sent: set[str] = set()
-        #: per slot: the shard versions its values are of (sent with the gradients)
+        #: per slot: the shard versions its values are of (sent with the gradients),
+        #: and the generation they are of (a push is stamped with it)
         self._versions: list[dict[int, int]] = [{}, {}]
+        self._vgens = [0, 0]
         self._need_pull = True
         self._gen = 0  # the generation this step's requests are made in
         self._began = 0.0
@@ -182,6 +184,11 @@ class StepPipeline:
         self._step_waited = 0.0
         took_before = sum(self.stats.took.values())
         self.worker.begin_step()
+        if self.worker.gen != self._gen:
+            # restored since the last step (a heartbeat said so; no request failed):
+            # the values pulled ahead are of before the restore, pull afresh
+            self._need_pull = True
+            self._drop_prefetch()
         self._gen = self.worker.gen
         if self.prefetch and self._next is not None and not self._need_pull:
             started = time.perf_counter()
@@ -215,7 +222,7 @@ class StepPipeline:
         slot = self.front
         started = time.perf_counter()
         self.worker.pull(out=self.mirror.host[slot])  # with recovery; records "pull"
-        self._versions[slot] = dict(self.worker.client.versions)
+        self._keep_versions(slot)
         took = time.perf_counter() - started
         self.stats.add_waited("pull", took)
         self._step_waited += took
@@ -232,12 +239,23 @@ class StepPipeline:
     async def _fetch(self, slot: int) -> Copy:
         started = time.perf_counter()
         await self.worker.client.pull(out=self.mirror.host[slot])
-        self._versions[slot] = dict(self.worker.client.versions)
+        self._keep_versions(slot)
         self._took("pull", time.perf_counter() - started)
         upload = self.mirror.upload(slot)
         await upload.wait_async()
         self._took("h2d", upload.seconds())
         return upload
+
+    def _keep_versions(self, slot: int) -> None:
+        client = self.worker.client
+        self._versions[slot] = dict(client.versions)
+        self._vgens[slot] = client.values_gen()
+
+    def _drop_prefetch(self) -> None:
+        if self._next is not None:
+            with contextlib.suppress(Exception):  # its values are not used
+                self._next.result(timeout=self.worker.timeout)
+            self._next = None
 
     def grads_ready(self, grads: Mapping[str, Any]) -> None:
         """Hand over finished gradients (a model's ``on_ready``): copied to the host and
@@ -256,7 +274,7 @@ class StepPipeline:
         host, copy = self.mirror.download(ready)
         self._sent.update(ready)
         step, cursor = self.worker.steps.tag(), self.worker.cursor
-        versions = self._versions[self.front]
+        versions = self._versions[self.front], self._vgens[self.front]
         self._pending.append(
             self._submit(self._push(host, copy, step, cursor, versions, self.back))
         )
@@ -267,23 +285,31 @@ class StepPipeline:
         copy: Copy,
         step: int | None,
         cursor: int,
-        versions: dict[int, int],
+        versions: tuple[dict[int, int], int],
         slot: int,
     ) -> tuple[bool, Copy | None]:
         await copy.wait_async()
         self._took("d2h", copy.seconds())
         client = self.worker.client
         started = time.perf_counter()
+        kept, gen = versions
         if self.push_pull:
             accepted = await client.push_pull(
-                host, step=step, out=self.mirror.host[slot], versions=versions, cursor=cursor
+                host,
+                step=step,
+                out=self.mirror.host[slot],
+                versions=kept,
+                cursor=cursor,
+                versions_gen=gen,
             )
             self._took("push", time.perf_counter() - started)
             upload = self.mirror.upload(slot, host)
             await upload.wait_async()
             self._took("h2d", upload.seconds())
             return accepted, upload
-        accepted = await client.push(host, step=step, versions=versions, cursor=cursor)
+        accepted = await client.push(
+            host, step=step, versions=kept, cursor=cursor, versions_gen=gen
+        )
         self._took("push", time.perf_counter() - started)
         return accepted, None
 
@@ -324,7 +350,7 @@ class StepPipeline:
         elif self.push_pull:
             if set(self.names) - self._sent:
                 self._need_pull = True  # values of variables without a gradient: not back
-            self._versions[self.back] = dict(self.worker.client.versions)
+            self._keep_versions(self.back)
         self.worker.count_step(loss, examples)
         now = time.perf_counter()
         self.stats.wall += now - self._began
@@ -336,8 +362,4 @@ class StepPipeline:
 
     def close(self) -> None:
         """Wait for a prefetch still in flight (its values are not used)."""
-        if self._next is not None:
-            # the worker is leaving: nothing uses these values, a failure does not matter
-            with contextlib.suppress(Exception):
-                self._next.result(timeout=self.worker.timeout)
-            self._next = None
+        self._drop_prefetch()

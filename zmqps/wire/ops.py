@@ -251,6 +251,9 @@ class Leave(Body):
     step: int = wire(COUNT)
     reason: str | None = wire(Str(256), default=None)
     examples: int | None = wire(COUNT, default=None)
+    #: the task stays, heartbeating, until the run's end (a restore that takes its
+    #: last batches back sends it back to work)
+    waits: bool = wire(Bool(), default=False)
 
 
 @_body("create_vars")

@@ -339,6 +339,10 @@ class RecoveryController:
         step = 0 if ckpt is None else ckpt.step
         sync_step = step if self.mode.name == "sync" else 0
         self.gen += 1
+        if self.mode.name == "sync":
+            # with the generation, in the same turn: a status never says the new
+            # generation with the old step (the step would seem to go back within it)
+            self.mode.global_step = sync_step
         if ckpt is None:
             log.warning("no committed checkpoint: every shard restarts from its initial values")
         # Pushes applied since the checkpoint are gone with the restore: when the PS
@@ -355,6 +359,8 @@ class RecoveryController:
             self.rewound += sum(max(0, b) for b in back.values())
             cursors = held
         self.rewinds = dict(cursors or {}) if rewind else None
+        if rewind:
+            self._reopen(self.rewinds or {})
         await asyncio.gather(
             *(
                 self.ps[i].request(
@@ -373,8 +379,6 @@ class RecoveryController:
                 for i, defs in self.variables.defs_by_ps().items()
             )
         )
-        if self.mode.name == "sync":
-            self.mode.global_step = sync_step
         if self.metrics is not None:
             self.metrics.restores.labels(reason.split()[0]).inc()
         log.info(
@@ -386,9 +390,28 @@ class RecoveryController:
         )
         return step
 
-    def rewind_of(self, worker: str) -> int | None:
-        """The batch cursor ``worker`` went back to at the last restore (None: none)."""
-        return None if self.rewinds is None else self.rewinds.get(worker, 0)
+    def rewind_of(self, index: int) -> int | None:
+        """The batch cursor worker ``index`` went back to at the last restore (None:
+        none, or the worker is done: a done worker the restore did not reopen trains no
+        more)."""
+        state = self.members.workers.get(index)
+        if self.rewinds is None or (state is not None and state.done):
+            return None
+        return self.rewinds.get(f"worker:{index}", 0)
+
+    def _reopen(self, rewinds: dict[str, int]) -> None:
+        """Workers that finished their data but still wait for the run's end, and whose
+        batches the restore took back, are members at work again (the heartbeat tells
+        them where to go back to)."""
+        now = self.clock()
+        for index, w in sorted(self.members.workers.items()):
+            back = rewinds.get(f"worker:{index}", 0) < w.total_steps
+            if w.done and back and self.members.reopen(index, now):
+                log.warning(
+                    "worker %d had finished: it trains its batches after %d again",
+                    index,
+                    rewinds.get(f"worker:{index}", 0),
+                )
 
     async def restore_lost(self, lost: Sequence[int], detected_at: float, reason: str) -> None:
         """PS ``lost`` restarted without their shards: restore every PS."""
@@ -494,8 +517,13 @@ class RecoveryController:
         if running is not None:
             skip, last = running, -1
         else:
+            reported = state.steps_before
+            if self.rewinds is not None:
+                # the last restore set every PS's cursors to the checkpoint's: they know
+                # exactly; the steps heard in heartbeats before it were taken back
+                reported = min(reported, self.rewinds.get(who.name, 0))
             skip, last = resume_point(
-                state.steps_before,
+                reported,
                 progress,
                 sync=self.mode.name == "sync",
                 global_step=self.mode.global_step,

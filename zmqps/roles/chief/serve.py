@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
-from zmqps.core.recovery import Event
+from zmqps.core.recovery import Event, Phase
 from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server, start_exporter
 from zmqps.roles.chief.finish import summarize
@@ -136,14 +136,17 @@ async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> Non
     starting.result()
     watchers.append(asyncio.ensure_future(recovery.watch_ps()))
     await _create_job_variables(service)
-    await _first(service.all_done, service.shutdown_requested, recovery.training_failed)
-    if recovery.training_error is not None:
-        raise recovery.training_error
-    if service.all_done.is_set() and not service.shutdown_requested.is_set():
-        await _finish(service)
-        if cfg.keep_alive:
-            await service.shutdown_requested.wait()
-        return
+    while True:
+        await _first(service.all_done, service.shutdown_requested, recovery.training_failed)
+        if recovery.training_error is not None:
+            raise recovery.training_error
+        if not service.all_done.is_set() or service.shutdown_requested.is_set():
+            break
+        if await _finish(service):
+            if cfg.keep_alive:
+                await service.shutdown_requested.wait()
+            return
+        service.all_done.clear()  # a restore sent finished workers back to work
     # a shutdown: one last checkpoint, within the grace period
     recovery.handle(Event.SHUTDOWN)
     grace_ends = time.monotonic() + cfg.stop_grace
@@ -173,21 +176,28 @@ async def _create_job_variables(service: ChiefService) -> None:
     await service.create_variables(model.variables(), dict(job.optimizer))
 
 
-async def _finish(service: ChiefService) -> None:
+async def _finish(service: ChiefService) -> bool:
+    """The end of a run: the final checkpoint, the summary, ``finished``. False when a
+    restore meanwhile sent finished workers back to train again (they wait for the
+    end of the run until ``finished``): the run goes on."""
     cfg = service.cfg
     recovery = service.recovery
     deadline = time.monotonic() + cfg.startup_timeout
     while True:
-        while not recovery.lifecycle.can(Event.ALL_DONE):  # a restore in progress ends first
+        # a restore in progress ends first
+        while not (recovery.lifecycle.can(Event.ALL_DONE) or recovery.phase is Phase.FINISHING):
             await asyncio.sleep(0.05)
-        recovery.handle(Event.ALL_DONE)
+        if not service.members.all_done():
+            log.warning("a restore sent finished workers back to train again: the run goes on")
+            return False
+        if recovery.phase is not Phase.FINISHING:
+            recovery.handle(Event.ALL_DONE)
         recovery.stop_training()  # no step comes any more: nothing may start a checkpoint now
         gen = recovery.gen
         try:
             if service.checkpoints is not None:
                 await service.checkpoints.final(finished=True)
-            service.result = await summarize(service)
-            break
+            result = await summarize(service)
         except (RolledBack, NotReady, DeadlineExceeded) as e:
             # a PS restarted (or was cut off) at the end of the run: the final checkpoint
             # and the summary are taken once it is restored (or answers again)
@@ -195,10 +205,26 @@ async def _finish(service: ChiefService) -> None:
                 raise
             log.warning("the end of the run waits for the PS (%s)", e)
             await _recovered(service, gen, deadline)
+            continue
+        if recovery.gen == gen:
+            service.result = result
+            break
+        # restored while the summary was made: it may be of values that are gone
     if cfg.summary_path:
         Path(cfg.summary_path).write_text(json.dumps(service.result, indent=2) + "\n")
     service.finished = True
     await _evaluators_done(service)
+    await _waiting_told(service)
+    return True
+
+
+async def _waiting_told(service: ChiefService) -> None:
+    """Finished workers that wait for the run's end hear that it finished with their
+    next heartbeat: keep answering until they did (three heartbeat intervals at most),
+    so they leave at once instead of waiting out a silent chief."""
+    deadline = time.monotonic() + 3 * service.cfg.heartbeat_interval
+    while service.members.waiting(service.clock()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 async def _recovered(service: ChiefService, gen: int, deadline: float) -> None:

@@ -208,13 +208,15 @@ class ChiefService:
             self.members.heartbeat(
                 who.index, who.incarnation, req.step, self.clock(), req.loss, req.examples
             )
+            if self.finished:
+                self.members.workers[who.index].told_finished = True
         beat = o.HeartbeatReply(
             global_step=self.global_step,
             gen=self.recovery.gen,
             recovering=self.recovery.recovering,
             finished=self.finished,
             ps_down=tuple(sorted(self.recovery.ps_down)),
-            rewind=self.recovery.rewind_of(who.name) if who.role == "worker" else None,
+            rewind=self.recovery.rewind_of(who.index) if who.role == "worker" else None,
         )
         return reply(msg, beat.to_wire())
 
@@ -225,7 +227,9 @@ class ChiefService:
             log.info("evaluator left (%s)", req.reason or "done")
             return reply(msg, o.StepReply(global_step=self.global_step).to_wire())
         reason = req.reason or "done"
-        self.members.leave(who.index, who.incarnation, req.step, self.clock(), reason, req.examples)
+        self.members.leave(
+            who.index, who.incarnation, req.step, self.clock(), reason, req.examples, req.waits
+        )
         log.info("worker %d left (%s) after %d steps", who.index, reason, req.step)
         # N shrinks first (it may apply the step the leaver's gradient completed), so
         # the end of training sees every step the PS will ever apply.

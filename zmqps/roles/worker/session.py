@@ -48,6 +48,10 @@ log = logging.getLogger("zmqps.worker")
 T = TypeVar("T")
 B = TypeVar("B", bound=o.Body)
 
+#: A task that left with its work done waits for the run's end as long as the chief
+#: answers; this many heartbeat intervals of silence (at least 10 s) end the wait.
+LINGER_SILENCE = 10
+
 #: Failures of a data request that a restore (or a healed partition) answers.
 RECOVERABLE = (RolledBack, NotReady, DeadlineExceeded)
 
@@ -282,16 +286,50 @@ class Session:
 
     # ------------------------------------------------------------------ the end
 
-    async def leave(self, reason: str, timeout: float = 10.0) -> None:
-        """Tell the chief this task leaves (``done``: its work is finished)."""
+    async def leave(self, reason: str, timeout: float = 10.0, waits: bool = False) -> None:
+        """Tell the chief this task leaves (``done``: its work is finished; ``waits``:
+        it then waits for the run's end, see :meth:`linger`)."""
         if self._heartbeats is not None:
             self._heartbeats.cancel()
         step, examples, _ = self.progress()
-        body = o.Leave(self.who, step, reason, examples)
+        body = o.Leave(self.who, step, reason, examples, waits)
         try:
             await self.call("leave", body, o.StepReply, timeout=timeout, attempts=2)
         except DeadlineExceeded:
             log.warning("%s: the chief did not acknowledge leave", self.name)
+
+    async def linger(self, position: int, stop: Callable[[], bool]) -> int | None:
+        """After leaving with the work done: wait for the run's end (the chief says
+        ``finished``), heartbeating, so that a restore which takes this task's last
+        batches back (a PS lost before the final checkpoint) finds it. Returns the
+        position to train again from when one does (heartbeats start again: this task
+        is a member at work again); None when the run finished, ``stop()`` became true,
+        a restarted chief does not know this task (it learned from the PS that its work
+        is done), or the chief was silent ``LINGER_SILENCE`` heartbeat intervals (at least
+        10 s: a chief restarted by its supervisor answers within about one)."""
+        interval = self.info.heartbeat_interval if self.info is not None else 1.0
+        silence = max(10.0, LINGER_SILENCE * interval)
+        while not stop():
+            try:
+                rep = await self.chief.request("heartbeat", self._beat(), timeout=2.0)
+            except DeadlineExceeded:
+                if time.monotonic() - self.last_contact > silence:
+                    log.warning("%s: no word from the chief for %.0fs: leaving", self.name, silence)
+                    return None
+                continue
+            except (NotFound, ShutdownError):
+                return None
+            self.last_contact = time.monotonic()
+            beat = o.HeartbeatReply.parse(rep.body, "heartbeat reply")
+            if beat.finished or beat.stop:
+                return None
+            if beat.gen != self.gen and not beat.recovering:
+                self.enter(beat.gen, beat.rewind)
+                if self.rewind is not None and self.rewind < position:
+                    self.start_heartbeats(interval)
+                    return self.rewind
+            await asyncio.sleep(interval)
+        return None
 
     async def close(self) -> None:
         if self._heartbeats is not None:

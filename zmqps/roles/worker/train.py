@@ -61,7 +61,7 @@ def train(
     data_at = worker.position
     stream_ = stream(data_set, job.batch_size, job.epochs, seed, data_at)
     try:
-        while worker.position < total:
+        while worker.position < total or worker.finish() is not None:
             params = pipe.begin()
             if worker.take_rewind() is not None or worker.position != data_at:
                 data_at = worker.position  # a restore went back (see the module's doc)

@@ -136,6 +136,7 @@ class Worker:
         self._client: ParameterClient | None = None
         self._closure: int | None = None
         self._closed = False
+        self._left = False  # left with the work done (finish), waiting for the run's end
         #: the worker's private event loop (a thread); everything on the wire runs there
         self.io = LoopThread(f"zmqps-{s.role}-{index}")
         self._ctx = new_context()
@@ -492,13 +493,31 @@ class Worker:
 
     # ------------------------------------------------------------------ the end
 
+    def finish(self) -> int | None:
+        """This worker's data is done: leave with the work done, then wait for the run's
+        end (the chief's final checkpoint). A restore meanwhile may take this worker's
+        last batches back (a PS lost before the final checkpoint): then it is a member
+        at work again and this returns the position its data goes back to (the built-in
+        loop trains on from there, then calls this again). None: the run ended (or the
+        chief is gone, or a SIGTERM came); close the worker."""
+        if not self._left:
+            self.io.run(self.session.leave("done", waits=True))
+            self._left = True
+        back = self.io.run(self.session.linger(self.position, lambda: self.stop_requested))
+        if back is None:
+            return None
+        self._left = False
+        self.take_rewind()
+        return self.position
+
     def close(self, reason: str = "done") -> None:
         """Leave the cluster (``reason`` "done" counts this worker's work as finished)."""
         if self._closed:
             return
         self._closed = True
         try:
-            self.io.run(self.session.leave(reason))
+            if not (self._left and reason == "done"):
+                self.io.run(self.session.leave(reason))
         finally:
             self._teardown()
 
