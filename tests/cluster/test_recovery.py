@@ -161,3 +161,53 @@ def test_kill9_chief_resumes_without_going_back(
     assert unfaulted["global_step"] - 2 <= summary["global_step"] <= unfaulted["global_step"]
     assert abs(summary["test_accuracy"] - unfaulted["test_accuracy"]) <= 0.005
     assert not launched_by(launcher.pid)
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_that_finished_trains_again_after_a_restore(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    """Async; worker 1 is stopped, worker 0 finishes its data and waits for the run's end;
+    a PS is killed before any checkpoint: the restore goes back to the initial values,
+    and worker 0 trains its whole share again (it would have been lost with it)."""
+    run = tmp_path / "finished-worker"
+    flags = ("-q", "--epochs", "100", "--checkpoint-secs", "600")
+    launcher, summary_path = launch_run(procs, run, *flags, timeout=200)
+    chief = chief_address(launcher)
+
+    def both_training() -> bool:
+        s = chief_status(chief, timeout=1.0) or {}
+        return sum(1 for w in s.get("workers") or [] if int(w.get("step") or 0) > 0) == 2
+
+    wait_for(both_training, 60, what="both workers training", interval=0.05)
+    stopped = task_pid(launcher, "worker1")
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+
+        def worker0_done() -> bool:
+            s = chief_status(chief, timeout=1.0) or {}
+            return any(w["index"] == 0 and w["state"] == "done" for w in s.get("workers") or [])
+
+        wait_for(worker0_done, 90, what="worker 0 done", interval=0.1)
+        os.kill(task_pid(launcher, "ps0"), signal.SIGKILL)
+
+        def recovered() -> dict[str, Any] | None:
+            s = chief_status(chief, timeout=1.0)
+            recs = (s or {}).get("recoveries") or []
+            return recs[-1] if recs else None
+
+        rec = wait_for(recovered, 90, what="the restore", interval=0.1)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    launcher.expect_exit(0, timeout=200)
+    summary = read_json(summary_path)
+    share = 100 * 23  # batches of each worker: 100 epochs of its 719 or 718 digits
+    assert rec["step"] == 0 and rec["rewound_batches"] >= share, rec
+    stats = read_json(run / "worker0-stats.json")
+    assert stats["steps_done"] + stats["steps"] - stats["rewound"] == share, stats
+    assert stats["rewound"] == share, stats  # every batch of it trained again
+    # the final checkpoint holds every batch of each worker, once
+    ckpt = CheckpointRoot(run / "checkpoints").latest()
+    assert ckpt is not None and ckpt.cursors == {"worker:0": share, "worker:1": share}
+    assert summary["worker_steps"] == 2 * share, summary
+    assert not launched_by(launcher.pid)
