@@ -164,9 +164,7 @@ def test_kill9_chief_resumes_without_going_back(
 
 
 @pytest.mark.timeout(300)
-def test_a_worker_that_finished_trains_again_after_a_restore(
-    procs: Reaper, tmp_path: Path
-) -> None:
+def test_a_worker_that_finished_trains_again_after_a_restore(procs: Reaper, tmp_path: Path) -> None:
     """Async; worker 1 is stopped, worker 0 finishes its data and waits for the run's end;
     a PS is killed before any checkpoint: the restore goes back to the initial values,
     and worker 0 trains its whole share again (it would have been lost with it)."""
