@@ -331,7 +331,9 @@ class Worker:
         for). ssp: waits while this worker is more than ``max_staleness`` steps ahead
         of the slowest live worker. Waiting is done by long polls of ``poll`` seconds.
         """
-        return self.io.run(self.steps.begin(self.step, poll))
+        # steps done that hold (those a restore took back do not count: ssp clocks, like
+        # heartbeats, say how far the worker's data got)
+        return self.io.run(self.steps.begin(self.step - self.rewound, poll))
 
     @property
     def mirror(self) -> Mirror:
