@@ -449,6 +449,7 @@ def test_missing_required_field(op: str, field: str) -> None:
         ("register", {**WHO, "index": 1 << 21}),
         ("get_placement", {"wait": -1.0}),
         ("get_placement", {"wait": 3601.0}),
+        ("get_placement", {"wait": 301.0}),  # above MAX_WAIT_S
         (
             "create_vars",
             {"variables": [{**BODIES["create_vars"]["variables"][0], "shape": [-1, 4]}]},

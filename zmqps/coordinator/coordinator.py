@@ -48,6 +48,7 @@ from zmqps.wire.errors import (
     ShutdownError,
     ZmqpsError,
 )
+from zmqps.wire.ops import MAX_WAIT_S
 from zmqps.wire.values import ResourceRef, decode_value, encode_value
 
 if TYPE_CHECKING:
@@ -410,7 +411,8 @@ class Coordinator:
     def checkpoint(self, timeout: float = 120.0) -> dict[str, Any]:
         """Have the chief take a checkpoint now (its checkpoint machinery and root);
         returns its name and step."""
-        return self._io.run(self._ask_chief("checkpoint", {"wait": timeout}, timeout))
+        wait = min(timeout, MAX_WAIT_S)  # the chief's wait for a step boundary
+        return self._io.run(self._ask_chief("checkpoint", {"wait": wait}, timeout))
 
     def chief_status(self, timeout: float = 10.0) -> dict[str, Any]:
         return self._io.run(self._ask_chief("status", {}, timeout))

@@ -78,6 +78,8 @@ class TransportStats:
     auth_failures: int = 0
     #: requests sent again when their connection came back (Client)
     resent: int = 0
+    #: requests refused because too many of the peer's (or all) were pending (Server)
+    busy: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

@@ -1,5 +1,10 @@
 """Request dispatch shared by the ZeroMQ server and the in-memory fake.
 
+Requests whose handler waits (long polls, waits on a step or a write) are pending
+until they are answered; their number is bounded per peer (``MAX_PENDING_PER_PEER``)
+and in all (``MAX_PENDING``): one more is refused at once with :class:`Busy`
+(counted in ``stats.busy``), so no client can pin a server's memory with waits.
+
 This is the one boundary where a bad request becomes an error reply: a
 :class:`ZmqpsError` keeps its code; anything else becomes ``internal`` and is
 logged with its traceback. Nothing here does IO.
@@ -15,9 +20,18 @@ from typing import Any
 
 from zmqps.transport.base import Handler, TransportObserver, TransportStats
 from zmqps.wire import ERROR, Limits, Message, decode, error_reply
-from zmqps.wire.errors import ProtocolError, ZmqpsError
+from zmqps.wire.errors import Busy, ProtocolError, ZmqpsError
 
-__all__ = ["Dispatcher"]
+__all__ = ["MAX_PENDING", "MAX_PENDING_PER_PEER", "Dispatcher"]
+
+#: Requests of one peer pending at once (a worker or the chief has a few long polls
+#: and some pipelined requests; a chief serving 5,000 simulated workers holds one long
+#: poll per worker, from many peers).
+MAX_PENDING_PER_PEER = 1024
+#: Requests pending at once, all peers together (about 3 KiB each while they wait).
+MAX_PENDING = 16384
+#: Seconds between two log lines about refused requests (all are counted).
+_LOG_EVERY_S = 30.0
 
 log = logging.getLogger("zmqps.transport")
 
@@ -36,8 +50,16 @@ class Dispatcher:
         limits: Limits | None = None,
         clock_skew: float = 1.0,
         observer: TransportObserver | None = None,
+        max_pending: int = MAX_PENDING,
+        max_pending_per_peer: int = MAX_PENDING_PER_PEER,
     ) -> None:
         self.handler = handler
+        self.max_pending = max_pending
+        self.max_pending_per_peer = max_pending_per_peer
+        #: requests pending per peer (a peer leaves the map with its last one)
+        self._pending: dict[object, int] = {}
+        self._pending_total = 0
+        self._busy_logged = 0.0
         self.observer = observer
         self.name = name
         self.stats = stats
@@ -67,14 +89,54 @@ class Dispatcher:
         except Exception as exc:
             return self._observed(msg, self.error(msg, exc), started)
         if inspect.isawaitable(result):
-            return self._finish(msg, result, started)
+            held = self._pending.get(peer, 0)
+            if held >= self.max_pending_per_peer or self._pending_total >= self.max_pending:
+                if inspect.iscoroutine(result):
+                    result.close()  # never started: nothing was done
+                return self._observed(msg, self._busy(msg, peer, held), started)
+            self._pending[peer] = held + 1
+            self._pending_total += 1
+            return self._finish(msg, result, started, peer)
         return self._observed(msg, result, started)
 
-    async def _finish(self, msg: Message, result: Awaitable[Message], started: float) -> Message:
+    @property
+    def pending(self) -> int:
+        """Requests pending now (all peers)."""
+        return self._pending_total
+
+    def _busy(self, msg: Message, peer: object, held: int) -> Message:
+        self.stats.busy += 1
+        now = time.monotonic()
+        if now - self._busy_logged >= _LOG_EVERY_S:
+            self._busy_logged = now
+            log.warning(
+                "%s: refusing requests: %d pending from %r, %d in all (limits %d, %d;"
+                " %d refused so far)",
+                self.name,
+                held,
+                peer,
+                self._pending_total,
+                self.max_pending_per_peer,
+                self.max_pending,
+                self.stats.busy,
+            )
+        who = "this peer" if held >= self.max_pending_per_peer else "all peers"
+        return error_reply(msg.id, Busy(f"{self.name}: too many requests of {who} pending"))
+
+    async def _finish(
+        self, msg: Message, result: Awaitable[Message], started: float, peer: object
+    ) -> Message:
         try:
             out = await result
         except Exception as exc:
             out = self.error(msg, exc)
+        finally:
+            self._pending_total -= 1
+            left = self._pending[peer] - 1
+            if left:
+                self._pending[peer] = left
+            else:
+                del self._pending[peer]
         return self._observed(msg, out, started)
 
     def _observed(self, msg: Message, out: Message, started: float) -> Message:

@@ -13,6 +13,7 @@ Nothing else in zmqps catches broad exceptions to hide them.
 from __future__ import annotations
 
 __all__ = [
+    "Busy",
     "ConfigError",
     "DeadlineExceeded",
     "FencedError",
@@ -94,6 +95,13 @@ class DeadlineExceeded(ZmqpsError):
     code = "deadline_exceeded"
 
 
+class Busy(ZmqpsError):
+    """Too many requests of this peer (or of all peers) are pending on the server
+    (long polls, waits): the new one is refused, nothing was done. Retry later."""
+
+    code = "busy"
+
+
 class FunctionError(ZmqpsError):
     """A scheduled function (coordinator mode) raised on the worker that ran it. The
     message is ``"ExceptionType: text"`` and then the tail of the worker's traceback."""
@@ -133,6 +141,7 @@ _BY_CODE: dict[str, type[ZmqpsError]] = {
         RolledBack,
         ShutdownError,
         DeadlineExceeded,
+        Busy,
         FunctionError,
     )
 }

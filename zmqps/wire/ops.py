@@ -72,8 +72,9 @@ B = TypeVar("B", bound="Body")
 
 _PLAIN, _TUPLE, _BODY, _WHO = range(4)
 
-#: Longest long poll a request may ask for (seconds).
-MAX_WAIT_S = 3600.0
+#: Longest long poll a request may ask for (seconds): a waiting request pins a few KiB
+#: on the server, which forgets it at the latest this long after its peer is gone.
+MAX_WAIT_S = 300.0
 
 
 def wire(schema: Schema, *, default: Any = MISSING, keep_none: bool = False) -> Any:

@@ -268,12 +268,21 @@ class Worker:
         return placement
 
     def wait_for_variables(self, timeout: float = 120.0) -> Placement:
-        """Block until some other task created the variables."""
-        rep = self.io.run(
-            self.session.call(
-                "get_placement", o.GetPlacement(timeout), o.PlacementReply, timeout=timeout + 5.0
-            )
-        )
+        """Block until some other task created the variables (NotReady after
+        ``timeout`` seconds). Each wait at the chief is at most ``o.MAX_WAIT_S``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            wait = min(max(0.0, deadline - time.monotonic()), o.MAX_WAIT_S)
+            try:
+                rep = self.io.run(
+                    self.session.call(
+                        "get_placement", o.GetPlacement(wait), o.PlacementReply, timeout=wait + 5.0
+                    )
+                )
+                break
+            except NotReady:
+                if time.monotonic() >= deadline:
+                    raise
         placement = Placement.from_wire(rep.placement)
         self._use(placement)
         return placement

@@ -1,0 +1,80 @@
+"""Requests that wait on a server (long polls) are bounded per peer and in all: one
+more is refused at once with ``busy`` and counted, nothing is done for it, and the
+bound frees as the waits end (answered, timed out or cancelled). Sans-IO: the
+in-memory transport runs the same dispatcher as the ZeroMQ server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from zmqps.transport import FakeNetwork
+from zmqps.transport.dispatch import MAX_PENDING_PER_PEER
+from zmqps.wire import Message, reply
+from zmqps.wire.errors import Busy
+
+
+def _waiting_server(net: FakeNetwork, release: asyncio.Event, started: list[int]) -> Any:
+    def handler(msg: Message) -> Any:
+        async def wait() -> Message:
+            started.append(msg.id)
+            await release.wait()
+            return reply(msg, {"ok": True})
+
+        return wait()
+
+    return net.serve("srv", handler, name="srv")
+
+
+def test_one_peer_cannot_pin_more_than_its_share_of_waits() -> None:
+    async def body() -> None:
+        net, release, started = FakeNetwork(), asyncio.Event(), []
+        stats = _waiting_server(net, release, started)
+        a = net.client("srv", "a", timeout=30.0)
+        extra = 25
+        polls = [
+            asyncio.ensure_future(a.request("ping")) for _ in range(MAX_PENDING_PER_PEER + extra)
+        ]
+        await asyncio.sleep(0.05)
+        refused = [p for p in polls if p.done()]
+        assert len(refused) == extra
+        assert all(isinstance(p.exception(), Busy) for p in refused)
+        assert stats.busy == extra
+        assert len(started) == MAX_PENDING_PER_PEER  # nothing ran for the refused
+        # another peer is still served, and the first one again once its waits end
+        b = net.client("srv", "b", timeout=30.0)
+        other = asyncio.ensure_future(b.request("ping"))
+        release.set()
+        assert (await other).body == {"ok": True}
+        done = await asyncio.gather(*(p for p in polls if p not in refused))
+        assert len(done) == MAX_PENDING_PER_PEER
+        assert (await a.request("ping")).body == {"ok": True}
+        assert net._servers["srv"].pending == 0
+
+    asyncio.run(asyncio.wait_for(body(), 20.0))
+
+
+def test_all_peers_together_are_bounded_and_a_timed_out_wait_frees_its_place() -> None:
+    async def body() -> None:
+        net, release, started = FakeNetwork(), asyncio.Event(), []
+        stats = _waiting_server(net, release, started)
+        net._servers["srv"].max_pending = 40
+        clients = [net.client("srv", f"c{i}", timeout=30.0) for i in range(10)]
+        polls = [asyncio.ensure_future(c.request("ping")) for c in clients for _ in range(5)]
+        await asyncio.sleep(0.05)
+        assert stats.busy == 10 and net._servers["srv"].pending == 40
+        # a client that gives up (its deadline) frees its places at once
+        impatient = net.client("srv", "late", timeout=0.1)
+        with pytest.raises(Busy):
+            await impatient.request("ping")
+        for p in polls:
+            p.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+        assert net._servers["srv"].pending == 0
+        with pytest.raises(Exception, match="no reply"):
+            await impatient.request("ping")  # admitted now; it waits out its own deadline
+        assert net._servers["srv"].pending == 0
+
+    asyncio.run(asyncio.wait_for(body(), 20.0))
