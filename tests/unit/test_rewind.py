@@ -66,6 +66,8 @@ def test_an_exact_restore_sets_cursors_back_and_counts_what_it_took() -> None:
     assert led.get("worker:0").rolled_back == 4
     assert led.get("worker:1").rolled_back == 4
     assert led.progress("worker:1") == (0, -1)
+    # what a chief started later counts the async global step from does not go back
+    assert led.highs() == {"worker:0": 10, "worker:1": 4}
     # a restarted PS (nothing known) learns them; a non-exact restore only raises
     fresh = PushLedger()
     fresh.restored({"worker:0": 6, "worker:1": 2}, exact=True)

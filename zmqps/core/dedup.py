@@ -172,11 +172,15 @@ class WorkerPushes:
     recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=RECENT))
     #: sync: the highest cursor among the counted pushes that left ``recent``
     older: int = 0
+    #: the highest cursor ever applied (a restore that goes back does not lower it):
+    #: what a chief started later counts the async global step from
+    high: int = 0
 
     def count(self, cursor: int, step: int | None) -> None:
         """A push with batch ``cursor`` was applied (or, sync, counted toward ``step``)."""
         if cursor > self.cursor:
             self.cursor, self.step = cursor, -1 if step is None else step
+        self.high = max(self.high, cursor)
         if step is not None:
             if len(self.recent) == self.recent.maxlen:
                 self.older = max(self.older, self.recent[0][1])
@@ -260,6 +264,7 @@ class PushLedger:
             w.step = -1
             w.recent.clear()
             w.older = w.cursor
+            w.high = max(w.high, w.cursor)
 
     def included(self, sync_step: int | None) -> dict[str, int]:
         """Per worker, the highest batch cursor whose gradient the values hold now (what
@@ -281,6 +286,10 @@ class PushLedger:
 
     def cursors(self) -> dict[str, int]:
         return {name: w.cursor for name, w in self._workers.items() if w.cursor}
+
+    def highs(self) -> dict[str, int]:
+        """Per worker, the highest cursor ever applied (see :attr:`WorkerPushes.high`)."""
+        return {name: w.high for name, w in self._workers.items() if w.high}
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {name: w.to_dict() for name, w in sorted(self._workers.items())}

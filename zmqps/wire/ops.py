@@ -602,6 +602,9 @@ class PsStateReply(Body):
     #: the cursors of the last restore that went back to a checkpoint's (generation
     #: ``gen``), what a chief started since tells the workers
     rewinds: Mapping[str, int] | None = wire(CURSORS, default=None)
+    #: per worker, the highest batch cursor this PS ever applied (``cursors`` go back
+    #: with a restore to a checkpoint's; these do not)
+    highs: Mapping[str, int] | None = wire(CURSORS, default=None)
 
 
 @_body(reply=True)

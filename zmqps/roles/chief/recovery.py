@@ -236,7 +236,9 @@ class RecoveryController:
                 role, _, index = name.partition(":")
                 if role == "worker" and index.isdigit():
                     done[int(index)] = max(done.get(int(index), 0), int(steps))
-            for name, cursor in (st.get("cursors") or {}).items():
+            # the highest batches ever pushed (a restore to a checkpoint took some
+            # back, but the global step of async / ssp never goes back in a generation)
+            for name, cursor in (st.get("highs") or st.get("cursors") or {}).items():
                 pushed[name] = max(pushed.get(name, 0), int(cursor))
         now = self.clock()
         for index, steps in sorted(done.items()):

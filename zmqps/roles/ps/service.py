@@ -450,6 +450,7 @@ class PSService:
             cursors=self.pushes.cursors() or None,
             done=self.pushes.finished() or None,
             rewinds=self.rewinds,
+            highs=self.pushes.highs() or None,
         )
         return reply(msg, state.to_wire())
 
