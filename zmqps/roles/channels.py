@@ -211,13 +211,16 @@ class ShmChannel(DenseChannel):
     async def close(self) -> None:
         """Release the regions (best effort: the PS also drops them on rejoin)."""
         r = self.regions
-        for rid in (r.pull_id, r.push_id):
+
+        async def detach(rid: int) -> None:
             try:
                 await self.client.ps[self.ps].request(
-                    "shm_detach", o.ShmDetach(rid).to_wire(), timeout=2.0
+                    "shm_detach", o.ShmDetach(rid).to_wire(), timeout=1.0
                 )
             except ZmqpsError as exc:  # the PS is gone already (it drops them itself)
                 log.debug("ps %d: shm_detach failed: %s", self.ps, exc)
+
+        await asyncio.gather(detach(r.pull_id), detach(r.push_id))
         r.pull.close()
         r.push.close()
 

@@ -39,6 +39,7 @@ from zmqps.wire.errors import (
     NotReady,
     RolledBack,
     ShutdownError,
+    ZmqpsError,
 )
 
 __all__ = ["RECOVERABLE", "Session", "cut_off"]
@@ -317,7 +318,10 @@ class Session:
                     log.warning("%s: no word from the chief for %.0fs: leaving", self.name, silence)
                     return None
                 continue
-            except (NotFound, ShutdownError):
+            except ZmqpsError as e:
+                # a restarted chief that does not know this task, or knows it as done
+                # (it learned from the PS): the run's end is no more this task's concern
+                log.info("%s: the chief answers %s: leaving", self.name, e)
                 return None
             self.last_contact = time.monotonic()
             beat = o.HeartbeatReply.parse(rep.body, "heartbeat reply")

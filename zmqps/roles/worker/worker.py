@@ -544,9 +544,14 @@ class Worker:
 
         try:
             self.io.run(close_all(), timeout=10)
-        finally:
+        except BaseException:
+            # sockets may still be open (a peer that never answered): term() would wait
+            # for them for ever; drop what is queued instead
             self.io.stop()
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
+            raise
+        self.io.stop()
+        self._ctx.term()
 
     def __enter__(self) -> Worker:
         return self
