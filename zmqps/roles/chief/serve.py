@@ -240,7 +240,13 @@ async def _recovered(service: ChiefService, gen: int, deadline: float) -> None:
 
 async def _evaluators_done(service: ChiefService) -> None:
     """Keep the PS up until every live side-car evaluator scored the final model and
-    left (it says so), at most ``final_eval_timeout`` seconds."""
+    left (it says so), at most ``final_eval_timeout`` seconds. A chief that never
+    heard the cluster's evaluator (restarted at the end of the run) gives it three
+    heartbeat intervals to register again first."""
+    if service.cfg.cluster.evaluator and not service.evaluator_heard:
+        until = time.monotonic() + 3 * service.cfg.heartbeat_interval
+        while not service.evaluator_heard and time.monotonic() < until:
+            await asyncio.sleep(0.05)
     if not service.live_evaluators():
         return
     deadline = time.monotonic() + service.cfg.final_eval_timeout

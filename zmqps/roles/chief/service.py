@@ -83,6 +83,9 @@ class ChiefService:
         )
         #: side-car evaluators: (index, incarnation) -> last heard (monotonic)
         self.evaluators: dict[tuple[int, int], float] = {}
+        #: an evaluator registered or heartbeated here (a chief restarted at the end of
+        #: a run may not have heard the cluster's evaluator yet)
+        self.evaluator_heard = False
         self.all_done = asyncio.Event()
         self.shutdown_requested = asyncio.Event()
         #: the run is over and its summary written: heartbeats tell every task
@@ -196,6 +199,7 @@ class ChiefService:
         who = req.who
         if who.role != "worker":
             self.evaluators[(who.index, who.incarnation)] = self.clock()
+            self.evaluator_heard = True
             return reply(msg, self._info().to_wire())
         _, skip, last = await self.recovery.admit(who, req.steps_planned or 0, req.steps_done)
         return reply(msg, self._info(skip, last).to_wire())
@@ -204,6 +208,7 @@ class ChiefService:
         who = req.who
         if who.role != "worker":
             self.evaluators[(who.index, who.incarnation)] = self.clock()
+            self.evaluator_heard = True
         else:
             self.members.heartbeat(
                 who.index, who.incarnation, req.step, self.clock(), req.loss, req.examples
