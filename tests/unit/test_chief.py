@@ -489,17 +489,23 @@ def test_all_done_only_when_every_worker_left() -> None:
     run(body())
 
 
+async def finished_run(num_ps: int, num_workers: int, steps: int, **leave: Any) -> Env:
+    """A started chief with variables whose workers all registered and left (done)."""
+    env = make_env(num_ps, num_workers=num_workers)
+    await env.chief.start()
+    await env.chief.create_variables(VARS, SGD)
+    for i in range(num_workers):
+        await call(env.chief, "register", who(i))
+        await call(env.chief, "leave", who(i, step=steps, **leave))
+    assert env.chief.all_done.is_set()
+    return env
+
+
 def test_a_chief_started_after_every_worker_finished_ends_the_run() -> None:
     # a chief that crashed at the end of a run (every worker gone, its work done) and
     # was restarted: nobody will leave again, so it must end the run on its own
     async def body() -> None:
-        env = make_env(2, num_workers=2)
-        await env.chief.start()
-        await env.chief.create_variables(VARS, SGD)
-        for i in range(2):
-            await call(env.chief, "register", who(i))
-            await call(env.chief, "leave", who(i, step=4))
-        assert env.chief.all_done.is_set()
+        env = await finished_run(2, 2, steps=4)
         clients = [env.net.client(addr, "chief:0") for addr in env.cfg.cluster.ps]
         restarted = ChiefService(env.cfg, clients, clock=env.clock)
         await restarted.start()

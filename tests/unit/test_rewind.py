@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_chief import SGD, VARS, call, make_env, who
+from test_chief import call, finished_run, who
 from test_chief import run as run_chief
 from test_ps_client import run
 from test_ps_recovery import chief, created_cluster, defs_by_ps, grads, placement_for
@@ -200,13 +200,7 @@ def test_a_finished_worker_that_waits_is_reopened_by_a_restore_taking_its_batche
 
 def test_the_chief_sends_back_only_the_workers_whose_batches_the_restore_took() -> None:
     async def body() -> None:
-        env = make_env(1, num_workers=2)
-        await env.chief.start()
-        await env.chief.create_variables(VARS, SGD)
-        for i in range(2):
-            await call(env.chief, "register", who(i))
-            await call(env.chief, "leave", who(i, step=20, waits=True))
-        assert env.chief.all_done.is_set()
+        env = await finished_run(1, 2, steps=20, waits=True)
         rec = env.chief.recovery
         rec.rewinds = {"worker:0": 12, "worker:1": 20}
         rec._reopen(rec.rewinds)
