@@ -28,6 +28,15 @@ def _waiting_server(net: FakeNetwork, release: asyncio.Event, started: list[int]
     return net.serve("srv", handler, name="srv")
 
 
+async def _settled(done: Any, within: float = 10.0) -> None:
+    """Wait until every request sent so far was admitted or refused."""
+    deadline = asyncio.get_running_loop().time() + within
+    while not done():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # the refused ones' replies reach their callers
+
+
 def test_one_peer_cannot_pin_more_than_its_share_of_waits() -> None:
     async def body() -> None:
         net, release, started = FakeNetwork(), asyncio.Event(), []
@@ -37,7 +46,8 @@ def test_one_peer_cannot_pin_more_than_its_share_of_waits() -> None:
         polls = [
             asyncio.ensure_future(a.request("ping")) for _ in range(MAX_PENDING_PER_PEER + extra)
         ]
-        await asyncio.sleep(0.05)
+        server = net._servers["srv"]
+        await _settled(lambda: stats.busy + server.pending == len(polls))
         refused = [p for p in polls if p.done()]
         assert len(refused) == extra
         assert all(isinstance(p.exception(), Busy) for p in refused)
@@ -63,7 +73,7 @@ def test_all_peers_together_are_bounded_and_a_timed_out_wait_frees_its_place() -
         net._servers["srv"].max_pending = 40
         clients = [net.client("srv", f"c{i}", timeout=30.0) for i in range(10)]
         polls = [asyncio.ensure_future(c.request("ping")) for c in clients for _ in range(5)]
-        await asyncio.sleep(0.05)
+        await _settled(lambda: stats.busy + net._servers["srv"].pending == 50)
         assert stats.busy == 10 and net._servers["srv"].pending == 40
         # a client that gives up (its deadline) frees its places at once
         impatient = net.client("srv", "late", timeout=0.1)

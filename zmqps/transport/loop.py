@@ -35,9 +35,23 @@ class LoopThread:
         return self.submit(coro).result(timeout)
 
     def stop(self) -> None:
+        """Stop the loop. Its tasks are cancelled first, so that a thread still blocked
+        in :meth:`run` (a function waiting for the cluster to recover when its worker
+        leaves) gets ``CancelledError`` instead of waiting for ever, and the process
+        can exit."""
         if not self.loop.is_running():
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
+
+        async def cancel_and_stop() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=2.0)
+            await asyncio.sleep(0)  # their callers' futures hear of it
+            self.loop.stop()
+
+        asyncio.run_coroutine_threadsafe(cancel_and_stop(), self.loop)
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self.loop.close()
