@@ -11,6 +11,9 @@
    keeps the PS up until its last evaluation.
 5. A lone evaluator (a TF_CONFIG whose cluster holds only the evaluator, TF2's
    side-car evaluation job) evaluates a finished run's checkpoints and exits 0.
+6. A chief started again after the end of its run (a supervisor restarting a chief
+   killed while it shut the cluster down) finds the PS gone and ends at once, exit 0,
+   instead of waiting the whole start-up timeout for them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from helpers import (
     script,
     task_pid,
     wait_for,
+    zmqps_cmd,
 )
 
 # digits, batch 32: 23 steps per epoch for each of 2 workers
@@ -199,3 +203,21 @@ def test_a_lone_evaluator_evaluates_a_finished_runs_checkpoints(
     assert lines[-1]["step"] == summary["global_step"], (lines[-1], summary["global_step"])
     assert round(lines[-1]["accuracy"], 4) == summary["test_accuracy"], (lines[-1], summary)
     assert "final checkpoint" in evaluator.stderr, evaluator.tail()
+
+
+@pytest.mark.timeout(150)
+def test_a_chief_started_after_the_end_of_its_run_ends_at_once(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    launcher, _ = launch_run(procs, run, "--epochs", "3", timeout=100)
+    launcher.expect_exit(0, timeout=100)
+    summary = read_json(run / "chief-summary.json")
+    config = run / "tasks" / "chief.json"
+    assert json.loads(config.read_text())["chief"]["startup_timeout"] >= 60  # waited before
+    started = time.monotonic()
+    chief = procs.spawn(zmqps_cmd("task", "--config", str(config)), name="chief-again")
+    chief.expect_exit(0, timeout=40)
+    assert time.monotonic() - started < 30, chief.tail()
+    assert "the run already finished" in chief.stderr, chief.tail()
+    assert read_json(run / "chief-summary.json") == summary  # the run's own summary stays

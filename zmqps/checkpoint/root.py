@@ -157,6 +157,11 @@ class Checkpoint:
         return self.manifest.nbytes
 
     @property
+    def final(self) -> bool:
+        """The run's last checkpoint: every worker had done its work (``extra["final"]``)."""
+        return self.manifest.extra.get("final") is True
+
+    @property
     def cursors(self) -> dict[str, int] | None:
         """Per worker, the batches (cursor) whose gradients this checkpoint holds
         (``extra["cursors"]``); None when it does not say (an older writer, or a value

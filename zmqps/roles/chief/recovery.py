@@ -53,9 +53,18 @@ from zmqps.wire.errors import DeadlineExceeded, NotReady, ZmqpsError
 if TYPE_CHECKING:
     from zmqps.roles.chief.checkpoints import ChiefCheckpoints
 
-__all__ = ["RecoveryController"]
+__all__ = ["RecoveryController", "RunFinished"]
 
 log = logging.getLogger("zmqps.chief")
+
+
+class RunFinished(Exception):
+    """At start: the checkpoint directory holds the run's final checkpoint and the PS
+    do not answer (they were shut down at the end of the run): nothing is left to do."""
+
+    def __init__(self, ckpt: Checkpoint, why: str) -> None:
+        super().__init__(f"the run already finished ({ckpt.name}, step {ckpt.step}): {why}")
+        self.ckpt = ckpt
 
 
 class RecoveryController:
@@ -182,9 +191,21 @@ class RecoveryController:
     async def start(self) -> None:
         """At start: adopt the state of PS that already hold shards (this chief was
         restarted), or restore every PS from the latest checkpoint, or start fresh."""
+        latest = None
         if self.checkpointer is not None:
             await asyncio.to_thread(self.checkpointer.clean)
-        states = await self.ps_states(self.cfg.startup_timeout)
+            latest = await asyncio.to_thread(self.checkpointer.latest)
+        if latest is not None and latest.final:
+            # The run's last checkpoint is here: a chief restarted after the end of the
+            # run (killed while it shut the cluster down) finds the PS gone. It waits
+            # a few heartbeats for them, not the whole start-up timeout: the run ended.
+            probe = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
+            try:
+                states = await self.ps_states(probe)
+            except NotReady as e:
+                raise RunFinished(latest, str(e)) from None
+        else:
+            states = await self.ps_states(self.cfg.startup_timeout)
         self._learn_progress(states)
         plan = decide_start(states, sync=self.mode.name == "sync")
         self.gen = plan.gen

@@ -30,6 +30,7 @@ from zmqps.core.recovery import Event, Phase
 from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server, start_exporter
 from zmqps.roles.chief.finish import summarize
+from zmqps.roles.chief.recovery import RunFinished
 from zmqps.roles.chief.service import ChiefService
 from zmqps.roles.configs import ChiefConfig
 from zmqps.transport import Client, Requester, Server, SocketOptions, ZmqContext
@@ -89,8 +90,8 @@ async def serve_chief(
     watchers = [asyncio.ensure_future(service.recovery.watch_workers())]
     failed: list[str] = []  # shutdown steps that failed (each logged with its traceback)
     try:
-        await _run(service, watchers)
-        await _shutdown_ps(ps_clients)
+        if await _run(service, watchers):
+            await _shutdown_ps(ps_clients)
         if service.recovery.lifecycle.can(Event.FINISHED):
             service.recovery.handle(Event.FINISHED)
     finally:
@@ -122,7 +123,9 @@ async def _cleanly(name: str, step: Awaitable[Any], failed: list[str]) -> None:
         failed.append(name)
 
 
-async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> None:
+async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> bool:
+    """The run, from the start to its end or a shutdown. False when it never started
+    (there are no PS to shut down)."""
     cfg = service.cfg
     recovery = service.recovery
     starting = asyncio.ensure_future(service.start())
@@ -132,8 +135,12 @@ async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> Non
     if not starting.done():  # a shutdown before the PS ever answered
         starting.cancel()
         log.info("chief: shutdown before the cluster started")
-        return
-    starting.result()
+        return True  # those PS that came up meanwhile are shut down
+    try:
+        starting.result()
+    except RunFinished as e:
+        _ended_before(service, e)
+        return False
     watchers.append(asyncio.ensure_future(recovery.watch_ps()))
     await _create_job_variables(service)
     while True:
@@ -145,7 +152,7 @@ async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> Non
         if await _finish(service):
             if cfg.keep_alive:
                 await service.shutdown_requested.wait()
-            return
+            return True
         service.all_done.clear()  # a restore sent finished workers back to work
     # a shutdown: one last checkpoint, within the grace period
     recovery.handle(Event.SHUTDOWN)
@@ -162,6 +169,30 @@ async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> Non
             )
         except asyncio.TimeoutError:
             log.error("final checkpoint not committed within %.0fs", cfg.stop_grace)
+    return True
+
+
+def _ended_before(service: ChiefService, finished: RunFinished) -> None:
+    """A chief started after the end of its run (its PS shut down): it ends at once,
+    as the run did; the summary the run wrote stays (or a short one says so)."""
+    log.warning("%s; this chief ends", finished)
+    ckpt = finished.ckpt
+    service.finished = True
+    path = Path(service.cfg.summary_path) if service.cfg.summary_path else None
+    if path is not None and path.is_file():
+        try:
+            service.result = json.loads(path.read_text())
+            return
+        except (OSError, ValueError):
+            pass
+    service.result = {
+        "mode": service.mode,
+        "global_step": int(ckpt.manifest.extra.get("global_step", ckpt.step)),
+        "final_checkpoint": ckpt.name,
+        "ended_before_start": True,
+    }
+    if path is not None:
+        path.write_text(json.dumps(service.result, indent=2) + "\n")
 
 
 async def _create_job_variables(service: ChiefService) -> None:
