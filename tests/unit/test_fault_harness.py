@@ -20,6 +20,7 @@ from faults.invariants import (
     check_steps,
     lone_share,
     longest_pause,
+    partial_share,
     pauses,
 )
 from faults.observe import Sample, Timeline, named_blockers
@@ -393,6 +394,21 @@ def test_accuracy_band_finiteness_and_the_evaluators_last_score() -> None:
     pts = [(0, _status(30, workers=w)), (1, _status(50, workers=w_done))]
     pts.append((2, _status(90, workers=w_later)))
     assert lone_share(_samples(pts), REF.planned) == 0.3
+
+    # sync: gradients averaged in steps of fewer than both workers (one was missing);
+    # the PS count shard steps by N, the share is of gradients, the largest of the PS
+    def ps(**counts: int) -> PSFinal:
+        return PSFinal({"sync": {"aggregated": counts}}, gen_start=0, full_life=True)
+
+    fine = {0: ps(**{"2": 95, "1": 2}), 1: ps(**{"2": 96})}
+    partial = {0: ps(**{"2": 90, "1": 4}), 1: ps(**{"2": 80, "1": 20})}
+    assert partial_share(_record(ps_final=fine)) == 2 / 192
+    assert partial_share(_record(ps_final=partial)) == 20 / 180
+    assert partial_share(_record(ps_final={0: PSFinal(None, 0, True)})) is None
+    assert partial_share(_record(ps_final=partial, schedule=_schedule(mode="async"))) is None
+    off = model(0.9, test=0.9, ps_final=partial)["accuracy"]
+    assert off.ok and "fewer than 2" in off.detail, off.detail
+    assert not model(0.9, test=0.9, ps_final=fine)["accuracy"].ok
     assert not model(0.97, export_problem="non-finite values in ['w']")["finite"].ok
     ev = _schedule(evaluator="snapshot")
     final = {"step": 100, "accuracy": 0.9526, "loss": 0.17002, "source": "snapshot"}

@@ -108,6 +108,7 @@ def test_the_mean_is_applied_exactly_once_per_step() -> None:
         "accumulated": {"0": 0},
         "dropped": {},
         "steps_applied": 3,
+        "aggregated": {"3": 3},
     }
 
 
@@ -133,6 +134,9 @@ def test_shrinking_required_applies_a_step_that_has_enough() -> None:
     np.testing.assert_allclose(store.get(0).values.reshape(-1), expected, rtol=1e-6)
     assert sync.min_step() == 1
     assert sync.set_required(1) == []  # the new step holds nothing: nothing to apply
+    sync.add_dense(0, [(0, g0)], "worker:0")
+    # each applied step is counted by how many gradients its mean was of
+    assert sync.status()["aggregated"] == {"1": 1, "2": 1}
 
 
 def test_a_step_is_never_applied_from_zero_gradients() -> None:

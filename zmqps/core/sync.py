@@ -68,6 +68,9 @@ class SyncShards:
         self.acc: dict[int, ShardAccumulator] = {}
         self.dropped: Counter[str] = Counter()
         self.steps_applied = 0
+        #: shard steps applied, by how many gradients each one's mean was of: fewer
+        #: than the configured N are steps taken while workers were missing
+        self.aggregated: Counter[int] = Counter()
 
     def reset(self, step: int) -> None:
         """Forget every accumulated gradient; every shard is at ``step`` (a restore)."""
@@ -155,6 +158,7 @@ class SyncShards:
                 scale=scale,
             )
             acc.rows.clear()
+        self.aggregated[acc.count] += 1
         acc.step += 1
         acc.count = 0
         acc.contributors.clear()
@@ -190,6 +194,7 @@ class SyncShards:
             "accumulated": {str(sid): a.count for sid, a in sorted(self.acc.items())},
             "dropped": dict(self.dropped),
             "steps_applied": self.steps_applied,
+            "aggregated": {str(n): k for n, k in sorted(self.aggregated.items())},
         }
 
 
