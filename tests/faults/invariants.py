@@ -48,6 +48,9 @@ ACCURACY_TOLERANCE = 0.005
 #: worker stopped for 3.8 s and a PS cut off for 7.3 s in a 4-worker run (a lone
 #: share of 3.9 %, 554 steps instead of 480) cost the test images 1.4 %.
 LONE = 0.05
+#: Counts of a worker that changed further apart than this (two heartbeats) are not
+#: interpolated between: the worker stood still meanwhile.
+STALL_S = 2.0
 #: Added to the heartbeat timeout for pauses and fault windows (see the module doc).
 SLACK_S = 2.0
 
@@ -508,7 +511,9 @@ def lone_share(samples: list[Sample], planned: dict[int, int]) -> float | None:
 
     A worker's step at that moment is interpolated between the samples where the
     chief's count of it changed (async steps reach the chief once a heartbeat, sent
-    with the step just reached); after it, the worker did the rest of its share."""
+    with the step just reached), unless they are more than ``STALL_S`` apart: then the
+    worker stood still (stopped, cut off) and its count is what it was; after it, the
+    worker did the rest of its share."""
     total = sum(planned.values())
     points: dict[int, list[tuple[float, int]]] = {}
     done: set[int] = set()
@@ -533,7 +538,7 @@ def lone_share(samples: list[Sample], planned: dict[int, int]) -> float | None:
         before = [p for p in pts if p[0] <= first_done]
         later = [p for p in pts if p[0] > first_done]
         at = float(before[-1][1]) if before else 0.0
-        if before and later and later[0][0] > before[-1][0]:
+        if before and later and 0 < later[0][0] - before[-1][0] <= STALL_S:
             (t0, s0), (t1, s1) = before[-1], later[0]
             at = s0 + (s1 - s0) * (first_done - t0) / (t1 - t0)
         after += max(0, share - round(at))

@@ -394,6 +394,11 @@ def test_accuracy_band_finiteness_and_the_evaluators_last_score() -> None:
     pts = [(0, _status(30, workers=w)), (1, _status(50, workers=w_done))]
     pts.append((2, _status(90, workers=w_later)))
     assert lone_share(_samples(pts), REF.planned) == 0.3
+    # a worker whose count stood still for longer than two heartbeats (stopped) is
+    # where its count was, not half-way to where it got to later
+    stalled = [(0, _status(30, workers=w)), (5, _status(50, workers=w_done))]
+    stalled.append((6, _status(90, workers=w_later)))
+    assert lone_share(_samples(stalled), REF.planned) == 0.5
 
     # sync: gradients averaged in steps of fewer than both workers (one was missing);
     # the PS count shard steps by N, the share is of gradients, the largest of the PS
