@@ -181,3 +181,49 @@ def test_strided_views_are_checked() -> None:
     a[7] = np.nan
     assert first_nonfinite(a[1::2]) == 3
     assert first_nonfinite(a[::2]) is None
+
+
+def test_sync_a_refused_gradient_counts_toward_the_step_and_its_batch_is_done() -> None:
+    """sync, N = 2: worker 0's gradient is refused (NaN); the step does not wait for
+    it: worker 1's gradient alone makes it (its mean is of one), and worker 0's batch
+    counts as done (a restarted worker 0 never trains it again)."""
+    (var,) = VARIABLES[:1]
+    placement = plan((var,), 1, Partitioner(num_shards=1), optimizer={"name": "sgd", "lr": 1.0})
+
+    async def body() -> None:
+        ps = PS(placement)
+        await ps.create()
+        await ps.net.client("ps0", "chief:0").request(
+            "sync_config", {"mode": "sync", "required": 2}
+        )
+        (sid,) = [s.id for s in placement.shards]
+        before = ps.svc.store.get(sid).values.copy()
+        good = np.full(before.size, 0.5, np.float32)
+
+        def push(worker: str, g: np.ndarray) -> Any:
+            body = {"shards": [sid], "versions": [0], "worker": worker, "inc": 1, "seq": 1}
+            body.update(step=0, cursor=1)
+            client = ps.net.client("ps0", f"{worker}:1")
+            return client.request("push", body, [Tensor(g, "grad", sid)])
+
+        bad = good.copy()
+        bad[3] = np.nan
+        with pytest.raises(NonFiniteGradient):
+            await push("worker:0", bad)
+        assert ps.svc.mode.step == 0  # one of two: the step waits for worker 1
+        rep = await push("worker:1", good)
+        assert rep.body["applied"] is True
+        assert ps.svc.mode.step == 1
+        np.testing.assert_allclose(
+            ps.svc.store.get(sid).values.reshape(-1), before.reshape(-1) - 0.5
+        )
+        pushes = ps.svc.status()["pushes"]
+        assert pushes["worker:0"]["cursor"] == 1 and pushes["worker:0"]["applied"] == 0
+        assert pushes["worker:0"]["dropped"] == {"nonfinite": 1}
+        assert ps.svc.status()["dropped"] == {"nonfinite": 1}
+        # the same refused push sent again is a duplicate: counted once toward its step
+        with pytest.raises(NonFiniteGradient):
+            await push("worker:0", bad)
+        assert ps.svc.status()["sync"]["aggregated"] == {"1": 1}
+
+    run(body())

@@ -159,7 +159,14 @@ def test_staleness_buckets_are_the_documented_steps() -> None:
 
 
 def test_bounded_label_sets() -> None:
-    assert set(DROP_REASONS) == {"duplicate", "stale", "fenced", "invalid", "rolled_back"}
+    assert set(DROP_REASONS) == {
+        "duplicate",
+        "stale",
+        "fenced",
+        "invalid",
+        "rolled_back",
+        "nonfinite",
+    }
     assert PHASES == ("pull", "h2d", "compute", "d2h", "push")
 
 

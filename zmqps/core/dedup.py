@@ -237,6 +237,13 @@ class PushLedger:
         if cursor is not None:
             w.count(cursor, step)
 
+    def refused(self, worker: str, cursor: int | None, step: int | None) -> None:
+        """A push refused for non-finite values: dropped, yet its batch is done (the
+        worker skipped it), so the cursor counts as for an applied one."""
+        self.dropped(worker, "nonfinite")
+        if cursor is not None:
+            self.get(worker).count(cursor, step)
+
     def dropped(self, worker: str, reason: str) -> None:
         w = self.get(worker)
         w.dropped[reason] = w.dropped.get(reason, 0) + 1

@@ -9,6 +9,8 @@ Rules of this module (the semantics of TensorFlow's ``SyncReplicasOptimizer``):
   mean exactly once and advances its step; the accumulator is then empty again.
   ``required`` can shrink (dead workers, M < N): a shard that already holds that
   many gradients applies at once. A step is never applied from zero gradients.
+* A gradient refused for non-finite values counts toward N with nothing in it: the
+  step's mean is of the others; a step of refused gradients only advances the step.
 * Tokens exist for the current global step only (:class:`TokenLedger`): when the
   step advances, the old step's untaken tokens are discarded (a late backup worker
   takes a fresh token instead of computing a gradient that is sure to be dropped).
@@ -53,6 +55,8 @@ class ShardAccumulator:
     dense: Array | None = None  # running sum, flat, compute dtype
     rows: list[tuple[Array, Array]] = field(default_factory=list)  # (global ids, rows)
     contributors: list[str] = field(default_factory=list)
+    #: gradients counted toward the step with nothing in them (refused: not finite)
+    refused: int = 0
 
 
 class SyncShards:
@@ -131,15 +135,35 @@ class SyncShards:
         acc.rows.append((np.array(ids, dtype=np.int64), np.array(rows)))
         return self._counted(sid, acc, worker)
 
+    def refuse(self, sid: int, worker: str) -> bool:
+        """``worker``'s gradient for the shard's step was refused (not finite): it
+        counts toward N like any other, with nothing in it, so the step does not wait
+        for it; the mean is of the others (a step of refused ones only changes no
+        value). True when the step was applied."""
+        acc = self._acc(sid)
+        acc.refused += 1
+        acc.contributors.append(worker)
+        return self._full(sid, acc)
+
     def _counted(self, sid: int, acc: ShardAccumulator, worker: str) -> bool:
         acc.count += 1
         acc.contributors.append(worker)
-        if acc.count >= self.required:
+        return self._full(sid, acc)
+
+    def _full(self, sid: int, acc: ShardAccumulator) -> bool:
+        if acc.count + acc.refused >= self.required:
             self._apply(sid, acc)
             return True
         return False
 
     def _apply(self, sid: int, acc: ShardAccumulator) -> None:
+        self.aggregated[acc.count] += 1
+        acc.step += 1
+        acc.refused = 0
+        acc.contributors.clear()
+        self.steps_applied += 1
+        if acc.count == 0:  # every gradient of the step was refused: nothing to apply
+            return
         shard = self.store.get(sid)
         scale = 1.0 / acc.count
         if acc.dense is not None:
@@ -158,11 +182,7 @@ class SyncShards:
                 scale=scale,
             )
             acc.rows.clear()
-        self.aggregated[acc.count] += 1
-        acc.step += 1
         acc.count = 0
-        acc.contributors.clear()
-        self.steps_applied += 1
 
     def set_required(self, required: int) -> list[int]:
         """Change N; returns the shards that applied their step because of it."""
@@ -171,7 +191,7 @@ class SyncShards:
         self.required = required
         applied = []
         for sid, acc in self.acc.items():
-            if acc.count >= required:
+            if acc.count + acc.refused >= required:
                 self._apply(sid, acc)
                 applied.append(sid)
         return applied

@@ -34,7 +34,7 @@ __all__ = [
 #: Staleness in steps; exact at small values, coarser beyond.
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 #: Why a PS acknowledged a push without applying it.
-DROP_REASONS = ("duplicate", "stale", "fenced", "invalid", "rolled_back")
+DROP_REASONS = ("duplicate", "stale", "fenced", "invalid", "rolled_back", "nonfinite")
 #: Why a server refused a client: its key is not on the allow-list (refused), or the
 #: CURVE handshake failed (a plaintext client, a wrong server key).
 AUTH_FAILURE_REASONS = ("refused", "handshake")

@@ -336,7 +336,11 @@ class PSService:
     def _op_push(self, msg: Message, req: o.Push) -> Message:
         """``push`` and ``push_pull`` (the fresh values come back in the reply)."""
         pull = msg.op == "push_pull"
-        plans = self._dense_plans(msg, req)
+        try:
+            plans = self._dense_plans(msg, req)
+        except NonFiniteGradient:
+            self._refused(req)
+            raise
         out_views = None
         if pull and req.shm_out is not None:  # validated before applying; used after
             out_views = self.regions.views(self.store, req.shards, req.shm_out)
@@ -359,7 +363,11 @@ class PSService:
             ts = by_shard[sid]
             if [t.kind for t in ts] != ["index", "rows"]:
                 raise InvalidArgument(f"push_rows: shard {sid} needs exactly (index, rows)")
-            self._check_values(sid, ts[1].array.reshape(-1), 0)
+            try:
+                self._check_values(sid, ts[1].array.reshape(-1), 0)
+            except NonFiniteGradient:
+                self._refused(req)
+                raise
             plans.append(self.store.plan_rows(sid, ts[0].array, ts[1].array, ver))
         if self.metrics is not None:
             for sid, ts in by_shard.items():
@@ -402,6 +410,19 @@ class PSService:
         if done.dropped is not None:
             return o.PushReply(False, dropped=done.dropped)
         return o.PushReply(True, done.staleness)
+
+    def _refused(self, req: o.Push | o.PushRows) -> None:
+        """A push refused for its values (not finite): nothing is applied, but its batch
+        is done (the worker skips it and goes on: its cursor counts, so it is never
+        trained again) and, sync, it counts toward its step as a gradient of nobody's,
+        so the step is not left waiting for it (the mean is of the others)."""
+        if not self._is_new(req):
+            return
+        if req.step is not None:
+            self.mode.refuse(req.shards, req.worker, req.step)
+        self.pushes.refused(req.worker, req.cursor, req.step)
+        self.dedup.commit(req.worker, req.inc, req.seq)
+        self.waiters.notify()
 
     def _is_new(self, req: o.Push) -> bool:
         try:
