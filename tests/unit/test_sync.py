@@ -890,3 +890,63 @@ def test_status_text_for_sync_and_ssp() -> None:
     ssp = {**base, "mode": "ssp", "ssp": {"max_staleness": 2, "clocks": {}, "max_spread": 2}}
     assert "max staleness 2, largest spread granted 2" in format_status(ssp)
     assert "step waits on" not in format_status(ssp)
+
+
+def test_a_refused_gradient_counts_toward_n_with_nothing_in_it() -> None:
+    # N = 3: worker 1's gradient was refused (not finite): the step is made of three
+    # gradients all the same, and its mean is of the two others
+    store = one_ps_store([W])
+    sync = SyncShards(store, required=3)
+    g0, g2 = grads(1, [W])["w"].reshape(-1), grads(2, [W])["w"].reshape(-1)
+    assert not sync.add_dense(0, [(0, g0)], "worker:0")
+    assert not sync.refuse(0, "worker:1")
+    assert sync.has_contributed(0, "worker:1", 0) is False  # step 0: extra tokens
+    assert sync.add_dense(0, [(0, g2)], "worker:2")
+    expected = initial(W).reshape(-1) - LR * (g0 + g2) / 2
+    np.testing.assert_allclose(store.get(0).values.reshape(-1), expected, rtol=1e-6)
+    assert (sync.step_of(0), store.get(0).version) == (1, 1)
+    # a step of refused gradients only: the step advances, no value changes
+    before = store.get(0).values.copy()
+    for w in ("worker:0", "worker:1"):
+        assert not sync.refuse(0, w)
+    assert sync.contributors_of_current_step() == ["worker:0", "worker:1"]
+    assert sync.refuse(0, "worker:2")
+    np.testing.assert_array_equal(store.get(0).values, before)
+    assert (sync.step_of(0), store.get(0).version, sync.steps_applied) == (2, 1, 2)
+    # a refused gradient also counts when N shrinks
+    sync.refuse(0, "worker:0")
+    assert sync.set_required(1) == [0]
+    assert sync.status()["aggregated"] == {"0": 2, "2": 1}
+
+
+def test_step_waiters_wake_the_due_ones_and_forget_the_ended() -> None:
+    import asyncio
+
+    from zmqps.roles.ps.modes import StepWaiters
+
+    async def body() -> None:
+        step = [0]
+        w = StepWaiters(lambda: step[0])
+        due = [asyncio.ensure_future(w.wait(t, 60.0)) for t in (3, 1, 2, 5)]
+        # a flood of polls for a step that never comes, all cancelled (their peer's
+        # server stopped): each is forgotten, and the heap is compacted
+        flood = [asyncio.ensure_future(w.wait(10**9, 300.0)) for _ in range(5000)]
+        await asyncio.sleep(0)
+        assert len(w) == 5004
+        for f in flood:
+            f.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+        assert len(w) == 4 and len(w._heap) <= 2 * 4 + 64
+        step[0] = 2
+        w.notify()
+        await asyncio.wait(due, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(0.01)
+        assert [f.done() for f in due] == [False, True, True, False]
+        assert due[1].result() == 2
+        step[0] = 5
+        w.notify()
+        assert await asyncio.gather(*due) == [5, 2, 2, 5]
+        assert len(w) == 0
+        assert await w.wait(4, 1.0) == 5  # reached already: no wait
+
+    asyncio.run(asyncio.wait_for(body(), 10))

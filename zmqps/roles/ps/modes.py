@@ -10,7 +10,8 @@ Rules of this module:
   refused whole when its step is ahead of the shards (a token of before a restore),
   dropped whole when a shard has moved past it (``stale``) or when every shard
   already holds this worker's gradient for the step (``duplicate``); else it is
-  added to each shard's accumulator, which applies the mean once N arrived.
+  added to each shard's accumulator, which applies the mean once N arrived. A push
+  refused for non-finite values counts toward its step with nothing in it.
 * :class:`StepWaiters` holds the chief's ``wait_step`` long polls and wakes them
   when the PS's step reaches theirs.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +62,11 @@ class PSMode:
         self, sids: Sequence[int], updates: Sequence[Update], worker: str, step: int | None
     ) -> Committed:
         raise NotImplementedError
+
+    def refuse(self, sids: Sequence[int], worker: str, step: int) -> bool:
+        """A push for ``step`` whose values were refused (not finite); True if a step
+        was applied because of it."""
+        return False
 
     def set_required(self, required: int) -> bool:
         """Change N; True if a step was applied because of it."""
@@ -126,6 +134,16 @@ class Accumulate(PSMode):
                 advanced = sync.add_rows(sid, _global_ids(u), u.grads, worker) or advanced
         return Committed(tuple(staleness), advanced=advanced)
 
+    def refuse(self, sids: Sequence[int], worker: str, step: int) -> bool:
+        """Counted toward its step as an empty gradient (see :meth:`SyncShards.refuse`),
+        unless the step is not the shards' (then it would have been dropped anyway)."""
+        sync = self.shards
+        if any(sync.is_ahead(sid, step) or sync.is_stale(sid, step) for sid in sids):
+            return False
+        if all(sync.has_contributed(sid, worker, step) for sid in sids):
+            return False
+        return any([sync.refuse(sid, worker) for sid in sids])
+
     def set_required(self, required: int) -> bool:
         return bool(self.shards.set_required(required))
 
@@ -163,29 +181,43 @@ def make_mode(
 
 
 class StepWaiters:
-    """The chief's ``wait_step`` long polls: each waits until the step reaches its own."""
+    """The chief's ``wait_step`` long polls: each waits until the step reaches its own.
+
+    Kept in a heap by target step (a notify wakes the due ones only) and a map by
+    ticket (a wait that ends is forgotten at once): each costs O(log n), however many
+    wait; their number is bounded by the server's pending-request bound."""
 
     def __init__(self, step: Callable[[], int]) -> None:
         self._step = step
-        self._waiting: list[tuple[int, asyncio.Future[int]]] = []
+        self._live: dict[int, asyncio.Future[int]] = {}
+        self._heap: list[tuple[int, int]] = []  # (target, ticket); ended ones skipped
+        self._tickets = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return len(self._live)
 
     async def wait(self, target: int, seconds: float) -> int:
         """The step once it reached ``target``, or after ``seconds``, whichever first."""
         if self._step() < target and seconds > 0:
             fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            self._waiting.append((target, fut))
+            ticket = next(self._tickets)
+            self._live[ticket] = fut
+            heapq.heappush(self._heap, (target, ticket))
             try:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(fut, seconds)
             finally:
-                self._waiting = [(t, f) for t, f in self._waiting if f is not fut]
+                del self._live[ticket]
+                if len(self._heap) > 2 * len(self._live) + 64:  # mostly ended: compact
+                    self._heap = [e for e in self._heap if e[1] in self._live]
+                    heapq.heapify(self._heap)
         return self._step()
 
     def notify(self) -> None:
         step = self._step()
-        for target, fut in self._waiting:
-            if not fut.done() and step >= target:
+        heap = self._heap
+        while heap and heap[0][0] <= step:
+            _, ticket = heapq.heappop(heap)
+            fut = self._live.get(ticket)
+            if fut is not None and not fut.done():
                 fut.set_result(step)
