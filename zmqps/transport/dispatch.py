@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
+from zmqps.logs import RateLimitedLog
 from zmqps.transport.base import Handler, TransportObserver, TransportStats
 from zmqps.wire import ERROR, Limits, Message, decode, error_reply
 from zmqps.wire.errors import Busy, ProtocolError, ZmqpsError
@@ -59,7 +60,8 @@ class Dispatcher:
         #: requests pending per peer (a peer leaves the map with its last one)
         self._pending: dict[object, int] = {}
         self._pending_total = 0
-        self._busy_logged = 0.0
+        self._busy_log = RateLimitedLog(log, _LOG_EVERY_S)
+        self._internal_log = RateLimitedLog(log, _LOG_EVERY_S)
         self.observer = observer
         self.name = name
         self.stats = stats
@@ -106,20 +108,17 @@ class Dispatcher:
 
     def _busy(self, msg: Message, peer: object, held: int) -> Message:
         self.stats.busy += 1
-        now = time.monotonic()
-        if now - self._busy_logged >= _LOG_EVERY_S:
-            self._busy_logged = now
-            log.warning(
-                "%s: refusing requests: %d pending from %r, %d in all (limits %d, %d;"
-                " %d refused so far)",
-                self.name,
-                held,
-                peer,
-                self._pending_total,
-                self.max_pending_per_peer,
-                self.max_pending,
-                self.stats.busy,
-            )
+        self._busy_log.warning(
+            "%s: refusing requests: %d pending from %r, %d in all (limits %d, %d;"
+            " %d refused so far)",
+            self.name,
+            held,
+            peer,
+            self._pending_total,
+            self.max_pending_per_peer,
+            self.max_pending,
+            self.stats.busy,
+        )
         who = "this peer" if held >= self.max_pending_per_peer else "all peers"
         return error_reply(msg.id, Busy(f"{self.name}: too many requests of {who} pending"))
 
@@ -150,5 +149,14 @@ class Dispatcher:
         if isinstance(exc, ZmqpsError):
             log.debug("%s: %s failed: %s", self.name, msg.op, exc)
         else:
-            log.exception("%s: internal error serving %s from %s", self.name, msg.op, msg.sender)
+            # a traceback once per interval per operation: a client that triggers the
+            # same failure in a loop cannot flood the log (every one is counted)
+            self._internal_log.error(
+                "%s: internal error serving %s from %s",
+                self.name,
+                msg.op,
+                msg.sender,
+                key=msg.op,
+                exc_info=True,
+            )
         return error_reply(msg.id, exc)

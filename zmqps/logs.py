@@ -1,0 +1,66 @@
+"""Log lines that cannot flood: one line per interval for an event that repeats.
+
+A peer that sends the same bad request in a loop, or a training loop that meets the
+same bad value every few steps, must not write a line each time: the first one is
+logged at once, later ones at most once per interval, each saying how many were not
+logged since. Events are told apart by a key (the peer, the operation); the keys
+kept are bounded (the oldest is forgotten first).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+__all__ = ["RateLimitedLog"]
+
+#: keys remembered at most (a key forgotten logs its next event at once)
+MAX_KEYS = 1024
+
+
+class RateLimitedLog:
+    """``logger``'s lines, at most one per ``interval`` seconds per key."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_keys: int = MAX_KEYS,
+    ) -> None:
+        self.logger = logger
+        self.interval = interval
+        self.clock = clock
+        self.max_keys = max_keys
+        #: per key: (when its last line was logged, events not logged since)
+        self._keys: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()
+
+    def log(
+        self, level: int, msg: str, *args: Any, key: Hashable = None, exc_info: bool = False
+    ) -> bool:
+        """Log ``msg % args`` unless a line of ``key`` was logged less than an interval
+        ago (then it is counted, and the next line logged says how many). True if
+        logged."""
+        now = self.clock()
+        last = self._keys.get(key)
+        if last is not None and now - last[0] < self.interval:
+            self._keys[key] = (last[0], last[1] + 1)
+            return False
+        if last is not None and last[1]:
+            msg += " (%d more like it in the last %.0f s)"
+            args = (*args, last[1], now - last[0])
+        self._keys[key] = (now, 0)
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.max_keys:
+            self._keys.popitem(last=False)
+        self.logger.log(level, msg, *args, exc_info=exc_info)
+        return True
+
+    def warning(self, msg: str, *args: Any, key: Hashable = None) -> bool:
+        return self.log(logging.WARNING, msg, *args, key=key)
+
+    def error(self, msg: str, *args: Any, key: Hashable = None, exc_info: bool = False) -> bool:
+        return self.log(logging.ERROR, msg, *args, key=key, exc_info=exc_info)
