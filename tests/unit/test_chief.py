@@ -673,3 +673,39 @@ def test_a_failed_shutdown_step_is_recorded_and_the_next_ones_run() -> None:
     run(body())
     assert failed == ["server"]
     assert ran == ["fine"]
+
+
+def test_the_nonfinite_verdict() -> None:
+    from zmqps.roles.chief.finish import nonfinite_verdict
+
+    assert nonfinite_verdict(0, 1000, 0.0) == ""
+    assert nonfinite_verdict(50, 1000, 0.05) == ""  # at the share: fine
+    assert nonfinite_verdict(51, 1000, 0.05).startswith(
+        "51 of 1000 steps (5.1%) had non-finite gradients"
+    )
+    assert nonfinite_verdict(1, 1000, 0.0)  # none allowed
+    assert nonfinite_verdict(1000, 1000, 1.0) == ""
+
+
+def test_nonfinite_steps_of_every_incarnation_are_counted() -> None:
+    async def body() -> None:
+        env = make_env(1, num_workers=2, max_nonfinite_share=0.5)
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        await call(env.chief, "register", who(0))
+        await call(env.chief, "heartbeat", who(0, step=10, nonfinite=2))
+        await call(env.chief, "register", who(0, 1))  # restarted: its count stays
+        await call(env.chief, "leave", who(0, 1, step=5, nonfinite=1))
+        await call(env.chief, "register", who(1))
+        await call(env.chief, "heartbeat", who(1, step=3, nonfinite=1))
+        assert env.chief.members.nonfinite == 4
+        assert not env.chief.shutdown_requested.is_set() and not env.chief.failure
+        # none allowed: the first one heard stops the run
+        strict = make_env(1, num_workers=1, max_nonfinite_share=0.0)
+        await strict.chief.start()
+        await call(strict.chief, "register", who(0))
+        await call(strict.chief, "heartbeat", who(0, step=7, nonfinite=1))
+        assert strict.chief.shutdown_requested.is_set()
+        assert "--max-nonfinite-share is 0" in strict.chief.failure
+
+    run(body())

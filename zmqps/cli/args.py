@@ -22,7 +22,7 @@ from zmqps.data import DATASETS
 from zmqps.data.ctr import CTR_DATASETS
 from zmqps.models import MODELS
 from zmqps.process import exit_with_parent  # re-exported: it moved to zmqps.process
-from zmqps.roles.configs import SyncConfig
+from zmqps.roles.configs import NONFINITE_POLICIES, SyncConfig
 from zmqps.roles.job import JobConfig
 from zmqps.transport import SocketOptions, load_keys
 from zmqps.wire.errors import ConfigError
@@ -32,6 +32,7 @@ __all__ = [
     "add_evaluator_args",
     "add_job_args",
     "add_metrics_args",
+    "add_nonfinite_args",
     "add_security_args",
     "add_server_args",
     "add_sync_args",
@@ -40,6 +41,7 @@ __all__ = [
     "exit_with_parent",
     "job_from_args",
     "metrics_port",
+    "on_nonfinite_from_args",
     "optimizer_from_args",
     "partitioner_from_args",
     "setup_logging",
@@ -182,6 +184,41 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="ssp: how many steps a worker may run ahead of the slowest (default: 2)",
     )
+
+
+def add_nonfinite_args(
+    p: argparse.ArgumentParser, *, worker: bool = True, chief: bool = True
+) -> None:
+    """``--on-nonfinite`` (workers) and ``--max-nonfinite-share`` (the chief)."""
+    g = p.add_argument_group("non-finite values (a NaN or infinity in a loss or gradient)")
+    if worker:
+        default = "skip; stop with --max-nonfinite-share 0" if chief else "skip"
+        g.add_argument(
+            "--on-nonfinite",
+            choices=NONFINITE_POLICIES,
+            default=None,
+            help="a step whose gradient is not finite (the PS refuse it, nothing is applied):"
+            " skip it and log it (at most one line per 10 s), skip it silently, or stop the"
+            f" run at the first one (exit code 3) (default: {default})",
+        )
+    if chief:
+        g.add_argument(
+            "--max-nonfinite-share",
+            type=float,
+            default=0.05,
+            metavar="F",
+            help="the run fails (exit code 3, after its final checkpoint) when more than this"
+            " share of the workers' steps had non-finite gradients; 0: the first one stops"
+            " it (default: 0.05)",
+        )
+
+
+def on_nonfinite_from_args(args: argparse.Namespace) -> str:
+    """The workers' policy: as given, else ``stop`` when no share is allowed, else ``skip``."""
+    given: str | None = getattr(args, "on_nonfinite", None)
+    if given is not None:
+        return given
+    return "stop" if getattr(args, "max_nonfinite_share", None) == 0 else "skip"
 
 
 def sync_from_args(args: argparse.Namespace) -> SyncConfig:

@@ -35,8 +35,10 @@ from tqdm import tqdm
 from zmqps.cli.args import (
     add_device_args,
     add_job_args,
+    add_nonfinite_args,
     add_sync_args,
     job_from_args,
+    on_nonfinite_from_args,
     sync_from_args,
 )
 from zmqps.cli.coordinator import add_driver_args, check_launch
@@ -56,7 +58,7 @@ from zmqps.roles.configs import (
 from zmqps.roles.status import fetch_status
 from zmqps.transport import free_ports  # re-exported: it moved to zmqps.transport.ports
 from zmqps.transport.shm import sweep
-from zmqps.wire.errors import ConfigError, ZmqpsError
+from zmqps.wire.errors import EXIT_CONFIG, EXIT_RUN_FAILED, ConfigError, ZmqpsError
 
 __all__ = ["add_launch_args", "free_ports", "launch"]
 
@@ -87,6 +89,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     add_job_args(p)
     add_sync_args(p)
     add_device_args(p, launch=True)
+    add_nonfinite_args(p)
     add_driver_args(p)
     g = p.add_argument_group("launcher")
     g.add_argument(
@@ -281,6 +284,7 @@ class Launcher:
             checkpoint=policy,
             export_dir=None if self.export_dir is None else str(self.export_dir),
             driver=driver,
+            max_nonfinite_share=a.max_nonfinite_share,
             **metrics("chief"),
         )
         out: list[tuple[str, TaskConfig]] = [("chief", TaskConfig(chief=chief, keys=keys))]
@@ -297,6 +301,7 @@ class Launcher:
                 shared_memory=a.shared_memory,
                 stats_path=str(self.worker_stats(i)),
                 serve_job=serve_job,
+                on_nonfinite=on_nonfinite_from_args(a),
                 **metrics(f"worker{i}"),
             )
             out.append((f"worker{i}", TaskConfig(worker=worker, keys=keys)))
@@ -369,7 +374,12 @@ class Launcher:
                 if child.returncode < 0
                 else f"exited with code {child.returncode}"
             )
-            if self.args.restart == "on-failure" and child.restarts < self.args.max_restarts:
+            final = child.returncode in (EXIT_CONFIG, EXIT_RUN_FAILED)  # fails again
+            if (
+                self.args.restart == "on-failure"
+                and child.restarts < self.args.max_restarts
+                and not final
+            ):
                 child.restarts += 1
                 self.restarts.append({"task": child.name, "why": how, "at": time.time()})
                 self.say(

@@ -22,6 +22,7 @@ from zmqps.cli.args import (
     add_evaluator_args,
     add_job_args,
     add_metrics_args,
+    add_nonfinite_args,
     add_security_args,
     add_server_args,
     add_sync_args,
@@ -31,7 +32,7 @@ from zmqps.cli.args import (
     socket_options,
 )
 from zmqps.cli.tasks import run_task, task_from_args
-from zmqps.wire.errors import ConfigError, ZmqpsError
+from zmqps.wire.errors import EXIT_CONFIG, EXIT_RUN_FAILED, ConfigError, RunFailed, ZmqpsError
 
 __all__ = ["main", "server_main", "worker_main"]
 
@@ -45,6 +46,7 @@ def _server_parser(p: argparse.ArgumentParser) -> None:
     add_job_args(p, model_default=None)
     add_server_args(p)
     add_sync_args(p)
+    add_nonfinite_args(p, worker=False)
     add_metrics_args(p)
     add_security_args(p)
     add_driver_args(p)
@@ -57,6 +59,7 @@ def _worker_parser(p: argparse.ArgumentParser) -> None:
     add_cluster_args(p)
     add_job_args(p)
     add_device_args(p)
+    add_nonfinite_args(p, chief=False)
     add_metrics_args(p)
     add_evaluator_args(p)
     add_security_args(p)
@@ -248,7 +251,10 @@ def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
         return func(args)
     except ConfigError as exc:
         print(f"zmqps: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except RunFailed as exc:
+        print(f"zmqps: error: {exc}", file=sys.stderr)
+        return EXIT_RUN_FAILED
     except (ZmqpsError, OSError) as exc:
         if getattr(args, "verbose", 0):
             raise

@@ -56,7 +56,7 @@ def checkpoint_policy(args: argparse.Namespace) -> CheckpointPolicy | None:
 
 def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpec) -> TaskConfig:
     """The TaskConfig of ``zmqps-server`` / ``zmqps-worker`` flags for ``task``."""
-    from zmqps.cli.args import job_from_args, metrics_port
+    from zmqps.cli.args import job_from_args, metrics_port, on_nonfinite_from_args
 
     common: dict[str, Any] = {
         "keys": getattr(args, "keys", None),
@@ -101,6 +101,7 @@ def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpe
         metrics_host=args.metrics_host,
         metrics_port=metrics_port(args),
         serve_job=serve_job,
+        on_nonfinite=on_nonfinite_from_args(args),
     )
     return TaskConfig(worker=worker, **common)
 
@@ -141,6 +142,7 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
         checkpoint=checkpoint_policy(args),
         export_dir=args.export_dir,
         driver=driver,
+        max_nonfinite_share=args.max_nonfinite_share,
     )
 
 
@@ -246,6 +248,7 @@ def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
                 metrics=metrics,
                 options=options,
                 device=cfg.device,
+                on_nonfinite=cfg.on_nonfinite,
             ) as worker:
                 # From now on a SIGTERM ends the current step first (its gradient reaches
                 # every PS, so a sync step is not left half done); a second one ends at once.

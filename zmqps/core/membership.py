@@ -7,8 +7,9 @@ Rules of this module:
 * An incarnation older than the one registered is fenced (:class:`FencedError`).
 * A worker is dead when its last heartbeat is older than ``timeout``; a dead or
   done worker registering again is a new incarnation and resumes.
-* A worker leaving with reason "error" or "terminated" has not finished its
-  work: it is gone (neither alive nor dead) and the job waits for it to rejoin.
+* A worker leaving with reason "error", "terminated" or "nonfinite" (it stopped at
+  a non-finite value, ``--on-nonfinite stop``) has not finished its work: it is gone
+  (neither alive nor dead) and the job waits for it to rejoin.
   Any other reason ("done", "out of data") counts as finished.
 * The global step of async training is the number of updates the workers have
   reported (each step's push is one update); it never goes backwards, because
@@ -25,7 +26,7 @@ from zmqps.wire.errors import FencedError, InvalidArgument, NotFound
 __all__ = ["UNFINISHED_REASONS", "Membership", "WorkerState"]
 
 #: leave reasons that do not finish a worker's share of the job.
-UNFINISHED_REASONS = frozenset({"error", "terminated"})
+UNFINISHED_REASONS = frozenset({"error", "terminated", "nonfinite"})
 
 
 @dataclass
@@ -39,6 +40,9 @@ class WorkerState:
     steps_planned: int = 0
     examples: int = 0
     examples_before: int = 0
+    #: steps whose gradients the PS refused (not finite), this incarnation / earlier ones
+    nonfinite: int = 0
+    nonfinite_before: int = 0
     loss: float | None = None
     done: bool = False
     gone: bool = False  # left without finishing; expected to rejoin
@@ -53,6 +57,10 @@ class WorkerState:
     @property
     def total_examples(self) -> int:
         return self.examples_before + self.examples
+
+    @property
+    def total_nonfinite(self) -> int:
+        return self.nonfinite_before + self.nonfinite
 
 
 class Membership:
@@ -99,6 +107,7 @@ class Membership:
         if old is not None:
             w.steps_before = old.total_steps
             w.examples_before = old.total_examples
+            w.nonfinite_before = old.total_nonfinite
         self.workers[index] = w
         self.all_done_at = None
         return old is not None
@@ -125,12 +134,15 @@ class Membership:
         now: float,
         loss: float | None = None,
         examples: int | None = None,
+        nonfinite: int | None = None,
     ) -> None:
         w = self._current(index, incarnation)
         w.last_seen = now
         w.step = max(w.step, step)
         if examples is not None:
             w.examples = max(w.examples, examples)
+        if nonfinite is not None:
+            w.nonfinite = max(w.nonfinite, nonfinite)
         if loss is not None:
             w.loss = loss
 
@@ -143,8 +155,9 @@ class Membership:
         reason: str,
         examples: int | None,
         waits: bool = False,
+        nonfinite: int | None = None,
     ) -> None:
-        self.heartbeat(index, incarnation, step, now, examples=examples)
+        self.heartbeat(index, incarnation, step, now, examples=examples, nonfinite=nonfinite)
         w = self.workers[index]
         w.left_reason = reason
         w.waits = waits and reason not in UNFINISHED_REASONS
@@ -199,6 +212,11 @@ class Membership:
     @property
     def examples(self) -> int:
         return sum(w.total_examples for w in self.workers.values())
+
+    @property
+    def nonfinite(self) -> int:
+        """Steps whose gradients the PS refused (not finite), every worker's."""
+        return sum(w.total_nonfinite for w in self.workers.values())
 
     @property
     def steps_planned(self) -> int:

@@ -29,6 +29,7 @@ from zmqps.roles.job import JobConfig
 from zmqps.wire.errors import ConfigError, InvalidArgument
 
 __all__ = [
+    "NONFINITE_POLICIES",
     "CheckpointPolicy",
     "ChiefConfig",
     "DriverConfig",
@@ -40,6 +41,9 @@ __all__ = [
     "dumps",
     "loads",
 ]
+
+#: what a worker does with a step whose loss or gradient is not finite
+NONFINITE_POLICIES = ("skip", "skip-silently", "stop")
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,15 @@ class ChiefConfig:
     #: evaluation (it says when it is done; a silent one is not waited for)
     final_eval_timeout: float = 60.0
     driver: DriverConfig | None = None  # coordinator mode
+    #: the largest share of the workers' steps whose gradients may have been refused
+    #: as not finite (and skipped) for the run to succeed; above it the run ends
+    #: failed (exit code 3). 0: the first one stops the run.
+    max_nonfinite_share: float = 0.05
+
+    def __post_init__(self) -> None:
+        share = self.max_nonfinite_share
+        if isinstance(share, bool) or not 0.0 <= share <= 1.0:
+            raise ConfigError(f"--max-nonfinite-share must be within [0, 1], got {share}")
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,17 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     serve_job: str | None = None  # coordinator mode: the module whose functions it serves
+    #: a step whose loss or gradient is not finite (the PS refuse such a gradient):
+    #: "skip" it and log it (at most one line per 10 s), "skip-silently", or "stop"
+    #: the run at the first one (exit code 3)
+    on_nonfinite: str = "skip"
+
+    def __post_init__(self) -> None:
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(
+                f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)},"
+                f" got {self.on_nonfinite!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from zmqps.device.staging import Copy
 from zmqps.roles.worker.session import RECOVERABLE
+from zmqps.wire.errors import NonFiniteGradient
 
 if TYPE_CHECKING:
     from zmqps.roles.worker import Worker
@@ -324,15 +325,20 @@ class StepPipeline:
         of the step. Returns False if some push was dropped (see :meth:`Worker.push`)."""
         computed = time.perf_counter()
         self.stats.compute += computed - self._computing
+        self.worker.check_loss(loss)  # on_nonfinite="stop": before anything more is sent
         self.grads_ready(grads)
         self._flush()
         accepted = True
         failure: Exception | None = None
+        refused: NonFiniteGradient | None = None
         for fut in self._pending:
             try:
                 ok, upload = fut.result()
             except RECOVERABLE as exc:
                 failure = exc
+                continue
+            except NonFiniteGradient as exc:  # nothing of it applied on that PS
+                refused = exc
                 continue
             accepted = accepted and ok
             if upload is not None:
@@ -342,12 +348,16 @@ class StepPipeline:
         for copy in self._later:
             self._took("h2d", copy.seconds())
         self._later = []
+        if refused is not None:
+            accepted = self.worker.refused(loss, refused)  # skipped (or NonFiniteStop)
+            self._need_pull = True  # a refused push_pull brought no values back
+            self._uploads = []
         if failure is not None:
             self.worker.recover(failure, dropped=True, made_in=self._gen)
             accepted = False
             self._need_pull = True
             self._uploads = []
-        elif self.push_pull:
+        elif self.push_pull and refused is None:
             if set(self.names) - self._sent:
                 self._need_pull = True  # values of variables without a gradient: not back
             self._keep_versions(self.back)

@@ -13,6 +13,8 @@ Nothing else in zmqps catches broad exceptions to hide them.
 from __future__ import annotations
 
 __all__ = [
+    "EXIT_CONFIG",
+    "EXIT_RUN_FAILED",
     "Busy",
     "ConfigError",
     "DeadlineExceeded",
@@ -25,6 +27,7 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "RolledBack",
+    "RunFailed",
     "ShutdownError",
     "ZmqpsError",
     "error_from_code",
@@ -118,6 +121,19 @@ class ConfigError(ZmqpsError):
     """The cluster spec or command line is invalid; the message is one clear line."""
 
     code = "config"
+
+
+class RunFailed(ZmqpsError):
+    """The run ended in order but failed a check of its own (e.g. more of its steps
+    had non-finite gradients than ``--max-nonfinite-share`` allows): the process exits
+    with :data:`EXIT_RUN_FAILED`, which a supervisor must not retry."""
+
+    code = "run_failed"
+
+
+#: exit codes a task's supervisor never retries: the same task would fail the same way
+EXIT_CONFIG = 2
+EXIT_RUN_FAILED = 3
 
 
 class RemoteError(ZmqpsError):

@@ -244,6 +244,8 @@ class Heartbeat(Body):
     step: int = wire(COUNT)
     loss: float | None = wire(Float(), default=None)
     examples: int | None = wire(COUNT, default=None)
+    #: steps of this incarnation whose gradients the PS refused (not finite), skipped
+    nonfinite: int | None = wire(COUNT, default=None)
 
 
 @_body("leave")
@@ -255,6 +257,8 @@ class Leave(Body):
     #: the task stays, heartbeating, until the run's end (a restore that takes its
     #: last batches back sends it back to work)
     waits: bool = wire(Bool(), default=False)
+    #: steps of this incarnation whose gradients the PS refused (not finite), skipped
+    nonfinite: int | None = wire(COUNT, default=None)
 
 
 @_body("create_vars")

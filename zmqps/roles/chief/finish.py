@@ -9,9 +9,21 @@ from typing import Any
 from zmqps.roles.chief.service import ChiefService
 from zmqps.roles.client import ParameterClient
 
-__all__ = ["summarize"]
+__all__ = ["nonfinite_verdict", "summarize"]
 
 log = logging.getLogger("zmqps.chief")
+
+
+def nonfinite_verdict(nonfinite: int, steps: int, max_share: float) -> str:
+    """Why a run with ``nonfinite`` of its ``steps`` refused as not finite failed, or
+    "" when that is within ``max_share`` (0: any one fails it)."""
+    share = nonfinite / max(1, steps)
+    if nonfinite == 0 or (share <= max_share and max_share > 0):
+        return ""
+    return (
+        f"{nonfinite} of {steps} steps ({share:.1%}) had non-finite gradients, refused by"
+        f" the PS and skipped: more than --max-nonfinite-share {max_share:g}"
+    )
 
 
 async def summarize(service: ChiefService) -> dict[str, Any]:
@@ -32,7 +44,18 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         "examples": m.examples,
         "train_seconds": round(train_s, 3),
         "examples_per_second": round(m.examples / train_s, 1),
+        # steps whose gradients the PS refused as not finite (the workers skipped them)
+        "nonfinite_steps": m.nonfinite,
     }
+    failure = nonfinite_verdict(m.nonfinite, m.global_step, cfg.max_nonfinite_share)
+    if failure:
+        summary["failed"] = failure
+    elif m.nonfinite:
+        log.warning(
+            "%d of %d steps had non-finite gradients: refused by the PS and skipped",
+            m.nonfinite,
+            m.global_step,
+        )
     job = cfg.job
     placement = service.placement
     if job is None or placement is None:

@@ -35,7 +35,7 @@ from zmqps.roles.chief.service import ChiefService
 from zmqps.roles.configs import ChiefConfig
 from zmqps.transport import Client, Requester, Server, SocketOptions, ZmqContext
 from zmqps.wire import ops as o
-from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack, ZmqpsError
+from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack, RunFailed, ZmqpsError
 
 __all__ = ["run_chief", "serve_chief"]
 
@@ -107,6 +107,8 @@ async def serve_chief(
             exporter.close()
         for c in ps_clients:
             await _cleanly(f"client of {c.endpoint}", c.close(), failed)
+    if service.failure:  # ended in order, and failed a check: never retried
+        raise RunFailed(service.failure)
     if failed:  # the run itself ended well: its exit code must still tell the truth
         raise ZmqpsError(f"chief: shutdown steps failed: {', '.join(failed)} (see the log)")
     return service.result
@@ -243,6 +245,9 @@ async def _finish(service: ChiefService) -> bool:
         # restored while the summary was made: it may be of values that are gone
     if cfg.summary_path:
         Path(cfg.summary_path).write_text(json.dumps(service.result, indent=2) + "\n")
+    if service.result.get("failed"):
+        service.failure = str(service.result["failed"])
+        log.error("the run failed: %s", service.failure)
     service.finished = True
     await _evaluators_done(service)
     await _waiting_told(service)

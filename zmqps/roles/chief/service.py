@@ -90,6 +90,9 @@ class ChiefService:
         self.shutdown_requested = asyncio.Event()
         #: the run is over and its summary written: heartbeats tell every task
         self.finished = False
+        #: why the run failed although it ended in order (non-finite values): the
+        #: chief's exit says so (:class:`RunFailed`); empty when it did not
+        self.failure = ""
         self.started = time.time()
         self.result: dict[str, Any] = {}
         self._ops = OpTable("the chief", self.ops())
@@ -211,10 +214,18 @@ class ChiefService:
             self.evaluator_heard = True
         else:
             self.members.heartbeat(
-                who.index, who.incarnation, req.step, self.clock(), req.loss, req.examples
+                who.index,
+                who.incarnation,
+                req.step,
+                self.clock(),
+                req.loss,
+                req.examples,
+                req.nonfinite,
             )
             if self.finished:
                 self.members.workers[who.index].told_finished = True
+            if req.nonfinite:
+                self._nonfinite_heard(who.index, req.step)
         beat = o.HeartbeatReply(
             global_step=self.global_step,
             gen=self.recovery.gen,
@@ -225,6 +236,23 @@ class ChiefService:
         )
         return reply(msg, beat.to_wire())
 
+    def _nonfinite_heard(self, index: int, step: int) -> None:
+        """Worker ``index`` skipped a step as not finite, or stopped at one. With no
+        share of them allowed (``max_nonfinite_share`` 0) the run stops now, the model
+        as it was before it (nothing non-finite was applied); else it is judged at the
+        end (:func:`~zmqps.roles.chief.finish.nonfinite_verdict`)."""
+        state = self.members.workers.get(index)
+        stopped = state is not None and state.left_reason == "nonfinite"
+        if self.failure or not (stopped or self.cfg.max_nonfinite_share == 0):
+            return
+        self.failure = (
+            f"worker {index} met a non-finite loss or gradient after {step} steps"
+            + (" and stopped (--on-nonfinite stop)" if stopped else "")
+            + ("; --max-nonfinite-share is 0" if self.cfg.max_nonfinite_share == 0 else "")
+        )
+        log.error("%s: the run stops", self.failure)
+        self.shutdown_requested.set()
+
     async def _op_leave(self, msg: Message, req: o.Leave) -> Message:
         who = req.who
         if who.role != "worker":
@@ -233,9 +261,18 @@ class ChiefService:
             return reply(msg, o.StepReply(global_step=self.global_step).to_wire())
         reason = req.reason or "done"
         self.members.leave(
-            who.index, who.incarnation, req.step, self.clock(), reason, req.examples, req.waits
+            who.index,
+            who.incarnation,
+            req.step,
+            self.clock(),
+            reason,
+            req.examples,
+            req.waits,
+            req.nonfinite,
         )
         log.info("worker %d left (%s) after %d steps", who.index, reason, req.step)
+        if reason == "nonfinite" or req.nonfinite:
+            self._nonfinite_heard(who.index, req.step)
         # N shrinks first (it may apply the step the leaver's gradient completed), so
         # the end of training sees every step the PS will ever apply.
         await self.consistency.membership_changed(gone=[who.index])

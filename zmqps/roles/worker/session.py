@@ -67,14 +67,15 @@ class Session:
         *,
         steps_planned: int = 0,
         recovery_timeout: float = 300.0,
-        progress: Callable[[], tuple[int, int, float | None]] | None = None,
+        progress: Callable[[], tuple[int, int, float | None, int]] | None = None,
     ) -> None:
         self.chief = chief
         self.who = who
         self.steps_planned = steps_planned
         self.recovery_timeout = recovery_timeout
         #: ``(steps, examples, last loss)`` of this process, for heartbeats and leave
-        self.progress = progress or (lambda: (0, 0, None))
+        #: (steps, examples, last loss, steps refused as not finite) of this task
+        self.progress = progress or (lambda: (0, 0, None, 0))
         #: restores so far, as this process knows; data requests carry it
         self.gen = 0
         #: batches this task's earlier incarnations did, as the chief said at the start
@@ -183,8 +184,8 @@ class Session:
     # ------------------------------------------------------------------ heartbeats
 
     def _beat(self) -> dict[str, Any]:
-        step, examples, loss = self.progress()
-        beat = o.Heartbeat(self.who, step, examples=examples)
+        step, examples, loss, nonfinite = self.progress()
+        beat = o.Heartbeat(self.who, step, examples=examples, nonfinite=nonfinite or None)
         out = beat.to_wire()
         if loss is not None and np.isfinite(loss):
             out["loss"] = float(loss)
@@ -292,8 +293,8 @@ class Session:
         it then waits for the run's end, see :meth:`linger`)."""
         if self._heartbeats is not None:
             self._heartbeats.cancel()
-        step, examples, _ = self.progress()
-        body = o.Leave(self.who, step, reason, examples, waits)
+        step, examples, _, nonfinite = self.progress()
+        body = o.Leave(self.who, step, reason, examples, waits, nonfinite or None)
         try:
             await self.call("leave", body, o.StepReply, timeout=timeout, attempts=2)
         except DeadlineExceeded:

@@ -95,11 +95,12 @@ def train(
     finally:
         pipe.close()
     log.info(
-        "worker %d: done after %d steps (global step %d, loss %.4f, overlap %.2f)",
+        "worker %d: done after %d steps (global step %d, loss %.4f, overlap %.2f)%s",
         worker.index,
         worker.step,
         worker.global_step,
         loss,
         pipe.stats.overlap,
+        f"; {worker.nonfinite} skipped: gradients not finite" if worker.nonfinite else "",
     )
     return {"steps": worker.step, "loss": loss, "overlap": pipe.stats.as_dict()}

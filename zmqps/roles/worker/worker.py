@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,19 +42,34 @@ from zmqps.config import ClusterSpec, TaskSpec
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.device import Device
 from zmqps.device.staging import Mirror
+from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
 from zmqps.roles.client import ParameterClient
+from zmqps.roles.configs import NONFINITE_POLICIES
 from zmqps.roles.worker.modes import StepMode, make_step_mode
 from zmqps.roles.worker.session import Session
 from zmqps.transport import Client, LoopThread, SocketOptions, new_context
 from zmqps.wire import ops as o
-from zmqps.wire.errors import NotReady
+from zmqps.wire.errors import ConfigError, NonFiniteGradient, NotReady, RunFailed
 
-__all__ = ["Terminated", "Worker", "WorkerOptions"]
+__all__ = ["NonFiniteStop", "Terminated", "Worker", "WorkerOptions"]
+
+#: at most one log line per this many seconds for steps skipped as not finite
+NONFINITE_LOG_INTERVAL_S = 10.0
 
 log = logging.getLogger("zmqps.worker")
 
 Array = npt.NDArray[Any]
+
+
+class NonFiniteStop(RunFailed):
+    """A step's loss or gradient was not finite and the worker runs with
+    ``on_nonfinite="stop"``: it leaves (reason ``nonfinite``, which stops the run) and
+    exits with code 3."""
+
+
+def _loss_text(loss: Any) -> str:
+    return "unknown" if loss is None else f"{float(loss):.4g}"
 
 
 class Terminated(BaseException):
@@ -101,6 +117,7 @@ class Worker:
         options: SocketOptions | None = None,
         metrics: Metrics | None = None,
         device: str | Device | None = None,
+        on_nonfinite: str = "skip",
     ) -> None:
         #: how this worker connects (role, timeouts, ...), as given
         self.settings = WorkerOptions(
@@ -129,6 +146,17 @@ class Worker:
         self.rewound = 0
         self.examples = 0
         self.loss: float | None = None
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(
+                f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}"
+            )
+        #: a step whose gradients the PS refused as not finite: "skip" it (logged),
+        #: "skip-silently", or "stop" (:class:`NonFiniteStop`)
+        self.on_nonfinite = on_nonfinite
+        #: steps of this incarnation whose gradients were refused as not finite
+        self.nonfinite = 0
+        self._nonfinite_log = RateLimitedLog(log, NONFINITE_LOG_INTERVAL_S)
+        self._refused_step = -1
         #: set by a SIGTERM handler: the built-in loop stops after the current step
         self.stop_requested = False
         self._options = options
@@ -149,7 +177,12 @@ class Worker:
             recovery_timeout=s.recovery_timeout,
             # the batches of this incarnation that hold (those given back to a
             # restore are not counted until trained again)
-            progress=lambda: (self.step - self.rewound, self.examples, self.loss),
+            progress=lambda: (
+                self.step - self.rewound,
+                self.examples,
+                self.loss,
+                self.nonfinite,
+            ),
         )
         try:
             info = self.io.run(self.session.open(s.connect_timeout))
@@ -414,9 +447,13 @@ class Worker:
         grads = self.to_host(grads)
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
-        accepted = self.io.run(
-            self.session.dropping(lambda: self.client.push(grads, step=step, cursor=cursor))
-        )
+        self.check_loss(loss)
+        try:
+            accepted = self.io.run(
+                self.session.dropping(lambda: self.client.push(grads, step=step, cursor=cursor))
+            )
+        except NonFiniteGradient as exc:
+            accepted = self.refused(loss, exc)
         self.record_phase("push", started)
         self.count_step(loss, examples)
         return accepted
@@ -432,9 +469,16 @@ class Worker:
         gen_before = self.session.gen
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
-        pushed = self.io.run(
-            self.session.dropping(lambda: self.client.push_pull(grads, step=step, cursor=cursor))
-        )
+        self.check_loss(loss)
+        try:
+            pushed = self.io.run(
+                self.session.dropping(
+                    lambda: self.client.push_pull(grads, step=step, cursor=cursor)
+                )
+            )
+        except NonFiniteGradient as exc:
+            pushed = self.refused(loss, exc)
+            self.io.run(self.session.retrying(lambda: self.client.pull()))
         if not pushed and self.session.gen != gen_before:
             self.io.run(self.session.retrying(lambda: self.client.pull()))
         self.record_phase("push", started)
@@ -465,11 +509,14 @@ class Worker:
     def push_rows(self, name: str, ids: Any, grads: Any) -> bool:
         """Row gradients for the embedding variable ``name`` (duplicate ids are summed)."""
         step, cursor = self.steps.tag(), self.cursor
-        return self.io.run(
-            self.session.dropping(
-                lambda: self.client.push_rows(name, ids, grads, step=step, cursor=cursor)
+        try:
+            return self.io.run(
+                self.session.dropping(
+                    lambda: self.client.push_rows(name, ids, grads, step=step, cursor=cursor)
+                )
             )
-        )
+        except NonFiniteGradient as exc:
+            return self.refused(None, exc)
 
     def tag(self, closure: int | None) -> None:
         """Coordinator mode: the pushes from now on belong to scheduled function
@@ -478,6 +525,40 @@ class Worker:
         self._closure = closure
         if self._client is not None:
             self._client.tag(closure)
+
+    # ------------------------------------------------------------ non-finite values
+
+    def check_loss(self, loss: Any) -> None:
+        """``on_nonfinite="stop"``: a loss that is not finite stops here, before its
+        gradients are pushed (:class:`NonFiniteStop`)."""
+        if self.on_nonfinite == "stop" and loss is not None and not math.isfinite(float(loss)):
+            raise NonFiniteStop(
+                f"{self.name}: step {self.position + 1}: the loss is {float(loss)}; stopping"
+                " (--on-nonfinite stop): nothing of it was pushed"
+            )
+
+    def refused(self, loss: Any, error: NonFiniteGradient) -> bool:
+        """A PS refused this step's gradient as not finite (nothing of it applied there):
+        counted, logged (at most one line per interval, with a count) and skipped, or
+        :class:`NonFiniteStop` (``on_nonfinite="stop"``). Returns False (not applied)."""
+        if self._refused_step != self.step:  # a step's pushes count once together
+            self._refused_step = self.step
+            self.nonfinite += 1
+        where = f"step {self.position + 1}, loss {_loss_text(loss)}"
+        if self.on_nonfinite == "stop":
+            raise NonFiniteStop(
+                f"{self.name}: {where}: a gradient is not finite ({error}); stopping"
+                " (--on-nonfinite stop)"
+            )
+        if self.on_nonfinite == "skip":
+            self._nonfinite_log.warning(
+                "%s: %s: the gradient is not finite and was refused by the PS; the step is"
+                " skipped (%d so far)",
+                self.name,
+                where,
+                self.nonfinite,
+            )
+        return False
 
     def recover(
         self, error: Exception, *, dropped: bool = False, made_in: int | None = None
@@ -499,6 +580,7 @@ class Worker:
             "steps": self.step,
             "rewound": self.rewound,
             "rolled_back": self.rolled_back,
+            "nonfinite": self.nonfinite,
             "pushes": {k: dict(v) for k, v in pushes.items()},
         }
 
@@ -561,5 +643,7 @@ class Worker:
             self.close("done")
         elif issubclass(exc_type, (Terminated, KeyboardInterrupt, SystemExit)):
             self.close("terminated")
+        elif issubclass(exc_type, NonFiniteStop):
+            self.close("nonfinite")
         else:
             self.close("error")
