@@ -286,8 +286,27 @@ def overview() -> dict[str, Any]:
         ],
         unit="ops",
         description="Pushes a PS acknowledged or refused without applying (duplicate, stale, "
-        "fenced, invalid, rolled_back: made before a restore). The per-reason series exist "
-        "only once a push was dropped.",
+        "fenced, invalid, rolled_back: made before a restore, nonfinite: NaN or infinity). "
+        "The per-reason series exist only once a push was dropped.",
+    )
+    b.panel(
+        "Non-finite gradients refused",
+        [
+            (
+                "sum by (instance) (increase(zmqps_gradients_dropped_total"
+                f'{{job="ps", reason="nonfinite"}}[{RI}]))',
+                "{{instance}}",
+            ),
+            (
+                'sum(zmqps_gradients_dropped_total{job="ps", reason="nonfinite"}) or vector(0)',
+                "total since start",
+            ),
+        ],
+        unit="none",
+        description="Pushes whose gradients held NaN or infinity, refused by each PS before "
+        "anything changed (the workers skipped those steps; their logs name the step and its "
+        "loss). Alert: NonFiniteGradients. A run ends failed when the share of such steps "
+        "passes --max-nonfinite-share.",
     )
     b.panel(
         "Sync tokens and wait",
