@@ -517,3 +517,26 @@ def test_resolve_role_errors():
 def test_cluster_and_host_flags_are_exclusive():
     with pytest.raises(ConfigError, match="exclusive"):
         resolve(json.dumps(BASE), "a:1", None, None, None, "ps", 0, {})
+
+
+def test_nonfinite_settings() -> None:
+    import argparse
+
+    from zmqps.cli.args import add_nonfinite_args, on_nonfinite_from_args
+    from zmqps.roles.configs import ChiefConfig, WorkerConfig
+
+    p = argparse.ArgumentParser()
+    add_nonfinite_args(p)
+    assert on_nonfinite_from_args(p.parse_args([])) == "skip"
+    # no share allowed: zmqps launch's workers stop at the first one
+    assert on_nonfinite_from_args(p.parse_args(["--max-nonfinite-share", "0"])) == "stop"
+    given = ["--max-nonfinite-share", "0", "--on-nonfinite", "skip-silently"]
+    assert on_nonfinite_from_args(p.parse_args(given)) == "skip-silently"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--on-nonfinite", "ignore"])
+    cluster = ClusterSpec(chief="127.0.0.1:1", ps=("127.0.0.1:2",), worker=("127.0.0.1:3",))
+    for share in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="--max-nonfinite-share must be within"):
+            ChiefConfig(bind="tcp://127.0.0.1:1", cluster=cluster, max_nonfinite_share=share)
+    with pytest.raises(ConfigError, match="--on-nonfinite must be one of"):
+        WorkerConfig(cluster=cluster, index=0, on_nonfinite="ignore")
