@@ -709,3 +709,21 @@ def test_nonfinite_steps_of_every_incarnation_are_counted() -> None:
         assert "--max-nonfinite-share is 0" in strict.chief.failure
 
     run(body())
+
+
+def test_evaluators_kept_are_bounded() -> None:
+    from zmqps.roles.chief.service import MAX_EVALUATORS
+
+    async def body() -> None:
+        env = make_env(1, num_workers=1, heartbeat_timeout=10.0)
+        await env.chief.start()
+        ev = {"role": "evaluator", "index": 0}
+        for inc in range(MAX_EVALUATORS + 50):  # a client inventing incarnations
+            await call(env.chief, "register", {**ev, "incarnation": inc})
+        assert len(env.chief.evaluators) == MAX_EVALUATORS
+        assert (0, MAX_EVALUATORS + 49) in env.chief.evaluators  # the newest stay
+        env.clock.now += 11.0  # all silent past the timeout: forgotten at the next one
+        await call(env.chief, "register", {**ev, "incarnation": 10**6})
+        assert list(env.chief.evaluators) == [(0, 10**6)]
+
+    run(body())

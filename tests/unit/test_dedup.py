@@ -84,6 +84,24 @@ def test_memory_bounded() -> None:
     assert int(state["bits"], 16).bit_length() <= 64
 
 
+def test_worker_names_and_incarnation_counts_are_bounded() -> None:
+    from zmqps.core.dedup import MAX_INCARNATIONS, PushLedger
+
+    d = PushDeduper(window=8, max_workers=3)
+    for name in ("a", "b", "c"):
+        assert apply(d, name, 0, 0)
+    # a client inventing names: refused (typed), nothing recorded; known names go on
+    with pytest.raises(InvalidArgument, match="3 worker names"):
+        d.check("mallory-1", 0, 0)
+    assert len(d) == 3 and apply(d, "a", 0, 1) and apply(d, "b", 1, 0)
+    ledger = PushLedger()
+    for inc in range(MAX_INCARNATIONS + 10):  # one name, ever newer incarnations
+        ledger.applied("w", inc, 0, None, None)
+    assert len(ledger.by_incarnation) == MAX_INCARNATIONS
+    assert f"w/{MAX_INCARNATIONS + 9}/0" in ledger.by_incarnation
+    assert "w/0/0" not in ledger.by_incarnation  # the oldest went
+
+
 def test_snapshot_restore_json_roundtrip() -> None:
     d = PushDeduper(window=16)
     for seq in (0, 2, 5, 7):

@@ -265,6 +265,32 @@ def test_regions_per_worker_are_bounded() -> None:
     run(body())
 
 
+def test_regions_in_all_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zmqps.roles.ps import regions as regions_module
+
+    monkeypatch.setattr(regions_module, "MAX_REGIONS", 3)
+
+    async def body() -> None:
+        c = await make_cluster(DENSE, 1, 1)
+        svc = c.services[0]
+        for i in range(5):  # a client inventing worker names
+            region = shm.create_region(64)
+            try:
+                if i < 3:
+                    svc(request("shm_attach", _attach_body(region, worker=f"w{i}")))
+                else:
+                    with pytest.raises(InvalidArgument, match="the bound"):
+                        svc(request("shm_attach", _attach_body(region, worker=f"w{i}")))
+                    # a worker that has regions still renews one
+                    svc(request("shm_attach", _attach_body(region, worker="w0")))
+            finally:
+                shm.unlink_region(region)
+                region.close()
+        assert len(svc.regions) == 3
+
+    run(body())
+
+
 def test_attaching_again_is_idempotent() -> None:
     """shm_attach is sent again when its connection comes back (the first copy may have
     arrived): the same worker attaching the same region again gets the same id, and

@@ -25,7 +25,22 @@ from typing import Any
 
 from zmqps.wire.errors import FencedError, InvalidArgument
 
-__all__ = ["RECENT", "ClosureLedger", "PushDeduper", "PushLedger", "WorkerPushes"]
+__all__ = [
+    "MAX_INCARNATIONS",
+    "MAX_WORKERS",
+    "RECENT",
+    "ClosureLedger",
+    "PushDeduper",
+    "PushLedger",
+    "WorkerPushes",
+]
+
+#: worker names a PS keeps a dedup window for: a push from one more name is refused
+#: (a cluster has a few thousand workers at most; a client inventing names cannot grow
+#: the PS without bound)
+MAX_WORKERS = 8192
+#: (worker, incarnation, generation) counts of applied pushes kept (the oldest goes)
+MAX_INCARNATIONS = 4096
 
 #: sync: the ``(step, cursor)`` pairs of a worker's latest pushes kept per worker (a
 #: worker pushes for the step in progress or the one after; a few more for retries)
@@ -42,10 +57,11 @@ class _Worker:
 class PushDeduper:
     """Per-worker sliding window of applied push sequence numbers."""
 
-    def __init__(self, window: int = 4096) -> None:
+    def __init__(self, window: int = 4096, max_workers: int = MAX_WORKERS) -> None:
         if not isinstance(window, int) or window < 1:
             raise InvalidArgument(f"dedup window must be a positive int, got {window!r}")
         self.window = window
+        self.max_workers = max_workers
         self._mask = (1 << window) - 1
         self._workers: dict[str, _Worker] = {}
 
@@ -65,6 +81,11 @@ class PushDeduper:
         if seq < 0:
             raise InvalidArgument(f"push sequence must be >= 0, got {seq}")
         w = self._workers.get(worker)
+        if w is None and len(self._workers) >= self.max_workers:
+            raise InvalidArgument(
+                f"push from worker {worker!r} refused: this PS already keeps the pushes of"
+                f" {len(self._workers)} worker names (the bound)"
+            )
         if w is None or incarnation > w.incarnation:
             return None
         if incarnation < w.incarnation:
@@ -219,7 +240,7 @@ class PushLedger:
         self._workers: dict[str, WorkerPushes] = {}
         #: pushes applied, by "worker/incarnation/generation" (what each incarnation's
         #: own count of acknowledged pushes must match)
-        self.by_incarnation: dict[str, int] = {}
+        self.by_incarnation: OrderedDict[str, int] = OrderedDict()  # MAX_INCARNATIONS
 
     def get(self, worker: str) -> WorkerPushes:
         w = self._workers.get(worker)
@@ -233,7 +254,10 @@ class PushLedger:
         w = self.get(worker)
         w.applied += 1
         key = f"{worker}/{incarnation}/{gen}"
-        self.by_incarnation[key] = self.by_incarnation.get(key, 0) + 1
+        counts = self.by_incarnation
+        counts[key] = counts.get(key, 0) + 1
+        if len(counts) > MAX_INCARNATIONS:
+            counts.popitem(last=False)
         if cursor is not None:
             w.count(cursor, step)
 

@@ -31,7 +31,6 @@ import datetime
 import logging
 import os
 import stat
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.auth.certs import load_certificate, load_certificates
 from zmq.utils import z85
 
+from zmqps.logs import RateLimitedLog
 from zmqps.wire.errors import ConfigError, ZmqpsError
 
 __all__ = [
@@ -280,7 +280,7 @@ class _Authenticator(AsyncioAuthenticator):
         super().__init__(ctx, log=logging.getLogger("zmqps.security.zap"))
         self.listeners: list[DenialListener] = []
         self._request: list[bytes] = []
-        self._last_logged: dict[str, float] = {}
+        self._denials = RateLimitedLog(log, LOG_EVERY_S)  # per address, bounded
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         self._request = msg
@@ -310,17 +310,15 @@ class _Authenticator(AsyncioAuthenticator):
         key = ""
         if mechanism == "CURVE" and len(msg) > 6 and len(msg[6]) == 32:
             key = z85.encode(msg[6]).decode()
-        now = time.monotonic()
-        if now - self._last_logged.get(address, -LOG_EVERY_S) >= LOG_EVERY_S:
-            self._last_logged[address] = now
-            log.warning(
-                "refused a %s client from %s%s (key %s): %s",
-                mechanism,
-                address,
-                f" ({identity!r})" if identity else "",
-                key or "-",
-                reason,
-            )
+        self._denials.warning(
+            "refused a %s client from %s%s (key %s): %s",
+            mechanism,
+            address,
+            f" ({identity!r})" if identity else "",
+            key or "-",
+            reason,
+            key=address,
+        )
         for listener in list(self.listeners):
             listener(address, reason)
 

@@ -46,6 +46,9 @@ __all__ = ["ChiefService"]
 
 log = logging.getLogger("zmqps.chief")
 
+#: side-car evaluators the chief keeps track of (a run has one or a few)
+MAX_EVALUATORS = 64
+
 
 class ChiefService:
     def __init__(
@@ -81,7 +84,9 @@ class ChiefService:
             metrics,
             clock,
         )
-        #: side-car evaluators: (index, incarnation) -> last heard (monotonic)
+        #: side-car evaluators: (index, incarnation) -> last heard (monotonic); those
+        #: silent past the heartbeat timeout are forgotten when another registers, and
+        #: at most MAX_EVALUATORS are kept (the longest silent goes first)
         self.evaluators: dict[tuple[int, int], float] = {}
         #: an evaluator registered or heartbeated here (a chief restarted at the end of
         #: a run may not have heard the cluster's evaluator yet)
@@ -201,8 +206,7 @@ class ChiefService:
     async def _op_register(self, msg: Message, req: o.Register) -> Message:
         who = req.who
         if who.role != "worker":
-            self.evaluators[(who.index, who.incarnation)] = self.clock()
-            self.evaluator_heard = True
+            self._heard_evaluator(who)
             return reply(msg, self._info().to_wire())
         _, skip, last = await self.recovery.admit(who, req.steps_planned or 0, req.steps_done)
         return reply(msg, self._info(skip, last).to_wire())
@@ -210,8 +214,7 @@ class ChiefService:
     def _op_heartbeat(self, msg: Message, req: o.Heartbeat) -> Message:
         who = req.who
         if who.role != "worker":
-            self.evaluators[(who.index, who.incarnation)] = self.clock()
-            self.evaluator_heard = True
+            self._heard_evaluator(who)
         else:
             self.members.heartbeat(
                 who.index,
@@ -336,6 +339,18 @@ class ChiefService:
         return reply(msg, o.CheckpointTaken(ckpt.name, ckpt.step).to_wire())
 
     # ---------------------------------------------------------------- status
+
+    def _heard_evaluator(self, who: o.Who) -> None:
+        now = self.clock()
+        key = (who.index, who.incarnation)
+        if key not in self.evaluators:
+            for k, seen in list(self.evaluators.items()):
+                if now - seen > self.cfg.heartbeat_timeout:
+                    del self.evaluators[k]
+            while len(self.evaluators) >= MAX_EVALUATORS:
+                del self.evaluators[min(self.evaluators, key=self.evaluators.__getitem__)]
+        self.evaluators[key] = now
+        self.evaluator_heard = True
 
     def live_evaluators(self) -> list[tuple[int, int]]:
         """Side-car evaluators heard within the heartbeat timeout."""

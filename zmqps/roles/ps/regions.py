@@ -5,6 +5,8 @@ Rules of this module:
 * A region is mapped only after :func:`~zmqps.transport.shm.attach_region` checked
   its name, owner and size; a worker keeps at most :data:`MAX_PER_WORKER` (its
   oldest is dropped when it attaches another: a restarted worker attaches afresh).
+* At most :data:`MAX_REGIONS` in all: at the bound a worker's new region replaces its
+  oldest, and a worker with none is refused (it uses TCP).
 * Attaching is idempotent: the same worker attaching the same name again (a request
   sent again after its connection came back) gets the region it has.
 * :meth:`Regions.views` validates a request's offsets whole (attached region, in
@@ -24,9 +26,12 @@ from zmqps.transport.shm import Region, attach_region
 from zmqps.wire.errors import InvalidArgument, NotFound
 from zmqps.wire.ops import ShmRef
 
-__all__ = ["MAX_PER_WORKER", "Regions"]
+__all__ = ["MAX_PER_WORKER", "MAX_REGIONS", "Regions"]
 
 MAX_PER_WORKER = 4
+#: regions one PS maps in all: one more is refused (the worker uses TCP), so clients
+#: inventing worker names cannot map memory without bound
+MAX_REGIONS = 4096
 
 
 class Regions:
@@ -47,9 +52,17 @@ class Regions:
         for rid, (w, known) in self._regions.items():  # at most MAX_PER_WORKER each
             if w == worker and known.name == name and known.size == size:
                 return rid, known
-        region = attach_region(name, size, max_bytes=self.max_bytes)
         mine = sorted(rid for rid, (w, _) in self._regions.items() if w == worker)
-        for rid in mine[: max(0, len(mine) - MAX_PER_WORKER + 1)]:
+        drop = max(0, len(mine) - MAX_PER_WORKER + 1)
+        if len(self._regions) - drop >= MAX_REGIONS:  # at the bound: replace, or refuse
+            if not mine:
+                raise InvalidArgument(
+                    f"{len(self._regions)} shared-memory regions are attached on this PS"
+                    " (the bound): use TCP"
+                )
+            drop = max(drop, 1)
+        region = attach_region(name, size, max_bytes=self.max_bytes)
+        for rid in mine[:drop]:
             self.detach(rid)  # the oldest of this worker's regions
         rid = next(self._ids)
         self._regions[rid] = (worker, region)
