@@ -291,6 +291,31 @@ def test_regions_in_all_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     run(body())
 
 
+def test_a_detach_of_an_id_from_an_earlier_ps_process_leaves_the_new_region() -> None:
+    # a worker closes its channel to a PS that restarted meanwhile: the new PS process
+    # numbers its regions afresh, and the old id is the worker's new region there
+    async def body() -> None:
+        c = await make_cluster(DENSE, 1, 1)
+        old, new = shm.create_region(64), shm.create_region(64)
+        try:
+            first = c.services[0](request("shm_attach", _attach_body(old))).body["region"]
+            restarted = PSService(0)
+            rid = restarted(request("shm_attach", _attach_body(new))).body["region"]
+            assert rid == first
+            restarted(request("shm_detach", {"region": rid, "name": old.name}))
+            assert rid in restarted.regions  # not that region: left alone
+            restarted(request("shm_detach", {"region": rid, "name": new.name}))
+            assert rid not in restarted.regions
+            c.services[0](request("shm_detach", {"region": first}))  # no name: as before
+            assert first not in c.services[0].regions
+        finally:
+            for r in (old, new):
+                shm.unlink_region(r)
+                r.close()
+
+    run(body())
+
+
 def test_attaching_again_is_idempotent() -> None:
     """shm_attach is sent again when its connection comes back (the first copy may have
     arrived): the same worker attaching the same region again gets the same id, and

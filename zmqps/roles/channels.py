@@ -212,15 +212,15 @@ class ShmChannel(DenseChannel):
         """Release the regions (best effort: the PS also drops them on rejoin)."""
         r = self.regions
 
-        async def detach(rid: int) -> None:
+        async def detach(rid: int, name: str) -> None:
             try:
                 await self.client.ps[self.ps].request(
-                    "shm_detach", o.ShmDetach(rid).to_wire(), timeout=1.0
+                    "shm_detach", o.ShmDetach(rid, name).to_wire(), timeout=1.0
                 )
             except ZmqpsError as exc:  # the PS is gone already (it drops them itself)
                 log.debug("ps %d: shm_detach failed: %s", self.ps, exc)
 
-        await asyncio.gather(detach(r.pull_id), detach(r.push_id))
+        await asyncio.gather(detach(r.pull_id, r.pull.name), detach(r.push_id, r.push.name))
         r.pull.close()
         r.push.close()
 

@@ -386,6 +386,9 @@ class ShmAttach(Body):
 @_body("shm_detach")
 class ShmDetach(Body):
     region: int = wire(Int(0, 2**31 - 1))
+    #: the region's name: detached only if the id is still that region's (a restarted
+    #: PS numbers its regions afresh; an old id may be another region now)
+    name: str | None = wire(Str(64), default=None)
 
 
 # ---------------------------------------------------------------------------

@@ -68,10 +68,14 @@ class Regions:
         self._regions[rid] = (worker, region)
         return rid, region
 
-    def detach(self, rid: int) -> None:
-        entry = self._regions.pop(rid, None)
-        if entry is not None:
-            entry[1].close()
+    def detach(self, rid: int, name: str | None = None) -> None:
+        """Unmap region ``rid`` (only if it is the region ``name``, when given: an id
+        a worker kept from an earlier PS process may be another region now)."""
+        entry = self._regions.get(rid)
+        if entry is None or (name is not None and entry[1].name != name):
+            return
+        del self._regions[rid]
+        entry[1].close()
 
     def close(self) -> None:
         for rid in list(self._regions):

@@ -269,7 +269,7 @@ class PSService:
         return reply(msg, o.ShmAttached(rid, region.token.hex()).to_wire())
 
     def _op_shm_detach(self, msg: Message, req: o.ShmDetach) -> Message:
-        self.regions.detach(req.region)
+        self.regions.detach(req.region, req.name)
         return reply(msg)
 
     # -- pushes ----------------------------------------------------------------
