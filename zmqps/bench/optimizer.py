@@ -6,7 +6,9 @@ parameters updated (bytes of the parameter array / time), medians with min-max,
 and ratios to ``saxpy`` (BLAS as configured: multi-threaded) and to
 ``saxpy-1t`` (BLAS limited to one thread, as the PS's kernels are). The PS
 contenders go through :meth:`ShardStore.apply_dense` with 4 MiB gradient chunks,
-exactly as a push is applied.
+exactly as a push is applied; ``sgd+check`` and ``adam+check`` first check the
+gradient for NaN and infinities as a PS does with every push, so their ratio to the
+plain update is what the check costs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from zmqps.core import optimizers
+from zmqps.core.finite import first_nonfinite
 from zmqps.core.store import ShardStore
 from zmqps.core.variables import ShardDef
 
@@ -32,7 +35,9 @@ CONFIGS = {
 }
 
 
-def _store_update(name: str, n: int, *, kernels: bool = True) -> Callable[[], None]:
+def _store_update(
+    name: str, n: int, *, kernels: bool = True, check: bool = False
+) -> Callable[[], None]:
     store = ShardStore()
     cols = 1024
     rows = n // cols
@@ -47,6 +52,9 @@ def _store_update(name: str, n: int, *, kernels: bool = True) -> Callable[[], No
         old = optimizers.USE_KERNELS
         optimizers.USE_KERNELS = kernels
         try:
+            if check:  # what a PS does first: every value finite, else nothing changes
+                for _, chunk in chunks:
+                    assert first_nonfinite(chunk) is None
             store.apply_dense(0, chunks, store.get(0).version)
         finally:
             optimizers.USE_KERNELS = old
@@ -79,6 +87,9 @@ def run_optimizer(size_mb: float = 100.0, repeat: int = 7) -> dict[str, Any]:
         "saxpy-1t": _axpy(n, 1),
         **{name: _store_update(name, n) for name in CONFIGS},
         "adam-numpy": _store_update("adam", n, kernels=False),
+        # the update as a push gets it: its gradient checked for NaN / infinity first
+        "sgd+check": _store_update("sgd", n, check=True),
+        "adam+check": _store_update("adam", n, check=True),
     }
     names = list(contenders)
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -99,10 +110,14 @@ def run_optimizer(size_mb: float = 100.0, repeat: int = 7) -> dict[str, Any]:
             for k, v in gbs.items()
         },
         "ratios": {
-            f"{k}/{base}": med[k] / med[base]
-            for k in names
-            if not k.startswith("saxpy")
-            for base in ("saxpy", "saxpy-1t")
+            **{
+                f"{k}/{base}": med[k] / med[base]
+                for k in names
+                if not k.startswith("saxpy")
+                for base in ("saxpy", "saxpy-1t")
+            },
+            # the cost of the non-finite check, measured in this run
+            **{f"{k}+check/{k}": med[f"{k}+check"] / med[k] for k in ("sgd", "adam")},
         },
     }
 

@@ -9,6 +9,9 @@ Rules of this module:
   is the reference they are tested against.
 * Kernels take float32 / float64 parameters (slots of the same dtype); the
   gradient may be of any float dtype. Anything else uses the numpy path.
+* ``nonfinite_sum`` (the finite check of pushed gradients) is the one kernel built
+  with a fastmath flag, reassociation alone, so that its sum vectorizes; its terms
+  are 0 or NaN, and NaN survives any order of additions.
 * numba is imported lazily; :data:`available` says whether it could be.
   No fastmath: results are IEEE-exact like numpy (an FMA would differ in the last bit);
   ``error_model="numpy"`` keeps divisions vectorizable; single-threaded, because
@@ -97,6 +100,16 @@ def _build() -> dict[str, Any] | None:
             r = rows[k]
             adam(p[r], g[k], m[r], v[r], lr_t, c1, c2, eps, scale, wd)
 
+    # The one kernel with a fastmath flag: reassociation only, so the sum vectorizes.
+    # Each term is x - x: +0 for every finite x, NaN for NaN and for an infinity, and
+    # NaN survives any order of additions: the sum is 0 exactly when all are finite.
+    @numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc"})  # type: ignore[misc]
+    def nonfinite_sum(g):  # type: ignore[no-untyped-def]
+        s = g.dtype.type(0)
+        for i in range(g.shape[0]):
+            s += g[i] - g[i]
+        return s
+
     @jit  # type: ignore[misc]
     def first_nonfinite(g):  # type: ignore[no-untyped-def]
         # x - x is 0 for every finite x, NaN for NaN and for an infinity
@@ -108,6 +121,7 @@ def _build() -> dict[str, Any] | None:
 
     return {
         "first_nonfinite": first_nonfinite,
+        "nonfinite_sum": nonfinite_sum,
         "sgd": sgd,
         "momentum": momentum,
         "adagrad": adagrad,
