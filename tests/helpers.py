@@ -35,6 +35,7 @@ __all__ = [
     "addresses",
     "free_ports",
     "launched_by",
+    "memory",
     "read_json",
     "script",
     "wait_for",
@@ -66,6 +67,16 @@ def script(name: str) -> str:
 def zmqps_cmd(*args: str) -> list[str]:
     """``python -m zmqps ARGS`` with this Python."""
     return [sys.executable, "-m", "zmqps", *args]
+
+
+def memory(pid: int) -> dict[str, int]:
+    """Process ``pid``'s resident memory now (``VmRSS``) and at its peak (``VmHWM``), bytes."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
 
 
 def wait_for(

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from helpers import Reaper, addresses, script
+from helpers import Reaper, addresses, memory, script
 
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.roles.client import ParameterClient
@@ -56,13 +56,7 @@ PUSHES, POLLERS, POLLS_EACH = 1000, 200, 1000  # 200,000 long polls
 #: per pending poll (its task, coroutine frames, timer, decoded request)
 RSS_BOUND_MIB = 256
 LOG_LINES_BOUND = 200
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+MIB = 1 << 20
 
 
 def _bad_grad(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -144,7 +138,6 @@ def test_bad_values_and_a_flood_of_long_polls_change_nothing(procs: Reaper, tmp_
                 s.connect(f"tcp://{ps_addr}")
                 socks.append(s)
             replies: Counter[str] = Counter()
-            peak = 0.0
 
             async def drain(s: zmq.asyncio.Socket) -> None:
                 while True:
@@ -160,14 +153,12 @@ def test_bad_values_and_a_flood_of_long_polls_change_nothing(procs: Reaper, tmp_
                         body = {"step": 10**9, "wait": 300.0}
                         await s.send_multipart(encode(request("wait_step", body, id=rid)))
                     await asyncio.sleep(0)
-                    peak = max(peak, _rss_mib(ps.pid))
                 refused = POLLERS * POLLS_EACH - MAX_PENDING
                 until = time.monotonic() + 120
                 while sum(replies.values()) < refused and time.monotonic() < until:
-                    peak = max(peak, _rss_mib(ps.pid))
                     await asyncio.sleep(0.2)
                 await asyncio.sleep(1.0)  # the pending ones stay pending
-                peak = max(peak, _rss_mib(ps.pid))
+                peak = memory(ps.pid)["VmHWM"] / MIB
                 status = (await admin.request("status")).body
             finally:
                 for d in drains:
@@ -181,7 +172,7 @@ def test_bad_values_and_a_flood_of_long_polls_change_nothing(procs: Reaper, tmp_
 
         training = asyncio.ensure_future(train())
         await asyncio.sleep(0.5)
-        before = _rss_mib(ps.pid)
+        before = memory(ps.pid)["VmRSS"] / MIB
         steps_before = trained["steps"]
         refusals = await bad_pushes()
         polls = await long_polls()

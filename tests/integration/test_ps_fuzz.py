@@ -49,7 +49,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from helpers import Reaper, wait_for
+from helpers import Reaper, memory, wait_for
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from test_ps_hostile import (
@@ -758,15 +758,6 @@ async def reference_run(steps: int) -> tuple[np.ndarray, dict[int, int]]:
 # --------------------------------------------------------------------------- the test
 
 
-def rss(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
 async def fuzz_live_ps(endpoint: str, pid: int, corpus: Corpus) -> dict[str, Any]:
     ctx = zmq.asyncio.Context()
     admin = Client(ctx, endpoint, "admin", options=OPTS, timeout=20)
@@ -789,7 +780,7 @@ async def fuzz_live_ps(endpoint: str, pid: int, corpus: Corpus) -> dict[str, Any
         assert (await admin.request("create_shards", {"shards": defs})).body == {"shards": [0, 1]}
         for _ in range(3):  # warm up; the PS now knows legit's incarnation 3 and seq 1
             await worker.step()
-        mem_before = rss(pid)
+        mem_before = memory(pid)
 
         replies: list[dict[int, Message]] = [{} for _ in fuzzers]
         stray: list[Any] = []
@@ -875,7 +866,7 @@ async def fuzz_live_ps(endpoint: str, pid: int, corpus: Corpus) -> dict[str, Any
             for t in collectors:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
-        mem_after = rss(pid)
+        mem_after = memory(pid)
 
         # still alive, and serving every socket (the oversize sender reconnected)
         assert (await admin.request("ping")).body == {"role": "ps", "index": 0}
