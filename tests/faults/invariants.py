@@ -658,16 +658,17 @@ def check_coordinator(rec: RunRecord, ref: Reference) -> list[Check]:
     if failed or cancelled:
         bad.append(f"{failed} failed, {cancelled} cancelled (no fault is meant to be fatal)")
     first = int(coord.get("initial_epoch") or 0)
+    again = int(coord.get("retrained_functions") or 0)  # for steps a restore took back
     if ref.closures_per_epoch is not None:
-        expected = round(ref.closures_per_epoch * (rec.schedule.epochs - first))
+        expected = round(ref.closures_per_epoch * (rec.schedule.epochs - first)) + again
         if sched != expected:
             bad.append(
                 f"{sched} scheduled for epochs {first + 1}..{rec.schedule.epochs}, expected"
-                f" {expected}"
+                f" {expected}" + (f" ({again} for steps a restore took back)" if again else "")
             )
     detail = (
         f"{sched} scheduled, {done} completed, {coord.get('retried')} retried, epochs from"
-        f" {first + 1}"
+        f" {first + 1}" + (f", {again} for steps a restore took back" if again else "")
     )
     return [Check("5", "functions", not bad, "; ".join(bad) or detail)]
 

@@ -436,6 +436,9 @@ def test_every_scheduled_function_completes_once() -> None:
 
     assert coord()
     assert coord(scheduled=n - 45, completed=n - 45, initial_epoch=5)
+    # functions scheduled again for the steps a restore took back are expected
+    assert coord(scheduled=n + 4, completed=n + 4, retrained_functions=4)
+    assert not coord(scheduled=n + 4, completed=n + 4, retrained_functions=3)
     assert not coord(completed=n - 1)
     assert not coord(completed=n - 1, failed=1)
     assert not coord(scheduled=n - 100, completed=n - 100)

@@ -32,6 +32,14 @@ class FakeCoordinator:
         self.scheduled: list[tuple[str, int]] = []
         self.joins = 0
         self.checkpoints = 0
+        #: what the chief says restores took back, as fit asks (one value per ask)
+        self.rewound: list[int] = []
+        self.rewound_now = 0
+
+    def rewound_steps(self) -> int:
+        if self.rewound:
+            self.rewound_now = self.rewound.pop(0)
+        return self.rewound_now
 
     def create_variables(self, variables: Any, optimizer: Any = None) -> None:
         self.created.append(([v.name for v in variables], optimizer))
@@ -158,3 +166,24 @@ def test_model_checkpoint_every_n_epochs() -> None:
         ModelCheckpoint(every_epochs=0)
     with pytest.raises(InvalidArgument):
         fit(coord, MODEL, "batch_stream", epochs=0, steps_per_epoch=1)  # type: ignore[arg-type]
+
+
+def test_steps_a_restore_took_back_are_trained_again() -> None:
+    coord = FakeCoordinator(steps_per_execution=4)
+    # asked at the start (3: from before this fit), after epoch 1 (3), after epoch 2
+    # (12: a restore took back 9 steps), after their retraining (14: another took back
+    # 2 of them), then nothing more
+    coord.rewound = [3, 3, 12, 14, 14]
+    history = fit(
+        coord,  # type: ignore[arg-type]
+        MODEL,
+        "batch_stream",
+        epochs=3,
+        steps_per_epoch=10,
+        dataset_args=(32,),
+    )
+    per_epoch = [("train_step", 4), ("train_step", 4), ("train_step", 2)]
+    again = [("train_step", 4), ("train_step", 4), ("train_step", 1), ("train_step", 2)]
+    assert coord.scheduled == per_epoch + per_epoch + again + per_epoch
+    assert [e["trained_again"] for e in history.logs] == [0, 11, 0]
+    assert (history.retrained, history.retrained_functions) == (11, 4)

@@ -417,6 +417,19 @@ class Coordinator:
     def chief_status(self, timeout: float = 10.0) -> dict[str, Any]:
         return self._io.run(self._ask_chief("status", {}, timeout))
 
+    def rewound_steps(self, timeout: float = 120.0) -> int:
+        """Steps whose updates restores took back so far (the chief counts, per restore
+        that went back to a checkpoint, the batches each worker pushed after it), once
+        no restore is under way; 0 without a chief."""
+        if self.chief_address is None:
+            return 0
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.chief_status(timeout)
+            if not st.get("recovering") or time.monotonic() > deadline:
+                return int(st.get("rewound_batches") or 0)
+            time.sleep(0.2)
+
     async def _ask_chief(self, op: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         chief = self._chief_client()
         deadline = time.monotonic() + timeout

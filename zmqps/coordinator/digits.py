@@ -39,4 +39,6 @@ def drive(
         "epochs_run": len(history.epochs),
         "initial_epoch": history.initial_epoch,
         "final_loss": round(history.loss[-1], 4) if history.logs else None,
+        "retrained_steps": history.retrained,
+        "retrained_functions": history.retrained_functions,
     }

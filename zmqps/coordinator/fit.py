@@ -11,13 +11,16 @@ Rules of this module:
   root, ``checkpoint`` op, restore of the latest checkpoint on start); nothing here
   writes model values itself.
 * Progress is logged once per epoch (and returned in the history).
+* A restore that went back to a checkpoint takes back the updates of the steps after
+  it: the chief counts them, and the epoch in which that is seen trains as many steps
+  again (on the workers' next batches: the per-worker datasets are endless streams,
+  so the run trains every step it planned, not the very same batches).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -41,6 +44,10 @@ class History:
     initial_epoch: int = 0
     epochs: list[int] = field(default_factory=list)
     logs: list[dict[str, Any]] = field(default_factory=list)
+    #: steps trained again because a restore took their updates back, and the
+    #: functions scheduled for them
+    retrained: int = 0
+    retrained_functions: int = 0
 
     @property
     def loss(self) -> list[float]:
@@ -165,17 +172,36 @@ def fit(
     for cb in callbacks:
         start = cb.on_train_begin(coordinator, start)
     history.initial_epoch = start
-    calls = math.ceil(steps_per_epoch / per_call)
+    taken_back = coordinator.rewound_steps()
+
+    def run_steps(steps: int, losses: list[RemoteValue]) -> int:
+        """Schedule ``steps`` steps as functions, wait for them; how many functions."""
+        left, calls = steps, 0
+        while left > 0:
+            n = min(per_call, left)
+            left -= n
+            losses.append(coordinator.schedule(step_fn, iterator, spec, steps=n))
+            calls += 1
+        coordinator.join()
+        return calls
+
     for epoch in range(start, epochs):
         started = time.perf_counter()
         retried = coordinator.retried
         losses: list[RemoteValue] = []
-        left = steps_per_epoch
-        for _ in range(calls):
-            n = min(per_call, left)
-            left -= n
-            losses.append(coordinator.schedule(step_fn, iterator, spec, steps=n))
-        coordinator.join()
+        run_steps(steps_per_epoch, losses)
+        # A restore that went back to a checkpoint took back the updates of the steps
+        # after it: as many steps are trained again (on the workers' next batches), so
+        # the run trains every step it planned.
+        again = 0
+        while (now := coordinator.rewound_steps()) > taken_back:
+            lost, taken_back = now - taken_back, now
+            log.warning(
+                "epoch %d: a restore took back %d steps: training them again", epoch + 1, lost
+            )
+            again += lost
+            history.retrained_functions += run_steps(lost, losses)
+        history.retrained += again
         values = [float(v.fetch()) for v in losses]
         logs: dict[str, Any] = {
             "epoch": epoch + 1,
@@ -183,10 +209,11 @@ def fit(
             "steps": steps_per_epoch,
             "functions": len(losses),
             "retried": coordinator.retried - retried,
+            "trained_again": again,
             "seconds": round(time.perf_counter() - started, 3),
         }
         log.info(
-            "epoch %d/%d: loss %.4f, %d steps in %d functions, %.2f s%s",
+            "epoch %d/%d: loss %.4f, %d steps in %d functions, %.2f s%s%s",
             epoch + 1,
             epochs,
             logs["loss"],
@@ -194,6 +221,7 @@ def fit(
             len(losses),
             logs["seconds"],
             f", {logs['retried']} retried" if logs["retried"] else "",
+            f", {again} trained again after a restore" if again else "",
         )
         for cb in callbacks:
             cb.on_epoch_end(coordinator, epoch, logs)

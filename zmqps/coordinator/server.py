@@ -109,6 +109,13 @@ class FunctionContext:
         if self.worker_or_none is not None:
             self.worker_or_none.tag(closure)
 
+    def take_rewind(self) -> None:
+        """After a restore that went back to a checkpoint: this worker's batch count goes
+        back to what the checkpoint holds, so its pushes' cursors go on from there (the
+        coordinator schedules the steps taken back again, see :func:`fit`)."""
+        if self.worker_or_none is not None:
+            self.worker_or_none.take_rewind()
+
     def ensure_variables(self, timeout: float = 120.0) -> None:
         """Wait until the model's variables exist (created by the coordinator or the
         chief) and this worker knows where they are."""
@@ -225,6 +232,7 @@ class FunctionServer:
             self.ctx.tag(closure)
             try:
                 for _ in range(steps):
+                    self.ctx.take_rewind()
                     out = fn(self.ctx, *args, **kwargs)
             finally:
                 self.ctx.tag(None)
