@@ -27,6 +27,7 @@ from zmqps.roles.checkpointer import _cursors
 from zmqps.roles.worker.session import Session
 from zmqps.wire import Message
 from zmqps.wire import ops as o
+from zmqps.wire.errors import DeadlineExceeded, RolledBack
 
 # ---------------------------------------------------------------- the PS's ledger
 
@@ -265,3 +266,24 @@ def test_a_waiting_worker_goes_back_to_work_when_a_restore_takes_its_batches() -
         10,
     )
     assert back is None and s.gen == 1
+
+
+def test_a_push_of_values_of_before_a_restore_already_heard_of_is_dropped_at_once() -> None:
+    # the session heard of generation 1 by heartbeat, but the values the push was
+    # computed on were pulled in generation 0 (a coordinator function keeps its
+    # parameters between calls): the PS refuses it; recovery must not wait for a
+    # generation after 1 (it would, until its timeout)
+    chief = _ScriptedChief(o.HeartbeatReply(10, 1))
+
+    async def refused() -> bool:
+        raise RolledBack("ps 0 is at generation 1; the request is of generation 0")
+
+    async def go(made_in: int | None) -> bool:
+        s = Session(chief, o.Who("worker", 0, 1), recovery_timeout=0.5)  # type: ignore[arg-type]
+        s.info = o.ClusterInfo(ps=(), mode="async", heartbeat_interval=0.01)
+        s.enter(1, None)
+        return await s.dropping(refused, made_in)
+
+    assert asyncio.run(asyncio.wait_for(go(0), 5.0)) is False
+    with pytest.raises(DeadlineExceeded):  # as before: the session's own generation
+        asyncio.run(asyncio.wait_for(go(None), 5.0))

@@ -266,11 +266,14 @@ class Session:
             except RECOVERABLE as e:
                 await self.recover(e, gen)
 
-    async def dropping(self, push: Callable[[], Awaitable[bool]]) -> bool:
-        """Run a push; if the cluster was restored meanwhile, its gradient is of values
-        that no longer exist: drop it (counted) and recover, so the next pull is of the
-        new ones. False when dropped."""
-        gen = self.gen
+    async def dropping(
+        self, push: Callable[[], Awaitable[bool]], made_in: int | None = None
+    ) -> bool:
+        """Run a push of gradients of values of generation ``made_in`` (default: the
+        current one); if the cluster was restored since, they are of values that no
+        longer exist: drop it (counted) and recover, so the next pull is of the new
+        ones. False when dropped."""
+        gen = self.gen if made_in is None else made_in
         try:
             return await push()
         except RECOVERABLE as e:

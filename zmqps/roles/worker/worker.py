@@ -448,9 +448,12 @@ class Worker:
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
         self.check_loss(loss)
+        made_in = self.client.values_gen()  # a restore heard of since: they are gone
         try:
             accepted = self.io.run(
-                self.session.dropping(lambda: self.client.push(grads, step=step, cursor=cursor))
+                self.session.dropping(
+                    lambda: self.client.push(grads, step=step, cursor=cursor), made_in
+                )
             )
         except NonFiniteGradient as exc:
             accepted = self.refused(loss, exc)
@@ -466,20 +469,21 @@ class Worker:
         if self.device.separate:
             self.push(grads, loss=loss, examples=examples)
             return self.pull()
-        gen_before = self.session.gen
+        made_in = self.client.values_gen()
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
         self.check_loss(loss)
         try:
             pushed = self.io.run(
                 self.session.dropping(
-                    lambda: self.client.push_pull(grads, step=step, cursor=cursor)
+                    lambda: self.client.push_pull(grads, step=step, cursor=cursor), made_in
                 )
             )
         except NonFiniteGradient as exc:
             pushed = self.refused(loss, exc)
             self.io.run(self.session.retrying(lambda: self.client.pull()))
-        if not pushed and self.session.gen != gen_before:
+        if not pushed and self.client.values_gen() != self.session.gen:
+            # the values are of before a restore: what comes back is the new ones
             self.io.run(self.session.retrying(lambda: self.client.pull()))
         self.record_phase("push", started)
         self.count_step(loss, examples)
