@@ -229,3 +229,30 @@ def test_join_times_out_while_no_worker_answers() -> None:
         assert not rv.done()
     with pytest.raises(Exception, match="closed"):
         rv.fetch(timeout=5)
+
+
+def test_per_worker_resources_are_bounded() -> None:
+    import asyncio
+
+    from zmqps.coordinator.server import MAX_RESOURCES
+    from zmqps.wire import request
+
+    handler = FunctionServer(coord_fns, FunctionContext(0, 1), 7)
+
+    async def make(rid: int) -> Any:
+        body = {"id": rid, "fn": "counter_dataset", "args": ["t", [0]]}
+        body.update(kwargs=["d", {}], inc=7)
+        return await handler(request("make_resource", body))
+
+    async def go() -> None:
+        for rid in range(MAX_RESOURCES):
+            await make(rid)
+        await make(0)  # made again: fine
+        with pytest.raises(InvalidArgument, match="the bound"):
+            await make(MAX_RESOURCES)
+        assert len(handler.resources) == MAX_RESOURCES
+
+    try:
+        asyncio.run(go())
+    finally:
+        handler.close()

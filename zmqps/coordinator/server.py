@@ -125,6 +125,10 @@ class FunctionContext:
             self.worker.wait_for_variables(timeout)
 
 
+#: per-worker resources (datasets) one function server keeps: a program makes a few
+MAX_RESOURCES = 256
+
+
 class FunctionServer:
     """The request handler of a worker in coordinator mode (ping, status, run,
     make_resource, shutdown)."""
@@ -212,6 +216,11 @@ class FunctionServer:
         kwargs = decode_value(req.kwargs, msg.tensors)
         _check_call(args, kwargs)
         rid = req.id
+        if rid not in self.resources and len(self.resources) >= MAX_RESOURCES:
+            raise InvalidArgument(
+                f"worker {self.ctx.index} holds {len(self.resources)} per-worker resources"
+                " (the bound): no more"
+            )
 
         def make() -> Any:
             return iter(fn(self.ctx, *args, **kwargs))
