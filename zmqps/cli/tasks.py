@@ -230,6 +230,7 @@ def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
                 metrics=metrics,
                 connect_timeout=cfg.connect_timeout,
                 shared_memory=cfg.shared_memory,
+                on_nonfinite=cfg.on_nonfinite,
             )
         assert cfg.job is not None
         options = _options(task, "worker", cfg.index, False, True)
