@@ -381,7 +381,7 @@ def check_pushes(rec: RunRecord, ref: Reference) -> list[Check]:
     applied = _applied(rec)
     out: list[Check] = []
     if s.driver == "coordinator":
-        return out + _coordinator_pushes(rec, applied)
+        return out + _coordinator_pushes(rec, applied) + _coordinator_kept(rec, ref, applied)
     # -- each acknowledged push applied once: the final incarnation's own counts
     acks = []
     compared = 0
@@ -493,6 +493,42 @@ def _coordinator_pushes(
             "; ".join(bad) or f"no PS applied more pushes than the {most} steps run",
         )
     ]
+
+
+def _coordinator_kept(
+    rec: RunRecord, ref: Reference, applied: dict[int, dict[tuple[int, int, int], int]]
+) -> list[Check]:
+    """Coordinator mode loses no step: on a PS that lived through the whole run (it
+    holds a shard of every step's push), the pushes applied less those restores took
+    back are at least the steps an unfaulted run takes (a restore's steps are trained
+    again). One chief only: a restarted one resumes at an epoch boundary and may
+    train part of an epoch twice, by design."""
+    chief = next(t for t in rec.tasks if t.name == "chief")
+    coord = (rec.summary or {}).get("coordinator") or {}
+    if not coord or len(chief.instances) > 1 or not ref.global_steps:
+        return [Check("3", "steps-kept", True, "not checked (no counters of one driver)")]
+    planned = min(ref.global_steps)
+    bad, seen = [], []
+    for i, c in sorted(applied.items()):
+        fin = rec.ps_final[i]
+        if not fin.full_life or fin.status is None or not c:
+            continue
+        back = sum(
+            int(p.get("rolled_back") or 0) for p in (fin.status.get("pushes") or {}).values()
+        )
+        net = sum(c.values()) - back
+        seen.append(f"ps {i}: {net}")
+        if net < planned:
+            bad.append(
+                f"ps {i} holds the pushes of {net} steps ({sum(c.values())} applied, {back}"
+                f" taken back by restores), fewer than the {planned} planned"
+            )
+    detail = "; ".join(bad) or (
+        f"every PS holds the pushes of the {planned} planned steps ({', '.join(seen)})"
+        if seen
+        else "not checked (no PS lived through the whole run)"
+    )
+    return [Check("3", "steps-kept", not bad, detail)]
 
 
 # ---------------------------------------------------------------- 4

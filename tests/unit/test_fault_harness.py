@@ -444,6 +444,29 @@ def test_every_scheduled_function_completes_once() -> None:
     assert not coord(scheduled=n - 100, completed=n - 100)
 
 
+def test_coordinator_mode_keeps_every_step() -> None:
+    s = _schedule(mode="async", driver="coordinator")
+    ref = Reference("k", [0.95], [0.97], [0.2], [100], 100, {}, 9.0, 6.0, closures_per_epoch=9.0)
+    coord = {"completed": 50, "retried": 0, "failed": 0}
+    summary = {"test_accuracy": 0.95, "test_loss": 0.2, "coordinator": coord}
+
+    def kept(applied: list[int], rolled_back: list[int], restarted: bool = False) -> Any:
+        pushes = {f"worker:{w}": {"rolled_back": b} for w, b in enumerate(rolled_back)}
+        counts = {f"worker:{w}/7/0": n for w, n in enumerate(applied)}
+        status = {"pushes": pushes, "applied_pushes": counts}
+        ps = {0: PSFinal(status, 0, full_life=not restarted)}
+        rec = _record(schedule=s, summary=summary, ps_final=ps)
+        return {c.name: c for c in check_pushes(rec, ref)}["steps-kept"]
+
+    assert kept([60, 40], [0, 0]).ok
+    # a restore took 10 steps back and they were trained again: 110 applied
+    assert kept([65, 45], [6, 4]).ok
+    # ... and not trained again: 10 steps lost
+    lost = kept([60, 40], [6, 4])
+    assert not lost.ok and "90 steps" in lost.detail, lost.detail
+    assert kept([60, 40], [6, 4], restarted=True).detail.startswith("not checked")
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_descriptions_name_seed_and_faults(seed: int) -> None:
     s = draw(seed)
