@@ -20,6 +20,7 @@ from faults.invariants import (
     check_steps,
     lone_share,
     longest_pause,
+    moved_share,
     partial_share,
     pauses,
 )
@@ -442,6 +443,23 @@ def test_every_scheduled_function_completes_once() -> None:
     assert not coord(completed=n - 1)
     assert not coord(completed=n - 1, failed=1)
     assert not coord(scheduled=n - 100, completed=n - 100)
+
+
+def test_coordinator_steps_moved_off_an_even_split_are_measured() -> None:
+    s = _schedule(mode="async", driver="coordinator", workers=2)
+
+    def ps(applied: dict[int, int], full_life: bool = True) -> dict[int, PSFinal]:
+        pushes = {f"worker:{w}": {"applied": n} for w, n in applied.items()}
+        return {0: PSFinal({"pushes": pushes}, 0, full_life=full_life)}
+
+    assert moved_share(_record(schedule=s, ps_final=ps({0: 2700, 1: 900}))) == 0.25
+    assert moved_share(_record(schedule=s, ps_final=ps({0: 1800, 1: 1800}))) == 0.0
+    assert moved_share(_record(schedule=s, ps_final=ps({0: 2710}, full_life=False))) is None
+    assert moved_share(_record(ps_final=ps({0: 2710, 1: 890}))) is None  # worker driver
+    summary = {"test_accuracy": 0.9, "test_loss": 0.2}
+    rec = _record(schedule=s, ps_final=ps({0: 2710, 1: 890}), summary=summary, accuracy_all=0.9)
+    acc = {c.name: c for c in check_model(rec, REF)}["accuracy"]
+    assert acc.ok and "25% of the steps ran on other workers' shards" in acc.detail
 
 
 def test_coordinator_mode_keeps_every_step() -> None:
