@@ -152,6 +152,38 @@ def test_a_resent_push_pull_leaves_the_region_the_worker_computes_on_alone() -> 
     run(body())
 
 
+def test_a_resent_shared_memory_pull_leaves_the_region_alone() -> None:
+    """A pull sent again with its id (its connection came back after the PS was stopped
+    past the heartbeat timeout): the worker may already compute on the region the first
+    copy filled, so the copy's values come in the reply and the region stays."""
+
+    async def body() -> None:
+        c = await make_cluster(DENSE, 1, 1)  # every variable whole: params are region views
+        client = c.client(shared_memory=True)
+        other = c.client("w1", shared_memory=False)
+        await client.pull()
+        await other.pull()
+        fp = await client._fast_path(0)
+        assert fp is not None
+        sids = sorted(fp.offsets)
+        pull = {"shards": sids, "shm_out": fp.ref(True, sids).to_wire(), "gen": 0}
+        first = c.services[0](request("pull", pull, id=41, sender="w0"))
+        assert first.tensors == ()  # into the region
+        held = {v.name: client.params[v.name].copy() for v in DENSE}
+        await other.push(grads_for(DENSE, seed=5))  # the PS moves on
+        again = c.services[0](request("pull", pull, id=41, sender="w0"))
+        for v in DENSE:  # the worker's values did not move under it
+            np.testing.assert_array_equal(client.params[v.name], held[v.name])
+        got = {t.ref: t.array.reshape(-1) for t in again.tensors}
+        assert sorted(got) == sids
+        for sid in sids:
+            np.testing.assert_array_equal(got[sid], c.services[0].store.get(sid).values.reshape(-1))
+        # another request id: into the region again
+        assert c.services[0](request("pull", pull, id=42, sender="w0")).tensors == ()
+
+    run(body())
+
+
 def test_a_worker_whose_first_push_pull_reply_was_lost_takes_the_resend_values() -> None:
     """Every push_pull sent twice, the second reply kept: the first (lost) reply wrote
     the region, the second carries the values; the worker ends where TCP ends."""

@@ -181,8 +181,12 @@ class ShmChannel(DenseChannel):
                 accepted = c.after_push(self.ps, rep, req)
                 gen = req.gen
             else:
+                # sent again at once if its connection comes back (a PS stopped past
+                # the heartbeat timeout): the PS answers a copy it served by TCP
                 pull = o.Pull(tuple(t.sids), self.ref(True, t.sids), c.gen)
-                rep = await c.ps[self.ps].request("pull", pull.to_wire(), timeout=c.timeout)
+                rep = await c.ps[self.ps].request(
+                    "pull", pull.to_wire(), timeout=c.timeout, attempts=2
+                )
                 accepted, gen = True, pull.gen
             if pulls and rep.tensors:  # a resend's reply: values by TCP (see above)
                 c.take_values(rep, t.sids, t.out, gen)

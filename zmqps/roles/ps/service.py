@@ -28,6 +28,7 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 from collections import Counter, defaultdict
@@ -58,6 +59,11 @@ from zmqps.wire.errors import (
 __all__ = ["PSService"]
 
 log = logging.getLogger("zmqps.ps")
+
+#: shared-memory pulls remembered per sender (a copy sent again is answered by TCP),
+#: and the senders remembered
+SHM_PULLS_KEPT = 16
+MAX_SHM_PULL_SENDERS = 8192
 
 _PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
 _DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
@@ -103,6 +109,10 @@ class PSService:
         self.rewinds: dict[str, int] | None = None
         self.waiters = StepWaiters(lambda: self.mode.step)
         self.regions = Regions(max_region_bytes)
+        #: shared-memory pulls served lately, by sender (see _shm_pull_again)
+        self._shm_pulls: collections.OrderedDict[str, collections.deque[int]] = (
+            collections.OrderedDict()
+        )
         self.shutdown_requested = asyncio.Event()
         self._ops = OpTable("a PS", self.ops())
 
@@ -234,11 +244,31 @@ class PSService:
     def _op_pull(self, msg: Message, req: o.Pull) -> Message:
         for sid in req.shards:
             self.store.get(sid)  # NotFound before any work
-        if req.shm_out is not None:
+        if req.shm_out is not None and not self._shm_pull_again(msg):
             versions = self._snapshot_to_region(req.shards, req.shm_out)
+            self._shm_pull_served(msg)
             return reply(msg, o.Values(tuple(versions)).to_wire())
+        # TCP, or a shared-memory pull sent again (its connection came back): the worker
+        # may already have the first reply and be computing on the region, so the
+        # values travel in the reply instead (a worker still waiting copies them in)
         versions, tensors = self._snapshot_tensors(req.shards)
         return reply(msg, o.Values(tuple(versions)).to_wire(), tensors)
+
+    def _shm_pull_again(self, msg: Message) -> bool:
+        """Whether this shared-memory pull (sender, request id) was served already."""
+        seen = self._shm_pulls.get(msg.sender)
+        return seen is not None and msg.id in seen
+
+    def _shm_pull_served(self, msg: Message) -> None:
+        """Remember a shared-memory pull served. Bounded: the last SHM_PULLS_KEPT ids of
+        MAX_SHM_PULL_SENDERS senders."""
+        seen = self._shm_pulls.get(msg.sender)
+        if seen is None:
+            seen = self._shm_pulls[msg.sender] = collections.deque(maxlen=SHM_PULLS_KEPT)
+            while len(self._shm_pulls) > MAX_SHM_PULL_SENDERS:
+                self._shm_pulls.popitem(last=False)
+        self._shm_pulls.move_to_end(msg.sender)
+        seen.append(msg.id)
 
     def _op_pull_rows(self, msg: Message, req: o.PullRows) -> Message:
         if len(msg.tensors) != len(req.shards):
