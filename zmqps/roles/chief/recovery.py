@@ -24,9 +24,11 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zmqps.checkpoint import Checkpoint
@@ -195,17 +197,15 @@ class RecoveryController:
         if self.checkpointer is not None:
             await asyncio.to_thread(self.checkpointer.clean)
             latest = await asyncio.to_thread(self.checkpointer.latest)
-        if latest is not None and latest.final:
-            # The run's last checkpoint is here: a chief restarted after the end of the
-            # run (killed while it shut the cluster down) finds the PS gone. It waits
-            # a few heartbeats for them, not the whole start-up timeout: the run ended.
+        if latest is not None and self._ended(latest):
+            # This run ended (its final checkpoint, and the summary of that step): a
+            # chief restarted after the end (killed while it shut the cluster down)
+            # finds the PS gone. When none answers within a few heartbeats, it does not
+            # wait the whole start-up timeout: the run is over.
             probe = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
-            try:
-                states = await self.ps_states(probe)
-            except NotReady as e:
-                raise RunFinished(latest, str(e)) from None
-        else:
-            states = await self.ps_states(self.cfg.startup_timeout)
+            if not await self._any_ps_answers(probe):
+                raise RunFinished(latest, f"no PS answered within {probe:g}s")
+        states = await self.ps_states(self.cfg.startup_timeout)
         self._learn_progress(states)
         plan = decide_start(states, sync=self.mode.name == "sync")
         self.gen = plan.gen
@@ -245,6 +245,29 @@ class RecoveryController:
             await self._restore(Event.RESTORE, "start", states, ckpt=ckpt)
         finally:
             self.started.set()
+
+    def _ended(self, ckpt: Checkpoint) -> bool:
+        """Whether ``ckpt`` is this run's final checkpoint and the run's summary (the
+        chief's ``summary_path``) was written for it: the run ended before this chief
+        started. A new run started on an old run's checkpoints writes another summary."""
+        if not ckpt.final or not self.cfg.summary_path:
+            return False
+        try:
+            summary = json.loads(Path(self.cfg.summary_path).read_text())
+        except (OSError, ValueError):
+            return False
+        step = ckpt.manifest.extra.get("global_step", ckpt.step)
+        return isinstance(summary, dict) and summary.get("global_step") == step
+
+    async def _any_ps_answers(self, within: float) -> bool:
+        async def one(c: Requester) -> bool:
+            try:
+                await c.request("ps_state", timeout=within)
+                return True
+            except ZmqpsError:
+                return False
+
+        return any(await asyncio.gather(*(one(c) for c in self.ps)))
 
     def _learn_progress(self, states: Sequence[dict[str, Any]]) -> None:
         """What the PS know of the workers when this chief starts (it may have been
