@@ -18,6 +18,7 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -89,6 +90,12 @@ def run_chief_driver(
         chief = asyncio.ensure_future(serve_chief(cfg, ctx, options, metrics))
         driver = asyncio.ensure_future(asyncio.to_thread(run_driver, holder))
         await asyncio.wait([chief, driver], return_when=asyncio.FIRST_COMPLETED)
+        if not driver.done() and "result" in outcome:
+            # the driver's training is done and the run ended while it was still closing
+            # (waiting for its workers to acknowledge their shutdown): it ends too, and
+            # its counters go into the summary
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(driver), FINISH_TIMEOUT)
         if not driver.done():  # the chief stopped first (SIGTERM, or it failed)
             if "coord" in holder:
                 await asyncio.to_thread(holder["coord"].close)
