@@ -79,10 +79,11 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
             log.info("exported the model (its tables' live rows) to %s", path)
         log.info("final model: %s", {k: v for k, v in summary.items() if "auc" in k})
         return summary
-    test = job.load("test")
+    # data and evaluation in a thread: the chief goes on answering heartbeats meanwhile
+    test = await asyncio.to_thread(job.load, "test")
     model = job.build_model(test)
     params = await client.pull()
-    metrics = model.evaluate(params, test.x, test.y)
+    metrics = await asyncio.to_thread(model.evaluate, params, test.x, test.y)
     summary.update(
         model=job.model,
         dataset=job.dataset,

@@ -202,10 +202,15 @@ async def _create_job_variables(service: ChiefService) -> None:
     job = service.cfg.job
     if job is None:
         return
-    if job.is_ctr:
-        model: Any = job.build_ctr_model(job.load_ctr("train"))
-    else:
-        model = job.build_model(job.load("train"))
+
+    def build() -> Any:
+        if job.is_ctr:
+            return job.build_ctr_model(job.load_ctr("train"))
+        return job.build_model(job.load("train"))
+
+    # in a thread: loading the data set takes seconds, and a restarted chief must go on
+    # answering the workers' heartbeats meanwhile
+    model = await asyncio.to_thread(build)
     await service.create_variables(model.variables(), dict(job.optimizer))
 
 
