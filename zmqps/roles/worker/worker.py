@@ -178,7 +178,9 @@ class Worker:
             # the batches of this incarnation that hold (those given back to a
             # restore are not counted until trained again)
             progress=lambda: (
-                self.step - self.rewound,
+                # a restore may take back more batches than this incarnation did (some
+                # of an earlier one's): the count it reports never goes below zero
+                max(0, self.step - self.rewound),
                 self.examples,
                 self.loss,
                 self.nonfinite,
