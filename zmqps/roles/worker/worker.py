@@ -178,9 +178,7 @@ class Worker:
             # the batches of this incarnation that hold (those given back to a
             # restore are not counted until trained again)
             progress=lambda: (
-                # a restore may take back more batches than this incarnation did (some
-                # of an earlier one's): the count it reports never goes below zero
-                max(0, self.step - self.rewound),
+                self.net_steps,
                 self.examples,
                 self.loss,
                 self.nonfinite,
@@ -377,7 +375,14 @@ class Worker:
         """
         # steps done that hold (those a restore took back do not count: ssp clocks, like
         # heartbeats, say how far the worker's data got)
-        return self.io.run(self.steps.begin(self.step - self.rewound, poll))
+        return self.io.run(self.steps.begin(self.net_steps, poll))
+
+    @property
+    def net_steps(self) -> int:
+        """This incarnation's steps that hold: those a restore took back do not count,
+        and a restore that took back batches of an earlier incarnation too makes it 0,
+        never less (what heartbeats, leave and ssp clocks say)."""
+        return max(0, self.step - self.rewound)
 
     @property
     def mirror(self) -> Mirror:
