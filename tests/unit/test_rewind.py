@@ -287,3 +287,15 @@ def test_a_push_of_values_of_before_a_restore_already_heard_of_is_dropped_at_onc
     assert asyncio.run(asyncio.wait_for(go(0), 5.0)) is False
     with pytest.raises(DeadlineExceeded):  # as before: the session's own generation
         asyncio.run(asyncio.wait_for(go(None), 5.0))
+
+
+def test_net_steps_never_go_below_zero() -> None:
+    # a restarted worker whose restore took back batches of an earlier incarnation too
+    # (40 of them, 34 steps done since): heartbeats, leave and ssp clocks say 0, not -6
+    from types import SimpleNamespace
+
+    from zmqps.roles.worker import Worker
+
+    net = Worker.net_steps.fget  # type: ignore[attr-defined]
+    assert net(SimpleNamespace(step=34, rewound=40)) == 0
+    assert net(SimpleNamespace(step=50, rewound=40)) == 10
