@@ -32,7 +32,7 @@ import concurrent.futures
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -454,16 +454,7 @@ class Worker:
         grads = self.to_host(grads)
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
-        self.check_loss(loss)
-        made_in = self.client.values_gen()  # a restore heard of since: they are gone
-        try:
-            accepted = self.io.run(
-                self.session.dropping(
-                    lambda: self.client.push(grads, step=step, cursor=cursor), made_in
-                )
-            )
-        except NonFiniteGradient as exc:
-            accepted = self.refused(loss, exc)
+        accepted = self._send(lambda: self.client.push(grads, step=step, cursor=cursor), loss)
         self.record_phase("push", started)
         self.count_step(loss, examples)
         return accepted
@@ -476,25 +467,29 @@ class Worker:
         if self.device.separate:
             self.push(grads, loss=loss, examples=examples)
             return self.pull()
-        made_in = self.client.values_gen()
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
-        self.check_loss(loss)
-        try:
-            pushed = self.io.run(
-                self.session.dropping(
-                    lambda: self.client.push_pull(grads, step=step, cursor=cursor), made_in
-                )
-            )
-        except NonFiniteGradient as exc:
-            pushed = self.refused(loss, exc)
-            self.io.run(self.session.retrying(lambda: self.client.pull()))
-        if not pushed and self.client.values_gen() != self.session.gen:
-            # the values are of before a restore: what comes back is the new ones
+        pushed = self._send(lambda: self.client.push_pull(grads, step=step, cursor=cursor), loss)
+        if not pushed and (
+            self._refused_step == self.step or self.client.values_gen() != self.session.gen
+        ):
+            # refused (no values came back), or values of before a restore: pull anew
             self.io.run(self.session.retrying(lambda: self.client.pull()))
         self.record_phase("push", started)
         self.count_step(loss, examples)
         return self.client.params
+
+    def _send(self, push: Callable[[], Awaitable[bool]], loss: Any) -> bool:
+        """One step's push (or push_pull): a non-finite loss stops first under
+        ``on_nonfinite="stop"``; the values' generation goes with it (a restore heard of
+        since means they are gone: dropped at once); a refusal as not finite is skipped
+        (:meth:`refused`). True if applied."""
+        self.check_loss(loss)
+        made_in = self.client.values_gen()
+        try:
+            return self.io.run(self.session.dropping(push, made_in))
+        except NonFiniteGradient as exc:
+            return self.refused(loss, exc)
 
     def pull_rows(self, name: str, ids: Any, *, create: bool = True) -> Array:
         """Rows ``ids`` of the embedding variable ``name``; ``create=False`` reads
