@@ -64,9 +64,11 @@ class RunFinished(Exception):
     """At start: the checkpoint directory holds the run's final checkpoint and the PS
     do not answer (they were shut down at the end of the run): nothing is left to do."""
 
-    def __init__(self, ckpt: Checkpoint, why: str) -> None:
+    def __init__(self, ckpt: Checkpoint, summary: dict[str, Any], why: str) -> None:
         super().__init__(f"the run already finished ({ckpt.name}, step {ckpt.step}): {why}")
         self.ckpt = ckpt
+        #: the summary the run wrote when it ended
+        self.summary = summary
 
 
 class RecoveryController:
@@ -197,14 +199,15 @@ class RecoveryController:
         if self.checkpointer is not None:
             await asyncio.to_thread(self.checkpointer.clean)
             latest = await asyncio.to_thread(self.checkpointer.latest)
-        if latest is not None and self._ended(latest):
+        summary = None if latest is None else self._ended(latest)
+        if latest is not None and summary is not None:
             # This run ended (its final checkpoint, and the summary of that step): a
             # chief restarted after the end (killed while it shut the cluster down)
             # finds the PS gone. When none answers within a few heartbeats, it does not
             # wait the whole start-up timeout: the run is over.
             probe = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
             if not await self._any_ps_answers(probe):
-                raise RunFinished(latest, f"no PS answered within {probe:g}s")
+                raise RunFinished(latest, summary, f"no PS answered within {probe:g}s")
         states = await self.ps_states(self.cfg.startup_timeout)
         self._learn_progress(states)
         plan = decide_start(states, sync=self.mode.name == "sync")
@@ -246,18 +249,21 @@ class RecoveryController:
         finally:
             self.started.set()
 
-    def _ended(self, ckpt: Checkpoint) -> bool:
-        """Whether ``ckpt`` is this run's final checkpoint and the run's summary (the
-        chief's ``summary_path``) was written for it: the run ended before this chief
-        started. A new run started on an old run's checkpoints writes another summary."""
+    def _ended(self, ckpt: Checkpoint) -> dict[str, Any] | None:
+        """The run's summary (the chief's ``summary_path``) when ``ckpt`` is this run's
+        final checkpoint and the summary was written for it: the run ended before this
+        chief started. None otherwise (a new run started on an old run's checkpoints
+        writes another summary)."""
         if not ckpt.final or not self.cfg.summary_path:
-            return False
+            return None
         try:
             summary = json.loads(Path(self.cfg.summary_path).read_text())
         except (OSError, ValueError):
-            return False
+            return None
         step = ckpt.manifest.extra.get("global_step", ckpt.step)
-        return isinstance(summary, dict) and summary.get("global_step") == step
+        if isinstance(summary, dict) and summary.get("global_step") == step:
+            return summary
+        return None
 
     async def _any_ps_answers(self, within: float) -> bool:
         async def one(c: Requester) -> bool:

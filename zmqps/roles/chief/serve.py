@@ -176,25 +176,10 @@ async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> boo
 
 def _ended_before(service: ChiefService, finished: RunFinished) -> None:
     """A chief started after the end of its run (its PS shut down): it ends at once,
-    as the run did; the summary the run wrote stays (or a short one says so)."""
+    as the run did, with the summary the run wrote (left as it is)."""
     log.warning("%s; this chief ends", finished)
-    ckpt = finished.ckpt
     service.finished = True
-    path = Path(service.cfg.summary_path) if service.cfg.summary_path else None
-    if path is not None and path.is_file():
-        try:
-            service.result = json.loads(path.read_text())
-            return
-        except (OSError, ValueError):
-            pass
-    service.result = {
-        "mode": service.mode,
-        "global_step": int(ckpt.manifest.extra.get("global_step", ckpt.step)),
-        "final_checkpoint": ckpt.name,
-        "ended_before_start": True,
-    }
-    if path is not None:
-        path.write_text(json.dumps(service.result, indent=2) + "\n")
+    service.result = finished.summary
 
 
 async def _create_job_variables(service: ChiefService) -> None:
