@@ -382,6 +382,13 @@ def execute(
         (m.group(1), int(m.group(2)), int(m.group(3))) for m in _CHIEF_RESTORED.finditer(chief_log)
     ]
     committed = {int(m.group(1)) for m in _COMMITTED.finditer(chief_log)}
+    # a chief killed between a checkpoint's commit (its manifest renamed into place)
+    # and the log line saying so: the checkpoint is there all the same
+    committed |= {
+        int(d.name.removeprefix("ckpt-"))
+        for d in cluster.checkpoints.glob("ckpt-*")
+        if (d / "manifest.json").is_file()
+    }
     evals = []
     if cluster.eval_log.exists():
         for line in cluster.eval_log.read_text().splitlines():

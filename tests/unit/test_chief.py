@@ -23,12 +23,19 @@ from zmqps.core.partition import Partitioner, greedy_by_bytes, round_robin
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.chief import ChiefConfig, ChiefService
 from zmqps.roles.client import ParameterClient
+from zmqps.roles.job import JobConfig
 from zmqps.roles.ps import PSService
 from zmqps.roles.status import format_status
 from zmqps.transport.base import TransportStats
 from zmqps.transport.fake import FakeNetwork
 from zmqps.wire import Message, request
-from zmqps.wire.errors import FencedError, InvalidArgument, NotReady, ProtocolError
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    FencedError,
+    InvalidArgument,
+    NotReady,
+    ProtocolError,
+)
 
 T = TypeVar("T")
 
@@ -317,6 +324,38 @@ def test_concurrent_create_with_different_definitions() -> None:
         assert isinstance(second, InvalidArgument)
         assert env.chief.placement is first
         assert env.created() == [1, 1]
+
+    run(body())
+
+
+def test_a_built_in_jobs_chief_defines_the_model_whatever_comes_first() -> None:
+    """A worker's create_vars that reaches a built-in job's chief before the chief
+    created its own variables waits for them and is checked against them: a worker of
+    another model is refused, it never defines the cluster's model."""
+
+    async def body() -> None:
+        env = make_env(2, job=JobConfig())
+        other = (VariableDef("z", (4,)),)
+        early = asyncio.ensure_future(
+            call(
+                env.chief,
+                "create_vars",
+                {"variables": [v.to_wire() for v in other], "optimizer": SGD},
+            )
+        )
+        await asyncio.sleep(0.05)
+        assert not early.done() and env.created() == [0, 0]  # waits for the chief's own
+        first = await env.chief.create_variables(VARS, SGD)  # the chief, data loaded
+        with pytest.raises(InvalidArgument, match="different definitions"):
+            await early
+        assert env.chief.placement is first
+        # the same model as the chief's is answered with the chief's placement
+        rep = await call(
+            env.chief,
+            "create_vars",
+            {"variables": [v.to_wire() for v in VARS], "optimizer": SGD},
+        )
+        assert Placement.from_wire(rep.body["placement"]) == first
 
     run(body())
 
@@ -653,6 +692,52 @@ def test_a_rejoining_worker_is_fenced_on_every_ps_at_registration() -> None:
                 svc.dedup.check("worker:0", 7, 1)
 
     run(body())
+
+
+def test_a_worker_registers_only_once_every_ps_answered_its_fence() -> None:
+    """Where a new incarnation resumes needs what every PS applied from the old one:
+    with a PS paused (silent), registering is refused (NotReady: the worker registers
+    again), never answered with a resume point that leaves that PS out."""
+
+    async def body() -> None:
+        env = make_env(2, num_workers=2)
+        await env.chief.create_variables(VARS, SGD)
+        await call(env.chief, "register", who(0, 7))
+        paused = env.cfg.cluster.ps[1]
+        env.net.remove(paused)
+        with pytest.raises(NotReady, match=f"ps {paused} did not answer the fence of worker:0"):
+            await call(env.chief, "register", who(0, 9))
+        assert env.services[0].dedup.incarnation("worker:0") == 9  # told already
+        env.net.serve(paused, env.services[1], name="ps1")  # continued
+        await call(env.chief, "register", who(0, 9))
+        for svc in env.services:
+            assert svc.dedup.incarnation("worker:0") == 9
+
+    run(body())
+
+
+def test_the_end_of_a_run_keeps_asking_a_silent_ps_to_shut_down() -> None:
+    """A PS cut off (a partition) when the run ends is told once it can be reached
+    again, within three heartbeat timeouts (at most 30 s): it must not serve an ended
+    run for ever. The client resends on each deadline and when the connection is back."""
+    from zmqps.roles.chief.serve import SHUTDOWN_ATTEMPT_S, _shutdown_ps, shutdown_attempts
+
+    assert shutdown_attempts(2.5) == 2  # the fault harness's heartbeat timeout: 10 s
+    assert shutdown_attempts(10.0) == 6  # the default: 30 s
+    assert shutdown_attempts(60.0) == 6  # never more than 30 s
+    assert shutdown_attempts(0.1) == 1
+
+    asked: list[tuple[str, float, int]] = []
+
+    class Silent:
+        endpoint = "tcp://10.0.0.1:2222"
+
+        async def request(self, op: str, body: Any, *, timeout: float, attempts: int) -> Any:
+            asked.append((op, timeout, attempts))
+            raise DeadlineExceeded("no reply")
+
+    run(_shutdown_ps([Silent()], heartbeat_timeout=10.0))  # type: ignore[list-item]
+    assert asked == [("shutdown", SHUTDOWN_ATTEMPT_S, 6)]
 
 
 def test_a_failed_shutdown_step_is_recorded_and_the_next_ones_run() -> None:

@@ -614,7 +614,14 @@ class RecoveryController:
         that runs already registers again (this chief restarted), having started after
         that many batches."""
         rejoin = self.members.register(who.index, who.incarnation, self.clock(), steps_planned)
-        progress = await self._fence(who)
+        progress, silent = await self._fence(who)
+        if silent and running is None:
+            # where it resumes needs what every PS applied from it: a PS left out (paused,
+            # say) may hold a batch the others lack, which would then be trained twice
+            raise NotReady(
+                f"ps {', '.join(silent)} did not answer the fence of {who.name}:"
+                " register again (where it resumes needs every PS)"
+            )
         state = self.members.workers[who.index]
         if running is not None:
             skip, last = running, -1
@@ -643,22 +650,22 @@ class RecoveryController:
         await self.mode.membership_changed(back=[who.index])
         return rejoin, skip, last
 
-    async def _fence(self, who: o.Who) -> list[Progress]:
-        """Tell every PS that the worker's incarnations before this one are gone; what
-        each PS holding shards applied from it. A PS that cannot be told fences at the
-        new incarnation's first push (and is left out of the resume point)."""
+    async def _fence(self, who: o.Who) -> tuple[list[Progress], list[str]]:
+        """Tell every PS that the worker's incarnations before this one are gone: what
+        each PS holding shards applied from it, and the PS that did not answer (they
+        fence at the new incarnation's first push)."""
         body = o.Fence(who.name, who.incarnation).to_wire()
 
-        async def one(c: Requester) -> Progress | None:
+        async def one(c: Requester) -> Progress | str | None:
             try:
                 rep = o.Fenced.parse((await c.request("fence", body, timeout=2.0)).body)
             except ZmqpsError as e:
                 log.warning("could not fence %s on ps %s: %s", who.name, c.endpoint, e)
-                return None
+                return c.endpoint
             return Progress(rep.cursor, rep.step) if rep.holds else None
 
         got = await asyncio.gather(*(one(c) for c in self.ps))
-        return [p for p in got if p is not None]
+        return [p for p in got if isinstance(p, Progress)], [s for s in got if isinstance(s, str)]
 
     async def watch_workers(self) -> None:
         """Log every worker that stops heartbeating (and every one that comes back); a

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import time
 from collections.abc import Awaitable, Sequence
@@ -117,7 +118,7 @@ async def _serve(
     failed: list[str] = []  # shutdown steps that failed (each logged with its traceback)
     try:
         if await _run(service, watchers):
-            await _shutdown_ps(ps_clients)
+            await _shutdown_ps(ps_clients, cfg.heartbeat_timeout)
         if service.recovery.lifecycle.can(Event.FINISHED):
             service.recovery.handle(Event.FINISHED)
     finally:
@@ -369,14 +370,32 @@ async def _workers_gone(service: ChiefService, timeout: float) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _shutdown_ps(ps_clients: Sequence[Requester]) -> None:
+#: each attempt of the shutdown of a PS waits this long for its acknowledgement
+SHUTDOWN_ATTEMPT_S = 5.0
+
+
+def shutdown_attempts(heartbeat_timeout: float) -> int:
+    """Attempts at shutting a PS down at the end of a run: for three heartbeat
+    timeouts (a PS cut off by a partition then is told once it heals, and does not
+    serve an ended run for ever), at least one, at most 30 s in all."""
+    window = min(30.0, 3 * heartbeat_timeout)
+    return max(1, math.ceil(window / SHUTDOWN_ATTEMPT_S))
+
+
+async def _shutdown_ps(ps_clients: Sequence[Requester], heartbeat_timeout: float) -> None:
     body = o.Shutdown("training finished").to_wire()
+    attempts = shutdown_attempts(heartbeat_timeout)
 
     async def one(c: Requester) -> None:
         try:
-            await c.request("shutdown", body, timeout=5.0)
+            # sent again on each deadline, and at once when the connection comes back
+            await c.request("shutdown", body, timeout=SHUTDOWN_ATTEMPT_S, attempts=attempts)
         except DeadlineExceeded:
-            log.warning("ps at %s did not acknowledge shutdown", c.endpoint)
+            log.warning(
+                "ps at %s did not acknowledge shutdown in %.0fs",
+                c.endpoint,
+                attempts * SHUTDOWN_ATTEMPT_S,
+            )
         except ZmqpsError as e:
             log.warning("ps at %s refused shutdown: %s", c.endpoint, e)
 

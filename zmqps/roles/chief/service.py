@@ -54,6 +54,10 @@ WAIT_REPORT_S = 30.0
 #: side-car evaluators the chief keeps track of (a run has one or a few)
 MAX_EVALUATORS = 64
 
+#: how long a worker's create_vars waits for a built-in job's chief to create its own
+#: variables (it loads its data set first); under the worker's 130 s request deadline
+JOB_VARIABLES_WAIT_S = 100.0
+
 
 class ChiefService:
     def __init__(
@@ -344,6 +348,14 @@ class ChiefService:
     async def _op_create_vars(self, msg: Message, req: o.CreateVars) -> Message:
         variables = tuple(VariableDef.from_wire(v) for v in req.variables)
         optimizer = dict(req.optimizer or self.cfg.optimizer)
+        if self.cfg.job is not None:
+            # a built-in job's chief defines the model: a worker's definitions are
+            # checked against it, never taken first (the chief loads its data set
+            # meanwhile, a worker of another model would otherwise win the race)
+            if await self.variables.wait(JOB_VARIABLES_WAIT_S) is None:
+                raise NotReady(
+                    "the chief has not created its job's variables yet: ask again"
+                )
         placement = await self.create_variables(variables, optimizer)
         return reply(msg, o.PlacementReply(placement.to_wire()).to_wire())
 
