@@ -9,8 +9,36 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 
-__all__ = ["exit_with_parent"]
+__all__ = ["THREAD_VARS", "blas_threads", "exit_with_parent", "thread_env", "usable_cores"]
+
+#: what numpy's BLAS (OpenBLAS, MKL) and OpenMP read for their number of threads
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def blas_threads(cores: int, compute_tasks: int, other_tasks: int) -> int:
+    """BLAS threads for each of ``compute_tasks`` processes computing on the host: the
+    cores left once each of ``other_tasks`` (PS, chief, GPU workers) has one, shared
+    (at least 1). Every process of a machine taking all its cores each (BLAS's
+    default) oversubscribes it: measured 20x slower on 16 cores (BENCHMARKS.md)."""
+    return max(1, (cores - other_tasks) // max(1, compute_tasks))
+
+
+def thread_env(threads: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """``THREAD_VARS`` set to ``threads``, unless ``environ`` sets any of them (the
+    user chose): then nothing."""
+    if any(v in environ for v in THREAD_VARS):
+        return {}
+    return dict.fromkeys(THREAD_VARS, str(threads))
 
 
 def exit_with_parent(pid: int, poll_s: float = 0.5) -> None:
