@@ -11,6 +11,9 @@ they are pulled into it (as views of the worker's arrays, no copy), and its
 gradients are pushed from ``p.grad``; the PS runs the optimizer. ``--device cuda``
 trains on the GPU: the worker keeps the values on it (cupy, pip install
 'zmqps[gpu]') and the module's CUDA parameters share that memory (DLPack).
+``--devices cuda:0,cuda:1`` trains towers: one replica of the module per GPU, each
+on --batch-size examples of the step, gradients summed on the first GPU and pushed
+once (the worker is one replica with a larger batch).
 """
 
 import argparse
@@ -53,6 +56,10 @@ def make_net(num_features: int, num_classes: int) -> torch.nn.Sequential:
     )
 
 
+def cross_entropy(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(net(x), y)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="a PyTorch MLP on a zmqps cluster")
     p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
@@ -65,28 +72,34 @@ def main() -> None:
         "--momentum", type=float, default=MOMENTUM, help="the PS's momentum (see MOMENTUM)"
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--devices", help="towers: one module replica per device, e.g. cuda:0,cuda:1")
     args = p.parse_args()
+    towers = args.devices.split(",") if args.devices else None
+    device = towers[0] if towers else args.device
     torch.set_num_threads(1)  # small batches: threads cost more than they bring
 
     train = shard(load_digits("train"), args.index, args.workers)
     test = load_digits("test")
-    net = make_net(train.num_features, train.num_classes).to(args.device)
+    net = make_net(train.num_features, train.num_classes).to(device)
 
-    with zmqps.Worker(args.chief, args.index, device=args.device) as worker:
-        model = TorchModel(net, worker)
+    with zmqps.Worker(args.chief, args.index, device=device) as worker:
+        model = TorchModel(net, worker, devices=towers)
+        batch_size = args.batch_size * len(model.replicas)
         # Every worker declares the same variables; the first call creates them.
         model.create(optimizer=optimizer(args.lr, args.momentum))
         for epoch in range(args.epochs):
-            for x, y in batches(train, args.batch_size, epoch, seed=args.index):
+            for x, y in batches(train, batch_size, epoch, seed=args.index):
                 model.begin_step()  # sync: take a token; ssp: wait; then the step's values
-                x_t = torch.from_numpy(x).to(args.device)
-                y_t = torch.from_numpy(y).to(args.device)
-                loss = torch.nn.functional.cross_entropy(net(x_t), y_t)
-                loss.backward()
+                x_t, y_t = torch.from_numpy(x), torch.from_numpy(y)
+                if towers:  # each replica on its slice, gradients summed into net's
+                    loss = model.forward_backward(cross_entropy, x_t, y_t)
+                else:
+                    loss = cross_entropy(net, x_t.to(device), y_t.to(device))
+                    loss.backward()
                 model.push(loss=loss, examples=len(x))
         model.pull()  # the final values
         with torch.no_grad():
-            predicted = net(torch.from_numpy(test.x).to(args.device)).argmax(dim=1).cpu().numpy()
+            predicted = net(torch.from_numpy(test.x).to(device)).argmax(dim=1).cpu().numpy()
         steps, updates = worker.step, worker.global_step
     accuracy = float((predicted == test.y).mean())
     print(

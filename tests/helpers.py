@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
+
 from zmqps.cli.launch import free_ports as _free_ports
 
 __all__ = [
@@ -353,3 +355,28 @@ def task_pid(launcher: Proc, task: str) -> int:
         return None
 
     return int(wait_for(find, 30, what=f"the task {task}"))
+
+
+def _gpu_marks() -> list[pytest.MarkDecorator]:
+    from zmqps.device import cupy_available
+
+    reason = "needs a CUDA GPU and cupy (pip install 'zmqps[gpu]'); run with: pytest -m gpu"
+    return [pytest.mark.gpu, pytest.mark.skipif(not cupy_available(), reason=reason)]
+
+
+#: the kinds of device a test of device code runs on: the host, the emulated device
+#: (copies where a GPU copies), and a CUDA GPU where there is one (marked ``gpu``)
+DEVICE_KINDS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("emulate", id="emulate"),
+    pytest.param("cuda", id="cuda", marks=_gpu_marks()),
+]
+
+
+def device_of(kind: str, index: int = 0) -> Any:
+    """A Device of ``kind`` (one of DEVICE_KINDS' values)."""
+    from zmqps.device import Device
+
+    if kind == "cuda":
+        return Device("cuda", index)
+    return Device("cpu", emulate=kind == "emulate")

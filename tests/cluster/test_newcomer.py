@@ -89,7 +89,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         cases["cuda-without-cupy"] = (
             ["--device", "cuda"],
             "--device cuda: a CUDA device needs cupy: pip install 'zmqps[gpu]' (cupy-cuda12x,"
-            " CUDA 12.x) (No module named 'cupy')",
+            " CUDA 12.x; for CUDA 13 pip install cupy-cuda13x) (No module named 'cupy')",
         )
     return cases
 

@@ -214,6 +214,8 @@ def test_launch_sync_trains_digits(procs: Reaper, tmp_path: Path) -> None:
     summary = read_json(summary_path)
     print("launch --mode sync:", summary)
     assert summary["mode"] == "sync"
+    # each worker's BLAS shares the cores (or takes the OMP_NUM_THREADS the user set)
+    assert isinstance(summary["worker_blas_threads"], int) and summary["worker_blas_threads"] >= 1
     assert summary["test_accuracy"] >= 0.95, summary
     # Both workers made every step (none of their gradients was dropped), and the
     # summary counts the last step too.

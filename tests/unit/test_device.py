@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import DEVICE_KINDS, device_of
 
 from zmqps.core.variables import VariableDef
 from zmqps.device import Device, DeviceError, array_module, is_device_array, to_numpy
@@ -70,6 +71,41 @@ def test_cpu_arrays_and_modules() -> None:
     assert cpu.check() is cpu
     cpu.synchronize()  # a no-op on the host
     assert cpu.use() is None
+
+
+@pytest.mark.parametrize("kind", [p for p in DEVICE_KINDS if p.values[0] == "cuda"])
+def test_a_gpu_device_copies_on_streams_and_shares_through_dlpack(kind: str) -> None:
+    """The real thing (``pytest -m gpu``): cupy arrays, page-locked landing buffers,
+    copies on a stream of their own timed by events, DLPack views of torch tensors."""
+    gpu = device_of(kind).check()
+    cp = gpu.xp
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    d = gpu.asarray(a)
+    assert is_device_array(d) and array_module(d) is cp and d.device.id == gpu.index
+    np.testing.assert_array_equal(to_numpy(d), a)
+    pinned = gpu.pinned_empty((3, 4), np.float32)
+    assert cp.cuda.runtime.pointerGetAttributes(pinned.ctypes.data).type == 1  # host, pinned
+    with pytest.raises(DeviceError, match="CUDA device"):
+        Device("cuda", cp.cuda.runtime.getDeviceCount()).check()
+
+    m = Mirror(gpu, VARS, slots=2, replicas=[gpu])
+    m.host[1]["w"][...] = 4.0
+    copy = m.upload(1)
+    copy.before_compute()  # the compute stream waits for it, not the host
+    doubled = m.towers(1)[1]["w"] * 2  # queued after the copy on the compute stream
+    assert float(doubled.sum()) == 8.0 * 12
+    assert copy.done and copy.seconds() > 0.0
+    g = {"w": cp.full((3, 4), 0.25, cp.float32), "b": cp.ones(4, cp.float32)}
+    host, down = m.download(g)
+    asyncio.run(down.wait_async())
+    assert host["w"] is m.grads["w"] and (host["w"] == 0.25).all() and (host["b"] == 1).all()
+
+    torch = pytest.importorskip("torch")
+    t = torch.arange(6, dtype=torch.float32, device=f"cuda:{gpu.index}")
+    view = gpu.from_dlpack(t)
+    t += 1  # the same memory
+    gpu.synchronize()
+    np.testing.assert_array_equal(to_numpy(view), np.arange(1, 7, dtype=np.float32))
 
 
 def test_emulated_device_copies() -> None:

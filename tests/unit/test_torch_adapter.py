@@ -36,6 +36,10 @@ from zmqps.core.variables import Placement, VariableDef  # noqa: E402
 from zmqps.roles.client import ParameterClient  # noqa: E402
 
 T = TypeVar("T")
+GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu)"),
+]
 LR = 0.5
 SGD = {"name": "sgd", "lr": LR}
 
@@ -103,7 +107,7 @@ def mlp(seed: int = 0, dtype: Any = None) -> Any:
 
 
 def values(net: Any) -> dict[str, np.ndarray]:
-    return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+    return {n: p.detach().cpu().numpy().copy() for n, p in net.named_parameters()}
 
 
 def global_batch(n: int = 32) -> tuple[Any, Any]:
@@ -237,9 +241,24 @@ def test_copy_mode_unused_parameters_and_float64(loop: asyncio.AbstractEventLoop
 # ---------------------------------------------------------------- the sync oracle
 
 
+def _cross_entropy(net: Any, x: Any, y: Any) -> Any:
+    return torch.nn.functional.cross_entropy(net(x), y)
+
+
+@pytest.mark.parametrize(
+    "towers",
+    [
+        pytest.param([], id="one-device"),
+        pytest.param(["cpu", "cpu"], id="towers-cpu"),
+        pytest.param(["cpu"] * 3, id="towers-uneven"),
+        pytest.param(["cuda:0", "cuda:0"], id="towers-cuda", marks=GPU),
+    ],
+)
 def test_two_sync_workers_match_single_process_sgd_on_the_global_batch(
-    loop: asyncio.AbstractEventLoop,
+    loop: asyncio.AbstractEventLoop, towers: list[str]
 ) -> None:
+    """With towers, each worker's half of the global batch is cut again, one slice
+    per replica: still single-process SGD on the global batch."""
     steps, n = 20, 2
     net = mlp(seed=1)
     variables = variables_of(net, seed=5)
@@ -247,9 +266,15 @@ def test_two_sync_workers_match_single_process_sgd_on_the_global_batch(
         sync_job(n, 2, variables=variables, optimizer=SGD, num_shards=2)
     )
     models = [
-        TorchModel(mlp(seed=10 + i), MemWorker(loop, job.workers[i], job=job, index=i), seed=5)
+        TorchModel(
+            mlp(seed=10 + i),
+            MemWorker(loop, job.workers[i], job=job, index=i),
+            seed=5,
+            devices=towers or None,
+        )
         for i in range(n)
     ]
+    assert all(len(m.replicas) == max(1, len(towers)) for m in models)
     for m in models:
         m.create(SGD)
 
@@ -266,8 +291,12 @@ def test_two_sync_workers_match_single_process_sgd_on_the_global_batch(
         for i, m in enumerate(models):
             assert m.begin_step(poll=5.0) == step
             xi, yi = x[i * half : (i + 1) * half], y[i * half : (i + 1) * half]
-            loss = torch.nn.functional.cross_entropy(m.module(xi), yi)
-            loss.backward()
+            if towers:
+                loss = m.forward_backward(_cross_entropy, xi, yi)
+                assert all(p.grad is None for r in m.replicas[1:] for p in r.parameters())
+            else:
+                loss = _cross_entropy(m.module, xi, yi)
+                loss.backward()
             assert m.push(loss=loss, examples=len(xi))
         sgd.zero_grad()
         torch.nn.functional.cross_entropy(reference(x), y).backward()
@@ -279,8 +308,9 @@ def test_two_sync_workers_match_single_process_sgd_on_the_global_batch(
     for name, want in expected.items():
         np.testing.assert_allclose(job.values(name), want, rtol=1e-5, atol=1e-6)
     models[0].pull()
-    for name, got in values(models[0].module).items():
-        np.testing.assert_allclose(got, expected[name], rtol=1e-5, atol=1e-6)
+    for replica in models[0].replicas:  # the pull reached every tower
+        for name, got in values(replica).items():
+            np.testing.assert_allclose(got, expected[name], rtol=1e-5, atol=1e-6)
     moved = max(float(np.abs(expected[v.name] - initial(v)).max()) for v in variables)
     assert moved > 0.05  # the steps did move the model
     loop.run_until_complete(job.close())

@@ -30,12 +30,20 @@ Rules of this module:
   then pulls the values of its step; ssp: waits for the bound, then pulls; async:
   pulls only if the last push did not bring values back), forward / backward, then
   :meth:`TorchModel.push` (async: ``push_pull``; sync / ssp: ``push``).
+* Towers (``TorchModel(net, worker, devices=["cuda:0", "cuda:1"])``): one replica
+  of the module per device, the first being ``net`` itself (moved to the first
+  device). A pull lands in ``net`` and is copied to the other replicas.
+  :meth:`TorchModel.forward_backward` cuts the batch into one slice per replica,
+  runs each replica's forward and backward on its slice (its loss weighted by its
+  share of the examples) and sums the gradients into ``net``'s: the gradient of the
+  whole batch, pushed once as one worker's step.
 * PyTorch is imported only here and only when needed; a missing install raises
   :class:`ImportError` saying what to install.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -358,8 +366,17 @@ class TorchModel:
         seed: int = 0,
         init: InitFn | None = None,
         zero_copy: bool = True,
+        devices: Sequence[Any] | None = None,
     ) -> None:
+        th = _torch()
+        if devices is not None and len(devices) == 0:
+            raise ValueError("devices: name at least one (e.g. ['cuda:0', 'cuda:1'])")
+        towers = [th.device(d) for d in devices] if devices is not None else []
+        if towers:
+            module.to(towers[0])
         self.module = module
+        #: the module on each tower's device, ``module`` first (one without towers)
+        self.replicas = [module] + [copy.deepcopy(module).to(d) for d in towers[1:]]
         self.worker = worker
         self.prefix = prefix
         self.zero_copy = zero_copy
@@ -377,7 +394,64 @@ class TorchModel:
 
     def pull(self) -> None:
         pull_into(self.module, self.worker, prefix=self.prefix, zero_copy=self.zero_copy)
+        self._spread()
         self._fresh = True
+
+    def _spread(self) -> None:
+        """Copy ``module``'s values to the other replicas (device to device)."""
+        if len(self.replicas) == 1:
+            return
+        th = _torch()
+        with th.no_grad():
+            source = list(self.module.parameters())
+            for replica in self.replicas[1:]:
+                for dst, src in zip(replica.parameters(), source, strict=True):
+                    dst.copy_(src, non_blocking=True)
+
+    def forward_backward(
+        self, loss_fn: Callable[[torch.nn.Module, Any, Any], torch.Tensor], x: Any, y: Any
+    ) -> torch.Tensor:
+        """``loss_fn(replica, x, y)`` (a mean over the examples) and its backward on
+        every tower, each on its slice of the batch; leaves the gradient of the whole
+        batch in ``module``'s ``.grad`` and returns the batch's loss (on the first
+        device). With one device: ``loss_fn(module, x, y).backward()``."""
+        from zmqps.device.towers import Towers
+
+        n = len(x)
+        if n == 0:
+            raise ValueError("an empty batch has no gradient")
+        total: torch.Tensor | None = None
+        for replica, part in zip(self.replicas, Towers.slices(n, len(self.replicas)), strict=True):
+            if part.stop == part.start:
+                continue  # no examples for this tower
+            device = next(replica.parameters()).device
+            xs = x[part].to(device, non_blocking=True)
+            ys = y[part].to(device, non_blocking=True)
+            loss = loss_fn(replica, xs, ys) * ((part.stop - part.start) / n)
+            loss.backward()
+            share: torch.Tensor = loss.detach().to(self._device)
+            total = share if total is None else total + share
+        self._gather()
+        assert total is not None
+        return total
+
+    @property
+    def _device(self) -> Any:
+        return next(self.module.parameters()).device
+
+    def _gather(self) -> None:
+        """Sum the other replicas' gradients into ``module``'s (then clear theirs)."""
+        own = list(self.module.parameters())
+        for replica in self.replicas[1:]:
+            for dst, src in zip(own, replica.parameters(), strict=True):
+                if src.grad is None:
+                    continue
+                g = src.grad.to(dst.device, non_blocking=True)
+                src.grad = None  # handed over: dst may take the tensor itself
+                if dst.grad is None:
+                    dst.grad = g
+                else:
+                    dst.grad.add_(g)
 
     def begin_step(self, poll: float = 10.0) -> int:
         """Wait until this worker may compute (see :meth:`zmqps.Worker.begin_step`) and
@@ -399,6 +473,7 @@ class TorchModel:
                 pull=True,
                 zero_copy=self.zero_copy,
             )
+            self._spread()
             self._fresh = True
             return True
         self._fresh = False

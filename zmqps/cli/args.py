@@ -23,6 +23,7 @@ from zmqps.core.partition import Partitioner
 from zmqps.core.sync import MODES
 from zmqps.data import DATASETS
 from zmqps.data.ctr import CTR_DATASETS
+from zmqps.device import Device
 from zmqps.models import MODELS
 from zmqps.process import exit_with_parent  # re-exported: it moved to zmqps.process
 from zmqps.roles.configs import NONFINITE_POLICIES, SyncConfig
@@ -367,8 +368,32 @@ def add_device_args(p: argparse.ArgumentParser, *, launch: bool = False) -> None
         "--device",
         default="cpu",
         metavar="DEV",
-        help=f"where {who}: cpu, cuda or cuda:N (cupy: pip install 'zmqps[gpu]') (default: cpu)",
+        help=f"where {who}: cpu, cuda or cuda:N (cupy: pip install 'zmqps[gpu]')"
+        + (
+            "; cuda spreads the workers over the visible GPUs, cuda:N puts them all on GPU N"
+            if launch
+            else ""
+        )
+        + " (default: cpu)",
     )
+    if launch:
+        g.add_argument(
+            "--gpus-per-worker",
+            type=int,
+            default=1,
+            metavar="K",
+            help="with --device cuda: K towers per worker, one per GPU (worker i on GPUs"
+            " i*K .. i*K+K-1, wrapping around the visible GPUs; a GPU may hold several"
+            " towers); --batch-size is each tower's (default: 1)",
+        )
+    else:
+        g.add_argument(
+            "--devices",
+            metavar="DEV,DEV,...",
+            help="towers: compute each step on these devices (e.g. cuda:0,cuda:1), each"
+            " on --batch-size examples, gradients averaged on the first before one push"
+            " (default: --device alone)",
+        )
     g.add_argument(
         "--prefetch",
         action="store_true",
@@ -376,6 +401,23 @@ def add_device_args(p: argparse.ArgumentParser, *, launch: bool = False) -> None
         " step (they lack the worker's own last gradient: one more step of staleness);"
         " default: each layer's push brings its fresh values back",
     )
+
+
+def worker_devices(device: str, gpus_per_worker: int, index: int, visible: int) -> str:
+    """The devices of launched worker ``index`` (comma-separated): ``cuda`` spreads
+    the workers and their ``gpus_per_worker`` towers over ``visible`` GPUs in turn;
+    ``cuda:N`` and ``cpu`` are every worker's (towers: N, K times)."""
+    if gpus_per_worker < 1:
+        raise ConfigError(f"--gpus-per-worker must be >= 1, got {gpus_per_worker}")
+    spec = Device.parse(device)
+    if gpus_per_worker > 1 and not spec.is_cuda:
+        raise ConfigError("--gpus-per-worker needs --device cuda (towers are GPUs)")
+    if spec.is_cuda and device.strip().lower() == "cuda":
+        first = index * gpus_per_worker
+        gpus = [(first + k) % max(1, visible) for k in range(gpus_per_worker)]
+    else:
+        gpus = [spec.index] * gpus_per_worker
+    return ",".join(str(spec) if not spec.is_cuda else f"cuda:{g}" for g in gpus)
 
 
 def metrics_port(args: argparse.Namespace) -> int | None:

@@ -42,12 +42,14 @@ from zmqps.cli.args import (
     job_from_args,
     on_nonfinite_from_args,
     sync_from_args,
+    worker_devices,
 )
 from zmqps.cli.coordinator import add_driver_args, check_launch
 from zmqps.cli.tasks import DEFAULT_JOB
 from zmqps.config import ClusterSpec
 from zmqps.core.partition import Partitioner
-from zmqps.device import Device, DeviceError
+from zmqps.device import Device, DeviceError, cuda_device_count
+from zmqps.process import blas_threads, thread_env, usable_cores
 from zmqps.roles.configs import (
     CheckpointPolicy,
     ChiefConfig,
@@ -225,6 +227,8 @@ class Child:
     log: IO[str] | None = None
     tail: list[str] = field(default_factory=list)
     restarts: int = 0
+    #: added to the launcher's environment for this task (its BLAS threads)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class Launcher:
@@ -288,12 +292,26 @@ class Launcher:
         tasks_dir.mkdir(parents=True, exist_ok=True)
         keys = None if self.keys_dir is None else str(self.keys_dir)
         kids = []
+        threads = self.threads()
         for name, task in self.task_configs(keys):
             path = tasks_dir / f"{name}.json"
             path.write_text(dumps(task) + "\n")
             argv = [sys.executable, "-m", "zmqps", "task", "--config", str(path)]
-            kids.append(Child(name, [*argv, "--parent-pid", str(os.getpid())]))
+            computes = task.worker is not None and not Device.parse(self.args.device).is_cuda
+            env = thread_env(threads if computes else 1, os.environ)
+            kids.append(Child(name, [*argv, "--parent-pid", str(os.getpid())], env=env))
         return kids
+
+    def threads(self) -> int:
+        """BLAS threads of each worker computing on the host: the machine's cores
+        shared among them once every other task has one (each BLAS taking every core
+        oversubscribes the machine); the others get one. ``OMP_NUM_THREADS`` (or
+        ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``) set by the user wins."""
+        a = self.args
+        host = not Device.parse(a.device).is_cuda
+        compute = a.workers if host else 0
+        others = 1 + a.ps + (0 if host else a.workers) + (1 if a.evaluator else 0)
+        return blas_threads(usable_cores(), compute, others)
 
     def task_configs(self, keys: str | None) -> list[tuple[str, TaskConfig]]:
         a = self.args
@@ -339,12 +357,13 @@ class Launcher:
         for i, addr in enumerate(cluster.ps):
             ps = PSConfig(index=i, bind=addr, checkpoint_dir=ckpt_dir, **metrics(f"ps{i}"))
             out.append((f"ps{i}", TaskConfig(ps=ps, keys=keys)))
+        visible = cuda_device_count() if Device.parse(a.device).is_cuda else 0
         for i in range(cluster.num_workers):
             worker = WorkerConfig(
                 cluster=cluster,
                 index=i,
                 job=job,
-                device=a.device,
+                device=worker_devices(a.device, a.gpus_per_worker, i, visible),
                 prefetch=a.prefetch,
                 shared_memory=a.shared_memory,
                 stats_path=str(self.worker_stats(i)),
@@ -411,7 +430,7 @@ class Launcher:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
-            env=self.env,
+            env={**self.env, **child.env},
             start_new_session=True,
         )
 
@@ -621,6 +640,8 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
         Device.parse(args.device).check()
     except DeviceError as exc:
         raise ConfigError(f"--device {args.device}: {exc}") from None
+    worker_devices(args.device, args.gpus_per_worker, 0, 1)  # --gpus-per-worker's errors
+    job.check_towers(args.gpus_per_worker)
     return job
 
 
@@ -725,6 +746,12 @@ def launch(args: argparse.Namespace) -> int:
     summary = json.loads(launcher.chief_summary.read_text())
     summary["wall_seconds"] = round(time.monotonic() - started, 3)
     summary["device"] = args.device
+    worker0 = next((c for c in launcher.children if c.name == "worker0"), None)
+    threads = (worker0.env if worker0 else {}).get("OMP_NUM_THREADS") or os.environ.get(
+        "OMP_NUM_THREADS"
+    )
+    # a user's value may be anything ("4,2" for nested OpenMP): a count only if it is one
+    summary["worker_blas_threads"] = int(threads) if threads and threads.isdigit() else None
     summary["worker_stats"] = _worker_stats(launcher, args.workers)
     summary["restarts"] = launcher.restarts
     if resumed is not None:

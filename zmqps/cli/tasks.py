@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from zmqps.config import ClusterSpec, TaskSpec, bind_address
-from zmqps.device import Device, DeviceError
+from zmqps.device import DeviceError, choose_devices, parse_devices
 from zmqps.roles.configs import (
     CheckpointPolicy,
     ChiefConfig,
@@ -33,6 +33,7 @@ from zmqps.roles.configs import (
     TaskConfig,
     WorkerConfig,
 )
+from zmqps.roles.job import JobConfig
 from zmqps.wire.errors import ConfigError
 
 __all__ = ["run_task", "task_from_args"]
@@ -85,15 +86,12 @@ def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpe
         raise ConfigError(
             "zmqps-worker needs a built-in --model (write your own loop with zmqps.Worker)"
         )
-    try:
-        Device.parse(args.device).check()
-    except DeviceError as exc:
-        raise ConfigError(f"--device: {exc}") from None
+    devices = _devices_of(args, job)
     worker = WorkerConfig(
         cluster=cluster,
         index=task.index,
         job=job,
-        device=args.device,
+        device=devices,
         prefetch=args.prefetch,
         shared_memory=args.shared_memory,
         connect_timeout=args.connect_timeout,
@@ -106,6 +104,19 @@ def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpe
         logdir=args.logdir,
     )
     return TaskConfig(worker=worker, **common)
+
+
+def _devices_of(args: argparse.Namespace, job: JobConfig | None) -> str:
+    """The worker's devices (``--devices``, else ``--device``), checked: comma-separated."""
+    given = getattr(args, "devices", None)
+    device = None if given and args.device == "cpu" else args.device  # cpu: the default
+    try:
+        devices = [d.check() for d in choose_devices(device, given)]
+    except DeviceError as exc:
+        raise ConfigError(f"{'--devices' if given else '--device'}: {exc}") from None
+    if job is not None:
+        job.check_towers(len(devices))
+    return ",".join(str(d) for d in devices)
 
 
 def _chief_timeout(given: float | None, default: float) -> float | None:
@@ -248,7 +259,9 @@ def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
             )
         assert cfg.job is not None
         options = _options(task, "worker", cfg.index, False, True)
-        planned = cfg.job.planned_steps(cfg.index, cfg.cluster.num_workers)
+        planned = cfg.job.planned_steps(
+            cfg.index, cfg.cluster.num_workers, towers=len(parse_devices(cfg.device))
+        )
         # SIGTERM (Kubernetes, the launcher) or SIGINT (Ctrl-C) before the worker is
         # connected: it ends at once
         stopper = _Stopper()
@@ -267,7 +280,7 @@ def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
                 shared_memory=cfg.shared_memory,
                 metrics=metrics,
                 options=options,
-                device=cfg.device,
+                devices=cfg.device,
                 on_nonfinite=cfg.on_nonfinite,
                 summaries=summaries,
             ) as worker:
@@ -361,7 +374,8 @@ def _write_stats(cfg: WorkerConfig, worker: Any, result: dict[str, Any] | None) 
     """This incarnation's statistics: steps and pushes (and, when it ran to the end,
     the time per phase and the overlap)."""
     assert cfg.stats_path is not None
-    stats: dict[str, Any] = {"worker": cfg.index, "device": str(worker.device), **worker.stats()}
+    devices = ",".join(str(d) for d in worker.devices)
+    stats: dict[str, Any] = {"worker": cfg.index, "device": devices, **worker.stats()}
     if result is not None and "overlap" in result:
         stats.update(result["overlap"])
     Path(cfg.stats_path).write_text(json.dumps(stats, indent=2) + "\n")

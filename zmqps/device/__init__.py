@@ -2,8 +2,9 @@
 
 Layer map (depends on numpy, and on cupy only when a CUDA device is used)::
 
-    (here)   Device, DeviceError, array_module, to_numpy, cupy_available
-    staging  Event, CopyStream, Mirror: pinned host buffers <-> device arrays
+    (here)   Device, DeviceError, array_module, to_numpy, cupy_available, parse_devices
+    staging  Copy, CopyStream, Mirror: pinned host buffers <-> device arrays (per tower)
+    towers   Towers: one step computed on K devices, gradients averaged on the first
 
 Rules of this package:
 
@@ -19,8 +20,10 @@ Rules of this package:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -32,8 +35,11 @@ __all__ = [
     "Device",
     "DeviceError",
     "array_module",
+    "choose_devices",
+    "cuda_device_count",
     "cupy_available",
     "is_device_array",
+    "parse_devices",
     "to_numpy",
 ]
 
@@ -52,7 +58,8 @@ def _import_cupy() -> ModuleType:
             _cupy = importlib.import_module("cupy")
         except ImportError as exc:
             raise DeviceError(
-                "a CUDA device needs cupy: pip install 'zmqps[gpu]' (cupy-cuda12x, CUDA 12.x)"
+                "a CUDA device needs cupy: pip install 'zmqps[gpu]' (cupy-cuda12x, CUDA 12.x;"
+                " for CUDA 13 pip install cupy-cuda13x)"
                 f" ({exc})"
             ) from None
     return _cupy
@@ -60,11 +67,15 @@ def _import_cupy() -> ModuleType:
 
 def cupy_available() -> bool:
     """True if cupy imports and sees at least one CUDA device."""
+    return cuda_device_count() > 0
+
+
+def cuda_device_count() -> int:
+    """How many CUDA devices cupy sees (0 without cupy or a driver)."""
     try:
-        cp = _import_cupy()
-        return int(cp.cuda.runtime.getDeviceCount()) > 0
-    except Exception:  # no driver, no device: cupy raises its own CUDA errors
-        return False
+        return int(_import_cupy().cuda.runtime.getDeviceCount())
+    except Exception:  # no cupy, no driver: cupy raises its own CUDA errors
+        return 0
 
 
 def is_device_array(a: Any) -> bool:
@@ -151,6 +162,15 @@ class Device:
             return self.xp.cuda.Device(self.index).use()
         return None
 
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """This device is the current one inside (cupy's current device is per thread)."""
+        if self.is_cuda:
+            with self.xp.cuda.Device(self.index):
+                yield
+        else:
+            yield
+
     def asarray(self, a: Any, dtype: Any = None) -> Any:
         """``a`` on this device (a copy for host data on a GPU)."""
         if self.is_cuda:
@@ -194,3 +214,38 @@ class Device:
         if self.is_cuda:
             with self.xp.cuda.Device(self.index):
                 self.xp.cuda.runtime.deviceSynchronize()
+
+
+def parse_devices(specs: str | Device | Sequence[str | Device] | None) -> list[Device]:
+    """Devices from ``"cuda:0,cuda:1"``, a list of specs or Devices, or one spec; None
+    or an empty spec means ``[cpu]``. A device may repeat (towers sharing one GPU)."""
+    if specs is None:
+        return [Device()]
+    if isinstance(specs, Device):
+        return [specs]
+    items = specs.split(",") if isinstance(specs, str) else list(specs)
+    out = [Device.parse(s) for s in items if not (isinstance(s, str) and not s.strip())]
+    if not out:
+        return [Device()]
+    if len({d.emulate for d in out}) > 1 or len({d.is_cuda for d in out}) > 1:
+        raise DeviceError(
+            "the devices of one worker are all CUDA GPUs or all the host,"
+            f" got {', '.join(str(d) for d in out)}"
+        )
+    return out
+
+
+def choose_devices(
+    device: str | Device | None, devices: str | Sequence[str | Device] | None
+) -> list[Device]:
+    """A worker's devices: ``devices`` (towers) or the one ``device`` (None: cpu);
+    :class:`DeviceError` if both are given and ``device`` is not the first of them."""
+    if devices is None:
+        return [Device.parse(device)]
+    out = parse_devices(devices)
+    if device is not None and Device.parse(device) != out[0]:
+        raise DeviceError(
+            f"device {device} and devices {', '.join(map(str, out))} disagree:"
+            " give one of them (the first of devices is the worker's device)"
+        )
+    return out

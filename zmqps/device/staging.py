@@ -9,8 +9,11 @@ Rules of this module:
   stream has produced them; the wire sends the pinned buffers (zero-copy).
 * Parameters are double-buffered (two slots): the next step's values are uploaded
   into one slot while the current step computes on the other.
+* Towers (several devices of one worker, :mod:`zmqps.device.towers`): a slot's host
+  buffers are filled once and copied to every tower's device, each on that device's
+  copy stream; the gradients to send are those of the first device.
 * On ``Device("cpu")`` a slot's device arrays are its host buffers (nothing is
-  copied); with ``emulate=True`` they are separate numpy arrays and every copy
+  copied, for every tower); with ``emulate=True`` they are separate numpy arrays and every copy
   happens (synchronously) where a GPU would copy, with the same shapes and calls.
 """
 
@@ -33,19 +36,38 @@ Array = npt.NDArray[Any]
 
 
 class Copy:
-    """A queued copy: ``done`` / ``wait()`` / ``wait_async()``, and how long it took."""
+    """A queued copy: ``done`` / ``wait()`` / ``wait_async()``, and how long it took.
+    A copy to several towers' devices is one :class:`Copy` with ``parts``."""
 
-    def __init__(self, event: Any = None, start: Any = None, seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        event: Any = None,
+        start: Any = None,
+        seconds: float = 0.0,
+        device: int = 0,
+        parts: Sequence[Copy] = (),
+    ) -> None:
         self._event = event  # a cupy Event, or None for a finished host copy
         self._start = start
         self._seconds = seconds
+        self._device = device  # the GPU whose streams the events are on
+        self.parts = tuple(parts)
+
+    @classmethod
+    def all(cls, copies: Sequence[Copy]) -> Copy:
+        """One copy made of ``copies`` (one per tower): done when all are."""
+        return copies[0] if len(copies) == 1 else cls(parts=copies)
 
     @property
     def done(self) -> bool:
+        if self.parts:
+            return all(p.done for p in self.parts)
         return self._event is None or bool(self._event.done)
 
     def wait(self) -> None:
         """Block the host until the copy has finished."""
+        for p in self.parts:
+            p.wait()
         if self._event is not None:
             self._event.synchronize()
 
@@ -55,7 +77,10 @@ class Copy:
             await asyncio.sleep(poll)
 
     def seconds(self) -> float:
-        """Time the copy took on its stream (waits for it)."""
+        """Time the copy took on its stream (waits for it); of several towers' copies,
+        the longest (they run side by side)."""
+        if self.parts:
+            return max(p.seconds() for p in self.parts)
         if self._event is None:
             return self._seconds
         self._event.synchronize()
@@ -64,11 +89,15 @@ class Copy:
         return float(cupy.cuda.get_elapsed_time(self._start, self._event)) / 1000.0
 
     def before_compute(self) -> None:
-        """Make the current (compute) stream wait for this copy, without blocking the host."""
+        """Make the compute stream of the copy's device (this thread's current stream
+        there) wait for this copy, without blocking the host."""
+        for p in self.parts:
+            p.before_compute()
         if self._event is not None:
             import cupy
 
-            cupy.cuda.get_current_stream().wait_event(self._event)
+            with cupy.cuda.Device(self._device):
+                cupy.cuda.get_current_stream().wait_event(self._event)
 
 
 class CopyStream:
@@ -101,7 +130,7 @@ class CopyStream:
             for dst, src in pairs:
                 dst.set(src, stream=self._stream)
             end.record(self._stream)
-        return Copy(end, start)
+        return Copy(end, start, device=self.device.index)
 
     def d2h(self, pairs: Iterable[tuple[Array, Any]]) -> Copy:
         """Copy each device array into its host buffer, ``(dst_host, src_device)``, once
@@ -121,14 +150,22 @@ class CopyStream:
             for dst, src in pairs:
                 src.get(stream=self._stream, out=dst, blocking=False)
             end.record(self._stream)
-        return Copy(end, start)
+        return Copy(end, start, device=self.device.index)
 
 
 class Mirror:
     """Dense variables on a device: ``slots`` pairs of (host landing buffers, device
-    arrays), and one set of pinned gradient buffers."""
+    arrays), and one set of pinned gradient buffers. With ``replicas`` (the other
+    towers' devices), each slot also has arrays on each of them, filled from the
+    same host buffers: :meth:`towers`."""
 
-    def __init__(self, device: Device, variables: Sequence[VariableDef], slots: int = 2) -> None:
+    def __init__(
+        self,
+        device: Device,
+        variables: Sequence[VariableDef],
+        slots: int = 2,
+        replicas: Sequence[Device] = (),
+    ) -> None:
         if slots < 1:
             raise ValueError("a mirror needs at least one slot")
         if any(v.sparse for v in variables):
@@ -136,29 +173,44 @@ class Mirror:
         self.device = device
         self.variables = {v.name: v for v in variables}
         self.stream = CopyStream(device)
+        #: the towers' devices after the first, each with its own copy stream
+        self.replicas = [(d, CopyStream(d)) for d in replicas]
         self.host: list[dict[str, Array]] = []
         self.dev: list[dict[str, Any]] = []
+        self._replica_dev: list[list[dict[str, Any]]] = []
         for _ in range(slots):
             host = {v.name: device.pinned_empty(v.shape, v.dtype) for v in variables}
             for a in host.values():
                 a[...] = 0
             self.host.append(host)
-            self.dev.append(
-                {n: device.zeros(a.shape, a.dtype) for n, a in host.items()}
-                if device.separate
-                else host
-            )
+            self.dev.append(self._on(device, host))
+            self._replica_dev.append([self._on(d, host) for d, _ in self.replicas])
         self.grads: dict[str, Array] = (
             {v.name: device.pinned_empty(v.shape, v.dtype) for v in variables}
             if device.separate
             else {}
         )
 
+    @staticmethod
+    def _on(device: Device, host: dict[str, Array]) -> dict[str, Any]:
+        """Device arrays shaped as ``host`` (the host buffers themselves on the cpu)."""
+        if not device.separate:
+            return host
+        return {n: device.zeros(a.shape, a.dtype) for n, a in host.items()}
+
+    def towers(self, slot: int) -> list[dict[str, Any]]:
+        """Slot ``slot``'s arrays on every tower's device, the first device's first."""
+        return [self.dev[slot], *self._replica_dev[slot]]
+
     def upload(self, slot: int, names: Iterable[str] | None = None) -> Copy:
-        """Queue the copy of slot ``slot``'s host buffers (or ``names``) to its device arrays."""
+        """Queue the copy of slot ``slot``'s host buffers (or ``names``) to its device
+        arrays, on every tower's device."""
         host, dev = self.host[slot], self.dev[slot]
-        wanted = host if names is None else names
-        return self.stream.h2d((dev[n], host[n]) for n in wanted)
+        wanted = list(host if names is None else names)
+        copies = [self.stream.h2d((dev[n], host[n]) for n in wanted)]
+        for (_, stream), arrays in zip(self.replicas, self._replica_dev[slot], strict=True):
+            copies.append(stream.h2d((arrays[n], host[n]) for n in wanted))
+        return Copy.all(copies)
 
     def download(self, grads: Mapping[str, Any]) -> tuple[dict[str, Array], Copy]:
         """Queue the copy of device gradients to the pinned gradient buffers; returns the

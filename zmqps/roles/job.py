@@ -118,8 +118,17 @@ class JobConfig:
 
         return CTRModel(data.num_fields, data.num_dense, seed=self.seed)
 
-    def planned_steps(self, index: int, count: int) -> int:
-        """Steps worker ``index`` of ``count`` takes in the whole job."""
+    def check_towers(self, towers: int) -> None:
+        """Raise :class:`ConfigError` if this job cannot run on ``towers`` devices."""
+        if towers > 1 and self.is_ctr:
+            raise ConfigError(
+                "towers (several devices per worker) train the dense models (mlp,"
+                " softmax); the ctr program computes on the host: give one device"
+            )
+
+    def planned_steps(self, index: int, count: int, towers: int = 1) -> int:
+        """Steps worker ``index`` of ``count`` takes in the whole job (with ``towers``
+        devices, each taking ``batch_size`` examples a step)."""
         from zmqps.data import shard, steps_per_epoch
 
         n = (
@@ -127,7 +136,7 @@ class JobConfig:
             if self.is_ctr
             else len(shard(self.load("train"), index, count))
         )
-        return steps_per_epoch(n, self.batch_size) * self.epochs
+        return steps_per_epoch(n, self.batch_size * (1 if self.is_ctr else towers)) * self.epochs
 
     def load(self, split: str) -> Dataset:
         try:

@@ -5,6 +5,11 @@
     loss, grads = model.loss_and_grads(params, x, y, on_ready=pipe.grads_ready)
     pipe.end(grads, loss=loss, examples=len(x))
 
+    # or, on every tower of the worker (Worker(devices=...)); the same with one device:
+    pipe.begin()
+    loss, grads = pipe.compute(model.loss_and_grads, x, y)
+    pipe.end(grads, loss=loss, examples=len(x))
+
 Rules of this module:
 
 * Pushes leave per layer: when backpropagation has finished a layer
@@ -34,6 +39,11 @@ Rules of this module:
   values, which exist only once every replica pushed the step before; ssp's clock
   wait is what bounds staleness, so a pull sent before it would break the bound.
   Pushes and device copies still overlap compute there.
+* Towers (``Worker(devices=...)``): the pulled values land once in the host
+  buffers and are copied to every tower's device; :meth:`StepPipeline.compute`
+  runs the towers (:class:`~zmqps.device.towers.Towers`) and hands each averaged
+  gradient over as soon as every tower has it, so pushes overlap as with one
+  device. A step is still one push of the worker.
 * Failures are those of :meth:`Worker.pull` / :meth:`Worker.push`: through a
   restore, a failed push is dropped (counted in ``worker.rolled_back``) and the next
   step pulls afresh; a failed prefetch is pulled again.
@@ -54,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from zmqps.device.staging import Copy
+from zmqps.device.towers import LossAndGrads, Towers
 from zmqps.roles.worker.session import RECOVERABLE
 from zmqps.transport.loop import result
 from zmqps.wire.errors import NonFiniteGradient
@@ -132,7 +143,8 @@ class StepPipeline:
         client = worker.client
         self.names = client.dense_names()
         variables = [client.placement.variable(n) for n in self.names]
-        self.mirror = Mirror(worker.device, variables, slots=2)
+        self.mirror = Mirror(worker.device, variables, slots=2, replicas=worker.devices[1:])
+        self.towers = Towers(worker.devices)
         self.front = 0
         #: async only: pushes bring the next step's values back (push_pull)
         self.push_pull = worker.steps.pulls_ahead and not prefetch
@@ -219,6 +231,17 @@ class StepPipeline:
         self._took_before = took_before
         self._computing = time.perf_counter()
         return self.mirror.dev[self.front]
+
+    @property
+    def params(self) -> list[dict[str, Any]]:
+        """This step's values on every tower's device (what :meth:`begin` returned first)."""
+        return self.mirror.towers(self.front)
+
+    def compute(self, fn: LossAndGrads, x: Any, y: Any) -> tuple[float, dict[str, Any]]:
+        """``fn`` (a model's ``loss_and_grads``) on this step's values and the batch
+        ``(x, y)`` (host arrays), on every tower, each gradient handed over for its
+        push as soon as it is ready; returns the loss and the averaged gradients."""
+        return self.towers.loss_and_grads(fn, self.params, x, y, on_ready=self.grads_ready)
 
     def _pull_now(self) -> None:
         slot = self.front
@@ -372,5 +395,7 @@ class StepPipeline:
         return accepted
 
     def close(self) -> None:
-        """Wait for a prefetch still in flight (its values are not used)."""
+        """Wait for a prefetch still in flight (its values are not used); stop the
+        towers' threads."""
         self._drop_prefetch()
+        self.towers.close()

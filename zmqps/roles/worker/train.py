@@ -6,6 +6,10 @@ trained twice, and the run ends at its planned step. After a restore that went b
 to a checkpoint, the loop goes back to the batches that checkpoint holds
 (:meth:`Worker.take_rewind`) and trains the later ones again: their pushes were
 acknowledged, then taken back by the restore.
+
+With towers (``Worker(devices=...)``), ``job.batch_size`` is each tower's: a step
+takes ``batch_size`` examples per tower and is one push of the worker (see
+:mod:`zmqps.device.towers`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ def train(
     """The built-in training program: this worker's shard of the data, ``job.epochs``
     epochs, on the worker's device, communication overlapped with compute (see
     :mod:`zmqps.roles.overlap`; ``prefetch`` there)."""
+    towers = len(worker.devices)
+    job.check_towers(towers)
     if job.is_ctr:
         from zmqps.roles.ctr_job import train_ctr
 
@@ -42,15 +48,15 @@ def train(
     except ModelMismatch as exc:
         raise job.not_the_model(exc) from None
     pipe = StepPipeline(worker, prefetch=prefetch)
-    device = worker.device
-    per_epoch = steps_per_epoch(len(data_set), job.batch_size)
+    batch = job.batch_size * towers
+    per_epoch = steps_per_epoch(len(data_set), batch)
     log.info(
         "worker %d: %d examples, %d steps per epoch, %d epochs, on %s",
         worker.index,
         len(data_set),
         per_epoch,
         job.epochs,
-        device,
+        pipe.towers.describe(job.batch_size),
     )
     t_last, s_last = time.perf_counter(), 0
     loss = float("nan")
@@ -63,21 +69,19 @@ def train(
             worker.steps_done,
         )
     data_at = worker.position
-    stream_ = stream(data_set, job.batch_size, job.epochs, seed, data_at)
+    stream_ = stream(data_set, batch, job.epochs, seed, data_at)
     try:
         while worker.position < total or worker.finish() is not None:
-            params = pipe.begin()
+            pipe.begin()
             if worker.take_rewind() is not None or worker.position != data_at:
                 data_at = worker.position  # a restore went back (see the module's doc)
-                stream_ = stream(data_set, job.batch_size, job.epochs, seed, data_at)
+                stream_ = stream(data_set, batch, job.epochs, seed, data_at)
                 if data_at >= total:
                     break
             x, y = next(stream_)
             data_at += 1
             started = time.perf_counter()
-            loss, grads = model.loss_and_grads(
-                params, device.asarray(x), device.asarray(y), on_ready=pipe.grads_ready
-            )
+            loss, grads = pipe.compute(model.loss_and_grads, x, y)
             worker.record_phase("compute", started)
             pipe.end(grads, loss=loss, examples=len(x))
             if worker.stop_requested:

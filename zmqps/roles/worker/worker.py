@@ -23,6 +23,11 @@ Rules of this module:
   cupy gradients (copied to pinned buffers, then sent); see :mod:`zmqps.device`.
   :class:`zmqps.roles.overlap.StepPipeline` overlaps those copies and the network
   with compute.
+* ``devices=["cuda:0", "cuda:1", ...]``: towers (:mod:`zmqps.device.towers`). The
+  worker is one replica whose step is computed on every device, each on its slice
+  of the batch; :attr:`Worker.device` is the first one, where :meth:`pull` returns
+  values and the towers' gradients are averaged. Sync, async and staleness see one
+  worker with a K-times batch.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import numpy.typing as npt
 
 from zmqps.config import ClusterSpec, TaskSpec
 from zmqps.core.variables import Placement, VariableDef
-from zmqps.device import Device
+from zmqps.device import Device, choose_devices
 from zmqps.device.staging import Mirror
 from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
@@ -122,6 +127,7 @@ class Worker:
         options: SocketOptions | None = None,
         metrics: Metrics | None = None,
         device: str | Device | None = None,
+        devices: str | Sequence[str | Device] | None = None,
         on_nonfinite: str = "skip",
         summaries: Summaries | None = None,
     ) -> None:
@@ -140,8 +146,10 @@ class Worker:
             chief_timeout,
         )
         s = self.settings
+        #: the towers' devices (one, unless ``devices`` names several)
+        self.devices = [d.check() for d in choose_devices(device, devices)]
         #: where the parameters and gradients of :meth:`pull` / :meth:`push` live
-        self.device = Device.parse(device).check()
+        self.device = self.devices[0]
         self.device.use()  # the calling thread computes on it (cupy's current device)
         self.index, self.role, self.name = index, s.role, f"{s.role}:{index}"
         self.incarnation = time.time_ns() // 1000 if s.incarnation is None else s.incarnation
