@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -194,3 +195,27 @@ def test_overlap_suite(procs: Reaper, tmp_path: Path) -> None:
     assert run["split"]["serial"]["overlap"] == 0.0
     assert "overlap:" in bench.stdout
     assert not _children_of(logs)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_gpu_bench_on_the_host(procs: Reaper, tmp_path: Path) -> None:
+    """``python -m zmqps.bench.gpu`` (bin/gpu-measure's core) at tiny sizes on the host:
+    two workers at once, each with its time split, against the PyTorch loop and the
+    model alone."""
+    out = tmp_path / "gpu.json"
+    flags = ["--workers", "cpu,cpu", "--hidden", "32,16", "--batch", "8", "--steps", "20"]
+    flags += ["--seconds", "5", "--baseline-steps", "20", "--baseline-seconds", "2"]
+    bench = procs.spawn(
+        [sys.executable, "-m", "zmqps.bench.gpu", *flags, "--json", str(out)], name="gpu"
+    )
+    bench.expect_exit(0, timeout=80)
+    run = read_json(out)
+    assert [r["device"] for r in run["per_worker"]] == ["cpu", "cpu"]
+    for r in run["per_worker"]:
+        assert r["steps"] >= 1 and r["examples_per_second"] > 0
+        assert r["took_seconds"]["push"] > 0 and 0.0 <= r["overlap"] <= 1.0
+    assert run["native"]["cpu"]["examples_per_second"] > 0
+    assert run["local"]["cpu"]["examples_per_second"] > 0
+    assert run["ratios"]["cpu_worker/native_cpu"] > 0
+    assert "torch loop" in bench.stdout

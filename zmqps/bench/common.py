@@ -17,6 +17,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -42,6 +43,7 @@ __all__ = [
     "SideContext",
     "child_argv",
     "child_env",
+    "int_list",
     "machine_info",
     "run_local_cluster",
     "serve_steps",
@@ -466,3 +468,14 @@ class Side:
                 elif rc != 0:
                     self.warnings.append(f"{c.name} exited with {rc}\n{c.tail()}")
         stop_all(self.children, grace=2.0)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"4096,4096"`` as numbers, each at least 1 (an argparse ``type``)."""
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 4096,4096, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SCHEDULES", "format_overlap", "run_overlap"]
+__all__ = ["SCHEDULES", "format_overlap", "phase_split", "run_overlap"]
 
 SCHEDULES = ("serial", "layers", "prefetch")
 _OPTIONS: dict[str, dict[str, Any]] = {
@@ -131,6 +131,15 @@ def run_overlap(
     }
 
 
+def phase_split(rec: dict[str, Any], digits: int = 2) -> str:
+    """``pull took/waited h2d ... push ...`` in ms, from an ``OverlapStats.as_dict()``."""
+    took, waited = rec["took_seconds"], rec["waited_seconds"]
+    return " ".join(
+        f"{p} {took[p] * 1000:.{digits}f}/{waited[p] * 1000:.{digits}f}"
+        for p in ("pull", "h2d", "d2h", "push")
+    )
+
+
 def format_overlap(run: dict[str, Any]) -> str:
     lines = [
         f"overlap: MLP 784-{'-'.join(map(str, run['hidden']))}-10, batch {run['batch']},"
@@ -144,12 +153,8 @@ def format_overlap(run: dict[str, Any]) -> str:
         )
     lines.append("  ms per step of worker 0: took / waited per phase, compute, hidden")
     for s, rec in run["split"].items():
-        parts = " ".join(
-            f"{p} {rec['took_seconds'][p] * 1000:.2f}/{rec['waited_seconds'][p] * 1000:.2f}"
-            for p in ("pull", "h2d", "d2h", "push")
-        )
         lines.append(
-            f"  {s:<9} step {rec['step_seconds'] * 1000:.2f}: {parts},"
+            f"  {s:<9} step {rec['step_seconds'] * 1000:.2f}: {phase_split(rec)},"
             f" compute {rec['compute_seconds'] * 1000:.2f}, hidden {rec['overlap']:.0%}"
         )
     return "\n".join(lines)

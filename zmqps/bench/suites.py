@@ -32,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from zmqps.bench import raw_zmq, torch_rpc, zmqps_side
-from zmqps.bench.common import BenchError, Side, SideContext, machine_info, stop_all, summarize
+from zmqps.bench.common import (
+    BenchError,
+    Side,
+    SideContext,
+    int_list,
+    machine_info,
+    stop_all,
+    summarize,
+)
 from zmqps.bench.workload import (
     DEFAULT_ROW_BUDGET,
     SUITES,
@@ -86,16 +94,6 @@ FULL_SIZES: dict[str, dict[str, float]] = {
 }
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,2, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
-
-
 def _names(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
@@ -122,7 +120,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--workers",
-        type=_int_list,
+        type=int_list,
         help="worker counts, comma-separated, each a separate case"
         " (default: 1,2 for dense, 1 for sparse and small; overlap: the first, default 2)",
     )
@@ -134,7 +132,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--hidden",
-        type=_int_list,
+        type=int_list,
         default=(1024, 1024, 1024),
         help="overlap: the MLP's hidden layer sizes, comma-separated (default: 1024,1024,1024)",
     )
