@@ -348,14 +348,11 @@ class ChiefService:
     async def _op_create_vars(self, msg: Message, req: o.CreateVars) -> Message:
         variables = tuple(VariableDef.from_wire(v) for v in req.variables)
         optimizer = dict(req.optimizer or self.cfg.optimizer)
-        if self.cfg.job is not None:
-            # a built-in job's chief defines the model: a worker's definitions are
-            # checked against it, never taken first (the chief loads its data set
-            # meanwhile, a worker of another model would otherwise win the race)
-            if await self.variables.wait(JOB_VARIABLES_WAIT_S) is None:
-                raise NotReady(
-                    "the chief has not created its job's variables yet: ask again"
-                )
+        # a built-in job's chief defines the model: a worker's definitions are checked
+        # against it, never taken first (the chief loads its data set meanwhile, a
+        # worker of another model would otherwise win the race)
+        if self.cfg.job is not None and await self.variables.wait(JOB_VARIABLES_WAIT_S) is None:
+            raise NotReady("the chief has not created its job's variables yet: ask again")
         placement = await self.create_variables(variables, optimizer)
         return reply(msg, o.PlacementReply(placement.to_wire()).to_wire())
 
