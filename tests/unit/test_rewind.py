@@ -56,6 +56,24 @@ def test_sync_checkpoint_holds_the_pushes_of_applied_steps_only() -> None:
     assert led.included(50) == {"worker:0": 100 - RECENT}  # at least what left the window
 
 
+def test_the_ledger_knows_a_batch_counted_toward_another_step() -> None:
+    led = PushLedger()
+    assert not led.counted_at_another_step("worker:0", 1, 0)  # never heard of
+    led.applied("worker:0", 1, 0, 1, 0)
+    led.applied("worker:0", 1, 0, 1, 0)  # a second layer of the same batch and step
+    assert not led.counted_at_another_step("worker:0", 1, 0)  # its other layers: fine
+    assert led.counted_at_another_step("worker:0", 1, 1)  # redone at a later step
+    assert not led.counted_at_another_step("worker:0", 2, 1)  # the next batch
+    assert not led.counted_at_another_step("worker:1", 1, 1)  # another worker's
+    for step in range(1, 3 * RECENT):  # far more steps than are kept
+        led.applied("worker:0", 1, 0, step + 1, step)
+    assert led.counted_at_another_step("worker:0", 3, 3 * RECENT)  # left ``recent``
+    # an exact restore back to batch 4: batches 5 on are trained again, as new ones
+    led.restored({"worker:0": 4}, exact=True)
+    assert not led.counted_at_another_step("worker:0", 5, 0)
+    assert led.counted_at_another_step("worker:0", 3, 0)
+
+
 def test_an_exact_restore_sets_cursors_back_and_counts_what_it_took() -> None:
     led = PushLedger()
     for c in range(1, 11):

@@ -955,3 +955,32 @@ def test_step_waiters_wake_the_due_ones_and_forget_the_ended() -> None:
         assert await w.wait(4, 1.0) == 5  # reached already: no wait
 
     asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_a_batch_redone_by_a_new_incarnation_after_its_step_went_on_is_not_applied_twice() -> None:
+    """Worker 1's first incarnation pushed batch 5 for step 0 and died; the step went on
+    without it; its new incarnation redoes batch 5 with a token of step 1. The PS that
+    counted batch 5 already must not apply it again: it counts toward step 1 as nobody's
+    gradient (the step waits for no one), so step 1 is worker 0's gradient alone."""
+
+    async def body() -> None:
+        c = await sync_cluster(required=2)
+        w0, old, new = c.client("worker:0"), c.client("worker:1", 1), c.client("worker:1", 2)
+        g0, g1, g0b, redo = grads(0), grads(1), grads(2), grads(3)
+        assert await old.push(g1, step=0, cursor=5)
+        assert await w0.push(g0, step=0, cursor=1)
+        after0 = {v.name: c.shard_values(v.name) for v in DENSE}
+        assert not await new.push(redo, step=1, cursor=5)
+        assert new.dropped == {"duplicate": 2}  # one reply per PS
+        for v in DENSE:  # counted toward step 1, applied nowhere
+            np.testing.assert_array_equal(c.shard_values(v.name), after0[v.name])
+        assert await w0.push(g0b, step=1, cursor=2)
+        for v in DENSE:
+            expected = after0[v.name] - LR * g0b[v.name]  # the mean of the others: one
+            np.testing.assert_allclose(c.shard_values(v.name), expected, rtol=1e-6)
+        assert [ps_sync(c, i)["step"] for i in (0, 1)] == [2, 2]
+        # its next batch is trained as usual
+        assert await new.push(grads(4), step=2, cursor=6)
+        assert [svc.pushes.progress("worker:1") for svc in c.services] == [(6, 2)] * 2
+
+    run(body())

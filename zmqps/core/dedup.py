@@ -261,6 +261,20 @@ class PushLedger:
         if cursor is not None:
             w.count(cursor, step)
 
+    def counted_at_another_step(self, worker: str, cursor: int, step: int) -> bool:
+        """Sync: did this PS count ``worker``'s batch ``cursor`` toward a step other than
+        ``step``? A worker's new incarnation redoes a batch its predecessor pushed to some
+        PS only (it died in between); by the time the redo comes the step may have gone
+        on, and the batch must not be counted here twice. Exact for the batches in
+        ``recent``; a batch below ``older`` (the steps that left ``recent``, or what a
+        restore kept) was counted before (a worker's batches go in step order)."""
+        w = self._workers.get(worker)
+        if w is None:
+            return False
+        if cursor < w.older:
+            return True
+        return any(c == cursor and s != step for s, c in w.recent)
+
     def refused(self, worker: str, cursor: int | None, step: int | None) -> None:
         """A push refused for non-finite values: dropped, yet its batch is done (the
         worker skipped it), so the cursor counts as for an applied one."""

@@ -266,7 +266,9 @@ def resume_point(
 
     A batch whose push reached only some PS (the worker died in between) is done
     again only when that can be exact: in sync mode while its step is still the
-    current one (the PS that have it drop the second copy as that step's duplicate).
+    current one (the PS that have it drop the second copy as that step's duplicate;
+    should the step go on before the redo arrives, they count it toward the new step
+    as nobody's gradient, never applying it twice: ``PushLedger.counted_at_another_step``).
     Otherwise it is skipped: applied twice on some PS would be worse than missing on
     others (it was never acknowledged). ``reported`` (the steps earlier incarnations
     reported to the chief) stands in where no PS knows more (they restarted since).

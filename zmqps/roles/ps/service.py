@@ -416,6 +416,20 @@ class PSService:
             raise InvalidArgument("sync mode: a push carries its local step (take a token first)")
         if not self._is_new(req):
             return o.PushReply(False, duplicate=True)
+        if (
+            req.step is not None
+            and req.cursor is not None
+            and self.pushes.counted_at_another_step(req.worker, req.cursor, req.step)
+        ):
+            # a batch counted here toward an earlier step already (a new incarnation
+            # redoing what its predecessor pushed to some PS only; the step went on
+            # meanwhile): never applied twice, counted toward this step as nobody's
+            # gradient so the step waits for no one
+            if self.mode.refuse(req.shards, req.worker, req.step):
+                self.waiters.notify()
+            self._drop("duplicate", req.worker)
+            self.dedup.commit(req.worker, req.inc, req.seq)
+            return o.PushReply(False, duplicate=True)
         tagged = req.closure is not None and req.closure_seq is not None
         if tagged and not self.closures.is_new(req.closure, req.closure_seq):  # type: ignore[arg-type]
             # a scheduled function run again: this push of it was applied already
