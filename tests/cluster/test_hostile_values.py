@@ -52,9 +52,11 @@ BAD = {
 }
 PUSHES, POLLERS, POLLS_EACH = 1000, 200, 1000  # 200,000 long polls
 #: growth of the PS's resident memory over the attack: 16,384 pending polls (the
-#: server's bound) measured +158 MiB with the bad pushes before them, about 10 KiB
-#: per pending poll (its task, coroutine frames, timer, decoded request)
-RSS_BOUND_MIB = 256
+#: server's bound) measured +158 MiB on one machine and +237 to +273 MiB on another
+#: (the same code, 2026-11-25; about 15 KiB per pending poll: 3-5 KiB of Python objects,
+#: its task, coroutine frames, timer and decoded request, the rest its ZeroMQ frames and
+#: the allocator's arenas). Unbounded, the 200,000 polls would take about 3 GiB.
+RSS_BOUND_MIB = 384
 LOG_LINES_BOUND = 200
 MIB = 1 << 20
 

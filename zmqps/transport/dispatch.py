@@ -34,7 +34,8 @@ __all__ = ["MAX_PENDING", "MAX_PENDING_PER_PEER", "Dispatcher", "Pending"]
 #: and some pipelined requests; a chief serving 5,000 simulated workers holds one long
 #: poll per worker, from many peers).
 MAX_PENDING_PER_PEER = 1024
-#: Requests pending at once, all peers together (about 3 KiB each while they wait).
+#: Requests pending at once, all peers together (10-17 KiB of a server's memory each
+#: while they wait, measured).
 MAX_PENDING = 16384
 #: Seconds between two log lines about refused requests (all are counted).
 _LOG_EVERY_S = 30.0
