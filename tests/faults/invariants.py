@@ -376,6 +376,19 @@ def _steps_at_least(applied: dict[int, dict[tuple[int, int, int], int]], w: int,
     )
 
 
+def _steps_everywhere(
+    rec: RunRecord, applied: dict[int, dict[tuple[int, int, int], int]], w: int, incs: list[int]
+) -> int:
+    """Batches of incarnations ``incs`` of worker ``w`` that reached every PS: the least
+    any PS that lived through the run applied of them (-1: no such PS)."""
+    counts = [
+        sum(n for (ww, ii, _), n in c.items() if ww == w and ii in incs)
+        for i, c in applied.items()
+        if rec.ps_final[i].full_life
+    ]
+    return min(counts, default=-1)
+
+
 def check_pushes(rec: RunRecord, ref: Reference) -> list[Check]:
     """Acknowledged pushes against the PS's counts (exactly once), and batches against
     each worker's planned steps (none trained twice)."""
@@ -430,7 +443,14 @@ def check_pushes(rec: RunRecord, ref: Reference) -> list[Check]:
             final = int(st["incarnation"])
             earlier = [x for x in incs if x < final]
             did = sum(_steps_at_least(applied, w, x) for x in earlier) - back
-            if did > int(st["steps_done"]):
+            # Sync: a batch whose push reached only some PS is trained again by the new
+            # incarnation (core/recovery.resume_point): the PS that lack it apply it,
+            # those that have it drop it. The resume point is then what every PS has,
+            # one batch short of what some have; no PS applies it twice (checked below,
+            # per PS, against the worker's share).
+            everywhere = _steps_everywhere(rec, applied, w, earlier) - back
+            redone = int(s.mode == "sync" and everywhere == int(st["steps_done"]))
+            if did > int(st["steps_done"]) + redone:
                 redo.append(
                     f"worker {w}: the PS applied {did} pushes of its {len(earlier)} earlier"
                     f" incarnation(s) that no restore took back, but the last one resumed"

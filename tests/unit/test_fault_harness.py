@@ -343,6 +343,33 @@ def test_a_restarted_worker_that_redoes_batches_is_caught() -> None:
     assert checks["no-batch-twice"].ok, checks["no-batch-twice"].detail
 
 
+def test_a_batch_redone_on_the_ps_that_lacked_it_is_not_trained_twice() -> None:
+    """Sync (fault seed 418): incarnation 7 pushed batch 31 to ps 0 only and died; the
+    new one resumed after 30 (what both PS had) and redid batch 31: ps 1 applied it,
+    ps 0 dropped it. Every PS applied the worker's share once."""
+    sync = _schedule(mode="sync", ps=2)
+    stats = {
+        0: _stats(9, 30, 20, {"0/0": {"sent": 20, "applied": 20, "dropped": 0}}),
+        1: _stats(8, 0, 50, {"0/0": {"sent": 50, "applied": 50, "dropped": 0}}),
+    }
+    ps = {
+        0: _ps({"worker:0/7/0": 31, "worker:0/9/0": 19, "worker:1/8/0": 50}),
+        1: _ps({"worker:0/7/0": 30, "worker:0/9/0": 20, "worker:1/8/0": 50}),
+    }
+    tasks = [_task("chief", 0), _task("ps0", 0), _task("ps1", 0), _task("worker0", 0)]
+    rec = _record(schedule=sync, stats=stats, ps_final=ps, tasks=tasks)
+    checks = {c.name: c for c in check_pushes(rec, REF)}
+    assert checks["no-batch-twice"].ok, checks["no-batch-twice"].detail
+    # had ps 0 applied the redone batch too, it holds 51 of a share of 50
+    ps[0] = _ps({"worker:0/7/0": 31, "worker:0/9/0": 20, "worker:1/8/0": 50})
+    rec = _record(schedule=sync, stats=stats, ps_final=ps, tasks=tasks)
+    bad = {c.name: c for c in check_pushes(rec, REF)}["no-batch-twice"]
+    assert not bad.ok and "ps 0 applied 51 pushes of worker 0" in bad.detail, bad.detail
+    # async never redoes a batch: resuming one short of what a PS has is a violation
+    rec = _record(schedule=_schedule(mode="async", ps=2), stats=stats, ps_final=ps, tasks=tasks)
+    assert not {c.name: c for c in check_pushes(rec, REF)}["no-batch-twice"].ok
+
+
 def test_a_restarted_ps_is_compared_from_its_first_generation_on() -> None:
     stats = {
         0: _stats(
