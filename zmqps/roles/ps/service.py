@@ -425,10 +425,8 @@ class PSService:
             # redoing what its predecessor pushed to some PS only; the step went on
             # meanwhile): never applied twice, counted toward this step as nobody's
             # gradient so the step waits for no one
-            if self.mode.refuse(req.shards, req.worker, req.step):
-                self.waiters.notify()
             self._drop("duplicate", req.worker)
-            self.dedup.commit(req.worker, req.inc, req.seq)
+            self._count_as_nobodys(req)
             return o.PushReply(False, duplicate=True)
         tagged = req.closure is not None and req.closure_seq is not None
         if tagged and not self.closures.is_new(req.closure, req.closure_seq):  # type: ignore[arg-type]
@@ -462,9 +460,14 @@ class PSService:
         so the step is not left waiting for it (the mean is of the others)."""
         if not self._is_new(req):
             return
+        self.pushes.refused(req.worker, req.cursor, req.step)
+        self._count_as_nobodys(req)
+
+    def _count_as_nobodys(self, req: o.Push | o.PushRows) -> None:
+        """Nothing of the push is applied; sync, it counts toward its step as nobody's
+        gradient (the step waits for no one); the push is recorded as done."""
         if req.step is not None:
             self.mode.refuse(req.shards, req.worker, req.step)
-        self.pushes.refused(req.worker, req.cursor, req.step)
         self.dedup.commit(req.worker, req.inc, req.seq)
         self.waiters.notify()
 
