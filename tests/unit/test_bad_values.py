@@ -17,10 +17,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zmqps.core.finite import BLOCK_ELEMS, SMALL_ELEMS, first_nonfinite
+from zmqps.core.finite import (
+    BLOCK_ELEMS,
+    PARALLEL_BYTES,
+    SMALL_ELEMS,
+    _split,
+    first_nonfinite,
+    first_nonfinite_of,
+)
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.ps import PSService
+from zmqps.roles.ps.threads import CheckThreads
 from zmqps.transport.fake import FakeNetwork
 from zmqps.wire import Tensor
 from zmqps.wire.errors import InvalidArgument, NonFiniteGradient
@@ -181,6 +189,56 @@ def test_strided_views_are_checked() -> None:
     a[7] = np.nan
     assert first_nonfinite(a[1::2]) == 3
     assert first_nonfinite(a[::2]) is None
+
+
+def _start(piece: np.ndarray[Any, Any], base: np.ndarray[Any, Any]) -> int:
+    """The index in ``base`` of a slice's first element."""
+    return int(piece.ctypes.data - base.ctypes.data) // base.itemsize
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_a_push_split_among_threads_covers_every_element_once(k: int) -> None:
+    rng = np.random.default_rng(k)
+    dtypes = ["float32", "float64"] * 3
+    arrays = [np.zeros(int(n), dt) for n, dt in zip(rng.integers(1, 5000, 6), dtypes, strict=True)]
+    parts = _split(arrays, k)
+    assert 1 <= len(parts) <= k
+    seen = [np.zeros(a.shape[0], int) for a in arrays]
+    for part in parts:
+        for j, piece in part:
+            lo = _start(piece, arrays[j])
+            seen[j][lo : lo + piece.shape[0]] += 1
+    assert all((s == 1).all() for s in seen)
+    shares = [sum(p.nbytes for _, p in part) for part in parts]
+    assert max(shares) - min(shares) <= 2 * 8  # equal bytes, to an element or so
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_a_large_push_checked_by_threads_finds_the_first_bad_element(threads: int) -> None:
+    """The parallel check gives the serial check's answer: the first bad element in
+    push order, wherever the parts' boundaries fall."""
+    rng = np.random.default_rng(threads)
+    sizes = [PARALLEL_BYTES // 8 + 3, 5, PARALLEL_BYTES // 4 - 1, 1 << 15]
+    dtypes = ["float32", "float64"] * 2
+    arrays = [rng.standard_normal(n).astype(dt) for n, dt in zip(sizes, dtypes, strict=True)]
+    assert sum(a.nbytes for a in arrays) >= PARALLEL_BYTES
+    places = {(j, i) for j, a in enumerate(arrays) for i in (0, a.shape[0] - 1)}
+    for part in _split(arrays, threads):  # where each part starts and ends, too
+        for j, piece in part:
+            lo = _start(piece, arrays[j])
+            places |= {(j, lo), (j, lo + piece.shape[0] - 1)}
+    parts = CheckThreads(threads)
+    try:
+        assert first_nonfinite_of(arrays, parts) is None
+        for j, i in sorted(places):
+            for bad in (np.nan, np.inf, -np.inf):
+                b = [a.copy() for a in arrays]
+                b[j][i] = bad
+                if (j, i) != (len(b) - 1, b[-1].shape[0] - 1):
+                    b[-1][-1] = np.nan  # a later bad element does not hide it
+                assert first_nonfinite_of(b, parts) == (j, i)
+    finally:
+        parts.close()
 
 
 def test_sync_a_refused_gradient_counts_toward_the_step_and_its_batch_is_done() -> None:

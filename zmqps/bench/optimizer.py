@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from zmqps.core import optimizers
-from zmqps.core.finite import first_nonfinite
+from zmqps.core.finite import first_nonfinite_of
 from zmqps.core.store import ShardStore
 from zmqps.core.variables import ShardDef
+from zmqps.roles.ps.threads import CheckThreads
 
 __all__ = ["format_optimizer", "run_optimizer"]
 
@@ -47,14 +48,14 @@ def _store_update(
     g = np.full(rows * cols, 1e-3, np.float32)
     step = (4 << 20) // 4
     chunks = [(o, g[o : o + step]) for o in range(0, g.size, step)]
+    threads = CheckThreads()  # the PS's own
 
     def update() -> None:
         old = optimizers.USE_KERNELS
         optimizers.USE_KERNELS = kernels
         try:
             if check:  # what a PS does first: every value finite, else nothing changes
-                for _, chunk in chunks:
-                    assert first_nonfinite(chunk) is None
+                assert first_nonfinite_of([chunk for _, chunk in chunks], threads) is None
             store.apply_dense(0, chunks, store.get(0).version)
         finally:
             optimizers.USE_KERNELS = old

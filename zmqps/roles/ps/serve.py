@@ -59,6 +59,7 @@ async def serve_ps(
             loop.remove_signal_handler(sig)
         await server.stop()
         service.regions.close()
+        service.check_threads.close()
         if exporter is not None:
             exporter.close()
     st = service.status()

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from zmqps.core.dedup import ClosureLedger, PushDeduper, PushLedger
-from zmqps.core.finite import first_nonfinite
+from zmqps.core.finite import first_nonfinite_of
 from zmqps.core.store import ShardStore, Update
 from zmqps.core.variables import ShardDef
 from zmqps.metrics import Metrics
@@ -45,6 +45,7 @@ from zmqps.roles.optable import Handler, OpTable
 from zmqps.roles.ps.checkpoints import ShardCheckpoints
 from zmqps.roles.ps.modes import Apply, PSMode, StepWaiters, make_mode
 from zmqps.roles.ps.regions import MAX_PER_WORKER, Regions
+from zmqps.roles.ps.threads import CheckThreads
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
@@ -94,6 +95,8 @@ class PSService:
         self.metrics = metrics
         if metrics is not None:
             self._observe(metrics)
+        #: threads that read a large push's values for the finite check
+        self.check_threads = CheckThreads()
         self.dedup = PushDeduper()
         self.pushes = PushLedger()
         self.closures = ClosureLedger()
@@ -341,24 +344,27 @@ class PSService:
         else:
             by_shard = self._grad_tensors(msg, req, ("grad",))
             chunks = {sid: [(t.offset, t.array.reshape(-1)) for t in by_shard[sid]] for sid in sids}
-        for sid in sids:
-            for offset, chunk in chunks[sid]:
-                self._check_values(sid, chunk, offset)
+        self._check_values([(sid, chunk, offset) for sid in sids for offset, chunk in chunks[sid]])
         return [
             self.store.plan_dense(sid, chunks[sid], ver)
             for sid, ver in zip(sids, req.versions, strict=True)
         ]
 
-    def _check_values(self, sid: int, grad: Any, offset: int) -> None:
-        """A pushed gradient is of its variable's dtype (the client converts; nothing
-        else reaches a kernel) and finite: refused before anything changes."""
-        want = self.store.get(sid).values.dtype
-        if grad.dtype != want:
-            raise InvalidArgument(
-                f"shard {sid}: the gradient is {grad.dtype}, the variable is {want}"
-            )
-        i = first_nonfinite(grad)
-        if i is not None:
+    def _check_values(self, grads: Sequence[tuple[int, Any, int]]) -> None:
+        """Every pushed gradient ``(shard, values, offset)`` is of its variable's dtype
+        (the client converts; nothing else reaches a kernel) and finite: refused
+        before anything changes. The finite check reads a large push with several
+        threads (:func:`first_nonfinite_of`)."""
+        for sid, grad, _ in grads:
+            want = self.store.get(sid).values.dtype
+            if grad.dtype != want:
+                raise InvalidArgument(
+                    f"shard {sid}: the gradient is {grad.dtype}, the variable is {want}"
+                )
+        bad = first_nonfinite_of([grad for _, grad, _ in grads], self.check_threads)
+        if bad is not None:
+            j, i = bad
+            sid, grad, offset = grads[j]
             raise NonFiniteGradient(
                 f"shard {sid}: gradient element {offset + i} is {grad[i]}; nothing was applied"
             )
@@ -394,7 +400,7 @@ class PSService:
             if [t.kind for t in ts] != ["index", "rows"]:
                 raise InvalidArgument(f"push_rows: shard {sid} needs exactly (index, rows)")
             try:
-                self._check_values(sid, ts[1].array.reshape(-1), 0)
+                self._check_values([(sid, ts[1].array.reshape(-1), 0)])
             except NonFiniteGradient:
                 self._refused(req)
                 raise
