@@ -13,13 +13,16 @@ from zmqps.core.partition import (
     DEFAULT_OPTIMIZER,
     PLACEMENTS,
     Partitioner,
+    check_replication,
     even_split,
     greedy_by_bytes,
+    place_backups,
     plan,
     round_robin,
 )
-from zmqps.core.variables import Placement, VariableDef
+from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.wire.errors import InvalidArgument
+from zmqps.wire.schema import PLACEMENT
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -216,6 +219,108 @@ def test_greedy_balances_and_is_deterministic(sizes, num_ps):
     for s, p in zip(sizes, out, strict=True):
         loads[p] += s
     assert max(loads) - min(loads) <= max(sizes, default=0)
+
+
+# --- backups (--replication) -----------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 10_000), max_size=40),
+    num_ps=st.integers(1, 9),
+    replication=st.integers(1, 4),
+    host_count=st.integers(1, 5),
+    data=st.data(),
+)
+def test_backups_never_share_a_ps_nor_a_host_they_can_avoid(
+    sizes, num_ps, replication, host_count, data
+):
+    replication = min(replication, num_ps)
+    primaries = greedy_by_bytes(sizes, num_ps)
+    hosts = [f"h{data.draw(st.integers(0, host_count - 1))}" for _ in range(num_ps)]
+    out = place_backups(sizes, primaries, num_ps, replication, hosts)
+    assert out == place_backups(list(sizes), list(primaries), num_ps, replication, list(hosts))
+    assert len(out) == len(sizes)
+    distinct_hosts = len(set(hosts))
+    for p, bs in zip(primaries, out, strict=True):
+        copies = (p, *bs)
+        assert len(copies) == replication
+        assert len(set(copies)) == replication and all(0 <= c < num_ps for c in copies)
+        on = [hosts[c] for c in copies]
+        # as many hosts as can be: copies share one only when there are too few
+        assert len(set(on)) == min(replication, distinct_hosts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 10_000), max_size=60), num_ps=st.integers(2, 9))
+def test_backups_keep_the_ps_balanced(sizes, num_ps):
+    """With the primaries balanced (greedy), primaries and backups together stay
+    within twice the largest shard of each other."""
+    primaries = greedy_by_bytes(sizes, num_ps)
+    loads = [0] * num_ps
+    for size, p, (b,) in zip(
+        sizes, primaries, place_backups(sizes, primaries, num_ps, 2), strict=True
+    ):
+        loads[p] += size
+        loads[b] += size
+    assert sum(loads) == 2 * sum(sizes)
+    assert max(loads) - min(loads) <= 2 * max(sizes, default=0)
+
+
+def test_backups_go_to_another_host_first():
+    # 4 PS on 2 hosts: the backup of a shard whose primary is on host a is on host b
+    hosts = ["a", "a", "b", "b"]
+    out = place_backups([10] * 8, [0, 1, 2, 3] * 2, 4, 2, hosts)
+    for p, (b,) in zip([0, 1, 2, 3] * 2, out, strict=True):
+        assert hosts[b] != hosts[p]
+    # 3 copies on 2 hosts: two share one, never two on one PS
+    out = place_backups([10] * 4, [0, 1, 2, 3], 4, 3, hosts)
+    assert all(
+        len({hosts[c] for c in (p, *bs)}) == 2 for p, bs in zip([0, 1, 2, 3], out, strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("replication", "num_ps", "match"),
+    [
+        (0, 3, "replication must be a positive integer"),
+        (
+            4,
+            3,
+            "replication 4 needs at least 4 PS tasks, one per copy of a shard; the cluster has 3",
+        ),
+        (17, 20, "at most 16 copies"),
+    ],
+)
+def test_replication_beyond_the_ps_is_refused(replication, num_ps, match):
+    with pytest.raises(InvalidArgument, match=match):
+        check_replication(replication, num_ps)
+    with pytest.raises(InvalidArgument, match=match):
+        plan(model(), num_ps, Partitioner(), replication=replication)
+
+
+def test_a_replicated_plan_round_trips_the_wire_and_its_schema():
+    p = plan(model(), 3, Partitioner(), "greedy", replication=2, hosts=["a", "b", "b"])
+    assert p.replication == 2
+    for s in p.shards:
+        assert len(s.copies) == 2 and s.copies[0] == s.ps
+        assert "a" in {["a", "b", "b"][c] for c in s.copies}
+    wire = msgpack.unpackb(msgpack.packb(p.to_wire()))
+    PLACEMENT.check(wire, "placement")
+    assert Placement.from_wire(wire) == p
+    # a placement of one copy reads and writes as before replication existed
+    one = plan(model(), 3, Partitioner())
+    assert one.replication == 1 and "backups" not in one.to_wire()
+    PLACEMENT.check(msgpack.unpackb(msgpack.packb(one.to_wire())), "placement")
+
+
+def test_a_shard_with_two_copies_on_one_ps_is_refused():
+    with pytest.raises(InvalidArgument, match="two copies on one PS"):
+        ShardInfo(0, "v", 0, 0, 4, 1, (2, 1))
+    wire = plan(model(), 3, Partitioner(), replication=2).to_wire()
+    wire["backups"] = wire["backups"][:-1]
+    with pytest.raises(InvalidArgument, match="backup lists for"):
+        Placement.from_wire(wire)
 
 
 # --- plan ------------------------------------------------------------------------

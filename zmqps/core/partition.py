@@ -10,6 +10,10 @@ Rules of this module:
 * Policy is injected: the :class:`Partitioner` decides how many shards, a
   placement policy (a name from :data:`PLACEMENTS` or any callable with the
   same signature) decides which PS holds each shard.
+* With ``replication`` R > 1, every shard also gets R - 1 backups
+  (:func:`place_backups`): no two copies of a shard on one PS, nor on one host
+  when the PS's hosts are given and there are enough of them; each backup on the
+  least-loaded eligible PS, counting primaries and backups alike.
 * Only the chief calls :func:`plan`; workers receive the resulting
   :class:`~zmqps.core.variables.Placement` and never recompute it.
 * Bad arguments raise :class:`~zmqps.wire.errors.InvalidArgument`.
@@ -18,6 +22,7 @@ Rules of this module:
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -25,14 +30,17 @@ from typing import Any
 
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.wire.errors import InvalidArgument
+from zmqps.wire.schema import MAX_REPLICATION
 
 __all__ = [
     "DEFAULT_OPTIMIZER",
     "PLACEMENTS",
     "Partitioner",
     "PlacementPolicy",
+    "check_replication",
     "even_split",
     "greedy_by_bytes",
+    "place_backups",
     "plan",
     "round_robin",
 ]
@@ -145,6 +153,56 @@ def greedy_by_bytes(sizes: Sequence[int], num_ps: int) -> list[int]:
     return out
 
 
+def check_replication(replication: int, num_ps: int) -> None:
+    """``replication`` copies of each shard fit on ``num_ps`` PS tasks."""
+    _check_positive("replication", replication)
+    if replication > min(num_ps, MAX_REPLICATION):
+        raise InvalidArgument(
+            f"replication {replication} needs at least {replication} PS tasks, one per copy"
+            f" of a shard; the cluster has {num_ps}"
+            + (f" (and at most {MAX_REPLICATION} copies)" if replication > MAX_REPLICATION else "")
+        )
+
+
+def place_backups(
+    sizes: Sequence[int],
+    primaries: Sequence[int],
+    num_ps: int,
+    replication: int,
+    hosts: Sequence[str] | None = None,
+) -> list[tuple[int, ...]]:
+    """The PS of every shard's ``replication - 1`` backups (shard order).
+
+    Largest shard first, each backup goes to the least-loaded PS (bytes of the
+    primaries and backups placed so far; ties: lowest PS) that holds no copy of the
+    shard and, given ``hosts`` (one label per PS), is on a host with the fewest
+    copies of it: copies share a host only when there are fewer hosts than copies.
+    """
+    _check_sizes(sizes, num_ps)
+    check_replication(replication, num_ps)
+    if len(primaries) != len(sizes) or any(not 0 <= p < num_ps for p in primaries):
+        raise InvalidArgument(f"invalid primaries {list(primaries)!r} for {num_ps} PS")
+    if hosts is not None and len(hosts) != num_ps:
+        raise InvalidArgument(f"{len(hosts)} host labels for {num_ps} PS tasks")
+    host = list(hosts) if hosts is not None else [str(ps) for ps in range(num_ps)]
+    loads = [0] * num_ps
+    for size, ps in zip(sizes, primaries, strict=True):
+        loads[ps] += size
+    out: list[tuple[int, ...]] = [()] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        copies = [primaries[i]]
+        for _ in range(replication - 1):
+            on_host = Counter(host[c] for c in copies)
+            ps = min(
+                (ps for ps in range(num_ps) if ps not in copies),
+                key=lambda ps: (on_host[host[ps]], loads[ps], ps),
+            )
+            copies.append(ps)
+            loads[ps] += sizes[i]
+        out[i] = tuple(copies[1:])
+    return out
+
+
 #: Placement policies by the name users type (``--placement``).
 PLACEMENTS: Mapping[str, PlacementPolicy] = MappingProxyType(
     {"round_robin": round_robin, "greedy": greedy_by_bytes}
@@ -168,13 +226,17 @@ def plan(
     partitioner: Partitioner,
     placement: str | PlacementPolicy = "round_robin",
     optimizer: Mapping[str, Any] = DEFAULT_OPTIMIZER,
+    replication: int = 1,
+    hosts: Sequence[str] | None = None,
 ) -> Placement:
     """The chief's placement map for ``variables`` on ``num_ps`` PS tasks.
 
     Shard ids are ``0..n-1`` in variable order, then shard order. Variables keep
-    their own optimizer (``None`` means the job default, ``optimizer``).
+    their own optimizer (``None`` means the job default, ``optimizer``). The policy
+    places the primaries; with ``replication`` > 1, :func:`place_backups` the rest.
     """
     _check_positive("num_ps", num_ps)
+    check_replication(replication, num_ps)
     policy = _policy(placement)
     seen: set[str] = set()
     for v in variables:
@@ -191,9 +253,16 @@ def plan(
     if len(ps_of) != len(pieces) or any(not 0 <= p < num_ps for p in ps_of):
         raise InvalidArgument(f"placement policy returned an invalid assignment {ps_of!r}")
 
+    backups = (
+        place_backups(sizes, ps_of, num_ps, replication, hosts)
+        if replication > 1
+        else [()] * len(pieces)
+    )
     shards = tuple(
-        ShardInfo(id=sid, var=v.name, index=index, row_start=row_start, rows=rows, ps=ps)
-        for sid, ((v, index, row_start, rows), ps) in enumerate(zip(pieces, ps_of, strict=True))
+        ShardInfo(sid, v.name, index, row_start, rows, ps, bs)
+        for sid, ((v, index, row_start, rows), ps, bs) in enumerate(
+            zip(pieces, ps_of, backups, strict=True)
+        )
     )
     return Placement(
         variables=tuple(variables),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -147,6 +147,19 @@ class ShardInfo:
     row_start: int
     rows: int
     ps: int
+    #: the PS holding the shard's other copies (``--replication R``: R - 1 of them),
+    #: none of them ``ps`` nor each other; ``ps`` is the primary
+    backups: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        copies = self.copies
+        if len(set(copies)) != len(copies):
+            raise InvalidArgument(f"shard {self.id}: two copies on one PS: {list(copies)}")
+
+    @property
+    def copies(self) -> tuple[int, ...]:
+        """Every PS holding the shard, the primary first."""
+        return (self.ps, *self.backups)
 
     def to_wire(self) -> list[Any]:
         return [self.id, self.var, self.index, self.row_start, self.rows, self.ps]
@@ -274,17 +287,36 @@ class Placement:
         by_name = {v.name: v for v in self.variables}
         return [(s.ps, ShardDef.of(by_name[s.var], s, self.optimizer)) for s in self.shards]
 
+    @property
+    def replication(self) -> int:
+        """Copies of each shard (1: no backups)."""
+        return 1 + max((len(s.backups) for s in self.shards), default=0)
+
     def to_wire(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "variables": [v.to_wire() for v in self.variables],
             "shards": [s.to_wire() for s in self.shards],
             "optimizer": dict(self.optimizer),
         }
+        if self.replication > 1:  # a placement without backups reads as before
+            out["backups"] = [list(s.backups) for s in self.shards]
+        return out
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Placement:
+        shards = [ShardInfo.from_wire(s) for s in d["shards"]]
+        backups = d.get("backups")
+        if backups is not None:
+            if len(backups) != len(shards):
+                raise InvalidArgument(
+                    f"placement: {len(backups)} backup lists for {len(shards)} shards"
+                )
+            shards = [
+                replace(s, backups=tuple(int(b) for b in bs))
+                for s, bs in zip(shards, backups, strict=True)
+            ]
         return cls(
             variables=tuple(VariableDef.from_wire(v) for v in d["variables"]),
-            shards=tuple(ShardInfo.from_wire(s) for s in d["shards"]),
+            shards=tuple(shards),
             optimizer=d["optimizer"],
         )

@@ -261,6 +261,8 @@ SHARD_ID = Int(0, 2**31 - 1)
 DIM = Int(0, 2**48)
 SHAPE = List(DIM, 8)
 MAX_SHARDS = 1 << 16
+#: the most copies of a shard (``--replication``)
+MAX_REPLICATION = 16
 
 INIT = Map(
     {"name": Str(32)},
@@ -331,7 +333,9 @@ PLACEMENT = Map(
             Tuple((SHARD_ID, NAME, Int(0, MAX_SHARDS), DIM, DIM, Int(0, 1 << 20))), MAX_SHARDS
         ),
         "optimizer": OPTIMIZER,
-    }
+    },
+    # ``--replication R``: the PS of each shard's R - 1 backups, in shard order
+    {"backups": List(List(Int(0, 1 << 20), MAX_REPLICATION - 1), MAX_SHARDS)},
 )
 
 #: A checkpoint directory's name inside the checkpoint root (never a path).
