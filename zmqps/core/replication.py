@@ -1,0 +1,253 @@
+"""The replication log of a replicated shard (sans-IO): chain replication after
+aggregation.
+
+Rules of this module:
+
+* The primary appends what it applied (an :class:`Entry`: its payload is opaque
+  here, with its size in bytes) and numbers it: 1, 2, 3, ... in the order it was
+  applied. The PS ships entries to the backups, which apply them in that order.
+* An entry is *committed* once every in-sync backup has acknowledged it; only then
+  may the push it holds be acknowledged to its worker. Acknowledgements are
+  cumulative (a backup acknowledges the highest index it applied, having applied
+  every one before it), so the committed entries are a prefix of the log.
+* A backup applies entries strictly in order: a resent one is acknowledged again
+  and not applied, a gap is refused (the primary resends from the backup's last
+  acknowledgement), an entry of an older term (a primary since replaced) is refused:
+  that is the fence against a primary that lost its place but still runs.
+* Joining: a backup that got a copy of the shard as of index ``at`` is sent the
+  entries after ``at`` and is in sync once it has acknowledged the head; until then
+  no commit waits for it. One that falls more than the bound behind is dropped (its
+  copy must start again), so a slow copy never stalls training.
+* Bounded: the primary holds at most ``max_entries`` entries and ``max_bytes`` bytes
+  that some backup has not acknowledged; :meth:`PrimaryLog.room` says whether one
+  more fits (when not, the push waits for acknowledgements). A backup keeps the
+  last ``max_entries`` entries it applied, so that, promoted, it can bring the
+  other backups up to its head: they are at most that far behind it.
+* Promotion (:func:`choose_primary`): among the in-sync copies still alive, the one
+  with the highest applied index; a survivor further behind it than the entries it
+  kept (it joined with a recent copy) is dropped and copied afresh. Their logs are prefixes of one another's (each
+  received one primary's log in order) and every committed entry is on all of
+  them, so nothing acknowledged is lost and no survivor is ahead of the new
+  primary. Its term is one more than the last.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "MAX_BYTES",
+    "MAX_ENTRIES",
+    "Entry",
+    "Full",
+    "Offer",
+    "PrimaryLog",
+    "ReplicaLog",
+    "choose_primary",
+]
+
+#: entries a primary may hold unacknowledged by some backup (and a backup keeps)
+MAX_ENTRIES = 64
+#: bytes of those entries
+MAX_BYTES = 1 << 30
+
+
+class Full(Exception):
+    """The primary's log has no room for the entry: wait for acknowledgements."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    index: int
+    term: int
+    payload: Any = field(compare=False)
+    nbytes: int = 0
+
+
+class Offer(Enum):
+    APPLY = "apply"  # the next entry: apply it, then acknowledge
+    DUPLICATE = "duplicate"  # applied already: acknowledge again
+    GAP = "gap"  # an entry before it is missing: ask for a resend from the last ack
+    STALE = "stale"  # from a primary of an older term: refuse
+
+
+@dataclass
+class _Backup:
+    acked: int  # the highest index it acknowledged (or its copy's, when joining)
+    sent: int  # the highest index sent to it
+    in_sync: bool
+
+
+class PrimaryLog:
+    """The primary's side: what it applied, what each backup has, what is committed."""
+
+    def __init__(
+        self,
+        term: int,
+        head: int = 0,
+        backups: Mapping[str, int] | Iterable[str] = (),
+        retained: Iterable[Entry] = (),
+        max_entries: int = MAX_ENTRIES,
+        max_bytes: int = MAX_BYTES,
+    ):
+        """A primary of ``term`` whose state is as of index ``head``; ``backups``: the
+        in-sync backups, with the index each applied (a name alone: ``head``);
+        ``retained``: entries up to ``head`` the backups behind may need."""
+        self.term = term
+        self.head = head
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        acked = dict(backups) if isinstance(backups, Mapping) else dict.fromkeys(backups, head)
+        #: entries some backup has not acknowledged, oldest first (consecutive)
+        self.entries: deque[Entry] = deque(e for e in retained if e.index <= head)
+        self.backups: dict[str, _Backup] = {}
+        #: backups dropped: joining ones that fell too far behind, and (promoted) ones
+        #: further behind than the entries kept; each needs a fresh copy (the PS reads
+        #: and clears this)
+        self.dropped: list[str] = []
+        for name, at in acked.items():
+            if at > head:
+                raise ValueError(f"backup {name} at {at} is ahead of the primary's {head}")
+            if at < head - len(self.entries):
+                self.dropped.append(name)
+            else:
+                self.backups[name] = _Backup(at, at, True)
+        self.committed = min((b.acked for b in self.backups.values()), default=head)
+        self._advance()
+
+    # -- appending -----------------------------------------------------------------
+
+    def unacked(self) -> tuple[int, int]:
+        """Entries and bytes not yet committed (that commits wait for)."""
+        held = [e for e in self.entries if e.index > self.committed]
+        return len(held), sum(e.nbytes for e in held)
+
+    def room(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` fits (an empty log takes any one entry)."""
+        n, b = self.unacked()
+        return n == 0 or (n < self.max_entries and b + nbytes <= self.max_bytes)
+
+    def append(self, payload: Any, nbytes: int = 0) -> Entry:
+        """Log what the primary applied. It is committed at once when no backup is
+        in sync (``entry.index <= self.committed``)."""
+        if not self.room(nbytes):
+            raise Full(f"{self.unacked()[0]} entries wait for acknowledgement")
+        self.head += 1
+        entry = Entry(self.head, self.term, payload, nbytes)
+        if self.backups:
+            self.entries.append(entry)
+        self._advance()
+        return entry
+
+    # -- backups ---------------------------------------------------------------------
+
+    def to_send(self, backup: str) -> list[Entry]:
+        """The entries ``backup`` was not sent yet, in order (marked sent)."""
+        b = self.backups[backup]
+        out = [e for e in self.entries if e.index > b.sent]
+        b.sent = max(b.sent, self.head)
+        return out
+
+    def resend(self, backup: str) -> None:
+        """Send ``backup`` everything after its acknowledgement again (a gap, a
+        reconnect)."""
+        b = self.backups[backup]
+        b.sent = b.acked
+
+    def ack(self, backup: str, index: int) -> list[Entry]:
+        """``backup`` applied every entry up to ``index``: the entries newly committed."""
+        b = self.backups.get(backup)
+        if b is None or index <= b.acked:
+            return []
+        b.acked = min(index, self.head)
+        b.sent = max(b.sent, b.acked)
+        if b.acked == self.head:
+            b.in_sync = True
+        return self._advance()
+
+    def remove(self, backup: str) -> list[Entry]:
+        """``backup`` is gone (dead, or dropped): the entries that no longer wait for it."""
+        self.backups.pop(backup, None)
+        return self._advance()
+
+    def join(self, backup: str, at: int) -> None:
+        """``backup`` holds a copy as of index ``at`` (the head when the copy was
+        taken): it is sent what came after and counts for commits once it has
+        acknowledged the head."""
+        oldest = self.entries[0].index - 1 if self.entries else self.head
+        if not oldest <= at <= self.head:
+            raise ValueError(f"a copy as of {at} is outside the retained {oldest}..{self.head}")
+        self.backups[backup] = _Backup(at, at, at == self.head)
+
+    def in_sync(self) -> list[str]:
+        return [name for name, b in self.backups.items() if b.in_sync]
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _advance(self) -> list[Entry]:
+        # a joining backup further behind than the bound is dropped: its copy starts
+        # again later, and the log never grows past the bound for it
+        for name, b in list(self.backups.items()):
+            if not b.in_sync and (
+                self.head - b.acked > self.max_entries
+                or sum(e.nbytes for e in self.entries if e.index > b.acked) > self.max_bytes
+            ):
+                del self.backups[name]
+                self.dropped.append(name)
+        committed = min((b.acked for b in self.backups.values() if b.in_sync), default=self.head)
+        newly = [e for e in self.entries if self.committed < e.index <= committed]
+        self.committed = max(self.committed, committed)
+        keep_from = min((b.acked for b in self.backups.values()), default=self.head)
+        while self.entries and self.entries[0].index <= keep_from:
+            self.entries.popleft()
+        return newly
+
+
+class ReplicaLog:
+    """A backup's side: the index it applied up to, and its last entries."""
+
+    def __init__(self, term: int, applied: int = 0, max_entries: int = MAX_ENTRIES):
+        self.term = term
+        self.applied = applied
+        self.max_entries = max_entries
+        #: its last entries: what the other backups may lack if it is promoted
+        self.kept: deque[Entry] = deque(maxlen=max_entries)
+
+    def offer(self, entry: Entry) -> Offer:
+        """What to do with an entry from the primary."""
+        if entry.term < self.term:
+            return Offer.STALE
+        if entry.index <= self.applied:
+            return Offer.DUPLICATE
+        if entry.index > self.applied + 1:
+            return Offer.GAP
+        self.term = entry.term
+        self.applied = entry.index
+        self.kept.append(entry)
+        return Offer.APPLY
+
+    def fence(self, term: int) -> None:
+        """A new primary of ``term`` was chosen: entries of older terms are refused
+        from now on (one from the replaced primary, still in flight)."""
+        self.term = max(self.term, term)
+
+    def promote(self, term: int, backups: Mapping[str, int]) -> PrimaryLog:
+        """This copy becomes the primary of ``term``; ``backups``: the other in-sync
+        survivors and the index each applied (at most this copy's, which
+        :func:`choose_primary` ensures)."""
+        if term < self.term:
+            raise ValueError(f"a promotion's term {term} is below {self.term}")
+        self.term = term
+        return PrimaryLog(term, self.applied, backups, self.kept, self.max_entries)
+
+
+def choose_primary(heads: Mapping[str, int]) -> str | None:
+    """The in-sync surviving copy to promote: the highest applied index (ties: the
+    first name), or None when none survived (restore from a checkpoint)."""
+    if not heads:
+        return None
+    return min(heads, key=lambda name: (-heads[name], name))
