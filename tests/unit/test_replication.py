@@ -9,9 +9,21 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import pytest
 
-from zmqps.core.replication import Entry, Full, Offer, PrimaryLog, ReplicaLog, choose_primary
+from zmqps.core.partition import Partitioner, plan
+from zmqps.core.replication import (
+    Entry,
+    Full,
+    Offer,
+    PrimaryLog,
+    ReplicaLog,
+    choose_primary,
+    fail_over,
+)
+from zmqps.core.variables import Placement, VariableDef
+from zmqps.wire.schema import PLACEMENT
 
 
 def test_without_backups_an_entry_commits_at_once() -> None:
@@ -276,3 +288,55 @@ def simulate(seed: int, copies: int = 3, steps: int = 1500, max_entries: int = 6
 @pytest.mark.parametrize("seed", range(60))
 def test_simulated_faults_lose_nothing_acknowledged(seed: int) -> None:
     simulate(seed, copies=2 + seed % 2)
+
+
+# ---------------------------------------------------------------- fail-over plan
+
+
+def _placement(num_ps: int, replication: int) -> Placement:
+    variables = [VariableDef(f"v{i}", (64, 4)) for i in range(5)]
+    return plan(variables, num_ps, Partitioner(num_shards=2), "greedy", replication=replication)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fail_over_promotes_the_highest_in_sync_survivor_and_loses_no_live_copy(
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    num_ps = rng.randint(2, 6)
+    replication = rng.randint(2, min(3, num_ps))
+    before = _placement(num_ps, replication)
+    dead = set(rng.sample(range(num_ps), rng.randint(1, num_ps - 1)))
+    heads = {
+        s.id: {ps: rng.randint(0, 9) for ps in s.copies if ps not in dead and rng.random() < 0.9}
+        for s in before.shards
+    }
+    out = fail_over(before, dead, heads)
+    after = out.placement
+    assert after.epoch == before.epoch + 1
+    assert [s.id for s in after.shards] == [s.id for s in before.shards]
+    for old, new in zip(before.shards, after.shards, strict=True):
+        alive = heads[old.id]
+        if old.id in out.lost:
+            assert old.ps in dead and not alive
+            continue
+        assert not dead & set(new.copies)  # no copy on a dead PS
+        assert set(new.copies) <= set(old.copies)  # nothing moved, only dropped
+        if old.ps in dead:
+            assert out.promoted[old.id] == new.ps
+            assert alive[new.ps] == max(alive.values())  # the furthest survivor
+            assert set(new.backups) == set(alive) - {new.ps}
+        else:
+            assert new.ps == old.ps and old.id not in out.promoted
+            assert set(new.backups) == set(old.backups) - dead
+        assert (old.id in out.under_replicated) == (len(new.copies) < replication)
+    wire = msgpack.unpackb(msgpack.packb(after.to_wire()))
+    PLACEMENT.check(wire, "placement")
+    assert Placement.from_wire(wire) == after
+
+
+def test_a_shard_whose_every_copy_died_is_lost() -> None:
+    before = _placement(2, 2)
+    out = fail_over(before, {0, 1}, {})
+    assert sorted(out.lost) == [s.id for s in before.shards]
+    assert not out.promoted

@@ -24,30 +24,38 @@ Rules of this module:
   last ``max_entries`` entries it applied, so that, promoted, it can bring the
   other backups up to its head: they are at most that far behind it.
 * Promotion (:func:`choose_primary`): among the in-sync copies still alive, the one
-  with the highest applied index; a survivor further behind it than the entries it
-  kept (it joined with a recent copy) is dropped and copied afresh. Their logs are prefixes of one another's (each
+  with the highest applied index. Their logs are prefixes of one another's (each
   received one primary's log in order) and every committed entry is on all of
   them, so nothing acknowledged is lost and no survivor is ahead of the new
-  primary. Its term is one more than the last.
+  primary. Its term is one more than the last. A survivor further behind it than
+  the entries it kept (it joined with a recent copy) is dropped and copied afresh.
+* :func:`fail_over` is the chief's plan when PS die: for each shard, its primary
+  replaced by the in-sync survivor :func:`choose_primary` picks, the dead copies
+  dropped, at a new placement epoch; shards with no copy left are listed (the
+  cluster restores them from a checkpoint).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
+
+from zmqps.core.variables import Placement, ShardInfo
 
 __all__ = [
     "MAX_BYTES",
     "MAX_ENTRIES",
     "Entry",
+    "FailOver",
     "Full",
     "Offer",
     "PrimaryLog",
     "ReplicaLog",
     "choose_primary",
+    "fail_over",
 ]
 
 #: entries a primary may hold unacknowledged by some backup (and a backup keeps)
@@ -251,3 +259,51 @@ def choose_primary(heads: Mapping[str, int]) -> str | None:
     if not heads:
         return None
     return min(heads, key=lambda name: (-heads[name], name))
+
+
+@dataclass(frozen=True)
+class FailOver:
+    """What :func:`fail_over` decided."""
+
+    placement: Placement  # the new placement (its epoch one more)
+    promoted: dict[int, int]  # shard id -> its new primary
+    lost: list[int]  # shards with no copy left (restore them)
+    under_replicated: list[int]  # shards with fewer copies than the replication
+
+
+def fail_over(
+    placement: Placement, dead: Iterable[int], heads: Mapping[int, Mapping[int, int]]
+) -> FailOver:
+    """The placement once the PS ``dead`` are gone. ``heads[sid]``: the in-sync
+    surviving copies of shard ``sid`` that answered (PS -> the index it applied);
+    a survivor not in it (behind, or silent) is not promoted and not kept."""
+    gone = set(dead)
+    want = placement.replication
+    shards: list[ShardInfo] = []
+    promoted: dict[int, int] = {}
+    lost: list[int] = []
+    under: list[int] = []
+    for s in placement.shards:
+        if not gone & set(s.copies):
+            shards.append(s)
+            continue
+        alive = {
+            ps: h for ps, h in heads.get(s.id, {}).items() if ps in s.copies and ps not in gone
+        }
+        if s.ps not in gone:  # only backups died: the primary stays, they are dropped
+            keep = tuple(b for b in s.backups if b not in gone)
+            shards.append(replace(s, backups=keep))
+        else:
+            new = choose_primary({str(ps): h for ps, h in alive.items()})
+            if new is None:
+                lost.append(s.id)
+                shards.append(s)
+                continue
+            primary = int(new)
+            promoted[s.id] = primary
+            keep = tuple(b for b in s.backups if b in alive and b != primary)
+            shards.append(replace(s, ps=primary, backups=keep))
+        if 1 + len(shards[-1].backups) < want:
+            under.append(s.id)
+    new_placement = replace(placement, shards=tuple(shards), epoch=placement.epoch + 1)
+    return FailOver(new_placement, promoted, lost, under)

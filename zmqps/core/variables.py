@@ -271,6 +271,9 @@ class Placement:
     variables: tuple[VariableDef, ...]
     shards: tuple[ShardInfo, ...]
     optimizer: Mapping[str, Any] = field(default_factory=lambda: {"name": "sgd", "lr": 0.01})
+    #: one more at every change of where shards live (a backup promoted, a copy
+    #: dropped or added): a request routed by an older epoch is re-routed
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {v.name: v for v in self.variables})
@@ -300,6 +303,8 @@ class Placement:
         }
         if self.replication > 1:  # a placement without backups reads as before
             out["backups"] = [list(s.backups) for s in self.shards]
+        if self.epoch:
+            out["epoch"] = self.epoch
         return out
 
     @classmethod
@@ -319,4 +324,5 @@ class Placement:
             variables=tuple(VariableDef.from_wire(v) for v in d["variables"]),
             shards=tuple(shards),
             optimizer=d["optimizer"],
+            epoch=int(d.get("epoch", 0)),
         )

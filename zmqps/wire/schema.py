@@ -335,7 +335,10 @@ PLACEMENT = Map(
         "optimizer": OPTIMIZER,
     },
     # ``--replication R``: the PS of each shard's R - 1 backups, in shard order
-    {"backups": List(List(Int(0, 1 << 20), MAX_REPLICATION - 1), MAX_SHARDS)},
+    {
+        "backups": List(List(Int(0, 1 << 20), MAX_REPLICATION - 1), MAX_SHARDS),
+        "epoch": Int(0, INT64_MAX),
+    },
 )
 
 #: A checkpoint directory's name inside the checkpoint root (never a path).
