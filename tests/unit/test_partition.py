@@ -253,18 +253,21 @@ def test_backups_never_share_a_ps_nor_a_host_they_can_avoid(
 
 @settings(max_examples=200, deadline=None)
 @given(sizes=st.lists(st.integers(0, 10_000), max_size=60), num_ps=st.integers(2, 9))
-def test_backups_keep_the_ps_balanced(sizes, num_ps):
-    """With the primaries balanced (greedy), primaries and backups together stay
-    within twice the largest shard of each other."""
+def test_backups_follow_their_primary_and_keep_the_ps_balanced(sizes, num_ps):
+    """Every shard of one PS has the same backups; with the primaries balanced
+    (greedy), primaries and backups together stay within twice the largest PS's
+    primary bytes of each other."""
     primaries = greedy_by_bytes(sizes, num_ps)
+    out = place_backups(sizes, primaries, num_ps, 2)
+    assert len({(p, bs) for p, bs in zip(primaries, out, strict=True)}) == len(set(primaries))
     loads = [0] * num_ps
-    for size, p, (b,) in zip(
-        sizes, primaries, place_backups(sizes, primaries, num_ps, 2), strict=True
-    ):
+    group = [0] * num_ps
+    for size, p, (b,) in zip(sizes, primaries, out, strict=True):
         loads[p] += size
         loads[b] += size
+        group[p] += size
     assert sum(loads) == 2 * sum(sizes)
-    assert max(loads) - min(loads) <= 2 * max(sizes, default=0)
+    assert max(loads) - min(loads) <= 2 * max(group)
 
 
 def test_backups_go_to_another_host_first():

@@ -11,7 +11,8 @@ Rules of this module:
   placement policy (a name from :data:`PLACEMENTS` or any callable with the
   same signature) decides which PS holds each shard.
 * With ``replication`` R > 1, every shard also gets R - 1 backups
-  (:func:`place_backups`): no two copies of a shard on one PS, nor on one host
+  (:func:`place_backups`), the same for every shard of one primary PS (a PS's
+  state is the unit of replication): no two copies on one PS, nor on one host
   when the PS's hosts are given and there are enough of them; each backup on the
   least-loaded eligible PS, counting primaries and backups alike.
 * Only the chief calls :func:`plan`; workers receive the resulting
@@ -173,10 +174,14 @@ def place_backups(
 ) -> list[tuple[int, ...]]:
     """The PS of every shard's ``replication - 1`` backups (shard order).
 
-    Largest shard first, each backup goes to the least-loaded PS (bytes of the
-    primaries and backups placed so far; ties: lowest PS) that holds no copy of the
-    shard and, given ``hosts`` (one label per PS), is on a host with the fewest
-    copies of it: copies share a host only when there are fewer hosts than copies.
+    Backups are chosen per primary PS, not per shard: every shard of one PS is
+    backed up by the same PS, so that a PS's whole state (its shards, and with them
+    the dedup tables, ledgers and sync accumulators that change under the same
+    requests) is one unit of replication, promoted as one. Largest PS first, each
+    backup goes to the least-loaded PS (bytes of primaries and backups so far;
+    ties: lowest PS) that is not already a copy and, given ``hosts`` (one label per
+    PS), is on a host with the fewest copies: copies share a host only when there
+    are fewer hosts than copies.
     """
     _check_sizes(sizes, num_ps)
     check_replication(replication, num_ps)
@@ -185,12 +190,13 @@ def place_backups(
     if hosts is not None and len(hosts) != num_ps:
         raise InvalidArgument(f"{len(hosts)} host labels for {num_ps} PS tasks")
     host = list(hosts) if hosts is not None else [str(ps) for ps in range(num_ps)]
-    loads = [0] * num_ps
+    group = [0] * num_ps  # bytes each PS holds as primary
     for size, ps in zip(sizes, primaries, strict=True):
-        loads[ps] += size
-    out: list[tuple[int, ...]] = [()] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        copies = [primaries[i]]
+        group[ps] += size
+    loads = list(group)
+    backups_of: dict[int, tuple[int, ...]] = {}
+    for primary in sorted(set(primaries), key=lambda ps: (-group[ps], ps)):
+        copies = [primary]
         for _ in range(replication - 1):
             on_host = Counter(host[c] for c in copies)
             ps = min(
@@ -198,9 +204,9 @@ def place_backups(
                 key=lambda ps: (on_host[host[ps]], loads[ps], ps),
             )
             copies.append(ps)
-            loads[ps] += sizes[i]
-        out[i] = tuple(copies[1:])
-    return out
+            loads[ps] += group[primary]
+        backups_of[primary] = tuple(copies[1:])
+    return [backups_of[ps] for ps in primaries]
 
 
 #: Placement policies by the name users type (``--placement``).
