@@ -192,13 +192,20 @@ def tensors(draw: st.DrawFn) -> Tensor:
     rid=st.integers(0, 2**63 - 1),
     sender=st.text(max_size=20),
     deadline=st.none() | st.floats(0.0, 1e12),
+    slot=st.none() | st.integers(0, 1 << 20),
 )
 def test_request_roundtrip(
-    op: str, ts: list[Tensor], rid: int, sender: str, deadline: float | None
+    op: str, ts: list[Tensor], rid: int, sender: str, deadline: float | None, slot: int | None
 ) -> None:
-    msg = request(op, BODIES[op], ts, id=rid, sender=sender, deadline=deadline)
+    msg = request(op, BODIES[op], ts, id=rid, sender=sender, deadline=deadline, slot=slot)
     out = roundtrip(msg)
-    assert (out.op, out.id, out.sender, out.deadline) == (op, rid, sender, deadline)
+    assert (out.op, out.id, out.sender, out.deadline, out.slot) == (
+        op,
+        rid,
+        sender,
+        deadline,
+        slot,
+    )
     assert out.body == BODIES[op]
     assert not out.is_reply
     assert len(out.tensors) == len(ts)
@@ -736,7 +743,7 @@ def test_header_size_is_capped_before_msgpack() -> None:
 @pytest.mark.parametrize("depth", [100, 900, 1000, 1020])
 def test_deeply_nested_field_values(depth: int) -> None:
     """Nesting msgpack still accepts must not break the error path (e.g. its repr)."""
-    for key in ("v", "op", "body", "bufs", "dl", "from"):
+    for key in ("v", "op", "body", "bufs", "dl", "from", "slot"):
         fields = dict(_header_fields())
         fields[_s(key)] = _deep(depth)
         rejects([_map_with(list(fields.items()))], 42)
@@ -787,7 +794,7 @@ def near_valid_messages(draw: st.DrawFn) -> list[bytes]:
     for _ in range(draw(st.integers(0, 3))):
         body = header.get("body")
         target = body if isinstance(body, dict) and body and draw(st.booleans()) else header
-        key = draw(st.sampled_from([*target.keys(), "bufs", "dl", "from", "zz"]))
+        key = draw(st.sampled_from([*target.keys(), "bufs", "dl", "from", "slot", "zz"]))
         if draw(st.booleans()):
             target[key] = draw(near_values)
         else:
@@ -874,3 +881,10 @@ def test_mutated_valid_encodings_only_ever_raise_protocol_error(
         elif head:
             head[pos] = data.draw(st.integers(0, 255))
     decodes_or_protocol_error([bytes(head), *frames[1:]])
+
+
+@pytest.mark.parametrize("slot", [-1, 1 << 21, True, 1.0, "0", None, [0]])
+def test_a_slot_that_is_not_a_ps_index_is_refused(slot: Any) -> None:
+    header = {"v": PROTOCOL_VERSION, "op": "ping", "id": 7, "body": {}, "slot": slot}
+    with pytest.raises(ProtocolError, match="slot"):
+        decode([msgpack.packb(header)])

@@ -60,8 +60,11 @@ class Client:
         limits: Limits | None = None,
         timeout: float = 30.0,
         observer: TransportObserver | None = None,
+        slot: int | None = None,
     ) -> None:
         self.endpoint = tcp_endpoint(address)
+        #: the PS state of the server's process every request is for (None: its own)
+        self.slot = slot
         #: told about every request made (op, outcome, seconds) and its bytes
         self.observer = observer
         self.identity = identity
@@ -149,7 +152,13 @@ class Client:
         self._ensure_reader()
         rid = next(self._ids)
         msg = request(
-            op, body, tensors, id=rid, sender=self.identity, deadline=time.time() + timeout
+            op,
+            body,
+            tensors,
+            id=rid,
+            sender=self.identity,
+            deadline=time.time() + timeout,
+            slot=self.slot,
         )
         frames = encode(msg)
         limit = self._options.max_msg_size

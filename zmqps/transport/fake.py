@@ -45,17 +45,27 @@ class FakeNetwork:
     def remove(self, address: str) -> None:
         self._servers.pop(address, None)
 
-    def client(self, address: str, identity: str, *, timeout: float = 5.0) -> FakeClient:
-        return FakeClient(self, address, identity, timeout)
+    def client(
+        self, address: str, identity: str, *, timeout: float = 5.0, slot: int | None = None
+    ) -> FakeClient:
+        return FakeClient(self, address, identity, timeout, slot)
 
     def _dispatcher(self, address: str) -> Dispatcher | None:
         return self._servers.get(address)
 
 
 class FakeClient:
-    def __init__(self, net: FakeNetwork, address: str, identity: str, timeout: float) -> None:
+    def __init__(
+        self,
+        net: FakeNetwork,
+        address: str,
+        identity: str,
+        timeout: float,
+        slot: int | None = None,
+    ) -> None:
         self.endpoint = address
         self.identity = identity
+        self.slot = slot
         self.timeout = timeout
         self._net = net
         self._ids = itertools.count(1)
@@ -85,7 +95,7 @@ class FakeClient:
     async def _once(
         self, op: str, body: Mapping[str, Any] | None, tensors: Sequence[Tensor]
     ) -> Message:
-        msg = request(op, body, tensors, id=next(self._ids), sender=self.identity)
+        msg = request(op, body, tensors, id=next(self._ids), sender=self.identity, slot=self.slot)
         self.stats.requests += 1
         await asyncio.sleep(0)
         server = self._net._dispatcher(self.endpoint)

@@ -78,10 +78,13 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
+#: the highest PS slot a request may name (a PS index)
+MAX_SLOT = 1 << 20
+
 # "bufs" holds mixed-type specs and is checked by _check_spec; "body" by the op's schema.
 _HEADER = Map(
     {"v": Int(0, 2**31), "op": Str(32), "id": Int(0, 2**63 - 1), "body": AnyMap()},
-    {"from": Str(128), "bufs": AnyList(), "dl": Float(0.0)},
+    {"from": Str(128), "bufs": AnyList(), "dl": Float(0.0), "slot": Int(0, MAX_SLOT)},
 )
 
 
@@ -119,6 +122,8 @@ def encode(msg: Message) -> list[Any]:
         header["bufs"] = specs
     if msg.deadline is not None:
         header["dl"] = msg.deadline
+    if msg.slot is not None:
+        header["slot"] = msg.slot
     frames[0] = msgpack.packb(header, use_bin_type=True)
     return frames
 
@@ -241,4 +246,5 @@ def _decode_checked(header: dict[str, Any], frames: Sequence[Any], limits: Limit
         body=body,
         tensors=tuple(tensors),
         deadline=header.get("dl"),
+        slot=header.get("slot"),
     )

@@ -94,7 +94,10 @@ class Tensor:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """A request or a reply. ``op`` is a request op, ``"ok"`` or ``"error"``."""
+    """A request or a reply. ``op`` is a request op, ``"ok"`` or ``"error"``.
+
+    ``slot``: which PS state of the receiving process a request is for (a process
+    serves its own and those it backs up); None: the process's own."""
 
     op: str
     id: int = 0
@@ -102,6 +105,7 @@ class Message:
     body: Mapping[str, Any] = field(default_factory=dict)
     tensors: tuple[Tensor, ...] = ()
     deadline: float | None = None
+    slot: int | None = None
 
     @property
     def is_reply(self) -> bool:
@@ -116,8 +120,9 @@ def request(
     id: int = 0,
     sender: str = "",
     deadline: float | None = None,
+    slot: int | None = None,
 ) -> Message:
-    return Message(op, id, sender, body or {}, tuple(tensors), deadline)
+    return Message(op, id, sender, body or {}, tuple(tensors), deadline, slot)
 
 
 def reply(

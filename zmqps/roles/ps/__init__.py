@@ -4,6 +4,8 @@ service.py      PSService: the op table, generations, pushes planned then commit
 modes.py        the consistency mode as a strategy: Apply (async, ssp), Accumulate (sync)
 regions.py      shared-memory regions workers attached (same-host fast path)
 checkpoints.py  snapshot, write and restore this PS's shards
+slots.py        PSSlots: the PS states one process serves (its own, those it backs up)
+threads.py      CheckThreads: the threads that read a large push for the finite check
 serve.py        the PS as a process (server, metrics, signals)
 """
 

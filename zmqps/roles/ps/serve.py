@@ -12,6 +12,7 @@ from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server, start_exporter
 from zmqps.roles.configs import PSConfig
 from zmqps.roles.ps.service import PSService
+from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import Server, SocketOptions, ZmqContext
 
 __all__ = ["run_ps", "serve_ps"]
@@ -29,7 +30,7 @@ async def serve_ps(
         cfg.index, chunk_bytes=cfg.chunk_bytes, metrics=metrics, checkpoint_dir=cfg.checkpoint_dir
     )
     server = Server(
-        ctx, cfg.bind, service, name=f"ps{cfg.index}", options=options, observer=metrics
+        ctx, cfg.bind, PSSlots(service), name=f"ps{cfg.index}", options=options, observer=metrics
     )
     # The task's own address first (the cluster spec names it); the metrics port after,
     # so a metrics port picked as 0 can never take it.
