@@ -43,15 +43,16 @@ def test_one_peer_cannot_pin_more_than_its_share_of_waits() -> None:
         stats = _waiting_server(net, release, started)
         a = net.client("srv", "a", timeout=30.0)
         extra = 25
-        polls = [
-            asyncio.ensure_future(a.request("ping")) for _ in range(MAX_PENDING_PER_PEER + extra)
-        ]
+        polls = [asyncio.ensure_future(a.request("ping")) for _ in range(MAX_PENDING_PER_PEER)]
         server = net._servers["srv"]
-        await _settled(lambda: stats.busy + server.pending == len(polls))
+        await _settled(lambda: server.pending == MAX_PENDING_PER_PEER)
+        # one more is refused at once; the client sends it again until its time is up
+        polls += [asyncio.ensure_future(a.request("ping", timeout=0.3)) for _ in range(extra)]
+        await _settled(lambda: sum(p.done() for p in polls) == extra)
         refused = [p for p in polls if p.done()]
         assert len(refused) == extra
         assert all(isinstance(p.exception(), Busy) for p in refused)
-        assert stats.busy == extra
+        assert stats.busy >= 2 * extra  # each refused, then sent again and refused again
         assert len(started) == MAX_PENDING_PER_PEER  # nothing ran for the refused
         # another peer is still served, and the first one again once its waits end
         b = net.client("srv", "b", timeout=30.0)
@@ -73,8 +74,8 @@ def test_all_peers_together_are_bounded_and_a_timed_out_wait_frees_its_place() -
         net._servers["srv"].max_pending = 40
         clients = [net.client("srv", f"c{i}", timeout=30.0) for i in range(10)]
         polls = [asyncio.ensure_future(c.request("ping")) for c in clients for _ in range(5)]
-        await _settled(lambda: stats.busy + net._servers["srv"].pending == 50)
-        assert stats.busy == 10 and net._servers["srv"].pending == 40
+        await _settled(lambda: stats.busy >= 10 and net._servers["srv"].pending == 40)
+        assert len(started) == 40 and not any(p.done() for p in polls)  # 10 sent again
         # a client that gives up (its deadline) frees its places at once
         impatient = net.client("srv", "late", timeout=0.1)
         with pytest.raises(Busy):
@@ -86,5 +87,30 @@ def test_all_peers_together_are_bounded_and_a_timed_out_wait_frees_its_place() -
         with pytest.raises(Exception, match="no reply"):
             await impatient.request("ping")  # admitted now; it waits out its own deadline
         assert net._servers["srv"].pending == 0
+
+    asyncio.run(asyncio.wait_for(body(), 20.0))
+
+
+def test_a_request_refused_busy_is_sent_again_and_served_once_the_flood_ends() -> None:
+    """A peer's flood fills the server's bound; another peer's request (the chief's
+    wait on a PS, say) is answered ``busy``, sent again after short pauses, and served
+    as soon as a place frees: it does not fail while its time lasts."""
+
+    async def body() -> None:
+        net, release, started = FakeNetwork(), asyncio.Event(), []
+        stats = _waiting_server(net, release, started)
+        net._servers["srv"].max_pending = 20
+        flood = net.client("srv", "mallory", timeout=30.0)
+        polls = [asyncio.ensure_future(flood.request("ping")) for _ in range(20)]
+        await _settled(lambda: net._servers["srv"].pending == 20)
+        chief = net.client("srv", "chief:0", timeout=30.0)
+        wait = asyncio.ensure_future(chief.request("ping"))
+        await _settled(lambda: stats.busy >= 3)  # refused, and sent again
+        assert not wait.done()
+        for p in polls:
+            p.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+        release.set()
+        assert (await asyncio.wait_for(wait, 5.0)).body == {"ok": True}
 
     asyncio.run(asyncio.wait_for(body(), 20.0))

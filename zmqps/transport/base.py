@@ -6,13 +6,46 @@ depend on these two shapes only, so tests can swap the fake in.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping, Sequence
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from zmqps.wire import Message, Tensor
+from zmqps.wire.errors import Busy
 
-__all__ = ["Handler", "Requester", "TransportObserver", "TransportStats"]
+__all__ = [
+    "BUSY_PAUSE_S",
+    "Handler",
+    "Requester",
+    "TransportObserver",
+    "TransportStats",
+    "retry_busy",
+]
+
+#: the first pause before a request answered ``busy`` is sent again (then doubled,
+#: at most 1 s)
+BUSY_PAUSE_S = 0.05
+
+
+async def retry_busy(send: Callable[[float], Awaitable[Message]], timeout: float) -> Message:
+    """``send(seconds left)`` until it is not answered ``busy``, within ``timeout``.
+
+    A server answers ``busy`` when its pending requests are at their bound, having
+    done nothing, so sending the request again is always safe: a client rides out
+    another peer's flood instead of failing (the last ``busy`` is raised when the
+    time is up)."""
+    end = time.monotonic() + timeout
+    pause = BUSY_PAUSE_S
+    while True:
+        try:
+            return await send(max(end - time.monotonic(), 0.001))
+        except Busy:
+            if end - time.monotonic() <= pause:
+                raise
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 1.0)
 
 
 class Handler(Protocol):

@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zmqps.transport.base import TransportObserver, TransportStats
+from zmqps.transport.base import TransportObserver, TransportStats, retry_busy
 from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
 from zmqps.wire import ERROR, Limits, Message, Tensor, decode, encode, request
 from zmqps.wire.errors import (
@@ -132,7 +132,10 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         for attempt in range(1, attempts + 1):
             try:
-                return await self._request_once(op, body, tensors, timeout, attempts > 1)
+                return await retry_busy(
+                    lambda left: self._request_once(op, body, tensors, left, attempts > 1),
+                    timeout,
+                )
             except DeadlineExceeded:
                 if attempt == attempts:
                     raise

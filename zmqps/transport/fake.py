@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zmqps.transport.base import Handler, TransportObserver, TransportStats
+from zmqps.transport.base import Handler, TransportObserver, TransportStats, retry_busy
 from zmqps.transport.dispatch import Dispatcher
 from zmqps.wire import ERROR, Message, Tensor, decode, encode, request
 from zmqps.wire.errors import DeadlineExceeded, ShutdownError, error_from_code
@@ -86,7 +86,9 @@ class FakeClient:
         timeout = self.timeout if timeout is None else timeout
         for attempt in range(1, attempts + 1):
             try:
-                return await asyncio.wait_for(self._once(op, body, tensors), timeout)
+                return await retry_busy(
+                    lambda left: asyncio.wait_for(self._once(op, body, tensors), left), timeout
+                )
             except asyncio.TimeoutError:
                 if attempt == attempts:
                     raise DeadlineExceeded(f"{op} to {self.endpoint}: no reply") from None
