@@ -50,7 +50,8 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
 async def zmq_server(
     ctx: zmq.asyncio.Context, handler: Handler, **kwargs: Any
 ) -> AsyncIterator[Server]:
-    server = Server(ctx, LOCAL, handler, name="test", options=OPTS, **kwargs)
+    kwargs.setdefault("options", OPTS)
+    server = Server(ctx, LOCAL, handler, name="test", **kwargs)
     endpoint = server.bind()
     assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0")
     server.start()
@@ -738,3 +739,36 @@ def test_a_frame_over_maxmsgsize_is_refused_before_sending() -> None:
             ctx.term()
 
     asyncio.run(body())
+
+
+def test_replies_dropped_at_a_full_pipe_are_counted_and_logged_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer that sends and never reads fills its pipe: every reply beyond the HWM is
+    dropped and counted, and the log says so once per interval, not once per reply."""
+    payload = np.zeros(1 << 16, np.float32)  # 256 KiB replies: past the kernel's buffers
+
+    def big(msg: Message) -> Message:
+        return reply(msg, {}, [Tensor(payload)])
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        s = ctx.socket(zmq.DEALER)
+        try:
+            opts = SocketOptions(linger_ms=0, hwm=20)
+            async with zmq_server(ctx, big, options=opts) as server:
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.RCVHWM, 1)
+                s.connect(server.endpoint)
+                ping = encode(request("ping", id=1, sender="mute"))
+                for _ in range(1000):
+                    await s.send_multipart(ping)
+                await wait_until(lambda: server.stats.requests == 1000, 20)
+                assert server.stats.unroutable > 800
+                lines = [r for r in caplog.records if "peer not reading" in r.getMessage()]
+                assert 1 <= len(lines) <= 2, len(lines)
+        finally:
+            s.close()
+            ctx.term()
+
+    run(main)

@@ -105,6 +105,8 @@ class Server:
         self._polls: dict[int, dict[asyncio.Future[None], tuple[str, float]]] = {}
         self._handshake_log = RateLimitedLog(log, _LOG_EVERY_S)
         self._gone_log = RateLimitedLog(log, _LOG_EVERY_S)
+        #: replies dropped at a full pipe: one line per interval whatever the peers
+        self._hwm_log = RateLimitedLog(log, _LOG_EVERY_S)
         self._authenticated = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -338,7 +340,9 @@ class Server:
         except zmq.Again:
             # The peer's pipe is full (HWM): it is not reading; drop and count.
             self.stats.unroutable += 1
-            log.warning("%s: reply to %r dropped: peer not reading (HWM)", self._name, identity)
+            self._hwm_log.warning(
+                "%s: reply to %r dropped: peer not reading (HWM)", self._name, identity, key="hwm"
+            )
             return
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
