@@ -18,7 +18,7 @@ from zmqps.roles.configs import CheckpointPolicy
 from zmqps.roles.ps import PSService
 from zmqps.transport.fake import FakeClient, FakeNetwork
 from zmqps.wire import request
-from zmqps.wire.errors import NotReady
+from zmqps.wire.errors import Busy, NotReady
 
 VARIABLES = (VariableDef("w", (40, 8)), VariableDef("b", (8,)))
 PLACEMENT = plan(VARIABLES, 2, Partitioner(num_shards=2), optimizer={"name": "sgd", "lr": 0.1})
@@ -122,5 +122,31 @@ def test_a_checkpoint_save_sent_again_is_answered_from_the_first(tmp_path: Path)
         again = svc(save).body  # type: ignore[union-attr]
         assert again["versions"] == first["versions"]
         assert len(await svc.checkpoints.done(7, 5.0)) == len(defs)
+
+    asyncio.run(asyncio.wait_for(body(), 10.0))
+
+
+def test_snapshots_being_written_are_bounded(tmp_path: Path) -> None:
+    """Each save holds a copy of every shard until written: past ``MAX_WRITING`` at
+    once, one more is refused (busy, nothing copied), and taken once a write ends.
+    (A client sending saves of new ids grew a PS by 1.9 GiB in 30 saves.)"""
+    from zmqps.roles.ps.checkpoints import MAX_WRITING
+
+    async def body() -> None:
+        svc = PSService(0, checkpoint_dir=tmp_path)
+        defs = [d.to_wire() for ps, d in PLACEMENT.shard_defs() if ps == 0]
+        svc(request("create_shards", {"shards": defs}))
+        root = CheckpointRoot(tmp_path)
+        names = [root.new_temp(i).name for i in range(1, MAX_WRITING + 2)]
+        for i, name in enumerate(names[:MAX_WRITING]):
+            svc(request("checkpoint_save", {"name": name, "id": i}))
+        with pytest.raises(Busy, match="still being written"):
+            svc(request("checkpoint_save", {"name": names[-1], "id": 99}))
+        assert 99 not in svc.checkpoints._saves  # nothing copied
+        for i in range(MAX_WRITING):
+            await svc.checkpoints.done(i, 5.0)
+        await asyncio.sleep(0)  # the writes' done callbacks
+        svc(request("checkpoint_save", {"name": names[-1], "id": 99}))
+        assert len(await svc.checkpoints.done(99, 5.0)) == len(defs)
 
     asyncio.run(asyncio.wait_for(body(), 10.0))

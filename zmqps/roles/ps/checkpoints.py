@@ -24,7 +24,7 @@ from typing import Any
 
 from zmqps.core.store import ShardStore
 from zmqps.core.variables import ShardDef
-from zmqps.wire.errors import InvalidArgument, NotFound, NotReady, ZmqpsError
+from zmqps.wire.errors import Busy, InvalidArgument, NotFound, NotReady, ZmqpsError
 
 __all__ = ["ShardCheckpoints"]
 
@@ -32,6 +32,9 @@ log = logging.getLogger("zmqps.ps")
 
 #: ``checkpoint_save`` outcomes kept for retried ``checkpoint_done`` requests.
 KEEP_SAVES = 8
+#: snapshots being written at once: each holds a copy of every shard, so one more
+#: save is refused (``busy``, nothing copied) until a write ends
+MAX_WRITING = 2
 
 
 class ShardCheckpoints:
@@ -43,6 +46,8 @@ class ShardCheckpoints:
         #: the versions each kept save snapshotted: a save asked again (a request sent
         #: again after a partition healed) is answered from here, not snapshotted twice
         self._versions: dict[int, tuple[str, list[list[int]], dict[str, int]]] = {}
+        #: the writes not finished (kept or not): their snapshots are in memory
+        self._writing: set[asyncio.Future[list[dict[str, Any]]]] = set()
 
     def path(self, name: str) -> Path:
         from zmqps.checkpoint import is_valid_name
@@ -70,6 +75,11 @@ class ShardCheckpoints:
         from zmqps.checkpoint.tables import write_table_shard
 
         path = self.path(name)
+        if len(self._writing) >= MAX_WRITING:
+            raise Busy(
+                f"ps {self.index}: {len(self._writing)} checkpoints still being written;"
+                " nothing was copied"
+            )
         started = time.perf_counter()
         snap = [
             (
@@ -94,6 +104,7 @@ class ShardCheckpoints:
             self._saves.pop(old)
             self._versions.pop(old, None)
         fut = self._saves[save_id] = asyncio.ensure_future(asyncio.to_thread(write))
+        self._writing.add(fut)
         fut.add_done_callback(self._written)
         versions = [[d.id, ver] for d, _, _, ver in snap] + [[d.id, ver] for d, _, ver in tables]
         self._versions[save_id] = (name, versions, cursors)
@@ -103,6 +114,7 @@ class ShardCheckpoints:
         """A write that failed is said in one line here (the chief hears of it through
         ``checkpoint_done``, or gave that checkpoint up already: e.g. another PS could
         not take part and the chief removed the directory)."""
+        self._writing.discard(fut)
         if not fut.cancelled() and fut.exception() is not None:
             log.warning("ps %d: writing a checkpoint failed: %s", self.index, fut.exception())
 
