@@ -38,14 +38,16 @@ async def retry_busy(send: Callable[[float], Awaitable[Message]], timeout: float
     time is up)."""
     end = time.monotonic() + timeout
     pause = BUSY_PAUSE_S
+    left = timeout  # the first send has all of it (its deadline error names it)
     while True:
         try:
-            return await send(max(end - time.monotonic(), 0.001))
+            return await send(left)
         except Busy:
             if end - time.monotonic() <= pause:
                 raise
             await asyncio.sleep(pause)
             pause = min(2 * pause, 1.0)
+            left = max(end - time.monotonic(), 0.001)
 
 
 class Handler(Protocol):
