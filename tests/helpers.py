@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ __all__ = [
     "free_ports",
     "launched_by",
     "memory",
+    "needs_tools",
     "read_json",
     "script",
     "wait_for",
@@ -51,6 +53,13 @@ T = TypeVar("T")
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1."""
     return _free_ports(n, HOST)
+
+
+def needs_tools(tools: Sequence[str], why: str) -> pytest.MarkDecorator:
+    """A skip unless every command of ``tools`` is on the PATH; ``why`` is the reason
+    (how to install them), its ``{}`` the missing ones."""
+    missing = [t for t in tools if shutil.which(t) is None]
+    return pytest.mark.skipif(bool(missing), reason=why.format(", ".join(missing)))
 
 
 def addresses(n: int) -> list[str]:

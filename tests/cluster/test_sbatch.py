@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -20,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Reaper, _argv, _pids, chief_status, read_json, wait_for
+from helpers import Reaper, _argv, _pids, chief_status, needs_tools, read_json, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "slurm" / "zmqps.sbatch"
 VENV = ROOT / ".venv"
 NEEDED = ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo", "munged")
-MISSING = [b for b in NEEDED if shutil.which(b) is None]
 INSTALL = (
     "Slurm is not installed ({}): run the tests as root with CI=1 or ZMQPS_INSTALL_SYSTEM=1"
     " (bin/test installs Debian's slurm-wlm and munge), or apt-get install slurm-wlm munge"
@@ -35,7 +33,7 @@ INSTALL = (
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(bool(MISSING), reason=INSTALL.format(", ".join(MISSING))),
+    needs_tools(NEEDED, INSTALL),
 ]
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import needs_tools
 
 from zmqps.data import load_dataset
 
@@ -54,7 +55,6 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zmqps"
 #: what builds zmqps' own wheel in the image (pyproject.toml's build-system)
 REQUIRES = ("setuptools>=68", "wheel")
 NEEDED = ("dockerd", "debootstrap", "prometheus")
-MISSING = [b for b in NEEDED if shutil.which(b) is None]
 INSTALL = (
     "a Docker engine, debootstrap and Prometheus are needed ({} missing): run bin/test as"
     " root with CI=1 or ZMQPS_INSTALL_SYSTEM=1 (it installs Debian's docker.io, debootstrap"
@@ -64,7 +64,7 @@ INSTALL = (
 pytestmark = [
     pytest.mark.engines,
     pytest.mark.timeout(1800),
-    pytest.mark.skipif(bool(MISSING), reason=INSTALL.format(", ".join(MISSING))),
+    needs_tools(NEEDED, INSTALL),
 ]
 
 
