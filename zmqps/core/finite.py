@@ -78,16 +78,12 @@ def first_nonfinite_of(
 ) -> tuple[int, int] | None:
     """``(j, i)``: element ``i`` of ``arrays[j]`` is the first NaN or infinity of the
     1-D float arrays in order, or None when all are finite."""
-    sums = [_kernels.kernel("nonfinite_sum", a) for a in arrays]
-    if (
-        parts is not None
-        and parts.threads > 1
-        and sum(a.nbytes for a in arrays) >= PARALLEL_BYTES
-        and all(k is not None for k in sums)
-    ):
-        calls = [_summer(sums, part) for part in _split(arrays, parts.threads)]
-        if all(parts.run(calls)):
-            return None
+    if parts is not None and parts.threads > 1 and sum(a.nbytes for a in arrays) >= PARALLEL_BYTES:
+        sums = [_kernels.kernel("nonfinite_sum", a) for a in arrays]
+        if all(k is not None for k in sums):
+            calls = [_summer(sums, part) for part in _split(arrays, parts.threads)]
+            if all(parts.run(calls)):
+                return None
     for j, a in enumerate(arrays):
         i = first_nonfinite(a)
         if i is not None:

@@ -1,4 +1,4 @@
-"""The replication log of a replicated shard (sans-IO): chain replication after
+"""The replication log of a replicated PS state (sans-IO): chain replication after
 aggregation.
 
 Rules of this module:
@@ -14,7 +14,7 @@ Rules of this module:
   and not applied, a gap is refused (the primary resends from the backup's last
   acknowledgement), an entry of an older term (a primary since replaced) is refused:
   that is the fence against a primary that lost its place but still runs.
-* Joining: a backup that got a copy of the shard as of index ``at`` is sent the
+* Joining: a backup that got a copy of the state as of index ``at`` is sent the
   entries after ``at`` and is in sync once it has acknowledged the head; until then
   no commit waits for it. One that falls more than the bound behind is dropped (its
   copy must start again), so a slow copy never stalls training.
