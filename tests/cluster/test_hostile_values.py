@@ -45,6 +45,8 @@ BAD = {
     "nan": "non_finite",
     "inf": "non_finite",
     "-inf": "non_finite",
+    "3e38": "non_finite",  # finite, past the limit an update could overflow at
+    "-5e9": "non_finite",
     "float16": "invalid_argument",
     "float64": "invalid_argument",
     "int32": "invalid_argument",
@@ -63,7 +65,7 @@ MIB = 1 << 20
 
 def _bad_grad(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
     g = rng.integers(-8, 9, size=n)
-    if kind in ("nan", "inf", "-inf"):
+    if kind in ("nan", "inf", "-inf", "3e38", "-5e9"):
         out = g.astype(np.float32)
         out[int(rng.integers(n))] = float(kind)
         return out

@@ -1,5 +1,6 @@
-"""Bad gradient values on the PS: NaN and infinities, and dtypes other than the
-variable's, are refused before anything changes, with a typed error, and counted.
+"""Bad gradient values on the PS: NaN, infinities, values so large an update could
+overflow, and dtypes other than the variable's, are refused before anything
+changes, with a typed error, and counted.
 
 The property: whatever mix of good and bad pushes a client sends (dense, push_pull,
 rows), the PS ends bit-identical to one that received only the pushes it accepted.
@@ -19,11 +20,13 @@ from hypothesis import strategies as st
 
 from zmqps.core.finite import (
     BLOCK_ELEMS,
+    LIMITS,
     PARALLEL_BYTES,
     SMALL_ELEMS,
     _split,
-    first_nonfinite,
-    first_nonfinite_of,
+    first_bad,
+    first_bad_of,
+    limit,
 )
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
@@ -46,6 +49,7 @@ BAD = {
     "nan": "nonfinite",
     "inf": "nonfinite",
     "-inf": "nonfinite",
+    "huge": "nonfinite",  # finite, at or past the dtype's limit
     "float64": "invalid",
     "float16": "invalid",
     "float32": "invalid",  # for the float16 variable
@@ -86,6 +90,9 @@ def _grad(rng: np.random.Generator, n: int, dtype: str, kind: str) -> np.ndarray
     g = rng.standard_normal(n).astype(dtype)
     if kind in ("nan", "inf", "-inf"):
         g[int(rng.integers(n))] = float(kind)
+    elif kind == "huge":
+        big = min(float(np.finfo(dtype).max), limit(g.dtype) * (1 + 3 * rng.random()))
+        g[int(rng.integers(n))] = big * rng.choice([-1.0, 1.0])
     elif kind in BAD:
         g = g.astype(kind) if kind != "bool" else g > 0
     return g
@@ -156,39 +163,60 @@ def test_refused_pushes_change_nothing(seed: int, kinds: list[str]) -> None:
     run(body())
 
 
-# ---------------------------------------------------------------- first_nonfinite
+# ---------------------------------------------------------------- first_bad
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 @pytest.mark.parametrize("n", [1, 7, SMALL_ELEMS, SMALL_ELEMS + 1, 3 * BLOCK_ELEMS + 5])
-def test_first_nonfinite_finds_the_first_bad_element(dtype: str, n: int) -> None:
+def test_first_bad_finds_the_first_bad_element(dtype: str, n: int) -> None:
     rng = np.random.default_rng(n)
     a = rng.standard_normal(n).astype(dtype)
-    assert first_nonfinite(a) is None
+    assert first_bad(a) is None
     places = sorted({int(i) for i in rng.integers(n, size=3)})
-    for bad in (np.nan, np.inf, -np.inf):
+    big = min(float(np.finfo(dtype).max), limit(a.dtype))
+    for bad in (np.nan, np.inf, -np.inf, big, -big, float(np.finfo(dtype).max)):
         b = a.copy()
         for i in places:
             b[i] = bad
-        assert first_nonfinite(b) == places[0]
+        assert first_bad(b) == places[0], bad
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
-def test_finite_values_whose_sum_overflows_are_finite(dtype: str) -> None:
-    big = np.finfo(dtype).max
-    a = np.full(2 * BLOCK_ELEMS + SMALL_ELEMS, big, dtype)
+@pytest.mark.parametrize("n", [7, 3 * BLOCK_ELEMS + 5])  # the compiled loop and the sums
+def test_the_limit_is_exact(dtype: str, n: int) -> None:
+    """Values just below the limit pass, wherever they are; the limit itself does not
+    (the vectorized sum and the loop agree to the last bit)."""
+    dt = np.dtype(dtype)
+    lim = dt.type(LIMITS[dt])
+    below = np.nextafter(lim, dt.type(0))
+    assert limit(dt) == LIMITS[dt] and np.isfinite(lim)
+    a = np.full(n, below, dt)
+    a[::2] = -below
+    assert first_bad(a) is None
+    for i in (0, n // 2, n - 1):
+        for v in (lim, -lim):
+            b = a.copy()
+            b[i] = v
+            assert first_bad(b) == i
+
+
+def test_finite_values_whose_sum_overflows_are_good() -> None:
+    """float16 is checked a block at a time by its minimum and maximum: no sum that
+    could overflow."""
+    below = np.nextafter(np.float16(LIMITS[np.dtype(np.float16)]), np.float16(0))
+    a = np.full(2 * BLOCK_ELEMS + SMALL_ELEMS, below, np.float16)
     with np.errstate(over="ignore"):
-        assert not np.isfinite(a.sum(dtype=dtype))
-    assert first_nonfinite(a) is None
+        assert not np.isfinite(a.sum(dtype=np.float16))
+    assert first_bad(a) is None
     a[-1] = np.nan
-    assert first_nonfinite(a) == a.size - 1
+    assert first_bad(a) == a.size - 1
 
 
 def test_strided_views_are_checked() -> None:
     a = np.zeros(40, np.float32)
     a[7] = np.nan
-    assert first_nonfinite(a[1::2]) == 3
-    assert first_nonfinite(a[::2]) is None
+    assert first_bad(a[1::2]) == 3
+    assert first_bad(a[::2]) is None
 
 
 def _start(piece: np.ndarray[Any, Any], base: np.ndarray[Any, Any]) -> int:
@@ -229,14 +257,14 @@ def test_a_large_push_checked_by_threads_finds_the_first_bad_element(threads: in
             places |= {(j, lo), (j, lo + piece.shape[0] - 1)}
     parts = CheckThreads(threads)
     try:
-        assert first_nonfinite_of(arrays, parts) is None
+        assert first_bad_of(arrays, parts) is None
         for j, i in sorted(places):
-            for bad in (np.nan, np.inf, -np.inf):
+            for bad in (np.nan, np.inf, -np.inf, -LIMITS[arrays[j].dtype]):
                 b = [a.copy() for a in arrays]
                 b[j][i] = bad
                 if (j, i) != (len(b) - 1, b[-1].shape[0] - 1):
                     b[-1][-1] = np.nan  # a later bad element does not hide it
-                assert first_nonfinite_of(b, parts) == (j, i)
+                assert first_bad_of(b, parts) == (j, i)
     finally:
         parts.close()
 
@@ -283,5 +311,55 @@ def test_sync_a_refused_gradient_counts_toward_the_step_and_its_batch_is_done() 
         with pytest.raises(NonFiniteGradient):
             await push("worker:0", bad)
         assert ps.svc.status()["sync"]["aggregated"] == {"1": 1}
+
+    run(body())
+
+
+OPTIMIZERS_AT_THE_LIMIT = [
+    {"name": "sgd", "lr": 1.0, "weight_decay": 0.5},
+    {"name": "momentum", "lr": 0.5, "momentum": 0.99},
+    {"name": "momentum", "lr": 0.5, "momentum": 0.9, "nesterov": True},
+    {"name": "adagrad", "lr": 1.0},
+    {"name": "adam", "lr": 1.0},
+    {"name": "ftrl", "lr": 1.0},
+]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS_AT_THE_LIMIT, ids=lambda o: str(o["name"]))
+def test_pushes_just_inside_the_limit_keep_every_value_finite(optimizer: dict[str, Any]) -> None:
+    """The largest values a PS accepts, pushed again and again (row ids repeated
+    4,096 times in one push: the PS sums them), leave every parameter and slot
+    finite: no optimizer can overflow from what it accepts."""
+    table = VariableDef("t", (64, 4), init={"name": "normal", "seed": 4}, table={})
+    wide = VariableDef("d64", (6, 5), "float64", init={"name": "normal", "seed": 5})
+    variables = (DENSE, wide, ROWS, table)
+    placement = plan(variables, 1, Partitioner(num_shards=1), optimizer=optimizer)
+
+    async def body() -> None:
+        ps = PS(placement)
+        await ps.create()
+        rng = np.random.default_rng(7)
+        for seq in range(1, 41):
+            var = variables[seq % len(variables)]
+            (s,) = ps.placement.shards_of(var.name)
+            version = ps.svc.store.get(s.id).version
+            body = {"shards": [s.id], "versions": [version], "worker": "w0", "inc": 0, "seq": seq}
+            dt = np.dtype(var.dtype)
+            top = float(np.nextafter(dt.type(limit(dt)), dt.type(0)))
+            if var.sparse or var.table is not None:
+                ids = np.full(4096, s.row_start + int(rng.integers(s.rows)), np.int64)
+                g = rng.choice([-top, top], size=(ids.size, var.shape[1])).astype(dt)
+                rep = await ps.client.request(
+                    "push_rows", body, [Tensor(ids, "index", s.id), Tensor(g, "rows", s.id)]
+                )
+            else:
+                g = rng.choice([-top, top], size=s.rows * var.shape[1]).astype(dt)
+                rep = await ps.client.request("push", body, [Tensor(g, "grad", s.id)])
+            assert rep.body["applied"] is True
+        for s in placement.shards:
+            shard = ps.svc.store.get(s.id)
+            assert shard.version > 0
+            for name, a in {"values": shard.values, **shard.slots}.items():
+                assert np.isfinite(a).all(), (s.var, name)
 
     run(body())

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from zmqps.core import optimizers
-from zmqps.core.finite import first_nonfinite_of
+from zmqps.core.finite import first_bad_of
 from zmqps.core.store import ShardStore
 from zmqps.core.variables import ShardDef
 from zmqps.roles.ps.threads import CheckThreads
@@ -55,7 +55,7 @@ def _store_update(
         optimizers.USE_KERNELS = kernels
         try:
             if check:  # what a PS does first: every value finite, else nothing changes
-                assert first_nonfinite_of([chunk for _, chunk in chunks], threads) is None
+                assert first_bad_of([chunk for _, chunk in chunks], threads) is None
             store.apply_dense(0, chunks, store.get(0).version)
         finally:
             optimizers.USE_KERNELS = old

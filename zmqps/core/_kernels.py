@@ -9,9 +9,9 @@ Rules of this module:
   is the reference they are tested against.
 * Kernels take float32 / float64 parameters (slots of the same dtype); the
   gradient may be of any float dtype. Anything else uses the numpy path.
-* ``nonfinite_sum`` (the finite check of pushed gradients) is the one kernel built
-  with a fastmath flag, reassociation alone, so that its sum vectorizes; its terms
-  are 0 or NaN, and NaN survives any order of additions.
+* ``bad_sum`` (the value check of pushed gradients) is the one kernel built with a
+  fastmath flag, reassociation alone, so that its sum vectorizes; its terms are 0
+  or NaN, and NaN survives any order of additions.
 * numba is imported lazily; :data:`available` says whether it could be.
   No fastmath: results are IEEE-exact like numpy (an FMA would differ in the last bit);
   ``error_model="numpy"`` keeps divisions vectorizable; single-threaded, because
@@ -101,27 +101,29 @@ def _build() -> dict[str, Any] | None:
             adam(p[r], g[k], m[r], v[r], lr_t, c1, c2, eps, scale, wd)
 
     # The one kernel with a fastmath flag: reassociation only, so the sum vectorizes.
-    # Each term is x - x: +0 for every finite x, NaN for NaN and for an infinity, and
-    # NaN survives any order of additions: the sum is 0 exactly when all are finite.
+    # Each term is y - y with y = x * k (k a power of two, so y is exact unless it
+    # overflows): +0 when y is finite, NaN when x is NaN or infinite or when y
+    # overflowed (|x| at or past the limit the caller chose k for). NaN survives any
+    # order of additions: the sum is 0 exactly when every x is finite and in range.
     @numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc"})  # type: ignore[misc]
-    def nonfinite_sum(g):  # type: ignore[no-untyped-def]
+    def bad_sum(g, k):  # type: ignore[no-untyped-def]
         s = g.dtype.type(0)
         for i in range(g.shape[0]):
-            s += g[i] - g[i]
+            y = g[i] * k
+            s += y - y
         return s
 
     @jit  # type: ignore[misc]
-    def first_nonfinite(g):  # type: ignore[no-untyped-def]
-        # x - x is 0 for every finite x, NaN for NaN and for an infinity
+    def first_bad(g, limit):  # type: ignore[no-untyped-def]
+        # not (|x| < limit) holds for NaN, for an infinity and for |x| >= limit
         for i in range(g.shape[0]):
-            x = g[i]
-            if x - x != 0:
+            if not abs(g[i]) < limit:
                 return i
         return -1
 
     return {
-        "first_nonfinite": first_nonfinite,
-        "nonfinite_sum": nonfinite_sum,
+        "first_bad": first_bad,
+        "bad_sum": bad_sum,
         "sgd": sgd,
         "momentum": momentum,
         "adagrad": adagrad,
@@ -142,7 +144,7 @@ def available() -> bool:
 
 
 def kernel(name: str, param: np.ndarray[Any, Any]) -> Any:
-    """The fused kernel for optimizer ``name`` (or ``first_nonfinite``) and this
+    """The fused kernel for optimizer ``name`` (or ``first_bad``, ``bad_sum``) and this
     parameter (array), or None (numpy path)."""
     if param.dtype not in (np.float32, np.float64) or not available():
         return None

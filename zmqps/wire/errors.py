@@ -54,7 +54,8 @@ class InvalidArgument(ZmqpsError):
 
 
 class NonFiniteGradient(InvalidArgument):
-    """A pushed gradient holds NaN or an infinity: the PS refused it before changing
+    """A pushed gradient holds NaN, an infinity, or a value so large that an update
+    could overflow (``zmqps.core.finite.LIMITS``): the PS refused it before changing
     anything. The push's step was not trained; the worker goes on with its next batch
     (see the worker's ``--on-nonfinite``)."""
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import secrets
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Mapping, Sequence
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from zmqps.core.dedup import ClosureLedger, PushDeduper, PushLedger
-from zmqps.core.finite import first_nonfinite_of
+from zmqps.core.finite import first_bad_of, limit
 from zmqps.core.store import ShardStore, Update
 from zmqps.core.variables import ShardDef
 from zmqps.metrics import Metrics
@@ -352,21 +353,29 @@ class PSService:
 
     def _check_values(self, grads: Sequence[tuple[int, Any, int]]) -> None:
         """Every pushed gradient ``(shard, values, offset)`` is of its variable's dtype
-        (the client converts; nothing else reaches a kernel) and finite: refused
-        before anything changes. The finite check reads a large push with several
-        threads (:func:`first_nonfinite_of`)."""
+        (the client converts; nothing else reaches a kernel), finite and below the
+        dtype's limit past which an update could overflow: refused before anything
+        changes. The value check reads a large push with several threads
+        (:func:`first_bad_of`)."""
         for sid, grad, _ in grads:
             want = self.store.get(sid).values.dtype
             if grad.dtype != want:
                 raise InvalidArgument(
                     f"shard {sid}: the gradient is {grad.dtype}, the variable is {want}"
                 )
-        bad = first_nonfinite_of([grad for _, grad, _ in grads], self.check_threads)
+        bad = first_bad_of([grad for _, grad, _ in grads], self.check_threads)
         if bad is not None:
             j, i = bad
             sid, grad, offset = grads[j]
+            value = grad[i]
+            why = (
+                ""
+                if not math.isfinite(float(value))
+                else f", at or past the limit {limit(grad.dtype):.4g} of {grad.dtype}"
+                " values (an update could overflow)"
+            )
             raise NonFiniteGradient(
-                f"shard {sid}: gradient element {offset + i} is {grad[i]}; nothing was applied"
+                f"shard {sid}: gradient element {offset + i} is {value}{why}; nothing was applied"
             )
 
     def _op_push(self, msg: Message, req: o.Push) -> Message:

@@ -109,6 +109,8 @@ def train(
         worker.global_step,
         loss,
         pipe.stats.overlap,
-        f"; {worker.nonfinite} skipped: gradients not finite" if worker.nonfinite else "",
+        f"; {worker.nonfinite} skipped: gradients not finite or out of range"
+        if worker.nonfinite
+        else "",
     )
     return {"steps": worker.step, "loss": loss, "overlap": pipe.stats.as_dict()}

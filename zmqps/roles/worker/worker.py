@@ -600,24 +600,25 @@ class Worker:
             )
 
     def refused(self, loss: Any, error: NonFiniteGradient) -> bool:
-        """A PS refused this step's gradient as not finite (nothing of it applied there):
-        counted, logged (at most one line per interval, with a count) and skipped, or
-        :class:`NonFiniteStop` (``on_nonfinite="stop"``). Returns False (not applied)."""
+        """A PS refused this step's gradient as not finite or out of range (nothing of
+        it applied there): counted, logged (at most one line per interval, with a
+        count) and skipped, or :class:`NonFiniteStop` (``on_nonfinite="stop"``).
+        Returns False (not applied)."""
         if self._refused_step != self.step:  # a step's pushes count once together
             self._refused_step = self.step
             self.nonfinite += 1
         where = f"step {self.position + 1}, loss {_loss_text(loss)}"
         if self.on_nonfinite == "stop":
             raise NonFiniteStop(
-                f"{self.name}: {where}: a gradient is not finite ({error}); stopping"
+                f"{self.name}: {where}: a gradient was refused ({error}); stopping"
                 " (--on-nonfinite stop)"
             )
         if self.on_nonfinite == "skip":
             self._nonfinite_log.warning(
-                "%s: %s: the gradient is not finite and was refused by the PS; the step is"
-                " skipped (%d so far)",
+                "%s: %s: the gradient was refused by the PS (%s); the step is skipped (%d so far)",
                 self.name,
                 where,
+                error,
                 self.nonfinite,
             )
         return False
