@@ -105,6 +105,8 @@ def _build() -> dict[str, Any] | None:
     # overflows): +0 when y is finite, NaN when x is NaN or infinite or when y
     # overflowed (|x| at or past the limit the caller chose k for). NaN survives any
     # order of additions: the sum is 0 exactly when every x is finite and in range.
+    # (Not y * 0: reassociation may turn (x * k) * 0 into x * (k * 0) = x * 0, blind
+    # to overflow; y - y cannot fold without the nnan flag.)
     @numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc"})  # type: ignore[misc]
     def bad_sum(g, k):  # type: ignore[no-untyped-def]
         s = g.dtype.type(0)
