@@ -11,7 +11,14 @@ import threading
 import time
 from collections.abc import Mapping
 
-__all__ = ["THREAD_VARS", "blas_threads", "exit_with_parent", "thread_env", "usable_cores"]
+__all__ = [
+    "THREAD_VARS",
+    "available_memory",
+    "blas_threads",
+    "exit_with_parent",
+    "thread_env",
+    "usable_cores",
+]
 
 #: what numpy's BLAS (OpenBLAS, MKL) and OpenMP read for their number of threads
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -23,6 +30,19 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give (``MemAvailable``), or None where
+    it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def blas_threads(cores: int, compute_tasks: int, other_tasks: int) -> int:

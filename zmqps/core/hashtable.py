@@ -132,9 +132,25 @@ def _normal(ids: Array, key: np.uint64, dim: int, counter: int) -> Array:
     return r
 
 
+#: initial rows are drawn this many values at a time: the float64 temporaries of a
+#: random draw stay a few MiB, whatever a request's number of ids
+INIT_BLOCK_VALUES = 1 << 18
+
+
 def initial_rows(init: Mapping[str, Any], var: str, ids: Array, dim: int, dtype: str) -> Array:
     """The initial rows of ``ids`` (shape ``(len(ids), dim)``), a function of the id,
     the variable name and the seed only."""
+    ids = np.asarray(ids, dtype=np.int64)
+    step = max(1, INIT_BLOCK_VALUES // max(dim, 1))
+    if ids.size <= step:
+        return _initial_rows(init, var, ids, dim, dtype)
+    out = np.empty((ids.size, dim), dtype)
+    for lo in range(0, ids.size, step):
+        out[lo : lo + step] = _initial_rows(init, var, ids[lo : lo + step], dim, dtype)
+    return out
+
+
+def _initial_rows(init: Mapping[str, Any], var: str, ids: Array, dim: int, dtype: str) -> Array:
     name = str(init.get("name"))
     name = {"random_uniform": "uniform", "random_normal": "normal"}.get(name, name)
     ids = np.asarray(ids, dtype=np.int64)

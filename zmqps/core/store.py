@@ -153,6 +153,11 @@ class Shard:
     def nbytes(self) -> int:
         return int(self.values.nbytes + sum(s.nbytes for s in self.slots.values()))
 
+    @property
+    def row_width(self) -> int:
+        """Values in one row (1 for a 1-D variable)."""
+        return math.prod(self.definition.shape[1:])
+
     # -- the shard protocol: what the store asks of a shard, dense or hash-keyed ------
 
     #: a hash-keyed table's shard (rows by id) rather than a dense one
@@ -269,6 +274,24 @@ class ShardStore:
                 new[d.id] = d
         made = {sid: self._make(d) for sid, d in new.items()}  # may still refuse (overflow)
         self._shards.update(made)
+
+    def bytes_to_create(self, defs: Sequence[ShardDef]) -> int:
+        """Bytes the shards of ``defs`` not held yet would allocate at creation (values
+        and slots; a hash-keyed table's first rows): refuse before allocating."""
+        from zmqps.core.hashshard import INITIAL_CAPACITY
+
+        total = 0
+        for d in {d.id: d for d in defs if d.id not in self._shards}.values():
+            slots = len(make_optimizer(d.optimizer).slot_names)
+            width, rows = math.prod(d.shape[1:]), d.rows
+            if d.table is not None:
+                budget = (d.table or {}).get("row_budget")
+                rows = (
+                    min(INITIAL_CAPACITY, budget) if isinstance(budget, int) else INITIAL_CAPACITY
+                )
+            item = np.dtype(d.dtype).itemsize
+            total += rows * width * (item + slots * compute_dtype(d.dtype).itemsize)
+        return total
 
     def replace(
         self,

@@ -41,6 +41,7 @@ from zmqps.transport.shm import Region, create_region, sweep, unlink_region
 from zmqps.wire import Message, Tensor
 from zmqps.wire import ops as o
 from zmqps.wire.errors import InvalidArgument, NotFound, ProtocolError, RolledBack, ZmqpsError
+from zmqps.wire.schema import MAX_ROW_VALUES, MAX_ROWS
 
 __all__ = ["ParameterClient"]
 
@@ -49,6 +50,11 @@ log = logging.getLogger("zmqps.client")
 Array = npt.NDArray[Any]
 
 _swept = False
+
+
+def _rows_per_request(shape: tuple[int, ...]) -> int:
+    """The most rows of a variable of ``shape`` one row request may carry."""
+    return max(1, min(MAX_ROWS, MAX_ROW_VALUES // max(1, math.prod(shape[1:]))))
 
 
 def _sweep_once() -> None:
@@ -547,8 +553,13 @@ class ParameterClient:
                     self.versions[s.id] = int(ver)
                     self.version_gens[s.id] = body.gen if body.gen is not None else self.gen
 
-        routed = self._route_rows(name, uniq)
-        await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))
+        # a request moves at most MAX_ROW_VALUES values: a larger pull is several
+        per = _rows_per_request(v.shape)
+        for lo in range(0, max(uniq.size, 1), per):
+            routed = self._route_rows(name, uniq[lo : lo + per])
+            for parts in routed.values():  # positions into the whole of uniq
+                parts[:] = [(s, pos + lo, i) for s, pos, i in parts]
+            await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))
         return rows[inverse]
 
     async def table_rows(self, name: str, *, attempts: int = 3) -> tuple[Array, Array]:
@@ -640,5 +651,14 @@ class ParameterClient:
             return self.after_push(ps, rep, body)
 
         routed = self._route_rows(name, uniq, every_shard=step is not None)
+        per = _rows_per_request(v.shape)
+        for ps, parts in routed.items():  # one push is one request to each PS
+            n = sum(i.size for _, _, i in parts)
+            if n > per:
+                raise InvalidArgument(
+                    f"push_rows of {name}: {n:,} distinct rows for ps {ps} in one push;"
+                    f" a request carries at most {per:,} of them (MAX_ROWS, MAX_ROW_VALUES):"
+                    " push fewer rows per step, or spread the table over more shards"
+                )
         results = await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))
         return all(results)

@@ -96,6 +96,8 @@ class Dispatcher:
             msg = decode(frames, self.limits)
         except ProtocolError as exc:
             self.stats.bad_messages += 1
+            if self.observer is not None:  # op "unknown": a bad message names no op we trust
+                self.observer.request_done("unknown", ProtocolError.code, 0.0)
             rid = getattr(exc, "request_id", None)
             log.debug("%s: bad message from %r: %s", self.name, peer, exc)
             return None if rid is None else error_reply(rid, exc)

@@ -263,6 +263,13 @@ SHAPE = List(DIM, 8)
 MAX_SHARDS = 1 << 16
 #: the most copies of a shard (``--replication``)
 MAX_REPLICATION = 16
+#: the most row ids one ``pull_rows`` or ``push_rows`` names, all its shards together
+MAX_ROWS = 1 << 20
+#: the most row values (ids times the row's width) one ``pull_rows`` or ``push_rows``
+#: moves, all its shards together: 128 MiB of float32. A request's reply, and the
+#: work and memory a PS spends on it, is bounded by this whatever the ids (clients
+#: split a larger pull into several requests).
+MAX_ROW_VALUES = 1 << 25
 
 INIT = Map(
     {"name": Str(32)},

@@ -42,6 +42,7 @@ from zmqps.core.finite import first_bad_of, limit
 from zmqps.core.store import ShardStore, Update
 from zmqps.core.variables import ShardDef
 from zmqps.metrics import Metrics
+from zmqps.process import available_memory
 from zmqps.roles.optable import Handler, OpTable
 from zmqps.roles.ps.checkpoints import ShardCheckpoints
 from zmqps.roles.ps.modes import Apply, PSMode, StepWaiters, make_mode
@@ -57,6 +58,7 @@ from zmqps.wire.errors import (
     NotReady,
     RolledBack,
 )
+from zmqps.wire.schema import MAX_ROW_VALUES, MAX_ROWS
 
 __all__ = ["PSService"]
 
@@ -210,7 +212,17 @@ class PSService:
 
     def _op_create_shards(self, msg: Message, req: o.CreateShards) -> Message:
         defs = [ShardDef.from_wire(d) for d in req.shards]
-        self.store.create(defs)
+        need = self.store.bytes_to_create(defs)
+        have = available_memory()
+        if have is not None and need > have:
+            raise InvalidArgument(
+                f"create_shards: the shards need {need:,} bytes; this machine has {have:,}"
+                " available (more PS, or smaller variables)"
+            )
+        try:
+            self.store.create(defs)
+        except (MemoryError, ValueError) as exc:  # an allocation refused: nothing was made
+            raise InvalidArgument(f"create_shards: refused: {exc}") from None
         if req.placement is not None:
             self.placement = req.placement
         log.info("ps %d: %d shards ready (%d bytes)", self.index, len(defs), self.store.nbytes())
@@ -246,6 +258,8 @@ class PSService:
         ]
 
     def _op_pull(self, msg: Message, req: o.Pull) -> Message:
+        if len(set(req.shards)) != len(req.shards):
+            raise InvalidArgument("pull: a shard appears twice in one pull")
         for sid in req.shards:
             self.store.get(sid)  # NotFound before any work
         if req.shm_out is not None and not self._shm_pull_again(msg):
@@ -280,15 +294,37 @@ class PSService:
         for sid, t in zip(req.shards, msg.tensors, strict=True):
             if t.kind != "index" or t.ref != sid:
                 raise InvalidArgument(f"pull_rows: expected the index tensor of shard {sid}")
+        self._check_row_counts("pull_rows", req.shards, [t.array for t in msg.tensors])
         create = req.create is not False  # False: read-only (evaluation, serving)
+        # every shard's ids validated before the first row is created: all or nothing
+        keys = [
+            self.store.get(sid).row_keys(t.array, create)
+            for sid, t in zip(req.shards, msg.tensors, strict=True)
+        ]
         versions, tensors = [], []
-        for sid, t in zip(req.shards, msg.tensors, strict=True):
-            version, rows = self.store.pull_rows(sid, t.array, create)
-            versions.append(version)
+        for sid, k in zip(req.shards, keys, strict=True):
+            shard = self.store.get(sid)
+            rows = shard.read_rows(k, create)
+            versions.append(shard.version)
             tensors.append(Tensor(rows, "rows", sid))
             if self.metrics is not None:
-                self.metrics.rows(self.store.get(sid).definition.var, "pull", rows.shape[0])
+                self.metrics.rows(shard.definition.var, "pull", rows.shape[0])
         return reply(msg, o.Values(tuple(versions)).to_wire(), tensors)
+
+    def _check_row_counts(self, op: str, sids: Sequence[int], ids: Sequence[Any]) -> None:
+        """A row request names at most MAX_ROWS ids and moves at most MAX_ROW_VALUES
+        values (ids times each shard's row width), all its shards together: what it
+        costs the PS is bounded, whatever the ids."""
+        rows = values = 0
+        for sid, a in zip(sids, ids, strict=True):
+            n = int(a.size)
+            rows += n
+            values += n * self.store.get(sid).row_width
+        if rows > MAX_ROWS or values > MAX_ROW_VALUES:
+            raise InvalidArgument(
+                f"{op}: {rows:,} row ids, {values:,} values in one request; at most"
+                f" {MAX_ROWS:,} ids and {MAX_ROW_VALUES:,} values (split the request)"
+            )
 
     def _op_table_rows(self, msg: Message, req: o.TableRows) -> Message:
         version, ids, values, total = self.store.table_page(req.shard, req.start, req.limit)
@@ -403,11 +439,13 @@ class PSService:
 
     def _op_push_rows(self, msg: Message, req: o.PushRows) -> Message:
         by_shard = self._grad_tensors(msg, req, ("index", "rows"))
+        for sid in req.shards:
+            if [t.kind for t in by_shard[sid]] != ["index", "rows"]:
+                raise InvalidArgument(f"push_rows: shard {sid} needs exactly (index, rows)")
+        self._check_row_counts("push_rows", req.shards, [by_shard[s][0].array for s in req.shards])
         plans: list[Update] = []
         for sid, ver in zip(req.shards, req.versions, strict=True):
             ts = by_shard[sid]
-            if [t.kind for t in ts] != ["index", "rows"]:
-                raise InvalidArgument(f"push_rows: shard {sid} needs exactly (index, rows)")
             try:
                 self._check_values([(sid, ts[1].array.reshape(-1), 0)])
             except NonFiniteGradient:

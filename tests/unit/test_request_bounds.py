@@ -1,0 +1,208 @@
+"""What one request may cost a PS is bounded, whatever it names: row requests carry
+at most MAX_ROWS ids and MAX_ROW_VALUES values (clients split larger pulls), a pull
+names each shard once, a refused request changes nothing (a multi-shard pull_rows
+creates no row when a later shard's ids are refused), and create_shards refuses what
+cannot be allocated with a typed error, not an internal one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from test_ps_client import run
+from test_ps_recovery import chief, created_cluster
+
+import zmqps.roles.client as client_module
+import zmqps.roles.ps.service as service_module
+from zmqps.core.hashtable import bucket_of, initial_rows
+from zmqps.core.partition import Partitioner, plan
+from zmqps.core.variables import Placement, VariableDef
+from zmqps.wire import Tensor
+from zmqps.wire.errors import InvalidArgument
+
+TABLE = VariableDef(
+    "t", (64, 8), init={"name": "normal", "stddev": 0.1, "seed": 5}, table={"row_budget": 10_000}
+)
+ROWS = VariableDef("r", (40, 8), init={"name": "uniform", "seed": 2}, sparse=True)
+DENSE = VariableDef("d", (6, 4), init={"name": "ones"})
+
+
+def placement() -> Placement:
+    return plan(
+        [TABLE, ROWS, DENSE], 1, Partitioner(num_shards=2), optimizer={"name": "sgd", "lr": 0.5}
+    )
+
+
+def _shard(p: Placement, var: str, k: int = 0) -> Any:
+    return p.shards_of(var)[k]
+
+
+def _table_ids(p: Placement, shard: Any, n: int, start: int = 0) -> np.ndarray:
+    """``n`` distinct ids that hash into ``shard``'s buckets."""
+    ids = np.arange(start, start + 40 * n, dtype=np.int64)
+    b = bucket_of(ids, TABLE.shape[0])
+    mine = ids[(b >= shard.row_start) & (b < shard.row_start + shard.rows)]
+    assert mine.size >= n
+    return mine[:n]
+
+
+def _rows_held(c: Any, var: str) -> int:
+    return sum(s.rows for s in c.services[0].store.tables() if s.definition.var == var)
+
+
+def test_row_requests_past_the_bounds_are_refused_and_change_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(service_module, "MAX_ROWS", 100)
+    monkeypatch.setattr(service_module, "MAX_ROW_VALUES", 400)  # 50 rows of 8
+
+    async def body() -> None:
+        p = placement()
+        c = await created_cluster(p, 1, None)
+        req = chief(c, 0)
+        t0, t1 = _shard(p, "t", 0), _shard(p, "t", 1)
+        ok = _table_ids(p, t0, 30)
+        await req.request("pull_rows", {"shards": [t0.id]}, [Tensor(ok, "index", t0.id)])
+        held = _rows_held(c, "t")
+        assert held == 30
+        # 30 + 30 rows of 8 values over two shards: 480 values > 400
+        more = _table_ids(p, t0, 30, start=10_000)
+        other = _table_ids(p, t1, 30)
+        for create in (None, False):
+            body: dict[str, Any] = {"shards": [t0.id, t1.id]}
+            if create is not None:
+                body["create"] = create
+            with pytest.raises(InvalidArgument, match="at most 100 ids and 400 values"):
+                await req.request(
+                    "pull_rows", body, [Tensor(more, "index", t0.id), Tensor(other, "index", t1.id)]
+                )
+        assert _rows_held(c, "t") == held
+        # a fixed-size variable: duplicates make a small request a large reply
+        r0 = _shard(p, "r")
+        dup = np.full(51, r0.row_start, np.int64)
+        with pytest.raises(InvalidArgument, match="51 row ids, 408 values"):
+            await req.request("pull_rows", {"shards": [r0.id]}, [Tensor(dup, "index", r0.id)])
+        # a push of too many rows is refused before anything changes, and counted
+        before = c.services[0].store.get(r0.id).values.copy()
+        grads = np.ones((51, 8), np.float32)
+        body = {"shards": [r0.id], "versions": [0], "worker": "w0", "inc": 0, "seq": 1}
+        with pytest.raises(InvalidArgument, match="push_rows: 51 row ids"):
+            await c.net.client("ps0", "w0:0").request(
+                "push_rows", body, [Tensor(dup, "index", r0.id), Tensor(grads, "rows", r0.id)]
+            )
+        assert np.array_equal(c.services[0].store.get(r0.id).values, before)
+        assert c.services[0].status()["dropped"] == {"invalid": 1}
+
+    run(body())
+
+
+def test_a_refused_multi_shard_pull_rows_creates_no_row() -> None:
+    async def body() -> None:
+        p = placement()
+        c = await created_cluster(p, 1, None)
+        t0, t1 = _shard(p, "t", 0), _shard(p, "t", 1)
+        mine = _table_ids(p, t0, 5)
+        wrong = _table_ids(p, t0, 3, start=50_000)  # routed to the wrong shard
+        with pytest.raises(InvalidArgument, match="hashes outside"):
+            await chief(c, 0).request(
+                "pull_rows",
+                {"shards": [t0.id, t1.id]},
+                [Tensor(mine, "index", t0.id), Tensor(wrong, "index", t1.id)],
+            )
+        assert _rows_held(c, "t") == 0
+        stats = c.services[0].store.table_stats()
+        assert stats.get("t", {}).get("created", 0) == 0
+
+    run(body())
+
+
+def test_a_pull_names_each_shard_once() -> None:
+    async def body() -> None:
+        p = placement()
+        c = await created_cluster(p, 1, None)
+        d = _shard(p, "d")
+        with pytest.raises(InvalidArgument, match="appears twice"):
+            await chief(c, 0).request("pull", {"shards": [d.id] * 3})
+
+    run(body())
+
+
+def test_a_client_splits_a_large_pull_and_refuses_a_large_push(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client's pull of more rows than a request may carry is several requests
+    with the same answer; a push that large is refused before anything is sent."""
+    for module in (service_module, client_module):
+        monkeypatch.setattr(module, "MAX_ROW_VALUES", 8 * 16)  # 16 rows of 8
+
+    async def body() -> None:
+        p = placement()
+        c = await created_cluster(p, 1, None)
+        w = c.client("w0")
+        ids = np.concatenate([_table_ids(p, s, 20) for s in p.shards_of("t")])
+        ids = np.concatenate([ids, ids[:7]])  # duplicates too
+        rows = await w.pull_rows("t", ids)
+        assert np.array_equal(rows, initial_rows(TABLE.init, "t", ids, 8, "float32"))
+        fixed = np.arange(40, dtype=np.int64)[::-1]
+        got = await w.pull_rows("r", fixed, create=False)
+        want = await c.client("w1").pull_rows("r", fixed[:10])
+        assert got.shape == (40, 8) and np.array_equal(got[:10], want)
+        sent = c.services[0].status()["pushes"]
+        with pytest.raises(InvalidArgument, match="distinct rows for ps 0 in one push"):
+            await w.push_rows("t", ids, np.ones((ids.size, 8), np.float32))
+        assert c.services[0].status()["pushes"] == sent
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((2**48, 2**48), "float32"), ((2**40,), "float32"), ((2**36,), "float64")],
+)
+def test_shards_that_cannot_be_allocated_are_refused_typed(
+    shape: tuple[int, ...], dtype: str
+) -> None:
+    big = VariableDef(
+        "huge", shape, dtype, init={"name": "zeros"}, optimizer={"name": "adam", "lr": 0.1}
+    )
+
+    async def body() -> None:
+        p = placement()
+        c = await created_cluster(p, 1, None)
+        huge = plan([big], 1, Partitioner(num_shards=1), optimizer={"name": "sgd", "lr": 0.1})
+        defs = [d.to_wire() for _, d in huge.shard_defs()]
+        for d in defs:
+            d["id"] = 1000 + d["id"]
+        with pytest.raises(InvalidArgument, match="create_shards"):
+            await chief(c, 0).request("create_shards", {"shards": defs})
+        assert 1000 not in c.services[0].store
+        rows = await c.client("w0").pull_rows("r", np.array([1, 2], np.int64))
+        assert rows.shape == (2, 8)  # still serving
+
+    run(body())
+
+
+def test_a_message_that_cannot_be_decoded_is_counted() -> None:
+    """A refusal at the codec (a complex tensor, a bad header) is counted in the
+    requests metric as op "unknown", status "protocol", like every other refusal."""
+    from zmqps.metrics import Metrics
+    from zmqps.transport.base import TransportStats
+    from zmqps.transport.dispatch import Dispatcher
+    from zmqps.wire import encode, request
+
+    metrics = Metrics()
+    stats = TransportStats()
+    d = Dispatcher(lambda msg: None, name="ps0", stats=stats, observer=metrics)  # type: ignore[arg-type]
+    frames = [bytes(f) for f in encode(request("ping", {}, id=7))]
+    assert d.dispatch([b"\x00garbage"]) is None
+    push = [bytes(f) for f in encode(request("push", {}, [Tensor(np.zeros(4), "grad", 0)], id=8))]
+    assert b"\xa7float64" in push[0]
+    complex_push = [push[0].replace(b"\xa7float64", b"\xa9complex64"), push[1]]  # same bytes
+    for bad in ([b"\x00garbage"], [frames[0], b"\xc1"], complex_push):
+        d.dispatch(bad)
+    assert stats.bad_messages == 4
+    got = metrics.registry.get_sample_value(
+        "zmqps_requests_total", {"op": "unknown", "status": "protocol"}
+    )
+    assert got == 4
