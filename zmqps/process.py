@@ -32,17 +32,21 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def available_memory() -> int | None:
-    """Bytes of memory this machine can still give (``MemAvailable``), or None where
-    it cannot be read."""
+def available_memory() -> tuple[int, int] | None:
+    """``(available, total)`` bytes of this machine's memory (``MemAvailable``,
+    ``MemTotal``), or None where they cannot be read."""
+    found: dict[str, int] = {}
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                key, _, rest = line.partition(":")
+                if key in ("MemAvailable", "MemTotal"):
+                    found[key] = int(rest.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return None
+    if len(found) != 2:
+        return None
+    return found["MemAvailable"], found["MemTotal"]
 
 
 def blas_threads(cores: int, compute_tasks: int, other_tasks: int) -> int:

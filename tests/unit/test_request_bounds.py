@@ -206,3 +206,31 @@ def test_a_message_that_cannot_be_decoded_is_counted() -> None:
         "zmqps_requests_total", {"op": "unknown", "status": "protocol"}
     )
     assert got == 4
+
+
+def test_shards_count_against_the_whole_memory_with_what_the_ps_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Zeros are allocated lazily, so what is free now is not enough: shards made
+    earlier count against the machine's whole memory."""
+
+    async def body() -> None:
+        p = placement()
+        c = await created_cluster(p, 1, None)
+        held = c.services[0].store.nbytes()
+        mib = 1 << 20
+        monkeypatch.setattr(service_module, "available_memory", lambda: (64 * mib, held + mib))
+
+        def defs(sid: int, rows: int) -> list[dict[str, Any]]:
+            var = VariableDef(f"z{sid}", (rows, 1024), init={"name": "zeros"})
+            made = plan([var], 1, Partitioner(num_shards=1), optimizer={"name": "sgd", "lr": 1.0})
+            out = [d.to_wire() for _, d in made.shard_defs()]
+            out[0]["id"] = sid
+            return out
+
+        with pytest.raises(InvalidArgument, match="held by this PS"):
+            await chief(c, 0).request("create_shards", {"shards": defs(500, 512)})  # 2 MiB
+        await chief(c, 0).request("create_shards", {"shards": defs(501, 128)})  # 0.5 MiB
+        assert 501 in c.services[0].store and 500 not in c.services[0].store
+
+    run(body())

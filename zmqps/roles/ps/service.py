@@ -213,12 +213,18 @@ class PSService:
     def _op_create_shards(self, msg: Message, req: o.CreateShards) -> Message:
         defs = [ShardDef.from_wire(d) for d in req.shards]
         need = self.store.bytes_to_create(defs)
-        have = available_memory()
-        if have is not None and need > have:
-            raise InvalidArgument(
-                f"create_shards: the shards need {need:,} bytes; this machine has {have:,}"
-                " available (more PS, or smaller variables)"
-            )
+        memory = available_memory()
+        if memory is not None:
+            # zeros are allocated lazily: what the PS holds already counts against
+            # the machine's whole memory, not only against what is free now
+            available, total = memory
+            held = self.store.nbytes()
+            if need > available or need + held > total:
+                raise InvalidArgument(
+                    f"create_shards: the shards need {need:,} bytes; this machine has"
+                    f" {available:,} available ({total:,} in all, {held:,} held by this PS):"
+                    " use more PS, or smaller variables"
+                )
         try:
             self.store.create(defs)
         except (MemoryError, ValueError) as exc:  # an allocation refused: nothing was made
