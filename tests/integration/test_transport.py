@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from zmqps.transport import Client, FakeNetwork, Server, SocketOptions, TransportStats
 from zmqps.transport.base import Handler, Requester
+from zmqps.transport.unread import UnreadReplies
 from zmqps.wire import ERROR, Message, Tensor, decode, encode, reply, request
 from zmqps.wire.errors import (
     DeadlineExceeded,
@@ -767,6 +768,56 @@ def test_replies_dropped_at_a_full_pipe_are_counted_and_logged_once_per_interval
                 assert server.stats.unroutable > 800
                 lines = [r for r in caplog.records if "peer not reading" in r.getMessage()]
                 assert 1 <= len(lines) <= 2, len(lines)
+        finally:
+            s.close()
+            ctx.term()
+
+    run(main)
+
+
+def test_a_peer_that_does_not_read_its_replies_pins_a_bounded_number_of_bytes() -> None:
+    """Large replies are tracked until ZeroMQ hands them to the connection: a peer
+    that sends requests and never reads has its requests refused ``busy`` once its
+    unread bytes pass the bound (the handler never runs for them), while a peer that
+    reads is served; once the mute peer reads, it is served again."""
+    payload = np.ones(1 << 19, np.float32)  # 2 MiB replies: tracked
+    handled: list[str] = []
+
+    def big(msg: Message) -> Message:
+        handled.append(msg.sender or "")
+        return reply(msg, {}, [Tensor(payload)])
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        s = ctx.socket(zmq.DEALER)
+        bound = 16 << 20
+        try:
+            unread = UnreadReplies(lambda: bound, lambda: 4 * bound)
+            async with (
+                zmq_server(ctx, big, unread=unread) as server,
+                zmq_client(ctx, server.endpoint, "reader", timeout=10) as reader,
+            ):
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.RCVHWM, 1)
+                s.setsockopt(zmq.RCVBUF, 4096)
+                s.connect(server.endpoint)
+                for i in range(300):
+                    await s.send_multipart(encode(request("ping", id=i + 1, sender="mute")))
+                await wait_until(lambda: server.stats.requests >= 300, 20)
+                mute = handled.count("mute")
+                # the bound, one reply past it, and what the kernel's buffers took
+                assert mute * payload.nbytes <= bound + 8 * payload.nbytes, mute
+                assert server.stats.busy >= 300 - mute
+                assert bound < unread.bytes <= bound + payload.nbytes + 8 * payload.nbytes
+                for _ in range(5):  # a peer that reads is served meanwhile
+                    rep = await reader.request("ping")
+                    assert rep.tensors[0].array.nbytes == payload.nbytes
+                assert handled.count("reader") == 5
+                # the mute peer reads everything: its next request is served
+                while await s.poll(500):
+                    await s.recv_multipart()
+                await s.send_multipart(encode(request("ping", id=9999, sender="mute")))
+                await wait_until(lambda: handled.count("mute") == mute + 1, 10)
         finally:
             s.close()
             ctx.term()

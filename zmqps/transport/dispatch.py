@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any
 
 from zmqps.logs import RateLimitedLog
@@ -76,8 +76,11 @@ class Dispatcher:
         observer: TransportObserver | None = None,
         max_pending: int = MAX_PENDING,
         max_pending_per_peer: int = MAX_PENDING_PER_PEER,
+        admit: Callable[[object], str | None] | None = None,
     ) -> None:
         self.handler = handler
+        #: says why a peer's request must wait (refused ``busy``, nothing done), or None
+        self.admit = admit
         self.max_pending = max_pending
         self.max_pending_per_peer = max_pending_per_peer
         #: requests pending per peer (a peer leaves the map with its last one)
@@ -111,6 +114,9 @@ class Dispatcher:
         self.stats.requests += 1
         self.stats.by_op[msg.op] = self.stats.by_op.get(msg.op, 0) + 1
         started = time.perf_counter()
+        why = self.admit(peer) if self.admit is not None else None
+        if why is not None:
+            return self._observed(msg, self._refuse(msg, peer, why), started)
         try:
             result = self.handler(msg)
         except Exception as exc:
@@ -146,6 +152,18 @@ class Dispatcher:
         )
         who = "this peer" if held >= self.max_pending_per_peer else "all peers"
         return error_reply(msg.id, Busy(f"{self.name}: too many requests of {who} pending"))
+
+    def _refuse(self, msg: Message, peer: object, why: str) -> Message:
+        self.stats.busy += 1
+        self._busy_log.warning(
+            "%s: refusing requests of %r: %s (%d refused so far)",
+            self.name,
+            peer,
+            why,
+            self.stats.busy,
+            key="unread",
+        )
+        return error_reply(msg.id, Busy(f"{self.name}: {why}: read them first"))
 
     async def _finish(
         self, msg: Message, result: Awaitable[Message], started: float, peer: object

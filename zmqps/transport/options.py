@@ -95,16 +95,20 @@ def tcp_endpoint(address: str) -> str:
     return f"tcp://{address}"
 
 
-def send_now(sock: zmq.Socket[Any], frames: list[Any]) -> None:
+def send_now(sock: zmq.Socket[Any], frames: list[Any], track: bool = False) -> Any:
     """Queue ``frames`` without waiting (zero-copy); raises ``zmq.Again`` at the HWM.
+    With ``track``, returns the ``MessageTracker`` of the last frame (done once
+    ZeroMQ has handed the message to the connection), else None.
 
     On a ``zmq.asyncio`` socket a DONTWAIT send resolves at once (no send is ever
     left pending, since every zmqps send goes through here), so the outcome is
     read off the returned future. Going through the asyncio socket, rather than a
     blocking shadow, keeps its edge-triggered FD bookkeeping right.
     """
-    result = sock.send_multipart(frames, copy=False, flags=zmq.DONTWAIT)
+    result = sock.send_multipart(frames, copy=False, track=track, flags=zmq.DONTWAIT)
     if isinstance(result, asyncio.Future) and result.done():
         exc = result.exception()
         if exc is not None:
             raise exc
+        result = result.result()
+    return result if track else None

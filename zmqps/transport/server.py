@@ -39,9 +39,10 @@ from zmqps.transport.base import Handler, TransportObserver, TransportStats
 from zmqps.transport.dispatch import Dispatcher, Pending
 from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
 from zmqps.transport.security import acquire_authenticator, release_authenticator
+from zmqps.transport.unread import TRACK_BYTES, UnreadReplies
 from zmqps.wire import Limits, Message, encode, error_reply
 
-__all__ = ["Server"]
+__all__ = ["MAX_UNREAD", "MAX_UNREAD_PER_PEER", "Server"]
 
 log = logging.getLogger("zmqps.transport")
 
@@ -51,6 +52,11 @@ log = logging.getLogger("zmqps.transport")
 #: (a port probe, a client closing), not a refusal.
 _HANDSHAKE_FAILED: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake"}
 
+
+#: Bytes of replies a peer may leave unread before its requests wait (``busy``), and
+#: all peers together (``transport/unread.py``; a PS raises both with its shards).
+MAX_UNREAD_PER_PEER = 256 << 20
+MAX_UNREAD = 1 << 30
 
 #: Seconds between two log lines about failed handshakes on one server (all are counted).
 _LOG_EVERY_S = 30.0
@@ -89,8 +95,13 @@ class Server:
         limits: Limits | None = None,
         clock_skew: float = 1.0,
         observer: TransportObserver | None = None,
+        unread: UnreadReplies | None = None,
     ) -> None:
         self._ctx = ctx
+        #: large replies not handed to their connections yet, bounded per peer and in all
+        if unread is None:
+            unread = UnreadReplies(lambda: MAX_UNREAD_PER_PEER, lambda: MAX_UNREAD)
+        self.unread = unread
         self._observer = observer
         self._address = tcp_endpoint(address)
         self._name = name
@@ -118,6 +129,7 @@ class Server:
             limits=limits,
             clock_skew=clock_skew,
             observer=observer,
+            admit=lambda peer: self.unread.refusal(peer, time.monotonic()),
         )
         self.endpoint = ""
 
@@ -335,8 +347,10 @@ class Server:
             log.exception("%s: cannot encode the reply to request %s", self._name, msg.id)
             self.stats.errors += 1
             frames = encode(error_reply(msg.id, exc))
+        payload = sum(t.array.nbytes for t in msg.tensors)
+        track = payload >= TRACK_BYTES
         try:
-            send_now(sock, [identity, *frames])
+            tracker = send_now(sock, [identity, *frames], track=track)
         except zmq.Again:
             # The peer's pipe is full (HWM): it is not reading; drop and count.
             self.stats.unroutable += 1
@@ -350,6 +364,8 @@ class Server:
                 log.debug("%s: reply to gone peer %r dropped", self._name, identity)
                 return
             raise
+        if track:
+            self.unread.sent(identity, tracker, payload, time.monotonic())
         self.stats.replies += 1
         sent = sum(getattr(f, "nbytes", None) or len(f) for f in frames)
         self.stats.bytes_out += sent

@@ -14,6 +14,8 @@ from zmqps.roles.configs import PSConfig
 from zmqps.roles.ps.service import PSService
 from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import Server, SocketOptions, ZmqContext
+from zmqps.transport.server import MAX_UNREAD, MAX_UNREAD_PER_PEER
+from zmqps.transport.unread import UnreadReplies
 
 __all__ = ["run_ps", "serve_ps"]
 
@@ -29,8 +31,20 @@ async def serve_ps(
     service = PSService(
         cfg.index, chunk_bytes=cfg.chunk_bytes, metrics=metrics, checkpoint_dir=cfg.checkpoint_dir
     )
+    store = service.store
     server = Server(
-        ctx, cfg.bind, PSSlots(service), name=f"ps{cfg.index}", options=options, observer=metrics
+        ctx,
+        cfg.bind,
+        PSSlots(service),
+        name=f"ps{cfg.index}",
+        options=options,
+        observer=metrics,
+        # a worker's pulls in flight are about one copy of what this PS holds: four
+        # per peer and sixteen in all are never reached by peers that read
+        unread=UnreadReplies(
+            lambda: max(MAX_UNREAD_PER_PEER, 4 * store.nbytes()),
+            lambda: max(MAX_UNREAD, 16 * store.nbytes()),
+        ),
     )
     # The task's own address first (the cluster spec names it); the metrics port after,
     # so a metrics port picked as 0 can never take it.
