@@ -95,7 +95,7 @@ def first_bad(a: np.ndarray[Any, Any]) -> int | None:
         return None if i < 0 else i
     for lo in range(0, n, BLOCK_ELEMS):
         block = a[lo : lo + BLOCK_ELEMS]
-        if block.size and -lim < float(block.min()) and float(block.max()) < lim:
+        if -lim < float(block.min()) and float(block.max()) < lim:
             continue  # NaN fails both comparisons
         bad = np.flatnonzero(~(np.abs(block.astype(np.float64)) < lim))
         if bad.size:

@@ -153,7 +153,6 @@ def initial_rows(init: Mapping[str, Any], var: str, ids: Array, dim: int, dtype:
 def _initial_rows(init: Mapping[str, Any], var: str, ids: Array, dim: int, dtype: str) -> Array:
     name = str(init.get("name"))
     name = {"random_uniform": "uniform", "random_normal": "normal"}.get(name, name)
-    ids = np.asarray(ids, dtype=np.int64)
     if name == "zeros":
         return np.zeros((ids.size, dim), dtype)
     if name in ("ones", "constant"):

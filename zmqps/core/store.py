@@ -285,7 +285,7 @@ class ShardStore:
             slots = len(make_optimizer(d.optimizer).slot_names)
             width, rows = math.prod(d.shape[1:]), d.rows
             if d.table is not None:
-                budget = (d.table or {}).get("row_budget")
+                budget = d.table.get("row_budget")
                 rows = (
                     min(INITIAL_CAPACITY, budget) if isinstance(budget, int) else INITIAL_CAPACITY
                 )
@@ -450,9 +450,15 @@ class ShardStore:
         For a hash-keyed table ``indices`` are ids; rows are created on first touch,
         unless ``create`` is False: then nothing changes and ids without a row read as
         their initial value (zeros while not admitted). Fixed-size rows never change."""
-        shard = self.get(shard_id)
-        keys = shard.row_keys(indices, create)
-        return shard.version, shard.read_rows(keys, create)
+        return self.pull_rows_of([(shard_id, indices)], create)[0]
+
+    def pull_rows_of(
+        self, requests: Sequence[tuple[int, Array]], create: bool = True
+    ) -> list[tuple[int, Array]]:
+        """:meth:`pull_rows` of several shards, all or nothing: every shard's ids are
+        validated before the first row is created."""
+        keyed = [(self.get(sid), self.get(sid).row_keys(ids, create)) for sid, ids in requests]
+        return [(shard.version, shard.read_rows(keys, create)) for shard, keys in keyed]
 
     def table_page(self, shard_id: int, start: int, limit: int) -> tuple[int, Array, Array, int]:
         """``(version, ids, values, live rows)``: live rows ``[start, start + limit)`` of a

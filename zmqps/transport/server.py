@@ -346,7 +346,8 @@ class Server:
             # receive loop: the caller gets an internal error instead.
             log.exception("%s: cannot encode the reply to request %s", self._name, msg.id)
             self.stats.errors += 1
-            frames = encode(error_reply(msg.id, exc))
+            msg = error_reply(msg.id, exc)
+            frames = encode(msg)
         payload = sum(t.array.nbytes for t in msg.tensors)
         track = payload >= TRACK_BYTES
         try:

@@ -302,19 +302,15 @@ class PSService:
                 raise InvalidArgument(f"pull_rows: expected the index tensor of shard {sid}")
         self._check_row_counts("pull_rows", req.shards, [t.array for t in msg.tensors])
         create = req.create is not False  # False: read-only (evaluation, serving)
-        # every shard's ids validated before the first row is created: all or nothing
-        keys = [
-            self.store.get(sid).row_keys(t.array, create)
-            for sid, t in zip(req.shards, msg.tensors, strict=True)
-        ]
+        pulled = self.store.pull_rows_of(
+            [(sid, t.array) for sid, t in zip(req.shards, msg.tensors, strict=True)], create
+        )
         versions, tensors = [], []
-        for sid, k in zip(req.shards, keys, strict=True):
-            shard = self.store.get(sid)
-            rows = shard.read_rows(k, create)
-            versions.append(shard.version)
+        for sid, (version, rows) in zip(req.shards, pulled, strict=True):
+            versions.append(version)
             tensors.append(Tensor(rows, "rows", sid))
             if self.metrics is not None:
-                self.metrics.rows(shard.definition.var, "pull", rows.shape[0])
+                self.metrics.rows(self.store.get(sid).definition.var, "pull", rows.shape[0])
         return reply(msg, o.Values(tuple(versions)).to_wire(), tensors)
 
     def _check_row_counts(self, op: str, sids: Sequence[int], ids: Sequence[Any]) -> None:
