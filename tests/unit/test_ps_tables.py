@@ -81,6 +81,25 @@ def test_sync_accumulates_row_gradients_of_every_replica() -> None:
     run(body())
 
 
+def test_a_sync_step_in_which_no_id_fell_in_a_table_shard() -> None:
+    """Every replica's push to a table shard is empty: the step still applies (a shard
+    with no rows to update), it does not fail inside the update."""
+
+    async def body() -> None:
+        c = await created_cluster(placement(2), 2, None)
+        for i in (0, 1):
+            await chief(c, i).request("sync_config", {"mode": "sync", "required": 2})
+        w0, w1 = c.client("worker:0"), c.client("worker:1")
+        none = np.zeros(0, np.int64)
+        for w in (w0, w1):
+            assert await w.push_rows("emb", none, np.zeros((0, 3), np.float32), step=0)
+        shards = c.placement.shards_of("emb")
+        assert len(shards) == 2
+        assert {c.services[s.ps].store.get(s.id).version for s in shards} == {1}
+
+    run(body())
+
+
 async def _save(c: Any, root: CheckpointRoot, step: int) -> Any:
     temp = root.new_temp(step)
     records: list[ShardRecord] = []

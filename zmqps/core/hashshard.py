@@ -101,7 +101,7 @@ class HashShard(Shard):
     def apply_row_grads(self, keys: Array, grad_rows: Array, scale: float) -> None:
         """Lazy update of the rows of validated ids ``keys`` (duplicates summed; ids
         not admitted dropped and counted)."""
-        grad2d = grad_rows.reshape(keys.shape[0], -1)
+        grad2d = grad_rows.reshape(keys.shape[0], self.row_width)  # explicit: 0 rows too
         uniq, inverse = unique_ids(keys)
         if inverse is not None:  # unsorted or repeated ids: sum into uniq's order
             summed = np.zeros(
