@@ -113,6 +113,8 @@ BODIES: dict[str, dict[str, Any]] = {
         "inc": 5,
     },
     "make_resource": {"id": 1, "fn": "dataset", "args": ["t", []], "kwargs": ["d", {}], "inc": 5},
+    "replica": {"slot": 2, "term": 3, "primary": True, "backups": [[0, "tcp://127.0.0.1:5"]]},
+    "replicate": {"term": 3, "index": 9, "op": "fence", "body": {"worker": "w", "inc": 1}},
 }
 
 #: Fields holding a value tree (zmqps.wire.values): any scalar is a valid leaf and a

@@ -21,8 +21,9 @@ Rules of this module:
 * Bounded: the primary holds at most ``max_entries`` entries and ``max_bytes`` bytes
   that some backup has not acknowledged; :meth:`PrimaryLog.room` says whether one
   more fits (when not, the push waits for acknowledgements). A backup keeps the
-  last ``max_entries`` entries it applied, so that, promoted, it can bring the
-  other backups up to its head: they are at most that far behind it.
+  last ``max_entries`` entries it applied (at most ``max_bytes`` of them, the last
+  one always), so that, promoted, it can bring the other backups up to its head: a
+  backup further behind than that is dropped and copied afresh.
 * Promotion (:func:`choose_primary`): among the in-sync copies still alive, the one
   with the highest applied index. Their logs are prefixes of one another's (each
   received one primary's log in order) and every committed entry is on all of
@@ -218,12 +219,21 @@ class PrimaryLog:
 class ReplicaLog:
     """A backup's side: the index it applied up to, and its last entries."""
 
-    def __init__(self, term: int, applied: int = 0, max_entries: int = MAX_ENTRIES):
+    def __init__(
+        self,
+        term: int,
+        applied: int = 0,
+        max_entries: int = MAX_ENTRIES,
+        max_bytes: int = MAX_BYTES,
+    ):
         self.term = term
         self.applied = applied
         self.max_entries = max_entries
-        #: its last entries: what the other backups may lack if it is promoted
-        self.kept: deque[Entry] = deque(maxlen=max_entries)
+        self.max_bytes = max_bytes
+        #: its last entries (at most ``max_entries`` and ``max_bytes``): what the other
+        #: backups may lack if it is promoted
+        self.kept: deque[Entry] = deque()
+        self._kept_bytes = 0
 
     def offer(self, entry: Entry) -> Offer:
         """What to do with an entry from the primary."""
@@ -236,6 +246,11 @@ class ReplicaLog:
         self.term = entry.term
         self.applied = entry.index
         self.kept.append(entry)
+        self._kept_bytes += entry.nbytes
+        while len(self.kept) > self.max_entries or (
+            len(self.kept) > 1 and self._kept_bytes > self.max_bytes
+        ):
+            self._kept_bytes -= self.kept.popleft().nbytes
         return Offer.APPLY
 
     def fence(self, term: int) -> None:
@@ -250,7 +265,7 @@ class ReplicaLog:
         if term < self.term:
             raise ValueError(f"a promotion's term {term} is below {self.term}")
         self.term = term
-        return PrimaryLog(term, self.applied, backups, self.kept, self.max_entries)
+        return PrimaryLog(term, self.applied, backups, self.kept, self.max_entries, self.max_bytes)
 
 
 def choose_primary(heads: Mapping[str, int]) -> str | None:

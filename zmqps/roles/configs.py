@@ -23,7 +23,7 @@ from typing import Any
 import cattrs
 
 from zmqps.config import ClusterSpec
-from zmqps.core.partition import Partitioner
+from zmqps.core.partition import Partitioner, check_replication
 from zmqps.core.sync import MODES
 from zmqps.roles.job import JobConfig
 from zmqps.wire.errors import ConfigError, InvalidArgument
@@ -165,8 +165,14 @@ class ChiefConfig:
     max_nonfinite_share: float = 0.05
     #: TensorBoard: this task's scalars in ``logdir/chief`` (None: none)
     logdir: str | None = None
+    #: copies of every PS state (1: none); each on another PS
+    replication: int = 1
 
     def __post_init__(self) -> None:
+        try:
+            check_replication(self.replication, self.cluster.num_ps)
+        except InvalidArgument as exc:
+            raise ConfigError(f"--replication: {exc}") from None
         share = self.max_nonfinite_share
         if isinstance(share, bool) or not 0.0 <= share <= 1.0:
             raise ConfigError(f"--max-nonfinite-share must be within [0, 1], got {share}")

@@ -91,6 +91,7 @@ class Requester(Protocol):
         *,
         timeout: float | None = None,
         attempts: int = 1,
+        slot: int | None = None,
     ) -> Message: ...
 
     async def close(self) -> None: ...

@@ -127,13 +127,16 @@ class Client:
         *,
         timeout: float | None = None,
         attempts: int = 1,
+        slot: int | None = None,
     ) -> Message:
-        """Send a request and wait for its reply; raises the typed error of an error reply."""
+        """Send a request and wait for its reply; raises the typed error of an error reply.
+        ``slot``: the PS state it is for, instead of the client's."""
         timeout = self.timeout if timeout is None else timeout
+        slot = self.slot if slot is None else slot
         for attempt in range(1, attempts + 1):
             try:
                 return await retry_busy(
-                    lambda left: self._request_once(op, body, tensors, left, attempts > 1),
+                    lambda left: self._request_once(op, body, tensors, left, attempts > 1, slot),
                     timeout,
                 )
             except DeadlineExceeded:
@@ -149,6 +152,7 @@ class Client:
         tensors: Sequence[Tensor],
         timeout: float,
         resendable: bool = False,
+        slot: int | None = None,
     ) -> Message:
         if self._closed:
             raise ShutdownError(f"client to {self.endpoint} is closed")
@@ -161,7 +165,7 @@ class Client:
             id=rid,
             sender=self.identity,
             deadline=time.time() + timeout,
-            slot=self.slot,
+            slot=slot,
         )
         frames = encode(msg)
         limit = self._options.max_msg_size

@@ -80,14 +80,17 @@ class FakeClient:
         *,
         timeout: float | None = None,
         attempts: int = 1,
+        slot: int | None = None,
     ) -> Message:
         if self._closed:
             raise ShutdownError(f"client to {self.endpoint} is closed")
         timeout = self.timeout if timeout is None else timeout
+        slot = self.slot if slot is None else slot
         for attempt in range(1, attempts + 1):
             try:
                 return await retry_busy(
-                    lambda left: asyncio.wait_for(self._once(op, body, tensors), left), timeout
+                    lambda left: asyncio.wait_for(self._once(op, body, tensors, slot), left),
+                    timeout,
                 )
             except asyncio.TimeoutError:
                 if attempt == attempts:
@@ -95,9 +98,13 @@ class FakeClient:
         raise AssertionError("unreachable")
 
     async def _once(
-        self, op: str, body: Mapping[str, Any] | None, tensors: Sequence[Tensor]
+        self,
+        op: str,
+        body: Mapping[str, Any] | None,
+        tensors: Sequence[Tensor],
+        slot: int | None = None,
     ) -> Message:
-        msg = request(op, body, tensors, id=next(self._ids), sender=self.identity, slot=self.slot)
+        msg = request(op, body, tensors, id=next(self._ids), sender=self.identity, slot=slot)
         self.stats.requests += 1
         await asyncio.sleep(0)
         server = self._net._dispatcher(self.endpoint)

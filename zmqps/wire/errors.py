@@ -24,6 +24,7 @@ __all__ = [
     "ModelMismatch",
     "NonFiniteGradient",
     "NotFound",
+    "NotPrimary",
     "NotReady",
     "ProtocolError",
     "RemoteError",
@@ -66,6 +67,13 @@ class NotFound(ZmqpsError):
     """A request names a shard, variable or task that does not exist."""
 
     code = "not_found"
+
+
+class NotPrimary(NotFound):
+    """The process holds only a backup of the PS state the request is for: send it to
+    that state's primary (the placement's newer epoch names it)."""
+
+    code = "not_primary"
 
 
 class NotReady(ZmqpsError):
@@ -162,6 +170,7 @@ _BY_CODE: dict[str, type[ZmqpsError]] = {
         NonFiniteGradient,
         ModelMismatch,
         NotFound,
+        NotPrimary,
         NotReady,
         FencedError,
         RolledBack,

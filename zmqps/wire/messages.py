@@ -66,6 +66,9 @@ REQUEST_OPS = frozenset(
         "checkpoint_save",
         "checkpoint_done",
         "restore",
+        # replication: the chief sets each copy's part; a primary ships its entries
+        "replica",
+        "replicate",
         # coordinator mode: functions scheduled onto worker servers
         "run",
         "make_resource",

@@ -27,9 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from zmqps.wire.errors import ProtocolError
 from zmqps.wire.schema import (
     CKPT_NAME,
     COUNT,
+    MAX_REPLICATION,
     MAX_SHARDS,
     OPTIMIZER,
     PLACEMENT,
@@ -49,10 +51,12 @@ from zmqps.wire.schema import (
     Schema,
     Str,
     Tree,
+    Tuple,
 )
 
 __all__ = [
     "LONG_POLLS",
+    "REPLICATED_OPS",
     "REPLIES",
     "REQUESTS",
     "REQUEST_BODIES",
@@ -450,6 +454,58 @@ class Restore(Body):
 
 
 # ---------------------------------------------------------------------------
+# Requests: replication (chief -> PS, primary -> backup).
+
+
+@_body("replica")
+class ReplicaSet(Body):
+    """The chief tells a PS process its part in PS state ``slot``'s copies at
+    ``term``: the primary (``backups``: the PS it ships to, with their addresses) or a
+    backup (``backups`` empty). A process told it backs up a state it does not hold
+    makes an empty copy of it (its shards come by ``create_shards`` for that slot)."""
+
+    slot: int = wire(Int(0, 1 << 20))
+    term: int = wire(Int(0))
+    primary: bool = wire(Bool())
+    backups: tuple[tuple[int, str], ...] = wire(
+        List(Tuple((Int(0, 1 << 20), Str(256))), MAX_REPLICATION), default=()
+    )
+
+
+#: ops whose requests change a PS state (``pull_rows`` creates hash-table rows): a
+#: primary ships each to its backups as a ``replicate`` entry
+REPLICATED_OPS = frozenset({"push", "push_pull", "push_rows", "pull_rows", "sync_config", "fence"})
+
+
+@_body("replicate")
+class Replicate(Body):
+    """Entry ``index`` of PS state ``slot``'s replication log (the message's slot),
+    from its primary of ``term``: the request it applied (``op``, ``body``; its tensors
+    travel beside), to be applied the same way on the backup. The inner body is
+    checked against its op's schema with the outer one (:class:`_EntrySchema`)."""
+
+    term: int = wire(Int(0))
+    index: int = wire(Int(1))
+    op: str = wire(Str(32))
+    body: Mapping[str, Any] = wire(AnyMap())
+
+
+@dataclass(frozen=True)
+class _EntrySchema(Map):
+    """A ``replicate`` body: its own fields, then the request it carries."""
+
+    def check(self, value: Any, path: str) -> None:
+        super().check(value, path)
+        op = value["op"]
+        if op not in REPLICATED_OPS:
+            raise ProtocolError(f"{path}.op: {op!r} is not an op that changes a PS state")
+        REQUEST_BODIES[op].check(value["body"], f"{path}.body")
+
+
+Replicate.SCHEMA = _EntrySchema(Replicate.SCHEMA.required, Replicate.SCHEMA.optional)
+
+
+# ---------------------------------------------------------------------------
 # Requests: coordinator mode (a function of the worker's job module, by name).
 
 
@@ -660,6 +716,26 @@ class Ran(Body):
 
 
 @_body(reply=True)
+class Replicated(Body):
+    """A backup applied every entry up to ``applied``; ``gap``: an entry before the one
+    sent is missing (send again from ``applied + 1``)."""
+
+    applied: int = wire(Int(0))
+    gap: bool | None = wire(Bool(), default=None)
+
+
+@_body(reply=True)
+class ReplicaState(Body):
+    """A process's part in one PS state's copies: its term, and the last entry it
+    applied (a primary: appended)."""
+
+    slot: int = wire(Int(0))
+    term: int = wire(Int(0))
+    primary: bool = wire(Bool())
+    applied: int = wire(Int(0))
+
+
+@_body(reply=True)
 class ResourceMade(Body):
     id: int = wire(Int(0, 2**31 - 1))
 
@@ -714,6 +790,8 @@ REQUESTS: Mapping[str, type[Body]] = {
         CheckpointSave,
         CheckpointDone,
         Restore,
+        ReplicaSet,
+        Replicate,
         Run,
         MakeResource,
     )
@@ -758,6 +836,8 @@ REPLIES: Mapping[str, type[Body]] = {
     "checkpoint_save": Saved,
     "checkpoint_done": Written,
     "restore": Restored,
+    "replica": ReplicaState,
+    "replicate": Replicated,
     "run": Ran,
     "make_resource": ResourceMade,
 }

@@ -29,9 +29,20 @@ from zmqps.transport import Requester
 from zmqps.wire import ops as o
 from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, ModelMismatch, NotReady
 
-__all__ = ["Variables"]
+__all__ = ["TERM", "Variables", "backups_of"]
 
 log = logging.getLogger("zmqps.chief")
+
+#: the term of a PS state's first primary (one more at every promotion)
+TERM = 1
+
+
+def backups_of(placement: Placement) -> dict[int, tuple[int, ...]]:
+    """Each primary PS's backups (every shard of one PS has the same ones)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for s in placement.shards:
+        out.setdefault(s.ps, s.backups)
+    return out
 
 
 class Variables:
@@ -44,7 +55,12 @@ class Variables:
 
     def plan(self, variables: Sequence[VariableDef], optimizer: dict[str, Any]) -> Placement:
         return plan(
-            tuple(variables), len(self.ps), self.cfg.partitioner, self.cfg.placement, optimizer
+            tuple(variables),
+            len(self.ps),
+            self.cfg.partitioner,
+            self.cfg.placement,
+            optimizer,
+            replication=self.cfg.replication,
         )
 
     def holders(self) -> list[int]:
@@ -109,8 +125,21 @@ class Variables:
         deadline = time.monotonic() + self.cfg.startup_timeout
         wire = placement.to_wire()
         try:
+            # the backups' copies first (empty, then their shards), so that nothing a
+            # primary ships can find a copy missing
+            copies = backups_of(placement)
+            await asyncio.gather(
+                *(
+                    self._copy_on(q, p, by_ps[p], wire, deadline)
+                    for p, qs in copies.items()
+                    for q in qs
+                )
+            )
             await asyncio.gather(
                 *(self._create_on(i, defs, wire, deadline) for i, defs in by_ps.items() if defs)
+            )
+            await asyncio.gather(
+                *(self._replicate(p, qs, deadline) for p, qs in copies.items() if qs)
             )
         except BaseException:
             self._creating = None
@@ -126,15 +155,47 @@ class Variables:
         )
         return placement
 
+    async def _copy_on(
+        self,
+        ps: int,
+        slot: int,
+        defs: list[dict[str, Any]],
+        placement: dict[str, Any],
+        deadline: float,
+    ) -> None:
+        """PS ``ps`` holds a backup of PS ``slot``'s state: an empty copy, then its shards."""
+        body = o.ReplicaSet(slot, TERM, primary=False).to_wire()
+        await self._until_answered(ps, "replica", body, deadline)
+        await self._create_on(ps, defs, placement, deadline, slot=slot)
+
+    async def _replicate(self, ps: int, backups: Sequence[int], deadline: float) -> None:
+        """PS ``ps`` ships what it applies to ``backups``."""
+        links = tuple((q, self.ps[q].endpoint) for q in backups)
+        body = o.ReplicaSet(ps, TERM, primary=True, backups=links).to_wire()
+        await self._until_answered(ps, "replica", body, deadline)
+
     async def _create_on(
-        self, ps: int, defs: list[dict[str, Any]], placement: dict[str, Any], deadline: float
+        self,
+        ps: int,
+        defs: list[dict[str, Any]],
+        placement: dict[str, Any],
+        deadline: float,
+        slot: int | None = None,
     ) -> None:
         body = o.CreateShards(tuple(defs), placement).to_wire()
+        await self._until_answered(ps, "create_shards", body, deadline, slot)
+
+    async def _until_answered(
+        self, ps: int, op: str, body: dict[str, Any], deadline: float, slot: int | None = None
+    ) -> None:
         while True:
             # never wait past the deadline: a short startup_timeout must be honored
             timeout = min(2.0, max(0.01, deadline - time.monotonic()))
             try:
-                await self.ps[ps].request("create_shards", body, timeout=timeout)
+                if slot is None:
+                    await self.ps[ps].request(op, body, timeout=timeout)
+                else:
+                    await self.ps[ps].request(op, body, timeout=timeout, slot=slot)
                 return
             except DeadlineExceeded:
                 if time.monotonic() > deadline:

@@ -13,11 +13,11 @@ from zmqps.roles._run import run_server, start_exporter
 from zmqps.roles.configs import PSConfig
 from zmqps.roles.ps.service import PSService
 from zmqps.roles.ps.slots import PSSlots
-from zmqps.transport import Server, SocketOptions, ZmqContext
+from zmqps.transport import Client, Server, SocketOptions, ZmqContext
 from zmqps.transport.server import MAX_UNREAD, MAX_UNREAD_PER_PEER
 from zmqps.transport.unread import UnreadReplies
 
-__all__ = ["run_ps", "serve_ps"]
+__all__ = ["ps_slots", "run_ps", "serve_ps"]
 
 log = logging.getLogger("zmqps.ps")
 
@@ -32,10 +32,11 @@ async def serve_ps(
         cfg.index, chunk_bytes=cfg.chunk_bytes, metrics=metrics, checkpoint_dir=cfg.checkpoint_dir
     )
     store = service.store
+    slots = ps_slots(cfg, ctx, service, options)
     server = Server(
         ctx,
         cfg.bind,
-        PSSlots(service),
+        slots,
         name=f"ps{cfg.index}",
         options=options,
         observer=metrics,
@@ -72,6 +73,7 @@ async def serve_ps(
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        await slots.close()
         await server.stop()
         service.regions.close()
         service.check_threads.close()
@@ -91,6 +93,22 @@ async def serve_ps(
         st.get("gen", 0),
     )
     return service
+
+
+def ps_slots(
+    cfg: PSConfig, ctx: ZmqContext, service: PSService, options: SocketOptions | None = None
+) -> PSSlots:
+    """The process's PS states: its own (``service``), and the copies it will hold of
+    other PS's states, shipped to over ZeroMQ."""
+
+    def make_copy(slot: int) -> PSService:
+        log.info("ps %d: holding a backup of ps %d's state", cfg.index, slot)
+        return PSService(slot, chunk_bytes=cfg.chunk_bytes, checkpoint_dir=cfg.checkpoint_dir)
+
+    def link(ps: int, endpoint: str, slot: int) -> Client:
+        return Client(ctx, endpoint, f"ps{cfg.index}:ship{slot}:{ps}", options=options, slot=slot)
+
+    return PSSlots(service, make_copy=make_copy, link=link)
 
 
 async def _grace(

@@ -120,6 +120,9 @@ class PSService:
             collections.OrderedDict()
         )
         self.shutdown_requested = asyncio.Event()
+        #: this state's part in replication (``roles/ps/replica``: Primary or Backup),
+        #: set by the process's slots; None: not replicated
+        self.replica: Any = None
         self._ops = OpTable("a PS", self.ops())
 
     def ops(self) -> dict[str, tuple[type[o.Body], Handler]]:
@@ -645,6 +648,8 @@ class PSService:
         sync = self.mode.status()
         if sync is not None:
             out["sync"] = sync
+        if self.replica is not None:
+            out["replica"] = self.replica.state()
         return out
 
 

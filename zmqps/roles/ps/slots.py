@@ -1,30 +1,59 @@
-"""The PS states one PS process serves (its "slots").
+"""The PS states one PS process serves (its "slots"), and each one's part in replication.
 
-With replication a process holds, beside its own PS state, a copy of the state
-of each PS it backs up, and once a backup is promoted it serves that state as
-the primary. Each state is a whole :class:`PSService` (shards, dedup window,
-ledgers, sync mode), so the same code serves and applies every copy. A request
-names the state it is for by its ``slot`` (a PS index; none: the process's own);
-:class:`PSSlots` is the handler that sends it there.
+With replication a process holds, beside its own PS state, a copy of the state of
+each PS it backs up, and once a backup is promoted it serves that state as the
+primary. Each state is a whole :class:`PSService` (shards, dedup window, ledgers,
+sync mode), so the same code serves and applies every copy. A request names the
+state it is for by its ``slot`` (a PS index; none: the process's own);
+:class:`PSSlots` is the handler that sends it there:
+
+* ``replica`` (from the chief, the slot in its body): this process's part in a
+  state's copies: primary (with the backups it ships to) or backup; a backup of a
+  state not held yet starts as an empty copy (its shards come by ``create_shards``
+  for that slot).
+* ``replicate`` (from the primary): an entry, applied by the state's backup.
+* A state whose primary this process is: a request that changes it is applied, then
+  answered once its backups have it (:class:`~zmqps.roles.ps.replica.Primary`).
+* A state this process only backs up serves ``ping``, ``status``, ``ps_state`` and
+  the chief's ``create_shards``; anything else is refused with ``not_primary``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+import contextlib
+from collections.abc import Awaitable, Callable
 
+from zmqps.roles.ps.replica import Backup, Primary, changes_state, entry_resolver
 from zmqps.roles.ps.service import PSService
-from zmqps.wire import Message
-from zmqps.wire.errors import InvalidArgument, NotFound
+from zmqps.transport import Requester
+from zmqps.wire import Message, reply
+from zmqps.wire import ops as o
+from zmqps.wire.errors import InvalidArgument, NotFound, NotPrimary
 
 __all__ = ["PSSlots"]
+
+#: what a copy in the backup role serves directly
+_BACKUP_OPS = frozenset({"ping", "status", "ps_state", "create_shards"})
+
+#: a requester to PS ``ps`` at ``endpoint``, its requests for state ``slot``
+LinkFactory = Callable[[int, str, int], Requester]
 
 
 class PSSlots:
     """A process's PS states by slot; its own is ``own.index``."""
 
-    def __init__(self, own: PSService):
+    def __init__(
+        self,
+        own: PSService,
+        *,
+        make_copy: Callable[[int], PSService] | None = None,
+        link: LinkFactory | None = None,
+    ):
         self.own = own
         self._slots: dict[int, PSService] = {own.index: own}
+        self._roles: dict[int, Primary | Backup] = {}
+        self._make_copy = make_copy
+        self._link = link
 
     def add(self, service: PSService) -> None:
         """Serve ``service`` (a copy of PS ``service.index``'s state) too."""
@@ -36,15 +65,115 @@ class PSSlots:
         """Stop serving PS ``index``'s state (never the process's own)."""
         if index == self.own.index:
             raise InvalidArgument(f"ps {index} cannot drop its own state")
-        return self._slots.pop(index)
+        role = self._roles.pop(index, None)
+        if isinstance(role, Primary):
+            raise InvalidArgument(f"ps {self.own.index} is ps {index}'s primary")
+        service = self._slots.pop(index)
+        service.replica = None
+        return service
 
     def slots(self) -> list[int]:
         return sorted(self._slots)
 
+    def role(self, slot: int) -> Primary | Backup | None:
+        return self._roles.get(slot)
+
+    def services(self) -> list[PSService]:
+        return [self._slots[s] for s in self.slots()]
+
     def __call__(self, msg: Message) -> Message | Awaitable[Message]:
-        if msg.slot is None:
-            return self.own(msg)
-        service = self._slots.get(msg.slot)
+        if msg.op == "replica":
+            return self._op_replica(msg)
+        slot = self.own.index if msg.slot is None else msg.slot
+        service = self._slots.get(slot)
         if service is None:
-            raise NotFound(f"ps {self.own.index} holds no copy of ps {msg.slot}'s state")
+            raise NotFound(f"ps {self.own.index} holds no copy of ps {slot}'s state")
+        role = self._roles.get(slot)
+        if msg.op == "replicate":
+            if not isinstance(role, Backup):
+                raise NotPrimary(
+                    f"ps {self.own.index} is not a backup of ps {slot}'s state: entry refused"
+                )
+            return role.receive(msg, service)
+        if isinstance(role, Backup) and msg.op not in _BACKUP_OPS:
+            raise NotPrimary(
+                f"ps {self.own.index} holds a backup of ps {slot}'s state, not its primary:"
+                " send to the primary the placement names"
+            )
+        if isinstance(role, Primary) and changes_state(msg):
+            return role.run(msg, service)
         return service(msg)
+
+    def _op_replica(self, msg: Message) -> Message:
+        req = o.ReplicaSet.from_wire(msg.body)
+        service = self._slots.get(req.slot)
+        if service is None:
+            if req.primary or self._make_copy is None:
+                raise NotFound(f"ps {self.own.index} holds no copy of ps {req.slot}'s state")
+            service = self._make_copy(req.slot)
+            self._slots[req.slot] = service
+        role = self._roles.get(req.slot)
+        if role is not None and req.term < role.term:
+            raise InvalidArgument(
+                f"ps {self.own.index}: ps {req.slot}'s copies are at term {role.term};"
+                f" term {req.term} is older"
+            )
+        if req.primary:
+            role = self._primary(service, req, role)
+        else:
+            if isinstance(role, Primary):
+                raise InvalidArgument(
+                    f"ps {self.own.index} is ps {req.slot}'s primary; it cannot become its backup"
+                )
+            if role is None:
+                role = Backup(req.slot, req.term)
+            else:
+                role.log.fence(req.term)
+        self._roles[req.slot] = role
+        service.replica = role
+        applied = role.log.head if isinstance(role, Primary) else role.log.applied
+        return reply(msg, o.ReplicaState(req.slot, role.term, req.primary, applied).to_wire())
+
+    def _primary(
+        self, service: PSService, req: o.ReplicaSet, role: Primary | Backup | None
+    ) -> Primary:
+        wanted = {int(ps): str(endpoint) for ps, endpoint in req.backups}
+        if self.own.index in wanted:
+            raise InvalidArgument(f"ps {self.own.index} cannot back up its own copy")
+        if isinstance(role, Primary) and role.term == req.term:
+            for ps in set(role.backups()) - set(wanted):
+                role.drop(ps)
+            if set(wanted) - set(role.backups()):
+                raise InvalidArgument(
+                    f"ps {req.slot}: a backup joins with a copy of the state, not by name"
+                )
+            return role
+        if role is not None:
+            raise InvalidArgument(f"ps {self.own.index}: ps {req.slot} is replicated already")
+        if wanted and self._link is None:
+            raise InvalidArgument(f"ps {self.own.index} cannot reach other PS")
+        links = {
+            ps: self._link(ps, endpoint, req.slot)  # type: ignore[misc]
+            for ps, endpoint in wanted.items()
+        }
+        return Primary(
+            req.slot,
+            req.term,
+            links,
+            resolve=entry_resolver(
+                lambda sids, ref: service.regions.views(service.store, sids, ref)
+            ),
+        )
+
+    async def close(self) -> None:
+        """Stop shipping, close the links and every copy's resources."""
+        for role in self._roles.values():
+            if isinstance(role, Primary):
+                await role.close()
+                for link in role.links.values():
+                    with contextlib.suppress(Exception):
+                        await link.close()
+        for slot, service in self._slots.items():
+            if slot != self.own.index:
+                service.regions.close()
+                service.check_threads.close()

@@ -1,0 +1,350 @@
+"""Replicated PS states over the in-memory transport (real codec): the chief's
+``Variables`` creates every copy, primaries ship what they apply, backups apply it.
+
+The property: whatever a seeded mix of workers sends (dense pushes and push_pulls,
+row pushes and pulls of row-sparse and hash-keyed variables, resent pushes,
+non-finite gradients, pushes of fenced incarnations, a switch to sync mode), every
+backup holds a state bit-identical to its primary's (values, optimizer slots,
+versions, hash-table rows, dedup window, push ledger, sync step) at the moment each
+request is answered: nothing a PS acknowledged is missing from any copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from test_ps_client import DoublePush, run
+
+from zmqps.config import ClusterSpec
+from zmqps.core.partition import Partitioner
+from zmqps.core.variables import Placement, VariableDef
+from zmqps.roles.chief.variables import Variables
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.configs import ChiefConfig
+from zmqps.roles.ps import PSService
+from zmqps.roles.ps.replica import Primary
+from zmqps.roles.ps.slots import PSSlots
+from zmqps.transport.base import Requester
+from zmqps.transport.fake import FakeNetwork
+from zmqps.wire import Message, Tensor
+from zmqps.wire.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    FencedError,
+    NonFiniteGradient,
+    NotPrimary,
+    ProtocolError,
+)
+
+W = VariableDef("w", (12, 4), init={"name": "glorot_uniform", "seed": 1})
+B = VariableDef("b", (7,), init={"name": "normal", "stddev": 0.5, "seed": 2})
+ROWS = VariableDef("e", (30, 3), init={"name": "uniform", "seed": 3}, sparse=True)
+TABLE = VariableDef("t", (1 << 20, 2), init={"name": "normal", "seed": 4}, table={"row_budget": 64})
+VARIABLES = (W, B, ROWS, TABLE)
+ADAM = {"name": "adam", "lr": 0.01}
+
+
+class Cluster:
+    """``n`` PS processes (their slots) and a chief's ``Variables`` on one network."""
+
+    def __init__(self, n: int, replication: int, *, lossy: float = 0.0, seed: int = 0) -> None:
+        self.net = FakeNetwork()
+        self.rng = np.random.default_rng(seed)
+        self.lossy = lossy
+        self.slots: list[PSSlots] = []
+        for i in range(n):
+            self.slots.append(
+                PSSlots(
+                    PSService(i),
+                    make_copy=lambda p: PSService(p),
+                    link=lambda ps, endpoint, slot, i=i: self._link(i, endpoint, slot),
+                )
+            )
+            self.net.serve(f"ps{i}", self.slots[i], name=f"ps{i}")
+        cluster = ClusterSpec(
+            "127.0.0.1:1", tuple(f"127.0.0.1:{10 + i}" for i in range(n)), ("127.0.0.1:2",)
+        )
+        cfg = ChiefConfig(
+            bind="tcp://127.0.0.1:1",
+            cluster=cluster,
+            partitioner=Partitioner(num_shards=3),
+            replication=replication,
+        )
+        self.chief = [self.net.client(f"ps{i}", "chief:0") for i in range(n)]
+        self.variables = Variables(cfg, self.chief)
+        self.placement: Placement | None = None
+
+    def _link(self, own: int, endpoint: str, slot: int) -> Requester:
+        link = self.net.client(endpoint, f"ps{own}:ship{slot}", slot=slot, timeout=0.5)
+        return Lossy(link, self.rng, self.lossy) if self.lossy else link
+
+    async def create(self) -> Placement:
+        self.placement = await self.variables.create(VARIABLES, ADAM)
+        return self.placement
+
+    def worker(self, name: str, inc: int = 0, *, twice: bool = False) -> ParameterClient:
+        """A worker's client (``twice``: every push sent twice, as after a lost reply)."""
+        assert self.placement is not None
+        reqs: list[Requester] = [
+            self.net.client(f"ps{i}", f"{name}:{inc}") for i in range(len(self.slots))
+        ]
+        if twice:
+            reqs = [DoublePush(r) for r in reqs]
+        return ParameterClient(reqs, self.placement, worker=name, incarnation=inc)
+
+    def copy(self, ps: int, slot: int) -> PSService:
+        return self.slots[ps]._slots[slot]
+
+    async def settle(self) -> None:
+        """Wait until every request in flight was answered (a push refused by one PS
+        raises while the client's pushes to the others are still under way)."""
+        for _ in range(500):
+            roles = [self.slots[i].role(i) for i in range(len(self.slots))]
+            if all(r is None or r.log.committed == r.log.head for r in roles):  # type: ignore[union-attr]
+                await asyncio.sleep(0.01)  # their answers reach the client
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("requests still in flight after 5 s")
+
+    def check_copies(self) -> int:
+        """Every backup's state equals its primary's; returns the copies compared."""
+        assert self.placement is not None
+        n = 0
+        for s in {s.ps: s for s in self.placement.shards}.values():
+            primary = state(self.copy(s.ps, s.ps))
+            for q in s.backups:
+                assert state(self.copy(q, s.ps)) == primary, (s.ps, q)
+                n += 1
+        return n
+
+
+class Lossy:
+    """A link that loses a share of its requests (the primary must send again)."""
+
+    def __init__(self, inner: Requester, rng: np.random.Generator, share: float) -> None:
+        self.inner, self.rng, self.share = inner, rng, share
+        self.endpoint = inner.endpoint
+
+    async def request(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None = None,
+        tensors: Sequence[Tensor] = (),
+        *,
+        timeout: float | None = None,
+        attempts: int = 1,
+        slot: int | None = None,
+    ) -> Message:
+        if self.rng.random() < self.share:
+            raise DeadlineExceeded("lost")
+        return await self.inner.request(op, body, tensors, timeout=timeout, attempts=attempts)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def state(svc: PSService) -> Any:
+    """Everything a push changes in a PS state, as comparable values."""
+    shards = []
+    for sh in svc.store:
+        sid = sh.definition.id
+        if hasattr(sh, "table"):
+            ids, values, slots, touched = sh.state()
+            shards.append(
+                (
+                    sid,
+                    sh.version,
+                    ids.tobytes(),
+                    values.tobytes(),
+                    touched.tobytes(),
+                    {k: v.tobytes() for k, v in sorted(slots.items())},
+                )
+            )
+        else:
+            shards.append(
+                (
+                    sid,
+                    sh.version,
+                    sh.values.tobytes(),
+                    {k: v.tobytes() for k, v in sorted(sh.slots.items())},
+                )
+            )
+    return (
+        sorted(shards, key=lambda t: t[0]),
+        svc.dedup.snapshot(),
+        svc.pushes.snapshot(),
+        svc.sync_step,
+        svc.mode.name,
+        sorted(svc.mode.contributors(every_shard=False)),
+    )
+
+
+async def _workload(c: Cluster, steps: int, seed: int) -> dict[str, int]:
+    """Seeded pushes and pulls of three workers; the copies are compared after every
+    answer. Returns what happened, by kind."""
+    rng = np.random.default_rng(seed)
+    workers = {f"worker:{i}": c.worker(f"worker:{i}") for i in range(3)}
+    again = c.worker("worker:3", twice=True)
+    seen: dict[str, int] = {}
+    for cursor in range(1, steps + 1):
+        name = list(workers)[int(rng.integers(len(workers)))]
+        w = workers[name]
+        kind = str(rng.choice(["push", "push_pull", "rows", "table", "nan", "again", "pull"]))
+        seen[kind] = seen.get(kind, 0) + 1
+        if kind in ("push", "push_pull", "nan"):
+            await w.pull()
+            grads = {v.name: rng.standard_normal(v.shape).astype(np.float32) for v in (W, B)}
+            if kind == "nan":
+                grads["w"][int(rng.integers(12)), 0] = np.nan
+                with pytest.raises(NonFiniteGradient):
+                    await w.push(grads, cursor=cursor)
+                await c.settle()
+            else:
+                await w.push(grads, pull=kind == "push_pull", cursor=cursor)
+        elif kind == "rows":
+            ids = rng.integers(0, 30, size=5)
+            await w.pull_rows("e", ids)
+            await w.push_rows("e", ids, rng.standard_normal((5, 3)).astype(np.float32))
+        elif kind == "table":
+            ids = rng.integers(-(2**40), 2**40, size=int(rng.integers(1, 9)))
+            await w.pull_rows("t", ids)
+            await w.push_rows("t", ids, rng.standard_normal((ids.size, 2)).astype(np.float32))
+        elif kind == "again":  # a push whose reply was lost, sent again: applied once
+            await again.pull()
+            assert not await again.push({"b": rng.standard_normal(7).astype(np.float32)})
+        else:
+            await w.pull_rows("t", rng.integers(0, 1000, size=3), create=False)
+        assert c.check_copies() > 0
+    return seen
+
+
+@pytest.mark.parametrize("num_ps,replication,seed", [(2, 2, 1), (3, 2, 2), (3, 3, 3), (4, 3, 4)])
+def test_every_copy_is_its_primarys_after_every_answer(
+    num_ps: int, replication: int, seed: int
+) -> None:
+    async def body() -> None:
+        c = Cluster(num_ps, replication)
+        placement = await c.create()
+        assert placement.replication == replication
+        for s in placement.shards:
+            assert len(set(s.copies)) == replication
+        assert c.check_copies() == num_ps * (replication - 1)
+        seen = await _workload(c, 60, seed)
+        assert seen.get("push", 0) and seen.get("table", 0)
+        for i in range(num_ps):
+            role = c.slots[i].role(i)
+            assert isinstance(role, Primary)
+            assert role.log.committed == role.log.head > 0
+
+    run(body(), 30.0)
+
+
+def test_copies_follow_sync_mode_and_fences() -> None:
+    async def body() -> None:
+        c = Cluster(3, 2)
+        await c.create()
+        for ch in c.chief:
+            await ch.request("sync_config", {"mode": "sync", "required": 2})
+        a, b = c.worker("worker:0"), c.worker("worker:1")
+        for step in range(3):
+            for w in (a, b):
+                await w.pull()
+                g = {"w": np.full((12, 4), step + 1.0, np.float32), "b": np.ones(7, np.float32)}
+                await w.push(g, step=step)
+                ids = np.array([step, 2 * step + 1], np.int64)
+                for var, width in (("e", 3), ("t", 2)):
+                    await w.push_rows(var, ids, np.ones((2, width), np.float32), step=step)
+                c.check_copies()
+        held = [(q, p) for p in range(3) for q in range(3) if p in c.slots[q].slots()]
+        assert len(held) == 6
+        assert {c.copy(q, p).sync_step for q, p in held} == {3}
+        # worker 0 restarts: its old incarnation is fenced on every copy
+        for ch in c.chief:
+            await ch.request("fence", {"worker": "worker:0", "inc": 1})
+        c.check_copies()
+        with pytest.raises(FencedError):
+            await a.push({"w": np.ones((12, 4), np.float32)}, step=3)
+        c.check_copies()
+
+    run(body(), 30.0)
+
+
+def test_lost_entries_are_sent_again() -> None:
+    """A link that loses a third of the entries and their answers: the primary sends
+    again (gaps, timeouts) and every answer still waits for the backup."""
+
+    async def body() -> None:
+        c = Cluster(3, 2, lossy=0.3, seed=5)
+        await c.create()
+        seen = await _workload(c, 30, 6)
+        assert sum(seen.values()) == 30
+        assert sum(c.slots[i].role(i).resent for i in range(3)) > 0  # type: ignore[union-attr]
+
+    run(body(), 60.0)
+
+
+def test_a_backup_refuses_what_only_its_primary_may_serve() -> None:
+    async def body() -> None:
+        c = Cluster(2, 2)
+        placement = await c.create()
+        s = placement.shards[0]
+        backup = s.backups[0]
+        to_copy = c.net.client(f"ps{backup}", "worker:0:0", slot=s.ps)
+        with pytest.raises(NotPrimary, match="not its primary"):
+            await to_copy.request("pull", {"shards": [s.id]})
+        fence = {"term": 1, "index": 99, "op": "fence", "body": {"worker": "w", "inc": 0}}
+        # an entry for a state this process is the primary of: refused
+        with pytest.raises(NotPrimary):
+            await c.net.client(f"ps{s.ps}", "x", slot=s.ps).request("replicate", fence)
+        # an entry of an op that changes nothing, or with a bad inner body: refused
+        with pytest.raises(ProtocolError, match="not an op"):
+            await to_copy.request("replicate", {**fence, "op": "status", "body": {}})
+        with pytest.raises(ProtocolError, match=r"replicate.body.body: missing field 'shards'"):
+            await to_copy.request("replicate", {**fence, "op": "push"})
+        # an entry of an older term (a replaced primary): refused
+        await c.chief[backup].request("replica", {"slot": s.ps, "term": 5, "primary": False})
+        with pytest.raises(FencedError, match="term 1"):
+            await to_copy.request("replicate", fence)
+        c.check_copies()
+
+    run(body())
+
+
+def test_a_silent_backup_holds_pushes_until_the_chief_drops_it() -> None:
+    async def body() -> None:
+        c = Cluster(2, 2)
+        placement = await c.create()
+        backup_of_0 = next(s.backups[0] for s in placement.shards if s.ps == 0)
+        c.net.remove(f"ps{backup_of_0}")  # the backup is gone: nothing answers
+        shards = [s for s in placement.shards if s.ps == 0 and s.var == "w"]
+        body = {
+            "shards": [s.id for s in shards],
+            "versions": [0] * len(shards),
+            "worker": "worker:0",
+            "inc": 0,
+            "seq": 1,
+        }
+        grads = [Tensor(np.ones(s.rows * 4, np.float32), "grad", s.id) for s in shards]
+        to_ps0 = c.net.client("ps0", "worker:0:0", timeout=10.0)
+        push = asyncio.ensure_future(to_ps0.request("push", body, grads))
+        await asyncio.sleep(0.3)
+        assert not push.done()
+        role = c.slots[0].role(0)
+        assert isinstance(role, Primary) and role.log.head > role.log.committed
+        # the chief drops the backup: the push is answered at once
+        await c.chief[0].request("replica", {"slot": 0, "term": 1, "primary": True})
+        c.net.serve(f"ps{backup_of_0}", c.slots[backup_of_0])
+        await asyncio.wait_for(push, 5.0)
+        assert role.log.committed == role.log.head and role.backups() == []
+
+    run(body(), 20.0)
+
+
+def test_replication_needs_a_ps_per_copy() -> None:
+    cluster = ClusterSpec("127.0.0.1:1", ("127.0.0.1:10", "127.0.0.1:11"), ("127.0.0.1:2",))
+    with pytest.raises(ConfigError, match="replication 3 needs at least 3 PS"):
+        ChiefConfig(bind="tcp://127.0.0.1:1", cluster=cluster, replication=3)

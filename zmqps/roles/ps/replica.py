@@ -1,0 +1,341 @@
+"""The copies of a PS state: its primary ships what it applied, its backups apply it.
+
+Rules of this module:
+
+* What is shipped: every request of an op that changes a PS state
+  (:data:`CHANGING_OPS`) that the primary's handler took, with whatever outcome
+  (a push applied, a duplicate, a refusal for its values all change the dedup
+  window or the ledgers), except a refusal that changed nothing (bad arguments,
+  unknown shards: :data:`_UNCHANGED`). A backup runs the same handler on the same
+  requests in the same order, so it ends in the same state, bit for bit: the same
+  store kernels, dedup window and ledgers on every copy.
+* Order: a request is applied and appended to the log in one event-loop turn, so
+  the log's order is the order the primary applied them in. Room in the log (its
+  bound, :mod:`zmqps.core.replication`) is waited for before the request is
+  applied: a slow backup holds pushes back, it never makes the log grow.
+* A request that changed the state is answered once every in-sync backup applied
+  it (committed). Reads go to the primary and may see an update that is not
+  committed yet; the push of that update is then not acknowledged, and is resent
+  (deduplicated) if the primary dies.
+* A shared-memory push travels to the backups as tensors: views of the worker's
+  region, which the worker leaves alone until it has the push's answer (which comes
+  after the backups have it).
+* A backup answers each entry with the index it applied up to; an entry after a gap
+  is answered with ``gap`` and the primary sends again from there; an entry of an
+  older term (a primary replaced since) is refused. A copy in the backup role
+  refuses requests from anyone but its primary (:class:`NotPrimary`).
+* Who is primary, and which backups are in sync, is the chief's decision (the
+  ``replica`` op): a backup that does not answer keeps pushes waiting until the chief
+  drops it; the primary only retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from zmqps.core.replication import Entry, Offer, PrimaryLog, ReplicaLog
+from zmqps.transport import Requester
+from zmqps.wire import Message, Tensor, reply
+from zmqps.wire import ops as o
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    FencedError,
+    InvalidArgument,
+    NonFiniteGradient,
+    NotFound,
+    NotReady,
+    ProtocolError,
+    ZmqpsError,
+)
+
+__all__ = ["CHANGING_OPS", "Backup", "Primary", "changes_state"]
+
+log = logging.getLogger("zmqps.ps")
+
+#: ops whose requests change a PS state (``pull_rows`` creates hash-table rows)
+CHANGING_OPS = o.REPLICATED_OPS
+#: refusals that change nothing but a counter: not shipped (but see changed_nothing)
+_UNCHANGED = (InvalidArgument, NotFound, NotReady, ProtocolError)
+#: seconds a primary waits for a backup's answer to an entry before sending again
+SHIP_TIMEOUT = 2.0
+#: seconds a request waits for its commit when it carries no deadline
+COMMIT_WAIT = 60.0
+
+Handler = Callable[[Message], "Message | Any"]
+
+
+def changes_state(msg: Message) -> bool:
+    """Whether the request is one a PS state's copies must all apply."""
+    if msg.op not in CHANGING_OPS:
+        return False
+    return not (msg.op == "pull_rows" and msg.body.get("create") is False)
+
+
+class _Signal:
+    """Wakes whoever waits for the log to change (an append, an acknowledgement)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def until(self, ready: Callable[[], bool], deadline: float | None) -> None:
+        """Wait until ``ready()`` (TimeoutError past ``deadline``, a monotonic time)."""
+        while not ready():
+            if deadline is None:
+                await self._event.wait()
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._event.wait(), left)
+
+
+class Primary:
+    """The primary's side of one PS state: applies, logs, ships, answers on commit."""
+
+    def __init__(
+        self,
+        slot: int,
+        term: int,
+        links: Mapping[int, Requester],
+        *,
+        head: int = 0,
+        retained: tuple[Entry, ...] = (),
+        acked: Mapping[int, int] | None = None,
+        resolve: Callable[[Message], tuple[str, dict[str, Any], list[Tensor]]] | None = None,
+        ship_timeout: float = SHIP_TIMEOUT,
+    ) -> None:
+        """``links``: a requester to each backup (by PS index), bound to ``slot``;
+        ``acked``: the entry each backup has (promotion), else ``head``; ``resolve``:
+        turns a request into the entry's (op, body, tensors)."""
+        self.slot = slot
+        self.links = dict(links)
+        self.ship_timeout = ship_timeout
+        self._resolve = resolve or _as_entry
+        at = {str(b): (head if acked is None else acked.get(b, 0)) for b in self.links}
+        self.log = PrimaryLog(term, head, at, retained)
+        self._signal = _Signal()
+        self._closed = False
+        self._senders = {b: asyncio.ensure_future(self._ship_to(b)) for b in self.links}
+        #: entries shipped again (a timeout, a gap), for status
+        self.resent = 0
+
+    @property
+    def term(self) -> int:
+        return self.log.term
+
+    def backups(self) -> list[int]:
+        return sorted(int(b) for b in self.log.backups)
+
+    async def run(self, msg: Message, handler: Handler) -> Message:
+        """Apply ``msg`` with ``handler`` (the state's own), log it, and answer once
+        every in-sync backup applied it."""
+        op, body, tensors = self._resolve(msg)
+        nbytes = sum(t.array.nbytes for t in tensors)
+        deadline = time.monotonic() + (
+            COMMIT_WAIT if msg.deadline is None else max(0.0, msg.deadline - time.time())
+        )
+        if not self.log.room(nbytes):
+            try:
+                await self._signal.until(lambda: self.log.room(nbytes), deadline)
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(
+                    f"ps {self.slot}: the replication log stayed full (a backup not answering)"
+                ) from None
+        failure: ZmqpsError | None = None
+        out: Message | None = None
+        try:
+            result = handler(msg)
+            if inspect.isawaitable(result):  # none of CHANGING_OPS waits: defensive
+                result = await result
+            out = result
+        except ZmqpsError as exc:
+            if changed_nothing(exc):
+                raise
+            failure = exc
+        entry = self.log.append((op, body, tensors), nbytes)
+        self._signal.notify()
+        try:
+            await self._signal.until(lambda: self.log.committed >= entry.index, deadline)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                f"ps {self.slot}: applied but not yet on every backup ({self.backups()});"
+                " send it again (it is deduplicated)"
+            ) from None
+        if failure is not None:
+            raise failure
+        assert out is not None
+        return out
+
+    def drop(self, backup: int) -> None:
+        """``backup`` is gone (the chief says): nothing waits for it any more."""
+        self.log.remove(str(backup))
+        task = self._senders.pop(backup, None)
+        if task is not None:
+            task.cancel()
+        self.links.pop(backup, None)
+        self._signal.notify()
+
+    async def _ship_to(self, backup: int) -> None:
+        name = str(backup)
+        inflight: set[asyncio.Task[None]] = set()
+        try:
+            while name in self.log.backups and not self._closed:
+                entries = self.log.to_send(name)
+                if not entries:
+                    await self._signal.until(
+                        lambda: (
+                            name not in self.log.backups
+                            or self.log.backups[name].sent < self.log.head
+                        ),
+                        None,
+                    )
+                    continue
+                for e in entries:
+                    task = asyncio.ensure_future(self._send(backup, e))
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
+                # one batch at a time on the wire: the next is sent when this one is
+                # answered or sent again
+                if inflight:
+                    await asyncio.wait(set(inflight))
+        finally:
+            for task in inflight:
+                task.cancel()
+
+    async def _send(self, backup: int, e: Entry) -> None:
+        name = str(backup)
+        op, body, tensors = e.payload
+        link = self.links.get(backup)
+        if link is None:
+            return
+        try:
+            rep = await link.request(
+                "replicate",
+                o.Replicate(e.term, e.index, op, body).to_wire(),
+                tensors,
+                timeout=self.ship_timeout,
+            )
+            done = o.Replicated.parse(rep.body)
+        except FencedError as exc:
+            log.warning("ps %d: backup %d refused entry %d: %s", self.slot, backup, e.index, exc)
+            await self._again(name)
+            return
+        except ZmqpsError as exc:
+            log.debug("ps %d: entry %d to backup %d: %s", self.slot, e.index, backup, exc)
+            await self._again(name)
+            return
+        if name not in self.log.backups:
+            return
+        self.log.ack(name, done.applied)
+        if done.gap:
+            self.log.resend(name)
+            self.resent += 1
+        self._signal.notify()
+
+    async def _again(self, name: str) -> None:
+        await asyncio.sleep(0.05)
+        if name in self.log.backups:
+            self.log.resend(name)
+            self.resent += 1
+            self._signal.notify()
+
+    def state(self) -> dict[str, Any]:
+        n, nbytes = self.log.unacked()
+        return {
+            "role": "primary",
+            "term": self.log.term,
+            "head": self.log.head,
+            "committed": self.log.committed,
+            "backups": {b: self.log.backups[b].acked for b in self.log.backups},
+            "waiting": n,
+            "waiting_bytes": nbytes,
+            "resent": self.resent,
+        }
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in self._senders.values():
+            task.cancel()
+        for task in self._senders.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._senders.clear()
+        self._signal.notify()
+
+
+class Backup:
+    """A backup's side of one PS state: applies the primary's entries in order."""
+
+    def __init__(self, slot: int, term: int, applied: int = 0) -> None:
+        self.slot = slot
+        self.log = ReplicaLog(term, applied)
+
+    @property
+    def term(self) -> int:
+        return self.log.term
+
+    async def receive(self, msg: Message, handler: Handler) -> Message:
+        req = o.Replicate.from_wire(msg.body)  # the inner body too was checked by the codec
+        payload = (req.op, dict(req.body), list(msg.tensors))
+        nbytes = sum(t.array.nbytes for t in msg.tensors)
+        offer = self.log.offer(Entry(req.index, req.term, payload, nbytes))
+        if offer is Offer.STALE:
+            raise FencedError(
+                f"ps {self.slot}'s copy follows term {self.log.term}; the entry is of term"
+                f" {req.term} (a primary since replaced)"
+            )
+        if offer is Offer.GAP:
+            return reply(msg, o.Replicated(self.log.applied, gap=True).to_wire())
+        if offer is Offer.APPLY:
+            inner = Message(req.op, msg.id, msg.sender, req.body, msg.tensors)
+            try:
+                result = handler(inner)
+                if inspect.isawaitable(result):
+                    await result
+            except ZmqpsError:
+                pass  # refused on the primary too: the same state changed the same way
+        return reply(msg, o.Replicated(self.log.applied).to_wire())
+
+    def state(self) -> dict[str, Any]:
+        return {"role": "backup", "term": self.log.term, "applied": self.log.applied}
+
+
+def changed_nothing(exc: ZmqpsError) -> bool:
+    """Whether a request refused with ``exc`` left the state as it was (a refusal for
+    non-finite values did not: its batch counts as done)."""
+    return isinstance(exc, _UNCHANGED) and not isinstance(exc, NonFiniteGradient)
+
+
+def _as_entry(msg: Message) -> tuple[str, dict[str, Any], list[Tensor]]:
+    op = "push" if msg.op == "push_pull" else msg.op
+    body = {k: v for k, v in msg.body.items() if k != "shm_out"}
+    return op, body, list(msg.tensors)
+
+
+def entry_resolver(
+    views: Callable[[list[int], o.ShmRef], list[Any]],
+) -> Callable[[Message], tuple[str, dict[str, Any], list[Tensor]]]:
+    """The entry of a request, a shared-memory push's gradient as tensors (``views``:
+    the region's places of the shards, validated)."""
+
+    def resolve(msg: Message) -> tuple[str, dict[str, Any], list[Tensor]]:
+        op, body, tensors = _as_entry(msg)
+        shm = body.pop("shm", None)
+        if shm is not None:
+            sids = list(body.get("shards", ()))
+            arrays = views(sids, o.ShmRef.from_wire(shm))
+            tensors = [Tensor(a, "grad", sid, 0) for sid, a in zip(sids, arrays, strict=True)]
+        return op, body, tensors
+
+    return resolve
