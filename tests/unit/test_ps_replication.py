@@ -21,10 +21,12 @@ from test_ps_client import DoublePush, run
 
 from zmqps.config import ClusterSpec
 from zmqps.core.partition import Partitioner
+from zmqps.core.replication import fail_over
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.chief.variables import Variables
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.configs import ChiefConfig
+from zmqps.roles.homes import Homes
 from zmqps.roles.ps import PSService
 from zmqps.roles.ps.replica import Primary
 from zmqps.roles.ps.slots import PSSlots
@@ -348,3 +350,64 @@ def test_replication_needs_a_ps_per_copy() -> None:
     cluster = ClusterSpec("127.0.0.1:1", ("127.0.0.1:10", "127.0.0.1:11"), ("127.0.0.1:2",))
     with pytest.raises(ConfigError, match="replication 3 needs at least 3 PS"):
         ChiefConfig(bind="tcp://127.0.0.1:1", cluster=cluster, replication=3)
+
+
+def test_a_promoted_copy_goes_on_from_its_head_and_loses_nothing_acknowledged() -> None:
+    """Three copies of each state; the process serving state 0 dies with every push
+    answered. Its copies are fenced at term 2, the furthest is promoted with the other
+    as its backup, the workers' links follow the new placement: training goes on, and
+    the surviving copies hold every push that was acknowledged, then stay equal."""
+
+    async def body() -> None:
+        c = Cluster(3, 3)
+        placement = await c.create()
+        await _workload(c, 25, 11)
+        acknowledged = state(c.copy(0, 0))
+        c.net.remove("ps0")  # process 0 dies (every request was answered)
+        survivors = [q for q in placement.shards_of("w")[0].backups]
+        heads = {}
+        for q in survivors:
+            rep = await c.chief[q].request("replica", {"slot": 0, "term": 2, "primary": False})
+            heads[q] = rep.body["applied"]
+            assert state(c.copy(q, 0)) == acknowledged
+        out = fail_over(placement, {0}, {s.id: heads for s in placement.shards if s.ps == 0})
+        new = out.placement
+        (primary,) = {s.ps for s in new.shards if s.state == 0}
+        (other,) = set(survivors) - {primary}
+        await c.chief[primary].request(
+            "replica",
+            {
+                "slot": 0,
+                "term": 2,
+                "primary": True,
+                "backups": [[other, f"ps{other}"]],
+                "applied": [heads[other]],
+            },
+        )
+        for p in (1, 2):  # the primaries it backed up stop waiting for it
+            primary_of = {s.state: s for s in placement.shards}[p]
+            keep = [[q, f"ps{q}"] for q in primary_of.backups if q != 0]
+            await c.chief[p].request(
+                "replica", {"slot": p, "term": 1, "primary": True, "backups": keep}
+            )
+        # a worker whose links follow the placement's homes
+        homes = Homes([c.net.client(f"ps{i}", "worker:9:0") for i in range(3)])
+        homes.update(new)
+        w = ParameterClient(homes.links(), placement, worker="worker:9", incarnation=0)
+        rng = np.random.default_rng(3)
+        for _ in range(5):
+            await w.pull()
+            await w.push({"w": rng.standard_normal((12, 4)).astype(np.float32)})
+            ids = rng.integers(-(2**40), 2**40, size=4)
+            await w.push_rows("t", ids, rng.standard_normal((4, 2)).astype(np.float32))
+            assert state(c.copy(primary, 0)) == state(c.copy(other, 0))
+        role = c.slots[primary].role(0)
+        assert isinstance(role, Primary) and role.term == 2 and role.backups() == [other]
+        # the replaced primary's entries (term 1) are refused by the copies
+        stale = {"term": 1, "index": 10**6, "op": "fence", "body": {"worker": "w", "inc": 0}}
+        with pytest.raises(NotPrimary):  # the promoted one serves, it takes no entries
+            await c.net.client(f"ps{primary}", "x", slot=0).request("replicate", stale)
+        with pytest.raises(FencedError):
+            await c.net.client(f"ps{other}", "x", slot=0).request("replicate", stale)
+
+    run(body(), 30.0)

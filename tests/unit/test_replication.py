@@ -322,6 +322,7 @@ def test_fail_over_promotes_the_highest_in_sync_survivor_and_loses_no_live_copy(
             continue
         assert not dead & set(new.copies)  # no copy on a dead PS
         assert set(new.copies) <= set(old.copies)  # nothing moved, only dropped
+        assert new.state == old.state  # a shard never changes PS state
         if old.ps in dead:
             assert out.promoted[old.id] == new.ps
             assert alive[new.ps] == max(alive.values())  # the furthest survivor
@@ -333,6 +334,9 @@ def test_fail_over_promotes_the_highest_in_sync_survivor_and_loses_no_live_copy(
     wire = msgpack.unpackb(msgpack.packb(after.to_wire()))
     PLACEMENT.check(wire, "placement")
     assert Placement.from_wire(wire) == after
+    # a second fail-over keeps each shard in its first PS state
+    again = fail_over(after, set(), {}).placement
+    assert [s.state for s in again.shards] == [s.state for s in before.shards]
 
 
 def test_a_shard_whose_every_copy_died_is_lost() -> None:

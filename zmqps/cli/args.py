@@ -38,6 +38,7 @@ __all__ = [
     "add_job_args",
     "add_metrics_args",
     "add_nonfinite_args",
+    "add_replication_arg",
     "add_security_args",
     "add_server_args",
     "add_sync_args",
@@ -233,6 +234,19 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
         default=2,
         metavar="S",
         help="ssp: how many steps a worker may run ahead of the slowest (default: 2)",
+    )
+
+
+def add_replication_arg(g: Any, *, role: str = "") -> None:
+    """``--replication R`` (the chief's, and ``zmqps launch``'s)."""
+    g.add_argument(
+        "--replication",
+        type=int,
+        default=1,
+        metavar="R",
+        help=f"{role}copies of every PS's state, each on another PS (at most the number of PS):"
+        " with 2 or more, a PS that dies is replaced by a copy within the heartbeat timeout,"
+        " without a restore; 1: none, a PS death restores the last checkpoint (default: 1)",
     )
 
 
@@ -453,6 +467,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="(chief) shard placement on the PS tasks: round_robin (shard i on PS i mod N)"
         " or greedy (largest shard first onto the least-loaded PS) (default: round_robin)",
     )
+    add_replication_arg(g, role="(chief) ")
     g.add_argument(
         "--heartbeat-timeout",
         type=float,

@@ -38,6 +38,7 @@ from zmqps.cli.args import (
     add_device_args,
     add_job_args,
     add_nonfinite_args,
+    add_replication_arg,
     add_sync_args,
     job_from_args,
     on_nonfinite_from_args,
@@ -86,6 +87,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         " (largest shard first onto the least-loaded PS) (default: round_robin)",
     )
     g.add_argument("--num-shards", type=int, help="fixed number of shards per variable")
+    add_replication_arg(g)
     g.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -343,6 +345,7 @@ class Launcher:
             optimizer=dict(job.optimizer),
             partitioner=Partitioner(num_shards=a.num_shards),
             placement=a.placement,
+            replication=a.replication,
             heartbeat_timeout=a.heartbeat_timeout,
             summary_path=str(self.chief_summary),
             sync=sync_from_args(a),

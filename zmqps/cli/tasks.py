@@ -153,6 +153,7 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
         optimizer=dict(job.optimizer) if job else optimizer_from_args(args),
         partitioner=partitioner_from_args(args),
         placement=args.placement,
+        replication=args.replication,
         heartbeat_timeout=args.heartbeat_timeout,
         startup_timeout=args.startup_timeout,
         summary_path=args.summary,

@@ -317,7 +317,8 @@ def fail_over(
             primary = int(new)
             promoted[s.id] = primary
             keep = tuple(b for b in s.backups if b in alive and b != primary)
-            shards.append(replace(s, ps=primary, backups=keep))
+            # the shard stays in its PS state (``slot``), now served by another PS
+            shards.append(replace(s, ps=primary, backups=keep, slot=s.state))
         if 1 + len(shards[-1].backups) < want:
             under.append(s.id)
     new_placement = replace(placement, shards=tuple(shards), epoch=placement.epoch + 1)

@@ -150,6 +150,9 @@ class ShardInfo:
     #: the PS holding the shard's other copies (``--replication R``: R - 1 of them),
     #: none of them ``ps`` nor each other; ``ps`` is the primary
     backups: tuple[int, ...] = ()
+    #: the PS state the shard belongs to (the index of its first primary), when a
+    #: fail-over moved its primary to another PS; None: ``ps``
+    slot: int | None = None
 
     def __post_init__(self) -> None:
         copies = self.copies
@@ -160,6 +163,12 @@ class ShardInfo:
     def copies(self) -> tuple[int, ...]:
         """Every PS holding the shard, the primary first."""
         return (self.ps, *self.backups)
+
+    @property
+    def state(self) -> int:
+        """The PS state the shard belongs to: what a request for it names as its slot
+        (sequence numbers, deduplication and ledgers are per state)."""
+        return self.ps if self.slot is None else self.slot
 
     def to_wire(self) -> list[Any]:
         return [self.id, self.var, self.index, self.row_start, self.rows, self.ps]
@@ -303,6 +312,8 @@ class Placement:
         }
         if self.replication > 1:  # a placement without backups reads as before
             out["backups"] = [list(s.backups) for s in self.shards]
+        if any(s.slot is not None and s.slot != s.ps for s in self.shards):
+            out["slots"] = [s.state for s in self.shards]
         if self.epoch:
             out["epoch"] = self.epoch
         return out
@@ -319,6 +330,14 @@ class Placement:
             shards = [
                 replace(s, backups=tuple(int(b) for b in bs))
                 for s, bs in zip(shards, backups, strict=True)
+            ]
+        slots = d.get("slots")
+        if slots is not None:
+            if len(slots) != len(shards):
+                raise InvalidArgument(f"placement: {len(slots)} slots for {len(shards)} shards")
+            shards = [
+                replace(s, slot=int(slot) if int(slot) != s.ps else None)
+                for s, slot in zip(shards, slots, strict=True)
             ]
         return cls(
             variables=tuple(VariableDef.from_wire(v) for v in d["variables"]),

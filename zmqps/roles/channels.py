@@ -248,7 +248,7 @@ def layout(client: ParameterClient, ps: int) -> tuple[dict[int, int], dict[str, 
         if v.sparse:
             continue
         shards = placement.shards_of(v.name)
-        mine = [s for s in shards if s.ps == ps]
+        mine = [s for s in shards if s.state == ps]
         if mine and len(mine) == len(shards):
             start = whole[v.name] = block(v.nbytes)
             row_bytes = v.row_size * v.itemsize

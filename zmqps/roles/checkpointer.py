@@ -138,7 +138,7 @@ class Checkpointer:
 
     async def snapshot(self, step: int, placement: Placement) -> Snapshot | None:
         """Ask every PS holding shards to copy them now (fast); None if that failed."""
-        holders = sorted({s.ps for s in placement.shards})
+        holders = sorted({s.state for s in placement.shards})  # PS states
         temp = self.root.new_temp(step)
         save_id = next(self._ids)
         started = self.clock()

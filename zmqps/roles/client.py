@@ -167,7 +167,7 @@ class ParameterClient:
         out: dict[int, list[int]] = {}
         for sid, r in self.routes.items():
             if r.shard.var in wanted:
-                out.setdefault(r.shard.ps, []).append(sid)
+                out.setdefault(r.shard.state, []).append(sid)
         return out
 
     def chunks(self, sid: int, grads: Mapping[str, Array], kind: str) -> list[Tensor]:
@@ -278,6 +278,13 @@ class ParameterClient:
         for sid, version in zip(sids, versions, strict=True):
             self.versions[sid] = int(version)
             self.version_gens[sid] = g
+
+    def moved(self, states: Sequence[int]) -> None:
+        """PS ``states`` are served by other processes now (a fail-over): their
+        shared-memory channels were attached to the old ones, and are set up again
+        on next use."""
+        for state in states:
+            self._channels[state] = None
 
     # ------------------------------------------------------------------ channels
 
@@ -517,7 +524,7 @@ class ParameterClient:
         for k, s in enumerate(shards):
             pos = np.flatnonzero(which == k)
             if pos.size or every_shard:
-                out.setdefault(s.ps, []).append((s, pos, ids[pos]))
+                out.setdefault(s.state, []).append((s, pos, ids[pos]))
         return out
 
     async def pull_rows(self, name: str, ids: Any, *, create: bool = True) -> Array:

@@ -81,7 +81,8 @@ class TransportObserver(Protocol):
 class Requester(Protocol):
     """A client bound to one peer: many requests in flight, replies matched by id."""
 
-    endpoint: str
+    @property
+    def endpoint(self) -> str: ...
 
     async def request(
         self,

@@ -470,6 +470,8 @@ class ReplicaSet(Body):
     backups: tuple[tuple[int, str], ...] = wire(
         List(Tuple((Int(0, 1 << 20), Str(256))), MAX_REPLICATION), default=()
     )
+    #: a promotion: the entry each of ``backups`` applied up to (in their order)
+    applied: tuple[int, ...] | None = wire(List(Int(0), MAX_REPLICATION), default=None)
 
 
 #: ops whose requests change a PS state (``pull_rows`` creates hash-table rows): a
@@ -576,6 +578,9 @@ class HeartbeatReply(Body):
     #: the last restore (generation ``gen``) went back to a checkpoint holding this
     #: worker's batches up to this cursor: it trains the ones after it again
     rewind: int | None = wire(COUNT, default=None)
+    #: the placement's epoch (replication: one more at every fail-over); a worker that
+    #: knows an older one asks for the placement again
+    epoch: int | None = wire(COUNT, default=None)
 
 
 @_body(reply=True)

@@ -344,6 +344,9 @@ PLACEMENT = Map(
     # ``--replication R``: the PS of each shard's R - 1 backups, in shard order
     {
         "backups": List(List(Int(0, 1 << 20), MAX_REPLICATION - 1), MAX_SHARDS),
+        # after a fail-over: the PS state each shard belongs to (its first primary),
+        # where it differs from the PS serving it now
+        "slots": List(Int(0, 1 << 20), MAX_SHARDS),
         "epoch": Int(0, INT64_MAX),
     },
 )

@@ -42,12 +42,14 @@ from zmqps.core.recovery import (
     decide_start,
     resume_point,
 )
-from zmqps.core.variables import Placement
+from zmqps.core.replication import fail_over
+from zmqps.core.variables import Placement, ShardInfo
 from zmqps.metrics import Metrics
 from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.chief.modes import ChiefMode
-from zmqps.roles.chief.variables import Variables
+from zmqps.roles.chief.variables import TERM, Variables
 from zmqps.roles.configs import ChiefConfig
+from zmqps.roles.homes import Homes
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
 from zmqps.wire.errors import DeadlineExceeded, NotReady, ZmqpsError
@@ -92,9 +94,17 @@ class RecoveryController:
         checkpoints: ChiefCheckpoints | None,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        homes: Homes | None = None,
     ) -> None:
         self.cfg = cfg
         self.ps = list(ps)
+        #: the process serving each PS state (replication: a fail-over moves states)
+        self.homes = homes
+        #: each replicated PS state's term (one more at each promotion)
+        self.terms: dict[int, int] = {}
+        #: fail-overs so far: {"at", "dead", "promoted", "seconds"}
+        self.failovers: list[dict[str, Any]] = []
+        self.promotions = 0
         self.members = members
         self.mode = mode
         self.variables = variables
@@ -559,7 +569,13 @@ class RecoveryController:
                 await asyncio.sleep(interval)
                 if not inflight or not self.training:
                     continue
-                lost = self._hear(inflight)
+                failing: list[int] = []
+                lost = self._hear(inflight, failing)
+                if failing:
+                    for i in failing:
+                        inflight.pop(i, None)
+                    await self.fail_over(failing)
+                    continue
                 if lost:
                     forget()
                     detected = self.health.detected(lost, self.clock())
@@ -570,9 +586,13 @@ class RecoveryController:
             forget()
 
     def _hear(
-        self, inflight: dict[int, asyncio.Task[tuple[int, o.PsStateReply | None]]]
+        self,
+        inflight: dict[int, asyncio.Task[tuple[int, o.PsStateReply | None]]],
+        failing: list[int] | None = None,
     ) -> list[int]:
-        """Take the answered probes; returns the PS that restarted."""
+        """Take the answered probes; returns the PS that restarted. A replicated PS
+        state newly silent is added to ``failing`` (a fail-over follows) instead of
+        being waited for."""
         now = self.clock()
         lost = []
         for i in range(len(self.ps)):
@@ -584,6 +604,9 @@ class RecoveryController:
                 st = st if gen == self.gen else None  # a probe of before a restore
             if st is None:
                 if self.health.silent(i, now):
+                    if failing is not None and self.can_fail_over(i):
+                        failing.append(i)
+                        continue
                     log.warning(
                         "ps %d (%s) has not answered for %.0fs: down; waiting for it to come back",
                         i,
@@ -594,12 +617,121 @@ class RecoveryController:
                 continue
             heard = self.health.answered(i, st.boot, st.gen, now)
             if heard == "restarted":
+                # restarted without its state; a copy of it lives on: fail over
+                if failing is not None and self.can_fail_over(i):
+                    failing.append(i)
+                    continue
                 lost.append(i)
             elif heard == "back":
                 log.info("ps %d answers again", i)
                 if not self.health.down and self.phase is Phase.DEGRADED:
                     self.handle(Event.PS_BACK)
         return lost
+
+    # ------------------------------------------------------------------ fail-over
+
+    def can_fail_over(self, state: int) -> bool:
+        """Whether PS state ``state`` has a copy on a process other than its home."""
+        placement = self.variables.placement
+        if self.homes is None or placement is None or placement.replication < 2:
+            return False
+        return any(s.state == state and s.backups for s in placement.shards)
+
+    async def fail_over(self, states: Sequence[int]) -> None:
+        """The processes serving ``states`` are silent past the heartbeat timeout: every
+        state whose primary they were goes on on a backup (no restore, no new
+        generation); every primary they backed up stops waiting for them. The surviving
+        copies are fenced at a new term first (their answers say how far each got), the
+        furthest is promoted, the new placement epoch is published."""
+        assert self.homes is not None and self.variables.placement is not None
+        started = self.clock()
+        placement = self.variables.placement
+        dead = {self.homes.of[i] for i in states}
+        first: dict[int, ShardInfo] = {}
+        for s in placement.shards:
+            first.setdefault(s.state, s)
+        process = self.homes.processes
+        log.warning(
+            "ps process %s silent for %gs: failing over to the copies",
+            ", ".join(map(str, sorted(dead))),
+            self.cfg.heartbeat_timeout,
+        )
+
+        async def replica(q: int, body: o.ReplicaSet) -> o.ReplicaState | None:
+            try:
+                rep = await process[q].request("replica", body.to_wire(), timeout=2.0)
+                return o.ReplicaState.parse(rep.body)
+            except ZmqpsError as exc:
+                log.warning("ps %d: %s of ps %d's copy failed: %s", q, "replica", body.slot, exc)
+                return None
+
+        # 1. fence the surviving copies of every state whose primary died
+        survivors: dict[int, dict[int, int]] = {}
+        for state, s in first.items():
+            if s.ps not in dead:
+                continue
+            term = self.terms[state] = self.terms.get(state, TERM) + 1
+            alive = [q for q in s.backups if q not in dead]
+            answers = await asyncio.gather(
+                *(replica(q, o.ReplicaSet(state, term, primary=False)) for q in alive)
+            )
+            survivors[state] = {q: a.applied for q, a in zip(alive, answers, strict=True) if a}
+        heads = {s.id: survivors[s.state] for s in placement.shards if s.state in survivors}
+        out = fail_over(placement, dead, heads)
+        # 2. promote the furthest copy of each; primaries stop waiting for dead backups
+        after: dict[int, ShardInfo] = {}
+        for s in out.placement.shards:
+            after.setdefault(s.state, s)
+        for state, s in after.items():
+            if s.id in out.lost:
+                continue
+            before = first[state]
+            if state in survivors or set(before.backups) & dead:
+                links = tuple((q, process[q].endpoint) for q in s.backups)
+                applied = (
+                    tuple(survivors[state][q] for q in s.backups) if state in survivors else None
+                )
+                body = o.ReplicaSet(state, self.terms.get(state, TERM), True, links, applied)
+                await replica(s.ps, body)
+        lost_states = {s.state for s in out.placement.shards if s.id in out.lost}
+        promoted = sorted(set(survivors) - lost_states)
+        self.variables.use(out.placement)
+        self.homes.update(out.placement)
+        self.promotions += len(promoted)
+        # 3. the moved states answer from their new homes (another boot id)
+        boots: dict[int, str] = {}
+        for state in promoted:
+            try:
+                rep = await self.ps[state].request("ps_state", timeout=2.0)
+                boots[state] = o.PsStateReply.parse(rep.body).boot
+            except ZmqpsError as exc:
+                log.warning("ps %d's new primary does not answer: %s", state, exc)
+        self.boots.update(boots)
+        self.health.expect(boots, self.gen, self.clock())
+        seconds = round(self.clock() - started, 3)
+        self.failovers.append(
+            {
+                "dead": sorted(dead),
+                "promoted": {str(st): after[st].ps for st in promoted},
+                "epoch": out.placement.epoch,
+                "seconds": seconds,
+            }
+        )
+        log.warning(
+            "fail-over done in %.2fs: %s now served by ps %s (placement epoch %d)%s",
+            seconds,
+            ", ".join(f"ps {st}'s state" for st in promoted) or "nothing",
+            ", ".join(str(after[st].ps) for st in promoted) or "-",
+            out.placement.epoch,
+            f"; {len(out.under_replicated)} shards under-replicated"
+            if out.under_replicated
+            else "",
+        )
+        if lost_states:
+            log.error(
+                "every copy of ps %s's state is gone: restoring every PS", sorted(lost_states)
+            )
+            await self.restore_lost(sorted(lost_states), started, "every copy of a PS state lost")
 
     # ------------------------------------------------------------------ workers
 
@@ -716,6 +848,8 @@ class RecoveryController:
             "recoveries": self.recoveries[-5:],
             "rewound_batches": self.rewound,
             "ps_down": {str(i): s for i, s in sorted(self.health.down.items())},
+            "promotions": self.promotions,
+            "failovers": self.failovers[-5:],
         }
 
 

@@ -35,6 +35,7 @@ from zmqps.roles.chief.finish import summarize
 from zmqps.roles.chief.recovery import RunFinished
 from zmqps.roles.chief.service import ChiefService
 from zmqps.roles.configs import ChiefConfig
+from zmqps.roles.homes import Homes
 from zmqps.transport import Client, Requester, Server, SocketOptions, ZmqContext
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
@@ -86,7 +87,10 @@ async def _serve(
     ps_clients = [
         Client(ctx, addr, "chief:0", options=options, timeout=30.0) for addr in cfg.cluster.ps
     ]
-    service = ChiefService(cfg, ps_clients, metrics=metrics)
+    # the chief speaks to PS *states*: each link goes to the process serving its state
+    # (the same one, until a fail-over moves it)
+    homes = Homes(ps_clients)
+    service = ChiefService(cfg, homes.links(), metrics=metrics, homes=homes)
     server = Server(ctx, cfg.bind, service, name="chief", options=options, observer=metrics)
     # The task's own address first (the cluster spec names it); the metrics port after,
     # so a metrics port picked as 0 can never take it.

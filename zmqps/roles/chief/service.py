@@ -38,6 +38,7 @@ from zmqps.roles.chief.modes import ChiefMode, make_chief_mode
 from zmqps.roles.chief.recovery import RecoveryController
 from zmqps.roles.chief.variables import Variables
 from zmqps.roles.configs import ChiefConfig
+from zmqps.roles.homes import Homes
 from zmqps.roles.optable import Handler, OpTable
 from zmqps.transport import Requester
 from zmqps.wire import Message, reply
@@ -66,6 +67,7 @@ class ChiefService:
         ps_clients: Sequence[Requester],
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | None = None,
+        homes: Homes | None = None,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
@@ -92,6 +94,7 @@ class ChiefService:
             self.checkpoints,
             metrics,
             clock,
+            homes,
         )
         #: side-car evaluators: (index, incarnation) -> last heard (monotonic); those
         #: silent past the heartbeat timeout are forgotten when another registers, and
@@ -259,6 +262,8 @@ class ChiefService:
             stop=self.shutdown_requested.is_set() and not self.finished,
             ps_down=tuple(sorted(self.recovery.ps_down)),
             rewind=self.recovery.rewind_of(who.index) if who.role == "worker" else None,
+            # sent once a fail-over moved a PS state (epoch 1 on)
+            epoch=self.variables.placement.epoch or None if self.variables.placement else None,
         )
         return reply(msg, beat.to_wire())
 

@@ -64,9 +64,9 @@ class Variables:
         )
 
     def holders(self) -> list[int]:
-        """The PS that hold shards of the placement."""
+        """The PS states that hold shards of the placement."""
         assert self.placement is not None
-        return sorted({s.ps for s in self.placement.shards})
+        return sorted({s.state for s in self.placement.shards})
 
     def defs_by_ps(self) -> dict[int, list[dict[str, Any]]]:
         """Every PS's shard definitions (wire form) under the placement."""

@@ -126,6 +126,8 @@ class Primary:
         self.log = PrimaryLog(term, head, at, retained)
         self._signal = _Signal()
         self._closed = False
+        #: links of dropped backups being closed
+        self._closing: set[asyncio.Future[None]] = set()
         self._senders = {b: asyncio.ensure_future(self._ship_to(b)) for b in self.links}
         #: entries shipped again (a timeout, a gap), for status
         self.resent = 0
@@ -183,7 +185,9 @@ class Primary:
         task = self._senders.pop(backup, None)
         if task is not None:
             task.cancel()
-        self.links.pop(backup, None)
+        link = self.links.pop(backup, None)
+        if link is not None:  # an open socket would hang the context's termination
+            self._closing.add(asyncio.ensure_future(link.close()))
         self._signal.notify()
 
     async def _ship_to(self, backup: int) -> None:
@@ -271,6 +275,8 @@ class Primary:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._senders.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         self._signal.notify()
 
 

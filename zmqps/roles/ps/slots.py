@@ -21,8 +21,10 @@ state it is for by its ``slot`` (a PS index; none: the process's own);
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 
+from zmqps.core.replication import Entry
 from zmqps.roles.ps.replica import Backup, Primary, changes_state, entry_resolver
 from zmqps.roles.ps.service import PSService
 from zmqps.transport import Requester
@@ -31,6 +33,8 @@ from zmqps.wire import ops as o
 from zmqps.wire.errors import InvalidArgument, NotFound, NotPrimary
 
 __all__ = ["PSSlots"]
+
+log = logging.getLogger("zmqps.ps")
 
 #: what a copy in the backup role serves directly
 _BACKUP_OPS = frozenset({"ping", "status", "ps_state", "create_shards"})
@@ -148,22 +152,52 @@ class PSSlots:
                     f"ps {req.slot}: a backup joins with a copy of the state, not by name"
                 )
             return role
-        if role is not None:
+        if isinstance(role, Primary):
             raise InvalidArgument(f"ps {self.own.index}: ps {req.slot} is replicated already")
         if wanted and self._link is None:
             raise InvalidArgument(f"ps {self.own.index} cannot reach other PS")
+        head: int = 0
+        retained: tuple[Entry, ...] = ()
+        acked: dict[int, int] | None = None
+        if isinstance(role, Backup):  # a promotion: this copy goes on from its head
+            # the chief fences every surviving copy at the new term first (their
+            # answers say how far each got), then promotes one at that same term
+            head, retained = role.log.applied, tuple(role.log.kept)
+            given = req.applied or (head,) * len(wanted)
+            if len(given) != len(wanted) or max(given, default=0) > head:
+                raise InvalidArgument(
+                    f"ps {self.own.index}: the other copies of ps {req.slot} must be at most"
+                    f" at entry {head}"
+                )
+            acked = dict(zip(wanted, given, strict=True))
+            log.warning(
+                "ps %d: now the primary of ps %d's state (term %d, entry %d)",
+                self.own.index,
+                req.slot,
+                req.term,
+                head,
+            )
         links = {
             ps: self._link(ps, endpoint, req.slot)  # type: ignore[misc]
             for ps, endpoint in wanted.items()
         }
-        return Primary(
+        primary = Primary(
             req.slot,
             req.term,
             links,
+            head=head,
+            retained=retained,
+            acked=acked,
             resolve=entry_resolver(
                 lambda sids, ref: service.regions.views(service.store, sids, ref)
             ),
         )
+        for name in list(primary.log.dropped):  # further behind than the entries kept
+            log.warning(
+                "ps %d: %s's copy of ps %d is too far behind", self.own.index, name, req.slot
+            )
+            primary.drop(int(name))
+        return primary
 
     async def close(self) -> None:
         """Stop shipping, close the links and every copy's resources."""

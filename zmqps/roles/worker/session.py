@@ -36,6 +36,7 @@ from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     DeadlineExceeded,
     NotFound,
+    NotPrimary,
     NotReady,
     RolledBack,
     ShutdownError,
@@ -53,8 +54,9 @@ B = TypeVar("B", bound=o.Body)
 #: answers; this many heartbeat intervals of silence (at least 10 s) end the wait.
 LINGER_SILENCE = 10
 
-#: Failures of a data request that a restore (or a healed partition) answers.
-RECOVERABLE = (RolledBack, NotReady, DeadlineExceeded)
+#: Failures of a data request that a restore, a healed partition or a fail-over
+#: (the state's new primary: ``not_primary`` from a copy) answers.
+RECOVERABLE = (RolledBack, NotReady, DeadlineExceeded, NotPrimary)
 
 
 class Session:
@@ -79,6 +81,10 @@ class Session:
         self.chief_timeout = chief_timeout
         #: ``on_stop(reason, exit code)``: the chief stopped the run, or is gone
         self.on_stop = on_stop
+        #: the placement epoch known here; ``on_placement()`` runs when a heartbeat
+        #: names a newer one (a fail-over moved PS states: re-route to them)
+        self.epoch = 0
+        self.on_placement: Callable[[], Awaitable[None]] | None = None
         self.chief_gone = False
         #: ``(steps, examples, last loss)`` of this process, for heartbeats and leave
         #: (steps, examples, last loss, steps refused as not finite) of this task
@@ -216,6 +222,10 @@ class Session:
             except NotFound:
                 await self._reregister()
         self.recovering, self.finished, self.ps_down = beat.recovering, beat.finished, beat.ps_down
+        if beat.epoch is not None and beat.epoch > self.epoch:
+            if self.on_placement is not None:
+                await self.on_placement()  # the links follow the moved states first
+            self.epoch = max(self.epoch, beat.epoch)
         if beat.stop and self.on_stop is not None:
             self.on_stop("the chief is stopping the run", 0)
         return beat
@@ -256,6 +266,11 @@ class Session:
         newer generation (or say why not). A heartbeat may have heard of the restore
         already: then this returns after one round trip."""
         old = self.gen if made_in is None else made_in
+        #: the placement epoch the request was routed by: once a newer one is known,
+        #: its PS state moved (a fail-over) and the request goes to the new primary
+        routed = getattr(error, "epoch", None)
+        if routed is not None and routed < self.epoch:
+            return
         log.warning("%s: %s; waiting for the cluster to recover", self.name, error)
         deadline = time.monotonic() + self.recovery_timeout
         while True:
@@ -268,6 +283,9 @@ class Session:
             if beat is not None:
                 if beat.gen != old and not beat.recovering:
                     break
+                if routed is not None and routed < self.epoch and not beat.recovering:
+                    log.warning("%s: its PS moved (a fail-over): sending again", self.name)
+                    return
                 if cut_off(error, beat, old):
                     log.warning("%s: every PS answers the chief again: retrying", self.name)
                     return
@@ -382,7 +400,7 @@ def cut_off(error: Exception, beat: o.HeartbeatReply, old: int) -> bool:
     PS: the PS was cut off (a partition) with its shards intact, not lost. No restore
     will come, so waiting for one would wait forever: retry instead."""
     return (
-        isinstance(error, DeadlineExceeded)
+        isinstance(error, (DeadlineExceeded, NotPrimary))
         and beat.gen == old
         and not beat.recovering
         and not beat.ps_down

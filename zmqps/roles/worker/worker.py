@@ -52,6 +52,7 @@ from zmqps.metrics import Metrics
 from zmqps.metrics.summaries import Summaries, Window
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.configs import NONFINITE_POLICIES
+from zmqps.roles.homes import Homes
 from zmqps.roles.worker.modes import StepMode, make_step_mode
 from zmqps.roles.worker.session import Session
 from zmqps.transport import Client, LoopThread, SocketOptions, new_context
@@ -190,6 +191,7 @@ class Worker:
         self._options = options
         self._mirror: Mirror | None = None
         self._client: ParameterClient | None = None
+        self._homes: Homes | None = None
         self._closure: int | None = None
         self._closed = False
         self._left = False  # left with the work done (finish), waiting for the run's end
@@ -214,6 +216,7 @@ class Worker:
                 self.nonfinite,
             ),
         )
+        self.session.on_placement = self._placement_moved
         try:
             info = self.io.run(self.session.open(s.connect_timeout))
         except BaseException:
@@ -269,8 +272,12 @@ class Worker:
                 )
                 for addr in self.ps_addresses
             ]
+            # the client speaks to PS *states*; a fail-over moves a state to another
+            # process (the placement's epoch says), and the links follow it
+            self._homes = Homes(clients)
+            self._homes.update(placement)
             return ParameterClient(
-                clients,
+                self._homes.links(),
                 placement,
                 worker=self.name,
                 incarnation=self.incarnation,
@@ -283,6 +290,25 @@ class Worker:
         self._client = self.io.run(make())
         self._client.tag(self._closure)
         self._mirror = None
+
+    async def _placement_moved(self) -> None:
+        """A heartbeat named a newer placement epoch: PS states moved (a fail-over).
+        Requests in flight to their old processes are sent again to the new ones."""
+        rep = await self.session.call(
+            "get_placement", o.GetPlacement(0.0), o.PlacementReply, timeout=5.0
+        )
+        placement = Placement.from_wire(rep.placement)
+        if self._homes is None or self._client is None:
+            return
+        moved = self._homes.update(placement)
+        if moved:
+            self._client.moved(moved)
+            log.warning(
+                "%s: ps %s now served elsewhere (placement epoch %d)",
+                self.name,
+                ", ".join(map(str, moved)),
+                placement.epoch,
+            )
 
     def _restored(self, gen: int) -> None:
         if self._client is not None:

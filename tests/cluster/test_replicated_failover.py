@@ -1,0 +1,64 @@
+"""kill -9 of a PS under ``zmqps launch --replication 2``: a copy of its state takes
+over; nothing is restored, nothing acknowledged is lost, the run ends with exit 0.
+
+The launcher restarts the killed PS (empty); the chief sees it silent or restarted,
+fences the surviving copies of its state, promotes one, and publishes the new
+placement epoch; the workers send their requests in flight again to the new primary
+(a push resent is deduplicated there).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import Reaper, chief_address, chief_status, launch_run, read_json, task_pid, wait_for
+
+EPOCHS = "60"
+
+
+@pytest.mark.timeout(240)
+def test_kill9_ps_with_replication_fails_over_without_a_restore(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    run = tmp_path / "failover"
+    flags = ("--ps", "3", "--replication", "2", "--epochs", EPOCHS, "--heartbeat-timeout", "2")
+    launcher, summary_path = launch_run(procs, run, "-q", *flags, timeout=150)
+    chief = chief_address(launcher)
+
+    def training() -> dict[str, Any] | None:
+        s = chief_status(chief, timeout=1.0)
+        return s if s and s.get("global_step", 0) >= 300 else None
+
+    before = wait_for(training, 60, what="training under way", interval=0.1)
+    os.kill(task_pid(launcher, "ps1"), signal.SIGKILL)
+    killed_at = time.time()
+
+    def promoted() -> dict[str, Any] | None:
+        s = chief_status(chief, timeout=1.0)
+        return s if s and s.get("promotions", 0) >= 1 else None
+
+    after = wait_for(promoted, 60, what="a copy promoted", interval=0.05)
+    seen_at = time.time()
+    launcher.expect_exit(0, timeout=200)
+    summary = read_json(summary_path)
+    assert summary is not None
+
+    failover = after["failovers"][-1]
+    assert failover["dead"] == [1] and failover["promoted"].keys() == {"1"}, failover
+    assert failover["promoted"]["1"] != 1
+    assert after["gen"] == 0 and not after["recoveries"], after  # no restore
+    assert after["global_step"] >= before["global_step"]
+    # every worker step was one push applied exactly once on each PS state: the global
+    # step (updates applied) is the workers' steps, none lost, none applied twice
+    assert summary["global_step"] == summary["worker_steps"], summary
+    assert summary["test_accuracy"] >= 0.95, summary
+    print(
+        f"\nps kill with replication 2: promoted ps {failover['promoted']['1']} in"
+        f" {failover['seconds']:.3f}s (kill -> seen promoted {seen_at - killed_at:.2f}s),"
+        f" global step {summary['global_step']}"
+    )
