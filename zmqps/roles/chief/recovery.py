@@ -665,13 +665,23 @@ class RecoveryController:
                 log.warning("ps %d: %s of ps %d's copy failed: %s", q, "replica", body.slot, exc)
                 return None
 
+        async def term_of(q: int, state: int) -> int:
+            try:
+                rep = await process[q].request("status", timeout=2.0, slot=state)
+                return int((rep.body.get("replica") or {}).get("term", 0))
+            except (ZmqpsError, TypeError, ValueError):
+                return 0
+
         # 1. fence the surviving copies of every state whose primary died
         survivors: dict[int, dict[int, int]] = {}
         for state, s in first.items():
             if s.ps not in dead:
                 continue
-            term = self.terms[state] = self.terms.get(state, TERM) + 1
             alive = [q for q in s.backups if q not in dead]
+            # the copies say their term (a restarted chief does not know it): the new
+            # one is past every term any copy has seen, so the old primary is fenced
+            seen = await asyncio.gather(*(term_of(q, state) for q in alive))
+            term = self.terms[state] = max(self.terms.get(state, TERM), *seen) + 1
             answers = await asyncio.gather(
                 *(replica(q, o.ReplicaSet(state, term, primary=False)) for q in alive)
             )
