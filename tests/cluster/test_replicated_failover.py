@@ -62,3 +62,41 @@ def test_kill9_ps_with_replication_fails_over_without_a_restore(
         f" {failover['seconds']:.3f}s (kill -> seen promoted {seen_at - killed_at:.2f}s),"
         f" global step {summary['global_step']}"
     )
+
+
+@pytest.mark.timeout(240)
+def test_the_last_copy_of_a_state_lost_falls_back_to_a_restore(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    """With 2 copies, the PS that took over ps 1's state dies too: that state has no
+    copy left. The chief restores every PS from the checkpoint (replication off from
+    then on), the workers train again the batches after it, and the run ends, exit 0."""
+    run = tmp_path / "lost"
+    flags = ("--ps", "3", "--replication", "2", "--epochs", EPOCHS, "--heartbeat-timeout", "2")
+    launcher, summary_path = launch_run(procs, run, "-q", *flags, timeout=150)
+    chief = chief_address(launcher)
+
+    def checkpointed() -> dict[str, Any] | None:
+        s = chief_status(chief, timeout=1.0)
+        return s if s and ((s.get("checkpoints") or {}).get("last_step") or 0) > 0 else None
+
+    wait_for(checkpointed, 60, what="a first checkpoint", interval=0.1)
+    os.kill(task_pid(launcher, "ps1"), signal.SIGKILL)
+
+    def promoted() -> dict[str, Any] | None:
+        s = chief_status(chief, timeout=1.0)
+        return s if s and s.get("promotions", 0) >= 1 else None
+
+    heir = wait_for(promoted, 60, what="a copy promoted", interval=0.05)["failovers"][-1]
+    os.kill(task_pid(launcher, f"ps{heir['promoted']['1']}"), signal.SIGKILL)
+
+    def restored() -> dict[str, Any] | None:
+        s = chief_status(chief, timeout=1.0)
+        return s if s and s.get("recoveries") else None
+
+    rec = wait_for(restored, 60, what="a restore", interval=0.1)["recoveries"][-1]
+    launcher.expect_exit(0, timeout=200)
+    summary = read_json(summary_path)
+    assert summary is not None
+    assert rec["gen"] == 1, rec
+    assert summary["test_accuracy"] >= 0.95, summary

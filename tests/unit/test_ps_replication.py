@@ -29,7 +29,7 @@ from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.roles.ps import PSService
 from zmqps.roles.ps.replica import Primary
-from zmqps.roles.ps.slots import PSSlots
+from zmqps.roles.ps.slots import MAX_COPIES, PSSlots
 from zmqps.transport.base import Requester
 from zmqps.transport.fake import FakeNetwork
 from zmqps.wire import Message, Tensor
@@ -37,6 +37,7 @@ from zmqps.wire.errors import (
     ConfigError,
     DeadlineExceeded,
     FencedError,
+    InvalidArgument,
     NonFiniteGradient,
     NotPrimary,
     ProtocolError,
@@ -409,5 +410,51 @@ def test_a_promoted_copy_goes_on_from_its_head_and_loses_nothing_acknowledged() 
             await c.net.client(f"ps{primary}", "x", slot=0).request("replicate", stale)
         with pytest.raises(FencedError):
             await c.net.client(f"ps{other}", "x", slot=0).request("replicate", stale)
+
+    run(body(), 30.0)
+
+
+def test_a_replaced_primary_acknowledges_nothing_more() -> None:
+    """The chief promoted a copy while the old primary was cut off: the first entry the
+    old primary ships is refused (an older term); what waited is answered
+    ``not_primary`` (not acknowledged: sent again to the new primary), and so is
+    every later request that would change the state."""
+
+    async def body() -> None:
+        c = Cluster(2, 2)
+        placement = await c.create()
+        backup = next(s.backups[0] for s in placement.shards if s.ps == 0)
+        await c.chief[backup].request("replica", {"slot": 0, "term": 2, "primary": False})
+        shards = [s for s in placement.shards if s.ps == 0 and s.var == "w"]
+        body = {
+            "shards": [s.id for s in shards],
+            "versions": [0] * len(shards),
+            "worker": "worker:0",
+            "inc": 0,
+            "seq": 1,
+        }
+        grads = [Tensor(np.ones(s.rows * 4, np.float32), "grad", s.id) for s in shards]
+        to_ps0 = c.net.client("ps0", "worker:0:0", timeout=10.0)
+        with pytest.raises(NotPrimary, match="newer primary"):
+            await to_ps0.request("push", body, grads)
+        role = c.slots[0].role(0)
+        assert isinstance(role, Primary) and role.fenced and role.log.committed == 0
+        with pytest.raises(NotPrimary, match="newer primary"):
+            await to_ps0.request("push", {**body, "seq": 2}, grads)
+        assert role.log.head == 1  # the second was refused before it was applied
+
+    run(body(), 20.0)
+
+
+def test_replica_requests_cannot_make_copies_without_end() -> None:
+    async def body() -> None:
+        c = Cluster(2, 2)
+        await c.create()
+        assert c.slots[0].slots() == [0, 1]  # its own state and a copy of ps 1's
+        for slot in range(2, 1 + MAX_COPIES):
+            await c.chief[0].request("replica", {"slot": slot, "term": 1, "primary": False})
+        with pytest.raises(InvalidArgument, match="copies of other PS's states already"):
+            await c.chief[0].request("replica", {"slot": 10_000, "term": 1, "primary": False})
+        assert len(c.slots[0].slots()) == MAX_COPIES + 1
 
     run(body(), 30.0)

@@ -50,6 +50,12 @@ __all__ = ["CheckpointPolicy", "Checkpointer", "Snapshot"]
 log = logging.getLogger("zmqps.chief")
 
 
+#: the wait before the policy's next checkpoint after a failed one (seconds), doubling
+#: from the first to the second while they keep failing
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 8.0
+
+
 @dataclass
 class Snapshot:
     """A checkpoint whose shards every PS has copied, being written."""
@@ -96,6 +102,11 @@ class Checkpointer:
         self._taking = asyncio.Lock()
         #: take one at the next chance whatever the policy says (``checkpoint`` op)
         self.forced = False
+        #: after a failure the policy's next one waits this long (doubling while they
+        #: fail, at most RETRY_MAX_S; none after a success): a cluster that cannot be
+        #: checkpointed is not asked again five times a second, nor its log flooded
+        self._backoff = 0.0
+        self._retry_at = 0.0
 
     # ------------------------------------------------------------ start
 
@@ -126,7 +137,8 @@ class Checkpointer:
             return False
         if self.forced and step > self.last_step:
             return True
-        return self.policy.due(step, self.last_step, self.last_time, self.clock())
+        now = self.clock()
+        return now >= self._retry_at and self.policy.due(step, self.last_step, self.last_time, now)
 
     async def cancel(self) -> None:
         """Give up the checkpoint being written (a PS was lost): its directory is removed."""
@@ -276,6 +288,7 @@ class Checkpointer:
         seconds = self.clock() - snap.started
         self.committed += 1
         self.last_committed = ckpt
+        self._backoff = self._retry_at = 0.0
         if self.metrics is not None:
             self.metrics.checkpoints.labels("committed").inc()
             self.metrics.checkpoint_duration.observe(seconds)
@@ -286,6 +299,8 @@ class Checkpointer:
     def _failed(self, temp: Path, step: int, why: str, transient: bool = False) -> None:
         self.failed += 1
         self.last_error, self.last_transient = why, transient
+        self._backoff = min(RETRY_MAX_S, max(RETRY_MIN_S, 2 * self._backoff))
+        self._retry_at = self.clock() + self._backoff
         if self.metrics is not None:
             self.metrics.checkpoints.labels("failed").inc()
         log.error("checkpoint of step %d failed: %s (the previous one stays the latest)", step, why)

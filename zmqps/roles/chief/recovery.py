@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -527,8 +528,13 @@ class RecoveryController:
 
     async def restore_lost(self, lost: Sequence[int], detected_at: float, reason: str) -> None:
         """PS ``lost`` restarted without their shards: restore every PS."""
-        if self.variables.placement is None:
+        placement = self.variables.placement
+        if placement is None:
             return
+        if self.homes is not None and (
+            placement.replication > 1 or any(s.slot is not None for s in placement.shards)
+        ):
+            await self._unreplicate(placement)
         states = await self.ps_states(self.cfg.startup_timeout)
         await self._restore(Event.RESTORE, reason, states, lost=lost, detected_at=detected_at)
 
@@ -662,7 +668,9 @@ class RecoveryController:
                 rep = await process[q].request("replica", body.to_wire(), timeout=2.0)
                 return o.ReplicaState.parse(rep.body)
             except ZmqpsError as exc:
-                log.warning("ps %d: %s of ps %d's copy failed: %s", q, "replica", body.slot, exc)
+                log.warning(
+                    "ps %d: setting its copy of ps %d's state failed: %s", q, body.slot, exc
+                )
                 return None
 
         async def term_of(q: int, state: int) -> int:
@@ -681,7 +689,7 @@ class RecoveryController:
             # the copies say their term (a restarted chief does not know it): the new
             # one is past every term any copy has seen, so the old primary is fenced
             seen = await asyncio.gather(*(term_of(q, state) for q in alive))
-            term = self.terms[state] = max(self.terms.get(state, TERM), *seen) + 1
+            term = self.terms[state] = max([self.terms.get(state, TERM), *seen]) + 1
             answers = await asyncio.gather(
                 *(replica(q, o.ReplicaSet(state, term, primary=False)) for q in alive)
             )
@@ -739,9 +747,32 @@ class RecoveryController:
         )
         if lost_states:
             log.error(
-                "every copy of ps %s's state is gone: restoring every PS", sorted(lost_states)
+                "every copy of ps %s's state is gone: restoring every PS from the checkpoint;"
+                " replication is off for the rest of the run",
+                sorted(lost_states),
             )
             await self.restore_lost(sorted(lost_states), started, "every copy of a PS state lost")
+
+    async def _unreplicate(self, placement: Placement) -> None:
+        """Back to one copy of each state, on its own process, before a restore (every
+        copy of some state was lost, or one had none left): every
+        primary stops shipping (a backup left would keep a copy of before the restore,
+        and a later fail-over could promote it), and the states go home."""
+        assert self.homes is not None
+        for state in sorted({s.state for s in placement.shards if s.backups}):
+            home = self.homes.of[state]
+            body = o.ReplicaSet(state, self.terms.get(state, TERM), primary=True)
+            try:
+                await self.homes.processes[home].request("replica", body.to_wire(), timeout=2.0)
+            except ZmqpsError as exc:
+                log.warning("ps %d: could not stop shipping ps %d's state: %s", home, state, exc)
+        plain = replace(
+            placement,
+            shards=tuple(replace(s, ps=s.state, backups=(), slot=None) for s in placement.shards),
+            epoch=placement.epoch + 1,
+        )
+        self.variables.use(plain)
+        self.homes.update(plain)
 
     # ------------------------------------------------------------------ workers
 

@@ -3,10 +3,10 @@
 Rules of this module:
 
 * What is shipped: every request of an op that changes a PS state
-  (:data:`CHANGING_OPS`) that the primary's handler took, with whatever outcome
-  (a push applied, a duplicate, a refusal for its values all change the dedup
-  window or the ledgers), except a refusal that changed nothing (bad arguments,
-  unknown shards: :data:`_UNCHANGED`). A backup runs the same handler on the same
+  (``REPLICATED_OPS`` of :mod:`zmqps.wire.ops`) that the primary's handler took,
+  with whatever outcome (a push applied, a duplicate, a refusal for its values all
+  change the dedup window or the ledgers), except a refusal that changed nothing
+  (bad arguments, unknown shards: :data:`_UNCHANGED`). A backup runs the same handler on the same
   requests in the same order, so it ends in the same state, bit for bit: the same
   store kernels, dedup window and ledgers on every copy.
 * Order: a request is applied and appended to the log in one event-loop turn, so
@@ -26,7 +26,9 @@ Rules of this module:
   refuses requests from anyone but its primary (:class:`NotPrimary`).
 * Who is primary, and which backups are in sync, is the chief's decision (the
   ``replica`` op): a backup that does not answer keeps pushes waiting until the chief
-  drops it; the primary only retries.
+  drops it; the primary only retries. A primary whose entries a backup refuses as
+  of an older term was replaced (it was cut off): it stops shipping and refuses
+  every request that would change the state (``not_primary``).
 """
 
 from __future__ import annotations
@@ -49,17 +51,16 @@ from zmqps.wire.errors import (
     InvalidArgument,
     NonFiniteGradient,
     NotFound,
+    NotPrimary,
     NotReady,
     ProtocolError,
     ZmqpsError,
 )
 
-__all__ = ["CHANGING_OPS", "Backup", "Primary", "changes_state"]
+__all__ = ["Backup", "Primary", "changes_state"]
 
 log = logging.getLogger("zmqps.ps")
 
-#: ops whose requests change a PS state (``pull_rows`` creates hash-table rows)
-CHANGING_OPS = o.REPLICATED_OPS
 #: refusals that change nothing but a counter: not shipped (but see changed_nothing)
 _UNCHANGED = (InvalidArgument, NotFound, NotReady, ProtocolError)
 #: seconds a primary waits for a backup's answer to an entry before sending again
@@ -72,7 +73,7 @@ Handler = Callable[[Message], "Message | Any"]
 
 def changes_state(msg: Message) -> bool:
     """Whether the request is one a PS state's copies must all apply."""
-    if msg.op not in CHANGING_OPS:
+    if msg.op not in o.REPLICATED_OPS:
         return False
     return not (msg.op == "pull_rows" and msg.body.get("create") is False)
 
@@ -131,6 +132,9 @@ class Primary:
         self._senders = {b: asyncio.ensure_future(self._ship_to(b)) for b in self.links}
         #: entries shipped again (a timeout, a gap), for status
         self.resent = 0
+        #: a backup refused an entry of this term: another copy was promoted since
+        #: (this process was cut off); it applies nothing more, ships nothing more
+        self.fenced = False
 
     @property
     def term(self) -> int:
@@ -142,6 +146,7 @@ class Primary:
     async def run(self, msg: Message, handler: Handler) -> Message:
         """Apply ``msg`` with ``handler`` (the state's own), log it, and answer once
         every in-sync backup applied it."""
+        self._check_fenced()
         op, body, tensors = self._resolve(msg)
         nbytes = sum(t.array.nbytes for t in tensors)
         deadline = time.monotonic() + (
@@ -149,16 +154,17 @@ class Primary:
         )
         if not self.log.room(nbytes):
             try:
-                await self._signal.until(lambda: self.log.room(nbytes), deadline)
+                await self._signal.until(lambda: self.fenced or self.log.room(nbytes), deadline)
             except asyncio.TimeoutError:
                 raise DeadlineExceeded(
                     f"ps {self.slot}: the replication log stayed full (a backup not answering)"
                 ) from None
+            self._check_fenced()
         failure: ZmqpsError | None = None
         out: Message | None = None
         try:
             result = handler(msg)
-            if inspect.isawaitable(result):  # none of CHANGING_OPS waits: defensive
+            if inspect.isawaitable(result):  # none of REPLICATED_OPS waits: defensive
                 result = await result
             out = result
         except ZmqpsError as exc:
@@ -168,16 +174,27 @@ class Primary:
         entry = self.log.append((op, body, tensors), nbytes)
         self._signal.notify()
         try:
-            await self._signal.until(lambda: self.log.committed >= entry.index, deadline)
+            await self._signal.until(
+                lambda: self.fenced or self.log.committed >= entry.index, deadline
+            )
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
                 f"ps {self.slot}: applied but not yet on every backup ({self.backups()});"
                 " send it again (it is deduplicated)"
             ) from None
+        if self.log.committed < entry.index:
+            self._check_fenced()  # not acknowledged: the new primary gets it again
         if failure is not None:
             raise failure
         assert out is not None
         return out
+
+    def _check_fenced(self) -> None:
+        if self.fenced:
+            raise NotPrimary(
+                f"ps {self.slot}'s state has a newer primary (term past {self.term}):"
+                " send to the one the placement names"
+            )
 
     def drop(self, backup: int) -> None:
         """``backup`` is gone (the chief says): nothing waits for it any more."""
@@ -194,7 +211,7 @@ class Primary:
         name = str(backup)
         inflight: set[asyncio.Task[None]] = set()
         try:
-            while name in self.log.backups and not self._closed:
+            while name in self.log.backups and not self._closed and not self.fenced:
                 entries = self.log.to_send(name)
                 if not entries:
                     await self._signal.until(
@@ -232,8 +249,10 @@ class Primary:
             )
             done = o.Replicated.parse(rep.body)
         except FencedError as exc:
-            log.warning("ps %d: backup %d refused entry %d: %s", self.slot, backup, e.index, exc)
-            await self._again(name)
+            if not self.fenced:
+                log.warning("ps %d: replaced as primary (backup %d: %s)", self.slot, backup, exc)
+            self.fenced = True
+            self._signal.notify()
             return
         except ZmqpsError as exc:
             log.debug("ps %d: entry %d to backup %d: %s", self.slot, e.index, backup, exc)
@@ -265,6 +284,7 @@ class Primary:
             "waiting": n,
             "waiting_bytes": nbytes,
             "resent": self.resent,
+            "fenced": self.fenced,
         }
 
     async def close(self) -> None:

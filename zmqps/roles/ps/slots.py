@@ -32,9 +32,13 @@ from zmqps.wire import Message, reply
 from zmqps.wire import ops as o
 from zmqps.wire.errors import InvalidArgument, NotFound, NotPrimary
 
-__all__ = ["PSSlots"]
+__all__ = ["MAX_COPIES", "PSSlots"]
 
 log = logging.getLogger("zmqps.ps")
+
+#: copies of other PS's states one process may hold (a placement gives each about
+#: R - 1; the bound keeps a flood of ``replica`` requests from making states without end)
+MAX_COPIES = 256
 
 #: what a copy in the backup role serves directly
 _BACKUP_OPS = frozenset({"ping", "status", "ps_state", "create_shards"})
@@ -69,9 +73,9 @@ class PSSlots:
         """Stop serving PS ``index``'s state (never the process's own)."""
         if index == self.own.index:
             raise InvalidArgument(f"ps {index} cannot drop its own state")
-        role = self._roles.pop(index, None)
-        if isinstance(role, Primary):
+        if isinstance(self._roles.get(index), Primary):
             raise InvalidArgument(f"ps {self.own.index} is ps {index}'s primary")
+        self._roles.pop(index, None)
         service = self._slots.pop(index)
         service.replica = None
         return service
@@ -90,8 +94,8 @@ class PSSlots:
             return self._op_replica(msg)
         slot = self.own.index if msg.slot is None else msg.slot
         service = self._slots.get(slot)
-        if service is None:
-            raise NotFound(f"ps {self.own.index} holds no copy of ps {slot}'s state")
+        if service is None:  # the sender's placement is not this process's (a fail-over)
+            raise NotPrimary(f"ps {self.own.index} holds no copy of ps {slot}'s state")
         role = self._roles.get(slot)
         if msg.op == "replicate":
             if not isinstance(role, Backup):
@@ -114,6 +118,10 @@ class PSSlots:
         if service is None:
             if req.primary or self._make_copy is None:
                 raise NotFound(f"ps {self.own.index} holds no copy of ps {req.slot}'s state")
+            if len(self._slots) - 1 >= MAX_COPIES:  # the process's own is no copy
+                raise InvalidArgument(
+                    f"ps {self.own.index} holds {MAX_COPIES} copies of other PS's states already"
+                )
             service = self._make_copy(req.slot)
             self._slots[req.slot] = service
         role = self._roles.get(req.slot)

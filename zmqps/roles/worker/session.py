@@ -400,7 +400,7 @@ def cut_off(error: Exception, beat: o.HeartbeatReply, old: int) -> bool:
     PS: the PS was cut off (a partition) with its shards intact, not lost. No restore
     will come, so waiting for one would wait forever: retry instead."""
     return (
-        isinstance(error, (DeadlineExceeded, NotPrimary))
+        isinstance(error, DeadlineExceeded)
         and beat.gen == old
         and not beat.recovering
         and not beat.ps_down
