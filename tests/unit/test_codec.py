@@ -115,6 +115,15 @@ BODIES: dict[str, dict[str, Any]] = {
     "make_resource": {"id": 1, "fn": "dataset", "args": ["t", []], "kwargs": ["d", {}], "inc": 5},
     "replica": {"slot": 2, "term": 3, "primary": True, "backups": [[0, "tcp://127.0.0.1:5"]]},
     "replicate": {"term": 3, "index": 9, "op": "fence", "body": {"worker": "w", "inc": 1}},
+    "join": {"slot": 1, "term": 2, "ps": 3, "endpoint": "tcp://127.0.0.1:5", "rate": 1e6},
+    "install": {
+        "term": 2,
+        "index": 7,
+        "part": 0,
+        "last": False,
+        "items": [[4, "values", 0, "float32", [3, 2]]],
+        "meta": {},
+    },
 }
 
 #: Fields holding a value tree (zmqps.wire.values): any scalar is a valid leaf and a
@@ -124,7 +133,13 @@ TREE_FIELDS = {("run", "args"), ("run", "kwargs"), ("make_resource", "args"),
                ("make_resource", "kwargs")}  # fmt: skip
 
 
+#: maps whose content the receiving code checks (a copy's ledgers), not the codec
+FREE_MAPS = {("install", "meta"), ("install", "state")}
+
+
 def _inside_tree(op: str, path: tuple[Any, ...]) -> bool:
+    if path and (op, path[0]) in FREE_MAPS:
+        return True
     return len(path) >= 2 and (op, path[0]) in TREE_FIELDS
 
 

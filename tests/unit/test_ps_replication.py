@@ -458,3 +458,82 @@ def test_replica_requests_cannot_make_copies_without_end() -> None:
         assert len(c.slots[0].slots()) == MAX_COPIES + 1
 
     run(body(), 30.0)
+
+
+async def _join(c: Cluster, slot: int, target: int, rate: float | None = None) -> dict[str, Any]:
+    """The chief's part of bringing ``target`` in as a backup of state ``slot``: an
+    empty copy there, then the primary's ``join``; returns the join's final state."""
+    term = c.slots[slot].role(slot).term  # type: ignore[union-attr]
+    await c.chief[target].request("replica", {"slot": slot, "term": term, "primary": False})
+    body = {"slot": slot, "term": term, "ps": target, "endpoint": f"ps{target}"}
+    if rate is not None:
+        body["rate"] = rate
+    rep = await c.chief[slot].request("join", body)
+    assert rep.body["at"] >= 0
+    for _ in range(1000):
+        st = await c.chief[slot].request("status", slot=slot)
+        join = st.body["replica"]["joins"][str(target)]
+        if join["state"] == "in sync" or join["state"].startswith("failed"):
+            return dict(join)
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"join still {join}")
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_joining_copy_catches_up_while_training_goes_on_and_ends_equal(sync: bool) -> None:
+    """Re-replication: state 0 gets a third copy on a PS that held none, in small
+    throttled parts, while seeded pushes go on (dense, rows, hash-table rows, sync
+    accumulation half way through a step). Once it is in sync the new copy is
+    bit-identical to the primary (values, slots, versions, table layout, ledgers,
+    accumulators), commits wait for it, and it stays equal."""
+
+    async def body() -> None:
+        c = Cluster(4, 2)
+        placement = await c.create()
+        if sync:
+            for ch in c.chief:
+                await ch.request("sync_config", {"mode": "sync", "required": 3})
+        target = next(q for q in range(4) if q not in placement.shards_of("w")[0].copies)
+        assert {s.state for s in placement.shards if s.ps == 0} == {0}
+        workers = [c.worker(f"worker:{i}") for i in range(3)]
+        rng = np.random.default_rng(5)
+
+        async def pushes(n: int, who: int = 0, step: int | None = None) -> None:
+            w = workers[who]
+            for k in range(n):
+                await w.pull()
+                g = {v.name: rng.standard_normal(v.shape).astype(np.float32) for v in (W, B)}
+                await w.push(g, cursor=k + 1, step=step)
+                ids = rng.integers(-(2**40), 2**40, size=6)
+                await w.pull_rows("t", ids)
+                rows = rng.standard_normal((6, 2)).astype(np.float32)
+                await w.push_rows("t", ids, rows, step=step)
+
+        import zmqps.roles.ps.image as image
+
+        image.PART_BYTES, before = 256, image.PART_BYTES  # many parts
+        try:
+            if sync:  # two of three gradients of step 0 wait in the accumulators
+                await pushes(1, 0, 0)
+                training = asyncio.ensure_future(pushes(1, 1, 0))
+            else:
+                await pushes(5)
+                training = asyncio.ensure_future(pushes(15))
+            join = await _join(c, 0, target, rate=20_000.0)
+            await training
+        finally:
+            image.PART_BYTES = before
+        assert join["state"] == "in sync", join
+        assert join["parts"] > 1 and join["sent"] == join["parts"]
+        await c.settle()
+        assert state(c.copy(target, 0)) == state(c.copy(0, 0))
+        role = c.slots[0].role(0)
+        assert isinstance(role, Primary) and target in role.backups()
+        assert str(target) in role.log.in_sync()
+        await pushes(1, 2, 0 if sync else None)  # sync: the third gradient makes the step
+        await c.settle()
+        assert state(c.copy(target, 0)) == state(c.copy(0, 0))
+        if sync:  # the step of the shards pushed was applied, on both copies alike
+            assert c.copy(target, 0).mode.status()["steps_applied"] > 0
+
+    run(body(), 30.0)

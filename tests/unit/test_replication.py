@@ -102,7 +102,7 @@ def test_a_joining_backup_catches_up_then_counts() -> None:
 
 
 def test_a_joining_backup_too_far_behind_is_dropped() -> None:
-    log = PrimaryLog(term=1, backups=["b"], max_entries=4)
+    log = PrimaryLog(term=1, backups=["b"], max_entries=4, join_entries=4)
     log.append("x")
     log.join("c", 0)  # a copy as of 0, the head is 1: joining
     log.ack("b", 1)
@@ -140,7 +140,9 @@ def simulate(seed: int, copies: int = 3, steps: int = 1500, max_entries: int = 6
     nodes: dict[str, Copy] = {}
     first = Copy(next(names))
     backups = [Copy(next(names)) for _ in range(copies - 1)]
-    first.log = PrimaryLog(1, backups=[b.name for b in backups], max_entries=max_entries)
+    first.log = PrimaryLog(
+        1, backups=[b.name for b in backups], max_entries=max_entries, join_entries=max_entries
+    )
     for b in backups:
         b.log = ReplicaLog(1, max_entries=max_entries)
     for c in (first, *backups):
@@ -233,6 +235,7 @@ def simulate(seed: int, copies: int = 3, steps: int = 1500, max_entries: int = 6
             log = nodes[new].log
             assert isinstance(log, ReplicaLog)
             nodes[new].log = log.promote(term, {n: h for n, h in heads.items() if n != new})
+            nodes[new].log.join_entries = max_entries
             primary = new
             for n, c in nodes.items():  # the rest (joining copies) start again later
                 if n not in survivors and n != primary:

@@ -339,6 +339,45 @@ class PushLedger:
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {name: w.to_dict() for name, w in sorted(self._workers.items())}
 
+    def image(self) -> dict[str, Any]:
+        """Everything, as msgpack-able values: :meth:`load_image` of it makes a twin
+        (a backup's copy)."""
+        workers = {
+            name: {
+                **w.to_dict(),
+                "recent": [list(r) for r in w.recent],
+                "older": w.older,
+                "high": w.high,
+            }
+            for name, w in self._workers.items()
+        }
+        return {"workers": workers, "by_incarnation": list(map(list, self.by_incarnation.items()))}
+
+    def load_image(self, image: Mapping[str, Any]) -> None:
+        """Replace the state with an :meth:`image` (InvalidArgument, unchanged, when
+        malformed or past the bounds)."""
+        try:
+            workers = {}
+            for name, d in image["workers"].items():
+                w = WorkerPushes(
+                    applied=int(d["applied"]),
+                    dropped={str(k): int(v) for k, v in d["dropped"].items()},
+                    cursor=int(d["cursor"]),
+                    step=int(d["step"]),
+                    done=None if d["done"] is None else int(d["done"]),
+                    rolled_back=int(d["rolled_back"]),
+                    older=int(d["older"]),
+                    high=int(d["high"]),
+                )
+                w.recent.extend((int(a), int(b)) for a, b in d["recent"][-RECENT:])
+                workers[str(name)] = w
+            counts = OrderedDict((str(k), int(v)) for k, v in image["by_incarnation"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InvalidArgument(f"malformed push ledger: {e!r}") from e
+        if len(workers) > MAX_WORKERS or len(counts) > MAX_INCARNATIONS:
+            raise InvalidArgument("push ledger past its bounds")
+        self._workers, self.by_incarnation = workers, counts
+
 
 class ClosureLedger:
     """The pushes of scheduled functions (coordinator mode) that were applied, by
@@ -371,3 +410,20 @@ class ClosureLedger:
 
     def stats(self) -> dict[str, int]:
         return {"closures": self.closures, "dropped": self.dropped}
+
+    def image(self) -> dict[str, Any]:
+        return {
+            "applied": [[c, sorted(seqs)] for c, seqs in self._applied.items()],
+            "closures": self.closures,
+            "dropped": self.dropped,
+        }
+
+    def load_image(self, image: Mapping[str, Any]) -> None:
+        try:
+            applied = OrderedDict((int(c), {int(q) for q in seqs}) for c, seqs in image["applied"])
+            closures, dropped = int(image["closures"]), int(image["dropped"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgument(f"malformed closure ledger: {e!r}") from e
+        if len(applied) > self.capacity:
+            raise InvalidArgument("closure ledger past its bound")
+        self._applied, self.closures, self.dropped = applied, closures, dropped

@@ -15,7 +15,7 @@ values and the row policy):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -290,6 +290,35 @@ class HashShard(Shard):
             "pending": len(self.pending),
             **self.counters.to_dict(),
         }
+
+    # -- an exact copy (a backup joining) ---------------------------------------
+
+    def raw(self) -> tuple[dict[str, Any], dict[str, Array]]:
+        """The whole shard as it is (copies): :meth:`load_raw` makes its twin."""
+        counts, arrays = self.table.raw()
+        meta = {
+            **counts,
+            "version": self.version,
+            "pending": [[i, c] for i, c in self.pending.items()],
+            "counters": asdict(self.counters),
+        }
+        return meta, arrays
+
+    def load_raw(self, meta: Mapping[str, Any], arrays: Mapping[str, Array]) -> None:
+        """Become the shard :meth:`raw` described (InvalidArgument, nothing changed,
+        when it does not fit this shard's definition)."""
+        try:
+            version = int(meta["version"])
+            pending = {int(i): int(c) for i, c in meta["pending"]}
+            counters = TableCounters(**{str(k): int(v) for k, v in meta["counters"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InvalidArgument(f"shard {self.definition.id}: a malformed copy ({exc})") from None
+        if version < 0 or len(pending) > self.config.pending_limit:
+            raise InvalidArgument(f"shard {self.definition.id}: a malformed copy")
+        self.table.load_raw(meta, arrays)
+        self.version, self.pending, self.counters = version, pending, counters
+        self._order = None
+        self._sync()
 
     # -- checkpoints -----------------------------------------------------------
 

@@ -52,6 +52,7 @@ import numpy.typing as npt
 
 from zmqps.core.initializers import validate_init
 from zmqps.core.optimizers import Optimizer
+from zmqps.wire.errors import InvalidArgument
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -386,6 +387,69 @@ class RowTable:
         #: free rows, a stack: the next one handed out is ``free[nfree - 1]``
         self.free = np.arange(cap - 1, -1, -1, dtype=np.int64)
         self.nfree = cap
+
+    # -- an exact copy (a backup joining) -----------------------------------------
+
+    def raw(self) -> tuple[dict[str, int], dict[str, Array]]:
+        """Every array and counter as it is (copies): :meth:`load_raw` of them makes a
+        table that behaves exactly like this one (the same rows, free list, index
+        layout: the same ids evicted first on a tie)."""
+        arrays = {
+            "values": self.values.copy(),
+            "ids": self.ids.copy(),
+            "touched": self.touched.copy(),
+            "free": self.free[: self.nfree].copy(),
+            "index_keys": self.index.keys.copy(),
+            "index_rows": self.index.rows.copy(),
+            **{f"slot:{k}": v.copy() for k, v in self.slots.items()},
+        }
+        return {"live": self.index.live, "gone": self.index.gone}, arrays
+
+    def load_raw(self, counts: Mapping[str, Any], arrays: Mapping[str, Array]) -> None:
+        """Become the table :meth:`raw` described; InvalidArgument (nothing changed)
+        when the arrays do not fit together or this table's row shape and slots."""
+        try:
+            values, ids, touched = arrays["values"], arrays["ids"], arrays["touched"]
+            free, keys, rows = arrays["free"], arrays["index_keys"], arrays["index_rows"]
+            slots = {k: arrays[f"slot:{k}"] for k in self.slots}
+            live, gone = int(counts["live"]), int(counts["gone"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"a table copy lacks {exc}") from None
+        cap = ids.shape[0] if ids.ndim == 1 else -1
+        size = keys.shape[0] if keys.ndim == 1 else -1
+        ok = (
+            cap >= 1
+            and values.shape == (cap, self.dim)
+            and values.dtype == self.values.dtype
+            and all(
+                v.shape == (cap, self.dim) and v.dtype == self.slots[k].dtype
+                for k, v in slots.items()
+            )
+            and ids.dtype == touched.dtype == free.dtype == keys.dtype == rows.dtype == np.int64
+            and touched.shape == (cap,)
+            and free.ndim == 1
+            and free.shape[0] <= cap
+            and size >= IdIndex.MIN_SLOTS
+            and size & (size - 1) == 0
+            and rows.shape == (size,)
+            and 0 <= live <= cap
+            and 0 <= gone <= size
+            and (self.budget is None or cap <= max(self.budget, 1))
+            and bool(((free >= 0) & (free < cap)).all())
+            and bool((rows < cap).all())
+        )
+        if not ok:
+            raise InvalidArgument("a table copy's arrays do not fit this table")
+        self.values = np.array(values, copy=True, order="C")
+        self.slots = {k: np.array(v, copy=True, order="C") for k, v in slots.items()}
+        self.ids, self.touched = ids.copy(), touched.copy()
+        self.free = np.empty(cap, np.int64)
+        self.free[: free.shape[0]] = free
+        self.nfree = int(free.shape[0])
+        self.index._alloc(size)
+        self.index.keys[:] = keys
+        self.index.rows[:] = rows
+        self.index.live, self.index.gone = live, gone
 
     @property
     def capacity(self) -> int:

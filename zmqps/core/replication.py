@@ -16,8 +16,12 @@ Rules of this module:
   that is the fence against a primary that lost its place but still runs.
 * Joining: a backup that got a copy of the state as of index ``at`` is sent the
   entries after ``at`` and is in sync once it has acknowledged the head; until then
-  no commit waits for it. One that falls more than the bound behind is dropped (its
-  copy must start again), so a slow copy never stalls training.
+  no commit waits for it. While its copy is still being installed (``installing``)
+  nothing is sent to it and the entries after ``at`` are kept for it. One that falls
+  more than the joining bound behind (``join_entries``, ``join_bytes``: larger than
+  the commit bound, as a copy takes a while) is dropped (its copy must start
+  again), so a slow copy never stalls training and never makes the log grow
+  without bound.
 * Bounded: the primary holds at most ``max_entries`` entries and ``max_bytes`` bytes
   that some backup has not acknowledged; :meth:`PrimaryLog.room` says whether one
   more fits (when not, the push waits for acknowledgements). A backup keeps the
@@ -42,11 +46,14 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from itertools import islice
 from typing import Any
 
 from zmqps.core.variables import Placement, ShardInfo
 
 __all__ = [
+    "JOIN_BYTES",
+    "JOIN_ENTRIES",
     "MAX_BYTES",
     "MAX_ENTRIES",
     "Entry",
@@ -63,6 +70,10 @@ __all__ = [
 MAX_ENTRIES = 64
 #: bytes of those entries
 MAX_BYTES = 1 << 30
+#: entries (and bytes) kept for a joining backup, whose copy is being installed or
+#: catching up: past this it is dropped and its copy starts again later
+JOIN_ENTRIES = 1 << 16
+JOIN_BYTES = 256 << 20
 
 
 class Full(Exception):
@@ -89,6 +100,7 @@ class _Backup:
     acked: int  # the highest index it acknowledged (or its copy's, when joining)
     sent: int  # the highest index sent to it
     in_sync: bool
+    installing: bool = False  # its copy is still being installed: send nothing yet
 
 
 class PrimaryLog:
@@ -102,6 +114,8 @@ class PrimaryLog:
         retained: Iterable[Entry] = (),
         max_entries: int = MAX_ENTRIES,
         max_bytes: int = MAX_BYTES,
+        join_entries: int = JOIN_ENTRIES,
+        join_bytes: int = JOIN_BYTES,
     ):
         """A primary of ``term`` whose state is as of index ``head``; ``backups``: the
         in-sync backups, with the index each applied (a name alone: ``head``);
@@ -110,9 +124,19 @@ class PrimaryLog:
         self.head = head
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.join_entries = join_entries
+        self.join_bytes = join_bytes
         acked = dict(backups) if isinstance(backups, Mapping) else dict.fromkeys(backups, head)
         #: entries some backup has not acknowledged, oldest first (consecutive)
         self.entries: deque[Entry] = deque(e for e in retained if e.index <= head)
+        #: bytes of every entry appended up to each of ``entries`` (aligned with it), and
+        #: up to the head: the bytes between two indices without a walk of the log
+        self._cum: deque[int] = deque()
+        total = 0
+        for e in self.entries:
+            total += e.nbytes
+            self._cum.append(total)
+        self._total = total
         self.backups: dict[str, _Backup] = {}
         #: backups dropped: joining ones that fell too far behind, and (promoted) ones
         #: further behind than the entries kept; each needs a fresh copy (the PS reads
@@ -130,10 +154,25 @@ class PrimaryLog:
 
     # -- appending -----------------------------------------------------------------
 
+    def _bytes_after(self, index: int) -> int:
+        """Bytes of the retained entries after ``index`` (at least the oldest's index - 1)."""
+        if not self.entries or index >= self.head:
+            return 0
+        first = self.entries[0].index
+        if index < first:
+            return self._total - self._cum[0] + self.entries[0].nbytes
+        return self._total - self._cum[index - first]
+
+    def _after(self, index: int) -> list[Entry]:
+        """The retained entries after ``index``, in order."""
+        n = min(self.head - index, len(self.entries))  # the entries end at the head
+        if n <= 0:
+            return []
+        return list(islice(reversed(self.entries), n))[::-1]
+
     def unacked(self) -> tuple[int, int]:
         """Entries and bytes not yet committed (that commits wait for)."""
-        held = [e for e in self.entries if e.index > self.committed]
-        return len(held), sum(e.nbytes for e in held)
+        return self.head - self.committed, self._bytes_after(self.committed)
 
     def room(self, nbytes: int) -> bool:
         """Whether an entry of ``nbytes`` fits (an empty log takes any one entry)."""
@@ -149,6 +188,8 @@ class PrimaryLog:
         entry = Entry(self.head, self.term, payload, nbytes)
         if self.backups:
             self.entries.append(entry)
+            self._total += nbytes
+            self._cum.append(self._total)
         self._advance()
         return entry
 
@@ -157,7 +198,9 @@ class PrimaryLog:
     def to_send(self, backup: str) -> list[Entry]:
         """The entries ``backup`` was not sent yet, in order (marked sent)."""
         b = self.backups[backup]
-        out = [e for e in self.entries if e.index > b.sent]
+        if b.installing:
+            return []
+        out = self._after(b.sent)
         b.sent = max(b.sent, self.head)
         return out
 
@@ -170,7 +213,7 @@ class PrimaryLog:
     def ack(self, backup: str, index: int) -> list[Entry]:
         """``backup`` applied every entry up to ``index``: the entries newly committed."""
         b = self.backups.get(backup)
-        if b is None or index <= b.acked:
+        if b is None or b.installing or index <= b.acked:
             return []
         b.acked = min(index, self.head)
         b.sent = max(b.sent, b.acked)
@@ -183,14 +226,30 @@ class PrimaryLog:
         self.backups.pop(backup, None)
         return self._advance()
 
-    def join(self, backup: str, at: int) -> None:
+    def join(self, backup: str, at: int, *, installing: bool = False) -> None:
         """``backup`` holds a copy as of index ``at`` (the head when the copy was
         taken): it is sent what came after and counts for commits once it has
-        acknowledged the head."""
+        acknowledged the head. ``installing``: its copy is still on its way (taken
+        now, ``at`` the head): nothing is sent to it before :meth:`installed`, and it
+        counts for no commit before it caught up."""
         oldest = self.entries[0].index - 1 if self.entries else self.head
         if not oldest <= at <= self.head:
             raise ValueError(f"a copy as of {at} is outside the retained {oldest}..{self.head}")
-        self.backups[backup] = _Backup(at, at, at == self.head)
+        self.backups[backup] = _Backup(at, at, at == self.head and not installing, installing)
+
+    def installed(self, backup: str) -> None:
+        """``backup``'s copy is installed: send it what came after its index."""
+        b = self.backups.get(backup)
+        if b is not None:
+            b.installing = False
+            b.sent = b.acked
+            if b.acked == self.head:
+                b.in_sync = True
+                self._advance()
+
+    def joining(self) -> list[str]:
+        """Backups not in sync yet (a copy installing or catching up)."""
+        return [name for name, b in self.backups.items() if not b.in_sync]
 
     def in_sync(self) -> list[str]:
         return [name for name, b in self.backups.items() if b.in_sync]
@@ -202,17 +261,18 @@ class PrimaryLog:
         # again later, and the log never grows past the bound for it
         for name, b in list(self.backups.items()):
             if not b.in_sync and (
-                self.head - b.acked > self.max_entries
-                or sum(e.nbytes for e in self.entries if e.index > b.acked) > self.max_bytes
+                self.head - b.acked > self.join_entries
+                or self._bytes_after(b.acked) > self.join_bytes
             ):
                 del self.backups[name]
                 self.dropped.append(name)
         committed = min((b.acked for b in self.backups.values() if b.in_sync), default=self.head)
-        newly = [e for e in self.entries if self.committed < e.index <= committed]
+        newly = [e for e in self._after(self.committed) if e.index <= committed]
         self.committed = max(self.committed, committed)
         keep_from = min((b.acked for b in self.backups.values()), default=self.head)
         while self.entries and self.entries[0].index <= keep_from:
             self.entries.popleft()
+            self._cum.popleft()
         return newly
 
 

@@ -363,6 +363,11 @@ class ShardStore:
             made[d.id] = shard
         return made
 
+    def install(self, shards: Sequence[Shard]) -> None:
+        """Hold exactly ``shards`` (a whole copy of another PS's state, built and
+        checked by the caller)."""
+        self._shards = {sh.definition.id: sh for sh in shards}
+
     def clear(self) -> None:
         """Drop every shard (a restore to the initial values re-creates them)."""
         self._shards = {}

@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from zmqps.core.optimizers import compute_dtype
 from zmqps.core.store import ShardStore
-from zmqps.wire.errors import InvalidArgument
+from zmqps.wire.errors import InvalidArgument, NotFound
 
 __all__ = ["MODES", "ShardAccumulator", "StalenessBound", "SyncShards", "TokenLedger"]
 
@@ -206,6 +206,65 @@ class SyncShards:
         """Workers whose gradient some shard still at the PS's step has received."""
         step = self.min_step()
         return sorted({w for a in self.acc.values() if a.step == step for w in a.contributors})
+
+    def image(self) -> tuple[dict[str, Any], list[tuple[int, str, Array]]]:
+        """Everything (copies): ``(meta, arrays)``, each array ``(shard, what, array)``
+        (``dense``: the running sum; ``ids`` / ``rows``: one row gradient). :meth:`load_image`
+        of it makes a twin (a backup's copy)."""
+        acc, arrays = {}, []
+        for sid, a in self.acc.items():
+            acc[str(sid)] = [a.step, a.count, list(a.contributors), a.refused, len(a.rows)]
+            if a.dense is not None:
+                arrays.append((sid, "dense", a.dense.copy()))
+            for ids, rows in a.rows:
+                arrays.append((sid, "ids", ids.copy()))
+                arrays.append((sid, "rows", rows.copy()))
+        meta = {
+            "required": self.required,
+            "base_step": self.base_step,
+            "dropped": dict(self.dropped),
+            "steps_applied": self.steps_applied,
+            "aggregated": [[n, k] for n, k in self.aggregated.items()],
+            "acc": acc,
+        }
+        return meta, arrays
+
+    def load_image(self, meta: Mapping[str, Any], arrays: Sequence[tuple[int, str, Array]]) -> None:
+        """Replace the state with an :meth:`image` (InvalidArgument, unchanged, when
+        it does not fit the store's shards)."""
+        try:
+            acc: dict[int, ShardAccumulator] = {}
+            for key, (step, count, contributors, refused, _) in meta["acc"].items():
+                sid = int(key)
+                self.store.get(sid)
+                acc[sid] = ShardAccumulator(
+                    int(step), int(count), None, [], [str(w) for w in contributors], int(refused)
+                )
+            pending: list[Array] = []
+            for sid, what, arr in arrays:
+                a, shard = acc[sid], self.store.get(sid)
+                if what == "dense":
+                    want = (shard.definition.size,), compute_dtype(shard.values.dtype)
+                    if (arr.shape, arr.dtype) != want:
+                        raise ValueError(f"shard {sid}: a running sum {arr.dtype}{arr.shape}")
+                    a.dense = np.array(arr, copy=True)
+                elif what == "ids":
+                    pending.append(np.array(arr, dtype=np.int64))
+                elif what == "rows" and pending:
+                    a.rows.append((pending.pop(), np.array(arr)))
+                else:
+                    raise ValueError(f"shard {sid}: {what!r}")
+            required = int(meta["required"])
+            base_step = int(meta["base_step"])
+            dropped = Counter({str(k): int(v) for k, v in meta["dropped"].items()})
+            steps_applied = int(meta["steps_applied"])
+            aggregated = Counter({int(n): int(k) for n, k in meta["aggregated"]})
+        except (KeyError, TypeError, ValueError, AttributeError, NotFound) as e:
+            raise InvalidArgument(f"malformed sync state: {e}") from None
+        if required < 1 or pending:
+            raise InvalidArgument("malformed sync state")
+        self.required, self.base_step, self.acc = required, base_step, acc
+        self.dropped, self.steps_applied, self.aggregated = dropped, steps_applied, aggregated
 
     def status(self) -> dict[str, Any]:
         return {

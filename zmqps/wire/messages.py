@@ -69,6 +69,8 @@ REQUEST_OPS = frozenset(
         # replication: the chief sets each copy's part; a primary ships its entries
         "replica",
         "replicate",
+        "join",
+        "install",
         # coordinator mode: functions scheduled onto worker servers
         "run",
         "make_resource",

@@ -507,6 +507,42 @@ class _EntrySchema(Map):
 Replicate.SCHEMA = _EntrySchema(Replicate.SCHEMA.required, Replicate.SCHEMA.optional)
 
 
+@_body("join")
+class Join(Body):
+    """The chief asks PS state ``slot``'s primary (of ``term``) to bring PS ``ps`` (at
+    ``endpoint``) in as one more backup: a whole copy of the state as of now (sent as
+    ``install`` parts at most ``rate`` bytes a second), then every entry after it;
+    it counts for commits once it caught up. Answered at once; the primary's status
+    says how the copy goes (``joins``)."""
+
+    slot: int = wire(Int(0, 1 << 20))
+    term: int = wire(Int(0))
+    ps: int = wire(Int(0, 1 << 20))
+    endpoint: str = wire(Str(256))
+    rate: float | None = wire(Float(1.0), default=None)
+
+
+@_body("install")
+class Install(Body):
+    """Part ``part`` of a whole copy of PS state ``slot`` (the message's slot) as of
+    entry ``index`` of its primary's log at ``term``: tensors, each described by an
+    item ``[shard, what, offset, dtype, shape]``; the first part also carries the
+    shard definitions and versions (``defs``, ``meta``), the ``last`` one the
+    ledgers (``state``). The copy changes only once the last part came."""
+
+    term: int = wire(Int(0))
+    index: int = wire(Int(0))
+    part: int = wire(Int(0, 1 << 24))
+    last: bool = wire(Bool())
+    items: tuple[Any, ...] = wire(
+        List(Tuple((SHARD_ID, Str(64), Int(0), Str(16), List(Int(0), 8))), 1 << 17),
+        default=(),
+    )
+    defs: tuple[Mapping[str, Any], ...] | None = wire(List(SHARD, MAX_SHARDS), default=None)
+    meta: Mapping[str, Any] | None = wire(AnyMap(), default=None)
+    state: Mapping[str, Any] | None = wire(AnyMap(), default=None)
+
+
 # ---------------------------------------------------------------------------
 # Requests: coordinator mode (a function of the worker's job module, by name).
 
@@ -741,6 +777,13 @@ class ReplicaState(Body):
 
 
 @_body(reply=True)
+class Joining(Body):
+    """A join started: the copy is as of entry ``at``."""
+
+    at: int = wire(Int(0))
+
+
+@_body(reply=True)
 class ResourceMade(Body):
     id: int = wire(Int(0, 2**31 - 1))
 
@@ -797,6 +840,8 @@ REQUESTS: Mapping[str, type[Body]] = {
         Restore,
         ReplicaSet,
         Replicate,
+        Join,
+        Install,
         Run,
         MakeResource,
     )
@@ -843,6 +888,8 @@ REPLIES: Mapping[str, type[Body]] = {
     "restore": Restored,
     "replica": ReplicaState,
     "replicate": Replicated,
+    "join": Joining,
+    "install": Replicated,
     "run": Ran,
     "make_resource": ResourceMade,
 }

@@ -24,6 +24,14 @@ Rules of this module:
   is answered with ``gap`` and the primary sends again from there; an entry of an
   older term (a primary replaced since) is refused. A copy in the backup role
   refuses requests from anyone but its primary (:class:`NotPrimary`).
+* A new backup joins (re-replication; the chief's ``join``): the primary takes a
+  whole copy of the state in one event-loop turn (:mod:`zmqps.roles.ps.image`),
+  sends it as ``install`` parts at a throttled pace, then ships it every entry
+  after the copy's; no commit waits for it until it caught up with the head. The
+  entries kept for it are bounded (:data:`~zmqps.core.replication.JOIN_ENTRIES`,
+  ``JOIN_BYTES``): one that falls further behind is dropped and the chief starts
+  again later. While a copy joins, entries own their tensors (a shared-memory push's
+  region is reused by its worker once answered, and the joiner gets it later).
 * Who is primary, and which backups are in sync, is the chief's decision (the
   ``replica`` op): a backup that does not answer keeps pushes waiting until the chief
   drops it; the primary only retries. A primary whose entries a backup refuses as
@@ -41,7 +49,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from zmqps.core.replication import Entry, Offer, PrimaryLog, ReplicaLog
+from zmqps.roles.ps.image import Installing, Part
 from zmqps.transport import Requester
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire import ops as o
@@ -67,6 +78,10 @@ _UNCHANGED = (InvalidArgument, NotFound, NotReady, ProtocolError)
 SHIP_TIMEOUT = 2.0
 #: seconds a request waits for its commit when it carries no deadline
 COMMIT_WAIT = 60.0
+#: times one ``install`` part is sent before the join is given up
+INSTALL_ATTEMPTS = 10
+#: joins whose outcome a primary keeps for its status
+KEEP_JOINS = 8
 
 Handler = Callable[[Message], "Message | Any"]
 
@@ -135,6 +150,8 @@ class Primary:
         #: a backup refused an entry of this term: another copy was promoted since
         #: (this process was cut off); it applies nothing more, ships nothing more
         self.fenced = False
+        #: backups joining or joined lately: PS -> how the copy goes (bounded)
+        self.joins: dict[int, dict[str, Any]] = {}
 
     @property
     def term(self) -> int:
@@ -148,6 +165,8 @@ class Primary:
         every in-sync backup applied it."""
         self._check_fenced()
         op, body, tensors = self._resolve(msg)
+        if self.log.joining():  # kept for a joiner past the answer: own the data
+            tensors = [Tensor(np.array(t.array), t.kind, t.ref, t.offset) for t in tensors]
         nbytes = sum(t.array.nbytes for t in tensors)
         deadline = time.monotonic() + (
             COMMIT_WAIT if msg.deadline is None else max(0.0, msg.deadline - time.time())
@@ -206,6 +225,93 @@ class Primary:
         if link is not None:  # an open socket would hang the context's termination
             self._closing.add(asyncio.ensure_future(link.close()))
         self._signal.notify()
+
+    def join(self, backup: int, link: Requester, parts: list[Part], rate: float | None) -> int:
+        """Bring ``backup`` in: ``parts`` is a copy of the state as of the head now
+        (taken in this event-loop turn); returns that entry's index."""
+        if backup in self.links or str(backup) in self.log.backups:
+            raise InvalidArgument(f"ps {backup} is a backup of ps {self.slot}'s state already")
+        at = self.log.head
+        self.log.join(str(backup), at, installing=True)
+        self.links[backup] = link
+        self.joins[backup] = {
+            "state": "copying",
+            "at": at,
+            "parts": len(parts),
+            "sent": 0,
+            "bytes": 0,
+            "total_bytes": sum(p.nbytes for p in parts),
+            "seconds": 0.0,
+        }
+        while len(self.joins) > KEEP_JOINS:
+            self.joins.pop(next(iter(self.joins)))
+        self._senders[backup] = asyncio.ensure_future(self._copy_to(backup, parts, at, rate))
+        log.info(
+            "ps %d: copying the state to ps %d (as of entry %d, %d parts)",
+            self.slot,
+            backup,
+            at,
+            len(parts),
+        )
+        return at
+
+    async def _copy_to(self, backup: int, parts: list[Part], at: int, rate: float | None) -> None:
+        name = str(backup)
+        info = self.joins[backup]
+        started = time.monotonic()
+        try:
+            for p in parts:
+                body = o.Install(
+                    self.term,
+                    at,
+                    p.index,
+                    p is parts[-1],
+                    tuple(p.items),
+                    None if p.defs is None else tuple(p.defs),
+                    p.meta,
+                    p.state,
+                ).to_wire()
+                if not await self._install_part(backup, body, p):
+                    return
+                info["sent"] += 1
+                info["bytes"] += p.nbytes
+                info["seconds"] = round(time.monotonic() - started, 3)
+                if rate:  # throttled: training keeps most of the bandwidth
+                    ahead = info["bytes"] / rate - (time.monotonic() - started)
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+            if name not in self.log.backups:
+                info["state"] = "failed: dropped while copying (fell too far behind)"
+                return
+            self.log.installed(name)
+            info["state"] = "catching up"
+            info["seconds"] = round(time.monotonic() - started, 3)
+            self._signal.notify()
+            await self._ship_to(backup)
+        finally:
+            if name not in self.log.backups and backup in self.links and not self._closed:
+                self.drop(backup)
+
+    async def _install_part(self, backup: int, body: dict[str, Any], p: Part) -> bool:
+        info = self.joins[backup]
+        for attempt in range(INSTALL_ATTEMPTS):
+            link = self.links.get(backup)
+            if link is None or str(backup) not in self.log.backups or self._closed:
+                info["state"] = "failed: removed while copying"
+                return False
+            try:
+                await link.request("install", body, p.tensors, timeout=4 * self.ship_timeout)
+                return True
+            except FencedError as exc:
+                info["state"] = f"failed: {exc}"
+                return False
+            except ZmqpsError as exc:
+                log.debug("ps %d: part %d to ps %d: %s", self.slot, p.index, backup, exc)
+                info["state"] = f"copying (part {p.index} sent again: {exc.code})"
+                await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+        info["state"] = f"failed: part {p.index} not taken after {INSTALL_ATTEMPTS} attempts"
+        self.log.remove(str(backup))
+        return False
 
     async def _ship_to(self, backup: int) -> None:
         name = str(backup)
@@ -285,7 +391,17 @@ class Primary:
             "waiting_bytes": nbytes,
             "resent": self.resent,
             "fenced": self.fenced,
+            "joins": {str(b): self._join_state(b) for b in self.joins},
         }
+
+    def _join_state(self, backup: int) -> dict[str, Any]:
+        info = dict(self.joins[backup])
+        b = self.log.backups.get(str(backup))
+        if b is not None and b.in_sync:
+            info["state"] = "in sync"
+        elif b is None and not str(info["state"]).startswith("failed"):
+            info["state"] = "failed: dropped (fell too far behind, or removed)"
+        return info
 
     async def close(self) -> None:
         self._closed = True
@@ -306,6 +422,12 @@ class Backup:
     def __init__(self, slot: int, term: int, applied: int = 0) -> None:
         self.slot = slot
         self.log = ReplicaLog(term, applied)
+        #: a whole copy on its way (its parts staged; at most one)
+        self._installing: Installing | None = None
+        #: copies installed, and the last one's (term, entry): its last part sent again
+        #: (the answer was lost) is answered, not refused
+        self.installed = 0
+        self._last: tuple[int, int] | None = None
 
     @property
     def term(self) -> int:
@@ -333,8 +455,54 @@ class Backup:
                 pass  # refused on the primary too: the same state changed the same way
         return reply(msg, o.Replicated(self.log.applied).to_wire())
 
+    def install(self, msg: Message, service: Any) -> Message:
+        """A part of a whole copy from the primary; the last one makes ``service`` the
+        copy, as of the copy's entry (all or nothing)."""
+        req = o.Install.from_wire(msg.body)
+        if req.term < self.log.term:
+            raise FencedError(
+                f"ps {self.slot}'s copy follows term {self.log.term}; the copy is of term"
+                f" {req.term} (a primary since replaced)"
+            )
+        staged = self._installing
+        if staged is None and req.last and self._last == (req.term, req.index):
+            return reply(msg, o.Replicated(self.log.applied).to_wire())
+        if req.part == 0:
+            if req.defs is None:
+                raise InvalidArgument("install: the first part carries the shard definitions")
+            staged = self._installing = Installing(req.term, req.index, req.defs)
+            staged.meta = dict(req.meta or {})
+        elif staged is None or (staged.term, staged.index) != (req.term, req.index):
+            raise InvalidArgument(f"install: part {req.part} of a copy not begun")
+        try:
+            staged.add(req.part, req.items, msg.tensors)
+            if req.last:
+                if req.state is None:
+                    raise InvalidArgument("install: the last part carries the ledgers")
+                staged.finish(service, req.state)
+        except InvalidArgument:
+            self._installing = None
+            raise
+        if req.last:
+            self._installing = None
+            self.log = ReplicaLog(req.term, req.index, self.log.max_entries, self.log.max_bytes)
+            self.installed += 1
+            self._last = (req.term, req.index)
+            log.info(
+                "ps %d's state: a copy as of entry %d installed (term %d)",
+                self.slot,
+                req.index,
+                req.term,
+            )
+        return reply(msg, o.Replicated(self.log.applied).to_wire())
+
     def state(self) -> dict[str, Any]:
-        return {"role": "backup", "term": self.log.term, "applied": self.log.applied}
+        out = {"role": "backup", "term": self.log.term, "applied": self.log.applied}
+        if self.installed:
+            out["installed"] = self.installed
+        if self._installing is not None:
+            out["installing"] = {"at": self._installing.index, "parts": self._installing.next}
+        return out
 
 
 def changed_nothing(exc: ZmqpsError) -> bool:

@@ -14,23 +14,29 @@ state it is for by its ``slot`` (a PS index; none: the process's own);
 * ``replicate`` (from the primary): an entry, applied by the state's backup.
 * A state whose primary this process is: a request that changes it is applied, then
   answered once its backups have it (:class:`~zmqps.roles.ps.replica.Primary`).
+* ``join`` (from the chief, the slot in its body): the state's primary brings one
+  more backup in with a whole copy (:meth:`Primary.join`); ``install`` (from the
+  primary): a part of that copy, for the state's backup.
 * A state this process only backs up serves ``ping``, ``status``, ``ps_state`` and
   the chief's ``create_shards``; anything else is refused with ``not_primary``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 from zmqps.core.replication import Entry
+from zmqps.roles.ps.image import take
 from zmqps.roles.ps.replica import Backup, Primary, changes_state, entry_resolver
 from zmqps.roles.ps.service import PSService
 from zmqps.transport import Requester
 from zmqps.wire import Message, reply
 from zmqps.wire import ops as o
 from zmqps.wire.errors import InvalidArgument, NotFound, NotPrimary
+from zmqps.wire.schema import MAX_REPLICATION
 
 __all__ = ["MAX_COPIES", "PSSlots"]
 
@@ -62,6 +68,8 @@ class PSSlots:
         self._roles: dict[int, Primary | Backup] = {}
         self._make_copy = make_copy
         self._link = link
+        #: primaries replaced by a backup role, being closed
+        self._closing: set[asyncio.Future[None]] = set()
 
     def add(self, service: PSService) -> None:
         """Serve ``service`` (a copy of PS ``service.index``'s state) too."""
@@ -92,6 +100,8 @@ class PSSlots:
     def __call__(self, msg: Message) -> Message | Awaitable[Message]:
         if msg.op == "replica":
             return self._op_replica(msg)
+        if msg.op == "join":
+            return self._op_join(msg)
         slot = self.own.index if msg.slot is None else msg.slot
         service = self._slots.get(slot)
         if service is None:  # the sender's placement is not this process's (a fail-over)
@@ -103,6 +113,12 @@ class PSSlots:
                     f"ps {self.own.index} is not a backup of ps {slot}'s state: entry refused"
                 )
             return role.receive(msg, service)
+        if msg.op == "install":
+            if not isinstance(role, Backup):
+                raise NotPrimary(
+                    f"ps {self.own.index} is not a backup of ps {slot}'s state: copy refused"
+                )
+            return role.install(msg, service)
         if isinstance(role, Backup) and msg.op not in _BACKUP_OPS:
             raise NotPrimary(
                 f"ps {self.own.index} holds a backup of ps {slot}'s state, not its primary:"
@@ -133,11 +149,21 @@ class PSSlots:
         if req.primary:
             role = self._primary(service, req, role)
         else:
-            if isinstance(role, Primary):
+            if isinstance(role, Primary) and not (role.fenced or req.term > role.term):
                 raise InvalidArgument(
                     f"ps {self.own.index} is ps {req.slot}'s primary; it cannot become its backup"
                 )
-            if role is None:
+            if isinstance(role, Primary):  # replaced while cut off: a backup from now on
+                log.warning(
+                    "ps %d: no longer ps %d's primary (term %d): a backup of term %d",
+                    self.own.index,
+                    req.slot,
+                    role.term,
+                    req.term,
+                )
+                self._closing.add(asyncio.ensure_future(_retire(role)))
+                role = Backup(req.slot, req.term)
+            elif role is None:
                 role = Backup(req.slot, req.term)
             else:
                 role.log.fence(req.term)
@@ -145,6 +171,25 @@ class PSSlots:
         service.replica = role
         applied = role.log.head if isinstance(role, Primary) else role.log.applied
         return reply(msg, o.ReplicaState(req.slot, role.term, req.primary, applied).to_wire())
+
+    def _op_join(self, msg: Message) -> Message:
+        req = o.Join.from_wire(msg.body)
+        role = self._roles.get(req.slot)
+        if not isinstance(role, Primary) or role.fenced:
+            raise NotPrimary(f"ps {self.own.index} is not ps {req.slot}'s primary")
+        if req.term != role.term:
+            raise InvalidArgument(
+                f"ps {self.own.index}: ps {req.slot}'s copies are at term {role.term},"
+                f" not {req.term}"
+            )
+        if req.ps == self.own.index or self._link is None:
+            raise InvalidArgument(f"ps {self.own.index} cannot back up its own copy")
+        if len(role.backups()) >= MAX_REPLICATION - 1:
+            raise InvalidArgument(f"ps {req.slot}'s state has its most backups already")
+        service = self._slots[req.slot]
+        link = self._link(req.ps, req.endpoint, req.slot)
+        at = role.join(req.ps, link, take(service), req.rate)
+        return reply(msg, o.Joining(at).to_wire())
 
     def _primary(
         self, service: PSService, req: o.ReplicaSet, role: Primary | Backup | None
@@ -211,11 +256,18 @@ class PSSlots:
         """Stop shipping, close the links and every copy's resources."""
         for role in self._roles.values():
             if isinstance(role, Primary):
-                await role.close()
-                for link in role.links.values():
-                    with contextlib.suppress(Exception):
-                        await link.close()
+                await _retire(role)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         for slot, service in self._slots.items():
             if slot != self.own.index:
                 service.regions.close()
                 service.check_threads.close()
+
+
+async def _retire(role: Primary) -> None:
+    """Stop a primary's shipping and close its links."""
+    await role.close()
+    for link in list(role.links.values()):
+        with contextlib.suppress(Exception):
+            await link.close()
