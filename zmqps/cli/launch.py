@@ -71,6 +71,8 @@ __all__ = ["add_launch_args", "free_ports", "launch"]
 
 HOST = "127.0.0.1"
 GRACE_S = 10.0
+#: seconds the other tasks have to end once the chief ended well (it shut them down)
+LINGER_S = 20.0
 #: a task's log line: time, level letter (D, I, W, E), logger
 _LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d ([DIWE]) ")
 
@@ -496,6 +498,23 @@ class Launcher:
                     c.proc.kill()
                 await c.proc.wait()
 
+    async def _after_the_chief(self, watchers: asyncio.Future[Any]) -> None:
+        """Once the chief ended, every other task ends within ``LINGER_S`` (the chief
+        shut them down) or is stopped: a task that does not leave never holds the
+        launcher (it is said, and the run's outcome stays the chief's)."""
+        chief = self.children[0]
+        while chief.returncode != 0:  # a chief that failed stops the cluster itself
+            await asyncio.sleep(0.2)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(watchers), LINGER_S)
+            return
+        left = [c.name for c in self.children if c.proc is not None and c.returncode is None]
+        self.say(
+            f"zmqps launch: {', '.join(left)} still running {LINGER_S:g}s after the chief"
+            " ended: stopping"
+        )
+        await self.stop()
+
     async def _progress(self) -> None:
         assert self.cluster.chief is not None
         while True:
@@ -536,6 +555,7 @@ class Launcher:
                 total=None, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True
             )
         watchers = asyncio.ensure_future(asyncio.gather(*(self._watch(c) for c in self.children)))
+        lingering = asyncio.ensure_future(self._after_the_chief(watchers))
         progress = asyncio.ensure_future(self._progress())
         interrupt = asyncio.ensure_future(interrupted.wait())
         timeout = self.args.timeout or None
@@ -552,6 +572,7 @@ class Launcher:
             await watchers
         interrupt.cancel()
         progress.cancel()
+        lingering.cancel()
         if self.bar is not None:
             if not self.failure and not interrupted.is_set():
                 # the run ended well: the bar shows it whole (the last status it read

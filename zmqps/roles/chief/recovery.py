@@ -48,6 +48,7 @@ from zmqps.core.variables import Placement, ShardInfo
 from zmqps.metrics import Metrics
 from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.chief.modes import ChiefMode
+from zmqps.roles.chief.rereplication import Rereplicator
 from zmqps.roles.chief.variables import TERM, Variables
 from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
@@ -106,6 +107,11 @@ class RecoveryController:
         #: fail-overs so far: {"at", "dead", "promoted", "seconds"}
         self.failovers: list[dict[str, Any]] = []
         self.promotions = 0
+        #: held by whatever changes the copies of the states (a fail-over, a copy
+        #: joining): one at a time
+        self.placement_lock = asyncio.Lock()
+        #: brings the states back to R copies (replication only)
+        self.rereplicator = None if homes is None else Rereplicator(self, homes, clock=clock)
         self.members = members
         self.mode = mode
         self.variables = variables
@@ -587,7 +593,8 @@ class RecoveryController:
                     detected = self.health.detected(lost, self.clock())
                     log.warning("ps %s restarted without its shards: restoring every PS", lost)
                     reason = f"ps {','.join(map(str, lost))} restarted"
-                    await self.restore_lost(lost, detected, reason)
+                    async with self.placement_lock:
+                        await self.restore_lost(lost, detected, reason)
         finally:
             forget()
 
@@ -643,22 +650,29 @@ class RecoveryController:
             return False
         return any(s.state == state and s.backups for s in placement.shards)
 
-    async def fail_over(self, states: Sequence[int]) -> None:
-        """The processes serving ``states`` are silent past the heartbeat timeout: every
+    async def fail_over(self, states: Sequence[int], processes: Sequence[int] = ()) -> None:
+        """The processes serving ``states`` (and ``processes``: ones that serve no state
+        but hold backups) are silent past the heartbeat timeout, or restarted: every
         state whose primary they were goes on on a backup (no restore, no new
         generation); every primary they backed up stops waiting for them. The surviving
         copies are fenced at a new term first (their answers say how far each got), the
         furthest is promoted, the new placement epoch is published."""
+        async with self.placement_lock:
+            await self._fail_over(states, processes)
+
+    async def _fail_over(self, states: Sequence[int], processes: Sequence[int]) -> None:
         assert self.homes is not None and self.variables.placement is not None
         started = self.clock()
         placement = self.variables.placement
-        dead = {self.homes.of[i] for i in states}
+        dead = {self.homes.of[i] for i in states} | set(processes)
+        if not any(dead & set(s.copies) for s in placement.shards):
+            return  # handled already (another fail-over took them out)
         first: dict[int, ShardInfo] = {}
         for s in placement.shards:
             first.setdefault(s.state, s)
         process = self.homes.processes
         log.warning(
-            "ps process %s silent for %gs: failing over to the copies",
+            "ps process %s silent for %gs or restarted: failing over to the copies",
             ", ".join(map(str, sorted(dead))),
             self.cfg.heartbeat_timeout,
         )
@@ -747,8 +761,8 @@ class RecoveryController:
         )
         if lost_states:
             log.error(
-                "every copy of ps %s's state is gone: restoring every PS from the checkpoint;"
-                " replication is off for the rest of the run",
+                "every copy of ps %s's state is gone: restoring every PS from the checkpoint"
+                " (the copies are made again once it is restored)",
                 sorted(lost_states),
             )
             await self.restore_lost(sorted(lost_states), started, "every copy of a PS state lost")
@@ -759,7 +773,8 @@ class RecoveryController:
         primary stops shipping (a backup left would keep a copy of before the restore,
         and a later fail-over could promote it), and the states go home."""
         assert self.homes is not None
-        for state in sorted({s.state for s in placement.shards if s.backups}):
+        # every state (one with a copy joining but no backup yet too)
+        for state in sorted({s.state for s in placement.shards}):
             home = self.homes.of[state]
             body = o.ReplicaSet(state, self.terms.get(state, TERM), primary=True)
             try:
@@ -891,7 +906,16 @@ class RecoveryController:
             "ps_down": {str(i): s for i, s in sorted(self.health.down.items())},
             "promotions": self.promotions,
             "failovers": self.failovers[-5:],
+            **(
+                {"replication": self.rereplicator.status()}
+                if self.rereplicator is not None and self.replicated()
+                else {}
+            ),
         }
+
+    def replicated(self) -> bool:
+        placement = self.variables.placement
+        return placement is not None and placement.replication > 1
 
 
 def _rewinds(states: Sequence[dict[str, Any]], gen: int) -> dict[str, int] | None:

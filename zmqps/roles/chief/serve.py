@@ -205,6 +205,8 @@ async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> boo
         _ended_before(service, e)
         return False
     watchers.append(asyncio.ensure_future(recovery.watch_ps()))
+    if recovery.rereplicator is not None:
+        watchers.append(asyncio.ensure_future(recovery.rereplicator.run()))
     await _create_job_variables(service)
     while True:
         await _first(service.all_done, service.shutdown_requested, recovery.training_failed)

@@ -102,6 +102,8 @@ class PSSlots:
             return self._op_replica(msg)
         if msg.op == "join":
             return self._op_join(msg)
+        if msg.op == "shutdown":  # the process's, whatever part its own state plays
+            return self.own(msg)
         slot = self.own.index if msg.slot is None else msg.slot
         service = self._slots.get(slot)
         if service is None:  # the sender's placement is not this process's (a fail-over)

@@ -1,0 +1,327 @@
+"""Re-replication: the chief brings every PS state back to R copies while training goes on.
+
+Rules of this module:
+
+* A state has fewer copies than the replication after a fail-over (its dead copy is
+  gone) or after a backup's process died or restarted. The chief picks, for the
+  state with the fewest copies, a live process that holds no copy of it (the one
+  holding the fewest copies; a restarted process holds none), makes an empty copy
+  there (``replica``, backup role, at the state's term) and asks the state's
+  primary to ``join`` it: the primary sends a whole copy as of one entry of its log
+  at most ``rate`` bytes a second, then the entries after it; no push waits for the
+  new copy until it caught up. Once the primary says it is in sync, the placement
+  names it (a new epoch). One copy at a time in the whole cluster (a copy costs
+  the primary a snapshot of the state and bandwidth).
+* A copy that fails (the primary replaced, the target silent, the copy fell too far
+  behind) is given up: the primary is told the placement's backups again (which
+  drops the joiner) and the pair waits a back-off before it is tried again.
+* The chief watches every PS process here, not only those serving a state (the
+  recovery controller watches those): a process that serves no state but holds
+  backups and is silent past the heartbeat timeout, or answers with another boot id
+  (restarted: its copies are gone), is failed over like any other (its copies
+  dropped); a restarted or idle process is where copies go.
+* Only while training runs and no restore is under way: a restore changes every
+  state without the logs, so a copy joining then is dropped (every primary is told
+  its backups again) and started again after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from zmqps.core.variables import Placement
+from zmqps.roles.chief.variables import TERM
+from zmqps.wire import ops as o
+from zmqps.wire.errors import ZmqpsError
+
+if TYPE_CHECKING:
+    from zmqps.roles.chief.recovery import RecoveryController
+    from zmqps.roles.homes import Homes
+
+__all__ = ["RATE", "Rereplicator"]
+
+log = logging.getLogger("zmqps.chief")
+
+#: bytes a second a state's copy is sent at (default): a 100 MB state in about 2 s,
+#: leaving the primary most of its bandwidth for training
+RATE = 64 << 20
+#: copies kept in the status
+KEEP = 16
+#: seconds before a failed (state, process) pair is tried again: doubling to the last
+BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+class Rereplicator:
+    def __init__(
+        self,
+        recovery: RecoveryController,
+        homes: Homes,
+        *,
+        rate: float = RATE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.recovery = recovery
+        self.homes = homes
+        self.rate = rate
+        self.clock = clock
+        cfg = recovery.cfg
+        self.timeout = cfg.heartbeat_timeout
+        self.interval = min(cfg.heartbeat_interval, cfg.heartbeat_timeout / 4)
+        n = len(homes.processes)
+        #: each process's boot id as last heard, and when it last answered
+        self.boots: dict[int, str] = {}
+        self.heard: dict[int, float] = dict.fromkeys(range(n), clock())
+        #: the copy under way: {"state", "to", "started", "phase"}
+        self.current: dict[str, Any] | None = None
+        #: copies made or given up (the last KEEP)
+        self.done: list[dict[str, Any]] = []
+        self.copies = 0
+        self.failures = 0
+        self.bytes = 0
+        self._failed: dict[tuple[int, int], tuple[int, float]] = {}
+
+    # ------------------------------------------------------------------ the loop
+
+    def active(self) -> bool:
+        r = self.recovery
+        placement = r.variables.placement
+        return (
+            placement is not None and placement.replication > 1 and r.training and not r.recovering
+        )
+
+    async def run(self) -> None:
+        """Watch the processes and copy states until cancelled."""
+        while True:
+            await asyncio.sleep(self.interval)
+            if not self.active():
+                continue
+            await self.watch()
+            job = self.next_copy()
+            if job is not None and self.active():
+                await self.copy(*job)
+
+    async def _probe(self, q: int) -> str | None:
+        try:
+            rep = await self.homes.processes[q].request(
+                "ps_state", timeout=max(0.5, 2 * self.interval)
+            )
+            return o.PsStateReply.parse(rep.body).boot
+        except ZmqpsError:
+            return None
+
+    async def watch(self) -> list[int]:
+        """Probe every process; fail over those that serve no state, hold copies and are
+        silent past the heartbeat timeout or restarted. Returns them."""
+        n = len(self.homes.processes)
+        boots = await asyncio.gather(*(self._probe(q) for q in range(n)))
+        now = self.clock()
+        gone = []
+        for q, boot in enumerate(boots):
+            if boot is not None:
+                self.heard[q] = now
+                before = self.boots.get(q)
+                self.boots[q] = boot
+                if before is not None and before != boot:
+                    gone.append(q)
+            elif now - self.heard[q] > self.timeout:
+                gone.append(q)
+        placement = self.recovery.variables.placement
+        if placement is None:
+            return []
+        homes = set(self.homes.of)
+        holders = {q for s in placement.shards for q in s.backups}
+        # a process serving a state is the recovery controller's to watch
+        dead = [q for q in gone if q not in homes and q in holders]
+        if dead:
+            log.warning(
+                "ps process %s (backups only) is silent or restarted: dropping its copies",
+                ", ".join(map(str, dead)),
+            )
+            await self.recovery.fail_over([], dead)
+        return dead
+
+    def alive(self, q: int) -> bool:
+        return self.clock() - self.heard[q] <= self.timeout and q in self.boots
+
+    def under_replicated(self, placement: Placement | None = None) -> dict[int, list[int]]:
+        """Each state with fewer copies than the replication: its copies' processes."""
+        placement = placement or self.recovery.variables.placement
+        if placement is None:
+            return {}
+        copies = {s.state: list(s.copies) for s in placement.shards}
+        return {st: c for st, c in sorted(copies.items()) if len(c) < placement.replication}
+
+    def next_copy(self) -> tuple[int, int] | None:
+        """``(state, process)``: the next copy to make, or None."""
+        placement = self.recovery.variables.placement
+        if placement is None:
+            return None
+        held: dict[int, int] = dict.fromkeys(range(len(self.homes.processes)), 0)
+        for s in {s.state: s for s in placement.shards}.values():
+            for q in s.copies:
+                held[q] += 1
+        now = self.clock()
+        for state, copies in sorted(self.under_replicated().items(), key=lambda t: len(t[1])):
+            if not self.alive(copies[0]):
+                continue  # its primary is silent: the fail-over comes first
+            candidates = [
+                q
+                for q in held
+                if q not in copies
+                and self.alive(q)
+                and self._failed.get((state, q), (0, 0.0))[1] <= now
+            ]
+            if candidates:
+                return state, min(candidates, key=lambda q: (held[q], q))
+        return None
+
+    # ------------------------------------------------------------------ one copy
+
+    async def copy(self, state: int, target: int) -> bool:
+        """Make a copy of ``state`` on process ``target``; True once the placement
+        names it."""
+        r = self.recovery
+        placement = r.variables.placement
+        assert placement is not None
+        primary = self.homes.of[state]
+        term = r.terms.get(state, TERM)
+        processes = self.homes.processes
+        started = self.clock()
+        self.current = {"state": state, "to": target, "from": primary, "phase": "starting"}
+        log.info("copying ps %d's state from ps %d to ps %d", state, primary, target)
+        why = ""
+        info: dict[str, Any] = {}
+        try:
+            await processes[target].request(
+                "replica", o.ReplicaSet(state, term, primary=False).to_wire(), timeout=2.0
+            )
+            body = o.Join(state, term, target, processes[target].endpoint, self.rate)
+            await processes[primary].request("join", body.to_wire(), timeout=2.0)
+            self.current["phase"] = "copying"
+            while True:
+                await asyncio.sleep(self.interval)
+                if self._moved(state, primary, term):
+                    why = "the state's primary changed"
+                    break
+                if not self.alive(target) or not self.active():
+                    why = f"ps {target} is silent" if not self.alive(target) else "a restore"
+                    break
+                rep = await processes[primary].request("status", timeout=2.0, slot=state)
+                info = dict((rep.body.get("replica") or {}).get("joins", {}).get(str(target), {}))
+                self.current.update(phase=info.get("state", "?"), progress=_progress(info))
+                if info.get("state") == "in sync":
+                    break
+                if str(info.get("state", "failed")).startswith("failed"):
+                    why = str(info.get("state", "failed: the primary forgot the copy"))
+                    break
+        except ZmqpsError as exc:
+            why = f"{exc.code}: {exc}"
+        finally:
+            self.current = None
+        seconds = round(self.clock() - started, 3)
+        if not why:
+            async with r.placement_lock:
+                if self._moved(state, primary, term) or not self.alive(target):
+                    why = "the placement changed while the copy caught up"
+                else:
+                    self._add(state, target)
+        copied = int(info.get("bytes", 0))
+        record: dict[str, Any] = {
+            "state": state,
+            "to": target,
+            "from": primary,
+            "seconds": seconds,
+            "bytes": copied,
+        }
+        self.bytes += copied
+        if why:
+            self.failures += 1
+            record["failed"] = why
+            n, _ = self._failed.get((state, target), (0, 0.0))
+            self._failed[(state, target)] = (n + 1, self.clock() + BACKOFF[min(n, 4)])
+            log.warning("copying ps %d's state to ps %d failed: %s", state, target, why)
+            await self._drop_joiner(state)
+        else:
+            self.copies += 1
+            self._failed.pop((state, target), None)
+            log.warning(
+                "ps %d's state has a new copy on ps %d (%.2fs, %d bytes); %d states short of"
+                " copies",
+                state,
+                target,
+                seconds,
+                copied,
+                len(self.under_replicated()),
+            )
+        self.done.append(record)
+        del self.done[:-KEEP]
+        return not why
+
+    def _moved(self, state: int, primary: int, term: int) -> bool:
+        return (
+            self.homes.of[state] != primary
+            or self.recovery.terms.get(state, TERM) != term
+            or self.recovery.variables.placement is None
+        )
+
+    def _add(self, state: int, target: int) -> None:
+        r = self.recovery
+        placement = r.variables.placement
+        assert placement is not None
+        shards = tuple(
+            replace(s, backups=(*s.backups, target))
+            if s.state == state and target not in s.copies
+            else s
+            for s in placement.shards
+        )
+        new = replace(placement, shards=shards, epoch=placement.epoch + 1)
+        r.variables.use(new)
+        self.homes.update(new)
+
+    async def _drop_joiner(self, state: int) -> None:
+        """The primary of ``state`` ships to the placement's backups only (a joiner
+        given up is dropped)."""
+        placement = self.recovery.variables.placement
+        if placement is None:
+            return
+        first = next((s for s in placement.shards if s.state == state), None)
+        if first is None:
+            return
+        links = tuple((q, self.homes.processes[q].endpoint) for q in first.backups)
+        body = o.ReplicaSet(state, self.recovery.terms.get(state, TERM), True, links)
+        with contextlib.suppress(ZmqpsError):
+            await self.homes.processes[first.ps].request("replica", body.to_wire(), timeout=2.0)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        placement = self.recovery.variables.placement
+        copies = (
+            {}
+            if placement is None
+            else {
+                str(s.state): {"primary": s.ps, "backups": list(s.backups)}
+                for s in {s.state: s for s in placement.shards}.values()
+            }
+        )
+        return {
+            "replication": 1 if placement is None else placement.replication,
+            "copies": copies,
+            "under_replicated": sorted(self.under_replicated()),
+            "copying": self.current,
+            "copies_made": self.copies,
+            "copies_failed": self.failures,
+            "copied_bytes": self.bytes,
+            "recent_copies": self.done[-5:],
+        }
+
+
+def _progress(info: dict[str, Any]) -> float:
+    total = info.get("total_bytes") or 0
+    return 1.0 if not total else round(min(1.0, info.get("bytes", 0) / total), 3)
