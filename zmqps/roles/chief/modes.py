@@ -34,7 +34,7 @@ from zmqps.core.sync import StalenessBound, TokenLedger
 from zmqps.roles.configs import SyncConfig
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
-from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotReady, ZmqpsError
+from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotPrimary, NotReady, ZmqpsError
 
 __all__ = ["AsyncMode", "ChiefMode", "SspMode", "SyncMode", "make_chief_mode"]
 
@@ -310,6 +310,10 @@ class SyncMode(ChiefMode):
                 rep = await ps.request("wait_step", body, timeout=POLL_S + 5, attempts=2)
             except DeadlineExceeded:
                 log.warning("ps at %s does not answer while step %d waits on it", ps.endpoint, step)
+                continue
+            except NotPrimary as exc:  # the process lost its copy: a fail-over moves it
+                log.info("step %d waits for a fail-over: %s", step, exc)
+                await asyncio.sleep(0.1)
                 continue
             if int(rep.body["step"]) >= step:
                 return
