@@ -537,3 +537,40 @@ def test_a_joining_copy_catches_up_while_training_goes_on_and_ends_equal(sync: b
             assert c.copy(target, 0).mode.status()["steps_applied"] > 0
 
     run(body(), 30.0)
+
+
+def test_hostile_install_parts_are_refused_and_change_nothing() -> None:
+    """Parts of a copy that do not fit (an unknown shard, a chunk out of place, a shape
+    past the machine's memory, a part out of order, a last part without ledgers) are
+    refused with a clear error; the backup's copy stays as it was, and it goes on
+    taking its primary's entries."""
+
+    async def body() -> None:
+        c = Cluster(3, 2)
+        placement = await c.create()
+        await _workload(c, 8, 21)
+        s = next(s for s in placement.shards if s.state == 0)
+        q = s.backups[0]
+        before = state(c.copy(q, 0))
+        d = c.copy(0, 0).store.get(s.id).definition
+        link = c.net.client(f"ps{q}", "attacker", slot=0)
+        term = c.slots[0].role(0).term  # type: ignore[union-attr]
+        first = {"term": term, "index": 1, "part": 0, "last": False, "defs": [d.to_wire()]}
+        good = [s.id, "values", 0, "float32", list(d.shape)]
+        cases = [
+            ({**first, "items": [[99999, "values", 0, "float32", [2]]]}, [np.zeros(2, np.float32)]),
+            ({**first, "items": [[*good[:2], 10**9, *good[3:]]]}, [np.zeros(2, np.float32)]),
+            ({**first, "items": [[*good[:4], [1 << 40, 1 << 20]]]}, [np.zeros(2, np.float32)]),
+            ({**first, "part": 3, "items": []}, []),
+            ({**first, "last": True, "items": []}, []),
+        ]
+        for i, (req, arrays) in enumerate(cases):
+            tensors = [Tensor(a, "value", s.id, 0) for a in arrays]
+            with pytest.raises(InvalidArgument):
+                await link.request("install", req, tensors)
+            assert state(c.copy(q, 0)) == before, i
+        await _workload(c, 4, 22)  # the copy goes on following its primary
+        await c.settle()
+        assert c.check_copies() > 0
+
+    run(body(), 30.0)

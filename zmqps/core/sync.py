@@ -207,18 +207,18 @@ class SyncShards:
         step = self.min_step()
         return sorted({w for a in self.acc.values() if a.step == step for w in a.contributors})
 
-    def image(self) -> tuple[dict[str, Any], list[tuple[int, str, Array]]]:
-        """Everything (copies): ``(meta, arrays)``, each array ``(shard, what, array)``
-        (``dense``: the running sum; ``ids`` / ``rows``: one row gradient). :meth:`load_image`
-        of it makes a twin (a backup's copy)."""
-        acc, arrays = {}, []
+    def image(self) -> tuple[dict[str, Any], dict[tuple[int, str], Array]]:
+        """Everything (copies): ``(meta, arrays)``, the arrays by ``(shard, name)``
+        (``dense``: the running sum; ``ids.i`` / ``rows.i``: row gradient ``i``).
+        :meth:`load_image` of it makes a twin (a backup's copy)."""
+        acc, arrays = {}, {}
         for sid, a in self.acc.items():
             acc[str(sid)] = [a.step, a.count, list(a.contributors), a.refused, len(a.rows)]
             if a.dense is not None:
-                arrays.append((sid, "dense", a.dense.copy()))
-            for ids, rows in a.rows:
-                arrays.append((sid, "ids", ids.copy()))
-                arrays.append((sid, "rows", rows.copy()))
+                arrays[(sid, "dense")] = a.dense.copy()
+            for i, (ids, rows) in enumerate(a.rows):
+                arrays[(sid, f"ids.{i}")] = ids.copy()
+                arrays[(sid, f"rows.{i}")] = rows.copy()
         meta = {
             "required": self.required,
             "base_step": self.base_step,
@@ -229,31 +229,30 @@ class SyncShards:
         }
         return meta, arrays
 
-    def load_image(self, meta: Mapping[str, Any], arrays: Sequence[tuple[int, str, Array]]) -> None:
+    def load_image(self, meta: Mapping[str, Any], arrays: Mapping[tuple[int, str], Array]) -> None:
         """Replace the state with an :meth:`image` (InvalidArgument, unchanged, when
         it does not fit the store's shards)."""
         try:
             acc: dict[int, ShardAccumulator] = {}
-            for key, (step, count, contributors, refused, _) in meta["acc"].items():
+            for key, (step, count, contributors, refused, nrows) in meta["acc"].items():
                 sid = int(key)
-                self.store.get(sid)
-                acc[sid] = ShardAccumulator(
-                    int(step), int(count), None, [], [str(w) for w in contributors], int(refused)
-                )
-            pending: list[Array] = []
-            for sid, what, arr in arrays:
-                a, shard = acc[sid], self.store.get(sid)
-                if what == "dense":
+                shard = self.store.get(sid)
+                dense = arrays.get((sid, "dense"))
+                if dense is not None:
                     want = (shard.definition.size,), compute_dtype(shard.values.dtype)
-                    if (arr.shape, arr.dtype) != want:
-                        raise ValueError(f"shard {sid}: a running sum {arr.dtype}{arr.shape}")
-                    a.dense = np.array(arr, copy=True)
-                elif what == "ids":
-                    pending.append(np.array(arr, dtype=np.int64))
-                elif what == "rows" and pending:
-                    a.rows.append((pending.pop(), np.array(arr)))
-                else:
-                    raise ValueError(f"shard {sid}: {what!r}")
+                    if (dense.shape, dense.dtype) != want:
+                        raise ValueError(f"shard {sid}: a running sum {dense.dtype}{dense.shape}")
+                    dense = np.array(dense, copy=True)
+                rows = [
+                    (
+                        np.array(arrays[(sid, f"ids.{i}")], dtype=np.int64),
+                        np.array(arrays[(sid, f"rows.{i}")]),
+                    )
+                    for i in range(int(nrows))
+                ]
+                acc[sid] = ShardAccumulator(
+                    int(step), int(count), dense, rows, [str(w) for w in contributors], int(refused)
+                )
             required = int(meta["required"])
             base_step = int(meta["base_step"])
             dropped = Counter({str(k): int(v) for k, v in meta["dropped"].items()})
@@ -261,8 +260,8 @@ class SyncShards:
             aggregated = Counter({int(n): int(k) for n, k in meta["aggregated"]})
         except (KeyError, TypeError, ValueError, AttributeError, NotFound) as e:
             raise InvalidArgument(f"malformed sync state: {e}") from None
-        if required < 1 or pending:
-            raise InvalidArgument("malformed sync state")
+        if required < 1:
+            raise InvalidArgument("malformed sync state: replicas to aggregate below 1")
         self.required, self.base_step, self.acc = required, base_step, acc
         self.dropped, self.steps_applied, self.aggregated = dropped, steps_applied, aggregated
 

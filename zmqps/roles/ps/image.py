@@ -23,7 +23,7 @@ Rules of this module:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,36 +62,27 @@ class Part:
         return sum(t.array.nbytes for t in self.tensors)
 
 
-def _arrays(service: Any) -> Iterator[tuple[int, str, Array]]:
-    """Every array of the state, copied: ``(shard, what, array)``."""
-    for sh in service.store:
-        sid = sh.definition.id
-        if isinstance(sh, HashShard):
-            for name, arr in sh.raw()[1].items():
-                yield sid, f"table:{name}", arr
-        else:
-            yield sid, "values", sh.values.copy()
-            for name, arr in sh.slots.items():
-                yield sid, f"slot:{name}", arr.copy()
-    sync = getattr(service.mode, "shards", None)
-    if sync is not None:
-        # several row gradients of one shard: numbered (the staging keys must differ)
-        seen: dict[tuple[int, str], int] = {}
-        for sid, what, arr in sync.image()[1]:
-            if what == "dense":
-                yield sid, "acc:dense", arr
-                continue
-            n = seen[(sid, what)] = seen.get((sid, what), -1) + 1
-            yield sid, f"acc:{what}.{n}", arr
-
-
 def take(service: Any, part_bytes: int | None = None) -> list[Part]:
     """The whole state of ``service`` (a :class:`~zmqps.roles.ps.service.PSService`)
     now, in parts. Runs in one event-loop turn (it copies)."""
     store: ShardStore = service.store
-    versions = {str(sh.definition.id): sh.version for sh in store if not sh.is_table}
-    tables = {str(sh.definition.id): sh.raw()[0] for sh in store if isinstance(sh, HashShard)}
+    versions: dict[str, int] = {}
+    tables: dict[str, Any] = {}
+    arrays: list[tuple[int, str, Array]] = []  # every array of the state, copied
+    for sh in store:
+        sid = sh.definition.id
+        if isinstance(sh, HashShard):
+            tables[str(sid)], raw = sh.raw()
+            arrays += [(sid, f"table:{name}", arr) for name, arr in raw.items()]
+        else:
+            versions[str(sid)] = sh.version
+            arrays.append((sid, "values", sh.values.copy()))
+            arrays += [(sid, f"slot:{name}", arr.copy()) for name, arr in sh.slots.items()]
     sync = getattr(service.mode, "shards", None)
+    sync_meta = None
+    if sync is not None:
+        sync_meta, acc = sync.image()
+        arrays += [(sid, f"acc:{name}", arr) for (sid, name), arr in acc.items()]
     state = {
         "gen": service.gen,
         "restored_step": service.restored_step,
@@ -104,20 +95,23 @@ def take(service: Any, part_bytes: int | None = None) -> list[Part]:
         "pushes": service.pushes.image(),
         "closures": service.closures.image(),
         "mode": service.mode.name,
-        "sync": None if sync is None else sync.image()[0],
+        "sync": sync_meta,
     }
     parts = [Part(0, defs=[sh.definition.to_wire() for sh in store])]
     parts[0].meta = {"versions": versions, "tables": tables}
     step = max(1, PART_BYTES if part_bytes is None else part_bytes)
-    for sid, what, arr in _arrays(service):
+    filled = 0  # tensor bytes of the last part
+    for sid, what, arr in arrays:
         flat = arr.reshape(-1)
         per = max(1, step // max(1, flat.itemsize))
         for off in range(0, max(flat.size, 1), per):
             chunk = flat[off : off + per]
-            if parts[-1].tensors and parts[-1].nbytes + chunk.nbytes > step:
+            if parts[-1].tensors and filled + chunk.nbytes > step:
                 parts.append(Part(len(parts)))
+                filled = 0
             parts[-1].items.append([sid, what, off, wire_dtype(arr.dtype), list(arr.shape)])
             parts[-1].tensors.append(Tensor(chunk, "value", sid, off))
+            filled += chunk.nbytes
     parts[-1].state = state
     return parts
 
@@ -125,14 +119,22 @@ def take(service: Any, part_bytes: int | None = None) -> list[Part]:
 class Installing:
     """The backup's side of one copy on its way: parts staged until the last."""
 
-    def __init__(self, term: int, index: int, defs: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(
+        self,
+        term: int,
+        index: int,
+        defs: Sequence[Mapping[str, Any]],
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
         self.term, self.index = term, index
         try:
             self.defs = {d.id: d for d in (ShardDef.from_wire(w) for w in defs)}
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"install: a malformed shard definition ({exc})") from None
-        self.meta: dict[str, Any] = {}
+        #: the first part's shard versions and table counters
+        self.meta: Mapping[str, Any] = meta or {}
         self.arrays: dict[tuple[int, str], Array] = {}
+        #: bytes staged so far (checked against the machine's memory)
         self.staged = 0
         self.next = 0
 
@@ -162,9 +164,10 @@ class Installing:
         if arr is None:
             need = math.prod(shape) * dtype.itemsize
             memory = available_memory()
-            if memory is not None and need > memory[0]:
+            if memory is not None and self.staged + need > memory[0]:
                 raise InvalidArgument(
-                    f"install: shard {sid}'s {what} needs {need:,} bytes; {memory[0]:,} available"
+                    f"install: the copy needs more than {self.staged + need:,} bytes;"
+                    f" {memory[0]:,} available"
                 )
             arr = self.arrays[key] = np.empty(shape, dtype)
             self.staged += need
@@ -173,6 +176,11 @@ class Installing:
             raise InvalidArgument(f"install: shard {sid}'s {what}: a chunk out of place")
         flat[off : off + chunk.size] = chunk
 
+    def _named(self, sid: int, prefix: str) -> dict[str, Array]:
+        """Shard ``sid``'s staged arrays whose name starts with ``prefix`` (without it)."""
+        n = len(prefix)
+        return {w[n:]: a for (s, w), a in self.arrays.items() if s == sid and w.startswith(prefix)}
+
     def finish(self, service: Any, state: Mapping[str, Any]) -> None:
         """Make ``service`` the copy (all or nothing)."""
         from zmqps.roles.ps.modes import make_mode
@@ -180,39 +188,28 @@ class Installing:
         store = ShardStore(service.store.chunk_elems, service.store.observer)
         versions = self.meta.get("versions") or {}
         tables = self.meta.get("tables") or {}
-        dense = []
-        made: list[Any] = []
         try:
+            dense = [
+                (
+                    d,
+                    self.arrays[(sid, "values")],
+                    self._named(sid, "slot:"),
+                    int(versions[str(sid)]),
+                )
+                for sid, d in self.defs.items()
+                if d.table is None
+            ]
+            store.replace(dense)
+            made = [*store]
             for sid, d in self.defs.items():
                 if d.table is not None:
-                    continue
-                slots = {
-                    what[5:]: arr
-                    for (s, what), arr in self.arrays.items()
-                    if s == sid and what.startswith("slot:")
-                }
-                dense.append((d, self.arrays[(sid, "values")], slots, int(versions[str(sid)])))
-            store.replace(dense)
-            for sid, d in self.defs.items():
-                if d.table is None:
-                    continue
-                shard = HashShard.make(d)
-                raw = {
-                    what[6:]: arr
-                    for (s, what), arr in self.arrays.items()
-                    if s == sid and what.startswith("table:")
-                }
-                shard.load_raw(tables[str(sid)], raw)
-                made.append(shard)
+                    shard = HashShard.make(d)
+                    shard.load_raw(tables[str(sid)], self._named(sid, "table:"))
+                    made.append(shard)
             mode = make_mode(str(state["mode"]), store, 1, int(state["restored_step"]))
-            sync = state.get("sync")
-            if sync is not None:
-                acc = [
-                    (s, what[4:], arr)
-                    for (s, what), arr in self.arrays.items()
-                    if what.startswith("acc:")
-                ]
-                mode.shards.load_image(sync, _acc_order(acc, sync))  # type: ignore[attr-defined]
+            if state.get("sync") is not None:
+                acc = {(s, w[4:]): a for (s, w), a in self.arrays.items() if w.startswith("acc:")}
+                mode.shards.load_image(state["sync"], acc)  # type: ignore[attr-defined]
             dedup = type(service.dedup)(service.dedup.window, service.dedup.max_workers)
             dedup.restore(state["dedup"])
             pushes = type(service.pushes)()
@@ -220,46 +217,23 @@ class Installing:
             closures = type(service.closures)(service.closures.capacity)
             closures.load_image(state["closures"])
             rewinds = state.get("rewinds")
-            scalars = (
-                int(state["gen"]),
-                int(state["restored_step"]),
-                None if rewinds is None else {str(k): int(v) for k, v in rewinds.items()},
-                int(state["duplicates"]),
-                int(state["fenced"]),
-                {str(k): int(v) for k, v in state["dropped"].items()},
-            )
+            if rewinds is not None:
+                rewinds = {str(k): int(v) for k, v in rewinds.items()}
+            gen, restored_step = int(state["gen"]), int(state["restored_step"])
+            duplicates, fenced = int(state["duplicates"]), int(state["fenced"])
+            dropped = {str(k): int(v) for k, v in state["dropped"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidArgument(f"install: the copy is incomplete or malformed ({exc})") from None
-        service.store.install([*store, *made])
+        # everything checked: the copy takes the state's place
+        service.store.install(made)
+        mode.store = service.store
         if hasattr(mode, "shards"):
             mode.shards.store = service.store
-        mode.store = service.store
         service.mode = mode
         service.dedup, service.pushes, service.closures = dedup, pushes, closures
-        service.gen, service.restored_step, service.rewinds = scalars[:3]
-        service.duplicates, service.fenced = scalars[3:5]
+        service.gen, service.restored_step, service.rewinds = gen, restored_step, rewinds
+        service.duplicates, service.fenced = duplicates, fenced
         service.dropped.clear()
-        service.dropped.update(scalars[5])
+        service.dropped.update(dropped)
         service.placement = state.get("placement")
         service.waiters.notify()
-
-
-def _acc_order(
-    acc: list[tuple[int, str, Array]], sync: Mapping[str, Any]
-) -> list[tuple[int, str, Array]]:
-    """The staged sync arrays in the order :meth:`SyncShards.image` made them: per
-    shard its running sum, then its row gradients (ids before rows) in order. Staged
-    arrays are keyed by (shard, what), so several row gradients of one shard travel
-    under numbered names (``ids.0``, ``rows.0``, ...)."""
-    out = []
-    by = {(s, w): a for s, w, a in acc}
-    for key in sync.get("acc", {}):
-        sid = int(key)
-        if (sid, "dense") in by:
-            out.append((sid, "dense", by[(sid, "dense")]))
-        i = 0
-        while (sid, f"ids.{i}") in by:
-            out.append((sid, "ids", by[(sid, f"ids.{i}")]))
-            out.append((sid, "rows", by.get((sid, f"rows.{i}"), np.empty(0))))
-            i += 1
-    return out

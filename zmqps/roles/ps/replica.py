@@ -470,8 +470,7 @@ class Backup:
         if req.part == 0:
             if req.defs is None:
                 raise InvalidArgument("install: the first part carries the shard definitions")
-            staged = self._installing = Installing(req.term, req.index, req.defs)
-            staged.meta = dict(req.meta or {})
+            staged = self._installing = Installing(req.term, req.index, req.defs, req.meta)
         elif staged is None or (staged.term, staged.index) != (req.term, req.index):
             raise InvalidArgument(f"install: part {req.part} of a copy not begun")
         try:
