@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from helpers import Reaper, chief_address, chief_status, launch_run, read_json, task_pid, wait_for
 
-EPOCHS = "60"
+#: long enough for a kill, a copy made again and a second kill (about 15 s)
+EPOCHS = "100"
 
 
 @pytest.mark.timeout(240)
@@ -44,6 +45,23 @@ def test_kill9_ps_with_replication_fails_over_without_a_restore(
 
     after = wait_for(promoted, 60, what="a copy promoted", interval=0.05)
     seen_at = time.time()
+
+    def copied() -> dict[str, Any] | None:
+        s = chief_status(chief, timeout=1.0)
+        rep = (s or {}).get("replication") or {}
+        return s if rep.get("copies_made", 0) >= 1 and not rep.get("under_replicated") else None
+
+    # every state is back to 2 copies (one went to the restarted ps 1): the process
+    # now serving ps 1's state may die too, and nothing is restored either
+    again = wait_for(copied, 60, what="every state copied again", interval=0.1)
+    heir = after["failovers"][-1]["promoted"]["1"]
+    os.kill(task_pid(launcher, f"ps{heir}"), signal.SIGKILL)
+
+    def promoted_again() -> dict[str, Any] | None:
+        s = chief_status(chief, timeout=1.0)
+        return s if s and len(s.get("failovers", ())) >= 2 else None
+
+    second = wait_for(promoted_again, 60, what="a second fail-over", interval=0.05)
     launcher.expect_exit(0, timeout=200)
     summary = read_json(summary_path)
     assert summary is not None
@@ -53,6 +71,11 @@ def test_kill9_ps_with_replication_fails_over_without_a_restore(
     assert failover["promoted"]["1"] != 1
     assert after["gen"] == 0 and not after["recoveries"], after  # no restore
     assert after["global_step"] >= before["global_step"]
+    assert again["replication"]["copies"]["1"]["backups"], again["replication"]
+    assert second["failovers"][-1]["dead"] == [heir], second["failovers"]
+    assert second["gen"] == 0 and not second["recoveries"], second  # still no restore
+    assert summary["replication"]["restores"] == 0, summary
+    assert summary["replication"]["copies_made"] >= 2, summary
     # every worker step was one push applied exactly once on each PS state: the global
     # step (updates applied) is the workers' steps, none lost, none applied twice
     assert summary["global_step"] == summary["worker_steps"], summary
@@ -68,11 +91,12 @@ def test_kill9_ps_with_replication_fails_over_without_a_restore(
 def test_the_last_copy_of_a_state_lost_falls_back_to_a_restore(
     procs: Reaper, tmp_path: Path
 ) -> None:
-    """With 2 copies, the PS that took over ps 1's state dies too: that state has no
-    copy left. The chief restores every PS from the checkpoint (replication off from
-    then on), the workers train again the batches after it, and the run ends, exit 0."""
+    """With 2 copies, the PS that took over ps 1's state dies too, and so does the
+    restarted ps 1 (where a new copy of that state may be on its way): that state has
+    no copy left. The chief restores every PS from the checkpoint, the workers train
+    again the batches after it, and the run ends, exit 0."""
     run = tmp_path / "lost"
-    flags = ("--ps", "3", "--replication", "2", "--epochs", EPOCHS, "--heartbeat-timeout", "2")
+    flags = ("--ps", "3", "--replication", "2", "--epochs", "60", "--heartbeat-timeout", "2")
     launcher, summary_path = launch_run(procs, run, "-q", *flags, timeout=150)
     chief = chief_address(launcher)
 
@@ -89,6 +113,7 @@ def test_the_last_copy_of_a_state_lost_falls_back_to_a_restore(
 
     heir = wait_for(promoted, 60, what="a copy promoted", interval=0.05)["failovers"][-1]
     os.kill(task_pid(launcher, f"ps{heir['promoted']['1']}"), signal.SIGKILL)
+    os.kill(task_pid(launcher, "ps1"), signal.SIGKILL)
 
     def restored() -> dict[str, Any] | None:
         s = chief_status(chief, timeout=1.0)

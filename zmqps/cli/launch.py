@@ -613,6 +613,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
     ]
     if acc is not None:
         lines.append(f"  test accuracy {acc:.4f}, test loss {summary.get('test_loss'):.4f}")
+    rep = summary.get("replication")
+    if rep and (rep.get("failovers") or rep.get("copies_made")):
+        lines.append(
+            f"  replication {rep['factor']}: {rep['failovers']} fail-overs,"
+            f" {rep['promotions']} copies promoted, {rep['copies_made']} copies made again,"
+            f" {rep['restores']} restores from a checkpoint"
+        )
     stats = [s for s in summary.get("worker_stats") or [] if "overlap" in s]
     if stats:
         overlap = sum(s["overlap"] for s in stats) / len(stats)

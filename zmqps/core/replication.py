@@ -347,13 +347,17 @@ class FailOver:
 
 
 def fail_over(
-    placement: Placement, dead: Iterable[int], heads: Mapping[int, Mapping[int, int]]
+    placement: Placement,
+    dead: Iterable[int],
+    heads: Mapping[int, Mapping[int, int]],
+    replication: int | None = None,
 ) -> FailOver:
     """The placement once the PS ``dead`` are gone. ``heads[sid]``: the in-sync
     surviving copies of shard ``sid`` that answered (PS -> the index it applied);
-    a survivor not in it (behind, or silent) is not promoted and not kept."""
+    a survivor not in it (behind, or silent) is not promoted and not kept.
+    ``replication``: the copies wanted (None: as many as the placement has now)."""
     gone = set(dead)
-    want = placement.replication
+    want = placement.replication if replication is None else replication
     shards: list[ShardInfo] = []
     promoted: dict[int, int] = {}
     lost: list[int] = []

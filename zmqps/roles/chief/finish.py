@@ -47,6 +47,17 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         # steps whose gradients the PS refused as not finite (the workers skipped them)
         "nonfinite_steps": m.nonfinite,
     }
+    recovery = service.recovery
+    if recovery.replicated() and recovery.rereplicator is not None:
+        # what replication did: fail-overs, promoted copies, copies made again
+        summary["replication"] = {
+            "factor": cfg.replication,
+            "failovers": len(recovery.failovers),
+            "promotions": recovery.promotions,
+            "copies_made": recovery.rereplicator.copies,
+            "copies_failed": recovery.rereplicator.failures,
+            "restores": len(recovery.recoveries),
+        }
     failure = nonfinite_verdict(m.nonfinite, m.global_step, cfg.max_nonfinite_share)
     if failure:
         summary["failed"] = failure

@@ -709,7 +709,7 @@ class RecoveryController:
             )
             survivors[state] = {q: a.applied for q, a in zip(alive, answers, strict=True) if a}
         heads = {s.id: survivors[s.state] for s in placement.shards if s.state in survivors}
-        out = fail_over(placement, dead, heads)
+        out = fail_over(placement, dead, heads, self.cfg.replication)
         # 2. promote the furthest copy of each; primaries stop waiting for dead backups
         after: dict[int, ShardInfo] = {}
         for s in out.placement.shards:
@@ -914,8 +914,8 @@ class RecoveryController:
         }
 
     def replicated(self) -> bool:
-        placement = self.variables.placement
-        return placement is not None and placement.replication > 1
+        """Whether the run keeps copies (``--replication`` above 1)."""
+        return self.homes is not None and self.cfg.replication > 1
 
 
 def _rewinds(states: Sequence[dict[str, Any]], gen: int) -> dict[str, int] | None:

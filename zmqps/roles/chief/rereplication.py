@@ -92,7 +92,7 @@ class Rereplicator:
         r = self.recovery
         placement = r.variables.placement
         return (
-            placement is not None and placement.replication > 1 and r.training and not r.recovering
+            placement is not None and r.cfg.replication > 1 and r.training and not r.recovering
         )
 
     async def run(self) -> None:
@@ -107,11 +107,11 @@ class Rereplicator:
                 await self.copy(*job)
 
     async def _probe(self, q: int) -> str | None:
+        """Process ``q``'s boot id (None: no answer); a ``ping``, small whatever the
+        placement (``ps_state`` carries it)."""
         try:
-            rep = await self.homes.processes[q].request(
-                "ps_state", timeout=max(0.5, 2 * self.interval)
-            )
-            return o.PsStateReply.parse(rep.body).boot
+            rep = await self.homes.processes[q].request("ping", timeout=max(0.5, 2 * self.interval))
+            return o.Pong.parse(rep.body).boot
         except ZmqpsError:
             return None
 
@@ -154,8 +154,10 @@ class Rereplicator:
         placement = placement or self.recovery.variables.placement
         if placement is None:
             return {}
+        # the configured factor: the placement's own count shrinks with every copy lost
+        want = self.recovery.cfg.replication
         copies = {s.state: list(s.copies) for s in placement.shards}
-        return {st: c for st, c in sorted(copies.items()) if len(c) < placement.replication}
+        return {st: c for st, c in sorted(copies.items()) if len(c) < want}
 
     def next_copy(self) -> tuple[int, int] | None:
         """``(state, process)``: the next copy to make, or None."""
@@ -311,7 +313,7 @@ class Rereplicator:
             }
         )
         return {
-            "replication": 1 if placement is None else placement.replication,
+            "replication": self.recovery.cfg.replication,
             "copies": copies,
             "under_replicated": sorted(self.under_replicated()),
             "copying": self.current,

@@ -227,10 +227,8 @@ class Primary:
         self._signal.notify()
 
     def join(self, backup: int, link: Requester, parts: list[Part], rate: float | None) -> int:
-        """Bring ``backup`` in: ``parts`` is a copy of the state as of the head now
-        (taken in this event-loop turn); returns that entry's index."""
-        if backup in self.links or str(backup) in self.log.backups:
-            raise InvalidArgument(f"ps {backup} is a backup of ps {self.slot}'s state already")
+        """Bring ``backup`` (not one yet) in: ``parts`` is a copy of the state as of the
+        head now (taken in this event-loop turn); returns that entry's index."""
         at = self.log.head
         self.log.join(str(backup), at, installing=True)
         self.links[backup] = link

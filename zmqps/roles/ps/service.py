@@ -203,7 +203,7 @@ class PSService:
     # -- plain ops -------------------------------------------------------------
 
     def _op_ping(self, msg: Message, req: o.Ping) -> Message:
-        return reply(msg, o.Pong("ps", self.index).to_wire())
+        return reply(msg, o.Pong("ps", self.index, self.boot).to_wire())
 
     def _op_status(self, msg: Message, req: o.Status) -> Message:
         return reply(msg, self.status())

@@ -163,7 +163,9 @@ class PSSlots:
                     role.term,
                     req.term,
                 )
-                self._closing.add(asyncio.ensure_future(_retire(role)))
+                closing = asyncio.ensure_future(_retire(role))
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
                 role = Backup(req.slot, req.term)
             elif role is None:
                 role = Backup(req.slot, req.term)
@@ -186,6 +188,8 @@ class PSSlots:
             )
         if req.ps == self.own.index or self._link is None:
             raise InvalidArgument(f"ps {self.own.index} cannot back up its own copy")
+        if req.ps in role.backups():
+            raise InvalidArgument(f"ps {req.ps} is a backup of ps {req.slot}'s state already")
         if len(role.backups()) >= MAX_REPLICATION - 1:
             raise InvalidArgument(f"ps {req.slot}'s state has its most backups already")
         service = self._slots[req.slot]
