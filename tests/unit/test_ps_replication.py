@@ -12,6 +12,7 @@ request is answered: nothing a PS acknowledged is missing from any copy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -574,3 +575,50 @@ def test_hostile_install_parts_are_refused_and_change_nothing() -> None:
         assert c.check_copies() > 0
 
     run(body(), 30.0)
+
+
+def test_a_step_is_told_only_once_every_backup_has_it() -> None:
+    """Sync, one gradient a step, state 0's backup silent: the pushes that complete step
+    0 are applied on the primary but not committed. ``wait_step`` and ``ps_state`` still
+    say step 0 (the chief must not go on to a step a fail-over would undo); once the
+    backup has them, step 1 is told, and a waiter for it is woken."""
+
+    async def body() -> None:
+        c = Cluster(2, 2)
+        placement = await c.create()
+        for ch in c.chief:
+            await ch.request("sync_config", {"mode": "sync", "required": 1})
+        w = c.worker("worker:0")
+        await w.pull()
+        backup_of_0 = next(s.backups[0] for s in placement.shards if s.ps == 0)
+        c.net.remove(f"ps{backup_of_0}")
+        ids = np.arange(3)
+        rows = np.ones((3, 2), np.float32)
+        grads = {v.name: np.ones(v.shape, np.float32) for v in (W, B)}
+        pushes = asyncio.gather(
+            w.push(grads, step=0),
+            w.push_rows("e", ids, np.ones((3, 3), np.float32), step=0),
+            w.push_rows("t", ids, rows, step=0),
+        )
+        svc = c.copy(0, 0)
+        for _ in range(100):
+            if svc.mode.step == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert svc.mode.step == 1 and svc.visible_step == 0
+        assert not pushes.done()
+        rep = await c.chief[0].request("wait_step", {"step": 1, "wait": 0.0})
+        assert rep.body["step"] == 0
+        assert (await c.chief[0].request("ps_state")).body["step"] == 0
+        waiter = asyncio.ensure_future(c.chief[0].request("wait_step", {"step": 1, "wait": 5.0}))
+        c.net.serve(f"ps{backup_of_0}", c.slots[backup_of_0])  # the backup answers again
+        # the primary sends the entries again (its ship timeout): step 1 is told
+        assert (await asyncio.wait_for(waiter, 8.0)).body["step"] == 1
+        assert svc.visible_step == 1
+        role = c.slots[0].role(0)
+        assert isinstance(role, Primary) and role.log.committed == role.log.head
+        pushes.cancel()
+        with contextlib.suppress(BaseException):
+            await pushes
+
+    run(body(), 20.0)

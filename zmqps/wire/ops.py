@@ -582,8 +582,6 @@ class Empty(Body):
 class Pong(Body):
     role: str = wire(ROLE)
     index: int = wire(Int(0))
-    #: a PS process's boot id (a new one at every start): a restart is told by it
-    boot: str | None = wire(Str(64), default=None)
 
 
 @_body(reply=True)

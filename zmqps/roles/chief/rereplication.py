@@ -91,9 +91,7 @@ class Rereplicator:
     def active(self) -> bool:
         r = self.recovery
         placement = r.variables.placement
-        return (
-            placement is not None and r.cfg.replication > 1 and r.training and not r.recovering
-        )
+        return placement is not None and r.cfg.replication > 1 and r.training and not r.recovering
 
     async def run(self) -> None:
         """Watch the processes and copy states until cancelled."""
@@ -107,11 +105,11 @@ class Rereplicator:
                 await self.copy(*job)
 
     async def _probe(self, q: int) -> str | None:
-        """Process ``q``'s boot id (None: no answer); a ``ping``, small whatever the
-        placement (``ps_state`` carries it)."""
+        """Process ``q``'s boot id (None: no answer)."""
+        timeout = max(0.5, 2 * self.interval)
         try:
-            rep = await self.homes.processes[q].request("ping", timeout=max(0.5, 2 * self.interval))
-            return o.Pong.parse(rep.body).boot
+            rep = await self.homes.processes[q].request("ps_state", timeout=timeout)
+            return o.PsStateReply.parse(rep.body).boot
         except ZmqpsError:
             return None
 

@@ -46,6 +46,7 @@ import contextlib
 import inspect
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -130,10 +131,13 @@ class Primary:
         acked: Mapping[int, int] | None = None,
         resolve: Callable[[Message], tuple[str, dict[str, Any], list[Tensor]]] | None = None,
         ship_timeout: float = SHIP_TIMEOUT,
+        step: Callable[[], int] | None = None,
+        on_commit: Callable[[], None] | None = None,
     ) -> None:
         """``links``: a requester to each backup (by PS index), bound to ``slot``;
         ``acked``: the entry each backup has (promotion), else ``head``; ``resolve``:
-        turns a request into the entry's (op, body, tensors)."""
+        turns a request into the entry's (op, body, tensors); ``step``: the state's
+        sync step now; ``on_commit``: called when the step every copy has moves."""
         self.slot = slot
         self.links = dict(links)
         self.ship_timeout = ship_timeout
@@ -152,6 +156,13 @@ class Primary:
         self.fenced = False
         #: backups joining or joined lately: PS -> how the copy goes (bounded)
         self.joins: dict[int, dict[str, Any]] = {}
+        #: the sync step as of the last committed entry, and the step after each entry
+        #: not committed yet (at most the log's bound): a step read from this copy is
+        #: one every backup has (see :meth:`visible`)
+        self._step = step or (lambda: 0)
+        self._on_commit = on_commit
+        self.committed_step = self._step()
+        self._steps: deque[tuple[int, int]] = deque()
 
     @property
     def term(self) -> int:
@@ -181,6 +192,7 @@ class Primary:
             self._check_fenced()
         failure: ZmqpsError | None = None
         out: Message | None = None
+        before = self._step()
         try:
             result = handler(msg)
             if inspect.isawaitable(result):  # none of REPLICATED_OPS waits: defensive
@@ -191,7 +203,10 @@ class Primary:
                 raise
             failure = exc
         entry = self.log.append((op, body, tensors), nbytes)
-        self._signal.notify()
+        if not self._steps:  # everything before was committed: so was the step then
+            self.committed_step = before
+        self._steps.append((entry.index, self._step()))
+        self._changed()
         try:
             await self._signal.until(
                 lambda: self.fenced or self.log.committed >= entry.index, deadline
@@ -207,6 +222,22 @@ class Primary:
             raise failure
         assert out is not None
         return out
+
+    def visible(self, step: int) -> int:
+        """``step`` (the state's sync step now) as far as every backup has it: a chief
+        that reads a step here and goes on never sees it undone by a fail-over (a step
+        completed by an entry not committed yet is not told)."""
+        return step if not self._steps else min(step, self.committed_step)
+
+    def _changed(self) -> None:
+        """The log changed: take the step of what is committed, wake the waiters."""
+        moved = False
+        while self._steps and self._steps[0][0] <= self.log.committed:
+            self.committed_step = self._steps.popleft()[1]
+            moved = True
+        if moved and self._on_commit is not None:
+            self._on_commit()
+        self._signal.notify()
 
     def _check_fenced(self) -> None:
         if self.fenced:
@@ -224,7 +255,7 @@ class Primary:
         link = self.links.pop(backup, None)
         if link is not None:  # an open socket would hang the context's termination
             self._closing.add(asyncio.ensure_future(link.close()))
-        self._signal.notify()
+        self._changed()
 
     def join(self, backup: int, link: Requester, parts: list[Part], rate: float | None) -> int:
         """Bring ``backup`` (not one yet) in: ``parts`` is a copy of the state as of the
@@ -284,7 +315,7 @@ class Primary:
             self.log.installed(name)
             info["state"] = "catching up"
             info["seconds"] = round(time.monotonic() - started, 3)
-            self._signal.notify()
+            self._changed()
             await self._ship_to(backup)
         finally:
             if name not in self.log.backups and backup in self.links and not self._closed:
@@ -356,7 +387,7 @@ class Primary:
             if not self.fenced:
                 log.warning("ps %d: replaced as primary (backup %d: %s)", self.slot, backup, exc)
             self.fenced = True
-            self._signal.notify()
+            self._changed()
             return
         except ZmqpsError as exc:
             log.debug("ps %d: entry %d to backup %d: %s", self.slot, e.index, backup, exc)
@@ -368,14 +399,14 @@ class Primary:
         if done.gap:
             self.log.resend(name)
             self.resent += 1
-        self._signal.notify()
+        self._changed()
 
     async def _again(self, name: str) -> None:
         await asyncio.sleep(0.05)
         if name in self.log.backups:
             self.log.resend(name)
             self.resent += 1
-            self._signal.notify()
+            self._changed()
 
     def state(self) -> dict[str, Any]:
         n, nbytes = self.log.unacked()
@@ -411,7 +442,7 @@ class Primary:
         self._senders.clear()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
-        self._signal.notify()
+        self._changed()
 
 
 class Backup:

@@ -113,7 +113,7 @@ class PSService:
         self.restored_step = 0  # the step of the last restore (sync shards start there)
         #: the batch cursors of the last restore to a checkpoint's (see o.Restore.rewind)
         self.rewinds: dict[str, int] | None = None
-        self.waiters = StepWaiters(lambda: self.mode.step)
+        self.waiters = StepWaiters(lambda: self.visible_step)
         self.regions = Regions(max_region_bytes)
         #: shared-memory pulls served lately, by sender (see _shm_pull_again)
         self._shm_pulls: collections.OrderedDict[str, collections.deque[int]] = (
@@ -200,10 +200,18 @@ class PSService:
     def sync_step(self) -> int:
         return self.mode.step
 
+    @property
+    def visible_step(self) -> int:
+        """The sync step as others read it (``wait_step``, ``ps_state``): on a
+        replicated primary, the step of what every backup has too, so that a step the
+        chief counted is never undone by a fail-over."""
+        visible = getattr(self.replica, "visible", None)
+        return self.mode.step if visible is None else int(visible(self.mode.step))
+
     # -- plain ops -------------------------------------------------------------
 
     def _op_ping(self, msg: Message, req: o.Ping) -> Message:
-        return reply(msg, o.Pong("ps", self.index, self.boot).to_wire())
+        return reply(msg, o.Pong("ps", self.index).to_wire())
 
     def _op_status(self, msg: Message, req: o.Status) -> Message:
         return reply(msg, self.status())
@@ -554,7 +562,7 @@ class PSService:
         if self.metrics is not None:
             self.metrics.set_info("ps", self.index, req.mode)
         log.info("ps %d: mode %s (replicas to aggregate %d)", self.index, req.mode, req.required)
-        return reply(msg, o.StepReply(step=self.sync_step).to_wire())
+        return reply(msg, o.StepReply(step=self.visible_step).to_wire())
 
     async def _op_wait_step(self, msg: Message, req: o.WaitStep) -> Message:
         step = await self.waiters.wait(req.step, (0.0 if req.wait is None else req.wait))
@@ -570,7 +578,7 @@ class PSService:
             gen=self.gen,
             shards=[[sh.definition.id, sh.version] for sh in self.store],
             mode="sync" if self.mode.name == "sync" else "",
-            step=self.sync_step,
+            step=self.visible_step,
             contributors=tuple(self.mode.contributors(every_shard=False)),
             placement=self.placement,
             cursors=self.pushes.cursors() or None,

@@ -250,6 +250,8 @@ class PSSlots:
             resolve=entry_resolver(
                 lambda sids, ref: service.regions.views(service.store, sids, ref)
             ),
+            step=lambda: service.mode.step,
+            on_commit=service.waiters.notify,
         )
         for name in list(primary.log.dropped):  # further behind than the entries kept
             log.warning(
