@@ -25,7 +25,7 @@ from zmqps.core.partition import Partitioner
 from zmqps.core.replication import fail_over
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.chief.variables import Variables
-from zmqps.roles.client import ParameterClient
+from zmqps.roles.client import Delivery, ParameterClient
 from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.roles.ps import PSService
@@ -40,6 +40,7 @@ from zmqps.wire.errors import (
     FencedError,
     InvalidArgument,
     NonFiniteGradient,
+    NotFound,
     NotPrimary,
     ProtocolError,
 )
@@ -452,10 +453,15 @@ def test_replica_requests_cannot_make_copies_without_end() -> None:
         c = Cluster(2, 2)
         await c.create()
         assert c.slots[0].slots() == [0, 1]  # its own state and a copy of ps 1's
+        make = {"term": 1, "primary": False, "make": True}
+        # a fence (no ``make``) of a state the process holds no copy of makes none
+        with pytest.raises(NotFound, match="holds no copy of ps 2's state"):
+            await c.chief[0].request("replica", {"slot": 2, "term": 1, "primary": False})
+        assert c.slots[0].slots() == [0, 1]
         for slot in range(2, 1 + MAX_COPIES):
-            await c.chief[0].request("replica", {"slot": slot, "term": 1, "primary": False})
+            await c.chief[0].request("replica", {"slot": slot, **make})
         with pytest.raises(InvalidArgument, match="copies of other PS's states already"):
-            await c.chief[0].request("replica", {"slot": 10_000, "term": 1, "primary": False})
+            await c.chief[0].request("replica", {"slot": 10_000, **make})
         assert len(c.slots[0].slots()) == MAX_COPIES + 1
 
     run(body(), 30.0)
@@ -465,7 +471,9 @@ async def _join(c: Cluster, slot: int, target: int, rate: float | None = None) -
     """The chief's part of bringing ``target`` in as a backup of state ``slot``: an
     empty copy there, then the primary's ``join``; returns the join's final state."""
     term = c.slots[slot].role(slot).term  # type: ignore[union-attr]
-    await c.chief[target].request("replica", {"slot": slot, "term": term, "primary": False})
+    await c.chief[target].request(
+        "replica", {"slot": slot, "term": term, "primary": False, "make": True}
+    )
     body = {"slot": slot, "term": term, "ps": target, "endpoint": f"ps{target}"}
     if rate is not None:
         body["rate"] = rate
@@ -622,3 +630,61 @@ def test_a_step_is_told_only_once_every_backup_has_it() -> None:
             await pushes
 
     run(body(), 20.0)
+
+
+def test_a_push_whose_state_moved_is_sent_again_and_applied_once() -> None:
+    """Sync: the process serving state 1 dies before it answers a push. The push is
+    sent again once the state's copy is promoted: the same messages with the same
+    sequence numbers, and only to the state that did not answer. Every state applies
+    the worker's gradient of the step once; a message
+    whose reply was lost, sent again, is answered as a duplicate and changes nothing."""
+
+    async def body() -> None:
+        c = Cluster(3, 2)
+        placement = await c.create()
+        for ch in c.chief:
+            await ch.request("sync_config", {"mode": "sync", "required": 1})
+        homes = Homes([c.net.client(f"ps{i}", "worker:9:0", timeout=1.0) for i in range(3)])
+        w = ParameterClient(homes.links(), placement, worker="worker:9", incarnation=0, timeout=1.0)
+        await w.pull()
+        grads = {v.name: np.ones(v.shape, np.float32) for v in (W, B)}
+        states = sorted({s.state for s in placement.shards if s.var in ("w", "b")})
+        assert 1 in states and len(states) > 1
+        # process 1 dies; the primaries it backed up stop waiting for it (the chief)
+        c.net.remove("ps1")
+        home = {s.state: s for s in placement.shards}
+        for p in (0, 2):
+            keep = [[q, f"ps{q}"] for q in home[p].backups if q != 1]
+            await c.chief[p].request(
+                "replica", {"slot": p, "term": 1, "primary": True, "backups": keep}
+            )
+        delivery = Delivery()
+        with pytest.raises(DeadlineExceeded):
+            await w.push(grads, step=0, delivery=delivery)
+        assert {ps for ps, _ in delivery.answered} == set(states) - {1}
+        seqs = dict(delivery.seqs)
+        # the chief promotes state 1's copy; the worker hears of the new placement
+        (q,) = home[1].backups
+        rep = await c.chief[q].request("replica", {"slot": 1, "term": 2, "primary": False})
+        await c.chief[q].request(
+            "replica", {"slot": 1, "term": 2, "primary": True, "backups": [], "applied": []}
+        )
+        heads = {s.id: {q: rep.body["applied"]} for s in placement.shards if s.ps == 1}
+        homes.update(fail_over(placement, {1}, heads).placement)
+        w.moved([1])
+        assert await w.push(grads, step=0, delivery=delivery) is True
+        assert delivery.seqs == seqs  # nothing numbered anew
+        for p in states:
+            svc = c.copy(homes.of[p], p)
+            assert svc.pushes.snapshot()["worker:9"]["applied"] == 1, p
+        # the reply from state 0 was lost: sent again, a duplicate, nothing applied
+        lost = next(k for k in delivery.answered if k[0] == states[0])
+        del delivery.answered[lost]
+        first = c.copy(homes.of[states[0]], states[0])
+        before = state(first)[:2]  # values, optimizer slots, versions; dedup window
+        assert await w.push(grads, step=0, delivery=delivery) is False
+        assert state(first)[:2] == before
+        assert first.pushes.snapshot()["worker:9"]["dropped"] == {"duplicate": 1}
+        assert delivery.seqs == seqs
+
+    run(body(), 30.0)

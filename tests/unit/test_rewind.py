@@ -293,7 +293,7 @@ def test_a_push_of_values_of_before_a_restore_already_heard_of_is_dropped_at_onc
     # generation after 1 (it would, until its timeout)
     chief = _ScriptedChief(o.HeartbeatReply(10, 1))
 
-    async def refused() -> bool:
+    async def refused(_: object) -> bool:
         raise RolledBack("ps 0 is at generation 1; the request is of generation 0")
 
     async def go(made_in: int | None) -> bool:

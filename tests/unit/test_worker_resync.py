@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 
 from zmqps.core.sync import TokenLedger
+from zmqps.roles.channels import Delivery
 from zmqps.roles.worker.modes import SyncSteps
 from zmqps.roles.worker.session import Session, cut_off
 from zmqps.wire import Message
-from zmqps.wire.errors import DeadlineExceeded, NotReady, RolledBack
-from zmqps.wire.ops import HeartbeatReply, TakeToken, Token, Who
+from zmqps.wire.errors import DeadlineExceeded, NotPrimary, NotReady, RolledBack
+from zmqps.wire.ops import ClusterInfo, HeartbeatReply, TakeToken, Token, Who
 
 TIMEOUT = DeadlineExceeded("pull to tcp://10.0.0.3:2222: no reply within 30s")
 
@@ -81,18 +82,78 @@ def test_a_token_poll_after_a_restore_says_what_the_worker_has_now() -> None:
     assert [r.have for r in sent] == [150, -1]
 
 
-def test_a_push_some_ps_may_lack_asks_for_the_same_token_again() -> None:
-    """A sync push failed and no restore came (a PS cut off past the push's attempts):
-    the step is not counted as computed, so the ledger gives this worker the same token
-    again (its new gradient completes the step on the PS that lacked the first; one
-    that has it drops the second). Counting it computed would leave the step waiting
-    forever on a gradient that never comes."""
+class _Chief:
+    """Answers heartbeats with the replies given, in turn (the last one for ever)."""
+
+    endpoint = "inproc://chief"
+
+    def __init__(self, *replies: HeartbeatReply) -> None:
+        self.replies = list(replies)
+
+    async def request(self, op: str, body: Any = None, *_: Any, **__: Any) -> Message:
+        assert op == "heartbeat"
+        rep = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
+        return Message("ok", body=rep.to_wire())
+
+
+def _moved(epoch: int) -> NotPrimary:
+    exc = NotPrimary("ps 2 holds no copy of ps 1's state")
+    exc.epoch = epoch  # type: ignore[attr-defined]  # routed by (StateLink)
+    return exc
+
+
+@pytest.mark.parametrize(
+    "error,beats",
+    [
+        # routed by an older placement epoch than the session knows: at once
+        (_moved(0), [beat()]),
+        # the state moves while the worker waits (a heartbeat names epoch 1)
+        (_moved(1), [beat(), beat(epoch=2)]),
+        # cut off, and every PS answers the chief again
+        (TIMEOUT, [beat()]),
+    ],
+)
+def test_a_push_that_failed_with_no_restore_is_sent_again_whole(
+    error: Exception, beats: list[HeartbeatReply]
+) -> None:
+    """A sync push failed and no restore came: it is sent again with the same messages
+    (the same Delivery: the same sequence numbers, answered ones skipped) until it is
+    delivered, and the step counts as computed. Dropping it instead (as before) left
+    the step waiting for ever on a gradient no PS had (a run stalled after a
+    fail-over)."""
+    session = Session(_Chief(*beats), Who("worker", 0, 7), recovery_timeout=5.0)  # type: ignore[arg-type]
+    session.info = ClusterInfo(ps=(), mode="sync", heartbeat_interval=0.01)
+    session.epoch = 1
     ledger = TokenLedger()
     ledger.restart(5)
-    steps = SyncSteps(Session(None, Who("worker", 0, 7)))  # type: ignore[arg-type]
+    steps = SyncSteps(session)
     steps.token = ledger.take(0, 7, 2, -1)
-    assert steps.token == 5
-    steps.step_done(delivered=False)
-    assert ledger.take(0, 7, 2, steps.have) == 5  # the same token again
-    steps.step_done(delivered=True)
+    deliveries: list[Delivery] = []
+
+    async def push(delivery: Delivery) -> bool:
+        deliveries.append(delivery)
+        if len(deliveries) == 1:
+            delivery.seqs[(1, (4,))] = (9, None)
+            raise error
+        return True
+
+    assert asyncio.run(asyncio.wait_for(session.dropping(push), 5.0)) is True
+    assert len(deliveries) == 2 and deliveries[0] is deliveries[1]
+    assert deliveries[1].seqs == {(1, (4,)): (9, None)} and deliveries[1].again == 1
+    assert session.resent == 1 and session.rolled_back == 0
+    steps.step_done()
     assert ledger.take(0, 7, 2, steps.have) is None  # computed: wait for step 6
+
+
+def test_a_push_through_a_restore_is_dropped_and_counted() -> None:
+    session = Session(_Chief(beat(gen=1)), Who("worker", 0, 7), recovery_timeout=5.0)  # type: ignore[arg-type]
+    session.info = ClusterInfo(ps=(), mode="sync", heartbeat_interval=0.01)
+    calls = 0
+
+    async def push(delivery: Delivery) -> bool:
+        nonlocal calls
+        calls += 1
+        raise NotReady("ps 1 holds no shards")
+
+    assert asyncio.run(asyncio.wait_for(session.dropping(push), 5.0)) is False
+    assert calls == 1 and session.rolled_back == 1 and session.gen == 1

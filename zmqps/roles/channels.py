@@ -16,6 +16,11 @@ Rules of this module:
   shared-memory pull is never resent, and a resent push_pull's values come in the
   reply (the PS answers a duplicate that way) and are copied only while the worker
   still waits for it.
+* A push sent again (:class:`Delivery`: its PS state moved in a fail-over, or its PS
+  was cut off and is back) goes by TCP, as the same messages with the same sequence
+  numbers (a PS that has one answers it as a duplicate), and only the messages not
+  answered: the shared-memory regions the first was sent through are those of the
+  process it was sent to.
 """
 
 from __future__ import annotations
@@ -37,12 +42,39 @@ from zmqps.wire.errors import ZmqpsError
 if TYPE_CHECKING:
     from zmqps.roles.client import ParameterClient
 
-__all__ = ["ALIGN", "DenseChannel", "ShmChannel", "TcpChannel", "layout"]
+__all__ = ["ALIGN", "Delivery", "DenseChannel", "ShmChannel", "TcpChannel", "layout"]
 
 log = logging.getLogger("zmqps.client")
 
 Array = npt.NDArray[Any]
 ALIGN = 64
+
+
+Key = tuple[int, tuple[int, ...]]
+
+
+@dataclass
+class Delivery:
+    """The messages of one push, kept so that it can be sent again: each message (to a
+    PS state, of some of its shards) with its sequence numbers, and the outcome of
+    each one answered. Sent again, a message keeps its numbers (a PS that applied it
+    already answers it as a duplicate: applied at most once) and an answered one is
+    not sent (its outcome stands)."""
+
+    #: (PS state, shards) -> (sequence number, the scheduled function's, if any)
+    seqs: dict[Key, tuple[int, int | None]] = field(default_factory=dict)
+    #: (PS state, shards) -> applied (False: a duplicate or stale)
+    answered: dict[Key, bool] = field(default_factory=dict)
+    #: times it was sent again
+    again: int = 0
+
+    def sent_to(self, ps: int) -> bool:
+        """Whether a message of this push went to PS state ``ps`` already."""
+        return any(k[0] == ps for k in self.seqs)
+
+    def groups(self, ps: int) -> list[list[int]]:
+        """The shards of each message to PS state ``ps``, as first sent."""
+        return [list(sids) for p, sids in self.seqs if p == ps]
 
 
 @dataclass(frozen=True)
@@ -58,6 +90,8 @@ class Transfer:
     cursor: int | None = None
     #: the generation of the values ``versions`` are of (with explicit versions)
     versions_gen: int | None = None
+    #: the push's messages, kept to send it again (None: sent once)
+    delivery: Delivery | None = None
 
 
 class DenseChannel:
@@ -81,7 +115,9 @@ class TcpChannel(DenseChannel):
     kind = "tcp"
 
     async def transfer(self, t: Transfer) -> bool:
-        groups = self.client.groups(t.sids)
+        d = t.delivery
+        groups = d.groups(self.ps) if d is not None and d.sent_to(self.ps) else None
+        groups = groups or self.client.groups(t.sids)
         if len(groups) == 1:
             return await self._message(t, groups[0])
         parts = await asyncio.gather(*(self._message(t, g) for g in groups))
@@ -98,14 +134,24 @@ class TcpChannel(DenseChannel):
             c.take_values(rep, sids, t.out, pull.gen)
             return True
         assert t.grads is not None
+        done = None if t.delivery is None else t.delivery.answered.get((self.ps, tuple(sids)))
+        if done is not None:  # sent again: this message was answered the first time
+            return done
         tensors = [tensor for sid in sids for tensor in c.chunks(sid, t.grads, "grad")]
         body = c.push_body(
-            self.ps, sids, t.step, t.versions, t.cursor, op=t.op, versions_gen=t.versions_gen
+            self.ps,
+            sids,
+            t.step,
+            t.versions,
+            t.cursor,
+            op=t.op,
+            versions_gen=t.versions_gen,
+            delivery=t.delivery,
         )
         rep = await requester.request(
             t.op, body.to_wire(), tensors, timeout=c.timeout, attempts=c.push_attempts
         )
-        accepted = c.after_push(self.ps, rep, body)
+        accepted = c.after_push(self.ps, rep, body, t.delivery)
         if t.op == "push_pull":
             c.take_values(rep, sids, t.out, body.gen)
         return accepted
@@ -174,11 +220,12 @@ class ShmChannel(DenseChannel):
                     versions_gen=t.versions_gen,
                     shm=self.ref(False, t.sids),
                     shm_out=self.ref(True, t.sids) if pulls else None,
+                    delivery=t.delivery,
                 )
                 rep = await c.ps[self.ps].request(
                     t.op, req.to_wire(), timeout=c.timeout, attempts=c.push_attempts
                 )
-                accepted = c.after_push(self.ps, rep, req)
+                accepted = c.after_push(self.ps, rep, req, t.delivery)
                 gen = req.gen
             else:
                 # sent again at once if its connection comes back (a PS stopped past

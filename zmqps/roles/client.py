@@ -10,7 +10,10 @@ Rules of this module:
 * Pulled values land in the client's own arrays (``params``), refreshed in place;
   gradients are sent zero-copy as views of the caller's arrays.
 * Every push carries (worker, incarnation, sequence): a retried push is applied
-  at most once, and pushes of a replaced incarnation are fenced by the PS.
+  at most once, and pushes of a replaced incarnation are fenced by the PS. A push
+  given a :class:`~zmqps.roles.channels.Delivery` can be sent again whole (the
+  caller's, after its PS state moved): the same messages with the same numbers,
+  those answered skipped.
 * Same-host fast path (``shared_memory=True``, the default): on first use of a PS
   the client offers it two shared-memory regions (pull, push) laid out with every
   dense shard it holds there; if the PS can map them (same machine, same
@@ -35,7 +38,7 @@ import numpy.typing as npt
 from zmqps.core.hashtable import bucket_of
 from zmqps.core.segments import sum_runs
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
-from zmqps.roles.channels import DenseChannel, ShmChannel, TcpChannel, Transfer, layout
+from zmqps.roles.channels import Delivery, DenseChannel, ShmChannel, TcpChannel, Transfer, layout
 from zmqps.transport.base import Requester
 from zmqps.transport.shm import Region, create_region, sweep, unlink_region
 from zmqps.wire import Message, Tensor
@@ -43,7 +46,7 @@ from zmqps.wire import ops as o
 from zmqps.wire.errors import InvalidArgument, NotFound, ProtocolError, RolledBack, ZmqpsError
 from zmqps.wire.schema import MAX_ROW_VALUES, MAX_ROWS
 
-__all__ = ["ParameterClient"]
+__all__ = ["Delivery", "ParameterClient"]
 
 log = logging.getLogger("zmqps.client")
 
@@ -219,22 +222,30 @@ class ParameterClient:
         shm: o.ShmRef | None = None,
         shm_out: o.ShmRef | None = None,
         versions_gen: int | None = None,
+        delivery: Delivery | None = None,
     ) -> o.Push:
         """The body of the next push to PS ``ps`` (its own sequence number), stamped
         with the generation of the values its gradients were computed on: those pulled
         last, or, with explicit ``versions``, ``versions_gen`` (default: the current
-        one)."""
-        self._seq[ps] += 1
+        one). A message of ``delivery`` sent again keeps its numbers."""
+        key = (ps, tuple(sids))
+        kept = None if delivery is None else delivery.seqs.get(key)
         gen = self.gen
         if versions is None and sids:  # the values pulled last: their generation
             gen = min(gen, *(self.version_gens[s] for s in sids))
         elif versions_gen is not None:
             gen = min(gen, versions_gen)
-        self._tally(ps, gen, "sent")
-        closure_seq = None
-        if self._closure is not None:
-            self._closure_seq[ps] += 1
-            closure_seq = self._closure_seq[ps]
+        if kept is not None:
+            seq, closure_seq = kept
+        else:
+            self._seq[ps] += 1
+            seq, closure_seq = self._seq[ps], None
+            self._tally(ps, gen, "sent")
+            if self._closure is not None:
+                self._closure_seq[ps] += 1
+                closure_seq = self._closure_seq[ps]
+            if delivery is not None:
+                delivery.seqs[key] = (seq, closure_seq)
         pulled = self.versions if versions is None else versions
         kind = o.PushPull if op == "push_pull" else o.PushRows if op == "push_rows" else o.Push
         return kind(
@@ -242,7 +253,7 @@ class ParameterClient:
             versions=tuple(pulled[s] for s in sids),
             worker=self.worker,
             inc=self.incarnation,
-            seq=self._seq[ps],
+            seq=seq,
             step=step,
             shm=shm,
             shm_out=shm_out,
@@ -256,9 +267,14 @@ class ParameterClient:
         counts = self.push_counts.setdefault(f"{ps}/{gen}", {"sent": 0, "applied": 0, "dropped": 0})
         counts[what] += 1
 
-    def after_push(self, ps: int, reply: Message, body: o.Push) -> bool:
-        """Read the reply to push ``body`` sent to PS ``ps``; True if it was applied."""
+    def after_push(
+        self, ps: int, reply: Message, body: o.Push, delivery: Delivery | None = None
+    ) -> bool:
+        """Read the reply to push ``body`` sent to PS ``ps``; True if it was applied
+        (kept in ``delivery``: the message is answered)."""
         rep = o.PushReply.parse(reply.body, "push reply")
+        if delivery is not None:
+            delivery.answered[(ps, tuple(body.shards))] = rep.applied
         if rep.staleness:
             self.last_staleness = max(rep.staleness)
         outcome = rep.outcome
@@ -421,8 +437,10 @@ class ParameterClient:
         versions: Mapping[int, int] | None = None,
         cursor: int | None = None,
         versions_gen: int | None = None,
+        delivery: Delivery | None = None,
     ) -> bool:
-        """One dense operation over every PS at once, each through its channel."""
+        """One dense operation over every PS at once, each through its channel (a
+        push sent again: by TCP, see :class:`Delivery`)."""
         by_ps = self._by_ps(names)
         if out is not None and op != "push":
             self._check_out(out, by_ps)
@@ -434,9 +452,12 @@ class ParameterClient:
                         self.params[v.name] = np.zeros(v.shape, dtype=v.dtype)
 
         async def one(ps: int, sids: list[int]) -> bool:
-            channel = await self._channel(ps, sids)
+            if delivery is not None and delivery.sent_to(ps):
+                channel: DenseChannel = TcpChannel(self, ps)
+            else:
+                channel = await self._channel(ps, sids)
             return await channel.transfer(
-                Transfer(op, sids, grads, out, step, versions, cursor, versions_gen)
+                Transfer(op, sids, grads, out, step, versions, cursor, versions_gen, delivery)
             )
 
         if len(by_ps) == 1:
@@ -462,17 +483,21 @@ class ParameterClient:
         versions: Mapping[int, int] | None = None,
         cursor: int | None = None,
         versions_gen: int | None = None,
+        delivery: Delivery | None = None,
     ) -> bool:
         """Push whole-variable gradients (``pull=True``: :meth:`push_pull`). ``step`` is
         the local step (sync mode: the token's value); ``versions`` the shard versions
         the gradients were computed from (default: of the last pull; a caller that
         pulls ahead keeps its own, and says their generation, ``versions_gen``, from
         :meth:`values_gen` when it took them); ``cursor`` the batch the worker computed
-        them on. Returns False if some PS dropped the push (stale in sync mode, or a
-        duplicate)."""
+        them on; ``delivery``: keeps its messages, to send it again with the same
+        (see :class:`Delivery`). Returns False if some PS dropped the push (stale in
+        sync mode, or a duplicate)."""
         flat = self._grad_arrays(grads)
         op = "push_pull" if pull else "push"
-        return await self._dense(op, flat, flat, out, step, versions, cursor, versions_gen)
+        return await self._dense(
+            op, flat, flat, out, step, versions, cursor, versions_gen, delivery
+        )
 
     async def push_pull(
         self,
@@ -483,11 +508,14 @@ class ParameterClient:
         versions: Mapping[int, int] | None = None,
         cursor: int | None = None,
         versions_gen: int | None = None,
+        delivery: Delivery | None = None,
     ) -> bool:
         """Push gradients and get the fresh values back in the same round trip; they
         land in ``params`` (or in ``out``, see :meth:`pull`)."""
         flat = self._grad_arrays(grads)
-        return await self._dense("push_pull", flat, flat, out, step, versions, cursor, versions_gen)
+        return await self._dense(
+            "push_pull", flat, flat, out, step, versions, cursor, versions_gen, delivery
+        )
 
     def values_gen(self) -> int:
         """The generation of the dense values pulled last (the oldest of any shard):
@@ -621,10 +649,18 @@ class ParameterClient:
         return ids[order], values[order]
 
     async def push_rows(
-        self, name: str, ids: Any, grads: Any, *, step: int | None = None, cursor: int | None = None
+        self,
+        name: str,
+        ids: Any,
+        grads: Any,
+        *,
+        step: int | None = None,
+        cursor: int | None = None,
+        delivery: Delivery | None = None,
     ) -> bool:
         """Push row gradients; duplicate ids are summed here, before sending. With a
-        ``step`` (sync mode) every shard of the table gets a push, empty or not."""
+        ``step`` (sync mode) every shard of the table gets a push, empty or not;
+        ``delivery``: see :meth:`push`."""
         v = self._variable(name)
         ids = np.asarray(ids, dtype=np.int64)
         grads = np.asarray(grads, dtype=v.dtype)
@@ -643,11 +679,14 @@ class ParameterClient:
 
         async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> bool:
             sids = [s.id for s, _, _ in parts]
+            done = None if delivery is None else delivery.answered.get((ps, tuple(sids)))
+            if done is not None:  # sent again: this message was answered the first time
+                return done
             tensors: list[Tensor] = []
             for s, pos, i in parts:
                 tensors.append(Tensor(np.ascontiguousarray(i), "index", s.id))
                 tensors.append(Tensor(np.ascontiguousarray(summed[pos]), "rows", s.id))
-            body = self.push_body(ps, sids, step, cursor=cursor, op="push_rows")
+            body = self.push_body(ps, sids, step, cursor=cursor, op="push_rows", delivery=delivery)
             rep = await self.ps[ps].request(
                 "push_rows",
                 body.to_wire(),
@@ -655,7 +694,7 @@ class ParameterClient:
                 timeout=self.timeout,
                 attempts=self.push_attempts,
             )
-            return self.after_push(ps, rep, body)
+            return self.after_push(ps, rep, body, delivery)
 
         routed = self._route_rows(name, uniq, every_shard=step is not None)
         per = _rows_per_request(v.shape)

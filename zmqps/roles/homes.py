@@ -13,7 +13,9 @@ Rules of this module:
 * A request in flight when its state moves (a new placement epoch) is failed at once
   with ``DeadlineExceeded`` (:meth:`Homes.update`), not left to its deadline: one
   that may be sent again (``attempts > 1``: reads, deduplicated pushes) is sent again
-  to the new home, within its attempts; any other raises, as a lost request does.
+  to the new home, within its attempts; any other raises, as a lost request does, and
+  so does one naming shared-memory regions (``shm``, ``shm_out``: those of the
+  process it was sent to; the caller sends it again by TCP).
 * ``NotPrimary`` (the process serves only a backup of the state: the caller's
   placement is older than the process's) is handled the same way once the homes have
   moved; before that it is raised.
@@ -110,7 +112,7 @@ class StateLink:
                 )
             except (DeadlineExceeded, NotPrimary) as exc:
                 moved = self.homes.of[self.state] != home
-                if not moved or attempts <= 1 or attempt >= attempts + 1:
+                if not moved or attempts <= 1 or attempt >= attempts + 1 or _local(body):
                     setattr(exc, "epoch", epoch)  # noqa: B010
                     raise
             except ZmqpsError as exc:
@@ -129,3 +131,9 @@ class StateLink:
         """Close the client of the process this state started on: closing every
         state's link closes every process's client once, wherever states moved."""
         await self.homes.processes[self.state].close()
+
+
+def _local(body: Mapping[str, Any] | None) -> bool:
+    """Whether a request names shared-memory regions: another process has other
+    regions under those ids, so it is never sent there."""
+    return body is not None and (body.get("shm") is not None or body.get("shm_out") is not None)

@@ -44,9 +44,11 @@ Rules of this module:
   runs the towers (:class:`~zmqps.device.towers.Towers`) and hands each averaged
   gradient over as soon as every tower has it, so pushes overlap as with one
   device. A step is still one push of the worker.
-* Failures are those of :meth:`Worker.pull` / :meth:`Worker.push`: through a
-  restore, a failed push is dropped (counted in ``worker.rolled_back``) and the next
-  step pulls afresh; a failed prefetch is pulled again.
+* Failures are those of :meth:`Worker.pull` / :meth:`Worker.push`: a push whose PS
+  state moved (a fail-over) or whose PS was cut off is sent again
+  (:meth:`~zmqps.roles.worker.session.Session.delivering`) while compute goes on;
+  through a restore it is dropped (counted in ``worker.rolled_back``, once per step)
+  and the next step pulls afresh; a failed prefetch is pulled again.
 * Each phase's time in ``zmqps_worker_step_seconds{phase}`` is what the step waited
   for it; :class:`OverlapStats` also sums how long each transfer took wherever it
   ran, and the overlap ratio is ``1 - waited / took`` over communication.
@@ -65,6 +67,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from zmqps.device.staging import Copy
 from zmqps.device.towers import LossAndGrads, Towers
+from zmqps.roles.channels import Delivery
 from zmqps.roles.worker.session import RECOVERABLE
 from zmqps.transport.loop import result
 from zmqps.wire.errors import NonFiniteGradient
@@ -157,7 +160,7 @@ class StepPipeline:
         self._ready: dict[str, Any] = {}
         self._ready_bytes = 0
         self._next: concurrent.futures.Future[Copy] | None = None
-        self._pending: list[concurrent.futures.Future[tuple[bool, Copy | None]]] = []
+        self._pending: list[concurrent.futures.Future[tuple[bool | None, Copy | None]]] = []
         self._uploads: list[Copy] = []
         self._later: list[Copy] = []  # device copies whose duration is read at end()
         self._sent: set[str] = set()
@@ -312,31 +315,36 @@ class StepPipeline:
         cursor: int,
         versions: tuple[dict[int, int], int],
         slot: int,
-    ) -> tuple[bool, Copy | None]:
+    ) -> tuple[bool | None, Copy | None]:
+        """One push of the step (sent again through a fail-over): whether it was
+        applied (None: a restore dropped it), and its values' upload (push_pull)."""
         await copy.wait_async()
         self._took("d2h", copy.seconds())
         client = self.worker.client
         started = time.perf_counter()
         kept, gen = versions
-        if self.push_pull:
-            accepted = await client.push_pull(
+        out = self.mirror.host[slot] if self.push_pull else None
+
+        async def push(delivery: Delivery) -> bool:
+            return await client.push(
                 host,
+                pull=self.push_pull,
                 step=step,
-                out=self.mirror.host[slot],
+                out=out,
                 versions=kept,
                 cursor=cursor,
                 versions_gen=gen,
+                delivery=delivery,
             )
-            self._took("push", time.perf_counter() - started)
-            upload = self.mirror.upload(slot, host)
-            await upload.wait_async()
-            self._took("h2d", upload.seconds())
-            return accepted, upload
-        accepted = await client.push(
-            host, step=step, versions=kept, cursor=cursor, versions_gen=gen
-        )
+
+        accepted = await self.worker.session.delivering(push, gen)
         self._took("push", time.perf_counter() - started)
-        return accepted, None
+        if not self.push_pull or accepted is None:
+            return accepted, None
+        upload = self.mirror.upload(slot, host)
+        await upload.wait_async()
+        self._took("h2d", upload.seconds())
+        return accepted, upload
 
     def end(
         self,
@@ -353,21 +361,27 @@ class StepPipeline:
         self.grads_ready(grads)
         self._flush()
         accepted = True
-        failure: Exception | None = None
+        dropped = False
+        failure: BaseException | None = None
         refused: NonFiniteGradient | None = None
-        for fut in self._pending:
+        for fut in self._pending:  # every push of the step ends before the next step
             try:
                 ok, upload = result(fut)
-            except RECOVERABLE as exc:
-                failure = exc
-                continue
             except NonFiniteGradient as exc:  # nothing of it applied on that PS
                 refused = exc
+                continue
+            except Exception as exc:  # not delivered within the recovery timeout
+                failure = failure or exc
+                continue
+            if ok is None:  # a restore dropped it
+                dropped = True
                 continue
             accepted = accepted and ok
             if upload is not None:
                 self._uploads.append(upload)
         self._pending = []
+        if failure is not None:
+            raise failure
         self._waited("push", time.perf_counter() - computed)
         for copy in self._later:
             self._took("h2d", copy.seconds())
@@ -376,8 +390,8 @@ class StepPipeline:
             accepted = self.worker.refused(loss, refused)  # skipped (or NonFiniteStop)
             self._need_pull = True  # a refused push_pull brought no values back
             self._uploads = []
-        if failure is not None:
-            self.worker.recover(failure, dropped=True, made_in=self._gen)
+        if dropped:
+            self.worker.session.dropped()
             accepted = False
             self._need_pull = True
             self._uploads = []

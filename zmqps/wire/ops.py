@@ -462,7 +462,10 @@ class ReplicaSet(Body):
     """The chief tells a PS process its part in PS state ``slot``'s copies at
     ``term``: the primary (``backups``: the PS it ships to, with their addresses) or a
     backup (``backups`` empty). A process told it backs up a state it does not hold
-    makes an empty copy of it (its shards come by ``create_shards`` for that slot)."""
+    makes an empty copy of it only when ``make`` (a new copy: its shards come by
+    ``create_shards`` for that slot, or a whole copy by ``install``); else it refuses
+    (``not_found``): a fail-over fences the surviving copies, and a process restarted
+    meanwhile holds none, whatever an empty one would answer."""
 
     slot: int = wire(Int(0, 1 << 20))
     term: int = wire(Int(0))
@@ -472,6 +475,8 @@ class ReplicaSet(Body):
     )
     #: a promotion: the entry each of ``backups`` applied up to (in their order)
     applied: tuple[int, ...] | None = wire(List(Int(0), MAX_REPLICATION), default=None)
+    #: a backup: make an empty copy if the process holds none
+    make: bool = wire(Bool(), default=False)
 
 
 #: ops whose requests change a PS state (``pull_rows`` creates hash-table rows): a

@@ -199,7 +199,9 @@ class Rereplicator:
         info: dict[str, Any] = {}
         try:
             await processes[target].request(
-                "replica", o.ReplicaSet(state, term, primary=False).to_wire(), timeout=2.0
+                "replica",
+                o.ReplicaSet(state, term, primary=False, make=True).to_wire(),
+                timeout=2.0,
             )
             body = o.Join(state, term, target, processes[target].endpoint, self.rate)
             await processes[primary].request("join", body.to_wire(), timeout=2.0)

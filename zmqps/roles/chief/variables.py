@@ -164,7 +164,7 @@ class Variables:
         deadline: float,
     ) -> None:
         """PS ``ps`` holds a backup of PS ``slot``'s state: an empty copy, then its shards."""
-        body = o.ReplicaSet(slot, TERM, primary=False).to_wire()
+        body = o.ReplicaSet(slot, TERM, primary=False, make=True).to_wire()
         await self._until_answered(ps, "replica", body, deadline)
         await self._create_on(ps, defs, placement, deadline, slot=slot)
 

@@ -10,7 +10,9 @@ Rules of this module:
 * Attaching is idempotent: the same worker attaching the same name again (a request
   sent again after its connection came back) gets the region it has.
 * :meth:`Regions.views` validates a request's offsets whole (attached region, in
-  bounds, aligned, no two shards overlapping) before anything is read or written.
+  bounds, aligned, no two shards overlapping) before anything is read or written;
+  a push reads only a region its own worker attached (an id sent by another worker,
+  or kept from another PS process, may be someone else's region here).
 """
 
 from __future__ import annotations
@@ -82,11 +84,12 @@ class Regions:
             self.detach(rid)
 
     def views(
-        self, store: ShardStore, sids: Sequence[int], ref: ShmRef
+        self, store: ShardStore, sids: Sequence[int], ref: ShmRef, worker: str | None = None
     ) -> list[np.ndarray[Any, Any]]:
-        """The shards' places in a region (flat, each shard's dtype), validated whole."""
+        """The shards' places in a region (flat, each shard's dtype), validated whole;
+        ``worker``: the region must be one it attached."""
         entry = self._regions.get(ref.region)
-        if entry is None:
+        if entry is None or (worker is not None and entry[0] != worker):
             raise NotFound(f"shm region {ref.region} is not attached")
         if len(ref.offsets) != len(sids):
             raise InvalidArgument("shm: one offset per shard expected")

@@ -546,17 +546,18 @@ def _as_entry(msg: Message) -> tuple[str, dict[str, Any], list[Tensor]]:
 
 
 def entry_resolver(
-    views: Callable[[list[int], o.ShmRef], list[Any]],
+    views: Callable[[list[int], o.ShmRef, str | None], list[Any]],
 ) -> Callable[[Message], tuple[str, dict[str, Any], list[Tensor]]]:
     """The entry of a request, a shared-memory push's gradient as tensors (``views``:
-    the region's places of the shards, validated)."""
+    the places of the shards in a region the pushing worker attached, validated)."""
 
     def resolve(msg: Message) -> tuple[str, dict[str, Any], list[Tensor]]:
         op, body, tensors = _as_entry(msg)
         shm = body.pop("shm", None)
         if shm is not None:
             sids = list(body.get("shards", ()))
-            arrays = views(sids, o.ShmRef.from_wire(shm))
+            worker = body.get("worker")
+            arrays = views(sids, o.ShmRef.from_wire(shm), None if worker is None else str(worker))
             tensors = [Tensor(a, "grad", sid, 0) for sid, a in zip(sids, arrays, strict=True)]
         return op, body, tensors
 

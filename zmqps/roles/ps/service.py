@@ -387,7 +387,7 @@ class PSService:
         if req.shm is not None:
             if msg.tensors or len(set(sids)) != len(sids) or len(req.versions) != len(sids):
                 raise InvalidArgument("push: shm pushes name each shard once, with no tensors")
-            views = self.regions.views(self.store, sids, req.shm)
+            views = self.regions.views(self.store, sids, req.shm, req.worker)
             chunks: Mapping[int, list[tuple[int, Any]]] = {
                 sid: [(0, view)] for sid, view in zip(sids, views, strict=True)
             }
@@ -437,7 +437,7 @@ class PSService:
             raise
         out_views = None
         if pull and req.shm_out is not None:  # validated before applying; used after
-            out_views = self.regions.views(self.store, req.shards, req.shm_out)
+            out_views = self.regions.views(self.store, req.shards, req.shm_out, req.worker)
         out = self._commit(req, plans)  # no await in between: the views stay valid
         if not pull:
             return reply(msg, self._push_reply(out, req.shards))

@@ -134,7 +134,7 @@ class PSSlots:
         req = o.ReplicaSet.from_wire(msg.body)
         service = self._slots.get(req.slot)
         if service is None:
-            if req.primary or self._make_copy is None:
+            if req.primary or self._make_copy is None or not req.make:
                 raise NotFound(f"ps {self.own.index} holds no copy of ps {req.slot}'s state")
             if len(self._slots) - 1 >= MAX_COPIES:  # the process's own is no copy
                 raise InvalidArgument(
@@ -248,7 +248,7 @@ class PSSlots:
             retained=retained,
             acked=acked,
             resolve=entry_resolver(
-                lambda sids, ref: service.regions.views(service.store, sids, ref)
+                lambda sids, ref, worker: service.regions.views(service.store, sids, ref, worker)
             ),
             step=lambda: service.mode.step,
             on_commit=service.waiters.notify,

@@ -39,8 +39,9 @@ class StepMode:
         """The step a push belongs to (sync: the token's value), or None."""
         return None
 
-    def step_done(self, delivered: bool = True) -> None:
-        """This worker pushed its step's gradients (``delivered``: every PS answered)."""
+    def step_done(self) -> None:
+        """This worker pushed its step's gradients (every PS answered, or a restore
+        dropped them)."""
 
     @property
     def voided(self) -> bool:
@@ -103,12 +104,10 @@ class SyncSteps(StepMode):
             raise InvalidArgument("sync mode: call begin_step() before pushing")
         return self.token
 
-    def step_done(self, delivered: bool = True) -> None:
-        # A push some PS may lack (it failed, no restore came) does not count as this
-        # step computed: the worker asks for the same token again and pushes the step
-        # anew; a PS that has its first gradient drops the second (one per worker and
-        # step), one that lacks it completes the step. Else the step would wait forever.
-        if self.token is not None and delivered and self.token > self.have:
+    def step_done(self) -> None:
+        # every PS has this step's gradient (a push is sent again until each answered
+        # it, see Session.delivering), or a restore voided the step
+        if self.token is not None and self.token > self.have:
             self.have, self.have_gen = self.token, self.token_gen
 
 

@@ -14,11 +14,16 @@ Rules of this module:
   long poll is idempotent (a token request says which step it computed last).
 * The recovery policy is written once, here: :meth:`retrying` runs a data request
   through restores (wait for the chief to report a newer generation, then run it
-  again); :meth:`dropping` runs a push and drops it (counted) when the cluster was
-  restored meanwhile, its gradient being of values that no longer exist.
-* A request that timed out while the chief hears every PS and no restore is under
-  way was cut off by a partition, not lost with a PS: it is retried at once (a
-  retried push carries its sequence number, so it is applied at most once).
+  again); :meth:`delivering` runs a push until it is delivered, sending it again
+  while no restore came, and gives it up when the cluster was restored meanwhile,
+  its gradient being of values that no longer exist (:meth:`dropping`: counted).
+* A push is sent again, not dropped, when its PS state moved (a fail-over: the
+  request was routed by an older placement epoch) or its PS was cut off and is back
+  (a request timed out while the chief hears every PS and no restore is under way):
+  the same messages with the same sequence numbers
+  (:class:`~zmqps.roles.channels.Delivery`), so a PS that has one already answers it
+  as a duplicate, and it is applied at most once. Dropping it instead would lose a
+  gradient no PS acknowledged, and in sync mode leave its step waiting for ever.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from zmqps.roles.channels import Delivery
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
@@ -101,8 +107,8 @@ class Session:
         self.last_contact = time.monotonic()
         #: pushes dropped because the cluster was restored meanwhile
         self.rolled_back = 0
-        #: the last push failed and no restore came: whether each PS has it is unknown
-        self.undelivered = False
+        #: pushes sent again (their PS state moved, or their PS was cut off)
+        self.resent = 0
         #: the batch cursor the last restore went back to, until taken (take_rewind)
         self.rewind: int | None = None
         self._listeners: list[Callable[[int], None]] = []
@@ -314,28 +320,43 @@ class Session:
             except RECOVERABLE as e:
                 await self.recover(e, gen)
 
-    async def dropping(
-        self, push: Callable[[], Awaitable[bool]], made_in: int | None = None
-    ) -> bool:
-        """Run a push of gradients of values of generation ``made_in`` (default: the
-        current one); if the cluster was restored since, they are of values that no
-        longer exist: drop it (counted) and recover, so the next pull is of the new
-        ones. False when dropped."""
+    async def delivering(
+        self, push: Callable[[Delivery], Awaitable[bool]], made_in: int | None = None
+    ) -> bool | None:
+        """Run ``push`` (given the :class:`Delivery` that keeps its messages) of
+        gradients of values of generation ``made_in`` (default: the current one) until
+        it is delivered: through a fail-over or a healed partition it is sent again
+        (the same messages, those answered skipped). Returns whether it was applied,
+        or None when the cluster was restored meanwhile (its values no longer exist:
+        dropped; the next pull is of the new ones). Past the recovery timeout,
+        ``DeadlineExceeded``."""
         gen = self.gen if made_in is None else made_in
-        try:
-            return await push()
-        except RECOVERABLE as e:
-            await self.drop(e, gen)
-            # no restore came (a PS cut off, then back): the push may have reached
-            # some PS and not others, and its values still hold
-            self.undelivered = self.gen == gen
-            return False
+        delivery = Delivery()
+        while True:
+            try:
+                return await push(delivery)
+            except RECOVERABLE as e:
+                await self.recover(e, gen)
+                if self.gen != gen:
+                    return None
+                delivery.again += 1
+                self.resent += 1
+                log.info("%s: sending a push again (%s)", self.name, e)
 
-    async def drop(self, error: Exception, made_in: int | None = None) -> None:
-        """A push made in generation ``made_in`` failed with ``error`` (a restore
-        meanwhile): counted as rolled back, then recover."""
+    async def dropping(
+        self, push: Callable[[Delivery], Awaitable[bool]], made_in: int | None = None
+    ) -> bool:
+        """:meth:`delivering`, a push dropped by a restore counted (``rolled_back``).
+        False when dropped."""
+        applied = await self.delivering(push, made_in)
+        if applied is None:
+            self.dropped()
+            return False
+        return applied
+
+    def dropped(self) -> None:
+        """A step's push was dropped: the cluster was restored meanwhile (counted)."""
         self.rolled_back += 1
-        await self.recover(error, made_in)
 
     # ------------------------------------------------------------------ the end
 

@@ -50,7 +50,7 @@ from zmqps.device.staging import Mirror
 from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
 from zmqps.metrics.summaries import Summaries, Window
-from zmqps.roles.client import ParameterClient
+from zmqps.roles.client import Delivery, ParameterClient
 from zmqps.roles.configs import NONFINITE_POLICIES
 from zmqps.roles.homes import Homes
 from zmqps.roles.worker.modes import StepMode, make_step_mode
@@ -495,8 +495,7 @@ class Worker:
     def count_step(self, loss: float | None, examples: int | None) -> None:
         """One step done (its gradients pushed): counted for heartbeats and metrics."""
         self.step += 1
-        self.steps.step_done(delivered=not self.session.undelivered)
-        self.session.undelivered = False
+        self.steps.step_done()
         if loss is not None:
             self.loss = float(loss)
         if examples is not None:
@@ -531,7 +530,9 @@ class Worker:
         grads = self.to_host(grads)
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
-        accepted = self._send(lambda: self.client.push(grads, step=step, cursor=cursor), loss)
+        accepted = self._send(
+            lambda d: self.client.push(grads, step=step, cursor=cursor, delivery=d), loss
+        )
         self.record_phase("push", started)
         self.count_step(loss, examples)
         return accepted
@@ -546,7 +547,9 @@ class Worker:
             return self.pull()
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
-        pushed = self._send(lambda: self.client.push_pull(grads, step=step, cursor=cursor), loss)
+        pushed = self._send(
+            lambda d: self.client.push_pull(grads, step=step, cursor=cursor, delivery=d), loss
+        )
         if not pushed and (
             self._refused_step == self.step or self.client.values_gen() != self.session.gen
         ):
@@ -556,7 +559,7 @@ class Worker:
         self.count_step(loss, examples)
         return self.client.params
 
-    def _send(self, push: Callable[[], Awaitable[bool]], loss: Any) -> bool:
+    def _send(self, push: Callable[[Delivery], Awaitable[bool]], loss: Any) -> bool:
         """One step's push (or push_pull): a non-finite loss stops first under
         ``on_nonfinite="stop"``; the values' generation goes with it (a restore heard of
         since means they are gone: dropped at once); a refusal as not finite is skipped
@@ -568,7 +571,7 @@ class Worker:
             applied = self.io.run(self.session.dropping(push, made_in))
         except NonFiniteGradient as exc:
             return self.refused(loss, exc)
-        if self.session.rolled_back > dropped and not self.session.undelivered:
+        if self.session.rolled_back > dropped:
             # the cluster was restored before any PS kept this step's update
             self.lost_steps += 1
         return applied
@@ -600,7 +603,9 @@ class Worker:
         try:
             return self.io.run(
                 self.session.dropping(
-                    lambda: self.client.push_rows(name, ids, grads, step=step, cursor=cursor)
+                    lambda d: self.client.push_rows(
+                        name, ids, grads, step=step, cursor=cursor, delivery=d
+                    )
                 )
             )
         except NonFiniteGradient as exc:
@@ -649,14 +654,11 @@ class Worker:
             )
         return False
 
-    def recover(
-        self, error: Exception, *, dropped: bool = False, made_in: int | None = None
-    ) -> None:
+    def recover(self, error: Exception, *, made_in: int | None = None) -> None:
         """A data request made in generation ``made_in`` (default: the current one)
         failed with ``error``: wait for the cluster to recover (see
-        :meth:`Session.recover`); ``dropped``: it was a push, now lost (counted)."""
-        session = self.session
-        self.io.run(session.drop(error, made_in) if dropped else session.recover(error, made_in))
+        :meth:`Session.recover`)."""
+        self.io.run(self.session.recover(error, made_in))
 
     def stats(self) -> dict[str, Any]:
         """This incarnation: the batches it resumed after (``steps_done``), the steps it
