@@ -1,0 +1,94 @@
+"""Links to PS states follow the placement's homes: a request in flight when its state
+moves is failed at once, and sent again to the new home only when it may be."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from zmqps.core.variables import Placement, ShardInfo, VariableDef
+from zmqps.roles.homes import Homes
+from zmqps.wire import Message, Tensor
+from zmqps.wire.errors import DeadlineExceeded
+
+
+class Process:
+    """A PS process that holds every request until told, and records them."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.seen: list[tuple[str, dict[str, Any], int | None]] = []
+        self.pending: list[asyncio.Future[Message]] = []
+        self.answer = False
+
+    async def request(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None = None,
+        tensors: Sequence[Tensor] = (),
+        *,
+        timeout: float | None = None,
+        attempts: int = 1,
+        slot: int | None = None,
+    ) -> Message:
+        self.seen.append((op, dict(body or {}), slot))
+        if self.answer:
+            return Message("ok", body={"applied": True})
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self.pending.append(fut)
+        return await fut
+
+    def fail_pending(self, exc: BaseException) -> int:
+        for fut in self.pending:
+            if not fut.done():
+                fut.set_exception(exc)
+        n, self.pending = len(self.pending), []
+        return n
+
+    async def close(self) -> None:
+        pass
+
+
+def _placement(epoch: int, home_of_1: int) -> Placement:
+    v = VariableDef("w", (4, 2))
+    shards = (
+        ShardInfo(0, "w", 0, 0, 2, 0, backups=(1,)),
+        ShardInfo(1, "w", 1, 2, 2, home_of_1, slot=1),
+    )
+    return replace(Placement((v,), shards), epoch=epoch)
+
+
+@pytest.mark.parametrize(
+    "body,sent_again",
+    [
+        ({"seq": 3}, True),  # a deduplicated push: sent again to the new home
+        ({"seq": 3, "shm": {"region": 1, "offsets": [0]}}, False),  # names shared memory
+        ({"seq": 3, "shm_out": {"region": 2, "offsets": [0]}}, False),
+    ],
+)
+def test_a_request_in_flight_follows_its_state_unless_it_names_shared_memory(
+    body: dict[str, Any], sent_again: bool
+) -> None:
+    async def go() -> None:
+        procs = [Process(f"ps{i}") for i in range(3)]
+        procs[2].answer = True
+        homes = Homes(procs)
+        link = homes.links()[1]
+        call = asyncio.ensure_future(link.request("push", body, attempts=3))
+        await asyncio.sleep(0.01)
+        assert procs[1].seen == [("push", body, None)]
+        assert homes.update(_placement(1, 2)) == [1]  # state 1 moved to process 2
+        if sent_again:
+            assert (await asyncio.wait_for(call, 2.0)).body == {"applied": True}
+            assert procs[2].seen == [("push", body, 1)]  # named as state 1 there
+        else:
+            with pytest.raises(DeadlineExceeded) as err:
+                await asyncio.wait_for(call, 2.0)
+            assert err.value.epoch == 0  # type: ignore[attr-defined]  # routed by
+            assert procs[2].seen == []
+
+    asyncio.run(go())
