@@ -3,6 +3,7 @@
     bin/faults --seeds 200              # seeds 1..200
     bin/faults --seed 17 --seed 40      # these seeds
     bin/faults --seeds 30 --mode sync   # the first 30 seeds whose schedule is sync
+    bin/faults --seeds 100 --replication 2   # replicated schedules: fail-overs, no restore
 
 Exit code 1 when any invariant was violated, 0 otherwise.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from faults.report import run_one, summarize
 from faults.runner import References, netns_unavailable
-from faults.schedule import FAULT_KINDS, draw
+from faults.schedule import FAULT_KINDS, Schedule, draw, draw_replicated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", metavar="FILE", help="also write every result as JSON lines here")
     p.add_argument("--list", action="store_true", help="print the schedules, run nothing")
+    p.add_argument(
+        "--replication",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: the replicated schedules (3 PS, two copies of each state; default: 1)",
+    )
     args = p.parse_args(argv)
     # SIGTERM ends the run like Ctrl-C: the cluster is stopped, namespaces deleted
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -54,11 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     why = "--no-netns" if args.no_netns else netns_unavailable()
     if why is not None:
         print(f"faults: partitions left out of the draw: {why}", file=sys.stderr)
-    schedules = [draw(s, why) for s in args.seed]
+
+    def drawn(seed: int) -> Schedule:
+        return draw_replicated(seed) if args.replication > 1 else draw(seed, why)
+
+    schedules = [drawn(s) for s in args.seed]
     if args.seeds:
         seed = args.start
         while len(schedules) < len(args.seed) + args.seeds:
-            s = draw(seed, why)
+            s = drawn(seed)
             seed += 1
             if args.mode and s.mode != args.mode:
                 continue

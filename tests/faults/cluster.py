@@ -171,6 +171,7 @@ def build(s: Schedule, run_dir: Path, ips: dict[str, str] | None = None) -> Clus
         "--summary",
         str(summary),
         *driver,
+        *(["--replication", str(s.replication)] if s.replication > 1 else []),
     ]
     tasks = [Task("chief", chief)]
     for i in range(s.ps):

@@ -11,6 +11,10 @@ Rules of this module:
   direct effect was over (SIGCONT, heal, or the killed task back: restarted and heard
   of by the chief), which the invariants use to tell whom a pause may be blamed on.
 * :meth:`Injector.abort` undoes what is still in force (SIGCONT, heal) at the end.
+* Replicated schedules: a fault on a PS first waits (at most ``REPLICATED_WAIT_S``)
+  until the chief says every state has all its copies, so one copy of each always
+  lives; a killed PS is back once it restarted and its states have all their copies
+  again (no restore: the generation does not change).
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from faults.schedule import Fault, Schedule
 __all__ = ["FaultRecord", "Injector"]
 
 Waiting = Generator[None, None, Any]
+
+#: seconds a PS fault of a replicated schedule waits for every state's copies
+REPLICATED_WAIT_S = 30.0
 
 
 @dataclass
@@ -200,7 +207,14 @@ class Injector:
                 return int(w["incarnation"])
         return None
 
-    def back(self, name: str, killed_at: float, gen_before: int, inc_before: int | None) -> Waiting:
+    def back(
+        self,
+        name: str,
+        killed_at: float,
+        gen_before: int,
+        inc_before: int | None,
+        failovers_before: int = 0,
+    ) -> Waiting:
         """Wait until the killed task ``name`` is back: restarted and, for the chief, PS
         and workers, heard of again (the chief answers; the PS restored into a newer
         generation; the worker registered as a new incarnation)."""
@@ -219,6 +233,9 @@ class Injector:
             if name == "chief":
                 started = restarted()
                 return started is not None and self.timeline.answered_since(started)
+            if task.role == "ps" and self.s.replication > 1:  # failed over, copies made
+                failed_over = int(st.get("failover_count") or 0) > failovers_before
+                return failed_over and self._replicated(st)
             if task.role == "ps":
                 return (
                     int(st.get("gen", 0)) > gen_before
@@ -237,11 +254,23 @@ class Injector:
             return f"{name} not back within {timeout:g}s of the kill"
         return None
 
+    @staticmethod
+    def _replicated(st: dict[str, Any]) -> bool:
+        """The chief's status says every state has all its copies, none being made."""
+        rep = st.get("replication") or {}
+        return bool(rep) and not rep.get("under_replicated") and rep.get("copying") is None
+
     # -- the faults ------------------------------------------------------------------
 
     def _run(self, rec: FaultRecord) -> Waiting:
         f = rec.fault
         task = self.sup.cluster.task(f.target)
+        if self.s.replication > 1 and task.role == "ps":
+            ok = yield from self.until(
+                lambda: self._replicated(self.timeline.latest() or {}), REPLICATED_WAIT_S
+            )
+            if not ok:
+                rec.notes.append(f"states still short of copies after {REPLICATED_WAIT_S:g}s")
         if not task.running:
             rec.skipped = f"{f.target} was not running (already exited)"
             return
@@ -251,10 +280,11 @@ class Injector:
         kind = f.kind
         if kind.startswith("kill_"):
             inc = self._incarnation(task.index) if task.role == "worker" else None
+            failovers = int(st.get("failover_count") or 0)
             if not self.kill(rec, f.target):
                 rec.fired, rec.skipped = None, rec.notes.pop()
                 return
-            why = yield from self.back(f.target, rec.fired, gen, inc)
+            why = yield from self.back(f.target, rec.fired, gen, inc, failovers)
             if why:
                 rec.notes.append(why)
         elif kind in ("stop_short", "stop_long"):

@@ -274,6 +274,29 @@ def check_steps(rec: RunRecord) -> list[Check]:
     return [Check("2", "step-monotonic", not bad, "; ".join(bad[:3]) or "never went back")]
 
 
+def check_no_restore(rec: RunRecord) -> list[Check]:
+    """Replicated schedules: one copy of each state always lives (a PS fault waits for
+    every state's copies), so a PS death is a fail-over, never a restore; and every
+    state's final primary said what it applied."""
+    if rec.schedule.replication <= 1:
+        return []
+    restored = ", ".join(f"{n} step {st} generation {g}" for n, st, g in rec.restores)
+    out = [Check("2", "no-restore", not rec.restores, restored or "no restore from a checkpoint")]
+    if not (rec.hung or rec.failure):
+        missing = sorted(i for i, fin in rec.ps_final.items() if fin.status is None)
+        out.append(
+            Check(
+                "3",
+                "final-primaries",
+                not missing,
+                f"no final primary logged for states {missing}"
+                if missing
+                else f"each of {len(rec.ps_final)} states' final primary logged its counts",
+            )
+        )
+    return out
+
+
 def check_blockers(rec: RunRecord) -> list[Check]:
     hb = rec.schedule.heartbeat_timeout
     limit = hb + SLACK_S
@@ -765,6 +788,7 @@ def check_all(rec: RunRecord, ref: Reference) -> list[Check]:
     checks: list[Check] = []
     checks += check_end(rec)
     checks += check_steps(rec)
+    checks += check_no_restore(rec)
     checks += check_blockers(rec)
     if rec.hung or rec.failure:
         return checks

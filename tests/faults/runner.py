@@ -219,6 +219,10 @@ def leftover_shm(before: set[str]) -> list[str]:
 
 
 _STOPPED = re.compile(r"ps \d+: final state: (\{.*\})$", re.MULTILINE)
+#: replicated: the final state of each PS state a process was the primary of
+_STATE_STOPPED = re.compile(
+    r"ps \d+: final state of ps (\d+)'s state \(primary, term (\d+)\): (\{.*\})$", re.MULTILINE
+)
 _PS_RESTORED = re.compile(r"restored \d+ shards from .+? \(generation (\d+), step \d+\)")
 _CHIEF_RESTORED = re.compile(r"restored every shard to (.+?) \(step (\d+), generation (\d+)\)")
 _COMMITTED = re.compile(r"checkpoint ckpt-(\d+) committed")
@@ -240,6 +244,22 @@ def _ps_final(log: str, instances: int) -> PSFinal:
         r = _PS_RESTORED.search(last)
         gen_start = int(r.group(1)) if r else 1 << 30  # never restored: served nothing
     return PSFinal(status, gen_start, full_life=instances == 1)
+
+
+def _states_final(logs: list[str], states: int, restored: bool) -> dict[int, PSFinal]:
+    """Replicated: each PS state's final status, as its last primary (the highest term
+    any process's last start logged) saw it. A state lives through the run unless a
+    restore replaced every copy."""
+    best: dict[int, tuple[int, dict[str, Any]]] = {}
+    for log in logs:
+        for m in _STATE_STOPPED.finditer(_segments(log)[-1]):
+            state, term = int(m.group(1)), int(m.group(2))
+            if state not in best or term > best[state][0]:
+                best[state] = (term, json.loads(m.group(3)))
+    return {
+        i: PSFinal(best[i][1] if i in best else None, 0, full_life=not restored)
+        for i in range(states)
+    }
 
 
 def _read_json(path: Path) -> Any:
@@ -372,15 +392,17 @@ def execute(
         st = _read_json(cluster.stats(i))
         if st is not None:
             stats[i] = st
-    ps_final = {}
-    for i in range(s.ps):
-        task = cluster.task(f"ps{i}")
-        log = (run_dir / f"ps{i}.log").read_text(errors="replace")
-        ps_final[i] = _ps_final(log, len(task.instances))
     chief_log = (run_dir / "chief.log").read_text(errors="replace")
     restores = [
         (m.group(1), int(m.group(2)), int(m.group(3))) for m in _CHIEF_RESTORED.finditer(chief_log)
     ]
+    logs = [(run_dir / f"ps{i}.log").read_text(errors="replace") for i in range(s.ps)]
+    if s.replication > 1:  # a state outlives the process it started on
+        ps_final = _states_final(logs, s.ps, bool(restores))
+    else:
+        ps_final = {
+            i: _ps_final(log, len(cluster.task(f"ps{i}").instances)) for i, log in enumerate(logs)
+        }
     committed = {int(m.group(1)) for m in _COMMITTED.finditer(chief_log)}
     # a chief killed between a checkpoint's commit (its manifest renamed into place)
     # and the log line saying so: the checkpoint is there all the same

@@ -11,6 +11,11 @@ Rules of this module:
   does), every stop by SIGCONT, every partition by a heal.
 * A fault kind that cannot be injected here (a partition without namespaces) is left
   out of the draw, and the schedule says why (:attr:`Schedule.left_out`).
+* Replicated schedules (:func:`draw_replicated`, ``--replication 2``) are drawn apart:
+  3 PS with two copies of each state, one PS killed (and, once its states have two
+  copies again, often a second), perhaps a worker killed or a task stopped. A PS
+  fault waits until no state is short of copies (:mod:`faults.inject`), so one copy
+  of every state always lives: no restore may happen.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ __all__ = [
     "Fault",
     "Schedule",
     "draw",
+    "draw_replicated",
 ]
 
 #: Every fault kind the harness injects.
@@ -96,6 +102,8 @@ class Schedule:
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     #: fault kinds left out of the draw, and why
     left_out: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    #: copies of each PS state (``--replication``): 1, or 2 for replicated schedules
+    replication: int = 1
 
     @property
     def epochs(self) -> int:
@@ -127,6 +135,7 @@ class Schedule:
             "job": self.job(),
             "checkpoint_steps": self.checkpoint_steps,
             "netns": self.netns,
+            **({"replication": self.replication} if self.replication > 1 else {}),
         }
 
     def config_key(self) -> str:
@@ -136,6 +145,7 @@ class Schedule:
         if self.driver == "coordinator":
             key += f"-spe{self.steps_per_execution}"
         key += "-netns" if self.netns else ""
+        key += f"-r{self.replication}" if self.replication > 1 else ""
         digest = hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest()[:8]
         return f"{key}-{digest}"
 
@@ -153,6 +163,8 @@ class Schedule:
             cluster += f", evaluator ({self.evaluator})"
         if self.netns:
             cluster += ", namespaces"
+        if self.replication > 1:
+            cluster += f", replication {self.replication}"
         faults = "; ".join(f.describe() for f in self.faults) or "no faults"
         return f"seed {self.seed}: {cluster}: {faults}"
 
@@ -229,4 +241,57 @@ def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
         faults=tuple(faults),
         heartbeat_timeout=hb,
         left_out=tuple(left_out),
+    )
+
+
+#: Fault kinds of replicated schedules beside ``kill_ps``, and why the others are not
+#: drawn there.
+REPLICATED_EXTRA = ("kill_worker", "stop_short", "stop_long")
+REPLICATED_LEFT_OUT = (
+    ("kill_chief", "a restarted chief does not adopt a replicated cluster yet"),
+    ("chief_during_ps_restart", "a restarted chief does not adopt a replicated cluster yet"),
+    ("kill_evaluator", "no evaluator: it does not follow moved states yet"),
+    ("finish_while_stopped", "drawn in unreplicated schedules"),
+    ("partition_ps", "drawn in unreplicated schedules"),
+)
+
+
+def draw_replicated(seed: int) -> Schedule:
+    """The replicated schedule of ``seed``: 3 PS, two copies of each state; one PS
+    killed at a random point, a second one (any, the restarted one too) half the time
+    once every state has two copies again, and half the time one more fault: a worker
+    killed, or any task stopped shorter or longer than the heartbeat timeout (a PS
+    stopped past it is failed over, and its process comes back holding copies since
+    replaced)."""
+    rng = random.Random(f"replicated-{seed}")
+    mode = rng.choice(("async", "sync", "ssp"))
+    ps, workers = 3, rng.randint(2, 4)
+    hb = HEARTBEAT_TIMEOUT
+    faults = [Fault("kill_ps", f"ps{rng.randrange(ps)}", round(rng.uniform(0.1, 0.5), 3))]
+    if rng.random() < 0.5:
+        at = round(rng.uniform(faults[0].at, 0.8), 3)
+        faults.append(Fault("kill_ps", f"ps{rng.randrange(ps)}", at))
+    if rng.random() < 0.5:
+        kind = rng.choice(REPLICATED_EXTRA)
+        at = round(rng.uniform(0.1, 0.8), 3)
+        if kind == "kill_worker":
+            faults.append(Fault(kind, f"worker{rng.randrange(workers)}", at))
+        else:
+            target = rng.choice(_tasks(rng, ps, workers, False))
+            low, high = (0.2, 0.6) if kind == "stop_short" else (1.5, 2.5)
+            faults.append(Fault(kind, target, at, duration=round(rng.uniform(low, high) * hb, 2)))
+    faults.sort(key=lambda f: f.at)
+    return Schedule(
+        seed=seed,
+        mode=mode,
+        ps=ps,
+        workers=workers,
+        evaluator=None,
+        driver="worker",
+        steps_per_execution=1,
+        netns=False,
+        faults=tuple(faults),
+        heartbeat_timeout=hb,
+        left_out=REPLICATED_LEFT_OUT,
+        replication=2,
     )

@@ -16,6 +16,7 @@ from faults.invariants import (
     check_coordinator,
     check_end,
     check_model,
+    check_no_restore,
     check_pushes,
     check_steps,
     lone_share,
@@ -26,8 +27,8 @@ from faults.invariants import (
 )
 from faults.observe import Sample, Timeline, named_blockers
 from faults.report import replay_command
-from faults.runner import PSFinal, Reference, RunRecord, bound
-from faults.schedule import FAULT_KINDS, Fault, Schedule, draw
+from faults.runner import PSFinal, Reference, RunRecord, _states_final, bound
+from faults.schedule import FAULT_KINDS, REPLICATED_EXTRA, Fault, Schedule, draw, draw_replicated
 
 # ---------------------------------------------------------------- schedules
 
@@ -74,6 +75,54 @@ def test_the_unfaulted_counterpart_shares_the_configuration() -> None:
     u = s.unfaulted()
     assert u.faults == () and u.evaluator is None and u.netns == s.netns
     assert u.config_key() == s.config_key() and u.config() == s.config()
+
+
+def test_replicated_schedules_keep_their_rules_and_leave_the_others_alone() -> None:
+    """Replicated schedules come from their own draw: the unreplicated seeds keep their
+    schedules (and their references' configuration keys)."""
+    assert draw_replicated(5) == draw_replicated(5)
+    kinds: set[str] = set()
+    seconds = 0
+    for seed in range(1, 201):
+        s = draw_replicated(seed)
+        assert s.replication == 2 and s.ps == 3 and s.evaluator is None and not s.netns
+        kills = [f for f in s.faults if f.kind == "kill_ps"]
+        assert 1 <= len(kills) <= 2 and len(s.faults) <= 3
+        assert [f.at for f in s.faults] == sorted(f.at for f in s.faults)
+        assert set(s.kinds()) <= {"kill_ps", *REPLICATED_EXTRA}
+        assert "-r2-" in s.config_key() and s.config()["replication"] == 2
+        seconds += len(kills) == 2
+        kinds |= set(s.kinds())
+    assert kinds == {"kill_ps", *REPLICATED_EXTRA} and 60 <= seconds <= 140
+    assert "replication" not in draw(5).config() and "-r" not in draw(5).config_key()
+
+
+def test_a_replicated_state_is_read_from_its_last_primary() -> None:
+    start = "### faults: start \n"
+    line = "12:00:00 I zmqps.ps: ps {p}: final state of ps {s}'s state (primary, term {t}): {j}\n"
+    logs = [
+        start
+        + line.format(p=0, s=0, t=1, j='{"applied_pushes": {"a": 1}}')
+        + start  # restarted: its earlier lines are of a process since gone
+        + line.format(p=0, s=1, t=3, j='{"applied_pushes": {"a": 7}}'),
+        start + line.format(p=1, s=1, t=2, j='{"applied_pushes": {"a": 5}}'),
+        start + line.format(p=2, s=2, t=1, j='{"applied_pushes": {"a": 9}}'),
+    ]
+    final = _states_final(logs, 3, restored=False)
+    assert final[0].status is None  # its primary's process was replaced after logging
+    assert final[1].status == {"applied_pushes": {"a": 7}} and final[1].full_life
+    assert final[2].status == {"applied_pushes": {"a": 9}}
+    rec = _record(schedule=_schedule(replication=2), ps_final=final)
+    assert [c.ok for c in check_no_restore(rec)] == [True, False]  # state 0: no counts
+    rec = _record(
+        schedule=_schedule(replication=2),
+        ps_final=_states_final(logs[1:], 3, restored=True),
+        restores=[("ckpt-000000000040", 40, 1)],
+    )
+    assert (
+        not check_no_restore(rec)[0].ok and "ckpt-000000000040" in check_no_restore(rec)[0].detail
+    )
+    assert check_no_restore(_record()) == []  # unreplicated: restores are how it recovers
 
 
 # ---------------------------------------------------------------- records

@@ -52,7 +52,7 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         # what replication did: fail-overs, promoted copies, copies made again
         summary["replication"] = {
             "factor": cfg.replication,
-            "failovers": len(recovery.failovers),
+            "failovers": recovery.failover_count,
             "promotions": recovery.promotions,
             "copies_made": recovery.rereplicator.copies,
             "copies_failed": recovery.rereplicator.failures,

@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -62,6 +63,9 @@ if TYPE_CHECKING:
 __all__ = ["RecoveryController", "RunFinished"]
 
 log = logging.getLogger("zmqps.chief")
+
+#: fail-overs whose details the chief keeps for its status (the count goes on)
+KEEP_FAILOVERS = 8
 
 
 class RunFinished(Exception):
@@ -104,8 +108,10 @@ class RecoveryController:
         self.homes = homes
         #: each replicated PS state's term (one more at each promotion)
         self.terms: dict[int, int] = {}
-        #: fail-overs so far: {"at", "dead", "promoted", "seconds"}
-        self.failovers: list[dict[str, Any]] = []
+        #: the last fail-overs: {"dead", "promoted", "epoch", "seconds"} (KEEP_FAILOVERS)
+        self.failovers: deque[dict[str, Any]] = deque(maxlen=KEEP_FAILOVERS)
+        #: fail-overs so far
+        self.failover_count = 0
         self.promotions = 0
         #: held by whatever changes the copies of the states (a fail-over, a copy
         #: joining): one at a time
@@ -741,6 +747,7 @@ class RecoveryController:
         self.boots.update(boots)
         self.health.expect(boots, self.gen, self.clock())
         seconds = round(self.clock() - started, 3)
+        self.failover_count += 1
         self.failovers.append(
             {
                 "dead": sorted(dead),
@@ -905,7 +912,8 @@ class RecoveryController:
             "rewound_batches": self.rewound,
             "ps_down": {str(i): s for i, s in sorted(self.health.down.items())},
             "promotions": self.promotions,
-            "failovers": self.failovers[-5:],
+            "failovers": list(self.failovers),
+            "failover_count": self.failover_count,
             **(
                 {"replication": self.rereplicator.status()}
                 if self.rereplicator is not None and self.replicated()

@@ -11,6 +11,7 @@ from typing import Any
 from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server, start_exporter
 from zmqps.roles.configs import PSConfig
+from zmqps.roles.ps.replica import Primary
 from zmqps.roles.ps.service import PSService
 from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import Client, Server, SocketOptions, ZmqContext
@@ -82,6 +83,16 @@ async def serve_ps(
     st = service.status()
     # machine-readable, for whoever reads the log afterwards (tests, scripts)
     log.info("ps %d: final state: %s", cfg.index, json.dumps(st, sort_keys=True, default=str))
+    for state in slots.slots():  # replicated: each state this process was the primary of
+        role = slots.role(state)
+        if isinstance(role, Primary) and not role.fenced:
+            log.info(
+                "ps %d: final state of ps %d's state (primary, term %d): %s",
+                cfg.index,
+                state,
+                role.term,
+                json.dumps(slots.service(state).status(), sort_keys=True, default=str),
+            )
     why = "the chief shut it down" if service.shutdown_requested.is_set() else signalled[0]
     log.info(
         "ps %d: stopped (%s): %d shards, %d bytes, %d updates applied, generation %d",

@@ -94,6 +94,10 @@ class PSSlots:
     def role(self, slot: int) -> Primary | Backup | None:
         return self._roles.get(slot)
 
+    def service(self, slot: int) -> PSService:
+        """The copy of PS ``slot``'s state this process holds (KeyError: none)."""
+        return self._slots[slot]
+
     def services(self) -> list[PSService]:
         return [self._slots[s] for s in self.slots()]
 
