@@ -338,6 +338,7 @@ def overview() -> dict[str, Any]:
         ],
     )
     checkpoints_and_evaluation(b)
+    replication(b)
     return dashboard(
         "zmqps-overview",
         "zmqps / Overview",
@@ -515,6 +516,48 @@ def checkpoints_and_evaluation(b: Builder) -> None:
     )
 
 
+def replication(b: Builder) -> None:
+    """The chief's view of the copies of the PS states (``--replication R``)."""
+    b.row("Replication")
+    b.panel(
+        "PS states short of copies",
+        [('max(zmqps_states_under_replicated{job="chief"})', "states")],
+        kind="stat",
+        w=6,
+        thresholds=[("green", None), ("red", 1)],
+        description="PS states with fewer copies than --replication (after a fail-over, "
+        "until a copy is made again): one more PS death there costs a restore.",
+    )
+    b.panel(
+        "Fail-overs and promotions",
+        [
+            ('max(zmqps_failovers_total{job="chief"})', "fail-overs"),
+            ('max(zmqps_promotions_total{job="chief"})', "copies promoted"),
+        ],
+        w=6,
+        description="PS processes found dead or restarted whose states a copy took over "
+        "(no restore), and the copies promoted to primary.",
+    )
+    b.panel(
+        "Copies made again",
+        [
+            ('sum by (outcome) (zmqps_state_copies_total{job="chief"})', "{{outcome}}"),
+            ('max(zmqps_state_copy_progress_ratio{job="chief"})', "copy under way (share sent)"),
+        ],
+        w=6,
+        description="Copies of PS states made while training to bring each back to "
+        "--replication copies, by outcome, and how far the copy under way is.",
+    )
+    b.panel(
+        "Last fail-over duration",
+        [('max(zmqps_failover_last_seconds{job="chief"})', "seconds")],
+        unit="s",
+        w=6,
+        description="From the chief deciding a PS is gone to the new placement published "
+        "(fence, promote); detection itself takes up to the heartbeat timeout.",
+    )
+
+
 def ps() -> dict[str, Any]:
     sel = 'job="ps", instance=~"$instance"'
     b = Builder()
@@ -593,6 +636,33 @@ def ps() -> dict[str, Any]:
         w=24,
         description="Bytes held by each PS's shards (values and optimizer slots) and, when "
         "the process collector is exported, the process's resident memory.",
+    )
+    b.row("Replication")
+    b.panel(
+        "Replication lag (seconds)",
+        [
+            (
+                f"max by (instance, state) (zmqps_replication_lag_seconds{{{sel}}})",
+                "{{instance}} state {{state}}",
+            )
+        ],
+        unit="s",
+        description="Per PS state this process is the primary of: how long the oldest update "
+        "not yet on every in-sync backup has waited (its push is answered once they have "
+        "it). 0 when every copy has everything.",
+    )
+    b.panel(
+        "Replication lag (updates) / states served",
+        [
+            (
+                f"max by (instance, state, backup) (zmqps_replication_lag_updates{{{sel}}})",
+                "{{instance}} state {{state}} -> ps {{backup}}",
+            ),
+            (f"sum by (instance) (zmqps_state_primary{{{sel}}})", "{{instance}} primary of"),
+        ],
+        description="Updates each backup has not acknowledged yet (a copy joining catches "
+        "up from its copy's point), and how many PS states each process serves as primary "
+        "(more than one after a fail-over).",
     )
     b.row("Staleness")
     b.panel(

@@ -98,6 +98,17 @@ CATALOGUE = {
     "zmqps_worker_functions_total": "counter",
     "zmqps_worker_function_seconds": "histogram",
     "zmqps_info": "gauge",
+    "zmqps_state_primary": "gauge",
+    "zmqps_replication_lag_seconds": "gauge",
+    "zmqps_replication_lag_updates": "gauge",
+    "zmqps_replication_factor": "gauge",
+    "zmqps_states_under_replicated": "gauge",
+    "zmqps_failovers_total": "counter",
+    "zmqps_promotions_total": "counter",
+    "zmqps_failover_last_seconds": "gauge",
+    "zmqps_state_copies_total": "counter",
+    "zmqps_state_copy_bytes_total": "counter",
+    "zmqps_state_copy_progress_ratio": "gauge",
 }
 #: Series names a query may use: gauges/counters as is, histograms by their series.
 SERIES = {
@@ -132,6 +143,17 @@ OWNER = {
     "zmqps_worker_step_seconds": "worker",
     "zmqps_train_loss": "worker",
     "zmqps_worker_overlap_ratio": "worker",
+    "zmqps_state_primary": "ps",
+    "zmqps_replication_lag_seconds": "ps",
+    "zmqps_replication_lag_updates": "ps",
+    "zmqps_replication_factor": "chief",
+    "zmqps_states_under_replicated": "chief",
+    "zmqps_failovers_total": "chief",
+    "zmqps_promotions_total": "chief",
+    "zmqps_failover_last_seconds": "chief",
+    "zmqps_state_copies_total": "chief",
+    "zmqps_state_copy_bytes_total": "chief",
+    "zmqps_state_copy_progress_ratio": "chief",
 }
 STANDARD = re.compile(r"^(up|scrape_[a-z_]+|process_[a-z_]+|python_[a-z_]+)$")
 
@@ -611,10 +633,10 @@ def _load_launch_targets() -> Any:
 )
 def test_every_panel_returns_a_series_live(procs: Any, tmp_path: Path) -> None:
     """Walk every panel (rows included) of every dashboard and send each query to a
-    Prometheus scraping `zmqps launch` (async, 2 PS, 2 workers, an evaluator, a
-    checkpoint every 100 steps): every query must succeed and every panel return at
-    least one series. Also every alert's expr must be a valid query against the live
-    data."""
+    Prometheus scraping `zmqps launch` (async, 2 PS with two copies of each state, 2
+    workers, an evaluator, a checkpoint every 100 steps): every query must succeed and
+    every panel return at least one series. Also every alert's expr must be a valid
+    query against the live data."""
     from helpers import free_ports, wait_for
 
     launch_targets = _load_launch_targets()
@@ -636,6 +658,7 @@ def test_every_panel_returns_a_series_live(procs: Any, tmp_path: Path) -> None:
     cluster = procs.spawn(
         [
             sys.executable, "-m", "zmqps", "launch", "-v", "--ps", "2", "--workers", "2",
+            "--replication", "2",
             "--mode", "async", "--epochs", "100000", "--timeout", "150", "--no-progress",
             "--run-dir", str(tmp_path / "run"), "--evaluator", "--checkpoint-steps", "100",
         ],

@@ -76,6 +76,17 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...]]] = {
     "zmqps_table_rows_admitted": ("counter", ("variable",)),
     "zmqps_table_gradients_not_admitted": ("counter", ("variable",)),
     "zmqps_table_rows_evicted": ("counter", ("variable", "reason")),
+    "zmqps_state_primary": ("gauge", ("state",)),
+    "zmqps_replication_lag_seconds": ("gauge", ("state",)),
+    "zmqps_replication_lag_updates": ("gauge", ("state", "backup")),
+    "zmqps_replication_factor": ("gauge", ()),
+    "zmqps_states_under_replicated": ("gauge", ()),
+    "zmqps_failovers": ("counter", ()),
+    "zmqps_promotions": ("counter", ()),
+    "zmqps_failover_last_seconds": ("gauge", ()),
+    "zmqps_state_copies": ("counter", ("outcome",)),
+    "zmqps_state_copy_bytes": ("counter", ()),
+    "zmqps_state_copy_progress_ratio": ("gauge", ()),
 }
 
 VARS = (
@@ -130,6 +141,7 @@ def test_catalogue_names_types_labels_and_help() -> None:
     m.function_done("ok", 0.01)
     m.rows("emb", "pull", 3)
     m.watch_tables(lambda: {"emb": {"rows": 2, "created": 3, "evicted": {"budget": 1}}})
+    m.watch_states(lambda: {0: {"primary": True, "lag_seconds": 0.5, "lag_entries": {2: 3}}, 1: {}})
     text = generate_latest(m.registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, (kind, labels) in CATALOGUE.items():
@@ -379,3 +391,45 @@ def test_metrics_port_flag(given: list[str], port: int | None) -> None:
     args = p.parse_args(given)
     assert metrics_port(args) == port
     assert args.metrics_host == "127.0.0.1"
+
+
+def test_replication_metrics_read_the_chief_and_the_copies() -> None:
+    """The chief's figures and a PS's states are read at scrape time; outside the chief
+    the replication figures are zeros (every process exports the whole catalogue)."""
+    plain = Metrics()
+    assert value(plain, "zmqps_replication_factor") == 0.0
+    chief = Metrics()
+    chief.watch_replication(
+        lambda: {
+            "factor": 2,
+            "under_replicated": 1,
+            "failovers": 3,
+            "promotions": 4,
+            "last_failover_seconds": 0.02,
+            "copies_made": 5,
+            "copies_failed": 1,
+            "copied_bytes": 4096,
+            "copy_progress": 0.25,
+        }
+    )
+    assert value(chief, "zmqps_replication_factor") == 2
+    assert value(chief, "zmqps_states_under_replicated") == 1
+    assert value(chief, "zmqps_failovers_total") == 3
+    assert value(chief, "zmqps_promotions_total") == 4
+    assert value(chief, "zmqps_state_copies_total", outcome="made") == 5
+    assert value(chief, "zmqps_state_copies_total", outcome="failed") == 1
+    assert value(chief, "zmqps_state_copy_bytes_total") == 4096
+    assert value(chief, "zmqps_state_copy_progress_ratio") == 0.25
+    assert value(chief, "zmqps_failover_last_seconds") == 0.02
+    ps = Metrics()
+    ps.watch_states(
+        lambda: {
+            0: {"primary": True, "lag_seconds": 1.5, "lag_entries": {1: 7, 2: 0}},
+            2: {"primary": False},
+        }
+    )
+    assert value(ps, "zmqps_state_primary", state="0") == 1
+    assert value(ps, "zmqps_state_primary", state="2") == 0
+    assert value(ps, "zmqps_replication_lag_seconds", state="0") == 1.5
+    assert ps.registry.get_sample_value("zmqps_replication_lag_seconds", {"state": "2"}) is None
+    assert value(ps, "zmqps_replication_lag_updates", state="0", backup="1") == 7

@@ -615,6 +615,9 @@ def test_a_step_is_told_only_once_every_backup_has_it() -> None:
             await asyncio.sleep(0.01)
         assert svc.mode.step == 1 and svc.visible_step == 0
         assert not pushes.done()
+        # the metrics' view: the oldest update waits, the silent backup lags behind
+        lag = c.slots[0].replication_stats()[0]
+        assert lag["primary"] and lag["lag_seconds"] > 0 and lag["lag_entries"][backup_of_0] > 0
         rep = await c.chief[0].request("wait_step", {"step": 1, "wait": 0.0})
         assert rep.body["step"] == 0
         assert (await c.chief[0].request("ps_state")).body["step"] == 0
@@ -623,6 +626,7 @@ def test_a_step_is_told_only_once_every_backup_has_it() -> None:
         # the primary sends the entries again (its ship timeout): step 1 is told
         assert (await asyncio.wait_for(waiter, 8.0)).body["step"] == 1
         assert svc.visible_step == 1
+        assert c.slots[0].replication_stats()[0]["lag_seconds"] == 0.0
         role = c.slots[0].role(0)
         assert isinstance(role, Primary) and role.log.committed == role.log.head
         pushes.cancel()

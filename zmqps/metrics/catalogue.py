@@ -51,6 +51,122 @@ EVICTION_REASONS = ("budget", "idle")
 TableStats = Callable[[], Mapping[str, Mapping[str, Any]]]
 
 
+#: Reads a PS process's replicated states at scrape time: ``{state: {"primary": bool,
+#: "lag_seconds": float, "lag_entries": {backup: entries}}}``.
+StateStats = Callable[[], Mapping[int, Mapping[str, Any]]]
+#: Reads the chief's replication figures at scrape time (``RecoveryController``).
+ReplicationStats = Callable[[], Mapping[str, Any]]
+
+
+class _StatesCollector(Collector):
+    """A PS process's part in replication, read from its states at scrape time."""
+
+    def __init__(self) -> None:
+        self.read: StateStats | None = None
+
+    def describe(self) -> list[Metric]:
+        return list(self._families({}))
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self.read() if self.read is not None else {})
+
+    @staticmethod
+    def _families(states: Mapping[int, Mapping[str, Any]]) -> Iterator[Metric]:
+        primary = GaugeMetricFamily(
+            "zmqps_state_primary",
+            "1 for each PS state this process serves as its primary, 0 for one it backs up.",
+            labels=["state"],
+        )
+        lag_s = GaugeMetricFamily(
+            "zmqps_replication_lag_seconds",
+            "Age of the oldest update a primary applied that some in-sync backup has not"
+            " acknowledged yet (its push waits for it); 0 when every copy has everything.",
+            labels=["state"],
+        )
+        lag_n = GaugeMetricFamily(
+            "zmqps_replication_lag_updates",
+            "Updates a primary applied that this backup has not acknowledged yet.",
+            labels=["state", "backup"],
+        )
+        for state, st in sorted(states.items()):
+            primary.add_metric([str(state)], 1.0 if st.get("primary") else 0.0)
+            if st.get("primary"):
+                lag_s.add_metric([str(state)], float(st.get("lag_seconds", 0.0)))
+                for backup, n in sorted((st.get("lag_entries") or {}).items()):
+                    lag_n.add_metric([str(state), str(backup)], float(n))
+        yield primary
+        yield lag_s
+        yield lag_n
+
+
+class _ReplicationCollector(Collector):
+    """The chief's replication figures (what it already counts), read at scrape time."""
+
+    def __init__(self) -> None:
+        self.read: ReplicationStats | None = None
+
+    def describe(self) -> list[Metric]:
+        return list(self._families({}))
+
+    def collect(self) -> Iterator[Metric]:
+        # zeros outside the chief (every process exports the whole catalogue)
+        yield from self._families(self.read() if self.read is not None else {"factor": 0})
+
+    @staticmethod
+    def _families(st: Mapping[str, Any]) -> Iterator[Metric]:
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            return c
+
+        yield gauge(
+            "zmqps_replication_factor",
+            "Copies of each PS state the run keeps (--replication).",
+            float(st.get("factor", 1)),
+        )
+        yield gauge(
+            "zmqps_states_under_replicated",
+            "PS states with fewer copies than --replication (a copy is made again).",
+            float(st.get("under_replicated", 0)),
+        )
+        yield counter(
+            "zmqps_failovers",
+            "Fail-overs: PS processes found dead or restarted, their states' copies promoted.",
+            float(st.get("failovers", 0)),
+        )
+        yield counter(
+            "zmqps_promotions", "Copies promoted to primary.", float(st.get("promotions", 0))
+        )
+        yield gauge(
+            "zmqps_failover_last_seconds",
+            "Duration of the last fail-over (fence, promote, new placement).",
+            float(st.get("last_failover_seconds", 0.0)),
+        )
+        copies = CounterMetricFamily(
+            "zmqps_state_copies",
+            "Copies of PS states made while training (re-replication), by outcome.",
+            labels=["outcome"],
+        )
+        copies.add_metric(["made"], float(st.get("copies_made", 0)))
+        copies.add_metric(["failed"], float(st.get("copies_failed", 0)))
+        yield copies
+        yield counter(
+            "zmqps_state_copy_bytes",
+            "Bytes of PS states copied to new copies.",
+            float(st.get("copied_bytes", 0)),
+        )
+        yield gauge(
+            "zmqps_state_copy_progress_ratio",
+            "Share of the copy under way sent so far (0 when none is).",
+            float(st.get("copy_progress", 0.0)),
+        )
+
+
 class _TableCollector(Collector):
     """Hash-table metrics read from the PS's tables at scrape time (counters the
     tables already keep, so nothing is counted twice)."""
@@ -184,11 +300,15 @@ class Metrics:
         )
         self._tables = _TableCollector()
         r.register(self._tables)
+        self._states = _StatesCollector()
+        r.register(self._states)
         self.shard_bytes = Gauge(
             "zmqps_shard_bytes", "Bytes held by this PS's shards (values and slots).", registry=r
         )
         # -- chief -----------------------------------------------------------------
         self.global_step = Gauge("zmqps_global_step", "The chief's global step.", registry=r)
+        self._replication = _ReplicationCollector()
+        r.register(self._replication)
         self.tokens_available = Gauge(
             "zmqps_sync_tokens_available", "Tokens waiting in the sync token queue.", registry=r
         )
@@ -391,6 +511,14 @@ class Metrics:
     def watch_tables(self, read: TableStats) -> None:
         """Read the hash-table metrics from ``read`` at scrape time."""
         self._tables.read = read
+
+    def watch_states(self, read: StateStats) -> None:
+        """PS: read the replicated states' metrics from ``read`` at scrape time."""
+        self._states.read = read
+
+    def watch_replication(self, read: ReplicationStats) -> None:
+        """Chief: read the replication figures from ``read`` at scrape time."""
+        self._replication.read = read
 
     # -- worker --------------------------------------------------------------------
 

@@ -921,6 +921,21 @@ class RecoveryController:
             ),
         }
 
+    def replication_figures(self) -> dict[str, Any]:
+        """What the chief's replication metrics say (read at scrape time)."""
+        rr = self.rereplicator if self.replicated() else None
+        return {
+            "factor": self.cfg.replication,
+            "under_replicated": 0 if rr is None else len(rr.under_replicated()),
+            "failovers": self.failover_count,
+            "promotions": self.promotions,
+            "last_failover_seconds": self.failovers[-1]["seconds"] if self.failovers else 0.0,
+            "copies_made": 0 if rr is None else rr.copies,
+            "copies_failed": 0 if rr is None else rr.failures,
+            "copied_bytes": 0 if rr is None else rr.bytes,
+            "copy_progress": float(((rr and rr.current) or {}).get("progress", 0.0)),
+        }
+
     def replicated(self) -> bool:
         """Whether the run keeps copies (``--replication`` above 1)."""
         return self.homes is not None and self.cfg.replication > 1

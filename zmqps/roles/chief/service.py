@@ -96,6 +96,8 @@ class ChiefService:
             clock,
             homes,
         )
+        if metrics is not None:
+            metrics.watch_replication(self.recovery.replication_figures)
         #: side-car evaluators: (index, incarnation) -> last heard (monotonic); those
         #: silent past the heartbeat timeout are forgotten when another registers, and
         #: at most MAX_EVALUATORS are kept (the longest silent goes first)

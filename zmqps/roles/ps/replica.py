@@ -162,7 +162,7 @@ class Primary:
         self._step = step or (lambda: 0)
         self._on_commit = on_commit
         self.committed_step = self._step()
-        self._steps: deque[tuple[int, int]] = deque()
+        self._steps: deque[tuple[int, int, float]] = deque()  # (entry, step, appended at)
 
     @property
     def term(self) -> int:
@@ -205,7 +205,7 @@ class Primary:
         entry = self.log.append((op, body, tensors), nbytes)
         if not self._steps:  # everything before was committed: so was the step then
             self.committed_step = before
-        self._steps.append((entry.index, self._step()))
+        self._steps.append((entry.index, self._step(), time.monotonic()))
         self._changed()
         try:
             await self._signal.until(
@@ -228,6 +228,17 @@ class Primary:
         that reads a step here and goes on never sees it undone by a fail-over (a step
         completed by an entry not committed yet is not told)."""
         return step if not self._steps else min(step, self.committed_step)
+
+    def lag(self) -> tuple[float, dict[int, int]]:
+        """Seconds the oldest entry not committed has waited (0: none waits), and the
+        entries each backup has not acknowledged. Read by the metrics exporter's thread
+        while the event loop changes the log: copies first, nothing indexed twice."""
+        try:
+            waited = time.monotonic() - self._steps[0][2]
+        except IndexError:
+            waited = 0.0
+        head = self.log.head
+        return waited, {int(b): head - info.acked for b, info in list(self.log.backups.items())}
 
     def _changed(self) -> None:
         """The log changed: take the step of what is committed, wake the waiters."""

@@ -34,6 +34,8 @@ async def serve_ps(
     )
     store = service.store
     slots = ps_slots(cfg, ctx, service, options)
+    if metrics is not None:
+        metrics.watch_states(slots.replication_stats)
     server = Server(
         ctx,
         cfg.bind,

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from zmqps.core.replication import Entry
 from zmqps.roles.ps.image import take
@@ -93,6 +94,18 @@ class PSSlots:
 
     def role(self, slot: int) -> Primary | Backup | None:
         return self._roles.get(slot)
+
+    def replication_stats(self) -> dict[int, dict[str, Any]]:
+        """Each replicated state's part here, for the metrics: primary or not, and as
+        its primary how far behind its backups are."""
+        out: dict[int, dict[str, Any]] = {}
+        for slot, role in list(self._roles.items()):  # read from the exporter's thread
+            if isinstance(role, Primary) and not role.fenced:
+                waited, behind = role.lag()
+                out[slot] = {"primary": True, "lag_seconds": waited, "lag_entries": behind}
+            else:
+                out[slot] = {"primary": False}
+        return out
 
     def service(self, slot: int) -> PSService:
         """The copy of PS ``slot``'s state this process holds (KeyError: none)."""
