@@ -55,18 +55,28 @@ from zmqps.wire.errors import ConfigError
 
 __all__ = ["add_bench_args", "run_bench"]
 
-SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics", "zmqps-hash", "raw", "torch")
-#: zmqps-curve (CURVE on every socket) and zmqps-metrics (every process serving
-#: Prometheus metrics) run only when asked for
+SIDES = (
+    "zmqps",
+    "zmqps-tcp",
+    "zmqps-curve",
+    "zmqps-metrics",
+    "zmqps-hash",
+    "zmqps-r2",
+    "raw",
+    "torch",
+)
+#: zmqps-curve (CURVE on every socket), zmqps-metrics (every process serving
+#: Prometheus metrics) and zmqps-r2 (two copies of each PS state) run only when asked for
 DEFAULT_SIDES = ("zmqps", "zmqps-tcp", "zmqps-hash", "raw", "torch")
 #: sides that exist for some suites only (a hash-keyed table is an embedding table)
 SIDE_SUITES = {"zmqps-hash": ("sparse",)}
 #: suites that are not "the same workload on every side": see their modules.
 EXTRA_SUITES = ("optimizer", "sync", "checkpoint", "overlap", "coordinator")
-ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics", "zmqps-hash")
+ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics", "zmqps-hash", "zmqps-r2")
 #: ratios of zmqps sides to each other: what CURVE costs on the wire, what a
-#: hash-keyed table costs against a fixed-size one
-OWN_RATIOS = (("zmqps-curve", "zmqps-tcp"), ("zmqps-hash", "zmqps"))
+#: hash-keyed table costs against a fixed-size one, what a second copy of every PS
+#: state costs (both by TCP)
+OWN_RATIOS = (("zmqps-curve", "zmqps-tcp"), ("zmqps-hash", "zmqps"), ("zmqps-r2", "zmqps-tcp"))
 OTHER_SIDES = ("raw", "torch")
 SPAWN: dict[str, Callable[[Workload, SideContext], Side]] = {
     "zmqps": zmqps_side.spawn,
@@ -74,6 +84,7 @@ SPAWN: dict[str, Callable[[Workload, SideContext], Side]] = {
     "zmqps-curve": functools.partial(zmqps_side.spawn, tcp_only=True, curve=True),
     "zmqps-metrics": functools.partial(zmqps_side.spawn, metrics=True),
     "zmqps-hash": functools.partial(zmqps_side.spawn, hashed=True),
+    "zmqps-r2": functools.partial(zmqps_side.spawn, tcp_only=True, replication=2),
     "raw": raw_zmq.spawn,
     "torch": torch_rpc.spawn,
 }
@@ -112,7 +123,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_SIDES,
         help="comma-separated sides among zmqps (as it runs by default), zmqps-tcp (its"
         " same-host fast path off), zmqps-curve (zmqps-tcp with CURVE on every socket:"
-        " every tensor byte encrypted), zmqps-metrics (zmqps with every process serving"
+        " every tensor byte encrypted), zmqps-r2 (zmqps-tcp with two copies of every PS"
+        " state: --replication 2, needs --ps 2 or more), zmqps-metrics (zmqps with every"
+        " process serving"
         " Prometheus metrics), zmqps-hash (sparse: zmqps with the table hash-keyed),"
         " raw (pyzmq), torch (RPC) (default: all but zmqps-curve and"
         " zmqps-metrics; torch is"
@@ -294,6 +307,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     for flag in ("ps", "repeat", "rows", "dim", "batch_rows", "variables", "row_budget"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    if "zmqps-r2" in args.sides and args.ps < 2:
+        raise ConfigError("side zmqps-r2 keeps two copies of each PS state: give --ps 2 or more")
     if "sparse" in requested and "zmqps-hash" in args.sides and args.row_budget < args.batch_rows:
         raise ConfigError(
             f"--row-budget {args.row_budget} is below --batch-rows {args.batch_rows}: a PS"

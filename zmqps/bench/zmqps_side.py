@@ -13,6 +13,8 @@ Rules of this module:
   routed by their hash bucket; the pool's rows are created before timing, the
   ``fresh`` variant's ids are new every step (rows created, and evicted once the
   row budget is reached, inside the timed steps).
+* ``zmqps-r2`` is zmqps-tcp with two copies of each PS state (``--replication 2``):
+  what replication costs training.
 * Leaving is the product's normal end: every worker closes with "done", the
   chief then shuts the PS down and every process exits 0.
 """
@@ -56,12 +58,16 @@ def spawn(
     metrics: bool = False,
     curve: bool = False,
     hashed: bool = False,
+    replication: int = 1,
 ) -> Side:
     """Chief, PS and workers; ``tcp_only`` turns the same-host fast path off;
     ``metrics`` serves Prometheus metrics on every process (to price them); ``curve``
     runs every socket on CURVE (keys made in the run folder); ``hashed`` (sparse
-    suite) makes the table a hash-keyed one (:func:`hashed_tables`)."""
-    if hashed:
+    suite) makes the table a hash-keyed one (:func:`hashed_tables`); ``replication``:
+    copies of each PS state."""
+    if replication > 1:
+        name = f"zmqps-r{replication}"
+    elif hashed:
         name = "zmqps-hash"
     elif curve:
         name = "zmqps-curve"
@@ -108,6 +114,8 @@ def spawn(
     ]
     if part.num_shards:
         chief += ["--num-shards", str(part.num_shards)]
+    if replication > 1:
+        chief += ["--replication", str(replication)]
     env = child_env(ctx.zmqps_env)
     side = Side(name, wl.units_per_step, ctx.timeout, ps_addresses=cluster["ps"])
     side.servers.append(Child(f"{name}-chief", chief, ctx.run_dir, env))

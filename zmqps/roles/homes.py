@@ -11,7 +11,8 @@ not the process's own.
 Rules of this module:
 
 * A request in flight when its state moves (a new placement epoch) is failed at once
-  with ``DeadlineExceeded`` (:meth:`Homes.update`), not left to its deadline: one
+  with ``NotPrimary`` (:meth:`Homes.update`), not left to its deadline (nor sent
+  again to the old process by the transport's own attempts, as a timeout is): one
   that may be sent again (``attempts > 1``: reads, deduplicated pushes) is sent again
   to the new home, within its attempts; any other raises, as a lost request does, and
   so does one naming shared-memory regions (``shm``, ``shm_out``: those of the
@@ -67,7 +68,8 @@ class Homes:
         for process in sorted(left):
             client = self.processes[process]
             if hasattr(client, "fail_pending"):
-                exc = DeadlineExceeded(f"ps state moved away from {client.endpoint}")
+                # not a timeout: the transport would send it to the old process again
+                exc = NotPrimary(f"ps state moved away from {client.endpoint}")
                 client.fail_pending(exc)
         return sorted(set(moved))
 
