@@ -38,6 +38,7 @@ from zmqps.wire.errors import (
     NotFound,
     ProtocolError,
     RemoteError,
+    Superseded,
     error_from_code,
 )
 from zmqps.wire.messages import KINDS, REQUEST_OPS
@@ -656,6 +657,7 @@ def test_limits_on_buffers() -> None:
         (NotFound("no shard 3"), "not_found", NotFound),
         (InvalidArgument("bad shape"), "invalid_argument", InvalidArgument),
         (FencedError("old incarnation"), "fenced", FencedError),
+        (Superseded("term 1 < 2"), "superseded", Superseded),
         (ProtocolError("bad frame"), "protocol", ProtocolError),
         (ValueError("boom"), "internal", RemoteError),
         (KeyError(), "internal", RemoteError),

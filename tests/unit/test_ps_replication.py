@@ -43,6 +43,7 @@ from zmqps.wire.errors import (
     NotFound,
     NotPrimary,
     ProtocolError,
+    Superseded,
 )
 
 W = VariableDef("w", (12, 4), init={"name": "glorot_uniform", "seed": 1})
@@ -444,6 +445,47 @@ def test_a_replaced_primary_acknowledges_nothing_more() -> None:
         with pytest.raises(NotPrimary, match="newer primary"):
             await to_ps0.request("push", {**body, "seq": 2}, grads)
         assert role.log.head == 1  # the second was refused before it was applied
+
+    run(body(), 20.0)
+
+
+def test_a_primary_replaced_by_its_own_backup_stops_at_once() -> None:
+    """The old primary was stopped past the heartbeat timeout, and its backup promoted
+    (term 2, no backups of its own): the old primary's next entry reaches a primary of
+    a newer term, which refuses it as ``superseded``. The old primary stops there and
+    answers ``not_primary`` at once, instead of sending the entry again until the
+    push's deadline (seen: a stopped PS held pushes for a minute after SIGCONT)."""
+
+    async def body() -> None:
+        c = Cluster(2, 2)
+        placement = await c.create()
+        backup = next(s.backups[0] for s in placement.shards if s.ps == 0)
+        await c.chief[backup].request("replica", {"slot": 0, "term": 2, "primary": False})
+        await c.chief[backup].request(
+            "replica", {"slot": 0, "term": 2, "primary": True, "backups": [], "applied": []}
+        )
+        shards = [s for s in placement.shards if s.ps == 0 and s.var == "w"]
+        push = {
+            "shards": [s.id for s in shards],
+            "versions": [0] * len(shards),
+            "worker": "worker:0",
+            "inc": 0,
+            "seq": 1,
+        }
+        grads = [Tensor(np.ones(s.rows * 4, np.float32), "grad", s.id) for s in shards]
+        to_ps0 = c.net.client("ps0", "worker:0:0", timeout=10.0)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(NotPrimary, match="newer primary"):
+            await to_ps0.request("push", push, grads)
+        assert asyncio.get_running_loop().time() - started < 5.0  # not the push's deadline
+        role = c.slots[0].role(0)
+        assert isinstance(role, Primary) and role.fenced and role.log.committed == 0
+        # the promoted copy took nothing from the old primary
+        promoted = c.slots[backup].role(0)
+        assert isinstance(promoted, Primary) and promoted.log.head == 0
+        stale = {"term": 1, "index": 1, "op": "fence", "body": {"worker": "w", "inc": 0}}
+        with pytest.raises(Superseded, match="a primary since replaced"):
+            await c.net.client(f"ps{backup}", "x", slot=0).request("replicate", stale)
 
     run(body(), 20.0)
 

@@ -31,6 +31,7 @@ __all__ = [
     "RolledBack",
     "RunFailed",
     "ShutdownError",
+    "Superseded",
     "ZmqpsError",
     "error_from_code",
 ]
@@ -74,6 +75,14 @@ class NotPrimary(NotFound):
     that state's primary (the placement's newer epoch names it)."""
 
     code = "not_primary"
+
+
+class Superseded(NotPrimary):
+    """A primary's entry or copy reached a copy that is the state's primary at a newer
+    term: the sender was replaced (a fail-over while it was cut off or stopped). It
+    stops shipping and refuses what would change the state (``not_primary``)."""
+
+    code = "superseded"
 
 
 class NotReady(ZmqpsError):
@@ -171,6 +180,7 @@ _BY_CODE: dict[str, type[ZmqpsError]] = {
         ModelMismatch,
         NotFound,
         NotPrimary,
+        Superseded,
         NotReady,
         FencedError,
         RolledBack,

@@ -66,6 +66,7 @@ from zmqps.wire.errors import (
     NotPrimary,
     NotReady,
     ProtocolError,
+    Superseded,
     ZmqpsError,
 )
 
@@ -342,8 +343,9 @@ class Primary:
             try:
                 await link.request("install", body, p.tensors, timeout=4 * self.ship_timeout)
                 return True
-            except FencedError as exc:
+            except (FencedError, Superseded) as exc:
                 info["state"] = f"failed: {exc}"
+                self._replaced(backup, exc)
                 return False
             except ZmqpsError as exc:
                 log.debug("ps %d: part %d to ps %d: %s", self.slot, p.index, backup, exc)
@@ -394,11 +396,8 @@ class Primary:
                 timeout=self.ship_timeout,
             )
             done = o.Replicated.parse(rep.body)
-        except FencedError as exc:
-            if not self.fenced:
-                log.warning("ps %d: replaced as primary (backup %d: %s)", self.slot, backup, exc)
-            self.fenced = True
-            self._changed()
+        except (FencedError, Superseded) as exc:
+            self._replaced(backup, exc)
             return
         except ZmqpsError as exc:
             log.debug("ps %d: entry %d to backup %d: %s", self.slot, e.index, backup, exc)
@@ -410,6 +409,13 @@ class Primary:
         if done.gap:
             self.log.resend(name)
             self.resent += 1
+        self._changed()
+
+    def _replaced(self, backup: int, exc: Exception) -> None:
+        """A copy refused this primary's term: another copy was promoted since."""
+        if not self.fenced:
+            log.warning("ps %d: replaced as primary (ps %d: %s)", self.slot, backup, exc)
+        self.fenced = True
         self._changed()
 
     async def _again(self, name: str) -> None:

@@ -36,7 +36,7 @@ from zmqps.roles.ps.service import PSService
 from zmqps.transport import Requester
 from zmqps.wire import Message, reply
 from zmqps.wire import ops as o
-from zmqps.wire.errors import InvalidArgument, NotFound, NotPrimary
+from zmqps.wire.errors import InvalidArgument, NotFound, NotPrimary, Superseded
 from zmqps.wire.schema import MAX_REPLICATION
 
 __all__ = ["MAX_COPIES", "PSSlots"]
@@ -126,17 +126,15 @@ class PSSlots:
         if service is None:  # the sender's placement is not this process's (a fail-over)
             raise NotPrimary(f"ps {self.own.index} holds no copy of ps {slot}'s state")
         role = self._roles.get(slot)
-        if msg.op == "replicate":
+        if msg.op in ("replicate", "install"):
             if not isinstance(role, Backup):
+                self._superseded(msg, slot, role)
+                what = "entry" if msg.op == "replicate" else "copy"
                 raise NotPrimary(
-                    f"ps {self.own.index} is not a backup of ps {slot}'s state: entry refused"
+                    f"ps {self.own.index} is not a backup of ps {slot}'s state: {what} refused"
                 )
-            return role.receive(msg, service)
-        if msg.op == "install":
-            if not isinstance(role, Backup):
-                raise NotPrimary(
-                    f"ps {self.own.index} is not a backup of ps {slot}'s state: copy refused"
-                )
+            if msg.op == "replicate":
+                return role.receive(msg, service)
             return role.install(msg, service)
         if isinstance(role, Backup) and msg.op not in _BACKUP_OPS:
             raise NotPrimary(
@@ -146,6 +144,20 @@ class PSSlots:
         if isinstance(role, Primary) and changes_state(msg):
             return role.run(msg, service)
         return service(msg)
+
+    def _superseded(self, msg: Message, slot: int, role: Primary | Backup | None) -> None:
+        """An entry or copy from a primary of an older term than this copy, the state's
+        primary now: its sender was replaced while it was cut off or stopped, and must
+        stop (it would otherwise send again until its requests' deadlines)."""
+        if not isinstance(role, Primary):
+            return
+        body = o.Replicate.from_wire(msg.body) if msg.op == "replicate" else None
+        term = body.term if body is not None else o.Install.from_wire(msg.body).term
+        if term < role.term:
+            raise Superseded(
+                f"ps {self.own.index} is ps {slot}'s primary at term {role.term}; the {msg.op}"
+                f" is of term {term} (a primary since replaced)"
+            )
 
     def _op_replica(self, msg: Message) -> Message:
         req = o.ReplicaSet.from_wire(msg.body)
