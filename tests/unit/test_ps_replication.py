@@ -490,6 +490,40 @@ def test_a_primary_replaced_by_its_own_backup_stops_at_once() -> None:
     run(body(), 20.0)
 
 
+def test_a_fenced_primary_told_to_stand_alone_at_a_newer_term_serves_again() -> None:
+    """Every process was taken for dead at once (a heartbeat timeout too low for the
+    load): the fail-over fenced the copies at term 2, found none left, and takes the
+    copies down for a restore. A primary fenced meanwhile is told it is the only copy
+    at term 2: it serves again (the restore's requests reach it; they crashed the chief
+    with ``not_primary``), from the same entry on. Named backups at a newer term are
+    still refused: a backup joins with a copy."""
+
+    async def body() -> None:
+        c = Cluster(2, 2)
+        placement = await c.create()
+        await _workload(c, 6, 3)
+        backup = next(s.backups[0] for s in placement.shards if s.ps == 0)
+        await c.chief[backup].request("replica", {"slot": 0, "term": 2, "primary": False})
+        old = c.slots[0].role(0)
+        assert isinstance(old, Primary)
+        w = c.worker("worker:7")
+        await w.pull()
+        with pytest.raises(NotPrimary):  # its entry refused at term 2: it is fenced
+            await w.push({"w": np.ones((12, 4), np.float32)})
+        assert old.fenced
+        again = {"slot": 0, "term": 2, "primary": True}
+        with pytest.raises(InvalidArgument, match="replicated already"):
+            await c.chief[0].request("replica", {**again, "backups": [[backup, f"ps{backup}"]]})
+        await c.chief[0].request("replica", again)
+        role = c.slots[0].role(0)
+        assert isinstance(role, Primary) and role is not old and not role.fenced
+        assert role.term == 2 and role.log.head == old.log.head and role.backups() == []
+        await w.push({"w": np.ones((12, 4), np.float32)})
+        assert role.log.head == old.log.head + 1 == role.log.committed
+
+    run(body(), 20.0)
+
+
 def test_replica_requests_cannot_make_copies_without_end() -> None:
     async def body() -> None:
         c = Cluster(2, 2)

@@ -240,11 +240,22 @@ class PSSlots:
                     f"ps {req.slot}: a backup joins with a copy of the state, not by name"
                 )
             return role
+        head: int = 0
+        if isinstance(role, Primary) and req.term > role.term and not wanted:
+            # the chief takes the state's copies down at a newer term (before a restore:
+            # a fail-over fenced the other copies at it, and this one may be fenced too)
+            log.warning(
+                "ps %d: ps %d's only copy from now on (term %d)", self.own.index, req.slot, req.term
+            )
+            head = role.log.head
+            closing = asyncio.ensure_future(_retire(role))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+            role = None
         if isinstance(role, Primary):
             raise InvalidArgument(f"ps {self.own.index}: ps {req.slot} is replicated already")
         if wanted and self._link is None:
             raise InvalidArgument(f"ps {self.own.index} cannot reach other PS")
-        head: int = 0
         retained: tuple[Entry, ...] = ()
         acked: dict[int, int] | None = None
         if isinstance(role, Backup):  # a promotion: this copy goes on from its head
