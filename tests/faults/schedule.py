@@ -180,6 +180,13 @@ def _tasks(rng: random.Random, ps: int, workers: int, evaluator: bool) -> list[s
     return [*out, "evaluator"] if evaluator else out
 
 
+def _stop(rng: random.Random, kind: str, at: float, tasks: list[str], hb: float) -> Fault:
+    """A SIGSTOP of one of ``tasks``: shorter than the heartbeat timeout, or longer."""
+    target = rng.choice(tasks)
+    low, high = (0.2, 0.6) if kind == "stop_short" else (1.5, 2.5)
+    return Fault(kind, target, at, duration=round(rng.uniform(low, high) * hb, 2))
+
+
 def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
     """The schedule of ``seed``. ``netns_unavailable``: why network namespaces cannot be
     made here (None: they can), so partitions are left out of the draw."""
@@ -214,9 +221,7 @@ def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
         elif kind == "kill_evaluator":
             f = Fault(kind, "evaluator", at)
         elif kind in ("stop_short", "stop_long"):
-            target = rng.choice(_tasks(rng, ps, workers, evaluator is not None))
-            low, high = (0.2, 0.6) if kind == "stop_short" else (1.5, 2.5)
-            f = Fault(kind, target, at, duration=round(rng.uniform(low, high) * hb, 2))
+            f = _stop(rng, kind, at, _tasks(rng, ps, workers, evaluator is not None), hb)
         elif kind == "finish_while_stopped":
             # late in the run, so another worker runs out of data while this one is stopped
             late = max(at, round(rng.uniform(0.55, 0.8), 3))
@@ -277,9 +282,7 @@ def draw_replicated(seed: int) -> Schedule:
         if kind == "kill_worker":
             faults.append(Fault(kind, f"worker{rng.randrange(workers)}", at))
         else:
-            target = rng.choice(_tasks(rng, ps, workers, False))
-            low, high = (0.2, 0.6) if kind == "stop_short" else (1.5, 2.5)
-            faults.append(Fault(kind, target, at, duration=round(rng.uniform(low, high) * hb, 2)))
+            faults.append(_stop(rng, kind, at, _tasks(rng, ps, workers, False), hb))
     faults.sort(key=lambda f: f.at)
     return Schedule(
         seed=seed,

@@ -128,6 +128,19 @@ class Cluster:
         return n
 
 
+def _push_of_w(placement: Placement, seq: int = 1) -> tuple[dict[str, Any], list[Tensor]]:
+    """A raw push of ones to ps 0's shards of ``w`` (body and tensors), as worker 0."""
+    shards = [s for s in placement.shards if s.ps == 0 and s.var == "w"]
+    body = {
+        "shards": [s.id for s in shards],
+        "versions": [0] * len(shards),
+        "worker": "worker:0",
+        "inc": 0,
+        "seq": seq,
+    }
+    return body, [Tensor(np.ones(s.rows * 4, np.float32), "grad", s.id) for s in shards]
+
+
 class Lossy:
     """A link that loses a share of its requests (the primary must send again)."""
 
@@ -326,15 +339,7 @@ def test_a_silent_backup_holds_pushes_until_the_chief_drops_it() -> None:
         placement = await c.create()
         backup_of_0 = next(s.backups[0] for s in placement.shards if s.ps == 0)
         c.net.remove(f"ps{backup_of_0}")  # the backup is gone: nothing answers
-        shards = [s for s in placement.shards if s.ps == 0 and s.var == "w"]
-        body = {
-            "shards": [s.id for s in shards],
-            "versions": [0] * len(shards),
-            "worker": "worker:0",
-            "inc": 0,
-            "seq": 1,
-        }
-        grads = [Tensor(np.ones(s.rows * 4, np.float32), "grad", s.id) for s in shards]
+        body, grads = _push_of_w(placement)
         to_ps0 = c.net.client("ps0", "worker:0:0", timeout=10.0)
         push = asyncio.ensure_future(to_ps0.request("push", body, grads))
         await asyncio.sleep(0.3)
@@ -428,15 +433,7 @@ def test_a_replaced_primary_acknowledges_nothing_more() -> None:
         placement = await c.create()
         backup = next(s.backups[0] for s in placement.shards if s.ps == 0)
         await c.chief[backup].request("replica", {"slot": 0, "term": 2, "primary": False})
-        shards = [s for s in placement.shards if s.ps == 0 and s.var == "w"]
-        body = {
-            "shards": [s.id for s in shards],
-            "versions": [0] * len(shards),
-            "worker": "worker:0",
-            "inc": 0,
-            "seq": 1,
-        }
-        grads = [Tensor(np.ones(s.rows * 4, np.float32), "grad", s.id) for s in shards]
+        body, grads = _push_of_w(placement)
         to_ps0 = c.net.client("ps0", "worker:0:0", timeout=10.0)
         with pytest.raises(NotPrimary, match="newer primary"):
             await to_ps0.request("push", body, grads)
@@ -464,15 +461,7 @@ def test_a_primary_replaced_by_its_own_backup_stops_at_once() -> None:
         await c.chief[backup].request(
             "replica", {"slot": 0, "term": 2, "primary": True, "backups": [], "applied": []}
         )
-        shards = [s for s in placement.shards if s.ps == 0 and s.var == "w"]
-        push = {
-            "shards": [s.id for s in shards],
-            "versions": [0] * len(shards),
-            "worker": "worker:0",
-            "inc": 0,
-            "seq": 1,
-        }
-        grads = [Tensor(np.ones(s.rows * 4, np.float32), "grad", s.id) for s in shards]
+        push, grads = _push_of_w(placement)
         to_ps0 = c.net.client("ps0", "worker:0:0", timeout=10.0)
         started = asyncio.get_running_loop().time()
         with pytest.raises(NotPrimary, match="newer primary"):

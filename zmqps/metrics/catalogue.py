@@ -58,17 +58,28 @@ StateStats = Callable[[], Mapping[int, Mapping[str, Any]]]
 ReplicationStats = Callable[[], Mapping[str, Any]]
 
 
-class _StatesCollector(Collector):
-    """A PS process's part in replication, read from its states at scrape time."""
+class _Read(Collector):
+    """Figures a role keeps already, read by ``read`` at scrape time (so nothing is
+    counted twice); ``EMPTY`` stands in before a role gives its ``read``."""
+
+    EMPTY: Any = {}
 
     def __init__(self) -> None:
-        self.read: StateStats | None = None
+        self.read: Callable[[], Any] | None = None
 
     def describe(self) -> list[Metric]:
-        return list(self._families({}))
+        return list(self._families(self.EMPTY))
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._families(self.read() if self.read is not None else {})
+        yield from self._families(self.read() if self.read is not None else self.EMPTY)
+
+    @staticmethod
+    def _families(figures: Any) -> Iterator[Metric]:
+        raise NotImplementedError
+
+
+class _StatesCollector(_Read):
+    """A PS process's part in replication, read from its states at scrape time."""
 
     @staticmethod
     def _families(states: Mapping[int, Mapping[str, Any]]) -> Iterator[Metric]:
@@ -99,54 +110,63 @@ class _StatesCollector(Collector):
         yield lag_n
 
 
-class _ReplicationCollector(Collector):
-    """The chief's replication figures (what it already counts), read at scrape time."""
+#: The chief's replication figures without labels: (kind, name, help, key of the
+#: figures :meth:`RecoveryController.replication_figures` returns).
+_CHIEF_REPLICATION = (
+    (
+        "gauge",
+        "zmqps_replication_factor",
+        "Copies of each PS state the run keeps (--replication).",
+        "factor",
+    ),
+    (
+        "gauge",
+        "zmqps_states_under_replicated",
+        "PS states with fewer copies than --replication (a copy is made again).",
+        "under_replicated",
+    ),
+    (
+        "counter",
+        "zmqps_failovers",
+        "Fail-overs: PS processes found dead or restarted, their states' copies promoted.",
+        "failovers",
+    ),
+    ("counter", "zmqps_promotions", "Copies promoted to primary.", "promotions"),
+    (
+        "gauge",
+        "zmqps_failover_last_seconds",
+        "Duration of the last fail-over (fence, promote, new placement).",
+        "last_failover_seconds",
+    ),
+    (
+        "counter",
+        "zmqps_state_copy_bytes",
+        "Bytes of PS states copied to new copies.",
+        "copied_bytes",
+    ),
+    (
+        "gauge",
+        "zmqps_state_copy_progress_ratio",
+        "Share of the copy under way sent so far (0 when none is).",
+        "copy_progress",
+    ),
+)
 
-    def __init__(self) -> None:
-        self.read: ReplicationStats | None = None
 
-    def describe(self) -> list[Metric]:
-        return list(self._families({}))
+class _ReplicationCollector(_Read):
+    """The chief's replication figures (what it already counts), read at scrape time;
+    zeros outside the chief (every process exports the whole catalogue)."""
 
-    def collect(self) -> Iterator[Metric]:
-        # zeros outside the chief (every process exports the whole catalogue)
-        yield from self._families(self.read() if self.read is not None else {"factor": 0})
+    EMPTY = {"factor": 0}
 
     @staticmethod
     def _families(st: Mapping[str, Any]) -> Iterator[Metric]:
-        def gauge(name: str, doc: str, value: float) -> Metric:
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> Metric:
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            return c
-
-        yield gauge(
-            "zmqps_replication_factor",
-            "Copies of each PS state the run keeps (--replication).",
-            float(st.get("factor", 1)),
-        )
-        yield gauge(
-            "zmqps_states_under_replicated",
-            "PS states with fewer copies than --replication (a copy is made again).",
-            float(st.get("under_replicated", 0)),
-        )
-        yield counter(
-            "zmqps_failovers",
-            "Fail-overs: PS processes found dead or restarted, their states' copies promoted.",
-            float(st.get("failovers", 0)),
-        )
-        yield counter(
-            "zmqps_promotions", "Copies promoted to primary.", float(st.get("promotions", 0))
-        )
-        yield gauge(
-            "zmqps_failover_last_seconds",
-            "Duration of the last fail-over (fence, promote, new placement).",
-            float(st.get("last_failover_seconds", 0.0)),
-        )
+        for kind, name, doc, key in _CHIEF_REPLICATION:
+            family = (
+                GaugeMetricFamily(name, doc) if kind == "gauge" else CounterMetricFamily(name, doc)
+            )
+            family.add_metric([], float(st.get(key, 0)))
+            yield family
         copies = CounterMetricFamily(
             "zmqps_state_copies",
             "Copies of PS states made while training (re-replication), by outcome.",
@@ -155,30 +175,11 @@ class _ReplicationCollector(Collector):
         copies.add_metric(["made"], float(st.get("copies_made", 0)))
         copies.add_metric(["failed"], float(st.get("copies_failed", 0)))
         yield copies
-        yield counter(
-            "zmqps_state_copy_bytes",
-            "Bytes of PS states copied to new copies.",
-            float(st.get("copied_bytes", 0)),
-        )
-        yield gauge(
-            "zmqps_state_copy_progress_ratio",
-            "Share of the copy under way sent so far (0 when none is).",
-            float(st.get("copy_progress", 0.0)),
-        )
 
 
-class _TableCollector(Collector):
+class _TableCollector(_Read):
     """Hash-table metrics read from the PS's tables at scrape time (counters the
     tables already keep, so nothing is counted twice)."""
-
-    def __init__(self) -> None:
-        self.read: TableStats | None = None
-
-    def describe(self) -> list[Metric]:
-        return list(self._families({}))
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self._families(self.read() if self.read is not None else {})
 
     @staticmethod
     def _families(stats: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
