@@ -27,8 +27,10 @@ from zmqps.models import Model
 from zmqps.roles.chief import ChiefConfig, ChiefService
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.evaluator import Evaluator, EvaluatorConfig
+from zmqps.roles.homes import Homes
 from zmqps.roles.job import JobConfig
 from zmqps.roles.ps import PSService
+from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import FakeNetwork, Requester, TransportStats
 from zmqps.wire.errors import ConfigError, DeadlineExceeded
 
@@ -393,3 +395,68 @@ def test_checkpoint_of_another_model_is_skipped(
     with caplog.at_level(logging.WARNING, logger="zmqps"):
         run(body())
     assert "variables missing or of another shape: softmax/b, softmax/w" in caplog.text
+
+
+def test_snapshots_follow_a_ps_state_moved_by_a_fail_over(test_split: Dataset) -> None:
+    """--replication 2, three PS: the process serving ps 1's state dies and a copy
+    takes over (a new placement epoch, heard in a heartbeat). The evaluator's next
+    snapshot pulls ps 1's shards from the new primary and scores the trained model."""
+
+    async def body() -> None:
+        ps3 = (*PS, "127.0.0.1:7102")
+        spec = ClusterSpec(chief=CHIEF, ps=ps3, worker=("127.0.0.1:7200",))
+        net = FakeNetwork()
+        services = [PSService(i) for i in range(3)]
+        for i, addr in enumerate(ps3):
+            slots = PSSlots(
+                services[i],
+                make_copy=PSService,
+                link=lambda ps, endpoint, slot, i=i: net.client(
+                    endpoint, f"ps{i}:ship{slot}", slot=slot, timeout=0.5
+                ),
+            )
+            net.serve(addr, slots, name=f"ps{i}")
+        cfg = ChiefConfig(
+            bind=f"tcp://{CHIEF}",
+            cluster=spec,
+            optimizer=dict(SGD),
+            partitioner=Partitioner(num_shards=3),
+            replication=2,
+        )
+        homes = Homes([net.client(a, "chief:0") for a in ps3])
+        chief = ChiefService(cfg, homes.links(), homes=homes)
+        net.serve(CHIEF, chief, name="chief")
+        model = JOB.build_model(test_split)
+        await chief.create_variables(model.variables(), dict(SGD))
+        assert chief.placement is not None and any(s.ps == 1 for s in chief.placement.shards)
+        ev = make_evaluator(net, test_split, lambda _: False)
+        task = asyncio.ensure_future(ev.run())
+        await until(lambda: len(ev.evaluations) == 1, "the first evaluation")
+        # ps 1 dies; the chief fails its state over to the copy
+        net.remove(ps3[1])
+        await chief.recovery.fail_over([1])
+        home = homes.of[1]
+        assert home != 1
+        # a worker trains on the new placement; the step is reported in a heartbeat
+        wh = Homes([net.client(a, "trainer") for a in ps3])
+        wh.update(chief.placement)
+        trainer = ParameterClient(
+            wh.links(), chief.placement, worker="trainer", incarnation=1, shared_memory=False
+        )
+        train = load_digits("train")
+        params = await trainer.pull()
+        _, grads = model.loss_and_grads(params, train.x[:256], train.y[:256])
+        await trainer.push(grads)
+        who = {"role": "worker", "index": 0, "incarnation": 1}
+        await net.client(CHIEF, "worker:0").request("register", {**who, "steps_planned": 1})
+        await net.client(CHIEF, "worker:0").request("heartbeat", {**who, "step": 1})
+        await until(lambda: len(ev.evaluations) == 2, "an evaluation after the fail-over")
+        assert ev.homes is not None and ev.homes.of[1] == home
+        trained = await trainer.pull()
+        want = model.evaluate(trained, test_split.x, test_split.y)
+        assert ev.evaluations[1].step == 1
+        assert ev.evaluations[1].accuracy == pytest.approx(want["accuracy"])
+        ev.stop()
+        await asyncio.wait_for(task, 5.0)
+
+    run(body())

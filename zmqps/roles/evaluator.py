@@ -67,6 +67,7 @@ from zmqps.roles._run import start_exporter
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.configs import EvaluatorConfig
 from zmqps.roles.ctr_job import ctr_scores, ctr_scores_summary
+from zmqps.roles.homes import Homes
 from zmqps.roles.worker.session import Session
 from zmqps.transport import Client, Requester, SocketOptions, ZmqContext, new_context
 from zmqps.wire import ops as o
@@ -208,6 +209,8 @@ class Evaluator:
         self.ps_addresses: list[str] = []
         self._ps_gone = False  # the PS were seen shut down: no snapshot to pull
         self._client: ParameterClient | None = None
+        #: the process serving each PS state (snapshots follow a fail-over)
+        self.homes: Homes | None = None
         self._seen: set[str] = set()  # checkpoints evaluated or skipped
         self._final_seen = False  # the last checkpoint evaluated is a run's final one
         self._last_step: int | None = None  # snapshot: step of the last evaluation
@@ -325,8 +328,12 @@ class Evaluator:
         self.ps_addresses = list(info.ps)
         self.ps = self.connect_ps(self.ps_addresses)
         session = self.session
+        # PS states, wherever they are served (a fail-over moves them: --replication)
+        self.homes = Homes(self.ps)
+        self.homes.update(placement)
+        session.on_placement = self._placement_moved
         self._client = ParameterClient(
-            self.ps,
+            self.homes.links(),
             placement,
             worker="evaluator",
             incarnation=0,
@@ -344,6 +351,25 @@ class Evaluator:
         else:
             log.info("evaluator: stopped after %d evaluations", len(self.evaluations))
         return self.evaluations
+
+    async def _placement_moved(self) -> None:
+        """A heartbeat named a newer placement epoch: PS states moved (a fail-over);
+        snapshot pulls follow them (one in flight is sent again to the new home)."""
+        assert self.chief is not None
+        try:
+            rep = await self.chief.request("get_placement", {"wait": 0.0}, timeout=5.0)
+            placement = Placement.from_wire(rep.body["placement"])
+        except (ZmqpsError, KeyError, TypeError, ValueError) as exc:
+            log.info("evaluator: the new placement is not known yet: %s", exc)
+            return
+        if self.homes is not None:
+            moved = self.homes.update(placement)
+            if moved:
+                log.info(
+                    "evaluator: ps %s now served elsewhere (placement epoch %d)",
+                    ", ".join(map(str, moved)),
+                    placement.epoch,
+                )
 
     def _announce(self) -> None:
         log.info(
