@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,17 @@ _swept = False
 def _rows_per_request(shape: tuple[int, ...]) -> int:
     """The most rows of a variable of ``shape`` one row request may carry."""
     return max(1, min(MAX_ROWS, MAX_ROW_VALUES // max(1, math.prod(shape[1:]))))
+
+
+async def _every(messages: Iterable[Awaitable[bool]]) -> bool:
+    """Every message of a push, each to its PS: whether all were applied. A failure is
+    raised once every message has its outcome (none still in flight), so a push sent
+    again (its :class:`Delivery`) never races its own first messages."""
+    results = await asyncio.gather(*messages, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return all(results)
 
 
 def _sweep_once() -> None:
@@ -462,8 +473,10 @@ class ParameterClient:
 
         if len(by_ps) == 1:
             return await one(*next(iter(by_ps.items())))
-        results = await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
-        return all(results)
+        if op == "pull":
+            results = await asyncio.gather(*(one(ps, sids) for ps, sids in by_ps.items()))
+            return all(results)
+        return await _every(one(ps, sids) for ps, sids in by_ps.items())
 
     async def pull(
         self, names: Iterable[str] | None = None, *, out: Mapping[str, Array] | None = None
@@ -706,5 +719,4 @@ class ParameterClient:
                     f" a request carries at most {per:,} of them (MAX_ROWS, MAX_ROW_VALUES):"
                     " push fewer rows per step, or spread the table over more shards"
                 )
-        results = await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))
-        return all(results)
+        return await _every(one(ps, parts) for ps, parts in routed.items())
