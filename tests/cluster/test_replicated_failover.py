@@ -138,7 +138,7 @@ def test_a_sync_run_with_a_ps_killed_ends_bit_identical_to_the_unfaulted_one(
     them differ."""
     flags = (
         "--ps", "3", "--replication", "2", "--mode", "sync", "--optimizer", "sgd",
-        "--lr", "0.1", "--epochs", "16", "--heartbeat-timeout", "2",
+        "--lr", "0.1", "--epochs", "12", "--heartbeat-timeout", "2",
     )  # fmt: skip
 
     def model(run: Path, kill_at: int | None) -> dict[str, Any]:
@@ -160,7 +160,7 @@ def test_a_sync_run_with_a_ps_killed_ends_bit_identical_to_the_unfaulted_one(
         return {"summary": summary, "values": load_file(str(run / "model" / "model.safetensors"))}
 
     plain = model(tmp_path / "plain", None)
-    killed = model(tmp_path / "killed", kill_at=120)
+    killed = model(tmp_path / "killed", kill_at=90)
     assert killed["summary"]["global_step"] == plain["summary"]["global_step"]
     assert plain["values"].keys() == killed["values"].keys() and plain["values"]
     for name, value in plain["values"].items():
