@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
@@ -103,3 +104,38 @@ def test_a_request_in_flight_follows_its_state_unless_it_names_shared_memory(
             assert procs[2].seen == []
 
     asyncio.run(go())
+
+
+def test_a_push_refused_for_its_values_is_raised_after_a_state_that_moved() -> None:
+    """One PS state refuses a push's values, another's process lost the state: the
+    caller hears of the move first (it sends the push again, whole), so the state
+    that moved gets it too, and the refusal comes once every state has the outcome."""
+    from zmqps.roles.client import Delivery, ParameterClient
+    from zmqps.wire.errors import NonFiniteGradient
+
+    class Refusing:
+        endpoint = "ps"
+
+        def __init__(self, exc: Exception) -> None:
+            self.exc = exc
+            self.seen = 0
+
+        async def request(self, *_: Any, **__: Any) -> Message:
+            self.seen += 1
+            await asyncio.sleep(0.01 * self.seen)
+            raise self.exc
+
+        async def close(self) -> None:
+            pass
+
+    v = VariableDef("w", (4, 2))
+    shards = (ShardInfo(0, "w", 0, 0, 2, 0), ShardInfo(1, "w", 1, 2, 2, 1))
+    placement = Placement((v,), shards)
+    refusing, moved = Refusing(NonFiniteGradient("nan")), Refusing(NotPrimary("moved"))
+    client = ParameterClient(
+        [refusing, moved], placement, worker="w", incarnation=0, shared_memory=False
+    )
+    grads = {"w": np.ones((4, 2), np.float32)}
+    with pytest.raises(NotPrimary):
+        asyncio.run(client.push(grads, delivery=Delivery()))
+    assert refusing.seen == moved.seen == 1  # both answered before the failure was raised

@@ -43,7 +43,14 @@ from zmqps.transport.base import Requester
 from zmqps.transport.shm import Region, create_region, sweep, unlink_region
 from zmqps.wire import Message, Tensor
 from zmqps.wire import ops as o
-from zmqps.wire.errors import InvalidArgument, NotFound, ProtocolError, RolledBack, ZmqpsError
+from zmqps.wire.errors import (
+    InvalidArgument,
+    NonFiniteGradient,
+    NotFound,
+    ProtocolError,
+    RolledBack,
+    ZmqpsError,
+)
 from zmqps.wire.schema import MAX_ROW_VALUES, MAX_ROWS
 
 __all__ = ["Delivery", "ParameterClient"]
@@ -65,9 +72,12 @@ async def _every(messages: Iterable[Awaitable[bool]]) -> bool:
     raised once every message has its outcome (none still in flight), so a push sent
     again (its :class:`Delivery`) never races its own first messages."""
     results = await asyncio.gather(*messages, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    failed = [r for r in results if isinstance(r, BaseException)]
+    # a refusal of the values last: a message that failed otherwise (its state moved)
+    # is sent again first, so that every PS state has the push's outcome
+    failed.sort(key=lambda e: isinstance(e, NonFiniteGradient))
+    if failed:
+        raise failed[0]
     return all(results)
 
 
