@@ -477,6 +477,9 @@ class ReplicaSet(Body):
     applied: tuple[int, ...] | None = wire(List(Int(0), MAX_REPLICATION), default=None)
     #: a backup: make an empty copy if the process holds none
     make: bool = wire(Bool(), default=False)
+    #: the placement epoch the chief is at (the process remembers the highest: a
+    #: restarted chief starts past it)
+    epoch: int | None = wire(COUNT, default=None)
 
 
 #: ops whose requests change a PS state (``pull_rows`` creates hash-table rows): a
@@ -715,6 +718,26 @@ class PsStateReply(Body):
     #: per worker, the highest batch cursor this PS ever applied (``cursors`` go back
     #: with a restore to a checkpoint's; these do not)
     highs: Mapping[str, int] | None = wire(CURSORS, default=None)
+    #: replication: this process's part in each PS state it holds a copy of, as
+    #: ``[state, "primary" | "backup", term, entry applied, fenced, in-sync backups]``
+    roles: tuple[tuple[Any, ...], ...] | None = wire(
+        List(
+            Tuple(
+                (
+                    Int(0, 1 << 20),
+                    Str(8),
+                    Int(0),
+                    Int(0),
+                    Bool(),
+                    List(Int(0, 1 << 20), MAX_REPLICATION),
+                )
+            ),
+            MAX_SHARDS,
+        ),
+        default=None,
+    )
+    #: replication: the highest placement epoch this process was told
+    epoch: int | None = wire(COUNT, default=None)
 
 
 @_body(reply=True)

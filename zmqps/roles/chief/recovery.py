@@ -250,6 +250,11 @@ class RecoveryController:
             if not await self._any_ps_answers(probe):
                 raise RunFinished(latest, summary, f"no PS answered within {probe:g}s")
         states = await self.ps_states(self.cfg.startup_timeout)
+        moved = self._copies_of(states) if self.replicated() else None
+        if moved is not None:  # each state from its primary, wherever it is now
+            assert self.homes is not None
+            self.homes.update(moved)
+            states = await self.ps_states(self.cfg.startup_timeout)
         self._learn_progress(states)
         plan = decide_start(states, sync=self.mode.name == "sync")
         self.gen = plan.gen
@@ -257,7 +262,7 @@ class RecoveryController:
         try:
             if plan.kind == "adopt":
                 assert plan.placement is not None
-                self.variables.use(Placement.from_wire(plan.placement))
+                self.variables.use(moved or Placement.from_wire(plan.placement))
                 if self.mode.name == "sync":
                     self.mode.global_step = plan.step
                 self.rewinds = _rewinds(states, self.gen)
@@ -299,6 +304,58 @@ class RecoveryController:
             await self._restore(Event.RESTORE, "start", states, ckpt=ckpt)
         finally:
             self.started.set()
+
+    def _copies_of(self, states: Sequence[dict[str, Any]]) -> Placement | None:
+        """Replicated, at start (a restarted chief): the placement as the copies say
+        it is. Each state's primary is its unfenced primary copy of the highest term,
+        its backups that primary's in-sync ones that hold it as a backup at that term;
+        the epoch is past any a process was told. None when no process reports copies
+        (a fresh cluster) or a state has no primary left (decided as without them)."""
+        roles = {i: st["roles"] for i, st in enumerate(states) if st.get("roles")}
+        base = next((st["placement"] for st in states if st.get("placement") is not None), None)
+        if not roles or base is None:
+            return None
+        placement = Placement.from_wire(base)
+        homes: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # state -> (term, ps, backups)
+        for state in sorted({s.state for s in placement.shards}):
+            best: tuple[int, int, list[int]] | None = None
+            for i, held in roles.items():
+                for slot, kind, term, _, fenced, in_sync in held:
+                    mine = slot == state and kind == "primary" and not fenced
+                    if mine and (best is None or term > best[0]):
+                        best = (int(term), i, [int(q) for q in in_sync])
+            if best is None:
+                return None
+            term, primary, in_sync = best
+            backs = {
+                i
+                for i, held in roles.items()
+                for slot, kind, t, *_ in held
+                if slot == state and kind == "backup" and t == term
+            }
+            homes[state] = (term, primary, tuple(q for q in in_sync if q in backs))
+        for state, (term, _, _) in homes.items():
+            self.terms[state] = term
+        shards = tuple(
+            replace(
+                s,
+                ps=homes[s.state][1],
+                backups=homes[s.state][2],
+                slot=s.state if homes[s.state][1] != s.state else None,
+            )
+            for s in placement.shards
+        )
+        epoch = max(int(st.get("epoch") or 0) for st in states) + 1
+        moved = replace(placement, shards=shards, epoch=epoch)
+        log.info(
+            "the copies of the PS states: %s (placement epoch %d)",
+            ", ".join(
+                f"ps {st} on ps {p}" + (f" (backups {list(b)})" if b else "")
+                for st, (_, p, b) in sorted(homes.items())
+            ),
+            epoch,
+        )
+        return moved
 
     def _ended(self, ckpt: Checkpoint) -> dict[str, Any] | None:
         """The run's summary (the chief's ``summary_path``) when ``ckpt`` is this run's
@@ -711,7 +768,10 @@ class RecoveryController:
             seen = await asyncio.gather(*(term_of(q, state) for q in alive))
             term = self.terms[state] = max([self.terms.get(state, TERM), *seen]) + 1
             answers = await asyncio.gather(
-                *(replica(q, o.ReplicaSet(state, term, primary=False)) for q in alive)
+                *(
+                    replica(q, o.ReplicaSet(state, term, primary=False, epoch=placement.epoch + 1))
+                    for q in alive
+                )
             )
             survivors[state] = {q: a.applied for q, a in zip(alive, answers, strict=True) if a}
         heads = {s.id: survivors[s.state] for s in placement.shards if s.state in survivors}
@@ -729,7 +789,8 @@ class RecoveryController:
                 applied = (
                     tuple(survivors[state][q] for q in s.backups) if state in survivors else None
                 )
-                body = o.ReplicaSet(state, self.terms.get(state, TERM), True, links, applied)
+                term = self.terms.get(state, TERM)
+                body = o.ReplicaSet(state, term, True, links, applied, epoch=out.placement.epoch)
                 await replica(s.ps, body)
         lost_states = {s.state for s in out.placement.shards if s.id in out.lost}
         promoted = sorted(set(survivors) - lost_states)
@@ -783,7 +844,8 @@ class RecoveryController:
         # every state (one with a copy joining but no backup yet too)
         for state in sorted({s.state for s in placement.shards}):
             home = self.homes.of[state]
-            body = o.ReplicaSet(state, self.terms.get(state, TERM), primary=True)
+            term = self.terms.get(state, TERM)
+            body = o.ReplicaSet(state, term, primary=True, epoch=placement.epoch + 1)
             try:
                 await self.homes.processes[home].request("replica", body.to_wire(), timeout=2.0)
             except ZmqpsError as exc:

@@ -232,7 +232,8 @@ class Rereplicator:
                 if self._moved(state, primary, term) or not self.alive(target):
                     why = "the placement changed while the copy caught up"
                 else:
-                    self._add(state, target)
+                    added = self._add(state, target)
+                    await self._tell_epoch(state, added)
         copied = int(info.get("bytes", 0))
         record: dict[str, Any] = {
             "state": state,
@@ -272,7 +273,7 @@ class Rereplicator:
             or self.recovery.variables.placement is None
         )
 
-    def _add(self, state: int, target: int) -> None:
+    def _add(self, state: int, target: int) -> Placement:
         r = self.recovery
         placement = r.variables.placement
         assert placement is not None
@@ -285,6 +286,19 @@ class Rereplicator:
         new = replace(placement, shards=shards, epoch=placement.epoch + 1)
         r.variables.use(new)
         self.homes.update(new)
+        return new
+
+    async def _tell_epoch(self, state: int, placement: Placement) -> None:
+        """The state's primary hears the placement's epoch (its backups, the new one
+        in, as they are): a restarted chief starts past the highest epoch a PS heard."""
+        s = next(s for s in placement.shards if s.state == state)
+        links = tuple((q, self.homes.processes[q].endpoint) for q in s.backups)
+        term = self.recovery.terms.get(state, TERM)
+        body = o.ReplicaSet(state, term, True, links, epoch=placement.epoch)
+        try:
+            await self.homes.processes[s.ps].request("replica", body.to_wire(), timeout=2.0)
+        except ZmqpsError as exc:
+            log.info("ps %d: the placement epoch not told: %s", s.ps, exc)
 
     async def _drop_joiner(self, state: int) -> None:
         """The primary of ``state`` ships to the placement's backups only (a joiner

@@ -71,6 +71,8 @@ class PSSlots:
         self._link = link
         #: primaries replaced by a backup role, being closed
         self._closing: set[asyncio.Future[None]] = set()
+        #: the highest placement epoch the chief told (``replica``)
+        self.epoch = 0
 
     def add(self, service: PSService) -> None:
         """Serve ``service`` (a copy of PS ``service.index``'s state) too."""
@@ -121,6 +123,8 @@ class PSSlots:
             return self._op_join(msg)
         if msg.op == "shutdown":  # the process's, whatever part its own state plays
             return self.own(msg)
+        if msg.op == "ps_state" and msg.slot is None and self._roles:
+            return self._ps_state(msg)
         slot = self.own.index if msg.slot is None else msg.slot
         service = self._slots.get(slot)
         if service is None:  # the sender's placement is not this process's (a fail-over)
@@ -145,6 +149,21 @@ class PSSlots:
             return role.run(msg, service)
         return service(msg)
 
+    def _ps_state(self, msg: Message) -> Message:
+        """The process's own state's ``ps_state``, with its part in every state's copies
+        and the placement epoch it was told: what a restarted chief rebuilds the
+        placement from (which copy is each state's primary, at which term)."""
+        rep = self.own(msg)
+        assert isinstance(rep, Message)
+        roles = []
+        for slot, role in sorted(self._roles.items()):
+            if isinstance(role, Primary):
+                in_sync = sorted(int(b) for b in role.log.in_sync())
+                roles.append([slot, "primary", role.term, role.log.head, role.fenced, in_sync])
+            else:
+                roles.append([slot, "backup", role.term, role.log.applied, False, []])
+        return reply(msg, {**rep.body, "roles": roles, "epoch": self.epoch})
+
     def _superseded(self, msg: Message, slot: int, role: Primary | Backup | None) -> None:
         """An entry or copy from a primary of an older term than this copy, the state's
         primary now: its sender was replaced while it was cut off or stopped, and must
@@ -161,6 +180,8 @@ class PSSlots:
 
     def _op_replica(self, msg: Message) -> Message:
         req = o.ReplicaSet.from_wire(msg.body)
+        if req.epoch is not None:
+            self.epoch = max(self.epoch, req.epoch)
         service = self._slots.get(req.slot)
         if service is None:
             if req.primary or self._make_copy is None or not req.make:
