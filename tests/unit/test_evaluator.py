@@ -437,6 +437,11 @@ def test_snapshots_follow_a_ps_state_moved_by_a_fail_over(test_split: Dataset) -
         await chief.recovery.fail_over([1])
         home = homes.of[1]
         assert home != 1
+        # its heartbeats hear of the new epoch (the in-memory network has no requests
+        # in flight to fail over: the step moves once the evaluator follows the state)
+        await until(
+            lambda: ev.homes is not None and ev.homes.of[1] == home, "the new placement heard"
+        )
         # a worker trains on the new placement; the step is reported in a heartbeat
         wh = Homes([net.client(a, "trainer") for a in ps3])
         wh.update(chief.placement)
@@ -451,7 +456,6 @@ def test_snapshots_follow_a_ps_state_moved_by_a_fail_over(test_split: Dataset) -
         await net.client(CHIEF, "worker:0").request("register", {**who, "steps_planned": 1})
         await net.client(CHIEF, "worker:0").request("heartbeat", {**who, "step": 1})
         await until(lambda: len(ev.evaluations) == 2, "an evaluation after the fail-over")
-        assert ev.homes is not None and ev.homes.of[1] == home
         trained = await trainer.pull()
         want = model.evaluate(trained, test_split.x, test_split.y)
         assert ev.evaluations[1].step == 1
