@@ -72,6 +72,11 @@ class Delivery:
         """Whether a message of this push went to PS state ``ps`` already."""
         return any(k[0] == ps for k in self.seqs)
 
+    def outcome(self, ps: int, sids: list[int]) -> bool | None:
+        """The message of ``sids`` to PS state ``ps``: applied or not if answered
+        already (sent again, it is not sent), else None."""
+        return self.answered.get((ps, tuple(sids)))
+
     def groups(self, ps: int) -> list[list[int]]:
         """The shards of each message to PS state ``ps``, as first sent."""
         return [list(sids) for p, sids in self.seqs if p == ps]
@@ -134,7 +139,7 @@ class TcpChannel(DenseChannel):
             c.take_values(rep, sids, t.out, pull.gen)
             return True
         assert t.grads is not None
-        done = None if t.delivery is None else t.delivery.answered.get((self.ps, tuple(sids)))
+        done = None if t.delivery is None else t.delivery.outcome(self.ps, sids)
         if done is not None:  # sent again: this message was answered the first time
             return done
         tensors = [tensor for sid in sids for tensor in c.chunks(sid, t.grads, "grad")]

@@ -702,7 +702,7 @@ class ParameterClient:
 
         async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> bool:
             sids = [s.id for s, _, _ in parts]
-            done = None if delivery is None else delivery.answered.get((ps, tuple(sids)))
+            done = None if delivery is None else delivery.outcome(ps, sids)
             if done is not None:  # sent again: this message was answered the first time
                 return done
             tensors: list[Tensor] = []

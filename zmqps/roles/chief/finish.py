@@ -56,7 +56,7 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
             "promotions": recovery.promotions,
             "copies_made": recovery.rereplicator.copies,
             "copies_failed": recovery.rereplicator.failures,
-            "restores": len(recovery.recoveries),
+            "restores": recovery.restore_count,
         }
     failure = nonfinite_verdict(m.nonfinite, m.global_step, cfg.max_nonfinite_share)
     if failure:

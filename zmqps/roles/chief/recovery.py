@@ -56,6 +56,7 @@ from zmqps.roles.homes import Homes
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
 from zmqps.wire.errors import DeadlineExceeded, NotReady, ZmqpsError
+from zmqps.wire.schema import INT64_MAX
 
 if TYPE_CHECKING:
     from zmqps.roles.chief.checkpoints import ChiefCheckpoints
@@ -130,6 +131,8 @@ class RecoveryController:
         #: restores so far; data requests of another generation are refused by the PS
         self.gen = 0
         self.recoveries: list[dict[str, Any]] = []
+        #: restores so far (``recoveries`` keeps the last 20)
+        self.restore_count = 0
         #: the last restore to a checkpoint's batch cursors, per worker name (None: no
         #: restore went back, or the checkpoint did not say): each live worker trains
         #: its batches after its cursor again (heartbeat replies say it)
@@ -345,7 +348,8 @@ class RecoveryController:
             )
             for s in placement.shards
         )
-        epoch = max(int(st.get("epoch") or 0) for st in states) + 1
+        # past any a process was told (within the wire's range, whatever was sent to it)
+        epoch = min(max(int(st.get("epoch") or 0) for st in states) + 1, INT64_MAX)
         moved = replace(placement, shards=shards, epoch=epoch)
         log.info(
             "the copies of the PS states: %s (placement epoch %d)",
@@ -489,6 +493,7 @@ class RecoveryController:
             }
             self.recoveries.append(record)
             self.recoveries = self.recoveries[-20:]
+            self.restore_count += 1
             if self.metrics is not None:
                 self.metrics.recovery_seconds.observe(now - detected_at)
             log.warning(

@@ -164,6 +164,12 @@ class PSSlots:
                 roles.append([slot, "backup", role.term, role.log.applied, False, []])
         return reply(msg, {**rep.body, "roles": roles, "epoch": self.epoch})
 
+    def _retire_later(self, role: Primary) -> None:
+        """Stop a replaced primary's shipping and close its links, in the background."""
+        closing = asyncio.ensure_future(_retire(role))
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+
     def _superseded(self, msg: Message, slot: int, role: Primary | Backup | None) -> None:
         """An entry or copy from a primary of an older term than this copy, the state's
         primary now: its sender was replaced while it was cut off or stopped, and must
@@ -213,9 +219,7 @@ class PSSlots:
                     role.term,
                     req.term,
                 )
-                closing = asyncio.ensure_future(_retire(role))
-                self._closing.add(closing)
-                closing.add_done_callback(self._closing.discard)
+                self._retire_later(role)
                 role = Backup(req.slot, req.term)
             elif role is None:
                 role = Backup(req.slot, req.term)
@@ -269,9 +273,7 @@ class PSSlots:
                 "ps %d: ps %d's only copy from now on (term %d)", self.own.index, req.slot, req.term
             )
             head = role.log.head
-            closing = asyncio.ensure_future(_retire(role))
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
+            self._retire_later(role)
             role = None
         if isinstance(role, Primary):
             raise InvalidArgument(f"ps {self.own.index}: ps {req.slot} is replicated already")

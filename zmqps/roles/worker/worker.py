@@ -671,6 +671,7 @@ class Worker:
             "steps": self.step,
             "rewound": self.rewound,
             "rolled_back": self.rolled_back,
+            "resent": self.session.resent,
             "nonfinite": self.nonfinite,
             "pushes": {k: dict(v) for k, v in pushes.items()},
         }
