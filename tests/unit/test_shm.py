@@ -281,6 +281,39 @@ def test_ps_refuses_bad_regions_and_bad_offsets() -> None:
     run(body())
 
 
+def test_a_push_reads_only_a_region_its_own_worker_attached() -> None:
+    """Region ids are small integers, one sequence per PS state: an id kept from
+    another process, or sent by another worker, may name someone else's region here.
+    A push through a region its worker did not attach is refused and changes nothing."""
+
+    async def body() -> None:
+        c = await make_cluster(DENSE, 1, 1)
+        svc = c.services[0]
+        region = shm.create_region(1024)
+        try:
+            rid = svc(request("shm_attach", _attach_body(region))).body["region"]
+        finally:
+            shm.unlink_region(region)
+        w = next(s for s in c.placement.shards if s.var == "w")
+        before = svc.store.get(w.id).values.copy()
+        push = {
+            "shards": [w.id],
+            "versions": [0],
+            "worker": "intruder",
+            "inc": 0,
+            "seq": 1,
+            "shm": {"region": rid, "offsets": [0]},
+        }
+        with pytest.raises(NotFound, match="not attached"):
+            svc(request("push", push))
+        np.testing.assert_array_equal(svc.store.get(w.id).values, before)
+        assert svc.store.get(w.id).version == 0
+        svc(request("push", {**push, "worker": "w"}))  # its own worker's push is read
+        assert svc.store.get(w.id).version == 1
+
+    run(body())
+
+
 def test_regions_per_worker_are_bounded() -> None:
     async def body() -> None:
         c = await make_cluster(DENSE, 1, 1)
