@@ -9,15 +9,12 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import numpy as np
+from fake_replicated import chief_on, replicated_config, serve_ps
 
-from zmqps.config import ClusterSpec
-from zmqps.core.partition import Partitioner
 from zmqps.core.variables import VariableDef
-from zmqps.roles.chief import ChiefConfig, ChiefService
+from zmqps.roles.chief import ChiefService
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.homes import Homes
-from zmqps.roles.ps import PSService
-from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import FakeNetwork
 
 T = TypeVar("T")
@@ -34,48 +31,27 @@ def run(coro: Awaitable[T]) -> T:
     return asyncio.run(bounded())
 
 
-def serve_ps(net: FakeNetwork, i: int) -> PSSlots:
-    slots = PSSlots(
-        PSService(i),
-        make_copy=PSService,
-        link=lambda ps, endpoint, slot: net.client(
-            endpoint, f"ps{i}:ship{slot}", slot=slot, timeout=0.5
-        ),
-    )
-    net.serve(PS[i], slots, name=f"ps{i}")
-    return slots
-
-
-def chief_on(net: FakeNetwork, cfg: ChiefConfig) -> ChiefService:
-    homes = Homes([net.client(a, "chief:0") for a in PS])
-    chief = ChiefService(cfg, homes.links(), homes=homes)
-    net.serve(CHIEF, chief, name="chief")
+async def started(net: FakeNetwork) -> ChiefService:
+    """Three PS with two copies of each state, a chief that made the variables."""
+    for i in range(3):
+        serve_ps(net, i, PS[i])
+    chief = chief_on(net, replicated_config(CHIEF, PS, SGD))
+    await chief.start()
+    await chief.create_variables(VARS, dict(SGD))
     return chief
 
 
 def test_a_restarted_chief_adopts_states_moved_by_a_fail_over() -> None:
     async def body() -> None:
         net = FakeNetwork()
-        for i in range(3):
-            serve_ps(net, i)
-        spec = ClusterSpec(chief=CHIEF, ps=PS, worker=("127.0.0.1:7200",))
-        cfg = ChiefConfig(
-            bind=f"tcp://{CHIEF}",
-            cluster=spec,
-            optimizer=dict(SGD),
-            partitioner=Partitioner(num_shards=3),
-            replication=2,
-        )
-        chief = chief_on(net, cfg)
-        await chief.start()
-        await chief.create_variables(VARS, dict(SGD))
+        chief = await started(net)
         # ps 1 dies; a copy of its state takes over; the launcher restarts ps 1, empty
         net.remove(PS[1])
         await chief.recovery.fail_over([1])
         assert chief.recovery.homes is not None
         home = chief.recovery.homes.of[1]
         assert home != 1
-        serve_ps(net, 1)
+        serve_ps(net, 1, PS[1])
         placement = chief.placement
         assert placement is not None
         # training goes on through the new placement
@@ -87,7 +63,7 @@ def test_a_restarted_chief_adopts_states_moved_by_a_fail_over() -> None:
         pulled = (await w.pull())["w"].copy()
         # the chief dies and is restarted: it knows nothing but what the PS say
         net.remove(CHIEF)
-        restarted = chief_on(net, cfg)
+        restarted = chief_on(net, chief.cfg)
         await restarted.start()
         st: dict[str, Any] = restarted.status()
         assert st["gen"] == 0 and not st["recoveries"], st  # adopted: no restore
@@ -102,5 +78,79 @@ def test_a_restarted_chief_adopts_states_moved_by_a_fail_over() -> None:
             s.id for s in after.shards if s.state == 1
         }
         assert (await w.pull())["w"].tolist() == pulled.tolist()  # nothing lost
+
+    run(body())
+
+
+def test_a_restarted_chief_fails_over_a_state_whose_primary_died_with_the_last_chief() -> None:
+    """ps 1 and the chief are killed together, before any fail-over: ps 1 comes back
+    empty and no copy is primary of its state. The restarted chief promotes the
+    backup: no restore, every acknowledged push kept."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief = await started(net)
+        placement = chief.placement
+        assert placement is not None
+        backup = next(s.backups[0] for s in placement.shards if s.state == 1)
+        wh = Homes([net.client(a, "worker:0:1") for a in PS])
+        wh.update(placement)
+        w = ParameterClient(wh.links(), placement, worker="worker:0", incarnation=1)
+        await w.pull()
+        for k in range(3):
+            await w.push({"w": np.full((12, 4), k + 1, np.float32)})
+        pulled = (await w.pull())["w"].copy()
+        # the chief and ps 1 die together; ps 1 is restarted, empty
+        net.remove(CHIEF)
+        net.remove(PS[1])
+        serve_ps(net, 1, PS[1])
+        restarted = chief_on(net, chief.cfg)
+        await restarted.start()
+        st: dict[str, Any] = restarted.status()
+        assert st["gen"] == 0 and not st["recoveries"], st  # no restore
+        assert st["failover_count"] == 1 and st["promotions"] == 1, st
+        after = restarted.placement
+        assert after is not None and after.epoch > placement.epoch
+        assert restarted.recovery.homes is not None
+        assert restarted.recovery.homes.of[1] == backup
+        assert {s.state: s.ps for s in after.shards if s.state != 1} == {
+            s.state: s.ps for s in placement.shards if s.state != 1
+        }
+        # the worker follows the new placement; nothing acknowledged was lost
+        wh.update(after)
+        w.moved([1])
+        assert (await w.pull())["w"].tolist() == pulled.tolist()
+        await w.push({"w": np.ones((12, 4), np.float32)})
+        assert not np.array_equal((await w.pull())["w"], pulled)
+
+    run(body())
+
+
+def test_a_restarted_process_given_a_copy_is_not_failed_over_again() -> None:
+    """ps 1 dies and is restarted, empty; the chief fails it over. A copy made on the
+    restarted process before the chief's process watch heard its new boot id must not
+    make the watch take it for restarted once more (a second fail-over dropping the
+    new copy): every copy is made once, one fail-over in all."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief = await started(net)
+        rr = chief.recovery.rereplicator
+        assert rr is not None
+        await rr.watch()  # the boot ids of the processes as they start
+        net.remove(PS[1])
+        await rr.watch()  # ps 1 is silent, not for long yet: nothing to do
+        serve_ps(net, 1, PS[1])  # the launcher restarts it, empty
+        await chief.recovery.fail_over([1])
+        for _ in range(8):
+            job = rr.next_copy()
+            if job is not None:
+                assert await rr.copy(*job)
+            await rr.watch()
+            if not rr.under_replicated() and rr.current is None:
+                break
+        assert not rr.under_replicated()
+        assert chief.recovery.failover_count == 1
+        assert rr.failures == 0 and rr.copies == 2  # ps 1 held a primary and a backup
 
     run(body())

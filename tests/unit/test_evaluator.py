@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from fake_replicated import chief_on, replicated_config, serve_ps
 
 import zmqps
 from zmqps.config import ClusterSpec
@@ -30,7 +31,6 @@ from zmqps.roles.evaluator import Evaluator, EvaluatorConfig
 from zmqps.roles.homes import Homes
 from zmqps.roles.job import JobConfig
 from zmqps.roles.ps import PSService
-from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import FakeNetwork, Requester, TransportStats
 from zmqps.wire.errors import ConfigError, DeadlineExceeded
 
@@ -404,28 +404,12 @@ def test_snapshots_follow_a_ps_state_moved_by_a_fail_over(test_split: Dataset) -
 
     async def body() -> None:
         ps3 = (*PS, "127.0.0.1:7102")
-        spec = ClusterSpec(chief=CHIEF, ps=ps3, worker=("127.0.0.1:7200",))
         net = FakeNetwork()
-        services = [PSService(i) for i in range(3)]
         for i, addr in enumerate(ps3):
-            slots = PSSlots(
-                services[i],
-                make_copy=PSService,
-                link=lambda ps, endpoint, slot, i=i: net.client(
-                    endpoint, f"ps{i}:ship{slot}", slot=slot, timeout=0.5
-                ),
-            )
-            net.serve(addr, slots, name=f"ps{i}")
-        cfg = ChiefConfig(
-            bind=f"tcp://{CHIEF}",
-            cluster=spec,
-            optimizer=dict(SGD),
-            partitioner=Partitioner(num_shards=3),
-            replication=2,
-        )
-        homes = Homes([net.client(a, "chief:0") for a in ps3])
-        chief = ChiefService(cfg, homes.links(), homes=homes)
-        net.serve(CHIEF, chief, name="chief")
+            serve_ps(net, i, addr)
+        chief = chief_on(net, replicated_config(CHIEF, ps3, SGD))
+        homes = chief.recovery.homes
+        assert homes is not None
         model = JOB.build_model(test_split)
         await chief.create_variables(model.variables(), dict(SGD))
         assert chief.placement is not None and any(s.ps == 1 for s in chief.placement.shards)

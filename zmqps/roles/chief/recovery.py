@@ -253,10 +253,12 @@ class RecoveryController:
             if not await self._any_ps_answers(probe):
                 raise RunFinished(latest, summary, f"no PS answered within {probe:g}s")
         states = await self.ps_states(self.cfg.startup_timeout)
-        moved = self._copies_of(states) if self.replicated() else None
+        moved, orphans, gone = self._copies_of(states) if self.replicated() else (None, [], [])
         if moved is not None:  # each state from its primary, wherever it is now
             assert self.homes is not None
             self.homes.update(moved)
+            if gone:
+                moved = await self.adopt_gone(moved, orphans, gone)
             states = await self.ps_states(self.cfg.startup_timeout)
         self._learn_progress(states)
         plan = decide_start(states, sync=self.mode.name == "sync")
@@ -308,35 +310,58 @@ class RecoveryController:
         finally:
             self.started.set()
 
-    def _copies_of(self, states: Sequence[dict[str, Any]]) -> Placement | None:
-        """Replicated, at start (a restarted chief): the placement as the copies say
-        it is. Each state's primary is its unfenced primary copy of the highest term,
-        its backups that primary's in-sync ones that hold it as a backup at that term;
-        the epoch is past any a process was told. None when no process reports copies
-        (a fresh cluster) or a state has no primary left (decided as without them)."""
+    def _copies_of(
+        self, states: Sequence[dict[str, Any]]
+    ) -> tuple[Placement | None, list[int], list[int]]:
+        """Replicated, at start (a restarted chief): ``(placement, orphans, gone)``, the
+        placement as the copies say it is. Each state's primary is its unfenced
+        primary copy of the highest term, its backups that primary's in-sync ones.
+        *Gone*: processes a primary counts as in-sync backups that hold no such copy
+        (restarted with the last chief, their copies lost): the placement still names
+        them, so that failing them over tells their primaries to stop waiting for
+        them. *Orphans*: states whose primary is gone (killed around the last chief's
+        end, before or during its fail-over) but whose backups live: the placement
+        names their backups of the highest term and, as their primary, a process that
+        holds no copy of them (one that holds none at all, the restarted one, when
+        there is one), also gone: its fail-over promotes the furthest backup. The
+        epoch is past any a process was told. ``(None, [], [])`` when no process
+        reports copies (a fresh cluster) or a state has no copy left (decided as
+        without them: a restore)."""
         roles = {i: st["roles"] for i, st in enumerate(states) if st.get("roles")}
         base = next((st["placement"] for st in states if st.get("placement") is not None), None)
         if not roles or base is None:
-            return None
+            return None, [], []
         placement = Placement.from_wire(base)
         homes: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # state -> (term, ps, backups)
+        orphans: list[int] = []
+        gone: set[int] = set()
         for state in sorted({s.state for s in placement.shards}):
-            best: tuple[int, int, list[int]] | None = None
-            for i, held in roles.items():
-                for slot, kind, term, _, fenced, in_sync in held:
-                    mine = slot == state and kind == "primary" and not fenced
-                    if mine and (best is None or term > best[0]):
-                        best = (int(term), i, [int(q) for q in in_sync])
-            if best is None:
-                return None
-            term, primary, in_sync = best
-            backs = {
-                i
+            # its copies: (process, role, term, fenced, in-sync backups)
+            copies = [
+                (i, kind, int(term), fenced, [int(q) for q in in_sync])
                 for i, held in roles.items()
-                for slot, kind, t, *_ in held
-                if slot == state and kind == "backup" and t == term
-            }
-            homes[state] = (term, primary, tuple(q for q in in_sync if q in backs))
+                for slot, kind, term, _, fenced, in_sync in held
+                if slot == state
+            ]
+            primaries = [c for c in copies if c[1] == "primary" and not c[3]]
+            if primaries:
+                primary, _, term, _, in_sync = max(primaries, key=lambda c: c[2])
+                gone |= set(in_sync) - _backups_at(copies, term)
+                homes[state] = (term, primary, tuple(in_sync))
+                continue
+            terms = [t for _, kind, t, *_ in copies if kind == "backup"]
+            if not terms:
+                return None, [], []
+            old = next(s.ps for s in placement.shards if s.state == state)
+            spare = sorted(
+                (q for q in range(len(states)) if q not in {c[0] for c in copies}),
+                key=lambda q: (q in roles, q != old, q),  # empty first, then the old one
+            )
+            if not spare:  # every process holds a copy and none is its primary
+                return None, [], []
+            gone.add(spare[0])
+            homes[state] = (max(terms), spare[0], tuple(sorted(_backups_at(copies, max(terms)))))
+            orphans.append(state)
         for state, (term, _, _) in homes.items():
             self.terms[state] = term
         shards = tuple(
@@ -354,12 +379,31 @@ class RecoveryController:
         log.info(
             "the copies of the PS states: %s (placement epoch %d)",
             ", ".join(
-                f"ps {st} on ps {p}" + (f" (backups {list(b)})" if b else "")
+                f"ps {st} on ps {p}"
+                + (" (no primary left)" if st in orphans else "")
+                + (f" (backups {list(b)})" if b else "")
                 for st, (_, p, b) in sorted(homes.items())
             ),
             epoch,
         )
-        return moved
+        return moved, orphans, sorted(gone)
+
+    async def adopt_gone(
+        self, placement: Placement, orphans: Sequence[int], gone: Sequence[int]
+    ) -> Placement:
+        """At start: the copies on ``gone`` processes are lost (see :meth:`_copies_of`):
+        they are failed over as under a running chief, the states of ``orphans``
+        promoting their furthest backup."""
+        log.warning(
+            "copies lost with the last chief's end (ps process %s restarted%s):"
+            " failing over to the others",
+            ", ".join(map(str, gone)),
+            f"; no primary left for ps {', '.join(map(str, orphans))}'s state" if orphans else "",
+        )
+        self.variables.use(placement)
+        await self.fail_over(orphans, gone)
+        assert self.variables.placement is not None
+        return self.variables.placement
 
     def _ended(self, ckpt: Checkpoint) -> dict[str, Any] | None:
         """The run's summary (the chief's ``summary_path``) when ``ckpt`` is this run's
@@ -735,6 +779,8 @@ class RecoveryController:
         dead = {self.homes.of[i] for i in states} | set(processes)
         if not any(dead & set(s.copies) for s in placement.shards):
             return  # handled already (another fail-over took them out)
+        if self.rereplicator is not None:  # no copy goes to them until they answer anew
+            self.rereplicator.forget(dead)
         first: dict[int, ShardInfo] = {}
         for s in placement.shards:
             first.setdefault(s.state, s)
@@ -1024,3 +1070,9 @@ def _workers(indices: Sequence[int]) -> str:
     if len(indices) <= 8:
         return f"workers {', '.join(map(str, indices))} were"
     return f"{len(indices)} workers ({indices[0]} .. {indices[-1]}) were"
+
+
+def _backups_at(copies: Sequence[tuple[int, str, int, bool, list[int]]], term: int) -> set[int]:
+    """The processes among a state's ``copies`` (process, role, term, fenced, in-sync
+    backups) that hold a backup at ``term``."""
+    return {i for i, kind, t, *_ in copies if kind == "backup" and t == term}

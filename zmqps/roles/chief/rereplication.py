@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +143,14 @@ class Rereplicator:
             )
             await self.recovery.fail_over([], dead)
         return dead
+
+    def forget(self, processes: Iterable[int]) -> None:
+        """``processes`` were failed over (their copies dropped): the boot ids known for
+        them are of the lost processes. A restarted one counts as alive, to copy to,
+        once it answered with its new boot id, and is not taken for restarted again
+        (which would drop a copy made on it meanwhile)."""
+        for q in processes:
+            self.boots.pop(q, None)
 
     def alive(self, q: int) -> bool:
         return self.clock() - self.heard[q] <= self.timeout and q in self.boots
