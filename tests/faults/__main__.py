@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"faults: partitions left out of the draw: {why}", file=sys.stderr)
 
     def drawn(seed: int) -> Schedule:
-        return draw_replicated(seed) if args.replication > 1 else draw(seed, why)
+        return draw_replicated(seed, why) if args.replication > 1 else draw(seed, why)
 
     schedules = [drawn(s) for s in args.seed]
     if args.seeds:

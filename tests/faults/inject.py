@@ -234,8 +234,16 @@ class Injector:
                 started = restarted()
                 return started is not None and self.timeline.answered_since(started)
             if task.role == "ps" and self.s.replication > 1:  # failed over, copies made
+                # a chief started since the kill counts its own fail-overs only: one it
+                # adopted (the killed chief's) shows in the placement it rebuilt
                 failed_over = int(st.get("failover_count") or 0) > failovers_before
-                return failed_over and self._replicated(st)
+                chief = self.sup.cluster.task("chief").current
+                adopted = (
+                    chief is not None
+                    and chief.started > killed_at
+                    and self.timeline.answered_since(chief.started)
+                )
+                return (failed_over or adopted) and self._replicated(st)
             if task.role == "ps":
                 return (
                     int(st.get("gen", 0)) > gen_before
@@ -317,6 +325,7 @@ class Injector:
             )
             self.sup.signal(f.target, signal.SIGCONT)
         elif kind == "chief_during_ps_restart":
+            failovers = int(st.get("failover_count") or 0)
             self.kill(rec, f.target)
             yield from self.sleep(f.delay)
             if self.kill(rec, "chief"):
@@ -324,7 +333,7 @@ class Injector:
                 why = yield from self.back("chief", chief_killed, gen, None)
                 if why:
                     rec.notes.append(why)
-            why = yield from self.back(f.target, rec.fired, gen, None)
+            why = yield from self.back(f.target, rec.fired, gen, None, failovers)
             if why:
                 rec.notes.append(why)
         elif kind == "partition_ps":

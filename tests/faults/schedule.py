@@ -13,9 +13,9 @@ Rules of this module:
   out of the draw, and the schedule says why (:attr:`Schedule.left_out`).
 * Replicated schedules (:func:`draw_replicated`, ``--replication 2``) are drawn apart:
   3 PS with two copies of each state, one PS killed (and, once its states have two
-  copies again, often a second), perhaps a worker killed or a task stopped. A PS
-  fault waits until no state is short of copies (:mod:`faults.inject`), so one copy
-  of every state always lives: no restore may happen.
+  copies again, often a second), perhaps one fault of any other kind. A PS fault
+  waits until no state is short of copies (:mod:`faults.inject`), so one copy of
+  every state always lives: no restore may happen.
 """
 
 from __future__ import annotations
@@ -187,6 +187,39 @@ def _stop(rng: random.Random, kind: str, at: float, tasks: list[str], hb: float)
     return Fault(kind, target, at, duration=round(rng.uniform(low, high) * hb, 2))
 
 
+def _fault(
+    rng: random.Random,
+    kind: str,
+    at: float,
+    ps: int,
+    workers: int,
+    evaluator: str | None,
+    hb: float,
+) -> Fault:
+    """A fault of ``kind`` at ``at``, its target and timing drawn from ``rng``."""
+    if kind == "kill_chief":
+        return Fault(kind, "chief", at)
+    if kind == "kill_ps":
+        return Fault(kind, f"ps{rng.randrange(ps)}", at)
+    if kind == "kill_worker":
+        return Fault(kind, f"worker{rng.randrange(workers)}", at)
+    if kind == "kill_evaluator":
+        return Fault(kind, "evaluator", at)
+    if kind in ("stop_short", "stop_long"):
+        return _stop(rng, kind, at, _tasks(rng, ps, workers, evaluator is not None), hb)
+    if kind == "finish_while_stopped":
+        # late in the run, so another worker runs out of data while this one is stopped
+        late = max(at, round(rng.uniform(0.55, 0.8), 3))
+        return Fault(kind, f"worker{rng.randrange(workers)}", late, duration=round(1.5 * hb, 2))
+    if kind == "chief_during_ps_restart":
+        delay = round(rng.uniform(0.1, 1.0) * hb, 2)
+        return Fault(kind, f"ps{rng.randrange(ps)}", at, delay=delay)
+    if kind == "partition_ps":
+        duration = round(rng.uniform(0.5, 3.0) * hb, 2)
+        return Fault(kind, f"ps{rng.randrange(ps)}", at, duration=duration)
+    raise ValueError(f"unknown fault kind {kind!r}")
+
+
 def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
     """The schedule of ``seed``. ``netns_unavailable``: why network namespaces cannot be
     made here (None: they can), so partitions are left out of the draw."""
@@ -211,28 +244,7 @@ def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
     points = sorted(round(rng.uniform(0.1, 0.8), 3) for _ in range(count))
     faults = []
     for at in points:
-        kind = rng.choice(kinds)
-        if kind == "kill_chief":
-            f = Fault(kind, "chief", at)
-        elif kind == "kill_ps":
-            f = Fault(kind, f"ps{rng.randrange(ps)}", at)
-        elif kind == "kill_worker":
-            f = Fault(kind, f"worker{rng.randrange(workers)}", at)
-        elif kind == "kill_evaluator":
-            f = Fault(kind, "evaluator", at)
-        elif kind in ("stop_short", "stop_long"):
-            f = _stop(rng, kind, at, _tasks(rng, ps, workers, evaluator is not None), hb)
-        elif kind == "finish_while_stopped":
-            # late in the run, so another worker runs out of data while this one is stopped
-            late = max(at, round(rng.uniform(0.55, 0.8), 3))
-            f = Fault(kind, f"worker{rng.randrange(workers)}", late, duration=round(1.5 * hb, 2))
-        elif kind == "chief_during_ps_restart":
-            delay = round(rng.uniform(0.1, 1.0) * hb, 2)
-            f = Fault(kind, f"ps{rng.randrange(ps)}", at, delay=delay)
-        else:  # partition_ps
-            duration = round(rng.uniform(0.5, 3.0) * hb, 2)
-            f = Fault(kind, f"ps{rng.randrange(ps)}", at, duration=duration)
-        faults.append(f)
+        faults.append(_fault(rng, rng.choice(kinds), at, ps, workers, evaluator, hb))
     faults.sort(key=lambda f: f.at)
     return Schedule(
         seed=seed,
@@ -249,52 +261,54 @@ def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
     )
 
 
-#: Fault kinds of replicated schedules beside ``kill_ps``, and why the others are not
-#: drawn there.
-REPLICATED_EXTRA = ("kill_worker", "stop_short", "stop_long")
-REPLICATED_LEFT_OUT = (
-    ("kill_chief", "not in replicated schedules yet"),
-    ("chief_during_ps_restart", "not in replicated schedules yet"),
-    ("kill_evaluator", "no evaluator in replicated schedules yet"),
-    ("finish_while_stopped", "drawn in unreplicated schedules"),
-    ("partition_ps", "drawn in unreplicated schedules"),
-)
+#: Fault kinds of replicated schedules beside ``kill_ps`` (at most one of them each)
+REPLICATED_EXTRA = tuple(k for k in FAULT_KINDS if k != "kill_ps")
 
 
-def draw_replicated(seed: int) -> Schedule:
-    """The replicated schedule of ``seed``: 3 PS, two copies of each state; one PS
-    killed at a random point, a second one (any, the restarted one too) half the time
-    once every state has two copies again, and half the time one more fault: a worker
-    killed, or any task stopped shorter or longer than the heartbeat timeout (a PS
-    stopped past it is failed over, and its process comes back holding copies since
-    replaced)."""
+def draw_replicated(seed: int, netns_unavailable: str | None = None) -> Schedule:
+    """The replicated schedule of ``seed``: 3 PS, two copies of each state, an evaluator
+    one time in three; one PS killed at a random point, a second one (any, the
+    restarted one too) half the time once every state has two copies again, and half
+    the time one more fault of any other kind: the chief killed (alone, or while a
+    killed PS restarts), a worker or the evaluator killed, a worker stopped until
+    another has finished, a PS cut off (``netns_unavailable``: why namespaces cannot
+    be made here, None when they can), or any task stopped shorter or longer than
+    the heartbeat timeout (a PS stopped or cut off past it is failed over, and comes
+    back holding copies since replaced)."""
     rng = random.Random(f"replicated-{seed}")
     mode = rng.choice(("async", "sync", "ssp"))
     ps, workers = 3, rng.randint(2, 4)
+    evaluator = rng.choice(("checkpoint", "snapshot")) if rng.random() < 1 / 3 else None
     hb = HEARTBEAT_TIMEOUT
     faults = [Fault("kill_ps", f"ps{rng.randrange(ps)}", round(rng.uniform(0.1, 0.5), 3))]
     if rng.random() < 0.5:
         at = round(rng.uniform(faults[0].at, 0.8), 3)
         faults.append(Fault("kill_ps", f"ps{rng.randrange(ps)}", at))
+    kinds = [
+        k
+        for k in REPLICATED_EXTRA
+        if (k != "kill_evaluator" or evaluator) and (k != "partition_ps" or not netns_unavailable)
+    ]
     if rng.random() < 0.5:
-        kind = rng.choice(REPLICATED_EXTRA)
         at = round(rng.uniform(0.1, 0.8), 3)
-        if kind == "kill_worker":
-            faults.append(Fault(kind, f"worker{rng.randrange(workers)}", at))
-        else:
-            faults.append(_stop(rng, kind, at, _tasks(rng, ps, workers, False), hb))
+        faults.append(_fault(rng, rng.choice(kinds), at, ps, workers, evaluator, hb))
     faults.sort(key=lambda f: f.at)
+    left_out = (
+        ()
+        if netns_unavailable is None
+        else (("partition_ps", f"no network namespaces: {netns_unavailable}"),)
+    )
     return Schedule(
         seed=seed,
         mode=mode,
         ps=ps,
         workers=workers,
-        evaluator=None,
+        evaluator=evaluator,
         driver="worker",
         steps_per_execution=1,
-        netns=False,
+        netns=any(f.kind == "partition_ps" for f in faults),
         faults=tuple(faults),
         heartbeat_timeout=hb,
-        left_out=REPLICATED_LEFT_OUT,
+        left_out=left_out,
         replication=2,
     )

@@ -83,17 +83,26 @@ def test_replicated_schedules_keep_their_rules_and_leave_the_others_alone() -> N
     assert draw_replicated(5) == draw_replicated(5)
     kinds: set[str] = set()
     seconds = 0
-    for seed in range(1, 201):
+    for seed in range(1, 301):
         s = draw_replicated(seed)
-        assert s.replication == 2 and s.ps == 3 and s.evaluator is None and not s.netns
+        assert s.replication == 2 and s.ps == 3 and s.driver == "worker"
+        assert s.netns == ("partition_ps" in s.kinds())
+        assert "kill_evaluator" not in s.kinds() or s.evaluator is not None
         kills = [f for f in s.faults if f.kind == "kill_ps"]
         assert 1 <= len(kills) <= 2 and len(s.faults) <= 3
+        assert len(s.faults) - len(kills) <= 1
         assert [f.at for f in s.faults] == sorted(f.at for f in s.faults)
-        assert set(s.kinds()) <= {"kill_ps", *REPLICATED_EXTRA}
+        assert set(s.kinds()) <= set(FAULT_KINDS)
         assert "-r2-" in s.config_key() and s.config()["replication"] == 2
         seconds += len(kills) == 2
         kinds |= set(s.kinds())
-    assert kinds == {"kill_ps", *REPLICATED_EXTRA} and 60 <= seconds <= 140
+        without = draw_replicated(seed, "no namespaces here")
+        assert "partition_ps" not in without.kinds() and not without.netns
+        assert dict(without.left_out) == {
+            "partition_ps": "no network namespaces: no namespaces here"
+        }
+    assert kinds == {"kill_ps", *REPLICATED_EXTRA} == set(FAULT_KINDS)
+    assert 90 <= seconds <= 210
     assert "replication" not in draw(5).config() and "-r" not in draw(5).config_key()
 
 
