@@ -233,6 +233,18 @@ def _attach_body(region: shm.Region, **over: Any) -> dict[str, Any]:
     return {"name": region.name, "size": region.size, "worker": "w", "inc": 0, **over}
 
 
+def _shm_push(shard: int, worker: str, rid: int, offset: int) -> dict[str, Any]:
+    """A first push of ``shard`` by ``worker`` through region ``rid`` at ``offset``."""
+    return {
+        "shards": [shard],
+        "versions": [0],
+        "worker": worker,
+        "inc": 0,
+        "seq": 1,
+        "shm": {"region": rid, "offsets": [offset]},
+    }
+
+
 def test_ps_refuses_bad_regions_and_bad_offsets() -> None:
     async def body() -> None:
         c = await make_cluster(DENSE, 1, 1)
@@ -265,16 +277,8 @@ def test_ps_refuses_bad_regions_and_bad_offsets() -> None:
         with pytest.raises(InvalidArgument, match="overlap"):
             svc(request("pull", {"shards": [w.id, b.id], "shm_out": overlapping}))
         before = svc.store.get(w.id).values.copy()
-        push = {
-            "shards": [w.id],
-            "versions": [0],
-            "worker": "w",
-            "inc": 0,
-            "seq": 1,
-            "shm": {"region": rid, "offsets": [1024 - 8]},
-        }
         with pytest.raises(InvalidArgument):
-            svc(request("push", push))
+            svc(request("push", _shm_push(w.id, "w", rid, 1024 - 8)))
         np.testing.assert_array_equal(svc.store.get(w.id).values, before)
         assert svc.store.get(w.id).version == 0
 
@@ -296,19 +300,11 @@ def test_a_push_reads_only_a_region_its_own_worker_attached() -> None:
             shm.unlink_region(region)
         w = next(s for s in c.placement.shards if s.var == "w")
         before = svc.store.get(w.id).values.copy()
-        push = {
-            "shards": [w.id],
-            "versions": [0],
-            "worker": "intruder",
-            "inc": 0,
-            "seq": 1,
-            "shm": {"region": rid, "offsets": [0]},
-        }
         with pytest.raises(NotFound, match="not attached"):
-            svc(request("push", push))
+            svc(request("push", _shm_push(w.id, "intruder", rid, 0)))
         np.testing.assert_array_equal(svc.store.get(w.id).values, before)
         assert svc.store.get(w.id).version == 0
-        svc(request("push", {**push, "worker": "w"}))  # its own worker's push is read
+        svc(request("push", _shm_push(w.id, "w", rid, 0)))  # its own worker's push is read
         assert svc.store.get(w.id).version == 1
 
     run(body())
