@@ -34,6 +34,7 @@ from zmqps.roles.ps.slots import MAX_COPIES, PSSlots
 from zmqps.transport.base import Requester
 from zmqps.transport.fake import FakeNetwork
 from zmqps.wire import Message, Tensor
+from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -757,3 +758,68 @@ def test_a_push_whose_state_moved_is_sent_again_and_applied_once() -> None:
         assert delivery.seqs == seqs
 
     run(body(), 30.0)
+
+
+class Answering:
+    """A link to a backup that has every entry it is sent: sent before ``submit``
+    returns, as by the ZeroMQ client."""
+
+    def __init__(self, events: list[tuple[str, int]]) -> None:
+        self.events = events
+
+    def submit(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None = None,
+        tensors: Sequence[Tensor] = (),
+        **_: Any,
+    ) -> asyncio.Future[Message]:
+        assert op == "replicate" and body is not None
+        entry = o.Replicate.from_wire(body)
+        self.events.append(("shipped", entry.index))
+        answer: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        answer.set_result(Message(op, 0, "backup", o.Replicated(entry.index).to_wire(), ()))
+        return answer
+
+    async def request(self, *_: Any, **__: Any) -> Message:
+        raise AssertionError("entries go out with submit")
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_primary_ships_each_entry_before_it_applies_it() -> None:
+    """The backups apply a request while the primary does: it is on the wire before
+    the primary's handler runs, for back-to-back requests too. A refusal that changes
+    nothing is answered at once (the backup refuses it as well)."""
+
+    async def main() -> None:
+        events: list[tuple[str, int]] = []
+        primary = Primary(0, 1, {1: Answering(events)})  # type: ignore[dict-item]
+
+        def handler(msg: Message) -> Message:
+            events.append(("applied", msg.id))
+            if msg.body["bad"]:
+                raise InvalidArgument("refused, nothing changed")
+            return msg
+
+        async def committed(index: int) -> None:
+            for _ in range(100):
+                if primary.log.committed >= index:
+                    return
+                await asyncio.sleep(0)
+            raise AssertionError(f"entry {index} not committed")
+
+        for i in (1, 2, 3, 4):
+            msg = Message("push", i, "w", {"bad": i == 3}, ())
+            if i == 3:
+                with pytest.raises(InvalidArgument):
+                    await primary.run(msg, handler)
+                await committed(3)  # its answer was not waited for
+            else:
+                assert await primary.run(msg, handler) is msg
+        assert events == [(what, i) for i in (1, 2, 3, 4) for what in ("shipped", "applied")]
+        assert primary.log.committed == primary.log.head == 4
+        await primary.close()
+
+    run(main())

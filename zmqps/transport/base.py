@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from zmqps.wire import Message, Tensor
-from zmqps.wire.errors import Busy
+from zmqps.wire.errors import Busy, ZmqpsError
 
 __all__ = [
     "BUSY_PAUSE_S",
@@ -22,6 +22,7 @@ __all__ = [
     "TransportObserver",
     "TransportStats",
     "retry_busy",
+    "send_soon",
 ]
 
 #: the first pause before a request answered ``busy`` is sent again (then doubled,
@@ -48,6 +49,28 @@ async def retry_busy(send: Callable[[float], Awaitable[Message]], timeout: float
             await asyncio.sleep(pause)
             pause = min(2 * pause, 1.0)
             left = max(end - time.monotonic(), 0.001)
+
+
+def send_soon(
+    requester: Requester,
+    op: str,
+    body: Mapping[str, Any] | None = None,
+    tensors: Sequence[Tensor] = (),
+    *,
+    timeout: float | None = None,
+) -> asyncio.Future[Message]:
+    """The future of the reply to one request, sent before this returns when the
+    requester can (the ZeroMQ client's ``submit``), else by a task on the loop's
+    next turn (the in-memory fake). A failure to send is the future's error."""
+    submit = getattr(requester, "submit", None)
+    if submit is None:
+        return asyncio.ensure_future(requester.request(op, body, tensors, timeout=timeout))
+    try:
+        fut: asyncio.Future[Message] = submit(op, body, tensors, timeout=timeout)
+    except ZmqpsError as exc:
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_exception(exc)
+    return fut
 
 
 class Handler(Protocol):

@@ -145,6 +145,27 @@ class Client:
                 log.info("%s to %s: no reply in %.1fs, retrying", op, self.endpoint, timeout)
         raise AssertionError("unreachable")
 
+    def submit(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None = None,
+        tensors: Sequence[Tensor] = (),
+        *,
+        timeout: float | None = None,
+        slot: int | None = None,
+    ) -> asyncio.Future[Message]:
+        """Send a request now, before returning (its frames are on their way while the
+        caller goes on), and the future of its reply: the reply, or the typed error of
+        an error reply, or :class:`DeadlineExceeded` past ``timeout``. Sent once: a
+        ``busy`` answer is the caller's to handle."""
+        timeout = self.timeout if timeout is None else timeout
+        slot = self.slot if slot is None else slot
+        sent = self._send(op, body, tensors, timeout, False, slot)
+        task = asyncio.ensure_future(self._reply(op, timeout, *sent))
+        # cancelled before it ran, _reply's own cleanup never runs
+        task.add_done_callback(lambda _: self._pending.pop(sent[0], None))
+        return task
+
     async def _request_once(
         self,
         op: str,
@@ -154,6 +175,20 @@ class Client:
         resendable: bool = False,
         slot: int | None = None,
     ) -> Message:
+        sent = self._send(op, body, tensors, timeout, resendable, slot)
+        return await self._reply(op, timeout, *sent)
+
+    def _send(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None,
+        tensors: Sequence[Tensor],
+        timeout: float,
+        resendable: bool,
+        slot: int | None,
+    ) -> tuple[int, asyncio.Future[Message], int]:
+        """Send one request: ``(id, the future of its reply, bytes sent)``; whoever
+        gets them must pass them to :meth:`_reply`, which forgets the request."""
         if self._closed:
             raise ShutdownError(f"client to {self.endpoint} is closed")
         self._ensure_reader()
@@ -177,39 +212,43 @@ class Client:
                     f" ({limit}); the peer would drop it and the connection: send smaller chunks"
                 )
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        try:
+            send_now(self._sock, frames)
+        except zmq.Again:
+            raise DeadlineExceeded(
+                f"{op} to {self.endpoint}: send queue full (peer unreachable?)"
+            ) from None
         self._pending[rid] = fut
         if resendable:
             self._resendable[rid] = frames
+        self.stats.requests += 1
+        sent = sum(getattr(f, "nbytes", None) or len(f) for f in frames)
+        self.stats.bytes_out += sent
+        return rid, fut, sent
+
+    async def _reply(
+        self, op: str, timeout: float, rid: int, fut: asyncio.Future[Message], sent: int
+    ) -> Message:
+        """The reply to the request :meth:`_send` sent."""
+        started = time.perf_counter()
+        status = "ok"
         try:
-            try:
-                send_now(self._sock, frames)
-            except zmq.Again:
-                raise DeadlineExceeded(
-                    f"{op} to {self.endpoint}: send queue full (peer unreachable?)"
-                ) from None
-            self.stats.requests += 1
-            sent = sum(getattr(f, "nbytes", None) or len(f) for f in frames)
-            self.stats.bytes_out += sent
-            started = time.perf_counter()
-            status = "ok"
-            try:
-                return await asyncio.wait_for(fut, timeout)
-            except asyncio.TimeoutError:
-                self.stats.timeouts += 1
-                status = DeadlineExceeded.code
-                raise DeadlineExceeded(
-                    f"{op} to {self.endpoint}: no reply within {timeout:g}s"
-                ) from None
-            except ZmqpsError as exc:
-                status = exc.code
-                raise
-            finally:
-                if self.observer is not None:
-                    self.observer.bytes_out(sent)
-                    self.observer.request_done(op, status, time.perf_counter() - started)
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            self.stats.timeouts += 1
+            status = DeadlineExceeded.code
+            raise DeadlineExceeded(
+                f"{op} to {self.endpoint}: no reply within {timeout:g}s"
+            ) from None
+        except ZmqpsError as exc:
+            status = exc.code
+            raise
         finally:
             self._pending.pop(rid, None)
             self._resendable.pop(rid, None)
+            if self.observer is not None:
+                self.observer.bytes_out(sent)
+                self.observer.request_done(op, status, time.perf_counter() - started)
 
     async def _read_loop(self) -> None:
         sock = self._sock

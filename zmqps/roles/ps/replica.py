@@ -3,16 +3,18 @@
 Rules of this module:
 
 * What is shipped: every request of an op that changes a PS state
-  (``REPLICATED_OPS`` of :mod:`zmqps.wire.ops`) that the primary's handler took,
-  with whatever outcome (a push applied, a duplicate, a refusal for its values all
-  change the dedup window or the ledgers), except a refusal that changed nothing
-  (bad arguments, unknown shards: :data:`_UNCHANGED`). A backup runs the same handler on the same
-  requests in the same order, so it ends in the same state, bit for bit: the same
-  store kernels, dedup window and ledgers on every copy.
-* Order: a request is applied and appended to the log in one event-loop turn, so
-  the log's order is the order the primary applied them in. Room in the log (its
-  bound, :mod:`zmqps.core.replication`) is waited for before the request is
-  applied: a slow backup holds pushes back, it never makes the log grow.
+  (``REPLICATED_OPS`` of :mod:`zmqps.wire.ops`), whatever its outcome (a push
+  applied, a duplicate, a refusal for its values all change the dedup window or the
+  ledgers). A backup runs the same handler on the same requests in the same order,
+  so it ends in the same state, bit for bit: the same store kernels, dedup window
+  and ledgers on every copy (a refusal that changes nothing, :data:`_UNCHANGED`, is
+  refused there too, and answered here at once).
+* Order: a request is appended to the log, put on the wire to the backups
+  (:meth:`Primary._kick`, sent before it returns) and applied here in one
+  event-loop turn, so the log's order is the order the primary applied them in, and
+  the backups apply it while the primary does. Room in the log (its bound,
+  :mod:`zmqps.core.replication`) is waited for before the request is logged: a slow
+  backup holds pushes back, it never makes the log grow.
 * A request that changed the state is answered once every in-sync backup applied
   it (committed). Reads go to the primary and may see an update that is not
   committed yet; the push of that update is then not acknowledged, and is resent
@@ -55,6 +57,7 @@ import numpy as np
 from zmqps.core.replication import Entry, Offer, PrimaryLog, ReplicaLog
 from zmqps.roles.ps.image import Installing, Part
 from zmqps.transport import Requester
+from zmqps.transport.base import send_soon
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
@@ -74,7 +77,7 @@ __all__ = ["Backup", "Primary", "changes_state"]
 
 log = logging.getLogger("zmqps.ps")
 
-#: refusals that change nothing but a counter: not shipped (but see changed_nothing)
+#: refusals that change nothing but a counter: answered at once (but see changed_nothing)
 _UNCHANGED = (InvalidArgument, NotFound, NotReady, ProtocolError)
 #: seconds a primary waits for a backup's answer to an entry before sending again
 SHIP_TIMEOUT = 2.0
@@ -149,6 +152,8 @@ class Primary:
         self._closed = False
         #: links of dropped backups being closed
         self._closing: set[asyncio.Future[None]] = set()
+        #: each backup's batch on the wire (see :meth:`_kick`)
+        self._inflight: dict[int, set[asyncio.Task[None]]] = {}
         self._senders = {b: asyncio.ensure_future(self._ship_to(b)) for b in self.links}
         #: entries shipped again (a timeout, a gap), for status
         self.resent = 0
@@ -194,6 +199,12 @@ class Primary:
         failure: ZmqpsError | None = None
         out: Message | None = None
         before = self._step()
+        # logged and on its way to the backups before it is applied here: they apply
+        # it while this copy does (the same handler on the same state gives the same
+        # outcome, a refusal included, so nothing needs the outcome first)
+        entry = self.log.append((op, body, tensors), nbytes)
+        for b in self.links:
+            self._kick(b)
         try:
             result = handler(msg)
             if inspect.isawaitable(result):  # none of REPLICATED_OPS waits: defensive
@@ -201,13 +212,13 @@ class Primary:
             out = result
         except ZmqpsError as exc:
             if changed_nothing(exc):
-                raise
+                raise  # nor does it change anything on the backups: answered at once
             failure = exc
-        entry = self.log.append((op, body, tensors), nbytes)
-        if not self._steps:  # everything before was committed: so was the step then
-            self.committed_step = before
-        self._steps.append((entry.index, self._step(), time.monotonic()))
-        self._changed()
+        finally:
+            if not self._steps:  # everything before was committed: so was the step then
+                self.committed_step = before
+            self._steps.append((entry.index, self._step(), time.monotonic()))
+            self._changed()
         try:
             await self._signal.until(
                 lambda: self.fenced or self.log.committed >= entry.index, deadline
@@ -263,6 +274,8 @@ class Primary:
         self.log.remove(str(backup))
         task = self._senders.pop(backup, None)
         if task is not None:
+            task.cancel()
+        for task in self._inflight.pop(backup, set()):
             task.cancel()
         link = self.links.pop(backup, None)
         if link is not None:  # an open socket would hang the context's termination
@@ -355,47 +368,47 @@ class Primary:
         self.log.remove(str(backup))
         return False
 
+    def _kick(self, backup: int) -> None:
+        """Put the entries ``backup`` was not sent on the wire now, unless a batch to
+        it is still unanswered (one batch at a time: the next goes when it is answered
+        or sent again)."""
+        name = str(backup)
+        inflight = self._inflight.setdefault(backup, set())
+        link = self.links.get(backup)
+        if inflight or link is None or self._closed or self.fenced or name not in self.log.backups:
+            return
+        for e in self.log.to_send(name):
+            op, body, tensors = e.payload
+            wire = o.Replicate(e.term, e.index, op, body).to_wire()
+            answer = send_soon(link, "replicate", wire, tensors, timeout=self.ship_timeout)
+            task = asyncio.ensure_future(self._answered(backup, e, answer))
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+
     async def _ship_to(self, backup: int) -> None:
         name = str(backup)
-        inflight: set[asyncio.Task[None]] = set()
+        inflight = self._inflight.setdefault(backup, set())
         try:
             while name in self.log.backups and not self._closed and not self.fenced:
-                entries = self.log.to_send(name)
-                if not entries:
-                    await self._signal.until(
-                        lambda: (
-                            name not in self.log.backups
-                            or self.log.backups[name].sent < self.log.head
-                        ),
-                        None,
-                    )
-                    continue
-                for e in entries:
-                    task = asyncio.ensure_future(self._send(backup, e))
-                    inflight.add(task)
-                    task.add_done_callback(inflight.discard)
-                # one batch at a time on the wire: the next is sent when this one is
-                # answered or sent again
+                self._kick(backup)
                 if inflight:
                     await asyncio.wait(set(inflight))
+                    continue
+                await self._signal.until(
+                    lambda: (
+                        name not in self.log.backups or self.log.backups[name].sent < self.log.head
+                    ),
+                    None,
+                )
         finally:
             for task in inflight:
                 task.cancel()
 
-    async def _send(self, backup: int, e: Entry) -> None:
+    async def _answered(self, backup: int, e: Entry, answer: asyncio.Future[Message]) -> None:
+        """``backup``'s answer to entry ``e``."""
         name = str(backup)
-        op, body, tensors = e.payload
-        link = self.links.get(backup)
-        if link is None:
-            return
         try:
-            rep = await link.request(
-                "replicate",
-                o.Replicate(e.term, e.index, op, body).to_wire(),
-                tensors,
-                timeout=self.ship_timeout,
-            )
-            done = o.Replicated.parse(rep.body)
+            done = o.Replicated.parse((await answer).body)
         except (FencedError, Superseded) as exc:
             self._replaced(backup, exc)
             return
@@ -403,6 +416,9 @@ class Primary:
             log.debug("ps %d: entry %d to backup %d: %s", self.slot, e.index, backup, exc)
             await self._again(name)
             return
+        task = asyncio.current_task()
+        if task is not None:  # answered: once the batch is, the next may go at once
+            self._inflight.get(backup, set()).discard(task)
         if name not in self.log.backups:
             return
         self.log.ack(name, done.applied)
@@ -451,7 +467,7 @@ class Primary:
 
     async def close(self) -> None:
         self._closed = True
-        for task in self._senders.values():
+        for task in [*self._senders.values(), *(t for s in self._inflight.values() for t in s)]:
             task.cancel()
         for task in self._senders.values():
             with contextlib.suppress(asyncio.CancelledError, Exception):
