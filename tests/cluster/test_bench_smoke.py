@@ -178,6 +178,30 @@ def test_checkpoint_suite(procs: Reaper, tmp_path: Path) -> None:
     assert "checkpoint:" in bench.stdout
 
 
+@pytest.mark.timeout(90)
+def test_scale_suite_crosses_ps_and_worker_counts(procs: Reaper, tmp_path: Path) -> None:
+    flags = ["--scale-ps", "1,2", "--workers", "1,2", "--size-mb", "1", "--steps", "3"]
+    flags += ["--repeat", "1", "--warmup", "1", "--sides", "zmqps,zmqps-tcp,raw"]
+    bench, out, logs = _bench(procs, tmp_path, "scale", *flags)
+    bench.expect_exit(0, timeout=80)
+    report = read_json(out)
+    assert report["ok"] is True
+    (run,) = _runs(report, "scale")
+    assert run["sides"] == ["zmqps", "zmqps-tcp"]  # the sides it can measure, in order
+    cases = {(c["ps"], c["workers"], c["side"]): c for c in run["cases"]}
+    assert set(cases) == {(p, w, s) for p in (1, 2) for w in (1, 2) for s in run["sides"]}
+    for (p, w, side), c in cases.items():
+        assert c["status"] == "ok" and c["steps_per_s"] > 0, c
+        assert c["step_ms"] == pytest.approx(1000 * w / c["steps_per_s"])
+        # a push_pull moves the model's gradients in and its values out, split over the PS
+        assert c["bytes_per_step"] == 2 * c["model_bytes"] == 2 * (1 << 20)
+        assert c["bytes_per_step_per_ps"] == -(-2 * c["model_bytes"] // p)
+        base = cases[(1, 1, side)]["steps_per_s"]
+        assert c["vs_1x1"] == pytest.approx(c["steps_per_s"] / base)
+    assert "scale: 1 MiB float32 model" in bench.stdout and "2 PS" in bench.stdout
+    assert not _children_of(logs)
+
+
 @pytest.mark.timeout(120)
 def test_overlap_suite(procs: Reaper, tmp_path: Path) -> None:
     flags = ["--steps", "4", "--repeat", "1", "--hidden", "64,32"]

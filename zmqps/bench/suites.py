@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ DEFAULT_SIDES = ("zmqps", "zmqps-tcp", "zmqps-hash", "raw", "torch")
 #: sides that exist for some suites only (a hash-keyed table is an embedding table)
 SIDE_SUITES = {"zmqps-hash": ("sparse",)}
 #: suites that are not "the same workload on every side": see their modules.
-EXTRA_SUITES = ("optimizer", "sync", "checkpoint", "overlap", "coordinator")
+EXTRA_SUITES = ("optimizer", "sync", "checkpoint", "overlap", "coordinator", "scale")
 ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics", "zmqps-hash", "zmqps-r2")
 #: ratios of zmqps sides to each other: what CURVE costs on the wire, what a
 #: hash-keyed table costs against a fixed-size one, what a second copy of every PS
@@ -139,6 +139,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--ps", type=int, default=1, help="PS tasks (raw: servers) (default: 1)")
     g.add_argument(
+        "--scale-ps",
+        type=int_list,
+        default=(1, 2, 4),
+        help="scale: the PS counts, comma-separated (default: 1,2,4; its worker counts:"
+        " --workers, default 1,2,4,8)",
+    )
+    g.add_argument(
         "--device",
         default="cpu",
         help="overlap: where the workers compute, cpu or cuda[:N] (default: cpu)",
@@ -173,7 +180,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="seconds a side may take to set up or to finish one run (default: 120)",
     )
     g = p.add_argument_group("sizes")
-    g.add_argument("--size-mb", type=float, default=100.0, help="dense model MiB (default: 100)")
+    g.add_argument(
+        "--size-mb",
+        type=float,
+        help="dense model MiB (default: 100; scale: 16)",
+    )
     g.add_argument(
         "--shard-mb",
         type=float,
@@ -237,6 +248,9 @@ class BenchConfig:
     warmup: int
     timeout: float
     size_mb: float
+    #: scale: the model's MiB (16 unless --size-mb) and the PS counts
+    scale_mb: float
+    scale_ps: tuple[int, ...]
     shard_mb: float | None
     num_shards: int | None
     rows: int
@@ -307,6 +321,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     for flag in ("ps", "repeat", "rows", "dim", "batch_rows", "variables", "row_budget"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+    if any(p < 1 for p in args.scale_ps):
+        raise ConfigError("--scale-ps: every PS count must be >= 1")
     if "zmqps-r2" in args.sides and args.ps < 2:
         raise ConfigError("side zmqps-r2 keeps two copies of each PS state: give --ps 2 or more")
     if "sparse" in requested and "zmqps-hash" in args.sides and args.row_budget < args.batch_rows:
@@ -316,7 +332,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         )
     if args.steps is not None and args.steps < 1:
         raise ConfigError("--steps must be >= 1")
-    if args.warmup < 0 or args.timeout <= 0 or args.size_mb <= 0:
+    if args.warmup < 0 or args.timeout <= 0 or (args.size_mb is not None and args.size_mb <= 0):
         raise ConfigError("--warmup must be >= 0, --timeout and --size-mb > 0")
     env = {}
     for item in args.zmqps_env:
@@ -335,7 +351,9 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         repeat=args.repeat,
         warmup=args.warmup,
         timeout=args.timeout,
-        size_mb=args.size_mb,
+        size_mb=100.0 if args.size_mb is None else args.size_mb,
+        scale_mb=16.0 if args.size_mb is None else args.size_mb,
+        scale_ps=tuple(args.scale_ps),
         shard_mb=args.shard_mb,
         num_shards=args.num_shards,
         rows=args.rows,
@@ -724,6 +742,19 @@ def run_bench(args: argparse.Namespace) -> int:
             )
             report["runs"].append(run)
             print(format_coordinator(run) + "\n", flush=True)
+        if "scale" in cfg.extras:
+            from zmqps.bench.scale import SCALE_WORKERS, format_scale, run_scale
+
+            run = run_scale(
+                replace(cfg, size_mb=cfg.scale_mb),
+                run_dir,
+                cfg.scale_ps,
+                cfg.workers or SCALE_WORKERS,
+            )
+            report["runs"].append(run)
+            if not run["ok"]:
+                failures.append("scale")
+            print(format_scale(run) + "\n", flush=True)
         for suite in cfg.suites:
             for workers in cfg.workers_for(suite):
                 runs = run_case(suite, workers, cfg, run_dir / f"{suite}-x{workers}")
