@@ -823,3 +823,44 @@ def test_a_primary_ships_each_entry_before_it_applies_it() -> None:
         await primary.close()
 
     run(main())
+
+
+class FailingOnce(Answering):
+    """Its first send fails as a closed socket would; the others go."""
+
+    def __init__(self, events: list[tuple[str, int]]) -> None:
+        super().__init__(events)
+        self.failed = False
+
+    def submit(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None = None,
+        tensors: Sequence[Tensor] = (),
+        **kw: Any,
+    ) -> asyncio.Future[Message]:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("socket closed")
+        return super().submit(op, body, tensors, **kw)
+
+
+def test_an_entry_whose_send_fails_is_applied_and_sent_again() -> None:
+    """A send that fails does not keep the primary from applying the request (its
+    backups would otherwise hold an update it lacks): the entry goes again."""
+
+    async def main() -> None:
+        events: list[tuple[str, int]] = []
+        primary = Primary(0, 1, {1: FailingOnce(events)})  # type: ignore[dict-item]
+
+        def handler(msg: Message) -> Message:
+            events.append(("applied", msg.id))
+            return msg
+
+        msg = Message("push", 1, "w", {}, ())
+        assert await primary.run(msg, handler) is msg
+        assert events == [("applied", 1), ("shipped", 1)]
+        assert primary.log.committed == 1 and primary.resent == 1
+        await primary.close()
+
+    run(main())

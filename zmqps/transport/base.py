@@ -7,13 +7,14 @@ depend on these two shapes only, so tests can swap the fake in.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from zmqps.wire import Message, Tensor
-from zmqps.wire.errors import Busy, ZmqpsError
+from zmqps.wire.errors import Busy, ShutdownError, ZmqpsError
 
 __all__ = [
     "BUSY_PAUSE_S",
@@ -28,6 +29,8 @@ __all__ = [
 #: the first pause before a request answered ``busy`` is sent again (then doubled,
 #: at most 1 s)
 BUSY_PAUSE_S = 0.05
+
+log = logging.getLogger("zmqps.transport")
 
 
 async def retry_busy(send: Callable[[float], Awaitable[Message]], timeout: float) -> Message:
@@ -61,13 +64,17 @@ def send_soon(
 ) -> asyncio.Future[Message]:
     """The future of the reply to one request, sent before this returns when the
     requester can (the ZeroMQ client's ``submit``), else by a task on the loop's
-    next turn (the in-memory fake). A failure to send is the future's error."""
+    next turn (the in-memory fake). A failure to send is the future's error, never
+    raised here (a :class:`ShutdownError` when it is not a ZmqpsError)."""
     submit = getattr(requester, "submit", None)
     if submit is None:
         return asyncio.ensure_future(requester.request(op, body, tensors, timeout=timeout))
     try:
         fut: asyncio.Future[Message] = submit(op, body, tensors, timeout=timeout)
-    except ZmqpsError as exc:
+    except Exception as exc:  # never raised here: a caller may go on before it looks
+        if not isinstance(exc, ZmqpsError):
+            log.warning("%s to %s: not sent: %r", op, getattr(requester, "endpoint", "?"), exc)
+            exc = ShutdownError(f"{op}: not sent: {exc}")
         fut = asyncio.get_running_loop().create_future()
         fut.set_exception(exc)
     return fut
