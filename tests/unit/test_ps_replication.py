@@ -762,10 +762,12 @@ def test_a_push_whose_state_moved_is_sent_again_and_applied_once() -> None:
 
 class Answering:
     """A link to a backup that has every entry it is sent: sent before ``submit``
-    returns, as by the ZeroMQ client."""
+    returns, as by the ZeroMQ client (``fail_first``: its first send fails, as on a
+    closed socket)."""
 
-    def __init__(self, events: list[tuple[str, int]]) -> None:
+    def __init__(self, events: list[tuple[str, int]], fail_first: bool = False) -> None:
         self.events = events
+        self.fail_first = fail_first
 
     def submit(
         self,
@@ -774,6 +776,9 @@ class Answering:
         tensors: Sequence[Tensor] = (),
         **_: Any,
     ) -> asyncio.Future[Message]:
+        if self.fail_first:
+            self.fail_first = False
+            raise RuntimeError("socket closed")
         assert op == "replicate" and body is not None
         entry = o.Replicate.from_wire(body)
         self.events.append(("shipped", entry.index))
@@ -825,33 +830,13 @@ def test_a_primary_ships_each_entry_before_it_applies_it() -> None:
     run(main())
 
 
-class FailingOnce(Answering):
-    """Its first send fails as a closed socket would; the others go."""
-
-    def __init__(self, events: list[tuple[str, int]]) -> None:
-        super().__init__(events)
-        self.failed = False
-
-    def submit(
-        self,
-        op: str,
-        body: Mapping[str, Any] | None = None,
-        tensors: Sequence[Tensor] = (),
-        **kw: Any,
-    ) -> asyncio.Future[Message]:
-        if not self.failed:
-            self.failed = True
-            raise RuntimeError("socket closed")
-        return super().submit(op, body, tensors, **kw)
-
-
 def test_an_entry_whose_send_fails_is_applied_and_sent_again() -> None:
     """A send that fails does not keep the primary from applying the request (its
     backups would otherwise hold an update it lacks): the entry goes again."""
 
     async def main() -> None:
         events: list[tuple[str, int]] = []
-        primary = Primary(0, 1, {1: FailingOnce(events)})  # type: ignore[dict-item]
+        primary = Primary(0, 1, {1: Answering(events, fail_first=True)})  # type: ignore[dict-item]
 
         def handler(msg: Message) -> Message:
             events.append(("applied", msg.id))
