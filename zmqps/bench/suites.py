@@ -321,8 +321,6 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     for flag in ("ps", "repeat", "rows", "dim", "batch_rows", "variables", "row_budget"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
-    if any(p < 1 for p in args.scale_ps):
-        raise ConfigError("--scale-ps: every PS count must be >= 1")
     if "zmqps-r2" in args.sides and args.ps < 2:
         raise ConfigError("side zmqps-r2 keeps two copies of each PS state: give --ps 2 or more")
     if "sparse" in requested and "zmqps-hash" in args.sides and args.row_budget < args.batch_rows:
