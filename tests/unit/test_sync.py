@@ -659,6 +659,37 @@ def test_a_worker_gone_after_its_push_still_counts_for_that_step(how: str) -> No
     run(body())
 
 
+def test_workers_leaving_together_after_their_push_still_count_for_that_step() -> None:
+    """N = M = 3: workers 0 and 1 push their last gradient and leave at the same time
+    while worker 2 still computes the step. Each leave looks up, on the PS, whether the
+    step holds the leaver's gradient; the step must not be applied while one look is
+    under way because the other leave shrank N meanwhile (found by the load simulator
+    with 1,000 workers: the last step was the mean of 998 and two pushes were stale)."""
+
+    async def body() -> None:
+        job = await sync_job(3, 2)
+        for i in (0, 1, 2):
+            await job.token(i)
+        for i in (0, 1):
+            assert await job.workers[i].push(grads(i), step=0)
+        await asyncio.gather(job.leave(0), job.leave(1))
+        await asyncio.sleep(0.01)
+        assert job.step == 0 and set(job.env.chief.consistency.counted) == {0, 1}
+        assert (await job.status())["replicas_to_aggregate"] == 3
+        assert await job.workers[2].push(grads(2), step=0)
+        await until(lambda: job.step == 1)
+        for v in DENSE:
+            total = grads(0)[v.name] + grads(1)[v.name] + grads(2)[v.name]
+            np.testing.assert_allclose(
+                job.values(v.name), initial(v) - LR * total / 3, rtol=1e-5, atol=1e-6
+            )
+        for svc in job.env.services:
+            assert svc.status()["sync"]["dropped"] == {}
+        await job.close()
+
+    run(body())
+
+
 def test_a_worker_gone_before_its_push_shrinks_n_at_once() -> None:
     async def body() -> None:
         job = await sync_job(2, 2)

@@ -319,7 +319,11 @@ class TokenLedger:
     def available(self, replicas: int, gone: Collection[int] = ()) -> int:
         """Tokens of the current step still to take, with ``replicas`` (M) counted and
         the workers ``gone`` not (a token one of them holds is no longer in M)."""
-        held = sum(1 for i in self._holders if i not in gone)
+        holders = self._holders
+        if len(gone) < len(holders):  # the smaller side: a step's tokens are taken often
+            held = len(holders) - sum(1 for i in gone if i in holders)
+        else:
+            held = sum(1 for i in holders if i not in gone)
         return max(0, replicas - held) + self._extra
 
     def holders(self) -> dict[int, int]:

@@ -45,6 +45,8 @@ log = logging.getLogger("zmqps.chief")
 Have = int | None | Callable[[], int | None]
 
 POLL_S = 5.0  # one long poll to a PS
+#: how long one look at every worker (who is gone) is kept (see :meth:`SyncMode.gone`)
+GONE_MEMO_S = 0.05
 
 
 class ChiefMode:
@@ -52,6 +54,7 @@ class ChiefMode:
 
     name = ""
     _floor = 0  # the highest global step known (async / ssp never go back)
+    _gone_memo: Any = None
 
     def __init__(
         self,
@@ -104,6 +107,7 @@ class ChiefMode:
         self.started = False
 
     async def _wake(self) -> None:
+        self._gone_memo = None
         async with self.changed:
             self.changed.notify_all()
 
@@ -205,6 +209,10 @@ class SyncMode(ChiefMode):
         self._step = 0
         self.required = 0  # N as last told to the PS
         self.counted: set[int] = set()  # gone workers whose gradient the current step holds
+        #: gone workers whose gradient for the current step is being looked for: counted
+        #: in M meanwhile (else a reconfiguration in between could apply the step early)
+        self.checking: set[int] = set()
+        self._gone_memo: tuple[tuple[int, int, int], frozenset[int]] | None = None
         self._configuring = asyncio.Lock()
 
     @property
@@ -217,13 +225,25 @@ class SyncMode(ChiefMode):
 
     # ------------------------------------------------------------ replicas
 
-    def gone(self) -> set[int]:
+    def gone(self) -> frozenset[int]:
         """Workers not counted in M: dead, done or left (a gone worker whose gradient
-        the current step holds counts until the step is applied)."""
+        the current step holds counts until the step is applied, and so does one whose
+        gradient is being looked for).
+
+        One look at every worker is kept for :data:`GONE_MEMO_S` of the clock, until the
+        next wake-up, or until a worker it holds dead speaks: every long poll woken at
+        once asks it, so a look per poll would cost O(workers) each, O(workers²) per
+        step."""
         now = self.clock()
+        key = (int(now / GONE_MEMO_S), len(self.counted), len(self.checking))
+        memo = self._gone_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
         gone = set(self.members.dead(now))
         gone |= {i for i, w in self.members.workers.items() if w.done or w.gone}
-        return gone - self.counted
+        out = frozenset(gone - self.counted - self.checking)
+        self._gone_memo = (key, out)
+        return out
 
     def replicas(self) -> int:
         """M: replicas not known to be gone, at most ``total_replicas``."""
@@ -255,20 +275,27 @@ class SyncMode(ChiefMode):
         it every PS already holds."""
         step = self._step
         held = {f"worker:{i}": i for i in gone}
-        for c in self.stepping:
-            try:
-                rep = await c.request("status", timeout=2.0)
-            except ZmqpsError:
-                return
-            sync = rep.body.get("sync") or {}
-            if sync.get("step") != step:
-                return  # the step is applied (or not known): nothing to wait for
-            got = set(sync.get("contributors", []))
-            held = {name: i for name, i in held.items() if name in got}
-        if self._step == step:
-            self.counted |= set(held.values())
+        looking = set(gone) - self.checking
+        self.checking |= looking
+        try:
+            for c in self.stepping:
+                try:
+                    rep = await c.request("status", timeout=2.0)
+                except ZmqpsError:
+                    return
+                sync = rep.body.get("sync") or {}
+                if sync.get("step") != step:
+                    return  # the step is applied (or not known): nothing to wait for
+                got = set(sync.get("contributors", []))
+                held = {name: i for name, i in held.items() if name in got}
+            if self._step == step:
+                self.counted |= set(held.values())
+        finally:
+            self.checking -= looking
+            self._gone_memo = None
 
     async def membership_changed(self, gone: Sequence[int] = (), back: Sequence[int] = ()) -> None:
+        self._gone_memo = None
         if self.started:
             if gone:
                 await self._count_contributions(gone)
@@ -296,6 +323,7 @@ class SyncMode(ChiefMode):
             replicas, gone = self.replicas(), self.gone()
             self._step = nxt
             self.counted.clear()
+            self._gone_memo = None
             await self._reconfigure()
             if self.on_step is not None:
                 await self.on_step(nxt)  # e.g. a checkpoint, while no tokens are out
@@ -337,6 +365,10 @@ class SyncMode(ChiefMode):
         ``wait`` seconds. ``have``: the step the worker computed last, or a function
         that says it each time the poll is looked at again (it may change meanwhile)."""
         have_now = have if callable(have) else lambda: have
+
+        memo = self._gone_memo
+        if memo is not None and who.index in memo[1]:
+            self._gone_memo = None  # it speaks: a look that holds it dead is out of date
 
         def grant() -> int | None:
             if not self.started:
