@@ -243,3 +243,30 @@ def test_gpu_bench_on_the_host(procs: Reaper, tmp_path: Path) -> None:
     assert run["local"]["cpu"]["examples_per_second"] > 0
     assert run["ratios"]["cpu_worker/native_cpu"] > 0
     assert "torch loop" in bench.stdout
+
+
+@pytest.mark.timeout(90)
+def test_scale_sim_steps_simulated_workers_exactly(procs: Reaper, tmp_path: Path) -> None:
+    """The load simulator against a real chief and two real PS: 30 simulated workers,
+    N = 28 of them per step (two backup workers), 6 steps. Every step is the mean of
+    exactly N gradients applied once, nobody is declared dead but the worker that goes
+    silent on purpose, within the heartbeat timeout and one check, and every server
+    exits 0."""
+    out = tmp_path / "sim.json"
+    argv = [sys.executable, "-m", "zmqps.bench.scale_sim", "--workers", "30", "--aggregate"]
+    argv += ["28", "--ps", "2", "--steps", "6", "--procs", "2", "--heartbeat-timeout", "2"]
+    argv += ["--idle-s", "1"]
+    sim = procs.spawn([*argv, "--json", str(out)], name="scale-sim")
+    sim.expect_exit(0, timeout=80)
+    run = read_json(out)
+    assert run["exact"] == {"ok": True, "problems": []}
+    assert run["false_deaths"] == [] and run["errors"] == []
+    # 30 workers x 6 steps x 2 PS: each step applies 28 pushes per PS, two come late
+    assert sum(run["outcomes"].values()) == 30 * 6 * 2
+    assert run["outcomes"]["applied"] >= 28 * 6 * 2
+    assert run["global_step"] == 6
+    # silent after its last heartbeat (at most an interval, 1 s, before it stopped)
+    assert 2 - 1 - 0.1 <= run["detect_s"] <= 2 + 0.5 + 2.0
+    assert run["exit_codes"] == [0, 0, 0] and run["sim_exit_codes"] == [0, 0]
+    assert run["chief_cpu_us_per_worker_step"] > 0 and run["status_bytes"] > 0
+    assert not _children_of(Path(run["logs"]))

@@ -20,9 +20,14 @@ __all__ = ["ZmqContext", "new_context", "zmq_versions"]
 ZmqContext: TypeAlias = zmq.asyncio.Context
 
 
-def new_context() -> ZmqContext:
-    """A new asyncio ZeroMQ context; its owner calls ``term()`` on it when done."""
-    return zmq.asyncio.Context()
+def new_context(max_sockets: int | None = None) -> ZmqContext:
+    """A new asyncio ZeroMQ context; its owner calls ``term()`` on it when done.
+    ``max_sockets``: more sockets than libzmq's default 1,023 (a load simulator's
+    thousands of clients)."""
+    ctx = zmq.asyncio.Context()
+    if max_sockets is not None:
+        ctx.set(zmq.MAX_SOCKETS, max_sockets)
+    return ctx
 
 
 def zmq_versions() -> dict[str, str]:
