@@ -54,7 +54,9 @@ class ChiefMode:
 
     name = ""
     _floor = 0  # the highest global step known (async / ssp never go back)
-    _gone_memo: Any = None
+    #: sync: who is gone, as last looked at (clock bucket, the workers), see
+    #: :meth:`SyncMode.gone`; forgotten at every wake-up
+    _gone_memo: tuple[int, frozenset[int]] | None = None
 
     def __init__(
         self,
@@ -212,7 +214,6 @@ class SyncMode(ChiefMode):
         #: gone workers whose gradient for the current step is being looked for: counted
         #: in M meanwhile (else a reconfiguration in between could apply the step early)
         self.checking: set[int] = set()
-        self._gone_memo: tuple[tuple[int, int, int], frozenset[int]] | None = None
         self._configuring = asyncio.Lock()
 
     @property
@@ -231,11 +232,11 @@ class SyncMode(ChiefMode):
         gradient is being looked for).
 
         One look at every worker is kept for :data:`GONE_MEMO_S` of the clock, until the
-        next wake-up, or until a worker it holds dead speaks: every long poll woken at
-        once asks it, so a look per poll would cost O(workers) each, O(workers²) per
-        step."""
+        next wake-up or change of ``counted`` / ``checking``, or until a worker it holds
+        dead speaks: every long poll woken at once asks it, so a look per poll would
+        cost O(workers) each, O(workers²) per step."""
         now = self.clock()
-        key = (int(now / GONE_MEMO_S), len(self.counted), len(self.checking))
+        key = int(now / GONE_MEMO_S)
         memo = self._gone_memo
         if memo is not None and memo[0] == key:
             return memo[1]
@@ -277,6 +278,7 @@ class SyncMode(ChiefMode):
         held = {f"worker:{i}": i for i in gone}
         looking = set(gone) - self.checking
         self.checking |= looking
+        self._gone_memo = None
         try:
             for c in self.stepping:
                 try:
