@@ -253,12 +253,24 @@ def test_scale_sim_steps_simulated_workers_exactly(procs: Reaper, tmp_path: Path
     silent on purpose, within the heartbeat timeout and one check, and every server
     exits 0."""
     out = tmp_path / "sim.json"
-    argv = [sys.executable, "-m", "zmqps.bench.scale_sim", "--workers", "30", "--aggregate"]
-    argv += ["28", "--ps", "2", "--steps", "6", "--procs", "2", "--heartbeat-timeout", "2"]
+    argv = [sys.executable, "-m", "zmqps.bench.scale_sim", "--workers", "30"]
+    argv += [
+        "--backup-workers",
+        "2",
+        "--ps",
+        "2",
+        "--steps",
+        "6",
+        "--procs",
+        "2",
+        "--heartbeat-timeout",
+        "2",
+    ]
     argv += ["--idle-s", "1"]
     sim = procs.spawn([*argv, "--json", str(out)], name="scale-sim")
     sim.expect_exit(0, timeout=80)
-    run = read_json(out)
+    (run,) = read_json(out)
+    assert run["N"] == 28
     assert run["exact"] == {"ok": True, "problems": []}
     assert run["false_deaths"] == [] and run["errors"] == []
     # 30 workers x 6 steps x 2 PS: each step applies 28 pushes per PS, two come late

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SimConfig", "format_scale_sim", "run_scale_sim"]
+__all__ = ["SimConfig", "SimFailed", "format_scale_sim", "run_scale_sim"]
 
 #: simulated workers sharing one connection to each server
 GROUP = 32
@@ -121,13 +121,13 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
         "errors": [],
         "step_seconds": [],
     }
-    silent: set[int] = set()
     ready: set[int] = set()
     stop_beats = asyncio.Event()
-    gone: dict[int, float] = {}
+    silent_at: dict[int, float] = {}
+    beat_every = [1.0]  # the chief's heartbeat interval, as it says at registration
 
     async def beats(who: o.Who, chief: Client, interval: float, progress: list[int]) -> None:
-        while not stop_beats.is_set() and who.index not in silent:
+        while not stop_beats.is_set():
             try:
                 await chief.request(
                     "heartbeat",
@@ -139,8 +139,8 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop_beats.wait(), interval)
 
-    async def worker(i: int, start: asyncio.Event) -> None:
-        chief, ps = clients(mine.index(i) // GROUP)
+    async def worker(i: int, group: int, start: asyncio.Event) -> None:
+        chief, ps = clients(group)
         who = o.Who("worker", i, inc)
         body = o.Register(who, args.steps).to_wire()
         while True:
@@ -150,6 +150,7 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
             except NotReady:
                 await asyncio.sleep(0.2)
         info = o.ClusterInfo.parse(rep.body, "register reply")
+        beat_every[0] = info.heartbeat_interval
         if i == 0 and info.placement is None:
             variables = [
                 VariableDef(f"v{k}", (WIDTH,), init={"name": "zeros"}).to_wire()
@@ -218,18 +219,14 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
             record["pushes"] += len(by_ps)
             progress[0] = done + 1
             record["step_seconds"].append(time.perf_counter() - t0)
+        beat.cancel()
         if i == args.silent:  # goes silent: no leave, no heartbeats
-            silent.add(i)
-            gone[i] = time.time()
-            beat.cancel()
+            silent_at[i] = time.time()
             return
         await chief.request("leave", o.Leave(who, args.steps, "done").to_wire(), timeout=30.0)
-        stop_beats_for.add(i)
-        beat.cancel()
 
-    stop_beats_for: set[int] = set()
     start = asyncio.Event()
-    tasks = [asyncio.ensure_future(worker(i, start)) for i in mine]
+    tasks = [asyncio.ensure_future(worker(i, k // GROUP, start)) for k, i in enumerate(mine)]
     # every worker registered, knows the placement and heartbeats: the parent times
     # the idle phase, then says go
     while len(ready) < len(mine):
@@ -237,7 +234,7 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
         if failed:
             raise failed[0].exception()  # type: ignore[misc]
         await asyncio.sleep(0.05)
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, "heartbeat_interval": beat_every[0]}), flush=True)
     loop = asyncio.get_running_loop()
     line = await loop.run_in_executor(None, sys.stdin.readline)
     if line.strip() != "go":
@@ -248,7 +245,7 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
         if isinstance(r, BaseException):
             record["errors"].append(repr(r))
     stop_beats.set()
-    record["silent_at"] = gone
+    record["silent_at"] = silent_at
     for chief, ps in groups.values():
         for c in (chief, *ps):
             await c.close()
@@ -303,7 +300,9 @@ class _Pinger:
         self._thread.join(timeout=10)
 
 
-async def _ask(address: str, op: str, body: dict[str, Any]) -> tuple[Any, int, float, Any]:
+async def _ask(
+    address: str, op: str, body: dict[str, Any], timeout: float = 60.0
+) -> tuple[Any, int, float, Any]:
     """One request from a socket of its own: (reply body, its encoded bytes, seconds,
     the reply's tensors)."""
     import msgpack
@@ -311,10 +310,10 @@ async def _ask(address: str, op: str, body: dict[str, Any]) -> tuple[Any, int, f
     from zmqps.transport import Client, new_context
 
     ctx = new_context()
-    client = Client(ctx, address, f"ask-{os.getpid()}-{time.time_ns()}", timeout=60.0)
+    client = Client(ctx, address, f"ask-{os.getpid()}-{time.time_ns()}", timeout=timeout)
     try:
         t = time.perf_counter()
-        rep = await client.request(op, body, timeout=60.0)
+        rep = await client.request(op, body, timeout=timeout)
         took = time.perf_counter() - t
         return rep.body, len(msgpack.packb(rep.body)), took, rep.tensors
     finally:
@@ -408,13 +407,14 @@ def run_scale_sim(cfg: SimConfig) -> dict[str, Any]:
     deadline = time.monotonic() + cfg.timeout
     out: dict[str, Any] = {"workers": cfg.workers, "ps": cfg.ps, "N": n, "steps": cfg.steps}
     try:
-        for sim in sims:  # every simulated worker registered
-            _read_line(sim, deadline, "ready")
+        # every simulated worker registered
+        interval = min(
+            _read_line(sim, deadline, "ready", servers, tmp)["heartbeat_interval"] for sim in sims
+        )
         # heartbeats alone
         hb0, t0 = _cpu(servers), time.time()
         time.sleep(cfg.idle_s)
         hb1, t1 = _cpu(servers), time.time()
-        interval = 1.0
         beats = cfg.workers * (t1 - t0) / interval
         chief_idle = hb1[0][0] - hb0[0][0]
         out["chief_cpu_us_per_heartbeat"] = 1e6 * chief_idle / beats
@@ -426,7 +426,7 @@ def run_scale_sim(cfg: SimConfig) -> dict[str, Any]:
             sim.stdin.write("go\n")
             sim.stdin.flush()
         s0, t2 = _cpu(servers), time.time()
-        records = [_read_line(sim, deadline, "workers") for sim in sims]
+        records = [_read_line(sim, deadline, "workers", servers, tmp) for sim in sims]
         s1, t3 = _cpu(servers), time.time()
         steps_s = t3 - t2
         chief_steps = (s1[0][0] - s0[0][0]) - chief_idle / (t1 - t0) * steps_s
@@ -449,7 +449,7 @@ def run_scale_sim(cfg: SimConfig) -> dict[str, Any]:
         # one worker silent: how long until the chief calls it dead
         if cfg.detect:
             went = min(float(t) for r in records for t in r["silent_at"].values())
-            out["detect_s"] = _await_dead(chief, silent, deadline) - went
+            out["detect_s"] = _await_dead(chief, silent, deadline, servers, tmp) - went
         status, size, took, _ = asyncio.run(_ask(chief, "status", {}))
         out["status_bytes"], out["status_ms"] = size, 1000 * took
         out["false_deaths"] = sorted(
@@ -472,23 +472,46 @@ def run_scale_sim(cfg: SimConfig) -> dict[str, Any]:
         out["logs"] = str(tmp)
 
 
-def _read_line(sim: subprocess.Popen[str], deadline: float, key: str) -> dict[str, Any]:
-    """The next JSON line of a simulator process that holds ``key``."""
+class SimFailed(RuntimeError):
+    """A simulated run could not finish: a server or a simulator process ended early,
+    or the run took longer than its timeout."""
+
+
+def _check_servers(servers: Sequence[subprocess.Popen[Any]], logs: Path) -> None:
+    """SimFailed when a server (the chief first, then the PS) has ended."""
+    for k, server in enumerate(servers):
+        if server.poll() is not None:
+            name = "the chief" if k == 0 else f"ps {k - 1}"
+            raise SimFailed(
+                f"scale-sim: {name} exited {server.returncode} during the run (logs: {logs})"
+            )
+
+
+def _read_line(
+    sim: subprocess.Popen[str],
+    deadline: float,
+    key: str,
+    servers: Sequence[subprocess.Popen[Any]],
+    logs: Path,
+) -> dict[str, Any]:
+    """The next JSON line of a simulator process that holds ``key``; SimFailed when a
+    server ends meanwhile or the deadline passes."""
     import select
 
     assert sim.stdout is not None
     while True:
+        _check_servers(servers, logs)
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"scale-sim: no {key!r} from a simulator process in time")
+            raise SimFailed(f"scale-sim: no {key!r} from a simulator process in time")
         ready, _, _ = select.select([sim.stdout], [], [], min(left, 1.0))
         if not ready:
             if sim.poll() is not None:
-                raise RuntimeError(f"scale-sim: a simulator process exited {sim.returncode}")
+                raise SimFailed(f"scale-sim: a simulator process exited {sim.returncode}")
             continue
         line = sim.stdout.readline()
         if not line:
-            raise RuntimeError(f"scale-sim: a simulator process exited {sim.wait()}")
+            raise SimFailed(f"scale-sim: a simulator process exited {sim.wait()}")
         rec: dict[str, Any] = json.loads(line)
         if key in rec:
             return rec
@@ -511,14 +534,21 @@ def _sum_counts(counts: Any) -> dict[str, int]:
     return total
 
 
-def _await_dead(chief: str, index: int, deadline: float) -> float:
+def _await_dead(
+    chief: str,
+    index: int,
+    deadline: float,
+    servers: Sequence[subprocess.Popen[Any]],
+    logs: Path,
+) -> float:
     """The wall time at which the chief's status first lists worker ``index`` dead."""
     while time.monotonic() < deadline:
-        status, _, _, _ = asyncio.run(_ask(chief, "status", {}))
+        _check_servers(servers, logs)
+        status, _, _, _ = asyncio.run(_ask(chief, "status", {}, timeout=5.0))
         if index in [int(w) for w in status.get("workers_dead", [])]:
             return time.time()
         time.sleep(0.05)
-    raise TimeoutError(f"scale-sim: worker {index} never declared dead")
+    raise SimFailed(f"scale-sim: worker {index} never declared dead")
 
 
 def _exact(chief: str, ps_addrs: Sequence[str], n: int, cfg: SimConfig) -> dict[str, Any]:
@@ -584,36 +614,68 @@ def _child_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+        return value
+
+    return parse
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m zmqps.bench.scale_sim``: a simulator process, or one run by hand."""
+    """``python -m zmqps.bench.scale_sim``: a simulator process, or runs by hand (every
+    combination of ``--workers`` and ``--ps``)."""
+    from zmqps.bench.common import int_list
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--child" in argv:
         return _child_main(argv)
     p = argparse.ArgumentParser(prog="zmqps.bench.scale_sim")
-    p.add_argument("--workers", type=int, default=100)
-    p.add_argument("--ps", type=int, default=1)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--aggregate", type=int, default=None)
-    p.add_argument("--procs", type=int, default=4)
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0)
-    p.add_argument("--idle-s", type=float, default=3.0, help="seconds of heartbeats alone")
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    run = run_scale_sim(
-        SimConfig(
-            args.workers,
-            args.ps,
-            args.steps,
-            args.aggregate,
-            procs=args.procs,
-            heartbeat_timeout=args.heartbeat_timeout,
-            idle_s=args.idle_s,
-        )
+    p.add_argument("--workers", type=int_list, default=(100,), help="e.g. 10,100,1000")
+    p.add_argument("--ps", type=int_list, default=(1,), help="e.g. 1,10,100")
+    p.add_argument("--steps", type=_positive(int), default=100)
+    p.add_argument(
+        "--backup-workers",
+        type=int,
+        default=0,
+        help="sync: workers beyond N (N = workers - this; default 0: N = M)",
     )
-    print(format_scale_sim([run]))
+    p.add_argument("--procs", type=_positive(int), default=4, help="simulator processes")
+    p.add_argument("--heartbeat-timeout", type=_positive(float), default=10.0)
+    p.add_argument("--idle-s", type=_positive(float), default=3.0, help="heartbeats alone (s)")
+    p.add_argument("--json", default=None, help="write the runs here")
+    args = p.parse_args(argv)
+    if not 0 <= args.backup_workers < min(args.workers):
+        p.error(f"--backup-workers must be within [0, {min(args.workers)}) (the fewest workers)")
+    runs = []
+    for workers in args.workers:
+        for ps in args.ps:
+            cfg = SimConfig(
+                workers,
+                ps,
+                args.steps,
+                workers - args.backup_workers,
+                procs=args.procs,
+                heartbeat_timeout=args.heartbeat_timeout,
+                idle_s=args.idle_s,
+            )
+            try:
+                runs.append(run_scale_sim(cfg))
+            except SimFailed as exc:
+                print(exc, file=sys.stderr)
+                return 1
+            print(format_scale_sim(runs[-1:]), flush=True)
+    if len(runs) > 1:
+        print(format_scale_sim(runs))
     if args.json:
-        Path(args.json).write_text(json.dumps(run, indent=1))
-    return 0
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+    ok = all((r.get("exact") or {"ok": True})["ok"] and not r["false_deaths"] for r in runs)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
