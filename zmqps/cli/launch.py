@@ -27,6 +27,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -75,6 +76,30 @@ GRACE_S = 10.0
 LINGER_S = 20.0
 #: a task's log line: time, level letter (D, I, W, E), logger
 _LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d ([DIWE]) ")
+#: a task's line longer than this is kept whole in its log file, cut on the terminal
+RELAY_LINE_CHARS = 4096
+#: a task's output without a newline is passed on in parts of this many bytes
+RELAY_PART_BYTES = 1 << 20
+
+
+async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The lines of ``stream``, however long: one without a newline in
+    :data:`RELAY_PART_BYTES` comes in parts (the task never blocks on a full pipe
+    because a line was longer than the reader's buffer)."""
+    pending = b""
+    while True:
+        chunk = await stream.read(1 << 16)
+        if not chunk:
+            if pending:
+                yield pending
+            return
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line
+        while len(pending) >= RELAY_PART_BYTES:
+            yield pending[:RELAY_PART_BYTES]
+            pending = pending[RELAY_PART_BYTES:]
 
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -414,10 +439,12 @@ class Launcher:
         assert child.proc is not None and child.proc.stdout is not None
         verbose = bool(getattr(self.args, "verbose", 0))
         in_traceback = False
-        async for raw in child.proc.stdout:
+        async for raw in _lines(child.proc.stdout):
             line = raw.decode(errors="replace").rstrip()
             if child.log is not None:
                 child.log.write(line + "\n")
+            if len(line) > RELAY_LINE_CHARS:  # all of it in the log; a part elsewhere
+                line = f"{line[:RELAY_LINE_CHARS]}... ({len(line)} characters in all)"
             child.tail = [*child.tail[-19:], line]
             level = _LOG_LINE.match(line)
             if line.startswith("Traceback"):
