@@ -74,6 +74,7 @@ from zmqps.roles.ps import PSService
 from zmqps.transport import Client, Server, SocketOptions
 from zmqps.transport.shm import _NAME as SHM_NAME
 from zmqps.wire import PROTOCOL_VERSION, Message, Tensor, decode, encode, request
+from zmqps.wire.codec import DEFAULT_LIMITS
 from zmqps.wire.errors import DeadlineExceeded, ProtocolError
 from zmqps.wire.schema import (
     REQUEST_BODIES,
@@ -292,7 +293,8 @@ def bombs(c: Corpus, rng: random.Random) -> None:
         c.add(
             "array over max_array_len", [b"\xdd" + struct.pack(">I", 140_000) + b"\xc0" * 140_000]
         )
-        c.add("map over max_map_len", [msgpack.packb({f"k{i}": 0 for i in range(5000)})])
+        over = DEFAULT_LIMITS.max_map_len + 1
+        c.add("map over max_map_len", [msgpack.packb({f"k{i}": 0 for i in range(over)})])
         c.add("bin in header", packed(header(next(IDS), "ping", {}, x=b"\x00" * 10)))
         c.add(
             "ext in header",

@@ -31,7 +31,7 @@ from zmqps.wire import (
     request,
     wire_dtype,
 )
-from zmqps.wire.codec import MAX_NDIM
+from zmqps.wire.codec import DEFAULT_LIMITS, MAX_NDIM
 from zmqps.wire.errors import (
     FencedError,
     InvalidArgument,
@@ -723,7 +723,9 @@ CRAFTED_UNREADABLE: dict[str, list[bytes]] = {
     "str32 declares 4 GB": [b"\xdb\xff\xff\xff\xff" + b"a" * 64],
     "bin32 declares 4 GB": [b"\xc6\xff\xff\xff\xff"],
     "array16 past max_array_len": [msgpack.packb([0] * ((1 << 17) + 1))],
-    "map past max_map_len": [msgpack.packb({str(i): 0 for i in range(4097)})],
+    "map past max_map_len": [
+        msgpack.packb({str(i): 0 for i in range(DEFAULT_LIMITS.max_map_len + 1)})
+    ],
     "string past max_str_len": [msgpack.packb({"v": 1, "op": "x" * 70_000, "id": 1, "body": {}})],
     "fixext1 in header": [_map_with([*_header_fields(), (_s("x"), b"\xd4\x05\x00")])],
     "ext8 in header": [_map_with([*_header_fields(), (_s("x"), b"\xc7\x03\x07abc")])],

@@ -102,6 +102,27 @@ def test_worker_names_and_incarnation_counts_are_bounded() -> None:
     assert "w/0/0" not in ledger.by_incarnation  # the oldest went
 
 
+def test_fenced_names_and_their_characters_are_bounded_too() -> None:
+    """A fence (what a chief sends when it registers a worker) from a client inventing
+    names is bounded like a push: by count and by the names' characters together, so
+    every map keyed by them stays decodable; a known name is fenced whatever the bound."""
+    d = PushDeduper(window=8, max_workers=4, max_chars=24)
+    assert d.fence("a", 1) and d.fence("b" * 10, 1)
+    with pytest.raises(InvalidArgument, match="characters"):
+        d.fence("c" * 14, 1)  # 1 + 10 + 14 > 24
+    with pytest.raises(InvalidArgument, match="characters"):
+        d.check("c" * 14, 0, 0)
+    assert d.fence("c" * 12, 1) and d.fence("d", 1) and len(d) == 4
+    with pytest.raises(InvalidArgument, match="4 worker names"):
+        d.fence("e", 1)
+    assert len(d) == 4 and "e" not in set(d)
+    assert d.fence("a", 2) and not d.fence("a", 2)  # known names go on
+    d.forget("b" * 10)
+    assert d.fence("f" * 10, 1)  # forgetting gives the room back
+    with pytest.raises(InvalidArgument, match="bounds"):
+        PushDeduper(window=8, max_workers=4, max_chars=10).restore(d.snapshot())
+
+
 def test_snapshot_restore_json_roundtrip() -> None:
     d = PushDeduper(window=16)
     for seq in (0, 2, 5, 7):

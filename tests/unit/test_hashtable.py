@@ -419,3 +419,28 @@ def test_pages_of_a_table_tile_its_rows_and_follow_a_change_of_its_ids() -> None
     assert total == 61 and np.array_equal(page_ids, np.sort(np.append(ids, 5))[7:14])
     with pytest.raises(InvalidArgument, match="bad range"):
         store.table_page(0, -1, 7)
+
+
+def test_an_unbounded_table_grows_only_while_its_rows_fit_in_memory() -> None:
+    """Without a row_budget, a table's growth is refused (typed, nothing changed) once
+    its new rows would take more than half the memory available; with room they come."""
+    available = [10 * 1024 * 1024]  # 10 MiB "available"
+    store = ShardStore(memory=lambda: (available[0], 1 << 34))
+    store.create([table_def()])
+    shard: Any = store.get(0)
+    store.pull_rows(0, np.arange(1000, dtype=np.int64))  # grows while it fits
+    held, values = shard.rows, shard.table.values.copy()
+    huge = np.arange(10_000, 10_000 + 200_000, dtype=np.int64)  # 200k new rows: ~13 MiB
+    with pytest.raises(InvalidArgument, match="hash table full.*row_budget"):
+        store.pull_rows(0, huge)
+    with pytest.raises(InvalidArgument, match="hash table full"):
+        store.apply_rows(0, huge, np.ones((huge.size, 4), np.float32), 0)
+    assert shard.rows == held and shard.version == 0
+    assert np.array_equal(shard.table.values[: values.shape[0]], values)
+    # ids it holds already need no room: read and pushed whatever the memory
+    available[0] = 0
+    store.pull_rows(0, np.arange(1000, dtype=np.int64))
+    store.apply_rows(0, np.arange(10, dtype=np.int64), np.ones((10, 4), np.float32), 0)
+    available[0] = 1 << 30
+    store.pull_rows(0, huge)
+    assert shard.rows == held + huge.size

@@ -6,6 +6,7 @@ cannot be allocated with a typed error, not an internal one."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -234,3 +235,58 @@ def test_shards_count_against_the_whole_memory_with_what_the_ps_holds(
         assert 501 in c.services[0].store and 500 not in c.services[0].store
 
     run(body())
+
+
+def test_a_flood_of_invented_worker_names_is_bounded_and_the_ps_state_stays_readable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client fencing ever-new worker names (the longest the wire takes) is refused,
+    typed, at the deduper's bounds; what the PS keeps per name stays bounded, and its
+    ``ps_state`` (what a chief reads, keyed by those names) and ``status`` still decode
+    through the real codec, so no healthy PS is declared down for it."""
+    from test_bad_values import PS, run
+
+    from zmqps.core.dedup import MAX_NAME_CHARS, MAX_WORKERS
+    from zmqps.roles.ps.service import STATUS_WORKERS
+
+    async def body() -> None:
+        ps = PS(placement())
+        await ps.create()
+        await ps.net.client("ps0", "chief:0").request("fence", {"worker": "w0", "inc": 0})
+        mallory = ps.net.client("ps0", "mallory:0")
+        refused = 0
+        for i in range(MAX_NAME_CHARS // 60 + 50):  # past the characters' bound
+            name = f"{i:08d}".ljust(64, "x")
+            try:
+                await mallory.request("fence", {"worker": name, "inc": 1, "left": True})
+            except InvalidArgument as e:
+                assert "characters" in str(e)
+                refused += 1
+        assert refused > 0 and ps.svc.dedup._chars <= MAX_NAME_CHARS
+        for i in range(MAX_WORKERS):  # short names: past the count's bound
+            try:
+                await mallory.request("fence", {"worker": f"s{i}", "inc": 1, "left": True})
+            except InvalidArgument:
+                refused += 1
+        assert len(ps.svc.dedup) <= MAX_WORKERS and len(ps.svc.pushes) <= len(ps.svc.dedup)
+        state = await ps.net.client("ps0", "chief:0").request("ps_state", {})
+        assert len(state.body["done"]) == len(ps.svc.pushes)
+        status = ps.svc.status()
+        assert len(status["pushes"]) == STATUS_WORKERS
+        assert status["pushes_cut"]["workers"] == len(ps.svc.pushes)
+        # a worker the PS knew before the flood still pushes and is counted
+        dense = [s.id for s in ps.placement.shards_of("d")]
+        grads = [
+            Tensor(np.ones(ps.svc.store.get(s).values.size, np.float32), "grad", s) for s in dense
+        ]
+        body = {"shards": dense, "versions": [0] * len(dense), "worker": "w0", "inc": 0}
+        out = await ps.client.request("push", {**body, "seq": 0}, grads)
+        assert out.body["applied"] and ps.svc.pushes.get("w0").applied == 1
+        for _ in range(100):  # requests any peer may repeat log a line per interval
+            await mallory.request("create_shards", {"shards": []})
+            await mallory.request("sync_config", {"mode": "async", "required": 1})
+
+    caplog.set_level(logging.INFO, "zmqps.ps")
+    run(body())
+    lines = [r.getMessage() for r in caplog.records if r.name == "zmqps.ps"]
+    assert len(lines) < 10, lines[:20]

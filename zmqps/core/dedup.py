@@ -27,6 +27,7 @@ from zmqps.wire.errors import FencedError, InvalidArgument
 
 __all__ = [
     "MAX_INCARNATIONS",
+    "MAX_NAME_CHARS",
     "MAX_WORKERS",
     "RECENT",
     "ClosureLedger",
@@ -39,6 +40,10 @@ __all__ = [
 #: (a cluster has a few thousand workers at most; a client inventing names cannot grow
 #: the PS without bound)
 MAX_WORKERS = 8192
+#: and the characters of those names together (names of up to 64 characters each, so
+#: 8192 of the longest would not fit: every map keyed by them, in the ``ps_state`` a
+#: chief reads and in ``status``, stays well under a message header's 1 MiB)
+MAX_NAME_CHARS = 1 << 17
 #: (worker, incarnation, generation) counts of applied pushes kept (the oldest goes)
 MAX_INCARNATIONS = 4096
 
@@ -57,13 +62,17 @@ class _Worker:
 class PushDeduper:
     """Per-worker sliding window of applied push sequence numbers."""
 
-    def __init__(self, window: int = 4096, max_workers: int = MAX_WORKERS) -> None:
+    def __init__(
+        self, window: int = 4096, max_workers: int = MAX_WORKERS, max_chars: int = MAX_NAME_CHARS
+    ) -> None:
         if not isinstance(window, int) or window < 1:
             raise InvalidArgument(f"dedup window must be a positive int, got {window!r}")
         self.window = window
         self.max_workers = max_workers
+        self.max_chars = max_chars
         self._mask = (1 << window) - 1
         self._workers: dict[str, _Worker] = {}
+        self._chars = 0  # of the names in _workers
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -81,11 +90,8 @@ class PushDeduper:
         if seq < 0:
             raise InvalidArgument(f"push sequence must be >= 0, got {seq}")
         w = self._workers.get(worker)
-        if w is None and len(self._workers) >= self.max_workers:
-            raise InvalidArgument(
-                f"push from worker {worker!r} refused: this PS already keeps the pushes of"
-                f" {len(self._workers)} worker names (the bound)"
-            )
+        if w is None:
+            self._admit(worker)
         if w is None or incarnation > w.incarnation:
             return None
         if incarnation < w.incarnation:
@@ -98,6 +104,21 @@ class PushDeduper:
                 f" (latest {w.high}, window {self.window})"
             )
         return w
+
+    def _admit(self, worker: str) -> None:
+        """Raise InvalidArgument if a new name ``worker`` would pass the bounds."""
+        if len(self._workers) >= self.max_workers or self._chars + len(worker) > self.max_chars:
+            raise InvalidArgument(
+                f"worker {worker!r} refused: this PS already keeps the pushes of"
+                f" {len(self._workers)} worker names ({self._chars} characters; the bounds"
+                f" are {self.max_workers} names and {self.max_chars} characters)"
+            )
+
+    def _put(self, worker: str, state: _Worker) -> None:
+        if worker not in self._workers:
+            self._admit(worker)
+            self._chars += len(worker)
+        self._workers[worker] = state
 
     def check(self, worker: str, incarnation: int, seq: int) -> bool:
         """True if this push is new (apply it, then :meth:`commit`); False if a duplicate.
@@ -114,7 +135,8 @@ class PushDeduper:
         """Record that push ``seq`` of ``worker`` / ``incarnation`` was applied."""
         w = self._state(worker, incarnation, seq)
         if w is None:
-            w = self._workers[worker] = _Worker(incarnation)
+            w = _Worker(incarnation)
+            self._put(worker, w)
         if seq > w.high:
             shift = seq - w.high if w.high >= 0 else self.window
             w.bits = ((w.bits << shift) | 1) & self._mask if shift < self.window else 1
@@ -125,16 +147,18 @@ class PushDeduper:
     def fence(self, worker: str, incarnation: int) -> bool:
         """From now on refuse every incarnation of ``worker`` older than ``incarnation``
         (the chief registered it: a paused old process that resumes is shut out even
-        before the new one's first push). True if that changed anything."""
+        before the new one's first push). True if that changed anything. A new name
+        past the bounds raises InvalidArgument, changing nothing."""
         w = self._workers.get(worker)
         if w is not None and incarnation <= w.incarnation:
             return False
-        self._workers[worker] = _Worker(incarnation)
+        self._put(worker, _Worker(incarnation))
         return True
 
     def forget(self, worker: str) -> None:
         """Drop everything known about ``worker`` (e.g. it left the job for good)."""
-        self._workers.pop(worker, None)
+        if self._workers.pop(worker, None) is not None:
+            self._chars -= len(worker)
 
     # -- persistence ---------------------------------------------------------
 
@@ -164,7 +188,10 @@ class PushDeduper:
             }
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InvalidArgument(f"malformed dedup snapshot: {e!r}") from e
-        self._workers = workers
+        chars = sum(map(len, workers))
+        if len(workers) > self.max_workers or chars > self.max_chars:
+            raise InvalidArgument("dedup snapshot past its bounds")
+        self._workers, self._chars = workers, chars
 
 
 def _int(v: Any, lo: int) -> int:
@@ -234,6 +261,10 @@ class PushLedger:
     to the PS (the chief reads the cursor when it fences the old incarnation), not
     after the steps the chief last heard of in a heartbeat. The counts let anyone
     check that every push acknowledged as applied was applied once.
+
+    Bounded by the :class:`PushDeduper` beside it: a name enters the ledger only
+    through a push or a fence that the deduper took first, and the deduper never
+    forgets a name the ledger keeps, so the ledger's names are among the deduper's.
     """
 
     def __init__(self) -> None:
@@ -336,8 +367,13 @@ class PushLedger:
         """Per worker, the highest cursor ever applied (see :attr:`WorkerPushes.high`)."""
         return {name: w.high for name, w in self._workers.items() if w.high}
 
-    def snapshot(self) -> dict[str, dict[str, Any]]:
-        return {name: w.to_dict() for name, w in sorted(self._workers.items())}
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def snapshot(self, limit: int | None = None) -> dict[str, dict[str, Any]]:
+        """Per worker, in name order (the first ``limit`` names only, if given)."""
+        names = sorted(self._workers)[:limit]
+        return {name: self._workers[name].to_dict() for name in names}
 
     def image(self) -> dict[str, Any]:
         """Everything, as msgpack-able values: :meth:`load_image` of it makes a twin

@@ -471,6 +471,21 @@ class RowTable:
         self.free[self.nfree : end] = rows
         self.nfree = end
 
+    def row_bytes(self) -> int:
+        """Bytes one row takes: values, slots, id, stamp, and its index entries."""
+        slots = sum(a.itemsize * self.dim for a in self.slots.values())
+        return self.values.itemsize * self.dim + slots + 16 + 32
+
+    def growth(self, need: int) -> int:
+        """Rows :meth:`_grow` adds to make room for ``need`` more rows than are free."""
+        if need <= self.nfree:
+            return 0
+        cap = self.capacity
+        new_cap = max(2 * cap, cap + need - self.nfree)
+        if self.budget is not None:
+            new_cap = min(new_cap, self.budget)
+        return max(0, new_cap - cap)
+
     def _grow(self, need: int) -> None:
         """Room for ``need`` more rows than are free now (doubling; at most the budget)."""
         cap = self.capacity

@@ -232,19 +232,31 @@ Update = DenseUpdate | RowUpdate
 
 
 ShardObserver = Callable[[ShardDef, int], None]
+#: ``(available, total)`` bytes of the machine's memory, None where unknown
+MemoryReader = Callable[[], "tuple[int, int] | None"]
 
 
 class ShardStore:
     """Shards held by one PS, and the updates applied to them.
 
     ``observer(shard_def, staleness)`` is called after every applied update (metrics).
+    ``memory()`` says ``(available, total)`` bytes of the machine (None: unknown): a
+    hash table without a ``row_budget`` may grow only while its new rows fit in half
+    of what is available (:meth:`_check_growth`), so no client naming new ids can
+    take the machine's memory.
     """
 
-    def __init__(self, chunk_elems: int = 1 << 20, observer: ShardObserver | None = None) -> None:
+    def __init__(
+        self,
+        chunk_elems: int = 1 << 20,
+        observer: ShardObserver | None = None,
+        memory: MemoryReader | None = None,
+    ) -> None:
         if chunk_elems < 1:
             raise InvalidArgument(f"chunk_elems must be >= 1, got {chunk_elems}")
         self.chunk_elems = chunk_elems
         self.observer = observer
+        self.memory = memory
         self.staleness = StalenessStats()
         self.updates_applied = 0
         #: updates that first copied values still lent to a send (copy-on-write)
@@ -463,6 +475,8 @@ class ShardStore:
         """:meth:`pull_rows` of several shards, all or nothing: every shard's ids are
         validated before the first row is created."""
         keyed = [(self.get(sid), self.get(sid).row_keys(ids, create)) for sid, ids in requests]
+        if create:
+            self._check_growth(keyed)
         return [(shard.version, shard.read_rows(keys, create)) for shard, keys in keyed]
 
     def table_page(self, shard_id: int, start: int, limit: int) -> tuple[int, Array, Array, int]:
@@ -500,6 +514,7 @@ class ShardStore:
         shard = self.get(shard_id)
         staleness = self._check_version(shard, pulled_version)
         keys = shard.row_keys(indices)
+        self._check_growth([(shard, keys)])
         row_shape = shard.definition.shape[1:]
         if not isinstance(grad_rows, np.ndarray) or grad_rows.dtype.kind != "f":
             raise InvalidArgument(f"shard {shard_id}: row gradients must be a float array")
@@ -509,6 +524,26 @@ class ShardStore:
                 f" != {(keys.shape[0], *row_shape)}"
             )
         return RowUpdate(shard, keys, grad_rows, staleness)
+
+    def _check_growth(self, keyed: Sequence[tuple[Shard, Array]]) -> None:
+        """InvalidArgument if creating the rows of these validated ids would grow an
+        unbounded hash table (no ``row_budget``) past half the machine's available
+        memory. Costs nothing while a table has free rows (a growth doubles it)."""
+        if self.memory is None:
+            return
+        need = 0
+        for shard, keys in keyed:
+            if shard.is_table and shard.config.row_budget is None:  # type: ignore[attr-defined]
+                need += shard.growth_bytes(keys)  # type: ignore[attr-defined]
+        if not need:
+            return
+        memory = self.memory()
+        if memory is not None and need > memory[0] // 2:
+            raise InvalidArgument(
+                f"hash table full: its new rows need {need:,} more bytes and this machine"
+                f" has {memory[0]:,} available; give the table a row_budget (rows per shard;"
+                " the least recently used rows are evicted) or use more PS"
+            )
 
     def apply(self, update: Update, scale: float = 1.0) -> tuple[int, int]:
         """Apply a validated update (from :meth:`plan_dense` / :meth:`plan_rows` in this

@@ -73,7 +73,7 @@ class Limits:
     max_buffer_bytes: int = 1 << 30
     max_str_len: int = 1 << 16
     max_array_len: int = 1 << 17
-    max_map_len: int = 1 << 12
+    max_map_len: int = 1 << 14  # a map keyed by worker names holds up to 8192
 
 
 DEFAULT_LIMITS = Limits()

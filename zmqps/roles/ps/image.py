@@ -185,7 +185,7 @@ class Installing:
         """Make ``service`` the copy (all or nothing)."""
         from zmqps.roles.ps.modes import make_mode
 
-        store = ShardStore(service.store.chunk_elems, service.store.observer)
+        store = ShardStore(service.store.chunk_elems, service.store.observer, service.store.memory)
         versions = self.meta.get("versions") or {}
         tables = self.meta.get("tables") or {}
         try:
@@ -210,7 +210,9 @@ class Installing:
             if state.get("sync") is not None:
                 acc = {(s, w[4:]): a for (s, w), a in self.arrays.items() if w.startswith("acc:")}
                 mode.shards.load_image(state["sync"], acc)  # type: ignore[attr-defined]
-            dedup = type(service.dedup)(service.dedup.window, service.dedup.max_workers)
+            dedup = type(service.dedup)(
+                service.dedup.window, service.dedup.max_workers, service.dedup.max_chars
+            )
             dedup.restore(state["dedup"])
             pushes = type(service.pushes)()
             pushes.load_image(state["pushes"])

@@ -34,6 +34,7 @@ import math
 import secrets
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Mapping, Sequence
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from zmqps.core.dedup import ClosureLedger, PushDeduper, PushLedger
 from zmqps.core.finite import first_bad_of, limit
 from zmqps.core.store import ShardStore, Update
 from zmqps.core.variables import ShardDef
+from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
 from zmqps.process import available_memory
 from zmqps.roles.optable import Handler, OpTable
@@ -68,6 +70,11 @@ log = logging.getLogger("zmqps.ps")
 #: and the senders remembered
 SHM_PULLS_KEPT = 16
 MAX_SHM_PULL_SENDERS = 8192
+#: seconds between two log lines of one kind of request any peer may repeat
+NOTE_INTERVAL_S = 10.0
+#: workers (and incarnations) a ``status`` lists one by one; past it, ``pushes_cut``
+#: says how many there are (a status stays small and quick whatever names clients sent)
+STATUS_WORKERS = 1024
 
 _PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
 _DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
@@ -93,7 +100,7 @@ class PSService:
         #: the cluster's generation (restores so far); requests of another one are refused
         self.gen = 0
         self.placement: Mapping[str, Any] | None = None  # as the chief sent it (wire form)
-        self.store = store or ShardStore()
+        self.store = store or ShardStore(memory=available_memory)
         self.checkpoints = ShardCheckpoints(index, self.store, checkpoint_dir)
         self.metrics = metrics
         if metrics is not None:
@@ -101,6 +108,9 @@ class PSService:
         #: threads that read a large push's values for the finite check
         self.check_threads = CheckThreads()
         self.dedup = PushDeduper()
+        #: lines of requests any peer may repeat (create, mode, fence, attach): at most
+        #: one per kind per NOTE_INTERVAL_S, with a count of the others
+        self.notes = RateLimitedLog(log, NOTE_INTERVAL_S)
         self.pushes = PushLedger()
         self.closures = ClosureLedger()
         self.chunk_elems_bytes = chunk_bytes
@@ -242,7 +252,14 @@ class PSService:
             raise InvalidArgument(f"create_shards: refused: {exc}") from None
         if req.placement is not None:
             self.placement = req.placement
-        log.info("ps %d: %d shards ready (%d bytes)", self.index, len(defs), self.store.nbytes())
+        self.notes.log(
+            logging.INFO,
+            "ps %d: %d shards ready (%d bytes)",
+            self.index,
+            len(defs),
+            self.store.nbytes(),
+            key="create_shards",
+        )
         return reply(msg, o.ShardsCreated(tuple(d.id for d in defs)).to_wire())
 
     # -- pulls -----------------------------------------------------------------
@@ -348,7 +365,14 @@ class PSService:
 
     def _op_shm_attach(self, msg: Message, req: o.ShmAttach) -> Message:
         rid, region = self.regions.attach(req.name, req.size, req.worker)
-        log.info("ps %d: %s attached shared memory (%d bytes)", self.index, req.worker, region.size)
+        self.notes.log(
+            logging.INFO,
+            "ps %d: %s attached shared memory (%d bytes)",
+            self.index,
+            req.worker,
+            region.size,
+            key="shm_attach",
+        )
         return reply(msg, o.ShmAttached(rid, region.token.hex()).to_wire())
 
     def _op_shm_detach(self, msg: Message, req: o.ShmDetach) -> Message:
@@ -561,7 +585,14 @@ class PSService:
             self.mode = mode
         if self.metrics is not None:
             self.metrics.set_info("ps", self.index, req.mode)
-        log.info("ps %d: mode %s (replicas to aggregate %d)", self.index, req.mode, req.required)
+        self.notes.log(
+            logging.INFO,
+            "ps %d: mode %s (replicas to aggregate %d)",
+            self.index,
+            req.mode,
+            req.required,
+            key="sync_config",
+        )
         return reply(msg, o.StepReply(step=self.visible_step).to_wire())
 
     async def _op_wait_step(self, msg: Message, req: o.WaitStep) -> Message:
@@ -592,7 +623,14 @@ class PSService:
         """The chief registered an incarnation of a worker: fence the older ones now,
         and say how far that worker's pushes got (read in the same turn)."""
         if self.dedup.fence(req.worker, req.inc):
-            log.info("ps %d: %s incarnations before %d fenced", self.index, req.worker, req.inc)
+            self.notes.log(
+                logging.INFO,
+                "ps %d: %s incarnations before %d fenced",
+                self.index,
+                req.worker,
+                req.inc,
+                key="fence",
+            )
         if req.left:
             self.pushes.left(req.worker, req.steps or 0)
         cursor, step = self.pushes.progress(req.worker)
@@ -648,11 +686,20 @@ class PSService:
             "duplicates": self.duplicates,
             "fenced": self.fenced,
             "dropped": dict(self.dropped),
-            "pushes": self.pushes.snapshot(),
-            "applied_pushes": dict(self.pushes.by_incarnation),
+            "pushes": self.pushes.snapshot(STATUS_WORKERS),
+            "applied_pushes": dict(
+                islice(reversed(self.pushes.by_incarnation.items()), STATUS_WORKERS)
+            ),
             "closures": self.closures.stats(),
             **self.store.stats(),
         }
+        if len(self.pushes) > STATUS_WORKERS or len(self.pushes.by_incarnation) > STATUS_WORKERS:
+            # a status stays small and quick whatever names clients sent
+            out["pushes_cut"] = {
+                "workers": len(self.pushes),
+                "incarnations": len(self.pushes.by_incarnation),
+                "listed": STATUS_WORKERS,
+            }
         sync = self.mode.status()
         if sync is not None:
             out["sync"] = sync
