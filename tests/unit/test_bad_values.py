@@ -363,3 +363,89 @@ def test_pushes_just_inside_the_limit_keep_every_value_finite(optimizer: dict[st
                 assert np.isfinite(a).all(), (s.var, name)
 
     run(body())
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_float16_update_past_its_largest_value_is_refused_and_changes_nothing(
+    mode: str,
+) -> None:
+    """Values under the limit can still take a float16 parameter past 65504 (a row id
+    repeated 64 times, a learning rate of 3): the whole push is undone and refused
+    (async: typed, every shard of it as it was; sync: the step goes on, its values as
+    they were), never an infinity; pushes that fit go on as before."""
+    half_rows = VariableDef(
+        "hr", (8, 4), "float16", init={"name": "normal", "seed": 6}, sparse=True
+    )
+    half_table = VariableDef("ht", (64, 4), "float16", init={"name": "normal", "seed": 7}, table={})
+    variables = (HALF, half_rows, half_table)
+    placement = plan(variables, 1, Partitioner(num_shards=1), optimizer={"name": "sgd", "lr": 3.0})
+    top = 32000.0  # under the float16 limit; 3 times it, or 64 of it added, is not a float16
+    assert top < limit(np.dtype(np.float16)) and 3 * top > 65504
+
+    async def body() -> None:
+        ps = PS(placement)
+        await ps.create()
+        if mode == "sync":
+            await ps.net.client("ps0", "chief:0").request(
+                "sync_config", {"mode": "sync", "required": 1}
+            )
+        (dense,), (rows,), (table,) = (ps.placement.shards_of(v.name) for v in variables)
+        ids = np.full(64, rows.row_start + 2, np.int64)
+        tids = np.full(64, 5, np.int64)
+        await ps.client.request(  # the table's row exists before (a push creates none)
+            "pull_rows", {"shards": [table.id]}, [Tensor(tids[:1], "index", table.id)]
+        )
+        before = ps.state()
+        seq = iter(range(100))
+
+        def push(op: str, shards: list[Any], tensors: list[Tensor]) -> Any:
+            body = {
+                "shards": [s.id for s in shards],
+                "versions": [ps.svc.store.get(s.id).version for s in shards],
+                "worker": "w0",
+                "inc": 0,
+                "seq": next(seq),
+            }
+            if mode == "sync":
+                body["step"] = ps.svc.sync_step
+            return ps.client.request(op, body, tensors)
+
+        def rows_push(big: float, small: float) -> Any:
+            return push(
+                "push_rows",
+                [rows, table],
+                [
+                    Tensor(ids, "index", rows.id),
+                    Tensor(np.full((64, 4), small, np.float16), "rows", rows.id),
+                    Tensor(tids, "index", table.id),
+                    Tensor(np.full((64, 4), big, np.float16), "rows", table.id),
+                ],
+            )
+
+        def dense_push(v: float) -> Any:
+            return push("push", [dense], [Tensor(np.full(9, v, np.float16), "grad", dense.id)])
+
+        for attempt in (lambda: rows_push(top, 0.01), lambda: dense_push(top)):
+            if mode == "async":
+                with pytest.raises(NonFiniteGradient, match="65504"):
+                    await attempt()
+            else:
+                await attempt()
+        after = ps.state()
+        # async: the whole push is undone, its good shard too; sync: each shard applies
+        # its own step's mean, and only the shards that would overflow keep their values
+        unchanged = (dense, rows, table) if mode == "async" else (dense, table)
+        for s in (dense, rows, table):
+            assert np.isfinite(ps.svc.store.get(s.id).values).all()
+            if s in unchanged:  # values and slots bit-identical
+                assert after[s.id][1:] == before[s.id][1:], s.var
+        if mode == "async":
+            assert ps.svc.dropped["nonfinite"] == 2
+        else:
+            assert ps.svc.mode.shards.dropped["overflow"] == 2
+        # pushes that fit are applied
+        for attempt in (lambda: rows_push(0.01, 0.01), lambda: dense_push(0.01)):
+            assert (await attempt()).body["applied"]
+        assert all(ps.state()[s.id][1] != before[s.id][1] for s in (dense, rows, table))
+
+    run(body())

@@ -51,10 +51,10 @@ PARALLEL_BYTES = 8 << 20
 #: its square is 2**64 and, repeated by the 2**20 row ids a push may name
 #: (``MAX_ROWS``), 2**104: Adam, Adagrad and FTRL stay 2**24 pushes of nothing but
 #: such values away from float32's 2**128. float64 likewise. float16 variables are
-#: updated in float32 (slots too), so only the parameter itself is float16: 2**15
-#: keeps one push with a learning rate up to 1 from taking it past 65504 (many steps
-#: still can, as in any float16 training: the parameter then holds an infinity and
-#: every later push through it is refused).
+#: updated in float32 (slots too), so only the parameter itself is float16; 2**15 is
+#: a first filter only: repeated row ids add up and the learning rate multiplies, so
+#: an update that would still take a float16 parameter past 65504 is undone and
+#: refused whole (``ShardStore.apply_all``): a float16 parameter never becomes infinite.
 LIMITS: dict[np.dtype[Any], float] = {
     np.dtype(np.float16): 2.0**15,
     np.dtype(np.float32): 2.0**32,

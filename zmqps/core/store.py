@@ -22,6 +22,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,7 +35,7 @@ import numpy.typing as npt
 from zmqps.core.initializers import initialize, validate_init
 from zmqps.core.optimizers import BLOCK_ELEMS, Optimizer, compute_dtype, make_optimizer
 from zmqps.core.variables import ShardDef
-from zmqps.wire.errors import InvalidArgument, NotFound
+from zmqps.wire.errors import InvalidArgument, NonFiniteGradient, NotFound
 
 __all__ = [
     "HISTOGRAM_EXACT",
@@ -188,6 +189,13 @@ class Shard:
         """The rows of validated ``keys`` (a copy); fixed-size rows never change."""
         return np.take(self.values, keys, axis=0)
 
+    def values2d(self) -> Array:
+        """The values as ``(rows, row width)`` (a view)."""
+        return self.values.reshape(self.values.shape[0], -1)
+
+    def slots2d(self) -> dict[str, Array]:
+        return {k: v.reshape(v.shape[0], -1) for k, v in self.slots.items()}
+
     def apply_row_grads(self, keys: Array, grad_rows: Array, scale: float) -> None:
         """Apply gradients of validated row ``keys`` (duplicates summed first); the
         caller made the values its own (:meth:`own`)."""
@@ -207,6 +215,43 @@ class Shard:
     def page(self, start: int, limit: int) -> tuple[Array, Array, int]:
         """Live rows in id order: only hash-keyed tables list their rows."""
         raise InvalidArgument(f"shard {self.definition.id} is not a hash-keyed table")
+
+
+@dataclass
+class _Undo:
+    """The values and slots one update may change, saved (float16 updates only)."""
+
+    shard: Shard
+    rows: Array | None  # the rows a row update touches; None: the whole shard
+    values: Array
+    slots: dict[str, Array]
+
+    @classmethod
+    def save(cls, update: Update) -> _Undo:
+        shard = update.shard
+        if isinstance(update, RowUpdate):
+            if shard.is_table:  # the rows it will update (created now if new: see apply)
+                rows = shard.rows_for(np.unique(update.keys), sighting=False)  # type: ignore[attr-defined]
+                rows = rows[rows >= 0]
+            else:
+                rows = np.unique(update.keys)
+            values, slots = shard.values2d(), shard.slots2d()
+            return cls(shard, rows, values[rows], {k: v[rows] for k, v in slots.items()})
+        return cls(shard, None, shard.values.copy(), {k: v.copy() for k, v in shard.slots.items()})
+
+    def finite(self) -> bool:
+        now = self.shard.values2d()[self.rows] if self.rows is not None else self.shard.values
+        return bool(np.isfinite(now).all())
+
+    def restore(self) -> None:
+        if self.rows is None:
+            np.copyto(self.shard.values, self.values)
+            for k, v in self.shard.slots.items():
+                np.copyto(v, self.slots[k])
+            return
+        self.shard.values2d()[self.rows] = self.values
+        for k, v in self.shard.slots2d().items():
+            v[self.rows] = self.slots[k]
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +277,7 @@ Update = DenseUpdate | RowUpdate
 
 
 ShardObserver = Callable[[ShardDef, int], None]
+_NO_CONTEXT = contextlib.nullcontext()
 #: ``(available, total)`` bytes of the machine's memory, None where unknown
 MemoryReader = Callable[[], "tuple[int, int] | None"]
 
@@ -549,13 +595,40 @@ class ShardStore:
         """Apply a validated update (from :meth:`plan_dense` / :meth:`plan_rows` in this
         event-loop turn); returns ``(new version, staleness)``. Dense updates allocate
         nothing: chunks go through the optimizer in place, in pieces."""
+        return self.apply_all([update], scale)[0]
+
+    def apply_all(self, updates: Sequence[Update], scale: float = 1.0) -> list[tuple[int, int]]:
+        """:meth:`apply` each of ``updates`` (one push), all or nothing for float16.
+
+        A float16 parameter is updated in float32 and rounded: a step past 65504 (the
+        largest float16) would write an infinity, whatever the pushed values (repeated
+        row ids add up; the learning rate multiplies). So the values and slots a float16
+        update touches are saved first; if one of them is not finite afterwards, every
+        update of the push is undone and NonFiniteGradient raised: nothing changed
+        (rows a hash table created for it stay, at their initial values, as a pull's)."""
         scale = self._check_scale(scale)
+        journal = [_Undo.save(u) for u in updates if u.shard.values.dtype == np.float16]
+        with np.errstate(over="ignore", invalid="ignore") if journal else _NO_CONTEXT:
+            for u in updates:
+                self._update_values(u, scale)
+        bad = [j for j in journal if not j.finite()]
+        if bad:
+            for j in reversed(journal):
+                j.restore()
+            raise NonFiniteGradient(
+                f"shard {bad[0].shard.definition.id}: this update would take float16 values"
+                " past 65504, the largest float16 (refused: nothing changed; a lower"
+                " learning rate, or float32, avoids it)"
+            )
+        return [self._applied(u.shard, u.staleness) for u in updates]
+
+    def _update_values(self, update: Update, scale: float) -> None:
         shard = update.shard
         if not shard.is_table and shard.own():  # a send still holds the values: copy first
             self.copies_on_write += 1
         if isinstance(update, RowUpdate):
             shard.apply_row_grads(update.keys, update.grads, scale)
-            return self._applied(shard, update.staleness)
+            return
         optimizer, step = shard.optimizer, shard.version + 1
         scratch = self._scratch_for(shard)
         for offset, chunk in update.chunks:
@@ -570,7 +643,6 @@ class ShardStore:
                     scratch,
                     scale,
                 )
-        return self._applied(shard, update.staleness)
 
     def apply_dense(
         self,

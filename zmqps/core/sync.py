@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from zmqps.core.optimizers import compute_dtype
 from zmqps.core.store import ShardStore
-from zmqps.wire.errors import InvalidArgument, NotFound
+from zmqps.wire.errors import InvalidArgument, NonFiniteGradient, NotFound
 
 __all__ = ["MODES", "ShardAccumulator", "StalenessBound", "SyncShards", "TokenLedger"]
 
@@ -166,23 +166,30 @@ class SyncShards:
             return
         shard = self.store.get(sid)
         scale = 1.0 / acc.count
-        if acc.dense is not None:
-            self.store.apply_dense(sid, [(0, acc.dense)], shard.version, scale=scale)
-            acc.dense.fill(0)
-        if acc.rows:
-            ids = np.concatenate([i for i, _ in acc.rows])
-            # explicit row width: a shard no id fell in gets an empty push (size 0)
-            width = math.prod(shard.definition.shape[1:])
-            rows = np.concatenate([r.reshape(len(i), width) for i, r in acc.rows])
-            self.store.apply_rows(
-                sid,
-                ids,
-                rows.reshape(len(ids), *shard.definition.shape[1:]),
-                shard.version,
-                scale=scale,
-            )
+        try:
+            if acc.dense is not None:
+                self.store.apply_dense(sid, [(0, acc.dense)], shard.version, scale=scale)
+            if acc.rows:
+                ids = np.concatenate([i for i, _ in acc.rows])
+                # explicit row width: a shard no id fell in gets an empty push (size 0)
+                width = math.prod(shard.definition.shape[1:])
+                rows = np.concatenate([r.reshape(len(i), width) for i, r in acc.rows])
+                self.store.apply_rows(
+                    sid,
+                    ids,
+                    rows.reshape(len(ids), *shard.definition.shape[1:]),
+                    shard.version,
+                    scale=scale,
+                )
+        except NonFiniteGradient:
+            # the step's mean would take float16 values past their largest: the step
+            # goes on without changing them (like a step of refused gradients), counted
+            self.dropped["overflow"] += 1
+        finally:
+            if acc.dense is not None:
+                acc.dense.fill(0)
             acc.rows.clear()
-        acc.count = 0
+            acc.count = 0
 
     def set_required(self, required: int) -> list[int]:
         """Change N; returns the shards that applied their step because of it."""

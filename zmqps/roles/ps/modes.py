@@ -92,7 +92,7 @@ class Apply(PSMode):
     def commit(
         self, sids: Sequence[int], updates: Sequence[Update], worker: str, step: int | None
     ) -> Committed:
-        return Committed(tuple(self.store.apply(u)[1] for u in updates))
+        return Committed(tuple(staleness for _, staleness in self.store.apply_all(updates)))
 
 
 class Accumulate(PSMode):

@@ -530,6 +530,9 @@ class PSService:
         except RolledBack as e:
             self._drop("rolled_back", req.worker)
             raise RolledBack(f"ps {self.index}: {e}") from None
+        except NonFiniteGradient:  # a float16 update past 65504: undone, refused
+            self._refused(req)
+            raise
         if done.dropped is not None:
             self._drop(done.dropped, req.worker)
         else:
