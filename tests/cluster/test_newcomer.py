@@ -84,6 +84,11 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             "--resume needs checkpoints: give --run-dir or --checkpoint-dir, without"
             " --no-checkpoints",
         ),
+        # the chief used to fail on it at the end, restarted three times
+        "export-dir-under-a-file": (
+            ["--export-dir", "/dev/null/model"],
+            "--export-dir /dev/null/model: cannot create it (Not a directory)",
+        ),
     }
     if importlib.util.find_spec("cupy") is None:
         cases["cuda-without-cupy"] = (

@@ -95,6 +95,67 @@ def test_a_sync_worker_counted_dead_while_the_other_finished_is_readmitted(
 
 
 @pytest.mark.timeout(150)
+def test_a_worker_stopped_for_ever_is_killed_and_restarted_and_the_run_ends(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    """A worker stopped (SIGSTOP) and never resumed: the chief counts it dead, the
+    launcher kills it after a bound and the restart policy starts it again, it resumes
+    after the batches it pushed; the run ends, exit 0, no batch trained twice."""
+    epochs, timeout = 10, 2.0
+    launcher, summary_path = launch_run(
+        procs,
+        tmp_path / "run",
+        "--mode",
+        "sync",
+        "--epochs",
+        str(epochs),
+        "--heartbeat-timeout",
+        str(timeout),
+        "--no-checkpoints",
+        timeout=120,
+    )
+    chief = chief_address(launcher)
+    planned = epochs * STEPS_PER_EPOCH
+    wait_for(
+        lambda: (s := chief_status(chief)) and s["global_step"] >= planned // 2,
+        60,
+        what="training to be under way",
+    )
+    os.kill(task_pid(launcher, "worker1"), signal.SIGSTOP)  # never resumed
+    launcher.expect_exit(0, timeout=90)
+    assert "worker1 runs, yet the chief has counted it dead" in launcher.stderr
+    summary = read_json(summary_path)
+    assert summary["worker_steps"] == 2 * planned, summary
+    assert [r["task"] for r in summary["restarts"]] == ["worker1"], summary["restarts"]
+
+
+@pytest.mark.timeout(150)
+def test_a_chief_stopped_for_ever_is_killed_and_restarted_and_the_run_ends(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    """The chief stopped (SIGSTOP) and never resumed: it answers nothing, the launcher
+    kills it after a bound and starts it again, the restarted chief adopts the PS state
+    and the run ends, exit 0, every planned step trained once."""
+    epochs = 20
+    launcher, summary_path = launch_run(
+        procs, tmp_path / "run", "--epochs", str(epochs), "--no-checkpoints", timeout=120
+    )
+    chief = chief_address(launcher)
+    planned = epochs * STEPS_PER_EPOCH
+    wait_for(
+        lambda: (s := chief_status(chief)) and s["global_step"] >= planned // 2,
+        60,
+        what="training to be under way",
+    )
+    os.kill(task_pid(launcher, "chief"), signal.SIGSTOP)  # never resumed
+    launcher.expect_exit(0, timeout=90)
+    assert "chief has answered no status for" in launcher.stderr
+    summary = read_json(summary_path)
+    assert summary["worker_steps"] == 2 * planned, summary
+    assert [r["task"] for r in summary["restarts"]] == ["chief"], summary["restarts"]
+
+
+@pytest.mark.timeout(150)
 def test_sync_resumes_at_once_after_a_chief_restart(procs: Reaper, tmp_path: Path) -> None:
     """After ``kill -9`` of the chief the workers' pending token requests reach the
     restarted chief as soon as it listens: training pauses for about a chief restart

@@ -30,6 +30,7 @@ from zmqps.transport.base import TransportStats
 from zmqps.transport.fake import FakeNetwork
 from zmqps.wire import Message, request
 from zmqps.wire.errors import (
+    ConfigError,
     DeadlineExceeded,
     FencedError,
     InvalidArgument,
@@ -845,3 +846,40 @@ def test_a_run_that_stands_still_says_in_the_log_what_it_waits_on(
     waits = [r.getMessage() for r in caplog.records if "training has waited" in r.getMessage()]
     assert waits and "worker 1 (error) left without finishing its work" in waits[0], waits
     assert len(waits) <= 5  # once per period, not per look
+
+
+def test_training_that_stands_still_past_the_stall_timeout_ends_the_run_failed() -> None:
+    """A worker stopped for ever (its heartbeats stop, its data is not done): the run
+    waits for it to come back, says so, and past --stall-timeout ends failed, naming
+    what it waited on; a run whose training moves, or that is finishing, never does."""
+
+    async def body() -> None:
+        env = make_env(2, num_workers=2, heartbeat_timeout=5.0, stall_timeout=60.0)
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        await call(env.chief, "register", who(0, 0, steps_planned=10))
+        await call(env.chief, "register", who(1, 0, steps_planned=10))
+        await call(env.chief, "leave", who(0, 0, step=10, reason="done"))
+        watch = asyncio.ensure_future(env.chief.report_waits(every=0.01))
+        env.clock.now += 6.0  # worker 1 is silent past the heartbeat timeout
+        await asyncio.sleep(0.05)
+        assert "waiting for workers [1] to come back" in env.chief.blocker(
+            await env.chief.full_status()
+        )
+        env.clock.now += 50.0  # 56 s standing still: not yet
+        await asyncio.sleep(0.05)
+        assert not env.chief.failure and not env.chief.shutdown_requested.is_set()
+        env.clock.now += 10.0
+        await asyncio.wait_for(env.chief.shutdown_requested.wait(), 2.0)
+        watch.cancel()
+        assert "stood still" in env.chief.failure and "--stall-timeout 60" in env.chief.failure
+        assert "workers [1]" in env.chief.failure
+        # the end itself is not a stall
+        env.chief.failure = ""
+        env.chief.shutdown_requested.clear()
+        env.chief._check_stall(1e6, "finishing: the final checkpoint, evaluation and export")
+        assert not env.chief.failure
+
+    run(body())
+    with pytest.raises(ConfigError, match="--stall-timeout must be >= 0"):
+        ChiefConfig(bind="tcp://127.0.0.1:1", cluster=spec(1, 1), stall_timeout=-1.0)

@@ -431,7 +431,7 @@ def test_an_unbounded_table_grows_only_while_its_rows_fit_in_memory() -> None:
     store.pull_rows(0, np.arange(1000, dtype=np.int64))  # grows while it fits
     held, values = shard.rows, shard.table.values.copy()
     huge = np.arange(10_000, 10_000 + 200_000, dtype=np.int64)  # 200k new rows: ~13 MiB
-    with pytest.raises(InvalidArgument, match="hash table full.*row_budget"):
+    with pytest.raises(InvalidArgument, match=r"hash table full.*row_budget"):
         store.pull_rows(0, huge)
     with pytest.raises(InvalidArgument, match="hash table full"):
         store.apply_rows(0, huge, np.ones((huge.size, 4), np.float32), 0)

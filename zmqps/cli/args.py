@@ -26,7 +26,12 @@ from zmqps.data.ctr import CTR_DATASETS
 from zmqps.device import Device
 from zmqps.models import MODELS
 from zmqps.process import exit_with_parent  # re-exported: it moved to zmqps.process
-from zmqps.roles.configs import NONFINITE_POLICIES, SyncConfig
+from zmqps.roles.configs import (
+    NONFINITE_POLICIES,
+    STALL_TIMEOUT_S,
+    CheckpointPolicy,
+    SyncConfig,
+)
 from zmqps.roles.job import JobConfig
 from zmqps.slurm import DEFAULT_PORT_BASE
 from zmqps.transport import SocketOptions, load_keys
@@ -41,8 +46,11 @@ __all__ = [
     "add_replication_arg",
     "add_security_args",
     "add_server_args",
+    "add_stall_timeout_arg",
     "add_sync_args",
     "bind_address",
+    "check_output_dir",
+    "checkpoint_policy_from_args",
     "cluster_and_task",
     "exit_with_parent",
     "job_from_args",
@@ -57,6 +65,8 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam", "ftrl")
+#: ssp: how many steps a worker may run ahead of the slowest, when not given
+MAX_STALENESS = 2
 
 
 def drop_stdout() -> None:
@@ -231,9 +241,24 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-staleness",
         type=int,
-        default=2,
+        default=None,
         metavar="S",
-        help="ssp: how many steps a worker may run ahead of the slowest (default: 2)",
+        help="ssp: how many steps (>= 0) a worker may run ahead of the slowest; only with"
+        f" --mode ssp (default: {MAX_STALENESS})",
+    )
+
+
+def add_stall_timeout_arg(g: Any, *, role: str = "") -> None:
+    """``--stall-timeout S`` (the chief's, and ``zmqps launch``'s)."""
+    g.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=STALL_TIMEOUT_S,
+        metavar="S",
+        help=f"{role}a run whose training stands still this many seconds (a step waiting on"
+        " a worker that never comes back, a PS that is never restarted) ends failed (exit"
+        " code 3) with what it waited on; 0: wait for ever"
+        f" (default: {STALL_TIMEOUT_S:g})",
     )
 
 
@@ -286,13 +311,76 @@ def on_nonfinite_from_args(args: argparse.Namespace) -> str:
 
 
 def sync_from_args(args: argparse.Namespace) -> SyncConfig:
+    """The sync settings of the flags, checked; ``--max-staleness`` is refused
+    outside ``--mode ssp`` (it would do nothing)."""
+    staleness: int | None = args.max_staleness
+    if staleness is not None and args.mode != "ssp":
+        raise ConfigError(f"--max-staleness applies only to --mode ssp (this run is {args.mode})")
     return SyncConfig(
         mode=args.mode,
         replicas_to_aggregate=args.replicas_to_aggregate,
         total_replicas=args.total_replicas,
         init_tokens=args.init_tokens,
-        max_staleness=args.max_staleness,
+        max_staleness=MAX_STALENESS if staleness is None else staleness,
     )
+
+
+def checkpoint_policy_from_args(
+    args: argparse.Namespace,
+    directory: str | None,
+    *,
+    default_secs: float,
+    needs: str = "--checkpoint-dir",
+) -> CheckpointPolicy | None:
+    """The checkpoint policy of ``--checkpoint-steps`` / ``--checkpoint-secs`` /
+    ``--keep-checkpoints`` (``zmqps-server``'s chief and ``zmqps launch``), or None
+    when ``directory`` is None (no checkpoints: an interval given anyway is refused,
+    it ``needs`` what is missing). Steps and seconds, when given, must be positive
+    (none is "off" here: a run without checkpoints has no ``--checkpoint-dir``, or
+    ``zmqps launch --no-checkpoints``); neither given: every ``default_secs`` seconds."""
+    steps: int | None = args.checkpoint_steps
+    secs: float | None = args.checkpoint_secs
+    keep: int = args.keep_checkpoints
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--checkpoint-steps must be >= 1, got {steps}")
+    if secs is not None and not secs > 0:
+        raise ConfigError(f"--checkpoint-secs must be > 0, got {secs:g}")
+    if keep < 1:
+        raise ConfigError(f"--keep-checkpoints must be >= 1, got {keep}")
+    if directory is None:
+        if steps is not None or secs is not None:
+            raise ConfigError(f"--checkpoint-steps / --checkpoint-secs need {needs}")
+        return None
+    if secs is None:
+        secs = 0.0 if steps is not None else default_secs
+    return CheckpointPolicy(directory, steps or 0, secs, keep)
+
+
+def check_output_dir(flag: str, path: str | os.PathLike[str] | None) -> None:
+    """``path`` (the folder of ``flag``) can be created and written in, checked
+    before anything starts: a :class:`ConfigError` naming the flag, the path and
+    the system's reason otherwise. What this creates to find out is removed again
+    (a folder that appears would look like an earlier run's)."""
+    if path is None:
+        return
+    target = os.path.abspath(path)
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise ConfigError(f"{flag} {path}: cannot create it (a file of that name is in the way)")
+    missing = []
+    parent = target
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        os.makedirs(target, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot create it ({exc.strerror})") from None
+    finally:
+        for made in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(made)
+    if not missing and not os.access(target, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: cannot write in it (Permission denied)")
 
 
 def add_metrics_args(p: argparse.ArgumentParser) -> None:
@@ -468,6 +556,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         " or greedy (largest shard first onto the least-loaded PS) (default: round_robin)",
     )
     add_replication_arg(g, role="(chief) ")
+    add_stall_timeout_arg(g, role="(chief) ")
     g.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -490,24 +579,25 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--checkpoint-steps",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
-        help="(chief) checkpoint every N global steps (default: off)",
+        help="(chief) checkpoint every N >= 1 global steps, with --checkpoint-dir"
+        " (default: not by steps)",
     )
     g.add_argument(
         "--checkpoint-secs",
         type=float,
-        default=0.0,
+        default=None,
         metavar="S",
-        help="(chief) checkpoint every S seconds (default: 600 with --checkpoint-dir"
-        " unless --checkpoint-steps is given)",
+        help="(chief) checkpoint every S > 0 seconds, with --checkpoint-dir (default: 600"
+        " unless --checkpoint-steps is given; no --checkpoint-dir: no checkpoints)",
     )
     g.add_argument(
         "--keep-checkpoints",
         type=int,
         default=5,
         metavar="K",
-        help="(chief) keep the last K checkpoints (default: 5)",
+        help="(chief) keep the last K >= 1 checkpoints, delete older ones (default: 5)",
     )
     g.add_argument(
         "--export-dir",
@@ -617,8 +707,14 @@ def job_from_args(args: argparse.Namespace) -> JobConfig | None:
 
 
 def partitioner_from_args(args: argparse.Namespace) -> Partitioner:
-    return Partitioner(
-        num_shards=args.num_shards,
-        min_shard_bytes=args.min_shard_bytes,
-        max_shard_bytes=args.max_shard_bytes,
-    )
+    """The chief's partitioner of ``--num-shards`` (and ``--min-shard-bytes`` /
+    ``--max-shard-bytes`` where the command has them), checked."""
+    given = {
+        name: getattr(args, name)
+        for name in ("num_shards", "min_shard_bytes", "max_shard_bytes")
+        if hasattr(args, name)
+    }
+    for name, value in given.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    return Partitioner(**given)

@@ -40,20 +40,22 @@ from zmqps.cli.args import (
     add_job_args,
     add_nonfinite_args,
     add_replication_arg,
+    add_stall_timeout_arg,
     add_sync_args,
+    check_output_dir,
+    checkpoint_policy_from_args,
     job_from_args,
     on_nonfinite_from_args,
+    partitioner_from_args,
     sync_from_args,
     worker_devices,
 )
 from zmqps.cli.coordinator import add_driver_args, check_launch
 from zmqps.cli.tasks import DEFAULT_JOB
 from zmqps.config import ClusterSpec
-from zmqps.core.partition import Partitioner
 from zmqps.device import Device, DeviceError, cuda_device_count
 from zmqps.process import blas_threads, thread_env, usable_cores
 from zmqps.roles.configs import (
-    CheckpointPolicy,
     ChiefConfig,
     DriverConfig,
     EvaluatorConfig,
@@ -74,6 +76,15 @@ HOST = "127.0.0.1"
 GRACE_S = 10.0
 #: seconds the other tasks have to end once the chief ended well (it shut them down)
 LINGER_S = 20.0
+#: checkpoint every this many seconds when neither --checkpoint-steps nor
+#: --checkpoint-secs is given (zmqps-server: every 600 s)
+CHECKPOINT_SECS = 5.0
+#: what --checkpoint-steps / --checkpoint-secs need (said when they are refused)
+NEEDS_CHECKPOINTS = "checkpoints (they were turned off by --no-checkpoints)"
+#: a task counted dead (or a chief silent) this many heartbeat timeouts, at least
+#: HUNG_MIN_S seconds, while its process runs is killed as stopped or hung
+HUNG_HEARTBEATS = 3
+HUNG_MIN_S = 15.0
 #: a task's log line: time, level letter (D, I, W, E), logger
 _LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d ([DIWE]) ")
 #: a task's line longer than this is kept whole in its log file, cut on the terminal
@@ -115,6 +126,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--num-shards", type=int, help="fixed number of shards per variable")
     add_replication_arg(g)
+    add_stall_timeout_arg(g)
     g.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -154,8 +166,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--timeout",
         type=float,
-        default=0.0,
-        help="stop everything after this many seconds (default: none)",
+        default=None,
+        metavar="S",
+        help="stop everything after S > 0 seconds, the run failed (default: none)",
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument(
@@ -197,23 +210,25 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--checkpoint-steps",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
-        help="checkpoint every N global steps (default: by time, see --checkpoint-secs)",
+        help="checkpoint every N >= 1 global steps (default: by time, see --checkpoint-secs;"
+        " no checkpoints: --no-checkpoints)",
     )
     g.add_argument(
         "--checkpoint-secs",
         type=float,
-        default=0.0,
+        default=None,
         metavar="S",
-        help="checkpoint every S seconds (default: 5 unless --checkpoint-steps is given)",
+        help=f"checkpoint every S > 0 seconds (default: {CHECKPOINT_SECS:g} unless"
+        " --checkpoint-steps is given)",
     )
     g.add_argument(
         "--keep-checkpoints",
         type=int,
         default=3,
         metavar="K",
-        help="keep the last K checkpoints, delete older ones (default: 3)",
+        help="keep the last K >= 1 checkpoints, delete older ones (default: 3)",
     )
     g.add_argument(
         "--no-checkpoints",
@@ -258,6 +273,10 @@ class Child:
     restarts: int = 0
     #: added to the launcher's environment for this task (its BLAS threads)
     env: dict[str, str] = field(default_factory=dict)
+    #: when its process (the latest one) started (time.monotonic())
+    started_at: float = 0.0
+    #: since when the chief has counted it dead or down while its process runs (None: not)
+    dead_since: float | None = None
 
 
 class Launcher:
@@ -355,10 +374,9 @@ class Launcher:
         logdir = None if a.logdir is None else str(Path(a.logdir).resolve())
 
         ckpt_dir = None if self.checkpoint_dir is None else str(self.checkpoint_dir)
-        policy = None
-        if ckpt_dir is not None:
-            secs = a.checkpoint_secs or (0.0 if a.checkpoint_steps else 5.0)
-            policy = CheckpointPolicy(ckpt_dir, a.checkpoint_steps, secs, a.keep_checkpoints)
+        policy = checkpoint_policy_from_args(
+            a, ckpt_dir, default_secs=CHECKPOINT_SECS, needs=NEEDS_CHECKPOINTS
+        )
         driver = None
         serve_job = None
         if getattr(a, "driver", "worker") == "coordinator":
@@ -370,7 +388,7 @@ class Launcher:
             cluster=cluster,
             job=job,
             optimizer=dict(job.optimizer),
-            partitioner=Partitioner(num_shards=a.num_shards),
+            partitioner=partitioner_from_args(a),
             placement=a.placement,
             replication=a.replication,
             heartbeat_timeout=a.heartbeat_timeout,
@@ -381,6 +399,7 @@ class Launcher:
             driver=driver,
             max_nonfinite_share=a.max_nonfinite_share,
             logdir=logdir,
+            stall_timeout=a.stall_timeout,
             **metrics("chief"),
         )
         out: list[tuple[str, TaskConfig]] = [("chief", TaskConfig(chief=chief, keys=keys))]
@@ -457,6 +476,7 @@ class Launcher:
 
     async def _start(self, child: Child) -> None:
         child.returncode = None
+        child.started_at, child.dead_since = time.monotonic(), None
         child.proc = await asyncio.create_subprocess_exec(
             *child.argv,
             stdout=asyncio.subprocess.PIPE,
@@ -563,6 +583,60 @@ class Launcher:
                     self.bar.set_description("finishing", refresh=False)
                 self.bar.refresh()
 
+    def hung_after(self) -> float:
+        """Seconds a task's process may run while the cluster counts it dead (or the
+        chief answers nothing) before the launcher kills it as stopped or hung."""
+        return max(HUNG_MIN_S, HUNG_HEARTBEATS * float(self.args.heartbeat_timeout))
+
+    async def _liveness(self) -> None:
+        """A task whose process runs but does nothing (SIGSTOP, a hang) is killed, so
+        that the restart policy starts it again (or the run ends failed): the chief
+        when it has answered no status for :meth:`hung_after` seconds; a worker the
+        chief counts dead, or a PS it counts down, for that long. A stopped task is
+        never waited for without end."""
+        assert self.cluster.chief is not None
+        chief = self.children[0]
+        answered = time.monotonic()
+        while not self.stopping:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            try:
+                s = await fetch_status(self.cluster.chief, timeout=2.0, options=self.status_options)
+            except ZmqpsError:
+                s = None
+            if chief.returncode is not None or self.stopping:
+                return  # the run is ending: the watchers see to the rest
+            if s is not None:
+                answered = now
+            elif now - max(answered, chief.started_at) > self.hung_after():
+                self._kill_hung(chief, f"has answered no status for {now - answered:.0f}s")
+                answered = now
+                continue
+            if s is None or not s.get("step_known", True):
+                continue
+            dead = {f"worker{i}" for i in s.get("workers_dead") or ()}
+            dead |= {f"ps{i}" for i in (s.get("ps_down") or {})}
+            for c in self.children[1:]:
+                running = c.proc is not None and c.returncode is None
+                if c.name not in dead or not running:
+                    c.dead_since = None
+                    continue
+                c.dead_since = now if c.dead_since is None else c.dead_since
+                if now - max(c.dead_since, c.started_at) > self.hung_after():
+                    what = "down" if c.name.startswith("ps") else "dead"
+                    self._kill_hung(
+                        c,
+                        f"runs, yet the chief has counted it {what} for {now - c.dead_since:.0f}s",
+                    )
+
+    def _kill_hung(self, child: Child, why: str) -> None:
+        self.say(f"zmqps launch: {child.name} {why} (stopped or hung): killing it")
+        child.dead_since = None
+        if child.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(signal.SIGCONT)  # a stopped process dies at once
+                child.proc.kill()
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         interrupted = asyncio.Event()
@@ -584,6 +658,7 @@ class Launcher:
         watchers = asyncio.ensure_future(asyncio.gather(*(self._watch(c) for c in self.children)))
         lingering = asyncio.ensure_future(self._after_the_chief(watchers))
         progress = asyncio.ensure_future(self._progress())
+        liveness = asyncio.ensure_future(self._liveness())
         interrupt = asyncio.ensure_future(interrupted.wait())
         timeout = self.args.timeout or None
         waitables: list[asyncio.Future[Any]] = [watchers, interrupt]
@@ -599,6 +674,7 @@ class Launcher:
             await watchers
         interrupt.cancel()
         progress.cancel()
+        liveness.cancel()
         lingering.cancel()
         if self.bar is not None:
             if not self.failure and not interrupted.is_set():
@@ -687,19 +763,33 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
         raise ConfigError("--max-restarts must be >= 0")
     if args.heartbeat_timeout <= 0:
         raise ConfigError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout:g}")
-    if args.keep_checkpoints < 0:
-        raise ConfigError(f"--keep-checkpoints must be >= 0, got {args.keep_checkpoints}")
+    if not args.stall_timeout >= 0:
+        raise ConfigError(f"--stall-timeout must be >= 0, got {args.stall_timeout:g}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0, got {args.timeout:g}")
+    # the real root is known later (RUN_DIR/checkpoints by default): only the flags here
+    checkpoints = (args.checkpoint_dir or "RUN_DIR/checkpoints") if args.checkpoints else None
+    checkpoint_policy_from_args(
+        args, checkpoints, default_secs=CHECKPOINT_SECS, needs=NEEDS_CHECKPOINTS
+    )
+    partitioner_from_args(args)
     job = job_from_args(args)  # the model, the optimizer, the data set's files
     assert job is not None
     check_launch(args)
+    sync = sync_from_args(args)
     if getattr(args, "driver", "worker") != "coordinator":
-        sync_from_args(args).check_workers(args.workers)
+        sync.check_workers(args.workers)
     try:
         Device.parse(args.device).check()
     except DeviceError as exc:
         raise ConfigError(f"--device {args.device}: {exc}") from None
     worker_devices(args.device, args.gpus_per_worker, 0, 1)  # --gpus-per-worker's errors
     job.check_towers(args.gpus_per_worker)
+    # last: folders the tasks write in (what this creates to find out, it removes)
+    if args.checkpoints:
+        check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+    check_output_dir("--export-dir", args.export_dir)
+    check_output_dir("--logdir", args.logdir)
     return job
 
 

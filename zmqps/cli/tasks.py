@@ -44,15 +44,17 @@ log = logging.getLogger("zmqps")
 DEFAULT_JOB = "zmqps.coordinator.digits"
 
 
+#: the chief's checkpoint interval when neither --checkpoint-steps nor --checkpoint-secs
+#: is given (``zmqps launch``: its own, shorter)
+CHECKPOINT_SECS = 600.0
+
+
 def checkpoint_policy(args: argparse.Namespace) -> CheckpointPolicy | None:
-    if not args.checkpoint_dir:
-        if args.checkpoint_steps or args.checkpoint_secs:
-            raise ConfigError("--checkpoint-steps / --checkpoint-secs need --checkpoint-dir")
-        return None
-    if args.checkpoint_steps < 0 or args.checkpoint_secs < 0 or args.keep_checkpoints < 1:
-        raise ConfigError("checkpoint intervals must be >= 0 and --keep-checkpoints >= 1")
-    secs = args.checkpoint_secs or (0.0 if args.checkpoint_steps else 600.0)
-    return CheckpointPolicy(args.checkpoint_dir, args.checkpoint_steps, secs, args.keep_checkpoints)
+    from zmqps.cli.args import checkpoint_policy_from_args
+
+    return checkpoint_policy_from_args(
+        args, args.checkpoint_dir or None, default_secs=CHECKPOINT_SECS
+    )
 
 
 def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpec) -> TaskConfig:
@@ -166,6 +168,7 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
         driver=driver,
         max_nonfinite_share=args.max_nonfinite_share,
         logdir=args.logdir,
+        stall_timeout=args.stall_timeout,
     )
 
 

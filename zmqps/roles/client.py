@@ -92,6 +92,21 @@ def _sweep_once() -> None:
             log.info("removed %d shared-memory regions of dead processes", len(removed))
 
 
+async def tell_left(ps: Sequence[Requester], worker: str, incarnation: int, steps: int) -> None:
+    """Every PS of ``ps`` keeps that ``worker`` (this incarnation) left with its work
+    done after ``steps`` batches, and fences its older incarnations: a chief started
+    later learns from them that the worker finished (a failure is logged, not raised)."""
+    body = o.Fence(worker, incarnation, True, steps).to_wire()
+
+    async def one(c: Requester) -> None:
+        try:
+            await c.request("fence", body, timeout=2.0)
+        except ZmqpsError as e:
+            log.warning("could not tell ps %s that %s finished: %s", c.endpoint, worker, e)
+
+    await asyncio.gather(*(one(c) for c in ps))
+
+
 @dataclass(frozen=True)
 class _Route:
     shard: ShardInfo
@@ -393,6 +408,11 @@ class ParameterClient:
             if fail is not None:
                 fail(RolledBack(f"the cluster was restored (generation {gen})"))
         self._channels = [None] * len(self.ps)
+
+    async def tell_left(self, steps: int) -> None:
+        """Tell every PS that this worker finished its work after ``steps`` batches (what
+        the chief does when it hears the worker leave; used when the chief did not)."""
+        await tell_left(self.ps, self.worker, self.incarnation, steps)
 
     async def close(self) -> None:
         """Release shared-memory regions (best effort: the PS also drops them on rejoin),

@@ -44,6 +44,8 @@ __all__ = [
 
 #: what a worker does with a step whose loss or gradient is not finite
 NONFINITE_POLICIES = ("skip", "skip-silently", "stop")
+#: training standing still this long ends a run failed (the chief's --stall-timeout)
+STALL_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -167,8 +169,12 @@ class ChiefConfig:
     logdir: str | None = None
     #: copies of every PS state (1: none); each on another PS
     replication: int = 1
+    #: training standing still this long (seconds) ends the run failed; 0: never
+    stall_timeout: float = STALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        if not self.stall_timeout >= 0:
+            raise ConfigError(f"--stall-timeout must be >= 0, got {self.stall_timeout:g}")
         try:
             check_replication(self.replication, self.cluster.num_ps)
         except InvalidArgument as exc:

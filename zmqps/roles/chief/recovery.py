@@ -51,6 +51,7 @@ from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.chief.modes import ChiefMode
 from zmqps.roles.chief.rereplication import Rereplicator
 from zmqps.roles.chief.variables import TERM, Variables
+from zmqps.roles.client import tell_left
 from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.transport import Requester
@@ -474,15 +475,7 @@ class RecoveryController:
     async def worker_left(self, who: o.Who, steps: int) -> None:
         """Worker ``who`` left with its work done after ``steps`` batches: every PS keeps
         it (a restarted chief learns it there) and fences the incarnation."""
-        body = o.Fence(who.name, who.incarnation, True, steps).to_wire()
-
-        async def one(c: Requester) -> None:
-            try:
-                await c.request("fence", body, timeout=2.0)
-            except ZmqpsError as e:
-                log.warning("could not tell ps %s that %s finished: %s", c.endpoint, who.name, e)
-
-        await asyncio.gather(*(one(c) for c in self.ps))
+        await tell_left(self.ps, who.name, who.incarnation, steps)
 
     def variables_created(self) -> None:
         """The variables of a fresh cluster exist now: training may begin."""

@@ -485,6 +485,21 @@ class ChiefService:
             if now - since >= every and now - said >= every:
                 said = now
                 log.warning("training has waited %.0fs: %s", now - since, why)
+            self._check_stall(now - since, why)
+
+    def _check_stall(self, stood: float, why: str) -> None:
+        """Training stood still ``stood`` seconds for ``why``: past ``--stall-timeout``
+        the run ends failed, saying what it waited on (a worker stopped for ever, a PS
+        never restarted: every run ends within a bound). The end itself (final
+        checkpoint, export) and a shutdown under way are not a stall."""
+        limit = self.cfg.stall_timeout
+        if not limit or stood < limit or self.failure or self.shutdown_requested.is_set():
+            return
+        if why.startswith(("finishing", "stopping")):
+            return
+        self.failure = f"training stood still for {stood:.0f}s (--stall-timeout {limit:g}): {why}"
+        log.error("%s: the run stops", self.failure)
+        self.shutdown_requested.set()
 
     async def write_summaries(self, every: float = WINDOW_S) -> None:
         """Every ``every`` seconds, the cluster's figures as TensorBoard scalars."""

@@ -360,9 +360,10 @@ class Session:
 
     # ------------------------------------------------------------------ the end
 
-    async def leave(self, reason: str, timeout: float = 10.0, waits: bool = False) -> None:
+    async def leave(self, reason: str, timeout: float = 10.0, waits: bool = False) -> bool:
         """Tell the chief this task leaves (``done``: its work is finished; ``waits``:
-        it then waits for the run's end, see :meth:`linger`)."""
+        it then waits for the run's end, see :meth:`linger`). False when the chief did
+        not acknowledge it."""
         if self._heartbeats is not None:
             self._heartbeats.cancel()
         step, examples, _, nonfinite = self.progress()
@@ -373,6 +374,8 @@ class Session:
             )
         except DeadlineExceeded:
             log.warning("%s: the chief did not acknowledge leave", self.name)
+            return False
+        return True
 
     async def linger(self, position: int, stop: Callable[[], bool]) -> int | None:
         """After leaving with the work done: wait for the run's end (the chief says

@@ -1,0 +1,217 @@
+"""Flags that ``zmqps launch`` and ``zmqps-server`` share are checked by the same code,
+with the same one-line messages, before anything starts (sans-IO but for the folder
+checks: the parsers and the checks only, nothing runs)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from zmqps.cli.args import check_output_dir
+from zmqps.cli.launch import CHECKPOINT_SECS, Launcher, check_launch_args
+from zmqps.cli.main import _build, _common_args, _server_parser, main
+from zmqps.cli.tasks import task_from_args
+from zmqps.config import ClusterSpec, TaskSpec
+from zmqps.roles.configs import CheckpointPolicy, ChiefConfig
+from zmqps.wire.errors import EXIT_CONFIG, ConfigError
+
+CLUSTER = ClusterSpec(chief="127.0.0.1:1", ps=("127.0.0.1:2",), worker=("127.0.0.1:3",))
+
+
+def launch_args(*flags: str) -> argparse.Namespace:
+    return _build().parse_args(["launch", *flags])
+
+
+def server_args(*flags: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    _common_args(p)
+    _server_parser(p)
+    return p.parse_args(["--model", "mlp", *flags])
+
+
+def chief_of(*flags: str) -> ChiefConfig:
+    chief = task_from_args(server_args(*flags), CLUSTER, TaskSpec("chief", 0)).chief
+    assert chief is not None
+    return chief
+
+
+#: flags both commands have, a bad value, and the message both give
+SHARED = {
+    "negative-checkpoint-secs": (
+        ["--checkpoint-secs", "-1"],
+        "--checkpoint-secs must be > 0, got -1",
+    ),
+    "zero-checkpoint-secs": (["--checkpoint-secs", "0"], "--checkpoint-secs must be > 0, got 0"),
+    "zero-checkpoint-steps": (
+        ["--checkpoint-steps", "0"],
+        "--checkpoint-steps must be >= 1, got 0",
+    ),
+    "negative-checkpoint-steps": (
+        ["--checkpoint-steps", "-3"],
+        "--checkpoint-steps must be >= 1, got -3",
+    ),
+    "zero-keep-checkpoints": (
+        ["--keep-checkpoints", "0"],
+        "--keep-checkpoints must be >= 1, got 0",
+    ),
+    "zero-num-shards": (["--num-shards", "0"], "--num-shards must be >= 1, got 0"),
+    "negative-stall-timeout": (["--stall-timeout", "-1"], "--stall-timeout must be >= 0, got -1"),
+    "staleness-without-ssp": (
+        ["--max-staleness", "3"],
+        "--max-staleness applies only to --mode ssp (this run is async)",
+    ),
+    "staleness-in-sync": (
+        ["--mode", "sync", "--max-staleness", "0"],
+        "--max-staleness applies only to --mode ssp (this run is sync)",
+    ),
+}
+
+#: launch only
+LAUNCH = {
+    "negative-timeout": (["--timeout", "-5"], "--timeout must be > 0, got -5"),
+    "zero-timeout": (["--timeout", "0"], "--timeout must be > 0, got 0"),
+    "intervals-without-checkpoints": (
+        ["--no-checkpoints", "--checkpoint-steps", "5"],
+        "--checkpoint-steps / --checkpoint-secs need checkpoints (they were turned off by"
+        " --no-checkpoints)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted({**SHARED, **LAUNCH}))
+def test_launch_refuses_a_bad_value_before_anything_starts(case: str) -> None:
+    flags, message = {**SHARED, **LAUNCH}[case]
+    with pytest.raises(ConfigError) as err:
+        check_launch_args(launch_args(*flags))
+    assert str(err.value) == message
+
+
+def test_the_command_exits_2_with_one_line_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def started(*args: object) -> None:
+        raise AssertionError("the launcher was started")
+
+    monkeypatch.setattr("zmqps.cli.launch.Launcher", started)
+    run = tmp_path / "run"
+    argv = ["launch", "--run-dir", str(run), "--no-progress", "--num-shards", "0"]
+    assert main(argv) == EXIT_CONFIG
+    assert capsys.readouterr().err == "zmqps: error: --num-shards must be >= 1, got 0\n"
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("case", sorted(SHARED))
+def test_the_server_refuses_the_same_values_with_the_same_message(case: str) -> None:
+    flags, message = SHARED[case]
+    checkpointed = ["--checkpoint-dir", "/nonexistent/ckpt"] if "checkpoint" in case else []
+    with pytest.raises(ConfigError) as err:
+        chief_of(*checkpointed, *flags)
+    assert str(err.value) == message
+
+
+def test_the_server_refuses_intervals_without_a_checkpoint_dir() -> None:
+    with pytest.raises(ConfigError, match=r"^--checkpoint-steps / --checkpoint-secs need"):
+        chief_of("--checkpoint-secs", "30")
+
+
+def test_the_defaults_are_unchanged(tmp_path: Path) -> None:
+    """No interval given: by time (launch every 5 s, the server every 600 s); steps
+    given: by steps only; --max-staleness 2 in ssp."""
+    check_launch_args(launch_args())
+    check_launch_args(launch_args("--mode", "ssp", "--max-staleness", "0", "--timeout", "9"))
+    server = chief_of("--checkpoint-dir", "/ckpt", "--mode", "ssp")
+    assert server.checkpoint == CheckpointPolicy("/ckpt", 0, 600.0, 5)
+    assert server.sync.max_staleness == 2
+    steps = chief_of("--checkpoint-dir", "/c", "--checkpoint-steps", "7")
+    assert steps.checkpoint == CheckpointPolicy("/c", 7, 0.0, 5)
+    assert chief_of().checkpoint is None
+
+    def launched(*flags: str) -> CheckpointPolicy | None:
+        args = launch_args("--ps", "1", "--workers", "1", "--no-metrics", *flags)
+        check_launch_args(args)
+        (name, task), *_ = Launcher(args, tmp_path).task_configs(None)
+        assert name == "chief" and task.chief is not None
+        return task.chief.checkpoint
+
+    root = str((tmp_path / "checkpoints").resolve())
+    assert launched() == CheckpointPolicy(root, 0, CHECKPOINT_SECS, 3)
+    assert CHECKPOINT_SECS == 5.0
+    assert launched("--checkpoint-steps", "4", "--keep-checkpoints", "1") == CheckpointPolicy(
+        root, 4, 0.0, 1
+    )
+    assert launched("--no-checkpoints") is None
+
+
+def test_help_says_what_values_are_taken() -> None:
+    parser = next(
+        sub
+        for a in _build()._actions
+        if isinstance(a, argparse._SubParsersAction)
+        for name, sub in a.choices.items()
+        if name == "launch"
+    )
+    helps = {a.option_strings[0]: a.help or "" for a in parser._actions if a.option_strings}
+    assert "S > 0" in helps["--checkpoint-secs"]
+    assert "N >= 1" in helps["--checkpoint-steps"]
+    assert "--no-checkpoints" in helps["--checkpoint-steps"]
+    assert "K >= 1" in helps["--keep-checkpoints"]
+    assert "S > 0" in helps["--timeout"]
+    assert "only with --mode ssp" in helps["--max-staleness"]
+
+
+# --- folders the tasks write in -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "dest"),
+    [("--checkpoint-dir", "checkpoint_dir"), ("--export-dir", "export_dir"), ("--logdir", "")],
+)
+def test_a_folder_under_a_file_is_refused_up_front(tmp_path: Path, flag: str, dest: str) -> None:
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "sub"
+    with pytest.raises(ConfigError) as err:
+        check_launch_args(launch_args(flag, str(bad)))
+    assert str(err.value) == f"{flag} {bad}: cannot create it (Not a directory)"
+
+
+def test_a_file_in_the_way_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "model").write_text("")
+    with pytest.raises(ConfigError) as err:
+        check_launch_args(launch_args("--export-dir", str(tmp_path / "model")))
+    assert str(err.value) == (
+        f"--export-dir {tmp_path / 'model'}: cannot create it (a file of that name is in the way)"
+    )
+
+
+def test_a_checkpoint_dir_of_a_run_without_checkpoints_is_not_looked_at(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    check_launch_args(launch_args("--no-checkpoints", "--checkpoint-dir", str(tmp_path / "file")))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a read-only folder")
+def test_a_read_only_folder_is_refused(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(ConfigError) as err:
+            check_launch_args(launch_args("--logdir", str(ro / "tb")))
+        assert str(err.value) == f"--logdir {ro / 'tb'}: cannot create it (Permission denied)"
+        with pytest.raises(ConfigError) as err:
+            check_output_dir("--export-dir", ro)
+        assert str(err.value) == f"--export-dir {ro}: cannot write in it (Permission denied)"
+    finally:
+        ro.chmod(0o755)
+
+
+def test_the_check_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A folder that appeared would look like an earlier run's (resume_from)."""
+    deep = tmp_path / "a" / "b" / "c"
+    check_launch_args(launch_args("--logdir", str(deep), "--export-dir", str(tmp_path / "m")))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    check_output_dir("--checkpoint-dir", tmp_path / "kept")
+    assert (tmp_path / "kept").is_dir()
