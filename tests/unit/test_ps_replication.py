@@ -33,7 +33,7 @@ from zmqps.roles.ps.replica import Primary
 from zmqps.roles.ps.slots import MAX_COPIES, PSSlots
 from zmqps.transport.base import Requester
 from zmqps.transport.fake import FakeNetwork
-from zmqps.wire import Message, Tensor
+from zmqps.wire import Message, Tensor, request
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     ConfigError,
@@ -529,6 +529,29 @@ def test_replica_requests_cannot_make_copies_without_end() -> None:
         with pytest.raises(InvalidArgument, match="copies of other PS's states already"):
             await c.chief[0].request("replica", {"slot": 10_000, **make})
         assert len(c.slots[0].slots()) == MAX_COPIES + 1
+
+    run(body(), 30.0)
+
+
+def test_a_stray_replica_request_cannot_demote_the_only_copy_of_a_state() -> None:
+    """Without replication a PS's own state is the only copy: a ``replica`` request
+    making it a backup of itself (a stray or hostile one) is refused, and pulls and
+    pushes go on being served; a restarted, empty PS may still be made a backup."""
+
+    async def body() -> None:
+        c = Cluster(2, 1)
+        placement = await c.create()
+        before = state(c.copy(0, 0))
+        with pytest.raises(InvalidArgument, match="cannot become a backup"):
+            await c.chief[0].request("replica", {"slot": 0, "term": 1, "primary": False})
+        assert c.slots[0].role(0) is None and state(c.copy(0, 0)) == before
+        await c.worker("worker:0").pull()
+        body, grads = _push_of_w(placement)
+        out = await c.net.client("ps0", "worker:0:0").request("push", body, grads)
+        assert out.body["applied"]
+        fresh = PSSlots(PSService(0))  # a restarted PS, restored from nothing yet
+        fresh._op_replica(request("replica", {"slot": 0, "term": 2, "primary": False}))
+        assert fresh.role(0) is not None
 
     run(body(), 30.0)
 

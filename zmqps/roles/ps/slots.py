@@ -222,6 +222,13 @@ class PSSlots:
                 self._retire_later(role)
                 role = Backup(req.slot, req.term)
             elif role is None:
+                if service is self.own and len(service.store):
+                    # the only copy of this state, serving: no copy elsewhere can take
+                    # its place, so a stray (or hostile) message must not demote it
+                    raise InvalidArgument(
+                        f"ps {self.own.index} holds its own state and no other copy of it"
+                        " exists: it cannot become a backup of it"
+                    )
                 role = Backup(req.slot, req.term)
             else:
                 role.log.fence(req.term)
