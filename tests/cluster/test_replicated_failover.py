@@ -66,6 +66,9 @@ def test_kill9_ps_with_replication_fails_over_without_a_restore(
     launcher.expect_exit(0, timeout=200)
     summary = read_json(summary_path)
     assert summary is not None
+    # the PS shut down at the end are no failure: nothing is failed over or restored
+    chief_log = (run / "chief.log").read_text()
+    assert "every copy" not in chief_log, chief_log[-3000:]
 
     failover = after["failovers"][-1]
     assert failover["dead"] == [1] and failover["promoted"].keys() == {"1"}, failover

@@ -129,6 +129,8 @@ class RecoveryController:
         self.clock = clock
         self.lifecycle = Lifecycle()
         self.health = PsHealth(len(self.ps), cfg.heartbeat_timeout, clock())
+        #: the chief is shutting the PS down at the run's end: none is failed over
+        self.ps_shutting_down = False
         #: restores so far; data requests of another generation are refused by the PS
         self.gen = 0
         self.recoveries: list[dict[str, Any]] = []
@@ -163,7 +165,13 @@ class RecoveryController:
 
     @property
     def training(self) -> bool:
-        return self.phase in (Phase.RUNNING, Phase.DEGRADED, Phase.FINISHING)
+        """PS health is watched (fail-over, restore) while this is true: not once the
+        chief shuts the PS down at the end (their going is no failure)."""
+        return not self.ps_shutting_down and self.phase in (
+            Phase.RUNNING,
+            Phase.DEGRADED,
+            Phase.FINISHING,
+        )
 
     @property
     def ps_down(self) -> dict[int, float]:

@@ -122,6 +122,7 @@ async def _serve(
     failed: list[str] = []  # shutdown steps that failed (each logged with its traceback)
     try:
         if await _run(service, watchers):
+            service.recovery.ps_shutting_down = True
             await _shutdown_ps(ps_clients, cfg.heartbeat_timeout)
         if service.recovery.lifecycle.can(Event.FINISHED):
             service.recovery.handle(Event.FINISHED)
