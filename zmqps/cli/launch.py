@@ -640,8 +640,14 @@ class Launcher:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         interrupted = asyncio.Event()
+        signalled: list[int] = []
+
+        def on_signal(sig: int) -> None:
+            signalled.append(sig)
+            interrupted.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, interrupted.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.env.pop("TF_CONFIG", None)
         self.env.pop("ZMQPS_KEYS", None)
@@ -690,7 +696,7 @@ class Launcher:
                 c.log.close()
         sweep()  # shared-memory regions a killed child left
         if interrupted.is_set():
-            return 130
+            return 128 + signalled[0]  # 130 for Ctrl-C, 143 for SIGTERM, as a shell says
         return 1 if self.failure else 0
 
 
