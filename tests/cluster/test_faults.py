@@ -303,7 +303,7 @@ def test_sigterm_to_launch_takes_a_final_checkpoint(
     before = root.latest_name()
     launcher.send(signal.SIGTERM)
     signalled = time.monotonic()
-    launcher.expect_exit(130, timeout=30)
+    launcher.expect_exit(143, timeout=30)  # 128 + SIGTERM
 
     def all_gone() -> bool:
         return not launched_by(launcher.pid)

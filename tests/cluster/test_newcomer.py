@@ -300,7 +300,7 @@ def test_resume_of_an_interrupted_run_finishes_its_work_once(
     root = run / "checkpoints"
     wait_for(lambda: (root / "LATEST").exists(), timeout=60, what="a first checkpoint")
     first.send(signal.SIGTERM)
-    first.expect_exit(130, timeout=30)
+    first.expect_exit(143, timeout=30)  # 128 + SIGTERM
     resumed, summary_path = launch_run(procs, run, *flags, "--resume")
     resumed.expect_exit(0, timeout=100)
     summary = read_json(summary_path)
