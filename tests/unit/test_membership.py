@@ -238,3 +238,20 @@ def test_a_worker_running_before_the_chief_started_dies_if_it_never_speaks() -> 
         m.heartbeat(1, 1795580723840147, 56, now=40.0)
     assert m.register(1, 1795580723840147, now=40.0)
     assert m.alive(40.0) == [1] and m.dead(40.0) == [0]
+
+
+def test_a_restarted_chief_carries_the_runs_examples_and_time_from_its_checkpoint() -> None:
+    """A chief that took over a running cluster whose workers finished before it
+    started: its figures are at least what its latest checkpoint recorded, never 0."""
+    m = Membership(2, timeout=10.0)
+    m.carry({"examples": 5000, "train_seconds": 12.5, "global_step": 40})
+    m.known_done(0, 20, now=100.0)
+    m.known_done(1, 20, now=100.0)
+    assert m.all_done() and m.examples == 5000
+    assert m.train_seconds(now=200.0) == 12.5  # done at once: nothing of its own
+    m.carry({"examples": "many"})  # a checkpoint that does not say: nothing changes
+    assert m.examples == 5000
+    fresh = Membership(1)
+    fresh.register(0, 0, now=10.0)
+    fresh.heartbeat(0, 0, 3, now=13.0, examples=96)
+    assert fresh.examples == 96 and fresh.train_seconds(now=14.0) == 4.0

@@ -720,6 +720,11 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"  global step {summary.get('global_step')}, {summary.get('examples')} examples,"
         f" {summary.get('examples_per_second')} examples/s",
     ]
+    if summary.get("chief_restarted"):
+        lines.append(
+            "  the chief was restarted: its examples and time before it come from its last"
+            " checkpoint"
+        )
     if acc is not None:
         lines.append(f"  test accuracy {acc:.4f}, test loss {summary.get('test_loss'):.4f}")
     rep = summary.get("replication")

@@ -21,6 +21,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,25 @@ class Membership:
         self.workers: dict[int, WorkerState] = {}
         self.first_registration: float | None = None
         self.all_done_at: float | None = None
+        #: a restarted chief: the examples and training seconds of the run before it
+        #: started, as its latest checkpoint recorded them (0: a chief of the whole run)
+        self.examples_carried = 0
+        self.seconds_carried = 0.0
+
+    def carry(self, extra: Mapping[str, Any]) -> None:
+        """This chief took over a running cluster: the run's figures so far are those
+        its latest checkpoint recorded (``extra``: examples, train seconds)."""
+        try:
+            self.examples_carried = max(0, int(extra.get("examples") or 0))
+            self.seconds_carried = max(0.0, float(extra.get("train_seconds") or 0.0))
+        except (TypeError, ValueError):
+            return  # a checkpoint that does not say: the figures count from this chief
+
+    def train_seconds(self, now: float) -> float:
+        """Seconds of training: from the first registration this chief saw to the end
+        (or ``now``), plus what the run had before a restarted chief took over."""
+        first = self.first_registration if self.first_registration is not None else now
+        return max(0.0, (self.all_done_at or now) - first) + self.seconds_carried
 
     def _check_index(self, index: int) -> None:
         if not 0 <= index < self.num_workers:
@@ -236,7 +256,9 @@ class Membership:
 
     @property
     def examples(self) -> int:
-        return sum(w.total_examples for w in self.workers.values())
+        """Examples trained: as the workers said, at least what a restarted chief's
+        checkpoint recorded (workers that finished before it started say nothing)."""
+        return max(sum(w.total_examples for w in self.workers.values()), self.examples_carried)
 
     @property
     def nonfinite(self) -> int:

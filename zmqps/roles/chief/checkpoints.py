@@ -43,6 +43,7 @@ class ChiefCheckpoints:
             "global_step": self.chief.global_step,
             "workers": {str(w.index): w.total_steps for w in members.workers.values()},
             "examples": members.examples,
+            "train_seconds": round(members.train_seconds(self.chief.clock()), 3),
         }
         if final:  # every worker finished: a lone evaluator ends after this one
             extra["final"] = True

@@ -30,8 +30,7 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
     """Evaluate the final model (built-in jobs), export it, build the summary."""
     cfg = service.cfg
     m = service.members
-    first = m.first_registration or service.clock()
-    train_s = max(1e-9, (m.all_done_at or service.clock()) - first)
+    train_s = max(1e-9, m.train_seconds(service.clock()))
     mode = service.consistency
     step = await mode.applied_step()
     mode.global_step = step  # what status says from now on: the step the PS are at
@@ -47,6 +46,10 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         # steps whose gradients the PS refused as not finite (the workers skipped them)
         "nonfinite_steps": m.nonfinite,
     }
+    if m.examples_carried or m.seconds_carried:
+        # a chief restarted during the run: what it knows of the time before it
+        # comes from its latest checkpoint (the moments after that one are not counted)
+        summary["chief_restarted"] = True
     recovery = service.recovery
     if recovery.replicated() and recovery.rereplicator is not None:
         # what replication did: fail-overs, promoted copies, copies made again

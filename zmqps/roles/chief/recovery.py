@@ -276,6 +276,10 @@ class RecoveryController:
         try:
             if plan.kind == "adopt":
                 assert plan.placement is not None
+                if latest is not None and latest.manifest.generation == self.gen:
+                    # a checkpoint of this run (a run resumed from an older one is in a
+                    # later generation): the run's figures so far, as it recorded them
+                    self.members.carry(latest.manifest.extra)
                 self.variables.use(moved or Placement.from_wire(plan.placement))
                 if self.mode.name == "sync":
                     self.mode.global_step = plan.step
