@@ -700,6 +700,14 @@ class Launcher:
         return 1 if self.failure else 0
 
 
+def _evaluations(path: Path) -> int:
+    """The side-car evaluator's evaluations (lines of its log); 0 when it wrote none."""
+    try:
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+    except OSError:
+        return 0
+
+
 def _worker_stats(launcher: Launcher, workers: int) -> list[dict[str, Any]]:
     """Each worker's step statistics (time per phase, overlap) of its last run."""
     out = []
@@ -720,6 +728,23 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"  global step {summary.get('global_step')}, {summary.get('examples')} examples,"
         f" {summary.get('examples_per_second')} examples/s",
     ]
+    restarts = summary.get("restarts") or []
+    if restarts or summary.get("restores"):
+        tasks: dict[str, int] = {}
+        for r in restarts:
+            tasks[r["task"]] = tasks.get(r["task"], 0) + 1
+        said = ", ".join(f"{t} {n}x" for t, n in tasks.items()) or "none"
+        line = f"  tasks restarted: {said}"
+        if summary.get("restores"):
+            line += (
+                f"; {summary['restores']} restores from a checkpoint,"
+                f" {summary.get('rewound_batches', 0)} batches trained again (counted above)"
+            )
+        lines.append(line)
+    if summary.get("evaluations") == 0:
+        lines.append(
+            "  WARNING: the evaluator evaluated nothing (see evaluator.log in the run folder)"
+        )
     if summary.get("chief_restarted"):
         lines.append(
             "  the chief was restarted: its examples and time before it come from its last"
@@ -913,6 +938,8 @@ def launch(args: argparse.Namespace) -> int:
     summary["worker_blas_threads"] = int(threads) if threads and threads.isdigit() else None
     summary["worker_stats"] = _worker_stats(launcher, args.workers)
     summary["restarts"] = launcher.restarts
+    if args.evaluator:
+        summary["evaluations"] = _evaluations(run_dir / "evaluator.jsonl")
     if resumed is not None:
         summary["resumed_from"] = {"checkpoint": resumed.name, "step": resumed.step}
     if args.run_dir:

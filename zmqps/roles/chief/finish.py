@@ -51,6 +51,10 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         # comes from its latest checkpoint (the moments after that one are not counted)
         summary["chief_restarted"] = True
     recovery = service.recovery
+    # restores to a checkpoint (a PS lost its state): the batches after it were trained
+    # again, so the workers' steps and examples count them twice
+    summary["restores"] = recovery.restore_count
+    summary["rewound_batches"] = recovery.rewound
     if recovery.replicated() and recovery.rereplicator is not None:
         # what replication did: fail-overs, promoted copies, copies made again
         summary["replication"] = {

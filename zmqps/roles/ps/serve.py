@@ -20,6 +20,9 @@ from zmqps.transport.unread import UnreadReplies
 
 __all__ = ["ps_slots", "run_ps", "serve_ps"]
 
+#: a PS that holds no variables says so every this many seconds
+IDLE_NOTE_S = 60.0
+
 log = logging.getLogger("zmqps.ps")
 
 
@@ -67,8 +70,17 @@ async def serve_ps(
     server.start()
     try:
         stop = asyncio.ensure_future(service.shutdown_requested.wait())
+        started = said = loop.time()
         while not stop.done() and not signalled:
             await asyncio.wait([stop], timeout=0.1)
+            if loop.time() - said >= IDLE_NOTE_S and not service.store.stats()["shards"]:
+                said = loop.time()  # never silent: a PS nobody gave variables says so
+                log.warning(
+                    "ps %d: no variables after %.0fs: waiting for a chief to create them"
+                    " (is `zmqps-server --role chief` running, with this PS in its cluster?)",
+                    cfg.index,
+                    said - started,
+                )
         if not service.shutdown_requested.is_set():
             await _grace(cfg, service, stop, signalled)
         stop.cancel()

@@ -1,0 +1,55 @@
+"""The summary ``zmqps launch`` prints at the end says what went wrong on the way:
+tasks restarted, restores (whose batches were trained again), an evaluator that
+evaluated nothing, a chief restarted during the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zmqps.cli.launch import _evaluations, _print_summary
+
+BASE: dict[str, Any] = {
+    "wall_seconds": 12.0,
+    "mode": "sync",
+    "ps": 2,
+    "workers": 2,
+    "global_step": 40,
+    "examples": 1280,
+    "examples_per_second": 100.0,
+}
+
+
+def printed(capsys: pytest.CaptureFixture[str], **extra: Any) -> str:
+    _print_summary({**BASE, **extra})
+    return capsys.readouterr().out
+
+
+def test_a_clean_run_says_nothing_of_restarts(capsys: pytest.CaptureFixture[str]) -> None:
+    out = printed(capsys, restarts=[], restores=0, evaluations=3)
+    assert "restarted" not in out and "WARNING" not in out
+
+
+def test_restarts_restores_and_a_silent_evaluator_are_said(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = printed(
+        capsys,
+        restarts=[{"task": "worker1"}, {"task": "worker1"}, {"task": "ps0"}],
+        restores=1,
+        rewound_batches=17,
+        evaluations=0,
+        chief_restarted=True,
+    )
+    assert "tasks restarted: worker1 2x, ps0 1x; 1 restores from a checkpoint, 17 batches" in out
+    assert "WARNING: the evaluator evaluated nothing" in out
+    assert "the chief was restarted" in out
+
+
+def test_evaluations_are_the_lines_of_the_evaluators_log(tmp_path: Path) -> None:
+    assert _evaluations(tmp_path / "missing.jsonl") == 0
+    log = tmp_path / "evaluator.jsonl"
+    log.write_text('{"step": 1}\n\n{"step": 2}\n')
+    assert _evaluations(log) == 2
