@@ -267,6 +267,26 @@ def test_checkpoint_save_and_done_refusals(tmp_path: Path) -> None:
     run(body())
 
 
+def test_a_save_into_a_committed_checkpoint_is_refused_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """The chief saves into a checkpoint being written, then commits it: a save naming a
+    committed one (stray or hostile) would overwrite files its digests cover."""
+
+    async def body() -> None:
+        root = CheckpointRoot(tmp_path / "ckpt")
+        c = await created_cluster(placement_for(1, 2), 1, root.path)
+        ckpt, _ = await save_checkpoint(c, root, step=1, save_id=1)
+        before = {p.name: p.read_bytes() for p in ckpt.path.iterdir()}
+        assert await c.client("worker:0").push(grads(0))  # the values move on
+        with pytest.raises(InvalidArgument, match="never into a committed one"):
+            await chief(c, 0).request("checkpoint_save", {"name": ckpt.path.name, "id": 2})
+        assert {p.name: p.read_bytes() for p in ckpt.path.iterdir()} == before
+        assert root.latest() == ckpt
+
+    run(body())
+
+
 def test_a_failed_write_is_reported_by_checkpoint_done(tmp_path: Path) -> None:
     """The write fails (a directory where a shard file must go): checkpoint_done says so
     with an error naming the file, the PS serves on, and the next checkpoint works."""

@@ -75,6 +75,17 @@ class ShardCheckpoints:
         from zmqps.checkpoint.tables import write_table_shard
 
         path = self.path(name)
+        from zmqps.checkpoint import MANIFEST
+        from zmqps.checkpoint.root import is_temp_name
+
+        if not is_temp_name(name) or (path / MANIFEST).exists():
+            # the chief saves into a checkpoint being written, then commits it: a save
+            # into a committed one (a stray or hostile request) would overwrite the
+            # files its digests cover
+            raise InvalidArgument(
+                f"ps {self.index}: checkpoint_save writes only into a checkpoint being"
+                f" written (.tmp-ckpt-...), never into a committed one ({name})"
+            )
         if len(self._writing) >= MAX_WRITING:
             raise Busy(
                 f"ps {self.index}: {len(self._writing)} checkpoints still being written;"
