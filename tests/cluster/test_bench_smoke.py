@@ -253,7 +253,7 @@ def test_scale_sim_steps_simulated_workers_exactly(procs: Reaper, tmp_path: Path
     silent on purpose, within the heartbeat timeout and one check, and every server
     exits 0."""
     out = tmp_path / "sim.json"
-    argv = [sys.executable, "-m", "zmqps.bench.scale_sim", "--workers", "30"]
+    argv = zmqps_cmd("bench", "scale-sim", "--workers", "30")
     argv += [
         "--backup-workers",
         "2",

@@ -627,15 +627,19 @@ def _positive(kind: type[int] | type[float]) -> Any:
     return parse
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m zmqps.bench.scale_sim``: a simulator process, or runs by hand (every
-    combination of ``--workers`` and ``--ps``)."""
+def main(argv: Sequence[str] | None = None, prog: str = "zmqps.bench.scale_sim") -> int:
+    """``zmqps bench scale-sim`` (or ``python -m zmqps.bench.scale_sim``): every
+    combination of ``--workers`` and ``--ps``; with ``--child``, a simulator process."""
     from zmqps.bench.common import int_list
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--child" in argv:
         return _child_main(argv)
-    p = argparse.ArgumentParser(prog="zmqps.bench.scale_sim")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="simulated workers (the real wire protocol) against a real chief and"
+        " real PS: exactness, the chief's CPU per worker and step, latency, death detection",
+    )
     p.add_argument("--workers", type=int_list, default=(100,), help="e.g. 10,100,1000")
     p.add_argument("--ps", type=int_list, default=(1,), help="e.g. 1,10,100")
     p.add_argument("--steps", type=_positive(int), default=100)

@@ -114,7 +114,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "suites",
         nargs="*",
         metavar="SUITE",
-        help=f"suites to run: {', '.join(SUITES + EXTRA_SUITES)} (default: all)",
+        help=f"suites to run: {', '.join(SUITES + EXTRA_SUITES)} (default: all); and"
+        " scale-sim, on its own with flags of its own (zmqps bench scale-sim --help)",
     )
     g = p.add_argument_group("what runs")
     g.add_argument(

@@ -374,6 +374,12 @@ def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:2] == ["bench", "scale-sim"]:
+        # simulated workers against a real chief and real PS, with flags of its own
+        from zmqps.bench.scale_sim import main as scale_sim
+
+        return scale_sim(given[2:], prog="zmqps bench scale-sim")
     args = _build().parse_args(argv)
     args.verbose += args.sub_verbose
     del args.sub_verbose
