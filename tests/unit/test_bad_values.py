@@ -449,3 +449,23 @@ def test_a_float16_update_past_its_largest_value_is_refused_and_changes_nothing(
         assert all(ps.state()[s.id][1] != before[s.id][1] for s in (dense, rows, table))
 
     run(body())
+
+
+def test_a_float16_value_infinite_before_a_push_does_not_refuse_it() -> None:
+    """A float16 parameter already infinite (an older checkpoint's) is not the push's
+    doing: only values a push would take from finite to infinite refuse it."""
+    placement = plan((HALF,), 1, Partitioner(num_shards=1), optimizer={"name": "sgd", "lr": 0.1})
+
+    async def body() -> None:
+        ps = PS(placement)
+        await ps.create()
+        (s,) = ps.placement.shards_of(HALF.name)
+        shard = ps.svc.store.get(s.id)
+        shard.values[0] = np.inf
+        body = {"shards": [s.id], "versions": [0], "worker": "w0", "inc": 0, "seq": 0}
+        grad = Tensor(np.full(shard.values.size, 0.5, np.float16), "grad", s.id)
+        out = await ps.client.request("push", body, [grad])
+        assert out.body["applied"] and shard.version == 1
+        assert np.isinf(shard.values[0]) and np.isfinite(shard.values[1:]).all()
+
+    run(body())

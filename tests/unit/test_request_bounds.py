@@ -20,7 +20,7 @@ from zmqps.core.hashtable import bucket_of, initial_rows
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.wire import Tensor
-from zmqps.wire.errors import InvalidArgument
+from zmqps.wire.errors import InvalidArgument, ZmqpsError
 
 TABLE = VariableDef(
     "t", (64, 8), init={"name": "normal", "stddev": 0.1, "seed": 5}, table={"row_budget": 10_000}
@@ -290,3 +290,33 @@ def test_a_flood_of_invented_worker_names_is_bounded_and_the_ps_state_stays_read
     run(body())
     lines = [r.getMessage() for r in caplog.records if r.name == "zmqps.ps"]
     assert len(lines) < 10, lines[:20]
+
+
+def test_pushes_of_invented_names_refused_before_they_count_leave_no_trace_per_name() -> None:
+    """A sync push of a name the PS never kept, for a step ahead of the PS's, is refused
+    (rolled back) before it counts: counted by reason, never kept per name, so such
+    pushes cannot grow what the PS keeps per worker name."""
+    from test_bad_values import PS, run
+
+    async def body() -> None:
+        ps = PS(placement())
+        await ps.create()
+        await ps.net.client("ps0", "chief:0").request(
+            "sync_config", {"mode": "sync", "required": 1}
+        )
+        dense = [s.id for s in ps.placement.shards_of("d")]
+        grads = [
+            Tensor(np.ones(ps.svc.store.get(s).values.size, np.float32), "grad", s) for s in dense
+        ]
+        refused = 0
+        for i in range(50):
+            body = {"shards": dense, "versions": [0] * len(dense), "worker": f"m{i}", "inc": 0}
+            try:
+                await ps.client.request("push", {**body, "seq": 0, "step": 1000 + i}, grads)
+            except ZmqpsError:  # any typed refusal: what matters is what it kept
+                refused += 1
+        assert refused == 50
+        assert len(ps.svc.pushes) == 0 and len(ps.svc.dedup) == 0
+        assert sum(ps.svc.dropped.values()) >= 50
+
+    run(body())

@@ -85,6 +85,10 @@ NEEDS_CHECKPOINTS = "checkpoints (they were turned off by --no-checkpoints)"
 #: HUNG_MIN_S seconds, while its process runs is killed as stopped or hung
 HUNG_HEARTBEATS = 3
 HUNG_MIN_S = 15.0
+#: a task's process started (again) this long ago at least before it can count as hung
+START_GRACE_S = 30.0
+#: the launcher's status requests to the chief while it watches for hung tasks
+LIVENESS_TIMEOUT_S = 5.0
 #: a task's log line: time, level letter (D, I, W, E), logger
 _LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d ([DIWE]) ")
 #: a task's line longer than this is kept whole in its log file, cut on the terminal
@@ -601,28 +605,41 @@ class Launcher:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             try:
-                s = await fetch_status(self.cluster.chief, timeout=2.0, options=self.status_options)
+                s = await fetch_status(
+                    self.cluster.chief, timeout=LIVENESS_TIMEOUT_S, options=self.status_options
+                )
             except ZmqpsError:
                 s = None
-            if chief.returncode is not None or self.stopping:
+            if self.stopping or chief.returncode == 0:
                 return  # the run is ending: the watchers see to the rest
+            if chief.returncode is not None:  # it died: its watcher restarts it (or stops all)
+                answered = now
+                continue
+            silent = now - max(answered, chief.started_at)
             if s is not None:
                 answered = now
-            elif now - max(answered, chief.started_at) > self.hung_after():
-                self._kill_hung(chief, f"has answered no status for {now - answered:.0f}s")
+            elif silent > self.hung_after():
+                self._kill_hung(chief, f"has answered no status for {silent:.0f}s")
                 answered = now
                 continue
             if s is None or not s.get("step_known", True):
                 continue
             dead = {f"worker{i}" for i in s.get("workers_dead") or ()}
-            dead |= {f"ps{i}" for i in (s.get("ps_down") or {})}
+            if getattr(self.args, "replication", 1) <= 1:
+                # the chief counts PS *states* down; unreplicated, state i is process i
+                # (replicated, a state fails over to a copy and its process is no
+                # longer the one named: a stopped one is stopped at the run's end)
+                dead |= {f"ps{i}" for i in (s.get("ps_down") or {})}
             for c in self.children[1:]:
                 running = c.proc is not None and c.returncode is None
                 if c.name not in dead or not running:
                     c.dead_since = None
                     continue
                 c.dead_since = now if c.dead_since is None else c.dead_since
-                if now - max(c.dead_since, c.started_at) > self.hung_after():
+                # a process started again gets its start-up first: until it registers,
+                # the chief still counts its old incarnation dead
+                since = max(c.dead_since, c.started_at + START_GRACE_S)
+                if now - since > self.hung_after():
                     what = "down" if c.name.startswith("ps") else "dead"
                     self._kill_hung(
                         c,

@@ -80,6 +80,9 @@ class PushDeduper:
     def __iter__(self) -> Iterator[str]:
         return iter(self._workers)
 
+    def __contains__(self, worker: object) -> bool:
+        return worker in self._workers
+
     def incarnation(self, worker: str) -> int | None:
         """The latest incarnation seen from ``worker`` (None if never seen)."""
         w = self._workers.get(worker)

@@ -94,13 +94,15 @@ class HashShard(Shard):
         return self.check_ids(indices, create)
 
     def growth_bytes(self, keys: Array) -> int:
-        """Bytes the table would add to create rows for the validated ``keys`` (0 while
-        it has room: the lookup runs only when they might not fit)."""
+        """Bytes the table would allocate to create rows for the validated ``keys``: its
+        new arrays whole, since the old ones live until they are copied (0 while it has
+        room: the lookup runs only when they might not fit)."""
         table = self.table
         if keys.size <= table.nfree:
             return 0
         new = int(np.count_nonzero(table.lookup(np.unique(keys)) < 0))
-        return table.growth(new) * table.row_bytes()
+        extra = table.growth(new)
+        return (table.capacity + extra) * table.row_bytes() if extra else 0
 
     def read_rows(self, keys: Array, create: bool) -> Array:
         """Rows of validated ids: :meth:`pull` (creates admitted rows) or, read-only,

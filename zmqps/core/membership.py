@@ -85,6 +85,8 @@ class Membership:
         #: started, as its latest checkpoint recorded them (0: a chief of the whole run)
         self.examples_carried = 0
         self.seconds_carried = 0.0
+        #: this chief took over a running cluster (restarted during the run)
+        self.adopted = False
 
     def carry(self, extra: Mapping[str, Any]) -> None:
         """This chief took over a running cluster: the run's figures so far are those

@@ -240,8 +240,12 @@ class _Undo:
         return cls(shard, None, shard.values.copy(), {k: v.copy() for k, v in shard.slots.items()})
 
     def finite(self) -> bool:
+        """No value that was finite before the update is infinite (or NaN) after it (one
+        already infinite, e.g. from an older checkpoint, is not this update's doing)."""
         now = self.shard.values2d()[self.rows] if self.rows is not None else self.shard.values
-        return bool(np.isfinite(now).all())
+        if np.isfinite(now).all():
+            return True
+        return not bool((np.isfinite(self.values) & ~np.isfinite(now)).any())
 
     def restore(self) -> None:
         if self.rows is None:
@@ -552,15 +556,23 @@ class ShardStore:
         return DenseUpdate(shard, chunks, staleness)
 
     def plan_rows(
-        self, shard_id: int, indices: Array, grad_rows: Array, pulled_version: int
+        self,
+        shard_id: int,
+        indices: Array,
+        grad_rows: Array,
+        pulled_version: int,
+        *,
+        growth: bool = True,
     ) -> RowUpdate:
         """Validate gradients of GLOBAL rows ``indices`` (``grad_rows`` of shape
         ``(len(indices), *row_shape)``, a float array; ids for a hash-keyed table);
-        changes nothing."""
+        changes nothing. ``growth``: check that the rows it creates fit in memory (a
+        push as it arrives; not a sync step's mean of pushes checked already)."""
         shard = self.get(shard_id)
         staleness = self._check_version(shard, pulled_version)
         keys = shard.row_keys(indices)
-        self._check_growth([(shard, keys)])
+        if growth:
+            self._check_growth([(shard, keys)])
         row_shape = shard.definition.shape[1:]
         if not isinstance(grad_rows, np.ndarray) or grad_rows.dtype.kind != "f":
             raise InvalidArgument(f"shard {shard_id}: row gradients must be a float array")
@@ -577,7 +589,7 @@ class ShardStore:
         memory. Costs nothing while a table has free rows (a growth doubles it)."""
         if self.memory is None:
             return
-        need = 0
+        need = 0  # the new arrays whole: the old ones live on while they are filled
         for shard, keys in keyed:
             if shard.is_table and shard.config.row_budget is None:  # type: ignore[attr-defined]
                 need += shard.growth_bytes(keys)  # type: ignore[attr-defined]
@@ -608,6 +620,7 @@ class ShardStore:
         (rows a hash table created for it stay, at their initial values, as a pull's)."""
         scale = self._check_scale(scale)
         journal = [_Undo.save(u) for u in updates if u.shard.values.dtype == np.float16]
+        # (a float16 shard is copied whole per push here: float16 shards are small)
         with np.errstate(over="ignore", invalid="ignore") if journal else _NO_CONTEXT:
             for u in updates:
                 self._update_values(u, scale)

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zmqps.core.optimizers import compute_dtype
-from zmqps.core.store import ShardStore
+from zmqps.core.store import ShardStore, Update
 from zmqps.wire.errors import InvalidArgument, NonFiniteGradient, NotFound
 
 __all__ = ["MODES", "ShardAccumulator", "StalenessBound", "SyncShards", "TokenLedger"]
@@ -167,20 +167,18 @@ class SyncShards:
         shard = self.store.get(sid)
         scale = 1.0 / acc.count
         try:
+            updates: list[Update] = []
             if acc.dense is not None:
-                self.store.apply_dense(sid, [(0, acc.dense)], shard.version, scale=scale)
+                updates.append(self.store.plan_dense(sid, [(0, acc.dense)], shard.version))
             if acc.rows:
                 ids = np.concatenate([i for i, _ in acc.rows])
                 # explicit row width: a shard no id fell in gets an empty push (size 0)
                 width = math.prod(shard.definition.shape[1:])
                 rows = np.concatenate([r.reshape(len(i), width) for i, r in acc.rows])
-                self.store.apply_rows(
-                    sid,
-                    ids,
-                    rows.reshape(len(ids), *shard.definition.shape[1:]),
-                    shard.version,
-                    scale=scale,
-                )
+                rows = rows.reshape(len(ids), *shard.definition.shape[1:])
+                # each push's rows were checked as it came: the mean needs no room check
+                updates.append(self.store.plan_rows(sid, ids, rows, shard.version, growth=False))
+            self.store.apply_all(updates, scale)  # all of the step or none of it
         except NonFiniteGradient:
             # the step's mean would take float16 values past their largest: the step
             # goes on without changing them (like a step of refused gradients), counted

@@ -46,7 +46,7 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         # steps whose gradients the PS refused as not finite (the workers skipped them)
         "nonfinite_steps": m.nonfinite,
     }
-    if m.examples_carried or m.seconds_carried:
+    if m.adopted:
         # a chief restarted during the run: what it knows of the time before it
         # comes from its latest checkpoint (the moments after that one are not counted)
         summary["chief_restarted"] = True

@@ -276,6 +276,7 @@ class RecoveryController:
         try:
             if plan.kind == "adopt":
                 assert plan.placement is not None
+                self.members.adopted = True
                 if latest is not None and latest.manifest.generation == self.gen:
                     # a checkpoint of this run (a run resumed from an older one is in a
                     # later generation): the run's figures so far, as it recorded them
@@ -299,7 +300,7 @@ class RecoveryController:
                 self.variables.use(Placement.from_wire(plan.placement))
                 await self._restore(Event.RESTORE, "chief restart with PS in disagreement", states)
                 return
-            ckpt = None if self.checkpointer is None else self.checkpointer.latest()
+            ckpt = latest  # verified above, off the event loop (it hashes every file)
             if ckpt is None:
                 self.handle(Event.FRESH)
                 return

@@ -51,6 +51,14 @@ log = logging.getLogger("zmqps.chief")
 
 #: training that stands still this long is reported in the log, once per period
 WAIT_REPORT_S = 30.0
+#: blockers (``ChiefService.blocker``) that say live tasks are at work, not a stall
+STILL_WORKING = (
+    "finishing",
+    "stopping",
+    "step ",
+    "waiting for workers",
+    "waiting for the variables",
+)
 
 #: side-car evaluators the chief keeps track of (a run has one or a few)
 MAX_EVALUATORS = 64
@@ -495,7 +503,9 @@ class ChiefService:
         limit = self.cfg.stall_timeout
         if not limit or stood < limit or self.failure or self.shutdown_requested.is_set():
             return
-        if why.startswith(("finishing", "stopping")):
+        if why.startswith(STILL_WORKING):
+            # live tasks at work (a slow step, data loading, tasks not scheduled yet),
+            # or the end itself: slow, not stuck
             return
         self.failure = f"training stood still for {stood:.0f}s (--stall-timeout {limit:g}): {why}"
         log.error("%s: the run stops", self.failure)

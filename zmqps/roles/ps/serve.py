@@ -73,7 +73,8 @@ async def serve_ps(
         started = said = loop.time()
         while not stop.done() and not signalled:
             await asyncio.wait([stop], timeout=0.1)
-            if loop.time() - said >= IDLE_NOTE_S and not service.store.stats()["shards"]:
+            idle = not service.chief_seen and not service.store.stats()["shards"]
+            if loop.time() - said >= IDLE_NOTE_S and idle:
                 said = loop.time()  # never silent: a PS nobody gave variables says so
                 log.warning(
                     "ps %d: no variables after %.0fs: waiting for a chief to create them"

@@ -100,7 +100,7 @@ class PSService:
         #: the cluster's generation (restores so far); requests of another one are refused
         self.gen = 0
         self.placement: Mapping[str, Any] | None = None  # as the chief sent it (wire form)
-        self.store = store or ShardStore(memory=available_memory)
+        self.store = store or ShardStore(memory=self._growth_memory)
         self.checkpoints = ShardCheckpoints(index, self.store, checkpoint_dir)
         self.metrics = metrics
         if metrics is not None:
@@ -116,6 +116,8 @@ class PSService:
         self.chunk_elems_bytes = chunk_bytes
         self.duplicates = 0
         self.fenced = 0
+        #: a chief has asked this PS for its state (it probes every PS, shards or none)
+        self.chief_seen = False
         #: pushes refused or acknowledged without being applied, by reason
         self.dropped: Counter[str] = Counter()
         #: the consistency mode; the chief sets it (``sync_config``)
@@ -199,9 +201,17 @@ class PSService:
         if not len(self.store):
             raise NotReady(f"ps {self.index} holds no shards (restarted and not restored yet?)")
 
+    def _growth_memory(self) -> tuple[int, int] | None:
+        """The machine's memory, for the room check of an unbounded hash table; None (no
+        check) for a replicated state: its copies must decide alike, and the machines'
+        memory is not (a table there is bounded by its ``row_budget`` only)."""
+        return None if self.replica is not None else available_memory()
+
     def _drop(self, reason: str, worker: str | None = None) -> None:
         self.dropped[reason] += 1  # reasons are a fixed handful: bounded
-        if worker is not None:
+        if worker is not None and worker in self.dedup:
+            # per name only for names the deduper keeps (bounded); another is counted
+            # in ``dropped`` alone (a push of a new name refused before it counted)
             self.pushes.dropped(worker, reason)
         if self.metrics is not None:
             self.metrics.drop(reason)
@@ -606,6 +616,7 @@ class PSService:
 
     def _op_ps_state(self, msg: Message, req: o.PsState) -> Message:
         """What a (restarted) chief needs to adopt this PS's state or to restore it."""
+        self.chief_seen = True  # a chief probes every PS with this, shards or none
         state = o.PsStateReply(
             index=self.index,
             boot=self.boot,

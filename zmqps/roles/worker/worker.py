@@ -686,11 +686,12 @@ class Worker:
         loop trains on from there, then calls this again). None: the run ended (or the
         chief is gone, or a SIGTERM came); close the worker."""
         if not self._left:
-            if not self.io.run(self.session.leave("done", waits=True)):
+            acked = self.io.run(self.session.leave("done", waits=True))
+            if not acked and self._client is not None:
                 # a chief stopped or gone: every PS keeps that this worker finished, so
                 # that the chief restarted after it learns it there (else it would wait
                 # for ever for a worker whose work is done)
-                self.io.run(self.client.tell_left(self.position))
+                self.io.run(self._client.tell_left(self.position))
             self._left = True
         back = self.io.run(self.session.linger(self.position, lambda: self.stop_requested))
         if back is None:
