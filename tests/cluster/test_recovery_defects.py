@@ -136,7 +136,7 @@ def test_a_chief_stopped_for_ever_is_killed_and_restarted_and_the_run_ends(
     """The chief stopped (SIGSTOP) and never resumed: it answers nothing, the launcher
     kills it after a bound and starts it again, the restarted chief adopts the PS state
     and the run ends, exit 0, every planned step trained once."""
-    epochs = 20
+    epochs = 12
     launcher, summary_path = launch_run(
         procs, tmp_path / "run", "--epochs", str(epochs), "--no-checkpoints", timeout=120
     )

@@ -86,7 +86,7 @@ NEEDS_CHECKPOINTS = "checkpoints (they were turned off by --no-checkpoints)"
 HUNG_HEARTBEATS = 3
 HUNG_MIN_S = 15.0
 #: a task's process started (again) this long ago at least before it can count as hung
-START_GRACE_S = 30.0
+START_GRACE_S = 15.0
 #: the launcher's status requests to the chief while it watches for hung tasks
 LIVENESS_TIMEOUT_S = 5.0
 #: a task's log line: time, level letter (D, I, W, E), logger
