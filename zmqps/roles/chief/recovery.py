@@ -853,7 +853,6 @@ class RecoveryController:
         promoted = sorted(set(survivors) - lost_states)
         self.variables.use(out.placement)
         self.homes.update(out.placement)
-        self.promotions += len(promoted)
         # 3. the moved states answer from their new homes (another boot id)
         boots: dict[int, str] = {}
         for state in promoted:
@@ -865,6 +864,8 @@ class RecoveryController:
         self.boots.update(boots)
         self.health.expect(boots, self.gen, self.clock())
         seconds = round(self.clock() - started, 3)
+        # counted with the record in one turn: a status never shows one without the other
+        self.promotions += len(promoted)
         self.failover_count += 1
         self.failovers.append(
             {
