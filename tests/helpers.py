@@ -389,3 +389,26 @@ def device_of(kind: str, index: int = 0) -> Any:
     if kind == "cuda":
         return Device("cuda", index)
     return Device("cpu", emulate=kind == "emulate")
+
+
+@contextlib.asynccontextmanager
+async def serving_ps(cfg: Any, options: Any = None) -> Any:
+    """``serve_ps(cfg)`` in this loop, with a client ``w0:0`` that reached it (a ping):
+    yields the client; at the end asks the PS to shut down and waits for it."""
+    import zmq.asyncio
+
+    from zmqps.roles.ps import serve_ps
+    from zmqps.transport import Client
+
+    ctx = zmq.asyncio.Context()
+    task = asyncio.ensure_future(serve_ps(cfg, ctx, options))
+    client = Client(ctx, cfg.bind, "w0:0", options=options)
+    try:
+        await client.request("ping", timeout=5.0, attempts=3)
+        yield client
+        await client.request("shutdown", timeout=5.0)
+        await asyncio.wait_for(task, 10.0)
+    finally:
+        task.cancel()
+        await client.close()
+        ctx.term()

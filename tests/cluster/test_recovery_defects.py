@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from helpers import (
+    Proc,
     Reaper,
     addresses,
     chief_address,
@@ -44,15 +45,9 @@ from helpers import (
 STEPS_PER_EPOCH = 23
 
 
-def _worker(status: dict[str, Any], index: int) -> dict[str, Any] | None:
-    return next((w for w in status["workers"] if w["index"] == index), None)
-
-
-@pytest.mark.timeout(150)
-def test_a_sync_worker_counted_dead_while_the_other_finished_is_readmitted(
-    procs: Reaper, tmp_path: Path
-) -> None:
-    epochs, timeout = 30, 2.0
+def _sync_run_under_way(procs: Reaper, tmp_path: Path, epochs: int) -> tuple[Proc, Path, str, int]:
+    """A sync launch of 2 workers (heartbeat timeout 2 s, no checkpoints) once half its
+    global steps are done: ``(launcher, summary path, chief, steps planned per worker)``."""
     launcher, summary_path = launch_run(
         procs,
         tmp_path / "run",
@@ -61,7 +56,7 @@ def test_a_sync_worker_counted_dead_while_the_other_finished_is_readmitted(
         "--epochs",
         str(epochs),
         "--heartbeat-timeout",
-        str(timeout),
+        "2",
         "--no-checkpoints",
         timeout=120,
     )
@@ -70,8 +65,20 @@ def test_a_sync_worker_counted_dead_while_the_other_finished_is_readmitted(
     wait_for(
         lambda: (s := chief_status(chief)) and s["global_step"] >= planned // 2,
         60,
-        what="training to be half done",
+        what="training to be under way",
     )
+    return launcher, summary_path, chief, planned
+
+
+def _worker(status: dict[str, Any], index: int) -> dict[str, Any] | None:
+    return next((w for w in status["workers"] if w["index"] == index), None)
+
+
+@pytest.mark.timeout(150)
+def test_a_sync_worker_counted_dead_while_the_other_finished_is_readmitted(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    launcher, summary_path, chief, planned = _sync_run_under_way(procs, tmp_path, epochs=30)
     victim = task_pid(launcher, "worker1")
     os.kill(victim, signal.SIGSTOP)
     try:
@@ -95,64 +102,27 @@ def test_a_sync_worker_counted_dead_while_the_other_finished_is_readmitted(
 
 
 @pytest.mark.timeout(150)
-def test_a_worker_stopped_for_ever_is_killed_and_restarted_and_the_run_ends(
-    procs: Reaper, tmp_path: Path
+@pytest.mark.parametrize(
+    ("task", "said"),
+    [
+        ("worker1", "worker1 runs, yet the chief has counted it dead"),
+        ("chief", "chief has answered no status for"),
+    ],
+)
+def test_a_task_stopped_for_ever_is_killed_and_restarted_and_the_run_ends(
+    procs: Reaper, tmp_path: Path, task: str, said: str
 ) -> None:
-    """A worker stopped (SIGSTOP) and never resumed: the chief counts it dead, the
-    launcher kills it after a bound and the restart policy starts it again, it resumes
-    after the batches it pushed; the run ends, exit 0, no batch trained twice."""
-    epochs, timeout = 10, 2.0
-    launcher, summary_path = launch_run(
-        procs,
-        tmp_path / "run",
-        "--mode",
-        "sync",
-        "--epochs",
-        str(epochs),
-        "--heartbeat-timeout",
-        str(timeout),
-        "--no-checkpoints",
-        timeout=120,
-    )
-    chief = chief_address(launcher)
-    planned = epochs * STEPS_PER_EPOCH
-    wait_for(
-        lambda: (s := chief_status(chief)) and s["global_step"] >= planned // 2,
-        60,
-        what="training to be under way",
-    )
-    os.kill(task_pid(launcher, "worker1"), signal.SIGSTOP)  # never resumed
+    """A task stopped (SIGSTOP) and never resumed: a worker the chief counts dead, or a
+    chief that answers nothing. The launcher kills it after a bound and the restart
+    policy starts it again (a worker resumes after the batches it pushed, a chief
+    adopts the PS state); the run ends, exit 0, every planned batch trained once."""
+    launcher, summary_path, _, planned = _sync_run_under_way(procs, tmp_path, epochs=12)
+    os.kill(task_pid(launcher, task), signal.SIGSTOP)  # never resumed
     launcher.expect_exit(0, timeout=90)
-    assert "worker1 runs, yet the chief has counted it dead" in launcher.stderr
+    assert said in launcher.stderr
     summary = read_json(summary_path)
     assert summary["worker_steps"] == 2 * planned, summary
-    assert [r["task"] for r in summary["restarts"]] == ["worker1"], summary["restarts"]
-
-
-@pytest.mark.timeout(150)
-def test_a_chief_stopped_for_ever_is_killed_and_restarted_and_the_run_ends(
-    procs: Reaper, tmp_path: Path
-) -> None:
-    """The chief stopped (SIGSTOP) and never resumed: it answers nothing, the launcher
-    kills it after a bound and starts it again, the restarted chief adopts the PS state
-    and the run ends, exit 0, every planned step trained once."""
-    epochs = 12
-    launcher, summary_path = launch_run(
-        procs, tmp_path / "run", "--epochs", str(epochs), "--no-checkpoints", timeout=120
-    )
-    chief = chief_address(launcher)
-    planned = epochs * STEPS_PER_EPOCH
-    wait_for(
-        lambda: (s := chief_status(chief)) and s["global_step"] >= planned // 2,
-        60,
-        what="training to be under way",
-    )
-    os.kill(task_pid(launcher, "chief"), signal.SIGSTOP)  # never resumed
-    launcher.expect_exit(0, timeout=90)
-    assert "chief has answered no status for" in launcher.stderr
-    summary = read_json(summary_path)
-    assert summary["worker_steps"] == 2 * planned, summary
-    assert [r["task"] for r in summary["restarts"]] == ["chief"], summary["restarts"]
+    assert [r["task"] for r in summary["restarts"]] == [task], summary["restarts"]
 
 
 @pytest.mark.timeout(150)

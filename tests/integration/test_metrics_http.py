@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from helpers import serving_ps
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -149,21 +150,11 @@ def test_serve_ps_with_metrics_port() -> None:
     async def main() -> None:
         ps_port, metrics_port = free_ports(2)
         cfg = PSConfig(index=0, bind=f"127.0.0.1:{ps_port}", metrics_port=metrics_port)
-        ctx = zmq.asyncio.Context()
-        task = asyncio.ensure_future(serve_ps(cfg, ctx, OPTS))
-        client = Client(ctx, f"127.0.0.1:{ps_port}", "w0:0", options=OPTS)
-        try:
-            await client.request("ping", timeout=5.0, attempts=3)
-            url = f"http://127.0.0.1:{metrics_port}/metrics"
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        async with serving_ps(cfg, OPTS):
             text = await asyncio.to_thread(lambda: get(url)[2])
             assert 'zmqps_requests_total{op="ping",status="ok"}' in text
             assert 'role="ps"' in text
-            await client.request("shutdown", timeout=5.0)
-            await asyncio.wait_for(task, 10.0)
-        finally:
-            task.cancel()
-            await client.close()
-            ctx.term()
         with pytest.raises(urllib.error.URLError):
             get(url)
 

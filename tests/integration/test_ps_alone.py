@@ -7,11 +7,11 @@ import asyncio
 import logging
 
 import pytest
-import zmq.asyncio
+from helpers import serving_ps
 
 import zmqps.roles.ps.serve as serve_module
-from zmqps.roles.ps import PSConfig, serve_ps
-from zmqps.transport import Client, SocketOptions, free_ports
+from zmqps.roles.ps import PSConfig
+from zmqps.transport import SocketOptions, free_ports
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -26,18 +26,8 @@ def test_a_ps_without_variables_says_what_it_waits_for(
 
     async def main() -> None:
         (port,) = free_ports(1)
-        ctx = zmq.asyncio.Context()
-        task = asyncio.ensure_future(serve_ps(PSConfig(index=0, bind=f"127.0.0.1:{port}"), ctx))
-        client = Client(ctx, f"127.0.0.1:{port}", "w0:0", options=OPTS)
-        try:
-            await client.request("ping", timeout=5.0, attempts=3)
+        async with serving_ps(PSConfig(index=0, bind=f"127.0.0.1:{port}"), OPTS):
             await asyncio.sleep(1.0)
-            await client.request("shutdown", timeout=5.0)
-            await asyncio.wait_for(task, 10.0)
-        finally:
-            task.cancel()
-            await client.close()
-            ctx.term()
 
     asyncio.run(main())
     notes = [r.getMessage() for r in caplog.records if "no variables after" in r.getMessage()]
