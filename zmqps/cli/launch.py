@@ -87,8 +87,8 @@ HUNG_HEARTBEATS = 3
 HUNG_MIN_S = 15.0
 #: a task's process started (again) this long ago at least before it can count as hung
 START_GRACE_S = 15.0
-#: the launcher's status requests to the chief while it watches for hung tasks
-LIVENESS_TIMEOUT_S = 5.0
+#: the launcher's status requests to the chief (progress, and watching for hung tasks)
+STATUS_TIMEOUT_S = 5.0
 #: a task's log line: time, level letter (D, I, W, E), logger
 _LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d ([DIWE]) ")
 #: a task's line longer than this is kept whole in its log file, cut on the terminal
@@ -328,6 +328,10 @@ class Launcher:
             )
         self.children = self._children()
         self.bar: tqdm[Any] | None = None
+        #: the chief's latest status (``_progress`` reads it) and when it came
+        #: (time.monotonic(); 0: never): what ``_liveness`` judges by
+        self.status: dict[str, Any] | None = None
+        self.status_at = 0.0
         self.stopping = False
         self.failure = ""
         self.first_failed: Child | None = None
@@ -567,13 +571,18 @@ class Launcher:
         await self.stop()
 
     async def _progress(self) -> None:
+        """The chief's status twice a second: for the progress bar, and kept for
+        :meth:`_liveness` (one poll serves both)."""
         assert self.cluster.chief is not None
         while True:
             await asyncio.sleep(0.5)
             try:
-                s = await fetch_status(self.cluster.chief, timeout=2.0, options=self.status_options)
+                s = await fetch_status(
+                    self.cluster.chief, timeout=STATUS_TIMEOUT_S, options=self.status_options
+                )
             except ZmqpsError:
                 continue
+            self.status, self.status_at = s, time.monotonic()
             if self.bar is not None:
                 planned = int(s.get("steps_planned") or 0)
                 if planned and self.bar.total != planned:
@@ -598,30 +607,25 @@ class Launcher:
         when it has answered no status for :meth:`hung_after` seconds; a worker the
         chief counts dead, or a PS it counts down, for that long. A stopped task is
         never waited for without end."""
-        assert self.cluster.chief is not None
         chief = self.children[0]
         answered = time.monotonic()
+        seen = 0.0  # the status last judged (each is judged once)
         while not self.stopping:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            try:
-                s = await fetch_status(
-                    self.cluster.chief, timeout=LIVENESS_TIMEOUT_S, options=self.status_options
-                )
-            except ZmqpsError:
-                s = None
             if self.stopping or chief.returncode == 0:
                 return  # the run is ending: the watchers see to the rest
             if chief.returncode is not None:  # it died: its watcher restarts it (or stops all)
                 answered = now
                 continue
+            answered = max(answered, self.status_at)
             silent = now - max(answered, chief.started_at)
-            if s is not None:
-                answered = now
-            elif silent > self.hung_after():
+            if silent > self.hung_after():
                 self._kill_hung(chief, f"has answered no status for {silent:.0f}s")
                 answered = now
                 continue
+            s = self.status if self.status_at > seen else None
+            seen = self.status_at
             if s is None or not s.get("step_known", True):
                 continue
             dead = {f"worker{i}" for i in s.get("workers_dead") or ()}
