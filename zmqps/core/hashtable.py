@@ -477,7 +477,8 @@ class RowTable:
         return self.values.itemsize * self.dim + slots + 16 + 32
 
     def growth(self, need: int) -> int:
-        """Rows :meth:`_grow` adds to make room for ``need`` more rows than are free."""
+        """Rows a growth adds to make room for ``need`` new rows (0 while the free rows
+        hold them): doubling, at most the budget."""
         if need <= self.nfree:
             return 0
         cap = self.capacity
@@ -489,12 +490,10 @@ class RowTable:
     def _grow(self, need: int) -> None:
         """Room for ``need`` more rows than are free now (doubling; at most the budget)."""
         cap = self.capacity
-        new_cap = max(2 * cap, cap + need)
-        if self.budget is not None:
-            new_cap = min(new_cap, self.budget)
-        if new_cap <= cap:
+        extra = self.growth(need + self.nfree)
+        if not extra:
             return
-        extra = new_cap - cap
+        new_cap = cap + extra
 
         def grown(a: Array, fill: Any) -> Array:
             out = np.empty((new_cap, *a.shape[1:]), a.dtype)
