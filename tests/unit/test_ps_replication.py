@@ -62,6 +62,8 @@ class Cluster:
         self.net = FakeNetwork()
         self.rng = np.random.default_rng(seed)
         self.lossy = lossy
+        #: entries the primaries put on the wire, by op: (count, tensor bytes)
+        self.shipped: dict[str, list[int]] = {}
         self.slots: list[PSSlots] = []
         for i in range(n):
             self.slots.append(
@@ -86,8 +88,9 @@ class Cluster:
         self.placement: Placement | None = None
 
     def _link(self, own: int, endpoint: str, slot: int) -> Requester:
-        link = self.net.client(endpoint, f"ps{own}:ship{slot}", slot=slot, timeout=0.5)
-        return Lossy(link, self.rng, self.lossy) if self.lossy else link
+        link: Requester = self.net.client(endpoint, f"ps{own}:ship{slot}", slot=slot, timeout=0.5)
+        link = Lossy(link, self.rng, self.lossy) if self.lossy else link
+        return Shipped(link, self.shipped)
 
     async def create(self) -> Placement:
         self.placement = await self.variables.create(VARIABLES, ADAM)
@@ -140,6 +143,33 @@ def _push_of_w(placement: Placement, seq: int = 1) -> tuple[dict[str, Any], list
         "seq": seq,
     }
     return body, [Tensor(np.ones(s.rows * 4, np.float32), "grad", s.id) for s in shards]
+
+
+class Shipped:
+    """A primary's link to a backup that counts the entries sent, by op, and their bytes."""
+
+    def __init__(self, inner: Requester, counts: dict[str, list[int]]) -> None:
+        self.inner, self.counts = inner, counts
+        self.endpoint = inner.endpoint
+
+    async def request(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None = None,
+        tensors: Sequence[Tensor] = (),
+        *,
+        timeout: float | None = None,
+        attempts: int = 1,
+        slot: int | None = None,
+    ) -> Message:
+        if op == "replicate" and body is not None:
+            count = self.counts.setdefault(str(body["op"]), [0, 0])
+            count[0] += 1
+            count[1] += sum(t.array.nbytes for t in tensors)
+        return await self.inner.request(op, body, tensors, timeout=timeout, attempts=attempts)
+
+    async def close(self) -> None:
+        await self.inner.close()
 
 
 class Lossy:
@@ -289,6 +319,43 @@ def test_copies_follow_sync_mode_and_fences() -> None:
         with pytest.raises(FencedError):
             await a.push({"w": np.ones((12, 4), np.float32)}, step=3)
         c.check_copies()
+
+    run(body(), 30.0)
+
+
+def test_sync_steps_ship_once_after_aggregation_not_every_gradient() -> None:
+    """Sync, N = 3 workers pushing at once: a primary ships each step's pushes in one
+    entry with the sum the step applied, not every worker's gradient (the bytes its
+    backups receive are a third of the gradients pushed), answers each push once its
+    step is on the backup, and every copy ends equal, at the same step."""
+
+    async def body() -> None:
+        c = Cluster(2, 2)
+        placement = await c.create()
+        for ch in c.chief:
+            await ch.request("sync_config", {"mode": "sync", "required": 3})
+        workers = [c.worker(f"worker:{i}") for i in range(3)]
+        rng = np.random.default_rng(7)
+        steps = 4
+
+        async def step(w: ParameterClient, k: int) -> None:
+            await w.pull()
+            grads = {v.name: rng.standard_normal(v.shape).astype(np.float32) for v in (W, B)}
+            assert await w.push(grads, step=k)
+
+        for k in range(steps):
+            await asyncio.gather(*(step(w, k) for w in workers))
+            c.check_copies()
+        await c.settle()
+        assert "push" not in c.shipped, c.shipped
+        entries, nbytes = c.shipped["sync_step"]
+        pushed = steps * len(workers) * 4 * (12 * 4 + 7)  # every gradient, every PS
+        assert nbytes * 3 == pushed, (nbytes, pushed)  # one sum a step, not three
+        assert entries == steps * len({s.ps for s in placement.shards})
+        for s in placement.shards:  # the shards pushed made every step, on both copies
+            if s.var in ("w", "b"):
+                for q in (s.ps, *s.backups):
+                    assert c.copy(q, s.ps).mode.shards.step_of(s.id) == steps  # type: ignore[attr-defined]
 
     run(body(), 30.0)
 

@@ -174,15 +174,17 @@ class PrimaryLog:
         """Entries and bytes not yet committed (that commits wait for)."""
         return self.head - self.committed, self._bytes_after(self.committed)
 
-    def room(self, nbytes: int) -> bool:
-        """Whether an entry of ``nbytes`` fits (an empty log takes any one entry)."""
+    def room(self, nbytes: int, entries: int = 1) -> bool:
+        """Whether ``entries`` more entries of ``nbytes`` in all fit (an empty log takes
+        any one entry, or two: a batch of held pushes and the request after them)."""
         n, b = self.unacked()
-        return n == 0 or (n < self.max_entries and b + nbytes <= self.max_bytes)
+        return n == 0 or (n + entries <= self.max_entries and b + nbytes <= self.max_bytes)
 
-    def append(self, payload: Any, nbytes: int = 0) -> Entry:
+    def append(self, payload: Any, nbytes: int = 0, *, force: bool = False) -> Entry:
         """Log what the primary applied. It is committed at once when no backup is
-        in sync (``entry.index <= self.committed``)."""
-        if not self.room(nbytes):
+        in sync (``entry.index <= self.committed``). ``force``: room was made sure of
+        for this entry and the one after it (:meth:`room` with ``entries=2``)."""
+        if not force and not self.room(nbytes):
             raise Full(f"{self.unacked()[0]} entries wait for acknowledgement")
         self.head += 1
         entry = Entry(self.head, self.term, payload, nbytes)

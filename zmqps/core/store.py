@@ -583,6 +583,19 @@ class ShardStore:
             )
         return RowUpdate(shard, keys, grad_rows, staleness)
 
+    def plan_counted(self, shard_id: int, pulled_version: int, *, rows: bool) -> Update:
+        """A push's plan without its gradient, for a backup that replays the pushes of
+        a sync step whose sum it was shipped (the counting is the push's, the values
+        the sum's); changes nothing."""
+        shard = self.get(shard_id)
+        staleness = self._check_version(shard, pulled_version)
+        if rows:
+            width = shard.definition.shape[1:]
+            return RowUpdate(
+                shard, np.empty(0, np.int64), np.empty((0, *width), shard.values.dtype), staleness
+            )
+        return DenseUpdate(shard, (), staleness)
+
     def _check_growth(self, keyed: Sequence[tuple[Shard, Array]]) -> None:
         """InvalidArgument if creating the rows of these validated ids would grow an
         unbounded hash table (no ``row_budget``) past half the machine's available

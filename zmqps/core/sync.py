@@ -75,6 +75,14 @@ class SyncShards:
         #: shard steps applied, by how many gradients each one's mean was of: fewer
         #: than the configured N are steps taken while workers were missing
         self.aggregated: Counter[int] = Counter()
+        #: replicated after aggregation (a primary's): the shards pushes touched since
+        #: :meth:`take_data`, and the sum each one applied meanwhile (kept at its apply)
+        self.capture = False
+        self._touched: set[int] = set()
+        self._captured: dict[int, tuple[Array | None, list[tuple[Array, Array]]]] = {}
+        #: a backup replaying a primary's pushes: they count, their data is the sums
+        #: the primary shipped (:meth:`install_data`), so adds carry nothing
+        self.ghost = False
 
     def reset(self, step: int) -> None:
         """Forget every accumulated gradient; every shard is at ``step`` (a restore)."""
@@ -122,17 +130,19 @@ class SyncShards:
         """Accumulate a validated whole-shard gradient; True when the step was applied."""
         acc = self._acc(sid)
         shard = self.store.get(sid)
-        if acc.dense is None:
-            acc.dense = np.zeros(shard.definition.size, compute_dtype(shard.values.dtype))
-        for offset, chunk in chunks:
-            part = acc.dense[offset : offset + chunk.shape[0]]
-            np.add(part, chunk, out=part)
+        if not self.ghost:
+            if acc.dense is None:
+                acc.dense = np.zeros(shard.definition.size, compute_dtype(shard.values.dtype))
+            for offset, chunk in chunks:
+                part = acc.dense[offset : offset + chunk.shape[0]]
+                np.add(part, chunk, out=part)
         return self._counted(sid, acc, worker)
 
     def add_rows(self, sid: int, ids: Array, rows: Array, worker: str) -> bool:
         """Accumulate validated row gradients (copied: frames do not outlive the request)."""
         acc = self._acc(sid)
-        acc.rows.append((np.array(ids, dtype=np.int64), np.array(rows)))
+        if not self.ghost:
+            acc.rows.append((np.array(ids, dtype=np.int64), np.array(rows)))
         return self._counted(sid, acc, worker)
 
     def refuse(self, sid: int, worker: str) -> bool:
@@ -143,9 +153,11 @@ class SyncShards:
         acc = self._acc(sid)
         acc.refused += 1
         acc.contributors.append(worker)
+        self._touched.add(sid)
         return self._full(sid, acc)
 
     def _counted(self, sid: int, acc: ShardAccumulator, worker: str) -> bool:
+        self._touched.add(sid)
         acc.count += 1
         acc.contributors.append(worker)
         return self._full(sid, acc)
@@ -162,6 +174,9 @@ class SyncShards:
         acc.refused = 0
         acc.contributors.clear()
         self.steps_applied += 1
+        if self.capture:  # the sum this step applies: what the backups apply too
+            dense = None if acc.dense is None or not acc.count else acc.dense.copy()
+            self._captured[sid] = (dense, list(acc.rows) if acc.count else [])
         if acc.count == 0:  # every gradient of the step was refused: nothing to apply
             return
         shard = self.store.get(sid)
@@ -188,6 +203,49 @@ class SyncShards:
                 acc.dense.fill(0)
             acc.rows.clear()
             acc.count = 0
+
+    def take_data(self) -> list[tuple[int, Array | None, list[tuple[Array, Array]]]]:
+        """Replication after aggregation, on the primary: the accumulated gradients of
+        every shard pushes touched since the last call, ``(shard, sum, [(ids, rows)])``
+        (copies): for a shard that applied its step since, the sum it applied; else its
+        running sum now. Starts the next batch."""
+        out = []
+        for sid in sorted(self._touched):
+            kept = self._captured.get(sid)
+            if kept is not None:
+                out.append((sid, *kept))
+                continue
+            acc = self.acc[sid]
+            dense = None if acc.dense is None or not acc.count else acc.dense.copy()
+            out.append((sid, dense, list(acc.rows)))
+        self._touched.clear()
+        self._captured.clear()
+        return out
+
+    def held_bytes(self) -> int:
+        """At most the bytes :meth:`take_data` would return after one more push of
+        nothing but already-accumulated shards (the room a batch may need)."""
+        total = 0
+        for sid, acc in self.acc.items():
+            shard = self.store.get(sid)
+            total += shard.definition.size * compute_dtype(shard.values.dtype).itemsize
+            total += sum(i.nbytes + r.nbytes for i, r in acc.rows)
+        return total
+
+    def install_data(self, sid: int, dense: Array | None, rows: list[tuple[Array, Array]]) -> None:
+        """Replication after aggregation, on a backup: shard ``sid``'s accumulated
+        gradients are the primary's (:meth:`take_data`; owned here)."""
+        acc = self._acc(sid)
+        shard = self.store.get(sid)
+        if dense is None:
+            if acc.dense is not None:
+                acc.dense.fill(0)
+        else:
+            want = (shard.definition.size,), compute_dtype(shard.values.dtype)
+            if (dense.shape, dense.dtype) != want:
+                raise InvalidArgument(f"shard {sid}: a gradient sum {dense.dtype}{dense.shape}")
+            acc.dense = np.array(dense, copy=True)
+        acc.rows = [(np.array(i, dtype=np.int64), np.array(r)) for i, r in rows]
 
     def set_required(self, required: int) -> list[int]:
         """Change N; returns the shards that applied their step because of it."""

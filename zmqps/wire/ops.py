@@ -60,6 +60,7 @@ __all__ = [
     "REPLIES",
     "REQUESTS",
     "REQUEST_BODIES",
+    "SYNC_STEP",
     "Body",
     "Who",
     "wire",
@@ -507,12 +508,47 @@ class _EntrySchema(Map):
     def check(self, value: Any, path: str) -> None:
         super().check(value, path)
         op = value["op"]
+        if op == SYNC_STEP:
+            _check_sync_step(value["body"], f"{path}.body")
+            return
         if op not in REPLICATED_OPS:
             raise ProtocolError(f"{path}.op: {op!r} is not an op that changes a PS state")
         REQUEST_BODIES[op].check(value["body"], f"{path}.body")
 
 
 Replicate.SCHEMA = _EntrySchema(Replicate.SCHEMA.required, Replicate.SCHEMA.optional)
+
+#: the entry op of a sync state's pushes shipped after aggregation (:class:`SyncStep`):
+#: an entry only, never a request of its own
+SYNC_STEP = "sync_step"
+#: pushes one ``sync_step`` entry may carry (a step's, and the ones dropped meanwhile)
+MAX_STEP_PUSHES = 1 << 14
+#: what a ``sync_step`` tensor is: a shard's gradient sum, or one of its accumulated
+#: row gradients (``ids`` and ``rows``, by item)
+STEP_DATA = frozenset({"sum", "ids", "rows"})
+
+
+@_body()
+class SyncStep(Body):
+    """The pushes a replicated sync state applied since its last entry, shipped once
+    and without their gradients (``pushes``: op, body without shared-memory places,
+    refused for its values), and the accumulated gradients they left (``data``: one
+    ``[shard, what, item]`` per tensor, in order; see :data:`STEP_DATA`): a backup
+    replays the pushes' bookkeeping on those sums, which is the primary's state."""
+
+    pushes: tuple[Any, ...] = wire(List(Tuple((Str(32), AnyMap(), Bool())), MAX_STEP_PUSHES))
+    data: tuple[Any, ...] = wire(List(Tuple((SHARD_ID, Str(8), Int(0))), 1 << 20))
+
+
+def _check_sync_step(body: Any, path: str) -> None:
+    SyncStep.SCHEMA.check(body, path)
+    for i, (op, push, _) in enumerate(body["pushes"]):
+        if op not in ("push", "push_rows"):
+            raise ProtocolError(f"{path}.pushes[{i}]: {op!r} is not a push")
+        REQUEST_BODIES[op].check(push, f"{path}.pushes[{i}].body")
+    for i, (_, what, _) in enumerate(body["data"]):
+        if what not in STEP_DATA:
+            raise ProtocolError(f"{path}.data[{i}]: unknown {what!r}")
 
 
 @_body("join")

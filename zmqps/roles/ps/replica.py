@@ -9,6 +9,13 @@ Rules of this module:
   so it ends in the same state, bit for bit: the same store kernels, dedup window
   and ledgers on every copy (a refusal that changes nothing, :data:`_UNCHANGED`, is
   refused there too, and answered here at once).
+* Sync pushes are replicated after aggregation: held here (applied, counted toward
+  their step, not shipped) until the push that completes a step ships them all in
+  one ``sync_step`` entry, without their gradients, with the sum the step applied;
+  a backup replays their bookkeeping on that sum (``PSService.replay_step``).
+  Anything else logged ships the held pushes first, with their shards' running
+  sums, and so does :data:`HOLD_S` without the step completing. A held push is
+  answered once its entry is committed.
 * Order: a request is appended to the log, put on the wire to the backups
   (:meth:`Primary._kick`, sent before it returns) and applied here in one
   event-loop turn, so the log's order is the order the primary applied them in, and
@@ -55,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from zmqps.core.replication import Entry, Offer, PrimaryLog, ReplicaLog
+from zmqps.core.sync import SyncShards
 from zmqps.roles.ps.image import Installing, Part
 from zmqps.transport import Requester
 from zmqps.transport.base import send_soon
@@ -83,12 +91,19 @@ _UNCHANGED = (InvalidArgument, NotFound, NotReady, ProtocolError)
 SHIP_TIMEOUT = 2.0
 #: seconds a request waits for its commit when it carries no deadline
 COMMIT_WAIT = 60.0
+#: seconds a sync push is held for the push that completes its step (which ships the
+#: step's sum once, :meth:`Primary.flush`); past it the held pushes ship with the
+#: running sums, so a push is answered soon whoever else pushes
+HOLD_S = 0.05
 #: times one ``install`` part is sent before the join is given up
 INSTALL_ATTEMPTS = 10
 #: joins whose outcome a primary keeps for its status
 KEEP_JOINS = 8
 
 Handler = Callable[[Message], "Message | Any"]
+
+#: the ops of a push: in sync mode replicated after aggregation (:meth:`Primary.flush`)
+_PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
 
 
 def changes_state(msg: Message) -> bool:
@@ -137,11 +152,14 @@ class Primary:
         ship_timeout: float = SHIP_TIMEOUT,
         step: Callable[[], int] | None = None,
         on_commit: Callable[[], None] | None = None,
+        sync: Callable[[], SyncShards | None] | None = None,
     ) -> None:
         """``links``: a requester to each backup (by PS index), bound to ``slot``;
         ``acked``: the entry each backup has (promotion), else ``head``; ``resolve``:
         turns a request into the entry's (op, body, tensors); ``step``: the state's
-        sync step now; ``on_commit``: called when the step every copy has moves."""
+        sync step now; ``on_commit``: called when the step every copy has moves;
+        ``sync``: the state's sync accumulators while it is in sync mode, else None
+        (its pushes are then replicated after aggregation)."""
         self.slot = slot
         self.links = dict(links)
         self.ship_timeout = ship_timeout
@@ -169,6 +187,11 @@ class Primary:
         self._on_commit = on_commit
         self.committed_step = self._step()
         self._steps: deque[tuple[int, int, float]] = deque()  # (entry, step, appended at)
+        self._sync = sync or (lambda: None)
+        #: sync pushes applied here and not in an entry yet, in the order applied (at
+        #: most one step's: the push that completes a step ships them)
+        self._held: list[_Held] = []
+        self._hold_timer: asyncio.TimerHandle | None = None
 
     @property
     def term(self) -> int:
@@ -181,28 +204,29 @@ class Primary:
         """Apply ``msg`` with ``handler`` (the state's own), log it, and answer once
         every in-sync backup applied it."""
         self._check_fenced()
+        sync = self._sync()
+        if sync is not None and msg.op in _PUSH_OPS:
+            return await self._run_held(msg, handler, sync)
         op, body, tensors = self._resolve(msg)
         if self.log.joining():  # kept for a joiner past the answer: own the data
             tensors = [Tensor(np.array(t.array), t.kind, t.ref, t.offset) for t in tensors]
         nbytes = sum(t.array.nbytes for t in tensors)
-        deadline = time.monotonic() + (
-            COMMIT_WAIT if msg.deadline is None else max(0.0, msg.deadline - time.time())
-        )
-        if not self.log.room(nbytes):
-            try:
-                await self._signal.until(lambda: self.fenced or self.log.room(nbytes), deadline)
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(
-                    f"ps {self.slot}: the replication log stayed full (a backup not answering)"
-                ) from None
-            self._check_fenced()
+        deadline = _deadline(msg)
+
+        def room() -> bool:  # held pushes go first, in an entry of their own
+            if not self._held:
+                return self.log.room(nbytes)
+            return self.log.room(nbytes + _held_bound(self._sync()), 2)
+
+        await self._room(room, deadline)
         failure: ZmqpsError | None = None
         out: Message | None = None
+        self.flush()
         before = self._step()
         # logged and on its way to the backups before it is applied here: they apply
         # it while this copy does (the same handler on the same state gives the same
         # outcome, a refusal included, so nothing needs the outcome first)
-        entry = self.log.append((op, body, tensors), nbytes)
+        entry = self.log.append((op, body, tensors), nbytes, force=True)
         for b in self.links:
             self._kick(b)
         try:
@@ -234,6 +258,117 @@ class Primary:
             raise failure
         assert out is not None
         return out
+
+    async def _room(self, ready: Callable[[], bool], deadline: float) -> None:
+        """Wait until ``ready()`` says the log has room (DeadlineExceeded past ``deadline``)."""
+        if ready():
+            return
+        try:
+            await self._signal.until(lambda: self.fenced or ready(), deadline)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                f"ps {self.slot}: the replication log stayed full (a backup not answering)"
+            ) from None
+        self._check_fenced()
+
+    async def _run_held(self, msg: Message, handler: Handler, sync: SyncShards) -> Message:
+        """A sync push: applied here (counted toward its step), shipped without its
+        gradient in the entry of the push that completes its step, with the sum that
+        step applied (:meth:`flush`); answered once every in-sync backup has that
+        entry. A worker's resent push is held the same way, so its answer (a
+        duplicate) never comes before the first one's entry is on every copy."""
+        deadline = _deadline(msg)
+        extra = sum(t.array.nbytes for t in msg.tensors)  # rows it may add to the sums
+        await self._room(lambda: self.log.room(_held_bound(sync) + extra), deadline)
+        failure: ZmqpsError | None = None
+        out: Message | None = None
+        before, applied = self._step(), sync.steps_applied
+        sync.capture = True  # a step this push completes keeps the sum it applied
+        try:
+            result = handler(msg)
+            if inspect.isawaitable(result):  # pushes do not wait: defensive
+                result = await result
+            out = result
+        except ZmqpsError as exc:
+            if changed_nothing(exc):
+                raise  # nor does it change anything on the backups: answered at once
+            failure = exc
+        finally:
+            sync.capture = False
+        body = {k: v for k, v in msg.body.items() if k not in ("shm", "shm_out")}
+        held = _Held("push_rows" if msg.op == "push_rows" else "push", body)
+        held.refused = isinstance(failure, NonFiniteGradient)
+        self._held.append(held)
+        if (
+            sync.steps_applied != applied
+            or not self.log.backups  # nothing to save: committed at once
+            or len(self._held) >= o.MAX_STEP_PUSHES
+        ):
+            self.flush(before)  # in this turn: room was made for it above
+        elif self._hold_timer is None:  # a step that does not complete soon ships anyway
+            self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S, self._held_due)
+        try:
+            await self._signal.until(
+                lambda: self.fenced or self._closed or held.committed(self.log.committed),
+                deadline,
+            )
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                f"ps {self.slot}: applied, and its step is not yet on every backup"
+                f" ({self.backups()}); send it again (it is deduplicated)"
+            ) from None
+        if not held.committed(self.log.committed):
+            self._check_fenced()
+            raise NotPrimary(f"ps {self.slot}'s state is no longer served here: send again")
+        if failure is not None:
+            raise failure
+        assert out is not None
+        return out
+
+    def flush(self, before: int | None = None) -> None:
+        """Put the held sync pushes in one entry (``sync_step``): their bodies, and the
+        accumulated gradients of the shards they touched (the sum a step applied, or
+        the running sum); ``before``: the step before the first of them was applied
+        (default: now). Called before anything else is logged, and before a copy of the
+        state is taken for a joining backup, so the log keeps the order things were
+        applied in."""
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        if not self._held:
+            return
+        sync = self._sync()
+        items: list[list[Any]] = []
+        tensors: list[Tensor] = []
+        for sid, dense, rows in [] if sync is None else sync.take_data():
+            if dense is not None:
+                items.append([sid, "sum", 0])
+                tensors.append(Tensor(dense, "grad", sid, 0))
+            for i, (ids, grads) in enumerate(rows):
+                items += [[sid, "ids", i], [sid, "rows", i]]
+                tensors += [Tensor(ids, "index", sid, 0), Tensor(grads, "grad", sid, 0)]
+        held, self._held = self._held, []
+        pushes = tuple([h.op, h.body, h.refused] for h in held)
+        body = o.SyncStep(pushes, tuple(items)).to_wire()
+        if not self._steps:  # everything before was committed: so was the step then
+            self.committed_step = self._step() if before is None else before
+        entry = self.log.append(
+            (o.SYNC_STEP, body, tensors), sum(t.array.nbytes for t in tensors), force=True
+        )
+        for h in held:
+            h.index = entry.index
+        for b in self.links:
+            self._kick(b)
+        self._steps.append((entry.index, self._step(), time.monotonic()))
+        self._changed()
+
+    def _held_due(self) -> None:
+        """Held pushes waited :data:`HOLD_S` for their step: ship them with the running
+        sums (room was made for such an entry when each was applied, and anything
+        logged since shipped them first)."""
+        self._hold_timer = None
+        if not (self._closed or self.fenced):
+            self.flush()
 
     def visible(self, step: int) -> int:
         """``step`` (the state's sync step now) as far as every backup has it: a chief
@@ -467,6 +602,9 @@ class Primary:
 
     async def close(self) -> None:
         self._closed = True
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
         for task in [*self._senders.values(), *(t for s in self._inflight.values() for t in s)]:
             task.cancel()
         for task in self._senders.values():
@@ -476,6 +614,33 @@ class Primary:
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
         self._changed()
+
+
+class _Held:
+    """A sync push applied by the primary and not yet shipped (:meth:`Primary.flush`)."""
+
+    __slots__ = ("body", "index", "op", "refused")
+
+    def __init__(self, op: str, body: dict[str, Any]) -> None:
+        self.op = op
+        self.body = body
+        self.refused = False
+        self.index: int | None = None  # its entry, once shipped
+
+    def committed(self, committed: int) -> bool:
+        return self.index is not None and committed >= self.index
+
+
+def _held_bound(sync: SyncShards | None) -> int:
+    """At most the bytes of an entry of held pushes (their shards' sums)."""
+    return 0 if sync is None else sync.held_bytes()
+
+
+def _deadline(msg: Message) -> float:
+    """The monotonic time by which ``msg`` must be answered."""
+    return time.monotonic() + (
+        COMMIT_WAIT if msg.deadline is None else max(0.0, msg.deadline - time.time())
+    )
 
 
 class Backup:
@@ -495,7 +660,11 @@ class Backup:
     def term(self) -> int:
         return self.log.term
 
-    async def receive(self, msg: Message, handler: Handler) -> Message:
+    async def receive(
+        self, msg: Message, handler: Handler, replay: Callable[[Message], None] | None = None
+    ) -> Message:
+        """Entry ``msg`` from the primary, applied with ``handler`` (the state's own) or,
+        a ``sync_step`` entry, with ``replay``."""
         req = o.Replicate.from_wire(msg.body)  # the inner body too was checked by the codec
         payload = (req.op, dict(req.body), list(msg.tensors))
         nbytes = sum(t.array.nbytes for t in msg.tensors)
@@ -509,6 +678,10 @@ class Backup:
             return reply(msg, o.Replicated(self.log.applied, gap=True).to_wire())
         if offer is Offer.APPLY:
             inner = Message(req.op, msg.id, msg.sender, req.body, msg.tensors)
+            if req.op == o.SYNC_STEP:
+                if replay is None:
+                    raise InvalidArgument(f"ps {self.slot}'s copy cannot replay a sync step")
+                handler = replay
             try:
                 result = handler(inner)
                 if inspect.isawaitable(result):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import secrets
@@ -47,7 +48,7 @@ from zmqps.metrics import Metrics
 from zmqps.process import available_memory
 from zmqps.roles.optable import Handler, OpTable
 from zmqps.roles.ps.checkpoints import ShardCheckpoints
-from zmqps.roles.ps.modes import Apply, PSMode, StepWaiters, make_mode
+from zmqps.roles.ps.modes import Accumulate, Apply, PSMode, StepWaiters, make_mode
 from zmqps.roles.ps.regions import MAX_PER_WORKER, Regions
 from zmqps.roles.ps.threads import CheckThreads
 from zmqps.wire import Message, Tensor, reply
@@ -59,6 +60,7 @@ from zmqps.wire.errors import (
     NotFound,
     NotReady,
     RolledBack,
+    ZmqpsError,
 )
 from zmqps.wire.schema import MAX_ROW_VALUES, MAX_ROWS
 
@@ -555,6 +557,55 @@ class PSService:
         if done.dropped is not None:
             return o.PushReply(False, dropped=done.dropped)
         return o.PushReply(True, done.staleness)
+
+    def replay_step(self, msg: Message) -> None:
+        """A backup applies its primary's ``sync_step`` entry (replication after
+        aggregation): the shards' accumulated gradients become the primary's, then each
+        push is counted as the primary counted it (deduplication, ledgers, its place in
+        the step), with no gradient: a step one of them completes applies the sum the
+        primary applied, with the same kernels, so the values stay bit-identical."""
+        req = o.SyncStep.from_wire(msg.body)
+        mode = self.mode
+        if not isinstance(mode, Accumulate):
+            raise InvalidArgument(
+                f"ps {self.index}: a sync step entry, and the mode is {mode.name}"
+            )
+        if len(msg.tensors) != len(req.data):
+            raise InvalidArgument("sync_step: one tensor per data item expected")
+        data: dict[int, tuple[Any, dict[int, Any], dict[int, Any]]] = {}
+        for (sid, what, item), t in zip(req.data, msg.tensors, strict=True):
+            dense, ids, rows = data.setdefault(sid, (None, {}, {}))
+            if what == "sum":
+                data[sid] = (t.array.reshape(-1), ids, rows)
+            else:
+                (ids if what == "ids" else rows)[item] = t.array
+        for sid, (dense, ids, rows) in data.items():
+            if ids.keys() != rows.keys() or sorted(ids) != list(range(len(ids))):
+                raise InvalidArgument(f"sync_step: shard {sid}'s row gradients do not pair up")
+            mode.shards.install_data(sid, dense, [(ids[i], rows[i]) for i in range(len(ids))])
+        mode.shards.ghost = True
+        try:
+            for op, body, refused in req.pushes:
+                push = o.PushRows.from_wire(body) if op == "push_rows" else o.Push.from_wire(body)
+                with contextlib.suppress(ZmqpsError):  # refused there too, the same way
+                    self._replay_push(op, push, refused)
+        finally:
+            mode.shards.ghost = False
+
+    def _replay_push(self, op: str, req: o.Push, refused: bool) -> None:
+        """One push of a ``sync_step`` entry, as :meth:`_op_push` / :meth:`_op_push_rows`
+        and :meth:`__call__` counted it on the primary."""
+        self._check_generation(op, req.gen)
+        if refused:
+            self._refused(req)
+            self._drop("nonfinite")
+            return
+        rows = op == "push_rows"
+        plans = [
+            self.store.plan_counted(sid, ver, rows=rows)
+            for sid, ver in zip(req.shards, req.versions, strict=True)
+        ]
+        self._commit(req, plans)
 
     def _refused(self, req: o.Push | o.PushRows) -> None:
         """A push refused for its values (not finite): nothing is applied, but its batch

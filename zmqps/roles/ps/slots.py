@@ -31,6 +31,7 @@ from typing import Any
 
 from zmqps.core.replication import Entry
 from zmqps.roles.ps.image import take
+from zmqps.roles.ps.modes import Accumulate
 from zmqps.roles.ps.replica import Backup, Primary, changes_state, entry_resolver
 from zmqps.roles.ps.service import PSService
 from zmqps.transport import Requester
@@ -138,7 +139,7 @@ class PSSlots:
                     f"ps {self.own.index} is not a backup of ps {slot}'s state: {what} refused"
                 )
             if msg.op == "replicate":
-                return role.receive(msg, service)
+                return role.receive(msg, service, service.replay_step)
             return role.install(msg, service)
         if isinstance(role, Backup) and msg.op not in _BACKUP_OPS:
             raise NotPrimary(
@@ -255,6 +256,7 @@ class PSSlots:
             raise InvalidArgument(f"ps {req.slot}'s state has its most backups already")
         service = self._slots[req.slot]
         link = self._link(req.ps, req.endpoint, req.slot)
+        role.flush()  # the copy is of a state every entry so far made, and nothing more
         at = role.join(req.ps, link, take(service), req.rate)
         return reply(msg, o.Joining(at).to_wire())
 
@@ -322,6 +324,7 @@ class PSSlots:
             ),
             step=lambda: service.mode.step,
             on_commit=service.waiters.notify,
+            sync=lambda: service.mode.shards if isinstance(service.mode, Accumulate) else None,
         )
         for name in list(primary.log.dropped):  # further behind than the entries kept
             log.warning(
