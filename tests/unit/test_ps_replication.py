@@ -88,9 +88,8 @@ class Cluster:
         self.placement: Placement | None = None
 
     def _link(self, own: int, endpoint: str, slot: int) -> Requester:
-        link: Requester = self.net.client(endpoint, f"ps{own}:ship{slot}", slot=slot, timeout=0.5)
-        link = Lossy(link, self.rng, self.lossy) if self.lossy else link
-        return Shipped(link, self.shipped)
+        link = self.net.client(endpoint, f"ps{own}:ship{slot}", slot=slot, timeout=0.5)
+        return Lossy(link, self.rng, self.lossy, self.shipped)
 
     async def create(self) -> Placement:
         self.placement = await self.variables.create(VARIABLES, ADAM)
@@ -145,11 +144,19 @@ def _push_of_w(placement: Placement, seq: int = 1) -> tuple[dict[str, Any], list
     return body, [Tensor(np.ones(s.rows * 4, np.float32), "grad", s.id) for s in shards]
 
 
-class Shipped:
-    """A primary's link to a backup that counts the entries sent, by op, and their bytes."""
+class Lossy:
+    """A primary's link to a backup that loses a share of its requests (the primary
+    must send again), and counts the entries sent, by op: ``[count, tensor bytes]``."""
 
-    def __init__(self, inner: Requester, counts: dict[str, list[int]]) -> None:
-        self.inner, self.counts = inner, counts
+    def __init__(
+        self,
+        inner: Requester,
+        rng: np.random.Generator,
+        share: float,
+        counts: dict[str, list[int]] | None = None,
+    ) -> None:
+        self.inner, self.rng, self.share = inner, rng, share
+        self.counts = {} if counts is None else counts
         self.endpoint = inner.endpoint
 
     async def request(
@@ -162,35 +169,12 @@ class Shipped:
         attempts: int = 1,
         slot: int | None = None,
     ) -> Message:
+        if self.share and self.rng.random() < self.share:
+            raise DeadlineExceeded("lost")
         if op == "replicate" and body is not None:
             count = self.counts.setdefault(str(body["op"]), [0, 0])
             count[0] += 1
             count[1] += sum(t.array.nbytes for t in tensors)
-        return await self.inner.request(op, body, tensors, timeout=timeout, attempts=attempts)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
-class Lossy:
-    """A link that loses a share of its requests (the primary must send again)."""
-
-    def __init__(self, inner: Requester, rng: np.random.Generator, share: float) -> None:
-        self.inner, self.rng, self.share = inner, rng, share
-        self.endpoint = inner.endpoint
-
-    async def request(
-        self,
-        op: str,
-        body: Mapping[str, Any] | None = None,
-        tensors: Sequence[Tensor] = (),
-        *,
-        timeout: float | None = None,
-        attempts: int = 1,
-        slot: int | None = None,
-    ) -> Message:
-        if self.rng.random() < self.share:
-            raise DeadlineExceeded("lost")
         return await self.inner.request(op, body, tensors, timeout=timeout, attempts=attempts)
 
     async def close(self) -> None:

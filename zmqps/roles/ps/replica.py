@@ -219,8 +219,6 @@ class Primary:
             return self.log.room(nbytes + _held_bound(self._sync()), 2)
 
         await self._room(room, deadline)
-        failure: ZmqpsError | None = None
-        out: Message | None = None
         self.flush()
         before = self._step()
         # logged and on its way to the backups before it is applied here: they apply
@@ -230,14 +228,7 @@ class Primary:
         for b in self.links:
             self._kick(b)
         try:
-            result = handler(msg)
-            if inspect.isawaitable(result):  # none of REPLICATED_OPS waits: defensive
-                result = await result
-            out = result
-        except ZmqpsError as exc:
-            if changed_nothing(exc):
-                raise  # nor does it change anything on the backups: answered at once
-            failure = exc
+            out, failure = await _apply(msg, handler)
         finally:
             if not self._steps:  # everything before was committed: so was the step then
                 self.committed_step = before
@@ -280,19 +271,10 @@ class Primary:
         deadline = _deadline(msg)
         extra = sum(t.array.nbytes for t in msg.tensors)  # rows it may add to the sums
         await self._room(lambda: self.log.room(_held_bound(sync) + extra), deadline)
-        failure: ZmqpsError | None = None
-        out: Message | None = None
         before, applied = self._step(), sync.steps_applied
         sync.capture = True  # a step this push completes keeps the sum it applied
         try:
-            result = handler(msg)
-            if inspect.isawaitable(result):  # pushes do not wait: defensive
-                result = await result
-            out = result
-        except ZmqpsError as exc:
-            if changed_nothing(exc):
-                raise  # nor does it change anything on the backups: answered at once
-            failure = exc
+            out, failure = await _apply(msg, handler)
         finally:
             sync.capture = False
         body = {k: v for k, v in msg.body.items() if k not in ("shm", "shm_out")}
@@ -629,6 +611,20 @@ class _Held:
 
     def committed(self, committed: int) -> bool:
         return self.index is not None and committed >= self.index
+
+
+async def _apply(msg: Message, handler: Handler) -> tuple[Message | None, ZmqpsError | None]:
+    """``handler``'s answer to ``msg``, or the refusal that changed the state (one that
+    changed nothing, nor will on the backups, is raised: answered at once)."""
+    try:
+        result = handler(msg)
+        if inspect.isawaitable(result):  # none of REPLICATED_OPS waits: defensive
+            result = await result
+        return result, None
+    except ZmqpsError as exc:
+        if changed_nothing(exc):
+            raise
+        return None, exc
 
 
 def _held_bound(sync: SyncShards | None) -> int:
