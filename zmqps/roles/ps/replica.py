@@ -270,7 +270,12 @@ class Primary:
         duplicate) never comes before the first one's entry is on every copy."""
         deadline = _deadline(msg)
         extra = sum(t.array.nbytes for t in msg.tensors)  # rows it may add to the sums
-        await self._room(lambda: self.log.room(_held_bound(sync) + extra), deadline)
+        # (everything committed: any entry fits, and the bound, a pass over the shards,
+        # is not needed; so on most pushes)
+        await self._room(
+            lambda: self.log.committed == self.log.head or self.log.room(_held_bound(sync) + extra),
+            deadline,
+        )
         before, applied = self._step(), sync.steps_applied
         sync.capture = True  # a step this push completes keeps the sum it applied
         try:
@@ -278,8 +283,8 @@ class Primary:
         finally:
             sync.capture = False
         body = {k: v for k, v in msg.body.items() if k not in ("shm", "shm_out")}
-        held = _Held("push_rows" if msg.op == "push_rows" else "push", body)
-        held.refused = isinstance(failure, NonFiniteGradient)
+        op = "push_rows" if msg.op == "push_rows" else "push"
+        held = _Held(op, body, isinstance(failure, NonFiniteGradient))
         self._held.append(held)
         if (
             sync.steps_applied != applied
@@ -603,10 +608,10 @@ class _Held:
 
     __slots__ = ("body", "index", "op", "refused")
 
-    def __init__(self, op: str, body: dict[str, Any]) -> None:
+    def __init__(self, op: str, body: dict[str, Any], refused: bool) -> None:
         self.op = op
         self.body = body
-        self.refused = False
+        self.refused = refused  # for its values: replayed as a refusal
         self.index: int | None = None  # its entry, once shipped
 
     def committed(self, committed: int) -> bool:
