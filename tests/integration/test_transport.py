@@ -823,3 +823,41 @@ def test_a_peer_that_does_not_read_its_replies_pins_a_bounded_number_of_bytes() 
             ctx.term()
 
     run(main)
+
+
+def test_a_status_query_to_a_gone_chief_never_blocks_the_event_loop() -> None:
+    """``fetch_status`` to an address nobody serves fails with its timeout, and closing
+    its client drops the unsent query: the caller's event loop (the launcher's, whose
+    progress poll asks twice a second) is never held by ``ctx.term()`` waiting out the
+    socket's linger (1 s)."""
+    from zmqps.roles.status import fetch_status
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"
+    assert SocketOptions().linger_ms >= 1000  # what would hold the loop
+
+    async def main() -> tuple[float, type[BaseException]]:
+        gaps: list[float] = []
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        try:
+            with pytest.raises(ZmqpsError) as failed:
+                await fetch_status(gone, timeout=0.3)
+            await asyncio.sleep(0.05)
+        finally:
+            ticker.cancel()
+        return max(gaps), failed.type
+
+    longest, error = asyncio.run(main())
+    assert issubclass(error, (DeadlineExceeded, ShutdownError)), error
+    # the loop turned every few ms; with the linger it stood still for a whole second
+    assert longest < 0.5, f"the event loop stood still for {longest:.2f} s"

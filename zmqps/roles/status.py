@@ -19,7 +19,9 @@ async def fetch_status(
         rep = await client.request("status")
         return dict(rep.body)
     finally:
-        await client.close()
+        # a status query left unsent (the chief gone) is dropped: with the socket's
+        # linger, ctx.term() would block the caller's event loop for that long
+        await client.close(linger_ms=0)
         ctx.term()
 
 

@@ -296,7 +296,10 @@ class Client:
                 n += 1
         return n
 
-    async def close(self) -> None:
+    async def close(self, linger_ms: int | None = None) -> None:
+        """Close the socket. ``linger_ms``: how long what is still queued may wait to
+        leave (None: the socket's option; 0 drops it, so that ``ctx.term()`` returns at
+        once even when the peer is gone, for requests with nothing to deliver late)."""
         if self._closed:
             return
         self._closed = True
@@ -317,4 +320,4 @@ class Client:
                 self._sock.disable_monitor()
             self._monitor_sock.close(linger=0)
             self._monitor_sock = None
-        self._sock.close()
+        self._sock.close(linger=linger_ms)
