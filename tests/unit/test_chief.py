@@ -29,6 +29,7 @@ from zmqps.roles.status import format_status
 from zmqps.transport.base import TransportStats
 from zmqps.transport.fake import FakeNetwork
 from zmqps.wire import Message, request
+from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -890,3 +891,60 @@ def test_training_that_stands_still_past_the_stall_timeout_ends_the_run_failed()
     run(body())
     with pytest.raises(ConfigError, match="--stall-timeout must be >= 0"):
         ChiefConfig(bind="tcp://127.0.0.1:1", cluster=spec(1, 1), stall_timeout=-1.0)
+
+
+def test_a_finished_workers_heartbeat_is_held_until_the_run_ends() -> None:
+    """A worker that left done and waits for the run's end sends heartbeats the chief
+    may hold (``wait``): each is answered the moment the run finishes (or stops, or
+    changes phase), else after at most one heartbeat interval; one is held per
+    worker, a newer one answering the older at once; a worker still at work, or one
+    that did not ask to wait, is answered at once."""
+
+    async def body() -> None:
+        env = await finished_run(1, 2, steps=4, waits=True)
+        chief = env.chief
+        assert chief.cfg.heartbeat_interval <= 2.0  # the bound of a hold below
+        held = asyncio.ensure_future(call(chief, "heartbeat", who(0, step=4, wait=60.0)))
+        await asyncio.sleep(0.05)
+        assert not held.done()  # nothing changed: held
+        # a plain heartbeat of the same worker is answered at once and holds nothing
+        at_once = o.HeartbeatReply.parse((await call(chief, "heartbeat", who(0, step=4))).body)
+        assert not at_once.finished and not held.done()
+        # a newer held heartbeat of worker 0 answers the older one now
+        newer = asyncio.ensure_future(call(chief, "heartbeat", who(0, step=4, wait=60.0)))
+        older = o.HeartbeatReply.parse((await asyncio.wait_for(held, 1.0)).body)
+        assert not older.finished and not newer.done()
+        other = asyncio.ensure_future(call(chief, "heartbeat", who(1, step=4, wait=60.0)))
+        await asyncio.sleep(0.05)
+        assert not other.done() and len(chief._held_beats) == 2  # one per worker
+        chief.finished = True  # the run's end answers every held heartbeat at once
+        for fut in (newer, other):
+            beat = o.HeartbeatReply.parse((await asyncio.wait_for(fut, 1.0)).body)
+            assert beat.finished
+        assert chief._held_beats == {}
+        assert all(w.told_finished for w in chief.members.workers.values())
+        # after the end nothing is held
+        after = await asyncio.wait_for(call(chief, "heartbeat", who(1, step=4, wait=60.0)), 1.0)
+        assert o.HeartbeatReply.parse(after.body).finished
+
+    run(body())
+
+
+def test_a_held_heartbeat_is_answered_within_one_interval_and_at_a_stop() -> None:
+    async def body() -> None:
+        env = make_env(1, num_workers=1, heartbeat_interval=0.2)
+        chief = env.chief
+        await chief.start()
+        await chief.create_variables(VARS, SGD)
+        await call(chief, "register", who(0))
+        await call(chief, "leave", who(0, step=4, waits=True))
+        t0 = time.monotonic()
+        beat = await asyncio.wait_for(call(chief, "heartbeat", who(0, step=4, wait=60.0)), 5.0)
+        assert not o.HeartbeatReply.parse(beat.body).finished
+        assert time.monotonic() - t0 < 5.0  # bounded by the interval, not the wait asked
+        held = asyncio.ensure_future(call(chief, "heartbeat", who(0, step=4, wait=60.0)))
+        await asyncio.sleep(0.02)
+        chief.shutdown_requested.set()
+        assert o.HeartbeatReply.parse((await asyncio.wait_for(held, 1.0)).body).stop
+
+    run(body())

@@ -252,6 +252,10 @@ class Heartbeat(Body):
     examples: int | None = wire(COUNT, default=None)
     #: steps of this incarnation whose gradients the PS refused (not finite), skipped
     nonfinite: int | None = wire(COUNT, default=None)
+    #: a worker that left with its work done and waits for the run's end: the chief
+    #: may hold the reply this many seconds, answering as soon as the run finishes,
+    #: stops or is restored (one held heartbeat per worker)
+    wait: float | None = wire(WAIT, default=None)
 
 
 @_body("leave")

@@ -128,6 +128,8 @@ class RecoveryController:
         self.metrics = metrics
         self.clock = clock
         self.lifecycle = Lifecycle()
+        #: called at every change of phase (the service wakes the heartbeats it holds)
+        self.on_phase: Callable[[], None] | None = None
         self.health = PsHealth(len(self.ps), cfg.heartbeat_timeout, clock())
         #: the chief is shutting the PS down at the run's end: none is failed over
         self.ps_shutting_down = False
@@ -182,6 +184,8 @@ class RecoveryController:
         after = self.lifecycle.handle(event)
         if after is not before:
             log.debug("cluster %s -> %s (%s)", before.value, after.value, event.value)
+            if self.on_phase is not None:
+                self.on_phase()
         return after
 
     # ------------------------------------------------------------------ training

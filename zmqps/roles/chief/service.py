@@ -117,8 +117,12 @@ class ChiefService:
         self.shutdown_requested = asyncio.Event()
         #: the signal (SIGTERM, SIGINT) that asked for the shutdown, if one did
         self.stop_signal: signal.Signals | None = None
-        #: the run is over and its summary written: heartbeats tell every task
-        self.finished = False
+        #: held heartbeats of workers waiting for the run's end, by index (at most one
+        #: each), and what wakes them (:meth:`_tell_held_beats`)
+        self._held_beats: dict[int, asyncio.Future[None]] = {}
+        self._news = asyncio.Event()
+        self._finished = False
+        self.recovery.on_phase = self._tell_held_beats
         #: why the run failed although it ended in order (non-finite values): the
         #: chief's exit says so (:class:`RunFailed`); empty when it did not
         self.failure = ""
@@ -258,11 +262,18 @@ class ChiefService:
                 req.examples,
                 req.nonfinite,
             )
-            if self.finished:
-                self.members.workers[who.index].told_finished = True
             if req.nonfinite:
                 self._nonfinite_heard(who.index, req.step)
-        beat = o.HeartbeatReply(
+            w = self.members.workers[who.index]
+            ends = self.finished or self.shutdown_requested.is_set() or self.recovery.recovering
+            if req.wait and w.done and w.waits and not ends:
+                return self._hold_beat(msg, who, req.wait)
+        return reply(msg, self._beat(who).to_wire())
+
+    def _beat(self, who: o.Who) -> o.HeartbeatReply:
+        if who.role == "worker" and self.finished:
+            self.members.workers[who.index].told_finished = True
+        return o.HeartbeatReply(
             global_step=self.global_step,
             gen=self.recovery.gen,
             recovering=self.recovery.recovering,
@@ -275,7 +286,47 @@ class ChiefService:
             # sent once a fail-over moved a PS state (epoch 1 on)
             epoch=self.variables.placement.epoch or None if self.variables.placement else None,
         )
-        return reply(msg, beat.to_wire())
+
+    async def _hold_beat(self, msg: Message, who: o.Who, wait: float) -> Message:
+        """The heartbeat of a worker that waits for the run's end, answered when the
+        run finishes, stops or changes phase (a restore), or after ``wait`` seconds
+        (at most one heartbeat interval): the worker hears of the end at once instead
+        of at its next heartbeat. One held per worker: a newer one answers the older."""
+        prior = self._held_beats.pop(who.index, None)
+        if prior is not None and not prior.done():
+            prior.set_result(None)
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._held_beats[who.index] = mine
+        news = asyncio.ensure_future(self._news.wait())
+        stop = asyncio.ensure_future(self.shutdown_requested.wait())
+        try:
+            await asyncio.wait(
+                [news, stop, mine],
+                timeout=min(wait, self.cfg.heartbeat_interval),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            news.cancel()
+            stop.cancel()
+            if self._held_beats.get(who.index) is mine:
+                del self._held_beats[who.index]
+        return reply(msg, self._beat(who).to_wire())
+
+    @property
+    def finished(self) -> bool:
+        """The run is over and its summary written: heartbeats tell every task."""
+        return self._finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        self._finished = value
+        self._tell_held_beats()
+
+    def _tell_held_beats(self) -> None:
+        """Something a worker waiting for the run's end must hear changed: every held
+        heartbeat is answered now."""
+        news, self._news = self._news, asyncio.Event()
+        news.set()
 
     def _nonfinite_heard(self, index: int, step: int) -> None:
         """Worker ``index`` skipped a step as not finite, or stopped at one. With no

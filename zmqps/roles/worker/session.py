@@ -389,8 +389,12 @@ class Session:
         interval = self.info.heartbeat_interval if self.info is not None else 1.0
         silence = max(10.0, LINGER_SILENCE * interval)
         while not stop():
+            sent = time.monotonic()
+            # the chief holds this heartbeat until the run's end (or a restore), one
+            # interval at most: the end is heard at once, not at the next heartbeat
+            beat_body = {**self._beat(), "wait": interval}
             try:
-                rep = await self.chief.request("heartbeat", self._beat(), timeout=2.0)
+                rep = await self.chief.request("heartbeat", beat_body, timeout=interval + 2.0)
             except DeadlineExceeded:
                 if time.monotonic() - self.last_contact > silence:
                     log.warning("%s: no word from the chief for %.0fs: leaving", self.name, silence)
@@ -410,7 +414,9 @@ class Session:
                 if self.rewind is not None and self.rewind < position:
                     self.start_heartbeats(interval)
                     return self.rewind
-            await asyncio.sleep(interval)
+            # an answer held the whole interval goes on at once; one answered early
+            # (nothing to hold for, or a chief that does not hold) waits the rest
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - sent)))
         return None
 
     async def close(self) -> None:
