@@ -248,7 +248,7 @@ class ChiefService:
         _, skip, last = await self.recovery.admit(who, req.steps_planned or 0, req.steps_done)
         return reply(msg, self._info(skip, last).to_wire())
 
-    def _op_heartbeat(self, msg: Message, req: o.Heartbeat) -> Message:
+    def _op_heartbeat(self, msg: Message, req: o.Heartbeat) -> Message | Awaitable[Message]:
         who = req.who
         if who.role != "worker":
             self._heard_evaluator(who)
@@ -299,9 +299,10 @@ class ChiefService:
         self._held_beats[who.index] = mine
         news = asyncio.ensure_future(self._news.wait())
         stop = asyncio.ensure_future(self.shutdown_requested.wait())
+        wakes: list[asyncio.Future[Any]] = [news, stop, mine]
         try:
             await asyncio.wait(
-                [news, stop, mine],
+                wakes,
                 timeout=min(wait, self.cfg.heartbeat_interval),
                 return_when=asyncio.FIRST_COMPLETED,
             )
