@@ -29,7 +29,7 @@ from zmqps.roles.client import Delivery, ParameterClient
 from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.roles.ps import PSService
-from zmqps.roles.ps.replica import Primary
+from zmqps.roles.ps.replica import Backup, Primary
 from zmqps.roles.ps.slots import MAX_COPIES, PSSlots
 from zmqps.transport.base import Requester
 from zmqps.transport.fake import FakeNetwork
@@ -932,3 +932,37 @@ def test_an_entry_whose_send_fails_is_applied_and_sent_again() -> None:
         await primary.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("copies", [2, 3])
+def test_a_backup_keeps_only_the_entries_another_copy_may_lack(copies: int) -> None:
+    """A backup keeps the entries a promotion may have to send to the other backups:
+    those after the last one every in-sync backup applied (the primary says which,
+    with each entry). With two copies there is no other backup, so it keeps none of
+    the gradients it applied (they held a whole log's worth of memory, 1 GiB); with
+    three it keeps at most the batch in flight."""
+
+    async def body() -> None:
+        c = Cluster(3, copies)
+        await c.create()
+        w = c.worker("worker:0")
+        rng = np.random.default_rng(3)
+        for k in range(20):
+            await w.pull()
+            grads = {v.name: rng.standard_normal(v.shape).astype(np.float32) for v in (W, B)}
+            assert await w.push(grads, step=k)
+        await c.settle()
+        kept = {}
+        for ps in range(3):
+            for slot in range(3):
+                role = c.slots[ps].role(slot)
+                if isinstance(role, Backup):
+                    assert role.log.applied >= 20
+                    kept[ps, slot] = [e.index for e in role.log.kept]
+        assert len(kept) == 3 * (copies - 1)
+        # each entry says what was committed before it: the last one or two are kept
+        # (the pushes came one at a time), not the 20 applied
+        assert all(len(k) <= 2 for k in kept.values()), kept
+        c.check_copies()
+
+    run(body(), 30.0)

@@ -347,3 +347,19 @@ def test_a_shard_whose_every_copy_died_is_lost() -> None:
     out = fail_over(before, {0, 1}, {})
     assert sorted(out.lost) == [s.id for s in before.shards]
     assert not out.promoted
+
+
+def test_a_backup_keeps_only_what_another_backup_may_lack() -> None:
+    r = ReplicaLog(term=1)
+    for i in range(1, 6):
+        assert r.offer(Entry(i, 1, "x", 10)) is Offer.APPLY
+    r.forget(3)  # every in-sync backup has 1..3: only 4 and 5 may be needed
+    assert [e.index for e in r.kept] == [4, 5] and r._kept_bytes == 20
+    promoted = r.promote(2, {"c": 3})
+    assert promoted.backups["c"].acked == 3 and not promoted.dropped
+    assert [e.index for e in promoted.to_send("c")] == [4, 5]
+    r2 = ReplicaLog(term=1)
+    r2.offer(Entry(1, 1, "x", 10))
+    r2.forget(1)  # two copies: the primary's only backup keeps nothing
+    assert not r2.kept and r2._kept_bytes == 0
+    assert not r2.promote(2, {}).entries

@@ -315,6 +315,13 @@ class ReplicaLog:
             self._kept_bytes -= self.kept.popleft().nbytes
         return Offer.APPLY
 
+    def forget(self, committed: int) -> None:
+        """Every in-sync backup applied the entries up to ``committed``: none of them
+        is needed should this copy be promoted (the others hold them), so they are
+        not kept (a backup of two copies keeps none)."""
+        while self.kept and self.kept[0].index <= committed:
+            self._kept_bytes -= self.kept.popleft().nbytes
+
     def fence(self, term: int) -> None:
         """A new primary of ``term`` was chosen: entries of older terms are refused
         from now on (one from the replaced primary, still in flight)."""

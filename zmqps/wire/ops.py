@@ -503,6 +503,10 @@ class Replicate(Body):
     index: int = wire(Int(1))
     op: str = wire(Str(32))
     body: Mapping[str, Any] = wire(AnyMap())
+    #: every in-sync backup applied the entries up to this one (as the primary knows):
+    #: the backup keeps only the entries after it, those another backup may lack
+    #: should this one be promoted
+    committed: int | None = wire(COUNT, default=None)
 
 
 @dataclass(frozen=True)

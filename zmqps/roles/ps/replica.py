@@ -501,7 +501,7 @@ class Primary:
             return
         for e in self.log.to_send(name):
             op, body, tensors = e.payload
-            wire = o.Replicate(e.term, e.index, op, body).to_wire()
+            wire = o.Replicate(e.term, e.index, op, body, self.log.committed).to_wire()
             answer = send_soon(link, "replicate", wire, tensors, timeout=self.ship_timeout)
             task = asyncio.ensure_future(self._answered(backup, e, answer))
             inflight.add(task)
@@ -675,6 +675,8 @@ class Backup:
                 f"ps {self.slot}'s copy follows term {self.log.term}; the entry is of term"
                 f" {req.term} (a primary since replaced)"
             )
+        if req.committed is not None:
+            self.log.forget(min(req.committed, self.log.applied))
         if offer is Offer.GAP:
             return reply(msg, o.Replicated(self.log.applied, gap=True).to_wire())
         if offer is Offer.APPLY:
