@@ -11,6 +11,15 @@ the heap, and up to 256 MiB of free heap are kept), which is what
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` would do from the
 environment, but from inside the process.
 
+It also keeps one arena for every thread (``MALLOC_ARENA_MAX=1``). ZeroMQ's I/O
+thread allocates every frame received; in an arena of its own those come from
+heaps of at most 64 MiB, and a heap emptied is unmapped whatever the trim
+threshold: a PS receiving more than one heap's worth per step (a push and a
+backup's entry) mapped a fresh heap and faulted on every page of it, each step
+(626,000 page faults in a 20-step dense bench with two copies, 160,000 with one
+arena; its system time fell by 40 %). The threads allocate a few large blocks
+each, so one arena's lock is not contended.
+
 Rules of this module:
 
 * zmqps' own processes (``zmqps-server``, ``zmqps-worker``, ``zmqps launch``'s
@@ -28,20 +37,24 @@ import ctypes
 import ctypes.util
 import os
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune_malloc"]
+__all__ = ["ARENAS", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune_malloc"]
 
 #: allocations at or above this many bytes are mapped on their own
 MMAP_THRESHOLD = 64 << 20
 #: free bytes at the top of the heap kept rather than returned to the system
 TRIM_THRESHOLD = 256 << 20
+#: arenas the process' threads share
+ARENAS = 1
 _M_TRIM_THRESHOLD = -1  # glibc malloc.h
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 _tuned: bool | None = None
 
 
 def tune_malloc() -> bool:
-    """Raise glibc's mmap and trim thresholds once per process; True if they were."""
+    """Raise glibc's mmap and trim thresholds and keep one arena, once per process;
+    True if it took all three."""
     global _tuned
     if _tuned is not None:
         return _tuned
@@ -56,6 +69,8 @@ def tune_malloc() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     _tuned = bool(
-        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        and mallopt(_M_ARENA_MAX, ARENAS)
     )
     return _tuned

@@ -1,4 +1,5 @@
-"""zmqps.malloc: glibc's thresholds raised once per process, unless told not to."""
+"""zmqps.malloc: glibc's thresholds raised and one arena kept, once per process,
+unless told not to."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_zmqps_malloc_default_leaves_the_allocator_alone(monkeypatch: pytest.Mon
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
-def test_glibc_takes_both_thresholds() -> None:
+def test_glibc_takes_the_thresholds_and_the_arena_count() -> None:
     assert malloc.tune_malloc() is True
     assert malloc.tune_malloc() is True
 
