@@ -142,10 +142,19 @@ def test_mnist_from_idx_files(procs: Reaper, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_secure_cluster_trains_on_curve(procs: Reaper, tmp_path: Path) -> None:
-    launcher, summary_path = _launch(procs, tmp_path, "--secure", "--evaluator")
+    """Every task on CURVE, two copies of each PS state: the PS reach each other with
+    their own client pair (without one no copy was ever made, and the chief exited)."""
+    launcher, summary_path = _launch(
+        procs, tmp_path, "--secure", "--evaluator", "--ps", "2", "--replication", "2"
+    )
     launcher.expect_exit(0, timeout=110)
     summary = read_json(summary_path)
     assert summary["test_accuracy"] >= 0.95, summary
+    assert summary["restarts"] == [], summary["restarts"]
+    assert summary["replication"]["copies_failed"] == 0, summary["replication"]
+    for ps, other in ((0, 1), (1, 0)):
+        text = (tmp_path / "run" / f"ps{ps}.log").read_text()
+        assert f"holding a backup of ps {other}'s state" in text, ps
     run = tmp_path / "run"
     keys = run / "keys"
     assert (keys / "server.key_secret").stat().st_mode & 0o777 == 0o600

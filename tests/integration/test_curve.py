@@ -28,7 +28,7 @@ from zmqps.transport import Client, CurveKeys, Server, SocketOptions, keygen, lo
 from zmqps.transport.security import DOMAIN, AuthenticatorNotRunning, InsecureKeyFile
 from zmqps.transport.server import _is_loopback
 from zmqps.wire import Message, reply
-from zmqps.wire.errors import ConfigError, DeadlineExceeded
+from zmqps.wire.errors import ConfigError, DeadlineExceeded, ZmqpsError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -244,7 +244,7 @@ def test_keygen_writes_secret_keys_0600_whatever_the_umask(tmp_path: Path) -> No
     )
     assert out.returncode == 0, out.stderr
     root = tmp_path / "k"
-    names = ["server", "chief", "evaluator", "status", "worker0", "worker1"]
+    names = ["server", "chief", "ps", "evaluator", "status", "worker0", "worker1"]
     for name in names:
         assert (root / f"{name}.key_secret").stat().st_mode & 0o777 == 0o600, name
         assert (root / f"{name}.key").stat().st_mode & 0o777 == 0o644, name
@@ -327,3 +327,128 @@ def test_keys_from_the_environment(procs: Reaper, tmp_path: Path) -> None:
     ps = procs.spawn(argv, name="ps", env={"ZMQPS_KEYS": str(tmp_path / "k")})
     ps.expect_exit(2, timeout=30)
     assert "readable by group/others" in ps.stderr
+
+
+def test_a_curve_server_names_each_client_by_its_allow_list_entry(tmp_path: Path) -> None:
+    """The authenticated name of the sender (``Message.peer``) is the allow-list's
+    name for its key, never something a client sends: the PS binds the replication
+    ops to it. A worker's key sending ``replicate``, ``install``, ``join`` or
+    ``replica`` is refused, naming the key; a PS's and the chief's pass that check."""
+    from zmqps.roles.ps import PSService
+    from zmqps.roles.ps.slots import PSSlots
+    from zmqps.wire.errors import InvalidArgument, NotPrimary
+
+    root = tmp_path / "keys"
+    keygen(root)
+    server_keys = load_keys(root, "ps", 0, serve=True, connect=False)
+
+    def client_keys(role: str) -> CurveKeys:
+        return load_keys(root, role, 0, serve=False, connect=True)
+
+    seen: list[str] = []
+    slots = PSSlots(PSService(0), make_copy=lambda slot: PSService(slot), link=None)
+
+    def handler(msg: Message) -> Any:
+        seen.append(msg.peer)
+        if msg.op == "ping":
+            return reply(msg, {"pong": True})
+        return slots(msg)
+
+    async def ask(
+        ctx: zmq.asyncio.Context, endpoint: str, role: str, op: str, body: dict[str, Any]
+    ) -> Any:
+        client = Client(
+            ctx,
+            endpoint,
+            f"{role}-{time.monotonic_ns()}",
+            options=SocketOptions(linger_ms=0, curve=client_keys(role)),
+            timeout=2.0,
+            slot=0 if op in ("replicate", "install") else None,
+        )
+        try:
+            return (await client.request(op, body)).body
+        finally:
+            await client.close()
+
+    replicate = {
+        "term": 1,
+        "index": 1,
+        "op": "sync_config",
+        "body": {"mode": "async", "required": 1},
+    }
+    install = {"term": 1, "index": 1, "part": 0, "last": False, "items": []}
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(
+            ctx, LOCAL, handler, name="ps0", options=SocketOptions(linger_ms=0, curve=server_keys)
+        )
+        try:
+            endpoint = server.bind()
+            server.start()
+            for role in ("worker", "ps", "chief", "evaluator"):
+                assert await ask(ctx, endpoint, role, "ping", {}) == {"pong": True}
+            assert seen == ["worker", "ps", "chief", "evaluator"]
+            for role in ("worker", "evaluator", "status", "chief"):
+                for op, body in (("replicate", replicate), ("install", install)):
+                    with pytest.raises(
+                        InvalidArgument, match=f"refused from the key named '{role}'"
+                    ):
+                        await ask(ctx, endpoint, role, op, body)
+            join = {"slot": 0, "term": 1, "ps": 1, "endpoint": "127.0.0.1:1"}
+            replica = {"slot": 0, "term": 1, "primary": False, "backups": []}
+            for role in ("worker", "ps"):
+                for op, body in (("join", join), ("replica", replica)):
+                    with pytest.raises(
+                        InvalidArgument, match=f"refused from the key named '{role}'"
+                    ):
+                        await ask(ctx, endpoint, role, op, body)
+            # the right keys pass the check (and meet the protocol's own: no backup here)
+            with pytest.raises(NotPrimary, match="not a backup"):
+                await ask(ctx, endpoint, "ps", "replicate", replicate)
+            with pytest.raises(ZmqpsError) as other:
+                await ask(ctx, endpoint, "chief", "join", join)
+            assert "refused from the key" not in str(other.value), other.value
+        finally:
+            await server.stop()
+            ctx.term()
+
+    run(main)
+
+
+def test_a_ps_without_its_client_pair_refuses_copies_saying_why(tmp_path: Path) -> None:
+    """A keys folder without ``ps.key_secret`` (made by an older zmqps): the PS still
+    serves (its client pair is loaded only when present), and asked to copy its state
+    to another PS it refuses with an error naming the file, never a configuration
+    error (which made the chief exit)."""
+    from zmqps.roles.configs import PSConfig
+    from zmqps.roles.ps import PSService
+    from zmqps.roles.ps.serve import ps_slots
+    from zmqps.wire.errors import InvalidArgument
+
+    root = tmp_path / "keys"
+    keygen(root)
+    for f in ("ps.key", "ps.key_secret", "allowed/ps.key"):
+        (root / f).unlink()
+    keys = load_keys(root, "ps", 0, serve=True, connect=False, connect_if_present=True)
+    assert keys.serves and not keys.connects
+    with_pair = tmp_path / "new"
+    keygen(with_pair)
+    assert load_keys(
+        with_pair, "ps", 0, serve=True, connect=False, connect_if_present=True
+    ).connects
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            cfg = PSConfig(0, "127.0.0.1:0")
+            slots = ps_slots(cfg, ctx, PSService(0), SocketOptions(curve=keys))
+            assert slots._link is not None
+            with pytest.raises(
+                InvalidArgument, match=r"no client key pair for a PS \(ps.key_secret\)"
+            ):
+                slots._link(1, "tcp://127.0.0.1:1", 0)
+        finally:
+            ctx.term()
+
+    run(main)

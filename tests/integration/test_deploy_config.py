@@ -467,7 +467,8 @@ def test_each_role_mounts_the_keys_it_needs(tmp_path: Path) -> None:
         (container,) = spec["containers"]
         args = _build().parse_args(container["args"])
         role = "worker" if args.command == "worker" else workload.removeprefix("zmqps-")
-        serve, connect = role in ("chief", "ps"), role != "ps"
+        # a PS connects too: to the other PS whose states it holds copies of
+        serve, connect = role in ("chief", "ps"), True
         load_keys(out, role, index, serve=serve, connect=connect)  # raises if unusable
         if role == "chief":  # `kubectl exec zmqps-chief-0 -- zmqps status` (README)
             load_keys(out, "status", None, serve=False, connect=True)

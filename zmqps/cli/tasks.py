@@ -196,14 +196,24 @@ def evaluator_config(args: argparse.Namespace, cluster: ClusterSpec) -> Evaluato
 # ------------------------------------------------------------------ running a task
 
 
-def _options(task: TaskConfig, role: str, index: int | None, serve: bool, connect: bool) -> Any:
+def _options(
+    task: TaskConfig,
+    role: str,
+    index: int | None,
+    serve: bool,
+    connect: bool,
+    connect_if_present: bool = False,
+) -> Any:
     from zmqps.config import keys_dir
     from zmqps.transport import SocketOptions, load_keys
 
     folder = keys_dir(task.keys)
     if folder is None:
         return None
-    return SocketOptions(curve=load_keys(folder, role, index, serve=serve, connect=connect))
+    keys = load_keys(
+        folder, role, index, serve=serve, connect=connect, connect_if_present=connect_if_present
+    )
+    return SocketOptions(curve=keys)
 
 
 def run_task(task: TaskConfig) -> int:
@@ -214,7 +224,8 @@ def run_task(task: TaskConfig) -> int:
     if task.ps is not None:
         from zmqps.roles.ps import run_ps
 
-        return run_ps(task.ps, _options(task, "ps", task.ps.index, True, False))
+        # its client pair, to hold copies of other PS's states (--replication)
+        return run_ps(task.ps, _options(task, "ps", task.ps.index, True, False, True))
     if task.chief is not None:
         options = _options(task, "chief", 0, True, True)
         if task.chief.driver is not None:

@@ -20,6 +20,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from zmqps.logs import RateLimitedLog
@@ -94,9 +95,13 @@ class Dispatcher:
         self.limits = limits or Limits()
         self.clock_skew = clock_skew
 
-    def dispatch(self, frames: Sequence[Any], peer: object = "") -> Outcome:
+    def dispatch(self, frames: Sequence[Any], peer: object = "", user: str = "") -> Outcome:
+        """Serve one request; ``user``: the authenticated name of its sender (CURVE),
+        handed to the handler as :attr:`Message.peer`."""
         try:
             msg = decode(frames, self.limits)
+            if user:
+                msg = replace(msg, peer=user)
         except ProtocolError as exc:
             self.stats.bad_messages += 1
             if self.observer is not None:  # op "unknown": a bad message names no op we trust

@@ -4,7 +4,7 @@ Layout of a keys folder (``zmqps keygen DIR``)::
 
     DIR/server.key            0644  the cluster's server public key (every task)
     DIR/server.key_secret     0600  its secret key (chief and PS only)
-    DIR/<client>.key          0644  a client's public key (chief, worker, evaluator, status;
+    DIR/<client>.key          0644  a client's public key (chief, ps, worker, evaluator, status;
     DIR/<client>.key_secret   0600    or one per task: worker0, worker1, ...)
     DIR/allowed/<client>.key  0644  the allow-list: public keys of the clients servers accept
 
@@ -63,7 +63,9 @@ log = logging.getLogger("zmqps.security")
 #: The ZAP domain of every zmqps server socket and of its authenticator (must match exactly).
 DOMAIN = "zmqps"
 #: Roles that connect as clients and so get a client key pair (the PS only serve).
-CLIENT_ROLES = ("chief", "worker", "evaluator", "status")
+#: the client pairs ``zmqps keygen`` writes; a PS connects as ``ps`` to the other PS whose
+#: states it holds copies of (``--replication``)
+CLIENT_ROLES = ("chief", "ps", "worker", "evaluator", "status")
 SERVER = "server"
 ALLOWED = "allowed"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -235,10 +237,13 @@ def load_keys(
     *,
     serve: bool,
     connect: bool,
+    connect_if_present: bool = False,
 ) -> CurveKeys:
     """The keys a task of ``role`` needs from a keys folder: the server pair and the
     allow-list when it ``serve``-s, its client pair when it ``connect``-s (the server
-    public key always). Every problem is one :class:`ConfigError` line."""
+    public key always), or, ``connect_if_present``, when the folder has one (a PS:
+    it connects only to hold copies, and a folder made before PS had pairs has
+    none). Every problem is one :class:`ConfigError` line."""
     root = Path(directory)
     if not root.is_dir():
         raise ConfigError(f"CURVE: keys folder {root} not found (make one with zmqps keygen)")
@@ -255,7 +260,7 @@ def load_keys(
         if not load_certificates(allowed_dir):
             log.warning("CURVE: the allow-list %s is empty: every client is refused", allowed_dir)
         allowed = str(allowed_dir)
-    if connect:
+    if connect or (connect_if_present and _client_file(root, role, index).exists()):
         client_public, client_secret = _pair(_client_file(root, role, index))
     return CurveKeys(
         server_public=server_public,
@@ -281,6 +286,15 @@ class _Authenticator(AsyncioAuthenticator):
         self.listeners: list[DenialListener] = []
         self._request: list[bytes] = []
         self._denials = RateLimitedLog(log, LOG_EVERY_S)  # per address, bounded
+        #: z85 public key -> its name on the allow-list (the file's, ``ps.key``: ``ps``)
+        self.names: dict[bytes, str] = {}
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        """The user id of an admitted client: its allow-list name (``chief``, ``ps``,
+        ``worker3``), which servers bind the ops only PS and chief send to; its key
+        (z85) when no file names it."""
+        key = z85.encode(client_public_key)
+        return self.names.get(key, key.decode())
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         self._request = msg
@@ -338,7 +352,21 @@ def _start(ctx: zmq.asyncio.Context, allowed_dir: str) -> _Authenticator:
     auth = _Authenticator(ctx)
     auth.start()
     auth.configure_curve(domain=DOMAIN, location=allowed_dir)
+    auth.names = allowed_names(allowed_dir)
     return auth
+
+
+def allowed_names(allowed_dir: str | os.PathLike[str]) -> dict[bytes, str]:
+    """Each public key (z85) on the allow-list and its name (the file's, without
+    ``.key``); a key in two files keeps the first name in sorted order."""
+    names: dict[bytes, str] = {}
+    for path in sorted(Path(allowed_dir).glob("*.key")):
+        try:
+            public, _ = load_certificate(path)
+        except (OSError, ValueError):
+            continue  # configure_curve skipped it too: no client has that key
+        names.setdefault(public, path.stem)
+    return names
 
 
 #: How the authenticator is started; tests replace it to check the daemon refuses to

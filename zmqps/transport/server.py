@@ -320,7 +320,10 @@ class Server:
         self.stats.bytes_in += received
         if self._observer is not None:
             self._observer.bytes_in(received)
-        outcome = self._dispatcher.dispatch(frames[1:], identity)
+        # the name the allow-list gives the sender's key (the ZAP handler's user id,
+        # carried by every frame of an authenticated connection): never on the wire
+        user = frames[0].get("User-Id") if self._options.curve is not None else ""
+        outcome = self._dispatcher.dispatch(frames[1:], identity, user or "")
         if outcome is None:
             return
         if isinstance(outcome, Message):

@@ -102,7 +102,11 @@ class Message:
     """A request or a reply. ``op`` is a request op, ``"ok"`` or ``"error"``.
 
     ``slot``: which PS state of the receiving process a request is for (a process
-    serves its own and those it backs up); None: the process's own."""
+    serves its own and those it backs up); None: the process's own.
+
+    ``peer``: set by a CURVE server on what it received, the name its allow-list
+    gives the client's key (``chief``, ``ps``, ``worker3``: never on the wire, so
+    no client can claim one); empty without CURVE."""
 
     op: str
     id: int = 0
@@ -111,6 +115,7 @@ class Message:
     tensors: tuple[Tensor, ...] = ()
     deadline: float | None = None
     slot: int | None = None
+    peer: str = ""
 
     @property
     def is_reply(self) -> bool:

@@ -17,6 +17,7 @@ from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import Client, Server, SocketOptions, ZmqContext
 from zmqps.transport.server import MAX_UNREAD, MAX_UNREAD_PER_PEER
 from zmqps.transport.unread import UnreadReplies
+from zmqps.wire.errors import InvalidArgument
 
 __all__ = ["ps_slots", "run_ps", "serve_ps"]
 
@@ -36,6 +37,14 @@ async def serve_ps(
         cfg.index, chunk_bytes=cfg.chunk_bytes, metrics=metrics, checkpoint_dir=cfg.checkpoint_dir
     )
     store = service.store
+    curve = None if options is None else options.curve
+    if curve is not None and not curve.connects:
+        log.warning(
+            "ps %d: %s has no client key pair for a PS (ps.key_secret): this PS cannot"
+            " hold copies of other PS's states (--replication); `zmqps keygen` writes one",
+            cfg.index,
+            curve.source,
+        )
     slots = ps_slots(cfg, ctx, service, options)
     if metrics is not None:
         metrics.watch_states(slots.replication_stats)
@@ -132,6 +141,15 @@ def ps_slots(
         return PSService(slot, chunk_bytes=cfg.chunk_bytes, checkpoint_dir=cfg.checkpoint_dir)
 
     def link(ps: int, endpoint: str, slot: int) -> Client:
+        curve = None if options is None else options.curve
+        if curve is not None and not curve.connects:
+            # refused, not a configuration error: the chief goes on with fewer copies
+            # (under-replicated, shown and alerted on) instead of failing the run
+            raise InvalidArgument(
+                f"ps {cfg.index} cannot hold copies of other PS's states: CURVE is on and"
+                f" {curve.source} has no client key pair for a PS (ps.key_secret); `zmqps"
+                " keygen` writes one (a folder made by an older zmqps lacks it)"
+            )
         return Client(ctx, endpoint, f"ps{cfg.index}:ship{slot}:{ps}", options=options, slot=slot)
 
     return PSSlots(service, make_copy=make_copy, link=link)

@@ -55,6 +55,27 @@ _BACKUP_OPS = frozenset({"ping", "status", "ps_state", "create_shards"})
 LinkFactory = Callable[[int, str, int], Requester]
 
 
+#: the ops of the replication protocol and who alone sends each: the chief tells a PS
+#: which copies it holds (``replica``) and whom to copy its state to (``join``); a
+#: primary sends its entries and copies (``replicate``, ``install``). Under CURVE they
+#: are refused from any other key (a worker's key included): a forged entry would make
+#: a backup differ from its primary, and a fail-over would then serve that.
+PEER_OPS: dict[str, str] = {"replica": "chief", "join": "chief", "replicate": "ps", "install": "ps"}
+
+
+def _check_peer(msg: Message, index: int) -> None:
+    """Refuse ``msg`` unless the allow-list names its sender's key for its op's role
+    (``ps`` also matches per-process names such as ``ps3``)."""
+    role = PEER_OPS[msg.op]
+    name = msg.peer
+    if name == role or (name.startswith(role) and name[len(role) :].isdigit()):
+        return
+    raise InvalidArgument(
+        f"ps {index}: {msg.op} is sent only by {'the chief' if role == 'chief' else 'a PS'};"
+        f" refused from the key named {name!r} on the allow-list"
+    )
+
+
 class PSSlots:
     """A process's PS states by slot; its own is ``own.index``."""
 
@@ -118,6 +139,8 @@ class PSSlots:
         return [self._slots[s] for s in self.slots()]
 
     def __call__(self, msg: Message) -> Message | Awaitable[Message]:
+        if msg.peer and msg.op in PEER_OPS:
+            _check_peer(msg, self.own.index)
         if msg.op == "replica":
             return self._op_replica(msg)
         if msg.op == "join":
