@@ -397,8 +397,15 @@ def test_a_curve_server_names_each_client_by_its_allow_list_entry(tmp_path: Path
                         await ask(ctx, endpoint, role, op, body)
             join = {"slot": 0, "term": 1, "ps": 1, "endpoint": "127.0.0.1:1"}
             replica = {"slot": 0, "term": 1, "primary": False, "backups": []}
+            chief_ops = [
+                ("join", join),
+                ("replica", replica),
+                ("shutdown", {"reason": "a worker's key"}),
+                ("sync_config", {"mode": "sync", "required": 1}),
+                ("create_shards", {"shards": []}),
+            ]
             for role in ("worker", "ps"):
-                for op, body in (("join", join), ("replica", replica)):
+                for op, body in chief_ops:
                     with pytest.raises(
                         InvalidArgument, match=f"refused from the key named '{role}'"
                     ):

@@ -55,12 +55,30 @@ _BACKUP_OPS = frozenset({"ping", "status", "ps_state", "create_shards"})
 LinkFactory = Callable[[int, str, int], Requester]
 
 
-#: the ops of the replication protocol and who alone sends each: the chief tells a PS
-#: which copies it holds (``replica``) and whom to copy its state to (``join``); a
-#: primary sends its entries and copies (``replicate``, ``install``). Under CURVE they
-#: are refused from any other key (a worker's key included): a forged entry would make
-#: a backup differ from its primary, and a fail-over would then serve that.
-PEER_OPS: dict[str, str] = {"replica": "chief", "join": "chief", "replicate": "ps", "install": "ps"}
+#: the ops only the chief or another PS sends, and which: the chief creates shards,
+#: sets the sync mode, takes checkpoints, restores and shuts a PS down, tells it which
+#: copies it holds (``replica``) and whom to copy its state to (``join``); a primary
+#: sends its entries and copies (``replicate``, ``install``). Under CURVE they are
+#: refused from any other key (a worker's included): a forged entry would make a
+#: backup differ from its primary (a fail-over would then serve it), a forged restore
+#: or ``create_shards`` would replace the model.
+PEER_OPS: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "replica",
+            "join",
+            "shutdown",
+            "create_shards",
+            "sync_config",
+            "checkpoint_save",
+            "checkpoint_done",
+            "restore",
+        ),
+        "chief",
+    ),
+    "replicate": "ps",
+    "install": "ps",
+}
 
 
 def _check_peer(msg: Message, index: int) -> None:
