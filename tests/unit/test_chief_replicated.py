@@ -9,6 +9,7 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import numpy as np
+import pytest
 from fake_replicated import chief_on, replicated_config, serve_ps
 
 from zmqps.core.variables import VariableDef
@@ -154,3 +155,28 @@ def test_a_restarted_process_given_a_copy_is_not_failed_over_again() -> None:
         assert rr.failures == 0 and rr.copies == 2  # ps 1 held a primary and a backup
 
     run(body())
+
+
+def test_a_ps_that_cannot_hold_copies_fails_the_start_as_a_configuration_error() -> None:
+    """A PS refuses to ship its state (it cannot reach the others: under CURVE, a keys
+    folder without its client pair): the chief's start fails with a configuration
+    error naming the cause, which no restart would mend, instead of running with
+    fewer copies than asked for."""
+    from zmqps.wire.errors import ConfigError, InvalidArgument
+
+    async def main() -> None:
+        net = FakeNetwork()
+        for i in range(3):
+            slots = serve_ps(net, i, PS[i])
+            if i == 1:
+
+                def refuse(ps: int, endpoint: str, slot: int) -> Any:
+                    raise InvalidArgument("ps 1 cannot hold copies: no client key pair")
+
+                slots._link = refuse
+        chief = chief_on(net, replicated_config(CHIEF, PS, SGD))
+        await chief.start()
+        with pytest.raises(ConfigError, match=r"--replication 2: .*no client key pair"):
+            await chief.create_variables(VARS, dict(SGD))
+
+    run(main())

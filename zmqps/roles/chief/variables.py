@@ -27,7 +27,13 @@ from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.configs import ChiefConfig
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
-from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, ModelMismatch, NotReady
+from zmqps.wire.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    InvalidArgument,
+    ModelMismatch,
+    NotReady,
+)
 
 __all__ = ["TERM", "Variables", "backups_of"]
 
@@ -169,10 +175,16 @@ class Variables:
         await self._create_on(ps, defs, placement, deadline, slot=slot)
 
     async def _replicate(self, ps: int, backups: Sequence[int], deadline: float) -> None:
-        """PS ``ps`` ships what it applies to ``backups``."""
+        """PS ``ps`` ships what it applies to ``backups``. A PS that refuses (it cannot
+        reach the others: no CURVE client pair) fails the run's start as a configuration
+        error: a restart would meet the same refusal, and the run must not go on with
+        fewer copies than asked for."""
         links = tuple((q, self.ps[q].endpoint) for q in backups)
         body = o.ReplicaSet(ps, TERM, primary=True, backups=links).to_wire()
-        await self._until_answered(ps, "replica", body, deadline)
+        try:
+            await self._until_answered(ps, "replica", body, deadline)
+        except InvalidArgument as exc:
+            raise ConfigError(f"--replication {self.cfg.replication}: {exc}") from None
 
     async def _create_on(
         self,
