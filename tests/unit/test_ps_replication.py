@@ -376,7 +376,6 @@ def test_a_backup_refuses_what_only_its_primary_may_serve() -> None:
             await to_copy.request("replicate", {**fence, "op": "status", "body": {}})
         with pytest.raises(ProtocolError, match=r"replicate.body.body: missing field 'shards'"):
             await to_copy.request("replicate", {**fence, "op": "push"})
-        # an entry of an older term (a replaced primary): refused
         # a sync step entry is checked whole: each push it carries is a push
         step = {**fence, "op": "sync_step", "body": {"pushes": [["fence", {}, False]], "data": []}}
         with pytest.raises(ProtocolError, match=r"pushes\[0\]: 'fence' is not a push"):
@@ -386,6 +385,7 @@ def test_a_backup_refuses_what_only_its_primary_may_serve() -> None:
             await to_copy.request("replicate", step)
         with pytest.raises(ProtocolError):  # never a request of its own
             await to_copy.request("sync_step", {"pushes": [], "data": []})
+        # an entry of an older term (a replaced primary): refused
         await c.chief[backup].request("replica", {"slot": s.ps, "term": 5, "primary": False})
         with pytest.raises(FencedError, match="term 1"):
             await to_copy.request("replicate", fence)

@@ -225,7 +225,8 @@ def run_task(task: TaskConfig) -> int:
         from zmqps.roles.ps import run_ps
 
         # its client pair, to hold copies of other PS's states (--replication)
-        return run_ps(task.ps, _options(task, "ps", task.ps.index, True, False, True))
+        options = _options(task, "ps", task.ps.index, True, False, connect_if_present=True)
+        return run_ps(task.ps, options)
     if task.chief is not None:
         options = _options(task, "chief", 0, True, True)
         if task.chief.driver is not None:

@@ -100,8 +100,6 @@ class Dispatcher:
         handed to the handler as :attr:`Message.peer`."""
         try:
             msg = decode(frames, self.limits)
-            if user:
-                msg = replace(msg, peer=user)
         except ProtocolError as exc:
             self.stats.bad_messages += 1
             if self.observer is not None:  # op "unknown": a bad message names no op we trust
@@ -109,6 +107,8 @@ class Dispatcher:
             rid = getattr(exc, "request_id", None)
             log.debug("%s: bad message from %r: %s", self.name, peer, exc)
             return None if rid is None else error_reply(rid, exc)
+        if user:
+            msg = replace(msg, peer=user)
         if msg.is_reply:
             self.stats.bad_messages += 1
             return error_reply(msg.id, ProtocolError("servers accept requests only"))

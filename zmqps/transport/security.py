@@ -62,9 +62,8 @@ log = logging.getLogger("zmqps.security")
 
 #: The ZAP domain of every zmqps server socket and of its authenticator (must match exactly).
 DOMAIN = "zmqps"
-#: Roles that connect as clients and so get a client key pair (the PS only serve).
-#: the client pairs ``zmqps keygen`` writes; a PS connects as ``ps`` to the other PS whose
-#: states it holds copies of (``--replication``)
+#: The client pairs ``zmqps keygen`` writes; a PS connects as ``ps`` to the other PS
+#: whose states it holds copies of (``--replication``).
 CLIENT_ROLES = ("chief", "ps", "worker", "evaluator", "status")
 SERVER = "server"
 ALLOWED = "allowed"

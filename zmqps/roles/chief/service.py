@@ -118,9 +118,8 @@ class ChiefService:
         #: the signal (SIGTERM, SIGINT) that asked for the shutdown, if one did
         self.stop_signal: signal.Signals | None = None
         #: held heartbeats of workers waiting for the run's end, by index (at most one
-        #: each), and what wakes them (:meth:`_tell_held_beats`)
+        #: each), answered by :meth:`_tell_held_beats`
         self._held_beats: dict[int, asyncio.Future[None]] = {}
-        self._news = asyncio.Event()
         self._finished = False
         self.recovery.on_phase = self._tell_held_beats
         #: why the run failed although it ended in order (non-finite values): the
@@ -297,9 +296,8 @@ class ChiefService:
             prior.set_result(None)
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._held_beats[who.index] = mine
-        news = asyncio.ensure_future(self._news.wait())
         stop = asyncio.ensure_future(self.shutdown_requested.wait())
-        wakes: list[asyncio.Future[Any]] = [news, stop, mine]
+        wakes: list[asyncio.Future[Any]] = [stop, mine]
         try:
             await asyncio.wait(
                 wakes,
@@ -307,7 +305,6 @@ class ChiefService:
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
-            news.cancel()
             stop.cancel()
             if self._held_beats.get(who.index) is mine:
                 del self._held_beats[who.index]
@@ -326,8 +323,9 @@ class ChiefService:
     def _tell_held_beats(self) -> None:
         """Something a worker waiting for the run's end must hear changed: every held
         heartbeat is answered now."""
-        news, self._news = self._news, asyncio.Event()
-        news.set()
+        for held in self._held_beats.values():
+            if not held.done():
+                held.set_result(None)
 
     def _nonfinite_heard(self, index: int, step: int) -> None:
         """Worker ``index`` skipped a step as not finite, or stopped at one. With no
