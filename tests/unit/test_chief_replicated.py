@@ -180,3 +180,44 @@ def test_a_ps_that_cannot_hold_copies_fails_the_start_as_a_configuration_error()
             await chief.create_variables(VARS, dict(SGD))
 
     run(main())
+
+
+def test_a_restarted_chief_that_loses_the_last_copy_while_failing_over_restores_once() -> None:
+    """The chief dies with ps 1; ps 1 comes back empty. While the restarted chief fails
+    ps 1's state over to its one backup, that backup dies too: no copy is left. The
+    fail-over restores every PS (a new generation, training restarted); the start
+    ends there, running, and does not decide the start a second time on the restored
+    PS (which took them for a running cluster to adopt, in phase running: a crash)."""
+    from zmqps.core.recovery import Phase
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief = await started(net)
+        placement = chief.placement
+        assert placement is not None
+        backup = next(s.backups[0] for s in placement.shards if s.state == 1)
+        net.remove(CHIEF)
+        net.remove(PS[1])
+        serve_ps(net, 1, PS[1])
+        restarted = chief_on(net, chief.cfg)
+        adopt_gone = restarted.recovery.adopt_gone
+
+        async def backup_dies_first(*args: Any) -> Any:
+            net.remove(PS[backup])  # killed, and restarted empty by its launcher
+            serve_ps(net, backup, PS[backup])
+            return await adopt_gone(*args)
+
+        restarted.recovery.adopt_gone = backup_dies_first  # type: ignore[method-assign]
+        await restarted.start()
+        assert restarted.recovery.phase is Phase.RUNNING
+        st: dict[str, Any] = restarted.status()
+        assert st["gen"] == 1 and len(st["recoveries"]) == 1, st  # one restore, no second
+        after = restarted.placement
+        assert after is not None
+        wh = Homes([net.client(a, "worker:0:1") for a in PS])
+        wh.update(after)
+        w = ParameterClient(wh.links(), after, worker="worker:0", incarnation=1)
+        w.gen = 1
+        assert (await w.pull())["w"].shape == (12, 4)  # every state served again
+
+    run(body())

@@ -272,6 +272,14 @@ class RecoveryController:
             self.homes.update(moved)
             if gone:
                 moved = await self.adopt_gone(moved, orphans, gone)
+                if self.phase is not Phase.STARTING:
+                    # a state's last copy was lost meanwhile (a backup died during the
+                    # fail-over): it restored every PS and training restarted there.
+                    # Deciding the start again would take the restored PS for a
+                    # running cluster to adopt.
+                    self._learn_progress(states)
+                    self.started.set()
+                    return
             states = await self.ps_states(self.cfg.startup_timeout)
         self._learn_progress(states)
         plan = decide_start(states, sync=self.mode.name == "sync")
