@@ -948,3 +948,106 @@ def test_a_held_heartbeat_is_answered_within_one_interval_and_at_a_stop() -> Non
         assert o.HeartbeatReply.parse((await asyncio.wait_for(held, 1.0)).body).stop
 
     run(body())
+
+
+# ---------------------------------------------------------------- the recovery watch
+
+
+def test_a_ps_silent_at_the_end_of_the_run_is_waited_for_and_still_watched() -> None:
+    """A PS stopped (SIGSTOP) while the chief takes the final checkpoint: the end
+    waits for it, in phase finishing, and the PS watch goes on (it used to die of an
+    invalid transition, so a PS then restarted empty was never restored)."""
+    from zmqps.core.recovery import Event, Phase
+
+    async def body() -> None:
+        env = make_env(2, 1, heartbeat_interval=0.05, heartbeat_timeout=0.2)
+        rec = env.chief.recovery
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        rec.handle(Event.ALL_DONE)
+        watch = asyncio.ensure_future(rec.watch_ps())
+        silent = env.net._servers.pop(env.cfg.cluster.ps[1])
+        for _ in range(8):
+            env.clock.now += 0.1
+            await asyncio.sleep(0.06)
+        assert not watch.done() and rec.phase is Phase.FINISHING
+        assert set(rec.health.down) == {1}
+        env.net._servers[env.cfg.cluster.ps[1]] = silent  # SIGCONT
+        for _ in range(4):
+            env.clock.now += 0.05
+            await asyncio.sleep(0.06)
+        assert not watch.done() and rec.health.down == {}
+        watch.cancel()
+
+    run(body())
+
+
+def test_a_shutdown_during_a_restore_stops_without_restarting_training() -> None:
+    """SIGTERM while every PS is being restored: the restore ends and training does not
+    start again (handling 'restored' in phase stopping used to raise)."""
+    from zmqps.core.recovery import Event, Phase
+
+    async def body() -> None:
+        env = make_env(2, 1)
+        rec = env.chief.recovery
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        restore_all = rec.restore_all
+
+        async def stopped_meanwhile(*args: Any) -> int:
+            step = await restore_all(*args)
+            rec.handle(Event.SHUTDOWN)
+            return step
+
+        rec.restore_all = stopped_meanwhile  # type: ignore[method-assign]
+        await rec.restore_lost([1], env.clock(), "ps 1 restarted")
+        assert rec.phase is Phase.STOPPING and rec._training is None
+        # a PS lost while the run stops is not restored
+        await rec.restore_lost([0], env.clock(), "ps 0 restarted")
+        assert rec.phase is Phase.STOPPING and rec.restore_count == 1
+
+    run(body())
+
+
+def test_a_failing_chief_watcher_ends_the_run_with_its_error() -> None:
+    """A background task of the chief that fails (a bug) must not leave the run going
+    on without it: the run is cancelled and the error raised."""
+    from zmqps.roles.chief.serve import _Watchers
+
+    async def body() -> None:
+        watchers = _Watchers()
+        cancelled = asyncio.Event()
+
+        async def run_forever() -> bool:
+            try:
+                await asyncio.Future()
+            finally:
+                cancelled.set()
+            return True
+
+        async def broken() -> None:
+            await asyncio.sleep(0.01)
+            raise RuntimeError("a bug in a watcher")
+
+        async def quiet() -> None:
+            await asyncio.Future()
+
+        watchers.start("quiet one", quiet())
+        watchers.start("broken one", broken())
+        with pytest.raises(RuntimeError, match="a bug in a watcher"):
+            await watchers.unless_one_fails(run_forever())
+        assert cancelled.is_set()
+        watchers.cancel()
+        # a run that ends first is the result; a watcher cancelled is no failure
+        ok = _Watchers()
+        ok.start("quiet one", quiet())
+
+        async def done() -> bool:
+            return True
+
+        assert await ok.unless_one_fails(done()) is True
+        ok.cancel()
+        await asyncio.sleep(0)
+        assert not ok.failed.is_set()
+
+    run(body())

@@ -87,8 +87,14 @@ TRANSITIONS: Mapping[Phase, Mapping[Event, Phase]] = {
     },
     # another PS restarting during a restore starts the restore over
     P.RESTORING: {E.RESTORED: P.RUNNING, E.RESTORE: P.RESTORING, E.SHUTDOWN: P.STOPPING},
-    # a PS lost at the very end: restore, then finish again
-    P.FINISHING: {E.FINISHED: P.STOPPED, E.RESTORE: P.RESTORING, E.SHUTDOWN: P.STOPPING},
+    # a PS lost at the very end: restore, then finish again; one silent at the end:
+    # the end waits for it (its final checkpoint is taken again until the PS answers)
+    P.FINISHING: {
+        E.PS_SILENT: P.FINISHING,
+        E.FINISHED: P.STOPPED,
+        E.RESTORE: P.RESTORING,
+        E.SHUTDOWN: P.STOPPING,
+    },
     P.STOPPING: {E.FINISHED: P.STOPPED, E.SHUTDOWN: P.STOPPING},
     P.STOPPED: {},
 }

@@ -537,8 +537,10 @@ class RecoveryController:
         step = await self.restore_all(reason, ckpt, cursors)
         rewound = self.rewound - rewound
         self.health.expect(boots, self.gen, self.clock())
-        self.handle(Event.RESTORED)
-        self._start_training(step)
+        if self.phase is Phase.RESTORING:
+            self.handle(Event.RESTORED)
+            self._start_training(step)
+        # else a shutdown came meanwhile: the restored values are for its last checkpoint
         if detected_at is not None:
             now = self.clock()
             record = {
@@ -666,6 +668,9 @@ class RecoveryController:
         """PS ``lost`` restarted without their shards: restore every PS."""
         placement = self.variables.placement
         if placement is None:
+            return
+        if not self.lifecycle.can(Event.RESTORE):
+            log.warning("ps %s lost its shards during the %s: not restored", lost, self.phase.value)
             return
         if self.homes is not None and (
             placement.replication > 1 or any(s.slot is not None for s in placement.shards)

@@ -18,6 +18,7 @@ and shuts the PS down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -59,6 +60,53 @@ async def _first(*events: asyncio.Event) -> None:
     finally:
         for w in waits:
             w.cancel()
+
+
+class _Watchers:
+    """The chief's background tasks (watching workers and PS, re-replicating, writing
+    summaries). One that fails is a bug, and the run must not go on without it (a
+    chief that no longer watches its PS waits for ever on one that died): the chief
+    ends with the error, exit code 1, leaving the PS as they are, so that a chief
+    started again (the launcher restarts it) adopts them."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Task[None]] = []
+        self.failed = asyncio.Event()
+        self.error: BaseException | None = None
+
+    def start(self, name: str, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(lambda t: self._ended(name, t))
+        self.tasks.append(task)
+
+    def _ended(self, name: str, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("chief: its %s failed: the chief ends", name, exc_info=exc)
+        if self.error is None:
+            self.error = exc
+        self.failed.set()
+
+    def cancel(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+    async def unless_one_fails(self, run: Awaitable[bool]) -> bool:
+        """``run``'s result; the first watcher's error instead, should one fail first."""
+        running = asyncio.ensure_future(run)
+        failed = asyncio.ensure_future(self.failed.wait())
+        try:
+            await asyncio.wait([running, failed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+        if not running.done():
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+            assert self.error is not None
+            raise self.error
+        return running.result()
 
 
 async def serve_chief(
@@ -113,15 +161,14 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _stop_on, service, sig)
     service.summaries = open_summaries(cfg.logdir, "chief")
-    watchers = [
-        asyncio.ensure_future(service.recovery.watch_workers()),
-        asyncio.ensure_future(service.report_waits()),
-    ]
+    watchers = _Watchers()
+    watchers.start("worker watch", service.recovery.watch_workers())
+    watchers.start("wait reports", service.report_waits())
     if service.summaries is not None:
-        watchers.append(asyncio.ensure_future(service.write_summaries()))
+        watchers.start("summary writer", service.write_summaries())
     failed: list[str] = []  # shutdown steps that failed (each logged with its traceback)
     try:
-        if await _run(service, watchers):
+        if await watchers.unless_one_fails(_run(service, watchers)):
             service.recovery.ps_shutting_down = True
             await _shutdown_ps(ps_clients, cfg.heartbeat_timeout)
         if service.recovery.lifecycle.can(Event.FINISHED):
@@ -129,8 +176,7 @@ async def _serve(
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        for w in watchers:
-            w.cancel()
+        watchers.cancel()
         # every step runs whatever the one before did: a socket left open would hang
         # the context's termination (the process would never exit)
         await _cleanly("recovery", service.recovery.close(), failed)
@@ -187,7 +233,7 @@ async def _cleanly(name: str, step: Awaitable[Any], failed: list[str]) -> None:
         failed.append(name)
 
 
-async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> bool:
+async def _run(service: ChiefService, watchers: _Watchers) -> bool:
     """The run, from the start to its end or a shutdown. False when it never started
     (there are no PS to shut down)."""
     cfg = service.cfg
@@ -205,9 +251,9 @@ async def _run(service: ChiefService, watchers: list[asyncio.Task[None]]) -> boo
     except RunFinished as e:
         _ended_before(service, e)
         return False
-    watchers.append(asyncio.ensure_future(recovery.watch_ps()))
+    watchers.start("PS watch", recovery.watch_ps())
     if recovery.rereplicator is not None:
-        watchers.append(asyncio.ensure_future(recovery.rereplicator.run()))
+        watchers.start("re-replication", recovery.rereplicator.run())
     await _create_job_variables(service)
     while True:
         await _first(service.all_done, service.shutdown_requested, recovery.training_failed)
