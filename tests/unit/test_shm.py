@@ -229,6 +229,31 @@ def test_falls_back_to_tcp_when_the_ps_cannot_map_the_region() -> None:
     run(body())
 
 
+def test_a_ps_that_no_longer_knows_the_workers_regions_is_sent_to_again_and_reattached() -> None:
+    """The process serving a PS state forgot this worker's shared memory (it restarted
+    and the state came back to it, or moved away and back, between two requests): the
+    request is refused before anything changes, sent again by TCP, applied once, and
+    the next one attaches shared memory afresh."""
+
+    async def body() -> None:
+        c = await make_cluster(DENSE, 1, 2)
+        client = c.client(shared_memory=True)
+        await client.pull()
+        assert client.transport_of(0) == "shm"
+        svc = c.services[0]
+        svc.regions.close()  # as a new process would be: no region attached
+        g = grads_for(DENSE, seed=3)
+        await client.push(g)
+        assert all(svc.store.get(s).version == 1 for s in svc.store.ids())  # once
+        params = await client.pull()
+        assert client.transport_of(0) == "shm"  # attached again
+        for v in DENSE:
+            want = initial(v) - np.float32(LR) * g[v.name]
+            np.testing.assert_allclose(params[v.name], want, rtol=1e-6)
+
+    run(body())
+
+
 def _attach_body(region: shm.Region, **over: Any) -> dict[str, Any]:
     return {"name": region.name, "size": region.size, "worker": "w", "inc": 0, **over}
 

@@ -47,6 +47,7 @@ from zmqps.wire.errors import (
     InvalidArgument,
     NonFiniteGradient,
     NotFound,
+    NotPrimary,
     ProtocolError,
     RolledBack,
     ZmqpsError,
@@ -497,9 +498,19 @@ class ParameterClient:
                 channel: DenseChannel = TcpChannel(self, ps)
             else:
                 channel = await self._channel(ps, sids)
-            return await channel.transfer(
-                Transfer(op, sids, grads, out, step, versions, cursor, versions_gen, delivery)
-            )
+            t = Transfer(op, sids, grads, out, step, versions, cursor, versions_gen, delivery)
+            try:
+                return await channel.transfer(t)
+            except NotFound as exc:
+                if isinstance(exc, NotPrimary) or not isinstance(channel, ShmChannel):
+                    raise
+                # the process serving PS state ``ps`` does not know this worker's shared
+                # memory (it restarted, or the state moved away and back between two
+                # requests): refused before anything changed. Sent again by TCP; the
+                # next request attaches shared memory afresh.
+                log.info("ps %d: shared memory not known there (%s): set up again", ps, exc)
+                self._channels[ps] = None
+                return await TcpChannel(self, ps).transfer(t)
 
         if len(by_ps) == 1:
             return await one(*next(iter(by_ps.items())))
