@@ -56,7 +56,7 @@ from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
-from zmqps.wire.errors import DeadlineExceeded, NotReady, ZmqpsError
+from zmqps.wire.errors import DeadlineExceeded, NotFound, NotReady, ZmqpsError
 from zmqps.wire.schema import INT64_MAX
 
 if TYPE_CHECKING:
@@ -68,6 +68,10 @@ log = logging.getLogger("zmqps.chief")
 
 #: fail-overs whose details the chief keeps for its status (the count goes on)
 KEEP_FAILOVERS = 8
+#: a restore that fails (a PS stopped or lost again while it ran) is made again, from
+#: every PS's state, this many times in all; then the chief ends with the error and,
+#: restarted, decides its start from what the PS hold
+RESTORE_ATTEMPTS = 3
 
 
 class RunFinished(Exception):
@@ -265,7 +269,7 @@ class RecoveryController:
             probe = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
             if not await self._any_ps_answers(probe):
                 raise RunFinished(latest, summary, f"no PS answered within {probe:g}s")
-        states = await self.ps_states(self.cfg.startup_timeout)
+        states = first = await self.ps_states(self.cfg.startup_timeout)
         moved, orphans, gone = self._copies_of(states) if self.replicated() else (None, [], [])
         if moved is not None:  # each state from its primary, wherever it is now
             assert self.homes is not None
@@ -309,7 +313,13 @@ class RecoveryController:
                 return
             if plan.placement is not None:
                 log.warning("%s: restoring every shard", plan.reason)
-                self.variables.use(Placement.from_wire(plan.placement))
+                self.variables.use(moved or Placement.from_wire(plan.placement))
+                if self.replicated():
+                    # every copy down first, each state back on its own process, at a
+                    # term past any a copy holds: the restore reaches the one that serves
+                    self._terms_past(first)
+                    await self._unreplicate(self.variables.placement)  # type: ignore[arg-type]
+                    states = await self.ps_states(self.cfg.startup_timeout)
                 await self._restore(Event.RESTORE, "chief restart with PS in disagreement", states)
                 return
             ckpt = latest  # verified above, off the event loop (it hashes every file)
@@ -335,6 +345,12 @@ class RecoveryController:
             await self._restore(Event.RESTORE, "start", states, ckpt=ckpt)
         finally:
             self.started.set()
+
+    def _terms_past(self, states: Sequence[dict[str, Any]]) -> None:
+        """Each state's term, at least the highest any process holds a copy at."""
+        for st in states:
+            for slot, _, term, *_ in st.get("roles") or ():
+                self.terms[int(slot)] = max(self.terms.get(int(slot), TERM), int(term))
 
     def _copies_of(
         self, states: Sequence[dict[str, Any]]
@@ -669,15 +685,28 @@ class RecoveryController:
         placement = self.variables.placement
         if placement is None:
             return
-        if not self.lifecycle.can(Event.RESTORE):
-            log.warning("ps %s lost its shards during the %s: not restored", lost, self.phase.value)
-            return
-        if self.homes is not None and (
-            placement.replication > 1 or any(s.slot is not None for s in placement.shards)
-        ):
-            await self._unreplicate(placement)
-        states = await self.ps_states(self.cfg.startup_timeout)
-        await self._restore(Event.RESTORE, reason, states, lost=lost, detected_at=detected_at)
+        for attempt in range(1, RESTORE_ATTEMPTS + 1):
+            if not self.lifecycle.can(Event.RESTORE):
+                break
+            placement = self.variables.placement
+            assert placement is not None
+            try:
+                if self.replicated() or any(s.slot is not None for s in placement.shards):
+                    await self._unreplicate(placement)  # again on a retry: a PS missed it
+                states = await self.ps_states(self.cfg.startup_timeout)
+                if not self.lifecycle.can(Event.RESTORE):
+                    break  # a shutdown meanwhile
+                await self._restore(
+                    Event.RESTORE, reason, states, lost=lost, detected_at=detected_at
+                )
+                return
+            except (DeadlineExceeded, NotFound) as exc:  # NotPrimary is one
+                # a PS stopped or restarted meanwhile, or not yet its state's only copy
+                # again (stopped while the copies were taken down)
+                if attempt == RESTORE_ATTEMPTS:
+                    raise
+                log.warning("restoring every PS failed (%s): once more", exc)
+        log.warning("ps %s lost its shards in phase %s: no restore", lost, self.phase.value)
 
     # ------------------------------------------------------------------ watching the PS
 
@@ -916,19 +945,29 @@ class RecoveryController:
         primary stops shipping (a backup left would keep a copy of before the restore,
         and a later fail-over could promote it), and the states go home."""
         assert self.homes is not None
-        # every state (one with a copy joining but no backup yet too)
+        epoch = placement.epoch + 1
+        processes = self.homes.processes
+
+        async def tell(q: int, body: o.ReplicaSet, what: str) -> None:
+            try:
+                await processes[q].request("replica", body.to_wire(), timeout=2.0)
+            except ZmqpsError as exc:
+                log.warning("ps %d: could not %s ps %d's state: %s", q, what, body.slot, exc)
+
+        # every state (one with a copy joining but no backup yet too), at a newer term:
+        # a copy left of an older one can never be taken for the state's primary
         for state in sorted({s.state for s in placement.shards}):
             home = self.homes.of[state]
-            term = self.terms.get(state, TERM)
-            body = o.ReplicaSet(state, term, primary=True, epoch=placement.epoch + 1)
-            try:
-                await self.homes.processes[home].request("replica", body.to_wire(), timeout=2.0)
-            except ZmqpsError as exc:
-                log.warning("ps %d: could not stop shipping ps %d's state: %s", home, state, exc)
+            term = self.terms[state] = self.terms.get(state, TERM) + 1
+            if home != state:  # served elsewhere since a fail-over: that copy steps down
+                await tell(home, o.ReplicaSet(state, term, False, epoch=epoch), "retire")
+            # the state's own process serves it, the only copy (a backup of it there,
+            # made since the process restarted, promoted: the restore overwrites it)
+            await tell(state, o.ReplicaSet(state, term, True, epoch=epoch), "take back")
         plain = replace(
             placement,
             shards=tuple(replace(s, ps=s.state, backups=(), slot=None) for s in placement.shards),
-            epoch=placement.epoch + 1,
+            epoch=epoch,
         )
         self.variables.use(plain)
         self.homes.update(plain)

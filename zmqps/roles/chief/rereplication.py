@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from zmqps.core.variables import Placement
 from zmqps.roles.chief.variables import TERM
 from zmqps.wire import ops as o
-from zmqps.wire.errors import ZmqpsError
+from zmqps.wire.errors import NotReady, ZmqpsError
 
 if TYPE_CHECKING:
     from zmqps.roles.chief.recovery import RecoveryController
@@ -206,13 +206,19 @@ class Rereplicator:
         why = ""
         info: dict[str, Any] = {}
         try:
-            await processes[target].request(
-                "replica",
-                o.ReplicaSet(state, term, primary=False, make=True).to_wire(),
-                timeout=2.0,
-            )
-            body = o.Join(state, term, target, processes[target].endpoint, self.rate)
-            await processes[primary].request("join", body.to_wire(), timeout=2.0)
+            # begun under the placement's lock: a fail-over or a restore under way
+            # ends first (a copy begun meanwhile would make the target a backup at
+            # the term they fence copies with, its own state included)
+            async with r.placement_lock:
+                if self._moved(state, primary, term) or not self.active():
+                    raise NotReady("the placement changed before the copy began")
+                await processes[target].request(
+                    "replica",
+                    o.ReplicaSet(state, term, primary=False, make=True).to_wire(),
+                    timeout=2.0,
+                )
+                body = o.Join(state, term, target, processes[target].endpoint, self.rate)
+                await processes[primary].request("join", body.to_wire(), timeout=2.0)
             self.current["phase"] = "copying"
             while True:
                 await asyncio.sleep(self.interval)
