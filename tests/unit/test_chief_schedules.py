@@ -60,6 +60,7 @@ def config(replication: int) -> ChiefConfig:
         replication=replication,
         heartbeat_interval=0.05,
         heartbeat_timeout=0.3,
+        startup_timeout=3.0,  # a restore waits this long for every PS, a start too
     )
 
 

@@ -316,8 +316,15 @@ class RecoveryController:
                 self.variables.use(moved or Placement.from_wire(plan.placement))
                 if self.replicated():
                     # every copy down first, each state back on its own process, at a
-                    # term past any a copy holds: the restore reaches the one that serves
+                    # term past any a copy holds: the restore reaches the one that serves;
+                    # the placement at an epoch past any a process was told, or workers
+                    # that heard it would keep the old routes
                     self._terms_past(first)
+                    told = max(int(st.get("epoch") or 0) for st in first)
+                    placement = self.variables.placement
+                    assert placement is not None
+                    if placement.epoch < told:
+                        self.variables.use(replace(placement, epoch=min(told, INT64_MAX - 1)))
                     await self._unreplicate(self.variables.placement)  # type: ignore[arg-type]
                     states = await self.ps_states(self.cfg.startup_timeout)
                 await self._restore(Event.RESTORE, "chief restart with PS in disagreement", states)
@@ -700,9 +707,10 @@ class RecoveryController:
                     Event.RESTORE, reason, states, lost=lost, detected_at=detected_at
                 )
                 return
-            except (DeadlineExceeded, NotFound) as exc:  # NotPrimary is one
-                # a PS stopped or restarted meanwhile, or not yet its state's only copy
-                # again (stopped while the copies were taken down)
+            except (DeadlineExceeded, NotFound, NotReady) as exc:  # NotPrimary: a NotFound
+                # a PS stopped or restarted meanwhile (a restore sent to the process it
+                # replaced is never answered), or not yet its state's only copy again
+                # (stopped while the copies were taken down)
                 if attempt == RESTORE_ATTEMPTS:
                     raise
                 log.warning("restoring every PS failed (%s): once more", exc)
