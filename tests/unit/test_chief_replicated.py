@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from fake_replicated import chief_on, replicated_config, serve_ps
 
-from zmqps.core.variables import VariableDef
+from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.chief import ChiefService
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.homes import Homes
@@ -40,6 +40,14 @@ async def started(net: FakeNetwork) -> ChiefService:
     await chief.start()
     await chief.create_variables(VARS, dict(SGD))
     return chief
+
+
+async def started_with_backup(net: FakeNetwork) -> tuple[ChiefService, Placement, int]:
+    """:func:`started`, its placement, and the process holding ps 1's state's backup."""
+    chief = await started(net)
+    placement = chief.placement
+    assert placement is not None
+    return chief, placement, next(s.backups[0] for s in placement.shards if s.state == 1)
 
 
 def test_a_restarted_chief_adopts_states_moved_by_a_fail_over() -> None:
@@ -90,10 +98,7 @@ def test_a_restarted_chief_fails_over_a_state_whose_primary_died_with_the_last_c
 
     async def body() -> None:
         net = FakeNetwork()
-        chief = await started(net)
-        placement = chief.placement
-        assert placement is not None
-        backup = next(s.backups[0] for s in placement.shards if s.state == 1)
+        chief, placement, backup = await started_with_backup(net)
         wh = Homes([net.client(a, "worker:0:1") for a in PS])
         wh.update(placement)
         w = ParameterClient(wh.links(), placement, worker="worker:0", incarnation=1)
@@ -192,10 +197,7 @@ def test_a_restarted_chief_that_loses_the_last_copy_while_failing_over_restores_
 
     async def body() -> None:
         net = FakeNetwork()
-        chief = await started(net)
-        placement = chief.placement
-        assert placement is not None
-        backup = next(s.backups[0] for s in placement.shards if s.state == 1)
+        chief, _, backup = await started_with_backup(net)
         net.remove(CHIEF)
         net.remove(PS[1])
         serve_ps(net, 1, PS[1])
