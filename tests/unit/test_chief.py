@@ -1051,3 +1051,31 @@ def test_a_failing_chief_watcher_ends_the_run_with_its_error() -> None:
         assert not ok.failed.is_set()
 
     run(body())
+
+
+def test_a_worker_that_heard_a_later_placement_epoch_gets_the_placement_past_it() -> None:
+    """A chief restarted with the process that alone was told the last placement epoch
+    publishes one the workers may have heard already (theirs from the last chief): a
+    worker registering again says its epoch, and the placement is published past it,
+    so that the worker fetches it instead of keeping its old routes."""
+
+    async def body() -> None:
+        env = make_env(2, 1)
+        chief = env.chief
+        await chief.start()
+        await chief.create_variables(VARS, SGD)
+        placement = chief.placement
+        assert placement is not None
+        heard = placement.epoch + 3
+        await call(chief, "register", who(0, epoch=heard))
+        after = chief.placement
+        assert after is not None and after.epoch == heard + 1
+        assert after.shards == placement.shards  # only the epoch moved on
+        beat = o.HeartbeatReply.parse((await call(chief, "heartbeat", who(0, step=0))).body)
+        assert beat.epoch == heard + 1
+        # an older or first registration changes nothing
+        await call(chief, "register", who(0, incarnation=1, epoch=heard - 5))
+        await call(chief, "register", who(0, incarnation=2))
+        assert chief.placement is not None and chief.placement.epoch == heard + 1
+
+    run(body())

@@ -242,6 +242,9 @@ class Register(Body):
     #: an incarnation already running registers again (the chief restarted): the
     #: batches its earlier incarnations did, as it was told when it started
     steps_done: int | None = wire(COUNT, default=None)
+    #: the placement epoch this task last heard of: a restarted chief whose placement
+    #: is not past it publishes it again past it (the task would keep its old routes)
+    epoch: int | None = wire(COUNT, default=None)
 
 
 @_body("heartbeat")

@@ -353,6 +353,23 @@ class RecoveryController:
         finally:
             self.started.set()
 
+    async def publish_past(self, epoch: int) -> None:
+        """A worker registering again heard of placement epoch ``epoch`` (from the
+        last chief): the placement is published past it, or the worker would take it
+        for one it has (an equal epoch too) and keep its old routes. This chief's
+        epoch comes from what the PS were told, and a process told the last one may
+        have restarted with the last chief. Under the placement lock: a fail-over
+        under way publishes past it in turn."""
+        async with self.placement_lock:
+            placement = self.variables.placement
+            if placement is None or epoch < placement.epoch or epoch >= INT64_MAX:
+                return
+            log.info("a worker heard of placement epoch %d: publishing past it", epoch)
+            newer = replace(placement, epoch=epoch + 1)
+            self.variables.use(newer)
+            if self.homes is not None:
+                self.homes.update(newer)
+
     def _terms_past(self, states: Sequence[dict[str, Any]]) -> None:
         """Each state's term, at least the highest any process holds a copy at."""
         for st in states:

@@ -245,6 +245,8 @@ class ChiefService:
             # new cluster on an interrupted run's checkpoint resumes after its batches)
             raise NotReady("the chief is starting (adopting or restoring the PS): register again")
         _, skip, last = await self.recovery.admit(who, req.steps_planned or 0, req.steps_done)
+        if req.epoch is not None:
+            await self.recovery.publish_past(req.epoch)
         return reply(msg, self._info(skip, last).to_wire())
 
     def _op_heartbeat(self, msg: Message, req: o.Heartbeat) -> Message | Awaitable[Message]:

@@ -145,7 +145,9 @@ class Session:
     async def _register(self, connect_timeout: float) -> o.ClusterInfo:
         deadline = time.monotonic() + connect_timeout
         # registering again (the chief restarted): say where this incarnation started
-        body = o.Register(self.who, self.steps_planned, steps_done=self.steps_done).to_wire()
+        body = o.Register(
+            self.who, self.steps_planned, steps_done=self.steps_done, epoch=self.epoch or None
+        ).to_wire()
         while True:
             try:
                 rep = await self.chief.request("register", body, timeout=2.0)
