@@ -320,11 +320,7 @@ class RecoveryController:
                     # the placement at an epoch past any a process was told, or workers
                     # that heard it would keep the old routes
                     self._terms_past(first)
-                    told = max(int(st.get("epoch") or 0) for st in first)
-                    placement = self.variables.placement
-                    assert placement is not None
-                    if placement.epoch < told:
-                        self.variables.use(replace(placement, epoch=min(told, INT64_MAX - 1)))
+                    self._epoch_past(max(int(st.get("epoch") or 0) for st in first))
                     await self._unreplicate(self.variables.placement)  # type: ignore[arg-type]
                     states = await self.ps_states(self.cfg.startup_timeout)
                 await self._restore(Event.RESTORE, "chief restart with PS in disagreement", states)
@@ -361,14 +357,20 @@ class RecoveryController:
         have restarted with the last chief. Under the placement lock: a fail-over
         under way publishes past it in turn."""
         async with self.placement_lock:
-            placement = self.variables.placement
-            if placement is None or epoch < placement.epoch or epoch >= INT64_MAX:
-                return
-            log.info("a worker heard of placement epoch %d: publishing past it", epoch)
-            newer = replace(placement, epoch=epoch + 1)
-            self.variables.use(newer)
-            if self.homes is not None:
-                self.homes.update(newer)
+            if self._epoch_past(epoch):
+                log.info("a worker heard of placement epoch %d: published past it", epoch)
+
+    def _epoch_past(self, epoch: int) -> bool:
+        """The placement published at an epoch past ``epoch`` unless it is already;
+        True when it moved on."""
+        placement = self.variables.placement
+        if placement is None or epoch < placement.epoch or epoch >= INT64_MAX - 1:
+            return False
+        newer = replace(placement, epoch=epoch + 1)
+        self.variables.use(newer)
+        if self.homes is not None:
+            self.homes.update(newer)
+        return True
 
     def _terms_past(self, states: Sequence[dict[str, Any]]) -> None:
         """Each state's term, at least the highest any process holds a copy at."""
