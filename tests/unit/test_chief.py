@@ -1077,5 +1077,10 @@ def test_a_worker_that_heard_a_later_placement_epoch_gets_the_placement_past_it(
         await call(chief, "register", who(0, incarnation=1, epoch=heard - 5))
         await call(chief, "register", who(0, incarnation=2))
         assert chief.placement is not None and chief.placement.epoch == heard + 1
+        # nor one no chief of the run could have published (it would use the epochs up)
+        from zmqps.wire.schema import INT64_MAX
+
+        await call(chief, "register", who(0, incarnation=3, epoch=INT64_MAX - 1))
+        assert chief.placement is not None and chief.placement.epoch == heard + 1
 
     run(body())

@@ -72,6 +72,10 @@ KEEP_FAILOVERS = 8
 #: every PS's state, this many times in all; then the chief ends with the error and,
 #: restarted, decides its start from what the PS hold
 RESTORE_ATTEMPTS = 3
+#: a worker's placement epoch this far past the chief's is none a chief of the run
+#: published (each placement change tells a process; those lost with the last chief
+#: are a few): it is ignored
+EPOCH_GAP = 1 << 16
 
 
 class RunFinished(Exception):
@@ -357,6 +361,12 @@ class RecoveryController:
         have restarted with the last chief. Under the placement lock: a fail-over
         under way publishes past it in turn."""
         async with self.placement_lock:
+            placement = self.variables.placement
+            if placement is not None and epoch > placement.epoch + EPOCH_GAP:
+                # no chief of this run got that far past what the PS were told: a
+                # hostile or broken client's, which would use up the epochs
+                log.warning("a worker says placement epoch %d: not one of this run", epoch)
+                return
             if self._epoch_past(epoch):
                 log.info("a worker heard of placement epoch %d: published past it", epoch)
 
