@@ -1015,3 +1015,39 @@ def test_a_batch_redone_by_a_new_incarnation_after_its_step_went_on_is_not_appli
         assert [svc.pushes.progress("worker:1") for svc in c.services] == [(6, 2)] * 2
 
     run(body())
+
+
+def test_a_leaver_held_by_a_ps_whose_step_is_open_counts_though_another_ps_applied_it() -> None:
+    """N = 2 of M = 3, one variable on each PS. ps0 applies step 0 from workers 0 and 1;
+    on ps1 the step still holds only worker 0's gradient when worker 2 (a backup that
+    never pushed) and then worker 0 leave. Worker 0 must keep counting in M for ps1's
+    open step: the look-up used to give up at the first PS past the step, so M fell to
+    1, N with it, and ps1 applied the step from worker 0 alone; worker 1's gradient then
+    came stale (the load simulator's flaky "ps 1 averaged 27 of 28")."""
+    v0 = VariableDef("v0", (4, 2), init={"name": "normal", "seed": 3})
+    v1 = VariableDef("v1", (3,), init={"name": "normal", "seed": 4})
+
+    async def body() -> None:
+        job = await sync_job(3, 2, variables=(v0, v1), num_shards=1, replicas_to_aggregate=2)
+        assert {job.placement.shards_of(n)[0].ps for n in ("v0", "v1")} == {0, 1}
+        on0, on1 = sorted((v0, v1), key=lambda v: job.placement.shards_of(v.name)[0].ps)
+        for i in (0, 1, 2):
+            await job.token(i)
+        g = {i: grads(i, (v0, v1)) for i in (0, 1)}
+        for i in (0, 1):
+            assert await job.workers[i].push({on0.name: g[i][on0.name]}, step=0)
+        assert await job.workers[0].push({on1.name: g[0][on1.name]}, step=0)
+        await job.leave(2)
+        await job.leave(0)
+        await asyncio.sleep(0.01)
+        assert (await job.status())["replicas_to_aggregate"] == 2
+        assert await job.workers[1].push({on1.name: g[1][on1.name]}, step=0)
+        await until(lambda: job.step == 1, what="the global step")
+        for v in (v0, v1):
+            want = initial(v) - LR * (g[0][v.name] + g[1][v.name]) / 2
+            np.testing.assert_allclose(job.values(v.name), want, rtol=1e-5, atol=1e-6)
+        for svc in job.env.services:
+            assert svc.status()["sync"]["dropped"] == {}
+        await job.close()
+
+    run(body())

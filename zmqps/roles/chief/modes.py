@@ -273,12 +273,14 @@ class SyncMode(ChiefMode):
 
     async def _count_contributions(self, gone: Sequence[int]) -> None:
         """Keep counting, for the current step, the ``gone`` workers whose gradient for
-        it every PS already holds."""
+        it every PS still at that step holds (a PS that applied the step needs nobody:
+        the step may still be open on another, holding the gradients of the gone)."""
         step = self._step
         held = {f"worker:{i}": i for i in gone}
         looking = set(gone) - self.checking
         self.checking |= looking
         self._gone_memo = None
+        still_open = False
         try:
             for c in self.stepping:
                 try:
@@ -286,11 +288,15 @@ class SyncMode(ChiefMode):
                 except ZmqpsError:
                     return
                 sync = rep.body.get("sync") or {}
-                if sync.get("step") != step:
-                    return  # the step is applied (or not known): nothing to wait for
+                at = sync.get("step")
+                if isinstance(at, int) and at > step:
+                    continue  # applied there: that PS waits for nobody
+                if at != step:
+                    return  # not known (e.g. restarted): count nobody
                 got = set(sync.get("contributors", []))
                 held = {name: i for name, i in held.items() if name in got}
-            if self._step == step:
+                still_open = True
+            if self._step == step and still_open:
                 self.counted |= set(held.values())
         finally:
             self.checking -= looking
