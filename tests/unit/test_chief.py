@@ -28,7 +28,7 @@ from zmqps.roles.ps import PSService
 from zmqps.roles.status import format_status
 from zmqps.transport.base import TransportStats
 from zmqps.transport.fake import FakeNetwork
-from zmqps.wire import Message, request
+from zmqps.wire import Message, decode, encode, request
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     ConfigError,
@@ -475,6 +475,46 @@ def test_register_heartbeat_leave() -> None:
         assert env.chief.all_done.is_set()
         assert env.chief.members.workers[1].left_reason == "done"
         assert env.chief.members.all_done_at == 101.0
+
+    run(body())
+
+
+def test_a_workers_counts_past_any_run_are_refused_and_the_sums_stay_int64() -> None:
+    """A heartbeat saying 2**63 - 1 steps (in range for an int64 on the wire) used to
+    become the chief's global step for good, past what its own replies may carry:
+    every worker then failed on the chief's answer and the checkpoints named that
+    step could not be resumed. A task's counts are bounded on the wire, and the sums
+    the chief makes of them stay an int64 whatever the incarnations add up to."""
+
+    def sent(op: str, body: dict[str, Any]) -> None:
+        decode([bytes(memoryview(f)) for f in encode(request(op, body, sender="x"))])
+
+    async def body() -> None:
+        env = make_env(1, num_workers=1)
+        await call(env.chief, "register", who(0, 1))
+        for field_ in ("step", "examples", "nonfinite"):
+            extra = {"step": 1, field_: 2**63 - 1}
+            for op in ("heartbeat", "leave"):
+                with pytest.raises(ProtocolError, match=field_):
+                    sent(op, who(0, 1, **extra))  # what the chief's decoder answers
+            sent("heartbeat", who(0, 1, **{**extra, field_: 2**48}))
+        for op, key in (("register", "steps_done"), ("register", "steps_planned")):
+            with pytest.raises(ProtocolError, match=key):
+                sent(op, who(0, 1, **{key: 2**48 + 1}))
+        with pytest.raises(ProtocolError, match="steps"):
+            sent("fence", {"worker": "worker:0", "inc": 1, "left": True, "steps": 2**63 - 1})
+        assert env.chief.global_step == 0
+        rep = await call(env.chief, "heartbeat", who(0, 1, step=2**48, examples=2**48))
+        assert rep.body["global_step"] == 2**48
+        env.chief.consistency.step_offset = 2**63 - 10  # a restored run's, say
+        rep = await call(env.chief, "heartbeat", who(0, 1, step=2**48))
+        assert rep.body["global_step"] == 2**63 - 1
+        encode(rep)  # a reply the codec (and every worker) takes
+        for inc in range(2, 40):  # incarnations add up; the sums say "at least"
+            await call(env.chief, "register", who(0, inc))
+            await call(env.chief, "heartbeat", who(0, inc, step=2**48, examples=2**48))
+        assert env.chief.members.examples <= 2**63 - 1
+        assert (await call(env.chief, "status")).body["global_step"] == 2**63 - 1
 
     run(body())
 

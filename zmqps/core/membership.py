@@ -36,6 +36,14 @@ UNFINISHED_REASONS = frozenset({"error", "terminated", "nonfinite"})
 #: the incarnation of a worker the chief knows of from the PS only (it left with its
 #: work done before this chief started): any real incarnation is later
 UNKNOWN_INCARNATION = 0
+#: what the chief's sums of the workers' counts stop at: each count is at most
+#: MAX_TALLY, but incarnations add up; past this the sum says "at least" (an int64
+#: every reply can carry, with room for a restored run's offset)
+SUM_CAP = 2**62
+
+
+def _capped(n: int) -> int:
+    return min(n, SUM_CAP)
 
 
 @dataclass
@@ -254,22 +262,24 @@ class Membership:
 
     @property
     def global_step(self) -> int:
-        return sum(w.total_steps for w in self.workers.values())
+        return _capped(sum(w.total_steps for w in self.workers.values()))
 
     @property
     def examples(self) -> int:
         """Examples trained: as the workers said, at least what a restarted chief's
         checkpoint recorded (workers that finished before it started say nothing)."""
-        return max(sum(w.total_examples for w in self.workers.values()), self.examples_carried)
+        return _capped(
+            max(sum(w.total_examples for w in self.workers.values()), self.examples_carried)
+        )
 
     @property
     def nonfinite(self) -> int:
         """Steps whose gradients the PS refused (not finite), every worker's."""
-        return sum(w.total_nonfinite for w in self.workers.values())
+        return _capped(sum(w.total_nonfinite for w in self.workers.values()))
 
     @property
     def steps_planned(self) -> int:
-        return sum(w.steps_planned for w in self.workers.values())
+        return _capped(sum(w.steps_planned for w in self.workers.values()))
 
     @property
     def max_steps_planned(self) -> int:

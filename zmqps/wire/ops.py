@@ -38,6 +38,7 @@ from zmqps.wire.schema import (
     ROLE,
     SHARD,
     SHARD_ID,
+    TALLY,
     VARIABLE,
     AnyList,
     AnyMap,
@@ -237,11 +238,11 @@ class Ping(Body):
 @_body("register")
 class Register(Body):
     who: Who
-    steps_planned: int | None = wire(COUNT, default=None)
+    steps_planned: int | None = wire(TALLY, default=None)
     address: str | None = wire(Str(256), default=None)
     #: an incarnation already running registers again (the chief restarted): the
     #: batches its earlier incarnations did, as it was told when it started
-    steps_done: int | None = wire(COUNT, default=None)
+    steps_done: int | None = wire(TALLY, default=None)
     #: the placement epoch this task last heard of: a restarted chief whose placement
     #: is not past it publishes it again past it (the task would keep its old routes)
     epoch: int | None = wire(COUNT, default=None)
@@ -250,11 +251,11 @@ class Register(Body):
 @_body("heartbeat")
 class Heartbeat(Body):
     who: Who
-    step: int = wire(COUNT)
+    step: int = wire(TALLY)
     loss: float | None = wire(Float(), default=None)
-    examples: int | None = wire(COUNT, default=None)
+    examples: int | None = wire(TALLY, default=None)
     #: steps of this incarnation whose gradients the PS refused (not finite), skipped
-    nonfinite: int | None = wire(COUNT, default=None)
+    nonfinite: int | None = wire(TALLY, default=None)
     #: a worker that left with its work done and waits for the run's end: the chief
     #: may hold the reply this many seconds, answering as soon as the run finishes,
     #: stops or is restored (one held heartbeat per worker)
@@ -264,14 +265,14 @@ class Heartbeat(Body):
 @_body("leave")
 class Leave(Body):
     who: Who
-    step: int = wire(COUNT)
+    step: int = wire(TALLY)
     reason: str | None = wire(Str(256), default=None)
-    examples: int | None = wire(COUNT, default=None)
+    examples: int | None = wire(TALLY, default=None)
     #: the task stays, heartbeating, until the run's end (a restore that takes its
     #: last batches back sends it back to work)
     waits: bool = wire(Bool(), default=False)
     #: steps of this incarnation whose gradients the PS refused (not finite), skipped
-    nonfinite: int | None = wire(COUNT, default=None)
+    nonfinite: int | None = wire(TALLY, default=None)
 
 
 @_body("create_vars")
@@ -432,7 +433,7 @@ class Fence(Body):
     #: the incarnation left with its work done, after ``steps`` batches in all (every
     #: PS keeps it: a restarted chief learns which workers finished)
     left: bool | None = wire(Bool(), default=None)
-    steps: int | None = wire(COUNT, default=None)
+    steps: int | None = wire(TALLY, default=None)
 
 
 @_body("checkpoint_save")

@@ -257,6 +257,11 @@ class Tree(Schema):
 NAME = Str(256)
 ROLE = Str(32)
 COUNT = Int(0, INT64_MAX)
+#: what one task reports of itself (steps, examples, skipped steps): far past any run
+#: (2**48 steps at a million a second is nine years), so that every task's summed by
+#: the chief stays an int64 the replies can carry
+MAX_TALLY = 2**48
+TALLY = Int(0, MAX_TALLY)
 SHARD_ID = Int(0, 2**31 - 1)
 DIM = Int(0, 2**48)
 SHAPE = List(DIM, 8)

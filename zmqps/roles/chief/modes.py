@@ -35,6 +35,7 @@ from zmqps.roles.configs import SyncConfig
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
 from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotPrimary, NotReady, ZmqpsError
+from zmqps.wire.schema import INT64_MAX
 
 __all__ = ["AsyncMode", "ChiefMode", "SspMode", "SyncMode", "make_chief_mode"]
 
@@ -87,6 +88,7 @@ class ChiefMode:
         """Updates applied to the model, as the workers reported them (never less than
         what was known before: a restarted chief starts from what the PS applied)."""
         self._floor = max(self._floor, self.step_offset + self.members.global_step)
+        self._floor = min(self._floor, INT64_MAX)
         return self._floor
 
     @global_step.setter
