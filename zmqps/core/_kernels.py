@@ -12,6 +12,13 @@ Rules of this module:
 * ``bad_sum`` (the value check of pushed gradients) is the one kernel built with a
   fastmath flag, reassociation alone, so that its sum vectorizes; its terms are 0
   or NaN, and NaN survives any order of additions.
+* A gradient may also arrive as bfloat16 (a variable's wire dtype, see
+  :mod:`zmqps.core.lowp`): kernels then take its bits as a ``uint16`` array and read
+  each element through ``_g`` (widened exactly to float32 in the loop: one pass, no
+  converted copy). ``narrow_bf16`` / ``widen_bf16`` convert whole arrays (rounding to
+  nearest even, as every bfloat16 library does; NaN stays NaN), ``add_into`` adds a
+  gradient of either kind into a running sum, ``bad_bits16`` is the value check of
+  bfloat16 bits (an integer maximum: vectorizes without any fastmath flag).
 * numba is imported lazily; :data:`available` says whether it could be.
   No fastmath: results are IEEE-exact like numpy (an FMA would differ in the last bit);
   ``error_model="numpy"`` keeps divisions vectorizable; single-threaded, because
@@ -24,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "kernel"]
+__all__ = ["available", "bits_kernel", "kernel"]
 
 _KERNELS: dict[str, Any] | None = None
 _FAILED = False
@@ -35,18 +42,45 @@ def _build() -> dict[str, Any] | None:
         import numba
     except ImportError:  # pragma: no cover - numba is a dependency; kept for odd platforms
         return None
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic, overload
+
     jit = numba.njit(nogil=True, cache=True, error_model="numpy")
+
+    @intrinsic  # type: ignore[misc]
+    def f32_of_bits(typingctx, u):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return types.float32(types.uint32), codegen
+
+    @intrinsic  # type: ignore[misc]
+    def bits_of_f32(typingctx, x):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.uint32(types.float32), codegen
+
+    def _g(g: Any, i: Any) -> Any:
+        """Element ``i`` of a gradient: as it is, or widened from bfloat16 bits."""
+
+    @overload(_g, inline="always")  # type: ignore[misc]
+    def _g_impl(g, i):  # type: ignore[no-untyped-def]
+        if g.dtype == types.uint16:
+            return lambda g, i: f32_of_bits(np.uint32(g[i]) << np.uint32(16))  # type: ignore[call-arg]
+        return lambda g, i: g[i]
 
     @jit  # type: ignore[misc]
     def sgd(p, g, a, keep):  # type: ignore[no-untyped-def]
         # p = keep * p + a * g   (a = -lr * scale, keep = 1 - lr * wd)
         for i in range(p.shape[0]):
-            p[i] = keep * p[i] + a * g[i]
+            p[i] = keep * p[i] + a * _g(g, i)
 
     @jit  # type: ignore[misc]
     def momentum(p, g, m, lr, mu, scale, wd, nesterov):  # type: ignore[no-untyped-def]
         for i in range(p.shape[0]):
-            gi = scale * g[i] + wd * p[i]
+            gi = scale * _g(g, i) + wd * p[i]
             mi = mu * m[i] + gi
             m[i] = mi
             if nesterov:
@@ -57,7 +91,7 @@ def _build() -> dict[str, Any] | None:
     @jit  # type: ignore[misc]
     def adagrad(p, g, a, lr, eps, scale, wd):  # type: ignore[no-untyped-def]
         for i in range(p.shape[0]):
-            gi = scale * g[i] + wd * p[i]
+            gi = scale * _g(g, i) + wd * p[i]
             ai = a[i] + gi * gi
             a[i] = ai
             p[i] -= lr * gi / (np.sqrt(ai) + eps)
@@ -67,7 +101,7 @@ def _build() -> dict[str, Any] | None:
         # c1 = 1 - beta1, c2 = 1 - beta2, in the parameters' dtype: an int literal here
         # (``1 - b1``) would promote the whole loop to float64 and halve its speed
         for i in range(p.shape[0]):
-            gi = scale * g[i] + wd * p[i]
+            gi = scale * _g(g, i) + wd * p[i]
             mi = m[i] + c1 * (gi - m[i])
             vi = v[i] + c2 * (gi * gi - v[i])
             m[i] = mi
@@ -123,7 +157,49 @@ def _build() -> dict[str, Any] | None:
                 return i
         return -1
 
+    @jit  # type: ignore[misc]
+    def bad_bits16(g, limit_bits):  # type: ignore[no-untyped-def]
+        # bfloat16 bits: |x| is the low 15 bits, ordered as the magnitudes are; NaN and
+        # the infinities are above every finite value: one maximum says it all
+        top = np.uint16(0)
+        for i in range(g.shape[0]):
+            top = max(top, g[i] & np.uint16(0x7FFF))
+        return top >= limit_bits
+
+    @jit  # type: ignore[misc]
+    def first_bad16(g, limit_bits):  # type: ignore[no-untyped-def]
+        for i in range(g.shape[0]):
+            if (g[i] & np.uint16(0x7FFF)) >= limit_bits:
+                return i
+        return -1
+
+    @jit  # type: ignore[misc]
+    def narrow_bf16(src, dst):  # type: ignore[no-untyped-def]
+        # float32 -> bfloat16 bits, to nearest even; a NaN keeps its sign and stays a
+        # (quiet) NaN rather than rounding to an infinity
+        for i in range(src.shape[0]):
+            u = bits_of_f32(src[i])  # type: ignore[call-arg,var-annotated]
+            r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                r = (u >> np.uint32(16)) | np.uint32(0x40)
+            dst[i] = np.uint16(r)
+
+    @jit  # type: ignore[misc]
+    def widen_bf16(src, dst):  # type: ignore[no-untyped-def]
+        for i in range(src.shape[0]):
+            dst[i] = f32_of_bits(np.uint32(src[i]) << np.uint32(16))  # type: ignore[call-arg]
+
+    @jit  # type: ignore[misc]
+    def add_into(acc, g):  # type: ignore[no-untyped-def]
+        for i in range(acc.shape[0]):
+            acc[i] += _g(g, i)
+
     return {
+        "bad_bits16": bad_bits16,
+        "first_bad16": first_bad16,
+        "narrow_bf16": narrow_bf16,
+        "widen_bf16": widen_bf16,
+        "add_into": add_into,
         "first_bad": first_bad,
         "bad_sum": bad_sum,
         "sgd": sgd,
@@ -146,9 +222,18 @@ def available() -> bool:
 
 
 def kernel(name: str, param: np.ndarray[Any, Any]) -> Any:
-    """The fused kernel for optimizer ``name`` (or ``first_bad``, ``bad_sum``) and this
-    parameter (array), or None (numpy path)."""
+    """The fused kernel for optimizer ``name`` (or ``first_bad``, ``bad_sum``,
+    ``add_into``) and this parameter (array), or None (numpy path)."""
     if param.dtype not in (np.float32, np.float64) or not available():
         return None
     assert _KERNELS is not None
     return _KERNELS.get(name)
+
+
+def bits_kernel(name: str) -> Any:
+    """A kernel of bfloat16 bits (``bad_bits16``, ``first_bad16``, ``narrow_bf16``,
+    ``widen_bf16``), or None (numpy path)."""
+    if not available():
+        return None
+    assert _KERNELS is not None
+    return _KERNELS[name]

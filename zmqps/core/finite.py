@@ -19,6 +19,11 @@ Rules of this module:
 * Without (or for float16): a block at a time, its minimum and maximum (numpy's
   vectorized reductions, which keep NaN): only a block with a bad one in it is
   looked at element by element.
+* bfloat16 gradients (a variable's wire dtype, :mod:`zmqps.core.lowp`) are checked
+  on their bits: ``|x|`` is the low 15 bits, ordered as the magnitudes are, with NaN
+  and the infinities above every finite value, so one integer maximum compared with
+  the limit's bits says whether any is bad. Their limit is float32's: the update
+  runs in float32.
 * :func:`first_bad_of` checks all the arrays of one push at once. Given a
   :class:`Parts` runner (the PS's threads) and at least :data:`PARALLEL_BYTES`, their
   vectorized sums are split into ``runner.threads`` parts of equal bytes and summed
@@ -37,6 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from zmqps.core import _kernels
+from zmqps.core.lowp import BFLOAT16
 
 __all__ = ["LIMITS", "PARALLEL_BYTES", "Parts", "first_bad", "first_bad_of", "limit"]
 
@@ -59,7 +65,10 @@ LIMITS: dict[np.dtype[Any], float] = {
     np.dtype(np.float16): 2.0**15,
     np.dtype(np.float32): 2.0**32,
     np.dtype(np.float64): 2.0**256,
+    BFLOAT16: 2.0**32,
 }
+#: the bits of the bfloat16 limit (a power of two: exact)
+_LIMIT_BITS16 = np.uint16(int(np.array(LIMITS[BFLOAT16], np.float32).view(np.uint32)) >> 16)
 
 
 class Parts(Protocol):
@@ -85,6 +94,8 @@ def _scale(dtype: np.dtype[Any]) -> Any:
 def first_bad(a: np.ndarray[Any, Any]) -> int | None:
     """The index of the first NaN, infinity or out-of-range value (``|x| >=
     limit(a.dtype)``) of the 1-D float array ``a``, or None."""
+    if a.dtype == BFLOAT16:
+        return _first_bad16(a)
     n = a.shape[0]
     lim = limit(a.dtype)
     loop = _kernels.kernel("first_bad", a)
@@ -103,16 +114,43 @@ def first_bad(a: np.ndarray[Any, Any]) -> int | None:
     return None
 
 
+def _first_bad16(a: np.ndarray[Any, Any]) -> int | None:
+    """:func:`first_bad` of a bfloat16 array, on its bits."""
+    bits = a.view(np.uint16)
+    big = _kernels.bits_kernel("bad_bits16")
+    if big is not None:
+        if not big(bits, _LIMIT_BITS16):
+            return None
+        i = int(_kernels.bits_kernel("first_bad16")(bits, _LIMIT_BITS16))
+        return None if i < 0 else i
+    bad = np.flatnonzero((bits & np.uint16(0x7FFF)) >= _LIMIT_BITS16)
+    return int(bad[0]) if bad.size else None
+
+
+def _all_good(a: np.ndarray[Any, Any]) -> Callable[[np.ndarray[Any, Any]], bool] | None:
+    """A compiled check that a piece of an array like ``a`` holds no bad value, which
+    releases the GIL (None: none for this dtype)."""
+    if a.dtype == BFLOAT16:
+        big = _kernels.bits_kernel("bad_bits16")
+        if big is None:
+            return None
+        return lambda piece: not big(piece.view(np.uint16), _LIMIT_BITS16)
+    total = _kernels.kernel("bad_sum", a)
+    if total is None:
+        return None
+    k = _scale(a.dtype)
+    return lambda piece: bool(total(piece, k) == 0)
+
+
 def first_bad_of(
     arrays: Sequence[np.ndarray[Any, Any]], parts: Parts | None = None
 ) -> tuple[int, int] | None:
     """``(j, i)``: element ``i`` of ``arrays[j]`` is the first bad value (see
     :func:`first_bad`) of the 1-D float arrays in order, or None when all are good."""
     if parts is not None and parts.threads > 1 and sum(a.nbytes for a in arrays) >= PARALLEL_BYTES:
-        sums = [_kernels.kernel("bad_sum", a) for a in arrays]
-        if all(k is not None for k in sums):
-            scales = [_scale(a.dtype) for a in arrays]
-            calls = [_summer(sums, scales, part) for part in _split(arrays, parts.threads)]
+        checks = [_all_good(a) for a in arrays]
+        if all(c is not None for c in checks):
+            calls = [_checker(checks, part) for part in _split(arrays, parts.threads)]
             if all(parts.run(calls)):
                 return None
     for j, a in enumerate(arrays):
@@ -143,6 +181,6 @@ def _split(arrays: Sequence[np.ndarray[Any, Any]], k: int) -> list[Part]:
     return [p for p in out if p]
 
 
-def _summer(sums: Sequence[Any], scales: Sequence[Any], part: Part) -> Callable[[], bool]:
-    """A call that says whether every piece of ``part`` is good (its sum is 0)."""
-    return lambda: all(sums[j](piece, scales[j]) == 0 for j, piece in part)
+def _checker(checks: Sequence[Any], part: Part) -> Callable[[], bool]:
+    """A call that says whether every piece of ``part`` is good."""
+    return lambda: all(checks[j](piece) for j, piece in part)

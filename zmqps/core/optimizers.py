@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from zmqps.core import _kernels
+from zmqps.core import _kernels, lowp
 from zmqps.wire.errors import InvalidArgument
 
 __all__ = [
@@ -148,7 +148,7 @@ class Optimizer(ABC):
         scale = float(scale)
         fused = _kernels.kernel(self.name, param) if USE_KERNELS else None
         if fused is not None:
-            self._fused(fused, param, grad, slots, step, scale, param.dtype.type)
+            self._fused(fused, param, _kernel_grad(grad), slots, step, scale, param.dtype.type)
             return
         b = max(1, min(n, BLOCK_ELEMS))
         g_buf = scratch[:b]
@@ -166,7 +166,11 @@ class Optimizer(ABC):
             self._update(p, g, {k: v[lo:hi] for k, v in slots.items()}, step, tmp_buf[:m])
 
     def _effective_grad(self, p: Array, grad: Array, g: Array, tmp: Array, scale: float) -> None:
-        np.multiply(grad, scale, out=g)  # casts grad to the compute dtype
+        if lowp.is_narrow(grad.dtype):  # widened exactly first: the product in float32
+            lowp.widen_into(g, grad)
+            np.multiply(g, scale, out=g)
+        else:
+            np.multiply(grad, scale, out=g)  # casts grad to the compute dtype
         if self.weight_decay:
             np.multiply(p, self.weight_decay, out=tmp)
             np.add(g, tmp, out=g)
@@ -209,7 +213,7 @@ class Optimizer(ABC):
             raise InvalidArgument(
                 f"apply_dense: param {param.shape} and grad {grad.shape} must be equal 1-D"
             )
-        if grad.dtype.kind != "f" or param.dtype.kind != "f":
+        if (grad.dtype.kind != "f" and not lowp.is_narrow(grad.dtype)) or param.dtype.kind != "f":
             raise InvalidArgument(f"apply_dense: float arrays needed, got grad {grad.dtype}")
         if set(slots) != set(self.slot_names) or any(
             s.shape != param.shape for s in slots.values()
@@ -295,13 +299,19 @@ class SGD(Optimizer):
         factor = -self.lr * float(scale)
         fused = _kernels.kernel(self.name, param) if USE_KERNELS else None
         if fused is not None:
-            self._fused(fused, param, grad, slots, step, float(scale), param.dtype.type)
+            g = _kernel_grad(grad)
+            self._fused(fused, param, g, slots, step, float(scale), param.dtype.type)
             return
+        narrow = lowp.is_narrow(grad.dtype)
         b = max(1, min(n, BLOCK_ELEMS))
         for lo in range(0, n, b):
             hi = min(lo + b, n)
             p, s = param[lo:hi], scratch[: hi - lo]
-            np.multiply(grad[lo:hi], factor, out=s)
+            if narrow:
+                lowp.widen_into(s, grad[lo:hi])
+                np.multiply(s, factor, out=s)
+            else:
+                np.multiply(grad[lo:hi], factor, out=s)
             if self.weight_decay:
                 np.multiply(p, 1.0 - self.lr * self.weight_decay, out=p)
             np.add(p, s, out=p)
@@ -504,6 +514,11 @@ class Ftrl(Optimizer):
 OPTIMIZERS: Mapping[str, type[Optimizer]] = {
     cls.name: cls for cls in (SGD, Momentum, Adagrad, Adam, Ftrl)
 }
+
+
+def _kernel_grad(grad: Array) -> Array:
+    """What a fused kernel takes for ``grad``: itself, or a bfloat16 one's bits."""
+    return lowp.bits(grad) if lowp.is_narrow(grad.dtype) else grad
 
 
 def make_optimizer(config: Mapping[str, Any]) -> Optimizer:

@@ -20,12 +20,35 @@ from typing import Any
 
 import numpy as np
 
+from zmqps.core.lowp import WIRE_DTYPES
 from zmqps.wire.errors import InvalidArgument
 
 __all__ = ["FLOAT_DTYPES", "Placement", "ShardDef", "ShardInfo", "VariableDef"]
 
 #: dtypes a trainable variable may have.
 FLOAT_DTYPES = ("float16", "float32", "float64")
+
+
+def _check_wire(name: str, wire: str | None, dtype: str, sparse: bool) -> None:
+    """A wire dtype must be one of :data:`~zmqps.core.lowp.WIRE_DTYPES`, for a dense
+    variable of a dtype it narrows."""
+    if wire is None:
+        return
+    if wire not in WIRE_DTYPES:
+        raise InvalidArgument(
+            f"variable {name}: wire dtype {wire!r} not in {', '.join(sorted(WIRE_DTYPES))}"
+        )
+    if sparse:
+        raise InvalidArgument(f"variable {name}: a wire dtype is for dense variables only")
+    if dtype not in WIRE_DTYPES[wire][1]:
+        raise InvalidArgument(
+            f"variable {name}: wire dtype {wire} is for {', '.join(WIRE_DTYPES[wire][1])}"
+            f" variables, not {dtype}"
+        )
+
+
+def _wire_dtype(wire: str | None, dtype: str) -> np.dtype[Any]:
+    return np.dtype(dtype) if wire is None else WIRE_DTYPES[wire][0]
 
 
 def _frozen(d: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -61,6 +84,9 @@ class VariableDef:
     #: a hash-keyed table's row policy (:mod:`zmqps.core.hashtable`); ``shape[0]`` is then
     #: its number of hash buckets
     table: Mapping[str, Any] | None = None
+    #: the dtype its values and gradients travel as (:mod:`zmqps.core.lowp`), when
+    #: narrower than ``dtype``: ``"bfloat16"`` for a dense float32 variable; None: ``dtype``
+    wire: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -83,6 +109,7 @@ class VariableDef:
             )
         if any(d <= 0 for d in self.shape):
             raise InvalidArgument(f"variable {self.name}: dims of {self.shape} must be positive")
+        _check_wire(self.name, self.wire, self.dtype, self.sparse)
 
     @property
     def row_size(self) -> int:
@@ -98,6 +125,11 @@ class VariableDef:
         return math.prod(self.shape) * self.itemsize
 
     @property
+    def wire_dtype(self) -> np.dtype[Any]:
+        """The dtype its values and gradients travel as."""
+        return _wire_dtype(self.wire, self.dtype)
+
+    @property
     def hashed(self) -> bool:
         """Is this a hash-keyed table (rows addressed by int64 id)?"""
         return self.table is not None
@@ -106,9 +138,17 @@ class VariableDef:
         """This variable with ``default`` filled in when it has no optimizer of its own."""
         if self.optimizer is not None:
             return self
-        return VariableDef(
-            self.name, self.shape, self.dtype, self.init, default, self.sparse, self.table
-        )
+        return replace(self, optimizer=default)
+
+    def with_wire(self, wire: str | None) -> VariableDef:
+        """This variable travelling as ``wire`` (a job's ``--wire-dtype``) when it has no
+        wire dtype of its own and can take that one (dense, of a dtype ``wire`` narrows);
+        else as it is."""
+        if wire is None or self.wire is not None or self.sparse:
+            return self
+        if self.dtype not in WIRE_DTYPES.get(wire, ((), ()))[1]:
+            return self
+        return replace(self, wire=wire)
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -122,6 +162,8 @@ class VariableDef:
             out["optimizer"] = dict(self.optimizer)
         if self.table is not None:
             out["table"] = dict(self.table)
+        if self.wire is not None:
+            out["wire"] = self.wire
         return out
 
     @classmethod
@@ -134,6 +176,7 @@ class VariableDef:
             optimizer=d.get("optimizer"),
             sparse=d.get("sparse", False),
             table=d.get("table"),
+            wire=d.get("wire"),
         )
 
 
@@ -194,6 +237,8 @@ class ShardDef:
     optimizer: Mapping[str, Any]
     sparse: bool = False
     table: Mapping[str, Any] | None = None
+    #: its variable's wire dtype (None: ``dtype``)
+    wire: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "full_shape", tuple(int(d) for d in self.full_shape))
@@ -210,6 +255,12 @@ class ShardDef:
                 f"shard {self.id}: rows [{self.row_start}, {self.row_start + self.rows})"
                 f" outside {self.full_shape}"
             )
+        _check_wire(self.var, self.wire, self.dtype, self.sparse)
+
+    @property
+    def wire_dtype(self) -> np.dtype[Any]:
+        """The dtype its values and gradients travel as."""
+        return _wire_dtype(self.wire, self.dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -239,6 +290,7 @@ class ShardDef:
             optimizer=var.optimizer if var.optimizer is not None else default_optimizer,
             sparse=var.sparse,
             table=var.table,
+            wire=var.wire,
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -254,6 +306,7 @@ class ShardDef:
             "optimizer": dict(self.optimizer),
             "sparse": self.sparse,
             **({} if self.table is None else {"table": dict(self.table)}),
+            **({} if self.wire is None else {"wire": self.wire}),
         }
 
     @classmethod
@@ -270,6 +323,7 @@ class ShardDef:
             optimizer=d["optimizer"],
             sparse=d["sparse"],
             table=d.get("table"),
+            wire=d.get("wire"),
         )
 
 

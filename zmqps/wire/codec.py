@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import msgpack
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +60,8 @@ DTYPES: dict[str, np.dtype[Any]] = {
         "float64": "<f8",
     }.items()
 }
+#: bfloat16 (``ml_dtypes``): a variable's values and gradients on a lighter wire
+_BFLOAT16 = DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
 _NAME_OF = {dt.newbyteorder("<") if dt.itemsize > 1 else dt: name for name, dt in DTYPES.items()}
 
 MAX_NDIM = 8
@@ -109,7 +112,8 @@ def encode(msg: Message) -> list[Any]:
         if t.kind not in KINDS:
             raise ProtocolError(f"unknown tensor kind {t.kind!r}")
         specs.append([wire_dtype(arr.dtype), list(arr.shape), t.kind, t.ref, t.offset])
-        frames.append(arr)
+        # bfloat16 has no buffer-protocol format: its bits go as uint16 (same bytes)
+        frames.append(arr.view(np.uint16) if arr.dtype == _BFLOAT16 else arr)
     header: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "op": msg.op,

@@ -317,7 +317,7 @@ TABLE = Map(
 
 VARIABLE = Map(
     {"name": NAME, "shape": SHAPE, "dtype": Str(16)},
-    {"init": INIT, "optimizer": OPTIMIZER, "sparse": Bool(), "table": TABLE},
+    {"init": INIT, "optimizer": OPTIMIZER, "sparse": Bool(), "table": TABLE, "wire": Str(16)},
 )
 
 SHARD = Map(
@@ -333,7 +333,7 @@ SHARD = Map(
         "optimizer": OPTIMIZER,
         "sparse": Bool(),
     },
-    {"table": TABLE},
+    {"table": TABLE, "wire": Str(16)},
 )
 
 #: The chief's placement map (``Placement.to_wire``); the PS keep it so a restarted
