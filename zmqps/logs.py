@@ -1,10 +1,16 @@
-"""Log lines that cannot flood: one line per interval for an event that repeats.
+"""Log lines that cannot flood, nor be forged: one line per interval for an event that
+repeats, and one line per record.
 
 A peer that sends the same bad request in a loop, or a training loop that meets the
 same bad value every few steps, must not write a line each time: the first one is
 logged at once, later ones at most once per interval, each saying how many were not
 logged since. Events are told apart by a key (the peer, the operation); the keys
 kept are bounded (the oldest is forgotten first).
+
+A record's message may hold what a peer sent (a worker's name, a reason): its
+control characters (a newline, a carriage return, an escape sequence) are written
+escaped (:class:`OneLineFormatter`), so a peer can never make a line of its own
+appear in a log or on the operator's terminal. A traceback stays as it is.
 """
 
 from __future__ import annotations
@@ -15,10 +21,29 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["RateLimitedLog"]
+__all__ = ["OneLineFormatter", "RateLimitedLog"]
 
 #: keys remembered at most (a key forgotten logs its next event at once)
 MAX_KEYS = 1024
+
+
+#: control characters (C0, DEL, C1 and the Unicode line breaks) -> their escapes
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))} | {
+    ord("\n"): "\\n",
+    ord("\r"): "\\r",
+    ord("\t"): "\t",
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+}
+
+
+class OneLineFormatter(logging.Formatter):
+    """A formatter whose every record is one line: control characters in the message
+    are escaped (a tab is kept); an exception's traceback follows as usual."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.translate(_ESCAPES)
+        return super().formatMessage(record)
 
 
 class RateLimitedLog:

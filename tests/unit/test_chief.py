@@ -519,6 +519,35 @@ def test_a_workers_counts_past_any_run_are_refused_and_the_sums_stay_int64() -> 
     run(body())
 
 
+def test_a_flood_of_leaves_and_registrations_writes_a_line_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """20,000 evaluator leaves (no registration needed) used to write 20,000 chief log
+    lines; a role other than worker or evaluator counted as an evaluator, whose last
+    evaluation a finished run waits for."""
+
+    def sent(op: str, body: dict[str, Any]) -> None:
+        decode([bytes(memoryview(f)) for f in encode(request(op, body, sender="x"))])
+
+    async def body() -> None:
+        env = make_env(1, num_workers=1)
+        with caplog.at_level(logging.INFO, "zmqps.chief"):
+            for i in range(2000):
+                ev = {"role": "evaluator", "index": i % 100, "incarnation": i}
+                await call(env.chief, "leave", {**ev, "step": 0, "reason": "x\n" * 100})
+            for inc in range(1, 200):
+                await call(env.chief, "register", who(0, inc))
+                await call(env.chief, "leave", who(0, inc, step=1))
+        lines = [r for r in caplog.records if r.name == "zmqps.chief"]
+        assert len(lines) <= 10, [r.getMessage()[:80] for r in lines]
+        for role in ("snowman", "chief", "ps", "", "worker "):
+            with pytest.raises(ProtocolError, match="role"):
+                sent("register", {"role": role, "index": 0, "incarnation": 1})
+        assert not env.chief.evaluator_heard
+
+    run(body())
+
+
 def test_register_of_other_roles_is_not_membership() -> None:
     async def body() -> None:
         env = make_env(1, num_workers=1)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from zmqps.logs import RateLimitedLog
+from zmqps.logs import OneLineFormatter, RateLimitedLog
 
 
 class Clock:
@@ -42,3 +42,31 @@ def test_keys_are_bounded() -> None:
         rl.warning("x", key=k)
     assert len(rl._keys) == 3
     assert rl.warning("x", key=0)  # forgotten: logged at once again
+
+
+def test_a_record_is_one_line_whatever_a_peer_put_in_it() -> None:
+    """A reason a client sent with a newline used to write a line of its own, e.g. a
+    forged "ps 0 is down" error on the operator's terminal."""
+    fmt = OneLineFormatter("%(levelname).1s %(name)s: %(message)s")
+    forged = "done)\n02:05:28 E zmqps.chief: ps 0 is down (forged\r\x1b[2K\u2028\x85x"
+    record = logging.LogRecord(
+        "zmqps.chief", logging.INFO, __file__, 1, "left (%s)", (forged,), None
+    )
+    line = fmt.format(record)
+    assert "\n" not in line and "\r" not in line and "\x1b" not in line
+    assert "\u2028" not in line and "\x85" not in line
+    assert line == (
+        "I zmqps.chief: left (done)\\n02:05:28 E zmqps.chief: ps 0 is down (forged"
+        "\\r\\x1b[2K\\u2028\\x85x)"
+    )
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        record = logging.LogRecord(
+            "zmqps.ps", logging.ERROR, __file__, 1, "failed\n%s", ("x",), sys.exc_info()
+        )
+    out = fmt.format(record).splitlines()
+    assert out[0] == "E zmqps.ps: failed\\nx"
+    assert out[1].startswith("Traceback") and out[-1] == "ValueError: boom"

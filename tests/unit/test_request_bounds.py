@@ -209,6 +209,45 @@ def test_a_message_that_cannot_be_decoded_is_counted() -> None:
     assert got == 4
 
 
+def test_a_request_past_its_deadline_is_dropped_counted_and_said_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """5,000 pushes whose deadline had passed (e.g. a worker whose clock is off) used to
+    be dropped with no metric and no line: an operator saw nothing."""
+    import time
+
+    from zmqps.metrics import Metrics
+    from zmqps.transport.base import TransportStats
+    from zmqps.transport.dispatch import Dispatcher
+    from zmqps.wire import encode, reply, request
+
+    metrics = Metrics()
+    stats = TransportStats()
+    served: list[str] = []
+
+    def handler(msg: Any) -> Any:
+        served.append(msg.op)
+        return reply(msg)
+
+    d = Dispatcher(handler, name="ps0", stats=stats, observer=metrics)
+    with caplog.at_level(logging.WARNING, "zmqps.transport"):
+        for i in range(5000):
+            body = {"shards": [0], "versions": [0], "worker": "w", "inc": 1, "seq": i + 1}
+            grad = [Tensor(np.full(4, np.nan, np.float32), "grad", 0)]
+            msg = request("push", body, grad, id=i, deadline=1.0)
+            assert d.dispatch([bytes(memoryview(f)) for f in encode(msg)], peer=b"w") is None
+        fresh = request("ping", {}, id=9, deadline=time.time() + 60)
+        d.dispatch([bytes(memoryview(f)) for f in encode(fresh)], peer=b"w")
+    assert served == ["ping"]  # the handler saw none of the pushes
+    assert stats.expired == 5000
+    got = metrics.registry.get_sample_value(
+        "zmqps_requests_total", {"op": "push", "status": "expired"}
+    )
+    assert got == 5000
+    lines = [r.getMessage() for r in caplog.records if "deadline passed" in r.getMessage()]
+    assert len(lines) == 1 and "push from b'w'" in lines[0]
+
+
 def test_shards_count_against_the_whole_memory_with_what_the_ps_holds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -318,5 +357,36 @@ def test_pushes_of_invented_names_refused_before_they_count_leave_no_trace_per_n
         assert refused == 50
         assert len(ps.svc.pushes) == 0 and len(ps.svc.dedup) == 0
         assert sum(ps.svc.dropped.values()) >= 50
+
+    run(body())
+
+
+def test_a_push_cut_into_many_tiny_chunks_is_refused_before_any_work() -> None:
+    """A dense push of 65,536 values in 32,768 chunks of two held the PS's event loop
+    1.4 s (the same bytes in one chunk: 2 ms). A shard takes at most one chunk per
+    MIN_CHUNK_BYTES of its gradient; within that, any cut is taken."""
+    from test_bad_values import PS, run
+
+    from zmqps.wire.schema import MIN_CHUNK_BYTES
+
+    big = VariableDef("big", (256, 256), init={"name": "ones"})
+    p = plan([big], 1, Partitioner(num_shards=1), optimizer={"name": "sgd", "lr": 0.5})
+
+    async def body() -> None:
+        ps = PS(p)
+        await ps.create()
+        (sid,) = [s.id for s in p.shards]
+        before = ps.state()
+        g = np.full(256 * 256, 0.5, np.float32)
+        base = {"shards": [sid], "versions": [0], "worker": "w0", "inc": 0}
+        tiny = [Tensor(g[o : o + 2], "grad", sid, o) for o in range(0, g.size, 2)]
+        with pytest.raises(InvalidArgument, match="32768 chunks, at most 4"):
+            await ps.client.request("push", {**base, "seq": 0}, tiny)
+        assert ps.state() == before
+        step = MIN_CHUNK_BYTES // 4  # 4 chunks of the least size: taken
+        ok = [Tensor(g[o : o + step], "grad", sid, o) for o in range(0, g.size, step)]
+        out = await ps.client.request("push", {**base, "seq": 1}, ok)
+        assert out.body["applied"]
+        assert np.all(ps.svc.store.get(sid).values == 0.75)
 
     run(body())

@@ -24,6 +24,7 @@ from zmqps.core.sync import MODES
 from zmqps.data import DATASETS
 from zmqps.data.ctr import CTR_DATASETS
 from zmqps.device import Device
+from zmqps.logs import OneLineFormatter
 from zmqps.models import MODELS
 from zmqps.process import exit_with_parent  # re-exported: it moved to zmqps.process
 from zmqps.roles.configs import (
@@ -80,12 +81,11 @@ def drop_stdout() -> None:
 
 def setup_logging(verbose: int = 0, quiet: bool = False) -> None:
     level = logging.WARNING if quiet else (logging.DEBUG if verbose else logging.INFO)
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        OneLineFormatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     )
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:

@@ -475,6 +475,8 @@ class Metrics:
         if count is None:
             count = self._counts[key] = self.requests.labels(op, status)
         count.inc()
+        if status == "expired":  # dropped unserved: no latency to tell
+            return
         timer = self._timers.get(op)
         if timer is None:
             timer = self._timers[op] = self.request_duration.labels(op)

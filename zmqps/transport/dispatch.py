@@ -113,8 +113,19 @@ class Dispatcher:
             self.stats.bad_messages += 1
             return error_reply(msg.id, ProtocolError("servers accept requests only"))
         if msg.deadline is not None and time.time() > msg.deadline + self.clock_skew:
+            # past its deadline (its sender gave up on it, or the clocks disagree):
+            # dropped unanswered, counted (zmqps_requests_total{status="expired"})
             self.stats.expired += 1
-            log.debug("%s: dropped expired %s from %r", self.name, msg.op, peer)
+            if self.observer is not None:
+                self.observer.request_done(msg.op, "expired", 0.0)
+            self._busy_log.warning(
+                "%s: dropped %s from %r: its deadline passed %.1f s ago (a clock off?)",
+                self.name,
+                msg.op,
+                peer,
+                time.time() - msg.deadline,
+                key=("expired", peer),
+            )
             return None
         self.stats.requests += 1
         self.stats.by_op[msg.op] = self.stats.by_op.get(msg.op, 0) + 1

@@ -10,9 +10,14 @@ Why each default (RELIABILITY.md, "Facts that bite"):
   ~15 minutes of tcp_retries2. (Liveness of the *application* is a separate,
   application-level heartbeat: libzmq answers ZMTP pings even when our loop is stuck.)
 * ``LINGER`` bounded: 0 drops the last reply, -1 can hang ``ctx.term()``.
-* ``MAXMSGSIZE`` above the largest legitimate frame: large shards travel in chunks.
-  A peer drops a larger frame and the connection with no error, so a client refuses
-  to send one (a clear error at once instead of a timeout).
+* ``MAXMSGSIZE`` above the largest legitimate frame: large shards travel in chunks. A peer drops
+  a larger frame and the connection with no error, so a client refuses to send one
+  (a clear error at once instead of a timeout).
+* A server's ``RCVHWM`` is small (``server_rcvhwm``, 256 messages per connection):
+  what libzmq reads ahead of a busy event loop is bounded by messages (each of frames
+  under ``MAXMSGSIZE``); past it the connection is simply not read, and its sender's
+  TCP window fills (backpressure, nothing lost). It was 10,000: one client parked
+  5.4 GB of 128 MiB pushes in a PS while its loop was busy for 1.5 s.
 * ``HANDSHAKE_IVL`` 10 s: a connection that never completes its ZMTP handshake (a
   port scanner, a bad greeting) is dropped after 10 s instead of libzmq's 30 s.
 * ``curve`` (:class:`~zmqps.transport.security.CurveKeys`): every socket uses CURVE.
@@ -32,6 +37,7 @@ import zmq
 
 from zmqps.transport.security import DOMAIN, CurveKeys
 from zmqps.wire.errors import ConfigError
+from zmqps.wire.schema import MAX_FRAME_BYTES
 
 __all__ = ["SocketOptions", "send_now", "tcp_endpoint"]
 
@@ -39,11 +45,13 @@ __all__ = ["SocketOptions", "send_now", "tcp_endpoint"]
 @dataclass(frozen=True)
 class SocketOptions:
     hwm: int = 10_000
+    #: a server's (ROUTER's) receive high-water mark, per connection
+    server_rcvhwm: int = 256
     linger_ms: int = 1_000
     heartbeat_ivl_ms: int = 1_000
     heartbeat_timeout_ms: int = 5_000
     heartbeat_ttl_ms: int = 10_000
-    max_msg_size: int = 256 << 20
+    max_msg_size: int = MAX_FRAME_BYTES
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 2_000
     handshake_ivl_ms: int = 10_000
@@ -64,6 +72,7 @@ class SocketOptions:
 
     def apply_router(self, sock: zmq.Socket[Any]) -> None:
         self.apply_common(sock)
+        sock.setsockopt(zmq.RCVHWM, self.server_rcvhwm)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self.curve is not None:

@@ -39,6 +39,7 @@ from zmqps.wire.schema import (
     SHARD,
     SHARD_ID,
     TALLY,
+    TASK_ROLE,
     VARIABLE,
     AnyList,
     AnyMap,
@@ -189,7 +190,7 @@ def _body(op: str = "", *, reply: bool = False) -> Callable[[type[B]], type[B]]:
 # Identity and shared pieces.
 
 WHO_FIELDS: Mapping[str, Schema] = {
-    "role": ROLE,
+    "role": TASK_ROLE,
     "index": Int(0, 1 << 20),
     "incarnation": Int(0),
 }

@@ -80,6 +80,18 @@ class Str(Schema):
 
 
 @dataclass(frozen=True)
+class OneOf(Schema):
+    """One of a few known strings."""
+
+    values: frozenset[str]
+
+    def check(self, value: Any, path: str) -> None:
+        if type(value) is not str or value not in self.values:
+            shown = repr(value)[:40] if type(value) is str else type(value).__name__
+            raise ProtocolError(f"{path}: {shown} is not one of {', '.join(sorted(self.values))}")
+
+
+@dataclass(frozen=True)
 class Bool(Schema):
     def check(self, value: Any, path: str) -> None:
         if type(value) is not bool:
@@ -256,6 +268,9 @@ class Tree(Schema):
 
 NAME = Str(256)
 ROLE = Str(32)
+#: the roles a task that registers with the chief may have (anything else is refused:
+#: it used to count as an evaluator, whose last evaluation a finished run waits for)
+TASK_ROLE = OneOf(frozenset({"worker", "evaluator"}))
 COUNT = Int(0, INT64_MAX)
 #: what one task reports of itself (steps, examples, skipped steps): far past any run
 #: (2**48 steps at a million a second is nine years), so that every task's summed by
@@ -263,6 +278,13 @@ COUNT = Int(0, INT64_MAX)
 MAX_TALLY = 2**48
 TALLY = Int(0, MAX_TALLY)
 SHARD_ID = Int(0, 2**31 - 1)
+#: a shard's dense gradient travels in at most one chunk per this many bytes (a PS
+#: whose own chunks are smaller takes chunks that small): its work stays in
+#: proportion to its bytes
+MIN_CHUNK_BYTES = 64 << 10
+#: the largest frame a peer takes (``MAXMSGSIZE``): a worker's chunks (4 MiB by
+#: default) and a shard's whole gradient sum in a backup's entry fit
+MAX_FRAME_BYTES = 256 << 20
 DIM = Int(0, 2**48)
 SHAPE = List(DIM, 8)
 MAX_SHARDS = 1 << 16

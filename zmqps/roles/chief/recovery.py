@@ -46,6 +46,7 @@ from zmqps.core.recovery import (
 )
 from zmqps.core.replication import fail_over
 from zmqps.core.variables import Placement, ShardInfo
+from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
 from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.chief.modes import ChiefMode
@@ -135,6 +136,8 @@ class RecoveryController:
         self.checkpoints = checkpoints
         self.metrics = metrics
         self.clock = clock
+        #: lines a client's requests cause: one per kind and task per 10 s
+        self.notes = RateLimitedLog(log, 10.0, clock=clock)
         self.lifecycle = Lifecycle()
         #: called at every change of phase (the service wakes the heartbeats it holds)
         self.on_phase: Callable[[], None] | None = None
@@ -365,7 +368,9 @@ class RecoveryController:
             if placement is not None and epoch > placement.epoch + EPOCH_GAP:
                 # no chief of this run got that far past what the PS were told: a
                 # hostile or broken client's, which would use up the epochs
-                log.warning("a worker says placement epoch %d: not one of this run", epoch)
+                self.notes.warning(
+                    "a worker says placement epoch %d: not one of this run", epoch, key="epoch"
+                )
                 return
             if self._epoch_past(epoch):
                 log.info("a worker heard of placement epoch %d: published past it", epoch)
@@ -1048,12 +1053,14 @@ class RecoveryController:
         # the batches its earlier incarnations really pushed, not the count last heard in
         # a heartbeat (it lags): the run's step count stays exact
         state.steps_before = skip
-        log.info(
+        self.notes.log(
+            logging.INFO,
             "worker %d (incarnation %d) %s%s",
             who.index,
             who.incarnation,
             "rejoined" if rejoin else "registered",
             f"; resumes after batch {skip}" if skip else "",
+            key=("registered", who.index),
         )
         await self.mode.membership_changed(back=[who.index])
         return rejoin, skip, last

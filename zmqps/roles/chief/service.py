@@ -30,6 +30,7 @@ from typing import Any
 from zmqps.core.membership import Membership
 from zmqps.core.recovery import Phase
 from zmqps.core.variables import Placement, VariableDef
+from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
 from zmqps.metrics.summaries import WINDOW_S, Summaries, Window
 from zmqps.roles.checkpointer import Checkpointer
@@ -48,6 +49,9 @@ from zmqps.wire.errors import InvalidArgument, NotReady
 __all__ = ["ChiefService"]
 
 log = logging.getLogger("zmqps.chief")
+
+#: seconds between two lines of one kind that a client's requests cause
+NOTE_INTERVAL_S = 10.0
 
 #: training that stands still this long is reported in the log, once per period
 WAIT_REPORT_S = 30.0
@@ -82,6 +86,8 @@ class ChiefService:
         self.ps = list(ps_clients)
         self.clock = clock
         self.members = Membership(cfg.cluster.num_workers, cfg.heartbeat_timeout)
+        #: lines a client's requests cause: one per kind and task per NOTE_INTERVAL_S
+        self.notes = RateLimitedLog(log, NOTE_INTERVAL_S, clock=clock)
         self.consistency: ChiefMode = make_chief_mode(cfg.sync, self.members, self.ps, clock)
         self.variables = Variables(cfg, self.ps)
         self.checkpointer = (
@@ -350,7 +356,9 @@ class ChiefService:
         who = req.who
         if who.role != "worker":
             self.evaluators.pop((who.index, who.incarnation), None)
-            log.info("evaluator left (%s)", req.reason or "done")
+            self.notes.log(
+                logging.INFO, "evaluator left (%s)", req.reason or "done", key="evaluator_left"
+            )
             return reply(msg, o.StepReply(global_step=self.global_step).to_wire())
         reason = req.reason or "done"
         self.members.leave(
@@ -363,7 +371,14 @@ class ChiefService:
             req.waits,
             req.nonfinite,
         )
-        log.info("worker %d left (%s) after %d steps", who.index, reason, req.step)
+        self.notes.log(
+            logging.INFO,
+            "worker %d left (%s) after %d steps",
+            who.index,
+            reason,
+            req.step,
+            key=("left", who.index),
+        )
         if reason == "nonfinite" or req.nonfinite:
             self._nonfinite_heard(who.index, req.step)
         # N shrinks first (it may apply the step the leaver's gradient completed), so

@@ -58,6 +58,7 @@ from zmqps.roles.worker.session import Session
 from zmqps.transport import Client, LoopThread, SocketOptions, new_context
 from zmqps.wire import ops as o
 from zmqps.wire.errors import ConfigError, NonFiniteGradient, NotReady, RunFailed
+from zmqps.wire.schema import MAX_FRAME_BYTES, MIN_CHUNK_BYTES
 
 __all__ = ["NonFiniteStop", "Terminated", "Worker", "WorkerOptions"]
 
@@ -100,6 +101,13 @@ class WorkerOptions:
     #: a chief silent this long (no heartbeat answered) is gone for good: the worker
     #: stops (:attr:`Worker.stop_reason`); None: never
     chief_timeout: float | None = 60.0
+
+    def __post_init__(self) -> None:
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_FRAME_BYTES:
+            raise ConfigError(
+                f"chunk_bytes {self.chunk_bytes}: a PS takes chunks of {MIN_CHUNK_BYTES}"
+                f" to {MAX_FRAME_BYTES} bytes (default {4 << 20})"
+            )
 
 
 class Worker:
