@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_chief import call, finished_run, who
+from test_chief import SGD, VARS, call, finished_run, make_env, who
 from test_chief import run as run_chief
 from test_ps_client import run
 from test_ps_recovery import chief, created_cluster, defs_by_ps, grads, placement_for
@@ -317,3 +317,82 @@ def test_net_steps_never_go_below_zero() -> None:
     net = Worker.net_steps.fget  # type: ignore[attr-defined]
     assert net(SimpleNamespace(step=34, rewound=40)) == 0
     assert net(SimpleNamespace(step=50, rewound=40)) == 10
+
+
+# ------------------------------------- a restore heard during the last batches' pushes
+
+
+def test_a_done_of_work_older_than_the_chiefs_generation_is_refused_and_changes_nothing() -> None:
+    """A worker whose last push was dropped by a restore (the PS it went to was lost)
+    used to leave ``done`` all the same: the batches the restore took back were never
+    trained again, and the run ended with exit 0 and the initial model. A done of an
+    older generation than the chief's is refused; of the current one, taken."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=2)
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        for i in (0, 1):
+            await call(env.chief, "register", who(i))
+        env.chief.recovery.gen = 1
+        with pytest.raises(RolledBack, match="restored"):
+            await call(env.chief, "leave", who(0, step=20, reason="done", gen=0))
+        assert not env.chief.members.workers[0].done
+        await call(env.chief, "leave", who(0, step=20, reason="done", gen=1, waits=True))
+        assert env.chief.members.workers[0].done
+        await call(env.chief, "leave", who(1, step=20, reason="error", gen=0))  # not a done
+        assert env.chief.members.workers[1].left_reason == "error"
+
+    run_chief(body())
+
+
+class _RefusingChief(_ScriptedChief):
+    """Refuses the first ``leave`` as of an older generation, then takes them."""
+
+    def __init__(self, *replies: o.HeartbeatReply) -> None:
+        super().__init__(*replies)
+        self.leaves: list[dict[str, Any]] = []
+
+    async def request(self, op: str, body: Any = None, *_: Any, **__: Any) -> Message:
+        if op != "leave":
+            return await super().request(op, body)
+        self.leaves.append(body)
+        if len(self.leaves) == 1:
+            raise RolledBack("worker 0: the cluster was restored (generation 1)")
+        return Message("ok", body=o.StepReply(global_step=10).to_wire())
+
+
+def test_a_refused_done_puts_the_session_in_the_new_generation_with_its_rewind() -> None:
+    chief = _RefusingChief(o.HeartbeatReply(10, 1, rewind=3))
+    s = Session(chief, o.Who("worker", 0, 1))  # type: ignore[arg-type]
+    s.info = o.ClusterInfo(ps=(), mode="async", heartbeat_interval=0.01)
+
+    async def go() -> tuple[bool | None, bool | None]:
+        first = await s.leave("done", waits=True)
+        assert s.gen == 1 and s.rewind == 3  # heard of, not taken yet
+        return first, await s.leave("done", waits=True)
+
+    assert asyncio.run(asyncio.wait_for(go(), 5.0)) == (None, True)
+    assert [b["gen"] for b in chief.leaves] == [0, 1]
+
+
+def test_finish_trains_again_the_batches_a_restore_took_back_during_the_last_push() -> None:
+    """The worker's last push was dropped by a restore it heard of while pushing (the
+    rewind waits in its session): finish() goes back there instead of leaving."""
+    from zmqps.roles.worker.worker import Worker
+
+    class _Session:
+        rewind: int | None = 0
+        name = "worker:0"
+
+        def take_rewind(self) -> int | None:
+            back, self.rewind = self.rewind, None
+            return back
+
+        async def leave(self, *_: Any, **__: Any) -> bool:
+            raise AssertionError("left with batches to train again")
+
+    w = Worker.__new__(Worker)
+    w.session = _Session()  # type: ignore[assignment]
+    w.steps_done, w.step, w.rewound, w._left, w.name = 0, 46, 0, False, "worker:0"
+    assert w.finish() == 0 and w.position == 0 and w.rewound == 46

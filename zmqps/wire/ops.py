@@ -274,6 +274,9 @@ class Leave(Body):
     waits: bool = wire(Bool(), default=False)
     #: steps of this incarnation whose gradients the PS refused (not finite), skipped
     nonfinite: int | None = wire(TALLY, default=None)
+    #: the cluster generation the task's work is of: a ``done`` of an older one than
+    #: the chief's is refused (a restore meanwhile may have taken its batches back)
+    gen: int | None = wire(Int(0), default=None)
 
 
 @_body("create_vars")

@@ -44,7 +44,7 @@ from zmqps.roles.optable import Handler, OpTable
 from zmqps.transport import Requester
 from zmqps.wire import Message, reply
 from zmqps.wire import ops as o
-from zmqps.wire.errors import InvalidArgument, NotReady
+from zmqps.wire.errors import InvalidArgument, NotReady, RolledBack
 
 __all__ = ["ChiefService"]
 
@@ -361,6 +361,14 @@ class ChiefService:
             )
             return reply(msg, o.StepReply(global_step=self.global_step).to_wire())
         reason = req.reason or "done"
+        if reason == "done" and req.gen is not None and req.gen < self.recovery.gen:
+            # its work is of before a restore it has not heard of, which may have taken
+            # its last batches back: it learns where it stands (a heartbeat), then
+            # trains them again or leaves again
+            raise RolledBack(
+                f"worker {who.index}: the cluster was restored (generation"
+                f" {self.recovery.gen}) since this work (generation {req.gen})"
+            )
         self.members.leave(
             who.index,
             who.incarnation,

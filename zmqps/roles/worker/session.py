@@ -362,14 +362,18 @@ class Session:
 
     # ------------------------------------------------------------------ the end
 
-    async def leave(self, reason: str, timeout: float = 10.0, waits: bool = False) -> bool:
+    async def leave(self, reason: str, timeout: float = 10.0, waits: bool = False) -> bool | None:
         """Tell the chief this task leaves (``done``: its work is finished; ``waits``:
         it then waits for the run's end, see :meth:`linger`). False when the chief did
-        not acknowledge it."""
-        if self._heartbeats is not None:
-            self._heartbeats.cancel()
+        not acknowledge it; None when it refused a ``done`` for the cluster was restored
+        since (this task's batches may have been taken back): the session is then in
+        the new generation (its rewind waiting in :meth:`take_rewind`), heartbeats
+        going again, and the task has not left."""
+        heartbeats = self._heartbeats
+        if heartbeats is not None:
+            heartbeats.cancel()
         step, examples, _, nonfinite = self.progress()
-        body = o.Leave(self.who, step, reason, examples, waits, nonfinite or None)
+        body = o.Leave(self.who, step, reason, examples, waits, nonfinite or None, self.gen)
         try:
             await self.call(
                 "leave", body, o.StepReply, timeout=timeout, attempts=2 if timeout >= 5 else 1
@@ -377,6 +381,12 @@ class Session:
         except DeadlineExceeded:
             log.warning("%s: the chief did not acknowledge leave", self.name)
             return False
+        except RolledBack as e:
+            log.warning("%s: %s: not leaving yet", self.name, e)
+            await self.recover(e)
+            if heartbeats is not None:
+                self.start_heartbeats(self.info.heartbeat_interval if self.info else 1.0)
+            return None
         return True
 
     async def linger(self, position: int, stop: Callable[[], bool]) -> int | None:

@@ -694,7 +694,12 @@ class Worker:
         loop trains on from there, then calls this again). None: the run ended (or the
         chief is gone, or a SIGTERM came); close the worker."""
         if not self._left:
+            back = self._taken_back()
+            if back is not None:
+                return back
             acked = self.io.run(self.session.leave("done", waits=True))
+            if acked is None:  # refused: a restore since its last push (now heard of)
+                return self.finish()
             if not acked and self._client is not None:
                 # a chief stopped or gone: every PS keeps that this worker finished, so
                 # that the chief restarted after it learns it there (else it would wait
@@ -705,6 +710,16 @@ class Worker:
         if back is None:
             return None
         self._left = False
+        self.take_rewind()
+        return self.position
+
+    def _taken_back(self) -> int | None:
+        """A restore heard of while the last batches were pushed (their pushes were
+        dropped: the cluster went back) took some of them back: the position to train
+        on from (the rewind taken); else None."""
+        pending = self.session.rewind
+        if pending is None or pending >= self.position:
+            return None
         self.take_rewind()
         return self.position
 
@@ -731,7 +746,16 @@ class Worker:
             elif not (self._left and reason == "done"):
                 # a stop must not wait long for a chief that may be stopping too
                 quick = reason != "done" or self.stop_requested
-                self.io.run(self.session.leave(reason, timeout=1.0 if quick else 10.0))
+                timeout = 1.0 if quick else 10.0
+                if self.io.run(self.session.leave(reason, timeout=timeout)) is None:
+                    back = self.session.take_rewind()
+                    log.warning(
+                        "%s: closes though a restore took back its batches after %s"
+                        " (Worker.finish() trains them again)",
+                        self.name,
+                        back,
+                    )
+                    self.io.run(self.session.leave(reason, timeout=timeout))
         finally:
             self._teardown()
 
