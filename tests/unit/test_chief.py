@@ -548,6 +548,22 @@ def test_a_flood_of_leaves_and_registrations_writes_a_line_per_interval(
     run(body())
 
 
+def test_a_new_incarnation_of_an_evaluator_replaces_the_old_one() -> None:
+    """An evaluator killed at the end and started again: its new incarnation evaluated
+    and left, yet the run waited ~40 s more for the dead one to fall silent."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=1)
+        ev = {"role": "evaluator", "index": 0}
+        await call(env.chief, "register", {**ev, "incarnation": 1})
+        await call(env.chief, "register", {**ev, "incarnation": 2})
+        assert env.chief.live_evaluators() == [(0, 2)]
+        await call(env.chief, "leave", {**ev, "incarnation": 2, "step": 0})
+        assert env.chief.live_evaluators() == []
+
+    run(body())
+
+
 def test_register_of_other_roles_is_not_membership() -> None:
     async def body() -> None:
         env = make_env(1, num_workers=1)
@@ -809,6 +825,14 @@ def test_the_end_of_a_run_keeps_asking_a_silent_ps_to_shut_down() -> None:
 
     run(_shutdown_ps([Silent()], heartbeat_timeout=10.0))  # type: ignore[list-item]
     assert asked == [("shutdown", SHUTDOWN_ATTEMPT_S, 6)]
+    # a process the chief knows silent (its states failed over: stopped for good, say)
+    # is asked once: the end of the run does not wait 30 s on it
+    asked.clear()
+    run(_shutdown_ps([Silent(), Silent()], 10.0, silent={1}))  # type: ignore[list-item]
+    assert sorted(asked) == [
+        ("shutdown", SHUTDOWN_ATTEMPT_S, 1),
+        ("shutdown", SHUTDOWN_ATTEMPT_S, 6),
+    ]
 
 
 def test_a_failed_shutdown_step_is_recorded_and_the_next_ones_run() -> None:
@@ -874,13 +898,16 @@ def test_evaluators_kept_are_bounded() -> None:
     async def body() -> None:
         env = make_env(1, num_workers=1, heartbeat_timeout=10.0)
         await env.chief.start()
-        ev = {"role": "evaluator", "index": 0}
-        for inc in range(MAX_EVALUATORS + 50):  # a client inventing incarnations
-            await call(env.chief, "register", {**ev, "incarnation": inc})
+        ev = {"role": "evaluator"}
+        for inc in range(MAX_EVALUATORS + 50):  # a client inventing evaluators
+            await call(env.chief, "register", {**ev, "index": inc, "incarnation": inc})
         assert len(env.chief.evaluators) == MAX_EVALUATORS
-        assert (0, MAX_EVALUATORS + 49) in env.chief.evaluators  # the newest stay
+        assert (MAX_EVALUATORS + 49, MAX_EVALUATORS + 49) in env.chief.evaluators  # the newest
+        for inc in range(100):  # incarnations of one: the latest replaces the others
+            await call(env.chief, "register", {**ev, "index": 0, "incarnation": 10**5 + inc})
+        assert [k for k in env.chief.evaluators if k[0] == 0] == [(0, 10**5 + 99)]
         env.clock.now += 11.0  # all silent past the timeout: forgotten at the next one
-        await call(env.chief, "register", {**ev, "incarnation": 10**6})
+        await call(env.chief, "register", {**ev, "index": 0, "incarnation": 10**6})
         assert list(env.chief.evaluators) == [(0, 10**6)]
 
     run(body())

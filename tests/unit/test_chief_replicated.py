@@ -223,3 +223,32 @@ def test_a_restarted_chief_that_loses_the_last_copy_while_failing_over_restores_
         assert (await w.pull())["w"].shape == (12, 4)  # every state served again
 
     run(body())
+
+
+def test_the_chief_says_which_ps_processes_its_probes_do_not_hear() -> None:
+    """A PS stopped for good (SIGSTOP) under --replication 2: its states fail over and
+    the run goes on with one copy. The chief's status names the silent process (so a
+    launcher kills and restarts it, and copies are made again), also once the run
+    ends, when the probes stop; and its shutdown then asks it once."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief = await started(net)
+        rr = chief.recovery.rereplicator
+        assert rr is not None
+        now = [1000.0]
+        rr.clock = lambda: now[0]
+        rr.heard = dict.fromkeys(rr.heard, now[0])
+        await rr.watch()
+        assert rr.silent() == [] and chief.recovery.silent_ps() == set()
+        net.remove(PS[1])
+        for _ in range(3):
+            now[0] += rr.timeout / 2 + 0.1
+            await rr.watch()
+        assert rr.silent() == [1]
+        assert chief.status()["replication"]["silent"] == [1]
+        chief.recovery.ps_shutting_down = True  # the run's end: the probes stop
+        now[0] += 100.0
+        assert rr.silent() == [1] and chief.recovery.silent_ps() == {1}
+
+    run(body())

@@ -87,6 +87,11 @@ HUNG_HEARTBEATS = 3
 HUNG_MIN_S = 15.0
 #: a task's process started (again) this long ago at least before it can count as hung
 START_GRACE_S = 15.0
+#: seconds between two looks of the liveness watch
+LIVENESS_TICK_S = 1.0
+#: a look this much later than due: the launcher itself was stopped or starved, and
+#: what it measured as silence is its own
+LAUNCHER_STALL_S = 4.0
 #: the launcher's status requests to the chief (progress, and watching for hung tasks)
 STATUS_TIMEOUT_S = 5.0
 #: a task's log line: time, level letter (D, I, W, E), logger
@@ -610,9 +615,17 @@ class Launcher:
         chief = self.children[0]
         answered = time.monotonic()
         seen = 0.0  # the status last judged (each is judged once)
+        tick = answered
         while not self.stopping:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(LIVENESS_TICK_S)
             now = time.monotonic()
+            if now - tick > LIVENESS_TICK_S + LAUNCHER_STALL_S:
+                # this launcher itself was stopped (Ctrl-Z, SIGSTOP) or starved: the
+                # silence it measured is its own, not the tasks'; judge afresh
+                answered = now
+                for c in self.children[1:]:
+                    c.dead_since = None
+            tick = now
             if self.stopping or chief.returncode == 0:
                 return  # the run is ending: the watchers see to the rest
             if chief.returncode is not None:  # it died: its watcher restarts it (or stops all)
@@ -631,9 +644,12 @@ class Launcher:
             dead = {f"worker{i}" for i in s.get("workers_dead") or ()}
             if getattr(self.args, "replication", 1) <= 1:
                 # the chief counts PS *states* down; unreplicated, state i is process i
-                # (replicated, a state fails over to a copy and its process is no
-                # longer the one named: a stopped one is stopped at the run's end)
                 dead |= {f"ps{i}" for i in (s.get("ps_down") or {})}
+            else:
+                # replicated, a state fails over to a copy: the processes the chief's
+                # probes do not hear (a stopped one, restarted, takes copies again)
+                unheard = (s.get("replication") or {}).get("silent") or ()
+                dead |= {f"ps{i}" for i in unheard}
             for c in self.children[1:]:
                 running = c.proc is not None and c.returncode is None
                 if c.name not in dead or not running:

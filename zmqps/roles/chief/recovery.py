@@ -698,6 +698,14 @@ class RecoveryController:
         )
         return step
 
+    def silent_ps(self) -> set[int]:
+        """PS processes known silent: those of states counted down, and (replicated)
+        those the re-replication's probes have not heard for the heartbeat timeout."""
+        out = set(self.health.down) if self.cfg.replication <= 1 else set()
+        if self.rereplicator is not None:
+            out |= set(self.rereplicator.silent())
+        return out
+
     def rewind_of(self, index: int) -> int | None:
         """The batch cursor worker ``index`` went back to at the last restore (None:
         none, or the worker is done: a done worker the restore did not reopen trains no

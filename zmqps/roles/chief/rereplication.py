@@ -155,6 +155,13 @@ class Rereplicator:
     def alive(self, q: int) -> bool:
         return self.clock() - self.heard[q] <= self.timeout and q in self.boots
 
+    def silent(self) -> list[int]:
+        """The processes that answered no probe for the heartbeat timeout. While nothing
+        is watched (a restore, the run's end: the probes stop) those that had been silent
+        that long when another last answered."""
+        last = self.clock() if self.active() else max(self.heard.values(), default=0.0)
+        return [q for q, at in sorted(self.heard.items()) if last - at > self.timeout]
+
     def under_replicated(self, placement: Placement | None = None) -> dict[int, list[int]]:
         """Each state with fewer copies than the replication: its copies' processes."""
         placement = placement or self.recovery.variables.placement
@@ -342,6 +349,9 @@ class Rereplicator:
         )
         return {
             "replication": self.recovery.cfg.replication,
+            # processes silent past the heartbeat timeout while they are watched (a
+            # launcher restarts such a stopped or hung one, so copies can be made again)
+            "silent": self.silent(),
             "copies": copies,
             "under_replicated": sorted(self.under_replicated()),
             "copying": self.current,

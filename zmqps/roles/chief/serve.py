@@ -24,7 +24,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +170,7 @@ async def _serve(
     try:
         if await watchers.unless_one_fails(_run(service, watchers)):
             service.recovery.ps_shutting_down = True
-            await _shutdown_ps(ps_clients, cfg.heartbeat_timeout)
+            await _shutdown_ps(ps_clients, cfg.heartbeat_timeout, service.recovery.silent_ps())
         if service.recovery.lifecycle.can(Event.FINISHED):
             service.recovery.handle(Event.FINISHED)
     finally:
@@ -435,11 +435,17 @@ def shutdown_attempts(heartbeat_timeout: float) -> int:
     return max(1, math.ceil(window / SHUTDOWN_ATTEMPT_S))
 
 
-async def _shutdown_ps(ps_clients: Sequence[Requester], heartbeat_timeout: float) -> None:
+async def _shutdown_ps(
+    ps_clients: Sequence[Requester], heartbeat_timeout: float, silent: Collection[int] = ()
+) -> None:
+    """Tell every PS process the run is over; one known ``silent`` (stopped or cut off
+    past the heartbeat timeout, its states failed over or restored elsewhere) gets one
+    attempt, not the whole window."""
     body = o.Shutdown("training finished").to_wire()
-    attempts = shutdown_attempts(heartbeat_timeout)
+    window = shutdown_attempts(heartbeat_timeout)
 
-    async def one(c: Requester) -> None:
+    async def one(q: int, c: Requester) -> None:
+        attempts = 1 if q in silent else window
         try:
             # sent again on each deadline, and at once when the connection comes back
             await c.request("shutdown", body, timeout=SHUTDOWN_ATTEMPT_S, attempts=attempts)
@@ -452,7 +458,7 @@ async def _shutdown_ps(ps_clients: Sequence[Requester], heartbeat_timeout: float
         except ZmqpsError as e:
             log.warning("ps at %s refused shutdown: %s", c.endpoint, e)
 
-    await asyncio.gather(*(one(c) for c in ps_clients))
+    await asyncio.gather(*(one(q, c) for q, c in enumerate(ps_clients)))
 
 
 def run_chief(cfg: ChiefConfig, options: SocketOptions | None = None) -> int:

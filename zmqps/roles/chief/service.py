@@ -466,7 +466,10 @@ class ChiefService:
         key = (who.index, who.incarnation)
         if key not in self.evaluators:
             for k, seen in list(self.evaluators.items()):
-                if now - seen > self.cfg.heartbeat_timeout:
+                # an earlier incarnation of this evaluator is replaced: the run's end
+                # waits for the new one only (a killed one counted as live until it
+                # had been silent a heartbeat timeout)
+                if now - seen > self.cfg.heartbeat_timeout or k[0] == who.index:
                     del self.evaluators[k]
             while len(self.evaluators) >= MAX_EVALUATORS:
                 del self.evaluators[min(self.evaluators, key=self.evaluators.__getitem__)]
