@@ -27,7 +27,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -565,6 +565,11 @@ class Launcher:
         chief = self.children[0]
         while chief.returncode != 0:  # a chief that failed stops the cluster itself
             await asyncio.sleep(0.2)
+        # a PS the chief last counted silent (stopped) heard no shutdown: not waited for
+        silent = self._silent_ps(self.status or {})
+        for c in self.children[1:]:
+            if c.name in silent and c.proc is not None and c.returncode is None:
+                self._kill_hung(c, "was silent when the run ended")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(watchers), LINGER_S)
             return
@@ -641,15 +646,7 @@ class Launcher:
             seen = self.status_at
             if s is None or not s.get("step_known", True):
                 continue
-            dead = {f"worker{i}" for i in s.get("workers_dead") or ()}
-            if getattr(self.args, "replication", 1) <= 1:
-                # the chief counts PS *states* down; unreplicated, state i is process i
-                dead |= {f"ps{i}" for i in (s.get("ps_down") or {})}
-            else:
-                # replicated, a state fails over to a copy: the processes the chief's
-                # probes do not hear (a stopped one, restarted, takes copies again)
-                unheard = (s.get("replication") or {}).get("silent") or ()
-                dead |= {f"ps{i}" for i in unheard}
+            dead = {f"worker{i}" for i in s.get("workers_dead") or ()} | self._silent_ps(s)
             for c in self.children[1:]:
                 running = c.proc is not None and c.returncode is None
                 if c.name not in dead or not running:
@@ -665,6 +662,15 @@ class Launcher:
                         c,
                         f"runs, yet the chief has counted it {what} for {now - c.dead_since:.0f}s",
                     )
+
+    def _silent_ps(self, status: Mapping[str, Any]) -> set[str]:
+        """The PS processes a chief's status counts silent. Unreplicated it counts PS
+        *states* down, state i being process i; replicated a state fails over to a
+        copy, and the status names the processes its probes do not hear."""
+        if getattr(self.args, "replication", 1) <= 1:
+            return {f"ps{i}" for i in (status.get("ps_down") or {})}
+        unheard = (status.get("replication") or {}).get("silent") or ()
+        return {f"ps{i}" for i in unheard}
 
     def _kill_hung(self, child: Child, why: str) -> None:
         self.say(f"zmqps launch: {child.name} {why} (stopped or hung): killing it")
