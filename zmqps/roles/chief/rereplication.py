@@ -233,7 +233,12 @@ class Rereplicator:
                     why = "the state's primary changed"
                     break
                 if not self.alive(target) or not self.active():
-                    why = f"ps {target} is silent" if not self.alive(target) else "a restore"
+                    r = self.recovery
+                    why = (
+                        f"ps {target} is silent"
+                        if not self.alive(target)
+                        else ("a restore" if r.recovering else "the run's end")
+                    )
                     break
                 rep = await processes[primary].request("status", timeout=2.0, slot=state)
                 info = dict((rep.body.get("replica") or {}).get("joins", {}).get(str(target), {}))
