@@ -215,3 +215,25 @@ def test_the_check_leaves_nothing_behind(tmp_path: Path) -> None:
     (tmp_path / "kept").mkdir()
     check_output_dir("--checkpoint-dir", tmp_path / "kept")
     assert (tmp_path / "kept").is_dir()
+
+
+def test_resume_refuses_another_split_of_the_data_and_takes_more_epochs_or_ps() -> None:
+    """--resume with another --workers was taken without a word: each worker's batch
+    cursor then pointed into another part of the data (batches trained twice or
+    never). The split, batch size, dataset and seed must be the checkpoint's run's."""
+    from types import SimpleNamespace
+
+    from zmqps.cli.launch import _check_same_data
+
+    data = {"workers": 2, "dataset": "digits", "batch_size": 32, "seed": 0}
+    ckpt = SimpleNamespace(name="ckpt-000000000092", manifest=SimpleNamespace(extra={"data": data}))
+    _check_same_data(launch_args("--workers", "2", "--epochs", "9", "--ps", "3"), ckpt)  # type: ignore[arg-type]
+    for flags, flag in (
+        (("--workers", "3"), "--workers 2"),
+        (("--batch-size", "64"), "--batch-size 32"),
+        (("--seed", "7"), "--seed 0"),
+    ):
+        with pytest.raises(ConfigError, match=f"trained with {flag}, this run has"):
+            _check_same_data(launch_args(*flags), ckpt)  # type: ignore[arg-type]
+    old = SimpleNamespace(name="ckpt-1", manifest=SimpleNamespace(extra={}))
+    _check_same_data(launch_args("--workers", "5"), old)  # type: ignore[arg-type]

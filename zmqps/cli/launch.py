@@ -907,7 +907,37 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
         )
     if latest is None:
         raise ConfigError(f"--resume: no checkpoint in {root} to go on from")
+    _check_same_data(args, latest)
     return latest
+
+
+def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
+    """A resumed run's workers go on from their batch cursors: each cursor counts
+    batches of that worker's part of the data, so the split (the worker count), the
+    batch size, the dataset and the shuffling seed must be those of the checkpoint's
+    run (else batches are trained twice or never). More epochs, other PS counts, other
+    learning rates are fine."""
+    data = ckpt.manifest.extra.get("data")
+    if not isinstance(data, dict):
+        return  # a checkpoint of an earlier version: nothing to compare
+    job = job_from_args(args)
+    if job is None:
+        return
+    now = {
+        "workers": args.workers,
+        "dataset": job.dataset,
+        "batch_size": job.batch_size,
+        "seed": job.seed,
+    }
+    flags = {"workers": "--workers", "dataset": "--dataset", "batch_size": "--batch-size"}
+    for key, was in data.items():
+        if key in now and now[key] is not None and now[key] != was:
+            flag = flags.get(key, f"--{key.replace('_', '-')}")
+            raise ConfigError(
+                f"--resume: {ckpt.name} was trained with {flag} {was}, this run has {now[key]}:"
+                " the workers' places in the data would no longer match (batches trained"
+                f" twice or never); resume with {flag} {was}, or start a new --run-dir"
+            )
 
 
 def launch(args: argparse.Namespace) -> int:

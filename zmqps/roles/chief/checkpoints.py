@@ -45,6 +45,16 @@ class ChiefCheckpoints:
             "examples": members.examples,
             "train_seconds": round(members.train_seconds(self.chief.clock()), 3),
         }
+        job = self.chief.cfg.job
+        if job is not None:
+            # what each worker's batch cursors mean: its part of the data (of how many
+            # workers), batches of what size, in which order; a resumed run must match
+            extra["data"] = {
+                "workers": members.num_workers,
+                "dataset": job.dataset,
+                "batch_size": job.batch_size,
+                "seed": job.seed,
+            }
         if final:  # every worker finished: a lone evaluator ends after this one
             extra["final"] = True
         return extra
