@@ -19,6 +19,7 @@ from zmqps.config import (  # bind_address is re-exported: it moved to zmqps.con
     keys_dir,
     resolve_source,
 )
+from zmqps.core.lowp import WIRE_DTYPES
 from zmqps.core.partition import Partitioner
 from zmqps.core.sync import MODES
 from zmqps.data import DATASETS
@@ -49,6 +50,7 @@ __all__ = [
     "add_server_args",
     "add_stall_timeout_arg",
     "add_sync_args",
+    "add_wire_dtype_arg",
     "bind_address",
     "check_output_dir",
     "checkpoint_policy_from_args",
@@ -63,6 +65,7 @@ __all__ = [
     "setup_logging",
     "socket_options",
     "sync_from_args",
+    "wire_dtype_from_args",
 ]
 
 OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam", "ftrl")
@@ -273,6 +276,25 @@ def add_replication_arg(g: Any, *, role: str = "") -> None:
         " with 2 or more, a PS that dies is replaced by a copy within the heartbeat timeout,"
         " without a restore; 1: none, a PS death restores the last checkpoint (default: 1)",
     )
+
+
+def add_wire_dtype_arg(g: Any, *, role: str = "") -> None:
+    """``--wire-dtype`` (the chief's, and ``zmqps launch``'s)."""
+    g.add_argument(
+        "--wire-dtype",
+        choices=("float32", *sorted(WIRE_DTYPES)),
+        default="float32",
+        help=f"{role}what dense float32 variables travel as between workers and PS:"
+        " bfloat16 halves the bytes of every pull and push (values rounded to nearest;"
+        " the PS keep float32 values and optimizer slots, and update in float32)"
+        " (default: float32)",
+    )
+
+
+def wire_dtype_from_args(args: argparse.Namespace) -> str | None:
+    """The chief's ``wire_dtype`` from ``--wire-dtype`` (float32: None, as they are)."""
+    wire = getattr(args, "wire_dtype", "float32")
+    return None if wire == "float32" else str(wire)
 
 
 def add_nonfinite_args(
@@ -556,6 +578,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         " or greedy (largest shard first onto the least-loaded PS) (default: round_robin)",
     )
     add_replication_arg(g, role="(chief) ")
+    add_wire_dtype_arg(g, role="(chief) ")
     add_stall_timeout_arg(g, role="(chief) ")
     g.add_argument(
         "--heartbeat-timeout",

@@ -42,12 +42,14 @@ from zmqps.cli.args import (
     add_replication_arg,
     add_stall_timeout_arg,
     add_sync_args,
+    add_wire_dtype_arg,
     check_output_dir,
     checkpoint_policy_from_args,
     job_from_args,
     on_nonfinite_from_args,
     partitioner_from_args,
     sync_from_args,
+    wire_dtype_from_args,
     worker_devices,
 )
 from zmqps.cli.coordinator import add_driver_args, check_launch
@@ -135,6 +137,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--num-shards", type=int, help="fixed number of shards per variable")
     add_replication_arg(g)
+    add_wire_dtype_arg(g)
     add_stall_timeout_arg(g)
     g.add_argument(
         "--heartbeat-timeout",
@@ -404,6 +407,7 @@ class Launcher:
             partitioner=partitioner_from_args(a),
             placement=a.placement,
             replication=a.replication,
+            wire_dtype=wire_dtype_from_args(a),
             heartbeat_timeout=a.heartbeat_timeout,
             summary_path=str(self.chief_summary),
             sync=sync_from_args(a),

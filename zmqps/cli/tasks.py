@@ -136,6 +136,7 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
         optimizer_from_args,
         partitioner_from_args,
         sync_from_args,
+        wire_dtype_from_args,
     )
 
     job = job_from_args(args)
@@ -156,6 +157,7 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
         partitioner=partitioner_from_args(args),
         placement=args.placement,
         replication=args.replication,
+        wire_dtype=wire_dtype_from_args(args),
         heartbeat_timeout=args.heartbeat_timeout,
         startup_timeout=args.startup_timeout,
         summary_path=args.summary,

@@ -73,8 +73,11 @@ def widen_into(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
 def add_into(acc: np.ndarray[Any, Any], g: np.ndarray[Any, Any]) -> None:
     """``acc += g`` for a running sum ``acc`` (float32 / float64) and a gradient of
     acc's dtype or bfloat16 (widened exactly)."""
+    if not is_narrow(g.dtype):
+        np.add(acc, g, out=acc)
+        return
     k = _kernels.kernel("add_into", acc)
     if k is None or not acc.flags.c_contiguous:
-        np.add(acc, g.astype(acc.dtype) if is_narrow(g.dtype) else g, out=acc)
+        np.add(acc, g.astype(acc.dtype), out=acc)
         return
-    k(acc, bits(g) if is_narrow(g.dtype) else g)
+    k(acc, bits(np.ascontiguousarray(g)))

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from zmqps.core import lowp
 from zmqps.core.initializers import initialize, validate_init
 from zmqps.core.optimizers import BLOCK_ELEMS, Optimizer, compute_dtype, make_optimizer
 from zmqps.core.variables import ShardDef
@@ -282,6 +283,13 @@ Update = DenseUpdate | RowUpdate
 
 ShardObserver = Callable[[ShardDef, int], None]
 _NO_CONTEXT = contextlib.nullcontext()
+
+
+def _is_float(dtype: np.dtype[Any]) -> bool:
+    """A float dtype a gradient may have (bfloat16 included: numpy counts it a void)."""
+    return dtype.kind == "f" or lowp.is_narrow(dtype)
+
+
 #: ``(available, total)`` bytes of the machine's memory, None where unknown
 MemoryReader = Callable[[], "tuple[int, int] | None"]
 
@@ -501,15 +509,28 @@ class ShardStore:
         return shard.version, shard.values.copy()
 
     def snapshot_into(self, shard_id: int, out: Array) -> int:
-        """Copy the shard's values into ``out`` (same shape and dtype); returns the version."""
+        """Copy the shard's values into ``out`` (same shape; the shard's dtype, or its
+        wire dtype: rounded to it); returns the version."""
         shard = self.get_dense(shard_id)
-        if out.shape != shard.values.shape or out.dtype != shard.values.dtype:
+        narrow = out.dtype == shard.definition.wire_dtype and lowp.is_narrow(out.dtype)
+        if out.shape != shard.values.shape or (out.dtype != shard.values.dtype and not narrow):
             raise InvalidArgument(
                 f"snapshot_into: out is {out.dtype}{out.shape},"
                 f" shard {shard_id} is {shard.values.dtype}{shard.values.shape}"
             )
-        np.copyto(out, shard.values)
+        if narrow:
+            lowp.narrow(shard.values, out.reshape(-1))
+        else:
+            np.copyto(out, shard.values)
         return shard.version
+
+    def snapshot_wire(self, shard_id: int) -> tuple[int, Array]:
+        """``(version, values)`` as they travel: the live values themselves (lent: the
+        next update copies first), or a copy rounded to the shard's wire dtype."""
+        shard = self.get_dense(shard_id)
+        if not lowp.is_narrow(shard.definition.wire_dtype):
+            return shard.version, shard.lend()
+        return shard.version, lowp.narrow(shard.values)
 
     def pull_rows(self, shard_id: int, indices: Array, create: bool = True) -> tuple[int, Array]:
         """``(version, rows)`` for GLOBAL row ids ``indices``; rows is ``(k, *row_shape)``.
@@ -752,7 +773,7 @@ class ShardStore:
         for offset, chunk in chunks:
             if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
                 raise InvalidArgument(f"shard {sid}: chunk offset must be an int, got {offset!r}")
-            if not isinstance(chunk, np.ndarray) or chunk.ndim != 1 or chunk.dtype.kind != "f":
+            if not isinstance(chunk, np.ndarray) or chunk.ndim != 1 or not _is_float(chunk.dtype):
                 raise InvalidArgument(f"shard {sid}: gradient chunks must be 1-D float arrays")
             if chunk.shape[0] == 0:
                 raise InvalidArgument(f"shard {sid}: empty gradient chunk at {offset}")

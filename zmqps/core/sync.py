@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from zmqps.core import lowp
 from zmqps.core.optimizers import compute_dtype
 from zmqps.core.store import ShardStore, Update
 from zmqps.wire.errors import InvalidArgument, NonFiniteGradient, NotFound
@@ -135,7 +136,7 @@ class SyncShards:
                 acc.dense = np.zeros(shard.definition.size, compute_dtype(shard.values.dtype))
             for offset, chunk in chunks:
                 part = acc.dense[offset : offset + chunk.shape[0]]
-                np.add(part, chunk, out=part)
+                lowp.add_into(part, chunk)
         return self._counted(sid, acc, worker)
 
     def add_rows(self, sid: int, ids: Array, rows: Array, worker: str) -> bool:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from zmqps.core import lowp
 from zmqps.transport.shm import Region
 from zmqps.wire import ops as o
 from zmqps.wire.errors import ZmqpsError
@@ -134,7 +135,7 @@ class TcpChannel(DenseChannel):
         if t.op == "pull":
             # A TCP pull is idempotent: it may be sent again (after its deadline, or at
             # once when a lost connection comes back).
-            pull = o.Pull(tuple(sids), gen=c.gen)
+            pull = o.Pull(tuple(sids), gen=c.gen, exact=c.exact or None)
             rep = await requester.request("pull", pull.to_wire(), timeout=c.timeout, attempts=2)
             c.take_values(rep, sids, t.out, pull.gen)
             return True
@@ -196,7 +197,7 @@ class ShmChannel(DenseChannel):
         for name, off in whole.items():
             # the variable lives whole in this region: pulls land in params directly
             v = client.placement.variable(name)
-            view = pull.view(off, np.dtype(v.dtype), math.prod(v.shape)).reshape(v.shape)
+            view = pull.view(off, v.wire_dtype, math.prod(v.shape)).reshape(v.shape)
             view[...] = client.params[name]
             client.params[name] = view
         return ch
@@ -253,15 +254,19 @@ class ShmChannel(DenseChannel):
             route = c.routes[sid]
             if out is None and route.var.name in r.whole:
                 continue  # params[name] is a view of the pull region
-            src = r.pull.view(r.offsets[sid], np.dtype(route.var.dtype), route.size)
+            src = r.pull.view(r.offsets[sid], route.wire, route.size)
             flat = (c.params if out is None else out)[route.var.name].reshape(-1)
-            np.copyto(flat[route.start : route.start + route.size], src)
+            dst = flat[route.start : route.start + route.size]
+            if lowp.is_narrow(route.wire):
+                lowp.widen_into(dst, src)
+            else:
+                np.copyto(dst, src)
 
     def _copy_in(self, sids: Sequence[int], flat: Mapping[str, Array]) -> None:
         c, r = self.client, self.regions
         for sid in sids:
             route = c.routes[sid]
-            dst = r.push.view(r.offsets[sid], np.dtype(route.var.dtype), route.size)
+            dst = r.push.view(r.offsets[sid], route.wire, route.size)
             np.copyto(dst, flat[route.var.name][route.start : route.start + route.size])
 
     async def close(self) -> None:
@@ -301,12 +306,14 @@ def layout(client: ParameterClient, ps: int) -> tuple[dict[int, int], dict[str, 
             continue
         shards = placement.shards_of(v.name)
         mine = [s for s in shards if s.state == ps]
-        if mine and len(mine) == len(shards):
+        itemsize = v.wire_dtype.itemsize
+        # a variable travelling narrower is widened into params: never a view of a region
+        if mine and len(mine) == len(shards) and v.wire is None:
             start = whole[v.name] = block(v.nbytes)
-            row_bytes = v.row_size * v.itemsize
+            row_bytes = v.row_size * itemsize
             for s in mine:
                 offsets[s.id] = start + s.row_start * row_bytes
         else:
             for s in mine:
-                offsets[s.id] = block(s.rows * v.row_size * v.itemsize)
+                offsets[s.id] = block(s.rows * v.row_size * itemsize)
     return offsets, whole, pos

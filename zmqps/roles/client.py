@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from zmqps.core import lowp
 from zmqps.core.hashtable import bucket_of
 from zmqps.core.segments import sum_runs
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
@@ -114,6 +115,8 @@ class _Route:
     var: VariableDef
     start: int  # flat element offset of the shard inside its variable
     size: int  # elements in the shard
+    #: the dtype its values and gradients travel as (its variable's wire dtype)
+    wire: np.dtype[Any]
 
 
 class ParameterClient:
@@ -130,6 +133,7 @@ class ParameterClient:
         shared_memory: bool = True,
         group_bytes: int = 16 << 20,
         generation: Callable[[], int] | None = None,
+        exact: bool = False,
     ) -> None:
         self.ps = list(ps)
         self.placement = placement
@@ -155,7 +159,10 @@ class ParameterClient:
                 raise InvalidArgument(
                     f"shard {s.id} placed on PS {s.ps}, only {len(self.ps)} known"
                 )
-            self.routes[s.id] = _Route(s, var, s.row_start * var.row_size, s.rows * var.row_size)
+            wire = np.dtype(var.dtype) if exact else var.wire_dtype
+            self.routes[s.id] = _Route(
+                s, var, s.row_start * var.row_size, s.rows * var.row_size, wire
+            )
         self.params: dict[str, Array] = {
             v.name: np.zeros(v.shape, dtype=v.dtype) for v in placement.variables if not v.sparse
         }
@@ -164,7 +171,10 @@ class ParameterClient:
         #: stamped with it, so that a gradient computed on values of before a restore
         #: is refused RolledBack even when the worker has heard of the restore since
         self.version_gens: dict[int, int] = dict.fromkeys(self.routes, 0)
-        self.shared_memory = shared_memory
+        #: pulls bring the values as the PS keeps them, not rounded to their wire dtype
+        #: (an evaluation's or an export's; such a client pulls only, by TCP)
+        self.exact = exact
+        self.shared_memory = shared_memory and not exact
         self._channels: list[DenseChannel | None] = [None] * len(self.ps)
         self._channel_setup = [asyncio.Lock() for _ in self.ps]
         self.last_staleness = 0
@@ -238,7 +248,14 @@ class ParameterClient:
                 raise ProtocolError(f"pull reply: unexpected tensor for shard {t.ref}")
             flat = dst_arrays[r.var.name].reshape(-1)
             dst = flat[r.start + t.offset : r.start + t.offset + t.array.size]
-            np.copyto(dst, t.array.reshape(-1), casting="same_kind")
+            if t.array.dtype != r.wire:
+                raise ProtocolError(
+                    f"pull reply: shard {t.ref} values are {t.array.dtype}, not {r.wire}"
+                )
+            if lowp.is_narrow(r.wire):
+                lowp.widen_into(dst, t.array)
+            else:
+                np.copyto(dst, t.array.reshape(-1), casting="same_kind")
 
     def tag(self, closure: int | None) -> None:
         """From now on, pushes belong to scheduled function ``closure`` (None: to no
@@ -447,7 +464,7 @@ class ParameterClient:
         size = self.group_bytes
         for sid in sids:
             r = self.routes[sid]
-            nbytes = r.size * r.var.itemsize
+            nbytes = r.size * r.wire.itemsize
             if groups and size + nbytes <= self.group_bytes:
                 groups[-1].append(sid)
                 size += nbytes
@@ -466,7 +483,9 @@ class ParameterClient:
             arr = np.ascontiguousarray(g, dtype=v.dtype)
             if arr.shape != v.shape:
                 raise InvalidArgument(f"gradient for {name}: shape {arr.shape} != {v.shape}")
-            out[name] = arr.reshape(-1)
+            # a variable travelling narrower: its gradient rounded to it, once per push
+            narrow = v.wire is not None and not self.exact
+            out[name] = lowp.narrow(arr) if narrow else arr.reshape(-1)
         return out
 
     async def _dense(

@@ -23,6 +23,7 @@ from typing import Any
 import cattrs
 
 from zmqps.config import ClusterSpec
+from zmqps.core.lowp import WIRE_DTYPES
 from zmqps.core.partition import Partitioner, check_replication
 from zmqps.core.sync import MODES
 from zmqps.roles.job import JobConfig
@@ -169,6 +170,9 @@ class ChiefConfig:
     logdir: str | None = None
     #: copies of every PS state (1: none); each on another PS
     replication: int = 1
+    #: the dtype the dense float32 variables' values and gradients travel as, unless a
+    #: variable says its own (None: as they are; "bfloat16": half the bytes)
+    wire_dtype: str | None = None
     #: training standing still this long (seconds) ends the run failed; 0: never
     stall_timeout: float = STALL_TIMEOUT_S
 
@@ -179,6 +183,10 @@ class ChiefConfig:
             check_replication(self.replication, self.cluster.num_ps)
         except InvalidArgument as exc:
             raise ConfigError(f"--replication: {exc}") from None
+        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(
+                f"--wire-dtype {self.wire_dtype!r}: float32 or {', '.join(sorted(WIRE_DTYPES))}"
+            )
         share = self.max_nonfinite_share
         if isinstance(share, bool) or not 0.0 <= share <= 1.0:
             raise ConfigError(f"--max-nonfinite-share must be within [0, 1], got {share}")

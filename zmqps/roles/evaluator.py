@@ -340,6 +340,7 @@ class Evaluator:
             timeout=self.cfg.pull_timeout,
             shared_memory=False,
             generation=lambda: session.gen,
+            exact=True,  # the model as the PS keep it, not as a lighter wire rounds it
         )
         self._announce()
         if await self._loop():

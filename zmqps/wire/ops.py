@@ -339,6 +339,9 @@ class Pull(Body):
     shards: tuple[int, ...] = wire(SHARDS)
     shm_out: ShmRef | None = wire(ShmRef.SCHEMA, default=None)
     gen: int | None = wire(Int(0), default=None)
+    #: the values as the PS keeps them, not rounded to their variable's wire dtype (the
+    #: chief's final evaluation and export, an evaluator)
+    exact: bool | None = wire(Bool(), default=None)
 
 
 @_body("push")

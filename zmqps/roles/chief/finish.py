@@ -85,6 +85,7 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         incarnation=0,
         shared_memory=False,
         generation=lambda: service.recovery.gen,
+        exact=True,  # the final model as the PS keep it (not rounded to a wire dtype)
     )
     if job.is_ctr:
         from zmqps.roles.ctr_job import evaluate_ctr, export_ctr, table_summary

@@ -100,8 +100,9 @@ class Variables:
         self, variables: Sequence[VariableDef], optimizer: dict[str, Any]
     ) -> Placement:
         """Create the variables (every PS gets its shards), or return the placement
-        they were created with; a different definition is refused."""
-        variables = tuple(variables)
+        they were created with; a different definition is refused. A dense float32
+        variable with no wire dtype of its own travels as the job's (``wire_dtype``)."""
+        variables = tuple(v.with_wire(self.cfg.wire_dtype) for v in variables)
         make_optimizer(optimizer)
         for v in variables:
             validate_init(v.init)

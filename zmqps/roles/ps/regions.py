@@ -86,8 +86,8 @@ class Regions:
     def views(
         self, store: ShardStore, sids: Sequence[int], ref: ShmRef, worker: str | None = None
     ) -> list[np.ndarray[Any, Any]]:
-        """The shards' places in a region (flat, each shard's dtype), validated whole;
-        ``worker``: the region must be one it attached."""
+        """The shards' places in a region (flat, each shard's wire dtype), validated
+        whole; ``worker``: the region must be one it attached."""
         entry = self._regions.get(ref.region)
         if entry is None or (worker is not None and entry[0] != worker):
             raise NotFound(f"shm region {ref.region} is not attached")
@@ -97,7 +97,7 @@ class Regions:
         views, spans = [], []
         for sid, off in zip(sids, ref.offsets, strict=True):
             shard = store.get_dense(sid)
-            view = region.view(off, shard.values.dtype, shard.values.size)
+            view = region.view(off, shard.definition.wire_dtype, shard.values.size)
             views.append(view)
             spans.append((off, off + view.nbytes))
         spans.sort()

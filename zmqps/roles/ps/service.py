@@ -276,14 +276,22 @@ class PSService:
 
     # -- pulls -----------------------------------------------------------------
 
-    def _snapshot_tensors(self, sids: Sequence[int]) -> tuple[list[int], list[Tensor]]:
+    def _snapshot_tensors(
+        self, sids: Sequence[int], exact: bool = False
+    ) -> tuple[list[int], list[Tensor]]:
+        """Each shard's values as reply tensors of at most ``chunk_bytes``: zero-copy
+        (the next update of the shard copies first), or rounded to the shard's wire
+        dtype unless ``exact``."""
         versions: list[int] = []
         tensors: list[Tensor] = []
         for sid in sids:
-            shard = self.store.get(sid)
-            flat = shard.lend()  # zero-copy; the next update of this shard copies first
+            if exact:
+                shard = self.store.get(sid)
+                version, flat = shard.version, shard.lend()
+            else:
+                version, flat = self.store.snapshot_wire(sid)
             step = max(1, self.chunk_elems_bytes // flat.itemsize)
-            versions.append(shard.version)
+            versions.append(version)
             tensors.extend(
                 Tensor(flat[off : off + step], "value", sid, off)
                 for off in range(0, max(flat.size, 1), step)
@@ -308,6 +316,8 @@ class PSService:
             raise InvalidArgument("pull: a shard appears twice in one pull")
         for sid in req.shards:
             self.store.get(sid)  # NotFound before any work
+        if req.shm_out is not None and req.exact:
+            raise InvalidArgument("pull: exact values travel by TCP, not shared memory")
         if req.shm_out is not None and not self._shm_pull_again(msg):
             versions = self._snapshot_to_region(req.shards, req.shm_out)
             self._shm_pull_served(msg)
@@ -315,7 +325,7 @@ class PSService:
         # TCP, or a shared-memory pull sent again (its connection came back): the worker
         # may already have the first reply and be computing on the region, so the
         # values travel in the reply instead (a worker still waiting copies them in)
-        versions, tensors = self._snapshot_tensors(req.shards)
+        versions, tensors = self._snapshot_tensors(req.shards, exact=bool(req.exact))
         return reply(msg, o.Values(tuple(versions)).to_wire(), tensors)
 
     def _shm_pull_again(self, msg: Message) -> bool:
@@ -459,10 +469,12 @@ class PSService:
         changes. The value check reads a large push with several threads
         (:func:`first_bad_of`)."""
         for sid, grad, _ in grads:
-            want = self.store.get(sid).values.dtype
+            d = self.store.get(sid).definition
+            want = d.wire_dtype
             if grad.dtype != want:
+                travels = "" if d.wire is None else f" (travels as {d.wire})"
                 raise InvalidArgument(
-                    f"shard {sid}: the gradient is {grad.dtype}, the variable is {want}"
+                    f"shard {sid}: the gradient is {grad.dtype}, the variable is {d.dtype}{travels}"
                 )
         bad = first_bad_of([grad for _, grad, _ in grads], self.check_threads)
         if bad is not None:
