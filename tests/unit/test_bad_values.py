@@ -31,7 +31,7 @@ from zmqps.core.finite import (
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.ps import PSService
-from zmqps.roles.ps.threads import CheckThreads
+from zmqps.roles.threads import CheckThreads
 from zmqps.transport.fake import FakeNetwork
 from zmqps.wire import Tensor
 from zmqps.wire.errors import InvalidArgument, NonFiniteGradient

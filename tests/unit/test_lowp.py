@@ -11,7 +11,7 @@ import pytest
 from zmqps.core import _kernels, lowp, optimizers
 from zmqps.core.finite import first_bad, first_bad_of
 from zmqps.core.optimizers import make_optimizer
-from zmqps.roles.ps.threads import CheckThreads
+from zmqps.roles.threads import CheckThreads
 
 SPECIALS = np.array(
     [0.0, -0.0, 1.0, -1.5, 1e-40, -1e-45, 3.4e38, -3.4e38, np.inf, -np.inf, np.nan, -np.nan,
@@ -61,6 +61,12 @@ def test_the_value_check_of_bfloat16_finds_the_first_bad_element(kernels, monkey
     h = g.copy()
     h[7] = 2.0**31  # under the limit
     assert first_bad(h) is None
+    for start in range(4):  # views at every alignment: head, words, tail
+        for at in (0, 1, 2, 3, 4, 1000, 49_990 - start, 49_995 - start):
+            h = g.copy()
+            h[start + at] = np.nan
+            assert first_bad(h[start:49_996]) == at, (start, at)
+        assert first_bad(g[start:49_996]) is None
 
 
 def test_a_large_bfloat16_push_is_checked_by_several_threads_alike() -> None:

@@ -24,7 +24,7 @@ from zmqps.core import optimizers
 from zmqps.core.finite import first_bad_of
 from zmqps.core.store import ShardStore
 from zmqps.core.variables import ShardDef
-from zmqps.roles.ps.threads import CheckThreads
+from zmqps.roles.threads import CheckThreads
 
 __all__ = ["format_optimizer", "run_optimizer"]
 

@@ -62,21 +62,36 @@ SIDES = (
     "zmqps-metrics",
     "zmqps-hash",
     "zmqps-r2",
+    "zmqps-bf16",
     "raw",
     "torch",
 )
 #: zmqps-curve (CURVE on every socket), zmqps-metrics (every process serving
-#: Prometheus metrics) and zmqps-r2 (two copies of each PS state) run only when asked for
+#: Prometheus metrics), zmqps-r2 (two copies of each PS state) and zmqps-bf16 (a
+#: bfloat16 wire) run only when asked for
 DEFAULT_SIDES = ("zmqps", "zmqps-tcp", "zmqps-hash", "raw", "torch")
 #: sides that exist for some suites only (a hash-keyed table is an embedding table)
 SIDE_SUITES = {"zmqps-hash": ("sparse",)}
 #: suites that are not "the same workload on every side": see their modules.
 EXTRA_SUITES = ("optimizer", "sync", "checkpoint", "overlap", "coordinator", "scale")
-ZMQPS_SIDES = ("zmqps", "zmqps-tcp", "zmqps-curve", "zmqps-metrics", "zmqps-hash", "zmqps-r2")
+ZMQPS_SIDES = (
+    "zmqps",
+    "zmqps-tcp",
+    "zmqps-curve",
+    "zmqps-metrics",
+    "zmqps-hash",
+    "zmqps-r2",
+    "zmqps-bf16",
+)
 #: ratios of zmqps sides to each other: what CURVE costs on the wire, what a
 #: hash-keyed table costs against a fixed-size one, what a second copy of every PS
-#: state costs (both by TCP)
-OWN_RATIOS = (("zmqps-curve", "zmqps-tcp"), ("zmqps-hash", "zmqps"), ("zmqps-r2", "zmqps-tcp"))
+#: state costs, what a bfloat16 wire gains (the last three by TCP)
+OWN_RATIOS = (
+    ("zmqps-curve", "zmqps-tcp"),
+    ("zmqps-hash", "zmqps"),
+    ("zmqps-r2", "zmqps-tcp"),
+    ("zmqps-bf16", "zmqps-tcp"),
+)
 OTHER_SIDES = ("raw", "torch")
 SPAWN: dict[str, Callable[[Workload, SideContext], Side]] = {
     "zmqps": zmqps_side.spawn,
@@ -85,6 +100,7 @@ SPAWN: dict[str, Callable[[Workload, SideContext], Side]] = {
     "zmqps-metrics": functools.partial(zmqps_side.spawn, metrics=True),
     "zmqps-hash": functools.partial(zmqps_side.spawn, hashed=True),
     "zmqps-r2": functools.partial(zmqps_side.spawn, tcp_only=True, replication=2),
+    "zmqps-bf16": functools.partial(zmqps_side.spawn, tcp_only=True, wire="bfloat16"),
     "raw": raw_zmq.spawn,
     "torch": torch_rpc.spawn,
 }
@@ -125,12 +141,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="comma-separated sides among zmqps (as it runs by default), zmqps-tcp (its"
         " same-host fast path off), zmqps-curve (zmqps-tcp with CURVE on every socket:"
         " every tensor byte encrypted), zmqps-r2 (zmqps-tcp with two copies of every PS"
-        " state: --replication 2, needs --ps 2 or more), zmqps-metrics (zmqps with every"
-        " process serving"
-        " Prometheus metrics), zmqps-hash (sparse: zmqps with the table hash-keyed),"
-        " raw (pyzmq), torch (RPC) (default: all but zmqps-curve and"
-        " zmqps-metrics; torch is"
-        " skipped with a note when it is not installed)",
+        " state: --replication 2, needs --ps 2 or more), zmqps-bf16 (zmqps-tcp with its"
+        " dense variables travelling as bfloat16: --wire-dtype bfloat16), zmqps-metrics"
+        " (zmqps with every process serving Prometheus metrics), zmqps-hash (sparse: zmqps"
+        " with the table hash-keyed), raw (pyzmq), torch (RPC) (default: all but"
+        " zmqps-curve, zmqps-r2, zmqps-bf16 and zmqps-metrics; torch is skipped with a"
+        " note when it is not installed)",
     )
     g.add_argument(
         "--workers",

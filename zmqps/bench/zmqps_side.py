@@ -15,6 +15,8 @@ Rules of this module:
   row budget is reached, inside the timed steps).
 * ``zmqps-r2`` is zmqps-tcp with two copies of each PS state (``--replication 2``):
   what replication costs training.
+* ``zmqps-bf16`` is zmqps-tcp with dense float32 variables travelling as bfloat16
+  (``--wire-dtype bfloat16``): half the bytes of every pull and push.
 * Leaving is the product's normal end: every worker closes with "done", the
   chief then shuts the PS down and every process exits 0.
 """
@@ -59,13 +61,16 @@ def spawn(
     curve: bool = False,
     hashed: bool = False,
     replication: int = 1,
+    wire: str | None = None,
 ) -> Side:
     """Chief, PS and workers; ``tcp_only`` turns the same-host fast path off;
     ``metrics`` serves Prometheus metrics on every process (to price them); ``curve``
     runs every socket on CURVE (keys made in the run folder); ``hashed`` (sparse
     suite) makes the table a hash-keyed one (:func:`hashed_tables`); ``replication``:
-    copies of each PS state."""
-    if replication > 1:
+    copies of each PS state; ``wire``: the dense variables' wire dtype."""
+    if wire is not None:
+        name = "zmqps-bf16"
+    elif replication > 1:
         name = f"zmqps-r{replication}"
     elif hashed:
         name = "zmqps-hash"
@@ -116,6 +121,8 @@ def spawn(
         chief += ["--num-shards", str(part.num_shards)]
     if replication > 1:
         chief += ["--replication", str(replication)]
+    if wire is not None:
+        chief += ["--wire-dtype", wire]
     env = child_env(ctx.zmqps_env)
     side = Side(name, wl.units_per_step, ctx.timeout, ps_addresses=cluster["ps"])
     side.servers.append(Child(f"{name}-chief", chief, ctx.run_dir, env))

@@ -158,13 +158,24 @@ def _build() -> dict[str, Any] | None:
         return -1
 
     @jit  # type: ignore[misc]
-    def bad_bits16(g, limit_bits):  # type: ignore[no-untyped-def]
-        # bfloat16 bits: |x| is the low 15 bits, ordered as the magnitudes are; NaN and
-        # the infinities are above every finite value: one maximum says it all
-        top = np.uint16(0)
+    def bad_bits16(g, c):  # type: ignore[no-untyped-def]
+        # bfloat16 bits: |x| is the low 15 bits, ordered as the magnitudes are, NaN and
+        # the infinities above every finite value. With c = 0x8000 - limit bits,
+        # (|x| + c) has its top bit set exactly when |x| >= the limit: one OR of them
+        # all says whether any is (an OR vectorizes where a maximum of uint16 does not)
+        acc = np.uint16(0)
         for i in range(g.shape[0]):
-            top = max(top, g[i] & np.uint16(0x7FFF))
-        return top >= limit_bits
+            acc |= (g[i] & np.uint16(0x7FFF)) + c
+        return (acc & np.uint16(0x8000)) != 0
+
+    @jit  # type: ignore[misc]
+    def bad_words16(w, c4):  # type: ignore[no-untyped-def]
+        # bad_bits16 four elements at a time (a uint64 word; c4 is c in each lane): a
+        # lane's sum stays below 0x10000, so nothing carries into the next lane
+        acc = np.uint64(0)
+        for i in range(w.shape[0]):
+            acc |= (w[i] & np.uint64(0x7FFF7FFF7FFF7FFF)) + c4
+        return (acc & np.uint64(0x8000800080008000)) != 0
 
     @jit  # type: ignore[misc]
     def first_bad16(g, limit_bits):  # type: ignore[no-untyped-def]
@@ -196,6 +207,7 @@ def _build() -> dict[str, Any] | None:
 
     return {
         "bad_bits16": bad_bits16,
+        "bad_words16": bad_words16,
         "first_bad16": first_bad16,
         "narrow_bf16": narrow_bf16,
         "widen_bf16": widen_bf16,
@@ -231,8 +243,8 @@ def kernel(name: str, param: np.ndarray[Any, Any]) -> Any:
 
 
 def bits_kernel(name: str) -> Any:
-    """A kernel of bfloat16 bits (``bad_bits16``, ``first_bad16``, ``narrow_bf16``,
-    ``widen_bf16``), or None (numpy path)."""
+    """A kernel of bfloat16 bits (``bad_bits16``, ``bad_words16``, ``first_bad16``,
+    ``narrow_bf16``, ``widen_bf16``), or None (numpy path)."""
     if not available():
         return None
     assert _KERNELS is not None

@@ -67,8 +67,11 @@ LIMITS: dict[np.dtype[Any], float] = {
     np.dtype(np.float64): 2.0**256,
     BFLOAT16: 2.0**32,
 }
-#: the bits of the bfloat16 limit (a power of two: exact)
+#: the bits of the bfloat16 limit (a power of two: exact), and what the OR-check of
+#: bfloat16 bits adds to each element's magnitude (one lane, four lanes)
 _LIMIT_BITS16 = np.uint16(int(np.array(LIMITS[BFLOAT16], np.float32).view(np.uint32)) >> 16)
+_C16 = np.uint16(0x8000 - int(_LIMIT_BITS16))
+_C64 = np.uint64(int(_C16) * 0x0001000100010001)
 
 
 class Parts(Protocol):
@@ -114,12 +117,25 @@ def first_bad(a: np.ndarray[Any, Any]) -> int | None:
     return None
 
 
+def _any_bad16(bits: np.ndarray[Any, Any]) -> bool:
+    """Whether some element of the bfloat16 bits ``bits`` is bad (compiled: the words
+    of four elements between an unaligned head and tail)."""
+    one, four = _kernels.bits_kernel("bad_bits16"), _kernels.bits_kernel("bad_words16")
+    n = bits.shape[0]
+    head = min(n, (-bits.ctypes.data % 8) // 2)
+    body = (n - head) // 4 * 4
+    return bool(
+        one(bits[:head], _C16)
+        or (body and four(bits[head : head + body].view(np.uint64), _C64))
+        or one(bits[head + body :], _C16)
+    )
+
+
 def _first_bad16(a: np.ndarray[Any, Any]) -> int | None:
     """:func:`first_bad` of a bfloat16 array, on its bits."""
     bits = a.view(np.uint16)
-    big = _kernels.bits_kernel("bad_bits16")
-    if big is not None:
-        if not big(bits, _LIMIT_BITS16):
+    if _kernels.bits_kernel("bad_bits16") is not None:
+        if not _any_bad16(bits):
             return None
         i = int(_kernels.bits_kernel("first_bad16")(bits, _LIMIT_BITS16))
         return None if i < 0 else i
@@ -131,10 +147,9 @@ def _all_good(a: np.ndarray[Any, Any]) -> Callable[[np.ndarray[Any, Any]], bool]
     """A compiled check that a piece of an array like ``a`` holds no bad value, which
     releases the GIL (None: none for this dtype)."""
     if a.dtype == BFLOAT16:
-        big = _kernels.bits_kernel("bad_bits16")
-        if big is None:
+        if _kernels.bits_kernel("bad_bits16") is None:
             return None
-        return lambda piece: not big(piece.view(np.uint16), _LIMIT_BITS16)
+        return lambda piece: not _any_bad16(piece.view(np.uint16))
     total = _kernels.kernel("bad_sum", a)
     if total is None:
         return None

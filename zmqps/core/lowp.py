@@ -14,18 +14,37 @@ Rules of this module:
 * With numba, the conversions are compiled loops at memory speed and the optimizer
   kernels read bfloat16 gradients directly (:mod:`zmqps.core._kernels`); without it,
   ``ml_dtypes``' numpy casts give the same bits.
+* Given a :class:`~zmqps.core.finite.Parts` runner (the process's threads) and at
+  least :data:`PARALLEL_BYTES` to read, a conversion is cut into equal parts run at
+  the same time (the loops release the GIL): it is on the path of a reply someone
+  waits for, while the other cores are idle.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
 
 from zmqps.core import _kernels
 
-__all__ = ["BFLOAT16", "WIRE_DTYPES", "add_into", "bits", "is_narrow", "narrow", "widen_into"]
+if TYPE_CHECKING:
+    from zmqps.core.finite import Parts
+
+__all__ = [
+    "BFLOAT16",
+    "PARALLEL_BYTES",
+    "WIRE_DTYPES",
+    "add_into",
+    "bits",
+    "is_narrow",
+    "narrow",
+    "narrow_all",
+    "widen_all",
+    "widen_into",
+]
 
 BFLOAT16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
 
@@ -45,29 +64,83 @@ def bits(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return a.view(np.uint16)
 
 
-def narrow(src: np.ndarray[Any, Any], out: np.ndarray[Any, Any] | None = None) -> Any:
+#: a conversion reading at least this many bytes is run by several threads
+PARALLEL_BYTES = 8 << 20
+
+Pair = tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]
+
+
+def narrow(
+    src: np.ndarray[Any, Any], out: np.ndarray[Any, Any] | None = None, parts: Parts | None = None
+) -> Any:
     """``src`` (float32) rounded to bfloat16, into ``out`` (flat, same size) or a new
     array; returns it."""
     flat = np.ascontiguousarray(src, dtype=np.float32).reshape(-1)
     if out is None:
         out = np.empty(flat.shape[0], BFLOAT16)
-    k = _kernels.bits_kernel("narrow_bf16")
-    if k is None:
-        with np.errstate(invalid="ignore"):  # NaN stays NaN
-            out.reshape(-1)[...] = flat.astype(BFLOAT16)
-    else:
-        k(flat, bits(out.reshape(-1)))
+    narrow_all([(flat, out.reshape(-1))], parts)
     return out
 
 
-def widen_into(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
-    """Copy bfloat16 ``src`` into float32 ``dst`` (flat, same size), exactly."""
-    k = _kernels.bits_kernel("widen_bf16")
-    flat = dst.reshape(-1)
-    if k is None or not flat.flags.c_contiguous:
-        np.copyto(flat, src.reshape(-1).astype(np.float32))
+def narrow_all(pairs: Sequence[Pair], parts: Parts | None = None) -> None:
+    """Each ``(float32 src, bfloat16 dst)`` of ``pairs`` (flat, same sizes) rounded."""
+    k = _kernels.bits_kernel("narrow_bf16")
+    if k is None:
+        with np.errstate(invalid="ignore"):  # NaN stays NaN
+            for src, dst in pairs:
+                dst[...] = src.astype(BFLOAT16)
         return
-    k(bits(np.ascontiguousarray(src).reshape(-1)), flat)
+    _run(k, [(src, bits(dst)) for src, dst in pairs], parts)
+
+
+def widen_into(
+    dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], parts: Parts | None = None
+) -> None:
+    """Copy bfloat16 ``src`` into float32 ``dst`` (flat, same size), exactly."""
+    widen_all([(src.reshape(-1), dst.reshape(-1))], parts)
+
+
+def widen_all(pairs: Sequence[Pair], parts: Parts | None = None) -> None:
+    """Each ``(bfloat16 src, float32 dst)`` of ``pairs`` (flat, same sizes) widened."""
+    k = _kernels.bits_kernel("widen_bf16")
+    if k is None or not all(dst.flags.c_contiguous for _, dst in pairs):
+        for src, dst in pairs:
+            np.copyto(dst, src.astype(np.float32))
+        return
+    _run(k, [(bits(np.ascontiguousarray(src)), dst) for src, dst in pairs], parts)
+
+
+def _run(kernel: Any, pairs: Sequence[Pair], parts: Parts | None) -> None:
+    """``kernel(src, dst)`` over every pair: cut into ``parts.threads`` runs of about
+    equal size run at once when there is enough to read, else in turn."""
+    total = sum(src.nbytes for src, _ in pairs)
+    if parts is None or parts.threads <= 1 or total < PARALLEL_BYTES:
+        for src, dst in pairs:
+            kernel(src, dst)
+        return
+    share = -(-sum(src.shape[0] for src, _ in pairs) // parts.threads)
+    runs: list[list[Pair]] = [[]]
+    room = share
+    for src, dst in pairs:
+        lo, n = 0, src.shape[0]
+        while lo < n:
+            take = min(n - lo, room)
+            runs[-1].append((src[lo : lo + take], dst[lo : lo + take]))
+            lo += take
+            room -= take
+            if room <= 0:
+                runs.append([])
+                room = share
+
+    def call(run: list[Pair]) -> Callable[[], bool]:
+        def go() -> bool:
+            for src, dst in run:
+                kernel(src, dst)
+            return True
+
+        return go
+
+    parts.run([call(r) for r in runs if r])
 
 
 def add_into(acc: np.ndarray[Any, Any], g: np.ndarray[Any, Any]) -> None:

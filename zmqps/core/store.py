@@ -508,9 +508,9 @@ class ShardStore:
         shard = self.get_dense(shard_id)
         return shard.version, shard.values.copy()
 
-    def snapshot_into(self, shard_id: int, out: Array) -> int:
+    def snapshot_into(self, shard_id: int, out: Array, parts: Any = None) -> int:
         """Copy the shard's values into ``out`` (same shape; the shard's dtype, or its
-        wire dtype: rounded to it); returns the version."""
+        wire dtype: rounded to it, by ``parts``' threads if given); returns the version."""
         shard = self.get_dense(shard_id)
         narrow = out.dtype == shard.definition.wire_dtype and lowp.is_narrow(out.dtype)
         if out.shape != shard.values.shape or (out.dtype != shard.values.dtype and not narrow):
@@ -519,18 +519,19 @@ class ShardStore:
                 f" shard {shard_id} is {shard.values.dtype}{shard.values.shape}"
             )
         if narrow:
-            lowp.narrow(shard.values, out.reshape(-1))
+            lowp.narrow(shard.values, out.reshape(-1), parts)
         else:
             np.copyto(out, shard.values)
         return shard.version
 
-    def snapshot_wire(self, shard_id: int) -> tuple[int, Array]:
+    def snapshot_wire(self, shard_id: int, parts: Any = None) -> tuple[int, Array]:
         """``(version, values)`` as they travel: the live values themselves (lent: the
-        next update copies first), or a copy rounded to the shard's wire dtype."""
+        next update copies first), or a copy rounded to the shard's wire dtype (by
+        ``parts``' threads if given)."""
         shard = self.get_dense(shard_id)
         if not lowp.is_narrow(shard.definition.wire_dtype):
             return shard.version, shard.lend()
-        return shard.version, lowp.narrow(shard.values)
+        return shard.version, lowp.narrow(shard.values, parts=parts)
 
     def pull_rows(self, shard_id: int, indices: Array, create: bool = True) -> tuple[int, Array]:
         """``(version, rows)`` for GLOBAL row ids ``indices``; rows is ``(k, *row_shape)``.

@@ -258,7 +258,7 @@ class ShmChannel(DenseChannel):
             flat = (c.params if out is None else out)[route.var.name].reshape(-1)
             dst = flat[route.start : route.start + route.size]
             if lowp.is_narrow(route.wire):
-                lowp.widen_into(dst, src)
+                lowp.widen_into(dst, src, c.threads)
             else:
                 np.copyto(dst, src)
 
@@ -267,7 +267,11 @@ class ShmChannel(DenseChannel):
         for sid in sids:
             route = c.routes[sid]
             dst = r.push.view(r.offsets[sid], route.wire, route.size)
-            np.copyto(dst, flat[route.var.name][route.start : route.start + route.size])
+            src = flat[route.var.name][route.start : route.start + route.size]
+            if lowp.is_narrow(route.wire):  # rounded straight into the region
+                lowp.narrow(src, dst, c.threads)
+            else:
+                np.copyto(dst, src)
 
     async def close(self) -> None:
         """Release the regions (best effort: the PS also drops them on rejoin)."""

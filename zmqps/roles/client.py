@@ -40,6 +40,7 @@ from zmqps.core.hashtable import bucket_of
 from zmqps.core.segments import sum_runs
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.roles.channels import Delivery, DenseChannel, ShmChannel, TcpChannel, Transfer, layout
+from zmqps.roles.threads import CheckThreads
 from zmqps.transport.base import Requester
 from zmqps.transport.shm import Region, create_region, sweep, unlink_region
 from zmqps.wire import Message, Tensor
@@ -174,6 +175,8 @@ class ParameterClient:
         #: pulls bring the values as the PS keeps them, not rounded to their wire dtype
         #: (an evaluation's or an export's; such a client pulls only, by TCP)
         self.exact = exact
+        #: the threads that convert a bfloat16 wire's large arrays
+        self.threads = CheckThreads()
         self.shared_memory = shared_memory and not exact
         self._channels: list[DenseChannel | None] = [None] * len(self.ps)
         self._channel_setup = [asyncio.Lock() for _ in self.ps]
@@ -224,9 +227,10 @@ class ParameterClient:
         """Shard ``sid`` of the flat gradient in ``grads``, as message tensors of at most
         ``chunk_bytes`` (zero-copy views)."""
         r = self.routes[sid]
-        flat = grads[r.var.name]
-        step = max(1, self._chunk_bytes // flat.itemsize)
-        part = flat[r.start : r.start + r.size]
+        part = grads[r.var.name][r.start : r.start + r.size]
+        if lowp.is_narrow(r.wire):  # travels narrower: the shard's gradient rounded to it
+            part = lowp.narrow(part, parts=self.threads)
+        step = max(1, self._chunk_bytes // part.itemsize)
         return [
             Tensor(part[off : off + step], kind, sid, off) for off in range(0, r.size, step)
         ] or [Tensor(part, kind, sid, 0)]
@@ -242,6 +246,7 @@ class ParameterClient:
         ``params`` (or ``out``)."""
         self.set_versions(reply, sids, gen)
         dst_arrays = self.params if out is None else out
+        narrowed: list[tuple[Array, Array]] = []
         for t in reply.tensors:
             r = self.routes.get(t.ref)
             if r is None or t.kind != "value" or t.offset + t.array.size > r.size:
@@ -253,9 +258,10 @@ class ParameterClient:
                     f"pull reply: shard {t.ref} values are {t.array.dtype}, not {r.wire}"
                 )
             if lowp.is_narrow(r.wire):
-                lowp.widen_into(dst, t.array)
+                narrowed.append((t.array.reshape(-1), dst))
             else:
                 np.copyto(dst, t.array.reshape(-1), casting="same_kind")
+        lowp.widen_all(narrowed, self.threads)  # every chunk at once, by several threads
 
     def tag(self, closure: int | None) -> None:
         """From now on, pushes belong to scheduled function ``closure`` (None: to no
@@ -438,6 +444,7 @@ class ParameterClient:
         channels = [ch for ch in self._channels if ch is not None]
         self._channels = [None] * len(self.ps)
         await asyncio.gather(*(ch.close() for ch in channels))
+        self.threads.close()
 
     # ------------------------------------------------------------------ dense
 
@@ -483,9 +490,7 @@ class ParameterClient:
             arr = np.ascontiguousarray(g, dtype=v.dtype)
             if arr.shape != v.shape:
                 raise InvalidArgument(f"gradient for {name}: shape {arr.shape} != {v.shape}")
-            # a variable travelling narrower: its gradient rounded to it, once per push
-            narrow = v.wire is not None and not self.exact
-            out[name] = lowp.narrow(arr) if narrow else arr.reshape(-1)
+            out[name] = arr.reshape(-1)
         return out
 
     async def _dense(

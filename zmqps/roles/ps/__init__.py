@@ -6,7 +6,6 @@ regions.py      shared-memory regions workers attached (same-host fast path)
 checkpoints.py  snapshot, write and restore this PS's shards
 slots.py        PSSlots: the PS states one process serves (its own, those it backs up)
 replica.py      a state's copies: the primary ships what it applied, backups apply it
-threads.py      CheckThreads: the threads that read a large push for the finite check
 serve.py        the PS as a process (server, metrics, signals)
 """
 

@@ -50,7 +50,7 @@ from zmqps.roles.optable import Handler, OpTable
 from zmqps.roles.ps.checkpoints import ShardCheckpoints
 from zmqps.roles.ps.modes import Accumulate, Apply, PSMode, StepWaiters, make_mode
 from zmqps.roles.ps.regions import MAX_PER_WORKER, Regions
-from zmqps.roles.ps.threads import CheckThreads
+from zmqps.roles.threads import CheckThreads
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
@@ -289,7 +289,7 @@ class PSService:
                 shard = self.store.get(sid)
                 version, flat = shard.version, shard.lend()
             else:
-                version, flat = self.store.snapshot_wire(sid)
+                version, flat = self.store.snapshot_wire(sid, self.check_threads)
             step = max(1, self.chunk_elems_bytes // flat.itemsize)
             versions.append(version)
             tensors.extend(
@@ -307,7 +307,7 @@ class PSService:
             views = self.regions.views(self.store, sids, ref)
         store = self.store
         return [
-            store.snapshot_into(sid, view.reshape(store.get(sid).values.shape))
+            store.snapshot_into(sid, view.reshape(store.get(sid).values.shape), self.check_threads)
             for sid, view in zip(sids, views, strict=True)
         ]
 

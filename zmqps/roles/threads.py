@@ -1,10 +1,11 @@
-"""The PS's threads for checking a large push (``core.finite.Parts``).
+"""A process's threads for passes over large arrays (``core.finite.Parts``).
 
-A push's finite check is on the path of its reply: the pushing worker waits for it,
-and the PS's event loop does nothing else meanwhile. Its vectorized sums release
-the GIL, so a large push is read by several threads at once: the cores this
-process may run on, at most :data:`MAX_THREADS`. The pool is made at the first
-large push and its idle threads cost nothing.
+A PS's check of a large push, and the conversions of a bfloat16 wire (a worker's
+gradients narrowed, pulled values widened; a PS's values narrowed for a pull), are on
+the path of a reply that someone waits for, and nothing else runs meanwhile. Their
+compiled loops release the GIL, so a large array is read by several threads at
+once: the cores this process may run on, at most :data:`MAX_THREADS`. The pool is
+made at the first large array and its idle threads cost nothing.
 """
 
 from __future__ import annotations
