@@ -235,5 +235,14 @@ def test_resume_refuses_another_split_of_the_data_and_takes_more_epochs_or_ps() 
     ):
         with pytest.raises(ConfigError, match=f"trained with {flag}, this run has"):
             _check_same_data(launch_args(*flags), ckpt)  # type: ignore[arg-type]
+    ctr = {"workers": 2, "dataset": "synthetic-ctr", "batch_size": 256, "seed": 0}
+    ckpt = SimpleNamespace(
+        name="c", manifest=SimpleNamespace(extra={"data": {**ctr, "examples": 20000}})
+    )
+    ctr_args = ("--model", "ctr", "--dataset", "synthetic-ctr", "--batch-size", "256")
+    _check_same_data(launch_args(*ctr_args, "--examples", "20000"), ckpt)  # type: ignore[arg-type]
+    for flags, flag in ((("--examples", "4000"), "--examples 20000"),):
+        with pytest.raises(ConfigError, match=f"trained with {flag}, this run has"):
+            _check_same_data(launch_args(*ctr_args, *flags), ckpt)  # type: ignore[arg-type]
     old = SimpleNamespace(name="ckpt-1", manifest=SimpleNamespace(extra={}))
     _check_same_data(launch_args("--workers", "5"), old)  # type: ignore[arg-type]

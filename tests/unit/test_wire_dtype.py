@@ -137,7 +137,7 @@ def test_sync_steps_and_backups_take_the_same_bfloat16_gradients() -> None:
         await c.settle()
         assert c.check_copies() >= 3
 
-    run(body())
+    run(body(), timeout=30)
 
 
 def test_a_sync_step_is_the_mean_of_the_rounded_gradients() -> None:

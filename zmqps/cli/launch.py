@@ -918,9 +918,10 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
 def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
     """A resumed run's workers go on from their batch cursors: each cursor counts
     batches of that worker's part of the data, so the split (the worker count), the
-    batch size, the dataset and the shuffling seed must be those of the checkpoint's
-    run (else batches are trained twice or never). More epochs, other PS counts, other
-    learning rates are fine."""
+    batch size, the dataset (and a synthetic one's size) and the shuffling seed must
+    be those of the checkpoint's run (else batches are trained twice or never). More
+    epochs, other PS counts, other learning rates are fine. (A data folder's files are
+    the user's: not compared.)"""
     data = ckpt.manifest.extra.get("data")
     if not isinstance(data, dict):
         return  # a checkpoint of an earlier version: nothing to compare
@@ -932,6 +933,7 @@ def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
         "dataset": job.dataset,
         "batch_size": job.batch_size,
         "seed": job.seed,
+        "examples": job.examples,
     }
     flags = {"workers": "--workers", "dataset": "--dataset", "batch_size": "--batch-size"}
     for key, was in data.items():

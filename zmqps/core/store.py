@@ -111,6 +111,10 @@ class Shard:
 
     #: A spare buffer for copy-on-write (reused once nothing references it).
     spare: Array | None = field(init=False, repr=False, default=None)
+    #: The values rounded to the shard's wire dtype, and the version they are of: every
+    #: pull of that version sends this one array (rounded once; a peer that never reads
+    #: its replies pins one per version, as a lent float32 buffer does, not one per pull)
+    wire_copy: tuple[int, Array] | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         if self.values.base is not None:  # must own its data: views of it reference it
@@ -527,11 +531,16 @@ class ShardStore:
     def snapshot_wire(self, shard_id: int, parts: Any = None) -> tuple[int, Array]:
         """``(version, values)`` as they travel: the live values themselves (lent: the
         next update copies first), or a copy rounded to the shard's wire dtype (by
-        ``parts``' threads if given)."""
+        ``parts``' threads if given), made once per version."""
         shard = self.get_dense(shard_id)
         if not lowp.is_narrow(shard.definition.wire_dtype):
             return shard.version, shard.lend()
-        return shard.version, lowp.narrow(shard.values, parts=parts)
+        cached = shard.wire_copy
+        if cached is None or cached[0] != shard.version:
+            # values change only with the version (a refused float16 update is undone
+            # whole; a restore makes new shards): the rounded copy of a version holds
+            cached = shard.wire_copy = (shard.version, lowp.narrow(shard.values, parts=parts))
+        return cached
 
     def pull_rows(self, shard_id: int, indices: Array, create: bool = True) -> tuple[int, Array]:
         """``(version, rows)`` for GLOBAL row ids ``indices``; rows is ``(k, *row_shape)``.

@@ -54,6 +54,7 @@ class ChiefCheckpoints:
                 "dataset": job.dataset,
                 "batch_size": job.batch_size,
                 "seed": job.seed,
+                **({"examples": job.examples} if job.is_ctr else {}),
             }
         if final:  # every worker finished: a lone evaluator ends after this one
             extra["final"] = True

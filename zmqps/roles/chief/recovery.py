@@ -138,6 +138,8 @@ class RecoveryController:
         self.clock = clock
         #: lines a client's requests cause: one per kind and task per 10 s
         self.notes = RateLimitedLog(log, 10.0, clock=clock)
+        #: the placement epoch this chief last told a task (None: none yet)
+        self.told_epoch: int | None = None
         self.lifecycle = Lifecycle()
         #: called at every change of phase (the service wakes the heartbeats it holds)
         self.on_phase: Callable[[], None] | None = None
@@ -372,8 +374,21 @@ class RecoveryController:
                     "a worker says placement epoch %d: not one of this run", epoch, key="epoch"
                 )
                 return
+            if placement is not None and epoch == placement.epoch == self.told_epoch:
+                return  # it heard this chief's own placement: its routes are current
             if self._epoch_past(epoch):
-                log.info("a worker heard of placement epoch %d: published past it", epoch)
+                self.notes.log(
+                    logging.INFO,
+                    "a worker heard of placement epoch %d: published past it",
+                    epoch,
+                    key="epoch_past",
+                )
+
+    def told(self, epoch: int | None) -> None:
+        """This chief told a task the placement of ``epoch`` (a registration's reply, a
+        heartbeat's): a task that says it heard that epoch has this placement."""
+        if epoch is not None:
+            self.told_epoch = epoch
 
     def _epoch_past(self, epoch: int) -> bool:
         """The placement published at an epoch past ``epoch`` unless it is already;

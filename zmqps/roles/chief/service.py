@@ -228,6 +228,8 @@ class ChiefService:
 
     def _info(self, steps_done: int = 0, last_step: int = -1) -> o.ClusterInfo:
         placement = self.variables.placement
+        if placement is not None:
+            self.recovery.told(placement.epoch)
         return o.ClusterInfo(
             ps=tuple(self.cfg.cluster.ps),
             mode=self.mode,
@@ -280,6 +282,9 @@ class ChiefService:
     def _beat(self, who: o.Who) -> o.HeartbeatReply:
         if who.role == "worker" and self.finished:
             self.members.workers[who.index].told_finished = True
+        placement = self.variables.placement
+        if placement is not None and placement.epoch:
+            self.recovery.told(placement.epoch)
         return o.HeartbeatReply(
             global_step=self.global_step,
             gen=self.recovery.gen,
