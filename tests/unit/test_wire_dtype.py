@@ -163,3 +163,23 @@ def test_a_sync_step_is_the_mean_of_the_rounded_gradients() -> None:
         await job.close()
 
     run(body(), timeout=20)
+
+
+def test_pulls_of_one_version_share_its_rounded_values() -> None:
+    """A peer sending bfloat16 pulls and never reading the replies grew a PS by about
+    1 MB per pull: each reply was a fresh rounded copy, under the size whose unread
+    bytes a server counts. The copy is made once per version and shared (a peer that
+    never reads pins one per version, as a lent float32 buffer does)."""
+
+    async def body() -> None:
+        c = await make_cluster(VARS, 1, 1)
+        store = c.services[0].store
+        (sid,) = [s.id for s in c.placement.shards_of("w")]
+        first = [store.snapshot_wire(sid) for _ in range(1000)]
+        assert len({id(a) for _, a in first}) == 1 and first[0][0] == 0
+        await c.client().push(grads(1))
+        version, after = store.snapshot_wire(sid)
+        assert version == 1 and after is not first[0][1]
+        np.testing.assert_array_equal(after, lowp.narrow(store.get(sid).values))
+
+    run(body())
