@@ -190,6 +190,27 @@ def test_steps_a_restore_took_back_are_trained_again() -> None:
     assert (history.retrained, history.retrained_functions) == (11, 4)
 
 
+def test_steps_a_restore_took_back_after_the_last_epoch_are_trained_again() -> None:
+    """A PS lost after the last epoch's look (while the run ended): the restore took
+    back 7 steps that nobody trained again; the run exited 0 with the model lacking
+    them. fit looks once more before it returns, and says what it accounted for (the
+    driver fails the run if a restore took back more after that)."""
+    coord = FakeCoordinator(steps_per_execution=4)
+    coord.rewound = [0, 0, 0, 7, 7]  # start, epoch 1, epoch 2, the last look, after it
+    history = fit(
+        coord,  # type: ignore[arg-type]
+        MODEL,
+        "batch_stream",
+        epochs=2,
+        steps_per_epoch=10,
+        dataset_args=(32,),
+    )
+    per_epoch = [("train_step", 4), ("train_step", 4), ("train_step", 2)]
+    assert coord.scheduled == per_epoch + per_epoch + [("train_step", 4), ("train_step", 3)]
+    assert (history.retrained, history.retrained_functions) == (7, 2)
+    assert coord.rewind_accounted == 7  # type: ignore[attr-defined]
+
+
 class _LosingWorker:
     """A worker whose pushes restores drop before any PS keeps them, ``lose`` times."""
 
@@ -228,3 +249,31 @@ def test_a_step_a_restore_dropped_before_any_ps_kept_it_is_trained_again() -> No
         ctx = FunctionContext(0, 1, worker)  # type: ignore[arg-type]
         train_step(ctx, batches, spec)
         assert worker.pushes == pushes  # one batch per try, tries bounded
+
+
+def test_a_run_whose_last_restore_took_back_untrained_steps_fails(tmp_path: Path) -> None:
+    """The driver's end compares the steps restores took back (the chief's count) with
+    those the training loop trained again: more is a failed run (exit code 3), said in
+    the summary, not a good end with a model lacking them."""
+    import json
+
+    import pytest
+
+    from zmqps.config import ClusterSpec
+    from zmqps.coordinator.driver import _annotate
+    from zmqps.roles.configs import ChiefConfig
+    from zmqps.wire.errors import RunFailed
+
+    path = tmp_path / "summary.json"
+    cfg = ChiefConfig(
+        bind="tcp://127.0.0.1:1",
+        cluster=ClusterSpec("127.0.0.1:1", ("127.0.0.1:2",), ("127.0.0.1:3",)),
+        summary_path=str(path),
+    )
+    path.write_text(json.dumps({"rewound_batches": 45}))
+    _annotate(cfg, {"stats": {}, "rewind_accounted": 45})
+    assert "failed" not in json.loads(path.read_text())
+    path.write_text(json.dumps({"rewound_batches": 52}))
+    with pytest.raises(RunFailed, match="took back 7 steps"):
+        _annotate(cfg, {"stats": {}, "rewind_accounted": 45})
+    assert "took back 7 steps" in json.loads(path.read_text())["failed"]

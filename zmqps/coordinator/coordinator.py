@@ -257,6 +257,9 @@ class Coordinator:
         self.failed = 0
         self.cancelled = 0
         self.retried = 0
+        #: the restores' taken-back steps a training loop (``fit``) has trained again,
+        #: as of its last look (None: no such loop ran); see :meth:`rewound_steps`
+        self.rewind_accounted: int | None = None
         self._dispatch_s = 0.0  # round trip minus execution, summed over runs
         self._runs = 0
         self._io = LoopThread("zmqps-coordinator")

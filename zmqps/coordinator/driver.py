@@ -31,7 +31,7 @@ from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server
 from zmqps.roles.chief import ChiefConfig, serve_chief
 from zmqps.transport import Client, SocketOptions, ZmqContext
-from zmqps.wire.errors import ConfigError, NotFound, ZmqpsError
+from zmqps.wire.errors import ConfigError, NotFound, RunFailed, ZmqpsError
 
 __all__ = ["run_chief_driver"]
 
@@ -81,6 +81,9 @@ def run_chief_driver(
             finished = True
         finally:
             outcome["stats"] = coord.stats()
+            # the restores' taken-back steps the training loop trained again: the run's
+            # end compares them with the chief's count (_annotate)
+            outcome["rewind_accounted"] = coord.rewind_accounted
             # The workers leave only when the work is done: after a failure they stay,
             # so that a restarted chief (a supervisor's restart) finds them to go on with
             coord.close(shutdown_workers=finished)
@@ -146,6 +149,21 @@ def _annotate(cfg: ChiefConfig, outcome: dict[str, Any]) -> None:
         return  # the chief wrote none (it stopped before the end)
     summary["driver"] = "coordinator"
     summary["coordinator"] = {**stats, **outcome.get("result", {})}
+    # a restore after the training loop's last look (a PS lost while the run ended)
+    # took back steps nobody trained again: the final model lacks them, and the run
+    # says so and fails rather than end well
+    accounted = outcome.get("rewind_accounted")
+    lost = int(summary.get("rewound_batches") or 0) - (accounted or 0)
+    failure = None
+    if accounted is not None and lost > 0:
+        failure = (
+            f"a restore after training ended took back {lost} steps that were not trained"
+            " again (a PS lost at the run's end): the final model lacks them"
+        )
+        summary["failed"] = failure
+        log.error("%s", failure)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     tmp.replace(path)
+    if failure is not None:
+        raise RunFailed(failure)

@@ -185,23 +185,27 @@ def fit(
         coordinator.join()
         return calls
 
+    def catch_up(when: str, losses: list[RemoteValue]) -> int:
+        """A restore that went back to a checkpoint took back the updates of the steps
+        after it: as many steps are trained again (on the workers' next batches), so
+        the run trains every step it planned. Returns how many."""
+        nonlocal taken_back
+        again = 0
+        while (now := coordinator.rewound_steps()) > taken_back:
+            lost, taken_back = now - taken_back, now
+            log.warning("%s: a restore took back %d steps: training them again", when, lost)
+            again += lost
+            history.retrained_functions += run_steps(lost, losses)
+        coordinator.rewind_accounted = taken_back
+        history.retrained += again
+        return again
+
     for epoch in range(start, epochs):
         started = time.perf_counter()
         retried = coordinator.retried
         losses: list[RemoteValue] = []
         run_steps(steps_per_epoch, losses)
-        # A restore that went back to a checkpoint took back the updates of the steps
-        # after it: as many steps are trained again (on the workers' next batches), so
-        # the run trains every step it planned.
-        again = 0
-        while (now := coordinator.rewound_steps()) > taken_back:
-            lost, taken_back = now - taken_back, now
-            log.warning(
-                "epoch %d: a restore took back %d steps: training them again", epoch + 1, lost
-            )
-            again += lost
-            history.retrained_functions += run_steps(lost, losses)
-        history.retrained += again
+        again = catch_up(f"epoch {epoch + 1}", losses)
         values = [float(v.fetch()) for v in losses]
         logs: dict[str, Any] = {
             "epoch": epoch + 1,
@@ -227,6 +231,12 @@ def fit(
             cb.on_epoch_end(coordinator, epoch, logs)
         history.epochs.append(epoch)
         history.logs.append(logs)
+    # a PS lost after the last epoch's look (its end, the callbacks' checkpoints) takes
+    # steps back too: trained again before training ends
+    last: list[RemoteValue] = []
+    if catch_up("after the last epoch", last):
+        for v in last:
+            v.fetch()
     for cb in callbacks:
         cb.on_train_end(coordinator, history)
     return history
