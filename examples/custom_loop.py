@@ -34,16 +34,25 @@ def main() -> None:
             [zmqps.VariableDef("w", (8, 1)), zmqps.VariableDef("b", (1,))],
             optimizer={"name": "sgd", "lr": 0.1},
         )
-        batches = np.random.default_rng(args.index)
-        for _ in range(args.steps):
-            worker.begin_step()  # sync: take a token; ssp: wait for the staleness bound
+        # Steps go by the worker's position (the batches done so far): a PS lost and
+        # restored from a checkpoint takes back the steps after it, take_rewind() puts
+        # the position back there, and those batches (the same ones: each is drawn from
+        # its position) are trained again. finish() waits for the run's end, and returns
+        # a position to go on from when a restore took the last steps back.
+        while True:
+            while worker.position < args.steps:
+                worker.begin_step()  # sync: take a token; ssp: wait for the staleness bound
+                params = worker.pull()
+                worker.take_rewind()
+                at = np.random.default_rng((args.index, worker.position))
+                i = at.integers(0, len(x), size=32)
+                err = x[i] @ params["w"] + params["b"] - y[i]
+                grads = {"w": 2 * x[i].T @ err / len(i), "b": 2 * err.mean(axis=0)}
+                worker.push(grads, loss=float(np.mean(err**2)), examples=len(i))
             params = worker.pull()
-            i = batches.integers(0, len(x), size=32)
-            err = x[i] @ params["w"] + params["b"] - y[i]
-            grads = {"w": 2 * x[i].T @ err / len(i), "b": 2 * err.mean(axis=0)}
-            worker.push(grads, loss=float(np.mean(err**2)), examples=len(i))
-        params = worker.pull()
-        loss = float(np.mean((x @ params["w"] + params["b"] - y) ** 2))
+            loss = float(np.mean((x @ params["w"] + params["b"] - y) ** 2))
+            if worker.finish() is None:
+                break
     print(f"worker {args.index}: final loss {loss:.6f} after {args.steps} steps")
 
 

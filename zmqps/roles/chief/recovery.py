@@ -605,6 +605,16 @@ class RecoveryController:
         for st in states:
             for worker, c in (st.get("cursors") or {}).items():
                 cursors[worker] = max(cursors.get(worker, 0), int(c))
+        if not cursors:
+            # no PS kept what it had applied (every one restarted: a lone PS killed),
+            # yet workers are at work in this run: the restore still takes back their
+            # batches after the checkpoint (what they said they did, an estimate of how
+            # many), else those batches are lost
+            cursors = {
+                f"worker:{i}": w.total_steps
+                for i, w in self.members.workers.items()
+                if w.total_steps > 0
+            }
         rewound = self.rewound
         step = await self.restore_all(reason, ckpt, cursors)
         rewound = self.rewound - rewound

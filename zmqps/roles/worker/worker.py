@@ -739,6 +739,17 @@ class Worker:
         if self._closed:
             return
         self._closed = True
+        pending = self.session.rewind if hasattr(self, "session") else None
+        if reason == "done" and not self._left and pending is not None and pending < self.position:
+            # a loop of its own that never took the rewind: those batches are lost
+            log.warning(
+                "%s: leaves done though a restore took back its batches after %d (%d of"
+                " them): call take_rewind() after each step's pull, and finish() at the"
+                " end, to train them again",
+                self.name,
+                pending,
+                self.position - pending,
+            )
         self._write_window(force=True)  # the last window, however short
         try:
             if self.session.chief_gone:
