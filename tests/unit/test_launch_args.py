@@ -244,5 +244,11 @@ def test_resume_refuses_another_split_of_the_data_and_takes_more_epochs_or_ps() 
     for flags, flag in ((("--examples", "4000"), "--examples 20000"),):
         with pytest.raises(ConfigError, match=f"trained with {flag}, this run has"):
             _check_same_data(launch_args(*ctr_args, *flags), ckpt)  # type: ignore[arg-type]
+    bf16 = SimpleNamespace(name="c", manifest=SimpleNamespace(extra={"wire_dtype": "bfloat16"}))
+    _check_same_data(launch_args("--wire-dtype", "bfloat16"), bf16)  # type: ignore[arg-type]
+    with pytest.raises(
+        ConfigError, match="trained with --wire-dtype bfloat16, this run has float32"
+    ):
+        _check_same_data(launch_args(), bf16)  # type: ignore[arg-type]
     old = SimpleNamespace(name="ckpt-1", manifest=SimpleNamespace(extra={}))
     _check_same_data(launch_args("--workers", "5"), old)  # type: ignore[arg-type]

@@ -183,3 +183,25 @@ def test_pulls_of_one_version_share_its_rounded_values() -> None:
         np.testing.assert_array_equal(after, lowp.narrow(store.get(sid).values))
 
     run(body())
+
+
+def test_variables_of_another_wire_dtype_are_a_clear_mismatch() -> None:
+    """A chief resumed without the run's --wire-dtype found the variables 'created with
+    different definitions' and named the model, which was the same: it names the wire
+    dtype now (and zmqps launch --resume refuses it up front)."""
+    from test_ps_replication import Cluster
+
+    from zmqps.wire.errors import ModelMismatch
+
+    async def body() -> None:
+        c = Cluster(2, 1)
+        cfg = c.variables.cfg
+        c.variables.cfg = dataclasses.replace(cfg, wire_dtype="bfloat16")
+        await c.create()
+        c.variables.cfg = cfg
+        with pytest.raises(
+            ModelMismatch, match="travelling as bfloat16: give the chief that --wire"
+        ):
+            await c.create()
+
+    run(body(), timeout=30)

@@ -922,6 +922,14 @@ def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
     be those of the checkpoint's run (else batches are trained twice or never). More
     epochs, other PS counts, other learning rates are fine. (A data folder's files are
     the user's: not compared.)"""
+    wire = ckpt.manifest.extra.get("wire_dtype")
+    now_wire = wire_dtype_from_args(args) or "float32"
+    if isinstance(wire, str) and wire != now_wire:
+        raise ConfigError(
+            f"--resume: {ckpt.name} was trained with --wire-dtype {wire}, this run has"
+            f" {now_wire}: its variables travel as they were created; resume with"
+            f" --wire-dtype {wire}, or start a new --run-dir"
+        )
     data = ckpt.manifest.extra.get("data")
     if not isinstance(data, dict):
         return  # a checkpoint of an earlier version: nothing to compare

@@ -56,6 +56,9 @@ class ChiefCheckpoints:
                 "seed": job.seed,
                 **({"examples": job.examples} if job.is_ctr else {}),
             }
+        # what its variables travel as: a resumed run's must be the same (they are part
+        # of the variables' definitions the PS hold)
+        extra["wire_dtype"] = self.chief.cfg.wire_dtype or "float32"
         if final:  # every worker finished: a lone evaluator ends after this one
             extra["final"] = True
         return extra

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -112,6 +113,15 @@ class Variables:
             self._creating = asyncio.ensure_future(self._create(variables, optimizer))
         placement = await asyncio.shield(self._creating)
         if placement.variables != variables or dict(placement.optimizer) != optimizer:
+            same = [dataclasses.replace(v, wire=None) for v in placement.variables] == [
+                dataclasses.replace(v, wire=None) for v in variables
+            ]
+            if same and dict(placement.optimizer) == optimizer:
+                was = {v.wire or "float32" for v in placement.variables}
+                raise ModelMismatch(
+                    "the variables were created travelling as"
+                    f" {', '.join(sorted(was))}: give the chief that --wire-dtype"
+                )
             raise ModelMismatch(
                 "variables were already created with different definitions"
                 f" ({', '.join(v.name for v in placement.variables)})"
