@@ -117,7 +117,7 @@ class Variables:
                 dataclasses.replace(v, wire=None) for v in variables
             ]
             if same and dict(placement.optimizer) == optimizer:
-                was = {v.wire or "float32" for v in placement.variables}
+                was = {v.wire for v in placement.variables if v.wire} or {"float32"}
                 raise ModelMismatch(
                     "the variables were created travelling as"
                     f" {', '.join(sorted(was))}: give the chief that --wire-dtype"
