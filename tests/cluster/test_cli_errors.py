@@ -220,8 +220,9 @@ def test_no_prefix_matching_of_flags(case: str, tmp_path: Path) -> None:
         [script(command), *args], capture_output=True, text=True, timeout=30, cwd=tmp_path
     )
     assert done.returncode == 2, done.stderr
-    assert done.stderr.splitlines()[0].startswith("usage: "), done.stderr
-    assert done.stderr.splitlines()[-1] == message
+    # one line: the error and where to look (not the whole usage block ahead of it)
+    prog = message.split(": error:")[0]
+    assert done.stderr.splitlines() == [f"{message} (see {prog} -h)"], done.stderr
     assert not (tmp_path / "keys").exists()
 
 

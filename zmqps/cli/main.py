@@ -14,7 +14,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from zmqps.cli.args import (
     add_cluster_args,
@@ -270,13 +270,21 @@ def _sub(sub: Any, name: str, **kw: Any) -> argparse.ArgumentParser:
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (and where to look), not the whole
+    usage block ahead of it: a mistyped choice reads like every other refusal."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def _build() -> argparse.ArgumentParser:
     from zmqps.bench.suites import add_bench_args
     from zmqps.cli.inspect import add_args as add_inspect_args
     from zmqps.cli.launch import add_launch_args
     from zmqps.cli.predict import add_args as add_predict_args
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="zmqps", description="zmqps: a parameter server over ZeroMQ", allow_abbrev=False
     )
     _common_args(parser)
@@ -392,7 +400,7 @@ def _single(
     func: Callable[[argparse.Namespace], int],
     argv: Sequence[str] | None,
 ) -> int:
-    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    p = _Parser(prog=prog, allow_abbrev=False)
     _common_args(p)
     build(p)
     args = p.parse_args(argv)
