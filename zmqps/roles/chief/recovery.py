@@ -1093,7 +1093,7 @@ class RecoveryController:
             who.incarnation,
             "rejoined" if rejoin else "registered",
             f"; resumes after batch {skip}" if skip else "",
-            key=("registered", who.index),
+            key=("rejoined" if rejoin else "registered", who.index),
         )
         await self.mode.membership_changed(back=[who.index])
         return rejoin, skip, last
