@@ -85,6 +85,7 @@ from zmqps.wire.schema import (
     Int,
     List,
     Map,
+    OneOf,
     Schema,
     Str,
     Tree,
@@ -354,6 +355,8 @@ def example(schema: Schema) -> Any:
         return max(schema.lo, 0.0)
     if isinstance(schema, Str):
         return "x"
+    if isinstance(schema, OneOf):
+        return min(schema.values)
     if isinstance(schema, Bool):
         return False
     if isinstance(schema, List):

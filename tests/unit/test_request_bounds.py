@@ -364,10 +364,11 @@ def test_pushes_of_invented_names_refused_before_they_count_leave_no_trace_per_n
 def test_a_push_cut_into_many_tiny_chunks_is_refused_before_any_work() -> None:
     """A dense push of 65,536 values in 32,768 chunks of two held the PS's event loop
     1.4 s (the same bytes in one chunk: 2 ms). A shard takes at most one chunk per
-    MIN_CHUNK_BYTES of its gradient; within that, any cut is taken."""
+    MIN_CHUNK_BYTES of its gradient (or FREE_CHUNKS of any size); within that, any cut
+    is taken."""
     from test_bad_values import PS, run
 
-    from zmqps.wire.schema import MIN_CHUNK_BYTES
+    from zmqps.wire.schema import FREE_CHUNKS, MIN_CHUNK_BYTES
 
     big = VariableDef("big", (256, 256), init={"name": "ones"})
     p = plan([big], 1, Partitioner(num_shards=1), optimizer={"name": "sgd", "lr": 0.5})
@@ -380,13 +381,19 @@ def test_a_push_cut_into_many_tiny_chunks_is_refused_before_any_work() -> None:
         g = np.full(256 * 256, 0.5, np.float32)
         base = {"shards": [sid], "versions": [0], "worker": "w0", "inc": 0}
         tiny = [Tensor(g[o : o + 2], "grad", sid, o) for o in range(0, g.size, 2)]
-        with pytest.raises(InvalidArgument, match="32768 chunks, at most 4"):
+        with pytest.raises(InvalidArgument, match="32768 chunks, at most 64"):
             await ps.client.request("push", {**base, "seq": 0}, tiny)
         assert ps.state() == before
-        step = MIN_CHUNK_BYTES // 4  # 4 chunks of the least size: taken
+        step = g.size // FREE_CHUNKS  # as many chunks as any size may come in: taken
         ok = [Tensor(g[o : o + step], "grad", sid, o) for o in range(0, g.size, step)]
         out = await ps.client.request("push", {**base, "seq": 1}, ok)
         assert out.body["applied"]
+        assert np.all(ps.svc.store.get(sid).values == 0.75)
+        over = g.size // (FREE_CHUNKS + 1) + 1  # one chunk past it: refused
+        bad = [Tensor(g[o : o + over], "grad", sid, o) for o in range(0, g.size, over)]
+        assert len(bad) == FREE_CHUNKS + 1 and FREE_CHUNKS + 1 > g.nbytes // MIN_CHUNK_BYTES
+        with pytest.raises(InvalidArgument, match=f"{FREE_CHUNKS + 1} chunks"):
+            await ps.client.request("push", {**base, "seq": 2}, bad)
         assert np.all(ps.svc.store.get(sid).values == 0.75)
 
     run(body())

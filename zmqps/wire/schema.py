@@ -279,9 +279,10 @@ MAX_TALLY = 2**48
 TALLY = Int(0, MAX_TALLY)
 SHARD_ID = Int(0, 2**31 - 1)
 #: a shard's dense gradient travels in at most one chunk per this many bytes (a PS
-#: whose own chunks are smaller takes chunks that small): its work stays in
-#: proportion to its bytes
+#: whose own chunks are smaller takes chunks that small), or in up to
+#: :data:`FREE_CHUNKS` chunks of any size: its work stays in proportion to its bytes
 MIN_CHUNK_BYTES = 64 << 10
+FREE_CHUNKS = 64
 #: the largest frame a peer takes (``MAXMSGSIZE``): a worker's chunks (4 MiB by
 #: default) and a shard's whole gradient sum in a backup's entry fit
 MAX_FRAME_BYTES = 256 << 20

@@ -62,7 +62,7 @@ from zmqps.wire.errors import (
     RolledBack,
     ZmqpsError,
 )
-from zmqps.wire.schema import MAX_ROW_VALUES, MAX_ROWS, MIN_CHUNK_BYTES
+from zmqps.wire.schema import FREE_CHUNKS, MAX_ROW_VALUES, MAX_ROWS, MIN_CHUNK_BYTES
 
 __all__ = ["PSService"]
 
@@ -449,13 +449,13 @@ class PSService:
 
     def _check_chunk_counts(self, by_shard: Mapping[int, Sequence[Tensor]]) -> None:
         """A shard's gradient comes in at most one chunk per :data:`MIN_CHUNK_BYTES` (or
-        per the PS's own chunk size, if smaller): the work of a push stays in proportion
-        to its bytes. (A push cut into 32,768 chunks of 8 bytes held the event loop
+        per the PS's own chunk size, if smaller), or in up to :data:`FREE_CHUNKS` chunks
+        of any size: the work of a push stays in proportion to its bytes. (A push cut into 32,768 chunks of 8 bytes held the event loop
         1.4 s, against 2 ms for the same bytes in one chunk.)"""
         least = max(1, min(MIN_CHUNK_BYTES, self.chunk_elems_bytes))
         for sid, ts in by_shard.items():
             d = self.store.get(sid).definition
-            most = max(1, -(-d.size * d.wire_dtype.itemsize // least))
+            most = max(FREE_CHUNKS, -(-d.size * d.wire_dtype.itemsize // least))
             if len(ts) > most:
                 raise InvalidArgument(
                     f"push: shard {sid} in {len(ts)} chunks, at most {most}"
