@@ -34,7 +34,7 @@ def test_narrowing_rounds_as_ml_dtypes_does_and_widening_is_exact(kernels, monke
     with np.errstate(invalid="ignore"):
         want = x.astype(ml_dtypes.bfloat16)
     got = lowp.narrow(x)
-    assert got.dtype == lowp.BFLOAT16
+    assert got.dtype == lowp.bfloat16()
     nan = np.isnan(x)
     assert np.array_equal(lowp.bits(got)[~nan], want.view(np.uint16)[~nan])
     assert np.isnan(got.astype(np.float32)[nan]).all()  # a NaN stays a NaN

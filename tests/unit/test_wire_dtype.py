@@ -55,7 +55,7 @@ def test_a_bfloat16_variable_travels_rounded_and_is_updated_in_float32(shm: bool
             sent = [t for r in client.ps for _, _, ts in r.sent for t in ts]  # type: ignore[attr-defined]
             back = [t for r in client.ps for rep in r.replies for t in rep.tensors]  # type: ignore[attr-defined]
             for t in sent + back:
-                want = lowp.BFLOAT16 if c.placement.shards[t.ref].var == "w" else np.float32
+                want = lowp.bfloat16() if c.placement.shards[t.ref].var == "w" else np.float32
                 assert t.array.dtype == want
         await client.close()
 

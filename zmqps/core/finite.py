@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from zmqps.core import _kernels
-from zmqps.core.lowp import BFLOAT16
+from zmqps.wire.codec import is_bfloat16
 
 __all__ = ["LIMITS", "PARALLEL_BYTES", "Parts", "first_bad", "first_bad_of", "limit"]
 
@@ -61,15 +61,16 @@ PARALLEL_BYTES = 8 << 20
 #: a first filter only: repeated row ids add up and the learning rate multiplies, so
 #: an update that would still take a float16 parameter past 65504 is undone and
 #: refused whole (``ShardStore.apply_all``): a float16 parameter never becomes infinite.
-LIMITS: dict[np.dtype[Any], float] = {
-    np.dtype(np.float16): 2.0**15,
-    np.dtype(np.float32): 2.0**32,
-    np.dtype(np.float64): 2.0**256,
-    BFLOAT16: 2.0**32,
+#: bfloat16 (float32's upper half) has float32's.
+LIMITS: dict[str, float] = {
+    "float16": 2.0**15,
+    "float32": 2.0**32,
+    "float64": 2.0**256,
+    "bfloat16": 2.0**32,
 }
 #: the bits of the bfloat16 limit (a power of two: exact), and what the OR-check of
 #: bfloat16 bits adds to each element's magnitude (one lane, four lanes)
-_LIMIT_BITS16 = np.uint16(int(np.array(LIMITS[BFLOAT16], np.float32).view(np.uint32)) >> 16)
+_LIMIT_BITS16 = np.uint16(int(np.array(LIMITS["bfloat16"], np.float32).view(np.uint32)) >> 16)
 _C16 = np.uint16(0x8000 - int(_LIMIT_BITS16))
 _C64 = np.uint64(int(_C16) * 0x0001000100010001)
 
@@ -84,7 +85,7 @@ class Parts(Protocol):
 
 def limit(dtype: np.dtype[Any]) -> float:
     """The magnitude at which a pushed value of ``dtype`` is refused."""
-    return LIMITS[np.dtype(dtype)]
+    return LIMITS["bfloat16" if is_bfloat16(dtype) else np.dtype(dtype).name]
 
 
 def _scale(dtype: np.dtype[Any]) -> Any:
@@ -97,7 +98,7 @@ def _scale(dtype: np.dtype[Any]) -> Any:
 def first_bad(a: np.ndarray[Any, Any]) -> int | None:
     """The index of the first NaN, infinity or out-of-range value (``|x| >=
     limit(a.dtype)``) of the 1-D float array ``a``, or None."""
-    if a.dtype == BFLOAT16:
+    if is_bfloat16(a.dtype):
         return _first_bad16(a)
     n = a.shape[0]
     lim = limit(a.dtype)
@@ -146,7 +147,7 @@ def _first_bad16(a: np.ndarray[Any, Any]) -> int | None:
 def _all_good(a: np.ndarray[Any, Any]) -> Callable[[np.ndarray[Any, Any]], bool] | None:
     """A compiled check that a piece of an array like ``a`` holds no bad value, which
     releases the GIL (None: none for this dtype)."""
-    if a.dtype == BFLOAT16:
+    if is_bfloat16(a.dtype):
         if _kernels.bits_kernel("bad_bits16") is None:
             return None
         return lambda piece: not _any_bad16(piece.view(np.uint16))

@@ -25,19 +25,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
 import numpy as np
 
 from zmqps.core import _kernels
+from zmqps.wire.codec import bfloat16, is_bfloat16
 
 if TYPE_CHECKING:
     from zmqps.core.finite import Parts
 
 __all__ = [
-    "BFLOAT16",
     "PARALLEL_BYTES",
     "WIRE_DTYPES",
     "add_into",
+    "bfloat16",
     "bits",
     "is_narrow",
     "narrow",
@@ -46,17 +46,16 @@ __all__ = [
     "widen_into",
 ]
 
-BFLOAT16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-
-#: wire dtype name -> (numpy dtype, the variable dtypes it may stand for)
-WIRE_DTYPES: dict[str, tuple[np.dtype[Any], tuple[str, ...]]] = {
-    "bfloat16": (BFLOAT16, ("float32",)),
+#: wire dtype name -> the variable dtypes it may stand for (its numpy dtype:
+#: ``zmqps.wire.codec.DTYPES``; bfloat16's, :func:`bfloat16`, is imported on first use)
+WIRE_DTYPES: dict[str, tuple[str, ...]] = {
+    "bfloat16": ("float32",),
 }
 
 
 def is_narrow(dtype: Any) -> bool:
     """Whether arrays of ``dtype`` are a wire dtype narrower than their variable's."""
-    return bool(np.dtype(dtype) == BFLOAT16)
+    return is_bfloat16(dtype)
 
 
 def bits(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -77,7 +76,7 @@ def narrow(
     array; returns it."""
     flat = np.ascontiguousarray(src, dtype=np.float32).reshape(-1)
     if out is None:
-        out = np.empty(flat.shape[0], BFLOAT16)
+        out = np.empty(flat.shape[0], bfloat16())
     narrow_all([(flat, out.reshape(-1))], parts)
     return out
 
@@ -88,7 +87,7 @@ def narrow_all(pairs: Sequence[Pair], parts: Parts | None = None) -> None:
     if k is None:
         with np.errstate(invalid="ignore"):  # NaN stays NaN
             for src, dst in pairs:
-                dst[...] = src.astype(BFLOAT16)
+                dst[...] = src.astype(bfloat16())
         return
     _run(k, [(src, bits(dst)) for src, dst in pairs], parts)
 

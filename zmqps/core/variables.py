@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from zmqps.core.lowp import WIRE_DTYPES
+from zmqps.wire.codec import DTYPES
 from zmqps.wire.errors import InvalidArgument
 
 __all__ = ["FLOAT_DTYPES", "Placement", "ShardDef", "ShardInfo", "VariableDef"]
@@ -40,15 +41,15 @@ def _check_wire(name: str, wire: str | None, dtype: str, sparse: bool) -> None:
         )
     if sparse:
         raise InvalidArgument(f"variable {name}: a wire dtype is for dense variables only")
-    if dtype not in WIRE_DTYPES[wire][1]:
+    if dtype not in WIRE_DTYPES[wire]:
         raise InvalidArgument(
-            f"variable {name}: wire dtype {wire} is for {', '.join(WIRE_DTYPES[wire][1])}"
+            f"variable {name}: wire dtype {wire} is for {', '.join(WIRE_DTYPES[wire])}"
             f" variables, not {dtype}"
         )
 
 
 def _wire_dtype(wire: str | None, dtype: str) -> np.dtype[Any]:
-    return np.dtype(dtype) if wire is None else WIRE_DTYPES[wire][0]
+    return np.dtype(dtype) if wire is None else DTYPES[wire]
 
 
 def _frozen(d: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -146,7 +147,7 @@ class VariableDef:
         else as it is."""
         if wire is None or self.wire is not None or self.sparse:
             return self
-        if self.dtype not in WIRE_DTYPES.get(wire, ((), ()))[1]:
+        if self.dtype not in WIRE_DTYPES.get(wire, ()):
             return self
         return replace(self, wire=wire)
 

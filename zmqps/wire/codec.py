@@ -18,11 +18,11 @@ Rules of this module (see RELIABILITY.md, "Facts that bite"):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import msgpack
 import numpy as np
 import numpy.typing as npt
@@ -40,10 +40,47 @@ from zmqps.wire.messages import (
 from zmqps.wire.ops import REQUEST_BODIES
 from zmqps.wire.schema import AnyList, AnyMap, Float, Int, Map, Str
 
-__all__ = ["DTYPES", "Limits", "decode", "encode", "wire_dtype"]
+__all__ = ["DTYPES", "Limits", "bfloat16", "decode", "encode", "is_bfloat16", "wire_dtype"]
 
-#: Wire dtype name -> numpy dtype. Nothing outside this table ever crosses the wire.
-DTYPES: dict[str, np.dtype[Any]] = {
+
+@functools.cache
+def bfloat16() -> np.dtype[Any]:
+    """numpy's bfloat16 (``ml_dtypes``), imported on first use: importing ``ml_dtypes``
+    takes over a second (1.3 s here), which every process would pay at start-up
+    (a status query, each task of a launch) though only a bfloat16 wire needs it."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype: Any) -> bool:
+    """Whether ``dtype`` (a numpy dtype or its name) is bfloat16, without importing it."""
+    return bool(getattr(dtype, "name", dtype) == "bfloat16")
+
+
+class _Dtypes(Mapping[str, "np.dtype[Any]"]):
+    """Wire dtype name -> numpy dtype; bfloat16's is looked up only when asked for."""
+
+    def __init__(self, fixed: dict[str, np.dtype[Any]]) -> None:
+        self._fixed = fixed
+
+    def __getitem__(self, name: str) -> np.dtype[Any]:
+        if name == "bfloat16":
+            return bfloat16()
+        return self._fixed[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name == "bfloat16" or name in self._fixed
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._fixed
+        yield "bfloat16"
+
+    def __len__(self) -> int:
+        return len(self._fixed) + 1
+
+
+_FIXED: dict[str, np.dtype[Any]] = {
     name: np.dtype(code)
     for name, code in {
         "bool": "?",
@@ -60,9 +97,10 @@ DTYPES: dict[str, np.dtype[Any]] = {
         "float64": "<f8",
     }.items()
 }
-#: bfloat16 (``ml_dtypes``): a variable's values and gradients on a lighter wire
-_BFLOAT16 = DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
-_NAME_OF = {dt.newbyteorder("<") if dt.itemsize > 1 else dt: name for name, dt in DTYPES.items()}
+#: Wire dtype name -> numpy dtype. Nothing outside this table ever crosses the wire.
+#: bfloat16 (``ml_dtypes``): a variable's values and gradients on a lighter wire.
+DTYPES: Mapping[str, np.dtype[Any]] = _Dtypes(_FIXED)
+_NAME_OF = {dt.newbyteorder("<") if dt.itemsize > 1 else dt: name for name, dt in _FIXED.items()}
 
 MAX_NDIM = 8
 
@@ -93,6 +131,8 @@ _HEADER = Map(
 
 def wire_dtype(dtype: Any) -> str:
     """The wire name of ``dtype``; raises ProtocolError if it is not allowed."""
+    if is_bfloat16(dtype):
+        return "bfloat16"
     dt = np.dtype(dtype)
     key = dt.newbyteorder("<") if dt.itemsize > 1 and dt.byteorder != "|" else dt
     name = _NAME_OF.get(key)
@@ -113,7 +153,7 @@ def encode(msg: Message) -> list[Any]:
             raise ProtocolError(f"unknown tensor kind {t.kind!r}")
         specs.append([wire_dtype(arr.dtype), list(arr.shape), t.kind, t.ref, t.offset])
         # bfloat16 has no buffer-protocol format: its bits go as uint16 (same bytes)
-        frames.append(arr.view(np.uint16) if arr.dtype == _BFLOAT16 else arr)
+        frames.append(arr.view(np.uint16) if is_bfloat16(arr.dtype) else arr)
     header: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "op": msg.op,
