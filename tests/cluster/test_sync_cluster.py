@@ -110,6 +110,14 @@ def start_cluster(
         procs.spawn([server, *hosts, "--role", "ps", "--index", str(i)], name=f"ps{i}")
         for i in range(num_ps)
     ]
+    # The status queries' deadline is for a running chief, not for a process start
+    # (seconds on a loaded 2-core machine, with the other tasks starting beside it).
+    wait_for(
+        lambda: "serving on" in chief_p.stderr or chief_p.poll() is not None,
+        timeout=60,
+        what="the chief to serve",
+    )
+    assert chief_p.poll() is None, chief_p.tail()
     return SyncCluster(procs, tmp, chief, ps, chief_p, ps_p, summary)
 
 
