@@ -21,7 +21,6 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -35,6 +34,7 @@ from zmqps.core.variables import Placement
 from zmqps.metrics import Metrics
 from zmqps.roles.configs import CheckpointPolicy
 from zmqps.transport import Requester
+from zmqps.transport.base import cancel_and_wait
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     DeadlineExceeded,
@@ -144,9 +144,7 @@ class Checkpointer:
         """Give up the checkpoint being written (a PS was lost): its directory is removed."""
         task, self._writing = self._writing, None
         if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
     async def snapshot(self, step: int, placement: Placement) -> Snapshot | None:
         """Ask every PS holding shards to copy them now (fast); None if that failed."""

@@ -70,6 +70,7 @@ from zmqps.roles.ctr_job import ctr_scores, ctr_scores_summary
 from zmqps.roles.homes import Homes
 from zmqps.roles.worker.session import Session
 from zmqps.transport import Client, Requester, SocketOptions, ZmqContext, new_context
+from zmqps.transport.base import cancel_and_wait
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     ConfigError,
@@ -302,9 +303,7 @@ class Evaluator:
         finally:
             stop.cancel()
             if not work.done():
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
+                await cancel_and_wait(work)
         if work.cancelled():
             log.info("evaluator: stopped after %d evaluations", len(self.evaluations))
             return self.evaluations

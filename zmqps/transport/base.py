@@ -22,6 +22,7 @@ __all__ = [
     "Requester",
     "TransportObserver",
     "TransportStats",
+    "cancel_and_wait",
     "retry_busy",
     "send_soon",
 ]
@@ -153,3 +154,22 @@ class TransportStats:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+async def cancel_and_wait(task: asyncio.Future[Any], *also: type[BaseException]) -> None:
+    """Cancel ``task`` and wait until it has ended; its ``CancelledError`` (and the
+    exceptions ``also``) is taken. Unless the caller itself is being cancelled: then
+    its ``CancelledError`` goes on. (``with suppress(CancelledError): await task``
+    took both, so a loop that cancelled a helper while it was cancelled itself went on
+    running: a task that could not be cancelled, and a shutdown that waited for it for
+    ever.)"""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        cancelling = getattr(me, "cancelling", None)  # Python 3.11+
+        if cancelling is not None and cancelling():
+            raise
+    except also:
+        pass

@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zmqps.transport.base import TransportObserver, TransportStats, retry_busy
+from zmqps.transport.base import TransportObserver, TransportStats, cancel_and_wait, retry_busy
 from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
 from zmqps.wire import ERROR, Limits, Message, Tensor, decode, encode, request
 from zmqps.wire.errors import (
@@ -307,13 +307,9 @@ class Client:
             if not fut.done():
                 fut.set_exception(ShutdownError(f"client to {self.endpoint} closed"))
         if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
-                await self._reader
+            await cancel_and_wait(self._reader, zmq.ZMQError)
         if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
-                await self._watcher
+            await cancel_and_wait(self._watcher, zmq.ZMQError)
         if self._monitor_sock is not None:
             # A monitor socket left open hangs ctx.term().
             with contextlib.suppress(zmq.ZMQError):

@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from zmqps.logs import RateLimitedLog
-from zmqps.transport.base import Handler, TransportObserver, TransportStats
+from zmqps.transport.base import Handler, TransportObserver, TransportStats, cancel_and_wait
 from zmqps.transport.dispatch import Dispatcher, Pending
 from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
 from zmqps.transport.security import acquire_authenticator, release_authenticator
@@ -279,9 +279,7 @@ class Server:
         try:
             if self._loop_task is not None:
                 task, self._loop_task = self._loop_task, None
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
             if self._tasks:
                 _done, pending = await asyncio.wait(self._tasks, timeout=1.0)
                 for t in pending:
@@ -289,9 +287,7 @@ class Server:
         finally:
             if self._monitor is not None:
                 monitor, self._monitor = self._monitor, None
-                monitor.cancel()
-                with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
-                    await monitor
+                await cancel_and_wait(monitor, zmq.ZMQError)
             if self._sock is not None:
                 # A monitor socket left open hangs ctx.term().
                 if self._monitor_sock is not None:

@@ -18,7 +18,6 @@ and shuts the PS down.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -38,6 +37,7 @@ from zmqps.roles.chief.service import ChiefService
 from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.transport import Client, Requester, Server, SocketOptions, ZmqContext
+from zmqps.transport.base import cancel_and_wait
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     DeadlineExceeded,
@@ -101,9 +101,7 @@ class _Watchers:
         finally:
             failed.cancel()
         if not running.done():
-            running.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await running
+            await cancel_and_wait(running)
             assert self.error is not None
             raise self.error
         return running.result()

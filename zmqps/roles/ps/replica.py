@@ -65,7 +65,7 @@ from zmqps.core.replication import Entry, Offer, PrimaryLog, ReplicaLog
 from zmqps.core.sync import SyncShards
 from zmqps.roles.ps.image import Installing, Part
 from zmqps.transport import Requester
-from zmqps.transport.base import send_soon
+from zmqps.transport.base import cancel_and_wait, send_soon
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
@@ -595,8 +595,7 @@ class Primary:
         for task in [*self._senders.values(), *(t for s in self._inflight.values() for t in s)]:
             task.cancel()
         for task in self._senders.values():
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task, Exception)
         self._senders.clear()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)

@@ -450,8 +450,9 @@ class PSService:
     def _check_chunk_counts(self, by_shard: Mapping[int, Sequence[Tensor]]) -> None:
         """A shard's gradient comes in at most one chunk per :data:`MIN_CHUNK_BYTES` (or
         per the PS's own chunk size, if smaller), or in up to :data:`FREE_CHUNKS` chunks
-        of any size: the work of a push stays in proportion to its bytes. (A push cut into 32,768 chunks of 8 bytes held the event loop
-        1.4 s, against 2 ms for the same bytes in one chunk.)"""
+        of any size: the work of a push stays in proportion to its bytes. (A push cut
+        into 32,768 chunks of 8 bytes held the event loop 1.4 s, against 2 ms for the
+        same bytes in one chunk.)"""
         least = max(1, min(MIN_CHUNK_BYTES, self.chunk_elems_bytes))
         for sid, ts in by_shard.items():
             d = self.store.get(sid).definition
