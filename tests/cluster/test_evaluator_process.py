@@ -19,6 +19,8 @@ from helpers import (
     Proc,
     Reaper,
     addresses,
+    chief_address,
+    chief_status,
     launch_run,
     read_json,
     script,
@@ -228,7 +230,11 @@ def test_an_evaluator_paused_at_the_end_still_scores_the_final_model(
     """Fault schedule 75 of run 11: the snapshot evaluator was stopped (SIGSTOP) when
     training ended; the chief, hearing nothing from it, shut the PS down at once, and
     the evaluator, resumed, found nothing left to score. An evaluator that has not left
-    is waited for while it has been silent less than four heartbeat timeouts."""
+    is waited for while it has been silent less than four heartbeat timeouts.
+
+    The evaluator is stopped near the end of training (most of the planned steps
+    done), whatever the machine's speed: the run ends well inside the 8 s (four
+    heartbeat timeouts of 2 s) the chief waits for a silent evaluator."""
     run = tmp_path / "run"
     launcher, summary_path = launch_run(
         procs,
@@ -237,18 +243,34 @@ def test_an_evaluator_paused_at_the_end_still_scores_the_final_model(
         "--evaluator",
         "--no-checkpoints",  # a snapshot evaluator: it can score only live PS
         "--heartbeat-timeout",
-        "1",
+        "2",
         "--epochs",
-        "30",
+        "60",
     )
     eval_log = run / "evaluator.jsonl"
     wait_for(lambda: len(_eval_lines(eval_log)) >= 1 or None, 60, what="a first evaluation")
     pid = task_pid(launcher, "evaluator")
+    chief = chief_address(launcher)
+
+    def near_the_end() -> bool:
+        s = chief_status(chief)
+        return s is not None and 0 < s["steps_planned"] * 0.9 <= s["global_step"]
+
+    wait_for(near_the_end, 90, what="90% of the planned steps", interval=0.02)
     os.kill(pid, signal.SIGSTOP)
     try:
         chief_log = run / "chief.log"
         wait_for(
-            lambda: "has been silent since before the end" in chief_log.read_text() or None,
+            lambda: (
+                any(
+                    said in chief_log.read_text()
+                    for said in (
+                        "has been silent since before the end",  # stopped > 1 timeout before
+                        "waiting for the evaluator's last evaluation",  # stopped just before
+                    )
+                )
+                or None
+            ),
             90,
             what="the chief to wait for the silent evaluator",
         )
