@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 from pathlib import Path
@@ -62,12 +63,15 @@ def test_defaults_train_the_mlp(procs: Reaper, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(90)
 def test_softmax_one_ps_three_workers(procs: Reaper, tmp_path: Path) -> None:
+    """A TF_CONFIG of another cluster in the environment is ignored, and said so."""
     flags = ("--model", "softmax", "--ps", "1", "--workers", "3", "--epochs", "3")
-    launcher, summary_path = _launch(procs, tmp_path, *flags)
+    other = {"cluster": {"chief": ["10.9.9.9:2222"]}, "task": {"type": "chief", "index": 0}}
+    launcher, summary_path = _launch(procs, tmp_path, *flags, env={"TF_CONFIG": json.dumps(other)})
     launcher.expect_exit(0, timeout=80)
     summary = read_json(summary_path)
     assert (summary["model"], summary["ps"], summary["workers"]) == ("softmax", 1, 3)
     assert summary["test_accuracy"] > 0.8, summary
+    assert "zmqps launch: TF_CONFIG in the environment ignored" in launcher.stderr
     _expect_no_children(launcher)
 
 

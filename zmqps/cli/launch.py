@@ -982,6 +982,16 @@ def launch(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+    for var, why in (
+        (
+            "TF_CONFIG",
+            "it runs a cluster of its own on 127.0.0.1 (for one task of"
+            " another cluster: zmqps-server or zmqps-worker)",
+        ),
+        ("ZMQPS_KEYS", "the run is plaintext, or uses keys of its own with --secure"),
+    ):
+        if os.environ.get(var):  # its children do not get it: said, not silent
+            print(f"zmqps launch: {var} in the environment ignored: {why}", file=sys.stderr)
     if getattr(args, "verbose", 0):
         for line in launcher.metrics_urls():
             print(f"zmqps launch: metrics {line}", file=sys.stderr, flush=True)
