@@ -169,23 +169,30 @@ def test_model_checkpoint_every_n_epochs() -> None:
         fit(coord, MODEL, "batch_stream", epochs=0, steps_per_epoch=1)  # type: ignore[arg-type]
 
 
+#: what an epoch of 10 steps schedules, 4 steps per execution
+_PER_EPOCH = [("train_step", 4), ("train_step", 4), ("train_step", 2)]
+
+
+def _fit_ten_steps(coord: FakeCoordinator, epochs: int) -> Any:
+    return fit(
+        coord,  # type: ignore[arg-type]
+        MODEL,
+        "batch_stream",
+        epochs=epochs,
+        steps_per_epoch=10,
+        dataset_args=(32,),
+    )
+
+
 def test_steps_a_restore_took_back_are_trained_again() -> None:
     coord = FakeCoordinator(steps_per_execution=4)
     # asked at the start (3: from before this fit), after epoch 1 (3), after epoch 2
     # (12: a restore took back 9 steps), after their retraining (14: another took back
     # 2 of them), then nothing more
     coord.rewound = [3, 3, 12, 14, 14]
-    history = fit(
-        coord,  # type: ignore[arg-type]
-        MODEL,
-        "batch_stream",
-        epochs=3,
-        steps_per_epoch=10,
-        dataset_args=(32,),
-    )
-    per_epoch = [("train_step", 4), ("train_step", 4), ("train_step", 2)]
+    history = _fit_ten_steps(coord, epochs=3)
     again = [("train_step", 4), ("train_step", 4), ("train_step", 1), ("train_step", 2)]
-    assert coord.scheduled == per_epoch + per_epoch + again + per_epoch
+    assert coord.scheduled == _PER_EPOCH * 2 + again + _PER_EPOCH
     assert [e["trained_again"] for e in history.logs] == [0, 11, 0]
     assert (history.retrained, history.retrained_functions) == (11, 4)
 
@@ -197,16 +204,8 @@ def test_steps_a_restore_took_back_after_the_last_epoch_are_trained_again() -> N
     driver fails the run if a restore took back more after that)."""
     coord = FakeCoordinator(steps_per_execution=4)
     coord.rewound = [0, 0, 0, 7, 7]  # start, epoch 1, epoch 2, the last look, after it
-    history = fit(
-        coord,  # type: ignore[arg-type]
-        MODEL,
-        "batch_stream",
-        epochs=2,
-        steps_per_epoch=10,
-        dataset_args=(32,),
-    )
-    per_epoch = [("train_step", 4), ("train_step", 4), ("train_step", 2)]
-    assert coord.scheduled == per_epoch + per_epoch + [("train_step", 4), ("train_step", 3)]
+    history = _fit_ten_steps(coord, epochs=2)
+    assert coord.scheduled == _PER_EPOCH * 2 + [("train_step", 4), ("train_step", 3)]
     assert (history.retrained, history.retrained_functions) == (7, 2)
     assert coord.rewind_accounted == 7  # type: ignore[attr-defined]
 

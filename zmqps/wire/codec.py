@@ -50,7 +50,8 @@ def bfloat16() -> np.dtype[Any]:
     (a status query, each task of a launch) though only a bfloat16 wire needs it."""
     import ml_dtypes
 
-    return np.dtype(ml_dtypes.bfloat16)
+    dtype: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return dtype
 
 
 def is_bfloat16(dtype: Any) -> bool:
