@@ -70,3 +70,28 @@ def test_a_loop_cancelled_while_it_cancels_a_helper_ends() -> None:
         assert loop in done and loop.cancelled(), f"the loop ran on ({rounds} rounds)"
 
     asyncio.run(asyncio.wait_for(body(), 10))
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() is Python 3.11+")
+def test_a_cleanup_in_a_cancelled_tasks_finally_runs_to_its_end() -> None:
+    """A task being cancelled cleans up in ``finally`` (a client's close under a
+    ``wait_for`` that timed out): its own earlier cancellation does not cut the
+    cleanup short, which would leave a socket open and hang ``ctx.term()``."""
+    steps: list[str] = []
+
+    async def owner() -> None:
+        helpers = [asyncio.ensure_future(asyncio.sleep(3600)) for _ in range(2)]
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            for h in helpers:
+                await cancel_and_wait(h)
+                steps.append("helper ended")
+            steps.append("socket closed")
+
+    async def body() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(owner(), 0.01)
+        assert steps == ["helper ended", "helper ended", "socket closed"]
+
+    asyncio.run(asyncio.wait_for(body(), 5))

@@ -158,18 +158,20 @@ class TransportStats:
 
 async def cancel_and_wait(task: asyncio.Future[Any], *also: type[BaseException]) -> None:
     """Cancel ``task`` and wait until it has ended; its ``CancelledError`` (and the
-    exceptions ``also``) is taken. Unless the caller itself is being cancelled: then
-    its ``CancelledError`` goes on. (``with suppress(CancelledError): await task``
-    took both, so a loop that cancelled a helper while it was cancelled itself went on
-    running: a task that could not be cancelled, and a shutdown that waited for it for
-    ever.)"""
+    exceptions ``also``) is taken. Unless the caller itself was cancelled while it
+    waited: then the caller's ``CancelledError`` goes on. (``with
+    suppress(CancelledError): await task`` took both, so a loop cancelled while it
+    waited for a helper went on running: a task that could not be cancelled, and a
+    shutdown that waited for it for ever.) A caller already being cancelled when it
+    calls (a ``finally`` cleaning up) is not stopped by its own earlier cancellation."""
+    me = asyncio.current_task()
+    cancelling = getattr(me, "cancelling", None)  # Python 3.11+
+    before = cancelling() if cancelling is not None else 0
     task.cancel()
     try:
         await task
     except asyncio.CancelledError:
-        me = asyncio.current_task()
-        cancelling = getattr(me, "cancelling", None)  # Python 3.11+
-        if cancelling is not None and cancelling():
+        if cancelling is not None and cancelling() > before:
             raise
     except also:
         pass

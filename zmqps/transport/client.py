@@ -306,14 +306,18 @@ class Client:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(ShutdownError(f"client to {self.endpoint} closed"))
-        if self._reader is not None:
-            await cancel_and_wait(self._reader, zmq.ZMQError)
-        if self._watcher is not None:
-            await cancel_and_wait(self._watcher, zmq.ZMQError)
-        if self._monitor_sock is not None:
-            # A monitor socket left open hangs ctx.term().
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.disable_monitor()
-            self._monitor_sock.close(linger=0)
-            self._monitor_sock = None
-        self._sock.close(linger=linger_ms)
+        try:
+            if self._reader is not None:
+                await cancel_and_wait(self._reader, zmq.ZMQError)
+            if self._watcher is not None:
+                await cancel_and_wait(self._watcher, zmq.ZMQError)
+        finally:  # closed even when this close is cancelled: an open socket hangs ctx.term()
+            if self._watcher is not None:
+                self._watcher.cancel()
+            if self._monitor_sock is not None:
+                # A monitor socket left open hangs ctx.term().
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disable_monitor()
+                self._monitor_sock.close(linger=0)
+                self._monitor_sock = None
+            self._sock.close(linger=linger_ms)

@@ -285,20 +285,25 @@ class Server:
                 for t in pending:
                     t.cancel()
         finally:
-            if self._monitor is not None:
-                monitor, self._monitor = self._monitor, None
-                await cancel_and_wait(monitor, zmq.ZMQError)
-            if self._sock is not None:
-                # A monitor socket left open hangs ctx.term().
-                if self._monitor_sock is not None:
-                    with contextlib.suppress(zmq.ZMQError):
-                        self._sock.disable_monitor()
-                    self._events = None
-                    self._monitor_sock.close(linger=0)
-                    self._monitor_sock = None
-                self._sock.close()
-                self._sock = None
-            self._release()
+            try:
+                if self._monitor is not None:
+                    monitor, self._monitor = self._monitor, None
+                    await cancel_and_wait(monitor, zmq.ZMQError)
+            finally:  # also when this stop is cancelled
+                self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._sock is not None:
+            # A monitor socket left open hangs ctx.term().
+            if self._monitor_sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disable_monitor()
+                self._events = None
+                self._monitor_sock.close(linger=0)
+                self._monitor_sock = None
+            self._sock.close()
+            self._sock = None
+        self._release()
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
