@@ -100,7 +100,7 @@ def test_the_mean_is_applied_exactly_once_per_step() -> None:
         np.testing.assert_allclose(store.get(0).values, params["w"], rtol=1e-6, atol=1e-7)
         assert (sync.step_of(0), store.get(0).version, sync.steps_applied) == (step, step, step)
         acc = sync.acc[0]
-        assert (acc.count, acc.contributors) == (0, [])
+        assert (acc.count, list(acc.contributors)) == (0, [])
         assert acc.dense is not None and not acc.dense.any()  # the sum starts over
     assert sync.status() == {
         "step": 3,
@@ -199,7 +199,7 @@ def test_row_gradients_accumulate_and_apply_their_mean() -> None:
 
 def test_accumulator_defaults() -> None:
     acc = ShardAccumulator()
-    assert (acc.step, acc.count, acc.dense, acc.rows, acc.contributors) == (0, 0, None, [], [])
+    assert (acc.step, acc.count, acc.dense, acc.rows, list(acc.contributors)) == (0, 0, None, [], [])
 
 
 # ============================================================== core: TokenLedger

@@ -55,7 +55,9 @@ class ShardAccumulator:
     count: int = 0
     dense: Array | None = None  # running sum, flat, compute dtype
     rows: list[tuple[Array, Array]] = field(default_factory=list)  # (global ids, rows)
-    contributors: list[str] = field(default_factory=list)
+    #: the workers whose gradient the step holds, in arrival order (a dict for an
+    #: O(1) look-up: a step of N workers would cost O(N) per push as a list)
+    contributors: dict[str, None] = field(default_factory=dict)
     #: gradients counted toward the step with nothing in them (refused: not finite)
     refused: int = 0
 
@@ -153,14 +155,14 @@ class SyncShards:
         value). True when the step was applied."""
         acc = self._acc(sid)
         acc.refused += 1
-        acc.contributors.append(worker)
+        acc.contributors[worker] = None
         self._touched.add(sid)
         return self._full(sid, acc)
 
     def _counted(self, sid: int, acc: ShardAccumulator, worker: str) -> bool:
         self._touched.add(sid)
         acc.count += 1
-        acc.contributors.append(worker)
+        acc.contributors[worker] = None
         return self._full(sid, acc)
 
     def _full(self, sid: int, acc: ShardAccumulator) -> bool:
@@ -260,16 +262,25 @@ class SyncShards:
                 applied.append(sid)
         return applied
 
-    def contributors_of_current_step(self) -> list[str]:
-        """Workers whose gradient every shard still at the PS's step has received."""
+    def contributors_of_current_step(self, among: Iterable[str] | None = None) -> list[str]:
+        """Workers (``among`` these; None: any) whose gradient every shard still at the
+        PS's step has received."""
         step = self.min_step()
-        behind = [set(a.contributors) for a in self.acc.values() if a.step == step]
-        return sorted(set.intersection(*behind)) if behind else []
+        behind = [a.contributors for a in self.acc.values() if a.step == step]
+        if not behind:
+            return []
+        first, *rest = behind
+        names = first if among is None else (w for w in among if w in first)
+        return sorted({w for w in names if all(w in held for held in rest)})
 
-    def contributors_any(self) -> list[str]:
-        """Workers whose gradient some shard still at the PS's step has received."""
+    def contributors_any(self, among: Iterable[str] | None = None) -> list[str]:
+        """Workers (``among`` these; None: any) whose gradient some shard still at the
+        PS's step has received."""
         step = self.min_step()
-        return sorted({w for a in self.acc.values() if a.step == step for w in a.contributors})
+        held = [a.contributors for a in self.acc.values() if a.step == step]
+        if among is not None:
+            return sorted({w for w in among if any(w in h for h in held)})
+        return sorted({w for h in held for w in h})
 
     def image(self) -> tuple[dict[str, Any], dict[tuple[int, str], Array]]:
         """Everything (copies): ``(meta, arrays)``, the arrays by ``(shard, name)``
@@ -315,7 +326,12 @@ class SyncShards:
                     for i in range(int(nrows))
                 ]
                 acc[sid] = ShardAccumulator(
-                    int(step), int(count), dense, rows, [str(w) for w in contributors], int(refused)
+                    int(step),
+                    int(count),
+                    dense,
+                    rows,
+                    dict.fromkeys(str(w) for w in contributors),
+                    int(refused),
                 )
             required = int(meta["required"])
             base_step = int(meta["base_step"])

@@ -316,7 +316,10 @@ class TakeCheckpoint(Body):
 
 @_body("status")
 class Status(Body):
-    pass
+    #: a PS: only its sync state, with the contributors of its step listed among
+    #: these workers (the chief's look-ups, whose size must not grow with the
+    #: cluster); None: the whole status
+    sync_of: tuple[str, ...] | None = wire(List(Str(64), 1 << 16), default=None)
 
 
 @_body("shutdown")

@@ -23,7 +23,6 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -50,6 +49,45 @@ POLL_S = 5.0  # one long poll to a PS
 GONE_MEMO_S = 0.05
 
 
+class Changes:
+    """The wake-ups of long polls (tokens, ssp clocks): every waiter is woken at the
+    next change, or after its own timeout.
+
+    Each waiter is a future of its own, kept in a dict (O(1) to add and to drop), with
+    no lock: a poll's test and its reply run with no await in between. An
+    ``asyncio.Condition`` costs O(waiters) per waiter woken (each re-takes its lock,
+    whose ``acquire`` looks at every queued waiter): O(workers²) per sync step."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[asyncio.Future[None], None] = {}
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def notify_all(self) -> None:
+        waiters, self._waiters = self._waiters, {}
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait(self, timeout: float) -> None:
+        """Until the next :meth:`notify_all`, or ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters[fut] = None
+        timer = loop.call_later(timeout, _resolve, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._waiters.pop(fut, None)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class ChiefMode:
     """What the modes have in common: the PS to configure, waiters to wake."""
 
@@ -72,7 +110,7 @@ class ChiefMode:
         self.stepping = list(ps)  # the PS whose steps make the global step
         self.clock = clock
         self.started = False
-        self.changed = asyncio.Condition()
+        self.changed = Changes()
         #: async / ssp: the steps of the run a restored checkpoint was taken in
         self.step_offset = 0
         self.step_started_at = clock()
@@ -112,8 +150,7 @@ class ChiefMode:
 
     async def _wake(self) -> None:
         self._gone_memo = None
-        async with self.changed:
-            self.changed.notify_all()
+        self.changed.notify_all()
 
     async def membership_changed(self, gone: Sequence[int] = (), back: Sequence[int] = ()) -> None:
         """Workers registered, came back (``back``), left or died (``gone``)."""
@@ -141,16 +178,14 @@ class ChiefMode:
         """``ready()``'s value once truthy (waking on every change), NotReady after
         ``wait`` seconds."""
         deadline = self.clock() + wait
-        async with self.changed:
-            while True:
-                value = ready()
-                if value is not None and value is not False:
-                    return value
-                left = deadline - self.clock()
-                if left <= 0:
-                    raise NotReady(what)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.changed.wait(), left)
+        while True:
+            value = ready()
+            if value is not None and value is not False:
+                return value
+            left = deadline - self.clock()
+            if left <= 0:
+                raise NotReady(what)
+            await self.changed.wait(left)
 
 
 class AsyncMode(ChiefMode):
@@ -216,6 +251,9 @@ class SyncMode(ChiefMode):
         #: gone workers whose gradient for the current step is being looked for: counted
         #: in M meanwhile (else a reconfiguration in between could apply the step early)
         self.checking: set[int] = set()
+        #: gone workers waiting for the next look-up, and the task looking
+        self._to_look: set[int] = set()
+        self._looker: asyncio.Future[None] | None = None
         self._configuring = asyncio.Lock()
 
     @property
@@ -276,33 +314,57 @@ class SyncMode(ChiefMode):
     async def _count_contributions(self, gone: Sequence[int]) -> None:
         """Keep counting, for the current step, the ``gone`` workers whose gradient for
         it every PS still at that step holds (a PS that applied the step needs nobody:
-        the step may still be open on another, holding the gradients of the gone)."""
-        step = self._step
-        held = {f"worker:{i}": i for i in gone}
+        the step may still be open on another, holding the gradients of the gone).
+
+        Workers leave in bursts (every one at the end of its run): those gone while a
+        look-up is under way are looked up together by the next one, so a burst costs
+        a few requests per PS, not one per worker. Returns once they were looked up."""
         looking = set(gone) - self.checking
         self.checking |= looking
+        self._to_look |= looking
         self._gone_memo = None
-        still_open = False
+        if self._looker is None or self._looker.done():
+            self._looker = asyncio.ensure_future(self._look_up())
+        await asyncio.shield(self._looker)
+
+    async def _look_up(self) -> None:
+        """Look up the workers queued for it, a batch at a time, until none is left."""
         try:
-            for c in self.stepping:
+            while self._to_look:
+                batch, self._to_look = self._to_look, set()
                 try:
-                    rep = await c.request("status", timeout=2.0)
-                except ZmqpsError:
-                    return
-                sync = rep.body.get("sync") or {}
-                at = sync.get("step")
-                if isinstance(at, int) and at > step:
-                    continue  # applied there: that PS waits for nobody
-                if at != step:
-                    return  # not known (e.g. restarted): count nobody
-                got = set(sync.get("contributors", []))
-                held = {name: i for name, i in held.items() if name in got}
-                still_open = True
-            if self._step == step and still_open:
-                self.counted |= set(held.values())
-        finally:
-            self.checking -= looking
+                    await self._count_held(batch)
+                finally:
+                    self.checking -= batch
+                    self._gone_memo = None
+        finally:  # cancelled: nobody stays counted for a look-up that will not come
+            self.checking -= self._to_look
+            self._to_look = set()
             self._gone_memo = None
+
+    async def _count_held(self, gone: set[int]) -> None:
+        step = self._step
+        held = {f"worker:{i}": i for i in sorted(gone)}
+        body = o.Status(sync_of=tuple(held)).to_wire()
+        try:
+            replies = await asyncio.gather(
+                *(c.request("status", body, timeout=2.0) for c in self.stepping)
+            )
+        except ZmqpsError:
+            return
+        still_open = False
+        for rep in replies:
+            sync = rep.body.get("sync") or {}
+            at = sync.get("step")
+            if isinstance(at, int) and at > step:
+                continue  # applied there: that PS waits for nobody
+            if at != step:
+                return  # not known (e.g. restarted): count nobody
+            got = set(sync.get("contributors", []))
+            held = {name: i for name, i in held.items() if name in got}
+            still_open = True
+        if self._step == step and still_open:
+            self.counted |= set(held.values())
 
     async def membership_changed(self, gone: Sequence[int] = (), back: Sequence[int] = ()) -> None:
         self._gone_memo = None
@@ -402,10 +464,11 @@ class SyncMode(ChiefMode):
         (``skip``: PS known not to answer, not asked)."""
         names = {f"worker:{i}": i for i in live}
         missing: set[int] = set()
+        body = o.Status(sync_of=tuple(names)).to_wire()
 
         async def ask(c: Requester) -> None:
             try:
-                rep = await c.request("status", timeout=2.0)
+                rep = await c.request("status", body, timeout=2.0)
             except ZmqpsError:
                 return  # an unreachable PS: zmqps status reports it under ps_down
             got = set((rep.body.get("sync") or {}).get("contributors", []))

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,10 +75,12 @@ class PSMode:
     def reset(self, step: int) -> None:
         """A restore: every accumulated gradient is gone; the shards are at ``step``."""
 
-    def contributors(self, every_shard: bool) -> list[str]:
+    def contributors(self, every_shard: bool, among: Iterable[str] | None = None) -> list[str]:
         return []
 
-    def status(self) -> dict[str, Any] | None:
+    def status(self, among: Iterable[str] | None = None) -> dict[str, Any] | None:
+        """The sync state (None in other modes); ``among``: its contributors listed
+        only among these workers."""
         return None
 
 
@@ -150,13 +152,13 @@ class Accumulate(PSMode):
     def reset(self, step: int) -> None:
         self.shards.reset(step)
 
-    def contributors(self, every_shard: bool) -> list[str]:
+    def contributors(self, every_shard: bool, among: Iterable[str] | None = None) -> list[str]:
         if every_shard:
-            return self.shards.contributors_of_current_step()
-        return self.shards.contributors_any()
+            return self.shards.contributors_of_current_step(among)
+        return self.shards.contributors_any(among)
 
-    def status(self) -> dict[str, Any]:
-        return {**self.shards.status(), "contributors": self.contributors(True)}
+    def status(self, among: Iterable[str] | None = None) -> dict[str, Any]:
+        return {**self.shards.status(), "contributors": self.contributors(True, among)}
 
 
 def _global_ids(u: RowUpdate) -> np.ndarray[Any, Any]:

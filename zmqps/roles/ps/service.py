@@ -236,6 +236,12 @@ class PSService:
         return reply(msg, o.Pong("ps", self.index).to_wire())
 
     def _op_status(self, msg: Message, req: o.Status) -> Message:
+        if req.sync_of is not None:  # the chief's look-up: small whatever the workers
+            out: dict[str, Any] = {"role": "ps", "index": self.index, "gen": self.gen}
+            sync = self.mode.status(req.sync_of)
+            if sync is not None:
+                out["sync"] = sync
+            return reply(msg, out)
         return reply(msg, self.status())
 
     def _op_shutdown(self, msg: Message, req: o.Shutdown) -> Message:
