@@ -255,3 +255,35 @@ def test_a_restarted_chief_carries_the_runs_examples_and_time_from_its_checkpoin
     fresh.register(0, 0, now=10.0)
     fresh.heartbeat(0, 0, 3, now=13.0, examples=96)
     assert fresh.examples == 96 and fresh.train_seconds(now=14.0) == 4.0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_global_step_kept_as_counts_change_is_the_sum_over_every_incarnation(seed: int) -> None:
+    """The running total read with every heartbeat equals the sum over the workers,
+    whatever mix of registrations, heartbeats (also lagging ones), rejoins, leaves,
+    workers known from the PS only, and resume points comes."""
+    import random
+
+    rng = random.Random(seed)
+    m = Membership(6, timeout=5.0)
+    incarnation = dict.fromkeys(range(6), 0)
+    for t in range(300):
+        i = rng.randrange(6)
+        op = rng.random()
+        w = m.workers.get(i)
+        if w is None or op < 0.1:
+            if w is None and rng.random() < 0.2:
+                m.known_done(i, rng.randrange(50), float(t))
+            else:
+                incarnation[i] += 1
+                m.register(i, incarnation[i], float(t))
+        elif w.incarnation == 0:
+            incarnation[i] += 1
+            m.register(i, incarnation[i], float(t))
+        elif op < 0.8:
+            m.heartbeat(i, w.incarnation, w.step + rng.randrange(-3, 5), float(t))
+        elif op < 0.9:
+            m.set_steps_before(i, rng.randrange(100))
+        else:
+            m.leave(i, w.incarnation, w.step + rng.randrange(3), float(t), "done", None)
+        assert m.global_step == sum(x.total_steps for x in m.workers.values())

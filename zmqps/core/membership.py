@@ -95,6 +95,10 @@ class Membership:
         self.seconds_carried = 0.0
         #: this chief took over a running cluster (restarted during the run)
         self.adopted = False
+        #: the sum of every worker's ``total_steps``, kept as they change (the global
+        #: step of async training is read with every heartbeat: a sum over the workers
+        #: there would cost O(workers) per heartbeat)
+        self._steps = 0
 
     def carry(self, extra: Mapping[str, Any]) -> None:
         """This chief took over a running cluster: the run's figures so far are those
@@ -162,6 +166,7 @@ class Membership:
         if self.first_registration is None:
             self.first_registration = now
         w = WorkerState(index, UNKNOWN_INCARNATION, now, now, steps_before=steps)
+        self._steps += steps
         w.done, w.left_reason = True, "done"
         self.workers[index] = w
         if self.all_done() and self.all_done_at is None:
@@ -193,7 +198,9 @@ class Membership:
     ) -> None:
         w = self._current(index, incarnation)
         w.last_seen = now
-        w.step = max(w.step, step)
+        if step > w.step:
+            self._steps += step - w.step
+            w.step = step
         if examples is not None:
             w.examples = max(w.examples, examples)
         if nonfinite is not None:
@@ -260,9 +267,16 @@ class Membership:
     def all_done(self) -> bool:
         return len(self.workers) == self.num_workers and all(w.done for w in self.workers.values())
 
+    def set_steps_before(self, index: int, steps: int) -> None:
+        """The batches worker ``index``'s earlier incarnations pushed, as the PS know
+        them (its heartbeats lag)."""
+        w = self.workers[index]
+        self._steps += steps - w.steps_before
+        w.steps_before = steps
+
     @property
     def global_step(self) -> int:
-        return _capped(sum(w.total_steps for w in self.workers.values()))
+        return _capped(self._steps)
 
     @property
     def examples(self) -> int:

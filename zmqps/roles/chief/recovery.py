@@ -1085,7 +1085,7 @@ class RecoveryController:
             )
         # the batches its earlier incarnations really pushed, not the count last heard in
         # a heartbeat (it lags): the run's step count stays exact
-        state.steps_before = skip
+        self.members.set_steps_before(who.index, skip)
         self.notes.log(
             logging.INFO,
             "worker %d (incarnation %d) %s%s",
