@@ -254,6 +254,50 @@ def test_stuck_server_drops_what_its_clients_gave_up_on() -> None:
     run(main)
 
 
+@pytest.mark.parametrize("attempts", [1, 2])
+def test_a_loop_busy_past_the_heartbeat_timeout_loses_what_queued_past_the_hwm(
+    attempts: int,
+) -> None:
+    """A server whose loop is busy past the ZMTP heartbeat timeout while a connection
+    holds more than its RCVHWM of requests: libzmq stops reading that connection, no
+    heartbeat gets through, and the connection is dropped with the requests it held
+    that the loop had not read yet. A request that may be sent again (``attempts`` > 1: every
+    worker's push, pull, poll and heartbeat) is sent again on the new connection and
+    answered; one that may not waits for its deadline. (Found at 1,000 simulated
+    workers over 10 PS, whose pushes were sent once: the run hung.)"""
+    opts = SocketOptions(heartbeat_ivl_ms=100, heartbeat_timeout_ms=500, heartbeat_ttl_ms=1000)
+    first = [True]
+
+    def handler(msg: Message) -> Message:
+        if first[0]:
+            first[0] = False
+            time.sleep(1.5)  # the loop busy, three heartbeat timeouts
+        return reply(msg)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with zmq_server(ctx, handler, options=opts) as server:
+                client = Client(ctx, server.endpoint, "c0", options=opts, timeout=6.0)
+                try:
+                    replies = await asyncio.gather(
+                        *(client.request("status", attempts=attempts) for _ in range(32)),
+                        return_exceptions=True,
+                    )
+                finally:
+                    await client.close()
+            lost = [r for r in replies if isinstance(r, BaseException)]
+            if attempts == 1:
+                assert lost and all(isinstance(r, DeadlineExceeded) for r in lost)
+            else:
+                assert not lost
+                assert client.stats.resent >= 1
+        finally:
+            ctx.term()
+
+    run(main)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_server_at_all_gives_deadline_exceeded(kind: str) -> None:
     async def main() -> None:

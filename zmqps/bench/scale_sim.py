@@ -89,6 +89,15 @@ def _proc_times(pid: int) -> tuple[float, int]:
 
 # ---------------------------------------------------------------- the simulated side
 
+#: a push's attempts, as a worker's (``ParameterClient.push_attempts``)
+PUSH_ATTEMPTS = 3
+
+
+def _said(line: str) -> None:
+    """A simulated worker's failure, on the process's stderr (its log) at once: a run
+    that then hangs says why in its logs."""
+    print(line, file=sys.stderr, flush=True)
+
 
 async def _sim(args: argparse.Namespace) -> dict[str, Any]:
     """One process of simulated workers (``--child``): returns its record."""
@@ -123,6 +132,10 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
         # heartbeats answered between "ready" and "go" (the idle phase) and after "go"
         "beats_idle": 0,
         "beats_steps": 0,
+        # sync, by step: when this process's last push of it was acknowledged, and
+        # when its first token of it came (the parent takes the max and min over all)
+        "acked": {},
+        "first_token": {},
     }
     phase = [""]  # "" (registering), "idle", "steps"
     ready: set[int] = set()
@@ -137,11 +150,13 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
                     "heartbeat",
                     o.Heartbeat(who, progress[0]).to_wire(),
                     timeout=max(5.0, 4 * interval),
+                    attempts=2,
                 )
                 if phase[0]:
                     record[f"beats_{phase[0]}"] += 1
             except Exception as exc:  # recorded: the run goes on
                 record["errors"].append(f"heartbeat {who.index}: {exc!r}")
+                _said(f"worker {who.index}: heartbeat: {exc!r}")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop_beats.wait(), interval)
 
@@ -151,7 +166,7 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
         body = o.Register(who, args.steps).to_wire()
         while True:
             try:
-                rep = await chief.request("register", body, timeout=30.0)
+                rep = await chief.request("register", body, timeout=30.0, attempts=2)
                 break
             except NotReady:
                 await asyncio.sleep(0.2)
@@ -192,12 +207,15 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
                             "take_token",
                             o.TakeToken(who, 10.0, have, info.gen).to_wire(),
                             timeout=30.0,
+                            attempts=2,  # a long poll: sent again on a new connection
                         )
                         break
                     except NotReady:
                         continue
                 step = o.Token.parse(rep.body, "token").step
                 have = step
+                first = record["first_token"]
+                first[step] = min(first.get(step, float("inf")), time.time())
                 record["tokens"] += 1
 
             async def push(
@@ -215,13 +233,25 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
                     cursor=cursor,
                 )
                 tensors = [Tensor(grad, "grad", s, 0) for s in sids]
-                rep = await ps[k].request("push", req.to_wire(), tensors, timeout=60.0)
+                try:
+                    # sent again over a new connection, as a worker does (the PS
+                    # deduplicates by sequence): a server whose loop was busy past the
+                    # ZMTP heartbeat timeout drops a connection whose pipe is full,
+                    # and the requests queued behind it with it
+                    rep = await ps[k].request(
+                        "push", req.to_wire(), tensors, timeout=60.0, attempts=PUSH_ATTEMPTS
+                    )
+                except Exception as exc:
+                    _said(f"worker {i}: push of step {step} to ps {k}: {exc!r}")
+                    raise
                 out = o.PushReply.parse(rep.body, "push reply")
                 record["outcomes"][out.outcome] = record["outcomes"].get(out.outcome, 0) + 1
                 for s, v in zip(sids, out.versions, strict=False):
                     versions[s] = max(versions[s], v)
 
             await asyncio.gather(*(push(k, sids) for k, sids in by_ps.items()))
+            if step is not None:
+                record["acked"][step] = max(record["acked"].get(step, 0.0), time.time())
             record["pushes"] += len(by_ps)
             progress[0] = done + 1
             record["step_seconds"].append(time.perf_counter() - t0)
@@ -229,7 +259,9 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
         if i == args.silent:  # goes silent: no leave, no heartbeats
             silent_at[i] = time.time()
             return
-        await chief.request("leave", o.Leave(who, args.steps, "done").to_wire(), timeout=30.0)
+        await chief.request(
+            "leave", o.Leave(who, args.steps, "done").to_wire(), timeout=30.0, attempts=2
+        )
 
     start = asyncio.Event()
     tasks = [asyncio.ensure_future(worker(i, k // GROUP, start)) for k, i in enumerate(mine)]
@@ -360,7 +392,11 @@ def run_scale_sim(cfg: SimConfig) -> dict[str, Any]:
     }
     (tmp / "cluster.json").write_text(json.dumps(spec))
     env = child_env()
-    server = [sys.executable, "-m", "zmqps", "server", "--cluster", str(tmp / "cluster.json")]
+    # a checkpoint halfway (sync: at that step's boundary): its commit time with P PS
+    server = [
+        sys.executable, "-m", "zmqps", "server", "--cluster", str(tmp / "cluster.json"),
+        "--checkpoint-dir", str(tmp / "checkpoints"),
+    ]  # fmt: skip
     files = contextlib.ExitStack()
     logs = {
         name: files.enter_context(open(tmp / f"{name}.log", "wb"))  # noqa: SIM115 - the stack closes it
@@ -368,7 +404,8 @@ def run_scale_sim(cfg: SimConfig) -> dict[str, Any]:
     }
     chief_flags = [
         "--role", "chief", "--mode", cfg.mode, "--heartbeat-timeout", str(cfg.heartbeat_timeout),
-        "--keep-alive", "--summary", str(tmp / "summary.json"), *cfg.extra_chief_flags,
+        "--keep-alive", "--summary", str(tmp / "summary.json"),
+        "--checkpoint-steps", str(max(1, cfg.steps // 2)), *cfg.extra_chief_flags,
     ]  # fmt: skip
     if cfg.mode == "sync":
         chief_flags += ["--replicas-to-aggregate", str(n), "--total-replicas", str(cfg.workers)]
@@ -458,6 +495,7 @@ def run_scale_sim(cfg: SimConfig) -> dict[str, Any]:
         out["worker_step_ms_median"] = statistics.median(
             r["step_ms_median"] for r in records if r["step_ms_median"] is not None
         )
+        out["chief_added_ms"] = _ms(_chief_added(records))
         out["outcomes"] = _sum_counts(r["outcomes"] for r in records)
         out["errors"] = [e for r in records for e in r["errors"]][:20]
         # one worker silent: how long until the chief calls it dead
@@ -473,6 +511,8 @@ def run_scale_sim(cfg: SimConfig) -> dict[str, Any]:
         out["exact"] = _exact(chief, ps_addrs, n, cfg) if cfg.mode == "sync" else None
         asyncio.run(_ask(chief, "shutdown", {}))
         out["exit_codes"] = [s.wait(timeout=max(1.0, deadline - time.monotonic())) for s in servers]
+        logs["chief"].flush()
+        out["checkpoint_commit_s"] = _commit_seconds(tmp / "chief.log")
         out["sim_exit_codes"] = [s.wait(timeout=30) for s in sims]
         return out
     finally:
@@ -529,6 +569,29 @@ def _read_line(
         rec: dict[str, Any] = json.loads(line)
         if key in rec:
             return rec
+
+
+def _commit_seconds(log: Path) -> list[float]:
+    """The chief's "checkpoint ... committed in S s" lines: each commit's seconds."""
+    import re
+
+    text = log.read_text(errors="replace")
+    return [float(x) for x in re.findall(r"checkpoint \S+ committed in ([0-9.]+)s", text)]
+
+
+def _chief_added(records: Sequence[dict[str, Any]]) -> list[float]:
+    """Sync: per step, seconds from the last acknowledged push of step s (the PS have
+    applied it: the push that completes a step is answered after the step) to the
+    first token of step s + 1 any worker got: what the chief adds to a step (the PS's
+    answer to its ``wait_step``, its step advance, the token's wake-up and reply)."""
+    acked: dict[int, float] = {}
+    first: dict[int, float] = {}
+    for r in records:
+        for k, t in r["acked"].items():
+            acked[int(k)] = max(acked.get(int(k), 0.0), float(t))
+        for k, t in r["first_token"].items():
+            first[int(k)] = min(first.get(int(k), float("inf")), float(t))
+    return [first[s + 1] - t for s, t in acked.items() if s + 1 in first]
 
 
 def _cpu(servers: Sequence[subprocess.Popen[Any]]) -> list[tuple[float, int]]:
@@ -594,7 +657,10 @@ def format_scale_sim(runs: Sequence[dict[str, Any]]) -> str:
         ("chief_rss_kib_per_worker", "{:.1f}"), ("ps_cpu_us_per_push", "{:.1f}"),
         ("detect_s", "{:.2f}"), ("status_ms", "{:.1f}"), ("status_bytes", "{:d}"),
     ]  # fmt: skip
-    lines = [" | ".join(c for c, _ in cols) + " | ping ms (steps, p99) | exact | false deaths"]
+    lines = [
+        " | ".join(c for c, _ in cols)
+        + " | ping ms (steps, p99) | chief added ms (median) | checkpoint s | exact | false deaths"
+    ]
     for r in runs:
         cells = []
         for c, f in cols:
@@ -602,8 +668,12 @@ def format_scale_sim(runs: Sequence[dict[str, Any]]) -> str:
             cells.append("-" if v is None else f.format(v))
         ping = (r.get("ping_ms_steps") or {}).get("p99")
         exact = r.get("exact") or {}
+        added = (r.get("chief_added_ms") or {}).get("median")
+        commits = r.get("checkpoint_commit_s") or []
         cells += [
             "-" if ping is None else f"{ping:.1f}",
+            "-" if added is None else f"{added:.1f}",
+            "-" if not commits else f"{max(commits):.2f}",
             "yes" if exact.get("ok") else ("-" if not exact else "NO"),
             str(r.get("false_deaths")),
         ]

@@ -20,7 +20,13 @@ Why each default (RELIABILITY.md, "Facts that bite"):
   messages as fast as it can take them, so a small bound costs nothing). It was
   10,000: one client parked 5.4 GB of 128 MiB pushes in a PS while its loop was busy
   for 1.5 s (with 8, 40 such pushes behind a 2^20-row pull add 0.6 GB at the peak,
-  against 3.1 GB).
+  against 3.1 GB). A connection not read is also not read for its ZMTP heartbeats:
+  a loop busy past ``heartbeat_timeout_ms`` drops every connection whose pipe is
+  full, with the requests it held that the loop had not read. Every request a
+  worker may repeat is sent again on the new connection (``attempts`` > 1:
+  pushes, deduplicated by sequence; pulls; polls; heartbeats), so it costs a resend,
+  not a loss; a request sent once waits for its deadline
+  (``tests/integration/test_transport.py::test_a_loop_busy_past_the_heartbeat_timeout_loses_what_queued_past_the_hwm``).
 * ``HANDSHAKE_IVL`` 10 s: a connection that never completes its ZMTP handshake (a
   port scanner, a bad greeting) is dropped after 10 s instead of libzmq's 30 s.
 * ``curve`` (:class:`~zmqps.transport.security.CurveKeys`): every socket uses CURVE.
