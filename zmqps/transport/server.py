@@ -37,7 +37,7 @@ import zmq.asyncio
 from zmqps.logs import RateLimitedLog
 from zmqps.transport.base import Handler, TransportObserver, TransportStats, cancel_and_wait
 from zmqps.transport.dispatch import Dispatcher, Pending
-from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
+from zmqps.transport.options import SocketOptions, tcp_endpoint
 from zmqps.transport.security import acquire_authenticator, release_authenticator
 from zmqps.transport.unread import TRACK_BYTES, UnreadReplies
 from zmqps.wire import Limits, Message, encode, error_reply
@@ -63,6 +63,7 @@ _LOG_EVERY_S = 30.0
 #: Messages a wake-up of the receive loop takes off the socket before it lets the
 #: event loop run.
 RECV_BATCH = 64
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 #: Seconds between two looks at the socket monitor (disconnects, failed handshakes).
 _MONITOR_EVERY_S = 0.25
 
@@ -109,9 +110,16 @@ class Server:
         self._address = tcp_endpoint(address)
         self._name = name
         self._options = options or SocketOptions()
-        self._sock: zmq.asyncio.Socket | None = None
+        #: the ROUTER, used without asyncio's socket wrapper: its descriptor is watched
+        #: with ``loop.add_reader`` and every receive and send is non-blocking
+        #: (``_on_readable``, ``_send``)
+        self._sock: zmq.Socket[Any] | None = None
+        self._fd: int | None = None
+        self._io_loop: asyncio.AbstractEventLoop | None = None
+        self._reading = False  # inside _on_readable: its loop looks at EVENTS anyway
+        self._read_scheduled = False
         self._monitor: asyncio.Task[None] | None = None
-        self._monitor_sock: zmq.asyncio.Socket | None = None
+        self._monitor_sock: zmq.Socket[Any] | None = None
         #: the monitor socket read without asyncio (at any point, never blocking)
         self._events: zmq.Socket[Any] | None = None
         #: long polls waiting, by the descriptor of the connection they came on; each
@@ -123,7 +131,8 @@ class Server:
         self._hwm_log = RateLimitedLog(log, _LOG_EVERY_S)
         self._authenticated = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self._loop_task: asyncio.Task[None] | None = None
+        #: done when the server stops (or failed, with the error that stopped it)
+        self._loop_task: asyncio.Future[None] | None = None
         self.stats = TransportStats()
         self._dispatcher = Dispatcher(
             handler,
@@ -138,7 +147,7 @@ class Server:
 
     def bind(self) -> str:
         """Bind the socket; returns the actual endpoint (useful with port 0)."""
-        sock = self._ctx.socket(zmq.ROUTER)
+        sock: zmq.Socket[Any] = zmq.Socket(self._ctx, zmq.ROUTER)
         curve = self._options.curve
         try:
             self._options.apply_router(sock)
@@ -257,7 +266,7 @@ class Server:
         task.add_done_callback(untrack)
 
     def start(self) -> None:
-        """Bind (if not yet) and start the receive loop as a task."""
+        """Bind (if not yet) and start receiving (a reader on the socket's descriptor)."""
         if self._sock is None:
             self.bind()
         assert self._sock is not None
@@ -268,7 +277,12 @@ class Server:
             self._monitor_sock = self._sock.get_monitor_socket(events)
             self._events = zmq.Socket.shadow(self._monitor_sock.underlying)
             self._monitor = asyncio.ensure_future(self._watch_monitor())
-        self._loop_task = asyncio.ensure_future(self._recv_loop())
+        loop = asyncio.get_running_loop()
+        self._io_loop = loop
+        self._loop_task = loop.create_future()
+        self._fd = self._sock.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self._on_readable)
+        self._read_soon()  # messages may be waiting already: their edge came before
 
     async def serve_forever(self) -> None:
         if self._loop_task is None:
@@ -285,7 +299,9 @@ class Server:
         try:
             if self._loop_task is not None:
                 task, self._loop_task = self._loop_task, None
-                await cancel_and_wait(task)
+                self._stop_reading()
+                if not task.done():
+                    task.cancel()
             if self._tasks:
                 _done, pending = await asyncio.wait(self._tasks, timeout=1.0)
                 for t in pending:
@@ -298,7 +314,14 @@ class Server:
             finally:  # also when this stop is cancelled
                 self._close_sockets()
 
+    def _stop_reading(self) -> None:
+        if self._fd is not None and self._io_loop is not None:
+            with contextlib.suppress(Exception):  # a loop closed already
+                self._io_loop.remove_reader(self._fd)
+        self._fd = None
+
     def _close_sockets(self) -> None:
+        self._stop_reading()
         if self._sock is not None:
             # A monitor socket left open hangs ctx.term().
             if self._monitor_sock is not None:
@@ -311,26 +334,42 @@ class Server:
             self._sock = None
         self._release()
 
-    async def _recv_loop(self) -> None:
-        """Receive and dispatch. A wake-up takes the first message through the asyncio
-        socket, then up to :data:`RECV_BATCH` more that are already waiting straight
-        off a shadow of it (one ``EVENTS`` look each: no future, no exception), then
-        lets the loop run. Safe with the socket's edge-triggered descriptor: the next
-        asyncio receive looks at ``EVENTS`` before it waits, and nothing else ever
-        waits on this socket (every send is DONTWAIT, ``options.send_now``)."""
-        assert self._sock is not None
+    def _on_readable(self) -> None:
+        """Take the messages waiting, at most :data:`RECV_BATCH` per turn of the event
+        loop, and dispatch each.
+
+        The descriptor of a ZeroMQ socket is edge-triggered: it signals when commands
+        come, and any call on the socket (a receive, a send, an ``EVENTS`` look) may
+        take them. So this looks at ``EVENTS`` until no message waits (which re-arms
+        the edge), and a send made outside it looks at ``EVENTS`` after sending
+        (:meth:`_send`): a message whose edge that send took is read on the next turn."""
+        self._read_scheduled = False
         sock = self._sock
-        shadow = zmq.Socket.shadow(sock.underlying)
-        events, pollin = int(zmq.EVENTS), int(zmq.POLLIN)
-        while True:
-            frames = await sock.recv_multipart(copy=False)
-            self._dispatch(frames)
+        if sock is None:
+            return
+        self._reading = True
+        try:
             for _ in range(RECV_BATCH):
-                if self._sock is None or not shadow.getsockopt(events) & pollin:
-                    break
-                self._dispatch(shadow.recv_multipart(zmq.NOBLOCK, copy=False))
-            else:
-                await asyncio.sleep(0)  # a long burst: let replies and timers run
+                if self._sock is None or not sock.getsockopt(_EVENTS) & _POLLIN:
+                    return
+                self._dispatch(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            self._read_soon()  # a long burst: the rest once timers and replies ran
+        except Exception as exc:  # a bug: the server stops, saying why
+            self._fail(exc)
+        finally:
+            self._reading = False
+
+    def _read_soon(self) -> None:
+        if not self._read_scheduled and self._io_loop is not None and self._sock is not None:
+            self._read_scheduled = True
+            self._io_loop.call_soon(self._on_readable)
+
+    def _fail(self, exc: BaseException) -> None:
+        log.error("%s: receiving failed: %r", self._name, exc, exc_info=exc)
+        self._stop_reading()
+        task = self._loop_task
+        if task is not None and not task.done():
+            task.set_exception(exc)
 
     def _dispatch(self, frames: list[Any]) -> None:
         if len(frames) < 2:
@@ -375,7 +414,11 @@ class Server:
         payload = sum(t.array.nbytes for t in msg.tensors)
         track = payload >= TRACK_BYTES
         try:
-            tracker = send_now(sock, [identity, *frames], track=track)
+            tracker = sock.send_multipart(
+                [identity, *frames], copy=False, track=track, flags=zmq.DONTWAIT
+            )
+            if not self._reading and sock.getsockopt(_EVENTS) & _POLLIN:
+                self._read_soon()  # the send may have taken a message's edge
         except zmq.Again:
             # The peer's pipe is full (HWM): it is not reading; drop and count.
             self.stats.unroutable += 1
