@@ -29,7 +29,7 @@ import ipaddress
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -64,6 +64,14 @@ _LOG_EVERY_S = 30.0
 #: event loop run.
 RECV_BATCH = 64
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def _waiting(sock: zmq.Socket[Any]) -> bool:
+    """A message waits on ``sock`` (one ``EVENTS`` look: it also re-arms the edge of
+    the socket's descriptor)."""
+    return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
+
+
 #: Seconds between two looks at the socket monitor (disconnects, failed handshakes).
 _MONITOR_EVERY_S = 0.25
 
@@ -197,10 +205,9 @@ class Server:
         from zmq.utils.monitor import parse_monitor_message
 
         events = self._events
-        pollin = int(zmq.POLLIN)
         # one EVENTS look (2 us) rather than a receive that raises Again (5 us): a
         # look happens with every long poll
-        while events is not None and events.getsockopt(zmq.EVENTS) & pollin:
+        while events is not None and _waiting(events):
             try:
                 event = parse_monitor_message(events.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
@@ -280,7 +287,7 @@ class Server:
         loop = asyncio.get_running_loop()
         self._io_loop = loop
         self._loop_task = loop.create_future()
-        self._fd = self._sock.getsockopt(zmq.FD)
+        self._fd = int(cast(int, self._sock.getsockopt(zmq.FD)))
         loop.add_reader(self._fd, self._on_readable)
         self._read_soon()  # messages may be waiting already: their edge came before
 
@@ -350,7 +357,7 @@ class Server:
         self._reading = True
         try:
             for _ in range(RECV_BATCH):
-                if self._sock is None or not sock.getsockopt(_EVENTS) & _POLLIN:
+                if self._sock is None or not _waiting(sock):
                     return
                 self._dispatch(sock.recv_multipart(zmq.NOBLOCK, copy=False))
             self._read_soon()  # a long burst: the rest once timers and replies ran
@@ -417,7 +424,7 @@ class Server:
             tracker = sock.send_multipart(
                 [identity, *frames], copy=False, track=track, flags=zmq.DONTWAIT
             )
-            if not self._reading and sock.getsockopt(_EVENTS) & _POLLIN:
+            if not self._reading and _waiting(sock):
                 self._read_soon()  # the send may have taken a message's edge
         except zmq.Again:
             # The peer's pipe is full (HWM): it is not reading; drop and count.
@@ -432,7 +439,7 @@ class Server:
                 log.debug("%s: reply to gone peer %r dropped", self._name, identity)
                 return
             raise
-        if track:
+        if track and tracker is not None:
             self.unread.sent(identity, tracker, payload, time.monotonic())
         self.stats.replies += 1
         sent = sum(getattr(f, "nbytes", None) or len(f) for f in frames)
