@@ -31,7 +31,7 @@ from zmqps.roles.chief.modes import SyncMode
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.configs import SyncConfig
 from zmqps.roles.status import format_status
-from zmqps.wire.errors import InvalidArgument, NotFound, NotReady
+from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotFound, NotReady
 from zmqps.wire.ops import Who
 
 LR = SGD["lr"]
@@ -199,7 +199,13 @@ def test_row_gradients_accumulate_and_apply_their_mean() -> None:
 
 def test_accumulator_defaults() -> None:
     acc = ShardAccumulator()
-    assert (acc.step, acc.count, acc.dense, acc.rows, list(acc.contributors)) == (0, 0, None, [], [])
+    assert (acc.step, acc.count, acc.dense, acc.rows, list(acc.contributors)) == (
+        0,
+        0,
+        None,
+        [],
+        [],
+    )
 
 
 # ============================================================== core: TokenLedger
@@ -543,6 +549,47 @@ def test_take_token_long_polls_then_not_ready() -> None:
         assert await asyncio.wait_for(waiter, 1.0) == 0
         with pytest.raises(NotReady):  # one token per worker and step
             await mode.take_token(w0, 0.01, None)
+
+    run(body())
+
+
+class _SlowPS:
+    """A PS whose first ``misses`` answers to ``sync_config`` never come in time."""
+
+    endpoint = "slow-ps"
+
+    def __init__(self, misses: int) -> None:
+        self.misses = misses
+        self.told: list[int] = []
+
+    async def request(self, op: str, body: Any = None, *args: Any, **kwargs: Any) -> Any:
+        assert op == "sync_config"
+        if self.misses:
+            self.misses -= 1
+            raise DeadlineExceeded("sync_config to slow-ps: no reply within 10s")
+        self.told.append(int(body["required"]))
+        return None
+
+
+def test_a_ps_that_misses_a_new_n_is_told_again_and_the_chief_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 100 PS on a loaded machine one PS did not answer ``sync_config`` within 10 s
+    after a worker died: the error ended the chief's worker watch, and the chief
+    exited 1. A PS that misses N is now told again until it answers."""
+    import zmqps.roles.chief.modes as modes
+
+    monkeypatch.setattr(modes, "RECONFIGURE_RETRY_S", 0.05)
+
+    async def body() -> None:
+        slow, fine = _SlowPS(misses=2), _SlowPS(misses=0)
+        members = Membership(2)
+        mode = SyncMode(SyncConfig(mode="sync"), members, [fine, slow], clock=time.monotonic)
+        mode.started, mode.required = True, 5  # N told before; 2 now
+        await mode._reconfigure()  # no error: told again later
+        assert mode.required == 0 and slow.told == []
+        await until(lambda: slow.told == [2], what="N told again")
+        assert mode.required == 2 and fine.told[-1] == 2
 
     run(body())
 

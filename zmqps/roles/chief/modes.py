@@ -49,6 +49,10 @@ POLL_S = 5.0  # one long poll to a PS
 GONE_MEMO_S = 0.05
 
 
+#: Seconds before N is told again to every PS when some PS did not answer.
+RECONFIGURE_RETRY_S = 1.0
+
+
 class Changes:
     """The wake-ups of long polls (tokens, ssp clocks): every waiter is woken at the
     next change, or after its own timeout.
@@ -255,6 +259,9 @@ class SyncMode(ChiefMode):
         self._to_look: set[int] = set()
         self._looker: asyncio.Future[None] | None = None
         self._configuring = asyncio.Lock()
+        #: a reconfiguration some PS missed: told again later (:meth:`_reconfigure`)
+        self._retry: asyncio.Future[None] | None = None
+        self._told_everyone = True
 
     @property
     def global_step(self) -> int:
@@ -299,7 +306,12 @@ class SyncMode(ChiefMode):
         self.required = required
 
     async def _reconfigure(self) -> None:
-        """Tell the PS the N of now, if it changed (serialized: the last word is fresh)."""
+        """Tell the PS the N of now, if it changed (serialized: the last word is fresh).
+
+        A PS that does not answer in time (a loaded machine, a PS stopped) fails
+        nothing: every PS is told again :data:`RECONFIGURE_RETRY_S` later, until all
+        have answered (``sync_config`` is idempotent). A step whose N fell waits on
+        that PS meanwhile; the chief does not end over it."""
         async with self._configuring:
             needed = self.needed()
             if needed != self.required:
@@ -309,7 +321,32 @@ class SyncMode(ChiefMode):
                     needed,
                     self.replicas(),
                 )
-                await self._configure_ps(needed)
+                try:
+                    await self._configure_ps(needed)
+                except ZmqpsError as exc:
+                    self.required = 0  # not known everywhere: told to every PS again
+                    self._retry_reconfigure(exc)
+                    return
+                self._told_everyone = True
+
+    def _retry_reconfigure(self, exc: ZmqpsError) -> None:
+        if self._told_everyone:
+            log.warning(
+                "replicas to aggregate not told to every PS (%s): telling them again every %gs",
+                exc,
+                RECONFIGURE_RETRY_S,
+            )
+        self._told_everyone = False
+        if self._retry is not None and not self._retry.done():
+            return
+
+        async def again() -> None:
+            await asyncio.sleep(RECONFIGURE_RETRY_S)
+            self._retry = None  # a miss now schedules the next try
+            if self.started:
+                await self._reconfigure()
+
+        self._retry = asyncio.ensure_future(again())
 
     async def _count_contributions(self, gone: Sequence[int]) -> None:
         """Keep counting, for the current step, the ``gone`` workers whose gradient for
