@@ -6,6 +6,11 @@ Rules of this module:
   with the in-memory fake). The server never dies because of one request.
 * A message whose request id cannot be read is dropped and counted; so is a
   request past its deadline (its sender has already given up on it).
+* The ROUTER is read through a reader on its descriptor (``loop.add_reader``), not
+  asyncio's socket wrapper: a turn takes every message waiting, up to
+  :data:`RECV_BATCH`, and replies are non-blocking sends. The descriptor is
+  edge-triggered, so a turn ends only once ``EVENTS`` says no message waits, and a
+  reply sent outside a turn looks at ``EVENTS`` again.
 * Handlers returning a plain reply run inline, in arrival order; handlers
   returning an awaitable run as tasks the server keeps (and cancels on stop).
 * A reply to a gone or non-reading peer is dropped and counted, never blocks.
