@@ -154,6 +154,10 @@ async def _serve(
         cfg.cluster.num_ps,
         cfg.cluster.num_workers,
     )
+    # Its start (adopt, restore, fresh) comes first: a worker registering before it
+    # began would be told to resume where no PS yet knows (a resumed run's worker
+    # then trained its checkpointed batches again). The start's task clears it.
+    service.recovery.starting = True
     server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
