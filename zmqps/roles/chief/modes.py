@@ -65,14 +65,10 @@ class Changes:
     def __init__(self) -> None:
         self._waiters: dict[asyncio.Future[None], None] = {}
 
-    def __len__(self) -> int:
-        return len(self._waiters)
-
     def notify_all(self) -> None:
         waiters, self._waiters = self._waiters, {}
         for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+            _resolve(fut)
 
     async def wait(self, timeout: float) -> None:
         """Until the next :meth:`notify_all`, or ``timeout`` seconds."""
