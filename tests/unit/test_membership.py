@@ -259,9 +259,11 @@ def test_a_restarted_chief_carries_the_runs_examples_and_time_from_its_checkpoin
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_global_step_kept_as_counts_change_is_the_sum_over_every_incarnation(seed: int) -> None:
-    """The running total read with every heartbeat equals the sum over the workers,
-    whatever mix of registrations, heartbeats (also lagging ones), rejoins, leaves,
-    workers known from the PS only, and resume points comes."""
+    """The running totals read with every heartbeat and every leave (the global step,
+    whether every worker is done) equal what a look at every worker says, whatever
+    mix of registrations, heartbeats (also lagging ones), rejoins, leaves (done,
+    waiting for the end, unfinished), reopenings, workers known from the PS only or
+    expected, and resume points comes."""
     import random
 
     rng = random.Random(seed)
@@ -274,6 +276,8 @@ def test_the_global_step_kept_as_counts_change_is_the_sum_over_every_incarnation
         if w is None or op < 0.1:
             if w is None and rng.random() < 0.2:
                 m.known_done(i, rng.randrange(50), float(t))
+            elif w is None and rng.random() < 0.2:
+                m.expect(i, float(t))
             else:
                 incarnation[i] += 1
                 m.register(i, incarnation[i], float(t))
@@ -282,8 +286,27 @@ def test_the_global_step_kept_as_counts_change_is_the_sum_over_every_incarnation
             m.register(i, incarnation[i], float(t))
         elif op < 0.8:
             m.heartbeat(i, w.incarnation, w.step + rng.randrange(-3, 5), float(t))
-        elif op < 0.9:
+        elif op < 0.85:
             m.set_steps_before(i, rng.randrange(100))
+        elif op < 0.9:
+            m.reopen(i, float(t))
         else:
-            m.leave(i, w.incarnation, w.step + rng.randrange(3), float(t), "done", None)
+            reason = rng.choice(["done", "done", "failed"])
+            m.leave(
+                i, w.incarnation, w.step + rng.randrange(3), float(t), reason, None,
+                waits=rng.random() < 0.5,
+            )  # fmt: skip
         assert m.global_step == sum(x.total_steps for x in m.workers.values())
+        every = len(m.workers) == m.num_workers and all(x.done for x in m.workers.values())
+        assert m.all_done() == every
+    # the end of a run: every worker leaves with its work done, in a random order
+    for i in rng.sample(range(6), 6):
+        w = m.workers.get(i)
+        if w is None or w.incarnation == 0:
+            incarnation[i] += 1
+            m.register(i, incarnation[i], 300.0)
+            assert not m.all_done()
+        m.leave(i, incarnation[i], 0, 301.0, "done", None)
+        every = all(x.done for x in m.workers.values())
+        assert m.all_done() == (len(m.workers) == m.num_workers and every)
+    assert m.all_done() and m.all_done_at is not None

@@ -99,6 +99,21 @@ class Membership:
         #: step of async training is read with every heartbeat: a sum over the workers
         #: there would cost O(workers) per heartbeat)
         self._steps = 0
+        #: how many of ``workers`` are done, kept as they change (:meth:`all_done` is
+        #: asked at every leave: a look at every worker would cost O(workers²) at the
+        #: end of a run)
+        self._done = 0
+
+    def _put(self, w: WorkerState) -> None:
+        """``w`` is worker ``w.index``'s state from now (the one place states are
+        put, so the count of those done follows)."""
+        old = self.workers.get(w.index)
+        self._done += int(w.done) - int(old is not None and old.done)
+        self.workers[w.index] = w
+
+    def _set_done(self, w: WorkerState, done: bool) -> None:
+        self._done += int(done) - int(w.done)
+        w.done = done
 
     def carry(self, extra: Mapping[str, Any]) -> None:
         """This chief took over a running cluster: the run's figures so far are those
@@ -153,7 +168,7 @@ class Membership:
             w.steps_before = old.total_steps
             w.examples_before = old.total_examples
             w.nonfinite_before = old.total_nonfinite
-        self.workers[index] = w
+        self._put(w)
         self.all_done_at = None
         return old is not None
 
@@ -168,7 +183,7 @@ class Membership:
         w = WorkerState(index, UNKNOWN_INCARNATION, now, now, steps_before=steps)
         self._steps += steps
         w.done, w.left_reason = True, "done"
-        self.workers[index] = w
+        self._put(w)
         if self.all_done() and self.all_done_at is None:
             self.all_done_at = now
 
@@ -183,7 +198,7 @@ class Membership:
             return False
         if self.first_registration is None:
             self.first_registration = now
-        self.workers[index] = WorkerState(index, UNKNOWN_INCARNATION, now, now)
+        self._put(WorkerState(index, UNKNOWN_INCARNATION, now, now))
         return True
 
     def heartbeat(
@@ -226,7 +241,7 @@ class Membership:
         if reason in UNFINISHED_REASONS:
             w.gone = True
             return
-        w.done = True
+        self._set_done(w, True)
         if self.all_done() and self.all_done_at is None:
             self.all_done_at = now
 
@@ -237,7 +252,8 @@ class Membership:
         w = self.workers.get(index)
         if w is None or not w.done or not w.waits or now - w.last_seen > self.timeout:
             return False
-        w.done, w.waits, w.left_reason, w.last_seen = False, False, "", now
+        self._set_done(w, False)
+        w.waits, w.left_reason, w.last_seen = False, "", now
         self.all_done_at = None
         return True
 
@@ -265,7 +281,8 @@ class Membership:
         )
 
     def all_done(self) -> bool:
-        return len(self.workers) == self.num_workers and all(w.done for w in self.workers.values())
+        """Every worker of the cluster registered (or is known) and is done: O(1)."""
+        return len(self.workers) == self.num_workers and self._done == self.num_workers
 
     def set_steps_before(self, index: int, steps: int) -> None:
         """The batches worker ``index``'s earlier incarnations pushed, as the PS know
