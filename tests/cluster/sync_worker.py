@@ -101,6 +101,8 @@ def main() -> None:
             # --steps - 1: then the pulled values are the final model.
             record["final_step"] = worker.begin_step()
             np.savez(args.final, **worker.pull())
+        # sync: the tokens a PS handed (the first of each incarnation is the chief's)
+        record["tokens_from_ps"] = getattr(worker.steps, "from_ps", None)
     Path(args.out).write_text(json.dumps(record))
 
 

@@ -166,7 +166,8 @@ def test_sync_steps_equal_single_process_steps(
     Worker 2 leaves right after its last push, while the other two still compute that
     step: the step must still wait for them (not be applied from worker 2's gradient
     and drop theirs as stale). Workers 0 and 1 wait for the global step to reach 50
-    and save the final parameters.
+    and save the final parameters. Every token but each worker's first comes from a
+    PS (the chief releases them; it hears no request per worker and step).
     """
     steps = 50
     cluster = start_cluster(procs, tmp_path, "--mode", "sync", "--num-shards", "2")
@@ -185,6 +186,9 @@ def test_sync_steps_equal_single_process_steps(
         rec = cluster.record(f"worker{i}")
         assert [p["step"] for p in rec["pushes"]] == list(range(steps))
         assert all(p["accepted"] for p in rec["pushes"]), (i, rec)
+        # the chief answered each worker's first token request; a PS the others
+        # (workers 0 and 1 take one more token: the final step's)
+        assert rec["tokens_from_ps"] == steps - 1 + (i < 2), rec["tokens_from_ps"]
     expected = reference(OPTIMIZERS[optimizer], steps)
     for i, final in enumerate(finals):
         assert cluster.record(f"worker{i}")["final_step"] == steps

@@ -333,7 +333,8 @@ def test_a_curve_server_names_each_client_by_its_allow_list_entry(tmp_path: Path
     """The authenticated name of the sender (``Message.peer``) is the allow-list's
     name for its key, never something a client sends: the PS binds the replication
     ops to it. A worker's key sending ``replicate``, ``install``, ``join`` or
-    ``replica`` is refused, naming the key; a PS's and the chief's pass that check."""
+    ``replica`` (or a ``wait_step`` releasing tokens) is refused, naming the key; a
+    PS's and the chief's pass that check."""
     from zmqps.roles.ps import PSService
     from zmqps.roles.ps.slots import PSSlots
     from zmqps.wire.errors import InvalidArgument, NotPrimary
@@ -403,6 +404,9 @@ def test_a_curve_server_names_each_client_by_its_allow_list_entry(tmp_path: Path
                 ("shutdown", {"reason": "a worker's key"}),
                 ("sync_config", {"mode": "sync", "required": 1}),
                 ("create_shards", {"shards": []}),
+                # a release of tokens (a forged one would hand every worker asking
+                # this PS a token of the sender's choosing)
+                ("wait_step", {"step": 0, "wait": 0.0, "released": 7, "gen": 0}),
             ]
             for role in ("worker", "ps"):
                 for op, body in chief_ops:
@@ -416,6 +420,10 @@ def test_a_curve_server_names_each_client_by_its_allow_list_entry(tmp_path: Path
             with pytest.raises(ZmqpsError) as other:
                 await ask(ctx, endpoint, "chief", "join", join)
             assert "refused from the key" not in str(other.value), other.value
+            # a wait_step that releases nothing is anyone's; the chief's releases
+            assert await ask(ctx, endpoint, "worker", "wait_step", {"step": 0}) == {"step": 0}
+            released = {"step": 0, "wait": 0.0, "released": 7, "gen": 0}
+            assert (await ask(ctx, endpoint, "chief", "wait_step", released))["granted_of"] == 7
         finally:
             await server.stop()
             ctx.term()

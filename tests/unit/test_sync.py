@@ -25,7 +25,13 @@ from zmqps.core.membership import Membership
 from zmqps.core.optimizers import compute_dtype, make_optimizer
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.store import ShardStore
-from zmqps.core.sync import ShardAccumulator, StalenessBound, SyncShards, TokenLedger
+from zmqps.core.sync import (
+    ReleasedTokens,
+    ShardAccumulator,
+    StalenessBound,
+    SyncShards,
+    TokenLedger,
+)
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.chief.modes import SyncMode
 from zmqps.roles.client import ParameterClient
@@ -1095,6 +1101,99 @@ def test_a_leaver_held_by_a_ps_whose_step_is_open_counts_though_another_ps_appli
             np.testing.assert_allclose(job.values(v.name), want, rtol=1e-5, atol=1e-6)
         for svc in job.env.services:
             assert svc.status()["sync"]["dropped"] == {}
+        await job.close()
+
+    run(body())
+
+
+# ---------------------------------------------------------------- tokens handed by a PS
+
+
+def test_released_tokens_hand_one_token_of_a_step_per_worker_that_has_not_computed_it() -> None:
+    t = ReleasedTokens(max_waits=2)
+    assert t.grant(None, None) is None  # nothing released yet
+    assert t.release(3, gen=1)
+    assert not t.release(3, gen=1) and not t.release(2, gen=1)  # resent or late: no news
+    assert not t.release(9, gen=0)  # of an older generation (a chief since restored)
+    assert t.grant(2, 1) == (3, 1)
+    assert t.grant(2, 1) == (3, 1)  # the same request again: the same token
+    assert t.grant(None, None) == (3, 1)  # says nothing: like the chief's ledger
+    assert t.grant(3, 1) is None  # computed it already: waits for the next release
+    assert t.grant(7, 0) == (3, 1)  # an older generation's step: nothing computed
+    assert t.grant(0, 2) is None  # knows a newer generation than this PS: waits for it
+    assert t.granted == 4
+    for waited in (0.1, 0.2, 0.3):
+        t.waited(waited)
+    assert t.report() == (3, 4, [0.1, 0.2])  # at most max_waits between two reports
+    assert t.report() == (3, 4, [])
+    assert t.release(4, gen=1) and t.granted == 0
+    t.clear()  # a restore
+    assert t.grant(-1, 2) is None and t.report()[0] is None
+    assert t.release(0, gen=2) and t.grant(-1, 2) == (0, 2)
+
+
+def test_the_chief_names_a_ps_for_the_next_token_and_the_ps_hands_it_when_released() -> None:
+    """The steps of the oracle test, each worker taking its tokens where the last one
+    said: the chief answers each worker's first request only, the PS the rest; the
+    values are those of the steps on the mean, and the chief counts the tokens the
+    PS handed (status, token wait metrics)."""
+
+    async def body() -> None:
+        job = await sync_job(3, 2)
+        links = [[job.env.net.client(a, f"worker:{i}:0") for a in job.env.cfg.cluster.ps]
+                 for i in range(3)]  # fmt: skip
+        asked: list[int | None] = [None] * 3
+        have = [-1] * 3
+        params = {v.name: initial(v) for v in DENSE}
+        slots: dict[str, dict[str, np.ndarray]] = {}
+        waits: list[float] = []
+        job.env.chief.consistency.on_token_waits = waits.extend
+        from_chief = 0
+        for step in range(4):
+            for i in range(3):
+                body = who(i, wait=2.0, have=have[i], have_gen=0)
+                if asked[i] is None:
+                    rep = await call(job.env.chief, "take_token", body)
+                    from_chief += 1
+                else:
+                    rep = await links[i][asked[i]].request("take_token", body)
+                assert rep.body["step"] == step
+                asked[i], have[i] = rep.body["ps"], step
+                assert asked[i] in (0, 1)
+            if step == 1:  # zmqps status asks the PS what they handed
+                assert (await job.status())["tokens_available"] == 0
+            gs = [grads(10 * step + i) for i in range(3)]
+            for i in (1, 2, 0):
+                assert await job.workers[i].push(gs[i], step=step)
+            await until(lambda s=step: job.step == s + 1, what=f"global step {step + 1}")
+            step_reference(params, slots, SGD, mean(gs), step + 1)
+            for v in DENSE:
+                np.testing.assert_allclose(job.values(v.name), params[v.name], atol=1e-6)
+        assert from_chief == 3  # one per worker: every later token came from a PS
+        assert len(waits) == 3 * 3  # the PS's 9 tokens of steps 1-3, reported
+        # step 4 is released (all pushed step 3); a worker that computed it waits for
+        # step 5, then hears NotReady: it asks the chief, whose answer holds
+        await until(lambda: job.env.services[asked[0]].tokens.step == 4, what="release 4")
+        rep = await links[0][asked[0]].request("take_token", who(0, wait=1.0, have=3, have_gen=0))
+        assert rep.body["step"] == 4
+        with pytest.raises(NotReady):
+            await links[0][asked[0]].request("take_token", who(0, wait=0.05, have=4, have_gen=0))
+        await job.close()
+
+    run(body())
+
+
+def test_a_restored_ps_hands_no_token_until_the_chief_releases_again() -> None:
+    async def body() -> None:
+        job = await sync_job(2, 1)
+        link = job.env.net.client(job.env.cfg.cluster.ps[0], "worker:0:0")
+        rep = await call(job.env.chief, "take_token", who(0, wait=1.0, have=-1, have_gen=0))
+        assert rep.body["ps"] == 0
+        ps = job.env.services[0]
+        await until(lambda: ps.tokens.step == 0, what="step 0 released to the PS")
+        ps.tokens.clear()  # what a restore does
+        with pytest.raises(NotReady):
+            await link.request("take_token", who(0, wait=0.05, have=-1, have_gen=0))
         await job.close()
 
     run(body())

@@ -125,6 +125,7 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
     record: dict[str, Any] = {
         "workers": len(mine),
         "tokens": 0,
+        "tokens_from_ps": 0,
         "pushes": 0,
         "outcomes": {},
         "errors": [],
@@ -197,13 +198,16 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
         ready.add(i)
         await start.wait()
         have = -1
+        token_ps: int | None = None  # where the last token said to ask for the next
         for done in range(args.steps):
             t0 = time.perf_counter()
             step: int | None = None
             if args.mode == "sync":
                 while True:
+                    # as a worker does: the PS the last token named, else the chief
+                    asked = chief if token_ps is None else ps[token_ps]
                     try:
-                        rep = await chief.request(
+                        rep = await asked.request(
                             "take_token",
                             o.TakeToken(who, 10.0, have, info.gen).to_wire(),
                             timeout=30.0,
@@ -211,8 +215,11 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
                         )
                         break
                     except NotReady:
+                        token_ps = None
                         continue
-                step = o.Token.parse(rep.body, "token").step
+                token = o.Token.parse(rep.body, "token")
+                step, token_ps = token.step, token.ps
+                record["tokens_from_ps"] += asked is not chief
                 have = step
                 first = record["first_token"]
                 first[step] = min(first.get(step, float("inf")), time.time())
@@ -497,6 +504,8 @@ def run_scale_sim(cfg: SimConfig) -> dict[str, Any]:
         )
         out["chief_added_ms"] = _ms(_chief_added(records))
         out["outcomes"] = _sum_counts(r["outcomes"] for r in records)
+        tokens = sum(r["tokens"] for r in records)
+        out["tokens_from_ps"] = sum(r["tokens_from_ps"] for r in records) / max(1, tokens)
         out["errors"] = [e for r in records for e in r["errors"]][:20]
         # one worker silent: how long until the chief calls it dead
         if cfg.detect:
@@ -676,6 +685,7 @@ def format_scale_sim(runs: Sequence[dict[str, Any]]) -> str:
         ("chief_cpu_us_per_worker_step", "{:.1f}"), ("chief_cpu_us_per_heartbeat", "{:.1f}"),
         ("chief_rss_kib_per_worker", "{:.1f}"), ("ps_cpu_us_per_push", "{:.1f}"),
         ("detect_s", "{:.2f}"), ("status_ms", "{:.1f}"), ("status_bytes", "{:d}"),
+        ("tokens_from_ps", "{:.3f}"),
     ]  # fmt: skip
     lines = [
         " | ".join(c for c, _ in cols)

@@ -40,7 +40,14 @@ from zmqps.core.optimizers import compute_dtype
 from zmqps.core.store import ShardStore, Update
 from zmqps.wire.errors import InvalidArgument, NonFiniteGradient, NotFound
 
-__all__ = ["MODES", "ShardAccumulator", "StalenessBound", "SyncShards", "TokenLedger"]
+__all__ = [
+    "MODES",
+    "ReleasedTokens",
+    "ShardAccumulator",
+    "StalenessBound",
+    "SyncShards",
+    "TokenLedger",
+]
 
 Array = npt.NDArray[Any]
 
@@ -381,6 +388,10 @@ class TokenLedger:
         #: tokens of past steps that nobody took (a late backup worker, a worker gone)
         self.discarded = 0
         self.taken = 0
+        #: tokens of this step the PS handed (:class:`ReleasedTokens`), by PS, as they
+        #: last said: counted as taken in what the ledger shows, never in what it hands
+        #: (a worker whose token reply from a PS was lost asks here and gets one)
+        self.relayed: dict[int, int] = {}
 
     def restart(self, step: int, *, extra: int = 0, holders: Mapping[int, int] = {}) -> None:
         """Start over at ``step`` (a restore, a restarted chief): ``holders`` already
@@ -388,13 +399,21 @@ class TokenLedger:
         self.step = step
         self._holders = dict(holders)
         self._extra = extra if step == 0 else 0
+        self.relayed = {}
 
     def advance(self, step: int, replicas: int, gone: Collection[int] = ()) -> None:
         """The global step is now ``step``; the old step's untaken tokens are discarded."""
-        self.discarded += self.available(replicas, gone)
+        self.discarded += self.untaken(replicas, gone)
+        self.taken += sum(self.relayed.values())
         self.step = step
         self._holders = {}
         self._extra = 0
+        self.relayed = {}
+
+    def untaken(self, replicas: int, gone: Collection[int] = ()) -> int:
+        """Tokens of the current step nobody took, here or from a PS (as far as the PS
+        last said): what ``zmqps status`` and the metrics show as available."""
+        return max(0, self.available(replicas, gone) - sum(self.relayed.values()))
 
     def available(self, replicas: int, gone: Collection[int] = ()) -> int:
         """Tokens of the current step still to take, with ``replicas`` (M) counted and
@@ -405,6 +424,11 @@ class TokenLedger:
         else:
             held = sum(1 for i in holders if i not in gone)
         return max(0, replicas - held) + self._extra
+
+    @property
+    def extra(self) -> int:
+        """``init_tokens`` of step 0 still to take."""
+        return self._extra
 
     def holders(self) -> dict[int, int]:
         """Worker index -> incarnation, of the workers holding this step's token."""
@@ -442,6 +466,73 @@ class TokenLedger:
             self.taken += 1
             return self.step
         return None
+
+
+class ReleasedTokens:
+    """A PS's share of the chief's token queue: the step whose tokens the chief
+    released last (every PS applied it and its checkpoint was taken), handed to each
+    worker that asks this PS and has not computed it yet.
+
+    The chief tells every PS each release with its ``wait_step`` long poll (no message
+    of its own), and names in each token it hands which PS a worker asks for the
+    next one: the chief then hears no request per worker and step. The rules are the
+    ledger's (:class:`TokenLedger`) where M is every live worker, the only case the
+    chief names a PS for (no ``init_tokens`` left, ``total_replicas`` not below the
+    workers): one token of a step per worker that says it has not computed it, the
+    same one again for a request sent again.
+
+    * ``have`` of another generation than the release's: older means nothing computed
+      (the steps went back with a restore); newer means this PS has not heard of the
+      restore's release yet, and the worker waits for it.
+    * A restore forgets the release (:meth:`clear`): the chief's next one comes with
+      its first ``wait_step`` to the restored PS.
+    * How long each answered request waited is kept for the chief (at most
+      ``max_waits`` between two of its looks; the rest are counted only).
+    """
+
+    def __init__(self, max_waits: int = 1 << 14) -> None:
+        self.step: int | None = None
+        self.gen: int | None = None
+        self.granted = 0  # tokens of ``step`` handed
+        self.max_waits = max_waits
+        self._waits: list[float] = []
+
+    def release(self, step: int, gen: int) -> bool:
+        """The chief released ``step`` (generation ``gen``); True if that is news (an
+        older release, resent or late, changes nothing)."""
+        if self.step is not None and self.gen is not None and (gen, step) <= (self.gen, self.step):
+            return False
+        self.step, self.gen, self.granted = step, gen, 0
+        return True
+
+    def clear(self) -> None:
+        """A restore: the steps went back; nothing is handed until the next release."""
+        self.step = self.gen = None
+        self.granted = 0
+
+    def grant(self, have: int | None, have_gen: int | None) -> tuple[int, int] | None:
+        """The token (step, generation) for a worker that computed ``have`` last (in
+        generation ``have_gen``), or None: it waits for the next release."""
+        if self.step is None or self.gen is None:
+            return None
+        if have_gen is not None and have_gen != self.gen:
+            if have_gen > self.gen:
+                return None  # a release this PS has not heard of yet
+            have = -1
+        if have is not None and have >= self.step:
+            return None
+        self.granted += 1
+        return self.step, self.gen
+
+    def waited(self, seconds: float) -> None:
+        if len(self._waits) < self.max_waits:
+            self._waits.append(seconds)
+
+    def report(self) -> tuple[int | None, int, list[float]]:
+        """What the chief is told: the release, its tokens handed, and the waits since
+        the last report (taken)."""
+        waits, self._waits = self._waits, []
+        return self.step, self.granted, waits
 
 
 class StalenessBound:

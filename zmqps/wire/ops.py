@@ -83,6 +83,8 @@ _PLAIN, _TUPLE, _BODY, _WHO = range(4)
 #: Longest long poll a request may ask for (seconds): a waiting request pins a few KiB
 #: on the server, which forgets it at the latest this long after its peer is gone.
 MAX_WAIT_S = 300.0
+#: token waits a PS reports with one ``wait_step`` reply (one per token it handed)
+MAX_TOKEN_WAITS = 1 << 14
 
 
 def wire(schema: Schema, *, default: Any = MISSING, keep_none: bool = False) -> Any:
@@ -429,6 +431,11 @@ class SyncConfigure(Body):
 class WaitStep(Body):
     step: int = wire(Int(0))
     wait: float | None = wire(WAIT, default=None)
+    #: sync: the step whose tokens the chief has released (every PS applied it, its
+    #: checkpoint is taken), of generation ``gen``: this PS hands them to the workers
+    #: that ask it (``take_token``); None: it hands none
+    released: int | None = wire(Int(0), default=None)
+    gen: int | None = wire(Int(0), default=None)
 
 
 @_body("ps_state")
@@ -691,12 +698,21 @@ class StepReply(Body):
 
     step: int | None = wire(STEP, default=None)
     global_step: int | None = wire(STEP, default=None)
+    #: wait_step: the tokens this PS handed of its released step (``granted_of``), and
+    #: how long each of the token polls answered since its last reply waited (at most
+    #: :data:`MAX_TOKEN_WAITS`; the rest are counted in ``granted`` only)
+    granted_of: int | None = wire(STEP, default=None)
+    granted: int | None = wire(COUNT, default=None)
+    token_waits: tuple[float, ...] | None = wire(List(WAIT, MAX_TOKEN_WAITS), default=None)
 
 
 @_body(reply=True)
 class Token(Body):
     step: int = wire(STEP)
     gen: int = wire(Int(0))
+    #: the PS (its index) to ask for the next token: it hands the tokens the chief
+    #: releases, so the chief hears no request per worker and step; None: ask the chief
+    ps: int | None = wire(Int(0, MAX_SHARDS), default=None)
 
 
 @_body(reply=True)

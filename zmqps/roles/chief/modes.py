@@ -31,6 +31,7 @@ from typing import Any
 from zmqps.core.membership import Membership
 from zmqps.core.sync import StalenessBound, TokenLedger
 from zmqps.roles.configs import SyncConfig
+from zmqps.roles.waiters import Changes
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
 from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotPrimary, NotReady, ZmqpsError
@@ -53,41 +54,6 @@ GONE_MEMO_S = 0.05
 RECONFIGURE_RETRY_S = 1.0
 
 
-class Changes:
-    """The wake-ups of long polls (tokens, ssp clocks): every waiter is woken at the
-    next change, or after its own timeout.
-
-    Each waiter is a future of its own, kept in a dict (O(1) to add and to drop), with
-    no lock: a poll's test and its reply run with no await in between. An
-    ``asyncio.Condition`` costs O(waiters) per waiter woken (each re-takes its lock,
-    whose ``acquire`` looks at every queued waiter): O(workers²) per sync step."""
-
-    def __init__(self) -> None:
-        self._waiters: dict[asyncio.Future[None], None] = {}
-
-    def notify_all(self) -> None:
-        waiters, self._waiters = self._waiters, {}
-        for fut in waiters:
-            _resolve(fut)
-
-    async def wait(self, timeout: float) -> None:
-        """Until the next :meth:`notify_all`, or ``timeout`` seconds."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waiters[fut] = None
-        timer = loop.call_later(timeout, _resolve, fut)
-        try:
-            await fut
-        finally:
-            timer.cancel()
-            self._waiters.pop(fut, None)
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
 class ChiefMode:
     """What the modes have in common: the PS to configure, waiters to wake."""
 
@@ -108,6 +74,7 @@ class ChiefMode:
         self.members = members
         self.ps = list(ps)
         self.stepping = list(ps)  # the PS whose steps make the global step
+        self.stepping_ids = list(range(len(self.ps)))  # their indexes
         self.clock = clock
         self.started = False
         self.changed = Changes()
@@ -116,6 +83,10 @@ class ChiefMode:
         self.step_started_at = clock()
         #: awaited with each new global step before its tokens are put (sync)
         self.on_step: Callable[[int], Awaitable[None]] | None = None
+        #: the cluster's generation (the chief's recovery owns it)
+        self.generation: Callable[[], int] = lambda: 0
+        #: hears how long token polls waited on the PS (sync: the PS hand tokens)
+        self.on_token_waits: Callable[[Sequence[float]], None] | None = None
         self.setup()
 
     def setup(self) -> None:
@@ -140,7 +111,8 @@ class ChiefMode:
     async def start(self, holders: Sequence[int], step: int) -> None:
         """Training (re)starts: the PS holding shards are ``holders``, at ``step``.
         Returns once the mode runs (sync: its stepping loop runs until cancelled)."""
-        self.stepping = [self.ps[i] for i in sorted(set(holders))]
+        self.stepping_ids = sorted(set(holders))
+        self.stepping = [self.ps[i] for i in self.stepping_ids]
         await self._configure_ps(1)
         self.started = True
         await self._wake()
@@ -158,6 +130,10 @@ class ChiefMode:
 
     async def take_token(self, who: o.Who, wait: float, have: Have) -> int:
         raise InvalidArgument(f"take_token: the job runs in {self.name} mode")
+
+    def token_ps(self, who: o.Who) -> int | None:
+        """The PS worker ``who`` asks for its next token, or None: the chief."""
+        return None
 
     async def ssp_clock(self, who: o.Who, completed: int, wait: float) -> int:
         raise InvalidArgument(f"ssp_clock: the job runs in {self.name} mode")
@@ -412,7 +388,8 @@ class SyncMode(ChiefMode):
     async def start(self, holders: Sequence[int], step: int) -> None:
         """Drive sync training from ``step`` (0, or the step of a restore or of adopted
         PS; only step 0 gets the extra init tokens) until cancelled."""
-        self.stepping = [self.ps[i] for i in sorted(set(holders))]
+        self.stepping_ids = sorted(set(holders))
+        self.stepping = [self.ps[i] for i in self.stepping_ids]
         self.required = 0  # tell every PS N afresh (a restarted PS has forgotten it)
         await self._configure_ps(self.needed())
         self._step = step
@@ -423,7 +400,13 @@ class SyncMode(ChiefMode):
         await self._wake()
         while True:
             nxt = self._step + 1
-            await asyncio.gather(*(self._wait_ps(c, nxt) for c in self.stepping))
+            released = self._step if self._relaying() else None
+            await asyncio.gather(
+                *(
+                    self._wait_ps(c, nxt, k, released)
+                    for k, c in zip(self.stepping_ids, self.stepping, strict=True)
+                )
+            )
             # before the step's gone workers stop counting
             replicas, gone = self.replicas(), self.gone()
             self._step = nxt
@@ -436,8 +419,11 @@ class SyncMode(ChiefMode):
             self.tokens.advance(nxt, replicas, gone)
             await self._wake()
 
-    async def _wait_ps(self, ps: Requester, step: int) -> None:
-        body = o.WaitStep(step, POLL_S).to_wire()
+    async def _wait_ps(self, ps: Requester, step: int, k: int, released: int | None) -> None:
+        """Until PS ``k`` applied ``step``; each poll tells it the step whose tokens are
+        released (it hands them, :meth:`token_ps`), and each answer says how many it
+        handed and how long their requests waited."""
+        body = o.WaitStep(step, POLL_S, released=released, gen=self.generation()).to_wire()
         while True:
             try:
                 rep = await ps.request("wait_step", body, timeout=POLL_S + 5, attempts=2)
@@ -448,8 +434,34 @@ class SyncMode(ChiefMode):
                 log.info("step %d waits for a fail-over: %s", step, exc)
                 await asyncio.sleep(0.1)
                 continue
+            self._relayed(k, o.StepReply.parse(rep.body, "wait_step reply"))
             if int(rep.body["step"]) >= step:
                 return
+
+    def _relaying(self) -> bool:
+        """Whether the PS hand this step's tokens: the ledger's rules are then those of
+        :class:`~zmqps.core.sync.ReleasedTokens` (M is every live worker, no
+        ``init_tokens`` left)."""
+        return self.total >= self.members.num_workers and self.tokens.extra == 0
+
+    def _relayed(self, k: int, rep: o.StepReply) -> None:
+        if rep.granted_of is not None:
+            self._count_relayed(k, rep.granted_of, rep.granted or 0)
+        if rep.token_waits and self.on_token_waits is not None:
+            self.on_token_waits(rep.token_waits)
+
+    def _count_relayed(self, k: int, step: int, granted: int) -> None:
+        """PS ``k`` said it handed ``granted`` tokens of ``step`` (its ``wait_step``
+        answers, at each step's end and every poll; its ``status``)."""
+        if step == self.tokens.step and self.started:
+            self.tokens.relayed[k] = granted
+
+    def token_ps(self, who: o.Who) -> int | None:
+        """A PS holding shards, the same for a worker as long as they do (spread over
+        them by worker index), while the PS hand tokens."""
+        if not self.stepping_ids or not self._relaying():
+            return None
+        return self.stepping_ids[who.index % len(self.stepping_ids)]
 
     async def applied_step(self) -> int:
         """The step every PS has applied, without the lag of the loop above (at the end
@@ -499,16 +511,21 @@ class SyncMode(ChiefMode):
         missing: set[int] = set()
         body = o.Status(sync_of=tuple(names)).to_wire()
 
-        async def ask(c: Requester) -> None:
+        async def ask(k: int, c: Requester) -> None:
             try:
                 rep = await c.request("status", body, timeout=2.0)
             except ZmqpsError:
                 return  # an unreachable PS: zmqps status reports it under ps_down
-            got = set((rep.body.get("sync") or {}).get("contributors", []))
+            sync = rep.body.get("sync") or {}
+            got = set(sync.get("contributors", []))
             missing.update(i for name, i in names.items() if name not in got)
+            granted_of, granted = sync.get("granted_of"), sync.get("granted")
+            if type(granted_of) is int and type(granted) is int and granted >= 0:
+                self._count_relayed(k, granted_of, granted)
 
         # All PS at once: one cut off by a partition costs the status 2 s, not 2 s each.
-        await asyncio.gather(*(ask(c) for c in self.stepping if c not in skip))
+        stepping = zip(self.stepping_ids, self.stepping, strict=True)
+        await asyncio.gather(*(ask(k, c) for k, c in stepping if c not in skip))
         return sorted(missing)
 
     def status(self) -> dict[str, Any]:
@@ -517,7 +534,7 @@ class SyncMode(ChiefMode):
             "mode": self.name,
             "replicas_to_aggregate": self.required or self.needed(),
             "total_replicas": replicas,
-            "tokens_available": self.tokens.available(replicas, self.gone()) if self.started else 0,
+            "tokens_available": self.tokens.untaken(replicas, self.gone()) if self.started else 0,
             "tokens_discarded": self.tokens.discarded,
             "step_age_s": round(self.clock() - self.step_started_at, 3),
         }

@@ -128,6 +128,8 @@ class ChiefService:
         self._held_beats: dict[int, asyncio.Future[None]] = {}
         self._finished = False
         self.recovery.on_phase = self._tell_held_beats
+        self.consistency.generation = lambda: self.recovery.gen
+        self.consistency.on_token_waits = self._token_waits
         #: why the run failed although it ended in order (non-finite values): the
         #: chief's exit says so (:class:`RunFailed`); empty when it did not
         self.failure = ""
@@ -428,7 +430,17 @@ class ChiefService:
                 self.metrics.token_wait.observe(waited)
             if self.summaries is not None:
                 self._window.observe("token_wait_seconds", waited)
-        return reply(msg, o.Token(step, self.recovery.gen).to_wire())
+        token = o.Token(step, self.recovery.gen, ps=self.consistency.token_ps(who))
+        return reply(msg, token.to_wire())
+
+    def _token_waits(self, waits: Sequence[float]) -> None:
+        """Token polls answered by the PS (they hand the tokens the chief releases):
+        counted as if answered here."""
+        for waited in waits:
+            if self.metrics is not None:
+                self.metrics.token_wait.observe(waited)
+            if self.summaries is not None:
+                self._window.observe("token_wait_seconds", waited)
 
     async def _op_ssp_clock(self, msg: Message, req: o.SspClock) -> Message:
         who = req.who
@@ -522,6 +534,8 @@ class ChiefService:
         out = self.status()
         down = [self.ps[i] for i in self.recovery.ps_down]
         out["waiting_on"] = await self.consistency.waiting_on(out["workers_alive"], skip=down)
+        # the PS just said which tokens they handed (they hand most of them)
+        out.update(self.consistency.status())
         out["blocker"] = self.blocker(out)
         return out
 

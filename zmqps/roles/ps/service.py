@@ -42,6 +42,7 @@ from typing import Any
 from zmqps.core.dedup import ClosureLedger, PushDeduper, PushLedger
 from zmqps.core.finite import first_bad_of, limit
 from zmqps.core.store import ShardStore, Update
+from zmqps.core.sync import ReleasedTokens
 from zmqps.core.variables import ShardDef
 from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
@@ -51,6 +52,7 @@ from zmqps.roles.ps.checkpoints import ShardCheckpoints
 from zmqps.roles.ps.modes import Accumulate, Apply, PSMode, StepWaiters, make_mode
 from zmqps.roles.ps.regions import MAX_PER_WORKER, Regions
 from zmqps.roles.threads import CheckThreads
+from zmqps.roles.waiters import Changes
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
@@ -128,6 +130,9 @@ class PSService:
         #: the batch cursors of the last restore to a checkpoint's (see o.Restore.rewind)
         self.rewinds: dict[str, int] | None = None
         self.waiters = StepWaiters(lambda: self.visible_step)
+        #: sync: the tokens the chief released, handed to the workers that ask here
+        self.tokens = ReleasedTokens(o.MAX_TOKEN_WAITS)
+        self._token_changes = Changes()
         self.regions = Regions(max_region_bytes)
         #: shared-memory pulls served lately, by sender (see _shm_pull_again)
         self._shm_pulls: collections.OrderedDict[str, collections.deque[int]] = (
@@ -156,6 +161,7 @@ class PSService:
             "shm_detach": (o.ShmDetach, self._op_shm_detach),
             "sync_config": (o.SyncConfigure, self._op_sync_config),
             "wait_step": (o.WaitStep, self._op_wait_step),
+            "take_token": (o.TakeToken, self._op_take_token),
             "ps_state": (o.PsState, self._op_ps_state),
             "fence": (o.Fence, self._op_fence),
             "checkpoint_save": (o.CheckpointSave, self._op_checkpoint_save),
@@ -240,7 +246,9 @@ class PSService:
             out: dict[str, Any] = {"role": "ps", "index": self.index, "gen": self.gen}
             sync = self.mode.status(req.sync_of)
             if sync is not None:
-                out["sync"] = sync
+                # the tokens of the chief's last release handed here (zmqps status)
+                tokens = {"granted_of": self.tokens.step, "granted": self.tokens.granted}
+                out["sync"] = {**sync, **tokens}
             return reply(msg, out)
         return reply(msg, self.status())
 
@@ -695,8 +703,33 @@ class PSService:
         return reply(msg, o.StepReply(step=self.visible_step).to_wire())
 
     async def _op_wait_step(self, msg: Message, req: o.WaitStep) -> Message:
+        released = req.released is not None and req.gen is not None
+        if released and self.tokens.release(req.released, req.gen):  # type: ignore[arg-type]
+            self._token_changes.notify_all()
         step = await self.waiters.wait(req.step, (0.0 if req.wait is None else req.wait))
-        return reply(msg, o.StepReply(step=step).to_wire())
+        if not released:  # not the chief's stepping poll: it does not take the report
+            return reply(msg, o.StepReply(step=step).to_wire())
+        of, granted, waits = self.tokens.report()
+        out = o.StepReply(
+            step=step, granted_of=of, granted=granted, token_waits=tuple(waits) or None
+        )
+        return reply(msg, out.to_wire())
+
+    async def _op_take_token(self, msg: Message, req: o.TakeToken) -> Message:
+        """A token of the step the chief released last (see ReleasedTokens), or
+        NotReady after ``wait`` seconds: the worker then asks the chief."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + (10.0 if req.wait is None else req.wait)
+        while True:
+            token = self.tokens.grant(req.have, req.have_gen)
+            if token is not None:
+                self.tokens.waited(loop.time() - started)
+                return reply(msg, o.Token(token[0], token[1], ps=self.index).to_wire())
+            left = deadline - loop.time()
+            if left <= 0:
+                raise NotReady(f"ps {self.index}: no token released within {req.wait}s")
+            await self._token_changes.wait(left)
 
     # -- recovery --------------------------------------------------------------
 
@@ -766,6 +799,7 @@ class PSService:
         self.pushes.restored(req.cursors or {}, exact=req.rewind)
         self.rewinds = dict(req.cursors or {}) if req.rewind else None
         self.mode.reset(req.step)
+        self.tokens.clear()  # the steps went back: nothing until the chief releases again
         self.waiters.notify()
         log.info(
             "ps %d: restored %d shards from %s (generation %d, step %d)",

@@ -81,10 +81,18 @@ PEER_OPS: dict[str, str] = {
 }
 
 
-def _check_peer(msg: Message, index: int) -> None:
-    """Refuse ``msg`` unless the allow-list names its sender's key for its op's role
-    (``ps`` also matches per-process names such as ``ps3``)."""
-    role = PEER_OPS[msg.op]
+def _peer_role(msg: Message) -> str | None:
+    """The role that alone may send ``msg`` (None: anyone on the allow-list). A
+    ``wait_step`` that releases tokens is the chief's: a forged release would hand
+    every worker asking this PS a token of a step of its choosing."""
+    if msg.op == "wait_step":
+        return "chief" if msg.body.get("released") is not None else None
+    return PEER_OPS.get(msg.op)
+
+
+def _check_peer(msg: Message, index: int, role: str) -> None:
+    """Refuse ``msg`` unless the allow-list names its sender's key for ``role`` (``ps``
+    also matches per-process names such as ``ps3``)."""
     name = msg.peer
     if name == role or (name.startswith(role) and name[len(role) :].isdigit()):
         return
@@ -157,8 +165,9 @@ class PSSlots:
         return [self._slots[s] for s in self.slots()]
 
     def __call__(self, msg: Message) -> Message | Awaitable[Message]:
-        if msg.peer and msg.op in PEER_OPS:
-            _check_peer(msg, self.own.index)
+        role_only = _peer_role(msg) if msg.peer else None
+        if role_only is not None:
+            _check_peer(msg, self.own.index, role_only)
         if msg.op == "replica":
             return self._op_replica(msg)
         if msg.op == "join":

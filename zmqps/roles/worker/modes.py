@@ -10,13 +10,26 @@ Rules of this module:
   after a lost connection gets the same token again, never a second one of a step,
   and a new incarnation starts from what its earlier ones computed.
 * A token taken before a restore is void: the next step takes a new one.
+* A token names where to ask for the next one: a PS (it hands the tokens the chief
+  releases, so the chief hears no request per worker and step) or the chief. A PS
+  that does not answer with a token (none released within the poll, a PS restarted or
+  moved, any error) sends the request to the chief, whose answer always holds.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 from zmqps.roles.worker.session import Session
+from zmqps.transport import Requester
 from zmqps.wire import ops as o
-from zmqps.wire.errors import InvalidArgument
+from zmqps.wire.errors import InvalidArgument, NotReady, ZmqpsError
+
+log = logging.getLogger("zmqps.worker")
+
+#: the link to PS state ``k`` (None: not known yet)
+Links = Callable[[int], Requester | None]
 
 __all__ = ["AsyncSteps", "SspSteps", "StepMode", "SyncSteps", "make_step_mode"]
 
@@ -68,8 +81,12 @@ class SspSteps(StepMode):
 class SyncSteps(StepMode):
     name = "sync"
 
-    def __init__(self, session: Session, last_step: int = -1) -> None:
+    def __init__(self, session: Session, last_step: int = -1, links: Links | None = None) -> None:
         super().__init__(session)
+        self.links = links
+        #: the PS that hands this worker its next token (the last token named it)
+        self.token_ps: int | None = None
+        self.from_ps = 0  # tokens a PS handed (the others came from the chief)
         self.token: int | None = None  # the step this worker is computing
         self.token_gen = 0  # the generation the token was handed out in
         #: the step of the last token this worker computed (its earlier incarnations'
@@ -95,9 +112,29 @@ class SyncSteps(StepMode):
             # saying a step of before the restore would never be given a token
             return o.TakeToken(self.session.who, poll, self.have, self.have_gen)
 
-        token = await self.session.long_poll("take_token", body, o.Token, poll)
+        token = await self._from_ps(body(), poll)
+        if token is None:
+            token = await self.session.long_poll("take_token", body, o.Token, poll)
+        else:
+            self.from_ps += 1
+        self.token_ps = token.ps
         self.token, self.token_gen, self._voided = token.step, token.gen, False
         return token.step
+
+    async def _from_ps(self, body: o.TakeToken, poll: float) -> o.Token | None:
+        """The token from the PS the last one named, or None: ask the chief."""
+        k = self.token_ps
+        link = None if k is None or self.links is None else self.links(k)
+        if link is None:
+            return None
+        try:
+            rep = await link.request("take_token", body.to_wire(), timeout=poll + 10.0, attempts=2)
+            return o.Token.parse(rep.body, "token")
+        except NotReady:
+            return None  # none released within the poll: the chief says why, or hands it
+        except ZmqpsError as exc:
+            log.debug("%s: no token from ps %d (%s): asking the chief", self.session.name, k, exc)
+            return None
 
     def tag(self) -> int | None:
         if self.token is None:
@@ -111,10 +148,13 @@ class SyncSteps(StepMode):
             self.have, self.have_gen = self.token, self.token_gen
 
 
-def make_step_mode(name: str, session: Session, last_step: int = -1) -> StepMode:
-    """The strategy for the cluster's mode ``name``."""
+def make_step_mode(
+    name: str, session: Session, last_step: int = -1, links: Links | None = None
+) -> StepMode:
+    """The strategy for the cluster's mode ``name`` (``links``: to the PS states, for
+    sync tokens handed by a PS)."""
     if name == "sync":
-        return SyncSteps(session, last_step)
+        return SyncSteps(session, last_step, links)
     if name == "ssp":
         return SspSteps(session)
     if name == "async":

@@ -55,7 +55,7 @@ from zmqps.roles.configs import NONFINITE_POLICIES
 from zmqps.roles.homes import Homes
 from zmqps.roles.worker.modes import StepMode, make_step_mode
 from zmqps.roles.worker.session import Session
-from zmqps.transport import Client, LoopThread, SocketOptions, new_context
+from zmqps.transport import Client, LoopThread, Requester, SocketOptions, new_context
 from zmqps.wire import ops as o
 from zmqps.wire.errors import ConfigError, NonFiniteGradient, NotReady, RunFailed
 from zmqps.wire.schema import MAX_FRAME_BYTES, MIN_CHUNK_BYTES
@@ -232,7 +232,9 @@ class Worker:
             raise
         self.ps_addresses: list[str] = list(info.ps)
         #: the consistency mode (async, ssp, sync): how a step begins, how pushes are tagged
-        self.steps: StepMode = make_step_mode(info.mode, self.session, info.last_step)
+        self.steps: StepMode = make_step_mode(
+            info.mode, self.session, info.last_step, self._ps_link
+        )
         #: batches earlier incarnations of this worker really pushed (the built-in loop
         #: skips them)
         self.steps_done = info.steps_done
@@ -260,6 +262,14 @@ class Worker:
             timeout=self.timeout,
             observer=self.metrics,
         )
+
+    def _ps_link(self, k: int) -> Requester | None:
+        """The link to PS state ``k`` (it follows the state to its home), or None."""
+        client = getattr(self, "_client", None)
+        if client is None or not 0 <= k < len(client.ps):
+            return None
+        link: Requester = client.ps[k]
+        return link
 
     async def _start_heartbeats(self, interval: float) -> None:
         self.session.start_heartbeats(interval)
