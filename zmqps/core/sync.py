@@ -493,14 +493,14 @@ class ReleasedTokens:
     def __init__(self, max_waits: int = 1 << 14) -> None:
         self.step: int | None = None
         self.gen: int | None = None
-        self.granted = 0  # tokens of ``step`` handed
+        self.granted = 0  # tokens of ``step`` handed (a request sent again counts again)
         self.max_waits = max_waits
         self._waits: list[float] = []
 
     def release(self, step: int, gen: int) -> bool:
         """The chief released ``step`` (generation ``gen``); True if that is news (an
         older release, resent or late, changes nothing)."""
-        if self.step is not None and self.gen is not None and (gen, step) <= (self.gen, self.step):
+        if self.gen is not None and (gen, step) <= (self.gen, self.step or 0):
             return False
         self.step, self.gen, self.granted = step, gen, 0
         return True

@@ -111,11 +111,15 @@ class ChiefMode:
     async def start(self, holders: Sequence[int], step: int) -> None:
         """Training (re)starts: the PS holding shards are ``holders``, at ``step``.
         Returns once the mode runs (sync: its stepping loop runs until cancelled)."""
-        self.stepping_ids = sorted(set(holders))
-        self.stepping = [self.ps[i] for i in self.stepping_ids]
+        self._step_on(holders)
         await self._configure_ps(1)
         self.started = True
         await self._wake()
+
+    def _step_on(self, holders: Sequence[int]) -> None:
+        """The PS holding shards (``holders``) are those whose steps count."""
+        self.stepping_ids = sorted(set(holders))
+        self.stepping = [self.ps[i] for i in self.stepping_ids]
 
     def stop(self) -> None:
         self.started = False
@@ -388,8 +392,7 @@ class SyncMode(ChiefMode):
     async def start(self, holders: Sequence[int], step: int) -> None:
         """Drive sync training from ``step`` (0, or the step of a restore or of adopted
         PS; only step 0 gets the extra init tokens) until cancelled."""
-        self.stepping_ids = sorted(set(holders))
-        self.stepping = [self.ps[i] for i in self.stepping_ids]
+        self._step_on(holders)
         self.required = 0  # tell every PS N afresh (a restarted PS has forgotten it)
         await self._configure_ps(self.needed())
         self._step = step

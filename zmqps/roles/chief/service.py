@@ -425,17 +425,13 @@ class ChiefService:
                 who, (10.0 if req.wait is None else req.wait), have
             )
         finally:
-            waited = time.perf_counter() - started
-            if self.metrics is not None:
-                self.metrics.token_wait.observe(waited)
-            if self.summaries is not None:
-                self._window.observe("token_wait_seconds", waited)
+            self._token_waits((time.perf_counter() - started,))
         token = o.Token(step, self.recovery.gen, ps=self.consistency.token_ps(who))
         return reply(msg, token.to_wire())
 
     def _token_waits(self, waits: Sequence[float]) -> None:
-        """Token polls answered by the PS (they hand the tokens the chief releases):
-        counted as if answered here."""
+        """How long token polls waited: those answered here, and those the PS answered
+        (they hand the tokens the chief releases), counted alike."""
         for waited in waits:
             if self.metrics is not None:
                 self.metrics.token_wait.observe(waited)

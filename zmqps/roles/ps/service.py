@@ -703,11 +703,11 @@ class PSService:
         return reply(msg, o.StepReply(step=self.visible_step).to_wire())
 
     async def _op_wait_step(self, msg: Message, req: o.WaitStep) -> Message:
-        released = req.released is not None and req.gen is not None
-        if released and self.tokens.release(req.released, req.gen):  # type: ignore[arg-type]
+        releases = req.released is not None and req.gen is not None
+        if releases and self.tokens.release(req.released or 0, req.gen or 0):
             self._token_changes.notify_all()
         step = await self.waiters.wait(req.step, (0.0 if req.wait is None else req.wait))
-        if not released:  # not the chief's stepping poll: it does not take the report
+        if not releases:  # not the chief's stepping poll: it does not take the report
             return reply(msg, o.StepReply(step=step).to_wire())
         of, granted, waits = self.tokens.report()
         out = o.StepReply(
@@ -720,7 +720,8 @@ class PSService:
         NotReady after ``wait`` seconds: the worker then asks the chief."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        deadline = started + (10.0 if req.wait is None else req.wait)
+        wait = 10.0 if req.wait is None else req.wait
+        deadline = started + wait
         while True:
             token = self.tokens.grant(req.have, req.have_gen)
             if token is not None:
@@ -728,7 +729,7 @@ class PSService:
                 return reply(msg, o.Token(token[0], token[1], ps=self.index).to_wire())
             left = deadline - loop.time()
             if left <= 0:
-                raise NotReady(f"ps {self.index}: no token released within {req.wait}s")
+                raise NotReady(f"ps {self.index}: no token released within {wait:g}s")
             await self._token_changes.wait(left)
 
     # -- recovery --------------------------------------------------------------

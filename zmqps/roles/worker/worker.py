@@ -265,7 +265,7 @@ class Worker:
 
     def _ps_link(self, k: int) -> Requester | None:
         """The link to PS state ``k`` (it follows the state to its home), or None."""
-        client = getattr(self, "_client", None)
+        client = self._client
         if client is None or not 0 <= k < len(client.ps):
             return None
         link: Requester = client.ps[k]
