@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 import pytest
 
-from zmqps.transport.base import cancel_and_wait
+from zmqps.roles.ps.replica import _Signal
+from zmqps.transport.base import cancel_and_wait, waited, within
 
 
 def test_the_helper_ends_and_its_cancellation_is_taken() -> None:
@@ -93,5 +95,62 @@ def test_a_cleanup_in_a_cancelled_tasks_finally_runs_to_its_end() -> None:
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(owner(), 0.01)
         assert steps == ["helper ended", "helper ended", "socket closed"]
+
+    asyncio.run(asyncio.wait_for(body(), 5))
+
+
+# -- within / waited: asyncio.wait_for without losing the caller's cancellation --------
+
+
+def test_within_keeps_a_cancellation_that_comes_in_the_turn_its_awaitable_ends() -> None:
+    """A reply arriving in the loop turn its request is cancelled in: the request is
+    cancelled (``asyncio.wait_for`` before Python 3.12 returned the reply, and the
+    cancellation was lost: a loop told to stop went on)."""
+
+    async def body() -> None:
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(within(fut, 60))
+        await asyncio.sleep(0)  # waiting on fut
+        fut.set_result(1)
+        task.cancel()  # the same turn
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(body(), 5))
+
+
+def test_within_answers_and_times_out_as_wait_for() -> None:
+    async def body() -> None:
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.01, fut.set_result, 7)
+        assert await within(fut, 5) == 7
+        slow = asyncio.ensure_future(asyncio.sleep(3600))
+        with pytest.raises(asyncio.TimeoutError):
+            await within(slow, 0.01)
+        await asyncio.sleep(0)
+        assert slow.cancelled()  # what timed out is cancelled, as wait_for does
+        never = asyncio.Event()
+        assert not await waited(never.wait(), 0.01)
+        never.set()
+        assert await waited(never.wait(), 0.01)
+
+    asyncio.run(asyncio.wait_for(body(), 5))
+
+
+def test_a_primary_waiting_for_its_backups_is_cancelled_in_the_turn_they_answer() -> None:
+    """The primary's wait for a commit (``_Signal.until``): its request cancelled in the
+    turn a backup's answer wakes it ends at once. (It used to go on waiting for the
+    commit until the request's deadline, 60 s for a request without one: a fault
+    schedule's push hung past its test's bound.)"""
+
+    async def body() -> None:
+        signal = _Signal()
+        waiting = asyncio.ensure_future(signal.until(lambda: False, time.monotonic() + 60))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # inside the wait for the next change
+        signal.notify()
+        waiting.cancel()  # the same turn
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiting, 2)  # not a TimeoutError: it ended
 
     asyncio.run(asyncio.wait_for(body(), 5))

@@ -103,6 +103,7 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
     """One process of simulated workers (``--child``): returns its record."""
     from zmqps.core.variables import Placement, VariableDef
     from zmqps.transport import Client, new_context
+    from zmqps.transport.base import waited
     from zmqps.wire import ops as o
     from zmqps.wire.errors import NotReady
     from zmqps.wire.messages import Tensor
@@ -158,8 +159,7 @@ async def _sim(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as exc:  # recorded: the run goes on
                 record["errors"].append(f"heartbeat {who.index}: {exc!r}")
                 _said(f"worker {who.index}: heartbeat: {exc!r}")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop_beats.wait(), interval)
+            await waited(stop_beats.wait(), interval)
 
     async def worker(i: int, group: int, start: asyncio.Event) -> None:
         chief, ps = clients(group)

@@ -69,6 +69,7 @@ from zmqps.roles.configs import (
 from zmqps.roles.job import JobConfig
 from zmqps.roles.status import fetch_status
 from zmqps.transport import free_ports  # re-exported: it moved to zmqps.transport.ports
+from zmqps.transport.base import waited, within
 from zmqps.transport.shm import sweep
 from zmqps.wire.errors import EXIT_CONFIG, EXIT_RUN_FAILED, ConfigError, ZmqpsError
 
@@ -556,7 +557,7 @@ class Launcher:
             if c.proc is None:
                 continue
             try:
-                await asyncio.wait_for(c.proc.wait(), max(0.1, deadline - time.monotonic()))
+                await within(c.proc.wait(), max(0.1, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     c.proc.kill()
@@ -574,8 +575,7 @@ class Launcher:
         for c in self.children[1:]:
             if c.name in silent and c.proc is not None and c.returncode is None:
                 self._kill_hung(c, "was silent when the run ended")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(watchers), LINGER_S)
+        if await waited(asyncio.shield(watchers), LINGER_S):
             return
         left = [c.name for c in self.children if c.proc is not None and c.returncode is None]
         self.say(

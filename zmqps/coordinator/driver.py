@@ -18,7 +18,6 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from pathlib import Path
@@ -31,6 +30,7 @@ from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server
 from zmqps.roles.chief import ChiefConfig, serve_chief
 from zmqps.transport import Client, SocketOptions, ZmqContext
+from zmqps.transport.base import waited, within
 from zmqps.wire.errors import ConfigError, NotFound, RunFailed, ZmqpsError
 
 __all__ = ["run_chief_driver"]
@@ -97,8 +97,7 @@ def run_chief_driver(
             # the driver's training is done and the run ended while it was still closing
             # (waiting for its workers to acknowledge their shutdown): it ends too, and
             # its counters go into the summary
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(driver), FINISH_TIMEOUT)
+            await waited(asyncio.shield(driver), FINISH_TIMEOUT)
         if not driver.done():  # the chief stopped first (SIGTERM, or it failed)
             if "coord" in holder:
                 await asyncio.to_thread(holder["coord"].close)
@@ -106,7 +105,7 @@ def run_chief_driver(
             await chief  # its own error, if any
             return
         try:
-            await asyncio.wait_for(asyncio.shield(chief), FINISH_TIMEOUT)
+            await within(asyncio.shield(chief), FINISH_TIMEOUT)
         except asyncio.TimeoutError:
             log.error(
                 "the chief did not finish %.0fs after the driver: stopping it", FINISH_TIMEOUT

@@ -40,7 +40,6 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -70,7 +69,7 @@ from zmqps.roles.ctr_job import ctr_scores, ctr_scores_summary
 from zmqps.roles.homes import Homes
 from zmqps.roles.worker.session import Session
 from zmqps.transport import Client, Requester, SocketOptions, ZmqContext, new_context
-from zmqps.transport.base import cancel_and_wait
+from zmqps.transport.base import cancel_and_wait, waited
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     ConfigError,
@@ -229,8 +228,7 @@ class Evaluator:
         self.stopping.set()
 
     async def _sleep(self, seconds: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.stopping.wait(), max(0.0, seconds))
+        await waited(self.stopping.wait(), max(0.0, seconds))
 
     async def _ask(self, op: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any] | None:
         """The chief's reply body, or None when it did not answer (or is going away)."""

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from zmqps.wire import Message, Tensor
 from zmqps.wire.errors import Busy, ShutdownError, ZmqpsError
@@ -154,6 +155,50 @@ class TransportStats:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+T = TypeVar("T")
+
+if sys.version_info >= (3, 11):
+
+    async def within(aw: Awaitable[T], timeout: float) -> T:
+        """``aw``'s result, or ``asyncio.TimeoutError`` past ``timeout`` seconds (``aw``
+        then cancelled), as ``asyncio.wait_for``; but a cancellation of the caller is
+        never lost. ``wait_for`` before Python 3.12 returned ``aw``'s result instead
+        when ``aw`` ended in the loop turn its caller was cancelled in: a handler, a
+        heartbeat loop or a request told to stop went on (a fault-schedule test saw a
+        push's handler wait a whole minute for a backup after its client gave up)."""
+        async with asyncio.timeout(timeout):
+            return await aw
+
+else:  # pragma: no cover - Python 3.10
+
+    async def within(aw: Awaitable[T], timeout: float) -> T:
+        """As above, without ``asyncio.timeout``."""
+        task = asyncio.ensure_future(aw)
+        try:
+            await asyncio.wait((task,), timeout=max(0.0, timeout))
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+            if not task.cancelled() and task.exception() is None:
+                return task.result()  # it ended as it was cancelled
+            raise asyncio.TimeoutError
+        return task.result()
+
+
+async def waited(aw: Awaitable[Any], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``aw`` (:func:`within`): True when it ended,
+    False when the time was up (its result is not needed: an event set, a future
+    done)."""
+    try:
+        await within(aw, timeout)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 async def cancel_and_wait(task: asyncio.Future[Any], *also: type[BaseException]) -> None:

@@ -30,7 +30,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zmqps.transport.base import TransportObserver, TransportStats, cancel_and_wait, retry_busy
+from zmqps.transport.base import (
+    TransportObserver,
+    TransportStats,
+    cancel_and_wait,
+    retry_busy,
+    within,
+)
 from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
 from zmqps.wire import ERROR, Limits, Message, Tensor, decode, encode, request
 from zmqps.wire.errors import (
@@ -233,7 +239,7 @@ class Client:
         started = time.perf_counter()
         status = "ok"
         try:
-            return await asyncio.wait_for(fut, timeout)
+            return await within(fut, timeout)
         except asyncio.TimeoutError:
             self.stats.timeouts += 1
             status = DeadlineExceeded.code

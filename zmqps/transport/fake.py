@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zmqps.transport.base import Handler, TransportObserver, TransportStats, retry_busy
+from zmqps.transport.base import Handler, TransportObserver, TransportStats, retry_busy, within
 from zmqps.transport.dispatch import Dispatcher
 from zmqps.wire import ERROR, Message, Tensor, decode, encode, request
 from zmqps.wire.errors import DeadlineExceeded, ShutdownError, error_from_code
@@ -89,7 +89,7 @@ class FakeClient:
         for attempt in range(1, attempts + 1):
             try:
                 return await retry_busy(
-                    lambda left: asyncio.wait_for(self._once(op, body, tensors, slot), left),
+                    lambda left: within(self._once(op, body, tensors, slot), left),
                     timeout,
                 )
             except asyncio.TimeoutError:

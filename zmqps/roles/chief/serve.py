@@ -37,7 +37,7 @@ from zmqps.roles.chief.service import ChiefService
 from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.transport import Client, Requester, Server, SocketOptions, ZmqContext
-from zmqps.transport.base import cancel_and_wait
+from zmqps.transport.base import cancel_and_wait, within
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     DeadlineExceeded,
@@ -278,9 +278,7 @@ async def _run(service: ChiefService, watchers: _Watchers) -> bool:
     recovery.stop_training()
     if service.checkpoints is not None:
         try:
-            await asyncio.wait_for(
-                service.checkpoints.final(), max(0.1, grace_ends - time.monotonic())
-            )
+            await within(service.checkpoints.final(), max(0.1, grace_ends - time.monotonic()))
         except asyncio.TimeoutError:
             log.error("final checkpoint not committed within %.0fs", cfg.stop_grace)
     return True

@@ -14,7 +14,6 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -27,6 +26,7 @@ from zmqps.core.partition import plan
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.configs import ChiefConfig
 from zmqps.transport import Requester
+from zmqps.transport.base import waited
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     ConfigError,
@@ -93,8 +93,7 @@ class Variables:
 
     async def wait(self, seconds: float) -> Placement | None:
         if self.placement is None and seconds > 0:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.ready.wait(), seconds)
+            await waited(self.ready.wait(), seconds)
         return self.placement
 
     async def create(

@@ -15,7 +15,6 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from typing import Any
 
 from zmqps.core.store import ShardStore
 from zmqps.core.variables import ShardDef
+from zmqps.transport.base import waited
 from zmqps.wire.errors import Busy, InvalidArgument, NotFound, NotReady, ZmqpsError
 
 __all__ = ["ShardCheckpoints"]
@@ -135,8 +135,7 @@ class ShardCheckpoints:
         if fut is None:
             raise NotFound(f"ps {self.index}: no checkpoint save {save_id}")
         if not fut.done() and wait > 0:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(fut), wait)
+            await waited(asyncio.shield(fut), wait)
         if not fut.done():
             raise NotReady(f"ps {self.index}: checkpoint save {save_id} still writing")
         try:

@@ -19,7 +19,6 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +29,7 @@ import numpy as np
 
 from zmqps.core.store import DenseUpdate, RowUpdate, ShardStore, Update
 from zmqps.core.sync import MODES, SyncShards
+from zmqps.transport.base import waited
 from zmqps.wire.errors import InvalidArgument, RolledBack
 
 __all__ = ["Accumulate", "Apply", "Committed", "PSMode", "StepWaiters", "make_mode"]
@@ -206,8 +206,7 @@ class StepWaiters:
             self._live[ticket] = fut
             heapq.heappush(self._heap, (target, ticket))
             try:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(fut, seconds)
+                await waited(fut, seconds)
             finally:
                 del self._live[ticket]
                 if len(self._heap) > 2 * len(self._live) + 64:  # mostly ended: compact

@@ -51,7 +51,6 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import time
@@ -65,7 +64,7 @@ from zmqps.core.replication import Entry, Offer, PrimaryLog, ReplicaLog
 from zmqps.core.sync import SyncShards
 from zmqps.roles.ps.image import Installing, Part
 from zmqps.transport import Requester
-from zmqps.transport.base import cancel_and_wait, send_soon
+from zmqps.transport.base import cancel_and_wait, send_soon, waited
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
@@ -132,8 +131,7 @@ class _Signal:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise asyncio.TimeoutError
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._event.wait(), left)
+            await waited(self._event.wait(), left)
 
 
 class Primary:
