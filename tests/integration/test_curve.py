@@ -398,12 +398,21 @@ def test_a_curve_server_names_each_client_by_its_allow_list_entry(tmp_path: Path
                         await ask(ctx, endpoint, role, op, body)
             join = {"slot": 0, "term": 1, "ps": 1, "endpoint": "127.0.0.1:1"}
             replica = {"slot": 0, "term": 1, "primary": False, "backups": []}
+            newest = {
+                "variables": [{"name": "w", "shape": [2], "dtype": "float32"}],
+                "shards": [[0, "w", 0, 0, 2, 0]],
+                "optimizer": {"name": "sgd", "lr": 0.1},
+                "epoch": 3,
+            }
             chief_ops = [
                 ("join", join),
                 ("replica", replica),
                 ("shutdown", {"reason": "a worker's key"}),
                 ("sync_config", {"mode": "sync", "required": 1}),
                 ("create_shards", {"shards": []}),
+                # a placement that leaves out a good copy (a restarted chief would not
+                # promote it: a restore instead of a fail-over)
+                ("placement", {"placement": newest}),
                 # a release of tokens (a forged one would hand every worker asking
                 # this PS a token of the sender's choosing)
                 ("wait_step", {"step": 0, "wait": 0.0, "released": 7, "gen": 0}),
@@ -420,6 +429,7 @@ def test_a_curve_server_names_each_client_by_its_allow_list_entry(tmp_path: Path
             with pytest.raises(ZmqpsError) as other:
                 await ask(ctx, endpoint, "chief", "join", join)
             assert "refused from the key" not in str(other.value), other.value
+            assert await ask(ctx, endpoint, "chief", "placement", {"placement": newest}) == {}
             # a wait_step that releases nothing is anyone's; the chief's releases
             assert await ask(ctx, endpoint, "worker", "wait_step", {"step": 0}) == {"step": 0}
             released = {"step": 0, "wait": 0.0, "released": 7, "gen": 0}

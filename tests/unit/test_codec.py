@@ -116,6 +116,15 @@ BODIES: dict[str, dict[str, Any]] = {
     "make_resource": {"id": 1, "fn": "dataset", "args": ["t", []], "kwargs": ["d", {}], "inc": 5},
     "replica": {"slot": 2, "term": 3, "primary": True, "backups": [[0, "tcp://127.0.0.1:5"]]},
     "replicate": {"term": 3, "index": 9, "op": "fence", "body": {"worker": "w", "inc": 1}},
+    "placement": {
+        "placement": {
+            "variables": [VariableDef("w", (4, 2)).to_wire()],
+            "shards": [[0, "w", 0, 0, 4, 1]],
+            "optimizer": {"name": "sgd", "lr": 0.1},
+            "backups": [[2]],
+            "epoch": 7,
+        }
+    },
     "join": {"slot": 1, "term": 2, "ps": 3, "endpoint": "tcp://127.0.0.1:5", "rate": 1e6},
     "install": {
         "term": 2,

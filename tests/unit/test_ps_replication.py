@@ -23,7 +23,7 @@ from test_ps_client import DoublePush, run
 from zmqps.config import ClusterSpec
 from zmqps.core.partition import Partitioner
 from zmqps.core.replication import fail_over
-from zmqps.core.variables import Placement, VariableDef
+from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.roles.chief.variables import Variables
 from zmqps.roles.client import Delivery, ParameterClient
 from zmqps.roles.configs import ChiefConfig
@@ -966,3 +966,37 @@ def test_a_backup_keeps_only_the_entries_another_copy_may_lack(copies: int) -> N
         c.check_copies()
 
     run(body(), 30.0)
+
+
+def test_a_ps_keeps_the_newest_placement_the_chief_published() -> None:
+    """``placement``: the newest one a process heard is kept (an older one sent late
+    changes nothing) and reported in ``ps_state``, roles or none; a body that is not
+    a placement is refused and changes nothing."""
+    slots = PSSlots(PSService(0))
+    w = VariableDef("w", (4, 2))
+
+    def placement(epoch: int, backups: tuple[int, ...]) -> dict[str, Any]:
+        shards = (ShardInfo(0, "w", 0, 0, 4, 1, backups=backups),)
+        return Placement((w,), shards, epoch=epoch).to_wire()
+
+    def tell(p: Mapping[str, Any]) -> Any:
+        return slots(request("placement", o.PlacementNote(p).to_wire(), id=1))
+
+    def newest() -> Any:
+        rep = slots(request("ps_state", {}, id=2))
+        assert isinstance(rep, Message)
+        return rep.body.get("newest")
+
+    assert newest() is None
+    tell(placement(5, (2,)))
+    assert newest()["epoch"] == 5 and newest()["backups"] == [[2]]
+    tell(placement(3, (0,)))  # older: late
+    assert newest()["epoch"] == 5 and newest()["backups"] == [[2]]
+    tell(placement(6, ()))  # the backup dropped
+    assert newest()["epoch"] == 6 and "backups" not in newest()
+    assert slots.epoch == 6
+    bad = placement(9, (2,))
+    bad["backups"] = [[2], [1]]  # two backup lists for one shard
+    with pytest.raises(InvalidArgument):
+        tell(bad)
+    assert newest()["epoch"] == 6

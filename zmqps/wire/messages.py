@@ -68,6 +68,7 @@ REQUEST_OPS = frozenset(
         "restore",
         # replication: the chief sets each copy's part; a primary ships its entries
         "replica",
+        "placement",
         "replicate",
         "join",
         "install",

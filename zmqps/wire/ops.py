@@ -580,6 +580,18 @@ def _check_sync_step(body: Any, path: str) -> None:
             raise ProtocolError(f"{path}.data[{i}]: unknown {what!r}")
 
 
+@_body("placement")
+class PlacementNote(Body):
+    """The chief tells every PS process the placement at a new epoch before a primary
+    stops waiting for a backup it dropped (silent or restarted): each process keeps
+    the newest it heard and reports it in ``ps_state``. A restarted chief promotes,
+    for a state whose primary is gone, only a copy the newest placement any process
+    reports still names: the dropped backup missed what was acknowledged without it,
+    and only the dead primary and the last chief knew."""
+
+    placement: Mapping[str, Any] = wire(PLACEMENT)
+
+
 @_body("join")
 class Join(Body):
     """The chief asks PS state ``slot``'s primary (of ``term``) to bring PS ``ps`` (at
@@ -812,6 +824,8 @@ class PsStateReply(Body):
     )
     #: replication: the highest placement epoch this process was told
     epoch: int | None = wire(COUNT, default=None)
+    #: replication: the newest placement the chief published to it (``placement``)
+    newest: Mapping[str, Any] | None = wire(PLACEMENT, default=None)
 
 
 @_body(reply=True)
@@ -941,6 +955,7 @@ REQUESTS: Mapping[str, type[Body]] = {
         CheckpointDone,
         Restore,
         ReplicaSet,
+        PlacementNote,
         Replicate,
         Join,
         Install,
@@ -989,6 +1004,7 @@ REPLIES: Mapping[str, type[Body]] = {
     "checkpoint_done": Written,
     "restore": Restored,
     "replica": ReplicaState,
+    "placement": Empty,
     "replicate": Replicated,
     "join": Joining,
     "install": Replicated,

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -430,6 +430,14 @@ class RecoveryController:
         if not roles or base is None:
             return None, [], []
         placement = Placement.from_wire(base)
+        # the newest placement any process heard the last chief publish: a backup it
+        # dropped (silent or restarted) is not named there
+        published = [st["newest"] for st in states if st.get("newest") is not None]
+        newest = (
+            Placement.from_wire(max(published, key=lambda p: int(p.get("epoch") or 0)))
+            if published
+            else None
+        )
         homes: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # state -> (term, ps, backups)
         orphans: list[int] = []
         gone: set[int] = set()
@@ -447,6 +455,11 @@ class RecoveryController:
                 gone |= set(in_sync) - _backups_at(copies, term)
                 homes[state] = (term, primary, tuple(in_sync))
                 continue
+            if newest is not None:
+                # a backup the newest placement does not name was dropped and missed
+                # what its primary acknowledged since: not a copy to promote
+                named = {q for s in newest.shards if s.state == state for q in s.copies}
+                copies = [c for c in copies if c[0] in named]
             terms = [t for _, kind, t, *_ in copies if kind == "backup"]
             if not terms:
                 return None, [], []
@@ -889,6 +902,30 @@ class RecoveryController:
             return False
         return any(s.state == state and s.backups for s in placement.shards)
 
+    async def publish_placement(self, placement: Placement, skip: Iterable[int] = ()) -> int:
+        """Tell every PS process but ``skip`` the placement (``placement`` op): what a
+        restarted chief trusts a copy by. Returns how many took it; one that does not
+        answer within the heartbeat timeout is not waited for (it is silent: the
+        watch deals with it)."""
+        homes = self.homes
+        assert homes is not None
+        skipped = set(skip)
+        body = o.PlacementNote(placement.to_wire()).to_wire()
+        timeout = max(0.1, min(1.0, self.cfg.heartbeat_timeout))
+
+        async def tell(q: int) -> bool:
+            try:
+                await homes.processes[q].request("placement", body, timeout=timeout)
+                return True
+            except ZmqpsError as exc:
+                log.info("ps %d: placement epoch %d not told: %s", q, placement.epoch, exc)
+                return False
+
+        told = await asyncio.gather(
+            *(tell(q) for q in range(len(homes.processes)) if q not in skipped)
+        )
+        return sum(told)
+
     async def fail_over(self, states: Sequence[int], processes: Sequence[int] = ()) -> None:
         """The processes serving ``states`` (and ``processes``: ones that serve no state
         but hold backups) are silent past the heartbeat timeout, or restarted: every
@@ -954,6 +991,11 @@ class RecoveryController:
             survivors[state] = {q: a.applied for q, a in zip(alive, answers, strict=True) if a}
         heads = {s.id: survivors[s.state] for s in placement.shards if s.state in survivors}
         out = fail_over(placement, dead, heads, self.cfg.replication)
+        if any(s.ps not in dead and set(s.backups) & dead for s in first.values()):
+            # a primary is about to acknowledge without a backup it had: the other
+            # processes hear of it first (the dropped copy itself may come back, and a
+            # restarted chief must not then take it for an up-to-date one)
+            await self.publish_placement(out.placement, skip=dead)
         # 2. promote the furthest copy of each; primaries stop waiting for dead backups
         after: dict[int, ShardInfo] = {}
         for s in out.placement.shards:

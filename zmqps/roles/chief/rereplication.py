@@ -318,6 +318,9 @@ class Rereplicator:
         """The state's primary hears the placement's epoch (its backups, the new one
         in, as they are): a restarted chief starts past the highest epoch a PS heard."""
         s = next(s for s in placement.shards if s.state == state)
+        # every process hears the new copy is one (a restarted chief trusts no copy the
+        # newest placement a process heard leaves out)
+        await self.recovery.publish_placement(placement, skip=self.silent())
         links = tuple((q, self.homes.processes[q].endpoint) for q in s.backups)
         term = self.recovery.terms.get(state, TERM)
         body = o.ReplicaSet(state, term, True, links, epoch=placement.epoch)

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from zmqps.core.replication import Entry
+from zmqps.core.variables import Placement
 from zmqps.roles.ps.image import take
 from zmqps.roles.ps.modes import Accumulate
 from zmqps.roles.ps.replica import Backup, Primary, changes_state, entry_resolver
@@ -37,7 +38,7 @@ from zmqps.roles.ps.service import PSService
 from zmqps.transport import Requester
 from zmqps.wire import Message, reply
 from zmqps.wire import ops as o
-from zmqps.wire.errors import InvalidArgument, NotFound, NotPrimary, Superseded
+from zmqps.wire.errors import InvalidArgument, NotFound, NotPrimary, Superseded, ZmqpsError
 from zmqps.wire.schema import MAX_REPLICATION
 
 __all__ = ["MAX_COPIES", "PSSlots"]
@@ -66,6 +67,7 @@ PEER_OPS: dict[str, str] = {
     **dict.fromkeys(
         (
             "replica",
+            "placement",
             "join",
             "shutdown",
             "create_shards",
@@ -121,6 +123,8 @@ class PSSlots:
         self._closing: set[asyncio.Future[None]] = set()
         #: the highest placement epoch the chief told (``replica``)
         self.epoch = 0
+        #: the newest placement the chief published (``placement``; one, replaced)
+        self.newest: dict[str, Any] | None = None
 
     def add(self, service: PSService) -> None:
         """Serve ``service`` (a copy of PS ``service.index``'s state) too."""
@@ -172,9 +176,11 @@ class PSSlots:
             return self._op_replica(msg)
         if msg.op == "join":
             return self._op_join(msg)
+        if msg.op == "placement":
+            return self._op_placement(msg)
         if msg.op == "shutdown":  # the process's, whatever part its own state plays
             return self.own(msg)
-        if msg.op == "ps_state" and msg.slot is None and self._roles:
+        if msg.op == "ps_state" and msg.slot is None and (self._roles or self.newest):
             return self._ps_state(msg)
         slot = self.own.index if msg.slot is None else msg.slot
         service = self._slots.get(slot)
@@ -213,7 +219,10 @@ class PSSlots:
                 roles.append([slot, "primary", role.term, role.log.head, role.fenced, in_sync])
             else:
                 roles.append([slot, "backup", role.term, role.log.applied, False, []])
-        return reply(msg, {**rep.body, "roles": roles, "epoch": self.epoch})
+        extra = {"roles": roles, "epoch": self.epoch}
+        if self.newest is not None:
+            extra["newest"] = self.newest
+        return reply(msg, {**rep.body, **extra})
 
     def _retire_later(self, role: Primary) -> None:
         """Stop a replaced primary's shipping and close its links, in the background."""
@@ -287,6 +296,19 @@ class PSSlots:
         service.replica = role
         applied = role.log.head if isinstance(role, Primary) else role.log.applied
         return reply(msg, o.ReplicaState(req.slot, role.term, req.primary, applied).to_wire())
+
+    def _op_placement(self, msg: Message) -> Message:
+        """Keep the chief's placement if it is the newest this process heard (what
+        ``ps_state`` reports: a restarted chief trusts no copy it does not name)."""
+        req = o.PlacementNote.from_wire(msg.body)
+        try:
+            epoch = Placement.from_wire(req.placement).epoch
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZmqpsError) as exc:
+            raise InvalidArgument(f"ps {self.own.index}: not a placement: {exc}") from None
+        if self.newest is None or epoch >= int(self.newest.get("epoch") or 0):
+            self.newest = dict(req.placement)
+        self.epoch = max(self.epoch, epoch)
+        return reply(msg, {})
 
     def _op_join(self, msg: Message) -> Message:
         req = o.Join.from_wire(msg.body)
