@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from zmqps.metrics import Metrics
@@ -14,17 +16,88 @@ from zmqps.roles.configs import PSConfig
 from zmqps.roles.ps.replica import Primary
 from zmqps.roles.ps.service import PSService
 from zmqps.roles.ps.slots import PSSlots
+from zmqps.roles.ps.warm import warm_kernels
 from zmqps.transport import Client, Server, SocketOptions, ZmqContext
 from zmqps.transport.server import MAX_UNREAD, MAX_UNREAD_PER_PEER
 from zmqps.transport.unread import UnreadReplies
+from zmqps.wire import Message
 from zmqps.wire.errors import InvalidArgument
 
-__all__ = ["ps_slots", "run_ps", "serve_ps"]
+__all__ = ["KernelGate", "ps_slots", "run_ps", "serve_ps"]
 
 #: a PS that holds no variables says so every this many seconds
 IDLE_NOTE_S = 60.0
 
 log = logging.getLogger("zmqps.ps")
+
+#: requests whose handling may run a compiled kernel (a value check, an update, a
+#: step's sum, a bfloat16 rounding): held until the kernels are loaded
+KERNEL_OPS = frozenset(
+    {"push", "push_pull", "push_rows", "pull", "pull_rows", "replicate", "sync_config"}
+)
+
+
+class KernelGate:
+    """The PS process's handler until its kernels are loaded (:mod:`~zmqps.roles.ps.warm`).
+
+    The process starts loading them in a thread as it starts serving (:meth:`start`:
+    a PS restarted after a crash is loading while the chief fails over or restores,
+    not after); a request that may need a kernel meanwhile waits for that (a few
+    seconds on a loaded machine) off the event loop, which answers everything else
+    (``ping``, ``ps_state``, ``status``, the chief's long polls). The held requests
+    are then handled in the order they came, and after the last of them every
+    request goes straight through. Holding a request is as if it arrived later,
+    which every sender must allow for anyway."""
+
+    def __init__(
+        self,
+        handler: Callable[[Message], Message | Awaitable[Message]],
+        warm: Callable[[], float] = warm_kernels,
+        index: int = 0,
+    ) -> None:
+        self._handler = handler
+        self._warm = warm
+        self._index = index
+        self._loading: asyncio.Future[float] | None = None
+        self._held = 0
+        self.ready = False
+
+    def start(self) -> None:
+        """Begin loading the kernels now (in a thread); else the first request that
+        may need one does."""
+        if self._loading is None:
+            self._loading = asyncio.get_running_loop().run_in_executor(None, self._warm)
+            self._loading.add_done_callback(self._loaded)
+
+    def __call__(self, msg: Message) -> Message | Awaitable[Message]:
+        if self.ready or msg.op not in KERNEL_OPS:
+            return self._handler(msg)
+        self.start()
+        return self._after_loading(msg)
+
+    async def _after_loading(self, msg: Message) -> Message:
+        self._held += 1
+        try:
+            assert self._loading is not None
+            await asyncio.shield(self._loading)
+        except Exception:  # then each kernel loads when first used (logged by _loaded)
+            pass
+        finally:
+            self._held -= 1
+            if not self._held and self._loading is not None and self._loading.done():
+                self.ready = True  # every request held has been handed on, in order
+        out = self._handler(msg)
+        return await out if inspect.isawaitable(out) else out
+
+    def _loaded(self, loading: asyncio.Future[float]) -> None:
+        exc = None if loading.cancelled() else loading.exception()
+        if exc is not None or loading.cancelled():
+            log.warning(
+                "ps %d: loading the kernels failed (%s): each loads when used", self._index, exc
+            )
+        else:
+            seconds = loading.result()
+            log.info("ps %d: kernels loaded in %.2fs, off the event loop", self._index, seconds)
 
 
 async def serve_ps(
@@ -48,10 +121,11 @@ async def serve_ps(
     slots = ps_slots(cfg, ctx, service, options)
     if metrics is not None:
         metrics.watch_states(slots.replication_stats)
+    gate = KernelGate(slots, index=cfg.index)
     server = Server(
         ctx,
         cfg.bind,
-        slots,
+        gate,
         name=f"ps{cfg.index}",
         options=options,
         observer=metrics,
@@ -76,6 +150,7 @@ async def serve_ps(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signalled.append, sig.name)
     log.info("ps %d: serving on %s", cfg.index, endpoint)
+    gate.start()
     server.start()
     try:
         stop = asyncio.ensure_future(service.shutdown_requested.wait())
