@@ -36,7 +36,7 @@ __all__ = ["Reference", "References", "RunRecord", "bound", "execute"]
 
 TICK_S = 0.05
 #: Bump when what a reference holds, or how it is made, changes.
-REFERENCE_VERSION = 3
+REFERENCE_VERSION = 4  # 4: no reference from a run that restored without a fault
 
 
 def _netns() -> Any:
@@ -549,4 +549,8 @@ def _unfaulted_problem(rec: RunRecord) -> str | None:
         return ", ".join(bad)
     if not rec.summary or not math.isfinite(float(rec.summary.get("test_loss", math.nan))):
         return "no summary with a finite test loss"
+    if int(rec.summary.get("restores") or 0):
+        # a task taken for dead with no fault (a stall past the heartbeat timeout): the
+        # run is no reference (its workers trained batches again), and a finding
+        return f"{rec.summary['restores']} restore(s) from a checkpoint with no fault injected"
     return rec.export_problem
