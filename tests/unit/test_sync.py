@@ -600,6 +600,48 @@ def test_a_ps_that_misses_a_new_n_is_told_again_and_the_chief_goes_on(
     run(body())
 
 
+class _PollingPS(_SlowPS):
+    """A :class:`_SlowPS` whose step never advances (the sync loop's polls wait)."""
+
+    async def request(self, op: str, body: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if op == "wait_step":
+            await asyncio.Event().wait()
+        return await super().request(op, body, *args, **kwargs)
+
+
+@pytest.mark.parametrize("mode_name", ["async", "ssp", "sync"])
+def test_a_ps_that_misses_the_mode_at_the_start_is_told_again_and_training_starts(
+    monkeypatch: pytest.MonkeyPatch, mode_name: str
+) -> None:
+    """A replicated ssp run (fault schedule 7005): a PS killed as training started
+    never answered ``sync_config``; the fail-over failed the request (``not_primary``),
+    the error ended the chief's training task and the chief exited 1. A PS that misses
+    the mode at the start is now told again until it answers."""
+    import zmqps.roles.chief.modes as modes
+
+    monkeypatch.setattr(modes, "RECONFIGURE_RETRY_S", 0.05)
+
+    async def body() -> None:
+        slow, fine = _PollingPS(misses=2), _PollingPS(misses=0)
+        mode = modes.make_chief_mode(
+            SyncConfig(mode=mode_name), Membership(2), [fine, slow], clock=time.monotonic
+        )
+        want = 2 if mode_name == "sync" else 1  # sync: N, every worker
+        if mode_name == "sync":  # its stepping loop runs until cancelled
+            task = asyncio.ensure_future(mode.start([0, 1], 0))
+            await until(lambda: mode.started, what="sync training started")
+        else:
+            await mode.start([0, 1], 0)  # no error
+            task = None
+        assert mode.started and fine.told == [want] and slow.told == []
+        await until(lambda: slow.told == [want], what="the mode told again")
+        mode.stop()
+        if task is not None:
+            task.cancel()
+
+    run(body())
+
+
 def test_take_token_waits_for_the_step_to_advance() -> None:
     async def body() -> None:
         job = await sync_job(2, 1)

@@ -87,6 +87,8 @@ class ChiefMode:
         self.generation: Callable[[], int] = lambda: 0
         #: hears how long token polls waited on the PS (sync: the PS hand tokens)
         self.on_token_waits: Callable[[Sequence[float]], None] | None = None
+        #: async / ssp: the mode told again to PS that missed it at start
+        self._later: asyncio.Future[None] | None = None
         self.setup()
 
     def setup(self) -> None:
@@ -110,11 +112,39 @@ class ChiefMode:
 
     async def start(self, holders: Sequence[int], step: int) -> None:
         """Training (re)starts: the PS holding shards are ``holders``, at ``step``.
-        Returns once the mode runs (sync: its stepping loop runs until cancelled)."""
+        Returns once the mode runs (sync: its stepping loop runs until cancelled).
+
+        A PS that does not take the mode in time (stopped, killed, loaded: a fail-over
+        or restart deals with it) fails nothing: it is told again every
+        :data:`RECONFIGURE_RETRY_S` until it does (``sync_config`` is idempotent). Its
+        error used to end the training task, and with it the chief (exit 1)."""
         self._step_on(holders)
-        await self._configure_ps(1)
+        try:
+            await self._configure_ps(1)
+        except ZmqpsError as exc:
+            self._configure_later(1, exc)
         self.started = True
         await self._wake()
+
+    def _configure_later(self, required: int, exc: ZmqpsError) -> None:
+        log.warning(
+            "the mode not told to every PS (%s): telling them again every %gs",
+            exc,
+            RECONFIGURE_RETRY_S,
+        )
+        if self._later is not None:
+            self._later.cancel()
+
+        async def again() -> None:
+            while True:
+                await asyncio.sleep(RECONFIGURE_RETRY_S)
+                try:
+                    await self._configure_ps(required)
+                    return
+                except ZmqpsError as exc:
+                    log.debug("the mode not told to every PS yet: %s", exc)
+
+        self._later = asyncio.ensure_future(again())
 
     def _step_on(self, holders: Sequence[int]) -> None:
         """The PS holding shards (``holders``) are those whose steps count."""
@@ -123,6 +153,9 @@ class ChiefMode:
 
     def stop(self) -> None:
         self.started = False
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
 
     async def _wake(self) -> None:
         self._gone_memo = None
@@ -394,7 +427,11 @@ class SyncMode(ChiefMode):
         PS; only step 0 gets the extra init tokens) until cancelled."""
         self._step_on(holders)
         self.required = 0  # tell every PS N afresh (a restarted PS has forgotten it)
-        await self._configure_ps(self.needed())
+        try:
+            await self._configure_ps(self.needed())
+        except ZmqpsError as exc:  # told again until every PS has it (as at a change of N)
+            self.required = 0
+            self._retry_reconfigure(exc)
         self._step = step
         self.counted.clear()
         self.tokens.restart(step, extra=self.cfg.init_tokens)

@@ -31,10 +31,10 @@ IDLE_NOTE_S = 60.0
 log = logging.getLogger("zmqps.ps")
 
 #: requests whose handling may run a compiled kernel (a value check, an update, a
-#: step's sum, a bfloat16 rounding): held until the kernels are loaded
-KERNEL_OPS = frozenset(
-    {"push", "push_pull", "push_rows", "pull", "pull_rows", "replicate", "sync_config"}
-)
+#: step's sum, a bfloat16 rounding): held until the kernels are loaded. Not
+#: ``sync_config``: the chief's start waits on it, and before any push is applied it
+#: has no step to apply
+KERNEL_OPS = frozenset({"push", "push_pull", "push_rows", "pull", "pull_rows", "replicate"})
 
 
 class KernelGate:
