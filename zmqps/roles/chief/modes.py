@@ -87,8 +87,9 @@ class ChiefMode:
         self.generation: Callable[[], int] = lambda: 0
         #: hears how long token polls waited on the PS (sync: the PS hand tokens)
         self.on_token_waits: Callable[[Sequence[float]], None] | None = None
-        #: async / ssp: the mode told again to PS that missed it at start
-        self._later: asyncio.Future[None] | None = None
+        #: a reconfiguration some PS missed: told again later (:meth:`_reconfigure`)
+        self._retry: asyncio.Future[None] | None = None
+        self._told_everyone = True
         self.setup()
 
     def setup(self) -> None:
@@ -119,32 +120,41 @@ class ChiefMode:
         :data:`RECONFIGURE_RETRY_S` until it does (``sync_config`` is idempotent). Its
         error used to end the training task, and with it the chief (exit 1)."""
         self._step_on(holders)
-        try:
-            await self._configure_ps(1)
-        except ZmqpsError as exc:
-            self._configure_later(1, exc)
+        await self._reconfigure()
         self.started = True
         await self._wake()
 
-    def _configure_later(self, required: int, exc: ZmqpsError) -> None:
-        log.warning(
-            "the mode not told to every PS (%s): telling them again every %gs",
-            exc,
-            RECONFIGURE_RETRY_S,
-        )
-        if self._later is not None:
-            self._later.cancel()
+    async def _reconfigure(self) -> None:
+        """Tell every PS the mode (async / ssp: N is 1); one that misses it is told
+        again later (:meth:`_retry_reconfigure`)."""
+        try:
+            await self._configure_ps(1)
+        except ZmqpsError as exc:
+            self._retry_reconfigure(exc)
+            return
+        self._told_everyone = True
+
+    def _retry_reconfigure(self, exc: ZmqpsError) -> None:
+        """Some PS missed a reconfiguration: every PS is told again
+        :data:`RECONFIGURE_RETRY_S` later (``sync_config`` is idempotent), until all
+        have answered, while the mode runs."""
+        if self._told_everyone:
+            log.warning(
+                "the mode or N not told to every PS (%s): telling them again every %gs",
+                exc,
+                RECONFIGURE_RETRY_S,
+            )
+        self._told_everyone = False
+        if self._retry is not None and not self._retry.done():
+            return
 
         async def again() -> None:
-            while True:
-                await asyncio.sleep(RECONFIGURE_RETRY_S)
-                try:
-                    await self._configure_ps(required)
-                    return
-                except ZmqpsError as exc:
-                    log.debug("the mode not told to every PS yet: %s", exc)
+            await asyncio.sleep(RECONFIGURE_RETRY_S)
+            self._retry = None  # a miss now schedules the next try
+            if self.started:
+                await self._reconfigure()
 
-        self._later = asyncio.ensure_future(again())
+        self._retry = asyncio.ensure_future(again())
 
     def _step_on(self, holders: Sequence[int]) -> None:
         """The PS holding shards (``holders``) are those whose steps count."""
@@ -153,9 +163,6 @@ class ChiefMode:
 
     def stop(self) -> None:
         self.started = False
-        if self._later is not None:
-            self._later.cancel()
-            self._later = None
 
     async def _wake(self) -> None:
         self._gone_memo = None
@@ -268,9 +275,6 @@ class SyncMode(ChiefMode):
         self._to_look: set[int] = set()
         self._looker: asyncio.Future[None] | None = None
         self._configuring = asyncio.Lock()
-        #: a reconfiguration some PS missed: told again later (:meth:`_reconfigure`)
-        self._retry: asyncio.Future[None] | None = None
-        self._told_everyone = True
 
     @property
     def global_step(self) -> int:
@@ -337,25 +341,6 @@ class SyncMode(ChiefMode):
                     self._retry_reconfigure(exc)
                     return
                 self._told_everyone = True
-
-    def _retry_reconfigure(self, exc: ZmqpsError) -> None:
-        if self._told_everyone:
-            log.warning(
-                "replicas to aggregate not told to every PS (%s): telling them again every %gs",
-                exc,
-                RECONFIGURE_RETRY_S,
-            )
-        self._told_everyone = False
-        if self._retry is not None and not self._retry.done():
-            return
-
-        async def again() -> None:
-            await asyncio.sleep(RECONFIGURE_RETRY_S)
-            self._retry = None  # a miss now schedules the next try
-            if self.started:
-                await self._reconfigure()
-
-        self._retry = asyncio.ensure_future(again())
 
     async def _count_contributions(self, gone: Sequence[int]) -> None:
         """Keep counting, for the current step, the ``gone`` workers whose gradient for
