@@ -138,10 +138,11 @@ def test_a_sync_run_with_a_ps_killed_ends_bit_identical_to_the_unfaulted_one(
     state promoted on a copy, its pushes in flight sent again) ends with every
     parameter bit-identical to the run with no fault. Two gradients a step add up the
     same in either order, so nothing but a lost, doubled or altered update could make
-    them differ."""
+    them differ. The hidden layers are wide enough that each step's entry goes to the
+    backup through the ring of shared memory the two share (this host), not beside."""
     flags = (
         "--ps", "3", "--replication", "2", "--mode", "sync", "--optimizer", "sgd",
-        "--lr", "0.1", "--epochs", "12", "--heartbeat-timeout", "2",
+        "--lr", "0.1", "--epochs", "12", "--heartbeat-timeout", "2", "--hidden", "256,256",
     )  # fmt: skip
 
     def model(run: Path, kill_at: int | None) -> dict[str, Any]:
@@ -160,6 +161,8 @@ def test_a_sync_run_with_a_ps_killed_ends_bit_identical_to_the_unfaulted_one(
         assert summary is not None and summary["replication"]["restores"] == 0, summary
         if kill_at is not None:
             assert summary["replication"]["failovers"] == 1, summary
+        logs = "".join((run / f"ps{i}.log").read_text() for i in range(3))
+        assert "go through a ring" in logs, logs[-3000:]
         return {"summary": summary, "values": load_file(str(run / "model" / "model.safetensors"))}
 
     plain = model(tmp_path / "plain", None)

@@ -126,6 +126,7 @@ BODIES: dict[str, dict[str, Any]] = {
         }
     },
     "join": {"slot": 1, "term": 2, "ps": 3, "endpoint": "tcp://127.0.0.1:5", "rate": 1e6},
+    "replica_ring": {"term": 2, "name": "zmqps-" + "0" * 32, "size": 1 << 20},
     "install": {
         "term": 2,
         "index": 7,

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from test_ps_client import DoublePush, run
 
+import zmqps.roles.ps.ring as ring_module
 from zmqps.config import ClusterSpec
 from zmqps.core.partition import Partitioner
 from zmqps.core.replication import fail_over
@@ -53,6 +54,23 @@ ROWS = VariableDef("e", (30, 3), init={"name": "uniform", "seed": 3}, sparse=Tru
 TABLE = VariableDef("t", (1 << 20, 2), init={"name": "normal", "seed": 4}, table={"row_budget": 64})
 VARIABLES = (W, B, ROWS, TABLE)
 ADAM = {"name": "adam", "lr": 0.01}
+
+
+@pytest.fixture(params=[False, True], ids=["beside", "ring"])
+def ring(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Entries' tensors beside their message, or (``ring``) in a ring of shared memory
+    from the first entry on (the processes here share a host), in rings small enough
+    to fill, wrap and grow."""
+    on = bool(request.param)
+    if on:
+        monkeypatch.setattr(ring_module, "RING_MIN_BYTES", 0)
+    return on
+
+
+def ring_entries(c: Cluster) -> int:
+    """Entries the primaries sent through rings."""
+    roles = [c.slots[i].role(i) for i in range(len(c.slots))]
+    return sum(r.sent for p in roles if isinstance(p, Primary) for r in p.rings.values())
 
 
 class Cluster:
@@ -258,7 +276,7 @@ async def _workload(c: Cluster, steps: int, seed: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("num_ps,replication,seed", [(2, 2, 1), (3, 2, 2), (3, 3, 3), (4, 3, 4)])
 def test_every_copy_is_its_primarys_after_every_answer(
-    num_ps: int, replication: int, seed: int
+    num_ps: int, replication: int, seed: int, ring: bool
 ) -> None:
     async def body() -> None:
         c = Cluster(num_ps, replication)
@@ -273,6 +291,7 @@ def test_every_copy_is_its_primarys_after_every_answer(
             role = c.slots[i].role(i)
             assert isinstance(role, Primary)
             assert role.log.committed == role.log.head > 0
+        assert (ring_entries(c) > 0) == ring
 
     run(body(), 30.0)
 
@@ -344,7 +363,7 @@ def test_sync_steps_ship_once_after_aggregation_not_every_gradient() -> None:
     run(body(), 30.0)
 
 
-def test_lost_entries_are_sent_again() -> None:
+def test_lost_entries_are_sent_again(ring: bool) -> None:
     """A link that loses a third of the entries and their answers: the primary sends
     again (gaps, timeouts) and every answer still waits for the backup."""
 
@@ -354,6 +373,7 @@ def test_lost_entries_are_sent_again() -> None:
         seen = await _workload(c, 30, 6)
         assert sum(seen.values()) == 30
         assert sum(c.slots[i].role(i).resent for i in range(3)) > 0  # type: ignore[union-attr]
+        assert (ring_entries(c) > 0) == ring
 
     run(body(), 60.0)
 
@@ -422,7 +442,9 @@ def test_replication_needs_a_ps_per_copy() -> None:
         ChiefConfig(bind="tcp://127.0.0.1:1", cluster=cluster, replication=3)
 
 
-def test_a_promoted_copy_goes_on_from_its_head_and_loses_nothing_acknowledged() -> None:
+def test_a_promoted_copy_goes_on_from_its_head_and_loses_nothing_acknowledged(
+    ring: bool,
+) -> None:
     """Three copies of each state; the process serving state 0 dies with every push
     answered. Its copies are fenced at term 2, the furthest is promoted with the other
     as its backup, the workers' links follow the new placement: training goes on, and
@@ -638,7 +660,9 @@ async def _join(c: Cluster, slot: int, target: int, rate: float | None = None) -
 
 
 @pytest.mark.parametrize("sync", [False, True])
-def test_a_joining_copy_catches_up_while_training_goes_on_and_ends_equal(sync: bool) -> None:
+def test_a_joining_copy_catches_up_while_training_goes_on_and_ends_equal(
+    sync: bool, ring: bool
+) -> None:
     """Re-replication: state 0 gets a third copy on a PS that held none, in small
     throttled parts, while seeded pushes go on (dense, rows, hash-table rows, sync
     accumulation half way through a step). Once it is in sync the new copy is
@@ -693,6 +717,144 @@ def test_a_joining_copy_catches_up_while_training_goes_on_and_ends_equal(sync: b
         assert state(c.copy(target, 0)) == state(c.copy(0, 0))
         if sync:  # the step of the shards pushed was applied, on both copies alike
             assert c.copy(target, 0).mode.status()["steps_applied"] > 0
+
+    run(body(), 30.0)
+
+
+def test_a_backup_that_lost_its_ring_gets_the_entries_beside_and_a_new_ring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backup whose ring is gone (a new process there, or one that never took it)
+    refuses an entry sent in it; the primary sends it again beside its message, offers
+    a new ring, and nothing is lost: the copies stay equal. An entry naming another
+    ring than the one the backup maps is refused the same way (a ring replaced while
+    entries were in flight is never read for another)."""
+    monkeypatch.setattr(ring_module, "RING_MIN_BYTES", 0)
+
+    async def body() -> None:
+        c = Cluster(2, 2)
+        await c.create()
+        await _workload(c, 6, 31)
+        await c.settle()
+        primary = c.slots[0].role(0)
+        backup = c.slots[1].role(0)
+        assert isinstance(primary, Primary) and isinstance(backup, Backup)
+        assert primary.rings[1].region is not None and backup.ring is not None
+        first = backup.ring.name
+        backup.close()  # the mapping is gone
+        await _workload(c, 10, 32)
+        await c.settle()
+        c.check_copies()
+        assert primary.resent > 0
+        assert backup.ring is not None and backup.ring.name != first
+        assert primary.rings[1].attempts == 2 and primary.rings[1].off is None
+
+    run(body(), 30.0)
+
+
+def test_a_ring_too_small_for_an_entry_is_replaced_once_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first ring is sized for the entry that made it; a larger entry goes beside
+    its message and a larger ring is offered once no entry sent in the first is
+    unanswered. The copies stay equal throughout."""
+    monkeypatch.setattr(ring_module, "RING_MIN_BYTES", 0)
+    monkeypatch.setattr(ring_module, "RING_ENTRIES", 1)
+
+    async def body() -> None:
+        c = Cluster(2, 2)
+        placement = await c.create()
+        state_of = next(s.state for s in placement.shards if s.var == "e" and s.row_start == 0)
+        w = c.worker("worker:0")
+        one = np.ones((1, 3), np.float32)
+        await w.push_rows("e", np.array([0]), one)  # a small entry makes a small ring
+        await c.settle()
+        await w.push_rows("e", np.array([1]), one)
+        await c.settle()
+        primary = c.slots[state_of].role(state_of)
+        assert isinstance(primary, Primary)
+        ((b, link),) = primary.rings.items()
+        assert link.region is not None
+        small = link.region.size
+        for k in range(4):
+            await w.push_rows("e", np.arange(10), np.full((10, 3), k, np.float32))
+            await c.settle()
+        assert link.region is not None and link.region.size > small
+        assert link.attempts == 2 and link.sent >= 3
+        c.check_copies()
+
+    run(body(), 30.0)
+
+
+def test_hostile_ring_entries_are_refused_and_change_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Entries whose ring specs do not fit (outside the ring, misaligned, a dtype or
+    kind not allowed, a shape past the ring, another ring's name, tensors both in the
+    ring and beside) and rings that cannot be mapped (a name of the wrong form, a size
+    past the bound, no such region) are refused with a clear error; the backup's copy
+    stays as it was and goes on following its primary."""
+    monkeypatch.setattr(ring_module, "RING_MIN_BYTES", 0)
+
+    async def body() -> None:
+        c = Cluster(2, 2)
+        placement = await c.create()
+        await _workload(c, 6, 41)
+        await c.settle()
+        backup = c.slots[1].role(0)
+        primary = c.slots[0].role(0)
+        assert isinstance(backup, Backup) and isinstance(primary, Primary)
+        assert backup.ring is not None
+        ring = backup.ring
+        before = state(c.copy(1, 0))
+        link = c.net.client("ps1", "attacker", slot=0)
+        s = next(s for s in placement.shards if s.state == 0 and s.var == "b")
+        push = {"shards": [s.id], "versions": [0], "worker": "worker:7", "inc": 0, "seq": 1}
+        entry = {"term": primary.term, "index": backup.log.applied + 1, "op": "push", "body": push}
+        good = ["float32", [s.rows], "grad", s.id, 0, 0]
+        cases: list[tuple[dict[str, Any], list[Tensor], type[Exception]]] = [
+            (
+                {**entry, "ring_name": ring.name, "ring": [[*good[:5], ring.size]]},
+                [],
+                InvalidArgument,
+            ),
+            ({**entry, "ring_name": ring.name, "ring": [[*good[:5], 2]]}, [], InvalidArgument),
+            ({**entry, "ring_name": ring.name, "ring": [["object", *good[1:]]]}, [], ProtocolError),
+            (
+                {**entry, "ring_name": ring.name, "ring": [[*good[:2], "weird", *good[3:]]]},
+                [],
+                ProtocolError,
+            ),
+            (
+                {**entry, "ring_name": ring.name, "ring": [[good[0], [1 << 40], *good[2:]]]},
+                [],
+                ProtocolError,
+            ),
+            ({**entry, "ring_name": "zmqps-" + "f" * 32, "ring": [good]}, [], NotFound),
+            (
+                {**entry, "ring_name": ring.name, "ring": [good]},
+                [Tensor(np.ones(s.rows, np.float32), "grad", s.id)],
+                InvalidArgument,
+            ),
+        ]
+        for i, (req, tensors, error) in enumerate(cases):
+            with pytest.raises(error):
+                await link.request("replicate", req, tensors)
+            assert state(c.copy(1, 0)) == before, i
+            assert backup.log.applied == entry["index"] - 1, i
+        for req in (
+            {"term": primary.term, "name": "../etc/passwd", "size": 1 << 20},
+            {"term": primary.term, "name": ring.name, "size": 1 << 40},
+            {"term": primary.term, "name": "zmqps-" + "e" * 32, "size": 1 << 20},
+        ):
+            with pytest.raises((InvalidArgument, NotFound)):
+                await link.request("replica_ring", req)
+            assert backup.ring is ring
+        with pytest.raises(FencedError):  # a ring of an older term
+            await link.request("replica_ring", {"term": 0, "name": ring.name, "size": ring.size})
+        await _workload(c, 4, 42)  # the copy goes on following its primary
+        await c.settle()
+        assert c.check_copies() > 0
 
     run(body(), 30.0)
 
@@ -935,7 +1097,7 @@ def test_an_entry_whose_send_fails_is_applied_and_sent_again() -> None:
 
 
 @pytest.mark.parametrize("copies", [2, 3])
-def test_a_backup_keeps_only_the_entries_another_copy_may_lack(copies: int) -> None:
+def test_a_backup_keeps_only_the_entries_another_copy_may_lack(copies: int, ring: bool) -> None:
     """A backup keeps the entries a promotion may have to send to the other backups:
     those after the last one every in-sync backup applied (the primary says which,
     with each entry). With two copies there is no other backup, so it keeps none of

@@ -40,7 +40,17 @@ from zmqps.wire.messages import (
 from zmqps.wire.ops import REQUEST_BODIES
 from zmqps.wire.schema import AnyList, AnyMap, Float, Int, Map, Str
 
-__all__ = ["DTYPES", "Limits", "bfloat16", "decode", "encode", "is_bfloat16", "wire_dtype"]
+__all__ = [
+    "DTYPES",
+    "Limits",
+    "bfloat16",
+    "check_spec",
+    "decode",
+    "encode",
+    "is_bfloat16",
+    "tensor_spec",
+    "wire_dtype",
+]
 
 
 @functools.cache
@@ -142,17 +152,23 @@ def wire_dtype(dtype: Any) -> str:
     return name
 
 
+def tensor_spec(t: Tensor) -> list[Any]:
+    """What the header says of tensor ``t``: ``[dtype, shape, kind, ref, offset]``."""
+    arr = t.array
+    if not arr.flags.c_contiguous:
+        raise ProtocolError("tensor arrays must be C-contiguous")
+    if t.kind not in KINDS:
+        raise ProtocolError(f"unknown tensor kind {t.kind!r}")
+    return [wire_dtype(arr.dtype), list(arr.shape), t.kind, t.ref, t.offset]
+
+
 def encode(msg: Message) -> list[Any]:
     """Frames for ``msg``: the packed header, then each tensor's array (not copied)."""
     specs = []
     frames: list[Any] = [b""]
     for t in msg.tensors:
+        specs.append(tensor_spec(t))
         arr = t.array
-        if not arr.flags.c_contiguous:
-            raise ProtocolError("tensor arrays must be C-contiguous")
-        if t.kind not in KINDS:
-            raise ProtocolError(f"unknown tensor kind {t.kind!r}")
-        specs.append([wire_dtype(arr.dtype), list(arr.shape), t.kind, t.ref, t.offset])
         # bfloat16 has no buffer-protocol format: its bits go as uint16 (same bytes)
         frames.append(arr.view(np.uint16) if is_bfloat16(arr.dtype) else arr)
     header: dict[str, Any] = {
@@ -202,10 +218,12 @@ def _brief(value: Any, n: int) -> str:
     return f"<{type(value).__name__}>"
 
 
-def _check_spec(
-    spec: Any, i: int, max_bytes: int
+def check_spec(
+    spec: Any, i: int, max_bytes: int, where: str = "header.bufs"
 ) -> tuple[np.dtype[Any], tuple[int, ...], str, int, int]:
-    path = f"header.bufs[{i}]"
+    """The dtype, shape, kind, ref and offset of buffer spec ``spec`` (``where[i]``),
+    checked: an allowed dtype and kind, at most ``max_bytes``."""
+    path = f"{where}[{i}]"
     if type(spec) is not list or len(spec) != 5:
         raise ProtocolError(f"{path}: expected [dtype, shape, kind, ref, offset]")
     name, shape, kind, ref, offset = spec
@@ -270,7 +288,7 @@ def _decode_checked(header: dict[str, Any], frames: Sequence[Any], limits: Limit
         raise ProtocolError(f"header announces {len(bufs)} buffers, message has {len(frames) - 1}")
     tensors = []
     for i, spec in enumerate(bufs):
-        dtype, shape, kind, ref, offset = _check_spec(spec, i, limits.max_buffer_bytes)
+        dtype, shape, kind, ref, offset = check_spec(spec, i, limits.max_buffer_bytes)
         frame = memoryview(frames[i + 1])
         expected = dtype.itemsize
         for d in shape:

@@ -72,6 +72,7 @@ REQUEST_OPS = frozenset(
         "replicate",
         "join",
         "install",
+        "replica_ring",
         # coordinator mode: functions scheduled onto worker servers
         "run",
         "make_resource",

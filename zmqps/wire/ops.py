@@ -528,6 +528,27 @@ class Replicate(Body):
     #: the backup keeps only the entries after it, those another backup may lack
     #: should this one be promoted
     committed: int | None = wire(COUNT, default=None)
+    #: the tensors are in the ring the primary shares with this backup (region
+    #: ``ring_name``), not beside: ``[dtype, shape, kind, ref, offset, at]`` each, ``at``
+    #: the byte offset of its data in the ring (the codec's spec of a buffer, and where)
+    ring_name: str | None = wire(Str(64), default=None)
+    ring: tuple[Any, ...] | None = wire(
+        List(Tuple((Str(16), List(Int(0), 8), Str(16), Int(-1), Int(0), Int(0, 2**48))), 1 << 17),
+        default=None,
+    )
+
+
+@_body("replica_ring")
+class ReplicaRing(Body):
+    """The primary of PS state ``slot`` (the message's slot), at ``term``, shares a
+    ring of ``size`` bytes of shared memory (region ``name``) with this backup: the
+    tensors of its entries may travel in it (:class:`Replicate`'s ``ring``). Answered
+    with the token the region starts with (the two see the same memory); any refusal
+    (another host, another user) means entries keep their tensors beside."""
+
+    term: int = wire(Int(0))
+    name: str = wire(Str(64))
+    size: int = wire(Int(0, 2**48))
 
 
 @dataclass(frozen=True)
@@ -783,6 +804,13 @@ class ShmAttached(Body):
 
 
 @_body(reply=True)
+class RingAttached(Body):
+    """The token the shared ring starts with, as the backup read it (hex)."""
+
+    token: str = wire(Str(128))
+
+
+@_body(reply=True)
 class PsStateReply(Body):
     """What a (restarted) chief needs to adopt a PS's state or to restore it."""
 
@@ -957,6 +985,7 @@ REQUESTS: Mapping[str, type[Body]] = {
         ReplicaSet,
         PlacementNote,
         Replicate,
+        ReplicaRing,
         Join,
         Install,
         Run,
@@ -1008,6 +1037,7 @@ REPLIES: Mapping[str, type[Body]] = {
     "replicate": Replicated,
     "join": Joining,
     "install": Replicated,
+    "replica_ring": RingAttached,
     "run": Ran,
     "make_resource": ResourceMade,
 }

@@ -63,10 +63,13 @@ import numpy as np
 from zmqps.core.replication import Entry, Offer, PrimaryLog, ReplicaLog
 from zmqps.core.sync import SyncShards
 from zmqps.roles.ps.image import Installing, Part
+from zmqps.roles.ps.ring import RING_MAX_BYTES, RingLink
 from zmqps.transport import Requester
 from zmqps.transport.base import cancel_and_wait, send_soon, waited
+from zmqps.transport.shm import HEADER_BYTES, Region, attach_region
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire import ops as o
+from zmqps.wire.codec import check_spec
 from zmqps.wire.errors import (
     DeadlineExceeded,
     FencedError,
@@ -170,6 +173,8 @@ class Primary:
         self._closing: set[asyncio.Future[None]] = set()
         #: each backup's batch on the wire (see :meth:`_kick`)
         self._inflight: dict[int, set[asyncio.Task[None]]] = {}
+        #: the ring of shared memory each backup on this host takes the tensors in
+        self.rings = {b: RingLink(slot, b, link, term) for b, link in self.links.items()}
         self._senders = {b: asyncio.ensure_future(self._ship_to(b)) for b in self.links}
         #: entries shipped again (a timeout, a gap), for status
         self.resent = 0
@@ -397,6 +402,9 @@ class Primary:
             task.cancel()
         for task in self._inflight.pop(backup, set()):
             task.cancel()
+        ring = self.rings.pop(backup, None)
+        if ring is not None:
+            self._closing.add(asyncio.ensure_future(ring.close()))
         link = self.links.pop(backup, None)
         if link is not None:  # an open socket would hang the context's termination
             self._closing.add(asyncio.ensure_future(link.close()))
@@ -408,6 +416,7 @@ class Primary:
         at = self.log.head
         self.log.join(str(backup), at, installing=True)
         self.links[backup] = link
+        self.rings[backup] = RingLink(self.slot, backup, link, self.term)
         self.joins[backup] = {
             "state": "copying",
             "at": at,
@@ -497,11 +506,22 @@ class Primary:
         link = self.links.get(backup)
         if inflight or link is None or self._closed or self.fenced or name not in self.log.backups:
             return
+        ring = self.rings.get(backup)
         for e in self.log.to_send(name):
             op, body, tensors = e.payload
-            wire = o.Replicate(e.term, e.index, op, body, self.log.committed).to_wire()
+            committed = self.log.committed
+            placed = None if ring is None else ring.place(e.index, tensors)
+            if placed is None:
+                wire = o.Replicate(e.term, e.index, op, body, committed).to_wire()
+            else:  # the tensors are in the ring: the message says where
+                wire = o.Replicate(
+                    e.term, e.index, op, body, committed, ring_name=placed[0], ring=tuple(placed[1])
+                ).to_wire()
+                tensors = []
             answer = send_soon(link, "replicate", wire, tensors, timeout=self.ship_timeout)
-            task = asyncio.ensure_future(self._answered(backup, e, answer))
+            task = asyncio.ensure_future(
+                self._answered(backup, e, answer, committed, None if placed is None else placed[0])
+            )
             inflight.add(task)
             task.add_done_callback(inflight.discard)
 
@@ -524,9 +544,18 @@ class Primary:
             for task in inflight:
                 task.cancel()
 
-    async def _answered(self, backup: int, e: Entry, answer: asyncio.Future[Message]) -> None:
-        """``backup``'s answer to entry ``e``."""
+    async def _answered(
+        self,
+        backup: int,
+        e: Entry,
+        answer: asyncio.Future[Message],
+        committed: int,
+        ring_name: str | None,
+    ) -> None:
+        """``backup``'s answer to entry ``e``, sent with ``committed`` (in the ring
+        ``ring_name``, or beside)."""
         name = str(backup)
+        ring = self.rings.get(backup) if ring_name is not None else None
         try:
             done = o.Replicated.parse((await answer).body)
         except (FencedError, Superseded) as exc:
@@ -534,8 +563,19 @@ class Primary:
             return
         except ZmqpsError as exc:
             log.debug("ps %d: entry %d to backup %d: %s", self.slot, e.index, backup, exc)
+            if ring is not None and ring_name is not None:  # no such ring there: beside
+                ring.answered(ring_name, exc if isinstance(exc, NotFound) else None)
             await self._again(name)
             return
+        except BaseException:
+            if ring is not None and ring_name is not None:
+                ring.answered(ring_name)
+            raise
+        if ring is not None and ring_name is not None:
+            ring.answered(ring_name)
+        ring = self.rings.get(backup)
+        if ring is not None:  # applied there, and not kept for a promotion
+            ring.release(min(committed, done.applied))
         task = asyncio.current_task()
         if task is not None:  # answered: once the batch is, the next may go at once
             self._inflight.get(backup, set()).discard(task)
@@ -574,6 +614,7 @@ class Primary:
             "resent": self.resent,
             "fenced": self.fenced,
             "joins": {str(b): self._join_state(b) for b in self.joins},
+            "rings": {str(b): r.state() for b, r in self.rings.items() if r.sent or r.off},
         }
 
     def _join_state(self, backup: int) -> dict[str, Any]:
@@ -595,6 +636,8 @@ class Primary:
         for task in self._senders.values():
             await cancel_and_wait(task, Exception)
         self._senders.clear()
+        for ring in self.rings.values():
+            await ring.close()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
         self._changed()
@@ -653,10 +696,51 @@ class Backup:
         #: (the answer was lost) is answered, not refused
         self.installed = 0
         self._last: tuple[int, int] | None = None
+        #: the ring of shared memory the primary writes entries' tensors into (one)
+        self.ring: Region | None = None
 
     @property
     def term(self) -> int:
         return self.log.term
+
+    def attach_ring(self, msg: Message) -> Message:
+        """The primary shares a ring with this copy (``replica_ring``): map it, after
+        :func:`~zmqps.transport.shm.attach_region`'s checks, in place of any earlier
+        one (whose views, kept entries', keep their mapping while they live)."""
+        req = o.ReplicaRing.from_wire(msg.body)
+        if req.term < self.log.term:
+            raise FencedError(
+                f"ps {self.slot}'s copy follows term {self.log.term}; the ring is of term"
+                f" {req.term} (a primary since replaced)"
+            )
+        region = attach_region(req.name, req.size, max_bytes=RING_MAX_BYTES + HEADER_BYTES)
+        self.close()
+        self.ring = region
+        return reply(msg, o.RingAttached(region.token.hex()).to_wire())
+
+    def _from_ring(self, req: o.Replicate, beside: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """An entry's tensors, read in place in the ring (checked as the codec checks
+        buffers beside a message, and each inside the ring)."""
+        ring = self.ring
+        if ring is None or ring.name != req.ring_name:
+            raise NotFound(f"ps {self.slot}'s copy shares no ring {req.ring_name} with its primary")
+        if beside:
+            raise InvalidArgument("replicate: tensors both in the ring and beside")
+        out = []
+        for i, spec in enumerate(req.ring or ()):
+            dtype, shape, kind, ref, offset = check_spec(
+                list(spec[:5]), i, ring.data_bytes, "replicate.ring"
+            )
+            count = int(np.prod(shape, dtype=np.int64))
+            arr = ring.view(spec[5], dtype, count).reshape(shape)
+            out.append(Tensor(arr, kind, ref, offset))
+        return tuple(out)
+
+    def close(self) -> None:
+        """Unmap the ring (arrays still viewing it keep it until they go)."""
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
 
     async def receive(
         self, msg: Message, handler: Handler, replay: Callable[[Message], None] | None = None
@@ -664,8 +748,11 @@ class Backup:
         """Entry ``msg`` from the primary, applied with ``handler`` (the state's own) or,
         a ``sync_step`` entry, with ``replay``."""
         req = o.Replicate.from_wire(msg.body)  # the inner body too was checked by the codec
-        payload = (req.op, dict(req.body), list(msg.tensors))
-        nbytes = sum(t.array.nbytes for t in msg.tensors)
+        tensors = msg.tensors
+        if req.ring is not None and req.term >= self.log.term:  # an older one is refused
+            tensors = self._from_ring(req, tensors)
+        payload = (req.op, dict(req.body), list(tensors))
+        nbytes = sum(t.array.nbytes for t in tensors)
         offer = self.log.offer(Entry(req.index, req.term, payload, nbytes))
         if offer is Offer.STALE:
             raise FencedError(
@@ -677,7 +764,7 @@ class Backup:
         if offer is Offer.GAP:
             return reply(msg, o.Replicated(self.log.applied, gap=True).to_wire())
         if offer is Offer.APPLY:
-            inner = Message(req.op, msg.id, msg.sender, req.body, msg.tensors)
+            inner = Message(req.op, msg.id, msg.sender, req.body, tensors)
             if req.op == o.SYNC_STEP:
                 if replay is None:
                     raise InvalidArgument(f"ps {self.slot}'s copy cannot replay a sync step")

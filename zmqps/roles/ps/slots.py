@@ -80,7 +80,12 @@ PEER_OPS: dict[str, str] = {
     ),
     "replicate": "ps",
     "install": "ps",
+    "replica_ring": "ps",
 }
+
+
+#: what a primary sends a backup, by op
+_FROM_PRIMARY = {"replicate": "entry", "install": "copy", "replica_ring": "ring"}
 
 
 def _peer_role(msg: Message) -> str | None:
@@ -138,7 +143,9 @@ class PSSlots:
             raise InvalidArgument(f"ps {index} cannot drop its own state")
         if isinstance(self._roles.get(index), Primary):
             raise InvalidArgument(f"ps {self.own.index} is ps {index}'s primary")
-        self._roles.pop(index, None)
+        role = self._roles.pop(index, None)
+        if isinstance(role, Backup):
+            role.close()
         service = self._slots.pop(index)
         service.replica = None
         return service
@@ -187,15 +194,17 @@ class PSSlots:
         if service is None:  # the sender's placement is not this process's (a fail-over)
             raise NotPrimary(f"ps {self.own.index} holds no copy of ps {slot}'s state")
         role = self._roles.get(slot)
-        if msg.op in ("replicate", "install"):
+        if msg.op in _FROM_PRIMARY:
             if not isinstance(role, Backup):
                 self._superseded(msg, slot, role)
-                what = "entry" if msg.op == "replicate" else "copy"
                 raise NotPrimary(
-                    f"ps {self.own.index} is not a backup of ps {slot}'s state: {what} refused"
+                    f"ps {self.own.index} is not a backup of ps {slot}'s state:"
+                    f" {_FROM_PRIMARY[msg.op]} refused"
                 )
             if msg.op == "replicate":
                 return role.receive(msg, service, service.replay_step)
+            if msg.op == "replica_ring":
+                return role.attach_ring(msg)
             return role.install(msg, service)
         if isinstance(role, Backup) and msg.op not in _BACKUP_OPS:
             raise NotPrimary(
@@ -236,8 +245,7 @@ class PSSlots:
         stop (it would otherwise send again until its requests' deadlines)."""
         if not isinstance(role, Primary):
             return
-        body = o.Replicate.from_wire(msg.body) if msg.op == "replicate" else None
-        term = body.term if body is not None else o.Install.from_wire(msg.body).term
+        term = int(msg.body["term"])  # every op from a primary carries its term (checked)
         if term < role.term:
             raise Superseded(
                 f"ps {self.own.index} is ps {slot}'s primary at term {role.term}; the {msg.op}"
@@ -292,6 +300,9 @@ class PSSlots:
                 role = Backup(req.slot, req.term)
             else:
                 role.log.fence(req.term)
+        was = self._roles.get(req.slot)
+        if isinstance(was, Backup) and was is not role:  # promoted: the ring is the old primary's
+            was.close()
         self._roles[req.slot] = role
         service.replica = role
         applied = role.log.head if isinstance(role, Primary) else role.log.applied
@@ -410,6 +421,8 @@ class PSSlots:
         for role in self._roles.values():
             if isinstance(role, Primary):
                 await _retire(role)
+            else:
+                role.close()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
         for slot, service in self._slots.items():
