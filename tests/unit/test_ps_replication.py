@@ -378,6 +378,29 @@ def test_lost_entries_are_sent_again(ring: bool) -> None:
     run(body(), 60.0)
 
 
+def test_only_pulls_of_hash_keyed_rows_are_shipped_to_the_backups() -> None:
+    """A pull of a fixed-size row-sparse variable changes nothing (its rows exist and
+    carry no stamps): it is answered like a dense pull, with no entry and no wait for
+    the backups. A pull of a hash-keyed table creates, sights and stamps rows: it is
+    shipped, and the copies stay equal."""
+
+    async def body() -> None:
+        c = Cluster(3, 2)
+        await c.create()
+        w = c.worker("worker:0")
+        heads = [c.slots[i].role(i).log.head for i in range(3)]  # type: ignore[union-attr]
+        for k in range(5):
+            await w.pull_rows("e", np.arange(k, 30, 4))
+        assert "pull_rows" not in c.shipped, c.shipped
+        assert [c.slots[i].role(i).log.head for i in range(3)] == heads  # type: ignore[union-attr]
+        await w.pull_rows("t", np.array([7, -(2**40), 11]))
+        assert c.shipped["pull_rows"][0] >= 1
+        await c.settle()
+        c.check_copies()
+
+    run(body(), 30.0)
+
+
 def test_a_backup_refuses_what_only_its_primary_may_serve() -> None:
     async def body() -> None:
         c = Cluster(2, 2)

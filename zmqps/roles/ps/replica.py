@@ -3,7 +3,8 @@
 Rules of this module:
 
 * What is shipped: every request of an op that changes a PS state
-  (``REPLICATED_OPS`` of :mod:`zmqps.wire.ops`), whatever its outcome (a push
+  (``REPLICATED_OPS`` of :mod:`zmqps.wire.ops`; a pull of rows only when it names a
+  hash-keyed table, :func:`changes_state`), whatever its outcome (a push
   applied, a duplicate, a refusal for its values all change the dedup window or the
   ledgers). A backup runs the same handler on the same requests in the same order,
   so it ends in the same state, bit for bit: the same store kernels, dedup window
@@ -29,6 +30,10 @@ Rules of this module:
 * A shared-memory push travels to the backups as tensors: views of the worker's
   region, which the worker leaves alone until it has the push's answer (which comes
   after the backups have it).
+* A backup on the primary's host takes an entry's tensors in a ring of shared memory
+  the two map (:mod:`zmqps.roles.ps.ring`), not over TCP a second time: the entry
+  names the ring and where each tensor is, and the backup reads them there, checked
+  like buffers beside a message (:meth:`Backup.receive`).
 * A backup answers each entry with the index it applied up to; an entry after a gap
   is answered with ``gap`` and the primary sends again from there; an entry of an
   older term (a primary replaced since) is refused. A copy in the backup role
@@ -61,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from zmqps.core.replication import Entry, Offer, PrimaryLog, ReplicaLog
+from zmqps.core.store import ShardStore
 from zmqps.core.sync import SyncShards
 from zmqps.roles.ps.image import Installing, Part
 from zmqps.roles.ps.ring import RING_MAX_BYTES, RingLink
@@ -108,11 +114,18 @@ Handler = Callable[[Message], "Message | Any"]
 _PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
 
 
-def changes_state(msg: Message) -> bool:
-    """Whether the request is one a PS state's copies must all apply."""
+def changes_state(msg: Message, store: ShardStore) -> bool:
+    """Whether the request is one a PS state's copies must all apply. A pull of rows
+    changes only hash-keyed tables (rows created, ids sighted, rows touched): one that
+    names none, or reads only (``create`` false), is a read like a dense pull."""
     if msg.op not in o.REPLICATED_OPS:
         return False
-    return not (msg.op == "pull_rows" and msg.body.get("create") is False)
+    if msg.op != "pull_rows":
+        return True
+    if msg.body.get("create") is False:
+        return False
+    shards = msg.body.get("shards", ())
+    return not all(sid in store and not store.get(sid).is_table for sid in shards)
 
 
 class _Signal:

@@ -211,7 +211,7 @@ class PSSlots:
                 f"ps {self.own.index} holds a backup of ps {slot}'s state, not its primary:"
                 " send to the primary the placement names"
             )
-        if isinstance(role, Primary) and changes_state(msg):
+        if isinstance(role, Primary) and changes_state(msg, service.store):
             return role.run(msg, service)
         return service(msg)
 
