@@ -122,6 +122,37 @@ def test_curve_side(procs: Reaper, tmp_path: Path) -> None:
     assert not _children_of(logs)
 
 
+@pytest.mark.timeout(90)
+def test_replicated_sides(procs: Reaper, tmp_path: Path) -> None:
+    """zmqps-r2 and zmqps-hash-r2 run two copies of every PS state, and the report
+    prices them against the same side with one copy."""
+    bench, out, logs = _bench(
+        procs,
+        tmp_path,
+        "dense",
+        "sparse",
+        "--sides",
+        "zmqps-tcp,zmqps-r2,zmqps-hash,zmqps-hash-r2",
+        "--ps",
+        "2",
+        "--row-budget",
+        "300",
+        *TINY,
+    )
+    bench.expect_exit(0, timeout=80)
+    report = read_json(out)
+    assert report["ok"] is True and report["failures"] == []
+    for run in report["runs"]:
+        assert run["sides"]["zmqps-r2"]["status"] == "ok", run["sides"]["zmqps-r2"]
+        assert run["ratios"]["zmqps-r2/zmqps-tcp"] > 0
+        if run["suite"] == "sparse":
+            assert run["sides"]["zmqps-hash-r2"]["status"] == "ok"
+            assert run["ratios"]["zmqps-hash-r2/zmqps-hash"] > 0
+        else:  # a hash-keyed table is a sparse-suite side only
+            assert "zmqps-hash-r2" not in run["sides"], run["sides"].keys()
+    assert not _children_of(logs)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_torch_side(procs: Reaper, tmp_path: Path) -> None:

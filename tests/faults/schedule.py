@@ -57,6 +57,10 @@ HEARTBEAT_TIMEOUT = 2.5
 #: points). Sync averages the gradients of every worker in one update: a larger rate
 #: and half the epochs.
 JOB = ("--model", "mlp", "--optimizer", "sgd", "--seed", "0")
+#: Hidden layers of the replicated schedules that draw a wide model: the updates of
+#: two of the three PS states are past ``RING_MIN_BYTES`` (64 KiB), so they reach the
+#: backup through the ring of shared memory, the third's beside its message.
+WIDE = "256,256"
 #: Epochs and learning rate by mode: about 2-5 s of training on 2 cores.
 EPOCHS = {"async": 80, "ssp": 80, "sync": 40}
 LR = {"async": 0.05, "ssp": 0.05, "sync": 0.2}
@@ -104,6 +108,10 @@ class Schedule:
     left_out: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     #: copies of each PS state (``--replication``): 1, or 2 for replicated schedules
     replication: int = 1
+    #: the MLP's hidden layers (``--hidden``), None: the job's default (128). Wide
+    #: enough (:data:`WIDE`), a PS state's updates go to its backup through the ring
+    #: of shared memory the two share rather than beside their message
+    hidden: str | None = None
 
     @property
     def epochs(self) -> int:
@@ -111,7 +119,8 @@ class Schedule:
 
     def job(self) -> list[str]:
         """The job's flags (chief, workers and evaluator alike)."""
-        return [*JOB, "--mode", self.mode, "--lr", str(LR[self.mode]), "--epochs", str(self.epochs)]
+        job = [*JOB, "--mode", self.mode, "--lr", str(LR[self.mode]), "--epochs", str(self.epochs)]
+        return job if self.hidden is None else [*job, "--hidden", self.hidden]
 
     @property
     def checkpoint_steps(self) -> int:
@@ -146,6 +155,7 @@ class Schedule:
             key += f"-spe{self.steps_per_execution}"
         key += "-netns" if self.netns else ""
         key += f"-r{self.replication}" if self.replication > 1 else ""
+        key += f"-h{self.hidden.replace(',', 'x')}" if self.hidden else ""
         digest = hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest()[:8]
         return f"{key}-{digest}"
 
@@ -165,6 +175,8 @@ class Schedule:
             cluster += ", namespaces"
         if self.replication > 1:
             cluster += f", replication {self.replication}"
+        if self.hidden:
+            cluster += f", hidden {self.hidden}"
         faults = "; ".join(f.describe() for f in self.faults) or "no faults"
         return f"seed {self.seed}: {cluster}: {faults}"
 
@@ -298,6 +310,7 @@ def draw_replicated(seed: int, netns_unavailable: str | None = None) -> Schedule
         if netns_unavailable is None
         else (("partition_ps", f"no network namespaces: {netns_unavailable}"),)
     )
+    hidden = WIDE if rng.random() < 0.5 else None  # drawn last: the rest as before
     return Schedule(
         seed=seed,
         mode=mode,
@@ -311,4 +324,5 @@ def draw_replicated(seed: int, netns_unavailable: str | None = None) -> Schedule
         heartbeat_timeout=hb,
         left_out=left_out,
         replication=2,
+        hidden=hidden,
     )

@@ -28,7 +28,15 @@ from faults.invariants import (
 from faults.observe import Sample, Timeline, named_blockers
 from faults.report import replay_command
 from faults.runner import PSFinal, Reference, RunRecord, _states_final, bound
-from faults.schedule import FAULT_KINDS, REPLICATED_EXTRA, Fault, Schedule, draw, draw_replicated
+from faults.schedule import (
+    FAULT_KINDS,
+    REPLICATED_EXTRA,
+    WIDE,
+    Fault,
+    Schedule,
+    draw,
+    draw_replicated,
+)
 
 # ---------------------------------------------------------------- schedules
 
@@ -82,7 +90,7 @@ def test_replicated_schedules_keep_their_rules_and_leave_the_others_alone() -> N
     schedules (and their references' configuration keys)."""
     assert draw_replicated(5) == draw_replicated(5)
     kinds: set[str] = set()
-    seconds = 0
+    seconds = wide = 0
     for seed in range(1, 301):
         s = draw_replicated(seed)
         assert s.replication == 2 and s.ps == 3 and s.driver == "worker"
@@ -94,6 +102,9 @@ def test_replicated_schedules_keep_their_rules_and_leave_the_others_alone() -> N
         assert [f.at for f in s.faults] == sorted(f.at for f in s.faults)
         assert set(s.kinds()) <= set(FAULT_KINDS)
         assert "-r2-" in s.config_key() and s.config()["replication"] == 2
+        assert s.hidden in (None, WIDE)
+        assert (tuple(s.job()[-2:]) == ("--hidden", WIDE)) == (s.hidden == WIDE)
+        wide += s.hidden == WIDE
         seconds += len(kills) == 2
         kinds |= set(s.kinds())
         without = draw_replicated(seed, "no namespaces here")
@@ -103,6 +114,7 @@ def test_replicated_schedules_keep_their_rules_and_leave_the_others_alone() -> N
         }
     assert kinds == {"kill_ps", *REPLICATED_EXTRA} == set(FAULT_KINDS)
     assert 90 <= seconds <= 210
+    assert 90 <= wide <= 210  # a wide model: updates through the ring of shared memory
     assert "replication" not in draw(5).config() and "-r" not in draw(5).config_key()
 
 

@@ -796,7 +796,7 @@ def test_a_ring_too_small_for_an_entry_is_replaced_once_idle(
         await c.settle()
         primary = c.slots[state_of].role(state_of)
         assert isinstance(primary, Primary)
-        ((b, link),) = primary.rings.items()
+        ((_b, link),) = primary.rings.items()
         assert link.region is not None
         small = link.region.size
         for k in range(4):

@@ -62,16 +62,21 @@ SIDES = (
     "zmqps-metrics",
     "zmqps-hash",
     "zmqps-r2",
+    "zmqps-hash-r2",
     "zmqps-bf16",
     "raw",
     "torch",
 )
 #: zmqps-curve (CURVE on every socket), zmqps-metrics (every process serving
-#: Prometheus metrics), zmqps-r2 (two copies of each PS state) and zmqps-bf16 (a
-#: bfloat16 wire) run only when asked for
+#: Prometheus metrics), zmqps-r2 and zmqps-hash-r2 (two copies of each PS state) and
+#: zmqps-bf16 (a bfloat16 wire) run only when asked for
 DEFAULT_SIDES = ("zmqps", "zmqps-tcp", "zmqps-hash", "raw", "torch")
 #: sides that exist for some suites only (a hash-keyed table is an embedding table)
-SIDE_SUITES = {"zmqps-hash": ("sparse",)}
+SIDE_SUITES = {"zmqps-hash": ("sparse",), "zmqps-hash-r2": ("sparse",)}
+#: sides whose table is hash-keyed (its shards are hash buckets)
+HASHED_SIDES = ("zmqps-hash", "zmqps-hash-r2")
+#: sides that keep two copies of each PS state
+REPLICATED_SIDES = ("zmqps-r2", "zmqps-hash-r2")
 #: suites that are not "the same workload on every side": see their modules.
 EXTRA_SUITES = ("optimizer", "sync", "checkpoint", "overlap", "coordinator", "scale")
 ZMQPS_SIDES = tuple(side for side in SIDES if side.startswith("zmqps"))
@@ -82,6 +87,7 @@ OWN_RATIOS = (
     ("zmqps-curve", "zmqps-tcp"),
     ("zmqps-hash", "zmqps"),
     ("zmqps-r2", "zmqps-tcp"),
+    ("zmqps-hash-r2", "zmqps-hash"),
     ("zmqps-bf16", "zmqps-tcp"),
 )
 OTHER_SIDES = ("raw", "torch")
@@ -92,6 +98,7 @@ SPAWN: dict[str, Callable[[Workload, SideContext], Side]] = {
     "zmqps-metrics": functools.partial(zmqps_side.spawn, metrics=True),
     "zmqps-hash": functools.partial(zmqps_side.spawn, hashed=True),
     "zmqps-r2": functools.partial(zmqps_side.spawn, tcp_only=True, replication=2),
+    "zmqps-hash-r2": functools.partial(zmqps_side.spawn, hashed=True, replication=2),
     "zmqps-bf16": functools.partial(zmqps_side.spawn, tcp_only=True, wire="bfloat16"),
     "raw": raw_zmq.spawn,
     "torch": torch_rpc.spawn,
@@ -136,8 +143,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         " state: --replication 2, needs --ps 2 or more), zmqps-bf16 (zmqps-tcp with its"
         " dense variables travelling as bfloat16: --wire-dtype bfloat16), zmqps-metrics"
         " (zmqps with every process serving Prometheus metrics), zmqps-hash (sparse: zmqps"
-        " with the table hash-keyed), raw (pyzmq), torch (RPC) (default: all but"
-        " zmqps-curve, zmqps-r2, zmqps-bf16 and zmqps-metrics; torch is skipped with a"
+        " with the table hash-keyed), zmqps-hash-r2 (sparse: zmqps-hash with two copies"
+        " of every PS state), raw (pyzmq), torch (RPC) (default: all but zmqps-curve,"
+        " zmqps-r2, zmqps-hash-r2, zmqps-bf16 and zmqps-metrics; torch is skipped with a"
         " note when it is not installed)",
     )
     g.add_argument(
@@ -330,9 +338,11 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     for flag in ("ps", "repeat", "rows", "dim", "batch_rows", "variables", "row_budget"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
-    if "zmqps-r2" in args.sides and args.ps < 2:
-        raise ConfigError("side zmqps-r2 keeps two copies of each PS state: give --ps 2 or more")
-    if "sparse" in requested and "zmqps-hash" in args.sides and args.row_budget < args.batch_rows:
+    for side in REPLICATED_SIDES:
+        if side in args.sides and args.ps < 2:
+            raise ConfigError(f"side {side} keeps two copies of each PS state: give --ps 2 or more")
+    hashed = any(side in args.sides for side in HASHED_SIDES)
+    if "sparse" in requested and hashed and args.row_budget < args.batch_rows:
         raise ConfigError(
             f"--row-budget {args.row_budget} is below --batch-rows {args.batch_rows}: a PS"
             " refuses a request naming more new ids than its table may hold"
@@ -395,6 +405,8 @@ class Case:
     setup_s: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     tables: dict[str, Any] = field(default_factory=dict)
+    #: the hash-keyed side the table figures are of
+    tables_side: str | None = None
 
     def say(self, text: str) -> None:
         if not self.cfg.quiet:
@@ -423,7 +435,7 @@ class Case:
         self.sides[name] = side
         try:
             side.wait_ready()
-            if name in ZMQPS_SIDES and name != "zmqps-hash":  # its shards are hash buckets
+            if name in ZMQPS_SIDES and name not in HASHED_SIDES:  # its shards are hash buckets
                 self._adopt_placement(side)
             for variant in self.cfg.variants_for(self.suite):
                 if self.cfg.warmup:
@@ -471,11 +483,13 @@ class Case:
 
     def read_tables(self) -> None:
         """The hash-keyed side's table figures after the runs (rows, created, evicted)."""
-        side = self.sides.get("zmqps-hash")
+        name = next((n for n in HASHED_SIDES if n in self.sides), None)
+        side = None if name is None else self.sides[name]
         if side is None or side.error is not None:
             return
         try:
             self.tables = zmqps_side.table_stats(side)
+            self.tables_side = name
         except Exception as exc:  # a figure beside the results: say so, keep the results
             side.warnings.append(f"could not read its tables: {exc}")
 
@@ -545,7 +559,7 @@ class Case:
         }
         if side is not None and side.info and "transport" in side.info[0]:
             out["transport"] = side.info[0]["transport"]
-        if name == "zmqps-hash" and self.tables:
+        if name == self.tables_side and self.tables:
             out["tables"] = self.tables
         if side is not None and side.error is not None:
             out.update(status="failed", error=side.error)
@@ -631,13 +645,13 @@ def format_runs(runs: Sequence[dict[str, Any]]) -> str:
         f"{first['suite']}, {w} worker{'s' if w > 1 else ''}: {first['workload']['description']}",
         f"  {first['steps_per_repeat']} steps per worker x {first['repeats']} repeats"
         f" (after {first['warmup_steps']} warm-up steps); aggregate over all workers",
-        f"  {'variant':<10} {'side':<10} {'median ' + first['unit']:>16} {'min .. max':>22}"
+        f"  {'variant':<10} {'side':<13} {'median ' + first['unit']:>16} {'min .. max':>22}"
         f" {'MB/s':>7}",
     ]
     for run in runs:
         label = run["variant"]
         for name, s in run["sides"].items():
-            head = f"  {label:<10} {name:<10}"
+            head = f"  {label:<10} {name:<13}"
             if s["status"] == "skipped":
                 lines.append(f"{head} skipped: {s['reason']}")
             elif "median" not in s:
@@ -650,10 +664,11 @@ def format_runs(runs: Sequence[dict[str, Any]]) -> str:
                 )
             label = ""
         lines += [f"  {'':<10} {text}" for text in _ratio_lines(run)]
-        tables = run["sides"].get("zmqps-hash", {}).get("tables", {})
+        hashed = next((n for n in HASHED_SIDES if run["sides"].get(n, {}).get("tables")), None)
+        tables = {} if hashed is None else run["sides"][hashed]["tables"]
         for name, t in tables.items() if run is runs[-1] else ():
             lines.append(
-                f"  zmqps-hash table {name} after all runs: {t['rows']:,} rows (capacity"
+                f"  {hashed} table {name} after all runs: {t['rows']:,} rows (capacity"
                 f" {t['capacity']:,}), {t['created']:,} created, {t.get('evicted_budget', 0):,}"
                 " evicted to keep the row budget"
             )

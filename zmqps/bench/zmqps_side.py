@@ -14,7 +14,9 @@ Rules of this module:
   ``fresh`` variant's ids are new every step (rows created, and evicted once the
   row budget is reached, inside the timed steps).
 * ``zmqps-r2`` is zmqps-tcp with two copies of each PS state (``--replication 2``):
-  what replication costs training.
+  what replication costs training; ``zmqps-hash-r2`` (sparse suite) is zmqps-hash
+  with two copies (a hash-keyed table's pulls are replicated too: they create,
+  sight and stamp rows).
 * ``zmqps-bf16`` is zmqps-tcp with dense float32 variables travelling as bfloat16
   (``--wire-dtype bfloat16``): half the bytes of every pull and push.
 * Leaving is the product's normal end: every worker closes with "done", the
@@ -71,7 +73,7 @@ def spawn(
     if wire is not None:
         name = "zmqps-bf16"
     elif replication > 1:
-        name = f"zmqps-r{replication}"
+        name = f"zmqps-hash-r{replication}" if hashed else f"zmqps-r{replication}"
     elif hashed:
         name = "zmqps-hash"
     elif curve:
