@@ -121,7 +121,7 @@ class RingLink:
         self.inflight = max(0, self.inflight - 1)
         if exc is None or self.region is None or self.region.name != name:
             return
-        log.info("ps %d: the ring to ps %d refused (%s)", self.slot, self.backup, exc)
+        log.info("ps %d's state: its ring to ps %d refused (%s)", self.slot, self.backup, exc)
         self._drop()
 
     def release(self, upto: int) -> None:
@@ -145,7 +145,7 @@ class RingLink:
             region = create_region(size)
         except OSError as exc:
             self.off = f"no shared memory ({exc.strerror or exc})"
-            log.info("ps %d: no ring to ps %d: %s", self.slot, self.backup, self.off)
+            log.info("ps %d's state: no ring to ps %d: %s", self.slot, self.backup, self.off)
             self._attaching = None
             return
         try:
@@ -156,7 +156,7 @@ class RingLink:
             if got.token != region.token.hex():
                 raise ZmqpsError("the backup sees another region under that name")
         except (ZmqpsError, asyncio.TimeoutError) as exc:
-            log.info("ps %d: no ring to ps %d: %s", self.slot, self.backup, exc)
+            log.info("ps %d's state: no ring to ps %d: %s", self.slot, self.backup, exc)
             if self.attempts >= RING_ATTEMPTS:
                 self.off = str(exc)[:200]
             region.close()
@@ -168,7 +168,7 @@ class RingLink:
         self.region = region
         self.space = RingSpace(region.data_bytes)
         log.info(
-            "ps %d: entries to ps %d go through a ring of %.1f MiB of shared memory",
+            "ps %d's state: its entries to ps %d go through a ring of %.1f MiB of shared memory",
             self.slot,
             self.backup,
             region.size / 2**20,
