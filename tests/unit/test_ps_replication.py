@@ -401,6 +401,46 @@ def test_only_pulls_of_hash_keyed_rows_are_shipped_to_the_backups() -> None:
     run(body(), 30.0)
 
 
+def test_a_pushs_values_are_read_once_for_every_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finite check reads a push's gradients once, on the primary, before it ships:
+    its backups apply it without reading them again. A push with a NaN is read by
+    every copy, and every copy refuses it alike (the copies stay equal)."""
+    import zmqps.roles.ps.service as service_module
+
+    reads: list[int] = []
+    real = service_module.first_bad_of
+
+    def counted(arrays: Any, parts: Any = None) -> Any:
+        reads.append(len(arrays))
+        return real(arrays, parts)
+
+    monkeypatch.setattr(service_module, "first_bad_of", counted)
+
+    async def body() -> None:
+        c = Cluster(2, 2)
+        placement = await c.create()
+        w = c.worker("worker:0")
+        await w.pull()
+        reads.clear()
+        g = {"w": np.ones((12, 4), np.float32), "b": np.ones(7, np.float32)}
+        assert await w.push(g)
+        await c.settle()
+        states = {s.state for s in placement.shards if s.var in ("w", "b")}
+        assert len(reads) == len(states), reads  # one read per state pushed to, not two
+        c.check_copies()
+        reads.clear()
+        g["w"][3, 1] = np.nan
+        with pytest.raises(NonFiniteGradient):
+            await w.push(g)
+        await c.settle()
+        # the state holding w[3] read it on the primary, found it bad, then read it on
+        # the primary's apply and on its backup: each refused it
+        assert len(reads) >= 3, reads
+        c.check_copies()
+
+    run(body(), 30.0)
+
+
 def test_a_backup_refuses_what_only_its_primary_may_serve() -> None:
     async def body() -> None:
         c = Cluster(2, 2)

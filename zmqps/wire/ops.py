@@ -532,6 +532,9 @@ class Replicate(Body):
     #: ``ring_name``), not beside: ``[dtype, shape, kind, ref, offset, at]`` each, ``at``
     #: the byte offset of its data in the ring (the codec's spec of a buffer, and where)
     ring_name: str | None = wire(Str(64), default=None)
+    #: the primary found the entry's values finite and below their dtype's limit: the
+    #: backup applies it without looking again (as the primary does)
+    checked: bool | None = wire(Bool(), default=None)
     ring: tuple[Any, ...] | None = wire(
         List(Tuple((Str(16), List(Int(0), 8), Str(16), Int(-1), Int(0), Int(0, 2**48))), 1 << 17),
         default=None,

@@ -60,7 +60,7 @@ import inspect
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -167,14 +167,21 @@ class Primary:
         step: Callable[[], int] | None = None,
         on_commit: Callable[[], None] | None = None,
         sync: Callable[[], SyncShards | None] | None = None,
+        finite: Callable[[Sequence[Tensor]], bool] | None = None,
+        checked: Handler | None = None,
     ) -> None:
         """``links``: a requester to each backup (by PS index), bound to ``slot``;
         ``acked``: the entry each backup has (promotion), else ``head``; ``resolve``:
         turns a request into the entry's (op, body, tensors); ``step``: the state's
         sync step now; ``on_commit``: called when the step every copy has moves;
         ``sync``: the state's sync accumulators while it is in sync mode, else None
-        (its pushes are then replicated after aggregation)."""
+        (its pushes are then replicated after aggregation); ``finite``: whether a push's
+        gradients are all finite and below their dtype's limit (the state's value
+        check); ``checked``: the state's handler for a request whose values were found
+        so (it does not look again)."""
         self.slot = slot
+        self._finite = finite
+        self._checked = checked
         self.links = dict(links)
         self.ship_timeout = ship_timeout
         self._resolve = resolve or _as_entry
@@ -240,11 +247,20 @@ class Primary:
         # logged and on its way to the backups before it is applied here: they apply
         # it while this copy does (the same handler on the same state gives the same
         # outcome, a refusal included, so nothing needs the outcome first)
-        entry = self.log.append((op, body, tensors), nbytes, force=True)
+        # a push's values are looked at once, here, before it ships: its copies (this
+        # one too) then apply it without looking again (one refused for them is looked
+        # at by every copy, and refused by each)
+        known = (
+            op in _PUSH_OPS
+            and self._checked is not None
+            and self._finite is not None
+            and self._finite(tensors)
+        )
+        entry = self.log.append((op, body, tensors, known), nbytes, force=True)
         for b in self.links:
             self._kick(b)
         try:
-            out, failure = await _apply(msg, handler)
+            out, failure = await _apply(msg, self._checked if known and self._checked else handler)
         finally:
             if not self._steps:  # everything before was committed: so was the step then
                 self.committed_step = before
@@ -356,7 +372,7 @@ class Primary:
         if not self._steps:  # everything before was committed: so was the step then
             self.committed_step = self._step() if before is None else before
         entry = self.log.append(
-            (o.SYNC_STEP, body, tensors), sum(t.array.nbytes for t in tensors), force=True
+            (o.SYNC_STEP, body, tensors, False), sum(t.array.nbytes for t in tensors), force=True
         )
         for h in held:
             h.index = entry.index
@@ -521,14 +537,22 @@ class Primary:
             return
         ring = self.rings.get(backup)
         for e in self.log.to_send(name):
-            op, body, tensors = e.payload
+            op, body, tensors, known = e.payload
             committed = self.log.committed
             placed = None if ring is None else ring.place(e.index, tensors)
+            checked = True if known else None
             if placed is None:
-                wire = o.Replicate(e.term, e.index, op, body, committed).to_wire()
+                wire = o.Replicate(e.term, e.index, op, body, committed, checked=checked).to_wire()
             else:  # the tensors are in the ring: the message says where
                 wire = o.Replicate(
-                    e.term, e.index, op, body, committed, ring_name=placed[0], ring=tuple(placed[1])
+                    e.term,
+                    e.index,
+                    op,
+                    body,
+                    committed,
+                    ring_name=placed[0],
+                    ring=tuple(placed[1]),
+                    checked=checked,
                 ).to_wire()
                 tensors = []
             answer = send_soon(link, "replicate", wire, tensors, timeout=self.ship_timeout)
@@ -756,15 +780,20 @@ class Backup:
             self.ring = None
 
     async def receive(
-        self, msg: Message, handler: Handler, replay: Callable[[Message], None] | None = None
+        self,
+        msg: Message,
+        handler: Handler,
+        replay: Callable[[Message], None] | None = None,
+        checked: Handler | None = None,
     ) -> Message:
-        """Entry ``msg`` from the primary, applied with ``handler`` (the state's own) or,
-        a ``sync_step`` entry, with ``replay``."""
+        """Entry ``msg`` from the primary, applied with ``handler`` (the state's own),
+        with ``checked`` when the primary found its values finite (``checked``: they
+        are not looked at again) or, a ``sync_step`` entry, with ``replay``."""
         req = o.Replicate.from_wire(msg.body)  # the inner body too was checked by the codec
         tensors = msg.tensors
         if req.ring is not None and req.term >= self.log.term:  # an older one is refused
             tensors = self._from_ring(req, tensors)
-        payload = (req.op, dict(req.body), list(tensors))
+        payload = (req.op, dict(req.body), list(tensors), bool(req.checked))
         nbytes = sum(t.array.nbytes for t in tensors)
         offer = self.log.offer(Entry(req.index, req.term, payload, nbytes))
         if offer is Offer.STALE:
@@ -782,6 +811,8 @@ class Backup:
                 if replay is None:
                     raise InvalidArgument(f"ps {self.slot}'s copy cannot replay a sync step")
                 handler = replay
+            elif req.checked and checked is not None:
+                handler = checked
             try:
                 result = handler(inner)
                 if inspect.isawaitable(result):

@@ -55,6 +55,7 @@ from zmqps.roles.threads import CheckThreads
 from zmqps.roles.waiters import Changes
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire import ops as o
+from zmqps.wire.codec import is_bfloat16
 from zmqps.wire.errors import (
     FencedError,
     InvalidArgument,
@@ -111,6 +112,9 @@ class PSService:
             self._observe(metrics)
         #: threads that read a large push's values for the finite check
         self.check_threads = CheckThreads()
+        #: the request being handled had its values found finite already
+        #: (:meth:`checked`): the finite check does not read them again
+        self._values_known = False
         self.dedup = PushDeduper()
         #: lines of requests any peer may repeat (create, mode, fence, attach): at most
         #: one per kind per NOTE_INTERVAL_S, with a count of the others
@@ -491,6 +495,8 @@ class PSService:
                 raise InvalidArgument(
                     f"shard {sid}: the gradient is {grad.dtype}, the variable is {d.dtype}{travels}"
                 )
+        if self._values_known:
+            return
         bad = first_bad_of([grad for _, grad, _ in grads], self.check_threads)
         if bad is not None:
             j, i = bad
@@ -505,6 +511,23 @@ class PSService:
             raise NonFiniteGradient(
                 f"shard {sid}: gradient element {offset + i} is {value}{why}; nothing was applied"
             )
+
+    def finite(self, tensors: Sequence[Tensor]) -> bool:
+        """Whether a push's gradients (every tensor but row ids) are floats, all finite
+        and below their dtype's limit: what :meth:`_check_values` reads, read once."""
+        grads = [t.array.reshape(-1) for t in tensors if t.kind != "index"]
+        if not all(g.dtype.kind == "f" or is_bfloat16(g.dtype) for g in grads):
+            return False
+        return first_bad_of(grads, self.check_threads) is None
+
+    def checked(self, msg: Message) -> Message | Awaitable[Message]:
+        """Handle ``msg``, whose values :meth:`finite` found good (on this copy or on
+        the primary that shipped it): the finite check does not read them again."""
+        self._values_known = True
+        try:
+            return self(msg)
+        finally:
+            self._values_known = False
 
     def _op_push(self, msg: Message, req: o.Push) -> Message:
         """``push`` and ``push_pull`` (the fresh values come back in the reply)."""

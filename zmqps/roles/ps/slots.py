@@ -202,7 +202,7 @@ class PSSlots:
                     f" {_FROM_PRIMARY[msg.op]} refused"
                 )
             if msg.op == "replicate":
-                return role.receive(msg, service, service.replay_step)
+                return role.receive(msg, service, service.replay_step, service.checked)
             if msg.op == "replica_ring":
                 return role.attach_ring(msg)
             return role.install(msg, service)
@@ -408,6 +408,8 @@ class PSSlots:
             step=lambda: service.mode.step,
             on_commit=service.waiters.notify,
             sync=lambda: service.mode.shards if isinstance(service.mode, Accumulate) else None,
+            finite=service.finite,
+            checked=service.checked,
         )
         for name in list(primary.log.dropped):  # further behind than the entries kept
             log.warning(
