@@ -95,7 +95,3 @@ class RingSpace:
         while self._blocks and self._blocks[0][0] <= key:
             k, _, _ = self._blocks.popleft()
             del self._by_key[k]
-
-    def clear(self) -> None:
-        self._blocks.clear()
-        self._by_key.clear()

@@ -180,8 +180,8 @@ class Primary:
         check); ``checked``: the state's handler for a request whose values were found
         so (it does not look again)."""
         self.slot = slot
-        self._finite = finite
-        self._checked = checked
+        #: the value check read once before shipping, and the handler that skips it
+        self._values = None if finite is None or checked is None else (finite, checked)
         self.links = dict(links)
         self.ship_timeout = ship_timeout
         self._resolve = resolve or _as_entry
@@ -250,17 +250,14 @@ class Primary:
         # a push's values are looked at once, here, before it ships: its copies (this
         # one too) then apply it without looking again (one refused for them is looked
         # at by every copy, and refused by each)
-        known = (
-            op in _PUSH_OPS
-            and self._checked is not None
-            and self._finite is not None
-            and self._finite(tensors)
-        )
-        entry = self.log.append((op, body, tensors, known), nbytes, force=True)
+        apply = handler
+        if op in _PUSH_OPS and self._values is not None and self._values[0](tensors):
+            apply = self._values[1]
+        entry = self.log.append((op, body, tensors, apply is not handler), nbytes, force=True)
         for b in self.links:
             self._kick(b)
         try:
-            out, failure = await _apply(msg, self._checked if known and self._checked else handler)
+            out, failure = await _apply(msg, apply)
         finally:
             if not self._steps:  # everything before was committed: so was the step then
                 self.committed_step = before
@@ -540,25 +537,22 @@ class Primary:
             op, body, tensors, known = e.payload
             committed = self.log.committed
             placed = None if ring is None else ring.place(e.index, tensors)
-            checked = True if known else None
-            if placed is None:
-                wire = o.Replicate(e.term, e.index, op, body, committed, checked=checked).to_wire()
-            else:  # the tensors are in the ring: the message says where
-                wire = o.Replicate(
-                    e.term,
-                    e.index,
-                    op,
-                    body,
-                    committed,
-                    ring_name=placed[0],
-                    ring=tuple(placed[1]),
-                    checked=checked,
-                ).to_wire()
-                tensors = []
-            answer = send_soon(link, "replicate", wire, tensors, timeout=self.ship_timeout)
-            task = asyncio.ensure_future(
-                self._answered(backup, e, answer, committed, None if placed is None else placed[0])
-            )
+            ring_name, specs = (None, None) if placed is None else placed
+            wire = o.Replicate(
+                e.term,
+                e.index,
+                op,
+                body,
+                committed,
+                ring_name=ring_name,
+                ring=None if specs is None else tuple(specs),
+                checked=True if known else None,
+            ).to_wire()
+            beside = tensors if placed is None else []
+            answer = send_soon(link, "replicate", wire, beside, timeout=self.ship_timeout)
+            if ring is not None and placed is not None:  # the ring's count of entries out
+                answer.add_done_callback(ring.answered_by(placed[0]))
+            task = asyncio.ensure_future(self._answered(backup, e, answer, committed))
             inflight.add(task)
             task.add_done_callback(inflight.discard)
 
@@ -587,12 +581,9 @@ class Primary:
         e: Entry,
         answer: asyncio.Future[Message],
         committed: int,
-        ring_name: str | None,
     ) -> None:
-        """``backup``'s answer to entry ``e``, sent with ``committed`` (in the ring
-        ``ring_name``, or beside)."""
+        """``backup``'s answer to entry ``e``, sent with ``committed``."""
         name = str(backup)
-        ring = self.rings.get(backup) if ring_name is not None else None
         try:
             done = o.Replicated.parse((await answer).body)
         except (FencedError, Superseded) as exc:
@@ -600,16 +591,8 @@ class Primary:
             return
         except ZmqpsError as exc:
             log.debug("ps %d: entry %d to backup %d: %s", self.slot, e.index, backup, exc)
-            if ring is not None and ring_name is not None:  # no such ring there: beside
-                ring.answered(ring_name, exc if isinstance(exc, NotFound) else None)
             await self._again(name)
             return
-        except BaseException:
-            if ring is not None and ring_name is not None:
-                ring.answered(ring_name)
-            raise
-        if ring is not None and ring_name is not None:
-            ring.answered(ring_name)
         ring = self.rings.get(backup)
         if ring is not None:  # applied there, and not kept for a promotion
             ring.release(min(committed, done.applied))

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,7 +47,7 @@ from zmqps.transport.shm import Region, create_region, unlink_region
 from zmqps.wire import Tensor
 from zmqps.wire import ops as o
 from zmqps.wire.codec import tensor_spec
-from zmqps.wire.errors import ZmqpsError
+from zmqps.wire.errors import NotFound, ZmqpsError
 
 __all__ = ["RING_MAX_BYTES", "RING_MIN_BYTES", "RingLink"]
 
@@ -113,16 +113,22 @@ class RingLink:
         self.inflight += 1
         return region.name, specs
 
-    def answered(self, name: str, exc: ZmqpsError | None = None) -> None:
-        """An entry sent in ring ``name`` was answered (``exc``: refused). A refusal for
-        the ring (NotFound: none of that name there, a new process) drops it, and a
-        ring is offered again (within the attempts); the entry goes again beside its
-        message meanwhile."""
-        self.inflight = max(0, self.inflight - 1)
-        if exc is None or self.region is None or self.region.name != name:
-            return
-        log.info("ps %d's state: its ring to ps %d refused (%s)", self.slot, self.backup, exc)
-        self._drop()
+    def answered_by(self, name: str) -> Callable[[asyncio.Future[Any]], None]:
+        """What to call when the answer to an entry sent in ring ``name`` comes (or
+        fails): one entry fewer out in it, and a refusal for the ring (``not_found``:
+        none of that name there, a new process) drops it, a ring being offered again
+        (within the attempts) while the entry goes again beside its message."""
+
+        def done(answer: asyncio.Future[Any]) -> None:
+            self.inflight = max(0, self.inflight - 1)
+            exc = None if answer.cancelled() else answer.exception()
+            if isinstance(exc, NotFound) and self.region is not None and self.region.name == name:
+                log.info(
+                    "ps %d's state: its ring to ps %d refused (%s)", self.slot, self.backup, exc
+                )
+                self._drop()
+
+        return done
 
     def release(self, upto: int) -> None:
         """The backup applied the entries up to ``upto`` and keeps none of them."""
