@@ -134,3 +134,41 @@ def test_a_ps_starts_loading_as_it_starts_serving_and_loads_once() -> None:
         assert gate.ready and calls == [1]
 
     asyncio.run(main())
+
+
+def test_loading_never_holds_the_process_open() -> None:
+    """Found by CI: a PS stopped by SIGTERM while its kernels loaded logged "stopped"
+    and then lived 2 s more, as interpreter exit joins the loop's executor threads.
+    The loading thread is a daemon of its own: exit does not wait for it."""
+    release = threading.Event()
+
+    async def main() -> None:
+        gate = KernelGate(_Recorder(), lambda: float(release.wait(10)))
+        gate.start()
+        loaders = [t for t in threading.enumerate() if t.name == "zmqps-kernels"]
+        assert len(loaders) == 1 and loaders[0].daemon
+        release.set()
+        await asyncio.wait_for(asyncio.shield(gate._loading), 5)  # type: ignore[arg-type]
+        loaders[0].join(5)
+        assert not loaders[0].is_alive()
+
+    asyncio.run(main())
+
+
+def test_a_loading_that_ends_after_the_loop_closed_is_dropped_quietly() -> None:
+    release = threading.Event()
+    done = threading.Event()
+
+    def warm() -> float:
+        release.wait(10)
+        done.set()
+        return 0.1
+
+    async def main() -> KernelGate:
+        gate = KernelGate(_Recorder(), warm)
+        gate.start()
+        return gate
+
+    asyncio.run(main())  # the loop closes with the loading still under way
+    release.set()
+    assert done.wait(5)

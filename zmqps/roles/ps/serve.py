@@ -7,6 +7,7 @@ import inspect
 import json
 import logging
 import signal
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -66,8 +67,15 @@ class KernelGate:
         """Begin loading the kernels now (in a thread); else the first request that
         may need one does."""
         if self._loading is None:
-            self._loading = asyncio.get_running_loop().run_in_executor(None, self._warm)
+            loop = asyncio.get_running_loop()
+            self._loading = loop.create_future()
             self._loading.add_done_callback(self._loaded)
+            # a daemon thread of its own, not the loop's executor: interpreter exit
+            # joins the executor's threads, so a PS stopped by a signal while its
+            # kernels load (1 to 4 s) would end only after them
+            threading.Thread(
+                target=self._load, args=(loop, self._loading), name="zmqps-kernels", daemon=True
+            ).start()
 
     def __call__(self, msg: Message) -> Message | Awaitable[Message]:
         if self.ready or msg.op not in KERNEL_OPS:
@@ -88,6 +96,26 @@ class KernelGate:
                 self.ready = True  # every request held has been handed on, in order
         out = self._handler(msg)
         return await out if inspect.isawaitable(out) else out
+
+    def _load(self, loop: asyncio.AbstractEventLoop, loading: asyncio.Future[float]) -> None:
+        """The thread's body: load, then hand the outcome to the loop (if it still runs)."""
+
+        def settle(seconds: float | None, exc: BaseException | None) -> None:
+            if loading.done():
+                return
+            if exc is not None:
+                loading.set_exception(exc)
+            else:
+                loading.set_result(seconds or 0.0)
+
+        try:
+            seconds, exc = self._warm(), None
+        except Exception as e:  # noqa: BLE001 - handed to the loop, logged by _loaded
+            seconds, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, seconds, exc)
+        except RuntimeError:  # the loop is closed: the process is stopping
+            pass
 
     def _loaded(self, loading: asyncio.Future[float]) -> None:
         exc = None if loading.cancelled() else loading.exception()
