@@ -16,7 +16,9 @@ from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.chief import ChiefService
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.homes import Homes
+from zmqps.roles.ps.replica import Primary
 from zmqps.transport import FakeNetwork
+from zmqps.wire import ops as o
 
 T = TypeVar("T")
 CHIEF = "127.0.0.1:7000"
@@ -250,5 +252,61 @@ def test_the_chief_says_which_ps_processes_its_probes_do_not_hear() -> None:
         chief.recovery.ps_shutting_down = True  # the run's end: the probes stop
         now[0] += 100.0
         assert rr.silent() == [1] and chief.recovery.silent_ps() == {1}
+
+    run(body())
+
+
+def test_a_primary_left_shipping_to_a_copy_given_up_is_told_its_backups_again() -> None:
+    """A copy the chief gave up (its process stopped as it caught up) is dropped by
+    telling the primary its backups; when that word is lost (the primary was stopped
+    then), the primary keeps the copy among its in-sync backups, and once the copy's
+    process dies every commit of the state, and so every sync step, waits for it for
+    ever while every process answers (a sync run stood at step 0 with every state at
+    step 1). The chief's watch finds such a backup and tells the primary again: the
+    push it held is then acknowledged."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        slots = [serve_ps(net, i, PS[i]) for i in range(3)]
+        chief = chief_on(net, replicated_config(CHIEF, PS, SGD))
+        await chief.start()
+        await chief.create_variables(VARS, dict(SGD))
+        rr = chief.recovery.rereplicator
+        assert rr is not None and chief.placement is not None
+        first = next(s for s in chief.placement.shards if s.state == 0)
+        t = next(q for q in range(3) if q not in first.copies)
+        term = chief.recovery.terms.get(0, 1)
+        # a copy of state 0 on t, as the rereplicator makes one, that then goes unnamed
+        await chief.recovery.homes.processes[t].request(
+            "replica", o.ReplicaSet(0, term, primary=False, make=True).to_wire()
+        )
+        await chief.recovery.homes.processes[first.ps].request(
+            "join", o.Join(0, term, t, PS[t], None).to_wire()
+        )
+        primary = slots[first.ps].role(0)
+        assert isinstance(primary, Primary)
+        for _ in range(200):
+            if str(t) in primary.log.in_sync():
+                break
+            await asyncio.sleep(0.01)
+        assert str(t) in primary.log.in_sync()
+        net.remove(PS[t])  # its process dies; the placement never named it
+        # the chief fails over the states t served and backed up: not state 0's copy
+        await chief.recovery.fail_over([t])
+        assert str(t) in primary.log.in_sync()
+        assert chief.placement is not None
+        wh = Homes([net.client(a, "worker:0:1", timeout=0.5) for a in PS])
+        wh.update(chief.placement)
+        w = ParameterClient(wh.links(), chief.placement, worker="worker:0", incarnation=1)
+        held = asyncio.ensure_future(w.push({"w": np.ones((12, 4), np.float32)}))
+        await asyncio.sleep(0.3)
+        assert not held.done()  # state 0's commit waits for t
+        states = [None if q == t else await rr._probe(q) for q in range(3)]
+        assert await rr.reconcile(states) == [0]
+        assert str(t) not in primary.log.in_sync()
+        await asyncio.wait_for(held, 10)
+        # a primary shipping to the placement's backups only is left alone
+        states = [None if q == t else await rr._probe(q) for q in range(3)]
+        assert await rr.reconcile(states) == []
 
     run(body())

@@ -46,6 +46,9 @@ log = logging.getLogger("zmqps.chief")
 Have = int | None | Callable[[], int | None]
 
 POLL_S = 5.0  # one long poll to a PS
+#: a step that waits this long on a PS state has the reason said in the log (again
+#: after as long)
+BEHIND_REPORT_S = 15.0
 #: how long one look at every worker (who is gone) is kept (see :meth:`SyncMode.gone`)
 GONE_MEMO_S = 0.05
 
@@ -188,6 +191,10 @@ class ChiefMode:
     async def waiting_on(self, live: Sequence[int], skip: Sequence[Requester] = ()) -> list[int]:
         return []
 
+    def held_by_copies(self) -> dict[int, tuple[float, int]]:
+        """PS states whose step waits on their copies (sync only)."""
+        return {}
+
     def steps_planned(self) -> int:
         return self.members.steps_planned
 
@@ -275,6 +282,9 @@ class SyncMode(ChiefMode):
         self._to_look: set[int] = set()
         self._looker: asyncio.Future[None] | None = None
         self._configuring = asyncio.Lock()
+        #: PS states whose step polls answer below the step waited for although they
+        #: applied it (its copies do not all have it yet): state -> (since, step there)
+        self.behind_copies: dict[int, tuple[float, int]] = {}
 
     @property
     def global_step(self) -> int:
@@ -449,19 +459,64 @@ class SyncMode(ChiefMode):
         released (it hands them, :meth:`token_ps`), and each answer says how many it
         handed and how long their requests waited."""
         body = o.WaitStep(step, POLL_S, released=released, gen=self.generation()).to_wire()
-        while True:
-            try:
-                rep = await ps.request("wait_step", body, timeout=POLL_S + 5, attempts=2)
-            except DeadlineExceeded:
-                log.warning("ps at %s does not answer while step %d waits on it", ps.endpoint, step)
-                continue
-            except NotPrimary as exc:  # the process lost its copy: a fail-over moves it
-                log.info("step %d waits for a fail-over: %s", step, exc)
-                await asyncio.sleep(0.1)
-                continue
-            self._relayed(k, o.StepReply.parse(rep.body, "wait_step reply"))
-            if int(rep.body["step"]) >= step:
-                return
+        said = self.clock()
+        try:
+            while True:
+                try:
+                    rep = await ps.request("wait_step", body, timeout=POLL_S + 5, attempts=2)
+                except DeadlineExceeded:
+                    log.warning(
+                        "ps at %s does not answer while step %d waits on it", ps.endpoint, step
+                    )
+                    continue
+                except NotPrimary as exc:  # the process lost its copy: a fail-over moves it
+                    log.info("step %d waits for a fail-over: %s", step, exc)
+                    await asyncio.sleep(0.1)
+                    continue
+                self._relayed(k, o.StepReply.parse(rep.body, "wait_step reply"))
+                if int(rep.body["step"]) >= step:
+                    return
+                if self.clock() - said >= BEHIND_REPORT_S:
+                    said = self.clock()
+                    await self._say_behind(ps, k, step)
+        finally:
+            self.behind_copies.pop(k, None)
+
+    async def _say_behind(self, ps: Requester, k: int, step: int) -> None:
+        """Step ``step`` has waited on PS state ``k`` past :data:`BEHIND_REPORT_S`: say
+        why in the log (its pushes not all in, or its copies not all caught up: then
+        which backup holds it, from the primary's own account)."""
+        try:
+            rep = await ps.request("status", timeout=2.0)
+        except ZmqpsError as exc:
+            log.warning("step %d waits on ps %d's state (at %s): %s", step, k, ps.endpoint, exc)
+            return
+        sync = rep.body.get("sync") or {}
+        replica = rep.body.get("replica") or {}
+        there = sync.get("step")
+        if isinstance(there, int) and there >= step:
+            since = self.behind_copies.get(k, (self.clock(), there))[0]
+            self.behind_copies[k] = (since, there)
+            log.warning(
+                "step %d waits on ps %d's state (at %s): it applied step %d, and its copies"
+                " do not all have it yet (entry %s of %s committed; backups at %s)",
+                step,
+                k,
+                ps.endpoint,
+                there,
+                replica.get("committed"),
+                replica.get("head"),
+                replica.get("backups"),
+            )
+        else:
+            log.info(
+                "step %d waits on ps %d's state (at %s), at step %s", step, k, ps.endpoint, there
+            )
+
+    def held_by_copies(self) -> dict[int, tuple[float, int]]:
+        """PS states that applied the current step but cannot tell it yet (their copies
+        do not all have it): state -> (since when, as the clock says; the step there)."""
+        return dict(self.behind_copies)
 
     def _relaying(self) -> bool:
         """Whether the PS hand this step's tokens: the ledger's rules are then those of
@@ -542,8 +597,10 @@ class SyncMode(ChiefMode):
             except ZmqpsError:
                 return  # an unreachable PS: zmqps status reports it under ps_down
             sync = rep.body.get("sync") or {}
-            got = set(sync.get("contributors", []))
-            missing.update(i for name, i in names.items() if name not in got)
+            at = sync.get("step")
+            if not (isinstance(at, int) and at > self._step):  # else applied: waits on nobody
+                got = set(sync.get("contributors", []))
+                missing.update(i for name, i in names.items() if name not in got)
             granted_of, granted = sync.get("granted_of"), sync.get("granted")
             if type(granted_of) is int and type(granted) is int and granted >= 0:
                 self._count_relayed(k, granted_of, granted)

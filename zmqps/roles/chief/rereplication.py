@@ -104,20 +104,28 @@ class Rereplicator:
             if job is not None and self.active():
                 await self.copy(*job)
 
-    async def _probe(self, q: int) -> str | None:
-        """Process ``q``'s boot id (None: no answer)."""
+    async def _probe(self, q: int) -> o.PsStateReply | None:
+        """Process ``q``'s ``ps_state`` (None: no answer)."""
         timeout = max(0.5, 2 * self.interval)
         try:
             rep = await self.homes.processes[q].request("ps_state", timeout=timeout)
-            return o.PsStateReply.parse(rep.body).boot
+            return o.PsStateReply.parse(rep.body)
         except ZmqpsError:
             return None
 
     async def watch(self) -> list[int]:
         """Probe every process; fail over those that serve no state, hold copies and are
-        silent past the heartbeat timeout or restarted. Returns them."""
+        silent past the heartbeat timeout or restarted (returns them); then tell every
+        primary that ships to a copy the placement does not name its backups again
+        (:meth:`reconcile`)."""
         n = len(self.homes.processes)
-        boots = await asyncio.gather(*(self._probe(q) for q in range(n)))
+        states = await asyncio.gather(*(self._probe(q) for q in range(n)))
+        dead = await self._watch_boots([None if st is None else st.boot for st in states])
+        if not dead and self.current is None:
+            await self.reconcile(states)
+        return dead
+
+    async def _watch_boots(self, boots: list[str | None]) -> list[int]:
         now = self.clock()
         gone = []
         for q, boot in enumerate(boots):
@@ -143,6 +151,39 @@ class Rereplicator:
             )
             await self.recovery.fail_over([], dead)
         return dead
+
+    async def reconcile(self, states: list[o.PsStateReply | None]) -> list[int]:
+        """Each primary waits for its in-sync backups before it acknowledges anything;
+        those must be the placement's. One that is not (a copy given up whose primary
+        did not hear so: it was stopped, or the word was lost; that copy's process then
+        died) would hold every commit of the state, and so its sync steps, for ever,
+        while every process answers. Such a primary is told its backups again (it
+        drops the others). ``states``: every process's ``ps_state``, read while no copy
+        is under way. Returns the states told."""
+        told: list[int] = []
+        async with self.recovery.placement_lock:
+            placement = self.recovery.variables.placement
+            if placement is None or not self.active() or self.current is not None:
+                return told
+            named = {s.state: set(s.backups) for s in placement.shards}
+            for q, st in enumerate(states):
+                for state, part, term, _head, fenced, in_sync in (st and st.roles) or ():
+                    if part != "primary" or fenced or state not in named:
+                        continue
+                    if self.homes.of[state] != q or term != self.recovery.terms.get(state, TERM):
+                        continue  # not the copy the placement serves it from
+                    extra = sorted(set(in_sync) - named[state])
+                    if extra:
+                        log.warning(
+                            "ps %d ships ps %d's state to ps %s, which the placement does not"
+                            " name (a copy given up): telling it its backups again",
+                            q,
+                            state,
+                            ", ".join(map(str, extra)),
+                        )
+                        await self._drop_joiner(state)
+                        told.append(state)
+        return told
 
     def forget(self, processes: Iterable[int]) -> None:
         """``processes`` were failed over (their copies dropped): the boot ids known for

@@ -546,6 +546,16 @@ class ChiefService:
             return "finishing: the final checkpoint, evaluation and export"
         if self.recovery.phase is Phase.STOPPING:
             return "stopping (a shutdown was requested)"
+        held = self.consistency.held_by_copies()
+        if held:  # not "step ...": a step no copy can take in is a stall, not work
+            now = self.clock()
+            states = ", ".join(
+                f"ps {k}'s state ({now - since:.0f}s)" for k, (since, _) in sorted(held.items())
+            )
+            return (
+                f"the copies of {states} do not all have step {st['global_step'] + 1},"
+                " which their primary applied: the step is not counted until they do"
+            )
         if st["waiting_on"]:
             names = ", ".join(f"worker {i}" for i in st["waiting_on"])
             return f"step {st['global_step']} waits on {names}"

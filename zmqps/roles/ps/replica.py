@@ -97,6 +97,9 @@ log = logging.getLogger("zmqps.ps")
 _UNCHANGED = (InvalidArgument, NotFound, NotReady, ProtocolError)
 #: seconds a primary waits for a backup's answer to an entry before sending again
 SHIP_TIMEOUT = 2.0
+#: seconds a backup's entries may fail before the primary says so in the log (and as
+#: often after): a timeout or two is a backup busy; this long, one stuck or gone
+FAILING_REPORT_S = 5.0
 #: seconds a request waits for its commit when it carries no deadline
 COMMIT_WAIT = 60.0
 #: seconds a sync push is held for the push that completes its step (which ships the
@@ -198,6 +201,8 @@ class Primary:
         self._senders = {b: asyncio.ensure_future(self._ship_to(b)) for b in self.links}
         #: entries shipped again (a timeout, a gap), for status
         self.resent = 0
+        #: backups whose entries fail: (since, last said in the log), by PS
+        self._failed_since: dict[int, tuple[float, float]] = {}
         #: a backup refused an entry of this term: another copy was promoted since
         #: (this process was cut off); it applies nothing more, ships nothing more
         self.fenced = False
@@ -590,9 +595,10 @@ class Primary:
             self._replaced(backup, exc)
             return
         except ZmqpsError as exc:
-            log.debug("ps %d: entry %d to backup %d: %s", self.slot, e.index, backup, exc)
+            self._failing(backup, e, exc)
             await self._again(name)
             return
+        self._failed_since.pop(backup, None)
         ring = self.rings.get(backup)
         if ring is not None:  # applied there, and not kept for a promotion
             ring.release(min(committed, done.applied))
@@ -606,6 +612,26 @@ class Primary:
             self.log.resend(name)
             self.resent += 1
         self._changed()
+
+    def _failing(self, backup: int, e: Entry, exc: ZmqpsError) -> None:
+        """An entry to ``backup`` failed (it is sent again): said in the log once it has
+        gone on past :data:`FAILING_REPORT_S` (every commit of this state waits for
+        that backup until it answers or the chief drops it), and as often after."""
+        now = time.monotonic()
+        since, said = self._failed_since.setdefault(backup, (now, now))
+        if now - said < FAILING_REPORT_S:
+            log.debug("ps %d: entry %d to backup %d: %s", self.slot, e.index, backup, exc)
+            return
+        self._failed_since[backup] = (since, now)
+        log.warning(
+            "ps %d: backup ps %d has taken no entry for %.0fs (entry %d: %s); the state's"
+            " commits wait for it",
+            self.slot,
+            backup,
+            now - since,
+            e.index,
+            exc,
+        )
 
     def _replaced(self, backup: int, exc: Exception) -> None:
         """A copy refused this primary's term: another copy was promoted since."""

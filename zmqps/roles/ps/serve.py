@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -110,12 +111,10 @@ class KernelGate:
 
         try:
             seconds, exc = self._warm(), None
-        except Exception as e:  # noqa: BLE001 - handed to the loop, logged by _loaded
+        except Exception as e:  # handed to the loop, logged by _loaded
             seconds, exc = None, e
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process stops
             loop.call_soon_threadsafe(settle, seconds, exc)
-        except RuntimeError:  # the loop is closed: the process is stopping
-            pass
 
     def _loaded(self, loading: asyncio.Future[float]) -> None:
         exc = None if loading.cancelled() else loading.exception()
