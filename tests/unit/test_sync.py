@@ -11,6 +11,8 @@ messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from zmqps.roles.chief.modes import SyncMode
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.configs import SyncConfig
 from zmqps.roles.status import format_status
+from zmqps.wire import Message
 from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotFound, NotReady
 from zmqps.wire.ops import Who
 
@@ -1239,3 +1242,56 @@ def test_a_restored_ps_hands_no_token_until_the_chief_releases_again() -> None:
         await job.close()
 
     run(body())
+
+
+class _CopiesBehindPS:
+    """A replicated PS state that applied step 1 while its copies do not all have it:
+    its step polls answer step 0 (what every copy has), its status step 1."""
+
+    endpoint = "ps-behind"
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    async def request(self, op: str, body: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if op == "sync_config":
+            return None
+        if op == "wait_step":
+            self.polls += 1
+            await asyncio.sleep(0.01)
+            return Message("wait_step", 1, b"", {"step": 0}, [])
+        assert op == "status"
+        sync = {"step": 1, "contributors": [], "granted_of": 0, "granted": 0}
+        replica = {"committed": 7, "head": 9, "backups": {"2": 7}}
+        return Message("status", 1, b"", {"sync": sync, "replica": replica}, [])
+
+
+def test_a_step_held_by_a_states_copies_is_not_blamed_on_the_workers(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fault schedule 7012: every PS state had applied step 1, one's copies did not
+    all have it, and the chief stood at step 0 for 97 s, its status saying "step 0
+    waits on worker 0, worker 1" (who had both pushed) and its log nothing. The
+    workers are no longer named, the status says which state's copies hold the step,
+    and the log says it with the primary's account of its backups."""
+    import zmqps.roles.chief.modes as modes
+
+    monkeypatch.setattr(modes, "BEHIND_REPORT_S", 0.05)
+
+    async def body() -> None:
+        ps = _CopiesBehindPS()
+        mode = SyncMode(SyncConfig(mode="sync"), Membership(2), [ps], clock=time.monotonic)
+        task = asyncio.ensure_future(mode.start([0], 0))
+        await until(lambda: mode.held_by_copies(), what="the state held by its copies")
+        assert await mode.waiting_on([0, 1]) == []  # it applied the step: waits on nobody
+        assert mode.global_step == 0 and 0 in mode.held_by_copies()
+        mode.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert mode.held_by_copies() == {}  # the loop's wait is over: nothing held
+
+    with caplog.at_level(logging.WARNING, logger="zmqps.chief"):
+        run(body())
+    said = [r.getMessage() for r in caplog.records if "its copies" in r.getMessage()]
+    assert said and "applied step 1" in said[0] and "entry 7 of 9 committed" in said[0], said
