@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -308,5 +309,42 @@ def test_a_primary_left_shipping_to_a_copy_given_up_is_told_its_backups_again() 
         # a primary shipping to the placement's backups only is left alone
         states = [None if q == t else await rr._probe(q) for q in range(3)]
         assert await rr.reconcile(states) == []
+
+    run(body())
+
+
+def test_a_backup_its_primary_dropped_leaves_the_placement_and_is_made_again() -> None:
+    """Three copies of each state. A primary that no longer ships to a backup the
+    placement names (dropped when promoted past the entries it kept) leaves that copy
+    without what is acknowledged from then on: a fail-over must never promote it. The
+    watch takes it out of the placement (a new epoch), and a new copy is made."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        slots = [serve_ps(net, i, PS[i]) for i in range(3)]
+        cfg = replace(replicated_config(CHIEF, PS, SGD), replication=3)
+        chief = chief_on(net, cfg)
+        await chief.start()
+        await chief.create_variables(VARS, dict(SGD))
+        rr = chief.recovery.rereplicator
+        assert rr is not None and chief.placement is not None
+        first = next(s for s in chief.placement.shards if s.state == 0)
+        assert len(first.backups) == 2
+        gone = first.backups[-1]
+        primary = slots[first.ps].role(0)
+        assert isinstance(primary, Primary)
+        primary.drop(gone)  # as a promotion drops a backup further behind than it kept
+        epoch = chief.placement.epoch
+        assert await rr.watch() == []  # the watch reconciles: nobody dead
+        after = chief.placement
+        assert after is not None
+        assert after.epoch == epoch + 1
+        assert all(gone not in s.backups for s in after.shards if s.state == 0)
+        assert 0 in rr.under_replicated()
+        assert rr.next_copy() == (0, gone)  # made again: the process holding fewest
+        assert await rr.copy(0, gone)
+        assert str(gone) in primary.log.in_sync() and not rr.under_replicated()
+        states = [await rr._probe(q) for q in range(3)]
+        assert await rr.reconcile(states) == []  # the two agree again
 
     run(body())

@@ -153,37 +153,67 @@ class Rereplicator:
         return dead
 
     async def reconcile(self, states: list[o.PsStateReply | None]) -> list[int]:
-        """Each primary waits for its in-sync backups before it acknowledges anything;
-        those must be the placement's. One that is not (a copy given up whose primary
-        did not hear so: it was stopped, or the word was lost; that copy's process then
-        died) would hold every commit of the state, and so its sync steps, for ever,
-        while every process answers. Such a primary is told its backups again (it
-        drops the others). ``states``: every process's ``ps_state``, read while no copy
-        is under way. Returns the states told."""
-        told: list[int] = []
+        """Keep each primary's in-sync backups and the placement's the same.
+
+        A primary waits for its in-sync backups before it acknowledges anything. One
+        the placement does not name (a copy given up, or dropped by a fail-over, whose
+        primary did not hear so: it was stopped, or the word was lost; the copy's
+        process then died) would hold every commit of the state, and so its sync
+        steps, for ever while every process answers: the primary is told its backups
+        again (it drops the others). A backup the placement names and its primary no
+        longer ships to (dropped when promoted past what it kept) has not what was
+        acknowledged since: a fail-over must never promote it, and the state is short
+        of a copy. It leaves the placement (a new epoch), and a new copy is made.
+
+        ``states``: every process's ``ps_state``, read while no copy was under way.
+        Returns the states changed."""
+        changed: list[int] = []
         async with self.recovery.placement_lock:
             placement = self.recovery.variables.placement
             if placement is None or not self.active() or self.current is not None:
-                return told
+                return changed
             named = {s.state: set(s.backups) for s in placement.shards}
+            unnamed: dict[int, set[int]] = {}
             for q, st in enumerate(states):
                 for state, part, term, _head, fenced, in_sync in (st and st.roles) or ():
                     if part != "primary" or fenced or state not in named:
                         continue
                     if self.homes.of[state] != q or term != self.recovery.terms.get(state, TERM):
                         continue  # not the copy the placement serves it from
-                    extra = sorted(set(in_sync) - named[state])
+                    extra = set(in_sync) - named[state]
                     if extra:
                         log.warning(
                             "ps %d ships ps %d's state to ps %s, which the placement does not"
                             " name (a copy given up): telling it its backups again",
                             q,
                             state,
-                            ", ".join(map(str, extra)),
+                            ", ".join(map(str, sorted(extra))),
                         )
                         await self._drop_joiner(state)
-                        told.append(state)
-        return told
+                        changed.append(state)
+                    missing = named[state] - set(in_sync)
+                    if missing:
+                        log.warning(
+                            "ps %d no longer ships ps %d's state to ps %s, which the placement"
+                            " names: that copy is dropped and made again",
+                            q,
+                            state,
+                            ", ".join(map(str, sorted(missing))),
+                        )
+                        unnamed[state] = missing
+                        changed.append(state)
+            if unnamed:
+                shards = tuple(
+                    replace(s, backups=tuple(b for b in s.backups if b not in unnamed[s.state]))
+                    if s.state in unnamed
+                    else s
+                    for s in placement.shards
+                )
+                new = replace(placement, shards=shards, epoch=placement.epoch + 1)
+                self.recovery.variables.use(new)
+                self.homes.update(new)
+                await self.recovery.publish_placement(new, skip=self.silent())
+        return sorted(set(changed))
 
     def forget(self, processes: Iterable[int]) -> None:
         """``processes`` were failed over (their copies dropped): the boot ids known for
