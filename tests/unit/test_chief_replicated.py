@@ -19,7 +19,9 @@ from zmqps.roles.client import ParameterClient
 from zmqps.roles.homes import Homes
 from zmqps.roles.ps.replica import Primary
 from zmqps.transport import FakeNetwork
+from zmqps.wire import Message
 from zmqps.wire import ops as o
+from zmqps.wire.errors import DeadlineExceeded, NotPrimary
 
 T = TypeVar("T")
 CHIEF = "127.0.0.1:7000"
@@ -346,5 +348,51 @@ def test_a_backup_its_primary_dropped_leaves_the_placement_and_is_made_again() -
         assert str(gone) in primary.log.in_sync() and not rr.under_replicated()
         states = [await rr._probe(q) for q in range(3)]
         assert await rr.reconcile(states) == []  # the two agree again
+
+    run(body())
+
+
+def test_a_lost_promotion_is_sent_again_by_the_watch() -> None:
+    """A fail-over fences the surviving copy of a dead PS's state at a new term, then
+    promotes it; when the promotion is lost (the process stopped then, the request
+    timed out) the placement serves the state from a copy that still is a backup:
+    every request for it is refused (``not_primary``) while the process answers all
+    else, and no fail-over comes. The watch promotes it again; training goes on."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        slots = [serve_ps(net, i, PS[i]) for i in range(3)]
+        chief = chief_on(net, replicated_config(CHIEF, PS, SGD))
+        await chief.start()
+        await chief.create_variables(VARS, dict(SGD))
+        rr = chief.recovery.rereplicator
+        assert rr is not None and chief.placement is not None
+        b = next(s.backups[0] for s in chief.placement.shards if s.state == 1)
+        lost: list[int] = []
+
+        def drops_a_promotion(msg: Message) -> Any:
+            promotes = msg.op == "replica" and msg.body.get("primary")
+            if promotes and msg.body.get("slot") == 1 and not lost:
+                lost.append(msg.body["slot"])
+                raise DeadlineExceeded("replica: no reply within 2s")
+            return slots[b](msg)
+
+        net.serve(PS[b], drops_a_promotion, name=f"ps{b}")
+        net.remove(PS[1])
+        await chief.recovery.fail_over([1])
+        assert lost == [1] and chief.recovery.homes is not None
+        assert chief.recovery.homes.of[1] == b
+        assert not isinstance(slots[b].role(1), Primary)  # still a backup there
+        wh = Homes([net.client(a, "worker:0:1", timeout=0.5) for a in PS])
+        assert chief.placement is not None
+        wh.update(chief.placement)
+        w = ParameterClient(wh.links(), chief.placement, worker="worker:0", incarnation=1)
+        with pytest.raises(NotPrimary):
+            await chief.ps[1].request("wait_step", o.WaitStep(0).to_wire())
+        assert await rr.watch() == []
+        assert isinstance(slots[b].role(1), Primary)
+        await w.push({"w": np.ones((12, 4), np.float32)})  # every state takes it
+        assert await rr.watch() == []  # nothing more to change
+        assert isinstance(slots[b].role(1), Primary)
 
     run(body())

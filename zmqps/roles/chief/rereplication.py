@@ -174,6 +174,8 @@ class Rereplicator:
                 return changed
             named = {s.state: set(s.backups) for s in placement.shards}
             unnamed: dict[int, set[int]] = {}
+            for state in await self._promote_again(states, placement):
+                changed.append(state)
             for q, st in enumerate(states):
                 for state, part, term, _head, fenced, in_sync in (st and st.roles) or ():
                     if part != "primary" or fenced or state not in named:
@@ -214,6 +216,52 @@ class Rereplicator:
                 self.homes.update(new)
                 await self.recovery.publish_placement(new, skip=self.silent())
         return sorted(set(changed))
+
+    async def _promote_again(
+        self, states: list[o.PsStateReply | None], placement: Placement
+    ) -> list[int]:
+        """A state whose home, by the placement, holds it as a backup at the state's
+        term: a fail-over fenced it there and its promotion was lost (the process was
+        stopped, the request timed out). Every request for the state is refused
+        (``not_primary``) while that process answers everything else, and nothing else
+        would ever change it: the promotion is sent again, with the entry each named
+        backup applied (their own account, at the same term; none of them moves while
+        no primary ships). Returns the states promoted."""
+        roles: dict[tuple[int, int], tuple[str, int, int]] = {}
+        for q, st in enumerate(states):
+            for state, part, term, head, _fenced, _in_sync in (st and st.roles) or ():
+                roles[(q, state)] = (part, term, head)
+        promoted: list[int] = []
+        for s in {s.state: s for s in placement.shards}.values():
+            term = self.recovery.terms.get(s.state, TERM)
+            if s.ps != self.homes.of[s.state] or roles.get((s.ps, s.state), ("",))[0:2] != (
+                "backup",
+                term,
+            ):
+                continue
+            applied = [roles.get((b, s.state)) for b in s.backups]
+            if any(a is None or a[:2] != ("backup", term) for a in applied):
+                continue  # a backup's account is missing: the next watch tries again
+            heads = tuple(a[2] for a in applied if a is not None)
+            if max(heads, default=0) > roles[(s.ps, s.state)][2]:
+                continue  # not the furthest copy: a fail-over's to choose again
+            links = tuple((b, self.homes.processes[b].endpoint) for b in s.backups)
+            body = o.ReplicaSet(s.state, term, True, links, heads, epoch=placement.epoch)
+            log.warning(
+                "ps %d holds ps %d's state as a backup, and the placement serves it from"
+                " there: promoting it again (a promotion was lost)",
+                s.ps,
+                s.state,
+            )
+            try:
+                await self.homes.processes[s.ps].request("replica", body.to_wire(), timeout=2.0)
+            except ZmqpsError as exc:
+                log.warning(
+                    "ps %d: promoting its copy of ps %d again failed: %s", s.ps, s.state, exc
+                )
+                continue
+            promoted.append(s.state)
+        return promoted
 
     def forget(self, processes: Iterable[int]) -> None:
         """``processes`` were failed over (their copies dropped): the boot ids known for
