@@ -115,9 +115,8 @@ class Rereplicator:
 
     async def watch(self) -> list[int]:
         """Probe every process; fail over those that serve no state, hold copies and are
-        silent past the heartbeat timeout or restarted (returns them); then tell every
-        primary that ships to a copy the placement does not name its backups again
-        (:meth:`reconcile`)."""
+        silent past the heartbeat timeout or restarted (returns them); then bring the
+        placement and the copies' roles into agreement (:meth:`reconcile`)."""
         n = len(self.homes.processes)
         states = await asyncio.gather(*(self._probe(q) for q in range(n)))
         dead = await self._watch_boots([None if st is None else st.boot for st in states])
