@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -1225,3 +1226,47 @@ def test_a_ps_keeps_the_newest_placement_the_chief_published() -> None:
     with pytest.raises(InvalidArgument):
         tell(bad)
     assert newest()["epoch"] == 6
+
+
+class Refusing(Answering):
+    """A link to a process that refuses every entry (it holds no copy of the state)."""
+
+    def submit(
+        self,
+        op: str,
+        body: Mapping[str, Any] | None = None,
+        tensors: Sequence[Tensor] = (),
+        **_: Any,
+    ) -> asyncio.Future[Message]:
+        self.events.append(("refused", o.Replicate.from_wire(body or {}).index))
+        answer: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        answer.set_exception(NotPrimary("ps 1 holds no copy of ps 0's state"))
+        return answer
+
+
+def test_a_backup_that_takes_no_entry_is_said_in_the_log(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backup whose entries keep failing holds every commit of the state: its
+    primary sends them again, and says so in its log (it was at debug level only,
+    and a sync run stood still with nothing said)."""
+    import zmqps.roles.ps.replica as replica
+
+    monkeypatch.setattr(replica, "FAILING_REPORT_S", 0.1)
+
+    async def main() -> None:
+        events: list[tuple[str, int]] = []
+        primary = Primary(0, 1, {1: Refusing(events)})  # type: ignore[dict-item]
+        held = asyncio.ensure_future(primary.run(Message("push", 1, "w", {}, ()), lambda m: m))
+        await asyncio.sleep(0.4)
+        assert not held.done() and primary.log.committed == 0
+        assert len([e for e in events if e[0] == "refused"]) > 2  # sent again and again
+        primary.drop(1)  # the chief drops it: the push is acknowledged
+        await asyncio.wait_for(held, 2.0)
+        await primary.close()
+
+    with caplog.at_level(logging.WARNING, logger="zmqps.ps"):
+        run(main())
+    said = [r.getMessage() for r in caplog.records if "has taken no entry" in r.getMessage()]
+    assert said and "backup ps 1" in said[0] and "holds no copy" in said[0], said
+    assert len(said) <= 4  # every FAILING_REPORT_S, not every attempt
