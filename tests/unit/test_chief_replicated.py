@@ -15,9 +15,11 @@ from fake_replicated import chief_on, replicated_config, serve_ps
 
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.chief import ChiefService
+from zmqps.roles.chief.rereplication import Rereplicator
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.homes import Homes
 from zmqps.roles.ps.replica import Primary
+from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import FakeNetwork
 from zmqps.wire import Message
 from zmqps.wire import ops as o
@@ -53,6 +55,20 @@ async def started_with_backup(net: FakeNetwork) -> tuple[ChiefService, Placement
     placement = chief.placement
     assert placement is not None
     return chief, placement, next(s.backups[0] for s in placement.shards if s.state == 1)
+
+
+async def started_watched(
+    net: FakeNetwork, replication: int = 2
+) -> tuple[ChiefService, list[PSSlots], Rereplicator]:
+    """Three PS (their handlers, to look at their roles), a chief with ``replication``
+    copies of each state that made the variables, and its rereplicator."""
+    slots = [serve_ps(net, i, PS[i]) for i in range(3)]
+    chief = chief_on(net, replace(replicated_config(CHIEF, PS, SGD), replication=replication))
+    await chief.start()
+    await chief.create_variables(VARS, dict(SGD))
+    rr = chief.recovery.rereplicator
+    assert rr is not None and chief.placement is not None
+    return chief, slots, rr
 
 
 def test_a_restarted_chief_adopts_states_moved_by_a_fail_over() -> None:
@@ -270,22 +286,18 @@ def test_a_primary_left_shipping_to_a_copy_given_up_is_told_its_backups_again() 
 
     async def body() -> None:
         net = FakeNetwork()
-        slots = [serve_ps(net, i, PS[i]) for i in range(3)]
-        chief = chief_on(net, replicated_config(CHIEF, PS, SGD))
-        await chief.start()
-        await chief.create_variables(VARS, dict(SGD))
-        rr = chief.recovery.rereplicator
-        assert rr is not None and chief.placement is not None
+        chief, slots, rr = await started_watched(net)
+        assert chief.placement is not None
         first = next(s for s in chief.placement.shards if s.state == 0)
         t = next(q for q in range(3) if q not in first.copies)
         term = chief.recovery.terms.get(0, 1)
+        homes = chief.recovery.homes
+        assert homes is not None
         # a copy of state 0 on t, as the rereplicator makes one, that then goes unnamed
-        await chief.recovery.homes.processes[t].request(
+        await homes.processes[t].request(
             "replica", o.ReplicaSet(0, term, primary=False, make=True).to_wire()
         )
-        await chief.recovery.homes.processes[first.ps].request(
-            "join", o.Join(0, term, t, PS[t], None).to_wire()
-        )
+        await homes.processes[first.ps].request("join", o.Join(0, term, t, PS[t], None).to_wire())
         primary = slots[first.ps].role(0)
         assert isinstance(primary, Primary)
         for _ in range(200):
@@ -323,13 +335,8 @@ def test_a_backup_its_primary_dropped_leaves_the_placement_and_is_made_again() -
 
     async def body() -> None:
         net = FakeNetwork()
-        slots = [serve_ps(net, i, PS[i]) for i in range(3)]
-        cfg = replace(replicated_config(CHIEF, PS, SGD), replication=3)
-        chief = chief_on(net, cfg)
-        await chief.start()
-        await chief.create_variables(VARS, dict(SGD))
-        rr = chief.recovery.rereplicator
-        assert rr is not None and chief.placement is not None
+        chief, slots, rr = await started_watched(net, replication=3)
+        assert chief.placement is not None
         first = next(s for s in chief.placement.shards if s.state == 0)
         assert len(first.backups) == 2
         gone = first.backups[-1]
@@ -361,12 +368,8 @@ def test_a_lost_promotion_is_sent_again_by_the_watch() -> None:
 
     async def body() -> None:
         net = FakeNetwork()
-        slots = [serve_ps(net, i, PS[i]) for i in range(3)]
-        chief = chief_on(net, replicated_config(CHIEF, PS, SGD))
-        await chief.start()
-        await chief.create_variables(VARS, dict(SGD))
-        rr = chief.recovery.rereplicator
-        assert rr is not None and chief.placement is not None
+        chief, slots, rr = await started_watched(net)
+        assert chief.placement is not None
         b = next(s.backups[0] for s in chief.placement.shards if s.state == 1)
         lost: list[int] = []
 
