@@ -284,7 +284,7 @@ class SyncMode(ChiefMode):
         self._configuring = asyncio.Lock()
         #: PS states whose step polls answer below the step waited for although they
         #: applied it (its copies do not all have it yet): state -> (since, step there)
-        self.behind_copies: dict[int, tuple[float, int]] = {}
+        self._behind: dict[int, tuple[float, int]] = {}
 
     @property
     def global_step(self) -> int:
@@ -480,7 +480,7 @@ class SyncMode(ChiefMode):
                     said = self.clock()
                     await self._say_behind(ps, k, step)
         finally:
-            self.behind_copies.pop(k, None)
+            self._behind.pop(k, None)
 
     async def _say_behind(self, ps: Requester, k: int, step: int) -> None:
         """Step ``step`` has waited on PS state ``k`` past :data:`BEHIND_REPORT_S`: say
@@ -495,8 +495,8 @@ class SyncMode(ChiefMode):
         replica = rep.body.get("replica") or {}
         there = sync.get("step")
         if isinstance(there, int) and there >= step:
-            since = self.behind_copies.get(k, (self.clock(), there))[0]
-            self.behind_copies[k] = (since, there)
+            since = self._behind.get(k, (self.clock(), there))[0]
+            self._behind[k] = (since, there)
             log.warning(
                 "step %d waits on ps %d's state (at %s): it applied step %d, and its copies"
                 " do not all have it yet (entry %s of %s committed; backups at %s)",
@@ -516,7 +516,7 @@ class SyncMode(ChiefMode):
     def held_by_copies(self) -> dict[int, tuple[float, int]]:
         """PS states that applied the current step but cannot tell it yet (their copies
         do not all have it): state -> (since when, as the clock says; the step there)."""
-        return dict(self.behind_copies)
+        return dict(self._behind)
 
     def _relaying(self) -> bool:
         """Whether the PS hand this step's tokens: the ledger's rules are then those of

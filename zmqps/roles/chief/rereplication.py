@@ -173,8 +173,7 @@ class Rereplicator:
                 return changed
             named = {s.state: set(s.backups) for s in placement.shards}
             unnamed: dict[int, set[int]] = {}
-            for state in await self._promote_again(states, placement):
-                changed.append(state)
+            changed.extend(await self._promote_again(states, placement))
             for q, st in enumerate(states):
                 for state, part, term, _head, fenced, in_sync in (st and st.roles) or ():
                     if part != "primary" or fenced or state not in named:
@@ -233,16 +232,14 @@ class Rereplicator:
         promoted: list[int] = []
         for s in {s.state: s for s in placement.shards}.values():
             term = self.recovery.terms.get(s.state, TERM)
-            if s.ps != self.homes.of[s.state] or roles.get((s.ps, s.state), ("",))[0:2] != (
-                "backup",
-                term,
-            ):
+            home = roles.get((s.ps, s.state))
+            if s.ps != self.homes.of[s.state] or home is None or home[:2] != ("backup", term):
                 continue
             applied = [roles.get((b, s.state)) for b in s.backups]
             if any(a is None or a[:2] != ("backup", term) for a in applied):
                 continue  # a backup's account is missing: the next watch tries again
             heads = tuple(a[2] for a in applied if a is not None)
-            if max(heads, default=0) > roles[(s.ps, s.state)][2]:
+            if max(heads, default=0) > home[2]:
                 continue  # not the furthest copy: a fail-over's to choose again
             links = tuple((b, self.homes.processes[b].endpoint) for b in s.backups)
             body = o.ReplicaSet(s.state, term, True, links, heads, epoch=placement.epoch)
