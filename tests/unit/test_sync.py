@@ -1295,3 +1295,34 @@ def test_a_step_held_by_a_states_copies_is_not_blamed_on_the_workers(
         run(body())
     said = [r.getMessage() for r in caplog.records if "its copies" in r.getMessage()]
     assert said and "applied step 1" in said[0] and "entry 7 of 9 committed" in said[0], said
+
+
+class _OddStatusPS(_CopiesBehindPS):
+    """A PS whose status has the wrong shapes (a list for ``sync``, a string for
+    ``replica``): the chief's stepping loop reads past them."""
+
+    async def request(self, op: str, body: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if op == "status":
+            return Message("status", 1, b"", {"sync": [1], "replica": "x"}, [])
+        return await super().request(op, body, *args, **kwargs)
+
+
+def test_a_status_of_the_wrong_shape_never_ends_the_stepping_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import zmqps.roles.chief.modes as modes
+
+    monkeypatch.setattr(modes, "BEHIND_REPORT_S", 0.02)
+
+    async def body() -> None:
+        ps = _OddStatusPS()
+        mode = SyncMode(SyncConfig(mode="sync"), Membership(2), [ps], clock=time.monotonic)
+        task = asyncio.ensure_future(mode.start([0], 0))
+        await until(lambda: ps.polls > 10, what="polls past several reports")
+        assert not task.done() and mode.held_by_copies() == {}
+        mode.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    run(body())

@@ -491,8 +491,10 @@ class SyncMode(ChiefMode):
         except ZmqpsError as exc:
             log.warning("step %d waits on ps %d's state (at %s): %s", step, k, ps.endpoint, exc)
             return
-        sync = rep.body.get("sync") or {}
-        replica = rep.body.get("replica") or {}
+        # a status is free-form: only what has the expected shape is read
+        sync, replica = (rep.body.get(k) for k in ("sync", "replica"))
+        sync = sync if isinstance(sync, dict) else {}
+        replica = replica if isinstance(replica, dict) else {}
         there = sync.get("step")
         if isinstance(there, int) and there >= step:
             since = self._behind.get(k, (self.clock(), there))[0]
