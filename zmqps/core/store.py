@@ -23,9 +23,10 @@ Rules of this module:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,12 +36,15 @@ import numpy.typing as npt
 from zmqps.core import lowp
 from zmqps.core.initializers import initialize, validate_init
 from zmqps.core.optimizers import BLOCK_ELEMS, Optimizer, compute_dtype, make_optimizer
+from zmqps.core.packs import plan_packs
 from zmqps.core.variables import ShardDef
 from zmqps.wire.errors import InvalidArgument, NonFiniteGradient, NotFound
 
 __all__ = [
     "HISTOGRAM_EXACT",
     "DenseUpdate",
+    "Pack",
+    "PackUpdate",
     "RowUpdate",
     "Shard",
     "ShardStore",
@@ -115,6 +119,9 @@ class Shard:
     #: pull of that version sends this one array (rounded once; a peer that never reads
     #: its replies pins one per version, as a lent float32 buffer does, not one per pull)
     wire_copy: tuple[int, Array] | None = field(init=False, repr=False, default=None)
+    #: the pack whose buffers hold this shard's values and slots (None: its own arrays);
+    #: lending and copy-on-write are then the pack's (:class:`Pack`)
+    pack: Pack | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         if self.values.base is not None:  # must own its data: views of it reference it
@@ -128,6 +135,8 @@ class Shard:
     def lend(self) -> Array:
         """The live values, flat, to hand to a zero-copy send. They stay unchanged while
         anything still references them: :meth:`own` copies before the next update."""
+        if self.pack is not None:  # a view of its own, counted as the pack's buffer's
+            return self.flat[:]
         return self.flat
 
     #: references to ``values`` that are the shard's own: the attribute, the base of
@@ -138,11 +147,15 @@ class Shard:
         """Does anything beyond the shard (a frame in flight) still reference the values?
 
         Read ``shard.values`` afresh: after an update it may be another buffer."""
+        if self.pack is not None:
+            return self.pack.is_lent()
         return sys.getrefcount(self.values) > self.OWN_REFS
 
     def own(self) -> bool:
         """Make ``values`` safe to update in place; True if that took a copy
         (copy-on-write: the lent buffer goes on serving the sends that hold it)."""
+        if self.pack is not None:
+            return self.pack.own()
         if not self.is_lent():
             return False
         spare = self.spare
@@ -222,6 +235,75 @@ class Shard:
         raise InvalidArgument(f"shard {self.definition.id} is not a hash-keyed table")
 
 
+class Pack:
+    """Shards of one PS laid out back to back (:mod:`zmqps.core.packs`): one buffer of
+    values and one per optimizer slot, each member's arrays views of them.
+
+    A pull sends the values buffer whole (lent, as a shard lends its values) and a push
+    of every member is checked once and applied by one optimizer call when the members
+    are at one version. Copy-on-write is the pack's: while a send holds the buffer
+    (anything beyond the pack and its members' views references it), :meth:`own` copies
+    it and points every member at the copy.
+    """
+
+    def __init__(self, members: Sequence[Shard]) -> None:
+        first = members[0]
+        self.members = list(members)
+        self.ids = tuple(m.definition.id for m in members)
+        sizes = [m.definition.size for m in members]
+        self.bounds = [0, *itertools.accumulate(sizes)]
+        self.size = self.bounds[-1]
+        self.optimizer = first.optimizer
+        self.buf: Array = np.empty(self.size, first.values.dtype)
+        self.slots = {k: np.empty(self.size, v.dtype) for k, v in first.slots.items()}
+        for m, lo, hi in self.spans():
+            self.buf[lo:hi] = m.values.reshape(-1)
+            for k, slot in self.slots.items():
+                slot[lo:hi] = m.slots[k].reshape(-1)
+        self.spare: Array | None = None
+        for m, lo, hi in self.spans():
+            m.slots = {k: v[lo:hi].reshape(m.definition.shape) for k, v in self.slots.items()}
+            m.flat_slots = {k: v[lo:hi] for k, v in self.slots.items()}
+            m.pack, m.spare, m.wire_copy = self, None, None
+        self._point()
+
+    def spans(self) -> Iterator[tuple[Shard, int, int]]:
+        b = self.bounds
+        return ((m, b[i], b[i + 1]) for i, m in enumerate(self.members))
+
+    def _point(self) -> None:
+        """Every member's values as views of the current buffer."""
+        for m, lo, hi in self.spans():
+            m.flat = self.buf[lo:hi]
+            m.values = m.flat.reshape(m.definition.shape)
+        self._own_refs = sys.getrefcount(self.buf)
+
+    def lend(self) -> Array:
+        """The values buffer whole, to hand to a zero-copy send (see :meth:`own`)."""
+        return self.buf
+
+    def is_lent(self) -> bool:
+        return sys.getrefcount(self.buf) > self._own_refs
+
+    def own(self) -> bool:
+        """Make the buffer safe to update in place; True if that took a copy."""
+        if not self.is_lent():
+            return False
+        spare = self.spare
+        self.spare = None
+        if spare is None or sys.getrefcount(spare) > 2:  # the local name + the argument
+            spare = np.empty_like(self.buf)
+        np.copyto(spare, self.buf)
+        lent, self.buf = self.buf, spare
+        del spare  # (counted by _point otherwise)
+        self._point()
+        self.spare = lent  # free again once the sends that hold it are done
+        return True
+
+    def versions(self) -> list[int]:
+        return [m.version for m in self.members]
+
+
 @dataclass
 class _Undo:
     """The values and slots one update may change, saved (float16 updates only)."""
@@ -232,7 +314,7 @@ class _Undo:
     slots: dict[str, Array]
 
     @classmethod
-    def save(cls, update: Update) -> _Undo:
+    def save(cls, update: DenseUpdate | RowUpdate) -> _Undo:
         shard = update.shard
         if isinstance(update, RowUpdate):
             if shard.is_table:  # the rows it will update (created now if new: see apply)
@@ -282,7 +364,17 @@ class RowUpdate:
     staleness: int
 
 
-Update = DenseUpdate | RowUpdate
+@dataclass(frozen=True, slots=True)
+class PackUpdate:
+    """A validated gradient of every member of a pack, back to back (``grad``: 1-D,
+    the pack's size), with each member's staleness."""
+
+    pack: Pack
+    grad: Array
+    staleness: list[int]
+
+
+Update = DenseUpdate | RowUpdate | PackUpdate
 
 
 ShardObserver = Callable[[ShardDef, int], None]
@@ -324,6 +416,8 @@ class ShardStore:
         #: updates that first copied values still lent to a send (copy-on-write)
         self.copies_on_write = 0
         self._shards: dict[int, Shard] = {}
+        #: packs by their first shard's id (:mod:`zmqps.core.packs`)
+        self._packs: dict[int, Pack] = {}
         self._scratch = np.empty(0, dtype=np.uint8)
 
     # -- shards --------------------------------------------------------------
@@ -348,6 +442,7 @@ class ShardStore:
                 new[d.id] = d
         made = {sid: self._make(d) for sid, d in new.items()}  # may still refuse (overflow)
         self._shards.update(made)
+        self._pack(made.values())
 
     def bytes_to_create(self, defs: Sequence[ShardDef]) -> int:
         """Bytes the shards of ``defs`` not held yet would allocate at creation (values
@@ -412,6 +507,8 @@ class ShardStore:
         if set(made) & set(hashed):
             raise InvalidArgument("a shard is restored twice")
         self._shards = {**made, **hashed}
+        self._packs = {}
+        self._pack(made.values())
 
     @staticmethod
     def _restored_tables(
@@ -439,12 +536,31 @@ class ShardStore:
 
     def install(self, shards: Sequence[Shard]) -> None:
         """Hold exactly ``shards`` (a whole copy of another PS's state, built and
-        checked by the caller)."""
+        checked by the caller; its dense shards are packed here)."""
         self._shards = {sh.definition.id: sh for sh in shards}
+        self._packs = {}
+        self._pack(shards)
 
     def clear(self) -> None:
         """Drop every shard (a restore to the initial values re-creates them)."""
         self._shards = {}
+        self._packs = {}
+
+    def _pack(self, shards: Iterable[Shard]) -> None:
+        """Lay out the packable ones of ``shards`` (not packed yet) in packs."""
+        free = {sh.definition.id: sh for sh in shards if not sh.is_table and sh.pack is None}
+        for ids in plan_packs(sh.definition for sh in free.values()):
+            self._packs[ids[0]] = Pack([free[sid] for sid in ids])
+
+    def pack_of(self, sids: Sequence[int]) -> Pack | None:
+        """The pack whose members are exactly ``sids``, in order (None: no such pack)."""
+        pack = self._packs.get(sids[0]) if sids else None
+        if pack is None or len(pack.ids) != len(sids) or pack.ids != tuple(sids):
+            return None
+        return pack
+
+    def packs(self) -> list[Pack]:
+        return list(self._packs.values())
 
     @staticmethod
     def _make(d: ShardDef) -> Shard:
@@ -586,6 +702,27 @@ class ShardStore:
         self._check_tiling(shard, chunks)
         return DenseUpdate(shard, chunks, staleness)
 
+    def plan_pack(self, pack: Pack, grad: Array, pulled_versions: Sequence[int]) -> PackUpdate:
+        """Validate a gradient of every member of ``pack``, back to back (1-D, of the
+        pack's dtype and size; values are the caller's to check), and the version each
+        member was pulled at; changes nothing."""
+        if not isinstance(grad, np.ndarray) or grad.ndim != 1 or grad.shape[0] != pack.size:
+            raise InvalidArgument(
+                f"shards {pack.ids[0]}..{pack.ids[-1]}: a packed gradient of"
+                f" {getattr(grad, 'size', '?')} elements, expected {pack.size}"
+            )
+        if grad.dtype != pack.buf.dtype:
+            raise InvalidArgument(
+                f"shards {pack.ids[0]}..{pack.ids[-1]}: the gradient is {grad.dtype},"
+                f" the variables are {pack.buf.dtype}"
+            )
+        if len(pulled_versions) != len(pack.members):
+            raise InvalidArgument("push: one version per shard expected")
+        staleness = [
+            self._check_version(m, v) for m, v in zip(pack.members, pulled_versions, strict=True)
+        ]
+        return PackUpdate(pack, grad, staleness)
+
     def plan_rows(
         self,
         shard_id: int,
@@ -663,7 +800,11 @@ class ShardStore:
         update of the push is undone and NonFiniteGradient raised: nothing changed
         (rows a hash table created for it stay, at their initial values, as a pull's)."""
         scale = self._check_scale(scale)
-        journal = [_Undo.save(u) for u in updates if u.shard.values.dtype == np.float16]
+        journal = [
+            _Undo.save(u)
+            for u in updates
+            if not isinstance(u, PackUpdate) and u.shard.values.dtype == np.float16
+        ]
         # (a float16 shard is copied whole per push here: float16 shards are small)
         with np.errstate(over="ignore", invalid="ignore") if journal else _NO_CONTEXT:
             for u in updates:
@@ -677,9 +818,58 @@ class ShardStore:
                 " past 65504, the largest float16 (refused: nothing changed; a lower"
                 " learning rate, or float32, avoids it)"
             )
-        return [self._applied(u.shard, u.staleness) for u in updates]
+        out: list[tuple[int, int]] = []
+        for u in updates:
+            if isinstance(u, PackUpdate):
+                out.extend(
+                    self._applied(m, st) for m, st in zip(u.pack.members, u.staleness, strict=True)
+                )
+            else:
+                out.append(self._applied(u.shard, u.staleness))
+        return out
+
+    def _update_pack(self, update: PackUpdate, scale: float) -> None:
+        """One optimizer pass over the pack when its members are at one version (the
+        optimizer's step is then the same for all), else one per member."""
+        pack = update.pack
+        if pack.own():
+            self.copies_on_write += 1
+        versions = pack.versions()
+        optimizer, grad = pack.optimizer, update.grad
+        if versions.count(versions[0]) == len(versions):
+            scratch = self._scratch_of(pack.buf.dtype, optimizer, pack.size)
+            self._run(optimizer, pack.buf, pack.slots, grad, 0, versions[0] + 1, scratch, scale)
+            return
+        for m, lo, hi in pack.spans():
+            scratch = self._scratch_for(m)
+            self._run(
+                m.optimizer, m.flat, m.flat_slots, grad[lo:hi], 0, m.version + 1, scratch, scale
+            )
+
+    def _run(
+        self,
+        optimizer: Optimizer,
+        flat: Array,
+        slots: Mapping[str, Array],
+        chunk: Array,
+        offset: int,
+        step: int,
+        scratch: Array,
+        scale: float,
+    ) -> None:
+        """``chunk`` applied to elements ``[offset, offset + len(chunk))`` of ``flat``, in
+        pieces of at most ``chunk_elems``."""
+        for lo in range(0, chunk.shape[0], self.chunk_elems):
+            hi = min(lo + self.chunk_elems, chunk.shape[0])
+            a, b = offset + lo, offset + hi
+            optimizer.apply_dense(
+                flat[a:b], chunk[lo:hi], {k: v[a:b] for k, v in slots.items()}, step, scratch, scale
+            )
 
     def _update_values(self, update: Update, scale: float) -> None:
+        if isinstance(update, PackUpdate):
+            self._update_pack(update, scale)
+            return
         shard = update.shard
         if not shard.is_table and shard.own():  # a send still holds the values: copy first
             self.copies_on_write += 1
@@ -689,17 +879,7 @@ class ShardStore:
         optimizer, step = shard.optimizer, shard.version + 1
         scratch = self._scratch_for(shard)
         for offset, chunk in update.chunks:
-            for lo in range(0, chunk.shape[0], self.chunk_elems):
-                hi = min(lo + self.chunk_elems, chunk.shape[0])
-                a, b = offset + lo, offset + hi
-                optimizer.apply_dense(
-                    shard.flat[a:b],
-                    chunk[lo:hi],
-                    {k: v[a:b] for k, v in shard.flat_slots.items()},
-                    step,
-                    scratch,
-                    scale,
-                )
+            self._run(optimizer, shard.flat, shard.flat_slots, chunk, offset, step, scratch, scale)
 
     def apply_dense(
         self,
@@ -802,11 +982,14 @@ class ShardStore:
 
     def _scratch_for(self, shard: Shard) -> Array:
         """The store's scratch buffer viewed as the shard's compute dtype, grown if needed."""
-        dtype = compute_dtype(shard.values.dtype)
+        return self._scratch_of(shard.values.dtype, shard.optimizer, shard.definition.size)
+
+    def _scratch_of(self, values: np.dtype[Any], optimizer: Optimizer, size: int) -> Array:
+        dtype = compute_dtype(values)
         itemsize = dtype.itemsize
         # the optimizer works in blocks of at most BLOCK_ELEMS, so that is all it needs
-        piece = min(self.chunk_elems, shard.definition.size, BLOCK_ELEMS)
-        elems = shard.optimizer.scratch_factor * piece
+        piece = min(self.chunk_elems, size, BLOCK_ELEMS)
+        elems = optimizer.scratch_factor * piece
         if self._scratch.nbytes < elems * itemsize:
             self._scratch = np.empty(elems * itemsize, dtype=np.uint8)
         return self._scratch[: elems * itemsize].view(dtype)

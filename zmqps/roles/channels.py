@@ -37,6 +37,7 @@ import numpy.typing as npt
 
 from zmqps.core import lowp
 from zmqps.transport.shm import Region
+from zmqps.wire import Tensor
 from zmqps.wire import ops as o
 from zmqps.wire.errors import ZmqpsError
 
@@ -132,10 +133,11 @@ class TcpChannel(DenseChannel):
     async def _message(self, t: Transfer, sids: list[int]) -> bool:
         c = self.client
         requester = c.ps[self.ps]
+        packs = (len(sids),) if c.is_pack(sids) else ()  # one frame for the whole pack
         if t.op == "pull":
             # A TCP pull is idempotent: it may be sent again (after its deadline, or at
             # once when a lost connection comes back).
-            pull = o.Pull(tuple(sids), gen=c.gen, exact=c.exact or None)
+            pull = o.Pull(tuple(sids), gen=c.gen, exact=c.exact or None, packs=packs or None)
             rep = await requester.request("pull", pull.to_wire(), timeout=c.timeout, attempts=2)
             c.take_values(rep, sids, t.out, pull.gen)
             return True
@@ -143,7 +145,10 @@ class TcpChannel(DenseChannel):
         done = None if t.delivery is None else t.delivery.outcome(self.ps, sids)
         if done is not None:  # sent again: this message was answered the first time
             return done
-        tensors = [tensor for sid in sids for tensor in c.chunks(sid, t.grads, "grad")]
+        if packs:
+            tensors = [Tensor(c.pack_grad(sids, t.grads), "grad", sids[0], 0)]
+        else:
+            tensors = [tensor for sid in sids for tensor in c.chunks(sid, t.grads, "grad")]
         body = c.push_body(
             self.ps,
             sids,
@@ -153,6 +158,7 @@ class TcpChannel(DenseChannel):
             op=t.op,
             versions_gen=t.versions_gen,
             delivery=t.delivery,
+            packs=packs,
         )
         rep = await requester.request(
             t.op, body.to_wire(), tensors, timeout=c.timeout, attempts=c.push_attempts
@@ -181,6 +187,12 @@ class ShmChannel(DenseChannel):
         self.regions = regions
         self.lock = asyncio.Lock()
         self.offsets = regions.offsets  # tests and the client read the layout here
+        #: elements of every pack laid out here
+        self.pack_sizes = {
+            ids: sum(client.routes[sid].size for sid in ids)
+            for ids in set(client.pack_of.values())
+            if all(sid in regions.offsets for sid in ids)
+        }
 
     @classmethod
     def make(
@@ -205,28 +217,35 @@ class ShmChannel(DenseChannel):
     def covers(self, sids: Sequence[int]) -> bool:
         return all(s in self.regions.offsets for s in sids)
 
-    def ref(self, pull: bool, sids: Sequence[int]) -> o.ShmRef:
+    def ref(self, pull: bool, heads: Sequence[int]) -> o.ShmRef:
+        """The region and the offsets of a message's units (``heads``: each pack's first
+        shard, then the other shards; a pack is laid out back to back from its first)."""
         r = self.regions
-        return o.ShmRef(r.pull_id if pull else r.push_id, tuple(r.offsets[s] for s in sids))
+        return o.ShmRef(r.pull_id if pull else r.push_id, tuple(r.offsets[s] for s in heads))
 
     async def transfer(self, t: Transfer) -> bool:
         c = self.client
         pulls = t.op != "push"
+        spans, rest = c.packed(t.sids)
+        sids = [sid for ids in spans for sid in ids] + rest  # the packs lead
+        heads = [ids[0] for ids in spans] + rest
+        packs = tuple(len(ids) for ids in spans)
         async with self.lock:
             if t.op != "pull":
                 assert t.grads is not None
-                self._copy_in(t.sids, t.grads)
+                self._copy_in(spans, rest, t.grads)
                 req = c.push_body(
                     self.ps,
-                    t.sids,
+                    sids,
                     t.step,
                     t.versions,
                     t.cursor,
                     op=t.op,
                     versions_gen=t.versions_gen,
-                    shm=self.ref(False, t.sids),
-                    shm_out=self.ref(True, t.sids) if pulls else None,
+                    shm=self.ref(False, heads),
+                    shm_out=self.ref(True, heads) if pulls else None,
                     delivery=t.delivery,
+                    packs=packs,
                 )
                 rep = await c.ps[self.ps].request(
                     t.op, req.to_wire(), timeout=c.timeout, attempts=c.push_attempts
@@ -236,16 +255,16 @@ class ShmChannel(DenseChannel):
             else:
                 # sent again at once if its connection comes back (a PS stopped past
                 # the heartbeat timeout): the PS answers a copy it served by TCP
-                pull = o.Pull(tuple(t.sids), self.ref(True, t.sids), c.gen)
+                pull = o.Pull(tuple(sids), self.ref(True, heads), c.gen, packs=packs or None)
                 rep = await c.ps[self.ps].request(
                     "pull", pull.to_wire(), timeout=c.timeout, attempts=2
                 )
                 accepted, gen = True, pull.gen
             if pulls and rep.tensors:  # a resend's reply: values by TCP (see above)
-                c.take_values(rep, t.sids, t.out, gen)
+                c.take_values(rep, sids, t.out, gen)
             elif pulls:
-                c.set_versions(rep, t.sids, gen)
-                self._copy_out(t.sids, t.out)
+                c.set_versions(rep, sids, gen)
+                self._copy_out(sids, t.out)
         return accepted
 
     def _copy_out(self, sids: Sequence[int], out: Mapping[str, Array] | None) -> None:
@@ -262,8 +281,13 @@ class ShmChannel(DenseChannel):
             else:
                 np.copyto(dst, src)
 
-    def _copy_in(self, sids: Sequence[int], flat: Mapping[str, Array]) -> None:
+    def _copy_in(
+        self, packs: Sequence[tuple[int, ...]], sids: Sequence[int], flat: Mapping[str, Array]
+    ) -> None:
         c, r = self.client, self.regions
+        for ids in packs:  # one copy per pack, into its span
+            span = r.push.view(r.offsets[ids[0]], np.dtype(np.float32), self.pack_sizes[ids])
+            c.pack_grad(ids, flat, out=span)
         for sid in sids:
             route = c.routes[sid]
             dst = r.push.view(r.offsets[sid], route.wire, route.size)
@@ -305,14 +329,26 @@ def layout(client: ParameterClient, ps: int) -> tuple[dict[int, int], dict[str, 
         return start
 
     placement = client.placement
+    for ids in sorted({ids for ids in client.pack_of.values()}):  # each pack back to back
+        routes = [client.routes[sid] for sid in ids]
+        if routes[0].shard.state != ps:
+            continue
+        start = block(sum(r.size for r in routes) * 4)
+        for name, at in client.whole_in(ids).items():  # params of these: views
+            whole[name] = start + at * 4
+        for r in routes:
+            offsets[r.shard.id] = start
+            start += r.size * 4
     for v in placement.variables:
         if v.sparse:
             continue
         shards = placement.shards_of(v.name)
-        mine = [s for s in shards if s.state == ps]
+        mine = [s for s in shards if s.state == ps and s.id not in offsets]
         itemsize = v.wire_dtype.itemsize
         # a variable travelling narrower is widened into params: never a view of a region
-        if mine and len(mine) == len(shards) and v.wire is None:
+        if not mine:
+            continue
+        if len(mine) == len(shards) and v.wire is None:
             start = whole[v.name] = block(v.nbytes)
             row_bytes = v.row_size * itemsize
             for s in mine:

@@ -37,8 +37,9 @@ import numpy.typing as npt
 
 from zmqps.core import lowp
 from zmqps.core.hashtable import bucket_of
+from zmqps.core.packs import plan_packs
 from zmqps.core.segments import sum_runs
-from zmqps.core.variables import Placement, ShardInfo, VariableDef
+from zmqps.core.variables import Placement, ShardDef, ShardInfo, VariableDef
 from zmqps.roles.channels import Delivery, DenseChannel, ShmChannel, TcpChannel, Transfer, layout
 from zmqps.roles.threads import CheckThreads
 from zmqps.transport.base import Requester
@@ -167,6 +168,12 @@ class ParameterClient:
         self.params: dict[str, Array] = {
             v.name: np.zeros(v.shape, dtype=v.dtype) for v in placement.variables if not v.sparse
         }
+        #: every packed shard's pack (:mod:`zmqps.core.packs`: the PS plan the same)
+        self.pack_of: dict[int, tuple[int, ...]] = {}
+        #: packs of whole variables: their params are views of one buffer, which a
+        #: packed reply lands in with one copy
+        self._pack_bufs: dict[tuple[int, ...], tuple[Array, list[Array]]] = {}
+        self._plan_packs()
         self.versions: dict[int, int] = dict.fromkeys(self.routes, 0)
         #: the generation each shard's version (and values) was pulled in: a push is
         #: stamped with it, so that a gradient computed on values of before a restore
@@ -191,6 +198,77 @@ class ParameterClient:
             self._row_bounds[v.name] = (np.array([s.row_start for s in shards], np.int64), shards)
 
     # ------------------------------------------------------------------ helpers
+
+    def _plan_packs(self) -> None:
+        p = self.placement
+        by_state: dict[int, list[ShardDef]] = {}
+        for s in p.shards:
+            by_state.setdefault(s.state, []).append(ShardDef.of(p.variable(s.var), s, p.optimizer))
+        for defs in by_state.values():
+            for ids in plan_packs(defs):
+                if sum(self.routes[sid].size for sid in ids) * 4 > self._chunk_bytes:
+                    continue  # travels in frames of at most chunk_bytes
+                for sid in ids:
+                    self.pack_of[sid] = ids
+                held = self.whole_in(ids)
+                if held:
+                    buf = np.zeros(sum(self.routes[sid].size for sid in ids), np.float32)
+                    views = []
+                    for name, pos in held.items():
+                        v = p.variable(name)
+                        view = buf[pos : pos + math.prod(v.shape)].reshape(v.shape)
+                        self.params[name] = view
+                        views.append(view)
+                    self._pack_bufs[ids] = (buf, views)
+
+    def whole_in(self, ids: Sequence[int]) -> dict[str, int]:
+        """The variables pack ``ids`` holds whole, in row order, and the element each
+        starts at in the pack: their arrays can be views of a buffer laid out as it is."""
+        first: dict[str, int] = {}
+        count: dict[str, int] = {}
+        pos = 0
+        ok: dict[str, bool] = {}
+        for sid in ids:
+            r = self.routes[sid]
+            name = r.var.name
+            if name not in first:
+                first[name], count[name], ok[name] = pos - r.start, 0, True
+            ok[name] = ok[name] and first[name] + r.start == pos
+            count[name] += 1
+            pos += r.size
+        return {
+            name: at
+            for name, at in first.items()
+            if ok[name] and count[name] == len(self.placement.shards_of(name))
+        }
+
+    def packed(self, sids: Sequence[int]) -> tuple[list[tuple[int, ...]], list[int]]:
+        """``sids`` as the packs they hold whole and the shards that travel on their own."""
+        packs: list[tuple[int, ...]] = []
+        if not self.pack_of:
+            return packs, list(sids)
+        present = set(sids)
+        covered: set[int] = set()
+        for sid in sids:
+            ids = self.pack_of.get(sid)
+            if ids is not None and sid == ids[0] and present.issuperset(ids):
+                packs.append(ids)
+                covered.update(ids)
+        return packs, [sid for sid in sids if sid not in covered]
+
+    def is_pack(self, sids: Sequence[int]) -> bool:
+        """Whether ``sids`` are exactly one pack, in order."""
+        return len(sids) >= 2 and self.pack_of.get(sids[0]) == tuple(sids)
+
+    def pack_grad(
+        self, ids: Sequence[int], grads: Mapping[str, Array], out: Array | None = None
+    ) -> Array:
+        """The gradient of every shard of pack ``ids``, back to back (into ``out``)."""
+        parts = []
+        for sid in ids:
+            r = self.routes[sid]
+            parts.append(grads[r.var.name][r.start : r.start + r.size])
+        return np.concatenate(parts, out=out)
 
     @property
     def gen(self) -> int:
@@ -243,11 +321,15 @@ class ParameterClient:
         gen: int | None,
     ) -> None:
         """The values a reply carries (to a request of generation ``gen``), copied into
-        ``params`` (or ``out``)."""
+        ``params`` (or ``out``). A pack the PS sent packed is one tensor named by its
+        first shard."""
         self.set_versions(reply, sids, gen)
         dst_arrays = self.params if out is None else out
         narrowed: list[tuple[Array, Array]] = []
-        for t in reply.tensors:
+        tensors: Sequence[Tensor] = reply.tensors
+        if reply.body.get("packed"):
+            tensors = self._take_packs(reply, sids, dst_arrays, out is None)
+        for t in tensors:
             r = self.routes.get(t.ref)
             if r is None or t.kind != "value" or t.offset + t.array.size > r.size:
                 raise ProtocolError(f"pull reply: unexpected tensor for shard {t.ref}")
@@ -262,6 +344,38 @@ class ParameterClient:
             else:
                 np.copyto(dst, t.array.reshape(-1), casting="same_kind")
         lowp.widen_all(narrowed, self.threads)  # every chunk at once, by several threads
+
+    def _take_packs(
+        self, reply: Message, sids: Sequence[int], dst: Mapping[str, Array], params: bool
+    ) -> list[Tensor]:
+        """The packed values of a reply copied in; the tensors of other shards returned."""
+        heads = {ids[0]: ids for ids in self.packed(sids)[0]}
+        rest: list[Tensor] = []
+        for t in reply.tensors:
+            ids = heads.pop(t.ref, None)
+            if ids is None:
+                rest.append(t)
+                continue
+            flat = t.array.reshape(-1)
+            routes = [self.routes[sid] for sid in ids]
+            if t.kind != "value" or t.offset or flat.dtype != np.float32:
+                raise ProtocolError(f"pull reply: unexpected packed tensor for shard {t.ref}")
+            if flat.size != sum(r.size for r in routes):
+                raise ProtocolError(f"pull reply: the pack of shard {t.ref} has another size")
+            kept = self._pack_bufs.get(ids) if params else None
+            if kept is not None and all(
+                dst.get(r.var.name) is v for r, v in zip(routes, kept[1], strict=True)
+            ):
+                np.copyto(kept[0], flat)  # params are views of the pack's buffer
+                continue
+            pos = 0
+            for r in routes:
+                part = dst[r.var.name].reshape(-1)[r.start : r.start + r.size]
+                np.copyto(part, flat[pos : pos + r.size])
+                pos += r.size
+        if heads:
+            raise ProtocolError("pull reply: a pack said to be packed is missing")
+        return rest
 
     def tag(self, closure: int | None) -> None:
         """From now on, pushes belong to scheduled function ``closure`` (None: to no
@@ -283,6 +397,7 @@ class ParameterClient:
         shm_out: o.ShmRef | None = None,
         versions_gen: int | None = None,
         delivery: Delivery | None = None,
+        packs: Sequence[int] = (),
     ) -> o.Push:
         """The body of the next push to PS ``ps`` (its own sequence number), stamped
         with the generation of the values its gradients were computed on: those pulled
@@ -321,6 +436,7 @@ class ParameterClient:
             cursor=cursor,
             closure=self._closure,
             closure_seq=closure_seq,
+            packs=tuple(packs) or None,
         )
 
     def _tally(self, ps: int, gen: int, what: str) -> None:
@@ -466,8 +582,10 @@ class ParameterClient:
     def groups(self, sids: list[int]) -> list[list[int]]:
         """Shards of one PS in messages of about ``group_bytes``: small shards travel
         together, large ones alone, so the PS applies one message while the next
-        arrives and the worker copies one reply while the next streams in."""
-        groups: list[list[int]] = []
+        arrives and the worker copies one reply while the next streams in. A pack
+        (:mod:`zmqps.core.packs`) held whole travels as a message of its own."""
+        packs, sids = self.packed(sids)
+        groups: list[list[int]] = [list(ids) for ids in packs]  # a pack: one message
         size = self.group_bytes
         for sid in sids:
             r = self.routes[sid]

@@ -219,6 +219,10 @@ WAIT = Float(0.0, MAX_WAIT_S)
 CURSORS = Dict(COUNT, Str(64), 1 << 20)
 SHARDS = List(SHARD_ID, MAX_SHARDS)
 VERSIONS = List(Int(0), MAX_SHARDS)
+#: packs (:mod:`zmqps.core.packs`): the number of shards in each of the message's
+#: leading packs, in order; each pack's values or gradient travel as one tensor (or one
+#: span of a shared-memory region) named by its first shard
+PACKS = List(Int(2, MAX_SHARDS), MAX_SHARDS)
 
 
 @_body()
@@ -347,6 +351,7 @@ class Pull(Body):
     #: the values as the PS keeps them, not rounded to their variable's wire dtype (the
     #: chief's final evaluation and export, an evaluator)
     exact: bool | None = wire(Bool(), default=None)
+    packs: tuple[int, ...] | None = wire(PACKS, default=None)
 
 
 @_body("push")
@@ -371,6 +376,7 @@ class Push(Body):
     #: (its first worker was lost) has each of its pushes applied once
     closure: int | None = wire(Int(0), default=None)
     closure_seq: int | None = wire(Int(1), default=None)
+    packs: tuple[int, ...] | None = wire(PACKS, default=None)
 
 
 @_body("push_pull")
@@ -772,6 +778,8 @@ class Values(Body):
     order; the values travel as tensors (or in the shared-memory region)."""
 
     versions: tuple[int, ...] = wire(VERSIONS)
+    #: the request's packs travel packed in the reply (else shard by shard)
+    packed: bool | None = wire(Bool(), default=None)
 
 
 @_body(reply=True)
@@ -785,6 +793,8 @@ class PushReply(Body):
     versions: tuple[int, ...] = wire(VERSIONS, default=())
     duplicate: bool | None = wire(Bool(), default=None)
     dropped: str | None = wire(Str(32), default=None)
+    #: push_pull: the request's packs travel packed in the reply (else shard by shard)
+    packed: bool | None = wire(Bool(), default=None)
 
     @property
     def outcome(self) -> str:

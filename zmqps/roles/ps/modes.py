@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from zmqps.core.store import DenseUpdate, RowUpdate, ShardStore, Update
+from zmqps.core.store import DenseUpdate, PackUpdate, RowUpdate, ShardStore, Update
 from zmqps.core.sync import MODES, SyncShards
 from zmqps.transport.base import waited
 from zmqps.wire.errors import InvalidArgument, RolledBack
@@ -49,6 +49,9 @@ class PSMode:
     """The strategy interface (see the subclasses)."""
 
     name = ""
+    #: a pack's gradient may be applied whole (:class:`~zmqps.core.store.PackUpdate`);
+    #: a mode that keeps per-shard sums takes it shard by shard
+    fused = False
 
     def __init__(self, store: ShardStore) -> None:
         self.store = store
@@ -86,6 +89,8 @@ class PSMode:
 
 class Apply(PSMode):
     """async and ssp: a push is applied on arrival."""
+
+    fused = True
 
     def __init__(self, store: ShardStore, name: str = "async") -> None:
         super().__init__(store)
@@ -129,6 +134,8 @@ class Accumulate(PSMode):
             return Committed(dropped="duplicate")
         staleness, advanced = [], False
         for sid, u in zip(sids, updates, strict=True):
+            if isinstance(u, PackUpdate):  # (a pack is planned shard by shard here)
+                raise TypeError(f"sync mode: no per-shard update for shard {sid}")
             staleness.append(u.staleness)
             if isinstance(u, DenseUpdate):
                 advanced = sync.add_dense(sid, u.chunks, worker) or advanced

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from zmqps.core.packs import units
 from zmqps.core.store import ShardStore
 from zmqps.transport.shm import Region, attach_region
 from zmqps.wire.errors import InvalidArgument, NotFound
@@ -31,6 +32,7 @@ from zmqps.wire.ops import ShmRef
 __all__ = ["MAX_PER_WORKER", "MAX_REGIONS", "Regions"]
 
 MAX_PER_WORKER = 4
+_FLOAT32 = np.dtype(np.float32)
 #: regions one PS maps in all: one more is refused (the worker uses TCP), so clients
 #: inventing worker names cannot map memory without bound
 MAX_REGIONS = 4096
@@ -84,21 +86,39 @@ class Regions:
             self.detach(rid)
 
     def views(
-        self, store: ShardStore, sids: Sequence[int], ref: ShmRef, worker: str | None = None
+        self,
+        store: ShardStore,
+        sids: Sequence[int],
+        ref: ShmRef,
+        worker: str | None = None,
+        packs: Sequence[int] = (),
     ) -> list[np.ndarray[Any, Any]]:
-        """The shards' places in a region (flat, each shard's wire dtype), validated
-        whole; ``worker``: the region must be one it attached."""
+        """The places in a region of the message's units (flat, the wire dtype), validated
+        whole; ``worker``: the region must be one it attached. A unit is a pack (``packs``:
+        the shards in each leading pack, one offset and one float32 span for all of them)
+        or a shard on its own."""
         entry = self._regions.get(ref.region)
         if entry is None or (worker is not None and entry[0] != worker):
             raise NotFound(f"shm region {ref.region} is not attached")
-        if len(ref.offsets) != len(sids):
-            raise InvalidArgument("shm: one offset per shard expected")
+        spans_of, rest = units(sids, packs)
+        if len(ref.offsets) != len(spans_of) + len(rest):
+            raise InvalidArgument("shm: one offset per pack and per shard expected")
         region = entry[1]
         views, spans = [], []
-        for sid, off in zip(sids, ref.offsets, strict=True):
+        offsets = iter(ref.offsets)
+        for span in spans_of:
+            pack = store.pack_of(span)
+            size = 0 if pack is None else pack.size
+            for sid in span if pack is None else ():  # not a pack here: shard by shard
+                d = store.get_dense(sid).definition
+                if d.wire_dtype != np.float32:
+                    raise InvalidArgument(f"shm: shard {sid} is {d.wire_dtype}, not packed")
+                size += d.size
+            views.append(region.view(next(offsets), _FLOAT32, size))
+        for sid in rest:
             shard = store.get_dense(sid)
-            view = region.view(off, shard.definition.wire_dtype, shard.values.size)
-            views.append(view)
+            views.append(region.view(next(offsets), shard.definition.wire_dtype, shard.values.size))
+        for off, view in zip(ref.offsets, views, strict=True):
             spans.append((off, off + view.nbytes))
         spans.sort()
         for (_, end), (start, _) in itertools.pairwise(spans):

@@ -65,6 +65,7 @@ from typing import Any
 
 import numpy as np
 
+from zmqps.core.packs import units
 from zmqps.core.replication import Entry, Offer, PrimaryLog, ReplicaLog
 from zmqps.core.store import ShardStore
 from zmqps.core.sync import SyncShards
@@ -892,10 +893,12 @@ def _as_entry(msg: Message) -> tuple[str, dict[str, Any], list[Tensor]]:
 
 
 def entry_resolver(
-    views: Callable[[list[int], o.ShmRef, str | None], list[Any]],
+    views: Callable[[list[int], o.ShmRef, str | None, Sequence[int]], list[Any]],
 ) -> Callable[[Message], tuple[str, dict[str, Any], list[Tensor]]]:
     """The entry of a request, a shared-memory push's gradient as tensors (``views``:
-    the places of the shards in a region the pushing worker attached, validated)."""
+    the places of the message's units, its packs and its other shards, in a region the
+    pushing worker attached, validated): one per pack, named by its first shard, and
+    one per other shard, as the push would have carried them by TCP."""
 
     def resolve(msg: Message) -> tuple[str, dict[str, Any], list[Tensor]]:
         op, body, tensors = _as_entry(msg)
@@ -903,8 +906,12 @@ def entry_resolver(
         if shm is not None:
             sids = list(body.get("shards", ()))
             worker = body.get("worker")
-            arrays = views(sids, o.ShmRef.from_wire(shm), None if worker is None else str(worker))
-            tensors = [Tensor(a, "grad", sid, 0) for sid, a in zip(sids, arrays, strict=True)]
+            packs = list(body.get("packs") or ())
+            ref = o.ShmRef.from_wire(shm)
+            arrays = views(sids, ref, None if worker is None else str(worker), packs)
+            spans, rest = units(sids, packs)
+            heads = [span[0] for span in spans] + rest
+            tensors = [Tensor(a, "grad", sid, 0) for sid, a in zip(heads, arrays, strict=True)]
         return op, body, tensors
 
     return resolve

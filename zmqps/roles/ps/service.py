@@ -28,6 +28,7 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import logging
@@ -41,7 +42,8 @@ from typing import Any
 
 from zmqps.core.dedup import ClosureLedger, PushDeduper, PushLedger
 from zmqps.core.finite import first_bad_of, limit
-from zmqps.core.store import ShardStore, Update
+from zmqps.core.packs import split, units
+from zmqps.core.store import Pack, ShardStore, Update
 from zmqps.core.sync import ReleasedTokens
 from zmqps.core.variables import ShardDef
 from zmqps.logs import RateLimitedLog
@@ -294,14 +296,34 @@ class PSService:
 
     # -- pulls -----------------------------------------------------------------
 
+    def _held_packs(self, sids: Sequence[int], packs: Sequence[int]) -> list[Pack] | None:
+        """The packs a message names (``packs``: shards in each leading pack), if every one
+        is a pack here; None otherwise (the message is then taken shard by shard)."""
+        if not packs:
+            return None
+        held: list[Pack] = []
+        for span in units(sids, packs)[0]:
+            pack = self.store.pack_of(span)
+            if pack is None or pack.buf.nbytes > self.chunk_elems_bytes:
+                return None
+            held.append(pack)
+        return held
+
     def _snapshot_tensors(
-        self, sids: Sequence[int], exact: bool = False
-    ) -> tuple[list[int], list[Tensor]]:
+        self, sids: Sequence[int], exact: bool = False, packs: Sequence[int] = ()
+    ) -> tuple[list[int], list[Tensor], bool]:
         """Each shard's values as reply tensors of at most ``chunk_bytes``: zero-copy
         (the next update of the shard copies first), or rounded to the shard's wire
-        dtype unless ``exact``."""
+        dtype unless ``exact``. The message's packs, when they are packs here, travel as
+        one tensor each, lent whole (True is then returned last)."""
         versions: list[int] = []
         tensors: list[Tensor] = []
+        held = self._held_packs(sids, packs)
+        if held is not None:
+            for pack in held:
+                versions.extend(pack.versions())
+                tensors.append(Tensor(pack.lend(), "value", pack.ids[0], 0))
+            sids = units(sids, packs)[1]
         for sid in sids:
             if exact:
                 shard = self.store.get(sid)
@@ -314,20 +336,40 @@ class PSService:
                 Tensor(flat[off : off + step], "value", sid, off)
                 for off in range(0, max(flat.size, 1), step)
             )
-        return versions, tensors
+        return versions, tensors, held is not None
 
     def _snapshot_to_region(
-        self, sids: Sequence[int], ref: o.ShmRef, views: Sequence[Any] | None = None
+        self,
+        sids: Sequence[int],
+        ref: o.ShmRef,
+        views: Sequence[Any] | None = None,
+        packs: Sequence[int] = (),
     ) -> list[int]:
-        """Each shard's values into its place in the region (``views``: those places,
-        already validated by :meth:`Regions.views` in this event-loop turn)."""
+        """Each shard's values into its place in the region (``views``: the places of the
+        message's units, already validated by :meth:`Regions.views` in this event-loop
+        turn); a pack held here in one copy."""
         if views is None:
-            views = self.regions.views(self.store, sids, ref)
+            views = self.regions.views(self.store, sids, ref, packs=packs)
         store = self.store
-        return [
+        spans, rest = units(sids, packs)
+        versions: list[int] = []
+        places: list[tuple[int, Any]] = []
+        for span, view in zip(spans, views, strict=False):
+            pack = store.pack_of(span)
+            if pack is not None:
+                view[...] = pack.buf
+                versions.extend(pack.versions())
+            else:
+                places += zip(span, split(view, self._sizes(span), "pull"), strict=True)
+        places += zip(rest, views[len(spans) :], strict=True)
+        versions += [
             store.snapshot_into(sid, view.reshape(store.get(sid).values.shape), self.check_threads)
-            for sid, view in zip(sids, views, strict=True)
+            for sid, view in places
         ]
+        return versions
+
+    def _sizes(self, sids: Sequence[int]) -> list[int]:
+        return [self.store.get_dense(sid).definition.size for sid in sids]
 
     def _op_pull(self, msg: Message, req: o.Pull) -> Message:
         if len(set(req.shards)) != len(req.shards):
@@ -336,15 +378,16 @@ class PSService:
             self.store.get(sid)  # NotFound before any work
         if req.shm_out is not None and req.exact:
             raise InvalidArgument("pull: exact values travel by TCP, not shared memory")
+        packs = req.packs or ()
         if req.shm_out is not None and not self._shm_pull_again(msg):
-            versions = self._snapshot_to_region(req.shards, req.shm_out)
+            versions = self._snapshot_to_region(req.shards, req.shm_out, packs=packs)
             self._shm_pull_served(msg)
             return reply(msg, o.Values(tuple(versions)).to_wire())
         # TCP, or a shared-memory pull sent again (its connection came back): the worker
         # may already have the first reply and be computing on the region, so the
         # values travel in the reply instead (a worker still waiting copies them in)
-        versions, tensors = self._snapshot_tensors(req.shards, exact=bool(req.exact))
-        return reply(msg, o.Values(tuple(versions)).to_wire(), tensors)
+        versions, tensors, packed = self._snapshot_tensors(req.shards, bool(req.exact), packs)
+        return reply(msg, o.Values(tuple(versions), packed or None).to_wire(), tensors)
 
     def _shm_pull_again(self, msg: Message) -> bool:
         """Whether this shared-memory pull (sender, request id) was served already."""
@@ -422,47 +465,85 @@ class PSService:
     # -- pushes ----------------------------------------------------------------
 
     def _grad_tensors(
-        self, msg: Message, req: o.Push, kinds: tuple[str, ...]
+        self,
+        msg: Message,
+        req: o.Push,
+        kinds: tuple[str, ...],
+        heads: Sequence[int] | None = None,
     ) -> dict[int, list[Tensor]]:
-        """The message's gradient tensors by shard, its structure checked."""
+        """The message's gradient tensors by shard (``heads``: the shards tensors are
+        named by, when not every shard: a pack's first), its structure checked."""
         sids = req.shards
         if len(set(sids)) != len(sids):
             raise InvalidArgument("a shard appears twice in one push")
         if len(req.versions) != len(sids):
             raise InvalidArgument("push: one version per shard expected")
+        for sid in sids:
+            if sid not in self.store:
+                raise NotFound(f"shard {sid} is not on ps {self.index}")
         by_shard: dict[int, list[Tensor]] = defaultdict(list)
-        named = set(sids)
+        named_in_order = sids if heads is None else heads
+        named = set(named_in_order)
         for t in msg.tensors:
             if t.kind not in kinds:
                 raise InvalidArgument(f"push: unexpected tensor kind {t.kind!r}")
             if t.ref not in named:
                 raise InvalidArgument(f"push: tensor for shard {t.ref} not named in the body")
             by_shard[t.ref].append(t)
-        for sid in sids:
-            if sid not in self.store:
-                raise NotFound(f"shard {sid} is not on ps {self.index}")
+        for sid in named_in_order:
             if sid not in by_shard:
                 raise InvalidArgument(f"push: no gradient for shard {sid}")
         return by_shard
 
     def _dense_plans(self, msg: Message, req: o.Push) -> list[Update]:
-        """Every shard's gradient, from the push region or the message, validated."""
+        """Every shard's gradient, from the push region or the message, validated. A pack
+        named by the message that is a pack here is checked and planned whole (in sync
+        mode, whose sums are per shard, it is cut into its shards)."""
         sids = req.shards
+        spans, rest = units(sids, req.packs or ())
         if req.shm is not None:
             if msg.tensors or len(set(sids)) != len(sids) or len(req.versions) != len(sids):
                 raise InvalidArgument("push: shm pushes name each shard once, with no tensors")
-            views = self.regions.views(self.store, sids, req.shm, req.worker)
-            chunks: Mapping[int, list[tuple[int, Any]]] = {
-                sid: [(0, view)] for sid, view in zip(sids, views, strict=True)
+            views = self.regions.views(self.store, sids, req.shm, req.worker, req.packs or ())
+            packed = views[: len(spans)]
+            chunks: dict[int, list[tuple[int, Any]]] = {
+                sid: [(0, view)] for sid, view in zip(rest, views[len(spans) :], strict=True)
             }
         else:
-            by_shard = self._grad_tensors(msg, req, ("grad",))
+            heads = [span[0] for span in spans] + rest if spans else None
+            by_shard = self._grad_tensors(msg, req, ("grad",), heads)
+            packed = []
+            for span in spans:
+                ts = by_shard.pop(span[0])
+                if len(ts) != 1 or ts[0].offset != 0:
+                    raise InvalidArgument(f"push: the pack of shard {span[0]} in one tensor")
+                packed.append(ts[0].array.reshape(-1))
             self._check_chunk_counts(by_shard)
-            chunks = {sid: [(t.offset, t.array.reshape(-1)) for t in by_shard[sid]] for sid in sids}
-        self._check_values([(sid, chunk, offset) for sid in sids for offset, chunk in chunks[sid]])
-        return [
+            chunks = {sid: [(t.offset, t.array.reshape(-1)) for t in by_shard[sid]] for sid in rest}
+        whole: list[tuple[Pack, Any, int]] = []  # (pack, gradient, first version's index)
+        pos = 0
+        for span, flat in zip(spans, packed, strict=True):
+            pack = self.store.pack_of(span) if self.mode.fused else None
+            if pack is not None:
+                whole.append((pack, flat, pos))
+            else:  # not a pack here (or sync mode): shard by shard
+                for sid, view in zip(span, split(flat, self._sizes(span), "push"), strict=True):
+                    chunks[sid] = [(0, view)]
+            pos += len(span)
+        plans: list[Update] = [
+            self.store.plan_pack(pack, flat, req.versions[at : at + len(pack.ids)])
+            for pack, flat, at in whole
+        ]
+        self._check_values(
+            [(pack.ids[0], flat, 0) for pack, flat, _ in whole]
+            + [(sid, chunk, offset) for sid in chunks for offset, chunk in chunks[sid]],
+            {pack.ids[0]: pack for pack, _, _ in whole},
+        )
+        in_packs = {sid for pack, _, _ in whole for sid in pack.ids}
+        return plans + [
             self.store.plan_dense(sid, chunks[sid], ver)
             for sid, ver in zip(sids, req.versions, strict=True)
+            if sid not in in_packs
         ]
 
     def _check_chunk_counts(self, by_shard: Mapping[int, Sequence[Tensor]]) -> None:
@@ -481,12 +562,15 @@ class PSService:
                     f" (chunks of at least {least} bytes)"
                 )
 
-    def _check_values(self, grads: Sequence[tuple[int, Any, int]]) -> None:
+    def _check_values(
+        self, grads: Sequence[tuple[int, Any, int]], packs: Mapping[int, Pack] | None = None
+    ) -> None:
         """Every pushed gradient ``(shard, values, offset)`` is of its variable's dtype
         (the client converts; nothing else reaches a kernel), finite and below the
         dtype's limit past which an update could overflow: refused before anything
         changes. The value check reads a large push with several threads
-        (:func:`first_bad_of`)."""
+        (:func:`first_bad_of`). ``packs``: the packs whose gradient is one entry, by
+        their first shard (a bad value is said with the shard it belongs to)."""
         for sid, grad, _ in grads:
             d = self.store.get(sid).definition
             want = d.wire_dtype
@@ -502,6 +586,10 @@ class PSService:
             j, i = bad
             sid, grad, offset = grads[j]
             value = grad[i]
+            pack = None if packs is None else packs.get(sid)
+            if pack is not None:  # the member the element belongs to
+                k = bisect.bisect_right(pack.bounds, i) - 1
+                sid, offset = pack.ids[k], -pack.bounds[k]
             why = (
                 ""
                 if not math.isfinite(float(value))
@@ -538,19 +626,20 @@ class PSService:
             self._refused(req)
             raise
         out_views = None
+        packs = req.packs or ()
         if pull and req.shm_out is not None:  # validated before applying; used after
-            out_views = self.regions.views(self.store, req.shards, req.shm_out, req.worker)
+            out_views = self.regions.views(self.store, req.shards, req.shm_out, req.worker, packs)
         out = self._commit(req, plans)  # no await in between: the views stay valid
         if not pull:
             return reply(msg, self._push_reply(out, req.shards))
         if req.shm_out is not None and not out.duplicate:
-            versions = self._snapshot_to_region(req.shards, req.shm_out, out_views)
+            versions = self._snapshot_to_region(req.shards, req.shm_out, out_views, packs)
             return reply(msg, _with_versions(out, versions).to_wire())
         # TCP, or a resent shared-memory push_pull: the worker may already have the first
         # reply and be computing on the region, so the values travel in the reply instead
         # (a worker still waiting copies them in; else they are dropped)
-        versions, tensors = self._snapshot_tensors(req.shards)
-        return reply(msg, _with_versions(out, versions).to_wire(), tensors)
+        versions, tensors, packed = self._snapshot_tensors(req.shards, packs=packs)
+        return reply(msg, _with_versions(out, versions, packed).to_wire(), tensors)
 
     def _op_push_rows(self, msg: Message, req: o.PushRows) -> Message:
         by_shard = self._grad_tensors(msg, req, ("index", "rows"))
@@ -866,5 +955,7 @@ class PSService:
         return out
 
 
-def _with_versions(out: o.PushReply, versions: Sequence[int]) -> o.PushReply:
-    return o.PushReply(out.applied, out.staleness, tuple(versions), out.duplicate, out.dropped)
+def _with_versions(out: o.PushReply, versions: Sequence[int], packed: bool = False) -> o.PushReply:
+    return o.PushReply(
+        out.applied, out.staleness, tuple(versions), out.duplicate, out.dropped, packed or None
+    )

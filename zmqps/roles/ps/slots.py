@@ -403,7 +403,9 @@ class PSSlots:
             retained=retained,
             acked=acked,
             resolve=entry_resolver(
-                lambda sids, ref, worker: service.regions.views(service.store, sids, ref, worker)
+                lambda sids, ref, worker, packs: service.regions.views(
+                    service.store, sids, ref, worker, packs
+                )
             ),
             step=lambda: service.mode.step,
             on_commit=service.waiters.notify,
