@@ -411,3 +411,27 @@ def test_sync_mode_takes_a_pack_shard_by_shard() -> None:
 def test_requests_without_packs_are_read_as_before() -> None:
     msg = request("push", {"shards": [1], "versions": [0], "worker": "w", "inc": 0, "seq": 1})
     assert "packs" not in msg.body
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_a_packed_pull_lands_in_params_with_one_copy(num_shards: int) -> None:
+    variables = small_vars(9)
+
+    async def body() -> None:
+        c = await make_cluster(variables, 1, num_shards, optimizer={"name": "sgd", "lr": 0.1})
+        client = c.client()
+        ((buf, views),) = client._pack_bufs.values()
+        assert [name for name, _ in views] == [v.name for v in variables]
+        await client.pull()
+        g = grads_for(variables, seed=3)
+        await client.push(g, pull=True)
+        for v in variables:
+            assert np.shares_memory(client.params[v.name], buf)
+            np.testing.assert_array_equal(client.params[v.name], c.shard_values(v.name))
+        # arrays of the caller's: the values are copied in shard by shard
+        out = {v.name: np.empty(v.shape, np.float32) for v in variables}
+        await client.pull(out=out)
+        for v in variables:
+            np.testing.assert_array_equal(out[v.name], c.shard_values(v.name))
+
+    run(body())

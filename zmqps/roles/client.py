@@ -170,9 +170,9 @@ class ParameterClient:
         }
         #: every packed shard's pack (:mod:`zmqps.core.packs`: the PS plan the same)
         self.pack_of: dict[int, tuple[int, ...]] = {}
-        #: packs of whole variables: their params are views of one buffer, which a
+        #: packs of whole variables only: their params are views of one buffer, which a
         #: packed reply lands in with one copy
-        self._pack_bufs: dict[tuple[int, ...], tuple[Array, list[Array]]] = {}
+        self._pack_bufs: dict[tuple[int, ...], tuple[Array, list[tuple[str, Array]]]] = {}
         self._plan_packs()
         self.versions: dict[int, int] = dict.fromkeys(self.routes, 0)
         #: the generation each shard's version (and values) was pulled in: a push is
@@ -211,14 +211,14 @@ class ParameterClient:
                 for sid in ids:
                     self.pack_of[sid] = ids
                 held = self.whole_in(ids)
-                if held:
+                if set(held) == {self.routes[sid].var.name for sid in ids}:
                     buf = np.zeros(sum(self.routes[sid].size for sid in ids), np.float32)
                     views = []
                     for name, pos in held.items():
                         v = p.variable(name)
                         view = buf[pos : pos + math.prod(v.shape)].reshape(v.shape)
                         self.params[name] = view
-                        views.append(view)
+                        views.append((name, view))
                     self._pack_bufs[ids] = (buf, views)
 
     def whole_in(self, ids: Sequence[int]) -> dict[str, int]:
@@ -363,9 +363,7 @@ class ParameterClient:
             if flat.size != sum(r.size for r in routes):
                 raise ProtocolError(f"pull reply: the pack of shard {t.ref} has another size")
             kept = self._pack_bufs.get(ids) if params else None
-            if kept is not None and all(
-                dst.get(r.var.name) is v for r, v in zip(routes, kept[1], strict=True)
-            ):
+            if kept is not None and all(dst.get(name) is v for name, v in kept[1]):
                 np.copyto(kept[0], flat)  # params are views of the pack's buffer
                 continue
             pos = 0
