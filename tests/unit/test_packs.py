@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -251,11 +252,13 @@ def test_a_restore_and_an_install_pack_again() -> None:
 # ---------------------------------------------------------------- the wire
 
 
-async def unpacked_cluster(variables: Sequence[VariableDef], num_ps: int) -> Cluster:
+async def unpacked_cluster(
+    variables: Sequence[VariableDef],
+    num_ps: int,
+    optimizer: Mapping[str, Any] = MappingProxyType({"name": "sgd", "lr": 0.1}),
+) -> Cluster:
     """A cluster whose PS hold no pack (each shard created alone)."""
-    placement = plan(
-        variables, num_ps, Partitioner(num_shards=1), optimizer={"name": "sgd", "lr": 0.1}
-    )
+    placement = plan(variables, num_ps, Partitioner(num_shards=1), optimizer=optimizer)
     net = FakeNetwork()
     services = [PSService(i) for i in range(num_ps)]
     for i, svc in enumerate(services):
@@ -435,3 +438,58 @@ def test_a_packed_pull_lands_in_params_with_one_copy(num_shards: int) -> None:
             np.testing.assert_array_equal(out[v.name], c.shard_values(v.name))
 
     run(body())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_sequences_match_a_cluster_without_packs(seed: int) -> None:
+    """Seeded random sequences of pulls, pushes, push_pulls and pushes of some variables
+    only, by two workers, TCP or shared memory, any optimizer: the PS holding packs end
+    bit-identical to PS holding none, with the same versions."""
+    rng = np.random.default_rng(seed)
+    variables = small_vars(int(rng.integers(2, 30)), seed=seed)
+    optimizer = OPTIMIZERS[seed % len(OPTIMIZERS)]
+    num_ps = int(rng.integers(1, 3))
+
+    async def body() -> None:
+        packed_c = await make_cluster(variables, num_ps, 1, optimizer=optimizer)
+        plain_c = await unpacked_cluster(variables, num_ps, optimizer)
+        pairs = []
+        for w in range(2):
+            shm = bool(rng.integers(0, 2))
+            pairs.append(
+                (
+                    packed_c.client(f"w{w}", shared_memory=shm),
+                    plain_c.client(f"w{w}", shared_memory=shm),
+                )
+            )
+        for a, b in pairs:
+            await a.pull()
+            await b.pull()
+        for step in range(12):
+            a, b = pairs[int(rng.integers(0, 2))]
+            op = str(rng.choice(["pull", "push", "push_pull", "some"]))
+            g = grads_for(variables, seed=seed * 100 + step)
+            if op == "pull":
+                await a.pull()
+                await b.pull()
+            elif op == "some":
+                names = [v.name for v in variables if rng.random() < 0.5] or [variables[0].name]
+                some = {n: g[n] for n in names}
+                await a.push(some)
+                await b.push(some)
+            else:
+                await a.push(g, pull=op == "push_pull")
+                await b.push(g, pull=op == "push_pull")
+            assert a.versions == b.versions, (step, op)
+            for v in variables:
+                np.testing.assert_array_equal(a.params[v.name], b.params[v.name])
+        assert packed_c.versions() == plain_c.versions()
+        for v in variables:
+            np.testing.assert_array_equal(
+                packed_c.shard_values(v.name), plain_c.shard_values(v.name)
+            )
+        for a, b in pairs:
+            await a.close()
+            await b.close()
+
+    run(body(), timeout=20.0)
