@@ -97,6 +97,16 @@ class StalenessStats:
         }
 
 
+def _into_spare(holder: Shard | Pack, values: Array) -> Array:
+    """A copy of ``values`` in ``holder``'s spare buffer, taken, when no send holds it any
+    more, else in a new array (copy-on-write)."""
+    spare, holder.spare = holder.spare, None
+    if spare is None or sys.getrefcount(spare) > 2:  # the local name + the argument
+        spare = np.empty_like(values)
+    np.copyto(spare, values)
+    return spare
+
+
 @dataclass
 class Shard:
     """One shard: values of ``definition.shape``, slots of the same shape, a version.
@@ -158,12 +168,7 @@ class Shard:
             return self.pack.own()
         if not self.is_lent():
             return False
-        spare = self.spare
-        self.spare = None
-        if spare is None or sys.getrefcount(spare) > 2:  # the local name + the argument
-            spare = np.empty_like(self.values)
-        np.copyto(spare, self.values)
-        self.values, lent = spare, self.values
+        self.values, lent = _into_spare(self, self.values), self.values
         self._views()
         self.spare = lent  # free again once the sends that hold it are done
         return True
@@ -289,13 +294,7 @@ class Pack:
         """Make the buffer safe to update in place; True if that took a copy."""
         if not self.is_lent():
             return False
-        spare = self.spare
-        self.spare = None
-        if spare is None or sys.getrefcount(spare) > 2:  # the local name + the argument
-            spare = np.empty_like(self.buf)
-        np.copyto(spare, self.buf)
-        lent, self.buf = self.buf, spare
-        del spare  # (counted by _point otherwise)
+        self.buf, lent = _into_spare(self, self.buf), self.buf
         self._point()
         self.spare = lent  # free again once the sends that hold it are done
         return True
