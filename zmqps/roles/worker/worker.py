@@ -44,6 +44,7 @@ from typing import Any
 import numpy.typing as npt
 
 from zmqps.config import ClusterSpec, TaskSpec
+from zmqps.core.segments import load_kernels
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.device import Device, choose_devices
 from zmqps.device.staging import Mirror
@@ -597,6 +598,7 @@ class Worker:
     def pull_rows(self, name: str, ids: Any, *, create: bool = True) -> Array:
         """Rows ``ids`` of the embedding variable ``name``; ``create=False`` reads
         without creating or touching rows of a hash-keyed table (evaluation, serving)."""
+        load_kernels()  # here, not in the I/O loop: its first call may take seconds
         return self.io.run(
             self.session.retrying(lambda: self.client.pull_rows(name, ids, create=create))
         )
@@ -607,6 +609,7 @@ class Worker:
         """Start pulling rows of several tables now (``{name: ids}``, all concurrently)
         and return at once, so the pull overlaps with compute; ``.result()`` waits.
         A restore meanwhile surfaces from ``result()``: call :meth:`pull_rows` then."""
+        load_kernels()
 
         async def pull_all() -> dict[str, Array]:
             names = list(lookups)
@@ -617,6 +620,7 @@ class Worker:
 
     def push_rows(self, name: str, ids: Any, grads: Any) -> bool:
         """Row gradients for the embedding variable ``name`` (duplicate ids are summed)."""
+        load_kernels()
         step, cursor = self.steps.tag(), self.cursor
         try:
             return self.io.run(
