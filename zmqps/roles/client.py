@@ -56,7 +56,7 @@ from zmqps.wire.errors import (
 )
 from zmqps.wire.schema import MAX_ROW_VALUES, MAX_ROWS
 
-__all__ = ["Delivery", "ParameterClient"]
+__all__ = ["Delivery", "ParameterClient", "RowPush"]
 
 log = logging.getLogger("zmqps.client")
 
@@ -131,6 +131,16 @@ class _RowPlan:
     inverse: Array
     #: ps -> [(shard, lo, hi)]: the shard's ids are ``uniq[lo:hi]`` (maybe none)
     parts: dict[int, list[tuple[ShardInfo, int, int]]]
+
+
+@dataclass(frozen=True, slots=True)
+class RowPush:
+    """A row push made ready to send (:meth:`ParameterClient.rows_push`): the batch's
+    plan and its rows summed per distinct id, in the plan's order (arrays of its own)."""
+
+    name: str
+    plan: _RowPlan
+    summed: Array
 
 
 class ParameterClient:
@@ -769,6 +779,14 @@ class ParameterClient:
         """Push row gradients; duplicate ids are summed here, before sending. With a
         ``step`` (sync mode) every shard of the table gets a push, empty or not;
         ``delivery``: see :meth:`push`."""
+        rows = self.rows_push(name, ids, grads)
+        return await self.send_rows(rows, step=step, cursor=cursor, delivery=delivery)
+
+    def rows_push(self, name: str, ids: Any, grads: Any, *, load: bool = False) -> RowPush:
+        """The first half of :meth:`push_rows`, no I/O: the gradients checked, their
+        repeated ids summed into rows of their own (the caller's arrays are not held:
+        it may refill them at once). ``load``: the caller's thread may load the row
+        kernel (:func:`~zmqps.core.segments.sum_rows`)."""
         v = self._variable(name)
         ids = np.asarray(ids, dtype=np.int64)
         grads = np.asarray(grads, dtype=v.dtype)
@@ -777,10 +795,21 @@ class ParameterClient:
                 f"row gradients of {name}: shape {grads.shape} != {(ids.size, *v.shape[1:])}"
             )
         plan = self._row_plan(name, ids)  # the pull's, when these are the ids just pulled
-        uniq, inverse = plan.uniq, plan.inverse
         # duplicates summed in one pass, in the batch's order (core/segments.py), into
         # the plan's order: each shard's rows are one slice, sent as a view
-        summed = sum_rows(grads, inverse, uniq.size, load=False)
+        return RowPush(name, plan, sum_rows(grads, plan.inverse, plan.uniq.size, load=load))
+
+    async def send_rows(
+        self,
+        rows: RowPush,
+        *,
+        step: int | None = None,
+        cursor: int | None = None,
+        delivery: Delivery | None = None,
+    ) -> bool:
+        """The second half of :meth:`push_rows`: one request to each PS."""
+        name, plan, summed = rows.name, rows.plan, rows.summed
+        uniq = plan.uniq
 
         async def one(ps: int, parts: list[tuple[ShardInfo, int, int]]) -> bool:
             sids = [s.id for s, _, _ in parts]
@@ -807,7 +836,7 @@ class ParameterClient:
             for ps, parts in plan.parts.items()
             if (kept := [(s, lo, hi) for s, lo, hi in parts if hi > lo or every_shard])
         }
-        per = _rows_per_request(v.shape)
+        per = _rows_per_request(self._variable(name).shape)
         for ps, parts in routed.items():  # one push is one request to each PS
             n = sum(hi - lo for _, lo, hi in parts)
             if n > per:
