@@ -712,7 +712,10 @@ class ParameterClient:
                 cut = [(s, max(a, lo), min(b, hi)) for s, a, b in parts if a < hi and b > lo]
                 if cut:
                     window[ps] = cut
-            await asyncio.gather(*(one(ps, parts) for ps, parts in window.items()))
+            if len(window) == 1:  # one PS (the usual case): no task of its own
+                await one(*next(iter(window.items())))
+            else:
+                await asyncio.gather(*(one(ps, parts) for ps, parts in window.items()))
         return np.take(rows, inverse, axis=0)
 
     async def table_rows(self, name: str, *, attempts: int = 3) -> tuple[Array, Array]:
@@ -845,4 +848,6 @@ class ParameterClient:
                     f" a request carries at most {per:,} of them (MAX_ROWS, MAX_ROW_VALUES):"
                     " push fewer rows per step, or spread the table over more shards"
                 )
+        if len(routed) == 1:  # one PS (the usual case): no task of its own
+            return await one(*next(iter(routed.items())))
         return await _every(one(ps, parts) for ps, parts in routed.items())
