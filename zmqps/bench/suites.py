@@ -226,6 +226,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         f" (default: {DEFAULT_ROW_BUDGET})",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the sparse ids (default: 0)")
+    g.add_argument(
+        "--rows-wait",
+        action="store_true",
+        help="sparse, zmqps sides: wait for each push_rows before the next step's pull"
+        " (by default a step's push travels while the next step's pull_rows goes out:"
+        " Worker.push_rows_async)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="write every figure (per repeat) as JSON here")
     g.add_argument(
@@ -276,6 +283,7 @@ class BenchConfig:
     variables: int
     row_budget: int
     seed: int
+    rows_wait: bool = False
     zmqps_env: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
     hidden: tuple[int, ...] = (1024, 1024, 1024)
@@ -295,6 +303,7 @@ class BenchConfig:
                 shard_mb,
                 self.num_shards,
                 self.row_budget,
+                self.rows_wait,
             )
         return small(self.variables, self.ps)
 
@@ -379,6 +388,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         variables=args.variables,
         row_budget=args.row_budget,
         seed=args.seed,
+        rows_wait=args.rows_wait,
         zmqps_env=env,
         device=args.device,
         hidden=tuple(args.hidden),

@@ -307,14 +307,19 @@ def sparse(
     shard_mb: float = 64,
     num_shards: int | None = None,
     row_budget: int = DEFAULT_ROW_BUDGET,
+    rows_wait: bool = False,
 ) -> Workload:
     """One embedding table ``(rows, dim)``, ``batch_rows`` uniform random ids per step.
 
     The ``zmqps-hash`` side moves the same ids (spread by :func:`hashed_ids`) through a
-    hash-keyed table of the same row width, ``row_budget`` rows per PS shard."""
+    hash-keyed table of the same row width, ``row_budget`` rows per PS shard.
+    ``rows_wait``: the zmqps sides wait for each push before the next step's pull."""
     var = VariableDef("emb", (rows, dim), "float32", sparse=True)
     part = Partitioner(num_shards=num_shards, max_shard_bytes=max(1, int(shard_mb * (1 << 20))))
-    w = _planned("sparse", [var], num_ps, part, batch_rows, extra={"row_budget": row_budget})
+    extra: dict[str, Any] = {"row_budget": row_budget}
+    if rows_wait:
+        extra["rows_wait"] = True
+    w = _planned("sparse", [var], num_ps, part, batch_rows, extra=extra)
     desc = (
         f"embedding {var.shape} float32 ({_mib(var.nbytes)}), {len(w.shards)} shards"
         f" on {num_ps} PS, {batch_rows} random ids per step (pull_rows + push_rows);"

@@ -218,12 +218,26 @@ def _sparse_steps(
         for ids in pool:
             w.pull_rows(name, ids)
 
+    overlap = hasattr(w, "push_rows_async") and not wl.extra.get("rows_wait")
+
     def step(table: str, batches: Iterator[Any]) -> Callable[[], None]:
+        pushing: list[Any] = []  # the push still on its way (overlap)
+
         def rows() -> None:
             ids = next(batches)
-            w.pull_rows(table, ids)
-            w.push_rows(table, ids, grads)
+            w.pull_rows(table, ids)  # reads the previous step's push: sent before it
+            if not overlap:
+                w.push_rows(table, ids, grads)
+                return
+            if pushing:
+                pushing.pop().result()  # one push in flight, as push_rows keeps it
+            pushing.append(w.push_rows_async(table, ids, grads))
 
+        def finish() -> None:
+            while pushing:
+                pushing.pop().result()
+
+        rows.finish = finish  # type: ignore[attr-defined]
         return rows
 
     return {

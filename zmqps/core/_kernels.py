@@ -200,6 +200,22 @@ def _build() -> dict[str, Any] | None:
         for i in range(src.shape[0]):
             dst[i] = f32_of_bits(np.uint32(src[i]) << np.uint32(16))  # type: ignore[call-arg]
 
+    # The rows of a batch's repeated ids summed into one row per distinct id, in one
+    # pass: row i goes to out[inverse[i]], copied the first time, added after (in i
+    # order: what a stable sort and a sum of each run in order gives)
+    @jit  # type: ignore[misc]
+    def sum_rows(g, inverse, out, seen):  # type: ignore[no-untyped-def]
+        width = g.shape[1]
+        for i in range(g.shape[0]):
+            j = inverse[i]
+            if seen[j]:
+                for c in range(width):
+                    out[j, c] += g[i, c]
+            else:
+                seen[j] = True
+                for c in range(width):
+                    out[j, c] = g[i, c]
+
     @jit  # type: ignore[misc]
     def add_into(acc, g):  # type: ignore[no-untyped-def]
         for i in range(acc.shape[0]):
@@ -212,6 +228,7 @@ def _build() -> dict[str, Any] | None:
         "narrow_bf16": narrow_bf16,
         "widen_bf16": widen_bf16,
         "add_into": add_into,
+        "sum_rows": sum_rows,
         "first_bad": first_bad,
         "bad_sum": bad_sum,
         "sgd": sgd,
@@ -235,7 +252,7 @@ def available() -> bool:
 
 def kernel(name: str, param: np.ndarray[Any, Any]) -> Any:
     """The fused kernel for optimizer ``name`` (or ``first_bad``, ``bad_sum``,
-    ``add_into``) and this parameter (array), or None (numpy path)."""
+    ``add_into``, ``sum_rows``) and this parameter (array), or None (numpy path)."""
     if param.dtype not in (np.float32, np.float64) or not available():
         return None
     assert _KERNELS is not None

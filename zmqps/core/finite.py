@@ -35,6 +35,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -83,11 +84,13 @@ class Parts(Protocol):
     def run(self, calls: Sequence[Callable[[], bool]]) -> list[bool]: ...
 
 
+@functools.cache
 def limit(dtype: np.dtype[Any]) -> float:
     """The magnitude at which a pushed value of ``dtype`` is refused."""
     return LIMITS["bfloat16" if is_bfloat16(dtype) else np.dtype(dtype).name]
 
 
+@functools.cache
 def _scale(dtype: np.dtype[Any]) -> Any:
     """``k``: ``x * k`` overflows exactly when ``|x| >= limit(dtype)`` (both powers of
     two, so the product is exact until it overflows), as the array's own dtype."""

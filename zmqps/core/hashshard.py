@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from zmqps.core.hashtable import RowTable, TableConfig, bucket_of, initial_rows, unique_ids
 from zmqps.core.optimizers import Optimizer, make_optimizer
-from zmqps.core.store import Shard
+from zmqps.core.store import Shard, summed_rows
 from zmqps.core.variables import ShardDef
 from zmqps.wire.errors import InvalidArgument
 
@@ -113,13 +113,7 @@ class HashShard(Shard):
         """Lazy update of the rows of validated ids ``keys`` (duplicates summed; ids
         not admitted dropped and counted)."""
         grad2d = grad_rows.reshape(keys.shape[0], self.row_width)  # explicit: 0 rows too
-        uniq, inverse = unique_ids(keys)
-        if inverse is not None:  # unsorted or repeated ids: sum into uniq's order
-            summed = np.zeros(
-                (uniq.shape[0], grad2d.shape[1]), np.promote_types(grad2d.dtype, np.float32)
-            )
-            np.add.at(summed, inverse, grad2d)
-            grad2d = summed
+        uniq, grad2d = summed_rows(keys, grad2d)  # unsorted or repeated ids: summed
         rows = self.rows_for(uniq, sighting=False)
         have = rows >= 0
         self.counters.not_admitted += int((~have).sum())

@@ -9,6 +9,12 @@ longest run, each touching only the rows that exist (about 0.18 ms for the same
 batch). Within a run rows are added in their order, first to last, as reduceat
 and ``np.add.at`` do. Runs longer than :data:`MAX_PASSES` (a few hot ids repeated
 hundreds of times) go to reduceat, which is the faster one there.
+
+:func:`sum_rows` does the same from a batch's ``inverse`` (``ids == uniq[inverse]``,
+as ``np.unique`` gives it) without sorting the rows first: a compiled kernel
+(:mod:`zmqps.core._kernels`) reads each row once and copies or adds it into its id's
+row, in the batch's order, which is the order a stable sort puts each run in. The
+result is the one :func:`sum_runs` gives on the stably sorted rows, bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MAX_PASSES", "sum_runs"]
+from zmqps.core import _kernels
+
+__all__ = ["MAX_PASSES", "load_kernels", "sum_rows", "sum_runs"]
 
 Array = npt.NDArray[Any]
 
@@ -44,3 +52,45 @@ def sum_runs(values: Array, starts: Array) -> Array:
         rows = np.flatnonzero(pos == k)  # the k-th row of every run that has one
         out[run[rows]] += values[rows]  # no run twice: plain fancy indexing adds right
     return out
+
+
+def sum_rows(values: Array, inverse: Array, size: int, *, load: bool = True) -> Array:
+    """One row per distinct id of a batch: row ``j`` of the result is the sum of the
+    rows ``values[i]`` with ``inverse[i] == j``, the first copied and the others added
+    in order of ``i``. Every ``j`` in ``[0, size)`` must occur in ``inverse`` (as
+    ``np.unique(ids, return_inverse=True)`` makes it). Returns a new array of
+    ``values``' dtype and row shape.
+
+    float32 / float64 rows go through the compiled kernel (one pass, no sort), other
+    dtypes through :func:`sum_runs`. ``load=False``: the kernel only once
+    :func:`load_kernels` loaded it (an event loop must not wait seconds for numba;
+    a thread that may calls that first)."""
+    n = values.shape[0]
+    inverse = np.asarray(inverse).reshape(-1).astype(np.int64, copy=False)
+    if inverse.shape[0] != n:
+        raise ValueError(f"sum_rows: {inverse.shape[0]} inverse entries for {n} rows")
+    row_shape = values.shape[1:]
+    if n == 0 or size == 0:
+        return np.empty((size, *row_shape), values.dtype)
+    fused = _kernels.kernel("sum_rows", values) if load or _loaded else None
+    if fused is not None:
+        g = np.ascontiguousarray(values).reshape(n, -1)
+        out = np.empty((size, g.shape[1]), values.dtype)
+        fused(g, inverse, out, np.zeros(size, np.bool_))
+        return out.reshape((size, *row_shape))
+    order = np.argsort(inverse, kind="stable")
+    ranked = inverse[order]
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    return sum_runs(values[order], starts)
+
+
+def load_kernels() -> None:
+    """Load the compiled row kernel now (numba's first call: up to seconds), so that
+    :func:`sum_rows` with ``load=False`` finds it; a no-op after the first call."""
+    global _loaded
+    if not _loaded:
+        sum_rows(np.zeros((2, 1), np.float32), np.zeros(2, np.int64), 1)
+        _loaded = True
+
+
+_loaded = False

@@ -37,6 +37,7 @@ from zmqps.core import lowp
 from zmqps.core.initializers import initialize, validate_init
 from zmqps.core.optimizers import BLOCK_ELEMS, Optimizer, compute_dtype, make_optimizer
 from zmqps.core.packs import plan_packs
+from zmqps.core.segments import sum_rows
 from zmqps.core.variables import ShardDef
 from zmqps.wire.errors import InvalidArgument, NonFiniteGradient, NotFound
 
@@ -220,17 +221,11 @@ class Shard:
         return {k: v.reshape(v.shape[0], -1) for k, v in self.slots.items()}
 
     def apply_row_grads(self, keys: Array, grad_rows: Array, scale: float) -> None:
-        """Apply gradients of validated row ``keys`` (duplicates summed first); the
-        caller made the values its own (:meth:`own`)."""
-        row_shape = self.definition.shape[1:]
-        grad2d = grad_rows.reshape(keys.shape[0], math.prod(row_shape))
-        rows, inverse = np.unique(keys, return_inverse=True)
-        if rows.shape[0] != keys.shape[0]:
-            summed = np.zeros(
-                (rows.shape[0], grad2d.shape[1]), np.promote_types(grad2d.dtype, np.float32)
-            )
-            np.add.at(summed, inverse.reshape(-1), grad2d)
-            keys, grad2d = rows, summed
+        """Apply gradients of validated row ``keys`` (duplicates summed first, in one
+        pass; keys strictly increasing, as clients send them, are not sorted again);
+        the caller made the values its own (:meth:`own`)."""
+        grad2d = grad_rows.reshape(keys.shape[0], self.row_width)  # explicit: 0 rows too
+        keys, grad2d = summed_rows(keys, grad2d)
         values2d = self.values.reshape(self.values.shape[0], -1)
         slots2d = {k: v.reshape(v.shape[0], -1) for k, v in self.slots.items()}
         self.optimizer.apply_rows(values2d, keys, grad2d, slots2d, self.version + 1, scale)
@@ -374,6 +369,22 @@ class PackUpdate:
 
 
 Update = DenseUpdate | RowUpdate | PackUpdate
+
+
+def summed_rows(keys: Array, grad2d: Array) -> tuple[Array, Array]:
+    """``(distinct keys ascending, their gradient rows)``: the rows of a repeated key
+    summed in the order they came (:func:`~zmqps.core.segments.sum_rows`), in the
+    compute dtype (float32 at least). Keys already strictly increasing (what clients
+    send) come back as they are, with no sort and no copy."""
+    if keys.shape[0] < 2 or bool((keys[1:] > keys[:-1]).all()):
+        return keys, grad2d
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    want = np.promote_types(grad2d.dtype, np.float32)
+    if want == grad2d.dtype:
+        return uniq, sum_rows(grad2d, inverse, uniq.shape[0])
+    summed = np.zeros((uniq.shape[0], grad2d.shape[1]), want)  # float16, bfloat16
+    np.add.at(summed, inverse.reshape(-1), grad2d)
+    return uniq, summed
 
 
 ShardObserver = Callable[[ShardDef, int], None]

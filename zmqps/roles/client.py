@@ -38,7 +38,7 @@ import numpy.typing as npt
 from zmqps.core import lowp
 from zmqps.core.hashtable import bucket_of
 from zmqps.core.packs import plan_packs
-from zmqps.core.segments import sum_runs
+from zmqps.core.segments import sum_rows
 from zmqps.core.variables import Placement, ShardDef, ShardInfo, VariableDef
 from zmqps.roles.channels import Delivery, DenseChannel, ShmChannel, TcpChannel, Transfer, layout
 from zmqps.roles.threads import CheckThreads
@@ -57,7 +57,7 @@ from zmqps.wire.errors import (
 )
 from zmqps.wire.schema import MAX_ROW_VALUES, MAX_ROWS
 
-__all__ = ["Delivery", "ParameterClient"]
+__all__ = ["Delivery", "ParameterClient", "RowPush"]
 
 log = logging.getLogger("zmqps.client")
 
@@ -119,6 +119,29 @@ class _Route:
     size: int  # elements in the shard
     #: the dtype its values and gradients travel as (its variable's wire dtype)
     wire: np.dtype[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _RowPlan:
+    """Where a batch's rows go: made once per batch of ids (:meth:`ParameterClient._row_plan`)."""
+
+    ids: Array  # the batch (a copy: the caller may refill its array)
+    #: the distinct ids, each shard's together and ascending within it
+    uniq: Array
+    #: ``ids == uniq[inverse]``
+    inverse: Array
+    #: ps -> [(shard, lo, hi)]: the shard's ids are ``uniq[lo:hi]`` (maybe none)
+    parts: dict[int, list[tuple[ShardInfo, int, int]]]
+
+
+@dataclass(frozen=True, slots=True)
+class RowPush:
+    """A row push made ready to send (:meth:`ParameterClient.rows_push`): the batch's
+    plan and its rows summed per distinct id, in the plan's order (arrays of its own)."""
+
+    name: str
+    plan: _RowPlan
+    summed: Array
 
 
 class ParameterClient:
@@ -196,6 +219,9 @@ class ParameterClient:
         for v in placement.variables:
             shards = sorted(placement.shards_of(v.name), key=lambda s: s.row_start)
             self._row_bounds[v.name] = (np.array([s.row_start for s in shards], np.int64), shards)
+        #: the last batch's plan per row variable (one per variable: a step's pull and
+        #: push of the same ids share it)
+        self._row_plans: dict[str, _RowPlan] = {}
 
     # ------------------------------------------------------------------ helpers
 
@@ -724,30 +750,40 @@ class ParameterClient:
         except KeyError:
             raise InvalidArgument(f"unknown variable {name!r}") from None
 
-    def _route_rows(
-        self, name: str, ids: Array, every_shard: bool = False
-    ) -> dict[int, list[tuple[ShardInfo, Array, Array]]]:
-        """Group unique row ids by PS: ps -> [(shard, positions into ids, ids)].
-
-        ``every_shard`` includes shards no id falls in (with no rows): in sync mode
-        every shard must hear from every replica each step."""
+    def _row_plan(self, name: str, ids: Array) -> _RowPlan:
+        """Where the rows of batch ``ids`` go (:class:`_RowPlan`), made once per batch:
+        a push of the ids just pulled (the usual step) reuses the pull's plan, so the
+        ids are sorted once per step, not once per call."""
+        kept = self._row_plans.get(name)
+        if kept is not None and kept.ids.shape == ids.shape and np.array_equal(kept.ids, ids):
+            return kept
         v = self._variable(name)
         if ids.ndim != 1:
             raise InvalidArgument("row ids must be 1-D")
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        inverse = inverse.reshape(-1)
         if v.hashed:  # any int64 id; routed by its stable hash bucket
-            keys = bucket_of(ids, v.shape[0])
-        elif ids.size and (ids.min() < 0 or ids.max() >= v.shape[0]):
+            keys = bucket_of(uniq, v.shape[0])
+        elif uniq.size and (uniq[0] < 0 or uniq[-1] >= v.shape[0]):
             raise InvalidArgument(f"row ids of {name} must be in [0, {v.shape[0]})")
         else:
-            keys = ids
+            keys = uniq
         starts, shards = self._row_bounds[name]
         which = np.searchsorted(starts, keys, side="right") - 1
-        out: dict[int, list[tuple[ShardInfo, Array, Array]]] = {}
-        for k, s in enumerate(shards):
-            pos = np.flatnonzero(which == k)
-            if pos.size or every_shard:
-                out.setdefault(s.state, []).append((s, pos, ids[pos]))
-        return out
+        if v.hashed and which.size > 1 and not bool((which[1:] >= which[:-1]).all()):
+            # each shard's ids together (ascending within it, as the PS likes them)
+            by_shard = np.argsort(which, kind="stable")
+            uniq, which = uniq[by_shard], which[by_shard]
+            rank = np.empty_like(by_shard)
+            rank[by_shard] = np.arange(by_shard.size)
+            inverse = rank[inverse]
+        bounds = np.searchsorted(which, np.arange(len(shards) + 1), side="left")
+        parts: dict[int, list[tuple[ShardInfo, int, int]]] = {}
+        for k, sh in enumerate(shards):
+            parts.setdefault(sh.state, []).append((sh, int(bounds[k]), int(bounds[k + 1])))
+        plan = _RowPlan(ids.copy(), uniq, inverse, parts)
+        self._row_plans[name] = plan
+        return plan
 
     async def pull_rows(self, name: str, ids: Any, *, create: bool = True) -> Array:
         """Rows ``ids`` of variable ``name`` (duplicates allowed), shape (len(ids), *row).
@@ -758,12 +794,13 @@ class ParameterClient:
         it. The shard versions of a read-only pull are not recorded (no push follows)."""
         v = self._variable(name)
         ids = np.asarray(ids, dtype=np.int64)
-        uniq, inverse = np.unique(ids, return_inverse=True)
+        plan = self._row_plan(name, ids)
+        uniq, inverse = plan.uniq, plan.inverse
         rows = np.empty((uniq.size, *v.shape[1:]), dtype=v.dtype)
 
-        async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> None:
+        async def one(ps: int, parts: list[tuple[ShardInfo, int, int]]) -> None:
             sids = [s.id for s, _, _ in parts]
-            tensors = [Tensor(np.ascontiguousarray(i), "index", s.id) for s, _, i in parts]
+            tensors = [Tensor(uniq[lo:hi], "index", s.id) for s, lo, hi in parts]
             # create is sent only when false: a creating pull stays what older PS understand
             body = o.PullRows(tuple(sids), self.gen, None if create else False)
             rep = await self.ps[ps].request(
@@ -774,10 +811,10 @@ class ParameterClient:
                 raise ProtocolError("pull_rows reply: versions do not match")
             if len(rep.tensors) != len(parts):
                 raise ProtocolError("pull_rows reply: one rows tensor per shard expected")
-            for (s, pos, _), t, ver in zip(parts, rep.tensors, versions, strict=True):
-                if t.ref != s.id or t.array.shape != (pos.size, *v.shape[1:]):
+            for (s, lo, hi), t, ver in zip(parts, rep.tensors, versions, strict=True):
+                if t.ref != s.id or t.array.shape != (hi - lo, *v.shape[1:]):
                     raise ProtocolError(f"pull_rows reply: bad rows for shard {s.id}")
-                rows[pos] = t.array
+                rows[lo:hi] = t.array
                 if create:
                     self.versions[s.id] = int(ver)
                     self.version_gens[s.id] = body.gen if body.gen is not None else self.gen
@@ -785,11 +822,17 @@ class ParameterClient:
         # a request moves at most MAX_ROW_VALUES values: a larger pull is several
         per = _rows_per_request(v.shape)
         for lo in range(0, max(uniq.size, 1), per):
-            routed = self._route_rows(name, uniq[lo : lo + per])
-            for parts in routed.values():  # positions into the whole of uniq
-                parts[:] = [(s, pos + lo, i) for s, pos, i in parts]
-            await asyncio.gather(*(one(ps, parts) for ps, parts in routed.items()))
-        return rows[inverse]
+            hi = lo + per
+            window: dict[int, list[tuple[ShardInfo, int, int]]] = {}
+            for ps, parts in plan.parts.items():
+                cut = [(s, max(a, lo), min(b, hi)) for s, a, b in parts if a < hi and b > lo]
+                if cut:
+                    window[ps] = cut
+            if len(window) == 1:  # one PS (the usual case): no task of its own
+                await one(*next(iter(window.items())))
+            else:
+                await asyncio.gather(*(one(ps, parts) for ps, parts in window.items()))
+        return np.take(rows, inverse, axis=0)
 
     async def table_rows(self, name: str, *, attempts: int = 3) -> tuple[Array, Array]:
         """Every live row of the hash-keyed table ``name``: ``(ids, values)``, ids
@@ -855,6 +898,14 @@ class ParameterClient:
         """Push row gradients; duplicate ids are summed here, before sending. With a
         ``step`` (sync mode) every shard of the table gets a push, empty or not;
         ``delivery``: see :meth:`push`."""
+        rows = self.rows_push(name, ids, grads)
+        return await self.send_rows(rows, step=step, cursor=cursor, delivery=delivery)
+
+    def rows_push(self, name: str, ids: Any, grads: Any, *, load: bool = False) -> RowPush:
+        """The first half of :meth:`push_rows`, no I/O: the gradients checked, their
+        repeated ids summed into rows of their own (the caller's arrays are not held:
+        it may refill them at once). ``load``: the caller's thread may load the row
+        kernel (:func:`~zmqps.core.segments.sum_rows`)."""
         v = self._variable(name)
         ids = np.asarray(ids, dtype=np.int64)
         grads = np.asarray(grads, dtype=v.dtype)
@@ -862,24 +913,32 @@ class ParameterClient:
             raise InvalidArgument(
                 f"row gradients of {name}: shape {grads.shape} != {(ids.size, *v.shape[1:])}"
             )
-        # sort once; runs of equal ids are summed in order (core/segments.py)
-        order = np.argsort(ids, kind="stable")
-        sorted_ids = ids[order]
-        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]][: ids.size])
-        uniq = sorted_ids[starts]
-        summed = grads[order]
-        if uniq.size != ids.size:
-            summed = sum_runs(summed, starts)
+        plan = self._row_plan(name, ids)  # the pull's, when these are the ids just pulled
+        # duplicates summed in one pass, in the batch's order (core/segments.py), into
+        # the plan's order: each shard's rows are one slice, sent as a view
+        return RowPush(name, plan, sum_rows(grads, plan.inverse, plan.uniq.size, load=load))
 
-        async def one(ps: int, parts: list[tuple[ShardInfo, Array, Array]]) -> bool:
+    async def send_rows(
+        self,
+        rows: RowPush,
+        *,
+        step: int | None = None,
+        cursor: int | None = None,
+        delivery: Delivery | None = None,
+    ) -> bool:
+        """The second half of :meth:`push_rows`: one request to each PS."""
+        name, plan, summed = rows.name, rows.plan, rows.summed
+        uniq = plan.uniq
+
+        async def one(ps: int, parts: list[tuple[ShardInfo, int, int]]) -> bool:
             sids = [s.id for s, _, _ in parts]
             done = None if delivery is None else delivery.outcome(ps, sids)
             if done is not None:  # sent again: this message was answered the first time
                 return done
             tensors: list[Tensor] = []
-            for s, pos, i in parts:
-                tensors.append(Tensor(np.ascontiguousarray(i), "index", s.id))
-                tensors.append(Tensor(np.ascontiguousarray(summed[pos]), "rows", s.id))
+            for s, lo, hi in parts:
+                tensors.append(Tensor(uniq[lo:hi], "index", s.id))
+                tensors.append(Tensor(summed[lo:hi], "rows", s.id))
             body = self.push_body(ps, sids, step, cursor=cursor, op="push_rows", delivery=delivery)
             rep = await self.ps[ps].request(
                 "push_rows",
@@ -890,14 +949,21 @@ class ParameterClient:
             )
             return self.after_push(ps, rep, body, delivery)
 
-        routed = self._route_rows(name, uniq, every_shard=step is not None)
-        per = _rows_per_request(v.shape)
+        every_shard = step is not None  # sync: every shard hears from every worker
+        routed = {
+            ps: kept
+            for ps, parts in plan.parts.items()
+            if (kept := [(s, lo, hi) for s, lo, hi in parts if hi > lo or every_shard])
+        }
+        per = _rows_per_request(self._variable(name).shape)
         for ps, parts in routed.items():  # one push is one request to each PS
-            n = sum(i.size for _, _, i in parts)
+            n = sum(hi - lo for _, lo, hi in parts)
             if n > per:
                 raise InvalidArgument(
                     f"push_rows of {name}: {n:,} distinct rows for ps {ps} in one push;"
                     f" a request carries at most {per:,} of them (MAX_ROWS, MAX_ROW_VALUES):"
                     " push fewer rows per step, or spread the table over more shards"
                 )
+        if len(routed) == 1:  # one PS (the usual case): no task of its own
+            return await one(*next(iter(routed.items())))
         return await _every(one(ps, parts) for ps, parts in routed.items())

@@ -66,7 +66,12 @@ def bfloat16() -> np.dtype[Any]:
 
 def is_bfloat16(dtype: Any) -> bool:
     """Whether ``dtype`` (a numpy dtype or its name) is bfloat16, without importing it."""
-    return bool(getattr(dtype, "name", dtype) == "bfloat16")
+    kind = getattr(dtype, "kind", None)
+    if kind is None:
+        return bool(dtype == "bfloat16")
+    # numpy counts bfloat16 a void ("V"); a dtype's name is built anew on every read
+    # (slow, on every tensor of every message): only a void's is read
+    return kind == "V" and bool(dtype.name == "bfloat16")
 
 
 class _Dtypes(Mapping[str, "np.dtype[Any]"]):
@@ -140,8 +145,21 @@ _HEADER = Map(
 )
 
 
+#: wire names of the numpy dtypes met so far (only allowed ones: a handful)
+_WIRE_NAMES: dict[np.dtype[Any], str] = {}
+
+
 def wire_dtype(dtype: Any) -> str:
     """The wire name of ``dtype``; raises ProtocolError if it is not allowed."""
+    if isinstance(dtype, np.dtype):
+        known = _WIRE_NAMES.get(dtype)
+        if known is None:
+            known = _WIRE_NAMES[dtype] = _wire_name(dtype)
+        return known
+    return _wire_name(dtype)
+
+
+def _wire_name(dtype: Any) -> str:
     if is_bfloat16(dtype):
         return "bfloat16"
     dt = np.dtype(dtype)

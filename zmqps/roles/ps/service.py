@@ -647,15 +647,15 @@ class PSService:
             if [t.kind for t in by_shard[sid]] != ["index", "rows"]:
                 raise InvalidArgument(f"push_rows: shard {sid} needs exactly (index, rows)")
         self._check_row_counts("push_rows", req.shards, [by_shard[s][0].array for s in req.shards])
-        plans: list[Update] = []
-        for sid, ver in zip(req.shards, req.versions, strict=True):
-            ts = by_shard[sid]
-            try:
-                self._check_values([(sid, ts[1].array.reshape(-1), 0)])
-            except NonFiniteGradient:
-                self._refused(req)
-                raise
-            plans.append(self.store.plan_rows(sid, ts[0].array, ts[1].array, ver))
+        try:  # every shard's rows in one check, as a dense push's
+            self._check_values([(sid, by_shard[sid][1].array.reshape(-1), 0) for sid in req.shards])
+        except NonFiniteGradient:
+            self._refused(req)
+            raise
+        plans: list[Update] = [
+            self.store.plan_rows(sid, by_shard[sid][0].array, by_shard[sid][1].array, ver)
+            for sid, ver in zip(req.shards, req.versions, strict=True)
+        ]
         if self.metrics is not None:
             for sid, ts in by_shard.items():
                 var = self.store.get(sid).definition.var

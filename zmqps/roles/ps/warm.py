@@ -12,10 +12,10 @@ from its checkpoint in an unfaulted run.
 Rules of this module:
 
 * :func:`warm_kernels` runs, once per process, the code paths a PS runs on values
-  (the value check of a push, each optimizer's dense and row update, all on
-  float32) on a few elements each, so that later calls find every
-  kernel loaded. Other dtypes still load on first use (a few milliseconds from the
-  cache).
+  (the value check of a push, the sum of a push's repeated row ids, each
+  optimizer's dense and row update, all on float32) on a few elements each, so
+  that later calls find every kernel loaded. Other dtypes still load on first
+  use (a few milliseconds from the cache).
 * It is meant for a thread: a PS starts it there as it starts serving and holds
   the requests that may need a kernel (not its event loop) until it is done
   (:class:`~zmqps.roles.ps.serve.KernelGate`).
@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from zmqps.core import _kernels, finite
+from zmqps.core import _kernels, finite, segments
 from zmqps.core.optimizers import OPTIMIZERS, make_optimizer
 
 __all__ = ["warm_kernels"]
@@ -58,6 +58,7 @@ def warm_kernels() -> float:
 def _exercise() -> None:
     n, width = finite.SMALL_ELEMS + 1, 4  # past SMALL_ELEMS: the vectorized check too
     finite.first_bad(np.zeros(n, np.float32))
+    segments.load_kernels()  # a push's repeated row ids summed
     for name in OPTIMIZERS:
         opt = make_optimizer({"name": name, "lr": 0.1})
         param = np.zeros(8, np.float32)

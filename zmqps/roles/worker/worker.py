@@ -44,6 +44,7 @@ from typing import Any
 import numpy.typing as npt
 
 from zmqps.config import ClusterSpec, TaskSpec
+from zmqps.core.segments import load_kernels
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.device import Device, choose_devices
 from zmqps.device.staging import Mirror
@@ -56,11 +57,12 @@ from zmqps.roles.homes import Homes
 from zmqps.roles.worker.modes import StepMode, make_step_mode
 from zmqps.roles.worker.session import Session
 from zmqps.transport import Client, LoopThread, Requester, SocketOptions, new_context
+from zmqps.transport.loop import result
 from zmqps.wire import ops as o
 from zmqps.wire.errors import ConfigError, NonFiniteGradient, NotReady, RunFailed
 from zmqps.wire.schema import MAX_FRAME_BYTES, MIN_CHUNK_BYTES
 
-__all__ = ["NonFiniteStop", "Terminated", "Worker", "WorkerOptions"]
+__all__ = ["NonFiniteStop", "RowPushing", "Terminated", "Worker", "WorkerOptions"]
 
 #: at most one log line per this many seconds for steps skipped as not finite
 NONFINITE_LOG_INTERVAL_S = 10.0
@@ -82,6 +84,26 @@ def _loss_text(loss: Any) -> str:
 
 class Terminated(BaseException):
     """Raise it (e.g. from a SIGTERM handler) to make ``with Worker(...)`` leave as terminated."""
+
+
+class RowPushing:
+    """A row push on its way (:meth:`Worker.push_rows_async`)."""
+
+    def __init__(self, worker: Worker, fut: concurrent.futures.Future[bool]) -> None:
+        self._worker = worker
+        self._fut = fut
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def result(self, timeout: float | None = None) -> bool:
+        """Whether the push was applied (waits for it). A refusal as not finite is
+        counted and skipped as :meth:`Worker.push_rows` does it (or stops, under
+        ``on_nonfinite="stop"``)."""
+        try:
+            return result(self._fut, timeout)
+        except NonFiniteGradient as exc:
+            return self._worker.refused(None, exc)
 
 
 @dataclass(frozen=True)
@@ -617,17 +639,26 @@ class Worker:
 
     def push_rows(self, name: str, ids: Any, grads: Any) -> bool:
         """Row gradients for the embedding variable ``name`` (duplicate ids are summed)."""
+        return self.push_rows_async(name, ids, grads).result()
+
+    def push_rows_async(self, name: str, ids: Any, grads: Any) -> RowPushing:
+        """:meth:`push_rows`, returning as soon as the push is on its way: the caller
+        goes on (pulls the next batch's rows, computes) while it travels and is
+        applied; ``.result()`` is what :meth:`push_rows` returns. ``ids`` and
+        ``grads`` are read before this returns (the caller may refill them). Requests
+        to a PS leave in the order they are made: a ``pull_rows`` made after this call
+        reads the rows this push updated (async mode), as it would after
+        :meth:`push_rows` returned; the next push should wait for this one's result
+        (one push in flight, as :meth:`push_rows` keeps it)."""
+        load_kernels()  # here, not in the I/O loop: its first call may take seconds
         step, cursor = self.steps.tag(), self.cursor
-        try:
-            return self.io.run(
-                self.session.dropping(
-                    lambda d: self.client.push_rows(
-                        name, ids, grads, step=step, cursor=cursor, delivery=d
-                    )
-                )
+        rows = self.client.rows_push(name, ids, grads, load=True)
+        fut = self.io.submit(
+            self.session.dropping(
+                lambda d: self.client.send_rows(rows, step=step, cursor=cursor, delivery=d)
             )
-        except NonFiniteGradient as exc:
-            return self.refused(None, exc)
+        )
+        return RowPushing(self, fut)
 
     def tag(self, closure: int | None) -> None:
         """Coordinator mode: the pushes from now on belong to scheduled function
