@@ -17,10 +17,13 @@ connection, every frame sealed:
 * The associated data is the frame's 16-byte prefix, its index in its message
   and the message's count of frames: a frame moved, dropped from or added to a
   message fails its tag.
-* An :class:`Opener` takes a message only if every frame's counter is past the
-  last counter it accepted, in increasing order: a replayed frame or one that
-  comes after a later one is refused (``replayed``); a gap (a message dropped on
-  the way) is allowed. Nothing is accepted, and no counter moves, until every
+* A message's frames have consecutive counters (a sealer seals a message at once).
+  An :class:`Opener` takes a message only if its first counter is past the last
+  counter it accepted and the others follow it: a replayed frame or one that comes
+  after a later one is refused (``replayed``), frames of several messages put
+  together are not authentic (``tampered``: with the index and count in the tag,
+  only a whole message sealed as such opens); a gap between two messages (one
+  dropped on the way) is allowed. Nothing is accepted, and no counter moves, until every
   frame of the message authenticates.
 * Every refusal is a :class:`SealRefused` with a ``reason``: ``malformed``,
   ``unknown_key``, ``tampered``, ``replayed``, ``exhausted``.
@@ -200,6 +203,8 @@ class Opener:
                     "replayed",
                     f"frame {i} has counter {counter}, not past {last} (replayed or reordered)",
                 )
+            if i and counter != last + 1:  # a message's frames have consecutive counters
+                raise SealRefused("tampered", f"frame {i} (counter {counter}) is not after {last}")
             aad = bytes(view[: _PREFIX.size]) + _AAD_TAIL.pack(i, n)
             body = view[_PREFIX.size :]
             try:
