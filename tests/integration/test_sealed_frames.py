@@ -1,0 +1,245 @@
+"""Sealed bulk frames under CURVE over real TCP on 127.0.0.1 (``transport/seal.py``):
+bulk requests and their replies go on the plaintext data connection, sealed; what is
+put on that connection at the socket level (garbage, another key, a replayed or a
+tampered message) is refused, counted and answered with a notice, and the server
+goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from zmqps.metrics import Metrics
+from zmqps.transport import Client, CurveKeys, Server, SocketOptions, keygen, load_keys
+from zmqps.transport import client as client_module
+from zmqps.transport.seal import NOTICE
+from zmqps.wire import Message, Tensor, encode, reply, request
+from zmqps.wire.errors import ZmqpsError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(main())  # type: ignore[arg-type]
+
+
+def echo(msg: Message) -> Message:
+    """Answers with the tensors it was sent, doubled."""
+    return reply(
+        msg,
+        {"n": len(msg.tensors)},
+        [dataclasses.replace(t, array=t.array * 2) for t in msg.tensors],
+    )
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CurveKeys]:
+    root = tmp_path_factory.mktemp("keys")
+    keygen(root)
+    return {
+        "server": load_keys(root, "ps", 0, serve=True, connect=False),
+        "worker": load_keys(root, "worker", 0, serve=False, connect=True),
+    }
+
+
+def refusals(m: Metrics, reason: str) -> float:
+    v = m.registry.get_sample_value("zmqps_seal_refusals_total", {"reason": reason})
+    return v or 0.0
+
+
+def tensors(n: int, seed: int) -> list[Tensor]:
+    rng = np.random.default_rng(seed)
+    return [Tensor(rng.standard_normal(n).astype(np.float32), "value", i, 0) for i in range(3)]
+
+
+async def sealed_round_trip(client: Client, seed: int) -> Message:
+    """A request with tensors, sent until it goes sealed (the first bulk request
+    agrees the session over CURVE and goes there itself); the reply checked."""
+    for _ in range(500):
+        ts = tensors(300_000, seed)
+        before = client.stats.sealed
+        rep = await client.request("ping", tensors=ts)
+        for t, r in zip(ts, rep.tensors, strict=True):
+            assert np.array_equal(r.array, t.array * 2)
+        if client.stats.sealed > before:
+            return rep
+        await asyncio.sleep(0.01)
+    raise AssertionError("no request went on the sealed data connection")
+
+
+def test_bulk_requests_go_sealed_and_what_is_injected_is_refused_and_counted(
+    keys: dict[str, CurveKeys], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics = Metrics()
+    sent: list[list[bytes]] = []
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(
+            ctx,
+            "127.0.0.1:0",
+            echo,
+            name="ps0",
+            options=SocketOptions(curve=keys["server"], linger_ms=0),
+            observer=metrics,
+        )
+        server.start()
+        assert server.data_endpoint.startswith("tcp://127.0.0.1:")
+        client = Client(
+            ctx,
+            server.endpoint,
+            "worker:0",
+            options=SocketOptions(curve=keys["worker"], linger_ms=0),
+            timeout=10.0,
+        )
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        try:
+            # a request without tensors stays on CURVE and agrees nothing
+            assert (await client.request("ping")).body == {"n": 0}
+            assert client.stats.sealed == 0 and len(server.keyring) == 0
+            original = client_module.send_now
+
+            def spy(sock: Any, frames: list[Any], track: bool = False) -> Any:
+                if sock is client._data_sock:
+                    sent.append([bytes(memoryview(f).cast("B")) for f in frames])
+                return original(sock, frames, track)
+
+            monkeypatch.setattr(client_module, "send_now", spy)
+            await sealed_round_trip(client, 1)
+            assert server.stats.sealed >= 1 and len(server.keyring) == 1
+            # what went on the wire is not the plaintext
+            captured = sent[-1]
+            plain = tensors(300_000, 1)[0].array.tobytes()
+            assert plain[:64] not in captured[1]
+            assert server.stats.seal_refusals == 0
+
+            # now at the socket level, on the plaintext data connection
+            raw.connect(server.data_endpoint)
+
+            async def inject(frames: list[bytes], reason: str) -> None:
+                n = server.stats.seal_refusals
+                raw.send_multipart(frames)
+                notice = await asyncio.wait_for(raw.recv_multipart(), 10.0)
+                assert notice[0] == NOTICE and notice[-1] == reason.encode()
+                assert server.stats.seal_refusals == n + 1
+                assert refusals(metrics, reason) >= 1
+
+            await inject([b"not sealed at all"], "malformed")
+            await inject([b"\x01" * 8 + bytes(100)], "unknown_key")
+            # unsealed frames of a real request: refused too (its first bytes name no key)
+            frames = encode(request("ping", {}, tensors(10, 2), id=99, sender="x"))
+            await inject([bytes(memoryview(f).cast("B")) for f in frames], "unknown_key")
+            # the client's last sealed message, replayed
+            await inject(captured, "replayed")
+            # a message sealed with the session's key, one bit of it changed on the way
+            assert client._sealer is not None
+            forged = [
+                bytearray(f)
+                for f in client._sealer.seal(encode(request("ping", {}, tensors(10, 3), id=7)))
+            ]
+            forged[1][40] ^= 0x01
+            await inject([bytes(f) for f in forged], "tampered")
+            # frames of two messages put together
+            a = [bytes(f) for f in client._sealer.seal(encode(request("ping", {}, (), id=8)))]
+            b = [bytes(f) for f in client._sealer.seal(encode(request("ping", {}, (), id=9)))]
+            await inject([a[0], b[0]], "tampered")
+            assert server.stats.seal_refusals == 6
+            assert refusals(metrics, "malformed") == 1 and refusals(metrics, "unknown_key") == 2
+            assert refusals(metrics, "replayed") == 1 and refusals(metrics, "tampered") == 2
+
+            # the server goes on serving, sealed, and on CURVE
+            await sealed_round_trip(client, 4)
+            assert (await client.request("ping")).body == {"n": 0}
+            assert server.stats.seal_refusals == 6 and client.stats.seal_refusals == 0
+        finally:
+            raw.close(linger=0)
+            await client.close(linger_ms=0)
+            await server.stop()
+            ctx.term()
+
+    run(main)
+
+
+def test_a_server_without_sealing_serves_everything_on_curve(keys: dict[str, CurveKeys]) -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(
+            ctx,
+            "127.0.0.1:0",
+            echo,
+            options=SocketOptions(curve=keys["server"], linger_ms=0, seal=False),
+        )
+        server.start()
+        assert server.data_endpoint == ""
+        client = Client(
+            ctx,
+            server.endpoint,
+            "worker:0",
+            options=SocketOptions(curve=keys["worker"], linger_ms=0),
+            timeout=10.0,
+        )
+        try:
+            for i in range(5):
+                ts = tensors(1000, i)
+                rep = await client.request("ping", tensors=ts)
+                assert np.array_equal(rep.tensors[0].array, ts[0].array * 2)
+                await asyncio.sleep(0.01)
+            assert client.stats.sealed == 0 and server.stats.sealed == 0
+        finally:
+            await client.close(linger_ms=0)
+            await server.stop()
+            ctx.term()
+
+    run(main)
+
+
+def test_a_new_session_after_the_server_forgets_the_key(keys: dict[str, CurveKeys]) -> None:
+    """A server that no longer knows the client's key (evicted, or restarted) refuses
+    its sealed requests with a notice: the client agrees a new session and its
+    requests that may be sent again are."""
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(
+            ctx, "127.0.0.1:0", echo, options=SocketOptions(curve=keys["server"], linger_ms=0)
+        )
+        server.start()
+        client = Client(
+            ctx,
+            server.endpoint,
+            "worker:0",
+            options=SocketOptions(curve=keys["worker"], linger_ms=0),
+            timeout=10.0,
+        )
+        try:
+            await sealed_round_trip(client, 1)
+            assert client._sealer is not None
+            old = client._sealer.key_id
+            server.keyring.forget(old)
+            # refused (unknown_key): the client hears the notice and agrees again;
+            # this request is sent again on the data connection's next session only
+            # by its attempts, so it is one of several
+            for _ in range(500):
+                with contextlib.suppress(ZmqpsError):
+                    await client.request("ping", tensors=tensors(10, 5), timeout=0.5)
+                if client._sealer.key_id != old and client._data_up:
+                    break
+                await asyncio.sleep(0.01)
+            assert client._sealer.key_id != old
+            assert server.stats.seal_refusals >= 1
+            await sealed_round_trip(client, 6)
+        finally:
+            await client.close(linger_ms=0)
+            await server.stop()
+            ctx.term()
+
+    run(main)
