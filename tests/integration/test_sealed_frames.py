@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -239,6 +240,80 @@ def test_a_new_session_after_the_server_forgets_the_key(keys: dict[str, CurveKey
             await sealed_round_trip(client, 6)
         finally:
             await client.close(linger_ms=0)
+            await server.stop()
+            ctx.term()
+
+    run(main)
+
+
+def test_a_ps_serves_sealed_pulls_into_params_consistent_while_pushes_land(
+    tmp_path: Path,
+) -> None:
+    """A PS under CURVE, pulls and pushes of a ParameterClient over TCP: they go
+    sealed, a pull's chunks are opened straight into ``params``, and every pull is
+    still one version of each shard while another worker's pushes land."""
+    from zmqps.core.partition import Partitioner, plan
+    from zmqps.core.variables import VariableDef
+    from zmqps.roles.client import ParameterClient
+    from zmqps.roles.ps import PSService
+
+    keygen(tmp_path)
+
+    def keys(role: str) -> SocketOptions:
+        return SocketOptions(
+            curve=load_keys(tmp_path, role, 0, serve=False, connect=True), linger_ms=0
+        )
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        var = VariableDef("w", (4096, 1024), init={"name": "zeros"})  # 16 MiB
+        placement = plan([var], 1, Partitioner(num_shards=3), optimizer={"name": "sgd", "lr": 1.0})
+        server_keys = load_keys(tmp_path, "ps", 0, serve=True, connect=False)
+        server = Server(
+            ctx,
+            "127.0.0.1:0",
+            PSService(0),
+            name="ps0",
+            options=SocketOptions(curve=server_keys, linger_ms=0),
+        )
+        address = server.bind().removeprefix("tcp://")
+        server.start()
+        chief = Client(ctx, address, "chief:0", options=keys("chief"))
+        clients = [Client(ctx, address, f"worker:{i}", options=keys("worker")) for i in range(2)]
+        try:
+            defs = [d.to_wire() for _, d in placement.shard_defs()]
+            await chief.request("create_shards", {"shards": defs})
+            reader, writer = (
+                ParameterClient(
+                    [c], placement, worker=f"worker:{i}", incarnation=1, shared_memory=False
+                )
+                for i, c in enumerate(clients)
+            )
+            ones = {"w": np.ones(var.shape, np.float32)}
+
+            async def pulls() -> None:
+                for _ in range(20):
+                    w = (await reader.pull())["w"]
+                    for s in placement.shards:
+                        part = w[s.row_start : s.row_start + s.rows]
+                        version = reader.versions[s.id]
+                        assert part.min() == part.max() == -float(version), (s.id, version)
+
+            async def pushes() -> None:
+                for _ in range(20):
+                    await writer.push(ones)
+                    await asyncio.sleep(0.005)
+
+            await asyncio.gather(pulls(), pushes())
+            # the first bulk request of each went on CURVE, the rest sealed
+            assert clients[0].stats.sealed >= 1 and clients[1].stats.sealed >= 1
+            assert clients[0].stats.landed >= 1
+            assert server.stats.seal_refusals == 0
+            final = await reader.pull()
+            assert np.all(final["w"] == -20.0)
+        finally:
+            for c in (chief, *clients):
+                await c.close(linger_ms=0)
             await server.stop()
             ctx.term()
 

@@ -182,3 +182,23 @@ def test_the_two_directions_have_distinct_keys() -> None:
     assert c2s != s2c and len(c2s) == len(s2c) == 32
     with pytest.raises(ValueError):
         derive(b"short", os.urandom(32), b"k" * 8)
+
+
+def test_frames_open_where_the_landing_says() -> None:
+    sealer, opener = pair()
+    values = np.arange(1000, dtype=np.float32)
+    dest = np.zeros(1000, np.float32)
+    wrong_size = np.zeros(10, np.float32)
+    seen: list[bytes] = []
+
+    def land(header: memoryview) -> list[object]:
+        seen.append(bytes(header))
+        return [dest, wrong_size]
+
+    plain = opener.open(sealer.seal([b"header", values, values[:20]]), land)
+    assert seen == [b"header"]
+    assert np.array_equal(dest, values)  # opened straight into it
+    assert np.shares_memory(np.frombuffer(plain[1], np.float32), dest)
+    # a buffer of another size is not used: that frame opens in place
+    assert np.array_equal(np.frombuffer(plain[2], np.float32), values[:20])
+    assert not wrong_size.any()

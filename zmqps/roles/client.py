@@ -259,9 +259,34 @@ class ParameterClient:
                 )
             if lowp.is_narrow(r.wire):
                 narrowed.append((t.array.reshape(-1), dst))
-            else:
+            elif not _same_memory(t.array, dst):  # else opened there already (landing)
                 np.copyto(dst, t.array.reshape(-1), casting="same_kind")
         lowp.widen_all(narrowed, self.threads)  # every chunk at once, by several threads
+
+    def landing(
+        self, out: Mapping[str, Array] | None
+    ) -> Callable[[np.dtype[Any], tuple[int, ...], str, int, int], Any]:
+        """Where each chunk of a pull's reply may be opened when it comes sealed
+        (``transport/seal.py``): the slice of ``params`` (or ``out``) that
+        :meth:`take_values` copies it to, for a chunk it copies as it is; None for the
+        rest (copied, or refused, by :meth:`take_values` as always)."""
+        dst_arrays = self.params if out is None else out
+
+        def land(
+            dtype: np.dtype[Any], shape: tuple[int, ...], kind: str, ref: int, offset: int
+        ) -> Any:
+            r = self.routes.get(ref)
+            if r is None or kind != "value" or dtype != r.wire or lowp.is_narrow(r.wire):
+                return None
+            size = math.prod(shape)
+            arr = dst_arrays.get(r.var.name)
+            if offset + size > r.size or not isinstance(arr, np.ndarray):
+                return None
+            if arr.dtype != dtype or not arr.flags.c_contiguous or not arr.flags.writeable:
+                return None
+            return arr.reshape(-1)[r.start + offset : r.start + offset + size]
+
+        return land
 
     def tag(self, closure: int | None) -> None:
         """From now on, pushes belong to scheduled function ``closure`` (None: to no
@@ -785,3 +810,11 @@ class ParameterClient:
                     " push fewer rows per step, or spread the table over more shards"
                 )
         return await _every(one(ps, parts) for ps, parts in routed.items())
+
+
+def _same_memory(a: Array, b: Array) -> bool:
+    """``a`` is ``b``'s bytes (a chunk opened into its place): nothing to copy."""
+    return bool(
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.nbytes == b.nbytes
+    )

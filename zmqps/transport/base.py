@@ -154,6 +154,8 @@ class TransportStats:
     seal_refusals: int = 0
     #: messages sent sealed on the data connection (under CURVE)
     sealed: int = 0
+    #: buffers of sealed replies opened straight into where their caller copies them
+    landed: int = 0
     #: requests sent again when their connection came back (Client)
     resent: int = 0
     #: requests refused because too many of the peer's (or all) were pending (Server)

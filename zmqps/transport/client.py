@@ -35,9 +35,10 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -61,6 +62,7 @@ from zmqps.transport.seal import (
     key_id_of,
 )
 from zmqps.wire import ERROR, Limits, Message, Tensor, decode, encode, request
+from zmqps.wire.codec import buffer_specs
 from zmqps.wire.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -71,13 +73,20 @@ from zmqps.wire.errors import (
 )
 from zmqps.wire.ops import BULK_OPS, SealAgreed, SealHello
 
-__all__ = ["Client"]
+__all__ = ["Client", "Landing"]
+
+#: Where a reply's buffer may be opened straight into (sealed replies): given its
+#: dtype, shape, kind, ref and offset, a writable buffer of exactly its bytes, or None.
+Landing = Callable[[np.dtype[Any], tuple[int, ...], str, int, int], Any]
 
 log = logging.getLogger("zmqps.transport")
 
 
 class Client:
     """A DEALER connected to ``address``; ``identity`` names this peer to the server."""
+
+    #: :meth:`request` takes ``landing`` (where a sealed reply's buffers are opened)
+    lands = True
 
     def __init__(
         self,
@@ -123,6 +132,8 @@ class Client:
         )
         self._sealer: Sealer | None = None
         self._openers: dict[bytes, Opener] = {}
+        #: where the buffers of a pending request's sealed reply are opened, by id
+        self._landing: dict[int, Landing] = {}
         self._agreeing: asyncio.Task[None] | None = None
         self._data_sock: zmq.asyncio.Socket | None = None
         self._data_endpoint = ""
@@ -286,7 +297,7 @@ class Client:
             try:
                 if opener is None:
                     raise SealRefused("unknown_key", f"a reply from {self._data_endpoint}")
-                plain = opener.open(frames)
+                plain = opener.open(frames, self._land if self._landing else None)
             except SealRefused as exc:
                 self.stats.seal_refusals += 1
                 if self.observer is not None:
@@ -304,15 +315,20 @@ class Client:
         timeout: float | None = None,
         attempts: int = 1,
         slot: int | None = None,
+        landing: Landing | None = None,
     ) -> Message:
         """Send a request and wait for its reply; raises the typed error of an error reply.
-        ``slot``: the PS state it is for, instead of the client's."""
+        ``slot``: the PS state it is for, instead of the client's. ``landing``: where
+        the buffers of a sealed reply may be opened (:data:`Landing`): the caller then
+        finds them there, its copy already made."""
         timeout = self.timeout if timeout is None else timeout
         slot = self.slot if slot is None else slot
         for attempt in range(1, attempts + 1):
             try:
                 return await retry_busy(
-                    lambda left: self._request_once(op, body, tensors, left, attempts > 1, slot),
+                    lambda left: self._request_once(
+                        op, body, tensors, left, attempts > 1, slot, landing
+                    ),
                     timeout,
                 )
             except DeadlineExceeded:
@@ -350,8 +366,11 @@ class Client:
         timeout: float,
         resendable: bool = False,
         slot: int | None = None,
+        landing: Landing | None = None,
     ) -> Message:
         sent = self._send(op, body, tensors, timeout, resendable, slot)
+        if landing is not None:
+            self._landing[sent[0]] = landing
         return await self._reply(op, timeout, *sent)
 
     def _send(
@@ -430,6 +449,7 @@ class Client:
         finally:
             self._pending.pop(rid, None)
             self._resendable.pop(rid, None)
+            self._landing.pop(rid, None)
             if self.observer is not None:
                 self.observer.bytes_out(sent)
                 self.observer.request_done(op, status, time.perf_counter() - started)
@@ -448,6 +468,17 @@ class Client:
             if self.observer is not None:
                 self.observer.bytes_in(received)
             self._deliver(frames)
+
+    def _land(self, header: memoryview) -> list[Any]:
+        """Where a sealed reply's buffers are opened: its request's landing's answers."""
+        rid, specs = buffer_specs(header, self._limits)
+        landing = self._landing.get(rid) if rid is not None else None
+        fut = self._pending.get(rid) if rid is not None else None
+        if landing is None or fut is None or fut.done():
+            return []  # a late reply: opened in place
+        dests = [landing(*spec) for spec in specs]
+        self.stats.landed += sum(d is not None for d in dests)
+        return dests
 
     def _deliver(self, frames: Sequence[Any]) -> None:
         """A reply's frames: matched to its request (or dropped, counted)."""

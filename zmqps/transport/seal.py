@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,17 +181,32 @@ class Opener:
         #: the highest counter accepted so far (-1: none)
         self.last = -1
 
-    def open(self, frames: Sequence[Any]) -> list[memoryview]:
+    def open(
+        self,
+        frames: Sequence[Any],
+        land: Callable[[memoryview], Sequence[Any]] | None = None,
+    ) -> list[memoryview]:
         """The plaintext of one message's sealed frames, or :class:`SealRefused`
         (nothing accepted: the counter does not move). A writable frame (a received
         ZeroMQ frame) is opened in place: its plaintext is a view of it, nothing is
-        copied; a refused message's writable frames are left garbled."""
+        copied; a refused message's writable frames are left garbled.
+
+        ``land``, given the first frame's plaintext (a header), may name where each
+        later frame is opened instead (a writable buffer of exactly its plaintext's
+        size, or None): where its bytes would be copied to anyway. Such a buffer holds
+        the bytes of a frame that did not authenticate when the message is refused."""
         n = len(frames)
         if n == 0:
             raise SealRefused("malformed", "an empty message")
-        out = []
+        out: list[memoryview] = []
         last = self.last
+        dests: Sequence[Any] = ()
         for i, frame in enumerate(frames):
+            if i == 1 and land is not None:
+                try:
+                    dests = land(out[0])
+                except ProtocolError:
+                    dests = ()  # the header is refused whole later, where it is decoded
             view = _flat(frame)
             if view.nbytes < OVERHEAD:
                 raise SealRefused("malformed", f"frame {i} of {view.nbytes} bytes")
@@ -207,8 +222,16 @@ class Opener:
                 raise SealRefused("tampered", f"frame {i} (counter {counter}) is not after {last}")
             aad = bytes(view[: _PREFIX.size]) + _AAD_TAIL.pack(i, n)
             body = view[_PREFIX.size :]
+            dest = dests[i - 1] if 0 < i <= len(dests) else None
+            if dest is not None:
+                dest = _flat(dest)
+                if dest.readonly or dest.nbytes != view.nbytes - OVERHEAD:
+                    dest = None
             try:
-                if _INTO and not view.readonly:  # in place: same start, OpenSSL allows it
+                if _INTO and dest is not None:
+                    plain = dest
+                    self._aead.decrypt_into(_nonce(counter), body, aad, plain)
+                elif _INTO and not view.readonly:  # in place: same start, OpenSSL allows it
                     plain = view[_PREFIX.size : view.nbytes - TAG_BYTES]
                     self._aead.decrypt_into(_nonce(counter), body, aad, plain)
                 elif _INTO:
