@@ -202,3 +202,11 @@ def test_frames_open_where_the_landing_says() -> None:
     # a buffer of another size is not used: that frame opens in place
     assert np.array_equal(np.frombuffer(plain[2], np.float32), values[:20])
     assert not wrong_size.any()
+
+
+def test_zmqps_seal_off_turns_sealing_off() -> None:
+    from zmqps.config import seal_bulk
+
+    assert seal_bulk({}) and seal_bulk({"ZMQPS_SEAL": "on"})
+    for off in ("off", "0", "no", "FALSE", " Off "):
+        assert not seal_bulk({"ZMQPS_SEAL": off})
