@@ -225,7 +225,11 @@ class Client:
         endpoint = f"{host}:{agreed.port}"
         if endpoint != self._data_endpoint:
             self._close_data()
-            self._open_data(endpoint)
+            self._open_data(endpoint)  # its handshake sends the pending ones again
+        elif self._data_up:
+            # a new key on the same connection (the server forgot the old one, or
+            # it was used up): what may be sent again is, sealed with it
+            self._resend_pending(sealed=True)
 
     def _open_data(self, endpoint: str) -> None:
         options = self._options
@@ -264,17 +268,15 @@ class Client:
     async def _watch_data(self, monitor: zmq.asyncio.Socket) -> None:
         from zmq.utils.monitor import parse_monitor_message
 
-        lost = False
         while True:
             event = int(parse_monitor_message(await monitor.recv_multipart())["event"])
             if event == zmq.EVENT_DISCONNECTED:
                 self._data_up = False
-                lost = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._data_up = True
-                if lost:
-                    lost = False
-                    self._resend_pending(sealed=True)
+                # back, or a new connection in place of one to a port the server no
+                # longer has (it restarted): what was sent on the old one is lost
+                self._resend_pending(sealed=True)
 
     async def _read_data(self, sock: zmq.asyncio.Socket) -> None:
         while True:
