@@ -18,6 +18,7 @@ from zmqps.transport.seal import (
     Opener,
     Sealer,
     SealRefused,
+    credential,
     derive,
 )
 
@@ -182,6 +183,45 @@ def test_the_two_directions_have_distinct_keys() -> None:
     assert c2s != s2c and len(c2s) == len(s2c) == 32
     with pytest.raises(ValueError):
         derive(b"short", os.urandom(32), b"k" * 8)
+
+
+def test_the_data_credential_is_derived_apart_from_the_keys() -> None:
+    client, server, key_id = os.urandom(32), os.urandom(32), b"k" * 8
+    cred = credential(client, server, key_id)
+    c2s, s2c = derive(client, server, key_id)
+    # 32 bytes of its own label: neither key, and the same on both sides
+    assert len(cred) == 32 and cred not in (c2s, s2c)
+    assert credential(client, server, key_id) == cred
+    assert credential(client, server, b"j" * 8) != cred  # the key id is its salt
+    assert credential(server, client, key_id) != cred
+    with pytest.raises(ValueError):
+        credential(b"short", server, key_id)
+
+
+def test_the_keyring_admits_only_a_live_sessions_credentials() -> None:
+    ring = Keyring(max_sessions=4, max_per_peer=1)
+    client = os.urandom(32)
+    key_id, server = ring.agree("worker0", client)
+    user, password = key_id.hex().encode(), credential(client, server, key_id).hex().encode()
+    session = ring.admit(user, password)
+    assert session is not None and session.peer == "worker0" and session.key_id == key_id
+    # a wrong password, another session's id, garbage, nothing: refused
+    wrong = bytearray(password)
+    wrong[-1] ^= 0x01
+    assert ring.admit(user, bytes(wrong)) is None
+    assert ring.admit(user, password[:-2]) is None
+    assert ring.admit(user, b"") is None
+    assert ring.admit(b"00" * 8, password) is None
+    assert ring.admit(b"not hex", password) is None
+    assert ring.admit("é".encode(), password) is None
+    assert ring.admit(b"", b"") is None
+    # the AEAD keys are not credentials
+    c2s, s2c = derive(client, server, key_id)
+    assert ring.admit(user, c2s.hex().encode()) is None
+    assert ring.admit(user, s2c.hex().encode()) is None
+    # a forgotten session (here: its peer agreed another) is no longer admitted
+    ring.agree("worker0", os.urandom(32))
+    assert ring.admit(user, password) is None
 
 
 def test_frames_open_where_the_landing_says() -> None:

@@ -27,12 +27,19 @@ connection, every frame sealed:
   frame of the message authenticates.
 * Every refusal is a :class:`SealRefused` with a ``reason``: ``malformed``,
   ``unknown_key``, ``tampered``, ``replayed``, ``exhausted``.
+* The data connection itself is admitted at its ZeroMQ handshake (PLAIN, checked by
+  the ZAP handler): the username is the session's key id in hex, the password a
+  credential HKDF derives from the same secret under its own label
+  (:func:`credential`; never one of the AEAD keys, which nothing can compute from
+  it). :meth:`Keyring.admit` checks it, in constant time, against the live
+  sessions: a peer without one sends nothing there, not a single frame.
 
 Nothing here does IO: the transport's client and server call it.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import struct
 from collections import OrderedDict
@@ -63,6 +70,7 @@ __all__ = [
     "SealRefused",
     "Sealer",
     "Session",
+    "credential",
     "derive",
 ]
 
@@ -90,6 +98,8 @@ MAX_SESSIONS_PER_PEER = 64
 NOTICE = b"zmqps-seal-refused"
 REASONS = ("malformed", "unknown_key", "tampered", "replayed", "exhausted")
 _INFO = b"zmqps seal v1 "
+#: HKDF's label of the data connection's PLAIN password (not a key's: see above)
+_CREDENTIAL_INFO = b"zmqps seal v1 data-credential"
 #: the version of ``cryptography`` seals into and opens into a given buffer (no copy)
 _INTO = hasattr(AESGCM, "encrypt_into") and hasattr(AESGCM, "decrypt_into")
 
@@ -112,6 +122,15 @@ def derive(client_random: bytes, server_random: bytes, key_id: bytes) -> tuple[b
         hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=key_id, info=_INFO + direction)
         out.append(hkdf.derive(client_random + server_random))
     return out[0], out[1]
+
+
+def credential(client_random: bytes, server_random: bytes, key_id: bytes) -> bytes:
+    """The session's credential for the data connection's handshake (PLAIN password,
+    sent in hex): HKDF-SHA256 of the same secret as :func:`derive`, its own label."""
+    if len(client_random) != RANDOM_BYTES or len(server_random) != RANDOM_BYTES:
+        raise ValueError(f"each side contributes {RANDOM_BYTES} random bytes")
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=key_id, info=_CREDENTIAL_INFO)
+    return hkdf.derive(client_random + server_random)
 
 
 def _nonce(counter: int) -> bytes:
@@ -256,6 +275,12 @@ class Session:
     peer: str
     opener: Opener
     sealer: Sealer
+    #: the data connection's PLAIN password for this session (:func:`credential`, hex)
+    password: bytes = b""
+
+
+#: what an unknown key id's password is compared with (no credential is 65 bytes)
+_NO_PASSWORD = b"-" * 65
 
 
 class Keyring:
@@ -285,7 +310,10 @@ class Keyring:
             self.forget(next(iter(mine)))
         if len(self._sessions) >= self.max_sessions:
             self.forget(next(iter(self._sessions)))
-        self._sessions[key_id] = Session(key_id, peer, Opener(c2s, key_id), Sealer(s2c, key_id))
+        password = credential(client_random, server_random, key_id).hex().encode()
+        self._sessions[key_id] = Session(
+            key_id, peer, Opener(c2s, key_id), Sealer(s2c, key_id), password
+        )
         self._by_peer.setdefault(peer, mine)[key_id] = None
         return key_id, server_random
 
@@ -298,6 +326,20 @@ class Keyring:
             mine.pop(key_id, None)
             if not mine:
                 del self._by_peer[session.peer]
+
+    def admit(self, username: bytes, password: bytes) -> Session | None:
+        """The live session a data connection's PLAIN credentials name (username: its
+        key id in hex; password: its :func:`credential` in hex), or None. The password
+        is compared in constant time (against a dummy when no session has that id)."""
+        try:
+            key_id = bytes.fromhex(username.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            key_id = b""
+        session = self._sessions.get(key_id) if len(key_id) == KEY_ID_BYTES else None
+        expected = session.password if session is not None else _NO_PASSWORD
+        if hmac.compare_digest(expected, password) and session is not None:
+            return session
+        return None
 
     def open(self, frames: Sequence[Any]) -> tuple[Session, list[memoryview]]:
         """The session a sealed message belongs to, and its plaintext frames."""
