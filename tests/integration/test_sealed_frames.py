@@ -1,8 +1,10 @@
 """Sealed bulk frames under CURVE over real TCP on 127.0.0.1 (``transport/seal.py``):
-bulk requests and their replies go on the plaintext data connection, sealed; what is
-put on that connection at the socket level (garbage, another key, a replayed or a
-tampered message) is refused, counted and answered with a notice, and the server
-goes on serving."""
+bulk requests and their replies go on the plaintext data connection, sealed; a peer
+without a live session's credentials cannot open a connection to it (refused at the
+handshake, counted, nothing of it reaches the server); what one holding them (an
+observer of the wire) puts on that connection at the socket level (garbage, another
+key, a replayed or a tampered message) is refused, counted and answered with a
+notice, and the server goes on serving."""
 
 from __future__ import annotations
 
@@ -121,7 +123,12 @@ def test_bulk_requests_go_sealed_and_what_is_injected_is_refused_and_counted(
             assert plain[:64] not in captured[1]
             assert server.stats.seal_refusals == 0
 
-            # now at the socket level, on the plaintext data connection
+            # now at the socket level, on the plaintext data connection, with the
+            # session's credentials (they cross the wire in clear: an observer has them)
+            assert client._sealer is not None
+            key_id = client._sealer.key_id
+            raw.setsockopt(zmq.PLAIN_USERNAME, key_id.hex().encode())
+            raw.setsockopt(zmq.PLAIN_PASSWORD, server.keyring._sessions[key_id].password)
             raw.connect(server.data_endpoint)
 
             async def inject(frames: list[bytes], reason: str) -> None:
@@ -140,7 +147,6 @@ def test_bulk_requests_go_sealed_and_what_is_injected_is_refused_and_counted(
             # the client's last sealed message, replayed
             await inject(captured, "replayed")
             # a message sealed with the session's key, one bit of it changed on the way
-            assert client._sealer is not None
             forged = [
                 bytearray(f)
                 for f in client._sealer.seal(encode(request("ping", {}, tensors(10, 3), id=7)))

@@ -24,6 +24,13 @@ Rules of this module:
   requests go on CURVE like the rest. A new session is agreed when the CURVE
   connection comes back (the server may have restarted), when the server says it
   knows the key no more, and before a key has sealed :data:`REKEY_AFTER` frames.
+* The data connection is admitted at its handshake with the session's PLAIN
+  credentials (its key id and :func:`~zmqps.transport.seal.credential`, in hex),
+  which hold for one connection: each session agreed opens a new data connection
+  with its own (the old one is closed: the resendable requests it carried are sent
+  again on the new one once its handshake succeeds). A handshake the server refuses
+  (it knows the session no more: it restarted, or forgot it while the connection
+  was down) agrees a new session, once per connection.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from zmqps.transport.seal import (
     Opener,
     Sealer,
     SealRefused,
+    credential,
     derive,
     key_id_of,
 )
@@ -217,21 +225,18 @@ class Client:
             )
             return
         c2s, s2c = derive(mine, theirs, key_id)
+        password = credential(mine, theirs, key_id).hex().encode()
         self._openers[key_id] = Opener(s2c, key_id)
         while len(self._openers) > 2:
             del self._openers[next(iter(self._openers))]
         self._sealer = Sealer(c2s, key_id)
         host = self.endpoint.rsplit(":", 1)[0]
-        endpoint = f"{host}:{agreed.port}"
-        if endpoint != self._data_endpoint:
-            self._close_data()
-            self._open_data(endpoint)  # its handshake sends the pending ones again
-        elif self._data_up:
-            # a new key on the same connection (the server forgot the old one, or
-            # it was used up): what may be sent again is, sealed with it
-            self._resend_pending(sealed=True)
+        # PLAIN credentials are a connection's: a new session, a new connection (its
+        # handshake sends the pending ones again, sealed with the new key)
+        self._close_data()
+        self._open_data(f"{host}:{agreed.port}", key_id.hex().encode(), password)
 
-    def _open_data(self, endpoint: str) -> None:
+    def _open_data(self, endpoint: str, username: bytes, password: bytes) -> None:
         options = self._options
         limit = options.max_msg_size
         options = dataclasses.replace(
@@ -239,7 +244,11 @@ class Client:
         )
         sock: zmq.asyncio.Socket = self._sock.context.socket(zmq.DEALER)
         options.apply_common(sock)  # no routing id: each connection is a new peer
-        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        sock.setsockopt(zmq.PLAIN_USERNAME, username)
+        sock.setsockopt(zmq.PLAIN_PASSWORD, password)
+        events = (
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
         # watched before it connects: an event before the monitor is never seen
         self._data_monitor = sock.get_monitor_socket(events)
         sock.connect(endpoint)
@@ -268,10 +277,19 @@ class Client:
     async def _watch_data(self, monitor: zmq.asyncio.Socket) -> None:
         from zmq.utils.monitor import parse_monitor_message
 
+        refused = False
         while True:
             event = int(parse_monitor_message(await monitor.recv_multipart())["event"])
             if event == zmq.EVENT_DISCONNECTED:
                 self._data_up = False
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and not refused:
+                # the server knows this session no more (it restarted, or forgot it
+                # while the connection was down): a new one, once per connection
+                refused = True
+                log.info(
+                    "%s refused the session's credentials: agreeing a new one", self._data_endpoint
+                )
+                self._agree_soon()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._data_up = True
                 # back, or a new connection in place of one to a port the server no

@@ -33,6 +33,12 @@ Rules of this module:
   a session's key, or replayed, or reordered, is refused before it is decoded:
   counted (``stats.seal_refusals``, the observer's ``seal_refused``), logged
   (rate-limited) and answered with a plaintext notice naming the reason.
+* The data connection is a PLAIN server in a ZAP domain of its own: the ZAP
+  handler admits a connection only with a live session's key id and credential
+  (``Keyring.admit``), so a peer without one sends nothing there, not a frame.
+  Its refusals are counted as ``auth_failures`` (``data_refused``: credentials no
+  session has; ``data_handshake``: no PLAIN credentials at all, from a socket
+  monitor).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import asyncio
 import contextlib
 import dataclasses
 import ipaddress
+import itertools
 import logging
 import time
 from collections.abc import Mapping
@@ -54,7 +61,12 @@ from zmqps.transport.base import Handler, TransportObserver, TransportStats, can
 from zmqps.transport.dispatch import Dispatcher, Pending
 from zmqps.transport.options import SocketOptions, tcp_endpoint
 from zmqps.transport.seal import NOTICE, OVERHEAD, RANDOM_BYTES, Keyring, SealRefused, Session
-from zmqps.transport.security import acquire_authenticator, release_authenticator
+from zmqps.transport.security import (
+    acquire_authenticator,
+    release_authenticator,
+    serve_sessions,
+    stop_serving_sessions,
+)
 from zmqps.transport.unread import TRACK_BYTES, UnreadReplies
 from zmqps.wire import Limits, Message, encode, error_reply, reply
 from zmqps.wire.errors import InvalidArgument
@@ -70,6 +82,9 @@ log = logging.getLogger("zmqps.transport")
 #: (a port probe, a client closing), not a refusal.
 _HANDSHAKE_FAILED: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake"}
 
+
+#: ZAP domains of data connections: one per server of the process (its sessions)
+_DATA_DOMAINS = itertools.count()
 
 #: Bytes of replies a peer may leave unread before its requests wait (``busy``), and
 #: all peers together (``transport/unread.py``; a PS raises both with its shards).
@@ -170,6 +185,11 @@ class Server:
         self._seal_log = RateLimitedLog(log, _LOG_EVERY_S)
         #: the data connection's endpoint ("" when there is none)
         self.data_endpoint = ""
+        #: the ZAP domain its handshakes are checked in ("" when there is none)
+        self._data_domain = ""
+        #: its monitor (handshakes without PLAIN credentials), read with the other
+        self._data_monitor_sock: zmq.Socket[Any] | None = None
+        self._data_events: zmq.Socket[Any] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         #: done when the server stops (or failed, with the error that stopped it)
         self._loop_task: asyncio.Future[None] | None = None
@@ -221,7 +241,8 @@ class Server:
 
     def _bind_data(self) -> None:
         """Bind the data connection's ROUTER on the CURVE endpoint's host, a port of
-        its own (plaintext: every frame on it is sealed)."""
+        its own (plaintext: every frame on it is sealed), admitting at the handshake
+        only the credentials of a live session (PLAIN, checked by the ZAP handler)."""
         options = self._options
         limit = options.max_msg_size
         options = dataclasses.replace(
@@ -229,10 +250,21 @@ class Server:
         )
         sock: zmq.Socket[Any] = zmq.Socket(self._ctx, zmq.ROUTER)
         host = self._address.rsplit(":", 1)[0]
+        domain = f"zmqps-data-{next(_DATA_DOMAINS)}"
         try:
             options.apply_router(sock)
+            # fail closed as on CURVE: a domain, enforced, served before binding
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
+            sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+            serve_sessions(self._ctx, domain, self._admit, self._data_auth_failed)
+            self._data_domain = domain
+            # watched before it binds: no handshake goes unseen
+            self._data_monitor_sock = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            self._data_events = zmq.Socket.shadow(self._data_monitor_sock.underlying)
             sock.bind(f"{host}:0")
         except BaseException as exc:
+            self._close_data_monitor(sock)
             sock.close(linger=0)
             self._close_sockets()
             if isinstance(exc, zmq.ZMQError):
@@ -241,6 +273,25 @@ class Server:
         self._data_sock = sock
         self.data_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("%s: sealed data connection on %s", self._name, self.data_endpoint)
+
+    def _admit(self, username: bytes, password: bytes) -> str | None:
+        """The ZAP handler's check of a data connection's PLAIN credentials: the user
+        id (the session's key id, hex) of a live session, or None (refused)."""
+        session = self.keyring.admit(username, password)
+        return None if session is None else session.key_id.hex()
+
+    def _data_auth_failed(self, peer: str, reason: str) -> None:
+        self.stats.auth_failures += 1
+        if self._observer is not None:
+            self._observer.auth_failure("data_refused")
+        self._handshake_log.warning(
+            "%s: refused a data connection from %s (%s); %d refused so far",
+            self._name,
+            peer,
+            reason,
+            self.stats.auth_failures,
+            key="data",
+        )
 
     def _serve(self, msg: Message) -> Message | Any:
         if msg.op == SealHello.OP:
@@ -281,6 +332,9 @@ class Server:
             sock.send_multipart([identity, NOTICE, key_id, exc.reason.encode()], flags=zmq.DONTWAIT)
 
     def _release(self) -> None:
+        if self._data_domain:
+            stop_serving_sessions(self._ctx, self._data_domain)
+            self._data_domain = ""
         if self._authenticated:
             self._authenticated = False
             release_authenticator(self._ctx, self._auth_failed)
@@ -299,6 +353,14 @@ class Server:
         """Act on every socket event waiting now (never blocks)."""
         from zmq.utils.monitor import parse_monitor_message
 
+        data = self._data_events
+        while data is not None and _waiting(data):
+            try:
+                event = parse_monitor_message(data.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if int(event["event"]) == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self._handshake_failed("data_handshake", event)
         events = self._events
         # one EVENTS look (2 us) rather than a receive that raises Again (5 us): a
         # look happens with every long poll
@@ -319,12 +381,16 @@ class Server:
             self._observer.auth_failure(kind)
         # libzmq names only our own endpoint here, not the peer's address.
         self._handshake_log.warning(
-            "%s: a CURVE handshake failed on %s (%s: a plaintext client or a wrong"
-            " server key?); %d refused so far",
+            "%s: a %s handshake failed on %s (%s: %s); %d refused so far",
             self._name,
+            "data connection" if kind == "data_handshake" else "CURVE",
             event["endpoint"].decode(errors="replace"),
             _protocol_error(int(event["value"])),
+            "a client without session credentials?"
+            if kind == "data_handshake"
+            else "a plaintext client or a wrong server key?",
             self.stats.auth_failures,
+            key=kind,
         )
 
     def _drop_polls(self, fd: int) -> None:
@@ -441,9 +507,18 @@ class Server:
             self._sock.close()
             self._sock = None
         if self._data_sock is not None:
+            self._close_data_monitor(self._data_sock)
             self._data_sock.close()
             self._data_sock = None
         self._release()
+
+    def _close_data_monitor(self, sock: zmq.Socket[Any]) -> None:
+        if self._data_monitor_sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            self._data_events = None
+            self._data_monitor_sock.close(linger=0)
+            self._data_monitor_sock = None
 
     def _on_readable(self) -> None:
         """Take the messages waiting, at most :data:`RECV_BATCH` per turn of the event
