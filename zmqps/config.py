@@ -42,6 +42,7 @@ __all__ = [
     "KEYS_ENV",
     "NO_CLUSTER_MESSAGE",
     "ROLES",
+    "SEAL_ENV",
     "SOURCES",
     "ClusterSpec",
     "Resolution",
@@ -53,6 +54,7 @@ __all__ = [
     "parse_tf_config",
     "resolve",
     "resolve_source",
+    "seal_bulk",
     "split_address",
 ]
 
@@ -549,6 +551,18 @@ def keys_dir(flag: str | None, environ: Mapping[str, str] | None = None) -> str 
         return flag
     value = (os.environ if environ is None else environ).get(KEYS_ENV, "")
     return value or None
+
+
+#: Set to ``off`` (or ``0``), bulk tensors under CURVE go through CURVE too, not sealed
+#: on a data connection (``transport/seal.py``).
+SEAL_ENV = "ZMQPS_SEAL"
+
+
+def seal_bulk(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether bulk tensors under CURVE go sealed on a data connection (``ZMQPS_SEAL``:
+    ``off``, ``0``, ``no`` or ``false`` say no; anything else, or nothing, says yes)."""
+    value = (os.environ if environ is None else environ).get(SEAL_ENV, "")
+    return value.strip().lower() not in ("off", "0", "no", "false")
 
 
 @dataclass(frozen=True)

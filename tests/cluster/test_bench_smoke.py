@@ -117,7 +117,7 @@ def test_curve_side(procs: Reaper, tmp_path: Path) -> None:
     for run in read_json(out)["runs"]:
         curve = run["sides"]["zmqps-curve"]
         assert curve["status"] == "ok" and curve["median"] > 0, curve
-        assert curve["transport"] == ["tcp"]  # every tensor byte through CURVE
+        assert curve["transport"] == ["tcp"]  # every tensor byte encrypted (sealed)
         assert run["ratios"]["zmqps-curve/zmqps-tcp"] > 0
     assert not _children_of(logs)
 

@@ -93,6 +93,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "push_rows": dict(PUSH),
     "shm_attach": {"name": "zmqps-" + "ab" * 16, "size": 4096, "worker": "worker:0", "inc": 3},
     "shm_detach": {"region": 2},
+    "seal_hello": {"random": "ab" * 32},
     "sync_config": {"mode": "sync", "required": 2},
     "wait_step": {"step": 3, "wait": 1.5},
     "take_token": {"role": "worker", "index": 0, "incarnation": 1, "wait": 2.0},

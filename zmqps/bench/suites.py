@@ -138,8 +138,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         type=_names,
         default=DEFAULT_SIDES,
         help="comma-separated sides among zmqps (as it runs by default), zmqps-tcp (its"
-        " same-host fast path off), zmqps-curve (zmqps-tcp with CURVE on every socket:"
-        " every tensor byte encrypted), zmqps-r2 (zmqps-tcp with two copies of every PS"
+        " same-host fast path off), zmqps-curve (zmqps-tcp under CURVE keys:"
+        " every tensor byte encrypted, bulk frames sealed on a data connection),"
+        " zmqps-r2 (zmqps-tcp with two copies of every PS"
         " state: --replication 2, needs --ps 2 or more), zmqps-bf16 (zmqps-tcp with its"
         " dense variables travelling as bfloat16: --wire-dtype bfloat16), zmqps-metrics"
         " (zmqps with every process serving Prometheus metrics), zmqps-hash (sparse: zmqps"

@@ -18,6 +18,7 @@ from zmqps.config import (  # bind_address is re-exported: it moved to zmqps.con
     bind_address,
     keys_dir,
     resolve_source,
+    seal_bulk,
 )
 from zmqps.core.lowp import WIRE_DTYPES
 from zmqps.core.partition import Partitioner
@@ -448,7 +449,9 @@ def socket_options(
     folder = keys_dir(getattr(args, "keys", None))
     if folder is None:
         return None
-    return SocketOptions(curve=load_keys(folder, role, index, serve=serve, connect=connect))
+    return SocketOptions(
+        curve=load_keys(folder, role, index, serve=serve, connect=connect), seal=seal_bulk()
+    )
 
 
 def add_evaluator_args(p: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ from zmqps.metrics.catalogue import (
     AUTH_FAILURE_REASONS,
     DROP_REASONS,
     PHASES,
+    SEAL_REFUSAL_REASONS,
     STALENESS_BUCKETS,
     Metrics,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "AUTH_FAILURE_REASONS",
     "DROP_REASONS",
     "PHASES",
+    "SEAL_REFUSAL_REASONS",
     "STALENESS_BUCKETS",
     "Metrics",
     "MetricsServer",

@@ -27,6 +27,7 @@ __all__ = [
     "EVICTION_REASONS",
     "FUNCTION_OUTCOMES",
     "PHASES",
+    "SEAL_REFUSAL_REASONS",
     "STALENESS_BUCKETS",
     "Metrics",
 ]
@@ -36,8 +37,11 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 #: Why a PS acknowledged a push without applying it.
 DROP_REASONS = ("duplicate", "stale", "fenced", "invalid", "rolled_back", "nonfinite")
 #: Why a server refused a client: its key is not on the allow-list (refused), or the
-#: CURVE handshake failed (a plaintext client, a wrong server key).
-AUTH_FAILURE_REASONS = ("refused", "handshake")
+#: CURVE handshake failed (a plaintext client, a wrong server key); on a sealed data
+#: connection, credentials no live session has (data_refused) or none (data_handshake).
+AUTH_FAILURE_REASONS = ("refused", "handshake", "data_refused", "data_handshake")
+#: Why a sealed bulk message is refused (``zmqps.transport.seal.REASONS``).
+SEAL_REFUSAL_REASONS = ("malformed", "unknown_key", "tampered", "replayed", "exhausted")
 #: The phases of one worker step: pull, host -> device copy, compute, device -> host
 #: copy, push. With overlap, a phase's time is how long the step waited for it.
 PHASES = ("pull", "h2d", "compute", "d2h", "push")
@@ -268,12 +272,23 @@ class Metrics:
         self.auth_failures = Counter(
             "zmqps_auth_failures_total",
             "Clients a CURVE server refused, by reason (refused: key not allowed;"
-            " handshake: plaintext client or wrong server key).",
+            " handshake: plaintext client or wrong server key; data_refused: a data"
+            " connection with no live session's credentials; data_handshake: one with"
+            " none at all).",
             ["reason"],
             registry=r,
         )
         for reason in AUTH_FAILURE_REASONS:
             self.auth_failures.labels(reason)
+        self.seal_refusals = Counter(
+            "zmqps_seal_refusals_total",
+            "Sealed bulk messages refused under CURVE, by reason (malformed, unknown_key,"
+            " tampered, replayed: a replay or a reordering, exhausted: a key used up).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in SEAL_REFUSAL_REASONS:
+            self.seal_refusals.labels(reason)
         # -- parameter server ------------------------------------------------------
         self.staleness = Histogram(
             "zmqps_gradient_staleness",
@@ -490,6 +505,9 @@ class Metrics:
 
     def auth_failure(self, reason: str) -> None:
         self.auth_failures.labels(reason).inc()
+
+    def seal_refused(self, reason: str) -> None:
+        self.seal_refusals.labels(reason).inc()
 
     # -- parameter server ----------------------------------------------------------
 

@@ -138,7 +138,16 @@ class TcpChannel(DenseChannel):
             # A TCP pull is idempotent: it may be sent again (after its deadline, or at
             # once when a lost connection comes back).
             pull = o.Pull(tuple(sids), gen=c.gen, exact=c.exact or None, packs=packs or None)
-            rep = await requester.request("pull", pull.to_wire(), timeout=c.timeout, attempts=2)
+            if getattr(requester, "lands", False):  # a sealed reply opens into params
+                rep = await requester.request(  # type: ignore[call-arg]
+                    "pull",
+                    pull.to_wire(),
+                    timeout=c.timeout,
+                    attempts=2,
+                    landing=c.landing(t.out),
+                )
+            else:
+                rep = await requester.request("pull", pull.to_wire(), timeout=c.timeout, attempts=2)
             c.take_values(rep, sids, t.out, pull.gen)
             return True
         assert t.grads is not None

@@ -367,7 +367,7 @@ class ParameterClient:
                 )
             if lowp.is_narrow(r.wire):
                 narrowed.append((t.array.reshape(-1), dst))
-            else:
+            elif not _same_memory(t.array, dst):  # else opened there already (landing)
                 np.copyto(dst, t.array.reshape(-1), casting="same_kind")
         lowp.widen_all(narrowed, self.threads)  # every chunk at once, by several threads
 
@@ -390,7 +390,8 @@ class ParameterClient:
                 raise ProtocolError(f"pull reply: the pack of shard {t.ref} has another size")
             kept = self._pack_bufs.get(ids) if params else None
             if kept is not None and all(dst.get(name) is v for name, v in kept[1]):
-                np.copyto(kept[0], flat)  # params are views of the pack's buffer
+                if not _same_memory(flat, kept[0]):  # else opened there already (landing)
+                    np.copyto(kept[0], flat)  # params are views of the pack's buffer
                 continue
             pos = 0
             for r in routes:
@@ -400,6 +401,38 @@ class ParameterClient:
         if heads:
             raise ProtocolError("pull reply: a pack said to be packed is missing")
         return rest
+
+    def landing(
+        self, out: Mapping[str, Array] | None
+    ) -> Callable[[np.dtype[Any], tuple[int, ...], str, int, int], Any]:
+        """Where each chunk of a pull's reply may be opened when it comes sealed
+        (``transport/seal.py``): the slice of ``params`` (or ``out``) that
+        :meth:`take_values` copies it to, for a chunk it copies as it is; None for the
+        rest (copied, or refused, by :meth:`take_values` as always)."""
+        dst_arrays = self.params if out is None else out
+
+        def land(
+            dtype: np.dtype[Any], shape: tuple[int, ...], kind: str, ref: int, offset: int
+        ) -> Any:
+            r = self.routes.get(ref)
+            if r is None or kind != "value" or dtype != r.wire or lowp.is_narrow(r.wire):
+                return None
+            size = math.prod(shape)
+            ids = self.pack_of.get(ref)
+            kept = self._pack_bufs.get(ids) if ids is not None and out is None else None
+            if kept is not None and offset == 0 and size == kept[0].size and size > r.size:
+                # a pack sent packed: its buffer, if params are still its views
+                if all(self.params.get(name) is v for name, v in kept[1]):
+                    return kept[0]
+                return None
+            arr = dst_arrays.get(r.var.name)
+            if offset + size > r.size or not isinstance(arr, np.ndarray):
+                return None
+            if arr.dtype != dtype or not arr.flags.c_contiguous or not arr.flags.writeable:
+                return None
+            return arr.reshape(-1)[r.start + offset : r.start + offset + size]
+
+        return land
 
     def tag(self, closure: int | None) -> None:
         """From now on, pushes belong to scheduled function ``closure`` (None: to no
@@ -967,3 +1000,11 @@ class ParameterClient:
         if len(routed) == 1:  # one PS (the usual case): no task of its own
             return await one(*next(iter(routed.items())))
         return await _every(one(ps, parts) for ps, parts in routed.items())
+
+
+def _same_memory(a: Array, b: Array) -> bool:
+    """``a`` is ``b``'s bytes (a chunk opened into its place): nothing to copy."""
+    return bool(
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.nbytes == b.nbytes
+    )

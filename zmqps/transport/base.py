@@ -109,6 +109,10 @@ class TransportObserver(Protocol):
         """A client was refused: ``refused`` (its key is not allowed) or ``handshake``
         (the CURVE handshake failed: a plaintext client or a wrong server key)."""
 
+    def seal_refused(self, reason: str) -> None:
+        """A sealed message was refused (``transport/seal.py``): ``malformed``,
+        ``unknown_key``, ``tampered``, ``replayed`` or ``exhausted``."""
+
 
 class Requester(Protocol):
     """A client bound to one peer: many requests in flight, replies matched by id."""
@@ -145,6 +149,13 @@ class TransportStats:
     bytes_in: int = 0
     bytes_out: int = 0
     auth_failures: int = 0
+    #: sealed messages refused: not authentic, replayed or reordered, of an unknown
+    #: key, or a key that could seal no more (``transport/seal.py``)
+    seal_refusals: int = 0
+    #: messages sent sealed on the data connection (under CURVE)
+    sealed: int = 0
+    #: buffers of sealed replies opened straight into where their caller copies them
+    landed: int = 0
     #: requests sent again when their connection came back (Client)
     resent: int = 0
     #: requests refused because too many of the peer's (or all) were pending (Server)

@@ -34,6 +34,10 @@ Why each default (RELIABILITY.md, "Facts that bite"):
   (with enforcement but no domain libzmq skips authentication: fail open); the
   server starts the matching ZAP authenticator (:mod:`zmqps.transport.security`).
   A DEALER uses its client pair and the server's public key.
+* ``seal`` (under CURVE): bulk requests and their replies travel on a second,
+  plaintext TCP connection with every frame sealed by AES-256-GCM under keys agreed
+  over CURVE (:mod:`zmqps.transport.seal`); control messages stay on CURVE. False
+  puts every byte through CURVE.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class SocketOptions:
     handshake_ivl_ms: int = 10_000
     #: CURVE keys: None is plaintext
     curve: CurveKeys | None = None
+    #: under CURVE, bulk frames go sealed on a data connection (see above)
+    seal: bool = True
 
     def apply_common(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.SNDHWM, self.hwm)

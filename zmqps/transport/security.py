@@ -22,6 +22,11 @@ Rules of this module (RELIABILITY.md, "Facts that bite"):
 * Every refused client is logged with its peer address, routing id and public
   key (rate-limited per address), and reported to the listeners of the server
   sockets of that context (counted in ``zmqps_auth_failures_total``).
+* A server's sealed data connection (:mod:`zmqps.transport.seal`) is a PLAIN
+  server with a ZAP domain of its own (:func:`serve_sessions`): the same
+  authenticator admits a connection there only if the server's check knows its
+  credentials (a live session's key id and credential); a refusal there is
+  reported to that server only. No password is ever logged.
 """
 
 from __future__ import annotations
@@ -51,11 +56,14 @@ __all__ = [
     "AuthenticatorNotRunning",
     "CurveKeys",
     "InsecureKeyFile",
+    "PlainCheck",
     "acquire_authenticator",
     "check_secret_file",
     "keygen",
     "load_keys",
     "release_authenticator",
+    "serve_sessions",
+    "stop_serving_sessions",
 ]
 
 log = logging.getLogger("zmqps.security")
@@ -275,6 +283,8 @@ def load_keys(
 
 #: Called with (peer address, reason) for each refused client.
 DenialListener = Callable[[str, str], None]
+#: Given a PLAIN username and password, the user id to admit them as, or None.
+PlainCheck = Callable[[bytes, bytes], "str | None"]
 
 
 class _Authenticator(AsyncioAuthenticator):
@@ -287,6 +297,22 @@ class _Authenticator(AsyncioAuthenticator):
         self._denials = RateLimitedLog(log, LOG_EVERY_S)  # per address, bounded
         #: z85 public key -> its name on the allow-list (the file's, ``ps.key``: ``ps``)
         self.names: dict[bytes, str] = {}
+        #: the PLAIN domains of data connections: each server's check and listener
+        self.plain: dict[str, tuple[PlainCheck, DenialListener]] = {}
+        #: the user id of the PLAIN credentials admitted last (``_authenticate_plain``)
+        self._plain_user = ""
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        """Admit a data connection whose credentials its server's check knows (never
+        logging the password, which zmq.auth's own method does)."""
+        served = self.plain.get(domain)
+        if served is None:
+            return False, b"no sealed sessions in this domain"
+        user = served[0](username.encode(), password.encode())
+        if user is None:
+            return False, b"no live session with these credentials"
+        self._plain_user = user
+        return True, b"OK"
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         """The user id of an admitted client: its allow-list name (``chief``, ``ps``,
@@ -309,6 +335,8 @@ class _Authenticator(AsyncioAuthenticator):
         status_text: bytes,
         user_id: str = "anonymous",
     ) -> None:
+        if status_code == b"200" and self._plain_user:
+            user_id, self._plain_user = self._plain_user, ""
         try:
             super()._send_zap_reply(request_id, status_code, status_text, user_id)
         finally:
@@ -317,12 +345,15 @@ class _Authenticator(AsyncioAuthenticator):
 
     def _report_denial(self, reason: str) -> None:
         msg = self._request
+        domain = msg[2].decode(errors="replace") if len(msg) > 2 else ""
         address = msg[3].decode(errors="replace") if len(msg) > 3 else "?"
         identity = msg[4].decode(errors="replace") if len(msg) > 4 else "?"
         mechanism = msg[5].decode(errors="replace") if len(msg) > 5 else "?"
         key = ""
         if mechanism == "CURVE" and len(msg) > 6 and len(msg[6]) == 32:
             key = z85.encode(msg[6]).decode()
+        elif mechanism == "PLAIN" and len(msg) > 6:  # the username: a key id, public
+            key = "session " + msg[6][:64].decode(errors="replace")
         self._denials.warning(
             "refused a %s client from %s%s (key %s): %s",
             mechanism,
@@ -332,7 +363,8 @@ class _Authenticator(AsyncioAuthenticator):
             reason,
             key=address,
         )
-        for listener in list(self.listeners):
+        served = self.plain.get(domain)
+        for listener in [served[1]] if served is not None else list(self.listeners):
             listener(address, reason)
 
 
@@ -415,6 +447,29 @@ def acquire_authenticator(
         )
     entry.refs += 1
     entry.auth.listeners.append(listener)
+
+
+def serve_sessions(
+    ctx: zmq.asyncio.Context, domain: str, check: PlainCheck, listener: DenialListener
+) -> None:
+    """Have the authenticator of ``ctx`` (acquired first: :func:`acquire_authenticator`)
+    admit PLAIN connections in ``domain`` whose credentials ``check`` knows, and
+    report the others to ``listener`` only."""
+    entry = _REGISTRY.get(int(ctx.underlying))
+    if entry is None or entry.auth.zap_socket is None:
+        raise AuthenticatorNotRunning(
+            "sealed data connection: the ZAP authenticator is not running; refusing to bind"
+        )
+    if domain in entry.auth.plain:
+        raise ConfigError(f"ZAP domain {domain!r} is served already")
+    entry.auth.plain[domain] = (check, listener)
+
+
+def stop_serving_sessions(ctx: zmq.asyncio.Context, domain: str) -> None:
+    """Undo :func:`serve_sessions`: connections in ``domain`` are refused from now."""
+    entry = _REGISTRY.get(int(ctx.underlying))
+    if entry is not None:
+        entry.auth.plain.pop(domain, None)
 
 
 def release_authenticator(ctx: zmq.asyncio.Context, listener: DenialListener) -> None:

@@ -24,13 +24,30 @@ Rules of this module:
   socket binds, or :meth:`bind` raises; refused clients (ZAP) and failed
   handshakes (a socket monitor: plaintext clients, a wrong server key) are
   counted. Without keys, binding a non-loopback address logs a warning.
+* Under CURVE (and ``options.seal``) a second ROUTER, plaintext, is bound next to
+  the CURVE one on a port of its own (the data connection). A client agrees a
+  session over CURVE (``seal_hello``, answered here, never by the handler) and sends
+  its bulk requests there: every frame sealed with its session's key
+  (:mod:`zmqps.transport.seal`), its requests served as its allow-list name's, and
+  their replies sealed back on that connection. A message that is not sealed with
+  a session's key, or replayed, or reordered, is refused before it is decoded:
+  counted (``stats.seal_refusals``, the observer's ``seal_refused``), logged
+  (rate-limited) and answered with a plaintext notice naming the reason.
+* The data connection is a PLAIN server in a ZAP domain of its own: the ZAP
+  handler admits a connection only with a live session's key id and credential
+  (``Keyring.admit``), so a peer without one sends nothing there, not a frame.
+  Its refusals are counted as ``auth_failures`` (``data_refused``: credentials no
+  session has; ``data_handshake``: no PLAIN credentials at all, from a socket
+  monitor).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
+import itertools
 import logging
 import time
 from collections.abc import Mapping
@@ -43,9 +60,17 @@ from zmqps.logs import RateLimitedLog
 from zmqps.transport.base import Handler, TransportObserver, TransportStats, cancel_and_wait
 from zmqps.transport.dispatch import Dispatcher, Pending
 from zmqps.transport.options import SocketOptions, tcp_endpoint
-from zmqps.transport.security import acquire_authenticator, release_authenticator
+from zmqps.transport.seal import NOTICE, OVERHEAD, RANDOM_BYTES, Keyring, SealRefused, Session
+from zmqps.transport.security import (
+    acquire_authenticator,
+    release_authenticator,
+    serve_sessions,
+    stop_serving_sessions,
+)
 from zmqps.transport.unread import TRACK_BYTES, UnreadReplies
-from zmqps.wire import Limits, Message, encode, error_reply
+from zmqps.wire import Limits, Message, encode, error_reply, reply
+from zmqps.wire.errors import InvalidArgument
+from zmqps.wire.ops import SealAgreed, SealHello
 
 __all__ = ["MAX_UNREAD", "MAX_UNREAD_PER_PEER", "Server"]
 
@@ -57,6 +82,9 @@ log = logging.getLogger("zmqps.transport")
 #: (a port probe, a client closing), not a refusal.
 _HANDSHAKE_FAILED: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake"}
 
+
+#: ZAP domains of data connections: one per server of the process (its sessions)
+_DATA_DOMAINS = itertools.count()
 
 #: Bytes of replies a peer may leave unread before its requests wait (``busy``), and
 #: all peers together (``transport/unread.py``; a PS raises both with its shards).
@@ -143,12 +171,31 @@ class Server:
         #: replies dropped at a full pipe: one line per interval whatever the peers
         self._hwm_log = RateLimitedLog(log, _LOG_EVERY_S)
         self._authenticated = False
+        self._handler = handler
+        #: the data connection's ROUTER (under CURVE with ``options.seal``), read like
+        #: the CURVE one; every message on it is sealed (``_dispatch_data``)
+        self._data_sock: zmq.Socket[Any] | None = None
+        self._data_fd: int | None = None
+        self._data_read_scheduled = False
+        self._reading_data = False
+        #: inside the dispatch of a sealed request (``seal_hello`` is refused there)
+        self._on_data = False
+        #: the sessions agreed over CURVE, by key id (bounded)
+        self.keyring = Keyring()
+        self._seal_log = RateLimitedLog(log, _LOG_EVERY_S)
+        #: the data connection's endpoint ("" when there is none)
+        self.data_endpoint = ""
+        #: the ZAP domain its handshakes are checked in ("" when there is none)
+        self._data_domain = ""
+        #: its monitor (handshakes without PLAIN credentials), read with the other
+        self._data_monitor_sock: zmq.Socket[Any] | None = None
+        self._data_events: zmq.Socket[Any] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         #: done when the server stops (or failed, with the error that stopped it)
         self._loop_task: asyncio.Future[None] | None = None
         self.stats = TransportStats()
         self._dispatcher = Dispatcher(
-            handler,
+            self._serve,
             name=name,
             stats=self.stats,
             limits=limits,
@@ -177,6 +224,8 @@ class Server:
             raise
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if curve is not None and self._options.seal and self.endpoint.startswith("tcp://"):
+            self._bind_data()
         if curve is None and not _is_loopback(self.endpoint):
             log.warning(
                 "%s: serving %s in plaintext: anyone who reaches it can read and change"
@@ -190,7 +239,102 @@ class Server:
             )
         return self.endpoint
 
+    def _bind_data(self) -> None:
+        """Bind the data connection's ROUTER on the CURVE endpoint's host, a port of
+        its own (plaintext: every frame on it is sealed), admitting at the handshake
+        only the credentials of a live session (PLAIN, checked by the ZAP handler)."""
+        options = self._options
+        limit = options.max_msg_size
+        options = dataclasses.replace(
+            options, curve=None, max_msg_size=limit + OVERHEAD if limit > 0 else limit
+        )
+        sock: zmq.Socket[Any] = zmq.Socket(self._ctx, zmq.ROUTER)
+        host = self._address.rsplit(":", 1)[0]
+        domain = f"zmqps-data-{next(_DATA_DOMAINS)}"
+        try:
+            options.apply_router(sock)
+            # fail closed as on CURVE: a domain, enforced, served before binding
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
+            sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+            serve_sessions(self._ctx, domain, self._admit, self._data_auth_failed)
+            self._data_domain = domain
+            # watched before it binds: no handshake goes unseen
+            self._data_monitor_sock = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            self._data_events = zmq.Socket.shadow(self._data_monitor_sock.underlying)
+            sock.bind(f"{host}:0")
+        except BaseException as exc:
+            self._close_data_monitor(sock)
+            sock.close(linger=0)
+            self._close_sockets()
+            if isinstance(exc, zmq.ZMQError):
+                raise OSError(f"{self._name}: cannot bind {host}:0: {exc}") from None
+            raise
+        self._data_sock = sock
+        self.data_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("%s: sealed data connection on %s", self._name, self.data_endpoint)
+
+    def _admit(self, username: bytes, password: bytes) -> str | None:
+        """The ZAP handler's check of a data connection's PLAIN credentials: the user
+        id (the session's key id, hex) of a live session, or None (refused)."""
+        session = self.keyring.admit(username, password)
+        return None if session is None else session.key_id.hex()
+
+    def _data_auth_failed(self, peer: str, reason: str) -> None:
+        self.stats.auth_failures += 1
+        if self._observer is not None:
+            self._observer.auth_failure("data_refused")
+        self._handshake_log.warning(
+            "%s: refused a data connection from %s (%s); %d refused so far",
+            self._name,
+            peer,
+            reason,
+            self.stats.auth_failures,
+            key="data",
+        )
+
+    def _serve(self, msg: Message) -> Message | Any:
+        if msg.op == SealHello.OP:
+            return self._seal_hello(msg)
+        return self._handler(msg)
+
+    def _seal_hello(self, msg: Message) -> Message:
+        """Agree a session with the CURVE peer that asks (its allow-list name)."""
+        if self._data_sock is None or self._on_data or not msg.peer:
+            raise InvalidArgument(f"{self._name}: no sealed data connection here")
+        try:
+            client_random = bytes.fromhex(SealHello.from_wire(msg.body).random)
+        except ValueError:
+            client_random = b""
+        if len(client_random) != RANDOM_BYTES:
+            raise InvalidArgument(f"seal_hello: expected {RANDOM_BYTES} random bytes, in hex")
+        key_id, server_random = self.keyring.agree(msg.peer, client_random)
+        port = int(self.data_endpoint.rsplit(":", 1)[1])
+        agreed = SealAgreed(random=server_random.hex(), key=key_id.hex(), port=port)
+        return reply(msg, agreed.to_wire())
+
+    def _seal_refused(self, exc: SealRefused, identity: bytes, key_id: bytes) -> None:
+        """Count, log and answer a refused sealed message (a plaintext notice)."""
+        self.stats.seal_refusals += 1
+        if self._observer is not None:
+            self._observer.seal_refused(exc.reason)
+        self._seal_log.warning(
+            "%s: %s (%d refused so far)",
+            self._name,
+            exc,
+            self.stats.seal_refusals,
+            key=exc.reason,
+        )
+        sock = self._data_sock
+        if sock is None:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send_multipart([identity, NOTICE, key_id, exc.reason.encode()], flags=zmq.DONTWAIT)
+
     def _release(self) -> None:
+        if self._data_domain:
+            stop_serving_sessions(self._ctx, self._data_domain)
+            self._data_domain = ""
         if self._authenticated:
             self._authenticated = False
             release_authenticator(self._ctx, self._auth_failed)
@@ -209,6 +353,14 @@ class Server:
         """Act on every socket event waiting now (never blocks)."""
         from zmq.utils.monitor import parse_monitor_message
 
+        data = self._data_events
+        while data is not None and _waiting(data):
+            try:
+                event = parse_monitor_message(data.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if int(event["event"]) == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self._handshake_failed("data_handshake", event)
         events = self._events
         # one EVENTS look (2 us) rather than a receive that raises Again (5 us): a
         # look happens with every long poll
@@ -229,12 +381,16 @@ class Server:
             self._observer.auth_failure(kind)
         # libzmq names only our own endpoint here, not the peer's address.
         self._handshake_log.warning(
-            "%s: a CURVE handshake failed on %s (%s: a plaintext client or a wrong"
-            " server key?); %d refused so far",
+            "%s: a %s handshake failed on %s (%s: %s); %d refused so far",
             self._name,
+            "data connection" if kind == "data_handshake" else "CURVE",
             event["endpoint"].decode(errors="replace"),
             _protocol_error(int(event["value"])),
+            "a client without session credentials?"
+            if kind == "data_handshake"
+            else "a plaintext client or a wrong server key?",
             self.stats.auth_failures,
+            key=kind,
         )
 
     def _drop_polls(self, fd: int) -> None:
@@ -295,6 +451,10 @@ class Server:
         self._fd = int(cast(int, self._sock.getsockopt(zmq.FD)))
         loop.add_reader(self._fd, self._on_readable)
         self._read_soon()  # messages may be waiting already: their edge came before
+        if self._data_sock is not None:
+            self._data_fd = int(cast(int, self._data_sock.getsockopt(zmq.FD)))
+            loop.add_reader(self._data_fd, self._on_data_readable)
+            self._read_data_soon()
 
     async def serve_forever(self) -> None:
         if self._loop_task is None:
@@ -327,10 +487,12 @@ class Server:
                 self._close_sockets()
 
     def _stop_reading(self) -> None:
-        if self._fd is not None and self._io_loop is not None:
-            with contextlib.suppress(Exception):  # a loop closed already
-                self._io_loop.remove_reader(self._fd)
+        for fd in (self._fd, self._data_fd):
+            if fd is not None and self._io_loop is not None:
+                with contextlib.suppress(Exception):  # a loop closed already
+                    self._io_loop.remove_reader(fd)
         self._fd = None
+        self._data_fd = None
 
     def _close_sockets(self) -> None:
         self._stop_reading()
@@ -344,7 +506,19 @@ class Server:
                 self._monitor_sock = None
             self._sock.close()
             self._sock = None
+        if self._data_sock is not None:
+            self._close_data_monitor(self._data_sock)
+            self._data_sock.close()
+            self._data_sock = None
         self._release()
+
+    def _close_data_monitor(self, sock: zmq.Socket[Any]) -> None:
+        if self._data_monitor_sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            self._data_events = None
+            self._data_monitor_sock.close(linger=0)
+            self._data_monitor_sock = None
 
     def _on_readable(self) -> None:
         """Take the messages waiting, at most :data:`RECV_BATCH` per turn of the event
@@ -370,6 +544,63 @@ class Server:
             self._fail(exc)
         finally:
             self._reading = False
+
+    def _on_data_readable(self) -> None:
+        """As :meth:`_on_readable`, for the data connection."""
+        self._data_read_scheduled = False
+        sock = self._data_sock
+        if sock is None:
+            return
+        self._reading_data = True
+        try:
+            for _ in range(RECV_BATCH):
+                if self._data_sock is None or not _waiting(sock):
+                    return
+                self._dispatch_data(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            self._read_data_soon()
+        except Exception as exc:  # a bug: the server stops, saying why
+            self._fail(exc)
+        finally:
+            self._reading_data = False
+
+    def _read_data_soon(self) -> None:
+        if (
+            not self._data_read_scheduled
+            and self._io_loop is not None
+            and self._data_sock is not None
+        ):
+            self._data_read_scheduled = True
+            self._io_loop.call_soon(self._on_data_readable)
+
+    def _dispatch_data(self, frames: list[Any]) -> None:
+        """A message of the data connection: opened with its session's key (or refused),
+        then served as the session's peer's; its reply goes back sealed."""
+        if len(frames) < 2:
+            self.stats.bad_messages += 1
+            return
+        identity = frames[0].bytes
+        received = sum(len(f) for f in frames[1:])
+        self.stats.bytes_in += received
+        if self._observer is not None:
+            self._observer.bytes_in(received)
+        try:
+            session, plain = self.keyring.open(frames[1:])
+        except SealRefused as exc:
+            self._seal_refused(exc, identity, bytes(frames[1].buffer[:8]))
+            return
+        self._on_data = True
+        try:
+            outcome = self._dispatcher.dispatch(plain, identity, session.peer)
+        finally:
+            self._on_data = False
+        if outcome is None:
+            return
+        if isinstance(outcome, Message):
+            self._send(identity, outcome, session)
+            return
+        task = asyncio.ensure_future(self._finish(identity, outcome, session))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _read_soon(self) -> None:
         if not self._read_scheduled and self._io_loop is not None and self._sock is not None:
@@ -407,11 +638,15 @@ class Server:
         if outcome.droppable:
             self._track_poll(frames[0], task, outcome.op)
 
-    async def _finish(self, identity: bytes, outcome: Pending) -> None:
-        self._send(identity, await outcome)
+    async def _finish(
+        self, identity: bytes, outcome: Pending, session: Session | None = None
+    ) -> None:
+        self._send(identity, await outcome, session)
 
-    def _send(self, identity: bytes, msg: Message) -> None:
-        sock = self._sock
+    def _send(self, identity: bytes, msg: Message, session: Session | None = None) -> None:
+        """Reply to ``identity``: on the CURVE socket, or sealed with ``session``'s key
+        on the data connection the request came on."""
+        sock = self._sock if session is None else self._data_sock
         if sock is None:
             return
         try:
@@ -423,14 +658,25 @@ class Server:
             self.stats.errors += 1
             msg = error_reply(msg.id, exc)
             frames = encode(msg)
+        if session is not None:
+            try:
+                frames = session.sealer.seal(frames)
+            except SealRefused as exc:  # its key is used up: the client agrees another
+                self.keyring.forget(session.key_id)
+                self._seal_refused(exc, identity, session.key_id)
+                return
+            self.stats.sealed += 1
         payload = sum(t.array.nbytes for t in msg.tensors)
         track = payload >= TRACK_BYTES
         try:
             tracker = sock.send_multipart(
                 [identity, *frames], copy=False, track=track, flags=zmq.DONTWAIT
             )
-            if not self._reading and _waiting(sock):
-                self._read_soon()  # the send may have taken a message's edge
+            if session is None:
+                if not self._reading and _waiting(sock):
+                    self._read_soon()  # the send may have taken a message's edge
+            elif not self._reading_data and _waiting(sock):
+                self._read_data_soon()
         except zmq.Again:
             # The peer's pipe is full (HWM): it is not reading; drop and count.
             self.stats.unroutable += 1

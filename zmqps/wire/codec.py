@@ -44,6 +44,7 @@ __all__ = [
     "DTYPES",
     "Limits",
     "bfloat16",
+    "buffer_specs",
     "check_spec",
     "decode",
     "encode",
@@ -264,6 +265,24 @@ def check_spec(
     Int(-1, 2**31 - 1).check(ref, f"{path}.ref")
     Int(0, 2**62).check(offset, f"{path}.offset")
     return DTYPES[name], tuple(shape), kind, ref, offset
+
+
+def buffer_specs(
+    frame: Any, limits: Limits = DEFAULT_LIMITS
+) -> tuple[int | None, list[tuple[np.dtype[Any], tuple[int, ...], str, int, int]]]:
+    """A message's id and its buffers' specs (checked, as :func:`decode` checks them),
+    read off its header frame alone: where its buffers may go before they are read.
+    The message itself is still checked whole by :func:`decode`."""
+    header = _unpack_header(memoryview(frame), limits)
+    if type(header) is not dict:
+        raise ProtocolError("header is not a map")
+    rid = header.get("id")
+    if type(rid) is not int or not 0 <= rid < 2**63:
+        rid = None
+    bufs = header.get("bufs", [])
+    if type(bufs) is not list or len(bufs) > limits.max_buffers:
+        raise ProtocolError("header.bufs: expected a bounded list")
+    return rid, [check_spec(spec, i, limits.max_buffer_bytes) for i, spec in enumerate(bufs)]
 
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:

@@ -53,6 +53,7 @@ REQUEST_OPS = frozenset(
         "table_rows",
         "shm_attach",
         "shm_detach",
+        "seal_hello",
         "status",
         "shutdown",
         "sync_config",

@@ -57,6 +57,7 @@ from zmqps.wire.schema import (
 )
 
 __all__ = [
+    "BULK_OPS",
     "LONG_POLLS",
     "REPLICATED_OPS",
     "REPLIES",
@@ -415,6 +416,14 @@ class ShmAttach(Body):
     inc: int = wire(Int(0))
 
 
+@_body("seal_hello")
+class SealHello(Body):
+    """Agree a sealed-frames session (CURVE only; answered by the transport itself):
+    the client's 32 random bytes, hex."""
+
+    random: str = wire(Str(64))
+
+
 @_body("shm_detach")
 class ShmDetach(Body):
     region: int = wire(Int(0, 2**31 - 1))
@@ -691,6 +700,16 @@ STEP = Int(0)
 @_body(reply=True)
 class Empty(Body):
     """A reply that carries nothing but success."""
+
+
+@_body(reply=True)
+class SealAgreed(Body):
+    """The server's 32 random bytes and the session's 8-byte key id (hex), and the
+    port of its data connection."""
+
+    random: str = wire(Str(64))
+    key: str = wire(Str(16))
+    port: int = wire(Int(1, 65535))
 
 
 @_body(reply=True)
@@ -988,6 +1007,7 @@ REQUESTS: Mapping[str, type[Body]] = {
         TableRows,
         ShmAttach,
         ShmDetach,
+        SealHello,
         SyncConfigure,
         WaitStep,
         PsState,
@@ -1011,6 +1031,13 @@ REQUESTS: Mapping[str, type[Body]] = {
 #: its peer disconnects, and the client sends it again when the connection comes back.
 LONG_POLLS: frozenset[str] = frozenset(
     {"get_placement", "take_token", "ssp_clock", "wait_step", "checkpoint_done"}
+)
+
+#: Ops whose requests or replies carry tensors in bulk: under CURVE a client sends them
+#: on its sealed data connection once it has one (``transport/seal.py``), as it does
+#: any request that carries tensors; every other request stays on CURVE.
+BULK_OPS: frozenset[str] = frozenset(
+    {"pull", "push", "push_pull", "push_rows", "pull_rows", "table_rows", "replicate", "install"}
 )
 
 #: The body schema of every request op: what the codec checks each request against.
@@ -1038,6 +1065,7 @@ REPLIES: Mapping[str, type[Body]] = {
     "table_rows": TablePage,
     "shm_attach": ShmAttached,
     "shm_detach": Empty,
+    "seal_hello": SealAgreed,
     "sync_config": StepReply,
     "wait_step": StepReply,
     "ps_state": PsStateReply,

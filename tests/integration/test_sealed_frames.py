@@ -1,0 +1,321 @@
+"""Sealed bulk frames under CURVE over real TCP on 127.0.0.1 (``transport/seal.py``):
+bulk requests and their replies go on the plaintext data connection, sealed; a peer
+without a live session's credentials cannot open a connection to it (refused at the
+handshake, counted, nothing of it reaches the server); what one holding them (an
+observer of the wire) puts on that connection at the socket level (garbage, another
+key, a replayed or a tampered message) is refused, counted and answered with a
+notice, and the server goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from zmqps.metrics import Metrics
+from zmqps.transport import Client, CurveKeys, Server, SocketOptions, keygen, load_keys
+from zmqps.transport import client as client_module
+from zmqps.transport.seal import NOTICE
+from zmqps.wire import Message, Tensor, encode, reply, request
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(main())  # type: ignore[arg-type]
+
+
+def echo(msg: Message) -> Message:
+    """Answers with the tensors it was sent, doubled."""
+    return reply(
+        msg,
+        {"n": len(msg.tensors)},
+        [dataclasses.replace(t, array=t.array * 2) for t in msg.tensors],
+    )
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CurveKeys]:
+    root = tmp_path_factory.mktemp("keys")
+    keygen(root)
+    return {
+        "server": load_keys(root, "ps", 0, serve=True, connect=False),
+        "worker": load_keys(root, "worker", 0, serve=False, connect=True),
+    }
+
+
+def refusals(m: Metrics, reason: str) -> float:
+    v = m.registry.get_sample_value("zmqps_seal_refusals_total", {"reason": reason})
+    return v or 0.0
+
+
+def tensors(n: int, seed: int) -> list[Tensor]:
+    rng = np.random.default_rng(seed)
+    return [Tensor(rng.standard_normal(n).astype(np.float32), "value", i, 0) for i in range(3)]
+
+
+async def sealed_round_trip(client: Client, seed: int) -> Message:
+    """A request with tensors, sent until it goes sealed (the first bulk request
+    agrees the session over CURVE and goes there itself); the reply checked."""
+    for _ in range(500):
+        ts = tensors(300_000, seed)
+        before = client.stats.sealed
+        rep = await client.request("ping", tensors=ts)
+        for t, r in zip(ts, rep.tensors, strict=True):
+            assert np.array_equal(r.array, t.array * 2)
+        if client.stats.sealed > before:
+            return rep
+        await asyncio.sleep(0.01)
+    raise AssertionError("no request went on the sealed data connection")
+
+
+def test_bulk_requests_go_sealed_and_what_is_injected_is_refused_and_counted(
+    keys: dict[str, CurveKeys], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics = Metrics()
+    sent: list[list[bytes]] = []
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(
+            ctx,
+            "127.0.0.1:0",
+            echo,
+            name="ps0",
+            options=SocketOptions(curve=keys["server"], linger_ms=0),
+            observer=metrics,
+        )
+        server.start()
+        assert server.data_endpoint.startswith("tcp://127.0.0.1:")
+        client = Client(
+            ctx,
+            server.endpoint,
+            "worker:0",
+            options=SocketOptions(curve=keys["worker"], linger_ms=0),
+            timeout=10.0,
+        )
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        try:
+            # a request without tensors stays on CURVE and agrees nothing
+            assert (await client.request("ping")).body == {"n": 0}
+            assert client.stats.sealed == 0 and len(server.keyring) == 0
+            original = client_module.send_now
+
+            def spy(sock: Any, frames: list[Any], track: bool = False) -> Any:
+                if sock is client._data_sock:
+                    sent.append([bytes(memoryview(f).cast("B")) for f in frames])
+                return original(sock, frames, track)
+
+            monkeypatch.setattr(client_module, "send_now", spy)
+            await sealed_round_trip(client, 1)
+            assert server.stats.sealed >= 1 and len(server.keyring) == 1
+            # what went on the wire is not the plaintext
+            captured = sent[-1]
+            plain = tensors(300_000, 1)[0].array.tobytes()
+            assert plain[:64] not in captured[1]
+            assert server.stats.seal_refusals == 0
+
+            # now at the socket level, on the plaintext data connection, with the
+            # session's credentials (they cross the wire in clear: an observer has them)
+            assert client._sealer is not None
+            key_id = client._sealer.key_id
+            raw.setsockopt(zmq.PLAIN_USERNAME, key_id.hex().encode())
+            raw.setsockopt(zmq.PLAIN_PASSWORD, server.keyring._sessions[key_id].password)
+            raw.connect(server.data_endpoint)
+
+            async def inject(frames: list[bytes], reason: str) -> None:
+                n = server.stats.seal_refusals
+                raw.send_multipart(frames)
+                notice = await asyncio.wait_for(raw.recv_multipart(), 10.0)
+                assert notice[0] == NOTICE and notice[-1] == reason.encode()
+                assert server.stats.seal_refusals == n + 1
+                assert refusals(metrics, reason) >= 1
+
+            await inject([b"not sealed at all"], "malformed")
+            await inject([b"\x01" * 8 + bytes(100)], "unknown_key")
+            # unsealed frames of a real request: refused too (its first bytes name no key)
+            frames = encode(request("ping", {}, tensors(10, 2), id=99, sender="x"))
+            await inject([bytes(memoryview(f).cast("B")) for f in frames], "unknown_key")
+            # the client's last sealed message, replayed
+            await inject(captured, "replayed")
+            # a message sealed with the session's key, one bit of it changed on the way
+            forged = [
+                bytearray(f)
+                for f in client._sealer.seal(encode(request("ping", {}, tensors(10, 3), id=7)))
+            ]
+            forged[1][40] ^= 0x01
+            await inject([bytes(f) for f in forged], "tampered")
+            # frames of two messages put together
+            a = [bytes(f) for f in client._sealer.seal(encode(request("ping", {}, (), id=8)))]
+            b = [bytes(f) for f in client._sealer.seal(encode(request("ping", {}, (), id=9)))]
+            await inject([a[0], b[0]], "tampered")
+            assert server.stats.seal_refusals == 6
+            assert refusals(metrics, "malformed") == 1 and refusals(metrics, "unknown_key") == 2
+            assert refusals(metrics, "replayed") == 1 and refusals(metrics, "tampered") == 2
+
+            # the server goes on serving, sealed, and on CURVE
+            await sealed_round_trip(client, 4)
+            assert (await client.request("ping")).body == {"n": 0}
+            assert server.stats.seal_refusals == 6 and client.stats.seal_refusals == 0
+        finally:
+            raw.close(linger=0)
+            await client.close(linger_ms=0)
+            await server.stop()
+            ctx.term()
+
+    run(main)
+
+
+def test_a_server_without_sealing_serves_everything_on_curve(keys: dict[str, CurveKeys]) -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(
+            ctx,
+            "127.0.0.1:0",
+            echo,
+            options=SocketOptions(curve=keys["server"], linger_ms=0, seal=False),
+        )
+        server.start()
+        assert server.data_endpoint == ""
+        client = Client(
+            ctx,
+            server.endpoint,
+            "worker:0",
+            options=SocketOptions(curve=keys["worker"], linger_ms=0),
+            timeout=10.0,
+        )
+        try:
+            for i in range(5):
+                ts = tensors(1000, i)
+                rep = await client.request("ping", tensors=ts)
+                assert np.array_equal(rep.tensors[0].array, ts[0].array * 2)
+                await asyncio.sleep(0.01)
+            assert client.stats.sealed == 0 and server.stats.sealed == 0
+        finally:
+            await client.close(linger_ms=0)
+            await server.stop()
+            ctx.term()
+
+    run(main)
+
+
+def test_a_new_session_after_the_server_forgets_the_key(keys: dict[str, CurveKeys]) -> None:
+    """A server that no longer knows the client's key (evicted, or restarted) refuses
+    its sealed requests with a notice: the client agrees a new session and sends the
+    requests that may be sent again, sealed with the new key."""
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(
+            ctx, "127.0.0.1:0", echo, options=SocketOptions(curve=keys["server"], linger_ms=0)
+        )
+        server.start()
+        client = Client(
+            ctx,
+            server.endpoint,
+            "worker:0",
+            options=SocketOptions(curve=keys["worker"], linger_ms=0),
+            timeout=30.0,
+        )
+        try:
+            await sealed_round_trip(client, 1)
+            assert client._sealer is not None
+            old = client._sealer.key_id
+            server.keyring.forget(old)
+            # refused (unknown_key) and answered with a notice: the client agrees
+            # again and sends it again, long before its 30 s deadline
+            ts = tensors(1000, 5)
+            rep = await client.request("ping", tensors=ts, attempts=2)
+            assert np.array_equal(rep.tensors[0].array, ts[0].array * 2)
+            assert client._sealer.key_id != old
+            assert server.stats.seal_refusals == 1 and client.stats.resent >= 1
+            assert client.stats.timeouts == 0
+            await sealed_round_trip(client, 6)
+        finally:
+            await client.close(linger_ms=0)
+            await server.stop()
+            ctx.term()
+
+    run(main)
+
+
+def test_a_ps_serves_sealed_pulls_into_params_consistent_while_pushes_land(
+    tmp_path: Path,
+) -> None:
+    """A PS under CURVE, pulls and pushes of a ParameterClient over TCP: they go
+    sealed, a pull's chunks are opened straight into ``params``, and every pull is
+    still one version of each shard while another worker's pushes land."""
+    from zmqps.core.partition import Partitioner, plan
+    from zmqps.core.variables import VariableDef
+    from zmqps.roles.client import ParameterClient
+    from zmqps.roles.ps import PSService
+
+    keygen(tmp_path)
+
+    def keys(role: str) -> SocketOptions:
+        return SocketOptions(
+            curve=load_keys(tmp_path, role, 0, serve=False, connect=True), linger_ms=0
+        )
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        var = VariableDef("w", (4096, 1024), init={"name": "zeros"})  # 16 MiB
+        placement = plan([var], 1, Partitioner(num_shards=3), optimizer={"name": "sgd", "lr": 1.0})
+        server_keys = load_keys(tmp_path, "ps", 0, serve=True, connect=False)
+        server = Server(
+            ctx,
+            "127.0.0.1:0",
+            PSService(0),
+            name="ps0",
+            options=SocketOptions(curve=server_keys, linger_ms=0),
+        )
+        address = server.bind().removeprefix("tcp://")
+        server.start()
+        chief = Client(ctx, address, "chief:0", options=keys("chief"))
+        clients = [Client(ctx, address, f"worker:{i}", options=keys("worker")) for i in range(2)]
+        try:
+            defs = [d.to_wire() for _, d in placement.shard_defs()]
+            await chief.request("create_shards", {"shards": defs})
+            reader, writer = (
+                ParameterClient(
+                    [c], placement, worker=f"worker:{i}", incarnation=1, shared_memory=False
+                )
+                for i, c in enumerate(clients)
+            )
+            ones = {"w": np.ones(var.shape, np.float32)}
+
+            async def pulls() -> None:
+                for _ in range(20):
+                    w = (await reader.pull())["w"]
+                    for s in placement.shards:
+                        part = w[s.row_start : s.row_start + s.rows]
+                        version = reader.versions[s.id]
+                        assert part.min() == part.max() == -float(version), (s.id, version)
+
+            async def pushes() -> None:
+                for _ in range(20):
+                    await writer.push(ones)
+                    await asyncio.sleep(0.005)
+
+            await asyncio.gather(pulls(), pushes())
+            # the first bulk request of each went on CURVE, the rest sealed
+            assert clients[0].stats.sealed >= 1 and clients[1].stats.sealed >= 1
+            assert clients[0].stats.landed >= 1
+            assert server.stats.seal_refusals == 0
+            final = await reader.pull()
+            assert np.all(final["w"] == -20.0)
+        finally:
+            for c in (chief, *clients):
+                await c.close(linger_ms=0)
+            await server.stop()
+            ctx.term()
+
+    run(main)
