@@ -9,10 +9,11 @@ notice, and the server goes on serving."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -315,6 +316,160 @@ def test_a_ps_serves_sealed_pulls_into_params_consistent_while_pushes_land(
         finally:
             for c in (chief, *clients):
                 await c.close(linger_ms=0)
+            await server.stop()
+            ctx.term()
+
+    run(main)
+
+
+def auth_failures(m: Metrics, reason: str) -> float:
+    v = m.registry.get_sample_value("zmqps_auth_failures_total", {"reason": reason})
+    return v or 0.0
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait until ``condition`` holds (the test's timeout bounds the wait)."""
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+def zmtp_greeting(mechanism: bytes) -> bytes:
+    """A ZMTP 3.0 greeting, as a client (64 bytes)."""
+    return b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0") + bytes(32)
+
+
+def test_a_peer_without_a_live_sessions_credentials_gets_nothing_through_the_data_port(
+    keys: dict[str, CurveKeys],
+) -> None:
+    """The data port admits at its ZeroMQ handshake only a live session's credentials:
+    a peer with none, or wrong or stale ones, is refused there (counted as an auth
+    failure), and nothing it sends reaches the server: no seal refusal, no bad
+    message, no notice back. A legitimate client's sealed requests go on, after a
+    rekey (the old session and its credential retired) and after the server forgot
+    its sessions (the client agrees anew, on a new connection)."""
+    metrics = Metrics()
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(
+            ctx,
+            "127.0.0.1:0",
+            echo,
+            name="ps0",
+            options=SocketOptions(curve=keys["server"], linger_ms=0),
+            observer=metrics,
+        )
+        server.start()
+        client = Client(
+            ctx,
+            server.endpoint,
+            "worker:0",
+            options=SocketOptions(curve=keys["worker"], linger_ms=0),
+            timeout=30.0,
+        )
+        raws: list[zmq.asyncio.Socket] = []
+
+        def dealer(username: bytes | None = None, password: bytes = b"") -> zmq.asyncio.Socket:
+            raw = ctx.socket(zmq.DEALER)
+            raws.append(raw)
+            raw.setsockopt(zmq.LINGER, 0)
+            if username is not None:
+                raw.setsockopt(zmq.PLAIN_USERNAME, username)
+                raw.setsockopt(zmq.PLAIN_PASSWORD, password)
+            raw.connect(server.data_endpoint)
+            return raw
+
+        def nothing_reached_the_server() -> None:
+            assert server.stats.seal_refusals == 0 and server.stats.bad_messages == 0
+            for reason in ("malformed", "unknown_key", "tampered", "replayed"):
+                assert refusals(metrics, reason) == 0, reason
+            for raw in raws:
+                # no notice: no message of theirs was read
+                assert not cast(int, raw.getsockopt(zmq.EVENTS)) & zmq.POLLIN
+
+        try:
+            await sealed_round_trip(client, 1)
+            assert client._sealer is not None
+            key_id = client._sealer.key_id
+            user = key_id.hex().encode()
+            password = server.keyring._sessions[key_id].password
+
+            # (a) no credentials: the NULL mechanism meets PLAIN, refused at the greeting
+            bare = dealer()
+            await bare.send_multipart([b"not sealed at all"])
+            await bare.send_multipart([key_id + bytes(100)])
+            await until(lambda: auth_failures(metrics, "data_handshake") >= 1)
+            # wrong credentials: the session's key id with another password, a made-up id
+            wrong = bytes.fromhex(password.decode())[::-1].hex().encode()
+            for username, pw in ((user, wrong), (b"00" * 8, password), (b"?", b"?")):
+                n = auth_failures(metrics, "data_refused")
+                raw = dealer(username, pw)
+                await raw.send_multipart([key_id + bytes(100)])
+                await until(lambda n=n: auth_failures(metrics, "data_refused") > n)
+
+            # a peer speaking ZMTP itself: a greeting, then a multipart message without
+            # end; the server closes the connection at the greeting, reads no frame
+            n = auth_failures(metrics, "data_handshake")
+            host, port = server.data_endpoint.removeprefix("tcp://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            received = b""
+            try:
+                writer.write(zmtp_greeting(b"NULL"))
+                with contextlib.suppress(ConnectionError):
+                    for _ in range(1000):
+                        if writer.is_closing() or reader.at_eof():
+                            break
+                        writer.write(b"\x01\x00" * 64)  # empty frames, each with MORE set
+                        await writer.drain()
+                with contextlib.suppress(ConnectionError):
+                    while chunk := await reader.read(65536):
+                        received += chunk
+            finally:
+                writer.close()
+            assert len(received) <= 64  # its greeting at most, nothing else
+            await until(lambda: auth_failures(metrics, "data_handshake") > n)
+            nothing_reached_the_server()
+            assert server.stats.auth_failures >= 5
+
+            # (b) the legitimate client goes on, sealed
+            await sealed_round_trip(client, 2)
+            nothing_reached_the_server()
+
+            # a rekey: a new session on a new connection; the old one is retired
+            client._sealer.next = client_module.REKEY_AFTER
+            await client.request("ping", tensors=tensors(10, 3))
+            await until(lambda: client._sealer is not None and client._sealer.key_id != key_id)
+            await sealed_round_trip(client, 4)
+            assert key_id not in server.keyring._sessions
+            n = auth_failures(metrics, "data_refused")
+            dealer(user, password)  # the old credentials, seen on the wire: no longer
+            await until(lambda: auth_failures(metrics, "data_refused") > n)
+            nothing_reached_the_server()
+
+            # the server forgets every session while the data connection is up: its
+            # next sealed request is refused (unknown_key), the client agrees anew
+            for k in list(server.keyring._sessions):
+                server.keyring.forget(k)
+            current = client._sealer.key_id
+            rep = await client.request("ping", tensors=tensors(10, 5), attempts=2)
+            assert rep.body == {"n": 3}
+            await until(lambda: client._sealer is not None and client._sealer.key_id != current)
+            await sealed_round_trip(client, 6)
+
+            # ... and while it is down: the connection comes back with credentials the
+            # server knows no more, refused at the handshake; the client agrees anew
+            current = client._sealer.key_id
+            session = server.keyring._sessions[current]
+            server.keyring.forget(current)
+            client._close_data()
+            client._open_data(server.data_endpoint, current.hex().encode(), session.password)
+            await until(lambda: client._sealer is not None and client._sealer.key_id != current)
+            await sealed_round_trip(client, 7)
+            assert client.stats.timeouts == 0 and client.stats.seal_refusals == 0
+        finally:
+            for raw in raws:
+                raw.close(linger=0)
+            await client.close(linger_ms=0)
             await server.stop()
             ctx.term()
 

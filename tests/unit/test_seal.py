@@ -219,7 +219,15 @@ def test_the_keyring_admits_only_a_live_sessions_credentials() -> None:
     c2s, s2c = derive(client, server, key_id)
     assert ring.admit(user, c2s.hex().encode()) is None
     assert ring.admit(user, s2c.hex().encode()) is None
-    # a forgotten session (here: its peer agreed another) is no longer admitted
+    # retired only by the name that agreed it (a client replacing its session)
+    assert not ring.retire("worker1", key_id) and ring.admit(user, password) is not None
+    assert ring.retire("worker0", key_id) and ring.admit(user, password) is None
+    assert not ring.retire("worker0", key_id)
+    # a forgotten session (here: its peer agreed more than it may hold) neither
+    client = os.urandom(32)
+    key_id, server = ring.agree("worker0", client)
+    user, password = key_id.hex().encode(), credential(client, server, key_id).hex().encode()
+    assert ring.admit(user, password) is not None
     ring.agree("worker0", os.urandom(32))
     assert ring.admit(user, password) is None
 

@@ -209,9 +209,12 @@ class Client:
     async def _agree(self) -> None:
         """Agree a session over CURVE; connect to the data port the server names."""
         mine = os.urandom(RANDOM_BYTES)
+        # the session this one replaces: the server forgets it (and its credential)
+        old = self._sealer.key_id.hex() if self._sealer is not None else None
         try:
+            hello = SealHello(random=mine.hex(), retire=old)
             rep = await self._request_once(
-                SealHello.OP, SealHello(random=mine.hex()).to_wire(), (), min(self.timeout, 10.0)
+                SealHello.OP, hello.to_wire(), (), min(self.timeout, 10.0)
             )
             agreed = SealAgreed.parse(rep.body)
             theirs, key_id = bytes.fromhex(agreed.random), bytes.fromhex(agreed.key)

@@ -36,8 +36,10 @@ Why each default (RELIABILITY.md, "Facts that bite"):
   A DEALER uses its client pair and the server's public key.
 * ``seal`` (under CURVE): bulk requests and their replies travel on a second,
   plaintext TCP connection with every frame sealed by AES-256-GCM under keys agreed
-  over CURVE (:mod:`zmqps.transport.seal`); control messages stay on CURVE. False
-  puts every byte through CURVE.
+  over CURVE (:mod:`zmqps.transport.seal`); control messages stay on CURVE. That
+  connection is admitted at its handshake with the session's PLAIN credentials,
+  checked by the ZAP handler (the server and client set them, not these options).
+  False puts every byte through CURVE.
 """
 
 from __future__ import annotations

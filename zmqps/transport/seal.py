@@ -341,6 +341,14 @@ class Keyring:
             return session
         return None
 
+    def retire(self, peer: str, key_id: bytes) -> bool:
+        """Forget session ``key_id`` if ``peer`` agreed it (its client replaced it)."""
+        session = self._sessions.get(key_id)
+        if session is None or session.peer != peer:
+            return False
+        self.forget(key_id)
+        return True
+
     def open(self, frames: Sequence[Any]) -> tuple[Session, list[memoryview]]:
         """The session a sealed message belongs to, and its plaintext frames."""
         if not frames:

@@ -302,12 +302,16 @@ class Server:
         """Agree a session with the CURVE peer that asks (its allow-list name)."""
         if self._data_sock is None or self._on_data or not msg.peer:
             raise InvalidArgument(f"{self._name}: no sealed data connection here")
+        hello = SealHello.from_wire(msg.body)
         try:
-            client_random = bytes.fromhex(SealHello.from_wire(msg.body).random)
+            client_random = bytes.fromhex(hello.random)
         except ValueError:
             client_random = b""
         if len(client_random) != RANDOM_BYTES:
             raise InvalidArgument(f"seal_hello: expected {RANDOM_BYTES} random bytes, in hex")
+        if hello.retire is not None:
+            with contextlib.suppress(ValueError):  # not hex: nothing to retire
+                self.keyring.retire(msg.peer, bytes.fromhex(hello.retire))
         key_id, server_random = self.keyring.agree(msg.peer, client_random)
         port = int(self.data_endpoint.rsplit(":", 1)[1])
         agreed = SealAgreed(random=server_random.hex(), key=key_id.hex(), port=port)

@@ -422,6 +422,9 @@ class SealHello(Body):
     the client's 32 random bytes, hex."""
 
     random: str = wire(Str(64))
+    #: the key id (hex) of the session this one replaces: the server forgets it (if
+    #: the same allow-list name agreed it), and with it its data-connection credential
+    retire: str | None = wire(Str(16), default=None)
 
 
 @_body("shm_detach")
