@@ -371,6 +371,10 @@ class Push(Body):
     #: (its first worker was lost) has each of its pushes applied once
     closure: int | None = wire(Int(0), default=None)
     closure_seq: int | None = wire(Int(1), default=None)
+    #: sync (``push`` to the PS the worker's last token named): answer with the
+    #: worker's next token, the step after ``step``, once it is released there (or
+    #: without one after a short wait: the worker then asks as before)
+    token: bool | None = wire(Bool(), default=None)
 
 
 @_body("push_pull")
@@ -436,6 +440,10 @@ class WaitStep(Body):
     #: that ask it (``take_token``); None: it hands none
     released: int | None = wire(Int(0), default=None)
     gen: int | None = wire(Int(0), default=None)
+    #: sync: this PS may release ``step``'s tokens (generation ``gen``) by itself the
+    #: moment it applied the step, before the chief hears of it (the chief says so for
+    #: a boundary it needs nothing at, and only to the one PS holding shards)
+    release_step: bool | None = wire(Bool(), default=None)
 
 
 @_body("ps_state")
@@ -785,6 +793,11 @@ class PushReply(Body):
     versions: tuple[int, ...] = wire(VERSIONS, default=())
     duplicate: bool | None = wire(Bool(), default=None)
     dropped: str | None = wire(Str(32), default=None)
+    #: a push that asked for it (``Push.token``): the next token (its step and
+    #: generation, the PS that handed it), if released within the PS's short wait
+    token_step: int | None = wire(STEP, default=None)
+    token_gen: int | None = wire(Int(0), default=None)
+    token_ps: int | None = wire(Int(0, MAX_SHARDS), default=None)
 
     @property
     def outcome(self) -> str:
