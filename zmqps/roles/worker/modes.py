@@ -61,6 +61,14 @@ class StepMode:
         """A restore voided the step being computed (sync: its token)."""
         return False
 
+    def push_asks(self) -> int | None:
+        """The PS state whose reply to this step's push may bring the next token
+        (sync), or None."""
+        return None
+
+    def offered(self, token: tuple[int, int, int | None] | None) -> None:
+        """The next token a push reply brought, as (step, generation, PS), or None."""
+
 
 class AsyncSteps(StepMode):
     name = "async"
@@ -94,9 +102,13 @@ class SyncSteps(StepMode):
         self.have = last_step
         self.have_gen = session.gen  # the generation ``have`` belongs to
         self._voided = False
+        self.from_push = 0  # tokens a push reply brought (counted in ``from_ps`` too)
+        #: the next token the last push's reply brought (step, generation, PS)
+        self._next: tuple[int, int, int | None] | None = None
         session.on_restored(self._restored)
 
     def _restored(self, gen: int) -> None:
+        self._next = None  # a token of before the restore is void
         self.have, self.have_gen = -1, gen  # the steps went back with the restore
         if self.token is not None and self.token_gen != gen:
             self.token = None  # a token of before the restore is void
@@ -112,7 +124,9 @@ class SyncSteps(StepMode):
             # saying a step of before the restore would never be given a token
             return o.TakeToken(self.session.who, poll, self.have, self.have_gen)
 
-        token = await self._from_ps(body(), poll)
+        token = self._pushed()
+        if token is None:
+            token = await self._from_ps(body(), poll)
         if token is None:
             token = await self.session.long_poll("take_token", body, o.Token, poll)
         else:
@@ -120,6 +134,25 @@ class SyncSteps(StepMode):
         self.token_ps = token.ps
         self.token, self.token_gen, self._voided = token.step, token.gen, False
         return token.step
+
+    def push_asks(self) -> int | None:
+        return self.token_ps if self.token is not None else None
+
+    def offered(self, token: tuple[int, int, int | None] | None) -> None:
+        self._next = token
+
+    def _pushed(self) -> o.Token | None:
+        """The token the last push's reply brought, if it still holds: a step after the
+        one this worker computed, of the generation it computed it in (a restore since
+        voided it)."""
+        got, self._next = self._next, None
+        if got is None:
+            return None
+        step, gen, ps = got
+        if gen != self.session.gen or gen != self.have_gen or step <= self.have:
+            return None
+        self.from_push += 1
+        return o.Token(step, gen, ps=ps)
 
     async def _from_ps(self, body: o.TakeToken, poll: float) -> o.Token | None:
         """The token from the PS the last one named, or None: ask the chief."""

@@ -548,11 +548,19 @@ class Worker:
         grads = self.to_host(grads)
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
-        accepted = self._send(
-            lambda d: self.client.push(grads, step=step, cursor=cursor, delivery=d), loss
-        )
+        client = self.client
+        # sync: the push to the PS that handed this step's token asks for the next one
+        # (its reply brings it once released: no token request of its own)
+        client.token_ps, client.offered = self.steps.push_asks(), None
+        try:
+            accepted = self._send(
+                lambda d: client.push(grads, step=step, cursor=cursor, delivery=d), loss
+            )
+        finally:
+            client.token_ps = None
         self.record_phase("push", started)
         self.count_step(loss, examples)
+        self.steps.offered(client.take_offered())
         return accepted
 
     def push_pull(
