@@ -796,6 +796,10 @@ class PSService:
         if releases and req.release_step and req.gen == self.gen:
             self.tokens.allow(req.step, self.gen)
             self._step_moved(self.visible_step)  # reached already
+        elif releases:
+            # the chief's last word: this boundary is its own (e.g. a checkpoint due; a
+            # restarted chief's, whatever the last one allowed)
+            self.tokens.then = None
         step = await self.waiters.wait(req.step, (0.0 if req.wait is None else req.wait))
         if not releases:  # not the chief's stepping poll: it does not take the report
             return reply(msg, o.StepReply(step=step).to_wire())
