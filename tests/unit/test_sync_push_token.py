@@ -13,8 +13,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_ps_client import DoublePush, run
-from test_sync import DENSE, grads, ps_sync, sync_cluster
+from test_ps_client import DoublePush, initial, run
+from test_sync import (
+    DENSE,
+    SGD,
+    grads,
+    mean,
+    ps_sync,
+    step_reference,
+    sync_cluster,
+    sync_job,
+    until,
+)
 
 from zmqps.core.sync import ReleasedTokens
 from zmqps.roles.ps import service as ps_service
@@ -96,6 +106,23 @@ def test_the_push_completing_the_step_releases_the_next_and_every_reply_carries_
         w2 = c.client("worker:2")
         assert not await w2.push(grads(2), step=0)  # late: stale
         assert w2.take_offered() is None
+
+    run(body())
+
+
+def test_a_poll_that_keeps_the_boundary_takes_back_a_release_ahead() -> None:
+    async def body() -> None:
+        c = await sync_cluster(required=1, num_ps=1)
+        await released_ahead(c, 1)
+        assert c.services[0].tokens.then == (1, 0)
+        # a restarted chief's poll, a checkpoint due at step 1: it releases step 1 itself
+        body = {"step": 1, "wait": 0.0, "released": 0, "gen": 0}
+        await c.net.client("ps0", "chief:0").request("wait_step", body)
+        assert c.services[0].tokens.then is None
+        w0 = c.client("worker:0")
+        assert await w0.push(grads(0), step=0)
+        assert ps_sync(c, 0)["step"] == 1
+        assert c.services[0].tokens.step == 0  # not released: the chief's to release
 
     run(body())
 
@@ -223,5 +250,78 @@ def test_a_token_not_past_the_step_computed_is_not_taken() -> None:
         steps.offered((4, 0, 0))  # the step it computed already
         assert await steps.begin(0, 1.0) == 5
         assert (s.polls, steps.from_push) == (1, 0)
+
+    run(body())
+
+
+# ------------------------------------------------------------------ the chief's loop
+
+
+async def push(job: Any, i: int, g: dict[str, np.ndarray], step: int) -> Any:
+    """Worker ``i``'s push of ``step``; the next token its reply brought, if any."""
+    assert await job.workers[i].push(g, step=step)
+    return job.workers[i].take_offered()
+
+
+async def steps_by_push_replies(job: Any, steps: int, optimizer: dict[str, Any]) -> list[int]:
+    """Each worker takes its first token from the chief, then only from its push
+    replies; the values follow the mean of every step exactly. Returns, per step, how
+    many workers' replies brought the next token."""
+    n = len(job.workers)
+    params = {v.name: initial(v) for v in DENSE}
+    slots: dict[str, dict[str, np.ndarray]] = {}
+    tokens = [await job.token(i) for i in range(n)]
+    brought = []
+    for step in range(steps):
+        assert tokens == [step] * n
+        gs = [grads(10 * step + i) for i in range(n)]
+        for w in job.workers:
+            await w.pull()
+            w.token_ps = 0
+
+        offered = await asyncio.gather(*(push(job, i, gs[i], step) for i in (2, 0, 1)[:n]))
+        brought.append(sum(o is not None for o in offered))
+        tokens = [step + 1 if o is None else o[0] for o in offered]
+        await until(lambda s=step: job.step == s + 1, what=f"global step {step + 1}")
+        step_reference(params, slots, optimizer, mean(gs), step + 1)
+        for v in DENSE:
+            np.testing.assert_allclose(job.values(v.name), params[v.name], atol=1e-6)
+    return brought
+
+
+def test_one_ps_releases_each_step_itself_and_the_steps_stay_exact() -> None:
+    async def body() -> None:
+        job = await sync_job(3, 1, num_shards=1)
+        ahead = []
+        mode = job.env.chief.consistency
+        real = mode._may_release_ahead
+
+        def spy(step: int) -> bool:
+            ahead.append(real(step))
+            return ahead[-1]
+
+        mode._may_release_ahead = spy  # type: ignore[method-assign]
+        brought = await steps_by_push_replies(job, 4, SGD)
+        assert brought == [3, 3, 3, 3]
+        assert ahead and all(ahead[1:])
+        await job.close()
+
+    run(body())
+
+
+def test_a_checkpoint_due_or_several_ps_keep_the_release_with_the_chief() -> None:
+    async def body() -> None:
+        job = await sync_job(2, 1, num_shards=1)
+        mode = job.env.chief.consistency
+        mode.step_due = lambda step: step % 2 == 0  # a checkpoint at every even step
+        assert not mode._may_release_ahead(2)
+        assert mode._may_release_ahead(3)
+        mode.counted.add(1)  # a gone worker still counted for the step
+        assert not mode._may_release_ahead(3)
+        mode.counted.clear()
+        await job.close()
+        job = await sync_job(2, 2)
+        assert not job.env.chief.consistency._may_release_ahead(1)  # several PS
+        await job.close()
 
     run(body())
