@@ -243,6 +243,25 @@ def test_a_token_brought_before_a_restore_is_void() -> None:
     run(body())
 
 
+def test_a_token_brought_by_the_push_starts_the_step_without_the_io_loop() -> None:
+    async def body() -> None:
+        s = FakeSession()
+        steps = SyncSteps(s, links=lambda k: None)  # type: ignore[arg-type]
+        assert steps.ready() is None  # nothing brought: begin() asks
+        await steps.begin(0, 1.0)
+        steps.step_done()
+        steps.offered((1, 0, 0))
+        assert steps.ready() == 1
+        assert (steps.tag(), steps.token_ps, s.polls) == (1, 0, 1)
+        steps.step_done()
+        steps.offered((2, 0, 0))
+        s.restore(1)
+        assert steps.ready() is None  # void: begin() asks again
+        assert await steps.begin(2, 1.0) == 0
+
+    run(body())
+
+
 def test_a_token_not_past_the_step_computed_is_not_taken() -> None:
     async def body() -> None:
         s = FakeSession()

@@ -66,6 +66,12 @@ class StepMode:
         (sync), or None."""
         return None
 
+    def ready(self) -> int | None:
+        """The next step's value if it may start now with nothing to wait for or send
+        (sync: the token the last push's reply brought), taken; else None: call
+        :meth:`begin`. Called from the caller's thread, not the I/O loop."""
+        return None
+
     def offered(self, token: tuple[int, int, int | None] | None) -> None:
         """The next token a push reply brought, as (step, generation, PS), or None."""
 
@@ -131,8 +137,24 @@ class SyncSteps(StepMode):
             token = await self.session.long_poll("take_token", body, o.Token, poll)
         else:
             self.from_ps += 1
+        self._take(token)
+        return token.step
+
+    def _take(self, token: o.Token) -> None:
         self.token_ps = token.ps
         self.token, self.token_gen, self._voided = token.step, token.gen, False
+
+    def ready(self) -> int | None:
+        token = self._pushed()
+        if token is None:
+            return None
+        self._take(token)
+        if self.session.gen != token.gen:
+            # a restore heard of meanwhile (in the I/O loop, whose listener may have run
+            # before the token was taken): void, as that listener would have made it
+            self.token, self._voided = None, True
+            return None
+        self.from_ps += 1
         return token.step
 
     def push_asks(self) -> int | None:

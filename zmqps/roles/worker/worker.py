@@ -450,7 +450,9 @@ class Worker:
         # steps done that hold (those a restore took back do not count: ssp clocks, like
         # heartbeats, say how far the worker's data got)
         started = time.perf_counter()
-        step = self.io.run(self.steps.begin(self.net_steps, poll))
+        step = self.steps.ready()  # sync: the token the last push's reply brought
+        if step is None:
+            step = self.io.run(self.steps.begin(self.net_steps, poll))
         if self.summaries is not None and self.mode != "async":
             wait = "token_wait_seconds" if self.mode == "sync" else "ssp_wait_seconds"
             self._window.observe(wait, time.perf_counter() - started)
