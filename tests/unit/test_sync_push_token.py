@@ -110,6 +110,18 @@ def test_the_push_completing_the_step_releases_the_next_and_every_reply_carries_
     run(body())
 
 
+def test_a_ps_says_it_takes_the_new_fields_so_that_peers_send_them_only_then() -> None:
+    async def body() -> None:
+        c = await sync_cluster(required=1, num_ps=1)
+        rep = await released_ahead(c, 1)
+        assert rep.body["releases"] is True  # the chief may send release_step
+        body = {"role": "worker", "index": 0, "incarnation": 1, "wait": 1.0, "have": -1}
+        rep = await c.net.client("ps0", "worker:0:1").request("take_token", body)
+        assert (rep.body["step"], rep.body["ps"], rep.body["by_push"]) == (0, 0, True)
+
+    run(body())
+
+
 def test_a_poll_that_keeps_the_boundary_takes_back_a_release_ahead() -> None:
     async def body() -> None:
         c = await sync_cluster(required=1, num_ps=1)
@@ -220,6 +232,8 @@ def test_the_worker_takes_the_token_its_push_brought_and_asks_nobody() -> None:
         assert await steps.begin(0, 1.0) == 0  # the first from the chief
         assert s.polls == 1
         steps.token_ps = 0
+        assert steps.push_asks() is None  # not known to answer a push that asks
+        steps.by_push.add(0)  # its take_token reply said so
         assert steps.push_asks() == 0
         steps.step_done()
         steps.offered((1, 0, 0))
@@ -322,7 +336,7 @@ def test_one_ps_releases_each_step_itself_and_the_steps_stay_exact() -> None:
         mode._may_release_ahead = spy  # type: ignore[method-assign]
         brought = await steps_by_push_replies(job, 4, SGD)
         assert brought == [3, 3, 3, 3]
-        assert ahead and all(ahead[1:])
+        assert len(ahead) >= 3 and all(ahead)  # from the second step's poll on
         await job.close()
 
     run(body())
@@ -333,6 +347,8 @@ def test_a_checkpoint_due_or_several_ps_keep_the_release_with_the_chief() -> Non
         job = await sync_job(2, 1, num_shards=1)
         mode = job.env.chief.consistency
         mode.step_due = lambda step: step % 2 == 0  # a checkpoint at every even step
+        assert not mode._may_release_ahead(3)  # the PS has not said it takes the field
+        mode._releases.add(0)
         assert not mode._may_release_ahead(2)
         assert mode._may_release_ahead(3)
         mode.counted.add(1)  # a gone worker still counted for the step

@@ -748,6 +748,9 @@ class StepReply(Body):
     granted_of: int | None = wire(STEP, default=None)
     granted: int | None = wire(COUNT, default=None)
     token_waits: tuple[float, ...] | None = wire(List(WAIT, MAX_TOKEN_WAITS), default=None)
+    #: wait_step (the chief's stepping poll): this PS takes ``WaitStep.release_step``
+    #: (an older one refuses a field it does not know: the chief sends it only then)
+    releases: bool | None = wire(Bool(), default=None)
 
 
 @_body(reply=True)
@@ -757,6 +760,9 @@ class Token(Body):
     #: the PS (its index) to ask for the next token: it hands the tokens the chief
     #: releases, so the chief hears no request per worker and step; None: ask the chief
     ps: int | None = wire(Int(0, MAX_SHARDS), default=None)
+    #: the PS that handed it answers a push that asks for the next token
+    #: (``Push.token``; an older one refuses the field: a worker sends it only then)
+    by_push: bool | None = wire(Bool(), default=None)
 
 
 @_body(reply=True)

@@ -285,6 +285,8 @@ class SyncMode(ChiefMode):
         self._to_look: set[int] = set()
         self._looker: asyncio.Future[None] | None = None
         self._configuring = asyncio.Lock()
+        #: PS states whose process said it takes ``WaitStep.release_step``
+        self._releases: set[int] = set()
         #: PS states whose step polls answer below the step waited for although they
         #: applied it (its copies do not all have it yet): state -> (since, step there)
         self._behind: dict[int, tuple[float, int]] = {}
@@ -536,12 +538,13 @@ class SyncMode(ChiefMode):
         """Whether the PS may release ``step``'s tokens by itself the moment it applied
         it, the chief off the step's path: only when one PS holds shards (with several,
         a token from one that applied the step would let a worker pull another that has
-        not yet), no checkpoint is due at that boundary (:attr:`step_due`), and nothing
-        of the membership is to settle there (gone workers still counted or looked up,
-        N not told everywhere). Any of these, and the chief releases the step after it
-        heard of it, as always."""
+        not yet) and it said it takes the field (an older one refuses it), no checkpoint
+        is due at that boundary (:attr:`step_due`), and nothing of the membership is to
+        settle there (gone workers still counted or looked up, N not told everywhere).
+        Else the chief releases the step after it heard of it, as always."""
         return (
             len(self.stepping_ids) == 1
+            and self.stepping_ids[0] in self._releases
             and not self.counted
             and not self.checking
             and not self._to_look
@@ -557,6 +560,10 @@ class SyncMode(ChiefMode):
         return self.total >= self.members.num_workers and self.tokens.extra == 0
 
     def _relayed(self, k: int, rep: o.StepReply) -> None:
+        if rep.releases:
+            self._releases.add(k)
+        else:
+            self._releases.discard(k)
         if rep.granted_of is not None:
             self._count_relayed(k, rep.granted_of, rep.granted or 0)
         if rep.token_waits and self.on_token_waits is not None:

@@ -805,7 +805,11 @@ class PSService:
             return reply(msg, o.StepReply(step=step).to_wire())
         of, granted, waits = self.tokens.report(req.released)
         out = o.StepReply(
-            step=step, granted_of=of, granted=granted, token_waits=tuple(waits) or None
+            step=step,
+            granted_of=of,
+            granted=granted,
+            token_waits=tuple(waits) or None,
+            releases=True,
         )
         return reply(msg, out.to_wire())
 
@@ -820,7 +824,9 @@ class PSService:
             token = self.tokens.grant(req.have, req.have_gen)
             if token is not None:
                 self.tokens.waited(loop.time() - started)
-                return reply(msg, o.Token(token[0], token[1], ps=self.index).to_wire())
+                by_push = self._hands_tokens() or None
+                out = o.Token(token[0], token[1], ps=self.index, by_push=by_push)
+                return reply(msg, out.to_wire())
             left = deadline - loop.time()
             if left <= 0:
                 raise NotReady(f"ps {self.index}: no token released within {wait:g}s")

@@ -109,6 +109,8 @@ class SyncSteps(StepMode):
         self.have_gen = session.gen  # the generation ``have`` belongs to
         self._voided = False
         self.from_push = 0  # tokens a push reply brought (counted in ``from_ps`` too)
+        #: the PS states that said they answer a push asking for the next token
+        self.by_push: set[int] = set()
         #: the next token the last push's reply brought (step, generation, PS)
         self._next: tuple[int, int, int | None] | None = None
         session.on_restored(self._restored)
@@ -158,7 +160,8 @@ class SyncSteps(StepMode):
         return token.step
 
     def push_asks(self) -> int | None:
-        return self.token_ps if self.token is not None else None
+        k = self.token_ps
+        return k if self.token is not None and k in self.by_push else None
 
     def offered(self, token: tuple[int, int, int | None] | None) -> None:
         self._next = token
@@ -184,7 +187,10 @@ class SyncSteps(StepMode):
             return None
         try:
             rep = await link.request("take_token", body.to_wire(), timeout=poll + 10.0, attempts=2)
-            return o.Token.parse(rep.body, "token")
+            token = o.Token.parse(rep.body, "token")
+            if token.by_push and token.ps is not None:
+                self.by_push.add(token.ps)
+            return token
         except NotReady:
             return None  # none released within the poll: the chief says why, or hands it
         except ZmqpsError as exc:
