@@ -486,6 +486,12 @@ class ReleasedTokens:
       restore's release yet, and the worker waits for it.
     * A restore forgets the release (:meth:`clear`): the chief's next one comes with
       its first ``wait_step`` to the restored PS.
+    * The chief may let a PS release the step it waits for by itself, the moment
+      the PS applied it (:meth:`allow`, :meth:`reached`): it does so only for a
+      boundary it needs nothing at (no checkpoint due, nothing of the membership
+      to settle) and when this PS is the only one holding shards, so a token of the
+      step never lets a worker pull values of before it. The chief then is off the
+      step's path; it hears of the step as before, and releases it again (no news).
     * How long each answered request waited is kept for the chief (at most
       ``max_waits`` between two of its looks; the rest are counted only).
     """
@@ -496,6 +502,11 @@ class ReleasedTokens:
         self.granted = 0  # tokens of ``step`` handed (a request sent again counts again)
         self.max_waits = max_waits
         self._waits: list[float] = []
+        #: the step (and generation) this PS may release by itself once it reached it
+        self.then: tuple[int, int] | None = None
+        #: the release before the current one and its tokens handed, when this PS
+        #: moved on by itself (the chief's report of it is then still to come)
+        self._before: tuple[int, int] | None = None
 
     def release(self, step: int, gen: int) -> bool:
         """The chief released ``step`` (generation ``gen``); True if that is news (an
@@ -503,12 +514,40 @@ class ReleasedTokens:
         if self.gen is not None and (gen, step) <= (self.gen, self.step or 0):
             return False
         self.step, self.gen, self.granted = step, gen, 0
+        self._before = None
+        if self.then is not None and (self.then[1], self.then[0]) <= (gen, step):
+            self.then = None
+        return True
+
+    def allow(self, step: int, gen: int) -> None:
+        """The chief lets this PS release ``step`` (generation ``gen``) by itself the
+        moment it reached it (:meth:`reached`); an older or a released step is no news."""
+        if self.gen is not None and (gen, step) <= (self.gen, self.step or 0):
+            return
+        if self.then is None or (self.then[1], self.then[0]) < (gen, step):
+            self.then = (step, gen)
+
+    def reached(self, step: int, gen: int) -> bool:
+        """This PS (generation ``gen``) is at ``step``: True if that released the step
+        the chief allowed (:meth:`allow`; one of another generation never is)."""
+        then = self.then
+        if then is None or step < then[0]:
+            return False
+        self.then = None
+        if then[1] != gen:
+            return False
+        before = (self.step, self.granted)
+        if not self.release(*then):
+            return False
+        if before[0] is not None:
+            self._before = (before[0], before[1])
         return True
 
     def clear(self) -> None:
         """A restore: the steps went back; nothing is handed until the next release."""
         self.step = self.gen = None
         self.granted = 0
+        self.then = self._before = None
 
     def grant(self, have: int | None, have_gen: int | None) -> tuple[int, int] | None:
         """The token (step, generation) for a worker that computed ``have`` last (in
@@ -528,10 +567,14 @@ class ReleasedTokens:
         if len(self._waits) < self.max_waits:
             self._waits.append(seconds)
 
-    def report(self) -> tuple[int | None, int, list[float]]:
-        """What the chief is told: the release, its tokens handed, and the waits since
-        the last report (taken)."""
+    def report(self, of: int | None = None) -> tuple[int | None, int, list[float]]:
+        """What the chief is told: the release (``of``, the one it asks about, while
+        this PS still knows it: it may have moved on by itself), its tokens handed, and
+        the waits since the last report (taken)."""
         waits, self._waits = self._waits, []
+        before = self._before
+        if before is not None and of is not None and before[0] == of:
+            return before[0], before[1], waits
         return self.step, self.granted, waits
 
 

@@ -212,6 +212,12 @@ class ParameterClient:
         self._channel_setup = [asyncio.Lock() for _ in self.ps]
         self.last_staleness = 0
         self.dropped: dict[str, int] = {}  # pushes the PS acknowledged without applying
+        #: sync: the PS state whose push replies bring the worker's next token (its
+        #: pushes say ``token``), while a push is sent; None: none asks
+        self.token_ps: int | None = None
+        #: the next token a push reply brought, as (step, generation, PS); taken by the
+        #: worker (:meth:`take_offered`)
+        self.offered: tuple[int, int, int | None] | None = None
         #: pushes sent / acknowledged applied / dropped, by "ps/generation": what the PS
         #: counted of this incarnation must match (a fault test's exactly-once check)
         self.push_counts: dict[str, dict[str, int]] = {}
@@ -494,6 +500,7 @@ class ParameterClient:
             closure=self._closure,
             closure_seq=closure_seq,
             packs=tuple(packs) or None,
+            token=True if op == "push" and ps == self.token_ps else None,
         )
 
     def _tally(self, ps: int, gen: int, what: str) -> None:
@@ -510,12 +517,24 @@ class ParameterClient:
             delivery.answered[(ps, tuple(body.shards))] = rep.applied
         if rep.staleness:
             self.last_staleness = max(rep.staleness)
+        token = rep.token_step, rep.token_gen
+        if (
+            token[0] is not None
+            and token[1] is not None
+            and (self.offered is None or self.offered[:2] < token)
+        ):
+            self.offered = (token[0], token[1], rep.token_ps)
         outcome = rep.outcome
         self._tally(ps, body.gen or 0, "applied" if rep.applied else "dropped")
         if rep.applied:
             return True
         self.dropped[outcome] = self.dropped.get(outcome, 0) + 1
         return False
+
+    def take_offered(self) -> tuple[int, int, int | None] | None:
+        """The next token the last push's replies brought, if any (forgotten here)."""
+        offered, self.offered = self.offered, None
+        return offered
 
     def set_versions(self, reply: Message, sids: Sequence[int], gen: int | None) -> None:
         """The versions of the values a reply carries; ``gen``: the generation of the

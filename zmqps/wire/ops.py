@@ -378,6 +378,10 @@ class Push(Body):
     closure: int | None = wire(Int(0), default=None)
     closure_seq: int | None = wire(Int(1), default=None)
     packs: tuple[int, ...] | None = wire(PACKS, default=None)
+    #: sync (``push`` to the PS the worker's last token named): answer with the
+    #: worker's next token, the step after ``step``, once it is released there (or
+    #: without one after a short wait: the worker then asks as before)
+    token: bool | None = wire(Bool(), default=None)
 
 
 @_body("push_pull")
@@ -454,6 +458,10 @@ class WaitStep(Body):
     #: that ask it (``take_token``); None: it hands none
     released: int | None = wire(Int(0), default=None)
     gen: int | None = wire(Int(0), default=None)
+    #: sync: this PS may release ``step``'s tokens (generation ``gen``) by itself the
+    #: moment it applied the step, before the chief hears of it (the chief says so for
+    #: a boundary it needs nothing at, and only to the one PS holding shards)
+    release_step: bool | None = wire(Bool(), default=None)
 
 
 @_body("ps_state")
@@ -768,6 +776,9 @@ class StepReply(Body):
     granted_of: int | None = wire(STEP, default=None)
     granted: int | None = wire(COUNT, default=None)
     token_waits: tuple[float, ...] | None = wire(List(WAIT, MAX_TOKEN_WAITS), default=None)
+    #: wait_step (the chief's stepping poll): this PS takes ``WaitStep.release_step``
+    #: (an older one refuses a field it does not know: the chief sends it only then)
+    releases: bool | None = wire(Bool(), default=None)
 
 
 @_body(reply=True)
@@ -777,6 +788,9 @@ class Token(Body):
     #: the PS (its index) to ask for the next token: it hands the tokens the chief
     #: releases, so the chief hears no request per worker and step; None: ask the chief
     ps: int | None = wire(Int(0, MAX_SHARDS), default=None)
+    #: the PS that handed it answers a push that asks for the next token
+    #: (``Push.token``; an older one refuses the field: a worker sends it only then)
+    by_push: bool | None = wire(Bool(), default=None)
 
 
 @_body(reply=True)
@@ -817,6 +831,11 @@ class PushReply(Body):
     dropped: str | None = wire(Str(32), default=None)
     #: push_pull: the request's packs travel packed in the reply (else shard by shard)
     packed: bool | None = wire(Bool(), default=None)
+    #: a push that asked for it (``Push.token``): the next token (its step and
+    #: generation, the PS that handed it), if released within the PS's short wait
+    token_step: int | None = wire(STEP, default=None)
+    token_gen: int | None = wire(Int(0), default=None)
+    token_ps: int | None = wire(Int(0, MAX_SHARDS), default=None)
 
     @property
     def outcome(self) -> str:

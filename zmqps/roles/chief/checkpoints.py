@@ -69,6 +69,11 @@ class ChiefCheckpoints:
         gen = self.chief.recovery.gen
         self.ck.write(snap, placement, self.chief.consistency.name, gen, self._extra(final))
 
+    def due_at(self, step: int) -> bool:
+        """sync: whether :meth:`at_boundary` would take a checkpoint at ``step`` if it
+        came now (a boundary without one may be released by the PS itself)."""
+        return self.chief.variables.placement is not None and self.ck.due(step)
+
     async def at_boundary(self, step: int) -> None:
         """sync: called with every new global step, before its tokens are put."""
         placement = self.chief.variables.placement

@@ -86,6 +86,9 @@ class ChiefMode:
         self.step_started_at = clock()
         #: awaited with each new global step before its tokens are put (sync)
         self.on_step: Callable[[int], Awaitable[None]] | None = None
+        #: whether :attr:`on_step` has work at that step (sync: a checkpoint due); a
+        #: boundary with none may be released by the PS itself
+        self.step_due: Callable[[int], bool] = lambda step: self.on_step is not None
         #: the cluster's generation (the chief's recovery owns it)
         self.generation: Callable[[], int] = lambda: 0
         #: hears how long token polls waited on the PS (sync: the PS hand tokens)
@@ -282,6 +285,8 @@ class SyncMode(ChiefMode):
         self._to_look: set[int] = set()
         self._looker: asyncio.Future[None] | None = None
         self._configuring = asyncio.Lock()
+        #: PS states whose process said it takes ``WaitStep.release_step``
+        self._releases: set[int] = set()
         #: PS states whose step polls answer below the step waited for although they
         #: applied it (its copies do not all have it yet): state -> (since, step there)
         self._behind: dict[int, tuple[float, int]] = {}
@@ -436,9 +441,10 @@ class SyncMode(ChiefMode):
         while True:
             nxt = self._step + 1
             released = self._step if self._relaying() else None
+            ahead = released is not None and self._may_release_ahead(nxt)
             await asyncio.gather(
                 *(
-                    self._wait_ps(c, nxt, k, released)
+                    self._wait_ps(c, nxt, k, released, ahead)
                     for k, c in zip(self.stepping_ids, self.stepping, strict=True)
                 )
             )
@@ -448,17 +454,25 @@ class SyncMode(ChiefMode):
             self.counted.clear()
             self._gone_memo = None
             await self._reconfigure()
-            if self.on_step is not None:
-                await self.on_step(nxt)  # e.g. a checkpoint, while no tokens are out
+            if self.on_step is not None and not ahead:
+                # e.g. a checkpoint, while no tokens are out (a step the PS released by
+                # itself has them out: one due meanwhile waits for the next boundary,
+                # which the PS does not release by itself)
+                await self.on_step(nxt)
             self.step_started_at = self.clock()
             self.tokens.advance(nxt, replicas, gone)
             await self._wake()
 
-    async def _wait_ps(self, ps: Requester, step: int, k: int, released: int | None) -> None:
+    async def _wait_ps(
+        self, ps: Requester, step: int, k: int, released: int | None, ahead: bool = False
+    ) -> None:
         """Until PS ``k`` applied ``step``; each poll tells it the step whose tokens are
         released (it hands them, :meth:`token_ps`), and each answer says how many it
-        handed and how long their requests waited."""
-        body = o.WaitStep(step, POLL_S, released=released, gen=self.generation()).to_wire()
+        handed and how long their requests waited. ``ahead``: the PS releases ``step``
+        itself the moment it applied it (:meth:`_may_release_ahead`)."""
+        body = o.WaitStep(
+            step, POLL_S, released=released, gen=self.generation(), release_step=ahead or None
+        ).to_wire()
         said = self.clock()
         try:
             while True:
@@ -520,6 +534,25 @@ class SyncMode(ChiefMode):
         do not all have it): state -> (since when, as the clock says; the step there)."""
         return dict(self._behind)
 
+    def _may_release_ahead(self, step: int) -> bool:
+        """Whether the PS may release ``step``'s tokens by itself the moment it applied
+        it, the chief off the step's path: only when one PS holds shards (with several,
+        a token from one that applied the step would let a worker pull another that has
+        not yet) and it said it takes the field (an older one refuses it), no checkpoint
+        is due at that boundary (:attr:`step_due`), and nothing of the membership is to
+        settle there (gone workers still counted or looked up, N not told everywhere).
+        Else the chief releases the step after it heard of it, as always."""
+        return (
+            len(self.stepping_ids) == 1
+            and self.stepping_ids[0] in self._releases
+            and not self.counted
+            and not self.checking
+            and not self._to_look
+            and self._told_everyone
+            and self.required == self.needed()
+            and not self.step_due(step)
+        )
+
     def _relaying(self) -> bool:
         """Whether the PS hand this step's tokens: the ledger's rules are then those of
         :class:`~zmqps.core.sync.ReleasedTokens` (M is every live worker, no
@@ -527,6 +560,10 @@ class SyncMode(ChiefMode):
         return self.total >= self.members.num_workers and self.tokens.extra == 0
 
     def _relayed(self, k: int, rep: o.StepReply) -> None:
+        if rep.releases:
+            self._releases.add(k)
+        else:
+            self._releases.discard(k)
         if rep.granted_of is not None:
             self._count_relayed(k, rep.granted_of, rep.granted or 0)
         if rep.token_waits and self.on_token_waits is not None:

@@ -196,8 +196,11 @@ class StepWaiters:
     ticket (a wait that ends is forgotten at once): each costs O(log n), however many
     wait; their number is bounded by the server's pending-request bound."""
 
-    def __init__(self, step: Callable[[], int]) -> None:
+    def __init__(self, step: Callable[[], int], moved: Callable[[int], None] | None = None) -> None:
         self._step = step
+        #: hears the step at every notify, before the waits are woken (a PS releases
+        #: the tokens the chief let it release at that step)
+        self._moved = moved
         self._live: dict[int, asyncio.Future[int]] = {}
         self._heap: list[tuple[int, int]] = []  # (target, ticket); ended ones skipped
         self._tickets = itertools.count()
@@ -223,6 +226,8 @@ class StepWaiters:
 
     def notify(self) -> None:
         step = self._step()
+        if self._moved is not None:
+            self._moved(step)
         heap = self._heap
         while heap and heap[0][0] <= step:
             _, ticket = heapq.heappop(heap)

@@ -36,6 +36,7 @@ import math
 import secrets
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,10 @@ NOTE_INTERVAL_S = 10.0
 #: workers (and incarnations) a ``status`` lists one by one; past it, ``pushes_cut``
 #: says how many there are (a status stays small and quick whatever names clients sent)
 STATUS_WORKERS = 1024
+
+#: how long a sync push that asks for the worker's next token (``Push.token``) may
+#: wait for its release before it is answered without one
+PUSH_TOKEN_WAIT_S = 0.25
 
 _PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
 _DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
@@ -135,7 +140,7 @@ class PSService:
         self.restored_step = 0  # the step of the last restore (sync shards start there)
         #: the batch cursors of the last restore to a checkpoint's (see o.Restore.rewind)
         self.rewinds: dict[str, int] | None = None
-        self.waiters = StepWaiters(lambda: self.visible_step)
+        self.waiters = StepWaiters(lambda: self.visible_step, self._step_moved)
         #: sync: the tokens the chief released, handed to the workers that ask here
         self.tokens = ReleasedTokens(o.MAX_TOKEN_WAITS)
         self._token_changes = Changes()
@@ -617,7 +622,7 @@ class PSService:
         finally:
             self._values_known = False
 
-    def _op_push(self, msg: Message, req: o.Push) -> Message:
+    def _op_push(self, msg: Message, req: o.Push) -> Message | Awaitable[Message]:
         """``push`` and ``push_pull`` (the fresh values come back in the reply)."""
         pull = msg.op == "push_pull"
         try:
@@ -631,6 +636,8 @@ class PSService:
             out_views = self.regions.views(self.store, req.shards, req.shm_out, req.worker, packs)
         out = self._commit(req, plans)  # no await in between: the views stay valid
         if not pull:
+            if req.token and req.step is not None and self._hands_tokens():
+                return self._with_token(msg, _with_versions(out, self._versions(req.shards)), req)
             return reply(msg, self._push_reply(out, req.shards))
         if req.shm_out is not None and not out.duplicate:
             versions = self._snapshot_to_region(req.shards, req.shm_out, out_views, packs)
@@ -665,7 +672,58 @@ class PSService:
 
     def _push_reply(self, out: o.PushReply, sids: Sequence[int]) -> dict[str, Any]:
         """The reply's body: the push's outcome and the shards' versions after it."""
-        return _with_versions(out, [self.store.get(sid).version for sid in sids]).to_wire()
+        return _with_versions(out, self._versions(sids)).to_wire()
+
+    def _versions(self, sids: Sequence[int]) -> list[int]:
+        return [self.store.get(sid).version for sid in sids]
+
+    def _hands_tokens(self) -> bool:
+        """Whether a push's reply may carry the worker's next token: sync, and not a
+        replicated state (whose sync pushes are answered once their entry is on every
+        copy: the worker asks for its token as before)."""
+        return isinstance(self.mode, Accumulate) and self.replica is None
+
+    def _with_token(
+        self, msg: Message, out: o.PushReply, req: o.Push
+    ) -> Message | Awaitable[Message]:
+        """The reply to a push that asked for the worker's next token (``Push.token``):
+        with it, the step after the push's as the chief released it here (the same one
+        to a push sent again), at once or within :data:`PUSH_TOKEN_WAIT_S`; without it
+        after that (the worker asks with ``take_token``, as before). Whatever became of
+        the push, the worker computed its step: the next token is the one after it."""
+        have = req.step
+
+        def answer() -> Message | None:
+            token = self.tokens.grant(have, self.gen)
+            if token is None:
+                return None
+            step, gen = token
+            with_token = replace(out, token_step=step, token_gen=gen, token_ps=self.index)
+            return reply(msg, with_token.to_wire())
+
+        now = answer()
+        if now is not None:
+            self.tokens.waited(0.0)
+            return now
+
+        async def held() -> Message:
+            # looked at again first: the release may have come between the handler's
+            # return and this coroutine's start (pushes handled in one batch, the last
+            # of them completing the step)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            deadline = started + PUSH_TOKEN_WAIT_S
+            while True:
+                got = answer()
+                if got is not None:
+                    self.tokens.waited(loop.time() - started)
+                    return got
+                left = deadline - loop.time()
+                if left <= 0:
+                    return reply(msg, out.to_wire())
+                await self._token_changes.wait(left)
+
+        return held()
 
     def _commit(self, req: o.Push, plans: Sequence[Update]) -> o.PushReply:
         """Deduplicate, then commit a validated push through the consistency mode."""
@@ -814,16 +872,33 @@ class PSService:
         )
         return reply(msg, o.StepReply(step=self.visible_step).to_wire())
 
+    def _step_moved(self, step: int) -> None:
+        """The step (as others read it) may have moved: the tokens the chief let this
+        PS release at it go out now."""
+        if self.tokens.then is not None and self.tokens.reached(step, self.gen):
+            self._token_changes.notify_all()
+
     async def _op_wait_step(self, msg: Message, req: o.WaitStep) -> Message:
         releases = req.released is not None and req.gen is not None
         if releases and self.tokens.release(req.released or 0, req.gen or 0):
             self._token_changes.notify_all()
+        if releases and req.release_step and req.gen == self.gen:
+            self.tokens.allow(req.step, self.gen)
+            self._step_moved(self.visible_step)  # reached already
+        elif releases:
+            # the chief's last word: this boundary is its own (e.g. a checkpoint due; a
+            # restarted chief's, whatever the last one allowed)
+            self.tokens.then = None
         step = await self.waiters.wait(req.step, (0.0 if req.wait is None else req.wait))
         if not releases:  # not the chief's stepping poll: it does not take the report
             return reply(msg, o.StepReply(step=step).to_wire())
-        of, granted, waits = self.tokens.report()
+        of, granted, waits = self.tokens.report(req.released)
         out = o.StepReply(
-            step=step, granted_of=of, granted=granted, token_waits=tuple(waits) or None
+            step=step,
+            granted_of=of,
+            granted=granted,
+            token_waits=tuple(waits) or None,
+            releases=True,
         )
         return reply(msg, out.to_wire())
 
@@ -838,7 +913,9 @@ class PSService:
             token = self.tokens.grant(req.have, req.have_gen)
             if token is not None:
                 self.tokens.waited(loop.time() - started)
-                return reply(msg, o.Token(token[0], token[1], ps=self.index).to_wire())
+                by_push = self._hands_tokens() or None
+                out = o.Token(token[0], token[1], ps=self.index, by_push=by_push)
+                return reply(msg, out.to_wire())
             left = deadline - loop.time()
             if left <= 0:
                 raise NotReady(f"ps {self.index}: no token released within {wait:g}s")

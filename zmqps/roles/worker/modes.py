@@ -61,6 +61,20 @@ class StepMode:
         """A restore voided the step being computed (sync: its token)."""
         return False
 
+    def push_asks(self) -> int | None:
+        """The PS state whose reply to this step's push may bring the next token
+        (sync), or None."""
+        return None
+
+    def ready(self) -> int | None:
+        """The next step's value if it may start now with nothing to wait for or send
+        (sync: the token the last push's reply brought), taken; else None: call
+        :meth:`begin`. Called from the caller's thread, not the I/O loop."""
+        return None
+
+    def offered(self, token: tuple[int, int, int | None] | None) -> None:
+        """The next token a push reply brought, as (step, generation, PS), or None."""
+
 
 class AsyncSteps(StepMode):
     name = "async"
@@ -94,9 +108,15 @@ class SyncSteps(StepMode):
         self.have = last_step
         self.have_gen = session.gen  # the generation ``have`` belongs to
         self._voided = False
+        self.from_push = 0  # tokens a push reply brought (counted in ``from_ps`` too)
+        #: the PS states that said they answer a push asking for the next token
+        self.by_push: set[int] = set()
+        #: the next token the last push's reply brought (step, generation, PS)
+        self._next: tuple[int, int, int | None] | None = None
         session.on_restored(self._restored)
 
     def _restored(self, gen: int) -> None:
+        self._next = None  # a token of before the restore is void
         self.have, self.have_gen = -1, gen  # the steps went back with the restore
         if self.token is not None and self.token_gen != gen:
             self.token = None  # a token of before the restore is void
@@ -112,14 +132,52 @@ class SyncSteps(StepMode):
             # saying a step of before the restore would never be given a token
             return o.TakeToken(self.session.who, poll, self.have, self.have_gen)
 
-        token = await self._from_ps(body(), poll)
+        token = self._pushed()
+        if token is None:
+            token = await self._from_ps(body(), poll)
         if token is None:
             token = await self.session.long_poll("take_token", body, o.Token, poll)
         else:
             self.from_ps += 1
+        self._take(token)
+        return token.step
+
+    def _take(self, token: o.Token) -> None:
         self.token_ps = token.ps
         self.token, self.token_gen, self._voided = token.step, token.gen, False
+
+    def ready(self) -> int | None:
+        token = self._pushed()
+        if token is None:
+            return None
+        self._take(token)
+        if self.session.gen != token.gen:
+            # a restore heard of meanwhile (in the I/O loop, whose listener may have run
+            # before the token was taken): void, as that listener would have made it
+            self.token, self._voided = None, True
+            return None
+        self.from_ps += 1
         return token.step
+
+    def push_asks(self) -> int | None:
+        k = self.token_ps
+        return k if self.token is not None and k in self.by_push else None
+
+    def offered(self, token: tuple[int, int, int | None] | None) -> None:
+        self._next = token
+
+    def _pushed(self) -> o.Token | None:
+        """The token the last push's reply brought, if it still holds: a step after the
+        one this worker computed, of the generation it computed it in (a restore since
+        voided it)."""
+        got, self._next = self._next, None
+        if got is None:
+            return None
+        step, gen, ps = got
+        if gen != self.session.gen or gen != self.have_gen or step <= self.have:
+            return None
+        self.from_push += 1
+        return o.Token(step, gen, ps=ps)
 
     async def _from_ps(self, body: o.TakeToken, poll: float) -> o.Token | None:
         """The token from the PS the last one named, or None: ask the chief."""
@@ -129,7 +187,10 @@ class SyncSteps(StepMode):
             return None
         try:
             rep = await link.request("take_token", body.to_wire(), timeout=poll + 10.0, attempts=2)
-            return o.Token.parse(rep.body, "token")
+            token = o.Token.parse(rep.body, "token")
+            if token.by_push and token.ps is not None:
+                self.by_push.add(token.ps)
+            return token
         except NotReady:
             return None  # none released within the poll: the chief says why, or hands it
         except ZmqpsError as exc:

@@ -472,7 +472,9 @@ class Worker:
         # steps done that hold (those a restore took back do not count: ssp clocks, like
         # heartbeats, say how far the worker's data got)
         started = time.perf_counter()
-        step = self.io.run(self.steps.begin(self.net_steps, poll))
+        step = self.steps.ready()  # sync: the token the last push's reply brought
+        if step is None:
+            step = self.io.run(self.steps.begin(self.net_steps, poll))
         if self.summaries is not None and self.mode != "async":
             wait = "token_wait_seconds" if self.mode == "sync" else "ssp_wait_seconds"
             self._window.observe(wait, time.perf_counter() - started)
@@ -570,11 +572,19 @@ class Worker:
         grads = self.to_host(grads)
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
-        accepted = self._send(
-            lambda d: self.client.push(grads, step=step, cursor=cursor, delivery=d), loss
-        )
+        client = self.client
+        # sync: the push to the PS that handed this step's token asks for the next one
+        # (its reply brings it once released: no token request of its own)
+        client.token_ps, client.offered = self.steps.push_asks(), None
+        try:
+            accepted = self._send(
+                lambda d: client.push(grads, step=step, cursor=cursor, delivery=d), loss
+            )
+        finally:
+            client.token_ps = None
         self.record_phase("push", started)
         self.count_step(loss, examples)
+        self.steps.offered(client.take_offered())
         return accepted
 
     def push_pull(
