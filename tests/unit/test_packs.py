@@ -493,3 +493,28 @@ def test_random_sequences_match_a_cluster_without_packs(seed: int) -> None:
             await b.close()
 
     run(body(), timeout=20.0)
+
+
+def test_a_packs_staleness_counts_as_its_members_one_by_one() -> None:
+    from zmqps.core.store import StalenessStats
+
+    rng = np.random.default_rng(3)
+    for values in ([0] * 7, [int(v) for v in rng.integers(0, 90, 50)], []):
+        one, many = StalenessStats(), StalenessStats()
+        for v in values:
+            one.add(v)
+        many.add_all(values)
+        assert one.to_dict() == many.to_dict()
+
+
+def test_a_version_that_is_not_an_int_is_refused_naming_the_member() -> None:
+    store, _, _ = _stores({"name": "sgd", "lr": 0.1})
+    (pack,) = store.packs()
+    zero = np.zeros(pack.size, np.float32)
+    versions: list[Any] = pack.versions()
+    versions[2] = True
+    with pytest.raises(InvalidArgument, match="pulled version must be an int"):
+        store.plan_pack(pack, zero, versions)
+    versions[2] = -1
+    with pytest.raises(InvalidArgument, match=f"shard {pack.ids[2]}: pulled version -1"):
+        store.plan_pack(pack, zero, versions)

@@ -78,6 +78,20 @@ class StalenessStats:
         self.max = max(self.max, staleness)
         self.histogram[min(staleness, HISTOGRAM_EXACT)] += 1
 
+    def add_all(self, values: Sequence[int]) -> None:
+        """:meth:`add` each of ``values`` (a pack's members)."""
+        if not values:
+            return
+        top = max(values)
+        self.count += len(values)
+        self.sum += sum(values)
+        self.max = max(self.max, top)
+        if top == 0:  # the usual case: every member fresh
+            self.histogram[0] += len(values)
+            return
+        for staleness in values:
+            self.histogram[min(staleness, HISTOGRAM_EXACT)] += 1
+
     @property
     def mean(self) -> float:
         return self.sum / self.count if self.count else 0.0
@@ -728,7 +742,12 @@ class ShardStore:
             )
         if len(pulled_versions) != len(pack.members):
             raise InvalidArgument("push: one version per shard expected")
-        staleness = [
+        current = pack.versions()
+        if all(type(v) is int for v in pulled_versions):  # the wire's: one pass each
+            staleness = [now - v for now, v in zip(current, pulled_versions, strict=True)]
+            if min(staleness) >= 0 and min(pulled_versions) >= 0:
+                return PackUpdate(pack, grad, staleness)
+        staleness = [  # says which member is wrong, and how
             self._check_version(m, v) for m, v in zip(pack.members, pulled_versions, strict=True)
         ]
         return PackUpdate(pack, grad, staleness)
@@ -831,12 +850,24 @@ class ShardStore:
         out: list[tuple[int, int]] = []
         for u in updates:
             if isinstance(u, PackUpdate):
-                out.extend(
-                    self._applied(m, st) for m, st in zip(u.pack.members, u.staleness, strict=True)
-                )
+                out.extend(self._applied_pack(u))
             else:
                 out.append(self._applied(u.shard, u.staleness))
         return out
+
+    def _applied_pack(self, update: PackUpdate) -> list[tuple[int, int]]:
+        """:meth:`_applied` for every member of a pack, in one pass."""
+        members, staleness = update.pack.members, update.staleness
+        versions = []
+        for m in members:
+            m.version += 1
+            versions.append(m.version)
+        self.updates_applied += len(members)
+        self.staleness.add_all(staleness)
+        if self.observer is not None:
+            for m, st in zip(members, staleness, strict=True):
+                self.observer(m.definition, st)
+        return list(zip(versions, staleness, strict=True))
 
     def _update_pack(self, update: PackUpdate, scale: float) -> None:
         """One optimizer pass over the pack when its members are at one version (the
