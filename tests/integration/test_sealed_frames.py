@@ -77,6 +77,34 @@ async def sealed_round_trip(client: Client, seed: int) -> Message:
     raise AssertionError("no request went on the sealed data connection")
 
 
+def echo_pair(
+    ctx: zmq.asyncio.Context,
+    keys: dict[str, CurveKeys],
+    *,
+    timeout: float,
+    metrics: Metrics | None = None,
+    seal: bool = True,
+) -> tuple[Server, Client]:
+    """A started CURVE echo server and a worker's client of it."""
+    server = Server(
+        ctx,
+        "127.0.0.1:0",
+        echo,
+        name="ps0",
+        options=SocketOptions(curve=keys["server"], linger_ms=0, seal=seal),
+        observer=metrics,
+    )
+    server.start()
+    client = Client(
+        ctx,
+        server.endpoint,
+        "worker:0",
+        options=SocketOptions(curve=keys["worker"], linger_ms=0),
+        timeout=timeout,
+    )
+    return server, client
+
+
 def test_bulk_requests_go_sealed_and_what_is_injected_is_refused_and_counted(
     keys: dict[str, CurveKeys], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -85,23 +113,8 @@ def test_bulk_requests_go_sealed_and_what_is_injected_is_refused_and_counted(
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
-        server = Server(
-            ctx,
-            "127.0.0.1:0",
-            echo,
-            name="ps0",
-            options=SocketOptions(curve=keys["server"], linger_ms=0),
-            observer=metrics,
-        )
-        server.start()
+        server, client = echo_pair(ctx, keys, timeout=10.0, metrics=metrics)
         assert server.data_endpoint.startswith("tcp://127.0.0.1:")
-        client = Client(
-            ctx,
-            server.endpoint,
-            "worker:0",
-            options=SocketOptions(curve=keys["worker"], linger_ms=0),
-            timeout=10.0,
-        )
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
         try:
@@ -178,21 +191,8 @@ def test_bulk_requests_go_sealed_and_what_is_injected_is_refused_and_counted(
 def test_a_server_without_sealing_serves_everything_on_curve(keys: dict[str, CurveKeys]) -> None:
     async def main() -> None:
         ctx = zmq.asyncio.Context()
-        server = Server(
-            ctx,
-            "127.0.0.1:0",
-            echo,
-            options=SocketOptions(curve=keys["server"], linger_ms=0, seal=False),
-        )
-        server.start()
+        server, client = echo_pair(ctx, keys, timeout=10.0, seal=False)
         assert server.data_endpoint == ""
-        client = Client(
-            ctx,
-            server.endpoint,
-            "worker:0",
-            options=SocketOptions(curve=keys["worker"], linger_ms=0),
-            timeout=10.0,
-        )
         try:
             for i in range(5):
                 ts = tensors(1000, i)
@@ -215,17 +215,7 @@ def test_a_new_session_after_the_server_forgets_the_key(keys: dict[str, CurveKey
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
-        server = Server(
-            ctx, "127.0.0.1:0", echo, options=SocketOptions(curve=keys["server"], linger_ms=0)
-        )
-        server.start()
-        client = Client(
-            ctx,
-            server.endpoint,
-            "worker:0",
-            options=SocketOptions(curve=keys["worker"], linger_ms=0),
-            timeout=30.0,
-        )
+        server, client = echo_pair(ctx, keys, timeout=30.0)
         try:
             await sealed_round_trip(client, 1)
             assert client._sealer is not None
@@ -351,22 +341,7 @@ def test_a_peer_without_a_live_sessions_credentials_gets_nothing_through_the_dat
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
-        server = Server(
-            ctx,
-            "127.0.0.1:0",
-            echo,
-            name="ps0",
-            options=SocketOptions(curve=keys["server"], linger_ms=0),
-            observer=metrics,
-        )
-        server.start()
-        client = Client(
-            ctx,
-            server.endpoint,
-            "worker:0",
-            options=SocketOptions(curve=keys["worker"], linger_ms=0),
-            timeout=30.0,
-        )
+        server, client = echo_pair(ctx, keys, timeout=30.0, metrics=metrics)
         raws: list[zmq.asyncio.Socket] = []
 
         def dealer(username: bytes | None = None, password: bytes = b"") -> zmq.asyncio.Socket:

@@ -50,7 +50,7 @@ import ipaddress
 import itertools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import zmq
@@ -534,38 +534,41 @@ class Server:
         the edge), and a send made outside it looks at ``EVENTS`` after sending
         (:meth:`_send`): a message whose edge that send took is read on the next turn."""
         self._read_scheduled = False
-        sock = self._sock
-        if sock is None:
-            return
         self._reading = True
         try:
-            for _ in range(RECV_BATCH):
-                if self._sock is None or not _waiting(sock):
-                    return
-                self._dispatch(sock.recv_multipart(zmq.NOBLOCK, copy=False))
-            self._read_soon()  # a long burst: the rest once timers and replies ran
-        except Exception as exc:  # a bug: the server stops, saying why
-            self._fail(exc)
+            self._read_batch(lambda: self._sock, self._dispatch, self._read_soon)
         finally:
             self._reading = False
 
     def _on_data_readable(self) -> None:
         """As :meth:`_on_readable`, for the data connection."""
         self._data_read_scheduled = False
-        sock = self._data_sock
-        if sock is None:
-            return
         self._reading_data = True
         try:
-            for _ in range(RECV_BATCH):
-                if self._data_sock is None or not _waiting(sock):
-                    return
-                self._dispatch_data(sock.recv_multipart(zmq.NOBLOCK, copy=False))
-            self._read_data_soon()
-        except Exception as exc:  # a bug: the server stops, saying why
-            self._fail(exc)
+            self._read_batch(lambda: self._data_sock, self._dispatch_data, self._read_data_soon)
         finally:
             self._reading_data = False
+
+    def _read_batch(
+        self,
+        current: Callable[[], zmq.Socket[Any] | None],
+        dispatch: Callable[[list[zmq.Frame]], None],
+        again: Callable[[], None],
+    ) -> None:
+        """One turn of a socket's reader: up to ``RECV_BATCH`` waiting messages, each to
+        ``dispatch``; ``again`` schedules the next turn of a long burst. ``current``: the
+        socket, None once the server closed it (a message may have closed it)."""
+        sock = current()
+        if sock is None:
+            return
+        try:
+            for _ in range(RECV_BATCH):
+                if current() is None or not _waiting(sock):
+                    return
+                dispatch(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            again()  # a long burst: the rest once timers and replies ran
+        except Exception as exc:  # a bug: the server stops, saying why
+            self._fail(exc)
 
     def _read_data_soon(self) -> None:
         if (
@@ -579,14 +582,9 @@ class Server:
     def _dispatch_data(self, frames: list[Any]) -> None:
         """A message of the data connection: opened with its session's key (or refused),
         then served as the session's peer's; its reply goes back sealed."""
-        if len(frames) < 2:
-            self.stats.bad_messages += 1
+        identity = self._arrived(frames)
+        if identity is None:
             return
-        identity = frames[0].bytes
-        received = sum(len(f) for f in frames[1:])
-        self.stats.bytes_in += received
-        if self._observer is not None:
-            self._observer.bytes_in(received)
         try:
             session, plain = self.keyring.open(frames[1:])
         except SealRefused as exc:
@@ -597,14 +595,7 @@ class Server:
             outcome = self._dispatcher.dispatch(plain, identity, session.peer)
         finally:
             self._on_data = False
-        if outcome is None:
-            return
-        if isinstance(outcome, Message):
-            self._send(identity, outcome, session)
-            return
-        task = asyncio.ensure_future(self._finish(identity, outcome, session))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._answer(identity, outcome, session)
 
     def _read_soon(self) -> None:
         if not self._read_scheduled and self._io_loop is not None and self._sock is not None:
@@ -618,28 +609,41 @@ class Server:
         if task is not None and not task.done():
             task.set_exception(exc)
 
-    def _dispatch(self, frames: list[Any]) -> None:
+    def _arrived(self, frames: list[Any]) -> bytes | None:
+        """A received message's sender, its bytes counted (None, counted bad: no body)."""
         if len(frames) < 2:
             self.stats.bad_messages += 1
-            return
-        identity = frames[0].bytes
+            return None
         received = sum(len(f) for f in frames[1:])
         self.stats.bytes_in += received
         if self._observer is not None:
             self._observer.bytes_in(received)
+        return bytes(frames[0].bytes)
+
+    def _answer(
+        self, identity: bytes, outcome: Message | Pending | None, session: Session | None = None
+    ) -> asyncio.Future[None] | None:
+        """Send a handler's reply now, or once its pending work ends (the task returned)."""
+        if outcome is None:
+            return None
+        if isinstance(outcome, Message):
+            self._send(identity, outcome, session)
+            return None
+        task = asyncio.ensure_future(self._finish(identity, outcome, session))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _dispatch(self, frames: list[Any]) -> None:
+        identity = self._arrived(frames)
+        if identity is None:
+            return
         # the name the allow-list gives the sender's key (the ZAP handler's user id,
         # carried by every frame of an authenticated connection): never on the wire
         user = frames[0].get("User-Id") if self._options.curve is not None else ""
         outcome = self._dispatcher.dispatch(frames[1:], identity, user or "")
-        if outcome is None:
-            return
-        if isinstance(outcome, Message):
-            self._send(identity, outcome)
-            return
-        task = asyncio.ensure_future(self._finish(identity, outcome))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        if outcome.droppable:
+        task = self._answer(identity, outcome)
+        if task is not None and isinstance(outcome, Pending) and outcome.droppable:
             self._track_poll(frames[0], task, outcome.op)
 
     async def _finish(
