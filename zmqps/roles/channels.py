@@ -196,12 +196,6 @@ class ShmChannel(DenseChannel):
         self.regions = regions
         self.lock = asyncio.Lock()
         self.offsets = regions.offsets  # tests and the client read the layout here
-        #: elements of every pack laid out here
-        self.pack_sizes = {
-            ids: sum(client.routes[sid].size for sid in ids)
-            for ids in set(client.pack_of.values())
-            if all(sid in regions.offsets for sid in ids)
-        }
 
     @classmethod
     def make(
@@ -295,7 +289,7 @@ class ShmChannel(DenseChannel):
     ) -> None:
         c, r = self.client, self.regions
         for ids in packs:  # one copy per pack, into its span
-            span = r.push.view(r.offsets[ids[0]], np.dtype(np.float32), self.pack_sizes[ids])
+            span = r.push.view(r.offsets[ids[0]], np.dtype(np.float32), c.pack_elems[ids])
             c.pack_grad(ids, flat, out=span)
         for sid in sids:
             route = c.routes[sid]
@@ -338,11 +332,11 @@ def layout(client: ParameterClient, ps: int) -> tuple[dict[int, int], dict[str, 
         return start
 
     placement = client.placement
-    for ids in sorted({ids for ids in client.pack_of.values()}):  # each pack back to back
+    for ids, elems in sorted(client.pack_elems.items()):  # each pack back to back
         routes = [client.routes[sid] for sid in ids]
         if routes[0].shard.state != ps:
             continue
-        start = block(sum(r.size for r in routes) * 4)
+        start = block(elems * 4)
         for name, at in client.whole_in(ids).items():  # params of these: views
             whole[name] = start + at * 4
         for r in routes:

@@ -193,6 +193,8 @@ class ParameterClient:
         }
         #: every packed shard's pack (:mod:`zmqps.core.packs`: the PS plan the same)
         self.pack_of: dict[int, tuple[int, ...]] = {}
+        #: the elements of every pack
+        self.pack_elems: dict[tuple[int, ...], int] = {}
         #: packs of whole variables only: their params are views of one buffer, which a
         #: packed reply lands in with one copy
         self._pack_bufs: dict[tuple[int, ...], tuple[Array, list[tuple[str, Array]]]] = {}
@@ -238,13 +240,15 @@ class ParameterClient:
             by_state.setdefault(s.state, []).append(ShardDef.of(p.variable(s.var), s, p.optimizer))
         for defs in by_state.values():
             for ids in plan_packs(defs):
-                if sum(self.routes[sid].size for sid in ids) * 4 > self._chunk_bytes:
+                elems = sum(self.routes[sid].size for sid in ids)
+                if elems * 4 > self._chunk_bytes:
                     continue  # travels in frames of at most chunk_bytes
                 for sid in ids:
                     self.pack_of[sid] = ids
+                self.pack_elems[ids] = elems
                 held = self.whole_in(ids)
                 if set(held) == {self.routes[sid].var.name for sid in ids}:
-                    buf = np.zeros(sum(self.routes[sid].size for sid in ids), np.float32)
+                    buf = np.zeros(elems, np.float32)
                     views = []
                     for name, pos in held.items():
                         v = p.variable(name)
@@ -389,10 +393,9 @@ class ParameterClient:
                 rest.append(t)
                 continue
             flat = t.array.reshape(-1)
-            routes = [self.routes[sid] for sid in ids]
             if t.kind != "value" or t.offset or flat.dtype != np.float32:
                 raise ProtocolError(f"pull reply: unexpected packed tensor for shard {t.ref}")
-            if flat.size != sum(r.size for r in routes):
+            if flat.size != self.pack_elems[ids]:
                 raise ProtocolError(f"pull reply: the pack of shard {t.ref} has another size")
             kept = self._pack_bufs.get(ids) if params else None
             if kept is not None and all(dst.get(name) is v for name, v in kept[1]):
@@ -400,7 +403,7 @@ class ParameterClient:
                     np.copyto(kept[0], flat)  # params are views of the pack's buffer
                 continue
             pos = 0
-            for r in routes:
+            for r in (self.routes[sid] for sid in ids):
                 part = dst[r.var.name].reshape(-1)[r.start : r.start + r.size]
                 np.copyto(part, flat[pos : pos + r.size])
                 pos += r.size
