@@ -695,10 +695,20 @@ class ShardStore:
     ) -> list[tuple[int, Array]]:
         """:meth:`pull_rows` of several shards, all or nothing: every shard's ids are
         validated before the first row is created."""
+        keyed = self.check_pull_rows(requests, create)
+        return [(shard.version, shard.read_rows(keys, create)) for shard, keys in keyed]
+
+    def check_pull_rows(
+        self, requests: Sequence[tuple[int, Array]], create: bool = True
+    ) -> list[tuple[Shard, Array]]:
+        """What :meth:`pull_rows_of` checks before it reads (the ids, the room a
+        creating pull of a hash table needs), changing nothing: each shard with the
+        validated keys of its ids. InvalidArgument or NotFound when the pull would be
+        refused."""
         keyed = [(self.get(sid), self.get(sid).row_keys(ids, create)) for sid, ids in requests]
         if create:
             self._check_growth(keyed)
-        return [(shard.version, shard.read_rows(keys, create)) for shard, keys in keyed]
+        return keyed
 
     def table_page(self, shard_id: int, start: int, limit: int) -> tuple[int, Array, Array, int]:
         """``(version, ids, values, live rows)``: live rows ``[start, start + limit)`` of a

@@ -69,6 +69,9 @@ class Delivery:
     answered: dict[Key, bool] = field(default_factory=dict)
     #: times it was sent again
     again: int = 0
+    #: a push sent with a pull (``push_pull_rows``): the rows pulled so far and the PS
+    #: states they came from (a message answered is not sent again: its rows stand)
+    pulled: Any = None
 
     def sent_to(self, ps: int) -> bool:
         """Whether a message of this push went to PS state ``ps`` already."""

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,16 @@ from zmqps.wire.errors import (
 from zmqps.wire.schema import MAX_ROW_VALUES, MAX_ROWS
 
 __all__ = ["Delivery", "ParameterClient", "RowPush"]
+
+#: the body of each push op
+_PUSH_BODIES: dict[str, type[o.Push]] = {
+    "push": o.Push,
+    "push_pull": o.PushPull,
+    "push_rows": o.PushRows,
+    "push_pull_rows": o.PushPullRows,
+}
+#: the push ops of rows (their replies say what the PS takes)
+_ROW_OPS = frozenset({"push_rows", "push_pull_rows"})
 
 log = logging.getLogger("zmqps.client")
 
@@ -230,6 +240,8 @@ class ParameterClient:
         #: the last batch's plan per row variable (one per variable: a step's pull and
         #: push of the same ids share it)
         self._row_plans: dict[str, _RowPlan] = {}
+        #: PS states whose last row reply said they take ``push_pull_rows``
+        self.rows_both: set[int] = set()
 
     # ------------------------------------------------------------------ helpers
 
@@ -488,7 +500,7 @@ class ParameterClient:
             if delivery is not None:
                 delivery.seqs[key] = (seq, closure_seq)
         pulled = self.versions if versions is None else versions
-        kind = o.PushPull if op == "push_pull" else o.PushRows if op == "push_rows" else o.Push
+        kind = _PUSH_BODIES.get(op, o.Push)
         return kind(
             shards=tuple(sids),
             versions=tuple(pulled[s] for s in sids),
@@ -516,6 +528,8 @@ class ParameterClient:
         """Read the reply to push ``body`` sent to PS ``ps``; True if it was applied
         (kept in ``delivery``: the message is answered)."""
         rep = o.PushReply.parse(reply.body, "push reply")
+        if body.OP in _ROW_OPS:
+            self.heard_takes(ps, rep.takes)
         if delivery is not None:
             delivery.answered[(ps, tuple(body.shards))] = rep.applied
         if rep.staleness:
@@ -533,6 +547,14 @@ class ParameterClient:
             return True
         self.dropped[outcome] = self.dropped.get(outcome, 0) + 1
         return False
+
+    def heard_takes(self, ps: int, takes: Sequence[str] | None) -> None:
+        """PS state ``ps`` answered a row request saying which ops it takes beyond the
+        common ones (``takes``; None: an older PS, which takes none)."""
+        if takes is not None and "push_pull_rows" in takes:
+            self.rows_both.add(ps)
+        else:
+            self.rows_both.discard(ps)
 
     def take_offered(self) -> tuple[int, int, int | None] | None:
         """The next token the last push's replies brought, if any (forgotten here)."""
@@ -556,6 +578,7 @@ class ParameterClient:
         on next use."""
         for state in states:
             self._channels[state] = None
+            self.rows_both.discard(state)  # another process: it says again what it takes
 
     # ------------------------------------------------------------------ channels
 
@@ -853,41 +876,64 @@ class ParameterClient:
         uniq, inverse = plan.uniq, plan.inverse
         rows = np.empty((uniq.size, *v.shape[1:]), dtype=v.dtype)
 
-        async def one(ps: int, parts: list[tuple[ShardInfo, int, int]]) -> None:
-            sids = [s.id for s, _, _ in parts]
-            tensors = [Tensor(uniq[lo:hi], "index", s.id) for s, lo, hi in parts]
-            # create is sent only when false: a creating pull stays what older PS understand
-            body = o.PullRows(tuple(sids), self.gen, None if create else False)
-            rep = await self.ps[ps].request(
-                "pull_rows", body.to_wire(), tensors, timeout=self.timeout, attempts=2
-            )
-            versions = o.Values.parse(rep.body, "pull_rows reply").versions
-            if len(versions) != len(parts):
-                raise ProtocolError("pull_rows reply: versions do not match")
-            if len(rep.tensors) != len(parts):
-                raise ProtocolError("pull_rows reply: one rows tensor per shard expected")
-            for (s, lo, hi), t, ver in zip(parts, rep.tensors, versions, strict=True):
-                if t.ref != s.id or t.array.shape != (hi - lo, *v.shape[1:]):
-                    raise ProtocolError(f"pull_rows reply: bad rows for shard {s.id}")
-                rows[lo:hi] = t.array
-                if create:
-                    self.versions[s.id] = int(ver)
-                    self.version_gens[s.id] = body.gen if body.gen is not None else self.gen
+        def one(ps: int, parts: list[tuple[ShardInfo, int, int]]) -> Awaitable[None]:
+            return self._pull_rows_from(ps, parts, uniq, rows, create)
 
         # a request moves at most MAX_ROW_VALUES values: a larger pull is several
         per = _rows_per_request(v.shape)
         for lo in range(0, max(uniq.size, 1), per):
-            hi = lo + per
-            window: dict[int, list[tuple[ShardInfo, int, int]]] = {}
-            for ps, parts in plan.parts.items():
-                cut = [(s, max(a, lo), min(b, hi)) for s, a, b in parts if a < hi and b > lo]
-                if cut:
-                    window[ps] = cut
+            window = _row_window(plan, lo, lo + per)
             if len(window) == 1:  # one PS (the usual case): no task of its own
                 await one(*next(iter(window.items())))
             else:
                 await asyncio.gather(*(one(ps, parts) for ps, parts in window.items()))
         return np.take(rows, inverse, axis=0)
+
+    async def _pull_rows_from(
+        self,
+        ps: int,
+        parts: list[tuple[ShardInfo, int, int]],
+        uniq: Array,
+        rows: Array,
+        create: bool,
+    ) -> None:
+        """One ``pull_rows`` to PS state ``ps``: the rows of ``uniq[lo:hi]`` of each
+        ``(shard, lo, hi)`` of ``parts``, copied into ``rows[lo:hi]``."""
+        sids = [s.id for s, _, _ in parts]
+        tensors = [Tensor(uniq[lo:hi], "index", s.id) for s, lo, hi in parts]
+        # create is sent only when false: a creating pull stays what older PS understand
+        body = o.PullRows(tuple(sids), self.gen, None if create else False)
+        rep = await self.ps[ps].request(
+            "pull_rows", body.to_wire(), tensors, timeout=self.timeout, attempts=2
+        )
+        got = o.Values.parse(rep.body, "pull_rows reply")
+        self._take_rows("pull_rows", rep, got.versions, parts, rows, create, body.gen)
+        self.heard_takes(ps, got.takes)
+
+    def _take_rows(
+        self,
+        op: str,
+        rep: Message,
+        versions: Sequence[int],
+        parts: list[tuple[ShardInfo, int, int]],
+        rows: Array,
+        create: bool,
+        gen: int | None,
+    ) -> None:
+        """The rows a reply to a row pull of ``parts`` brought, copied into their
+        slices of ``rows``; a creating pull's versions recorded (of generation ``gen``)."""
+        if len(versions) != len(parts):
+            raise ProtocolError(f"{op} reply: versions do not match")
+        if len(rep.tensors) != len(parts):
+            raise ProtocolError(f"{op} reply: one rows tensor per shard expected")
+        row_shape = rows.shape[1:]
+        for (s, lo, hi), t, ver in zip(parts, rep.tensors, versions, strict=True):
+            if t.ref != s.id or t.array.shape != (hi - lo, *row_shape):
+                raise ProtocolError(f"{op} reply: bad rows for shard {s.id}")
+            rows[lo:hi] = t.array
+            if create:
+                self.versions[s.id] = int(ver)
+                self.version_gens[s.id] = gen if gen is not None else self.gen
 
     async def table_rows(self, name: str, *, attempts: int = 3) -> tuple[Array, Array]:
         """Every live row of the hash-keyed table ``name``: ``(ids, values)``, ids
@@ -982,7 +1028,7 @@ class ParameterClient:
         delivery: Delivery | None = None,
     ) -> bool:
         """The second half of :meth:`push_rows`: one request to each PS."""
-        name, plan, summed = rows.name, rows.plan, rows.summed
+        plan, summed = rows.plan, rows.summed
         uniq = plan.uniq
 
         async def one(ps: int, parts: list[tuple[ShardInfo, int, int]]) -> bool:
@@ -1004,24 +1050,158 @@ class ParameterClient:
             )
             return self.after_push(ps, rep, body, delivery)
 
+        routed = self._routed(rows, step)
+        if len(routed) == 1:  # one PS (the usual case): no task of its own
+            return await one(*next(iter(routed.items())))
+        return await _every(one(ps, parts) for ps, parts in routed.items())
+
+    def _routed(
+        self, rows: RowPush, step: int | None
+    ) -> dict[int, list[tuple[ShardInfo, int, int]]]:
+        """The parts of a row push each PS state gets (sync, ``step`` given: every
+        shard, empty or not); InvalidArgument when one PS's are more than a request
+        carries."""
         every_shard = step is not None  # sync: every shard hears from every worker
         routed = {
             ps: kept
-            for ps, parts in plan.parts.items()
+            for ps, parts in rows.plan.parts.items()
             if (kept := [(s, lo, hi) for s, lo, hi in parts if hi > lo or every_shard])
         }
-        per = _rows_per_request(self._variable(name).shape)
+        per = _rows_per_request(self._variable(rows.name).shape)
         for ps, parts in routed.items():  # one push is one request to each PS
             n = sum(hi - lo for _, lo, hi in parts)
             if n > per:
                 raise InvalidArgument(
-                    f"push_rows of {name}: {n:,} distinct rows for ps {ps} in one push;"
+                    f"push_rows of {rows.name}: {n:,} distinct rows for ps {ps} in one push;"
                     f" a request carries at most {per:,} of them (MAX_ROWS, MAX_ROW_VALUES):"
                     " push fewer rows per step, or spread the table over more shards"
                 )
-        if len(routed) == 1:  # one PS (the usual case): no task of its own
-            return await one(*next(iter(routed.items())))
-        return await _every(one(ps, parts) for ps, parts in routed.items())
+        return routed
+
+    async def push_pull_rows(
+        self,
+        name: str,
+        ids: Any,
+        grads: Any,
+        next_ids: Any,
+        *,
+        create: bool = True,
+        step: int | None = None,
+        cursor: int | None = None,
+        delivery: Delivery | None = None,
+    ) -> tuple[bool, Array]:
+        """:meth:`push_rows` of ``(ids, grads)``, then :meth:`pull_rows` of
+        ``next_ids`` of the same table, in one round trip: whether the push was
+        applied, and the rows (which read its update, as after a ``push_rows``)."""
+        rows = self.rows_push(name, ids, grads)
+        return await self.send_pull_rows(
+            rows, next_ids, create=create, step=step, cursor=cursor, delivery=delivery
+        )
+
+    async def send_pull_rows(
+        self,
+        rows: RowPush,
+        ids: Any,
+        *,
+        create: bool = True,
+        step: int | None = None,
+        cursor: int | None = None,
+        delivery: Delivery | None = None,
+    ) -> tuple[bool, Array]:
+        """The second half of :meth:`push_pull_rows`: to each PS state, its part of
+        the push and of the pull of ``ids`` in one ``push_pull_rows`` message (which
+        the PS applies, then reads); to a PS that did not say it takes that op, a
+        ``push_rows`` then a ``pull_rows``. A pull larger than one request is the push,
+        then :meth:`pull_rows`. Sent again (``delivery``), an answered message is not
+        sent: the rows it brought are kept in ``delivery``."""
+        v = self._variable(rows.name)
+        ids = np.asarray(ids, dtype=np.int64)
+        plan = self._row_plan(rows.name, ids)
+        per = _rows_per_request(v.shape)
+        if plan.uniq.size > per:
+            applied = await self.send_rows(rows, step=step, cursor=cursor, delivery=delivery)
+            return applied, await self.pull_rows(rows.name, ids, create=create)
+        routed = self._routed(rows, step)
+        wanted = _row_window(plan, 0, per)
+        kept: tuple[Array, set[int]] | None = None if delivery is None else delivery.pulled
+        if kept is None or kept[0].shape[0] != plan.uniq.size:
+            kept = (np.empty((plan.uniq.size, *v.shape[1:]), dtype=v.dtype), set())
+            if delivery is not None:
+                delivery.pulled = kept
+        got, done = kept
+        uniq, summed = rows.plan.uniq, rows.summed
+
+        async def pull(ps: int) -> None:
+            if ps in wanted and ps not in done:
+                await self._pull_rows_from(ps, wanted[ps], plan.uniq, got, create)
+                done.add(ps)
+
+        async def one(ps: int) -> bool:
+            parts = routed.get(ps)
+            if parts is None:
+                await pull(ps)
+                return True
+            sids = [s.id for s, _, _ in parts]
+            answered = None if delivery is None else delivery.outcome(ps, sids)
+            if answered is not None or ps not in wanted or ps not in self.rows_both:
+                # answered already, nothing to pull there, or a PS that may not take it
+                if answered is None:
+                    answered = await self.send_rows(
+                        RowPush(rows.name, _only(rows.plan, ps, parts), summed),
+                        step=step,
+                        cursor=cursor,
+                        delivery=delivery,
+                    )
+                await pull(ps)
+                return answered
+            pulls = wanted[ps]
+            tensors: list[Tensor] = []
+            for s, lo, hi in parts:
+                tensors.append(Tensor(uniq[lo:hi], "index", s.id))
+                tensors.append(Tensor(summed[lo:hi], "rows", s.id))
+            tensors += [Tensor(plan.uniq[lo:hi], "index", s.id) for s, lo, hi in pulls]
+            made = self.push_body(
+                ps, sids, step, cursor=cursor, op="push_pull_rows", delivery=delivery
+            )
+            assert isinstance(made, o.PushPullRows)
+            body = replace(
+                made, pull=tuple(s.id for s, _, _ in pulls), create=None if create else False
+            )
+            rep = await self.ps[ps].request(
+                "push_pull_rows",
+                body.to_wire(),
+                tensors,
+                timeout=self.timeout,
+                attempts=self.push_attempts,
+            )
+            versions = o.PushReply.parse(rep.body, "push_pull_rows reply").pulled or ()
+            # the pull read at the request's generation: the PS refuses another one
+            self._take_rows("push_pull_rows", rep, versions, pulls, got, create, body.gen)
+            done.add(ps)
+            return self.after_push(ps, rep, body, delivery)
+
+        every = set(routed) | set(wanted)
+        if len(every) == 1:  # one PS (the usual case): no task of its own
+            applied = await one(next(iter(every)))
+        else:
+            applied = await _every(one(ps) for ps in sorted(every))
+        return applied, np.take(got, plan.inverse, axis=0)
+
+
+def _row_window(plan: _RowPlan, lo: int, hi: int) -> dict[int, list[tuple[ShardInfo, int, int]]]:
+    """The parts of ``plan`` each PS state holds among its distinct ids ``[lo, hi)``
+    (one request's worth)."""
+    window: dict[int, list[tuple[ShardInfo, int, int]]] = {}
+    for ps, parts in plan.parts.items():
+        cut = [(s, max(a, lo), min(b, hi)) for s, a, b in parts if a < hi and b > lo]
+        if cut:
+            window[ps] = cut
+    return window
+
+
+def _only(plan: _RowPlan, ps: int, parts: list[tuple[ShardInfo, int, int]]) -> _RowPlan:
+    """``plan`` with only PS state ``ps``'s ``parts``."""
+    return _RowPlan(plan.ids, plan.uniq, plan.inverse, {ps: parts})
 
 
 def _same_memory(a: Array, b: Array) -> bool:

@@ -50,6 +50,7 @@ REQUEST_OPS = frozenset(
         "push_pull",
         "pull_rows",
         "push_rows",
+        "push_pull_rows",
         "table_rows",
         "shm_attach",
         "shm_detach",

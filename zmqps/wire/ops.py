@@ -394,6 +394,21 @@ class PushRows(Push):
     pass
 
 
+@_body("push_pull_rows")
+class PushPullRows(Push):
+    """A ``push_rows`` and a ``pull_rows`` to one PS in one message: the PS applies the
+    push as a ``push_rows`` of the same body would, then reads the rows as a
+    ``pull_rows`` of ``pull`` would (it reads the push's update). Tensors: ``(index,
+    rows)`` of every pushed shard in ``shards``' order, then the ``index`` of every shard
+    in ``pull``. The reply is the push's, with ``pulled`` (the versions of the rows
+    read) and one ``rows`` tensor per shard of ``pull``. Sent only to a PS that says it
+    takes it (``takes`` of a row reply)."""
+
+    pull: tuple[int, ...] = wire(SHARDS, default=())
+    #: False: the pull is read-only (as ``PullRows.create``)
+    create: bool | None = wire(Bool(), default=None)
+
+
 @_body("pull_rows")
 class PullRows(Body):
     shards: tuple[int, ...] = wire(SHARDS)
@@ -816,6 +831,9 @@ class Values(Body):
     versions: tuple[int, ...] = wire(VERSIONS)
     #: the request's packs travel packed in the reply (else shard by shard)
     packed: bool | None = wire(Bool(), default=None)
+    #: pull_rows: the ops this PS takes beyond those every PS takes (``push_pull_rows``:
+    #: a client sends it only to a PS that said so; an older one refuses the op)
+    takes: tuple[str, ...] | None = wire(List(Str(32), 16), default=None)
 
 
 @_body(reply=True)
@@ -831,6 +849,10 @@ class PushReply(Body):
     dropped: str | None = wire(Str(32), default=None)
     #: push_pull: the request's packs travel packed in the reply (else shard by shard)
     packed: bool | None = wire(Bool(), default=None)
+    #: push_pull_rows: the versions of the rows pulled (the request's ``pull``, in order)
+    pulled: tuple[int, ...] | None = wire(VERSIONS, default=None)
+    #: push_rows: the ops this PS takes beyond those every PS takes (``push_pull_rows``)
+    takes: tuple[str, ...] | None = wire(List(Str(32), 16), default=None)
     #: a push that asked for it (``Push.token``): the next token (its step and
     #: generation, the PS that handed it), if released within the PS's short wait
     token_step: int | None = wire(STEP, default=None)
@@ -1025,6 +1047,7 @@ REQUESTS: Mapping[str, type[Body]] = {
         Push,
         PushPull,
         PushRows,
+        PushPullRows,
         PullRows,
         TableRows,
         ShmAttach,
@@ -1059,7 +1082,17 @@ LONG_POLLS: frozenset[str] = frozenset(
 #: on its sealed data connection once it has one (``transport/seal.py``), as it does
 #: any request that carries tensors; every other request stays on CURVE.
 BULK_OPS: frozenset[str] = frozenset(
-    {"pull", "push", "push_pull", "push_rows", "pull_rows", "table_rows", "replicate", "install"}
+    {
+        "pull",
+        "push",
+        "push_pull",
+        "push_rows",
+        "push_pull_rows",
+        "pull_rows",
+        "table_rows",
+        "replicate",
+        "install",
+    }
 )
 
 #: The body schema of every request op: what the codec checks each request against.
@@ -1083,6 +1116,7 @@ REPLIES: Mapping[str, type[Body]] = {
     "push": PushReply,
     "push_pull": PushReply,
     "push_rows": PushReply,
+    "push_pull_rows": PushReply,
     "pull_rows": Values,
     "table_rows": TablePage,
     "shm_attach": ShmAttached,

@@ -36,7 +36,9 @@ log = logging.getLogger("zmqps.ps")
 #: step's sum, a bfloat16 rounding): held until the kernels are loaded. Not
 #: ``sync_config``: the chief's start waits on it, and before any push is applied it
 #: has no step to apply
-KERNEL_OPS = frozenset({"push", "push_pull", "push_rows", "pull", "pull_rows", "replicate"})
+KERNEL_OPS = frozenset(
+    {"push", "push_pull", "push_rows", "push_pull_rows", "pull", "pull_rows", "replicate"}
+)
 
 
 class KernelGate:

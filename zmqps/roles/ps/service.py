@@ -88,8 +88,11 @@ STATUS_WORKERS = 1024
 #: wait for its release before it is answered without one
 PUSH_TOKEN_WAIT_S = 0.25
 
-_PUSH_OPS = frozenset({"push", "push_pull", "push_rows"})
+_PUSH_OPS = frozenset({"push", "push_pull", "push_rows", "push_pull_rows"})
 _DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
+#: the ops this PS takes beyond those every PS takes, said in its row replies (a
+#: client sends them only to a PS that said so: an older one refuses them)
+TAKES = ("push_pull_rows",)
 
 
 class PSService:
@@ -166,6 +169,7 @@ class PSService:
             "push": (o.Push, self._op_push),
             "push_pull": (o.PushPull, self._op_push),
             "push_rows": (o.PushRows, self._op_push_rows),
+            "push_pull_rows": (o.PushPullRows, self._op_push_pull_rows),
             "pull_rows": (o.PullRows, self._op_pull_rows),
             "table_rows": (o.TableRows, self._op_table_rows),
             "shm_attach": (o.ShmAttach, self._op_shm_attach),
@@ -427,7 +431,51 @@ class PSService:
             tensors.append(Tensor(rows, "rows", sid))
             if self.metrics is not None:
                 self.metrics.rows(self.store.get(sid).definition.var, "pull", rows.shape[0])
-        return reply(msg, o.Values(tuple(versions)).to_wire(), tensors)
+        return reply(msg, o.Values(tuple(versions), takes=TAKES).to_wire(), tensors)
+
+    def _op_push_pull_rows(self, msg: Message, req: o.PushPullRows) -> Message:
+        """A ``push_rows`` then a ``pull_rows`` in one message, handled as the two
+        would be, one after the other in this turn of the loop (the pull reads the
+        push's update). A replicated primary runs the two through its log instead
+        (``PSSlots``)."""
+        push, pull, pull_req = self.split_push_pull_rows(msg, req)
+        pushed = self._op_push_rows(push, req)
+        return self.joined_rows(msg, pushed, self._op_pull_rows(pull, pull_req))
+
+    def split_push_pull_rows(
+        self, msg: Message, req: o.PushPullRows
+    ) -> tuple[Message, Message, o.PullRows]:
+        """The ``push_rows`` and the ``pull_rows`` a ``push_pull_rows`` is, the pull's
+        part checked first as its ``pull_rows`` would be (its structure, its counts,
+        its ids, a hash table's room): a pull that would be refused refuses the whole
+        message before the push changes anything."""
+        n = 2 * len(req.shards)
+        if len(msg.tensors) != n + len(req.pull):
+            raise InvalidArgument(
+                "push_pull_rows: (index, rows) of every pushed shard, then the index"
+                " tensor of every pulled shard expected"
+            )
+        wanted = msg.tensors[n:]
+        for sid, t in zip(req.pull, wanted, strict=True):
+            if t.kind != "index" or t.ref != sid:
+                raise InvalidArgument(f"push_pull_rows: expected the index tensor of shard {sid}")
+        ids = [t.array for t in wanted]
+        self._check_row_counts("pull_rows", req.pull, ids)
+        self.store.check_pull_rows(list(zip(req.pull, ids, strict=True)), req.create is not False)
+        body = {k: v for k, v in msg.body.items() if k not in ("pull", "create")}
+        pull_req = o.PullRows(req.pull, req.gen, req.create)
+        return (
+            replace(msg, op="push_rows", body=body, tensors=msg.tensors[:n]),
+            replace(msg, op="pull_rows", body=pull_req.to_wire(), tensors=wanted),
+            pull_req,
+        )
+
+    def joined_rows(self, msg: Message, pushed: Message, pulled: Message) -> Message:
+        """The reply to ``push_pull_rows`` ``msg``: its push's (``pushed``), with the
+        versions and rows of its pull's (``pulled``)."""
+        body = dict(pushed.body)
+        body["pulled"] = pulled.body["versions"]
+        return reply(msg, body, pulled.tensors)
 
     def _check_row_counts(self, op: str, sids: Sequence[int], ids: Sequence[Any]) -> None:
         """A row request names at most MAX_ROWS ids and moves at most MAX_ROW_VALUES
@@ -648,7 +696,7 @@ class PSService:
         versions, tensors, packed = self._snapshot_tensors(req.shards, packs=packs)
         return reply(msg, _with_versions(out, versions, packed).to_wire(), tensors)
 
-    def _op_push_rows(self, msg: Message, req: o.PushRows) -> Message:
+    def _op_push_rows(self, msg: Message, req: o.Push) -> Message:
         by_shard = self._grad_tensors(msg, req, ("index", "rows"))
         for sid in req.shards:
             if [t.kind for t in by_shard[sid]] != ["index", "rows"]:
@@ -668,7 +716,7 @@ class PSService:
                 var = self.store.get(sid).definition.var
                 self.metrics.rows(var, "push", ts[0].array.shape[0])
         out = self._commit(req, plans)
-        return reply(msg, self._push_reply(out, req.shards))
+        return reply(msg, _with_versions(out, self._versions(req.shards), takes=TAKES).to_wire())
 
     def _push_reply(self, out: o.PushReply, sids: Sequence[int]) -> dict[str, Any]:
         """The reply's body: the push's outcome and the shards' versions after it."""
@@ -1032,7 +1080,18 @@ class PSService:
         return out
 
 
-def _with_versions(out: o.PushReply, versions: Sequence[int], packed: bool = False) -> o.PushReply:
+def _with_versions(
+    out: o.PushReply,
+    versions: Sequence[int],
+    packed: bool = False,
+    takes: tuple[str, ...] | None = None,
+) -> o.PushReply:
     return o.PushReply(
-        out.applied, out.staleness, tuple(versions), out.duplicate, out.dropped, packed or None
+        out.applied,
+        out.staleness,
+        tuple(versions),
+        out.duplicate,
+        out.dropped,
+        packed or None,
+        takes=takes,
     )

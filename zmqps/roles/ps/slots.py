@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -211,9 +212,26 @@ class PSSlots:
                 f"ps {self.own.index} holds a backup of ps {slot}'s state, not its primary:"
                 " send to the primary the placement names"
             )
-        if isinstance(role, Primary) and changes_state(msg, service.store):
-            return role.run(msg, service)
+        if isinstance(role, Primary):
+            if msg.op == "push_pull_rows":
+                return self._push_pull_rows(msg, role, service)
+            if changes_state(msg, service.store):
+                return role.run(msg, service)
         return service(msg)
+
+    async def _push_pull_rows(self, msg: Message, role: Primary, service: PSService) -> Message:
+        """A replicated state's ``push_pull_rows``: its ``push_rows``, then its
+        ``pull_rows``, each through the log as if sent on its own (the backups get the
+        same two entries), answered as one once both are."""
+        req = o.PushPullRows.from_wire(msg.body)
+        push, pull, _ = service.split_push_pull_rows(msg, req)
+        pushed = await role.run(push, service)
+        if changes_state(pull, service.store):
+            pulled = await role.run(pull, service)
+        else:
+            got = service(pull)
+            pulled = await got if inspect.isawaitable(got) else got
+        return service.joined_rows(msg, pushed, pulled)
 
     def _ps_state(self, msg: Message) -> Message:
         """The process's own state's ``ps_state``, with its part in every state's copies

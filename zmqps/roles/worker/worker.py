@@ -670,6 +670,48 @@ class Worker:
         )
         return RowPushing(self, fut)
 
+    def push_pull_rows(
+        self, name: str, ids: Any, grads: Any, next_ids: Any, *, create: bool = True
+    ) -> Array:
+        """:meth:`push_rows` of ``(ids, grads)``, then :meth:`pull_rows` of
+        ``next_ids`` (the next batch's), in one round trip to each PS (one
+        ``push_pull_rows`` message, to a PS that takes it): the rows of ``next_ids``,
+        which read the push's update as after :meth:`push_rows`. The push is delivered
+        as :meth:`push_rows` delivers it (sent again through a fail-over, applied once);
+        refused as not finite, it is counted and skipped as there (or stops, under
+        ``on_nonfinite="stop"``) and the rows are pulled on their own, as they are
+        when a restore dropped the push."""
+        load_kernels()  # here, not in the I/O loop: its first call may take seconds
+        step, cursor = self.steps.tag(), self.cursor
+        client = self.client
+        rows = client.rows_push(name, ids, grads, load=True)
+        pulled: list[Array] = []
+
+        async def send(delivery: Delivery) -> bool:
+            applied, got = await client.send_pull_rows(
+                rows, next_ids, create=create, step=step, cursor=cursor, delivery=delivery
+            )
+            pulled.append(got)
+            return applied
+
+        async def both() -> Array | NonFiniteGradient:
+            try:
+                await self.session.dropping(send)
+            except NonFiniteGradient as exc:
+                return exc
+            if pulled:
+                return pulled[-1]
+            # dropped by a restore: the rows are read anew, of the restored values
+            return await self.session.retrying(
+                lambda: client.pull_rows(name, next_ids, create=create)
+            )
+
+        got = self.io.run(both())
+        if isinstance(got, NonFiniteGradient):
+            self.refused(None, got)  # nothing of the message was applied nor read
+            return self.pull_rows(name, next_ids, create=create)
+        return got
+
     def tag(self, closure: int | None) -> None:
         """Coordinator mode: the pushes from now on belong to scheduled function
         ``closure`` (None: to none); the PS apply each of them once, whichever worker
