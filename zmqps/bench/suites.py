@@ -230,9 +230,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--rows-wait",
         action="store_true",
-        help="sparse, zmqps sides: wait for each push_rows before the next step's pull"
-        " (by default a step's push travels while the next step's pull_rows goes out:"
-        " Worker.push_rows_async)",
+        help="sparse, zmqps sides: a step is a pull_rows, then a push_rows waited for"
+        " (by default a step is one request: the last step's push and this step's pull,"
+        " Worker.push_pull_rows)",
+    )
+    g.add_argument(
+        "--rows-two",
+        action="store_true",
+        help="sparse, zmqps sides: a step is two requests, a pull_rows and a push_rows that"
+        " travels while the next step's pull goes out (Worker.push_rows_async), as before"
+        " push_pull_rows",
     )
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="write every figure (per repeat) as JSON here")
@@ -285,6 +292,7 @@ class BenchConfig:
     row_budget: int
     seed: int
     rows_wait: bool = False
+    rows_two: bool = False
     zmqps_env: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
     hidden: tuple[int, ...] = (1024, 1024, 1024)
@@ -305,6 +313,7 @@ class BenchConfig:
                 self.num_shards,
                 self.row_budget,
                 self.rows_wait,
+                self.rows_two,
             )
         return small(self.variables, self.ps)
 
@@ -390,6 +399,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         row_budget=args.row_budget,
         seed=args.seed,
         rows_wait=args.rows_wait,
+        rows_two=args.rows_two,
         zmqps_env=env,
         device=args.device,
         hidden=tuple(args.hidden),

@@ -308,17 +308,23 @@ def sparse(
     num_shards: int | None = None,
     row_budget: int = DEFAULT_ROW_BUDGET,
     rows_wait: bool = False,
+    rows_two: bool = False,
 ) -> Workload:
     """One embedding table ``(rows, dim)``, ``batch_rows`` uniform random ids per step.
 
     The ``zmqps-hash`` side moves the same ids (spread by :func:`hashed_ids`) through a
     hash-keyed table of the same row width, ``row_budget`` rows per PS shard.
-    ``rows_wait``: the zmqps sides wait for each push before the next step's pull."""
+    ``rows_wait``: the zmqps sides wait for each push before the next step's pull.
+    By default a zmqps step is one request to the PS (``Worker.push_pull_rows``: the
+    last step's push and this step's pull); ``rows_two``: two, the pull and the push
+    (``Worker.push_rows_async``: the push travels while the next step's pull goes out)."""
     var = VariableDef("emb", (rows, dim), "float32", sparse=True)
     part = Partitioner(num_shards=num_shards, max_shard_bytes=max(1, int(shard_mb * (1 << 20))))
     extra: dict[str, Any] = {"row_budget": row_budget}
     if rows_wait:
         extra["rows_wait"] = True
+    if rows_two:
+        extra["rows_two"] = True
     w = _planned("sparse", [var], num_ps, part, batch_rows, extra=extra)
     desc = (
         f"embedding {var.shape} float32 ({_mib(var.nbytes)}), {len(w.shards)} shards"

@@ -218,13 +218,25 @@ def _sparse_steps(
         for ids in pool:
             w.pull_rows(name, ids)
 
-    overlap = hasattr(w, "push_rows_async") and not wl.extra.get("rows_wait")
+    waits = bool(wl.extra.get("rows_wait"))
+    overlap = hasattr(w, "push_rows_async") and not waits
+    # one request a step: the last step's push and this step's pull in one message
+    # (--rows-two / --rows-wait: the pull and the push as two requests)
+    one = hasattr(w, "push_pull_rows") and not waits and not wl.extra.get("rows_two")
 
     def step(table: str, batches: Iterator[Any]) -> Callable[[], None]:
         pushing: list[Any] = []  # the push still on its way (overlap)
+        pending: list[Any] = []  # one: the ids whose gradients the next step pushes
 
         def rows() -> None:
             ids = next(batches)
+            if one:
+                if pending:  # the last step's push, then this step's pull
+                    w.push_pull_rows(table, pending.pop(), grads, ids)
+                else:
+                    w.pull_rows(table, ids)
+                pending.append(ids)
+                return
             w.pull_rows(table, ids)  # reads the previous step's push: sent before it
             if not overlap:
                 w.push_rows(table, ids, grads)
@@ -236,6 +248,8 @@ def _sparse_steps(
         def finish() -> None:
             while pushing:
                 pushing.pop().result()
+            while pending:  # the last step's push, waited for inside the timed run
+                w.push_rows(table, pending.pop(), grads)
 
         rows.finish = finish  # type: ignore[attr-defined]
         return rows
