@@ -425,8 +425,14 @@ class PSService:
         pulled = self.store.pull_rows_of(
             [(sid, t.array) for sid, t in zip(req.shards, msg.tensors, strict=True)], create
         )
+        return self._rows_reply(msg, req.shards, pulled)
+
+    def _rows_reply(
+        self, msg: Message, sids: Sequence[int], pulled: Sequence[tuple[int, Any]]
+    ) -> Message:
+        """The reply to a pull of rows: each shard's version and rows."""
         versions, tensors = [], []
-        for sid, (version, rows) in zip(req.shards, pulled, strict=True):
+        for sid, (version, rows) in zip(sids, pulled, strict=True):
             versions.append(version)
             tensors.append(Tensor(rows, "rows", sid))
             if self.metrics is not None:
@@ -438,17 +444,22 @@ class PSService:
         would be, one after the other in this turn of the loop (the pull reads the
         push's update). A replicated primary runs the two through its log instead
         (``PSSlots``)."""
-        push, pull, pull_req = self.split_push_pull_rows(msg, req)
+        push, pull, keyed = self.split_push_pull_rows(msg, req)
         pushed = self._op_push_rows(push, req)
-        return self.joined_rows(msg, pushed, self._op_pull_rows(pull, pull_req))
+        # the pull's ids were validated by the split (a push changes no id's validity,
+        # nor a table's room: it creates no row): read with those keys
+        create = req.create is not False
+        pulled = [(shard.version, shard.read_rows(keys, create)) for shard, keys in keyed]
+        return self.joined_rows(msg, pushed, self._rows_reply(pull, req.pull, pulled))
 
     def split_push_pull_rows(
         self, msg: Message, req: o.PushPullRows
-    ) -> tuple[Message, Message, o.PullRows]:
+    ) -> tuple[Message, Message, list[tuple[Any, Any]]]:
         """The ``push_rows`` and the ``pull_rows`` a ``push_pull_rows`` is, the pull's
         part checked first as its ``pull_rows`` would be (its structure, its counts,
         its ids, a hash table's room): a pull that would be refused refuses the whole
-        message before the push changes anything."""
+        message before the push changes anything. Third: each pulled shard and the
+        validated keys of its ids (:meth:`ShardStore.check_pull_rows`)."""
         n = 2 * len(req.shards)
         if len(msg.tensors) != n + len(req.pull):
             raise InvalidArgument(
@@ -461,13 +472,15 @@ class PSService:
                 raise InvalidArgument(f"push_pull_rows: expected the index tensor of shard {sid}")
         ids = [t.array for t in wanted]
         self._check_row_counts("pull_rows", req.pull, ids)
-        self.store.check_pull_rows(list(zip(req.pull, ids, strict=True)), req.create is not False)
+        keyed = self.store.check_pull_rows(
+            list(zip(req.pull, ids, strict=True)), req.create is not False
+        )
         body = {k: v for k, v in msg.body.items() if k not in ("pull", "create")}
-        pull_req = o.PullRows(req.pull, req.gen, req.create)
+        pull_body = o.PullRows(req.pull, req.gen, req.create).to_wire()
         return (
             replace(msg, op="push_rows", body=body, tensors=msg.tensors[:n]),
-            replace(msg, op="pull_rows", body=pull_req.to_wire(), tensors=wanted),
-            pull_req,
+            replace(msg, op="pull_rows", body=pull_body, tensors=wanted),
+            keyed,
         )
 
     def joined_rows(self, msg: Message, pushed: Message, pulled: Message) -> Message:
