@@ -64,3 +64,76 @@ def test_push_rows_async_in_order_with_the_next_pull(procs: Reaper, tmp_path: Pa
         w.close("done")
     for p in servers:  # the run ends with its one worker done
         assert p.wait(60) == 0
+
+
+@pytest.mark.timeout(120)
+def test_push_pull_rows_reads_its_push_on_two_ps(procs: Reaper, tmp_path: Path) -> None:
+    """Worker.push_pull_rows against a real chief and two PS: one message a step to
+    each PS; the rows it brings read its push (a fixed-size table against numpy, a
+    hash-keyed one against the rows it read before); a refusal as not finite is
+    skipped as push_rows skips it, and the rows still come."""
+    chief, ps0, ps1, worker = addresses(4)
+    spec = json.dumps({"cluster": {"chief": [chief], "ps": [ps0, ps1], "worker": [worker]}})
+    base = ["server", "--cluster", spec]
+    flags = ["--lr", str(LR), "--num-shards", "5", "--heartbeat-timeout", "30"]
+    flags += ["--max-nonfinite-share", "1"]
+    servers = [
+        procs.spawn(
+            zmqps_cmd(*base, "--role", "chief", "--model", "none", "--optimizer", "sgd", *flags),
+            name="chief",
+        ),
+        *(
+            procs.spawn(zmqps_cmd(*base, "--role", "ps", "--index", str(i)), name=f"ps{i}")
+            for i in (0, 1)
+        ),
+    ]
+    w = Worker(chief, index=0, timeout=30, connect_timeout=30)
+    try:
+        w.create_variables(
+            [
+                VariableDef("emb", (90, 4), sparse=True),
+                VariableDef("tab", (64, 3), sparse=True, table={"row_budget": 1000}),
+            ]
+        )
+        assert {s.ps for s in w.client.placement.shards_of("emb")} == {0, 1}
+        want = np.zeros((90, 4), np.float32)
+        known: dict[int, np.ndarray] = {}
+        rng = np.random.default_rng(1)
+        ids = rng.integers(0, 90, 20)
+        keys = rng.integers(-(2**50), 2**50, 9)
+        np.testing.assert_allclose(w.pull_rows("emb", ids), want[ids])
+        for k, row in zip(keys.tolist(), w.pull_rows("tab", keys), strict=True):
+            known[k] = row
+        for _ in range(8):
+            grads = rng.standard_normal((20, 4)).astype(np.float32)
+            nxt = rng.integers(0, 90, 20)
+            nxt[:2] = [0, 89]
+            summed = np.zeros_like(want)
+            np.add.at(summed, ids, grads)
+            want -= np.float32(LR) * summed
+            got = w.push_pull_rows("emb", ids, grads, nxt)
+            np.testing.assert_allclose(got, want[nxt], rtol=1e-5, atol=1e-6)
+            ids = nxt
+            # the hash-keyed table: ids repeated, ids new to it
+            g = rng.standard_normal((keys.size, 3)).astype(np.float32)
+            for k, row in zip(keys.tolist(), g, strict=True):
+                known[k] = known[k] - np.float32(LR) * row
+            nxt_keys = np.concatenate([keys[:3], keys[:1], rng.integers(-(2**50), 2**50, 5)])
+            got = w.push_pull_rows("tab", keys, g, nxt_keys)
+            for k, row in zip(nxt_keys.tolist(), got, strict=True):
+                if k in known:
+                    np.testing.assert_allclose(row, known[k], rtol=1e-5, atol=1e-6)
+                known[k] = row
+            keys = nxt_keys
+        sent = w.client.push_counts
+        assert sum(c["applied"] for c in sent.values()) == sum(c["sent"] for c in sent.values())
+        assert w.client.rows_both == {0, 1}
+        # a refused push: skipped and counted; the rows are read all the same
+        bad = np.full((ids.size, 4), np.inf, np.float32)
+        got = w.push_pull_rows("emb", ids, bad, np.arange(90))
+        assert w.nonfinite == 1
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    finally:
+        w.close("done")
+    for p in servers:
+        assert p.wait(60) == 0
