@@ -91,6 +91,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "pull_rows": {"shards": [9], "create": False},
     "table_rows": {"shard": 9, "start": 4096, "limit": 1024, "gen": 2},
     "push_rows": dict(PUSH),
+    "push_pull_rows": {**PUSH, "pull": [3, 4], "create": False},
     "shm_attach": {"name": "zmqps-" + "ab" * 16, "size": 4096, "worker": "worker:0", "inc": 3},
     "shm_detach": {"region": 2},
     "seal_hello": {"random": "ab" * 32},
@@ -454,6 +455,7 @@ REQUIRED_DROPS = {
     "push_pull": ["seq"],
     "pull_rows": ["shards"],
     "push_rows": ["worker"],
+    "push_pull_rows": ["seq"],
     "table_rows": ["shard", "start", "limit"],
 }
 
@@ -480,6 +482,9 @@ def test_missing_required_field(op: str, field: str) -> None:
         ("push", {**PUSH, "shards": list(range(65537))}),  # longer than MAX_SHARDS
         ("pull", {"shards": "0"}),
         ("pull_rows", {"shards": [0], "create": 0}),  # not a bool
+        ("push_pull_rows", {**PUSH, "pull": [-1]}),
+        ("push_pull_rows", {**PUSH, "pull": "3"}),
+        ("push_pull_rows", {**PUSH, "pull": [3], "create": 1}),  # not a bool
         ("table_rows", {"shard": 0, "start": -1, "limit": 8}),
         ("table_rows", {"shard": 0, "start": 0, "limit": 0}),
         ("pull", {"shards": [1.0]}),
