@@ -19,9 +19,11 @@ from test_ps_recovery import created_cluster
 from test_ps_replication import Cluster as ReplicatedCluster
 
 from zmqps.core.partition import Partitioner, plan
+from zmqps.core.replication import fail_over
 from zmqps.core.variables import VariableDef
 from zmqps.roles.channels import Delivery
 from zmqps.roles.client import ParameterClient
+from zmqps.roles.homes import Homes
 from zmqps.roles.ps import PSService
 from zmqps.wire import Message, Tensor
 from zmqps.wire.errors import InvalidArgument, NonFiniteGradient, NotFound, ProtocolError
@@ -399,5 +401,60 @@ def test_a_replicated_states_backups_get_the_same_update() -> None:
             await w.push_pull_rows("e", ids["e"], bad, ids["e"])
         await c.settle()
         assert c.check_copies() > 0
+
+    run(body(), 30.0)
+
+
+def test_a_push_pull_rows_resent_after_a_fail_over_is_applied_once() -> None:
+    """The process serving a state dies after its push_pull_rows was applied and
+    shipped, before the worker read the answer. Sent again with its Delivery to the
+    promoted copy (which has not said it takes the op: a push_rows then a pull_rows),
+    the push is a duplicate there and the rows come; every state applied it once."""
+
+    async def body() -> None:
+        c = ReplicatedCluster(3, 2)
+        placement = await c.create()
+        homes = Homes([c.net.client(f"ps{i}", "worker:9:0", timeout=1.0) for i in range(3)])
+        w = ParameterClient(homes.links(), placement, worker="worker:9", incarnation=0, timeout=1.0)
+        ids = np.arange(30, dtype=np.int64)
+        await w.pull_rows("e", ids)
+        states = sorted({s.state for s in placement.shards_of("e")})
+        assert 1 in states and w.rows_both == {0, 1, 2}
+        g = np.ones((30, 3), np.float32)
+        delivery = Delivery()
+        applied, first = await w.push_pull_rows("e", ids, g, ids, delivery=delivery)
+        assert applied
+        await c.settle()
+        seqs = dict(delivery.seqs)
+        # process 1 dies; the primaries it backed up stop waiting for it (the chief)
+        c.net.remove("ps1")
+        home = {s.state: s for s in placement.shards}
+        for p in (0, 2):
+            keep = [[q, f"ps{q}"] for q in home[p].backups if q != 1]
+            await c.chief[p].request(
+                "replica", {"slot": p, "term": 1, "primary": True, "backups": keep}
+            )
+        (q,) = home[1].backups
+        rep = await c.chief[q].request("replica", {"slot": 1, "term": 2, "primary": False})
+        await c.chief[q].request(
+            "replica", {"slot": 1, "term": 2, "primary": True, "backups": [], "applied": []}
+        )
+        heads = {s.id: {q: rep.body["applied"]} for s in placement.shards if s.ps == 1}
+        homes.update(fail_over(placement, {1}, heads).placement)
+        w.moved([1])
+        # the answer of state 1 was lost: sent again, its rows read anew
+        lost = next(k for k in delivery.answered if k[0] == 1)
+        del delivery.answered[lost]
+        delivery.pulled[1].discard(1)
+        applied, again = await w.push_pull_rows("e", ids, g, ids, delivery=delivery)
+        assert applied is False  # a duplicate where it was applied already
+        assert delivery.seqs == seqs  # nothing numbered anew
+        np.testing.assert_array_equal(again, first)
+        promoted = c.copy(q, 1)
+        assert promoted.pushes.snapshot()["worker:9"]["applied"] == 1
+        assert promoted.pushes.snapshot()["worker:9"]["dropped"] == {"duplicate": 1}
+        for p in (0, 2):
+            assert c.copy(p, p).pushes.snapshot()["worker:9"]["applied"] == 1
+        assert w.rows_both == {0, 1, 2}  # the promoted copy said it takes it
 
     run(body(), 30.0)
