@@ -380,3 +380,50 @@ def test_pulls_through_a_cluster_get_the_fused_copy() -> None:
         await client.close()
 
     run(body())
+
+
+# -- a large update cut across threads --------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("wire", ["bfloat16", None])
+def test_an_update_cut_across_threads_gives_the_same_bits(
+    config: dict[str, Any], wire: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard past PARALLEL_BYTES is updated by the store's ``parts`` runner in pieces
+    at once: values, slots and wire copy bit-identical to one piece after another
+    (FTRL, which has no kernel, stays serial)."""
+    import zmqps.core.store as store_module
+    from zmqps.roles.threads import CheckThreads
+
+    monkeypatch.setattr(store_module, "PARALLEL_BYTES", 1)
+    threads = CheckThreads(3)
+    calls: list[int] = []
+    run_calls = threads.run
+
+    def counted(c: Any) -> Any:
+        calls.append(len(c))
+        return run_calls(c)
+
+    monkeypatch.setattr(threads, "run", counted)
+    try:
+        d = bdef(optimizer=config, wire=wire)
+        serial, cut = ShardStore(chunk_elems=1_000), ShardStore(chunk_elems=1_000, parts=threads)
+        for s in (serial, cut):
+            s.create([d])
+        size = d.size
+        for step in range(3):
+            g = grad(d, step)
+            chunks = [(size // 5, g[size // 5 :]), (0, g[: size // 5])]  # any order
+            for s in (serial, cut):
+                s.apply_dense(0, chunks, step)
+            a, b = serial.get(0), cut.get(0)
+            assert same_bits(a.values, b.values)
+            for k in a.slots:
+                assert same_bits(a.slots[k], b.slots[k])
+            if wire:
+                assert same_bits(lowp.bits(a.wire_copy[1]), lowp.bits(b.wire_copy[1]))  # type: ignore[index]
+                assert_exact(cut, 0)
+        assert calls == ([] if config["name"] == "ftrl" else [3, 3, 3])
+    finally:
+        threads.close()

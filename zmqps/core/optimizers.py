@@ -127,6 +127,12 @@ class Optimizer(ABC):
 
     # -- dense ---------------------------------------------------------------
 
+    def has_kernel(self, param: Array) -> bool:
+        """Whether :meth:`apply_dense` runs a fused kernel for ``param``: then it writes
+        nothing but ``param``, the slots and ``wire`` (not ``scratch``), so disjoint
+        pieces of one shard may be updated by several threads at once."""
+        return USE_KERNELS and _kernels.kernel(self.name, param) is not None
+
     def apply_dense(
         self,
         param: Array,

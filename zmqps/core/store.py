@@ -3,7 +3,9 @@
 Rules of this module:
 
 * The store owns every shard's values and slots; nothing outside writes them. It
-  knows nothing about sockets, threads or clocks: callers serialize access.
+  knows nothing about sockets, threads or clocks: callers serialize access. (A
+  large dense update is cut into pieces run at once by the caller's ``parts``
+  runner, :class:`~zmqps.core.finite.Parts`, within the call.)
 * Every request is validated completely BEFORE any state changes, so a refused
   request (:class:`~zmqps.wire.errors.InvalidArgument` / ``NotFound``) changes
   nothing.
@@ -34,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zmqps.core import lowp
+from zmqps.core.finite import PARALLEL_BYTES, Parts
 from zmqps.core.initializers import initialize, validate_init
 from zmqps.core.optimizers import BLOCK_ELEMS, Optimizer, compute_dtype, make_optimizer
 from zmqps.core.packs import plan_packs
@@ -464,10 +467,14 @@ class ShardStore:
         chunk_elems: int = 1 << 20,
         observer: ShardObserver | None = None,
         memory: MemoryReader | None = None,
+        parts: Parts | None = None,
     ) -> None:
         if chunk_elems < 1:
             raise InvalidArgument(f"chunk_elems must be >= 1, got {chunk_elems}")
         self.chunk_elems = chunk_elems
+        #: runs the pieces of a large dense update at once (the PS's threads; see
+        #: :meth:`_update_values`), or None: one after the other
+        self.parts = parts
         self.observer = observer
         self.memory = memory
         self.staleness = StalenessStats()
@@ -969,12 +976,61 @@ class ShardStore:
         # the chunks tile the shard (or there are none: a backup's counted push), so a
         # wire copy written along is the new version's whole
         wire = shard.wire_buffer() if update.chunks and shard.keeps_wire_copy else None
-        for offset, chunk in update.chunks:
-            self._run(
-                optimizer, shard.flat, shard.flat_slots, chunk, offset, step, scratch, scale, wire
-            )
+        if not self._run_parts(shard, update.chunks, step, scratch, scale, wire):
+            for offset, chunk in update.chunks:
+                self._run(
+                    optimizer, shard.flat, shard.flat_slots, chunk, offset, step, scratch, scale,
+                    wire,
+                )  # fmt: skip
         if wire is not None:  # the version this update makes (apply_all's bump follows)
             shard.wire_copy = (step, wire)
+
+    def _run_parts(
+        self,
+        shard: Shard,
+        chunks: Sequence[tuple[int, Array]],
+        step: int,
+        scratch: Array,
+        scale: float,
+        wire: Array | None,
+    ) -> bool:
+        """A large update's chunks cut into ``parts.threads`` runs of about equal size,
+        run at once (the fused kernels release the GIL, write only their own elements
+        and no scratch: the result is the same bits as one after the other); False,
+        having done nothing, when it is small, or no runner or no kernel is there."""
+        parts, optimizer = self.parts, shard.optimizer
+        if (
+            parts is None
+            or parts.threads <= 1
+            or shard.values.nbytes < PARALLEL_BYTES
+            or not optimizer.has_kernel(shard.flat)
+        ):
+            return False
+        share = -(-shard.definition.size // parts.threads)
+        runs: list[list[tuple[int, Array]]] = [[]]
+        room = share
+        for offset, chunk in chunks:
+            lo, n = 0, chunk.shape[0]
+            while lo < n:
+                take = min(n - lo, room)
+                runs[-1].append((offset + lo, chunk[lo : lo + take]))
+                lo += take
+                room -= take
+                if room <= 0:
+                    runs.append([])
+                    room = share
+        flat, slots = shard.flat, shard.flat_slots
+
+        def call(run: list[tuple[int, Array]]) -> Callable[[], bool]:
+            def go() -> bool:
+                for offset, piece in run:
+                    self._run(optimizer, flat, slots, piece, offset, step, scratch, scale, wire)
+                return True
+
+            return go
+
+        parts.run([call(r) for r in runs if r])
+        return True
 
     def apply_dense(
         self,
