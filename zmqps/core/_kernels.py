@@ -19,6 +19,10 @@ Rules of this module:
   nearest even, as every bfloat16 library does; NaN stays NaN), ``add_into`` adds a
   gradient of either kind into a running sum, ``bad_bits16`` is the value check of
   bfloat16 bits (an integer maximum: vectorizes without any fastmath flag).
+* The dense optimizer kernels take a third array after the gradient, ``w``: None, or
+  the bits of a bfloat16 copy of the parameter (a shard's wire copy, kept by the
+  store), into which each new value is written rounded as ``narrow_bf16`` rounds it,
+  in the same loop: the rounding a pull needs costs a write, not another pass.
 * numba is imported lazily; :data:`available` says whether it could be.
   No fastmath: results are IEEE-exact like numpy (an FMA would differ in the last bit);
   ``error_model="numpy"`` keeps divisions vectorizable; single-threaded, because
@@ -71,33 +75,63 @@ def _build() -> dict[str, Any] | None:
             return lambda g, i: f32_of_bits(np.uint32(g[i]) << np.uint32(16))  # type: ignore[call-arg]
         return lambda g, i: g[i]
 
+    @numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")  # type: ignore[misc]
+    def round16(x):  # type: ignore[no-untyped-def]
+        # float32 -> bfloat16 bits, to nearest even; a NaN keeps its sign and stays a
+        # (quiet) NaN rather than rounding to an infinity
+        u = bits_of_f32(x)  # type: ignore[call-arg,var-annotated]
+        r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            r = (u >> np.uint32(16)) | np.uint32(0x40)
+        return np.uint16(r)
+
+    def _put(w: Any, i: Any, x: Any) -> Any:
+        """Element ``i`` of a wire copy set to ``x`` rounded (nothing when ``w`` is None)."""
+
+    @overload(_put, inline="always")  # type: ignore[misc]
+    def _put_impl(w, i, x):  # type: ignore[no-untyped-def]
+        if isinstance(w, types.NoneType):
+            return lambda w, i, x: None
+
+        def put(w, i, x):  # type: ignore[no-untyped-def]
+            w[i] = round16(x)
+
+        return put
+
+    # The dense kernels take ``w`` after the gradient: None, or the bfloat16 bits of the
+    # shard's wire copy, which gets each new value rounded as it is written (one pass
+    # over the parameter instead of an update and then a rounding pass). The None
+    # variant is compiled apart and is the plain loop.
     @jit  # type: ignore[misc]
-    def sgd(p, g, a, keep):  # type: ignore[no-untyped-def]
+    def sgd(p, g, w, a, keep):  # type: ignore[no-untyped-def]
         # p = keep * p + a * g   (a = -lr * scale, keep = 1 - lr * wd)
         for i in range(p.shape[0]):
-            p[i] = keep * p[i] + a * _g(g, i)
+            pi = keep * p[i] + a * _g(g, i)
+            p[i] = pi
+            _put(w, i, pi)
 
     @jit  # type: ignore[misc]
-    def momentum(p, g, m, lr, mu, scale, wd, nesterov):  # type: ignore[no-untyped-def]
+    def momentum(p, g, w, m, lr, mu, scale, wd, nesterov):  # type: ignore[no-untyped-def]
         for i in range(p.shape[0]):
             gi = scale * _g(g, i) + wd * p[i]
             mi = mu * m[i] + gi
             m[i] = mi
-            if nesterov:
-                p[i] -= lr * (gi + mu * mi)
-            else:
-                p[i] -= lr * mi
+            pi = p[i] - lr * (gi + mu * mi) if nesterov else p[i] - lr * mi
+            p[i] = pi
+            _put(w, i, pi)
 
     @jit  # type: ignore[misc]
-    def adagrad(p, g, a, lr, eps, scale, wd):  # type: ignore[no-untyped-def]
+    def adagrad(p, g, w, a, lr, eps, scale, wd):  # type: ignore[no-untyped-def]
         for i in range(p.shape[0]):
             gi = scale * _g(g, i) + wd * p[i]
             ai = a[i] + gi * gi
             a[i] = ai
-            p[i] -= lr * gi / (np.sqrt(ai) + eps)
+            pi = p[i] - lr * gi / (np.sqrt(ai) + eps)
+            p[i] = pi
+            _put(w, i, pi)
 
     @jit  # type: ignore[misc]
-    def adam(p, g, m, v, lr_t, c1, c2, eps, scale, wd):  # type: ignore[no-untyped-def]
+    def adam(p, g, w, m, v, lr_t, c1, c2, eps, scale, wd):  # type: ignore[no-untyped-def]
         # c1 = 1 - beta1, c2 = 1 - beta2, in the parameters' dtype: an int literal here
         # (``1 - b1``) would promote the whole loop to float64 and halve its speed
         for i in range(p.shape[0]):
@@ -106,33 +140,36 @@ def _build() -> dict[str, Any] | None:
             vi = v[i] + c2 * (gi * gi - v[i])
             m[i] = mi
             v[i] = vi
-            p[i] -= lr_t * mi / (np.sqrt(vi) + eps)
+            pi = p[i] - lr_t * mi / (np.sqrt(vi) + eps)
+            p[i] = pi
+            _put(w, i, pi)
 
     # Row variants: ``rows`` (unique local row ids) first, then 2-D parameter, 2-D
     # gradient (one row per id) and 2-D slots; each touched row is updated in place
-    # by the dense kernel, with no gather / scatter copies.
+    # by the dense kernel, with no gather / scatter copies (and no wire copy: the
+    # store keeps one for whole-shard updates only).
     @jit  # type: ignore[misc]
     def sgd_rows(rows, p, g, a, keep):  # type: ignore[no-untyped-def]
         for k in range(rows.shape[0]):
-            sgd(p[rows[k]], g[k], a, keep)
+            sgd(p[rows[k]], g[k], None, a, keep)
 
     @jit  # type: ignore[misc]
     def momentum_rows(rows, p, g, m, lr, mu, scale, wd, nesterov):  # type: ignore[no-untyped-def]
         for k in range(rows.shape[0]):
             r = rows[k]
-            momentum(p[r], g[k], m[r], lr, mu, scale, wd, nesterov)
+            momentum(p[r], g[k], None, m[r], lr, mu, scale, wd, nesterov)
 
     @jit  # type: ignore[misc]
     def adagrad_rows(rows, p, g, a, lr, eps, scale, wd):  # type: ignore[no-untyped-def]
         for k in range(rows.shape[0]):
             r = rows[k]
-            adagrad(p[r], g[k], a[r], lr, eps, scale, wd)
+            adagrad(p[r], g[k], None, a[r], lr, eps, scale, wd)
 
     @jit  # type: ignore[misc]
     def adam_rows(rows, p, g, m, v, lr_t, c1, c2, eps, scale, wd):  # type: ignore[no-untyped-def]
         for k in range(rows.shape[0]):
             r = rows[k]
-            adam(p[r], g[k], m[r], v[r], lr_t, c1, c2, eps, scale, wd)
+            adam(p[r], g[k], None, m[r], v[r], lr_t, c1, c2, eps, scale, wd)
 
     # The one kernel with a fastmath flag: reassociation only, so the sum vectorizes.
     # Each term is y - y with y = x * k (k a power of two, so y is exact unless it
@@ -186,14 +223,8 @@ def _build() -> dict[str, Any] | None:
 
     @jit  # type: ignore[misc]
     def narrow_bf16(src, dst):  # type: ignore[no-untyped-def]
-        # float32 -> bfloat16 bits, to nearest even; a NaN keeps its sign and stays a
-        # (quiet) NaN rather than rounding to an infinity
         for i in range(src.shape[0]):
-            u = bits_of_f32(src[i])  # type: ignore[call-arg,var-annotated]
-            r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-                r = (u >> np.uint32(16)) | np.uint32(0x40)
-            dst[i] = np.uint16(r)
+            dst[i] = round16(src[i])
 
     @jit  # type: ignore[misc]
     def widen_bf16(src, dst):  # type: ignore[no-untyped-def]

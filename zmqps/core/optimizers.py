@@ -127,6 +127,12 @@ class Optimizer(ABC):
 
     # -- dense ---------------------------------------------------------------
 
+    def has_kernel(self, param: Array) -> bool:
+        """Whether :meth:`apply_dense` runs a fused kernel for ``param``: then it writes
+        nothing but ``param``, the slots and ``wire`` (not ``scratch``), so disjoint
+        pieces of one shard may be updated by several threads at once."""
+        return USE_KERNELS and _kernels.kernel(self.name, param) is not None
+
     def apply_dense(
         self,
         param: Array,
@@ -135,6 +141,7 @@ class Optimizer(ABC):
         step: int,
         scratch: Array,
         scale: float = 1.0,
+        wire: Array | None = None,
     ) -> None:
         """Apply one update to the flat chunk ``param`` in place (slots too).
 
@@ -142,13 +149,17 @@ class Optimizer(ABC):
         be read-only and of another float dtype. ``scratch`` is 1-D of ``compute_dtype(param)``
         with at least ``scratch_factor * min(n, BLOCK_ELEMS)`` elements. ``step`` is
         the 1-based update count of the shard; ``scale`` multiplies the gradient.
-        Allocates no arrays.
+        ``wire`` (a float32 ``param`` only): a 1-D bfloat16 array of length ``n`` that
+        gets the new values rounded (by the fused kernel in its one pass, else after
+        the update). Allocates no arrays.
         """
-        n = self._check(param, grad, slots, step, scratch)
+        n = self._check(param, grad, slots, step, scratch, wire)
         scale = float(scale)
         fused = _kernels.kernel(self.name, param) if USE_KERNELS else None
         if fused is not None:
-            self._fused(fused, param, _kernel_grad(grad), slots, step, scale, param.dtype.type)
+            self._fused(
+                fused, param, _kernel_grad(grad), slots, step, scale, param.dtype.type, wire=wire
+            )
             return
         b = max(1, min(n, BLOCK_ELEMS))
         g_buf = scratch[:b]
@@ -164,6 +175,8 @@ class Optimizer(ABC):
                 g = g_buf[:m]
                 self._effective_grad(p, grad[lo:hi], g, tmp_buf[:m], scale)
             self._update(p, g, {k: v[lo:hi] for k, v in slots.items()}, step, tmp_buf[:m])
+        if wire is not None:
+            lowp.narrow_all([(param, wire)])
 
     def _effective_grad(self, p: Array, grad: Array, g: Array, tmp: Array, scale: float) -> None:
         if lowp.is_narrow(grad.dtype):  # widened exactly first: the product in float32
@@ -185,17 +198,20 @@ class Optimizer(ABC):
         scale: float,
         dt: Any,
         rows: Array | None = None,
+        wire: Array | None = None,
     ) -> None:
-        """Run the fused kernel: ``kernel([rows,] p, g, *slots, *scalars)``.
+        """Run the fused kernel: ``kernel(p, g, w, *slots, *scalars)`` (``w``: the bits
+        of ``wire``, or None), or ``kernel(rows, p, g, *slots, *scalars)``.
 
         Scalars are passed as ``dt`` (the parameter's dtype). With ``rows``, ``p``, ``g``
         and the slots are 2-D and the ``*_rows`` kernel updates just those rows
         (``g[k]`` belongs to ``rows[k]``).
         """
-        lead = () if rows is None else (rows,)
-        kernel(
-            *lead, p, g, *(slots[n] for n in self.slot_names), *self._kernel_args(step, scale, dt)
-        )
+        if rows is None:
+            lead: tuple[Any, ...] = (p, g, None if wire is None else lowp.bits(wire))
+        else:
+            lead = (rows, p, g)
+        kernel(*lead, *(slots[n] for n in self.slot_names), *self._kernel_args(step, scale, dt))
 
     @abstractmethod
     def _kernel_args(self, step: int, scale: float, dt: Any) -> tuple[Any, ...]:
@@ -207,7 +223,13 @@ class Optimizer(ABC):
     ) -> None: ...
 
     def _check(
-        self, param: Array, grad: Array, slots: Mapping[str, Array], step: int, scratch: Array
+        self,
+        param: Array,
+        grad: Array,
+        slots: Mapping[str, Array],
+        step: int,
+        scratch: Array,
+        wire: Array | None = None,
     ) -> int:
         if param.ndim != 1 or grad.shape != param.shape:
             raise InvalidArgument(
@@ -226,6 +248,16 @@ class Optimizer(ABC):
             raise InvalidArgument(f"apply_dense: scratch must be 1-D {cdt} of >= {need} elements")
         if step < 1:
             raise InvalidArgument(f"apply_dense: step must be >= 1, got {step}")
+        if wire is not None and (
+            not lowp.is_narrow(wire.dtype)
+            or wire.shape != param.shape
+            or param.dtype != np.float32
+            or not wire.flags.writeable
+        ):
+            raise InvalidArgument(
+                f"apply_dense: wire must be writable 1-D bfloat16 of {param.shape}"
+                f" for a float32 param, got {wire.dtype}{wire.shape} for {param.dtype}"
+            )
         return n
 
     # -- rows ----------------------------------------------------------------
@@ -293,14 +325,15 @@ class SGD(Optimizer):
         step: int,
         scratch: Array,
         scale: float = 1.0,
+        wire: Array | None = None,
     ) -> None:
         # Two passes, no blocking needed: p = p * (1 - lr*wd) + (-lr*scale) * grad
-        n = self._check(param, grad, slots, step, scratch)
+        n = self._check(param, grad, slots, step, scratch, wire)
         factor = -self.lr * float(scale)
         fused = _kernels.kernel(self.name, param) if USE_KERNELS else None
         if fused is not None:
             g = _kernel_grad(grad)
-            self._fused(fused, param, g, slots, step, float(scale), param.dtype.type)
+            self._fused(fused, param, g, slots, step, float(scale), param.dtype.type, wire=wire)
             return
         narrow = lowp.is_narrow(grad.dtype)
         b = max(1, min(n, BLOCK_ELEMS))
@@ -315,6 +348,8 @@ class SGD(Optimizer):
             if self.weight_decay:
                 np.multiply(p, 1.0 - self.lr * self.weight_decay, out=p)
             np.add(p, s, out=p)
+        if wire is not None:
+            lowp.narrow_all([(param, wire)])
 
     def _kernel_args(self, step: int, scale: float, dt: Any) -> tuple[Any, ...]:
         return dt(-self.lr * scale), dt(1.0 - self.lr * self.weight_decay)

@@ -3,7 +3,9 @@
 Rules of this module:
 
 * The store owns every shard's values and slots; nothing outside writes them. It
-  knows nothing about sockets, threads or clocks: callers serialize access.
+  knows nothing about sockets, threads or clocks: callers serialize access. (A
+  large dense update is cut into pieces run at once by the caller's ``parts``
+  runner, :class:`~zmqps.core.finite.Parts`, within the call.)
 * Every request is validated completely BEFORE any state changes, so a refused
   request (:class:`~zmqps.wire.errors.InvalidArgument` / ``NotFound``) changes
   nothing.
@@ -34,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zmqps.core import lowp
+from zmqps.core.finite import PARALLEL_BYTES, Parts
 from zmqps.core.initializers import initialize, validate_init
 from zmqps.core.optimizers import BLOCK_ELEMS, Optimizer, compute_dtype, make_optimizer
 from zmqps.core.packs import plan_packs
@@ -141,9 +144,14 @@ class Shard:
     #: A spare buffer for copy-on-write (reused once nothing references it).
     spare: Array | None = field(init=False, repr=False, default=None)
     #: The values rounded to the shard's wire dtype, and the version they are of: every
-    #: pull of that version sends this one array (rounded once; a peer that never reads
-    #: its replies pins one per version, as a lent float32 buffer does, not one per pull)
+    #: pull of that version sends this one array, lent (a peer that never reads its
+    #: replies pins one per version, as a lent float32 buffer does, not one per pull).
+    #: A whole-shard update writes it in its own pass over the values (the fused
+    #: kernels' ``w``); any other write leaves it at an older version, and the next
+    #: pull rounds the values again (:meth:`ShardStore.snapshot_wire`)
     wire_copy: tuple[int, Array] | None = field(init=False, repr=False, default=None)
+    #: a second wire-copy buffer, reused once no send holds it (double buffering)
+    wire_spare: Array | None = field(init=False, repr=False, default=None)
     #: the pack whose buffers hold this shard's values and slots (None: its own arrays);
     #: lending and copy-on-write are then the pack's (:class:`Pack`)
     pack: Pack | None = field(init=False, repr=False, default=None)
@@ -187,6 +195,36 @@ class Shard:
         self._views()
         self.spare = lent  # free again once the sends that hold it are done
         return True
+
+    @property
+    def keeps_wire_copy(self) -> bool:
+        """Whether whole-shard updates write the wire copy as they go: a dense float32
+        shard of its own that travels narrower (bfloat16)."""
+        return (
+            not self.is_table
+            and self.pack is None
+            and self.values.dtype == np.float32
+            and lowp.is_narrow(self.definition.wire_dtype)
+        )
+
+    def wire_buffer(self) -> Array:
+        """A flat buffer of the wire dtype for the next wire copy, that no send holds:
+        the current copy's or the spare's, whichever is free (a held one becomes the
+        spare), else a new one. The current copy is dropped: the caller writes the
+        buffer and sets :attr:`wire_copy`."""
+        cached, self.wire_copy = self.wire_copy, None
+        current = None if cached is None else cached[1]
+        del cached  # (the tuple's reference)
+        spare, self.wire_spare = self.wire_spare, None
+        # a free buffer is referenced by its local name and getrefcount's argument
+        if current is not None and sys.getrefcount(current) <= 2:
+            self.wire_spare = spare
+            return current
+        if spare is not None and sys.getrefcount(spare) <= 2:
+            self.wire_spare = current
+            return spare
+        self.wire_spare = current if current is not None else spare
+        return np.empty(self.definition.size, self.definition.wire_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -429,10 +467,14 @@ class ShardStore:
         chunk_elems: int = 1 << 20,
         observer: ShardObserver | None = None,
         memory: MemoryReader | None = None,
+        parts: Parts | None = None,
     ) -> None:
         if chunk_elems < 1:
             raise InvalidArgument(f"chunk_elems must be >= 1, got {chunk_elems}")
         self.chunk_elems = chunk_elems
+        #: runs the pieces of a large dense update at once (the PS's threads; see
+        #: :meth:`_update_values`), or None: one after the other
+        self.parts = parts
         self.observer = observer
         self.memory = memory
         self.staleness = StalenessStats()
@@ -670,8 +712,10 @@ class ShardStore:
 
     def snapshot_wire(self, shard_id: int, parts: Any = None) -> tuple[int, Array]:
         """``(version, values)`` as they travel: the live values themselves (lent: the
-        next update copies first), or a copy rounded to the shard's wire dtype (by
-        ``parts``' threads if given), made once per version."""
+        next update copies first), or their copy rounded to the shard's wire dtype,
+        lent likewise (the next update writes another buffer while a send holds it):
+        the one a whole-shard update wrote as it went, else rounded now (by ``parts``'
+        threads if given), once per version."""
         shard = self.get_dense(shard_id)
         if not lowp.is_narrow(shard.definition.wire_dtype):
             return shard.version, shard.lend()
@@ -679,7 +723,9 @@ class ShardStore:
         if cached is None or cached[0] != shard.version:
             # values change only with the version (a refused float16 update is undone
             # whole; a restore makes new shards): the rounded copy of a version holds
-            cached = shard.wire_copy = (shard.version, lowp.narrow(shard.values, parts=parts))
+            out = shard.wire_buffer()
+            lowp.narrow(shard.values, out, parts)
+            cached = shard.wire_copy = (shard.version, out)
         return cached
 
     def pull_rows(self, shard_id: int, indices: Array, create: bool = True) -> tuple[int, Array]:
@@ -907,14 +953,22 @@ class ShardStore:
         step: int,
         scratch: Array,
         scale: float,
+        wire: Array | None = None,
     ) -> None:
         """``chunk`` applied to elements ``[offset, offset + len(chunk))`` of ``flat``, in
-        pieces of at most ``chunk_elems``."""
+        pieces of at most ``chunk_elems`` (and rounded into the same elements of
+        ``wire``, the shard's next wire copy, if given)."""
         for lo in range(0, chunk.shape[0], self.chunk_elems):
             hi = min(lo + self.chunk_elems, chunk.shape[0])
             a, b = offset + lo, offset + hi
             optimizer.apply_dense(
-                flat[a:b], chunk[lo:hi], {k: v[a:b] for k, v in slots.items()}, step, scratch, scale
+                flat[a:b],
+                chunk[lo:hi],
+                {k: v[a:b] for k, v in slots.items()},
+                step,
+                scratch,
+                scale,
+                None if wire is None else wire[a:b],
             )
 
     def _update_values(self, update: Update, scale: float) -> None:
@@ -929,8 +983,64 @@ class ShardStore:
             return
         optimizer, step = shard.optimizer, shard.version + 1
         scratch = self._scratch_for(shard)
-        for offset, chunk in update.chunks:
-            self._run(optimizer, shard.flat, shard.flat_slots, chunk, offset, step, scratch, scale)
+        # the chunks tile the shard (or there are none: a backup's counted push), so a
+        # wire copy written along is the new version's whole
+        wire = shard.wire_buffer() if update.chunks and shard.keeps_wire_copy else None
+        if not self._run_parts(shard, update.chunks, step, scratch, scale, wire):
+            for offset, chunk in update.chunks:
+                self._run(
+                    optimizer, shard.flat, shard.flat_slots, chunk, offset, step, scratch, scale,
+                    wire,
+                )  # fmt: skip
+        if wire is not None:  # the version this update makes (apply_all's bump follows)
+            shard.wire_copy = (step, wire)
+
+    def _run_parts(
+        self,
+        shard: Shard,
+        chunks: Sequence[tuple[int, Array]],
+        step: int,
+        scratch: Array,
+        scale: float,
+        wire: Array | None,
+    ) -> bool:
+        """A large update's chunks cut into ``parts.threads`` runs of about equal size,
+        run at once (the fused kernels release the GIL, write only their own elements
+        and no scratch: the result is the same bits as one after the other); False,
+        having done nothing, when it is small, or no runner or no kernel is there."""
+        parts, optimizer = self.parts, shard.optimizer
+        if (
+            parts is None
+            or parts.threads <= 1
+            or shard.values.nbytes < PARALLEL_BYTES
+            or not optimizer.has_kernel(shard.flat)
+        ):
+            return False
+        share = -(-shard.definition.size // parts.threads)
+        runs: list[list[tuple[int, Array]]] = [[]]
+        room = share
+        for offset, chunk in chunks:
+            lo, n = 0, chunk.shape[0]
+            while lo < n:
+                take = min(n - lo, room)
+                runs[-1].append((offset + lo, chunk[lo : lo + take]))
+                lo += take
+                room -= take
+                if room <= 0:
+                    runs.append([])
+                    room = share
+        flat, slots = shard.flat, shard.flat_slots
+
+        def call(run: list[tuple[int, Array]]) -> Callable[[], bool]:
+            def go() -> bool:
+                for offset, piece in run:
+                    self._run(optimizer, flat, slots, piece, offset, step, scratch, scale, wire)
+                return True
+
+            return go
+
+        parts.run([call(r) for r in runs if r])
+        return True
 
     def apply_dense(
         self,

@@ -160,7 +160,7 @@ class TcpChannel(DenseChannel):
         if packs:
             tensors = [Tensor(c.pack_grad(sids, t.grads), "grad", sids[0], 0)]
         else:
-            tensors = [tensor for sid in sids for tensor in c.chunks(sid, t.grads, "grad")]
+            tensors = c.chunks(sids, t.grads, "grad")
         body = c.push_body(
             self.ps,
             sids,

@@ -349,17 +349,31 @@ class ParameterClient:
                 out.setdefault(r.shard.state, []).append(sid)
         return out
 
-    def chunks(self, sid: int, grads: Mapping[str, Array], kind: str) -> list[Tensor]:
-        """Shard ``sid`` of the flat gradient in ``grads``, as message tensors of at most
-        ``chunk_bytes`` (zero-copy views)."""
-        r = self.routes[sid]
-        part = grads[r.var.name][r.start : r.start + r.size]
-        if lowp.is_narrow(r.wire):  # travels narrower: the shard's gradient rounded to it
-            part = lowp.narrow(part, parts=self.threads)
-        step = max(1, self._chunk_bytes // part.itemsize)
-        return [
-            Tensor(part[off : off + step], kind, sid, off) for off in range(0, r.size, step)
-        ] or [Tensor(part, kind, sid, 0)]
+    def chunks(self, sids: Sequence[int], grads: Mapping[str, Array], kind: str) -> list[Tensor]:
+        """Shards ``sids`` of the flat gradients in ``grads``, as message tensors of at
+        most ``chunk_bytes`` each (zero-copy views). The shards that travel narrower are
+        rounded to their wire dtype first, all in one call (cut across the threads as
+        one run of work, not shard by shard)."""
+        parts: list[tuple[int, Array]] = []
+        narrowed: list[tuple[Array, Array]] = []
+        for sid in sids:
+            r = self.routes[sid]
+            part = grads[r.var.name][r.start : r.start + r.size]
+            if lowp.is_narrow(r.wire):  # travels narrower: the gradient rounded to it
+                out = np.empty(r.size, r.wire)
+                narrowed.append((np.ascontiguousarray(part, np.float32).reshape(-1), out))
+                part = out
+            parts.append((sid, part))
+        if narrowed:
+            lowp.narrow_all(narrowed, self.threads)
+        out_tensors: list[Tensor] = []
+        for sid, part in parts:
+            step = max(1, self._chunk_bytes // part.itemsize)
+            size = self.routes[sid].size
+            out_tensors += [
+                Tensor(part[off : off + step], kind, sid, off) for off in range(0, size, step)
+            ] or [Tensor(part, kind, sid, 0)]
+        return out_tensors
 
     def take_values(
         self,

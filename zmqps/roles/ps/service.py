@@ -120,8 +120,11 @@ class PSService:
         self.metrics = metrics
         if metrics is not None:
             self._observe(metrics)
-        #: threads that read a large push's values for the finite check
+        #: threads that read a large push's values for the finite check (and update a
+        #: large shard, round values for a pull: passes over arrays no one else reads)
         self.check_threads = CheckThreads()
+        if self.store.parts is None:
+            self.store.parts = self.check_threads
         #: the request being handled had its values found finite already
         #: (:meth:`checked`): the finite check does not read them again
         self._values_known = False
