@@ -312,6 +312,73 @@ def test_a_ps_serves_sealed_pulls_into_params_consistent_while_pushes_land(
     run(main)
 
 
+def test_a_workers_state_links_open_sealed_pulls_and_push_pulls_into_params(
+    tmp_path: Path,
+) -> None:
+    """Through the state links a worker talks to its PS by (``Homes``), the values of a
+    sealed pull's reply and of a sealed push_pull's reply are opened straight into
+    ``params``: no chunk of either is copied there afterwards."""
+    from zmqps.core.partition import Partitioner, plan
+    from zmqps.core.variables import VariableDef
+    from zmqps.roles.client import ParameterClient
+    from zmqps.roles.homes import Homes
+    from zmqps.roles.ps import PSService
+
+    keygen(tmp_path)
+
+    def keys(role: str) -> SocketOptions:
+        return SocketOptions(
+            curve=load_keys(tmp_path, role, 0, serve=False, connect=True), linger_ms=0
+        )
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        var = VariableDef("w", (1024, 1024), init={"name": "zeros"})  # 4 MiB
+        placement = plan([var], 1, Partitioner(num_shards=2), optimizer={"name": "sgd", "lr": 1.0})
+        server_keys = load_keys(tmp_path, "ps", 0, serve=True, connect=False)
+        server = Server(
+            ctx,
+            "127.0.0.1:0",
+            PSService(0),
+            name="ps0",
+            options=SocketOptions(curve=server_keys, linger_ms=0),
+        )
+        address = server.bind().removeprefix("tcp://")
+        server.start()
+        chief = Client(ctx, address, "chief:0", options=keys("chief"))
+        transport = Client(ctx, address, "worker:0", options=keys("worker"))
+        try:
+            defs = [d.to_wire() for _, d in placement.shard_defs()]
+            await chief.request("create_shards", {"shards": defs})
+            worker = ParameterClient(
+                Homes([transport]).links(),
+                placement,
+                worker="worker:0",
+                incarnation=1,
+                shared_memory=False,
+            )
+            chunks = 2  # a reply tensor per shard (2 MiB each)
+            ones = {"w": np.ones(var.shape, np.float32)}
+            await worker.pull()  # the first bulk request agrees the session (on CURVE)
+            await until(lambda: transport._data_up)
+            params = worker.params["w"]
+            before = transport.stats.landed
+            w = (await worker.pull())["w"]
+            assert w is params and np.all(w == 0.0)
+            assert transport.stats.landed == before + chunks
+            await worker.push_pull(ones)
+            assert worker.params["w"] is params and np.all(params == -1.0)
+            assert transport.stats.landed == before + 2 * chunks
+            assert server.stats.seal_refusals == 0
+        finally:
+            for c in (chief, transport):
+                await c.close(linger_ms=0)
+            await server.stop()
+            ctx.term()
+
+    run(main)
+
+
 def auth_failures(m: Metrics, reason: str) -> float:
     v = m.registry.get_sample_value("zmqps_auth_failures_total", {"reason": reason})
     return v or 0.0

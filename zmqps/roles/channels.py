@@ -172,9 +172,20 @@ class TcpChannel(DenseChannel):
             delivery=t.delivery,
             packs=packs,
         )
-        rep = await requester.request(
-            t.op, body.to_wire(), tensors, timeout=c.timeout, attempts=c.push_attempts
-        )
+        if t.op == "push_pull" and getattr(requester, "lands", False):
+            # its sealed reply's values open into params, as a pull's do
+            rep = await requester.request(  # type: ignore[call-arg]
+                t.op,
+                body.to_wire(),
+                tensors,
+                timeout=c.timeout,
+                attempts=c.push_attempts,
+                landing=c.landing(t.out),
+            )
+        else:
+            rep = await requester.request(
+                t.op, body.to_wire(), tensors, timeout=c.timeout, attempts=c.push_attempts
+            )
         accepted = c.after_push(self.ps, rep, body, t.delivery)
         if t.op == "push_pull":
             c.take_values(rep, sids, t.out, body.gen)

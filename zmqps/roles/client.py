@@ -440,8 +440,8 @@ class ParameterClient:
     def landing(
         self, out: Mapping[str, Array] | None
     ) -> Callable[[np.dtype[Any], tuple[int, ...], str, int, int], Any]:
-        """Where each chunk of a pull's reply may be opened when it comes sealed
-        (``transport/seal.py``): the slice of ``params`` (or ``out``) that
+        """Where each chunk of a pull's (or a push_pull's) reply may be opened when it
+        comes sealed (``transport/seal.py``): the slice of ``params`` (or ``out``) that
         :meth:`take_values` copies it to, for a chunk it copies as it is; None for the
         rest (copied, or refused, by :meth:`take_values` as always)."""
         dst_arrays = self.params if out is None else out

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zmqps.core.variables import Placement
-from zmqps.transport import Requester
+from zmqps.transport import Landing, Requester
 from zmqps.wire import Message, Tensor
 from zmqps.wire.errors import DeadlineExceeded, NotPrimary, ZmqpsError
 
@@ -77,6 +77,10 @@ class Homes:
 class StateLink:
     """A requester for PS state ``state``: sent to the process serving it now."""
 
+    #: :meth:`request` takes ``landing`` (passed on to a process's client that takes
+    #: it: where a sealed reply's buffers are opened, see ``transport/client.py``)
+    lands = True
+
     def __init__(self, homes: Homes, state: int) -> None:
         self.homes = homes
         self.state = state
@@ -94,6 +98,7 @@ class StateLink:
         timeout: float | None = None,
         attempts: int = 1,
         slot: int | None = None,
+        landing: Landing | None = None,
     ) -> Message:
         attempt = 0
         while True:
@@ -104,13 +109,12 @@ class StateLink:
             # an explicit slot: another state the same process holds (the chief
             # creating a backup's copy there)
             named = self.state if slot is None else slot
+            extra: dict[str, Any] = {} if named == home else {"slot": named}
+            if landing is not None and getattr(client, "lands", False):
+                extra["landing"] = landing
             try:
-                if named == home:
-                    return await client.request(
-                        op, body, tensors, timeout=timeout, attempts=attempts
-                    )
                 return await client.request(
-                    op, body, tensors, timeout=timeout, attempts=attempts, slot=named
+                    op, body, tensors, timeout=timeout, attempts=attempts, **extra
                 )
             except (DeadlineExceeded, NotPrimary) as exc:
                 moved = self.homes.of[self.state] != home

@@ -10,7 +10,7 @@ with :func:`new_context` and annotates it as :data:`ZmqContext`.
 """
 
 from zmqps.transport.base import Handler, Requester, TransportStats
-from zmqps.transport.client import Client
+from zmqps.transport.client import Client, Landing
 from zmqps.transport.context import ZmqContext, new_context, zmq_versions
 from zmqps.transport.fake import FakeClient, FakeNetwork
 from zmqps.transport.loop import LoopThread
@@ -25,6 +25,7 @@ __all__ = [
     "FakeClient",
     "FakeNetwork",
     "Handler",
+    "Landing",
     "LoopThread",
     "Requester",
     "Server",
