@@ -492,6 +492,12 @@ class ReleasedTokens:
       to settle) and when this PS is the only one holding shards, so a token of the
       step never lets a worker pull values of before it. The chief then is off the
       step's path; it hears of the step as before, and releases it again (no news).
+    * With one PS holding shards the chief may let it release every step up to the
+      one before the next boundary it must see (:meth:`allow_until`: a checkpoint
+      due, at most :data:`~zmqps.roles.chief.modes.AHEAD_STEPS` ahead): it then
+      polls about once a second, not once a step, and a membership change takes the
+      allowance back (a stepping poll without it) before the chief looks at who
+      holds what.
     * How long each answered request waited is kept for the chief (at most
       ``max_waits`` between two of its looks; the rest are counted only).
     """
@@ -527,17 +533,31 @@ class ReleasedTokens:
         if self.then is None or (self.then[1], self.then[0]) < (gen, step):
             self.then = (step, gen)
 
+    def allow_until(self, until: int, gen: int) -> None:
+        """The chief lets this PS release every step up to ``until`` (generation
+        ``gen``) by itself, each the moment it reached it (:meth:`reached`). The
+        chief's last word: it replaces what an earlier poll allowed (a smaller
+        ``until`` stops the PS sooner; one not past the release allows nothing)."""
+        if self.gen is not None and (gen, until) <= (self.gen, self.step or 0):
+            self.then = None
+        else:
+            self.then = (until, gen)
+
     def reached(self, step: int, gen: int) -> bool:
-        """This PS (generation ``gen``) is at ``step``: True if that released the step
-        the chief allowed (:meth:`allow`; one of another generation never is)."""
+        """This PS (generation ``gen``) is at ``step``: True if that released a step
+        the chief allowed (:meth:`allow`, :meth:`allow_until`: the step reached, or
+        the last one allowed if it is past it; one of another generation never is)."""
         then = self.then
-        if then is None or step < then[0]:
+        if then is None:
             return False
-        self.then = None
         if then[1] != gen:
+            self.then = None
             return False
+        upto = min(step, then[0])
+        if self.gen != gen or self.step is None or upto <= self.step:
+            return False  # nothing reached past a release of this generation yet
         before = (self.step, self.granted)
-        if not self.release(*then):
+        if not self.release(upto, gen):
             return False
         if before[0] is not None:
             self._before = (before[0], before[1])

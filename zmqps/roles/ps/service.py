@@ -882,7 +882,11 @@ class PSService:
         releases = req.released is not None and req.gen is not None
         if releases and self.tokens.release(req.released or 0, req.gen or 0):
             self._token_changes.notify_all()
-        if releases and req.release_step and req.gen == self.gen:
+        if releases and req.release_until is not None and req.gen == self.gen:
+            # every step up to it, each as this PS reaches it (the chief's last word)
+            self.tokens.allow_until(req.release_until, self.gen)
+            self._step_moved(self.visible_step)  # reached already
+        elif releases and req.release_step and req.gen == self.gen:
             self.tokens.allow(req.step, self.gen)
             self._step_moved(self.visible_step)  # reached already
         elif releases:
@@ -893,12 +897,15 @@ class PSService:
         if not releases:  # not the chief's stepping poll: it does not take the report
             return reply(msg, o.StepReply(step=step).to_wire())
         of, granted, waits = self.tokens.report(req.released)
+        tokens = self.tokens
         out = o.StepReply(
             step=step,
             granted_of=of,
             granted=granted,
             token_waits=tuple(waits) or None,
             releases=True,
+            releases_until=True,
+            released=tokens.step if tokens.gen == req.gen else None,
         )
         return reply(msg, out.to_wire())
 
