@@ -76,6 +76,22 @@ def test_the_last_poll_is_the_chiefs_word_and_another_generation_gets_nothing() 
     assert not t.reached(5, 0) and t.grant(3, 0) is None
 
 
+def test_a_run_is_released_only_while_the_chiefs_last_poll_holds() -> None:
+    """A chief that stopped polling (or came back not releasing) is not followed
+    for ever: past the lease of its last poll the PS releases nothing by itself."""
+    t = ReleasedTokens()
+    t.release(3, 0)
+    t.allow_until(9, 0, lease=100.0)
+    assert t.reached(4, 0, now=99.0) and t.step == 4
+    assert not t.reached(5, 0, now=101.0)
+    assert (t.step, t.then) == (4, None)
+    t.allow_until(9, 0, lease=200.0)  # the chief's next poll
+    assert t.reached(5, 0, now=150.0) and t.step == 5
+    t.allow_until(5, 0)  # not past the release: nothing allowed
+    t.allow(6, 0)  # a one-step allowance has no lease
+    assert t.lease is None and t.reached(6, 0, now=1e9) and t.step == 6
+
+
 def test_nothing_is_released_before_a_release_of_the_generation() -> None:
     t = ReleasedTokens()
     t.then = (5, 0)  # never released: the chief's poll releases first

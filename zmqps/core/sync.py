@@ -510,6 +510,8 @@ class ReleasedTokens:
         self._waits: list[float] = []
         #: the step (and generation) this PS may release by itself once it reached it
         self.then: tuple[int, int] | None = None
+        #: ``then`` of :meth:`allow_until` holds until then (the PS's clock), or None
+        self.lease: float | None = None
         #: the release before the current one and its tokens handed, when this PS
         #: moved on by itself (the chief's report of it is then still to come)
         self._before: tuple[int, int] | None = None
@@ -532,25 +534,31 @@ class ReleasedTokens:
             return
         if self.then is None or (self.then[1], self.then[0]) < (gen, step):
             self.then = (step, gen)
+            self.lease = None
 
-    def allow_until(self, until: int, gen: int) -> None:
+    def allow_until(self, until: int, gen: int, lease: float | None = None) -> None:
         """The chief lets this PS release every step up to ``until`` (generation
-        ``gen``) by itself, each the moment it reached it (:meth:`reached`). The
-        chief's last word: it replaces what an earlier poll allowed (a smaller
-        ``until`` stops the PS sooner; one not past the release allows nothing)."""
+        ``gen``) by itself, each the moment it reached it (:meth:`reached`), until
+        the clock passes ``lease`` (a chief that stopped polling, or one that came
+        back and does not release, is not followed for ever). The chief's last word:
+        it replaces what an earlier poll allowed (a smaller ``until`` stops the PS
+        sooner; one not past the release allows nothing)."""
+        self.lease = lease
         if self.gen is not None and (gen, until) <= (self.gen, self.step or 0):
             self.then = None
         else:
             self.then = (until, gen)
 
-    def reached(self, step: int, gen: int) -> bool:
-        """This PS (generation ``gen``) is at ``step``: True if that released a step
-        the chief allowed (:meth:`allow`, :meth:`allow_until`: the step reached, or
-        the last one allowed if it is past it; one of another generation never is)."""
+    def reached(self, step: int, gen: int, now: float | None = None) -> bool:
+        """This PS (generation ``gen``) is at ``step`` (at ``now`` on the clock of
+        the lease): True if that released a step the chief allowed (:meth:`allow`,
+        :meth:`allow_until`: the step reached, or the last one allowed if it is past
+        it; one of another generation, or past the lease, never is)."""
         then = self.then
         if then is None:
             return False
-        if then[1] != gen:
+        lease = self.lease
+        if then[1] != gen or (lease is not None and now is not None and now > lease):
             self.then = None
             return False
         upto = min(step, then[0])
