@@ -546,7 +546,8 @@ class SyncMode(ChiefMode):
         try:
             rep = await asyncio.shield(task)
         except asyncio.CancelledError:
-            if not task.cancelled():
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # 3.11 on
+            if not task.cancelled() or (cancelling is not None and cancelling()):
                 task.cancel()
                 raise  # the loop itself is cancelled
             return None
@@ -583,8 +584,10 @@ class SyncMode(ChiefMode):
         without ``release_until``), and the ledger moves to the step it released, so
         the gone workers are looked up, and N told, at the step the PS is at. The
         loop's poll that allowed them is cancelled (it plans again)."""
-        if not self._allowing or not self.stepping:
-            return
+        if len(self.stepping_ids) != 1:
+            return  # several PS: the chief releases every step itself
+        if not self._allowing and self.stepping_ids[0] not in self._ranges:
+            return  # nothing allowed (a poll that took it back may be in flight: asked too)
         self._allowing = False
         if self._ranging is not None:
             self._ranging.cancel()
