@@ -11,6 +11,7 @@ test (SSP). The cluster's state is read the way users read it: the chief's statu
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 import sys
@@ -27,6 +28,7 @@ import zmq.asyncio
 from helpers import Proc, Reaper, addresses, read_json, script, wait_for, zmqps_cmd
 from sync_worker import OPTIMIZERS, VARIABLES, global_batch, loss_and_grads
 
+from zmqps.checkpoint import Checkpoint
 from zmqps.core.initializers import initialize
 from zmqps.core.optimizers import compute_dtype, make_optimizer
 from zmqps.core.variables import VariableDef
@@ -216,7 +218,8 @@ def test_one_ps_releasing_runs_of_steps_equals_single_process_steps(
     """One PS holds every shard and releases runs of steps by itself: the chief sees
     the checkpoint boundaries (every 7 steps) and the membership changes only. The
     oracle above holds (worker 2 leaves right after its last push, while the others
-    still compute that step), and each checkpoint is of exactly its step."""
+    still compute that step), and each checkpoint holds exactly the values of its
+    step."""
     steps = 50
     ckpt = tmp_path / "ckpt"
     cluster = start_cluster(
@@ -255,8 +258,17 @@ def test_one_ps_releasing_runs_of_steps_equals_single_process_steps(
         for v in VARIABLES:
             diff = float(np.max(np.abs(got[v.name] - expected[v.name])))
             assert diff <= 1e-5, (v.name, diff)
+    # the policy's boundaries: the first at step 7, each next one 7 steps after the
+    # last (later while one is still being written); each holds exactly its step
     taken = sorted(int(p.name[5:]) for p in ckpt.glob("ckpt-*") if p.name[5:].isdigit())
-    assert [s for s in taken if s < steps] == list(range(7, steps, 7)), taken
+    assert taken[0] == 7 and len(taken) >= 3, taken
+    assert all(b - a >= 7 for a, b in itertools.pairwise(taken[:-1])), taken
+    for step in taken:
+        values = Checkpoint.load(ckpt / f"ckpt-{step:012d}").variables()
+        at = reference(OPTIMIZERS["adam"], step)
+        for v in VARIABLES:
+            diff = float(np.max(np.abs(values[v.name] - at[v.name])))
+            assert diff <= 1e-5, (step, v.name, diff)
     summary = read_json(cluster.summary)
     assert (summary["mode"], summary["global_step"]) == ("sync", steps)
 
