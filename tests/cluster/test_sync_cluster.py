@@ -11,11 +11,13 @@ test (SSP). The cluster's state is read the way users read it: the chief's statu
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import zmq.asyncio
 from helpers import Proc, Reaper, addresses, read_json, script, wait_for, zmqps_cmd
 from sync_worker import OPTIMIZERS, VARIABLES, global_batch, loss_and_grads
 
+from zmqps.checkpoint import Checkpoint
 from zmqps.core.initializers import initialize
 from zmqps.core.optimizers import compute_dtype, make_optimizer
 from zmqps.core.variables import VariableDef
@@ -85,7 +88,12 @@ async def _request(address: str, op: str) -> dict[str, Any]:
 
 
 def start_cluster(
-    procs: Reaper, tmp: Path, *chief_flags: str, num_ps: int = 2, num_workers: int = 3
+    procs: Reaper,
+    tmp: Path,
+    *chief_flags: str,
+    num_ps: int = 2,
+    num_workers: int = 3,
+    ps_flags: Sequence[str] = (),
 ) -> SyncCluster:
     chief, *rest = addresses(1 + num_ps + num_workers)
     ps, workers = rest[:num_ps], rest[num_ps:]
@@ -107,7 +115,7 @@ def start_cluster(
         name="chief",
     )
     ps_p = [
-        procs.spawn([server, *hosts, "--role", "ps", "--index", str(i)], name=f"ps{i}")
+        procs.spawn([server, *hosts, "--role", "ps", "--index", str(i), *ps_flags], name=f"ps{i}")
         for i in range(num_ps)
     ]
     # The status queries' deadline is for a running chief, not for a process start
@@ -201,6 +209,68 @@ def test_sync_steps_equal_single_process_steps(
     summary = read_json(cluster.summary)
     assert (summary["mode"], summary["global_step"]) == ("sync", steps)
     assert "shards ready" in cluster.ps_p[0].stderr and "shards ready" in cluster.ps_p[1].stderr
+
+
+@pytest.mark.timeout(60)
+def test_one_ps_releasing_runs_of_steps_equals_single_process_steps(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    """One PS holds every shard and releases runs of steps by itself: the chief sees
+    the checkpoint boundaries (every 7 steps) and the membership changes only. The
+    oracle above holds (worker 2 leaves right after its last push, while the others
+    still compute that step), and each checkpoint holds exactly the values of its
+    step."""
+    steps = 50
+    ckpt = tmp_path / "ckpt"
+    cluster = start_cluster(
+        procs,
+        tmp_path,
+        "--mode",
+        "sync",
+        "--num-shards",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-steps",
+        "7",
+        "--keep-checkpoints",
+        "20",
+        num_ps=1,
+        ps_flags=("--checkpoint-dir", str(ckpt)),
+    )
+    finals = [tmp_path / f"final{i}.npz" for i in range(2)]
+    flags = ["--steps", str(steps), "--optimizer", "adam"]
+    last_slow = ["--sleep", "0.3", "--sleep-from", str(steps - 1)]
+    workers = [cluster.worker(i, *flags, *last_slow, "--final", str(finals[i])) for i in (0, 1)]
+    workers.append(cluster.worker(2, *flags))
+    for w in workers:
+        w.expect_exit(0, timeout=50)
+    cluster.chief_p.expect_exit(0, timeout=20)
+    cluster.ps_p[0].expect_exit(0, timeout=20)
+
+    for i in range(3):
+        rec = cluster.record(f"worker{i}")
+        assert [p["step"] for p in rec["pushes"]] == list(range(steps))
+        assert all(p["accepted"] for p in rec["pushes"]), (i, rec)
+    expected = reference(OPTIMIZERS["adam"], steps)
+    for final in finals:
+        got = np.load(final)
+        for v in VARIABLES:
+            diff = float(np.max(np.abs(got[v.name] - expected[v.name])))
+            assert diff <= 1e-5, (v.name, diff)
+    # the policy's boundaries: the first at step 7, each next one 7 steps after the
+    # last (later while one is still being written); each holds exactly its step
+    taken = sorted(int(p.name[5:]) for p in ckpt.glob("ckpt-*") if p.name[5:].isdigit())
+    assert taken[0] == 7 and len(taken) >= 3, taken
+    assert all(b - a >= 7 for a, b in itertools.pairwise(taken[:-1])), taken
+    for step in taken:
+        values = Checkpoint.load(ckpt / f"ckpt-{step:012d}").variables()
+        at = reference(OPTIMIZERS["adam"], step)
+        for v in VARIABLES:
+            diff = float(np.max(np.abs(values[v.name] - at[v.name])))
+            assert diff <= 1e-5, (step, v.name, diff)
+    summary = read_json(cluster.summary)
+    assert (summary["mode"], summary["global_step"]) == ("sync", steps)
 
 
 # ----------------------------------------------------------------- zmqps launch

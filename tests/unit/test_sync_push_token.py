@@ -27,6 +27,7 @@ from test_sync import (
 )
 
 from zmqps.core.sync import ReleasedTokens
+from zmqps.roles.chief import modes
 from zmqps.roles.ps import service as ps_service
 from zmqps.roles.worker.modes import SyncSteps
 from zmqps.wire.ops import Who
@@ -322,7 +323,12 @@ async def steps_by_push_replies(job: Any, steps: int, optimizer: dict[str, Any])
     return brought
 
 
-def test_one_ps_releases_each_step_itself_and_the_steps_stay_exact() -> None:
+def test_one_ps_releases_each_step_itself_and_the_steps_stay_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the chief hears of the steps the PS released within this (each step waits on it)
+    monkeypatch.setattr(modes, "AHEAD_POLL_S", 0.02)
+
     async def body() -> None:
         job = await sync_job(3, 1, num_shards=1)
         ahead = []

@@ -492,6 +492,12 @@ class ReleasedTokens:
       to settle) and when this PS is the only one holding shards, so a token of the
       step never lets a worker pull values of before it. The chief then is off the
       step's path; it hears of the step as before, and releases it again (no news).
+    * With one PS holding shards the chief may let it release every step up to the
+      one before the next boundary it must see (:meth:`allow_until`: a checkpoint
+      due, at most :data:`~zmqps.roles.chief.modes.AHEAD_STEPS` ahead): it then
+      polls about once a second, not once a step, and a membership change takes the
+      allowance back (a stepping poll without it) before the chief looks at who
+      holds what.
     * How long each answered request waited is kept for the chief (at most
       ``max_waits`` between two of its looks; the rest are counted only).
     """
@@ -504,6 +510,8 @@ class ReleasedTokens:
         self._waits: list[float] = []
         #: the step (and generation) this PS may release by itself once it reached it
         self.then: tuple[int, int] | None = None
+        #: ``then`` of :meth:`allow_until` holds until then (the PS's clock), or None
+        self.lease: float | None = None
         #: the release before the current one and its tokens handed, when this PS
         #: moved on by itself (the chief's report of it is then still to come)
         self._before: tuple[int, int] | None = None
@@ -526,18 +534,38 @@ class ReleasedTokens:
             return
         if self.then is None or (self.then[1], self.then[0]) < (gen, step):
             self.then = (step, gen)
+            self.lease = None
 
-    def reached(self, step: int, gen: int) -> bool:
-        """This PS (generation ``gen``) is at ``step``: True if that released the step
-        the chief allowed (:meth:`allow`; one of another generation never is)."""
+    def allow_until(self, until: int, gen: int, lease: float | None = None) -> None:
+        """The chief lets this PS release every step up to ``until`` (generation
+        ``gen``) by itself, each the moment it reached it (:meth:`reached`), until
+        the clock passes ``lease`` (a chief that stopped polling, or one that came
+        back and does not release, is not followed for ever). The chief's last word:
+        it replaces what an earlier poll allowed (a smaller ``until`` stops the PS
+        sooner; one not past the release allows nothing)."""
+        self.lease = lease
+        if self.gen is not None and (gen, until) <= (self.gen, self.step or 0):
+            self.then = None
+        else:
+            self.then = (until, gen)
+
+    def reached(self, step: int, gen: int, now: float | None = None) -> bool:
+        """This PS (generation ``gen``) is at ``step`` (at ``now`` on the clock of
+        the lease): True if that released a step the chief allowed (:meth:`allow`,
+        :meth:`allow_until`: the step reached, or the last one allowed if it is past
+        it; one of another generation, or past the lease, never is)."""
         then = self.then
-        if then is None or step < then[0]:
+        if then is None:
             return False
-        self.then = None
-        if then[1] != gen:
+        lease = self.lease
+        if then[1] != gen or (lease is not None and now is not None and now > lease):
+            self.then = None
             return False
+        upto = min(step, then[0])
+        if self.gen != gen or self.step is None or upto <= self.step:
+            return False  # nothing reached past a release of this generation yet
         before = (self.step, self.granted)
-        if not self.release(*then):
+        if not self.release(upto, gen):
             return False
         if before[0] is not None:
             self._before = (before[0], before[1])

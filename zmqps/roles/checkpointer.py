@@ -135,6 +135,12 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         if self.busy:
             return False
+        return self.planned(step)
+
+    def planned(self, step: int) -> bool:
+        """Whether one is due at ``step`` as things stand, the one being written (if
+        any) done by then: from a step on, every later one is due too (sync: a run of
+        steps the PS releases by itself ends before the first)."""
         if self.forced and step > self.last_step:
             return True
         now = self.clock()

@@ -477,6 +477,12 @@ class WaitStep(Body):
     #: moment it applied the step, before the chief hears of it (the chief says so for
     #: a boundary it needs nothing at, and only to the one PS holding shards)
     release_step: bool | None = wire(Bool(), default=None)
+    #: sync: this PS may release every step up to ``release_until`` (generation
+    #: ``gen``) by itself, each the moment it applied it (the chief says so up to the
+    #: step before the next boundary it must see, and only to the one PS holding
+    #: shards; ``step`` is then that boundary). A stepping poll without it takes back
+    #: what an earlier one allowed
+    release_until: int | None = wire(Int(0), default=None)
 
 
 @_body("ps_state")
@@ -794,6 +800,11 @@ class StepReply(Body):
     #: wait_step (the chief's stepping poll): this PS takes ``WaitStep.release_step``
     #: (an older one refuses a field it does not know: the chief sends it only then)
     releases: bool | None = wire(Bool(), default=None)
+    #: wait_step (the chief's stepping poll): this PS takes ``WaitStep.release_until``,
+    #: and ``released`` is the step whose tokens it hands now (None: none of the poll's
+    #: generation), whether the chief or the PS itself released it
+    releases_until: bool | None = wire(Bool(), default=None)
+    released: int | None = wire(STEP, default=None)
 
 
 @_body(reply=True)

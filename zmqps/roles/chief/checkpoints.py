@@ -74,6 +74,11 @@ class ChiefCheckpoints:
         came now (a boundary without one may be released by the PS itself)."""
         return self.chief.variables.placement is not None and self.ck.due(step)
 
+    def planned_at(self, step: int) -> bool:
+        """sync: whether a checkpoint will be due at ``step`` as planned now (a run of
+        steps the PS releases by itself ends before the first such step)."""
+        return self.chief.variables.placement is not None and self.ck.planned(step)
+
     async def at_boundary(self, step: int) -> None:
         """sync: called with every new global step, before its tokens are put."""
         placement = self.chief.variables.placement

@@ -56,6 +56,12 @@ GONE_MEMO_S = 0.05
 #: Seconds before N is told again to every PS when some PS did not answer.
 RECONFIGURE_RETRY_S = 1.0
 
+#: sync, one PS releasing steps by itself: the most steps one poll lets it release
+#: (the next checkpoint boundary usually comes first), and how long that poll waits
+#: before it says where the PS is (the chief's ledger, ``zmqps status``, catch up)
+AHEAD_STEPS = 1 << 16
+AHEAD_POLL_S = 1.0
+
 
 class ChiefMode:
     """What the modes have in common: the PS to configure, waiters to wake."""
@@ -89,6 +95,10 @@ class ChiefMode:
         #: whether :attr:`on_step` has work at that step (sync: a checkpoint due); a
         #: boundary with none may be released by the PS itself
         self.step_due: Callable[[int], bool] = lambda step: self.on_step is not None
+        #: whether a checkpoint will be due at that step, as planned now (a run of
+        #: steps the PS releases by itself ends before the first); from one step on,
+        #: every later step is due too
+        self.plan_due: Callable[[int], bool] = lambda step: self.step_due(step)
         #: the cluster's generation (the chief's recovery owns it)
         self.generation: Callable[[], int] = lambda: 0
         #: hears how long token polls waited on the PS (sync: the PS hand tokens)
@@ -287,6 +297,15 @@ class SyncMode(ChiefMode):
         self._configuring = asyncio.Lock()
         #: PS states whose process said it takes ``WaitStep.release_step``
         self._releases: set[int] = set()
+        #: ... and ``WaitStep.release_until``
+        self._ranges: set[int] = set()
+        #: the stepping poll letting the PS release a run of steps by itself, while it
+        #: waits (a membership change cancels it, :meth:`_take_back`)
+        self._ranging: asyncio.Future[Any] | None = None
+        #: whether the last stepping poll sent let the PS release steps by itself
+        self._allowing = False
+        #: membership changes being settled (the PS releases nothing by itself then)
+        self._unsettled = 0
         #: PS states whose step polls answer below the step waited for although they
         #: applied it (its copies do not all have it yet): state -> (since, step there)
         self._behind: dict[int, tuple[float, int]] = {}
@@ -415,9 +434,15 @@ class SyncMode(ChiefMode):
     async def membership_changed(self, gone: Sequence[int] = (), back: Sequence[int] = ()) -> None:
         self._gone_memo = None
         if self.started:
-            if gone:
-                await self._count_contributions(gone)
-            await self._reconfigure()
+            self._unsettled += 1  # no step released by the PS alone meanwhile
+            try:
+                # the ledger at the PS's step first: who holds what is of that step
+                await self._take_back()
+                if gone:
+                    await self._count_contributions(gone)
+                await self._reconfigure()
+            finally:
+                self._unsettled -= 1
         await self._wake()
 
     # ------------------------------------------------------------ the stepping loop
@@ -437,35 +462,149 @@ class SyncMode(ChiefMode):
         self.tokens.restart(step, extra=self.cfg.init_tokens)
         self.step_started_at = self.clock()
         self.started = True
+        self._allowing = False
         await self._wake()
         while True:
             nxt = self._step + 1
             released = self._step if self._relaying() else None
+            until = None if released is None else self._release_until(nxt)
+            if until is not None and released is not None:
+                # the PS releases nxt .. until by itself; the chief hears where it is
+                # about once a second, and at the boundary after (it is the chief's)
+                rep = await self._run_ahead(until, released)
+                if rep is None:  # taken back (a membership change): plan again
+                    continue
+                self._released_by_ps(rep.released)
+                if self._step >= nxt or rep.step is None or rep.step < nxt:
+                    continue
+                # the PS applied nxt and released none of it (another generation): the
+                # chief's boundary, as below (the poll answers at once)
             ahead = released is not None and self._may_release_ahead(nxt)
-            await asyncio.gather(
+            self._allowing = ahead
+            replies = await asyncio.gather(
                 *(
                     self._wait_ps(c, nxt, k, released, ahead)
                     for k, c in zip(self.stepping_ids, self.stepping, strict=True)
                 )
             )
+            if self._step >= nxt:  # the PS released it and the ledger heard (_take_back)
+                continue
+            # tokens of nxt out already: the PS released it by itself (a release
+            # allowed earlier, taken back after it came)
+            out = ahead or any(r.released is not None and r.released >= nxt for r in replies)
             # before the step's gone workers stop counting
             replicas, gone = self.replicas(), self.gone()
             self._step = nxt
             self.counted.clear()
             self._gone_memo = None
             await self._reconfigure()
-            if self.on_step is not None and not ahead:
+            if self.on_step is not None and not out:
                 # e.g. a checkpoint, while no tokens are out (a step the PS released by
                 # itself has them out: one due meanwhile waits for the next boundary,
                 # which the PS does not release by itself)
                 await self.on_step(nxt)
+            if self._step != nxt:
+                continue  # the ledger moved on meanwhile (_take_back)
             self.step_started_at = self.clock()
             self.tokens.advance(nxt, replicas, gone)
             await self._wake()
 
+    def _release_until(self, step: int) -> int | None:
+        """The last step of the run from ``step`` on that the one PS may release by
+        itself (:meth:`_may_release_ahead` at ``step``, and it said it takes
+        ``release_until``): the step before the next checkpoint boundary
+        (:attr:`plan_due`, a step from which on one is due), at most
+        :data:`AHEAD_STEPS` ahead. None: the chief releases ``step`` itself, or only it."""
+        if not self._may_release_ahead(step) or self.stepping_ids[0] not in self._ranges:
+            return None
+        due = self.plan_due
+        if due(step):
+            return None
+        lo, hi = step, step + AHEAD_STEPS - 1  # not due at lo
+        if not due(hi):
+            return hi
+        while hi - lo > 1:  # the first step due is in (lo, hi]
+            mid = (lo + hi) // 2
+            if due(mid):
+                hi = mid
+            else:
+                lo = mid
+        return lo
+
+    async def _run_ahead(self, until: int, released: int) -> o.StepReply | None:
+        """One poll letting the one PS release every step up to ``until`` by itself: it
+        answers at the step after (the chief's boundary) or after
+        :data:`AHEAD_POLL_S`, saying the step it released last. None: cancelled by a
+        membership change (:meth:`_take_back`) or not answered (planned again)."""
+        ps, k = self.stepping[0], self.stepping_ids[0]
+        body = o.WaitStep(
+            until + 1, AHEAD_POLL_S, released=released, gen=self.generation(), release_until=until
+        ).to_wire()
+        self._allowing = True
+        task = asyncio.ensure_future(ps.request("wait_step", body, timeout=AHEAD_POLL_S + 5))
+        self._ranging = task
+        try:
+            rep = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # 3.11 on
+            if not task.cancelled() or (cancelling is not None and cancelling()):
+                task.cancel()
+                raise  # the loop itself is cancelled
+            return None
+        except DeadlineExceeded:
+            log.warning("ps at %s does not answer while it releases steps", ps.endpoint)
+            return None
+        except NotPrimary as exc:  # the process lost its copy: a fail-over moves it
+            log.info("steps wait for a fail-over: %s", exc)
+            await asyncio.sleep(0.1)
+            return None
+        finally:
+            if self._ranging is task:
+                self._ranging = None
+        out = o.StepReply.parse(rep.body, "wait_step reply")
+        self._relayed(k, out)
+        return out
+
+    def _released_by_ps(self, released: int | None) -> None:
+        """The one PS said it released steps up to ``released`` by itself: the ledger
+        moves there (no ``on_step``: their tokens are out; a checkpoint due meanwhile
+        waits for the next boundary, which the PS does not release by itself)."""
+        if released is None or released <= self._step:
+            return
+        replicas, gone = self.replicas(), self.gone()
+        self._step = released
+        self.counted.clear()
+        self._gone_memo = None
+        self.step_started_at = self.clock()
+        self.tokens.advance(released, replicas, gone)
+        self.changed.notify_all()
+
+    async def _take_back(self) -> None:
+        """A membership change: the PS stops releasing steps by itself (a stepping poll
+        without ``release_until``), and the ledger moves to the step it released, so
+        the gone workers are looked up, and N told, at the step the PS is at. The
+        loop's poll that allowed them is cancelled (it plans again)."""
+        if len(self.stepping_ids) != 1:
+            return  # several PS: the chief releases every step itself
+        if not self._allowing and self.stepping_ids[0] not in self._ranges:
+            return  # nothing allowed (a poll that took it back may be in flight: asked too)
+        self._allowing = False
+        if self._ranging is not None:
+            self._ranging.cancel()
+        ps = self.stepping[0]
+        body = o.WaitStep(0, 0.0, released=self._step, gen=self.generation()).to_wire()
+        try:
+            rep = await ps.request("wait_step", body, timeout=2.0)
+        except ZmqpsError as exc:
+            log.warning(
+                "ps at %s did not hear that the chief takes the steps back: %s", ps.endpoint, exc
+            )
+            return
+        self._released_by_ps(o.StepReply.parse(rep.body, "wait_step reply").released)
+
     async def _wait_ps(
         self, ps: Requester, step: int, k: int, released: int | None, ahead: bool = False
-    ) -> None:
+    ) -> o.StepReply:
         """Until PS ``k`` applied ``step``; each poll tells it the step whose tokens are
         released (it hands them, :meth:`token_ps`), and each answer says how many it
         handed and how long their requests waited. ``ahead``: the PS releases ``step``
@@ -487,9 +626,10 @@ class SyncMode(ChiefMode):
                     log.info("step %d waits for a fail-over: %s", step, exc)
                     await asyncio.sleep(0.1)
                     continue
-                self._relayed(k, o.StepReply.parse(rep.body, "wait_step reply"))
+                out = o.StepReply.parse(rep.body, "wait_step reply")
+                self._relayed(k, out)
                 if int(rep.body["step"]) >= step:
-                    return
+                    return out
                 if self.clock() - said >= BEHIND_REPORT_S:
                     said = self.clock()
                     await self._say_behind(ps, k, step)
@@ -548,6 +688,7 @@ class SyncMode(ChiefMode):
             and not self.counted
             and not self.checking
             and not self._to_look
+            and not self._unsettled
             and self._told_everyone
             and self.required == self.needed()
             and not self.step_due(step)
@@ -564,6 +705,10 @@ class SyncMode(ChiefMode):
             self._releases.add(k)
         else:
             self._releases.discard(k)
+        if rep.releases_until:
+            self._ranges.add(k)
+        else:
+            self._ranges.discard(k)
         if rep.granted_of is not None:
             self._count_relayed(k, rep.granted_of, rep.granted or 0)
         if rep.token_waits and self.on_token_waits is not None:

@@ -99,6 +99,7 @@ class ChiefService:
         if self.checkpoints is not None:
             self.consistency.on_step = self.checkpoints.at_boundary
             self.consistency.step_due = self.checkpoints.due_at
+            self.consistency.plan_due = self.checkpoints.planned_at
         self.recovery = RecoveryController(
             cfg,
             self.ps,

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import math
 import secrets
+import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import replace
@@ -87,6 +88,11 @@ STATUS_WORKERS = 1024
 #: how long a sync push that asks for the worker's next token (``Push.token``) may
 #: wait for its release before it is answered without one
 PUSH_TOKEN_WAIT_S = 0.25
+
+#: sync: how long past its wait a chief's poll that lets this PS release a run of
+#: steps (``WaitStep.release_until``) holds: the chief polls again at once, so a run
+#: whose chief stopped polling ends (a chief come back releases them itself)
+RELEASE_LEASE_S = 5.0
 
 _PUSH_OPS = frozenset({"push", "push_pull", "push_rows", "push_pull_rows"})
 _DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
@@ -939,14 +945,20 @@ class PSService:
     def _step_moved(self, step: int) -> None:
         """The step (as others read it) may have moved: the tokens the chief let this
         PS release at it go out now."""
-        if self.tokens.then is not None and self.tokens.reached(step, self.gen):
+        tokens = self.tokens
+        if tokens.then is not None and tokens.reached(step, self.gen, time.monotonic()):
             self._token_changes.notify_all()
 
     async def _op_wait_step(self, msg: Message, req: o.WaitStep) -> Message:
         releases = req.released is not None and req.gen is not None
         if releases and self.tokens.release(req.released or 0, req.gen or 0):
             self._token_changes.notify_all()
-        if releases and req.release_step and req.gen == self.gen:
+        if releases and req.release_until is not None and req.gen == self.gen:
+            # every step up to it, each as this PS reaches it (the chief's last word)
+            lease = time.monotonic() + (req.wait or 0.0) + RELEASE_LEASE_S
+            self.tokens.allow_until(req.release_until, self.gen, lease)
+            self._step_moved(self.visible_step)  # reached already
+        elif releases and req.release_step and req.gen == self.gen:
             self.tokens.allow(req.step, self.gen)
             self._step_moved(self.visible_step)  # reached already
         elif releases:
@@ -957,12 +969,15 @@ class PSService:
         if not releases:  # not the chief's stepping poll: it does not take the report
             return reply(msg, o.StepReply(step=step).to_wire())
         of, granted, waits = self.tokens.report(req.released)
+        tokens = self.tokens
         out = o.StepReply(
             step=step,
             granted_of=of,
             granted=granted,
             token_waits=tuple(waits) or None,
             releases=True,
+            releases_until=True,
+            released=tokens.step if tokens.gen == req.gen else None,
         )
         return reply(msg, out.to_wire())
 
