@@ -232,12 +232,19 @@ def _fault(
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
+#: the share of :func:`draw`'s schedules with one PS (a PS kill then restores every
+#: shard; a sync run's steps are released by that PS itself between the chief's polls)
+ONE_PS_SHARE = 0.2
+
+
 def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
     """The schedule of ``seed``. ``netns_unavailable``: why network namespaces cannot be
     made here (None: they can), so partitions are left out of the draw."""
     rng = random.Random(seed)
     mode = rng.choice(("async", "sync", "ssp"))
     ps = rng.randint(2, 3)
+    if random.Random(f"single-ps-{seed}").random() < ONE_PS_SHARE:
+        ps = 1  # drawn apart: the other seeds keep their schedules
     workers = rng.randint(2, 4)
     driver = "coordinator" if mode == "async" and rng.random() < 0.25 else "worker"
     spe = rng.choice((2, 5)) if driver == "coordinator" else 1
