@@ -13,10 +13,11 @@ Rules of this module:
 
 * :func:`warm_kernels` runs, once per process, the code paths a PS runs on values
   (the value check of a push, the sum of a push's repeated row ids, each
-  optimizer's dense and row update, all on float32, and the dense update of a
-  bfloat16 wire, which also writes the wire copy) on a few elements each, so
-  that later calls find every kernel loaded. Other dtypes still load on first
-  use (a few milliseconds from the cache).
+  optimizer's dense and row update, all on float32) on a few elements each, so
+  that later calls find every kernel loaded. Other dtypes, and the kernels of a
+  bfloat16 wire, still load on first use (a few milliseconds from the cache): warming
+  those would import ``ml_dtypes`` (most of a second) in every PS, and hold every
+  PS's first pushes that long, for a variant few runs use.
 * It is meant for a thread: a PS starts it there as it starts serving and holds
   the requests that may need a kernel (not its event loop) until it is done
   (:class:`~zmqps.roles.ps.serve.KernelGate`).
@@ -33,7 +34,7 @@ import time
 
 import numpy as np
 
-from zmqps.core import _kernels, finite, lowp, segments
+from zmqps.core import _kernels, finite, segments
 from zmqps.core.optimizers import OPTIMIZERS, make_optimizer
 
 __all__ = ["warm_kernels"]
@@ -65,9 +66,6 @@ def _exercise() -> None:
         param = np.zeros(8, np.float32)
         scratch = np.zeros(opt.scratch_factor * param.size, np.float32)
         opt.apply_dense(param, np.ones(8, np.float32), opt.init_slots((8,), "float32"), 1, scratch)
-        wire = lowp.narrow(param)  # a bfloat16 wire: its gradients, and the wire copy
-        for grad in (lowp.narrow(np.ones(8, np.float32)), np.ones(8, np.float32)):
-            opt.apply_dense(param, grad, opt.init_slots((8,), "float32"), 1, scratch, wire=wire)
         table = np.zeros((3, width), np.float32)
         rows = np.array([0, 2], np.int64)
         grads = np.ones((2, width), np.float32)
