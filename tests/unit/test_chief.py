@@ -1190,3 +1190,41 @@ def test_a_worker_that_heard_a_later_placement_epoch_gets_the_placement_past_it(
         assert chief.placement is not None and chief.placement.epoch == heard + 1
 
     run(body())
+
+
+def test_a_worker_of_a_cluster_lost_before_any_checkpoint_finds_the_cluster_made_anew() -> None:
+    """The PS and the chief lost before the first checkpoint: the new chief finds empty
+    PS and no checkpoint, and makes the cluster anew in the generation the running
+    workers already had. The first of them to register again (it ran under an earlier
+    chief) has every shard restored to its initial values in a new generation, as a
+    living chief does when its PS come back empty: the workers' waits for a new
+    generation end. A worker that never ran (a first start) changes nothing."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=2, heartbeat_interval=0.5)
+        await env.chief.start()  # empty PS, no checkpoint: fresh
+        await env.chief.create_variables(VARS, SGD)
+        rep = await call(env.chief, "register", who(1, 5, steps_planned=10))
+        await asyncio.sleep(0.05)
+        assert rep.body["gen"] == 0 and env.chief.gen == 0  # a first start: nothing
+        # a worker this chief knows registering again (it forgot nothing): nothing
+        await call(env.chief, "register", who(1, 5, steps_planned=10, steps_done=0))
+        await asyncio.sleep(0.05)
+        assert env.chief.gen == 0
+
+        await call(env.chief, "register", who(0, 7, steps_planned=10, steps_done=3))
+        for _ in range(100):
+            if env.chief.gen == 1 and not env.chief.recovery.starting:
+                break
+            await asyncio.sleep(0.01)
+        assert env.chief.gen == 1
+        assert env.services[0].gen == 1  # the PS hold the initial values, generation 1
+        rep = await call(env.chief, "heartbeat", who(0, 7, step=0))
+        assert rep.body["gen"] == 1 and rep.body["recovering"] is False
+
+        # once: another worker of before registering again restores nothing more
+        await call(env.chief, "register", who(1, 6, steps_planned=10, steps_done=2))
+        await asyncio.sleep(0.05)
+        assert env.chief.gen == 1
+
+    run(body())

@@ -157,6 +157,12 @@ class RecoveryController:
         self.rewinds: dict[str, int] | None = None
         #: batches the restores sent back to be trained again, in all
         self.rewound = 0
+        #: the generation a start with empty PS and no checkpoint made the cluster in,
+        #: until a restore: a worker that ran under an earlier chief registering again
+        #: then finds every value it held, and every push it has in flight, gone with
+        #: the cluster it knew, in the same generation number (:meth:`admit`)
+        self.made_anew: int | None = None
+        self._renewing: asyncio.Future[None] | None = None
         #: each PS's boot id as last heard at a start or a restore
         self.boots: dict[int, str] = {}
         #: set once the start decision is made (adopt, restore or fresh)
@@ -337,6 +343,7 @@ class RecoveryController:
             ckpt = latest  # verified above, off the event loop (it hashes every file)
             if ckpt is None:
                 self.handle(Event.FRESH)
+                self.made_anew = self.gen
                 return
             variables = tuple(ckpt.variable_defs())
             placement = self.variables.plan(variables, dict(ckpt.manifest.optimizer))
@@ -609,6 +616,7 @@ class RecoveryController:
         (default: the latest committed checkpoint, or the initial values if there is
         none), all PS to one step, in a new generation; training restarts there."""
         self.handle(event)
+        self.made_anew = None
         started = self.clock()
         self.stop_training()
         before = self.mode.global_step
@@ -1101,6 +1109,7 @@ class RecoveryController:
         each PS says how far the worker's pushes got there. ``running``: an incarnation
         that runs already registers again (this chief restarted), having started after
         that many batches."""
+        unknown = who.index not in self.members.workers
         rejoin = self.members.register(who.index, who.incarnation, self.clock(), steps_planned)
         progress, silent = await self._fence(who)
         if silent and running is None:
@@ -1138,7 +1147,33 @@ class RecoveryController:
             key=("rejoined" if rejoin else "registered", who.index),
         )
         await self.mode.membership_changed(back=[who.index])
+        if (
+            running is not None
+            and unknown
+            and self.made_anew == self.gen
+            and self.variables.placement is not None
+        ):
+            # it ran under an earlier chief, in a cluster this one never knew (every
+            # PS lost with the chief before any checkpoint): it waits for a new
+            # generation, which only a restore makes. Made anew, as a living chief
+            # does when its PS come back empty with no checkpoint: initial values, a
+            # new generation, its batches trained again.
+            self.made_anew = None
+            self._renewing = asyncio.ensure_future(self._renew(who))
         return rejoin, skip, last
+
+    async def _renew(self, who: o.Who) -> None:
+        """Every shard back to its initial values in a new generation: a worker of a
+        cluster lost before its first checkpoint registered again (:meth:`admit`)."""
+        async with self.placement_lock:
+            if self.phase not in (Phase.RUNNING, Phase.DEGRADED):
+                return  # a restore, the end or a shutdown came first
+            states = await self.ps_states(self.cfg.startup_timeout)
+            await self._restore(
+                Event.RESTORE,
+                f"{who.name} ran in a cluster lost before its first checkpoint",
+                states,
+            )
 
     async def _fence(self, who: o.Who) -> tuple[list[Progress], list[str]]:
         """Tell every PS that the worker's incarnations before this one are gone: what
