@@ -33,6 +33,31 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(main())  # type: ignore[arg-type]
 
 
+def _curve_keys(tmp_path: Path) -> Callable[[str], SocketOptions]:
+    """Keys made in ``tmp_path``; the client options of a role's key."""
+    keygen(tmp_path)
+
+    def keys(role: str) -> SocketOptions:
+        return SocketOptions(
+            curve=load_keys(tmp_path, role, 0, serve=False, connect=True), linger_ms=0
+        )
+
+    return keys
+
+
+def _curve_ps(ctx: Any, tmp_path: Path) -> tuple[Server, str]:
+    """A PS (a new ``PSService``) serving on CURVE with the keys in ``tmp_path``,
+    started: the server and its address."""
+    from zmqps.roles.ps import PSService
+
+    server_keys = load_keys(tmp_path, "ps", 0, serve=True, connect=False)
+    options = SocketOptions(curve=server_keys, linger_ms=0)
+    server = Server(ctx, "127.0.0.1:0", PSService(0), name="ps0", options=options)
+    address = server.bind().removeprefix("tcp://")
+    server.start()
+    return server, address
+
+
 def echo(msg: Message) -> Message:
     """Answers with the tensors it was sent, doubled."""
     return reply(
@@ -247,29 +272,14 @@ def test_a_ps_serves_sealed_pulls_into_params_consistent_while_pushes_land(
     from zmqps.core.partition import Partitioner, plan
     from zmqps.core.variables import VariableDef
     from zmqps.roles.client import ParameterClient
-    from zmqps.roles.ps import PSService
 
-    keygen(tmp_path)
-
-    def keys(role: str) -> SocketOptions:
-        return SocketOptions(
-            curve=load_keys(tmp_path, role, 0, serve=False, connect=True), linger_ms=0
-        )
+    keys = _curve_keys(tmp_path)
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         var = VariableDef("w", (4096, 1024), init={"name": "zeros"})  # 16 MiB
         placement = plan([var], 1, Partitioner(num_shards=3), optimizer={"name": "sgd", "lr": 1.0})
-        server_keys = load_keys(tmp_path, "ps", 0, serve=True, connect=False)
-        server = Server(
-            ctx,
-            "127.0.0.1:0",
-            PSService(0),
-            name="ps0",
-            options=SocketOptions(curve=server_keys, linger_ms=0),
-        )
-        address = server.bind().removeprefix("tcp://")
-        server.start()
+        server, address = _curve_ps(ctx, tmp_path)
         chief = Client(ctx, address, "chief:0", options=keys("chief"))
         clients = [Client(ctx, address, f"worker:{i}", options=keys("worker")) for i in range(2)]
         try:
@@ -322,29 +332,14 @@ def test_a_workers_state_links_open_sealed_pulls_and_push_pulls_into_params(
     from zmqps.core.variables import VariableDef
     from zmqps.roles.client import ParameterClient
     from zmqps.roles.homes import Homes
-    from zmqps.roles.ps import PSService
 
-    keygen(tmp_path)
-
-    def keys(role: str) -> SocketOptions:
-        return SocketOptions(
-            curve=load_keys(tmp_path, role, 0, serve=False, connect=True), linger_ms=0
-        )
+    keys = _curve_keys(tmp_path)
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         var = VariableDef("w", (1024, 1024), init={"name": "zeros"})  # 4 MiB
         placement = plan([var], 1, Partitioner(num_shards=2), optimizer={"name": "sgd", "lr": 1.0})
-        server_keys = load_keys(tmp_path, "ps", 0, serve=True, connect=False)
-        server = Server(
-            ctx,
-            "127.0.0.1:0",
-            PSService(0),
-            name="ps0",
-            options=SocketOptions(curve=server_keys, linger_ms=0),
-        )
-        address = server.bind().removeprefix("tcp://")
-        server.start()
+        server, address = _curve_ps(ctx, tmp_path)
         chief = Client(ctx, address, "chief:0", options=keys("chief"))
         transport = Client(ctx, address, "worker:0", options=keys("worker"))
         try:
