@@ -13,16 +13,19 @@ import logging
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 
 from zmqps.config import ClusterSpec
-from zmqps.core.partition import Partitioner, greedy_by_bytes, round_robin
+from zmqps.core.partition import Partitioner, greedy_by_bytes, plan, round_robin
 from zmqps.core.variables import Placement, VariableDef
+from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.chief import ChiefConfig, ChiefService
 from zmqps.roles.client import ParameterClient
+from zmqps.roles.configs import CheckpointPolicy
 from zmqps.roles.job import JobConfig
 from zmqps.roles.ps import PSService
 from zmqps.roles.status import format_status
@@ -1226,5 +1229,48 @@ def test_a_worker_of_a_cluster_lost_before_any_checkpoint_finds_the_cluster_made
         await call(env.chief, "register", who(1, 6, steps_planned=10, steps_done=2))
         await asyncio.sleep(0.05)
         assert env.chief.gen == 1
+
+    run(body())
+
+
+def test_a_chief_that_resumes_from_a_checkpoint_reports_its_step_at_once(
+    tmp_path: Path,
+) -> None:
+    """Async: a new chief finds empty PS and a checkpoint of step 12 whose batches are
+    all its workers' (cursors 5 and 7). Its status says global step 12 from the moment
+    the restore is done, not the step offset alone (12 - 5 - 7 = 0) until workers
+    report: the global step read 0 there, and went back from what the lost chief had
+    said (fault schedules 9606 and 9614)."""
+    placement = plan(VARS, 1, Partitioner(num_shards=2), optimizer=dict(SGD))
+
+    async def write_checkpoint() -> None:
+        net = FakeNetwork()
+        net.serve("ps0", PSService(0, checkpoint_dir=str(tmp_path)), name="ps0")
+        client = net.client("ps0", "chief:0")
+        defs = tuple(d.to_wire() for _, d in placement.shard_defs())
+        # the PS holds what workers 0 and 1 pushed up to their batches 5 and 7
+        cursors = {"worker:0": 5, "worker:1": 7}
+        restore = o.Restore(0, 0, defs, None, placement.to_wire(), cursors, False)
+        await client.request("restore", restore.to_wire())
+        ck = Checkpointer(CheckpointPolicy(str(tmp_path)), [client])
+        ckpt = await ck.take(12, placement, "async", 0, {})
+        assert ckpt is not None and ckpt.cursors == cursors
+
+    async def body() -> None:
+        await write_checkpoint()
+        env = make_env(1, num_workers=2, serve=[], checkpoint=CheckpointPolicy(str(tmp_path)))
+        env.services[0] = PSService(0, checkpoint_dir=str(tmp_path))
+        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        await env.chief.start()
+        status = (await call(env.chief, "status")).body
+        assert status["step_known"] and status["gen"] >= 1
+        assert status["global_step"] == 12
+        # each worker's new incarnation resumes after its batches (the chief counts
+        # them as its earlier ones'), then reports the batches it trained since: the
+        # checkpoint's are not counted twice
+        for i in (0, 1):
+            await call(env.chief, "register", who(i, 1, steps_planned=20))
+            await call(env.chief, "heartbeat", who(i, 1, step=2))
+        assert (await call(env.chief, "status")).body["global_step"] == 12 + 2 + 2
 
     run(body())

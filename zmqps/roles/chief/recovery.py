@@ -352,6 +352,10 @@ class RecoveryController:
                 # the steps the checkpoint holds; those of the batches its workers resume
                 # after are counted again by the workers themselves
                 self.mode.step_offset = ckpt.step - sum((_resumed(ckpt) or {}).values())
+                # the checkpoint's step from the restore on, not the offset alone until
+                # the workers report the batches they resume after (it read 0 there,
+                # after the lost chief had said more)
+                self.mode.global_step = ckpt.step
             self.gen = max(self.gen, ckpt.manifest.generation)
             # never silent: a run that goes on from a checkpoint says so, and from which
             log.warning(
