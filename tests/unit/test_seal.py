@@ -258,3 +258,53 @@ def test_zmqps_seal_off_turns_sealing_off() -> None:
     assert seal_bulk({}) and seal_bulk({"ZMQPS_SEAL": "on"})
     for off in ("off", "0", "no", "FALSE", " Off "):
         assert not seal_bulk({"ZMQPS_SEAL": off})
+
+
+@pytest.mark.parametrize("bad", [None, 1, 3, 6])
+def test_a_large_message_is_sealed_and_opened_on_several_threads_as_one(
+    bad: int | None,
+) -> None:
+    """A message past PARALLEL_BYTES has its frames encrypted and decrypted on up to
+    AEAD_THREADS threads: the same bytes as one thread makes, in place and where the
+    landing says, and a frame that does not authenticate (whichever thread opens it)
+    refuses the whole message with nothing accepted."""
+    from zmqps.transport import seal
+
+    rng = np.random.default_rng(7)
+    chunks = [rng.standard_normal(n, dtype=np.float32) for n in (300_000, 70_000, 262_144, 5)]
+    chunks += [rng.standard_normal(200_000, dtype=np.float32) for _ in range(3)]
+    message = [b"header", *chunks]
+    assert sum(c.nbytes for c in chunks) >= seal.PARALLEL_BYTES
+    key, _ = derive(os.urandom(32), os.urandom(32), b"k" * 8)
+    one, many = Sealer(key, b"k" * 8), Sealer(key, b"k" * 8)
+    threads = seal.AEAD_THREADS
+    try:
+        seal.AEAD_THREADS = 1
+        expected = [bytes(s) for s in one.seal(message)]
+        seal.AEAD_THREADS = 4
+        sealed = many.seal(message)
+    finally:
+        seal.AEAD_THREADS = threads
+    assert [bytes(s) for s in sealed] == expected  # the same counters, the same bytes
+
+    opener = Opener(key, b"k" * 8)
+    dest = np.zeros_like(chunks[2])
+    if bad is not None:
+        sealed[bad][OVERHEAD + 3] ^= 0x10
+        with pytest.raises(SealRefused) as info:
+            opener.open(sealed, lambda header: [None, None, dest])
+        assert info.value.reason == "tampered" and f"frame {bad} " in str(info.value)
+        assert opener.last == -1  # nothing accepted
+        sealed = many.seal(message)
+    try:
+        seal.AEAD_THREADS = 4
+        plain = opener.open(sealed, lambda header: [None, None, dest])
+    finally:
+        seal.AEAD_THREADS = threads
+    assert opener.last == many.next - 1
+    assert bytes(plain[0]) == b"header"
+    for got, want in zip(plain[1:], chunks, strict=True):
+        assert np.array_equal(np.frombuffer(got, np.float32), want)
+    assert np.array_equal(dest, chunks[2]) and np.shares_memory(
+        np.frombuffer(plain[3], np.uint8), dest
+    )
