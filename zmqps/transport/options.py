@@ -9,6 +9,13 @@ Why each default (RELIABILITY.md, "Facts that bite"):
 * ZMTP heartbeats 1 s / 5 s / 10 s: a partition is noticed in seconds, not the
   ~15 minutes of tcp_retries2. (Liveness of the *application* is a separate,
   application-level heartbeat: libzmq answers ZMTP pings even when our loop is stuck.)
+  Clients ping; a server (ROUTER) does not (``HEARTBEAT_IVL`` 0) and drops a
+  connection that stays silent past the TTL its client's pings carry (10 s). A
+  server's own ping timer aborts libzmq 4.3.5 (``Assertion failed: !_io_error
+  (src/stream_engine_base.cpp:310)``, SIGABRT) when it fires on a connection whose
+  reading had stopped (its ``RCVHWM`` reached) and whose peer then hung up: a PS
+  stopped past the heartbeat timeout while its clients kept sending (fault schedule
+  13024, three runs out of three; none out of four without the server's pings).
 * ``LINGER`` bounded: 0 drops the last reply, -1 can hang ``ctx.term()``.
 * ``MAXMSGSIZE`` above the largest legitimate frame: large shards travel in chunks. A peer drops
   a larger frame and the connection with no error, so a client refuses to send one
@@ -90,6 +97,9 @@ class SocketOptions:
     def apply_router(self, sock: zmq.Socket[Any]) -> None:
         self.apply_common(sock)
         sock.setsockopt(zmq.RCVHWM, self.server_rcvhwm)
+        # no pings of its own (see above): its clients' pings, and their TTL, keep
+        # both sides' liveness
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self.curve is not None:
