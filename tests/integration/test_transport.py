@@ -298,6 +298,52 @@ def test_a_loop_busy_past_the_heartbeat_timeout_loses_what_queued_past_the_hwm(
     run(main)
 
 
+_NOT_READING = """
+import sys, time, zmq
+from zmqps.transport import SocketOptions
+sock = zmq.Context().socket(zmq.ROUTER)
+SocketOptions().apply_router(sock)
+print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+time.sleep(float(sys.argv[1]))  # a loop that never reads: each connection's pipe fills
+print("alive", flush=True)
+"""
+
+
+def test_a_server_that_stopped_reading_survives_its_clients_hanging_up() -> None:
+    """A server whose loop does not read (busy, or the process stopped) while clients
+    send past its RCVHWM, then hang up (as they do past the heartbeat timeout): libzmq
+    4.3.5 aborted the whole process (SIGABRT, ``Assertion failed: !_io_error
+    (src/stream_engine_base.cpp:310)``) when the server's own ZMTP ping timer fired on
+    such a connection. A server sends no pings of its own (``apply_router``): the
+    process lives (fault schedule 13024 killed a PS this way)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _NOT_READING, "3.5"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        ctx = zmq.Context()
+        for k in range(3):  # three connections: reading stops, then each hangs up
+            sock = ctx.socket(zmq.DEALER)
+            SocketOptions().apply_dealer(sock, b"client-%d" % k)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            for _ in range(200):
+                sock.send(b"x" * 100)
+            time.sleep(0.5)
+            sock.close(linger=0)
+        out, _ = proc.communicate(timeout=30)
+        ctx.term()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, f"the server exited with {proc.returncode}"
+    assert out.strip() == "alive"
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_server_at_all_gives_deadline_exceeded(kind: str) -> None:
     async def main() -> None:
