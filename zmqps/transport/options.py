@@ -16,6 +16,13 @@ Why each default (RELIABILITY.md, "Facts that bite"):
   reading had stopped (its ``RCVHWM`` reached) and whose peer then hung up: a PS
   stopped past the heartbeat timeout while its clients kept sending (fault schedule
   13024, three runs out of three; none out of four without the server's pings).
+  The same assertion remains reachable through the pong: a client's ping read after
+  such a connection's peer hung up (a loop that does not read for seconds, then
+  reads again, while clients send pings between messages and hang up) aborts the
+  same way. That is libzmq's (``out_event`` asserts where ``restart_output`` returns;
+  zeromq/libzmq issue 4841); nothing a socket option sets avoids it short of an
+  unbounded ``RCVHWM``. A supervisor restarts the process (``zmqps launch``, the
+  images' restart policy), and the cluster recovers as from a ``kill -9``.
 * ``LINGER`` bounded: 0 drops the last reply, -1 can hang ``ctx.term()``.
 * ``MAXMSGSIZE`` above the largest legitimate frame: large shards travel in chunks. A peer drops
   a larger frame and the connection with no error, so a client refuses to send one
