@@ -42,10 +42,8 @@ from __future__ import annotations
 import hmac
 import os
 import struct
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,84 +102,6 @@ _INFO = b"zmqps seal v1 "
 _CREDENTIAL_INFO = b"zmqps seal v1 data-credential"
 #: the version of ``cryptography`` seals into and opens into a given buffer (no copy)
 _INTO = hasattr(AESGCM, "encrypt_into") and hasattr(AESGCM, "decrypt_into")
-#: threads one message's frames are sealed or opened on at once, the caller's among
-#: them (AES-GCM runs without the GIL: a large message's frames in parallel)
-AEAD_THREADS = max(1, min(4, os.cpu_count() or 1))
-#: a message of fewer bytes is sealed or opened on the caller's thread alone (handing
-#: frames to other threads costs more than it saves)
-PARALLEL_BYTES = 1 << 20
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _threads() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(AEAD_THREADS - 1, thread_name_prefix="zmqps-aead")
-        return _pool
-
-
-def _forget_pool() -> None:  # a forked child has none of its parent's threads
-    global _pool
-    _pool = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-class _Lanes:
-    """One key's AES-GCM objects, one per thread a message's frames are spread over
-    (no object is used by two threads at once)."""
-
-    def __init__(self, key: bytes) -> None:
-        self._key = key
-        self._aeads = [AESGCM(key)]
-
-    def __getitem__(self, lane: int) -> AESGCM:
-        while len(self._aeads) <= lane:
-            self._aeads.append(AESGCM(self._key))
-        return self._aeads[lane]
-
-    def run(self, jobs: Sequence[tuple[int, Callable[[AESGCM], None]]]) -> None:
-        """Run each ``(bytes, job)``'s job with an AES-GCM object: in order on the
-        caller's thread when the jobs are small or few, else spread over up to
-        :data:`AEAD_THREADS` threads (by bytes, each thread its own object and its own
-        jobs in order). Returns once every job ran; then raises the exception of the
-        first job that raised, if any."""
-        total = sum(n for n, _ in jobs)
-        lanes = min(AEAD_THREADS, len(jobs))
-        if lanes <= 1 or total < PARALLEL_BYTES:
-            for _, job in jobs:
-                job(self[0])
-            return
-        loads = [0] * lanes
-        mine: list[list[int]] = [[] for _ in range(lanes)]
-        for i in sorted(range(len(jobs)), key=lambda i: -jobs[i][0]):
-            k = loads.index(min(loads))
-            loads[k] += jobs[i][0]
-            mine[k].append(i)
-        errors: dict[int, BaseException] = {}
-
-        def lane(k: int) -> None:
-            aead = self[k]
-            for i in sorted(mine[k]):
-                try:
-                    jobs[i][1](aead)
-                except BaseException as exc:  # raised below, once every lane is done
-                    errors[i] = exc
-
-        pool = _threads()
-        for k in range(lanes):  # every object made here, not on two threads at once
-            self[k]
-        others = [pool.submit(lane, k) for k in range(1, lanes)]
-        lane(0)
-        for f in others:
-            f.result()
-        if errors:
-            raise errors[min(errors)]
 
 
 class SealRefused(ProtocolError):
@@ -230,7 +150,7 @@ class Sealer:
     def __init__(self, key: bytes, key_id: bytes, limit: int = COUNTER_LIMIT) -> None:
         if len(key_id) != KEY_ID_BYTES:
             raise ValueError(f"a key id is {KEY_ID_BYTES} bytes")
-        self._lanes = _Lanes(key)
+        self._aead = AESGCM(key)
         self.key_id = key_id
         #: the counter the next frame is sealed with (each used once, never again)
         self.next = 0
@@ -238,13 +158,11 @@ class Sealer:
 
     def seal(self, frames: Sequence[Any]) -> list[npt.NDArray[np.uint8]]:
         """One message's frames sealed, in order (raises ``exhausted`` rather than
-        reach the counter's limit). Each frame's counter is handed out here, in order;
-        a large message's frames are then encrypted on several threads."""
+        reach the counter's limit)."""
         n = len(frames)
         if self.next + n > self.limit:
             raise SealRefused("exhausted", f"key {self.key_id.hex()} has sealed {self.next} frames")
         out = []
-        jobs: list[tuple[int, Callable[[AESGCM], None]]] = []
         for i, frame in enumerate(frames):
             counter = self.next
             self.next = counter + 1
@@ -254,22 +172,14 @@ class Sealer:
             sealed = np.empty(_PREFIX.size + view.nbytes + TAG_BYTES, np.uint8)
             sealed[: _PREFIX.size] = np.frombuffer(prefix, np.uint8)
             aad = prefix + _AAD_TAIL.pack(i, n)
-            jobs.append((view.nbytes, _sealing(_nonce(counter), view, aad, sealed)))
+            if _INTO:
+                self._aead.encrypt_into(_nonce(counter), view, aad, sealed.data[_PREFIX.size :])
+            else:  # pragma: no cover - cryptography without encrypt_into
+                sealed[_PREFIX.size :] = np.frombuffer(
+                    self._aead.encrypt(_nonce(counter), view, aad), np.uint8
+                )
             out.append(sealed)
-        self._lanes.run(jobs)
         return out
-
-
-def _sealing(
-    nonce: bytes, view: memoryview, aad: bytes, sealed: npt.NDArray[np.uint8]
-) -> Callable[[AESGCM], None]:
-    def job(aead: AESGCM) -> None:
-        if _INTO:
-            aead.encrypt_into(nonce, view, aad, sealed.data[_PREFIX.size :])
-        else:  # pragma: no cover - cryptography without encrypt_into
-            sealed[_PREFIX.size :] = np.frombuffer(aead.encrypt(nonce, view, aad), np.uint8)
-
-    return job
 
 
 def key_id_of(frame: Any) -> bytes | None:
@@ -285,7 +195,7 @@ class Opener:
     past the last one accepted."""
 
     def __init__(self, key: bytes, key_id: bytes) -> None:
-        self._lanes = _Lanes(key)
+        self._aead = AESGCM(key)
         self.key_id = key_id
         #: the highest counter accepted so far (-1: none)
         self.last = -1
@@ -303,87 +213,57 @@ class Opener:
         ``land``, given the first frame's plaintext (a header), may name where each
         later frame is opened instead (a writable buffer of exactly its plaintext's
         size, or None): where its bytes would be copied to anyway. Such a buffer holds
-        the bytes of a frame that did not authenticate when the message is refused.
-
-        The first frame is opened first (``land`` reads it); every later frame's key
-        and counter are then checked, and only then are they decrypted, a large
-        message's on several threads."""
+        the bytes of a frame that did not authenticate when the message is refused."""
         n = len(frames)
         if n == 0:
             raise SealRefused("malformed", "an empty message")
-        self._checked(0, frames[0], self.last)
-        first = self._plain(0, n, _flat(frames[0]), None)
-        self._lanes.run([(0, first[1])])
-        out: list[memoryview] = [first[0]]
-        last = _PREFIX.unpack_from(_flat(frames[0]))[1]
+        out: list[memoryview] = []
+        last = self.last
         dests: Sequence[Any] = ()
-        if n > 1 and land is not None:
+        for i, frame in enumerate(frames):
+            if i == 1 and land is not None:
+                try:
+                    dests = land(out[0])
+                except ProtocolError:
+                    dests = ()  # the header is refused whole later, where it is decoded
+            view = _flat(frame)
+            if view.nbytes < OVERHEAD:
+                raise SealRefused("malformed", f"frame {i} of {view.nbytes} bytes")
+            key_id, counter = _PREFIX.unpack_from(view)
+            if key_id != self.key_id:
+                raise SealRefused("unknown_key", f"frame {i} names key {key_id.hex()}")
+            if counter <= last:
+                raise SealRefused(
+                    "replayed",
+                    f"frame {i} has counter {counter}, not past {last} (replayed or reordered)",
+                )
+            if i and counter != last + 1:  # a message's frames have consecutive counters
+                raise SealRefused("tampered", f"frame {i} (counter {counter}) is not after {last}")
+            aad = bytes(view[: _PREFIX.size]) + _AAD_TAIL.pack(i, n)
+            body = view[_PREFIX.size :]
+            dest = dests[i - 1] if 0 < i <= len(dests) else None
+            if dest is not None:
+                dest = _flat(dest)
+                if dest.readonly or dest.nbytes != view.nbytes - OVERHEAD:
+                    dest = None
             try:
-                dests = land(out[0])
-            except ProtocolError:
-                dests = ()  # the header is refused whole later, where it is decoded
-        jobs: list[tuple[int, Callable[[AESGCM], None]]] = []
-        for i in range(1, n):
-            view = _flat(frames[i])
-            last = self._checked(i, view, last)
-            plain, job = self._plain(i, n, view, dests[i - 1] if i <= len(dests) else None)
-            out.append(plain)
-            jobs.append((plain.nbytes, job))
-        self._lanes.run(jobs)
-        self.last = last
-        return out
-
-    def _checked(self, i: int, frame: Any, last: int) -> int:
-        """Frame ``i``'s counter, once its size, key and counter are found right
-        (``last``: the counter before it)."""
-        view = _flat(frame)
-        if view.nbytes < OVERHEAD:
-            raise SealRefused("malformed", f"frame {i} of {view.nbytes} bytes")
-        key_id, counter = _PREFIX.unpack_from(view)
-        if key_id != self.key_id:
-            raise SealRefused("unknown_key", f"frame {i} names key {key_id.hex()}")
-        if counter <= last:
-            raise SealRefused(
-                "replayed",
-                f"frame {i} has counter {counter}, not past {last} (replayed or reordered)",
-            )
-        if i and counter != last + 1:  # a message's frames have consecutive counters
-            raise SealRefused("tampered", f"frame {i} (counter {counter}) is not after {last}")
-        return int(counter)
-
-    @staticmethod
-    def _plain(
-        i: int, n: int, view: memoryview, dest: Any
-    ) -> tuple[memoryview, Callable[[AESGCM], None]]:
-        """Where frame ``i`` of ``n`` (checked) is opened, and the job that opens it
-        there (raising ``tampered`` when it does not authenticate)."""
-        counter = _PREFIX.unpack_from(view)[1]
-        nonce = _nonce(counter)
-        aad = bytes(view[: _PREFIX.size]) + _AAD_TAIL.pack(i, n)
-        body = view[_PREFIX.size :]
-        if dest is not None:
-            dest = _flat(dest)
-            if dest.readonly or dest.nbytes != view.nbytes - OVERHEAD:
-                dest = None
-        if _INTO and dest is not None:
-            plain = dest
-        elif _INTO and not view.readonly:  # in place: same start, OpenSSL allows it
-            plain = view[_PREFIX.size : view.nbytes - TAG_BYTES]
-        elif _INTO:
-            plain = memoryview(bytearray(view.nbytes - OVERHEAD))
-        else:  # pragma: no cover - cryptography without decrypt_into
-            plain = memoryview(bytearray(view.nbytes - OVERHEAD))
-
-        def job(aead: AESGCM) -> None:
-            try:
-                if _INTO:
-                    aead.decrypt_into(nonce, body, aad, plain)
+                if _INTO and dest is not None:
+                    plain = dest
+                    self._aead.decrypt_into(_nonce(counter), body, aad, plain)
+                elif _INTO and not view.readonly:  # in place: same start, OpenSSL allows it
+                    plain = view[_PREFIX.size : view.nbytes - TAG_BYTES]
+                    self._aead.decrypt_into(_nonce(counter), body, aad, plain)
+                elif _INTO:
+                    plain = memoryview(bytearray(view.nbytes - OVERHEAD))
+                    self._aead.decrypt_into(_nonce(counter), body, aad, plain)
                 else:  # pragma: no cover - cryptography without decrypt_into
-                    plain[:] = aead.decrypt(nonce, body, aad)
+                    plain = memoryview(self._aead.decrypt(_nonce(counter), body, aad))
             except InvalidTag:
                 raise SealRefused("tampered", f"frame {i} (counter {counter})") from None
-
-        return plain, job
+            last = counter
+            out.append(plain)
+        self.last = last
+        return out
 
 
 @dataclass
