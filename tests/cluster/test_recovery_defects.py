@@ -130,7 +130,7 @@ def test_sync_resumes_at_once_after_a_chief_restart(procs: Reaper, tmp_path: Pat
     """After ``kill -9`` of the chief the workers' pending token requests reach the
     restarted chief as soon as it listens: training pauses for about a chief restart
     (1-2 s here), not the 20 s deadline of a token request lost with the old chief."""
-    epochs = 60
+    epochs = 30  # 690 steps: the chief is killed at step 100
     launcher, summary_path = launch_run(
         procs, tmp_path / "run", "--mode", "sync", "--epochs", str(epochs), timeout=120
     )
