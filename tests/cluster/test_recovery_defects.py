@@ -78,7 +78,7 @@ def _worker(status: dict[str, Any], index: int) -> dict[str, Any] | None:
 def test_a_sync_worker_counted_dead_while_the_other_finished_is_readmitted(
     procs: Reaper, tmp_path: Path
 ) -> None:
-    launcher, summary_path, chief, planned = _sync_run_under_way(procs, tmp_path, epochs=30)
+    launcher, summary_path, chief, planned = _sync_run_under_way(procs, tmp_path, epochs=20)
     victim = task_pid(launcher, "worker1")
     os.kill(victim, signal.SIGSTOP)
     try:
