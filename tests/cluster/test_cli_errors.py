@@ -263,13 +263,14 @@ def test_top_ends_with_one_line_when_the_cluster_is_gone(procs: Reaper) -> None:
     wait_for(lambda: "requests/s" in top.stdout, 30, what="a view with the PS")
     server.send(signal.SIGTERM)
     server.expect_exit(0, timeout=20)
+    # never reached (started now, it waits out its 5 s while the first one does): exit
+    # 1, one line
+    never = procs.spawn(zmqps_cmd("top", url, "--interval", "0.5"), name="never")
     top.expect_exit(0, timeout=20)
     assert top.stdout.splitlines()[-1].startswith(
         "zmqps top: the cluster is gone: none of its 1 target answered for 5s ("
     ), top.tail()
     assert top.stderr == ""
-    # never reached: exit 1, one line
-    never = procs.spawn(zmqps_cmd("top", url, "--interval", "0.5"), name="never")
     never.expect_exit(1, timeout=20)
     assert never.stderr.startswith(
         f"zmqps: error: top: none of the 1 target ever answered (5s; {url}: "

@@ -230,12 +230,16 @@ def test_stopping_the_chief_of_a_hand_started_cluster_stops_every_role(
 def test_workers_stop_when_the_chief_is_gone_for_good(procs: Reaper) -> None:
     """A chief and PS killed for good: a worker stops after ``--chief-timeout`` (exit 1,
     saying why), and one told SIGTERM while it waits for them stops within seconds."""
-    (chief, ps, patient, waiting), _ = _by_hand(procs, ["--chief-timeout", "3"], [])
+    (chief, ps, patient, waiting), address = _by_hand(procs, ["--chief-timeout", "3"], [])
     chief.send(signal.SIGKILL)
     ps.send(signal.SIGKILL)
+    # the other one is told SIGTERM once a heartbeat of its went unanswered (it waits for
+    # the chief), while the first one waits out its timeout
+    unanswered = f"heartbeat to tcp://{address}: no reply in"
+    wait_for(lambda: unanswered in waiting.stderr, 30, what="worker 1 to wait for the chief")
+    waiting.send(signal.SIGTERM)
     patient.expect_exit(1, timeout=40)
     assert "no answer from the chief for" in patient.stderr.splitlines()[-1], patient.tail()
-    waiting.send(signal.SIGTERM)
     waiting.expect_exit(128 + signal.SIGTERM, timeout=15)
     assert "stopped by SIGTERM; left after" in waiting.stderr.splitlines()[-1], waiting.tail()
     chief.wait(5)

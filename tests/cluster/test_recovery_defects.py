@@ -78,7 +78,7 @@ def _worker(status: dict[str, Any], index: int) -> dict[str, Any] | None:
 def test_a_sync_worker_counted_dead_while_the_other_finished_is_readmitted(
     procs: Reaper, tmp_path: Path
 ) -> None:
-    launcher, summary_path, chief, planned = _sync_run_under_way(procs, tmp_path, epochs=30)
+    launcher, summary_path, chief, planned = _sync_run_under_way(procs, tmp_path, epochs=20)
     victim = task_pid(launcher, "worker1")
     os.kill(victim, signal.SIGSTOP)
     try:
@@ -130,7 +130,7 @@ def test_sync_resumes_at_once_after_a_chief_restart(procs: Reaper, tmp_path: Pat
     """After ``kill -9`` of the chief the workers' pending token requests reach the
     restarted chief as soon as it listens: training pauses for about a chief restart
     (1-2 s here), not the 20 s deadline of a token request lost with the old chief."""
-    epochs = 60
+    epochs = 30  # 690 steps: the chief is killed at step 100
     launcher, summary_path = launch_run(
         procs, tmp_path / "run", "--mode", "sync", "--epochs", str(epochs), timeout=120
     )
@@ -201,16 +201,30 @@ def test_the_snapshot_evaluator_scores_the_final_model(procs: Reaper, tmp_path: 
     assert not launched_by(launcher.pid)
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A run of 5 epochs, a checkpoint every 40 steps, ended well: its folder and the
+    launch's summary. The tests that use it only read it (a chief started again there
+    leaves it as it was, which its test checks)."""
+    base = tmp_path_factory.mktemp("finished")
+    procs = Reaper(base / "logs")
+    try:
+        launcher, summary_path = launch_run(
+            procs, base / "run", "--epochs", "5", "--checkpoint-steps", "40", timeout=100
+        )
+        launcher.expect_exit(0, timeout=100)
+        summary = read_json(summary_path)
+        assert summary is not None
+        return base / "run", dict(summary)
+    finally:
+        procs.reap()
+
+
 @pytest.mark.timeout(150)
 def test_a_lone_evaluator_evaluates_a_finished_runs_checkpoints(
-    procs: Reaper, tmp_path: Path
+    procs: Reaper, tmp_path: Path, finished_run: tuple[Path, dict[str, Any]]
 ) -> None:
-    run = tmp_path / "run"
-    launcher, summary_path = launch_run(
-        procs, run, "--epochs", "5", "--checkpoint-steps", "40", timeout=100
-    )
-    launcher.expect_exit(0, timeout=100)
-    summary = read_json(summary_path)
+    run, summary = finished_run
     (address,) = addresses(1)
     tf_config = {"cluster": {"evaluator": [address]}, "task": {"type": "evaluator", "index": 0}}
     log_path = tmp_path / "eval.jsonl"
@@ -238,11 +252,9 @@ def test_a_lone_evaluator_evaluates_a_finished_runs_checkpoints(
 
 @pytest.mark.timeout(150)
 def test_a_chief_started_after_the_end_of_its_run_ends_at_once(
-    procs: Reaper, tmp_path: Path
+    procs: Reaper, finished_run: tuple[Path, dict[str, Any]]
 ) -> None:
-    run = tmp_path / "run"
-    launcher, _ = launch_run(procs, run, "--epochs", "3", timeout=100)
-    launcher.expect_exit(0, timeout=100)
+    run, _ = finished_run
     summary = read_json(run / "chief-summary.json")
     config = run / "tasks" / "chief.json"
     assert json.loads(config.read_text())["chief"]["startup_timeout"] >= 60  # waited before

@@ -1,10 +1,12 @@
 """Writes checkpoints into a root in a loop until killed (for the crash tests).
 
 Usage: ``python ckpt_writer.py ROOT BIG_ROWS [PHASE:N]``. Prints ``ready`` once
-imported, then ``committed STEP`` after each commit. Continues from the newest
-committed step; every third step is committed twice (a retried step replaces its
-checkpoint). Every value is a function of the step (:func:`expected`), so a reader
-can check what it restores.
+imported and waits for a line on stdin (so a writer can be started, and its imports
+done, while another one still runs on the same root; it exits at end of input), then
+prints ``starting STEP`` once it has read the root and ``committed STEP`` after each
+commit. Continues from the newest committed step; every third step is committed twice
+(a retried step replaces its checkpoint). Every value is a function of the step
+(:func:`expected`), so a reader can check what it restores.
 
 With ``PHASE:N`` the writer SIGKILLs itself right after the N-th rename of that
 phase of the commit protocol (see :data:`PHASES`): the windows too narrow for a
@@ -129,11 +131,14 @@ def main() -> None:
     if len(sys.argv) > 3:
         phase, n = sys.argv[3].split(":")
         die_after(phase, int(n))
-    root = CheckpointRoot(Path(sys.argv[1]), keep=3)
     pl = placement(int(sys.argv[2]))
+    print("ready", flush=True)
+    if not sys.stdin.readline():
+        return  # never told to start
+    root = CheckpointRoot(Path(sys.argv[1]), keep=3)
     done = root.checkpoints()
     step = max((c.step for c in done), default=0) + 1
-    print("ready", flush=True)
+    print(f"starting {step}", flush=True)
     while True:
         commit(root, pl, step)
         if step % 3 == 0:

@@ -95,17 +95,36 @@ def no_leftovers(root: Path) -> None:
             assert not inner, f"left behind in {name}: {inner}"
 
 
-def run_writer(root: Path, *extra: str, delay: float | None = None) -> str:
-    """Run the writer until it is killed (after ``delay`` s, or by itself); its stdout."""
-    proc = subprocess.Popen(
+def start_writer(root: Path, *extra: str) -> subprocess.Popen[str]:
+    """A writer for ``root``, started: it imports, then waits for :func:`run_writer` to
+    let it go (meanwhile it does not touch the root)."""
+    return subprocess.Popen(
         [sys.executable, str(WRITER), str(root), str(BIG_ROWS), *extra],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def run_writer(
+    root: Path,
+    *extra: str,
+    delay: float | None = None,
+    proc: subprocess.Popen[str] | None = None,
+) -> str:
+    """Run the writer (``proc``, from :func:`start_writer`, else a new one) until it is
+    killed (``delay`` s after it has read the root and starts writing, or by itself);
+    its stdout."""
+    proc = proc or start_writer(root, *extra)
     try:
-        ready = proc.stdout.readline() if proc.stdout else ""
+        assert proc.stdin is not None and proc.stdout is not None
+        ready = proc.stdout.readline()
         assert ready == "ready\n", f"writer did not start: {ready!r}"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        starting = proc.stdout.readline()
+        assert starting.startswith("starting "), f"writer did not start: {starting!r}"
         if delay is not None:
             time.sleep(delay)
             proc.send_signal(signal.SIGKILL)
@@ -115,7 +134,7 @@ def run_writer(root: Path, *extra: str, delay: float | None = None) -> str:
             proc.kill()
             proc.wait()
     assert proc.returncode == -signal.SIGKILL, err
-    return ready + out
+    return ready + starting + out
 
 
 @dataclass
@@ -159,19 +178,31 @@ def test_sigkill_at_random_points(tmp_path: Path) -> None:
     where: Counter[str] = Counter()
     last_step = 0
     commits = 0
+    # made here: the first writer may die before it has made the root
+    root_path.mkdir()
     t0 = time.monotonic()
-    for i in range(KILLS):
-        # Every fifth kill right after start (mid scan / first shard), the others
-        # anywhere in the next few checkpoints.
-        out = run_writer(root_path, delay=0.0 if i % 5 == 0 else rng.uniform(0.0, 0.3))
-        commits += out.count("committed")
-        where[landed(root_path)] += 1
-        try:
-            state = check_after_kill(root_path, commits > 0, last_step)
-        except AssertionError as exc:
-            raise AssertionError(f"kill {i}: {exc}") from exc
-        if state.after is not None:
-            last_step = state.after.step
+    following = start_writer(root_path)
+    try:
+        for i in range(KILLS):
+            writer = following
+            # the next writer imports while this one runs; it waits for its turn
+            following = start_writer(root_path) if i + 1 < KILLS else None
+            # Every fifth kill right after start (mid scan / first shard), the others
+            # anywhere in the next few checkpoints.
+            delay = 0.0 if i % 5 == 0 else rng.uniform(0.0, 0.3)
+            out = run_writer(root_path, delay=delay, proc=writer)
+            commits += out.count("committed")
+            where[landed(root_path)] += 1
+            try:
+                state = check_after_kill(root_path, commits > 0, last_step)
+            except AssertionError as exc:
+                raise AssertionError(f"kill {i}: {exc}") from exc
+            if state.after is not None:
+                last_step = state.after.step
+    finally:
+        if following is not None:
+            following.kill()
+            following.communicate()
     elapsed = time.monotonic() - t0
     print(f"\n{KILLS} kills in {elapsed:.1f}s, latest step {last_step}; landed: {dict(where)}")
     assert last_step >= 10, "the writer never got far: kills too early to mean much"
