@@ -45,9 +45,12 @@ from helpers import (
 STEPS_PER_EPOCH = 23
 
 
-def _sync_run_under_way(procs: Reaper, tmp_path: Path, epochs: int) -> tuple[Proc, Path, str, int]:
-    """A sync launch of 2 workers (heartbeat timeout 2 s, no checkpoints) once half its
-    global steps are done: ``(launcher, summary path, chief, steps planned per worker)``."""
+def _sync_run_under_way(
+    procs: Reaper, tmp_path: Path, epochs: int, *flags: str
+) -> tuple[Proc, Path, str, int]:
+    """A sync launch of 2 workers (heartbeat timeout 2 s, no checkpoints, ``flags``)
+    once half its global steps are done: ``(launcher, summary path, chief, steps
+    planned per worker)``."""
     launcher, summary_path = launch_run(
         procs,
         tmp_path / "run",
@@ -58,6 +61,7 @@ def _sync_run_under_way(procs: Reaper, tmp_path: Path, epochs: int) -> tuple[Pro
         "--heartbeat-timeout",
         "2",
         "--no-checkpoints",
+        *flags,
         timeout=120,
     )
     chief = chief_address(launcher)
@@ -113,10 +117,13 @@ def test_a_task_stopped_for_ever_is_killed_and_restarted_and_the_run_ends(
     procs: Reaper, tmp_path: Path, task: str, said: str
 ) -> None:
     """A task stopped (SIGSTOP) and never resumed: a worker the chief counts dead, or a
-    chief that answers nothing. The launcher kills it after a bound and the restart
-    policy starts it again (a worker resumes after the batches it pushed, a chief
-    adopts the PS state); the run ends, exit 0, every planned batch trained once."""
-    launcher, summary_path, _, planned = _sync_run_under_way(procs, tmp_path, epochs=12)
+    chief that answers nothing. The launcher kills it after a bound (``--hung-after``
+    8 s here; 15 s by default) and the restart policy starts it again (a worker resumes
+    after the batches it pushed, a chief adopts the PS state); the run ends, exit 0,
+    every planned batch trained once."""
+    launcher, summary_path, _, planned = _sync_run_under_way(
+        procs, tmp_path, 12, "--hung-after", "8"
+    )
     os.kill(task_pid(launcher, task), signal.SIGSTOP)  # never resumed
     launcher.expect_exit(0, timeout=90)
     assert said in launcher.stderr

@@ -73,6 +73,8 @@ SHARED = {
 LAUNCH = {
     "negative-timeout": (["--timeout", "-5"], "--timeout must be > 0, got -5"),
     "zero-timeout": (["--timeout", "0"], "--timeout must be > 0, got 0"),
+    "zero-hung-after": (["--hung-after", "0"], "--hung-after must be > 0, got 0"),
+    "nan-hung-after": (["--hung-after", "nan"], "--hung-after must be > 0, got nan"),
     "intervals-without-checkpoints": (
         ["--no-checkpoints", "--checkpoint-steps", "5"],
         "--checkpoint-steps / --checkpoint-secs need checkpoints (they were turned off by"
@@ -252,3 +254,13 @@ def test_resume_refuses_another_split_of_the_data_and_takes_more_epochs_or_ps() 
         _check_same_data(launch_args(), bf16)  # type: ignore[arg-type]
     old = SimpleNamespace(name="ckpt-1", manifest=SimpleNamespace(extra={}))
     _check_same_data(launch_args("--workers", "5"), old)  # type: ignore[arg-type]
+
+
+def test_hung_after_is_three_heartbeat_timeouts_at_least_15_s_unless_given(
+    tmp_path: Path,
+) -> None:
+    """How long a task may run while the chief counts it dead before the launcher
+    kills it (to be restarted)."""
+    assert Launcher(launch_args(), tmp_path).hung_after() == 30.0  # 3 x 10 s
+    assert Launcher(launch_args("--heartbeat-timeout", "2"), tmp_path).hung_after() == 15.0
+    assert Launcher(launch_args("--hung-after", "4.5"), tmp_path).hung_after() == 4.5

@@ -85,7 +85,8 @@ CHECKPOINT_SECS = 5.0
 #: what --checkpoint-steps / --checkpoint-secs need (said when they are refused)
 NEEDS_CHECKPOINTS = "checkpoints (they were turned off by --no-checkpoints)"
 #: a task counted dead (or a chief silent) this many heartbeat timeouts, at least
-#: HUNG_MIN_S seconds, while its process runs is killed as stopped or hung
+#: HUNG_MIN_S seconds, while its process runs is killed as stopped or hung (unless
+#: --hung-after says how long)
 HUNG_HEARTBEATS = 3
 HUNG_MIN_S = 15.0
 #: a task's process started (again) this long ago at least before it can count as hung
@@ -266,6 +267,16 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         default=3,
         metavar="N",
         help="restarts per task before the launch gives up (default: 3)",
+    )
+    g.add_argument(
+        "--hung-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="kill a task whose process runs while the chief counts it dead (a PS: down)"
+        " for S seconds, or a chief that answers no status for S seconds, so that"
+        " --restart starts it again (default: 3 heartbeat timeouts, at least 15;"
+        " a task started again has 15 s of start-up first)",
     )
     g.add_argument(
         "--evaluator",
@@ -613,6 +624,9 @@ class Launcher:
     def hung_after(self) -> float:
         """Seconds a task's process may run while the cluster counts it dead (or the
         chief answers nothing) before the launcher kills it as stopped or hung."""
+        given = getattr(self.args, "hung_after", None)
+        if given is not None:
+            return float(given)
         return max(HUNG_MIN_S, HUNG_HEARTBEATS * float(self.args.heartbeat_timeout))
 
     async def _liveness(self) -> None:
@@ -846,6 +860,8 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
         raise ConfigError("--max-restarts must be >= 0")
     if args.heartbeat_timeout <= 0:
         raise ConfigError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout:g}")
+    if getattr(args, "hung_after", None) is not None and not args.hung_after > 0:
+        raise ConfigError(f"--hung-after must be > 0, got {args.hung_after:g}")
     if not args.stall_timeout >= 0:
         raise ConfigError(f"--stall-timeout must be >= 0, got {args.stall_timeout:g}")
     if args.timeout is not None and not args.timeout > 0:
