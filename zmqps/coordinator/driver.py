@@ -84,6 +84,10 @@ def run_chief_driver(
             # the restores' taken-back steps the training loop trained again: the run's
             # end compares them with the chief's count (_annotate)
             outcome["rewind_accounted"] = coord.rewind_accounted
+            if finished:
+                # before the workers are told to leave (then the run may end at once):
+                # a chief restarted from here on finds the run over and writes these
+                _write_record(cfg, outcome)
             # The workers leave only when the work is done: after a failure they stay,
             # so that a restarted chief (a supervisor's restart) finds them to go on with
             coord.close(shutdown_workers=finished)
@@ -103,6 +107,12 @@ def run_chief_driver(
                 await asyncio.to_thread(holder["coord"].close)
             await asyncio.gather(driver, return_exceptions=True)
             await chief  # its own error, if any
+            # it ended well at once: a chief restarted after an earlier one's driver had
+            # finished (its workers then left); that driver's counters go in the summary
+            earlier = _read_record(cfg)
+            if earlier is not None and "result" not in outcome:
+                log.info("the driver of an earlier chief of this run had finished: its counters")
+                _annotate(cfg, earlier)
             return
         try:
             await within(asyncio.shield(chief), FINISH_TIMEOUT)
@@ -127,6 +137,46 @@ async def _stop_chief(ctx: ZmqContext, cfg: ChiefConfig, options: SocketOptions 
         log.warning("the chief did not acknowledge shutdown: %s", exc)
     finally:
         await client.close()
+
+
+#: the driver's outcome once its training finished, kept beside the fit backup
+RECORD = "driver-final.json"
+
+
+def _record_path(cfg: ChiefConfig) -> Path | None:
+    if cfg.checkpoint is None:
+        return None
+    return Path(cfg.checkpoint.directory) / "fit-backup" / RECORD
+
+
+def _write_record(cfg: ChiefConfig, outcome: dict[str, Any]) -> None:
+    """Keep the finished driver's outcome (atomically) for a chief restarted before the
+    summary has it. Best effort: without it such a summary lacks the counters."""
+    path = _record_path(cfg)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(outcome, default=str) + "\n")
+        tmp.replace(path)
+    except (OSError, TypeError, ValueError) as exc:
+        log.warning("could not keep the driver's outcome in %s: %s", path, exc)
+
+
+def _read_record(cfg: ChiefConfig) -> dict[str, Any] | None:
+    """A finished driver's outcome, as :func:`_write_record` kept it (None: none, or
+    unreadable)."""
+    path = _record_path(cfg)
+    if path is None:
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("stats"), dict):
+        return None
+    return raw
 
 
 def _annotate(cfg: ChiefConfig, outcome: dict[str, Any]) -> None:
