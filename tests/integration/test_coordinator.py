@@ -231,6 +231,38 @@ def test_join_times_out_while_no_worker_answers() -> None:
         rv.fetch(timeout=5)
 
 
+def test_a_join_waiting_when_the_coordinator_closes_returns_at_once() -> None:
+    """The driver's thread waits in ``join`` for functions no worker will run; the
+    coordinator is closed from another thread (the chief's run ended first). ``join``
+    raises ShutdownError at once, saying how many were pending. It returned as if they
+    had all finished, or, for a function scheduled just before the close that reached
+    the coordinator's queue after it, waited for ever, and the chief's process with it
+    (fault schedule 13057)."""
+    import threading
+
+    from zmqps.wire.errors import ShutdownError
+
+    coord = coordinator(addresses(1))
+    coord.schedule("add", 1, 2)  # no worker answers: it stays pending
+    raised: list[BaseException] = []
+
+    def driver() -> None:
+        try:
+            coord.join()
+        except BaseException as exc:
+            raised.append(exc)
+
+    t = threading.Thread(target=driver)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()  # waiting
+    coord.close()
+    t.join(timeout=10)
+    assert not t.is_alive(), "join still waits after close"
+    assert len(raised) == 1 and isinstance(raised[0], ShutdownError), raised
+    assert "closed with 1 functions pending" in str(raised[0])
+
+
 def test_per_worker_resources_are_bounded() -> None:
     import asyncio
 

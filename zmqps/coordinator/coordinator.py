@@ -332,11 +332,15 @@ class Coordinator:
         """Wait until every scheduled function has finished; raises the first error of a
         function (and clears it), or DeadlineExceeded after ``timeout`` s."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._outstanding == 0, timeout):
+            if not self._cond.wait_for(lambda: self._outstanding == 0 or self._closed, timeout):
                 raise DeadlineExceeded(
                     f"join: {self._outstanding} functions still pending after {timeout}s"
                 )
             self._raise_error()
+            if self._outstanding:  # closed meanwhile: they will never all finish
+                raise ShutdownError(
+                    f"join: the coordinator closed with {self._outstanding} functions pending"
+                )
 
     def done(self) -> bool:
         """Whether every scheduled function has finished (raises a pending error)."""
@@ -459,6 +463,7 @@ class Coordinator:
             if self._closed:
                 return
             self._closed = True
+            self._cond.notify_all()  # a join() waiting returns (ShutdownError)
         try:
             self._io.run(self._close(shutdown_workers), timeout=60)
         finally:

@@ -74,7 +74,10 @@ def run_chief_driver(
         holder["coord"] = coord
         callbacks: list[Callback] = []
         if cfg.checkpoint is not None:
-            callbacks.append(BackupAndRestore(Path(cfg.checkpoint.directory) / "fit-backup"))
+            # kept until the run has ended (_forget_backup): a chief restarted after its
+            # last epoch resumes after it and trains nothing again
+            backup = Path(cfg.checkpoint.directory) / "fit-backup"
+            callbacks.append(BackupAndRestore(backup, delete_on_end=False))
         finished = False
         try:
             outcome["result"] = drive(coord, cfg.job, callbacks)
@@ -112,7 +115,8 @@ def run_chief_driver(
             earlier = _read_record(cfg)
             if earlier is not None and "result" not in outcome:
                 log.info("the driver of an earlier chief of this run had finished: its counters")
-                _annotate(cfg, earlier)
+                if _annotate(cfg, earlier):
+                    _forget_backup(cfg)
             return
         try:
             await within(asyncio.shield(chief), FINISH_TIMEOUT)
@@ -123,7 +127,8 @@ def run_chief_driver(
             await _stop_chief(ctx, cfg, options)
             await chief
         driver.result()  # the driver's error, if it failed
-        _annotate(cfg, outcome)
+        if _annotate(cfg, outcome):
+            _forget_backup(cfg)
 
     return run_server(main)
 
@@ -164,6 +169,19 @@ def _write_record(cfg: ChiefConfig, outcome: dict[str, Any]) -> None:
         log.warning("could not keep the driver's outcome in %s: %s", path, exc)
 
 
+def _forget_backup(cfg: ChiefConfig) -> None:
+    """The run has ended (its summary written): the fit backup and the driver's record
+    go, so that a new run on its checkpoints (``--resume``) trains its epochs again."""
+    path = _record_path(cfg)
+    if path is None:
+        return
+    for done in (path, path.with_name("fit.json")):
+        try:
+            done.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not remove %s: %s", done, exc)
+
+
 def _read_record(cfg: ChiefConfig) -> dict[str, Any] | None:
     """A finished driver's outcome, as :func:`_write_record` kept it (None: none, or
     unreadable)."""
@@ -179,8 +197,9 @@ def _read_record(cfg: ChiefConfig) -> dict[str, Any] | None:
     return raw
 
 
-def _annotate(cfg: ChiefConfig, outcome: dict[str, Any]) -> None:
-    """Add the driver's result and the coordinator's counters to the chief's summary."""
+def _annotate(cfg: ChiefConfig, outcome: dict[str, Any]) -> bool:
+    """Add the driver's result and the coordinator's counters to the chief's summary;
+    whether there was one (the run ended)."""
     stats = outcome.get("stats", {})
     log.info(
         "coordinator: %d functions scheduled, %d completed, %d retried, %d failed",
@@ -190,12 +209,12 @@ def _annotate(cfg: ChiefConfig, outcome: dict[str, Any]) -> None:
         stats.get("failed", 0),
     )
     if not cfg.summary_path:
-        return
+        return True  # nowhere to write them; the run ended all the same
     path = Path(cfg.summary_path)
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
-        return  # the chief wrote none (it stopped before the end)
+        return False  # the chief wrote none (it stopped before the end)
     summary["driver"] = "coordinator"
     summary["coordinator"] = {**stats, **outcome.get("result", {})}
     # a restore after the training loop's last look (a PS lost while the run ended)
@@ -216,3 +235,4 @@ def _annotate(cfg: ChiefConfig, outcome: dict[str, Any]) -> None:
     tmp.replace(path)
     if failure is not None:
         raise RunFailed(failure)
+    return True
