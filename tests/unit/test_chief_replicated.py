@@ -359,6 +359,63 @@ def test_a_backup_its_primary_dropped_leaves_the_placement_and_is_made_again() -
     run(body())
 
 
+def test_a_backup_restarted_before_a_new_chief_first_heard_it_is_made_again() -> None:
+    """ps 1 dies and its state moves to its backup; copies are made on the restarted
+    ps 1 (it serves no state then, and backs up others). A chief restarts, and ps 1 is
+    killed and restarted again before the new chief's first probe: no boot id of the
+    lost process is known to compare, so nothing says it restarted, while it refuses
+    every entry of the states it should back up and their primaries wait for it (a
+    sync run stood 108 s at one step). The watch finds the named copies it does not
+    hold, drops them from the placement, and makes them again; the held push is
+    acknowledged."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots, rr = await started_watched(net)
+        await rr.watch()
+        net.remove(PS[1])
+        slots[1] = serve_ps(net, 1, PS[1])  # restarted, empty
+        await chief.recovery.fail_over([1])
+        for _ in range(8):
+            job = rr.next_copy()
+            if job is not None:
+                assert await rr.copy(*job)
+            await rr.watch()
+            if not rr.under_replicated() and rr.current is None:
+                break
+        assert chief.placement is not None and not rr.under_replicated()
+        assert chief.recovery.homes is not None and 1 not in chief.recovery.homes.of
+        backed = sorted(s.state for s in chief.placement.shards if 1 in s.backups)
+        assert backed  # ps 1 holds copies, serves none
+        # a new chief knows no boot id yet; ps 1 restarts again meanwhile
+        rr.boots.clear()
+        slots[1] = serve_ps(net, 1, PS[1])
+        wh = Homes([net.client(a, "worker:0:1", timeout=0.5) for a in PS])
+        wh.update(chief.placement)
+        w = ParameterClient(wh.links(), chief.placement, worker="worker:0", incarnation=1)
+        held = asyncio.ensure_future(w.push({"w": np.ones((12, 4), np.float32)}))
+        await asyncio.sleep(0.3)
+        assert not held.done()  # the states ps 1 backs up wait for it
+        epoch = chief.placement.epoch
+        assert await rr.watch() == []  # no process taken for dead
+        after = chief.placement
+        assert after is not None and after.epoch == epoch + 1
+        assert all(1 not in s.backups for s in after.shards)
+        assert sorted(rr.under_replicated()) == backed
+        await asyncio.wait_for(held, 10)
+        for _ in range(8):  # made again, on the restarted process among others
+            job = rr.next_copy()
+            if job is None:
+                break
+            assert await rr.copy(*job)
+        assert not rr.under_replicated()
+        states = [await rr._probe(q) for q in range(3)]
+        assert await rr.reconcile(states) == []  # the two agree again
+        await w.push({"w": np.ones((12, 4), np.float32)})
+
+    run(body())
+
+
 def test_a_lost_promotion_is_sent_again_by_the_watch() -> None:
     """A fail-over fences the surviving copy of a dead PS's state at a new term, then
     promotes it; when the promotion is lost (the process stopped then, the request

@@ -118,10 +118,11 @@ class Rereplicator:
         silent past the heartbeat timeout or restarted (returns them); then bring the
         placement and the copies' roles into agreement (:meth:`reconcile`)."""
         n = len(self.homes.processes)
+        probed = self.recovery.variables.placement
         states = await asyncio.gather(*(self._probe(q) for q in range(n)))
         dead = await self._watch_boots([None if st is None else st.boot for st in states])
         if not dead and self.current is None:
-            await self.reconcile(states)
+            await self.reconcile(states, probed)
         return dead
 
     async def _watch_boots(self, boots: list[str | None]) -> list[int]:
@@ -151,7 +152,9 @@ class Rereplicator:
             await self.recovery.fail_over([], dead)
         return dead
 
-    async def reconcile(self, states: list[o.PsStateReply | None]) -> list[int]:
+    async def reconcile(
+        self, states: list[o.PsStateReply | None], probed: Placement | None = None
+    ) -> list[int]:
         """Keep each primary's in-sync backups and the placement's the same.
 
         A primary waits for its in-sync backups before it acknowledges anything. One
@@ -164,8 +167,16 @@ class Rereplicator:
         acknowledged since: a fail-over must never promote it, and the state is short
         of a copy. It leaves the placement (a new epoch), and a new copy is made.
 
+        A backup the placement names whose process answers and holds no copy of the
+        state (it restarted before this chief first heard it, so no boot id of the
+        lost process was known to compare: a chief restarted just before it) refuses
+        every entry its primary ships: the primary waits for it, and every commit of
+        the state with it, for ever. It leaves the placement too, its primary is told
+        its backups again, and a new copy is made.
+
         ``states``: every process's ``ps_state``, read while no copy was under way.
-        Returns the states changed."""
+        ``probed``: the placement when they were read; a copy named since (another
+        placement) is not judged by them. Returns the states changed."""
         changed: list[int] = []
         async with self.recovery.placement_lock:
             placement = self.recovery.variables.placement
@@ -174,6 +185,16 @@ class Rereplicator:
             named = {s.state: set(s.backups) for s in placement.shards}
             unnamed: dict[int, set[int]] = {}
             changed.extend(await self._promote_again(states, placement))
+            if probed is None or probed is placement:
+                for state, gone in self._copies_gone(states, named).items():
+                    log.warning(
+                        "ps %s holds no copy of ps %d's state, which the placement names"
+                        " (restarted): that copy is dropped and made again",
+                        ", ".join(map(str, sorted(gone))),
+                        state,
+                    )
+                    unnamed[state] = gone
+                    changed.append(state)
             for q, st in enumerate(states):
                 for state, part, term, _head, fenced, in_sync in (st and st.roles) or ():
                     if part != "primary" or fenced or state not in named:
@@ -191,7 +212,7 @@ class Rereplicator:
                         )
                         await self._drop_joiner(state)
                         changed.append(state)
-                    missing = named[state] - set(in_sync)
+                    missing = named[state] - set(in_sync) - unnamed.get(state, set())
                     if missing:
                         log.warning(
                             "ps %d no longer ships ps %d's state to ps %s, which the placement"
@@ -200,7 +221,7 @@ class Rereplicator:
                             state,
                             ", ".join(map(str, sorted(missing))),
                         )
-                        unnamed[state] = missing
+                        unnamed[state] = unnamed.get(state, set()) | missing
                         changed.append(state)
             if unnamed:
                 shards = tuple(
@@ -213,7 +234,29 @@ class Rereplicator:
                 self.recovery.variables.use(new)
                 self.homes.update(new)
                 await self.recovery.publish_placement(new, skip=self.silent())
+                for state in sorted(unnamed):
+                    await self._drop_joiner(state)  # it stops shipping to (and waiting for) them
         return sorted(set(changed))
+
+    def _copies_gone(
+        self, states: list[o.PsStateReply | None], named: dict[int, set[int]]
+    ) -> dict[int, set[int]]:
+        """Per state, the backups the placement names whose process answered and holds
+        no copy of it at all."""
+        held = {
+            (q, int(role[0]))
+            for q, st in enumerate(states)
+            if st is not None
+            for role in st.roles or ()
+        }
+        gone: dict[int, set[int]] = {}
+        for state, backups in named.items():
+            for q in backups:
+                st = states[q] if q < len(states) else None
+                # (a process that holds no copy of any state answers with no roles)
+                if st is not None and (q, state) not in held:
+                    gone.setdefault(state, set()).add(q)
+        return gone
 
     async def _promote_again(
         self, states: list[o.PsStateReply | None], placement: Placement
