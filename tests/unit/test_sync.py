@@ -1277,6 +1277,7 @@ def test_a_step_held_by_a_states_copies_is_not_blamed_on_the_workers(
     import zmqps.roles.chief.modes as modes
 
     monkeypatch.setattr(modes, "BEHIND_REPORT_S", 0.05)
+    monkeypatch.setattr(modes, "BEHIND_LOOK_S", 0.05)  # the first look says it
 
     async def body() -> None:
         ps = _CopiesBehindPS()
@@ -1297,6 +1298,33 @@ def test_a_step_held_by_a_states_copies_is_not_blamed_on_the_workers(
     assert said and "applied step 1" in said[0] and "entry 7 of 9 committed" in said[0], said
 
 
+def test_copies_holding_a_step_are_named_before_the_log_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Replicated fault schedule 9305: a step held by a state's copies was named by the
+    status only at the log's first report (15 s), so for the first 15 s of a long wait
+    the status named no blocker. The chief looks at the state's status sooner than it
+    logs: the status names the copies while the log has said nothing yet."""
+    import zmqps.roles.chief.modes as modes
+
+    monkeypatch.setattr(modes, "BEHIND_LOOK_S", 0.02)  # the log's report stays at 15 s
+
+    async def body() -> None:
+        ps = _CopiesBehindPS()
+        mode = SyncMode(SyncConfig(mode="sync"), Membership(2), [ps], clock=time.monotonic)
+        task = asyncio.ensure_future(mode.start([0], 0))
+        await until(lambda: mode.held_by_copies(), what="the state held by its copies")
+        assert 0 in mode.held_by_copies()
+        mode.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.INFO, logger="zmqps.chief"):
+        run(body())
+    assert not [r for r in caplog.records if "waits on ps" in r.getMessage()]
+
+
 class _OddStatusPS(_CopiesBehindPS):
     """A PS whose status has the wrong shapes (a list for ``sync``, a string for
     ``replica``): the chief's stepping loop reads past them."""
@@ -1313,6 +1341,7 @@ def test_a_status_of_the_wrong_shape_never_ends_the_stepping_loop(
     import zmqps.roles.chief.modes as modes
 
     monkeypatch.setattr(modes, "BEHIND_REPORT_S", 0.02)
+    monkeypatch.setattr(modes, "BEHIND_LOOK_S", 0.02)
 
     async def body() -> None:
         ps = _OddStatusPS()

@@ -49,6 +49,10 @@ POLL_S = 5.0  # one long poll to a PS
 #: a step that waits this long on a PS state has the reason said in the log (again
 #: after as long)
 BEHIND_REPORT_S = 15.0
+#: a step that waits this long on a PS state: the chief asks the state why (again
+#: after as long), so its status names copies that hold the step within a heartbeat
+#: timeout rather than at the first report in the log
+BEHIND_LOOK_S = 2.0
 #: how long one look at every worker (who is gone) is kept (see :meth:`SyncMode.gone`)
 GONE_MEMO_S = 0.05
 
@@ -609,14 +613,15 @@ class SyncMode(ChiefMode):
         released (it hands them, :meth:`token_ps`), and each answer says how many it
         handed and how long their requests waited. ``ahead``: the PS releases ``step``
         itself the moment it applied it (:meth:`_may_release_ahead`)."""
+        poll = min(POLL_S, BEHIND_LOOK_S)
         body = o.WaitStep(
-            step, POLL_S, released=released, gen=self.generation(), release_step=ahead or None
+            step, poll, released=released, gen=self.generation(), release_step=ahead or None
         ).to_wire()
-        said = self.clock()
+        said = looked = self.clock()
         try:
             while True:
                 try:
-                    rep = await ps.request("wait_step", body, timeout=POLL_S + 5, attempts=2)
+                    rep = await ps.request("wait_step", body, timeout=poll + 5, attempts=2)
                 except DeadlineExceeded:
                     log.warning(
                         "ps at %s does not answer while step %d waits on it", ps.endpoint, step
@@ -630,20 +635,26 @@ class SyncMode(ChiefMode):
                 self._relayed(k, out)
                 if int(rep.body["step"]) >= step:
                     return out
-                if self.clock() - said >= BEHIND_REPORT_S:
-                    said = self.clock()
-                    await self._say_behind(ps, k, step)
+                now = self.clock()
+                if now - looked >= BEHIND_LOOK_S:
+                    looked = now
+                    say = now - said >= BEHIND_REPORT_S
+                    if say:
+                        said = now
+                    await self._look_behind(ps, k, step, say)
         finally:
             self._behind.pop(k, None)
 
-    async def _say_behind(self, ps: Requester, k: int, step: int) -> None:
-        """Step ``step`` has waited on PS state ``k`` past :data:`BEHIND_REPORT_S`: say
-        why in the log (its pushes not all in, or its copies not all caught up: then
-        which backup holds it, from the primary's own account)."""
+    async def _look_behind(self, ps: Requester, k: int, step: int, say: bool) -> None:
+        """Step ``step`` has waited on PS state ``k`` past :data:`BEHIND_LOOK_S`: learn
+        why from its status (its pushes not all in, or its copies not all caught up:
+        :meth:`held_by_copies` then names it) and, ``say``, say it in the log (which
+        backup holds it, from the primary's own account)."""
         try:
             rep = await ps.request("status", timeout=2.0)
         except ZmqpsError as exc:
-            log.warning("step %d waits on ps %d's state (at %s): %s", step, k, ps.endpoint, exc)
+            if say:
+                log.warning("step %d waits on ps %d's state (at %s): %s", step, k, ps.endpoint, exc)
             return
         # a status is free-form: only what has the expected shape is read
         sync, replica = (rep.body.get(k) for k in ("sync", "replica"))
@@ -653,6 +664,8 @@ class SyncMode(ChiefMode):
         if isinstance(there, int) and there >= step:
             since = self._behind.get(k, (self.clock(), there))[0]
             self._behind[k] = (since, there)
+            if not say:
+                return
             log.warning(
                 "step %d waits on ps %d's state (at %s): it applied step %d, and its copies"
                 " do not all have it yet (entry %s of %s committed; backups at %s)",
@@ -664,7 +677,7 @@ class SyncMode(ChiefMode):
                 replica.get("head"),
                 replica.get("backups"),
             )
-        else:
+        elif say:
             log.info(
                 "step %d waits on ps %d's state (at %s), at step %s", step, k, ps.endpoint, there
             )
