@@ -23,6 +23,7 @@ from test_push_pull_rows import batches, one_request, shard_state, two_requests
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import VariableDef
 from zmqps.roles.client import ParameterClient
+from zmqps.roles.ps.service import PSService
 from zmqps.transport import shm
 from zmqps.wire import Tensor, request
 from zmqps.wire.errors import InvalidArgument, NotFound
@@ -244,7 +245,23 @@ def test_hostile_row_places_are_refused_and_change_nothing() -> None:
     run(body())
 
 
-def test_a_replicated_states_backups_get_rows_pushed_through_the_region() -> None:
+def test_a_replicated_states_backups_get_rows_pushed_through_the_region(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pushes and pulls through the regions of a replicated state's primary: its
+    backups apply the same entries (a hash table's pulls that create rows too) and stay
+    equal to it, and never touch a region (the region ids a backup's process knows are
+    other regions: an entry naming the worker's would write its rows into them)."""
+    touched: list[Any] = []
+    rows_out = PSService._rows_out
+
+    def recorded(self: PSService, msg: Any, sids: Any, ids: Any, ref: Any, *a: Any) -> Any:
+        if ref is not None:
+            touched.append(self)
+        return rows_out(self, msg, sids, ids, ref, *a)
+
+    monkeypatch.setattr(PSService, "_rows_out", recorded)
+
     async def body() -> None:
         c = ReplicatedCluster(3, 2)
         await c.create()
@@ -261,9 +278,16 @@ def test_a_replicated_states_backups_get_rows_pushed_through_the_region() -> Non
                 if k % 2:
                     assert await w.push_rows(name, ids[name], g)
                 else:
-                    applied, _ = await w.push_pull_rows(name, ids[name], g, ids[name])
+                    # the hash table's next ids are new: the pull creates their rows on
+                    # every copy (an entry, whose reply is not in the worker's region)
+                    after = ids[name] if name == "e" else ids[name] + k + 1
+                    applied, _ = await w.push_pull_rows(name, ids[name], g, after)
                     assert applied
+                    ids[name] = after
                 assert c.check_copies() > 0
+            fresh = rng.integers(-(2**40), 2**40, 4)  # a pull alone that creates rows
+            await w.pull_rows("t", fresh)
+            assert c.check_copies() > 0
         assert w.rows_shm
         pushed = [
             (op, b)
@@ -273,6 +297,9 @@ def test_a_replicated_states_backups_get_rows_pushed_through_the_region() -> Non
         ]
         assert sum("shm" in b for _, b in pushed) >= len(pushed) // 2
         assert c.shipped["push_rows"][1] > 0  # the rows shipped as tensors
+        assert c.shipped["pull_rows"][0] > 0  # the hash table's pulls are entries
+        primaries = [c.copy(i, i) for i in range(3)]
+        assert touched and all(any(t is p for p in primaries) for t in touched)
         await w.close()
 
     run(body(), 30.0)
