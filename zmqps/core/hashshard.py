@@ -104,10 +104,14 @@ class HashShard(Shard):
         extra = table.growth(new)
         return (table.capacity + extra) * table.row_bytes() if extra else 0
 
-    def read_rows(self, keys: Array, create: bool) -> Array:
+    def read_rows(self, keys: Array, create: bool, out: Array | None = None) -> Array:
         """Rows of validated ids: :meth:`pull` (creates admitted rows) or, read-only,
-        :meth:`peek`."""
-        return self.pull(keys) if create else self.peek(keys)
+        :meth:`peek` (copied into ``out`` when given)."""
+        rows = self.pull(keys) if create else self.peek(keys)
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
 
     def apply_row_grads(self, keys: Array, grad_rows: Array, scale: float) -> None:
         """Lazy update of the rows of validated ids ``keys`` (duplicates summed; ids

@@ -261,9 +261,13 @@ class Shard:
             )
         return indices.astype(np.int64) - d.row_start
 
-    def read_rows(self, keys: Array, create: bool) -> Array:
-        """The rows of validated ``keys`` (a copy); fixed-size rows never change."""
-        return np.take(self.values, keys, axis=0)
+    def read_rows(self, keys: Array, create: bool, out: Array | None = None) -> Array:
+        """The rows of validated ``keys`` (a copy, or written into ``out``: a place in a
+        shared-memory region); fixed-size rows never change."""
+        if out is None:
+            return np.take(self.values, keys, axis=0)
+        # the keys are validated: "clip" changes none of them and writes out unbuffered
+        return np.take(self.values, keys, axis=0, out=out, mode="clip")
 
     def values2d(self) -> Array:
         """The values as ``(rows, row width)`` (a view)."""
@@ -737,12 +741,20 @@ class ShardStore:
         return self.pull_rows_of([(shard_id, indices)], create)[0]
 
     def pull_rows_of(
-        self, requests: Sequence[tuple[int, Array]], create: bool = True
+        self,
+        requests: Sequence[tuple[int, Array]],
+        create: bool = True,
+        out: Sequence[Array] | None = None,
     ) -> list[tuple[int, Array]]:
         """:meth:`pull_rows` of several shards, all or nothing: every shard's ids are
-        validated before the first row is created."""
+        validated before the first row is created. ``out``: where each shard's rows
+        go (places of the right shape in a shared-memory region), else copies."""
         keyed = self.check_pull_rows(requests, create)
-        return [(shard.version, shard.read_rows(keys, create)) for shard, keys in keyed]
+        places: Sequence[Array | None] = [None] * len(keyed) if out is None else out
+        return [
+            (shard.version, shard.read_rows(keys, create, place))
+            for (shard, keys), place in zip(keyed, places, strict=True)
+        ]
 
     def check_pull_rows(
         self, requests: Sequence[tuple[int, Array]], create: bool = True

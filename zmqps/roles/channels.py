@@ -200,6 +200,9 @@ class _Regions:
     push_id: int
     offsets: dict[int, int]  # shard id -> data byte offset
     whole: dict[str, int] = field(default_factory=dict)  # variables held whole -> offset
+    #: the room for rows after the dense shards, in each region: ``[rows_at, +rows_bytes)``
+    rows_at: int = 0
+    rows_bytes: int = 0
 
 
 class ShmChannel(DenseChannel):
@@ -210,6 +213,21 @@ class ShmChannel(DenseChannel):
         self.regions = regions
         self.lock = asyncio.Lock()
         self.offsets = regions.offsets  # tests and the client read the layout here
+        #: the rows room of each region is written by one row request at a time (the
+        #: push region's by the worker, the pull region's by the PS), held until its
+        #: reply is read; a row request that finds it held goes by TCP
+        self.rows_push_lock = asyncio.Lock()
+        self.rows_pull_lock = asyncio.Lock()
+
+    def row_places(self, nbytes: Sequence[int]) -> list[int] | None:
+        """Offsets for rows of ``nbytes`` each, back to back (aligned) in the rows room,
+        or None when they do not fit (they go by TCP)."""
+        r = self.regions
+        places, pos = [], r.rows_at
+        for n in nbytes:
+            places.append(pos)
+            pos += -(-n // ALIGN) * ALIGN
+        return places if pos - r.rows_at <= r.rows_bytes else None
 
     @classmethod
     def make(
@@ -221,8 +239,10 @@ class ShmChannel(DenseChannel):
         ids: tuple[int, int],
         offsets: dict[int, int],
         whole: dict[str, int],
+        rows: tuple[int, int] = (0, 0),
     ) -> ShmChannel:
-        ch = cls(client, ps, _Regions(pull, push, ids[0], ids[1], offsets, whole))
+        regions = _Regions(pull, push, ids[0], ids[1], offsets, whole, rows[0], rows[1])
+        ch = cls(client, ps, regions)
         for name, off in whole.items():
             # the variable lives whole in this region: pulls land in params directly
             v = client.placement.variable(name)

@@ -18,14 +18,23 @@ Rules of this module:
   the client offers it two shared-memory regions (pull, push) laid out with every
   dense shard it holds there; if the PS can map them (same machine, same
   ``/dev/shm``), dense pulls and pushes move their bytes through them and ZeroMQ
-  carries only the control message. Otherwise, and for rows, TCP is used. A
-  variable held whole by one PS is laid out in row order, and its ``params``
-  array becomes a view of the pull region: pulls land in it with no extra copy.
+  carries only the control message. Otherwise TCP is used. A variable held whole
+  by one PS is laid out in row order, and its ``params`` array becomes a view of the
+  pull region: pulls land in it with no extra copy.
+* Rows on the same host: when the PS holds rows of this client's tables, each region
+  has a room for rows after the dense shards (``row_region_bytes``). A row push's
+  rows and a row pull's reply rows travel there (the ids in the message) once the PS
+  said it takes them (``shm_rows``, in a row reply) and the regions are attached
+  (set up in the background on the first row request: that one goes by TCP); a
+  request whose rows do not fit, a push sent again, or a room in use by another
+  request goes by TCP. A room is held from its request's send to its reply's read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -72,6 +81,10 @@ _ROW_OPS = frozenset({"push_rows", "push_pull_rows"})
 log = logging.getLogger("zmqps.client")
 
 Array = npt.NDArray[Any]
+
+#: the room for rows in each shared-memory region to a PS that holds rows (bytes): a
+#: row request whose rows need more goes by TCP
+ROW_REGION_BYTES = 8 << 20
 
 _swept = False
 
@@ -144,6 +157,17 @@ class _RowPlan:
     parts: dict[int, list[tuple[ShardInfo, int, int]]]
 
 
+#: the pull of a ``push_pull_rows`` message: its parts, their ids (``uniq``), the rows
+#: they land in, and what takes the reply (given the region and offsets the PS wrote
+#: the rows at, or None: they are in the reply)
+_RowPull = tuple[
+    list[tuple[ShardInfo, int, int]],
+    Array,
+    Array,
+    Callable[[Message, "tuple[Region, Sequence[int]] | None"], None],
+]
+
+
 @dataclass(frozen=True, slots=True)
 class RowPush:
     """A row push made ready to send (:meth:`ParameterClient.rows_push`): the batch's
@@ -169,6 +193,7 @@ class ParameterClient:
         group_bytes: int = 16 << 20,
         generation: Callable[[], int] | None = None,
         exact: bool = False,
+        row_region_bytes: int = ROW_REGION_BYTES,
     ) -> None:
         self.ps = list(ps)
         self.placement = placement
@@ -242,6 +267,12 @@ class ParameterClient:
         self._row_plans: dict[str, _RowPlan] = {}
         #: PS states whose last row reply said they take ``push_pull_rows``
         self.rows_both: set[int] = set()
+        #: PS states whose last row reply said they take rows in shared memory
+        self.rows_shm: set[int] = set()
+        #: the room for rows in each region (0: rows always by TCP)
+        self.row_region_bytes = max(0, row_region_bytes)
+        #: regions being set up in the background for rows, by PS state
+        self._attaching: dict[int, asyncio.Future[DenseChannel]] = {}
 
     # ------------------------------------------------------------------ helpers
 
@@ -569,6 +600,10 @@ class ParameterClient:
             self.rows_both.add(ps)
         else:
             self.rows_both.discard(ps)
+        if takes is not None and "shm_rows" in takes:
+            self.rows_shm.add(ps)
+        else:
+            self.rows_shm.discard(ps)
 
     def take_offered(self) -> tuple[int, int, int | None] | None:
         """The next token the last push's replies brought, if any (forgotten here)."""
@@ -593,6 +628,7 @@ class ParameterClient:
         for state in states:
             self._channels[state] = None
             self.rows_both.discard(state)  # another process: it says again what it takes
+            self.rows_shm.discard(state)
 
     # ------------------------------------------------------------------ channels
 
@@ -623,12 +659,13 @@ class ParameterClient:
         if not self.shared_memory:
             return None
         offsets, whole, pos = layout(self, ps)
-        if not offsets:
+        rows = self.row_region_bytes if self._holds_rows(ps) else 0
+        if not offsets and not rows:
             return None
         regions: list[Region] = []
         try:
             _sweep_once()
-            regions = [create_region(pos), create_region(pos)]
+            regions = [create_region(pos + rows), create_region(pos + rows)]
             ids = []
             for region in regions:
                 body = o.ShmAttach(region.name, region.size, self.worker, self.incarnation)
@@ -647,11 +684,63 @@ class ParameterClient:
             for region in regions:
                 region.close()
             return None
+        except BaseException:  # cancelled (the client closes): nothing keeps them
+            for region in regions:
+                region.close()
+            raise
         finally:
             for region in regions:
                 unlink_region(region)
-        log.info("ps %d: dense tensors travel through shared memory (%d bytes)", ps, pos)
-        return ShmChannel.make(self, ps, regions[0], regions[1], (ids[0], ids[1]), offsets, whole)
+        log.info(
+            "ps %d: dense tensors (%d bytes) and rows (%d bytes) travel through shared memory",
+            ps,
+            pos,
+            rows,
+        )
+        return ShmChannel.make(
+            self, ps, regions[0], regions[1], (ids[0], ids[1]), offsets, whole, (pos, rows)
+        )
+
+    def _holds_rows(self, ps: int) -> bool:
+        """Whether PS state ``ps`` holds a shard of a row variable."""
+        return any(
+            s.state == ps
+            for v in self.placement.variables
+            if v.sparse
+            for s in self.placement.shards_of(v.name)
+        )
+
+    def _row_channel(self, ps: int) -> ShmChannel | None:
+        """The shared-memory channel a row request to PS state ``ps`` may use, if there
+        is one with room for rows and the PS said it takes rows that way. None also while
+        it is set up: that starts in the background at the first call, so that a row
+        request never waits between being made and being sent (the requests of one
+        client to one PS leave in the order they were made)."""
+        if ps not in self.rows_shm:
+            return None
+        ch = self._channels[ps]
+        if isinstance(ch, ShmChannel):
+            return ch if ch.regions.rows_bytes else None
+        setup = self.shared_memory and self.row_region_bytes > 0
+        if ch is None and setup and ps not in self._attaching:
+            task = asyncio.ensure_future(self._channel(ps, []))
+            self._attaching[ps] = task
+            task.add_done_callback(functools.partial(self._attached, ps))
+        return None
+
+    def _attached(self, ps: int, task: asyncio.Future[DenseChannel]) -> None:
+        if self._attaching.get(ps) is task:
+            del self._attaching[ps]
+        if not task.cancelled() and task.exception() is not None:
+            log.info("ps %d: shared memory for rows not set up: %s", ps, task.exception())
+
+    def _lost_region(self, ps: int, ch: ShmChannel, exc: ZmqpsError) -> None:
+        """The PS did not know a region of ``ch`` (it restarted, or the state moved away
+        and back): the request was refused before anything changed and goes by TCP; the
+        next one sets shared memory up afresh."""
+        log.info("ps %d: shared memory not known there (%s): set up again", ps, exc)
+        if self._channels[ps] is ch:
+            self._channels[ps] = None
 
     def restored(self, gen: int) -> None:
         """The cluster was restored into generation ``gen``: fail the requests still
@@ -663,7 +752,13 @@ class ParameterClient:
             fail = getattr(c, "fail_pending", None)
             if fail is not None:
                 fail(RolledBack(f"the cluster was restored (generation {gen})"))
+        self._stop_attaching()
         self._channels = [None] * len(self.ps)
+
+    def _stop_attaching(self) -> None:
+        for task in list(self._attaching.values()):
+            task.cancel()
+        self._attaching.clear()
 
     async def tell_left(self, steps: int) -> None:
         """Tell every PS that this worker finished its work after ``steps`` batches (what
@@ -673,6 +768,7 @@ class ParameterClient:
     async def close(self) -> None:
         """Release shared-memory regions (best effort: the PS also drops them on rejoin),
         every PS at once (a PS gone costs one short timeout, not one per PS)."""
+        self._stop_attaching()
         channels = [ch for ch in self._channels if ch is not None]
         self._channels = [None] * len(self.ps)
         await asyncio.gather(*(ch.close() for ch in channels))
@@ -917,6 +1013,35 @@ class ParameterClient:
         tensors = [Tensor(uniq[lo:hi], "index", s.id) for s, lo, hi in parts]
         # create is sent only when false: a creating pull stays what older PS understand
         body = o.PullRows(tuple(sids), self.gen, None if create else False)
+        ch = self._row_channel(ps)
+        places = None
+        if ch is not None and not ch.rows_pull_lock.locked():
+            row_bytes = rows.itemsize * math.prod(rows.shape[1:])
+            places = ch.row_places([(hi - lo) * row_bytes for _, lo, hi in parts])
+        if ch is not None and places is not None:
+            async with ch.rows_pull_lock:  # the PS writes there: held until read
+                shm_out = o.ShmRef(ch.regions.pull_id, tuple(places))
+                try:
+                    rep = await self.ps[ps].request(
+                        "pull_rows",
+                        replace(body, shm_out=shm_out).to_wire(),
+                        tensors,
+                        timeout=self.timeout,
+                        attempts=2,
+                    )
+                except NotFound as exc:
+                    if isinstance(exc, NotPrimary):
+                        raise
+                    self._lost_region(ps, ch, exc)
+                else:
+                    got = o.Values.parse(rep.body, "pull_rows reply")
+                    # rows in the reply: a copy of a pull the PS served already
+                    region = None if rep.tensors else (ch.regions.pull, places)
+                    self._take_rows(
+                        "pull_rows", rep, got.versions, parts, rows, create, body.gen, region
+                    )
+                    self.heard_takes(ps, got.takes)
+                    return
         rep = await self.ps[ps].request(
             "pull_rows", body.to_wire(), tensors, timeout=self.timeout, attempts=2
         )
@@ -933,18 +1058,30 @@ class ParameterClient:
         rows: Array,
         create: bool,
         gen: int | None,
+        region: tuple[Region, Sequence[int]] | None = None,
     ) -> None:
-        """The rows a reply to a row pull of ``parts`` brought, copied into their
-        slices of ``rows``; a creating pull's versions recorded (of generation ``gen``)."""
+        """The rows a reply to a row pull of ``parts`` brought (``region``: the PS wrote
+        them in this region at these offsets), copied into their slices of ``rows``; a
+        creating pull's versions recorded (of generation ``gen``)."""
         if len(versions) != len(parts):
             raise ProtocolError(f"{op} reply: versions do not match")
-        if len(rep.tensors) != len(parts):
-            raise ProtocolError(f"{op} reply: one rows tensor per shard expected")
         row_shape = rows.shape[1:]
-        for (s, lo, hi), t, ver in zip(parts, rep.tensors, versions, strict=True):
-            if t.ref != s.id or t.array.shape != (hi - lo, *row_shape):
-                raise ProtocolError(f"{op} reply: bad rows for shard {s.id}")
-            rows[lo:hi] = t.array
+        if region is not None:
+            if rep.tensors:
+                raise ProtocolError(f"{op} reply: rows in the region and in the reply")
+            width = math.prod(row_shape)
+            for (_, lo, hi), off in zip(parts, region[1], strict=True):
+                rows[lo:hi] = (
+                    region[0].view(off, rows.dtype, (hi - lo) * width).reshape(hi - lo, *row_shape)
+                )
+        elif len(rep.tensors) != len(parts):
+            raise ProtocolError(f"{op} reply: one rows tensor per shard expected")
+        for k, ((s, lo, hi), ver) in enumerate(zip(parts, versions, strict=True)):
+            if region is None:
+                t = rep.tensors[k]
+                if t.ref != s.id or t.array.shape != (hi - lo, *row_shape):
+                    raise ProtocolError(f"{op} reply: bad rows for shard {s.id}")
+                rows[lo:hi] = t.array
             if create:
                 self.versions[s.id] = int(ver)
                 self.version_gens[s.id] = gen if gen is not None else self.gen
@@ -1050,24 +1187,93 @@ class ParameterClient:
             done = None if delivery is None else delivery.outcome(ps, sids)
             if done is not None:  # sent again: this message was answered the first time
                 return done
-            tensors: list[Tensor] = []
-            for s, lo, hi in parts:
-                tensors.append(Tensor(uniq[lo:hi], "index", s.id))
-                tensors.append(Tensor(summed[lo:hi], "rows", s.id))
+            again = delivery is not None and delivery.sent_to(ps)  # then by TCP
             body = self.push_body(ps, sids, step, cursor=cursor, op="push_rows", delivery=delivery)
-            rep = await self.ps[ps].request(
-                "push_rows",
-                body.to_wire(),
-                tensors,
-                timeout=self.timeout,
-                attempts=self.push_attempts,
-            )
+            rep = await self._row_request(ps, body, again, parts, uniq, summed)
             return self.after_push(ps, rep, body, delivery)
 
         routed = self._routed(rows, step)
         if len(routed) == 1:  # one PS (the usual case): no task of its own
             return await one(*next(iter(routed.items())))
         return await _every(one(ps, parts) for ps, parts in routed.items())
+
+    async def _row_request(
+        self,
+        ps: int,
+        body: o.Push,
+        again: bool,
+        parts: list[tuple[ShardInfo, int, int]],
+        uniq: Array,
+        summed: Array,
+        pull: _RowPull | None = None,
+    ) -> Message:
+        """Send row push ``body`` (``push_rows``, or ``push_pull_rows`` with ``pull``:
+        its parts, their ids, where the rows land, and what reads the reply) to PS
+        state ``ps``: the rows of ``summed[lo:hi]`` of each part, through the regions
+        when they fit and are free (not ``again``: a push sent again goes by TCP), else
+        in the message; the reply (its pulled rows taken already)."""
+        ch = None if again else self._row_channel(ps)
+        push_at = pull_at = None
+        if ch is not None:
+            if not ch.rows_push_lock.locked():
+                push_at = ch.row_places([summed[lo:hi].nbytes for _, lo, hi in parts])
+            if pull is not None and not ch.rows_pull_lock.locked():
+                got = pull[2]
+                row_bytes = got.itemsize * math.prod(got.shape[1:])
+                pull_at = ch.row_places([(hi - lo) * row_bytes for _, lo, hi in pull[0]])
+        if ch is not None and (push_at is not None or pull_at is not None):
+            # the rooms are held from here until the reply is read (taking a free lock
+            # does not wait: the request still leaves before any made after it)
+            async with contextlib.AsyncExitStack() as held:
+                r = ch.regions
+                if push_at is not None:
+                    await held.enter_async_context(ch.rows_push_lock)
+                    for (_, lo, hi), off in zip(parts, push_at, strict=True):
+                        src = summed[lo:hi]
+                        r.push.view(off, src.dtype, src.size)[...] = src.reshape(-1)
+                if pull_at is not None:
+                    await held.enter_async_context(ch.rows_pull_lock)
+                shm = None if push_at is None else o.ShmRef(r.push_id, tuple(push_at))
+                out = None if pull_at is None else o.ShmRef(r.pull_id, tuple(pull_at))
+                try:
+                    rep = await self._row_send(
+                        ps, replace(body, shm=shm, shm_out=out), parts, uniq, summed, pull
+                    )
+                except NotFound as exc:
+                    if isinstance(exc, NotPrimary):
+                        raise
+                    self._lost_region(ps, ch, exc)  # refused before anything changed
+                else:
+                    if pull is not None:  # rows in the reply: a copy the PS served already
+                        region = None if pull_at is None or rep.tensors else (r.pull, pull_at)
+                        pull[3](rep, region)
+                    return rep
+        rep = await self._row_send(ps, body, parts, uniq, summed, pull)
+        if pull is not None:
+            pull[3](rep, None)
+        return rep
+
+    async def _row_send(
+        self,
+        ps: int,
+        body: o.Push,
+        parts: list[tuple[ShardInfo, int, int]],
+        uniq: Array,
+        summed: Array,
+        pull: _RowPull | None,
+    ) -> Message:
+        """One row push message: each part's ids, and its rows unless they are in the
+        push region (``body.shm``), then the ids of each part of ``pull``."""
+        tensors: list[Tensor] = []
+        for s, lo, hi in parts:
+            tensors.append(Tensor(uniq[lo:hi], "index", s.id))
+            if body.shm is None:
+                tensors.append(Tensor(summed[lo:hi], "rows", s.id))
+        if pull is not None:
+            tensors += [Tensor(pull[1][lo:hi], "index", s.id) for s, lo, hi in pull[0]]
+        return await self.ps[ps].request(
+            body.OP, body.to_wire(), tensors, timeout=self.timeout, attempts=self.push_attempts
+        )
 
     def _routed(
         self, rows: RowPush, step: int | None
@@ -1169,11 +1375,7 @@ class ParameterClient:
                 await pull(ps)
                 return answered
             pulls = wanted[ps]
-            tensors: list[Tensor] = []
-            for s, lo, hi in parts:
-                tensors.append(Tensor(uniq[lo:hi], "index", s.id))
-                tensors.append(Tensor(summed[lo:hi], "rows", s.id))
-            tensors += [Tensor(plan.uniq[lo:hi], "index", s.id) for s, lo, hi in pulls]
+            again = delivery is not None and delivery.sent_to(ps)  # then by TCP
             made = self.push_body(
                 ps, sids, step, cursor=cursor, op="push_pull_rows", delivery=delivery
             )
@@ -1181,16 +1383,17 @@ class ParameterClient:
             body = replace(
                 made, pull=tuple(s.id for s, _, _ in pulls), create=None if create else False
             )
-            rep = await self.ps[ps].request(
-                "push_pull_rows",
-                body.to_wire(),
-                tensors,
-                timeout=self.timeout,
-                attempts=self.push_attempts,
+
+            def take(rep: Message, region: tuple[Region, Sequence[int]] | None) -> None:
+                versions = o.PushReply.parse(rep.body, "push_pull_rows reply").pulled or ()
+                # the pull read at the request's generation: the PS refuses another one
+                self._take_rows(
+                    "push_pull_rows", rep, versions, pulls, got, create, body.gen, region
+                )
+
+            rep = await self._row_request(
+                ps, body, again, parts, uniq, summed, (pulls, plan.uniq, got, take)
             )
-            versions = o.PushReply.parse(rep.body, "push_pull_rows reply").pulled or ()
-            # the pull read at the request's generation: the PS refuses another one
-            self._take_rows("push_pull_rows", rep, versions, pulls, got, create, body.gen)
             done.add(ps)
             return self.after_push(ps, rep, body, delivery)
 

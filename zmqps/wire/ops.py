@@ -415,6 +415,10 @@ class PullRows(Body):
     gen: int | None = wire(Int(0), default=None)
     #: False: a read-only pull (hash tables create, stamp and admit nothing)
     create: bool | None = wire(Bool(), default=None)
+    #: same host: the rows go into this region (one offset per shard, each shard's
+    #: rows back to back there), not in the reply; sent only to a PS that takes
+    #: ``shm_rows``
+    shm_out: ShmRef | None = wire(ShmRef.SCHEMA, default=None)
 
 
 @_body("table_rows")

@@ -13,11 +13,15 @@ Rules of this module:
   bounds, aligned, no two shards overlapping) before anything is read or written;
   a push reads only a region its own worker attached (an id sent by another worker,
   or kept from another PS process, may be someone else's region here).
+* :meth:`Regions.rows` does the same for the rows of a row request: one span per
+  shard, of the size the request's ids give it (never one the wire names), in bounds,
+  aligned and not overlapping, all checked before anything is read or written.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -124,4 +128,30 @@ class Regions:
         for (_, end), (start, _) in itertools.pairwise(spans):
             if start < end:
                 raise InvalidArgument("shm: shards overlap in the region")
+        return views
+
+    def rows(
+        self,
+        ref: ShmRef,
+        spans: Sequence[tuple[np.dtype[Any], tuple[int, ...]]],
+        worker: str | None = None,
+    ) -> list[np.ndarray[Any, Any]]:
+        """The places in a region of a row request's rows, one per shard (``spans``: the
+        dtype and the shape of each shard's rows, from the ids the request carries),
+        validated whole; ``worker``: the region must be one it attached."""
+        entry = self._regions.get(ref.region)
+        if entry is None or (worker is not None and entry[0] != worker):
+            raise NotFound(f"shm region {ref.region} is not attached")
+        if len(ref.offsets) != len(spans):
+            raise InvalidArgument("shm: one offset per shard's rows expected")
+        region = entry[1]
+        views, places = [], []
+        for off, (dtype, shape) in zip(ref.offsets, spans, strict=True):
+            view = region.view(off, dtype, math.prod(shape)).reshape(shape)
+            views.append(view)
+            places.append((off, off + view.nbytes))
+        places.sort()
+        for (_, end), (start, _) in itertools.pairwise(places):
+            if start < end:
+                raise InvalidArgument("shm: rows overlap in the region")
         return views

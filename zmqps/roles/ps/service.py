@@ -19,7 +19,11 @@ Rules of this module:
   a send still holds them copies them first (copy-on-write, :meth:`Shard.own`).
 * Same-host fast path: a worker may attach shared-memory regions
   (:mod:`zmqps.roles.ps.regions`); then a pull writes each snapshot straight into
-  the worker's region and a push applies the gradient straight from it.
+  the worker's region and a push applies the gradient straight from it. The rows of
+  a row push and of a row pull's reply may travel the same way (``shm``,
+  ``shm_out``): the ids always come in the message, and the places of the rows are
+  the sizes those ids give, validated whole before anything is read or written
+  (:meth:`Regions.rows`).
 * Per worker (all incarnations) the PS counts pushes applied and dropped and keeps
   the highest batch cursor applied (:class:`~zmqps.core.dedup.PushLedger`): a
   ``fence`` answers with it, so a worker's new incarnation resumes exactly there.
@@ -41,6 +45,8 @@ from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from zmqps.core.dedup import ClosureLedger, PushDeduper, PushLedger
 from zmqps.core.finite import first_bad_of, limit
@@ -98,7 +104,7 @@ _PUSH_OPS = frozenset({"push", "push_pull", "push_rows", "push_pull_rows"})
 _DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
 #: the ops this PS takes beyond those every PS takes, said in its row replies (a
 #: client sends them only to a PS that said so: an older one refuses them)
-TAKES = ("push_pull_rows",)
+TAKES = ("push_pull_rows", "shm_rows")
 
 
 class PSService:
@@ -429,23 +435,84 @@ class PSService:
         for sid, t in zip(req.shards, msg.tensors, strict=True):
             if t.kind != "index" or t.ref != sid:
                 raise InvalidArgument(f"pull_rows: expected the index tensor of shard {sid}")
-        self._check_row_counts("pull_rows", req.shards, [t.array for t in msg.tensors])
+        ids = [t.array for t in msg.tensors]
+        self._check_row_counts("pull_rows", req.shards, ids)
+        out = self._rows_out(msg, req.shards, ids, req.shm_out)  # validated before the pull
         create = req.create is not False  # False: read-only (evaluation, serving)
-        pulled = self.store.pull_rows_of(
-            [(sid, t.array) for sid, t in zip(req.shards, msg.tensors, strict=True)], create
-        )
-        return self._rows_reply(msg, req.shards, pulled)
+        pulled = self.store.pull_rows_of(list(zip(req.shards, ids, strict=True)), create, out)
+        return self._rows_reply(msg, req.shards, pulled, out is not None)
+
+    def _row_spans(
+        self, sids: Sequence[int], ids: Sequence[Any]
+    ) -> list[tuple[np.dtype[Any], tuple[int, ...]]]:
+        """The dtype and shape of each shard's rows for ``ids`` (its ids): the places a
+        row request's rows take in a region are these, never sizes the wire names."""
+        spans: list[tuple[np.dtype[Any], tuple[int, ...]]] = []
+        for sid, a in zip(sids, ids, strict=True):
+            d = self.store.get(sid).definition
+            spans.append((d.wire_dtype, (int(a.size), *d.shape[1:])))
+        return spans
+
+    def _rows_out(
+        self,
+        msg: Message,
+        sids: Sequence[int],
+        ids: Sequence[Any],
+        ref: o.ShmRef | None,
+        worker: str | None = None,
+    ) -> list[Any] | None:
+        """Where a row pull's rows go in the worker's pull region (validated whole), or
+        None: in the reply (no region named, or a copy of a pull served already: the
+        worker may hold the first reply and read the region, see :meth:`_op_pull`)."""
+        if ref is None or self._shm_pull_again(msg):
+            return None
+        return self.regions.rows(ref, self._row_spans(sids, ids), worker)
+
+    def rows_in_place(self, msg: Message) -> Message:
+        """A ``push_rows`` whose rows are in the worker's push region (``shm``) as the
+        message a TCP push of them is: ``(index, rows)`` of each shard, the rows views
+        of the region (validated whole: the region the pushing worker attached, in
+        bounds, aligned, not overlapping; the sizes the ids give). Any other message
+        as it is. A backup gets such a push's rows as these tensors."""
+        shm = msg.body.get("shm")
+        if msg.op != "push_rows" or shm is None:
+            return msg
+        req = o.PushRows.from_wire(msg.body)
+        ref = o.ShmRef.from_wire(shm)
+        if len(msg.tensors) != len(req.shards):
+            raise InvalidArgument("push_rows: over shm, one index tensor per shard expected")
+        for sid, t in zip(req.shards, msg.tensors, strict=True):
+            if t.kind != "index" or t.ref != sid:
+                raise InvalidArgument(f"push_rows: expected the index tensor of shard {sid}")
+            if sid not in self.store:
+                raise NotFound(f"shard {sid} is not on ps {self.index}")
+        ids = [t.array for t in msg.tensors]
+        self._check_row_counts("push_rows", req.shards, ids)
+        views = self.regions.rows(ref, self._row_spans(req.shards, ids), req.worker)
+        tensors: list[Tensor] = []
+        for sid, t, rows in zip(req.shards, msg.tensors, views, strict=True):
+            tensors += [t, Tensor(rows, "rows", sid)]
+        body = {k: v for k, v in msg.body.items() if k != "shm"}
+        return replace(msg, body=body, tensors=tuple(tensors))
 
     def _rows_reply(
-        self, msg: Message, sids: Sequence[int], pulled: Sequence[tuple[int, Any]]
+        self,
+        msg: Message,
+        sids: Sequence[int],
+        pulled: Sequence[tuple[int, Any]],
+        in_region: bool = False,
     ) -> Message:
-        """The reply to a pull of rows: each shard's version and rows."""
+        """The reply to a pull of rows: each shard's version and rows (``in_region``:
+        the rows are in the worker's region already, the reply carries none)."""
         versions, tensors = [], []
         for sid, (version, rows) in zip(sids, pulled, strict=True):
             versions.append(version)
-            tensors.append(Tensor(rows, "rows", sid))
+            if not in_region:
+                tensors.append(Tensor(rows, "rows", sid))
             if self.metrics is not None:
                 self.metrics.rows(self.store.get(sid).definition.var, "pull", rows.shape[0])
+        if in_region:
+            self._shm_pull_served(msg)
         return reply(msg, o.Values(tuple(versions), takes=TAKES).to_wire(), tensors)
 
     def _op_push_pull_rows(self, msg: Message, req: o.PushPullRows) -> Message:
@@ -454,12 +521,21 @@ class PSService:
         push's update). A replicated primary runs the two through its log instead
         (``PSSlots``)."""
         push, pull, keyed = self.split_push_pull_rows(msg, req)
-        pushed = self._op_push_rows(push, req)
+        # where the pulled rows go, validated before the push changes anything
+        ids = [t.array for t in pull.tensors]
+        out = self._rows_out(pull, req.pull, ids, req.shm_out, req.worker)
+        pushed = self._op_push_rows(push, replace(req, shm=None, shm_out=None))
         # the pull's ids were validated by the split (a push changes no id's validity,
         # nor a table's room: it creates no row): read with those keys
         create = req.create is not False
-        pulled = [(shard.version, shard.read_rows(keys, create)) for shard, keys in keyed]
-        return self.joined_rows(msg, pushed, self._rows_reply(pull, req.pull, pulled))
+        places: Sequence[Any] = [None] * len(keyed) if out is None else out
+        pulled = [
+            (shard.version, shard.read_rows(keys, create, place))
+            for (shard, keys), place in zip(keyed, places, strict=True)
+        ]
+        return self.joined_rows(
+            msg, pushed, self._rows_reply(pull, req.pull, pulled, out is not None)
+        )
 
     def split_push_pull_rows(
         self, msg: Message, req: o.PushPullRows
@@ -469,11 +545,11 @@ class PSService:
         its ids, a hash table's room): a pull that would be refused refuses the whole
         message before the push changes anything. Third: each pulled shard and the
         validated keys of its ids (:meth:`ShardStore.check_pull_rows`)."""
-        n = 2 * len(req.shards)
+        n = (1 if req.shm is not None else 2) * len(req.shards)  # shm: the index only
         if len(msg.tensors) != n + len(req.pull):
             raise InvalidArgument(
-                "push_pull_rows: (index, rows) of every pushed shard, then the index"
-                " tensor of every pulled shard expected"
+                "push_pull_rows: (index, rows) of every pushed shard (its index only, rows"
+                " in shared memory), then the index tensor of every pulled shard expected"
             )
         wanted = msg.tensors[n:]
         for sid, t in zip(req.pull, wanted, strict=True):
@@ -484,13 +560,12 @@ class PSService:
         keyed = self.store.check_pull_rows(
             list(zip(req.pull, ids, strict=True)), req.create is not False
         )
-        body = {k: v for k, v in msg.body.items() if k not in ("pull", "create")}
-        pull_body = o.PullRows(req.pull, req.gen, req.create).to_wire()
-        return (
-            replace(msg, op="push_rows", body=body, tensors=msg.tensors[:n]),
-            replace(msg, op="pull_rows", body=pull_body, tensors=wanted),
-            keyed,
-        )
+        if req.shm_out is not None:  # where the rows go: refused before the push too
+            self.regions.rows(req.shm_out, self._row_spans(req.pull, ids), req.worker)
+        body = {k: v for k, v in msg.body.items() if k not in ("pull", "create", "shm_out")}
+        pull_body = o.PullRows(req.pull, req.gen, req.create, req.shm_out).to_wire()
+        push = self.rows_in_place(replace(msg, op="push_rows", body=body, tensors=msg.tensors[:n]))
+        return push, replace(msg, op="pull_rows", body=pull_body, tensors=wanted), keyed
 
     def joined_rows(self, msg: Message, pushed: Message, pulled: Message) -> Message:
         """The reply to ``push_pull_rows`` ``msg``: its push's (``pushed``), with the
@@ -719,6 +794,11 @@ class PSService:
         return reply(msg, _with_versions(out, versions, packed).to_wire(), tensors)
 
     def _op_push_rows(self, msg: Message, req: o.Push) -> Message:
+        if req.shm_out is not None:
+            raise InvalidArgument("push_rows: a pull region only with push_pull_rows")
+        if req.shm is not None:  # the rows in the worker's push region: views of it
+            msg = self.rows_in_place(msg)
+            req = replace(req, shm=None)
         by_shard = self._grad_tensors(msg, req, ("index", "rows"))
         for sid in req.shards:
             if [t.kind for t in by_shard[sid]] != ["index", "rows"]:

@@ -216,7 +216,10 @@ class PSSlots:
             if msg.op == "push_pull_rows":
                 return self._push_pull_rows(msg, role, service)
             if changes_state(msg, service.store):
-                return role.run(msg, service)
+                # a row push's rows in the worker's region: logged as the tensors a TCP
+                # push carries (views of the region, which the worker leaves alone
+                # until it has the answer)
+                return role.run(service.rows_in_place(msg), service)
         return service(msg)
 
     async def _push_pull_rows(self, msg: Message, role: Primary, service: PSService) -> Message:
