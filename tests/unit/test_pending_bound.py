@@ -14,6 +14,10 @@ from zmqps.transport import FakeNetwork
 from zmqps.transport.dispatch import MAX_PENDING_PER_PEER
 from zmqps.wire import Message, reply
 from zmqps.wire.errors import Busy
+from zmqps.wire.ops import WaitStep
+
+#: a long poll's body (the handler here answers it once released)
+POLL = WaitStep(1 << 40, 30.0).to_wire()
 
 
 def _waiting_server(net: FakeNetwork, release: asyncio.Event, started: list[int]) -> Any:
@@ -112,5 +116,48 @@ def test_a_request_refused_busy_is_sent_again_and_served_once_the_flood_ends() -
         await asyncio.gather(*polls, return_exceptions=True)
         release.set()
         assert (await asyncio.wait_for(wait, 5.0)).body == {"ok": True}
+
+    asyncio.run(asyncio.wait_for(body(), 20.0))
+
+
+def test_a_flood_of_long_polls_cannot_shut_out_a_peer_that_holds_few() -> None:
+    """A client flooding a PS with long polls (``wait_step`` of a step that never comes)
+    from a few identities filled every pending place, and the chief's own step polls
+    and the workers' waits were refused ``busy``: a sync run stood still. A peer that
+    holds few is served: the heaviest peer's oldest long poll is answered ``busy`` and
+    the newcomer takes its place; the bound in all still holds. Among peers holding
+    one each, nobody is heavier: a newcomer is refused as before."""
+
+    async def body() -> None:
+        net, release, started = FakeNetwork(), asyncio.Event(), []
+        stats = _waiting_server(net, release, started)
+        server = net._servers["srv"]
+        server.max_pending = 40
+        evil = net.client("srv", "evil", timeout=30.0)
+        flood = [asyncio.ensure_future(evil.request("wait_step", POLL)) for _ in range(40)]
+        await _settled(lambda: server.pending == 40)
+        chief = net.client("srv", "chief", timeout=30.0)
+        mine = [asyncio.ensure_future(chief.request("wait_step", POLL)) for _ in range(3)]
+        await _settled(lambda: len(started) == 43)  # the chief's three ran
+        assert server.pending == 40 and stats.busy >= 3
+        assert not any(p.done() for p in mine)
+        release.set()
+        assert all(r.body == {"ok": True} for r in await asyncio.gather(*mine))
+        await asyncio.gather(*flood, return_exceptions=True)
+        assert server.pending == 0
+
+        # forty peers holding one each: nobody is heavier than a newcomer
+        release.clear()
+        started.clear()
+        peers = [net.client("srv", f"p{i}", timeout=30.0) for i in range(40)]
+        ones = [asyncio.ensure_future(p.request("wait_step", POLL)) for p in peers]
+        await _settled(lambda: server.pending == 40)
+        late = net.client("srv", "late", timeout=0.2)
+        with pytest.raises(Busy):
+            await late.request("wait_step", POLL)
+        assert len(started) == 40
+        release.set()
+        await asyncio.gather(*ones)
+        assert server.pending == 0
 
     asyncio.run(asyncio.wait_for(body(), 20.0))

@@ -4,6 +4,11 @@ Requests whose handler waits (long polls, waits on a step or a write) are pendin
 until they are answered; their number is bounded per peer (``MAX_PENDING_PER_PEER``)
 and in all (``MAX_PENDING``): one more is refused at once with :class:`Busy`
 (counted in ``stats.busy``), so no client can pin a server's memory with waits.
+When all peers together are at the bound, a peer holding few is not refused while
+another holds many long polls: the heaviest peer's oldest long poll is answered
+``busy`` (its client asks again; nothing is lost) and the newcomer takes its place.
+So a flood of long polls from a few peers cannot shut out the chief's and the
+workers' requests (each holds a few).
 
 This is the one boundary where a bad request becomes an error reply: a
 :class:`ZmqpsError` keeps its code; anything else becomes ``internal`` and is
@@ -16,7 +21,9 @@ disconnects (the server does that: it knows the connections).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -42,6 +49,51 @@ MAX_PENDING = 16384
 _LOG_EVERY_S = 30.0
 
 log = logging.getLogger("zmqps.transport")
+
+
+class _Polls:
+    """The long polls pending per peer, in arrival order, and the peers by how many
+    they hold (the heaviest found in O(1))."""
+
+    def __init__(self) -> None:
+        self.of: dict[object, dict[int, asyncio.Future[Message]]] = {}
+        self._by_count: dict[int, set[object]] = {}
+        self._top = 0
+
+    def add(self, peer: object, key: int, task: asyncio.Future[Message]) -> None:
+        held = self.of.setdefault(peer, {})
+        self._move(peer, len(held), len(held) + 1)
+        held[key] = task
+
+    def remove(self, peer: object, key: int) -> None:
+        held = self.of.get(peer)
+        if held is None or key not in held:
+            return
+        self._move(peer, len(held), len(held) - 1)
+        del held[key]
+        if not held:
+            del self.of[peer]
+
+    def heaviest(self) -> tuple[object, int]:
+        """The peer holding the most long polls (None, 0: none)."""
+        if not self._top:
+            return None, 0
+        return next(iter(self._by_count[self._top])), self._top
+
+    def oldest(self, peer: object) -> tuple[int, asyncio.Future[Message]]:
+        return next(iter(self.of[peer].items()))
+
+    def _move(self, peer: object, before: int, after: int) -> None:
+        if before:
+            bucket = self._by_count[before]
+            bucket.discard(peer)
+            if not bucket:
+                del self._by_count[before]
+        if after:
+            self._by_count.setdefault(after, set()).add(peer)
+        self._top = max(self._top, after)
+        while self._top and self._top not in self._by_count:
+            self._top -= 1
 
 
 class Pending:
@@ -87,6 +139,11 @@ class Dispatcher:
         #: requests pending per peer (a peer leaves the map with its last one)
         self._pending: dict[object, int] = {}
         self._pending_total = 0
+        #: the long polls among them (what may be answered ``busy`` to make room)
+        self._polls = _Polls()
+        self._keys = itertools.count()
+        #: long polls answered ``busy`` to make room, not yet ended
+        self._evicted: set[int] = set()
         self._busy_log = RateLimitedLog(log, _LOG_EVERY_S)
         self._internal_log = RateLimitedLog(log, _LOG_EVERY_S)
         self.observer = observer
@@ -140,14 +197,58 @@ class Dispatcher:
             return self._observed(msg, self.error(msg, exc), started)
         if inspect.isawaitable(result):
             held = self._pending.get(peer, 0)
-            if held >= self.max_pending_per_peer or self._pending_total >= self.max_pending:
+            refuse = held >= self.max_pending_per_peer
+            if not refuse and self._pending_total >= self.max_pending:
+                refuse = not self._make_room(peer, held)
+            if refuse:
                 if inspect.iscoroutine(result):
                     result.close()  # never started: nothing was done
                 return self._observed(msg, self._busy(msg, peer, held), started)
             self._pending[peer] = held + 1
             self._pending_total += 1
+            if msg.op in LONG_POLLS:  # may be answered busy to make room: its own task
+                key = next(self._keys)
+                task = asyncio.ensure_future(result)
+                self._polls.add(peer, key, task)
+                return Pending(msg.op, self._finish(msg, task, started, peer, key))
             return Pending(msg.op, self._finish(msg, result, started, peer))
         return self._observed(msg, result, started)
+
+    def _make_room(self, peer: object, held: int) -> bool:
+        """All peers together hold as many requests as allowed: answer the oldest long
+        poll of the peer holding the most ``busy`` (its client asks again), if it holds
+        more than ``peer``'s ``held`` + 1; True once room was made."""
+        heavy, count = self._polls.heaviest()
+        if heavy is None or heavy == peer or count <= held + 1:
+            return False
+        key, task = self._polls.oldest(heavy)
+        self._polls.remove(heavy, key)
+        self._evicted.add(key)
+        total = self._pending_total
+        self._release(heavy)  # its place is the newcomer's from now on
+        task.cancel()
+        self.stats.busy += 1
+        self._busy_log.warning(
+            "%s: %d pending in all (the limit): answering a long poll of %r busy to serve"
+            " %r (%d pending there, %d here; %d refused so far)",
+            self.name,
+            total,
+            heavy,
+            peer,
+            count,
+            held,
+            self.stats.busy,
+            key="evict",
+        )
+        return True
+
+    def _release(self, peer: object) -> None:
+        self._pending_total -= 1
+        left = self._pending[peer] - 1
+        if left:
+            self._pending[peer] = left
+        else:
+            del self._pending[peer]
 
     @property
     def pending(self) -> int:
@@ -183,19 +284,31 @@ class Dispatcher:
         return error_reply(msg.id, Busy(f"{self.name}: {why}: read them first"))
 
     async def _finish(
-        self, msg: Message, result: Awaitable[Message], started: float, peer: object
+        self,
+        msg: Message,
+        result: Awaitable[Message],
+        started: float,
+        peer: object,
+        key: int | None = None,
     ) -> Message:
         try:
             out = await result
+        except asyncio.CancelledError:
+            if key is None or key not in self._evicted:
+                raise
+            out = error_reply(
+                msg.id,
+                Busy(f"{self.name}: too many requests pending here: ask again later"),
+            )
         except Exception as exc:
             out = self.error(msg, exc)
         finally:
-            self._pending_total -= 1
-            left = self._pending[peer] - 1
-            if left:
-                self._pending[peer] = left
+            if key is not None and key in self._evicted:
+                self._evicted.discard(key)  # its place was given up when it was evicted
             else:
-                del self._pending[peer]
+                if key is not None:
+                    self._polls.remove(peer, key)
+                self._release(peer)
         return self._observed(msg, out, started)
 
     def _observed(self, msg: Message, out: Message, started: float) -> Message:
