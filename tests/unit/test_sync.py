@@ -40,7 +40,7 @@ from zmqps.roles.client import ParameterClient
 from zmqps.roles.configs import SyncConfig
 from zmqps.roles.status import format_status
 from zmqps.wire import Message
-from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotFound, NotReady
+from zmqps.wire.errors import Busy, DeadlineExceeded, InvalidArgument, NotFound, NotReady
 from zmqps.wire.ops import Who
 
 LR = SGD["lr"]
@@ -1323,6 +1323,50 @@ def test_copies_holding_a_step_are_named_before_the_log_says_so(
     with caplog.at_level(logging.INFO, logger="zmqps.chief"):
         run(body())
     assert not [r for r in caplog.records if "waits on ps" in r.getMessage()]
+
+
+class _BusyPS(_CopiesBehindPS):
+    """A PS whose pending requests are at their bound (other peers' long polls, a
+    flood): it refuses the chief's step polls ``busy`` for a while, then answers."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__()
+        self.refusals = refusals
+
+    async def request(self, op: str, body: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if op == "wait_step" and self.refusals > 0:
+            self.refusals -= 1
+            self.polls += 1
+            raise Busy("ps0: too many requests of all peers pending")
+        return await super().request(op, body, *args, **kwargs)
+
+
+def test_a_ps_refusing_the_chiefs_step_polls_never_ends_the_stepping_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flood of long polls from other peers filled a PS's pending requests; it
+    refused the chief's step polls ``busy`` and the chief exited with that error (a
+    sync run stood, then lost its chief). The chief asks again after a back-off, its
+    status names the PS meanwhile, and it goes on once the PS takes its polls."""
+    import zmqps.roles.chief.modes as modes
+
+    monkeypatch.setattr(modes, "BUSY_BACKOFF_S", (0.01,))
+
+    async def body() -> None:
+        ps = _BusyPS(refusals=30)
+        mode = SyncMode(SyncConfig(mode="sync"), Membership(2), [ps], clock=time.monotonic)
+        task = asyncio.ensure_future(mode.start([0], 0))
+        await until(lambda: mode.refused_by(), what="the PS named as refusing")
+        assert 0 in mode.refused_by()
+        await until(lambda: ps.refusals == 0 and ps.polls > 31, what="polls taken again")
+        await until(lambda: not mode.refused_by(), what="the refusal forgotten")
+        assert not task.done()
+        mode.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    run(body())
 
 
 class _OddStatusPS(_CopiesBehindPS):

@@ -34,7 +34,14 @@ from zmqps.roles.configs import SyncConfig
 from zmqps.roles.waiters import Changes
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
-from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotPrimary, NotReady, ZmqpsError
+from zmqps.wire.errors import (
+    Busy,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotPrimary,
+    NotReady,
+    ZmqpsError,
+)
 from zmqps.wire.schema import INT64_MAX
 
 __all__ = ["AsyncMode", "ChiefMode", "SspMode", "SyncMode", "make_chief_mode"]
@@ -49,6 +56,9 @@ POLL_S = 5.0  # one long poll to a PS
 #: a step that waits this long on a PS state has the reason said in the log (again
 #: after as long)
 BEHIND_REPORT_S = 15.0
+#: seconds before a stepping poll a PS refused (``busy``: its pending requests are at
+#: their bound, other peers' long polls) is sent again, doubling to the last
+BUSY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 #: a step that waits this long on a PS state: the chief asks the state why (again
 #: after as long), so its status names copies that hold the step within a heartbeat
 #: timeout rather than at the first report in the log
@@ -212,6 +222,10 @@ class ChiefMode:
         """PS states whose step waits on their copies (sync only)."""
         return {}
 
+    def refused_by(self) -> dict[int, float]:
+        """PS states whose process refuses the chief's step polls (sync only)."""
+        return {}
+
     def steps_planned(self) -> int:
         return self.members.steps_planned
 
@@ -313,6 +327,9 @@ class SyncMode(ChiefMode):
         #: PS states whose step polls answer below the step waited for although they
         #: applied it (its copies do not all have it yet): state -> (since, step there)
         self._behind: dict[int, tuple[float, int]] = {}
+        #: PS states whose process refuses the chief's stepping polls (``busy``: its
+        #: pending requests are at their bound): state -> (since, refusals in a row)
+        self._refused: dict[int, tuple[float, int]] = {}
 
     @property
     def global_step(self) -> int:
@@ -562,9 +579,13 @@ class SyncMode(ChiefMode):
             log.info("steps wait for a fail-over: %s", exc)
             await asyncio.sleep(0.1)
             return None
+        except Busy as exc:
+            await self._refusal(k, ps, exc)
+            return None
         finally:
             if self._ranging is task:
                 self._ranging = None
+        self._refused.pop(k, None)
         out = o.StepReply.parse(rep.body, "wait_step reply")
         self._relayed(k, out)
         return out
@@ -631,6 +652,10 @@ class SyncMode(ChiefMode):
                     log.info("step %d waits for a fail-over: %s", step, exc)
                     await asyncio.sleep(0.1)
                     continue
+                except Busy as exc:
+                    await self._refusal(k, ps, exc)
+                    continue
+                self._refused.pop(k, None)
                 out = o.StepReply.parse(rep.body, "wait_step reply")
                 self._relayed(k, out)
                 if int(rep.body["step"]) >= step:
@@ -644,6 +669,7 @@ class SyncMode(ChiefMode):
                     await self._look_behind(ps, k, step, say)
         finally:
             self._behind.pop(k, None)
+            self._refused.pop(k, None)
 
     async def _look_behind(self, ps: Requester, k: int, step: int, say: bool) -> None:
         """Step ``step`` has waited on PS state ``k`` past :data:`BEHIND_LOOK_S`: learn
@@ -686,6 +712,26 @@ class SyncMode(ChiefMode):
         """PS states that applied the current step but cannot tell it yet (their copies
         do not all have it): state -> (since when, as the clock says; the step there)."""
         return dict(self._behind)
+
+    def refused_by(self) -> dict[int, float]:
+        """PS states whose process refuses the chief's stepping polls now (busy with
+        other peers' requests): state -> since when, as the clock says."""
+        return {k: since for k, (since, _) in self._refused.items()}
+
+    async def _refusal(self, k: int, ps: Requester, exc: Busy) -> None:
+        """PS state ``k``'s process refused a stepping poll (its pending requests are at
+        their bound: other peers' long polls, a flood): nothing was done there, and the
+        chief asks again after a back-off, never giving up on the step (its status
+        names that PS meanwhile)."""
+        since, n = self._refused.get(k, (self.clock(), 0))
+        self._refused[k] = (since, n + 1)
+        if n == 0:
+            log.warning(
+                "ps at %s refuses the chief's step polls (%s): asking again until it takes them",
+                ps.endpoint,
+                exc,
+            )
+        await asyncio.sleep(BUSY_BACKOFF_S[min(n, len(BUSY_BACKOFF_S) - 1)])
 
     def _may_release_ahead(self, step: int) -> bool:
         """Whether the PS may release ``step``'s tokens by itself the moment it applied

@@ -548,6 +548,16 @@ class ChiefService:
             return "finishing: the final checkpoint, evaluation and export"
         if self.recovery.phase is Phase.STOPPING:
             return "stopping (a shutdown was requested)"
+        refused = self.consistency.refused_by()
+        if refused:  # not "step ... waits on workers": they pushed, the PS refuses polls
+            now = self.clock()
+            states = ", ".join(
+                f"ps {k}'s state ({now - since:.0f}s)" for k, since in sorted(refused.items())
+            )
+            return (
+                f"the PS serving {states} refuses the chief's step polls (busy: too many"
+                " requests of other peers pending there); asking again"
+            )
         held = self.consistency.held_by_copies()
         if held:  # not "step ...": a step no copy can take in is a stall, not work
             now = self.clock()
