@@ -1274,3 +1274,38 @@ def test_a_chief_that_resumes_from_a_checkpoint_reports_its_step_at_once(
         assert (await call(env.chief, "status")).body["global_step"] == 12 + 2 + 2
 
     run(body())
+
+
+def test_a_burst_of_checkpoint_requests_shares_checkpoints_named_by_their_step(
+    tmp_path: Path,
+) -> None:
+    """2,048 ``checkpoint`` requests sent at once took one checkpoint each, one after
+    the other, each under the global step read when its request arrived: 679 commits
+    of one name over 40 s while the step went on, and the last one's manifest said a
+    step 21,602 before its values (a resume then ended short, with exit 0). Requests
+    that arrive together share one checkpoint, whose step is read when its snapshot is
+    taken; a request after it gets a later one."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=1, checkpoint=CheckpointPolicy(str(tmp_path)))
+        env.services[0] = PSService(0, checkpoint_dir=str(tmp_path))
+        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        await call(env.chief, "register", who(0, 1, steps_planned=100))
+        await call(env.chief, "heartbeat", who(0, 1, step=5))
+        ck = env.chief.checkpoints.ck
+        before = ck.committed
+        replies = await asyncio.gather(
+            *(call(env.chief, "checkpoint", {"wait": 30.0}) for _ in range(64))
+        )
+        assert all(r.op != "error" for r in replies), replies[0].body
+        names = {r.body["name"] for r in replies}
+        assert len(names) == 1 and ck.committed - before == 1
+        assert ck.last_committed is not None and ck.last_committed.step == 5
+        await call(env.chief, "heartbeat", who(0, 1, step=9))
+        later = await call(env.chief, "checkpoint", {"wait": 30.0})
+        assert later.body["name"] not in names and ck.committed - before == 2
+        assert ck.last_committed.step == 9
+
+    run(body())

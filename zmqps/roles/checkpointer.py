@@ -207,20 +207,25 @@ class Checkpointer:
 
     async def take(
         self,
-        step: int,
+        step: int | Callable[[], int],
         placement: Placement,
         mode: str,
         generation: int,
-        extra: Mapping[str, Any],
+        extra: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
     ) -> Checkpoint | None:
-        """Snapshot and write one checkpoint; wait for its commit."""
+        """Snapshot and write one checkpoint; wait for its commit. ``step`` and
+        ``extra`` may be functions: read when the snapshot is taken (after the take and
+        the write before this one), so the manifest names the step its values are of,
+        not the step the caller asked at."""
         async with self._taking:
             if self._writing is not None:
                 await asyncio.wait([self._writing])  # its outcome is its own caller's
-            snap = await self.snapshot(step, placement)
+            at = step() if callable(step) else step
+            snap = await self.snapshot(at, placement)
             if snap is None:
                 return None
-            return await self.write(snap, placement, mode, generation, extra)
+            figures = extra() if callable(extra) else extra
+            return await self.write(snap, placement, mode, generation, figures)
 
     async def wait(self) -> None:
         if self._writing is not None:

@@ -7,6 +7,8 @@ Rules of this module:
   that is not). async / ssp: every N global steps or T seconds, per shard with its
   version. At the end (every worker done, or a shutdown): one more if anything
   changed. On request (the ``checkpoint`` op): now (async) or at the next boundary.
+  Requests that arrive while one is taken share the next one (a burst of them takes
+  at most two, not one each), and its step is read when its snapshot is taken.
 * No checkpoint is taken while the cluster recovers.
 """
 
@@ -32,6 +34,9 @@ class ChiefCheckpoints:
     def __init__(self, checkpointer: Checkpointer, chief: ChiefService) -> None:
         self.ck = checkpointer
         self.chief = chief
+        #: async / ssp: the requested checkpoint not yet begun, which every request
+        #: arriving meanwhile waits for (None: the next request starts one)
+        self._next: asyncio.Future[Checkpoint | None] | None = None
 
     @property
     def sync(self) -> bool:
@@ -131,13 +136,9 @@ class ChiefCheckpoints:
             raise NotReady("no variables yet")
         ck = self.ck
         if not self.sync:
-            ckpt = await ck.take(
-                self.chief.global_step,
-                placement,
-                self.chief.consistency.name,
-                self.chief.recovery.gen,
-                self._extra(),
-            )
+            if self._next is None:
+                self._next = asyncio.ensure_future(self._requested())
+            ckpt = await asyncio.shield(self._next)
         else:  # at the next step boundary
             before, ck.forced = ck.committed + ck.failed, True
             deadline = self.chief.clock() + wait
@@ -154,3 +155,26 @@ class ChiefCheckpoints:
                 raise NotReady(f"checkpoint failed while the cluster recovers: {ck.last_error}")
             raise InvalidArgument(f"checkpoint failed: {ck.last_error}")
         return ckpt
+
+    async def _requested(self) -> Checkpoint | None:
+        """The checkpoint requests wait for: its snapshot taken after every request
+        that waits for it arrived (the step read then), its commit waited for."""
+        placement = self.chief.variables.placement
+        assert placement is not None
+        try:
+            return await self.ck.take(
+                self._begun,
+                placement,
+                self.chief.consistency.name,
+                self.chief.recovery.gen,
+                self._extra,
+            )
+        finally:
+            if self._next is not None and self._next.done():
+                self._next = None
+
+    def _begun(self) -> int:
+        """The step of a requested checkpoint, read as its snapshot is taken: requests
+        from now on wait for the next one."""
+        self._next = None
+        return self.chief.global_step
