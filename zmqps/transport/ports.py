@@ -1,21 +1,71 @@
-"""Free TCP ports for local clusters (``zmqps launch``, the benchmarks, the tests)."""
+"""Free TCP ports for local clusters (``zmqps launch``, the benchmarks, the tests).
+
+A port is picked some time before its task binds it (the task is a process still
+starting). A port the kernel hands out for ``bind(0)`` lies in the ephemeral range,
+which every outgoing connection of the machine draws its local port from too: on a
+machine that opens many connections (a client pool, a load test) one of them takes
+the picked port meanwhile, and the task fails to bind ("Address already in use")
+however often it is restarted. Ports are therefore picked below the ephemeral range,
+at random (two launches at once rarely meet), each checked free by binding it; the
+kernel's choice is the fallback when none is found there.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import random
 import socket
+from pathlib import Path
 
 __all__ = ["free_ports"]
 
+#: the lowest port picked (below: well-known and registered services' usual ports)
+LOWEST = 20000
+#: the ephemeral range when the kernel does not say (Linux's default start)
+EPHEMERAL_START = 32768
+#: ports tried below the ephemeral range before the kernel picks
+ATTEMPTS = 64
+
+
+def _ephemeral_start() -> int:
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return EPHEMERAL_START
+
+
+def _bound(host: str, port: int) -> socket.socket | None:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        return None
+    return s
+
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free TCP ports on ``host`` (held open together while picking)."""
-    socks = []
+    """``n`` distinct free TCP ports on ``host`` (held open together while picking),
+    below the ephemeral range where it leaves room."""
+    socks: list[socket.socket] = []
+    top = _ephemeral_start()
+    rng = random.SystemRandom()
     try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+        tries = 0
+        while len(socks) < n:
+            port = 0
+            if top - LOWEST > 4 * n and tries < ATTEMPTS * n:
+                tries += 1
+                port = rng.randrange(LOWEST, top)
+            s = _bound(host, port)
+            if s is None:
+                if port == 0:
+                    raise OSError(f"no free TCP port on {host}")
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
-            s.close()
+            with contextlib.suppress(OSError):
+                s.close()
