@@ -735,7 +735,8 @@ class Launcher:
             signalled.append(sig)
             interrupted.set()
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # a hangup (the terminal closed, an ssh session gone) stops the run like SIGTERM
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, on_signal, sig)
         sys.stderr.flush()
         self.console = Console(sys.stderr)
@@ -804,7 +805,8 @@ class Launcher:
                 c.log.close()
         sweep()  # shared-memory regions a killed child left
         if interrupted.is_set():
-            return 128 + signalled[0]  # 130 for Ctrl-C, 143 for SIGTERM, as a shell says
+            # 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, as a shell says
+            return 128 + signalled[0]
         return 1 if self.failure else 0
 
 
