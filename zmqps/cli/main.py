@@ -384,7 +384,9 @@ def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
         print(f"zmqps: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 130
+        from zmqps.cli.entry import interrupted
+
+        return interrupted(getattr(args, "prog", "zmqps"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
