@@ -1,3 +1,3 @@
-from zmqps.cli.main import main
+from zmqps.cli.entry import main
 
 raise SystemExit(main())

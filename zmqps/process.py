@@ -5,17 +5,25 @@ import it.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import select
 import signal
+import stat
+import sys
 import threading
 import time
 from collections.abc import Mapping
+from typing import Any
 
 __all__ = [
     "THREAD_VARS",
+    "DroppingWriter",
     "available_memory",
     "blas_threads",
     "exit_with_parent",
+    "nonblocking_output",
     "thread_env",
     "usable_cores",
 ]
@@ -74,3 +82,111 @@ def exit_with_parent(pid: int, poll_s: float = 0.5) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="zmqps-parent-watch", daemon=True).start()
+
+
+#: seconds a write to a full output pipe waits for its reader before output is dropped
+#: (once dropping, a write waits no more until one gets through again)
+OUTPUT_WAIT_S = 1.0
+
+
+class DroppingWriter(io.RawIOBase):
+    """Writes to a non-blocking file descriptor (a pipe the launcher drains) that never
+    block for long: a write that finds the pipe full waits at most
+    :data:`OUTPUT_WAIT_S` for the reader (none at all while already dropping), then
+    drops what did not fit and counts its lines; the next write that gets through
+    starts with a line saying how many were dropped. A stopped or busy reader costs
+    output lines, never the task's progress."""
+
+    def __init__(self, fd: int, wait_s: float = OUTPUT_WAIT_S) -> None:
+        super().__init__()
+        self.fd = fd
+        self.wait_s = wait_s
+        #: lines dropped since output last got through (said then)
+        self.dropped = 0
+        #: lines dropped in all
+        self.dropped_total = 0
+        self._dropping = False
+        self._mid_line = False  # the last bytes that got out ended inside a line
+        self._lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        with self._lock:
+            note = self._note()
+            out = memoryview(note + data)
+            written = 0
+            deadline = time.monotonic() + (0.0 if self._dropping else self.wait_s)
+            while written < len(out):
+                try:
+                    n = os.write(self.fd, out[written:])
+                except BlockingIOError:
+                    n = 0
+                except OSError:  # the reader is gone: nothing to wait for
+                    break
+                if n:
+                    self._dropping = False
+                    written += n
+                    self._mid_line = out[written - 1] != 10  # b"\n"
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0 or not _writable(self.fd, left):
+                    break
+            if written >= len(note):
+                self.dropped = 0  # said (or nothing to say)
+            if written < len(out):
+                lines = max(1, data[max(0, written - len(note)) :].count(b"\n"))
+                self.dropped += lines
+                self.dropped_total += lines
+                self._dropping = True
+        return len(data)
+
+    def _note(self) -> bytes:
+        if not self.dropped:
+            return b""
+        note = (
+            f"zmqps: {self.dropped} line{'s' if self.dropped != 1 else ''} of output"
+            " dropped (the pipe to the launcher was full: nobody read it)\n"
+        )
+        return ("\n" if self._mid_line else "").encode() + note.encode()
+
+
+def _writable(fd: int, timeout: float) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return bool(poller.poll(timeout * 1000))
+
+
+def nonblocking_output() -> None:
+    """Make this process's stdout and stderr (the pipe ``zmqps launch`` drains) never
+    block it: the descriptors non-blocking, ``sys.stdout`` and ``sys.stderr`` on
+    :class:`DroppingWriter`. Only for a pipe of this process's own (a terminal's
+    descriptor is shared with the shell, and must stay blocking)."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        try:
+            if not _is_pipe(fd):
+                continue
+            os.set_blocking(fd, False)
+        except OSError:
+            continue
+        stream = io.TextIOWrapper(
+            io.BufferedWriter(DroppingWriter(fd)),
+            encoding="utf-8",
+            errors="backslashreplace",
+            line_buffering=True,
+            write_through=True,
+        )
+        old = getattr(sys, name)
+        if old is not None:
+            with contextlib.suppress(OSError, ValueError):
+                old.flush()
+        setattr(sys, name, stream)
+
+
+def _is_pipe(fd: int) -> bool:
+    return stat.S_ISFIFO(os.fstat(fd).st_mode)

@@ -218,3 +218,24 @@ def test_top_waits_out_a_short_outage_and_honours_iterations() -> None:
     code, out, err, redraws = _run_top(answers, iterations=8)
     assert (code, err, redraws) == (0, "", 8)
     assert "gone" not in out
+
+
+def test_load_targets_takes_host_port_and_says_what_it_expects(tmp_path) -> None:
+    import pytest
+
+    from zmqps.wire.errors import ConfigError
+
+    assert load_targets(["127.0.0.1:23461"]) == [Target("?", "http://127.0.0.1:23461/metrics")]
+    with pytest.raises(ConfigError, match="expected a /metrics URL, HOST:PORT"):
+        load_targets([str(tmp_path / "missing.json")])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not a Prometheus file_sd JSON"):
+        load_targets([str(bad)])
+
+
+def test_top_fails_when_iterations_end_before_any_answer() -> None:
+    """--iterations 2 against targets that never answered exited 0."""
+    code, _, err, redraws = _run_top([], iterations=2)
+    assert (code, redraws) == (1, 2)
+    assert err.startswith("zmqps: error: top: none of the 1 target ever answered")

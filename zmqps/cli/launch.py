@@ -11,7 +11,11 @@ Rules of this module:
   progress bar's status requests) on CURVE; a ``ZMQPS_KEYS`` of the environment is
   not passed on (the run is plaintext or uses its own keys).
 * Child output is relayed line by line, prefixed with its task, and kept in
-  ``RUN_DIR/<task>.log``; the progress bar reads the chief's status.
+  ``RUN_DIR/<task>.log``; the progress bar reads the chief's status. Nothing here
+  blocks on output: the launcher's stderr goes through :class:`Console` (lines
+  dropped and counted when it takes none), and the tasks write to their pipe without
+  blocking (``--nonblocking-output``), so a terminal or launcher that is stopped
+  never stops training.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -52,6 +56,7 @@ from zmqps.cli.args import (
     wire_dtype_from_args,
     worker_devices,
 )
+from zmqps.cli.console import Console
 from zmqps.cli.coordinator import add_driver_args, check_launch
 from zmqps.cli.tasks import DEFAULT_JOB
 from zmqps.config import ClusterSpec
@@ -124,6 +129,24 @@ async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[bytes]:
         while len(pending) >= RELAY_PART_BYTES:
             yield pending[:RELAY_PART_BYTES]
             pending = pending[RELAY_PART_BYTES:]
+
+
+@contextlib.contextmanager
+def _logging_to(console: Console) -> Iterator[None]:
+    """This process's log lines (the root logger's handlers on stderr) through
+    ``console`` for the while: a log line never blocks the launcher either."""
+    import logging
+
+    moved = []
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.StreamHandler) and h.stream is console.stream:
+            moved.append(h)
+            h.setStream(console)
+    try:
+        yield
+    finally:
+        for h in moved:
+            h.setStream(console.stream)
 
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -356,6 +379,8 @@ class Launcher:
         self.failure = ""
         self.first_failed: Child | None = None
         self.env: dict[str, str] = {}
+        #: the launcher's stderr while the tasks run: written by a thread of its own
+        self.console: Console | None = None
 
     def worker_stats(self, index: int) -> Path:
         """Where worker ``index`` writes its step statistics."""
@@ -375,7 +400,8 @@ class Launcher:
             argv = [sys.executable, "-m", "zmqps", "task", "--config", str(path)]
             computes = task.worker is not None and not Device.parse(self.args.device).is_cuda
             env = thread_env(threads if computes else 1, os.environ)
-            kids.append(Child(name, [*argv, "--parent-pid", str(os.getpid())], env=env))
+            argv += ["--parent-pid", str(os.getpid()), "--nonblocking-output"]
+            kids.append(Child(name, argv, env=env))
         return kids
 
     def threads(self) -> int:
@@ -476,10 +502,12 @@ class Launcher:
         return [f"{name} http://{HOST}:{port}/metrics" for name, port in self.metrics_ports.items()]
 
     def say(self, line: str) -> None:
+        """A line on the launcher's stderr, never blocking (see :class:`Console`)."""
+        out: Any = self.console if self.console is not None else sys.stderr
         if self.bar is not None:
-            self.bar.write(line, file=sys.stderr)
+            self.bar.write(line, file=out)
         else:
-            print(line, file=sys.stderr, flush=True)
+            print(line, file=out, flush=True)
 
     async def _relay(self, child: Child) -> None:
         """Every line of the child into its log file; to the terminal its warnings,
@@ -707,8 +735,27 @@ class Launcher:
             signalled.append(sig)
             interrupted.set()
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # a hangup (the terminal closed, an ssh session gone) stops the run like SIGTERM
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, on_signal, sig)
+        sys.stderr.flush()
+        self.console = Console(sys.stderr)
+        try:
+            with _logging_to(self.console):
+                return await self._run(loop, interrupted, signalled)
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+            self.console.close()
+            self.console = None
+
+    async def _run(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        interrupted: asyncio.Event,
+        signalled: list[int],
+    ) -> int:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.env.pop("TF_CONFIG", None)
         self.env.pop("ZMQPS_KEYS", None)
@@ -720,7 +767,7 @@ class Launcher:
             await self._start(c)
         if not self.args.no_progress and sys.stderr.isatty():
             self.bar = tqdm(
-                total=None, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True
+                total=None, unit="step", desc="training", file=self.console, dynamic_ncols=True
             )
         watchers = asyncio.ensure_future(asyncio.gather(*(self._watch(c) for c in self.children)))
         lingering = asyncio.ensure_future(self._after_the_chief(watchers))
@@ -752,12 +799,14 @@ class Launcher:
                     self.bar.n = self.bar.total
                 self.bar.refresh()
             self.bar.close()
+            self.bar = None
         for c in self.children:
             if c.log is not None:
                 c.log.close()
         sweep()  # shared-memory regions a killed child left
         if interrupted.is_set():
-            return 128 + signalled[0]  # 130 for Ctrl-C, 143 for SIGTERM, as a shell says
+            # 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, as a shell says
+            return 128 + signalled[0]
         return 1 if self.failure else 0
 
 

@@ -347,6 +347,8 @@ def _build() -> argparse.ArgumentParser:
     p = _sub(sub, "task", help="run one task described as data (zmqps launch's children)")
     p.add_argument("--config", required=True, metavar="FILE", help="the task's JSON (TaskConfig)")
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    # the launcher's pipe: output dropped (and counted) rather than the task blocked
+    p.add_argument("--nonblocking-output", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_task)
     p = _sub(sub, "predict", help="run an exported model on a file of examples")
     add_predict_args(p)
@@ -358,6 +360,10 @@ def _build() -> argparse.ArgumentParser:
 
 
 def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    if getattr(args, "nonblocking_output", False):
+        from zmqps.process import nonblocking_output
+
+        nonblocking_output()
     setup_logging(getattr(args, "verbose", 0), getattr(args, "quiet", False))
     if getattr(args, "parent_pid", None):
         exit_with_parent(args.parent_pid)
@@ -378,7 +384,9 @@ def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
         print(f"zmqps: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 130
+        from zmqps.cli.entry import interrupted
+
+        return interrupted(getattr(args, "prog", "zmqps"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -331,7 +331,7 @@ def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
 
 
 #: signals that stop a worker: after the current step, or at once when repeated
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: seconds a step may still take after a stop was requested
 STOP_GRACE_S = 2.0
 

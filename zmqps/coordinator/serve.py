@@ -49,7 +49,7 @@ async def serve_functions(
     )
     terminated = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, terminated.set)
     stop = asyncio.ensure_future(handler.shutdown_requested.wait())
     term = asyncio.ensure_future(terminated.wait())
@@ -60,7 +60,7 @@ async def serve_functions(
     finally:
         stop.cancel()
         term.cancel()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await server.stop()
     return "terminated" if terminated.is_set() else "done"

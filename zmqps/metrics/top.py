@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 import urllib.request
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from zmqps.wire.errors import ConfigError
 
 __all__ = ["Sample", "Target", "load_targets", "render", "scrape", "table", "top"]
 
@@ -55,17 +58,39 @@ class Sample:
         )
 
 
+#: HOST:PORT, a target given as Prometheus writes it (``zmqps top 127.0.0.1:9100``)
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
 def load_targets(items: Sequence[str]) -> list[Target]:
-    """URLs (job guessed as "?") or file_sd JSON files written by ``zmqps launch``."""
+    """URLs (job guessed as "?"), HOST:PORT (its ``http://HOST:PORT/metrics``), or
+    file_sd JSON files written by ``zmqps launch``; anything else is a
+    :class:`ConfigError` that says what was expected."""
     out: list[Target] = []
     for item in items:
         if item.startswith(("http://", "https://")):
             out.append(Target("?", item))
             continue
-        for group in json.loads(Path(item).read_text()):
-            job = group.get("labels", {}).get("job", "?")
-            for addr in group["targets"]:
-                out.append(Target(job, f"http://{addr}/metrics"))
+        path = Path(item)
+        if not path.exists() and _HOST_PORT.match(item):
+            out.append(Target("?", f"http://{item}/metrics"))
+            continue
+        try:
+            groups = json.loads(path.read_text())
+            for group in groups:
+                job = group.get("labels", {}).get("job", "?")
+                for addr in group["targets"]:
+                    out.append(Target(job, f"http://{addr}/metrics"))
+        except OSError as exc:
+            raise ConfigError(
+                f"top: {item}: {exc.strerror or exc} (expected a /metrics URL, HOST:PORT, or"
+                " the file_sd JSON of zmqps launch --prometheus-targets)"
+            ) from None
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise ConfigError(
+                f"top: {item}: not a Prometheus file_sd JSON file (a list of"
+                ' {"targets": [...], "labels": {...}})'
+            ) from None
     return out
 
 
@@ -244,6 +269,8 @@ def top(
         print(("\033[H\033[J" if tty else "") + text + ("" if tty else "\n"), file=out, flush=True)
         before = {s.target.url: s for s in now}
         n += 1
+    if not reached:  # --iterations ran out before any target ever answered
+        return _gone(list(before.values()), reached, clock() - (down_since or clock()), out, err)
     return 0
 
 

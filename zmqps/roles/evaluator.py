@@ -686,12 +686,12 @@ async def serve_evaluator(
     ev = Evaluator(cfg, chief, connect_ps, test, metrics, incarnation=incarnation)
     ev.summaries = open_summaries(cfg.logdir, "evaluator")
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, ev.stop)
     try:
         return await ev.run()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await ev.close()
         if ev.summaries is not None:

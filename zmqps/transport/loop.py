@@ -25,7 +25,7 @@ T = TypeVar("T")
 WAKE_S = 0.25
 #: signals the loop's thread never takes: the kernel gives them to another thread
 #: (the main thread, whose handlers are Python's)
-_MAIN_THREAD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_MAIN_THREAD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def result(fut: concurrent.futures.Future[T], timeout: float | None = None) -> T:

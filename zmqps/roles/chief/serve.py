@@ -160,7 +160,7 @@ async def _serve(
     service.recovery.starting = True
     server.start()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, _stop_on, service, sig)
     service.summaries = open_summaries(cfg.logdir, "chief")
     watchers = _Watchers()
@@ -176,7 +176,7 @@ async def _serve(
         if service.recovery.lifecycle.can(Event.FINISHED):
             service.recovery.handle(Event.FINISHED)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         watchers.cancel()
         # every step runs whatever the one before did: a socket left open would hang

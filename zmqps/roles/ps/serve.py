@@ -176,7 +176,7 @@ async def serve_ps(
     loop = asyncio.get_running_loop()
     signalled: list[str] = []
     # Before the "serving on" line: a signal sent as soon as it appears is handled here.
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, signalled.append, sig.name)
     log.info("ps %d: serving on %s", cfg.index, endpoint)
     gate.start()
@@ -200,7 +200,7 @@ async def serve_ps(
         stop.cancel()
         await asyncio.sleep(0.05)  # let the shutdown reply leave
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await slots.close()
         await server.stop()

@@ -1,0 +1,58 @@
+"""SIGHUP stops ``zmqps launch`` like SIGTERM; Ctrl-C at any moment of a command's
+start (even inside its imports) prints one line and exits 130, no traceback."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from helpers import Reaper, launched_by, script, wait_for, zmqps_cmd
+
+
+@pytest.mark.timeout(60)
+def test_sighup_stops_the_run_like_sigterm(procs: Reaper, tmp_path: Path) -> None:
+    argv = zmqps_cmd(
+        "launch",
+        *("--ps", "1", "--workers", "2", "-v", "--epochs", "1000", "--log-every", "5"),
+        *("--no-progress", "--timeout", "50", "--run-dir", str(tmp_path / "run")),
+    )
+    launcher = procs.spawn(argv, name="launch")
+    wait_for(
+        lambda: re.search(r"\[worker\d\] .*worker \d: step \d+", launcher.stderr),
+        timeout=40,
+        what="a training step in the launcher's output",
+    )
+    launcher.send(signal.SIGHUP)
+    launcher.expect_exit(129, timeout=30)
+    assert "zmqps launch: interrupted; stopping the cluster" in launcher.stderr
+    assert "Traceback" not in launcher.stderr
+    chief = (tmp_path / "run" / "chief.log").read_text()
+    assert "SIGTERM: stopping the run" in chief  # the launcher's graceful stop
+    assert not launched_by(launcher.pid)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["zmqps", "launch", "--ps", "1", "--workers", "1", "--epochs", "1"],
+        ["zmqps-server", "--help"],
+        ["zmqps-worker", "--help"],
+    ],
+    ids=["zmqps", "zmqps-server", "zmqps-worker"],
+)
+def test_ctrl_c_early_is_one_line_and_130(procs: Reaper, tmp_path: Path, argv: list[str]) -> None:
+    for i, delay in enumerate((0.1, 0.2, 0.3, 0.45)):
+        args = [*argv, "--run-dir", str(tmp_path / f"run{i}")] if argv[1] == "launch" else argv
+        proc = procs.spawn([script(args[0]), *args[1:]], name=f"{args[0]}-{i}")
+        time.sleep(delay)
+        proc.send(signal.SIGINT)
+        rc = proc.wait(30)
+        if argv[-1] == "--help" and "usage:" in proc.stdout and rc in (0, -signal.SIGINT):
+            continue  # it was done before the signal came (or was exiting)
+        assert rc == 130, f"after {delay}s: exit {rc}\n{proc.tail()}"
+        assert "Traceback" not in proc.stderr, f"after {delay}s:\n{proc.stderr}"
+        assert "interrupted" in proc.stderr, f"after {delay}s:\n{proc.stderr}"

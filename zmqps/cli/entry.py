@@ -1,0 +1,70 @@
+"""The console scripts' entry points (``zmqps``, ``zmqps-server``, ``zmqps-worker``,
+``python -m zmqps``): light, so that a Ctrl-C at any moment, even while the
+commands' heavy imports (numpy, zmq, the roles) run, ends with one line and exit
+code 130, never a traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+__all__ = ["interrupted", "main", "server_main", "worker_main"]
+
+#: the exit code of a run ended by Ctrl-C, as a shell says (128 + SIGINT)
+EXIT_INTERRUPTED = 130
+
+
+def interrupted(prog: str) -> int:
+    """One line on stderr; the exit code of an interrupted run."""
+    with contextlib.suppress(OSError, ValueError, KeyboardInterrupt):
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
+
+
+def _cli() -> ModuleType:
+    """``zmqps.cli.main``, imported (numpy, zmq, the roles: the slow part of a start).
+    A Ctrl-C in there can surface as another error of an import it broke: whatever
+    it raised after a Ctrl-C is the Ctrl-C's."""
+    came: list[int] = []
+
+    def on_sigint(signum: int, frame: object) -> None:
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    mine = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not SIG_IGN
+    if mine:
+        signal.signal(signal.SIGINT, on_sigint)
+    try:
+        from zmqps.cli import main as cli
+    except BaseException:
+        if came:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        if mine:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    return cli
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return int(_cli().main(argv))
+    except KeyboardInterrupt:
+        return interrupted("zmqps")
+
+
+def server_main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return int(_cli().server_main(argv))
+    except KeyboardInterrupt:
+        return interrupted("zmqps-server")
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return int(_cli().worker_main(argv))
+    except KeyboardInterrupt:
+        return interrupted("zmqps-worker")
