@@ -101,14 +101,11 @@ class Regions:
         whole; ``worker``: the region must be one it attached. A unit is a pack (``packs``:
         the shards in each leading pack, one offset and one float32 span for all of them)
         or a shard on its own."""
-        entry = self._regions.get(ref.region)
-        if entry is None or (worker is not None and entry[0] != worker):
-            raise NotFound(f"shm region {ref.region} is not attached")
+        region = self._attached(ref, worker)
         spans_of, rest = units(sids, packs)
         if len(ref.offsets) != len(spans_of) + len(rest):
             raise InvalidArgument("shm: one offset per pack and per shard expected")
-        region = entry[1]
-        views, spans = [], []
+        views = []
         offsets = iter(ref.offsets)
         for span in spans_of:
             pack = store.pack_of(span)
@@ -122,12 +119,7 @@ class Regions:
         for sid in rest:
             shard = store.get_dense(sid)
             views.append(region.view(next(offsets), shard.definition.wire_dtype, shard.values.size))
-        for off, view in zip(ref.offsets, views, strict=True):
-            spans.append((off, off + view.nbytes))
-        spans.sort()
-        for (_, end), (start, _) in itertools.pairwise(spans):
-            if start < end:
-                raise InvalidArgument("shm: shards overlap in the region")
+        _apart(ref.offsets, views, "shards")
         return views
 
     def rows(
@@ -139,19 +131,27 @@ class Regions:
         """The places in a region of a row request's rows, one per shard (``spans``: the
         dtype and the shape of each shard's rows, from the ids the request carries),
         validated whole; ``worker``: the region must be one it attached."""
+        region = self._attached(ref, worker)
+        if len(ref.offsets) != len(spans):
+            raise InvalidArgument("shm: one offset per shard's rows expected")
+        views = [
+            region.view(off, dtype, math.prod(shape)).reshape(shape)
+            for off, (dtype, shape) in zip(ref.offsets, spans, strict=True)
+        ]
+        _apart(ref.offsets, views, "rows")
+        return views
+
+    def _attached(self, ref: ShmRef, worker: str | None) -> Any:
+        """The region ``ref`` names, attached here (by ``worker``, when given)."""
         entry = self._regions.get(ref.region)
         if entry is None or (worker is not None and entry[0] != worker):
             raise NotFound(f"shm region {ref.region} is not attached")
-        if len(ref.offsets) != len(spans):
-            raise InvalidArgument("shm: one offset per shard's rows expected")
-        region = entry[1]
-        views, places = [], []
-        for off, (dtype, shape) in zip(ref.offsets, spans, strict=True):
-            view = region.view(off, dtype, math.prod(shape)).reshape(shape)
-            views.append(view)
-            places.append((off, off + view.nbytes))
-        places.sort()
-        for (_, end), (start, _) in itertools.pairwise(places):
-            if start < end:
-                raise InvalidArgument("shm: rows overlap in the region")
-        return views
+        return entry[1]
+
+
+def _apart(offsets: Sequence[int], views: Sequence[np.ndarray[Any, Any]], what: str) -> None:
+    """No two places of one message overlap in its region."""
+    places = sorted((off, off + view.nbytes) for off, view in zip(offsets, views, strict=True))
+    for (_, end), (start, _) in itertools.pairwise(places):
+        if start < end:
+            raise InvalidArgument(f"shm: {what} overlap in the region")
