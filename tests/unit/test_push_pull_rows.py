@@ -365,19 +365,28 @@ def test_a_pull_a_hash_table_would_refuse_refuses_the_push_too() -> None:
 # ---------------------------------------------------------------- replication
 
 
+async def replicated_rows(
+    seed: int,
+) -> tuple[ReplicatedCluster, ParameterClient, np.random.Generator, dict[str, Any], dict[str, int]]:
+    """A replicated cluster (3 PS, 2 copies) with a row-sparse table ``e`` and a
+    hash-keyed table ``t``, a worker whose requests are recorded, a seeded generator,
+    a batch of ids of each table and each table's row width."""
+    c = ReplicatedCluster(3, 2)
+    await c.create()
+    w = c.worker("worker:0")
+    w.ps = [Recorder(r) for r in w.ps]
+    rng = np.random.default_rng(seed)
+    ids = {"e": rng.integers(0, 30, 6), "t": rng.integers(-(2**40), 2**40, 5)}
+    return c, w, rng, ids, {"e": 3, "t": 2}
+
+
 def test_a_replicated_states_backups_get_the_same_update() -> None:
     """Through a replicated primary a push_pull_rows is its push_rows and its
     pull_rows entries: after every answer each backup equals its primary, and the
     rows are those of two requests on an unreplicated cluster."""
 
     async def body() -> None:
-        c = ReplicatedCluster(3, 2)
-        await c.create()
-        w = c.worker("worker:0")
-        w.ps = [Recorder(r) for r in w.ps]
-        rng = np.random.default_rng(9)
-        ids = {"e": rng.integers(0, 30, 6), "t": rng.integers(-(2**40), 2**40, 5)}
-        width = {"e": 3, "t": 2}
+        c, w, rng, ids, width = await replicated_rows(9)
         for name in ids:
             await w.pull_rows(name, ids[name])
         for _ in range(6):

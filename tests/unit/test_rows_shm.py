@@ -17,8 +17,13 @@ import numpy as np
 import pytest
 from test_ps_client import ALL, Recorder, make_cluster, recorders, run
 from test_ps_recovery import created_cluster
-from test_ps_replication import Cluster as ReplicatedCluster
-from test_push_pull_rows import batches, one_request, shard_state, two_requests
+from test_push_pull_rows import (
+    batches,
+    one_request,
+    replicated_rows,
+    shard_state,
+    two_requests,
+)
 
 from zmqps.core.partition import Partitioner, plan
 from zmqps.core.variables import VariableDef
@@ -263,13 +268,7 @@ def test_a_replicated_states_backups_get_rows_pushed_through_the_region(
     monkeypatch.setattr(PSService, "_rows_out", recorded)
 
     async def body() -> None:
-        c = ReplicatedCluster(3, 2)
-        await c.create()
-        w = c.worker("worker:0")
-        w.ps = [Recorder(r) for r in w.ps]
-        rng = np.random.default_rng(4)
-        ids = {"e": rng.integers(0, 30, 6), "t": rng.integers(-(2**40), 2**40, 5)}
-        width = {"e": 3, "t": 2}
+        c, w, rng, ids, width = await replicated_rows(4)
         for name in ids:
             await warm(w, name, ids[name])
         for k in range(6):
