@@ -97,7 +97,7 @@ def test_image_is_one_entry_point_and_not_root(name: str) -> None:
     users = [line.split()[1] for line in final if line.startswith("USER ")]
     assert users and users[-1] == "10001:10001", users  # numeric: runAsNonRoot can check it
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'zmqps = "zmqps.cli.main:main"' in pyproject
+    assert 'zmqps = "zmqps.cli.entry:main"' in pyproject
     # Only the virtualenv comes from the build stage: no sources, compilers or caches.
     copies = [line for line in final if line.startswith("COPY")]
     assert copies == ["COPY --from=build /opt/zmqps /opt/zmqps"], copies
@@ -145,7 +145,7 @@ def test_the_build_context_makes_the_wheel(tmp_path: Path) -> None:
         entry_points = z.read(ep).decode()
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / "zmqps").rglob("*.py")}
     assert modules <= names, sorted(modules - names)[:5]
-    assert "zmqps = zmqps.cli.main:main" in entry_points
+    assert "zmqps = zmqps.cli.entry:main" in entry_points
 
 
 # -- docker compose -------------------------------------------------------------------
