@@ -6,23 +6,23 @@ Why each default (RELIABILITY.md, "Facts that bite"):
   (otherwise it is shut out forever) and the old connection's messages are dropped.
 * ``ROUTER_MANDATORY=1``: a reply to a gone peer raises EHOSTUNREACH (counted)
   instead of vanishing silently.
-* ZMTP heartbeats 1 s / 5 s / 10 s: a partition is noticed in seconds, not the
-  ~15 minutes of tcp_retries2. (Liveness of the *application* is a separate,
-  application-level heartbeat: libzmq answers ZMTP pings even when our loop is stuck.)
-  Clients ping; a server (ROUTER) does not (``HEARTBEAT_IVL`` 0) and drops a
-  connection that stays silent past the TTL its client's pings carry (10 s). A
-  server's own ping timer aborts libzmq 4.3.5 (``Assertion failed: !_io_error
-  (src/stream_engine_base.cpp:310)``, SIGABRT) when it fires on a connection whose
-  reading had stopped (its ``RCVHWM`` reached) and whose peer then hung up: a PS
-  stopped past the heartbeat timeout while its clients kept sending (fault schedule
-  13024, three runs out of three; none out of four without the server's pings).
-  The same assertion remains reachable through the pong: a client's ping read after
-  such a connection's peer hung up (a loop that does not read for seconds, then
-  reads again, while clients send pings between messages and hang up) aborts the
-  same way. That is libzmq's (``out_event`` asserts where ``restart_output`` returns;
-  zeromq/libzmq issue 4841); nothing a socket option sets avoids it short of an
-  unbounded ``RCVHWM``. A supervisor restarts the process (``zmqps launch``, the
-  images' restart policy), and the cluster recovers as from a ``kill -9``.
+* No ZMTP heartbeats by default (``heartbeat_ivl_ms`` 0): a dead or cut-off peer is
+  noticed by TCP itself, in seconds rather than the ~15 minutes of tcp_retries2:
+  keepalive probes on an idle connection (after 2 s, every 1 s, 3 unanswered: about
+  5 s) and ``TCP_MAXRT`` (``TCP_USER_TIMEOUT``: data, or a zero window, that makes no
+  progress for 5 s ends the connection), on clients and servers alike. (Liveness of
+  the *application* is a separate, application-level heartbeat: the kernel answers
+  keepalives even when our process is stopped.) ZMTP pings abort libzmq 4.3.5
+  (``Assertion failed: !_io_error (src/stream_engine_base.cpp:310)``, SIGABRT) when
+  they meet a connection whose reading had stopped (its ``RCVHWM`` reached) and whose
+  peer then hung up: a server's own ping timer firing on it (fault schedule 13024,
+  three runs out of three), or a client's ping read there and answered with a pong
+  (fault schedule 13110: a PS stopped 6 s while its clients kept sending aborted on
+  resuming, and without replication its state was lost; zeromq/libzmq issue 4841).
+  A child-process replay of the second: 3 aborts out of 3 with clients' pings, none
+  out of 6 without (with and without replies). ``heartbeat_ivl_ms`` > 0 turns ZMTP
+  heartbeats back on for clients (tests use it to make a drop quick); a server
+  (ROUTER) never pings.
 * ``LINGER`` bounded: 0 drops the last reply, -1 can hang ``ctx.term()``.
 * ``MAXMSGSIZE`` above the largest legitimate frame: large shards travel in chunks. A peer drops
   a larger frame and the connection with no error, so a client refuses to send one
@@ -77,9 +77,15 @@ class SocketOptions:
     #: a server's (ROUTER's) receive high-water mark, messages per connection
     server_rcvhwm: int = 8
     linger_ms: int = 1_000
-    heartbeat_ivl_ms: int = 1_000
+    #: ZMTP pings of a client (0: none, see above); their timeout and the TTL they carry
+    heartbeat_ivl_ms: int = 0
     heartbeat_timeout_ms: int = 5_000
     heartbeat_ttl_ms: int = 10_000
+    #: TCP keepalive of an idle connection: first probe, interval, probes (seconds)
+    keepalive: tuple[int, int, int] = (2, 1, 3)
+    #: TCP_MAXRT (TCP_USER_TIMEOUT): unacknowledged data or a zero window that makes no
+    #: progress this long ends the connection
+    tcp_maxrt_ms: int = 5_000
     max_msg_size: int = MAX_FRAME_BYTES
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 2_000
@@ -96,6 +102,12 @@ class SocketOptions:
         sock.setsockopt(zmq.HEARTBEAT_IVL, self.heartbeat_ivl_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
         sock.setsockopt(zmq.HEARTBEAT_TTL, self.heartbeat_ttl_ms)
+        idle, interval, probes = self.keepalive
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, interval)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, probes)
+        sock.setsockopt(zmq.TCP_MAXRT, self.tcp_maxrt_ms)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_size)
         sock.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
@@ -104,8 +116,7 @@ class SocketOptions:
     def apply_router(self, sock: zmq.Socket[Any]) -> None:
         self.apply_common(sock)
         sock.setsockopt(zmq.RCVHWM, self.server_rcvhwm)
-        # no pings of its own (see above): its clients' pings, and their TTL, keep
-        # both sides' liveness
+        # no pings of its own (see above): TCP keepalive and TCP_MAXRT keep liveness
         sock.setsockopt(zmq.HEARTBEAT_IVL, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
