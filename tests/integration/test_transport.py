@@ -636,12 +636,14 @@ def test_long_polls_of_a_closed_connection_are_dropped_and_nothing_else(
     """A peer's long polls pin nothing once its connection closes: they are dropped
     and counted, while its other waits, a live peer's polls and the polls of a new
     connection (which may reuse the closed one's descriptor) are kept and answered.
-    The monitor is read only when a poll arrives here (its periodic look is put off),
+    The monitor is read only when a poll arrives here (its periodic look is put off,
+    its reader on events off),
     so the closed connection's disconnect is always still unread when the new
     connection's first poll comes."""
     import zmqps.transport.server as server_module
 
     monkeypatch.setattr(server_module, "_MONITOR_EVERY_S", 3600.0)
+    monkeypatch.setattr(server_module, "_MONITOR_ON_EVENT", False)
 
     async def main() -> None:
         release = asyncio.Event()

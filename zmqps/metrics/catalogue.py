@@ -289,6 +289,12 @@ class Metrics:
         )
         for reason in SEAL_REFUSAL_REASONS:
             self.seal_refusals.labels(reason)
+        self.connections_refused = Counter(
+            "zmqps_connections_refused_total",
+            "Connections a server shut down at once because its socket held its bound"
+            " of connections (ZMQPS_MAX_CONNECTIONS).",
+            registry=r,
+        )
         # -- parameter server ------------------------------------------------------
         self.staleness = Histogram(
             "zmqps_gradient_staleness",
@@ -508,6 +514,9 @@ class Metrics:
 
     def seal_refused(self, reason: str) -> None:
         self.seal_refusals.labels(reason).inc()
+
+    def connection_refused(self) -> None:
+        self.connections_refused.inc()
 
     # -- parameter server ----------------------------------------------------------
 

@@ -109,6 +109,10 @@ class TransportObserver(Protocol):
         """A client was refused: ``refused`` (its key is not allowed) or ``handshake``
         (the CURVE handshake failed: a plaintext client or a wrong server key)."""
 
+    def connection_refused(self) -> None:
+        """A connection was shut down at once: its server socket held its bound
+        (``transport/connections.py``)."""
+
     def seal_refused(self, reason: str) -> None:
         """A sealed message was refused (``transport/seal.py``): ``malformed``,
         ``unknown_key``, ``tampered``, ``replayed`` or ``exhausted``."""
@@ -162,6 +166,8 @@ class TransportStats:
     busy: int = 0
     #: long polls dropped because the connection they came on closed (Server)
     gone: int = 0
+    #: connections shut down at once because the server socket held its bound (Server)
+    conn_refusals: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

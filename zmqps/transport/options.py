@@ -54,16 +54,21 @@ Why each default (RELIABILITY.md, "Facts that bite"):
   connection is admitted at its handshake with the session's PLAIN credentials,
   checked by the ZAP handler (the server and client set them, not these options).
   False puts every byte through CURVE.
+* ``max_connections`` (default ``ZMQPS_MAX_CONNECTIONS`` or 4,096; 0: no bound):
+  the connections a server socket keeps; one accepted past it is shut down at once
+  (:mod:`zmqps.transport.connections`). A server sends no pings, so without a bound
+  peers that connect and stay silent hold a descriptor each for good.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
+from zmqps.transport.connections import default_max_connections
 from zmqps.transport.security import DOMAIN, CurveKeys
 from zmqps.wire.errors import ConfigError
 from zmqps.wire.schema import MAX_FRAME_BYTES
@@ -94,6 +99,8 @@ class SocketOptions:
     curve: CurveKeys | None = None
     #: under CURVE, bulk frames go sealed on a data connection (see above)
     seal: bool = True
+    #: connections a server socket keeps (see above; 0: no bound)
+    max_connections: int = field(default_factory=default_max_connections)
 
     def apply_common(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.SNDHWM, self.hwm)

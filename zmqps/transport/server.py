@@ -39,6 +39,12 @@ Rules of this module:
   Its refusals are counted as ``auth_failures`` (``data_refused``: credentials no
   session has; ``data_handshake``: no PLAIN credentials at all, from a socket
   monitor).
+* Each server socket keeps at most ``options.max_connections`` connections (its
+  monitor's accepted and disconnected events, a set of descriptors): one accepted
+  past the bound is shut down at once and counted (``stats.conn_refusals``), so
+  peers that connect and stay silent cannot take every descriptor of the process
+  (:mod:`zmqps.transport.connections`). Binding raises the process's open files
+  limit to leave room for the bound plus a reserve.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ import zmq.asyncio
 
 from zmqps.logs import RateLimitedLog
 from zmqps.transport.base import Handler, TransportObserver, TransportStats, cancel_and_wait
+from zmqps.transport.connections import Connections, monitor_socket, reserve_descriptors
 from zmqps.transport.dispatch import Dispatcher, Pending
 from zmqps.transport.options import SocketOptions, tcp_endpoint
 from zmqps.transport.seal import NOTICE, OVERHEAD, RANDOM_BYTES, Keyring, SealRefused, Session
@@ -107,6 +114,10 @@ def _waiting(sock: zmq.Socket[Any]) -> bool:
 
 #: Seconds between two looks at the socket monitor (disconnects, failed handshakes).
 _MONITOR_EVERY_S = 0.25
+#: The monitor is also read as soon as an event comes (a reader on its descriptor):
+#: a connection past the bound is shut down at once. (Tests turn it off to leave an
+#: event unread.)
+_MONITOR_ON_EVENT = True
 
 
 def _protocol_error(value: int) -> str:
@@ -114,6 +125,13 @@ def _protocol_error(value: int) -> str:
         if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == value:
             return name[len("PROTOCOL_ERROR_") :].lower()
     return str(value)
+
+
+def _port(endpoint: str) -> int:
+    try:
+        return int(endpoint.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return 0  # not TCP: no port, no bound (nothing is refused)
 
 
 def _is_loopback(endpoint: str) -> bool:
@@ -161,8 +179,14 @@ class Server:
         self._read_scheduled = False
         self._monitor: asyncio.Task[None] | None = None
         self._monitor_sock: zmq.Socket[Any] | None = None
+        #: the descriptors of the monitor sockets, watched by the event loop
+        self._monitor_fds: list[int] = []
         #: the monitor socket read without asyncio (at any point, never blocking)
         self._events: zmq.Socket[Any] | None = None
+        #: the connections of the socket, and of its data connection's, each bounded
+        bound = self._options.max_connections
+        self.connections = Connections(name, bound, self._connection_refused)
+        self.data_connections = Connections(f"{name} data", bound, self._connection_refused)
         #: long polls waiting, by the descriptor of the connection they came on; each
         #: with its op and start (at most ``MAX_PENDING`` in all: the dispatcher's bound)
         self._polls: dict[int, dict[asyncio.Future[None], tuple[str, float]]] = {}
@@ -215,8 +239,14 @@ class Server:
                 # Before binding: no connection is ever accepted unauthenticated.
                 acquire_authenticator(self._ctx, curve, self._auth_failed)
                 self._authenticated = True
+            # watched before it binds: every connection is counted
+            events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+            if curve is not None:
+                events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            self._monitor_sock = self._events = monitor_socket(sock, events)
             sock.bind(self._address)
         except BaseException as exc:
+            self._close_monitor(sock)
             sock.close(linger=0)
             self._release()
             if isinstance(exc, zmq.ZMQError):
@@ -224,6 +254,8 @@ class Server:
             raise
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.connections.port = _port(self.endpoint)
+        reserve_descriptors(self.connections.bound)
         if curve is not None and self._options.seal and self.endpoint.startswith("tcp://"):
             self._bind_data()
         if curve is None and not _is_loopback(self.endpoint):
@@ -260,8 +292,10 @@ class Server:
             serve_sessions(self._ctx, domain, self._admit, self._data_auth_failed)
             self._data_domain = domain
             # watched before it binds: no handshake goes unseen
-            self._data_monitor_sock = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-            self._data_events = zmq.Socket.shadow(self._data_monitor_sock.underlying)
+            self._data_monitor_sock = self._data_events = monitor_socket(
+                sock,
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED,
+            )
             sock.bind(f"{host}:0")
         except BaseException as exc:
             self._close_data_monitor(sock)
@@ -272,6 +306,8 @@ class Server:
             raise
         self._data_sock = sock
         self.data_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.data_connections.port = _port(self.data_endpoint)
+        reserve_descriptors(self.data_connections.bound)
         log.info("%s: sealed data connection on %s", self._name, self.data_endpoint)
 
     def _admit(self, username: bytes, password: bytes) -> str | None:
@@ -343,6 +379,11 @@ class Server:
             self._authenticated = False
             release_authenticator(self._ctx, self._auth_failed)
 
+    def _connection_refused(self) -> None:
+        self.stats.conn_refusals += 1
+        if self._observer is not None:
+            self._observer.connection_refused()
+
     def _auth_failed(self, peer: str, reason: str) -> None:
         self.stats.auth_failures += 1
         if self._observer is not None:
@@ -363,7 +404,12 @@ class Server:
                 event = parse_monitor_message(data.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
-            if int(event["event"]) == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            kind = int(event["event"])
+            if kind == zmq.EVENT_ACCEPTED:
+                self.data_connections.accepted(int(event["value"]))
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.data_connections.gone(int(event["value"]))
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 self._handshake_failed("data_handshake", event)
         events = self._events
         # one EVENTS look (2 us) rather than a receive that raises Again (5 us): a
@@ -374,7 +420,10 @@ class Server:
             except zmq.Again:
                 return
             kind = int(event["event"])
-            if kind == zmq.EVENT_DISCONNECTED:
+            if kind == zmq.EVENT_ACCEPTED:
+                self.connections.accepted(int(event["value"]))
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.connections.gone(int(event["value"]))
                 self._drop_polls(int(event["value"]))
             elif kind in _HANDSHAKE_FAILED:
                 self._handshake_failed(_HANDSHAKE_FAILED[kind], event)
@@ -442,15 +491,18 @@ class Server:
         if self._sock is None:
             self.bind()
         assert self._sock is not None
-        if self._monitor is None:
-            events = zmq.EVENT_DISCONNECTED
-            if self._options.curve is not None:
-                events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            self._monitor_sock = self._sock.get_monitor_socket(events)
-            self._events = zmq.Socket.shadow(self._monitor_sock.underlying)
-            self._monitor = asyncio.ensure_future(self._watch_monitor())
         loop = asyncio.get_running_loop()
         self._io_loop = loop
+        if self._monitor is None:
+            self._monitor = asyncio.ensure_future(self._watch_monitor())
+            # read as soon as an event comes (a connection past the bound is shut down
+            # at once); the timer of _watch_monitor stays, for an edge taken elsewhere
+            for mon in (self._events, self._data_events):
+                if mon is not None and _MONITOR_ON_EVENT:
+                    fd = int(cast(int, mon.getsockopt(zmq.FD)))
+                    self._monitor_fds.append(fd)
+                    loop.add_reader(fd, self._read_monitor)
+            self._read_monitor()
         self._loop_task = loop.create_future()
         self._fd = int(cast(int, self._sock.getsockopt(zmq.FD)))
         loop.add_reader(self._fd, self._on_readable)
@@ -497,17 +549,16 @@ class Server:
                     self._io_loop.remove_reader(fd)
         self._fd = None
         self._data_fd = None
+        for fd in self._monitor_fds:
+            if self._io_loop is not None:
+                with contextlib.suppress(Exception):
+                    self._io_loop.remove_reader(fd)
+        self._monitor_fds.clear()
 
     def _close_sockets(self) -> None:
         self._stop_reading()
         if self._sock is not None:
-            # A monitor socket left open hangs ctx.term().
-            if self._monitor_sock is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._sock.disable_monitor()
-                self._events = None
-                self._monitor_sock.close(linger=0)
-                self._monitor_sock = None
+            self._close_monitor(self._sock)
             self._sock.close()
             self._sock = None
         if self._data_sock is not None:
@@ -515,6 +566,15 @@ class Server:
             self._data_sock.close()
             self._data_sock = None
         self._release()
+
+    def _close_monitor(self, sock: zmq.Socket[Any]) -> None:
+        # A monitor socket left open hangs ctx.term().
+        if self._monitor_sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            self._events = None
+            self._monitor_sock.close(linger=0)
+            self._monitor_sock = None
 
     def _close_data_monitor(self, sock: zmq.Socket[Any]) -> None:
         if self._data_monitor_sock is not None:

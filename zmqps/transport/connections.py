@@ -1,0 +1,273 @@
+"""A bound on the connections one server socket keeps, and file descriptors in reserve.
+
+A server's peers cost it one file descriptor and some memory each (~25 KB of
+buffers, and up to ``RCVHWM`` messages read ahead), and a server sends no ZMTP pings
+(``HEARTBEAT_IVL`` 0, :mod:`zmqps.transport.options`): a peer that completes its
+handshake and then stays silent is kept for good. 20,000 of them ran a chief out of
+descriptors (``EMFILE`` on its checkpoint writes: it died) and stopped a PS taking
+connections. So each server socket keeps at most ``max_connections``
+(:data:`MAX_CONNECTIONS` unless ``SocketOptions.max_connections`` or the
+``ZMQPS_MAX_CONNECTIONS`` environment variable says otherwise; 0: no bound).
+
+How, and why this way:
+
+* The connections are counted from the socket monitor: a set of descriptors, added
+  on ``EVENT_ACCEPTED`` (its value is the descriptor) and removed on
+  ``EVENT_DISCONNECTED`` (libzmq sends it for every connection it closes, a failed
+  handshake included). A set heals itself when the kernel gives a closed
+  connection's number to a new one. libzmq 4.3.5 never drops a monitor event: at the
+  monitor pipe's high-water mark its I/O thread waits (the whole socket stalls), so
+  the pipe is unbounded here (``RCVHWM`` 0 on the reading end) and read as soon as
+  an event comes.
+* A connection accepted past the bound is shut down (``shutdown(2)`` on its
+  descriptor: libzmq sees the end of the stream, closes it and frees the descriptor;
+  the descriptor is never closed behind libzmq's back). A zmqps client refused so
+  reconnects after its reconnect interval (0.1 s, backing off to 2 s) and is let in
+  once a connection closed. Before shutting one down, the descriptor is checked to
+  be a connected TCP socket on this server's port: a number the monitor said was
+  accepted but that something else got since is left alone.
+* At the bound, the set is audited first (at most once per :data:`AUDIT_EVERY_S`):
+  a descriptor that is no longer a connection on this server's port is dropped
+  from it. A missed disconnect therefore costs at most an audit, never a lockout.
+* Not ZAP. libzmq does consult a ZAP handler for the NULL mechanism when the socket
+  has a ZAP domain, and a 400 makes it send a ZMTP ERROR, but it does not close the
+  connection when the peer's READY came before the ZAP reply (the usual order): a
+  silent peer keeps its descriptor until ``HANDSHAKE_IVL``. It would also make every
+  plaintext handshake wait on the event loop (the ZAP handler runs there), where a
+  shutdown from the monitor fails open: a loop that is stuck lets connections in,
+  it never locks clients out.
+* :func:`reserve_descriptors`: servers raise the process's ``RLIMIT_NOFILE`` soft
+  limit (up to its hard limit) to leave room for all their connections plus
+  :data:`FD_RESERVE`, so that checkpoint files and imports do not meet ``EMFILE``
+  because of peers; a hard limit too low for that is logged.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from zmqps.logs import RateLimitedLog
+
+__all__ = [
+    "AUDIT_EVERY_S",
+    "FD_RESERVE",
+    "MAX_CONNECTIONS",
+    "Connections",
+    "default_max_connections",
+    "monitor_socket",
+    "reserve_descriptors",
+]
+
+log = logging.getLogger("zmqps.transport")
+
+#: Connections one server socket keeps by default. A worker holds one connection to
+#: the chief and one to each PS (two under CURVE with sealed bulk frames: its data
+#: connection is another socket, bounded on its own), so a 1,000-worker cluster needs
+#: about 1,000 on the chief; 4,096 leaves four times that, with evaluators, status
+#: tools and reconnects, and costs ~100 MB of connection buffers at most.
+MAX_CONNECTIONS = 4096
+#: Descriptors kept for the process's own work (checkpoint files, imports, its own
+#: client connections, libzmq's internal pipes) above its servers' connections.
+FD_RESERVE = 1024
+#: Seconds between two audits of a socket's set of connections (only at its bound).
+AUDIT_EVERY_S = 1.0
+#: Seconds between two log lines about refused connections on one server.
+LOG_EVERY_S = 30.0
+#: Monitor endpoints: one per monitored socket of the process.
+_MONITORS = itertools.count()
+
+
+def default_max_connections() -> int:
+    """``ZMQPS_MAX_CONNECTIONS`` when set (an integer, 0: no bound), else
+    :data:`MAX_CONNECTIONS`."""
+    text = os.environ.get("ZMQPS_MAX_CONNECTIONS", "").strip()
+    if not text:
+        return MAX_CONNECTIONS
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"ZMQPS_MAX_CONNECTIONS={text!r}: expected an integer") from None
+    return max(value, 0)
+
+
+def monitor_socket(sock: zmq.Socket[Any], events: int) -> zmq.Socket[Any]:
+    """A (synchronous) monitor socket of ``sock`` for ``events``, its pipe unbounded:
+    libzmq's I/O thread waits at a full monitor pipe rather than dropping an event."""
+    address = f"inproc://zmqps.monitor.{os.getpid()}.{next(_MONITORS)}"
+    sock.monitor(address, events)
+    mon: zmq.Socket[Any] = zmq.Socket(sock.context, zmq.PAIR)
+    try:
+        mon.setsockopt(zmq.RCVHWM, 0)
+        mon.setsockopt(zmq.LINGER, 0)
+        mon.connect(address)
+    except BaseException:
+        mon.close(linger=0)
+        raise
+    return mon
+
+
+def _ours(fd: int, port: int) -> bool:
+    """Whether descriptor ``fd`` is a connected TCP socket whose local port is ``port``
+    (a connection accepted on this server's port, not its listener nor a client's)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False
+    try:
+        probe = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return False
+    try:
+        if probe.type != socket.SOCK_STREAM or probe.family not in (
+            socket.AF_INET,
+            socket.AF_INET6,
+        ):
+            return False
+        if probe.getsockname()[1] != port:
+            return False
+        probe.getpeername()  # raises ENOTCONN on a listener
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()  # closes the duplicate only
+
+
+def _shutdown(fd: int) -> bool:
+    try:
+        probe = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        probe.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+    finally:
+        probe.close()
+
+
+class Connections:
+    """The connections one server socket holds (descriptors, from its monitor), and
+    the bound on them (``bound`` 0: none)."""
+
+    def __init__(
+        self,
+        name: str,
+        bound: int,
+        on_refused: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._name = name
+        self.bound = bound
+        self._on_refused = on_refused
+        self._clock = clock
+        #: the descriptors of the connections open now
+        self.fds: set[int] = set()
+        #: the server's port (0 until bound: nothing is refused before)
+        self.port = 0
+        self.refused = 0
+        self._audited = -AUDIT_EVERY_S
+        self._log = RateLimitedLog(log, LOG_EVERY_S)
+
+    def __len__(self) -> int:
+        return len(self.fds)
+
+    def accepted(self, fd: int) -> None:
+        """The monitor's ``EVENT_ACCEPTED`` of descriptor ``fd``."""
+        if fd < 0:
+            return
+        self.fds.add(fd)
+        if not self.bound or len(self.fds) <= self.bound or not self.port:
+            return
+        now = self._clock()
+        if now - self._audited >= AUDIT_EVERY_S:
+            self._audited = now
+            self.audit()
+            if len(self.fds) <= self.bound:
+                return
+        self._refuse(fd)
+
+    def gone(self, fd: int) -> None:
+        """The monitor's ``EVENT_DISCONNECTED`` (or ``EVENT_CLOSED``) of ``fd``."""
+        self.fds.discard(fd)
+
+    def audit(self) -> int:
+        """Drop the descriptors that are no longer connections on this server's port
+        (a missed disconnect); returns how many."""
+        stale = {fd for fd in self.fds if not _ours(fd, self.port)}
+        self.fds -= stale
+        if stale:
+            log.info(
+                "%s: %d connections counted were gone (a missed disconnect event)",
+                self._name,
+                len(stale),
+            )
+        return len(stale)
+
+    def _refuse(self, fd: int) -> None:
+        self.fds.discard(fd)  # its disconnect comes; until then it is not one we keep
+        if not _ours(fd, self.port):
+            return  # closed already, its number given to something else since
+        with_error = not _shutdown(fd)
+        self.refused += 1
+        self._on_refused()
+        self._log.warning(
+            "%s: refused a connection: %d open, the bound (raise it with"
+            " ZMQPS_MAX_CONNECTIONS, 0 for none, within the file limit); %d refused so far%s",
+            self._name,
+            self.bound,
+            self.refused,
+            " (its shutdown failed)" if with_error else "",
+            key="refused",
+        )
+
+
+#: descriptors the servers of this process asked to have room for (their bounds)
+_asked = 0
+_warned = False
+
+
+def reserve_descriptors(connections: int) -> None:
+    """Leave room for ``connections`` more (a server socket's bound) plus
+    :data:`FD_RESERVE`: raise the ``RLIMIT_NOFILE`` soft limit toward the hard one
+    (never lowered); log once when the hard limit leaves no such room."""
+    global _asked, _warned
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    _asked += connections
+    needed = _asked + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+        if target > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                log.info("open files limit raised from %d to %d", soft, target)
+                soft = target
+            except (ValueError, OSError) as exc:
+                log.warning("cannot raise the open files limit from %d: %s", soft, exc)
+    if soft != resource.RLIM_INFINITY and soft < needed and not _warned:
+        _warned = True
+        log.warning(
+            "open files limit %d (hard %s) is below %d: servers' connections (%d) plus"
+            " %d in reserve; peers may exhaust descriptors the process needs (raise"
+            " `ulimit -n`, or lower ZMQPS_MAX_CONNECTIONS)",
+            soft,
+            hard,
+            needed,
+            _asked,
+            FD_RESERVE,
+        )
