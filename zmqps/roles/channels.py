@@ -39,12 +39,18 @@ from zmqps.core import lowp
 from zmqps.transport.shm import Region
 from zmqps.wire import Tensor
 from zmqps.wire import ops as o
-from zmqps.wire.errors import ZmqpsError
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    NotPrimary,
+    NotReady,
+    RolledBack,
+    ZmqpsError,
+)
 
 if TYPE_CHECKING:
     from zmqps.roles.client import ParameterClient
 
-__all__ = ["ALIGN", "Delivery", "DenseChannel", "ShmChannel", "TcpChannel", "layout"]
+__all__ = ["ALIGN", "RECOVERABLE", "Delivery", "DenseChannel", "ShmChannel", "TcpChannel", "layout"]
 
 log = logging.getLogger("zmqps.client")
 
@@ -53,6 +59,11 @@ ALIGN = 64
 
 
 Key = tuple[int, tuple[int, ...]]
+
+
+#: Failures of a data request that a restore, a healed partition or a fail-over
+#: (the state's new primary: ``not_primary`` from a copy) answers.
+RECOVERABLE = (RolledBack, NotReady, DeadlineExceeded, NotPrimary)
 
 
 @dataclass

@@ -29,9 +29,9 @@ import numpy as np
 
 from zmqps.data.ctr import CTRDataset, auc, logloss
 from zmqps.models.ctr import EVAL_PIECE, CTRModel, SparseBatch
+from zmqps.roles.channels import RECOVERABLE
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.job import JobConfig
-from zmqps.roles.worker.session import RECOVERABLE
 from zmqps.transport import Requester
 from zmqps.wire.errors import ModelMismatch
 

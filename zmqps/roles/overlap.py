@@ -67,8 +67,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from zmqps.device.staging import Copy
 from zmqps.device.towers import LossAndGrads, Towers
-from zmqps.roles.channels import Delivery
-from zmqps.roles.worker.session import RECOVERABLE
+from zmqps.roles.channels import RECOVERABLE, Delivery
 from zmqps.transport.loop import result
 from zmqps.wire.errors import NonFiniteGradient
 

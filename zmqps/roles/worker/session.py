@@ -36,13 +36,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from zmqps.roles.channels import Delivery
+from zmqps.roles.channels import RECOVERABLE, Delivery
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     DeadlineExceeded,
     NotFound,
-    NotPrimary,
     NotReady,
     RolledBack,
     ShutdownError,
@@ -59,10 +58,6 @@ B = TypeVar("B", bound=o.Body)
 #: A task that left with its work done waits for the run's end as long as the chief
 #: answers; this many heartbeat intervals of silence (at least 10 s) end the wait.
 LINGER_SILENCE = 10
-
-#: Failures of a data request that a restore, a healed partition or a fail-over
-#: (the state's new primary: ``not_primary`` from a copy) answers.
-RECOVERABLE = (RolledBack, NotReady, DeadlineExceeded, NotPrimary)
 
 
 class Session:
