@@ -44,13 +44,14 @@ How, and why this way:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -64,6 +65,7 @@ __all__ = [
     "Connections",
     "default_max_connections",
     "monitor_socket",
+    "release_descriptors",
     "reserve_descriptors",
 ]
 
@@ -115,46 +117,35 @@ def monitor_socket(sock: zmq.Socket[Any], events: int) -> zmq.Socket[Any]:
     return mon
 
 
-def _ours(fd: int, port: int) -> bool:
-    """Whether descriptor ``fd`` is a connected TCP socket whose local port is ``port``
-    (a connection accepted on this server's port, not its listener nor a client's)."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return False
-    try:
-        probe = socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
-        return False
-    try:
-        if probe.type != socket.SOCK_STREAM or probe.family not in (
-            socket.AF_INET,
-            socket.AF_INET6,
-        ):
-            return False
-        if probe.getsockname()[1] != port:
-            return False
-        probe.getpeername()  # raises ENOTCONN on a listener
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()  # closes the duplicate only
-
-
-def _shutdown(fd: int) -> bool:
+@contextlib.contextmanager
+def _probe(fd: int) -> Iterator[socket.socket | None]:
+    """A socket object on a duplicate of descriptor ``fd`` (None: not a socket any
+    more); closing it closes the duplicate only, never libzmq's descriptor."""
     try:
         probe = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return False
+        yield None
+        return
     try:
-        probe.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError as exc:
-        return exc.errno == errno.ENOTCONN
+        yield probe
     finally:
         probe.close()
+
+
+def _ours(probe: socket.socket | None, port: int) -> bool:
+    """Whether ``probe`` is a connected TCP socket whose local port is ``port`` (a
+    connection accepted on this server's port, not its listener nor a client's)."""
+    if probe is None or probe.type != socket.SOCK_STREAM:
+        return False
+    if probe.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    try:
+        if probe.getsockname()[1] != port:
+            return False
+        probe.getpeername()  # raises ENOTCONN on a listener
+    except OSError:
+        return False
+    return True
 
 
 class Connections:
@@ -205,7 +196,11 @@ class Connections:
     def audit(self) -> int:
         """Drop the descriptors that are no longer connections on this server's port
         (a missed disconnect); returns how many."""
-        stale = {fd for fd in self.fds if not _ours(fd, self.port)}
+        stale = set()
+        for fd in self.fds:
+            with _probe(fd) as probe:
+                if not _ours(probe, self.port):
+                    stale.add(fd)
         self.fds -= stale
         if stale:
             log.info(
@@ -217,9 +212,14 @@ class Connections:
 
     def _refuse(self, fd: int) -> None:
         self.fds.discard(fd)  # its disconnect comes; until then it is not one we keep
-        if not _ours(fd, self.port):
-            return  # closed already, its number given to something else since
-        with_error = not _shutdown(fd)
+        with _probe(fd) as probe:
+            if probe is None or not _ours(probe, self.port):
+                return  # closed already, its number given to something else since
+            try:
+                probe.shutdown(socket.SHUT_RDWR)  # libzmq sees the end and closes it
+                with_error = False
+            except OSError as exc:
+                with_error = exc.errno != errno.ENOTCONN
         self.refused += 1
         self._on_refused()
         self._log.warning(
@@ -236,6 +236,12 @@ class Connections:
 #: descriptors the servers of this process asked to have room for (their bounds)
 _asked = 0
 _warned = False
+
+
+def release_descriptors(connections: int) -> None:
+    """A server socket that asked :func:`reserve_descriptors` for room is closed."""
+    global _asked
+    _asked = max(0, _asked - connections)
 
 
 def reserve_descriptors(connections: int) -> None:

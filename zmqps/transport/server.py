@@ -64,7 +64,12 @@ import zmq.asyncio
 
 from zmqps.logs import RateLimitedLog
 from zmqps.transport.base import Handler, TransportObserver, TransportStats, cancel_and_wait
-from zmqps.transport.connections import Connections, monitor_socket, reserve_descriptors
+from zmqps.transport.connections import (
+    Connections,
+    monitor_socket,
+    release_descriptors,
+    reserve_descriptors,
+)
 from zmqps.transport.dispatch import Dispatcher, Pending
 from zmqps.transport.options import SocketOptions, tcp_endpoint
 from zmqps.transport.seal import NOTICE, OVERHEAD, RANDOM_BYTES, Keyring, SealRefused, Session
@@ -187,6 +192,8 @@ class Server:
         bound = self._options.max_connections
         self.connections = Connections(name, bound, self._connection_refused)
         self.data_connections = Connections(f"{name} data", bound, self._connection_refused)
+        #: descriptors this server asked the process to have room for (given back at close)
+        self._reserved = 0
         #: long polls waiting, by the descriptor of the connection they came on; each
         #: with its op and start (at most ``MAX_PENDING`` in all: the dispatcher's bound)
         self._polls: dict[int, dict[asyncio.Future[None], tuple[str, float]]] = {}
@@ -256,6 +263,7 @@ class Server:
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.connections.port = _port(self.endpoint)
         reserve_descriptors(self.connections.bound)
+        self._reserved += self.connections.bound
         if curve is not None and self._options.seal and self.endpoint.startswith("tcp://"):
             self._bind_data()
         if curve is None and not _is_loopback(self.endpoint):
@@ -308,6 +316,7 @@ class Server:
         self.data_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.data_connections.port = _port(self.data_endpoint)
         reserve_descriptors(self.data_connections.bound)
+        self._reserved += self.data_connections.bound
         log.info("%s: sealed data connection on %s", self._name, self.data_endpoint)
 
     def _admit(self, username: bytes, password: bytes) -> str | None:
@@ -565,6 +574,8 @@ class Server:
             self._close_data_monitor(self._data_sock)
             self._data_sock.close()
             self._data_sock = None
+        release_descriptors(self._reserved)
+        self._reserved = 0
         self._release()
 
     def _close_monitor(self, sock: zmq.Socket[Any]) -> None:
