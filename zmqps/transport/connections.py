@@ -57,6 +57,7 @@ from typing import Any
 import zmq
 
 from zmqps.logs import RateLimitedLog
+from zmqps.wire.errors import ConfigError
 
 __all__ = [
     "AUDIT_EVERY_S",
@@ -97,7 +98,9 @@ def default_max_connections() -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"ZMQPS_MAX_CONNECTIONS={text!r}: expected an integer") from None
+        raise ConfigError(
+            f"ZMQPS_MAX_CONNECTIONS={text!r}: expected an integer (0: no bound)"
+        ) from None
     return max(value, 0)
 
 
