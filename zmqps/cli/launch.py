@@ -154,6 +154,12 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ps", type=int, default=2, help="number of PS tasks (default: 2)")
     g.add_argument("--workers", type=int, default=2, help="number of workers (default: 2)")
     g.add_argument(
+        "--ps-schedule",
+        metavar="STEP:N[,STEP:N...]",
+        help="change the number of PS serving the model at these global steps (the PS"
+        " states move while training goes on; N at most --ps, the PS started)",
+    )
+    g.add_argument(
         "--placement",
         choices=("round_robin", "greedy"),
         default="round_robin",
@@ -375,6 +381,10 @@ class Launcher:
         #: (time.monotonic(); 0: never): what ``_liveness`` judges by
         self.status: dict[str, Any] | None = None
         self.status_at = 0.0
+        #: watchers of PS started again by --ps-schedule
+        self._rewatch: list[asyncio.Future[None]] = []
+        #: the PS counts --ps-schedule asked for: {"step", "ps", "at_step"}
+        self.scaled: list[dict[str, Any]] = []
         self.stopping = False
         self.failure = ""
         self.first_failed: Child | None = None
@@ -623,6 +633,52 @@ class Launcher:
         )
         await self.stop()
 
+    async def _ps_schedule(self) -> None:
+        """``--ps-schedule``: at each global step named, the PS it asks for are running
+        (started again if they left) and the chief is asked to serve the states from
+        them (``scale``); a PS left without states is drained by the chief and exits 0."""
+        text = getattr(self.args, "ps_schedule", None)
+        if not text:
+            return
+        from zmqps.core.elastic import parse_schedule
+
+        assert self.cluster.chief is not None
+        serving = self.args.ps
+        for step, n in [*parse_schedule(text, self.args.ps), (-1, 0)]:
+            while True:
+                s = self.status or {}
+                # a PS asked for that the chief had drained (it exited 0): started again
+                drained = set((s.get("elastic") or {}).get("drained") or ())
+                running = not s.get("finished") and self.children[0].returncode is None
+                for c in self.children[1:]:
+                    if not c.name.startswith("ps") or c.returncode != 0:
+                        continue
+                    i = int(c.name[2:])
+                    if i < serving and i in drained and running and not self.stopping:
+                        self.say(f"zmqps launch: starting {c.name} again ({serving} PS)")
+                        await self._start(c)
+                        self._rewatch.append(asyncio.ensure_future(self._watch(c)))
+                known = s.get("step_known", True) and s.get("variables")
+                if step >= 0 and known and int(s.get("global_step", -1)) >= step:
+                    break
+                await asyncio.sleep(0.2)
+            serving = n
+            while True:
+                try:
+                    await fetch_status(
+                        self.cluster.chief,
+                        timeout=STATUS_TIMEOUT_S,
+                        options=self.status_options,
+                        op="scale",
+                        body={"ps": n},
+                    )
+                    break
+                except ZmqpsError as exc:
+                    self.say(f"zmqps launch: step {step}: asking for {n} PS failed ({exc})")
+                    await asyncio.sleep(1.0)
+            self.scaled.append({"step": step, "ps": n, "at_step": int(s.get("global_step", 0))})
+            self.say(f"zmqps launch: step {step}: {n} PS serve the model from now on")
+
     async def _progress(self) -> None:
         """The chief's status twice a second: for the progress bar, and kept for
         :meth:`_liveness` (one poll serves both)."""
@@ -773,6 +829,7 @@ class Launcher:
         lingering = asyncio.ensure_future(self._after_the_chief(watchers))
         progress = asyncio.ensure_future(self._progress())
         liveness = asyncio.ensure_future(self._liveness())
+        schedule = asyncio.ensure_future(self._ps_schedule())
         interrupt = asyncio.ensure_future(interrupted.wait())
         timeout = self.args.timeout or None
         waitables: list[asyncio.Future[Any]] = [watchers, interrupt]
@@ -789,6 +846,9 @@ class Launcher:
         interrupt.cancel()
         progress.cancel()
         liveness.cancel()
+        schedule.cancel()
+        for rewatch in self._rewatch:
+            rewatch.cancel()
         lingering.cancel()
         if self.bar is not None:
             if not self.failure and not interrupted.is_set():
@@ -905,6 +965,14 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
         raise ConfigError("--ps and --workers must be >= 1")
     if args.model in (None, "none"):
         raise ConfigError("zmqps launch runs a built-in --model")
+    if getattr(args, "ps_schedule", None):
+        from zmqps.core.elastic import parse_schedule
+        from zmqps.wire.errors import InvalidArgument
+
+        try:
+            parse_schedule(args.ps_schedule, args.ps)
+        except InvalidArgument as exc:
+            raise ConfigError(f"{exc} (--ps {args.ps} PS are started)") from None
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts must be >= 0")
     if args.heartbeat_timeout <= 0:
@@ -1100,6 +1168,8 @@ def launch(args: argparse.Namespace) -> int:
     summary["worker_blas_threads"] = int(threads) if threads and threads.isdigit() else None
     summary["worker_stats"] = _worker_stats(launcher, args.workers)
     summary["restarts"] = launcher.restarts
+    if launcher.scaled:
+        summary["ps_schedule"] = launcher.scaled
     if args.evaluator:
         summary["evaluations"] = _evaluations(run_dir / "evaluator.jsonl")
     if resumed is not None:

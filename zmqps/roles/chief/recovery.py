@@ -50,6 +50,7 @@ from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
 from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.chief.modes import ChiefMode
+from zmqps.roles.chief.moves import Mover
 from zmqps.roles.chief.rereplication import Rereplicator
 from zmqps.roles.chief.variables import TERM, Variables
 from zmqps.roles.client import tell_left
@@ -129,6 +130,10 @@ class RecoveryController:
         self.placement_lock = asyncio.Lock()
         #: brings the states back to R copies (replication only)
         self.rereplicator = None if homes is None else Rereplicator(self, homes, clock=clock)
+        #: moves PS states between processes (``zmqps scale``, a PS joining)
+        self.mover = None if homes is None else Mover(self, homes, clock=clock)
+        #: the state move under way (the re-replication leaves the copies alone)
+        self.moving: dict[str, Any] | None = None
         self.members = members
         self.mode = mode
         self.variables = variables
@@ -816,18 +821,21 @@ class RecoveryController:
         that PS waits for it: a silent PS is found within an interval of the heartbeat
         timeout, not after its probe's own timeout on top."""
         interval = min(self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout / 4)
-        inflight: dict[int, asyncio.Task[tuple[int, o.PsStateReply | None]]] = {}
+        inflight: dict[int, asyncio.Task[tuple[int, int, o.PsStateReply | None]]] = {}
 
-        async def probe(i: int, gen: int) -> tuple[int, o.PsStateReply | None]:
+        async def probe(i: int, gen: int) -> tuple[int, int, o.PsStateReply | None]:
+            # the placement epoch it is routed by: a state moved meanwhile answers from
+            # its new home, whose boot id the watch expects from then on
+            epoch = self.homes.epoch if self.homes is not None else 0
             try:
                 # attempts=2: a read, so it may be sent again, and is, at once, when the
                 # connection comes back after a partition (the PS is heard without delay)
                 rep = await self.ps[i].request(
                     "ps_state", timeout=max(0.5, 2 * interval), attempts=2
                 )
-                return gen, o.PsStateReply.parse(rep.body)
+                return gen, epoch, o.PsStateReply.parse(rep.body)
             except ZmqpsError:
-                return gen, None
+                return gen, epoch, None
 
         def forget() -> None:
             for t in inflight.values():
@@ -864,7 +872,7 @@ class RecoveryController:
 
     def _hear(
         self,
-        inflight: dict[int, asyncio.Task[tuple[int, o.PsStateReply | None]]],
+        inflight: dict[int, asyncio.Task[tuple[int, int, o.PsStateReply | None]]],
         failing: list[int] | None = None,
     ) -> list[int]:
         """Take the answered probes; returns the PS that restarted. A replicated PS
@@ -877,8 +885,10 @@ class RecoveryController:
             st: o.PsStateReply | None = None
             if task is not None and task.done():
                 del inflight[i]
-                gen, st = task.result()
-                st = st if gen == self.gen else None  # a probe of before a restore
+                gen, epoch, st = task.result()
+                # a probe of before a restore, or routed to where a state no longer is
+                moved = self.homes is not None and epoch != self.homes.epoch
+                st = st if gen == self.gen and not moved else None
             if st is None:
                 if self.health.silent(i, now):
                     if failing is not None and self.can_fail_over(i):
@@ -1029,15 +1039,7 @@ class RecoveryController:
         self.variables.use(out.placement)
         self.homes.update(out.placement)
         # 3. the moved states answer from their new homes (another boot id)
-        boots: dict[int, str] = {}
-        for state in promoted:
-            try:
-                rep = await self.ps[state].request("ps_state", timeout=2.0)
-                boots[state] = o.PsStateReply.parse(rep.body).boot
-            except ZmqpsError as exc:
-                log.warning("ps %d's new primary does not answer: %s", state, exc)
-        self.boots.update(boots)
-        self.health.expect(boots, self.gen, self.clock())
+        await self.rehome(promoted)
         seconds = round(self.clock() - started, 3)
         # counted with the record in one turn: a status never shows one without the other
         self.promotions += len(promoted)
@@ -1068,6 +1070,33 @@ class RecoveryController:
             )
             await self.restore_lost(sorted(lost_states), started, "every copy of a PS state lost")
 
+    async def rehome(self, states: Sequence[int]) -> None:
+        """``states`` moved to other processes: the health watch expects their new
+        homes' boot ids."""
+        boots: dict[int, str] = {}
+        for state in states:
+            try:
+                rep = await self.ps[state].request("ps_state", timeout=2.0)
+                boots[state] = o.PsStateReply.parse(rep.body).boot
+            except ZmqpsError as exc:
+                log.warning("ps %d's new primary does not answer: %s", state, exc)
+        self.boots.update(boots)
+        self.health.expect(boots, self.gen, self.clock())
+
+    def restore_homes(self) -> dict[int, int]:
+        """Where a restore puts each state: on its own process, unless the run was
+        scaled to processes without it; then where it is served now, if that process
+        stays, else on the first that stays."""
+        assert self.homes is not None
+        stays = None if self.mover is None or self.mover.wanted is None else self.mover.wanted
+        out = {}
+        for state, home in enumerate(self.homes.of):
+            if stays is None or state in stays:
+                out[state] = state
+            else:
+                out[state] = home if home in stays else stays[0]
+        return out
+
     async def _unreplicate(self, placement: Placement) -> None:
         """Back to one copy of each state, on its own process, before a restore (every
         copy of some state was lost, or one had none left): every
@@ -1085,17 +1114,29 @@ class RecoveryController:
 
         # every state (one with a copy joining but no backup yet too), at a newer term:
         # a copy left of an older one can never be taken for the state's primary
+        back = self.restore_homes()
         for state in sorted({s.state for s in placement.shards}):
             home = self.homes.of[state]
             term = self.terms[state] = self.terms.get(state, TERM) + 1
-            if home != state:  # served elsewhere since a fail-over: that copy steps down
+            if home != back[state]:  # served elsewhere since: that copy steps down
                 await tell(home, o.ReplicaSet(state, term, False, epoch=epoch), "retire")
             # the state's own process serves it, the only copy (a backup of it there,
-            # made since the process restarted, promoted: the restore overwrites it)
-            await tell(state, o.ReplicaSet(state, term, True, epoch=epoch), "take back")
+            # made since the process restarted, promoted: the restore overwrites it);
+            # one that left the run (scaled down) is served where it was moved, an
+            # empty copy made there when that process restarted
+            body = o.ReplicaSet(state, term, True, epoch=epoch, make=back[state] != state)
+            await tell(back[state], body, "take back")
         plain = replace(
             placement,
-            shards=tuple(replace(s, ps=s.state, backups=(), slot=None) for s in placement.shards),
+            shards=tuple(
+                replace(
+                    s,
+                    ps=back[s.state],
+                    backups=(),
+                    slot=None if back[s.state] == s.state else s.state,
+                )
+                for s in placement.shards
+            ),
             epoch=epoch,
         )
         self.variables.use(plain)
@@ -1253,6 +1294,7 @@ class RecoveryController:
                 if self.rereplicator is not None and self.replicated()
                 else {}
             ),
+            **({"elastic": self.mover.status()} if self.mover is not None else {}),
         }
 
     def replication_figures(self) -> dict[str, Any]:

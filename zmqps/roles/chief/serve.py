@@ -172,7 +172,13 @@ async def _serve(
     try:
         if await watchers.unless_one_fails(_run(service, watchers)):
             service.recovery.ps_shutting_down = True
-            await _shutdown_ps(ps_clients, cfg.heartbeat_timeout, service.recovery.silent_ps())
+            mover = service.recovery.mover
+            await _shutdown_ps(
+                ps_clients,
+                cfg.heartbeat_timeout,
+                service.recovery.silent_ps(),
+                drained=() if mover is None else mover.drained,
+            )
         if service.recovery.lifecycle.can(Event.FINISHED):
             service.recovery.handle(Event.FINISHED)
     finally:
@@ -256,6 +262,8 @@ async def _run(service: ChiefService, watchers: _Watchers) -> bool:
     watchers.start("PS watch", recovery.watch_ps())
     if recovery.rereplicator is not None:
         watchers.start("re-replication", recovery.rereplicator.run())
+    if recovery.mover is not None:
+        watchers.start("state moves", recovery.mover.run())
     await _create_job_variables(service)
     while True:
         await _first(service.all_done, service.shutdown_requested, recovery.training_failed)
@@ -436,11 +444,15 @@ def shutdown_attempts(heartbeat_timeout: float) -> int:
 
 
 async def _shutdown_ps(
-    ps_clients: Sequence[Requester], heartbeat_timeout: float, silent: Collection[int] = ()
+    ps_clients: Sequence[Requester],
+    heartbeat_timeout: float,
+    silent: Collection[int] = (),
+    drained: Collection[int] = (),
 ) -> None:
     """Tell every PS process the run is over; one known ``silent`` (stopped or cut off
     past the heartbeat timeout, its states failed over or restored elsewhere) gets one
-    attempt, not the whole window."""
+    attempt, not the whole window; one ``drained`` (it left the run, told to shut down
+    then, and acknowledged it) none."""
     body = o.Shutdown("training finished").to_wire()
     window = shutdown_attempts(heartbeat_timeout)
 
@@ -458,7 +470,7 @@ async def _shutdown_ps(
         except ZmqpsError as e:
             log.warning("ps at %s refused shutdown: %s", c.endpoint, e)
 
-    await asyncio.gather(*(one(q, c) for q, c in enumerate(ps_clients)))
+    await asyncio.gather(*(one(q, c) for q, c in enumerate(ps_clients) if q not in drained))
 
 
 def run_chief(cfg: ChiefConfig, options: SocketOptions | None = None) -> int:

@@ -160,6 +160,7 @@ class ChiefService:
             "checkpoint": (o.TakeCheckpoint, self._op_checkpoint),
             "status": (o.Status, self._op_status),
             "shutdown": (o.Shutdown, self._op_shutdown),
+            "scale": (o.Scale, self._op_scale),
         }
 
     def __call__(self, msg: Message) -> Message | Awaitable[Message]:
@@ -653,6 +654,15 @@ class ChiefService:
                 if key.startswith("test_") and isinstance(value, (int, float)):
                     values[f"final/{key}"] = float(value)
         self.summaries.scalars(step, values)
+
+    def _op_scale(self, msg: Message, req: o.Scale) -> Message:
+        """``zmqps scale``: the PS processes that serve the states from now on."""
+        mover = self.recovery.mover
+        if mover is None:
+            raise InvalidArgument("this chief does not move PS states")
+        if req.ps is not None:
+            mover.scale(req.ps)
+        return reply(msg, mover.status())
 
     def _op_shutdown(self, msg: Message, req: o.Shutdown) -> Message:
         log.info("shutdown requested by %s", msg.sender or "?")

@@ -1,0 +1,176 @@
+"""Elastic PS (``roles/chief/moves.py``): PS states move between processes while a
+worker pushes, on the in-memory network. Nothing acknowledged is lost or applied
+twice: the values after the moves are those of every acknowledged push applied once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from dataclasses import replace
+from typing import TypeVar
+
+import numpy as np
+import pytest
+from fake_replicated import chief_on, replicated_config, serve_ps
+
+from zmqps.core.variables import VariableDef
+from zmqps.roles.channels import Delivery
+from zmqps.roles.chief import ChiefService
+from zmqps.roles.client import ParameterClient
+from zmqps.roles.homes import Homes
+from zmqps.roles.ps.replica import Backup
+from zmqps.roles.ps.slots import PSSlots
+from zmqps.transport import FakeNetwork
+from zmqps.wire import ops as o
+from zmqps.wire.errors import InvalidArgument, NotPrimary
+
+T = TypeVar("T")
+CHIEF = "127.0.0.1:7000"
+PS = ("127.0.0.1:7100", "127.0.0.1:7101", "127.0.0.1:7102")
+SGD = {"name": "sgd", "lr": 0.5}
+VARS = (VariableDef("w", (12, 4), init={"name": "zeros"}),)
+
+
+def run(coro: Awaitable[T]) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, 60.0)
+
+    return asyncio.run(bounded())
+
+
+async def cluster(net: FakeNetwork, replication: int) -> tuple[ChiefService, list[PSSlots]]:
+    slots = [serve_ps(net, i, PS[i]) for i in range(3)]
+    cfg = replace(replicated_config(CHIEF, PS, SGD), replication=replication)
+    chief = chief_on(net, cfg)
+    await chief.start()
+    await chief.create_variables(VARS, dict(SGD))
+    return chief, slots
+
+
+class Pusher:
+    """A worker pushing gradients of 1, 2 or 3 by its step (sums stay exact in float32),
+    and counting what was answered."""
+
+    def __init__(self, net: FakeNetwork, chief: ChiefService) -> None:
+        placement = chief.placement
+        assert placement is not None
+        self.homes = Homes([net.client(a, "worker:0:0", timeout=2.0) for a in PS])
+        self.homes.update(placement)
+        self.client = ParameterClient(
+            self.homes.links(), placement, worker="worker:0", incarnation=0
+        )
+        self.chief = chief
+        self.acked = 0.0
+        self.stop = False
+
+    def follow(self) -> None:
+        """What a heartbeat does: a newer placement epoch, the links follow it."""
+        placement = self.chief.placement
+        assert placement is not None
+        moved = self.homes.update(placement)
+        if moved:
+            self.client.moved(moved)
+
+    async def run(self) -> None:
+        step = 0
+        while not self.stop:
+            step += 1
+            g = 1 + step % 3
+            grad = np.full((12, 4), float(g), np.float32)
+            delivery = Delivery()  # sent again, the same messages: applied at most once
+            while True:
+                try:
+                    await self.client.push({"w": grad}, delivery=delivery)
+                    break
+                except NotPrimary:
+                    await asyncio.sleep(0.01)  # until the placement moved: sent again
+                    self.follow()
+            self.acked += g
+            await asyncio.sleep(0)
+
+    async def values(self) -> np.ndarray:
+        self.follow()
+        return (await self.client.pull())["w"].copy()
+
+
+@pytest.mark.parametrize("replication", [1, 2])
+def test_a_state_moves_while_a_worker_pushes_and_nothing_is_lost_or_doubled(
+    replication: int,
+) -> None:
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, replication)
+        mover = chief.recovery.mover
+        assert mover is not None and chief.placement is not None
+        before = chief.placement.epoch
+        pusher = Pusher(net, chief)
+        task = asyncio.ensure_future(pusher.run())
+        await asyncio.sleep(0.2)
+        target = next(q for q in range(3) if q not in chief.placement.shards_of("w")[1].copies)
+        assert await mover.move(1, target)
+        await asyncio.sleep(0.2)
+        pusher.stop = True
+        await task
+        after = chief.placement
+        assert after.epoch > before
+        assert {s.ps for s in after.shards if s.state == 1} == {target}
+        assert len(after.shards[1].copies) == replication
+        # every acknowledged push applied once: w = -lr * sum of the steps answered
+        np.testing.assert_array_equal(
+            await pusher.values(), np.full((12, 4), -0.5 * pusher.acked, np.float32)
+        )
+        # the source holds no copy of state 1 that serves: a stale client is re-routed
+        role = slots[1].role(1)
+        assert isinstance(role, Backup)
+        assert len(slots[1].service(1).store) == 0
+        with pytest.raises(NotPrimary):
+            await net.client(PS[1], "worker:9:0").request("pull", {"shards": [1]})
+        assert mover.status()["moves_done"] == 1
+        await pusher.client.close()
+
+    run(body())
+
+
+def test_scaling_down_drains_and_back_up_brings_each_state_home() -> None:
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1)
+        mover = chief.recovery.mover
+        assert mover is not None
+        pusher = Pusher(net, chief)
+        task = asyncio.ensure_future(pusher.run())
+        rep = await net.client(CHIEF, "ops:0").request("scale", o.Scale(1).to_wire())
+        assert rep.body["asked"] == [0]
+        for _ in range(4):
+            await mover.step()
+        assert set(chief.recovery.homes.of) == {0}
+        # the drained processes were told to shut down (they exit 0)
+        assert all(slots[q].own.shutdown_requested.is_set() for q in (1, 2))
+        assert not slots[0].own.shutdown_requested.is_set()
+        assert mover.status()["drained"] == [1, 2]
+        # a drained process started again (a new boot) joins by itself
+        net.remove(PS[2])
+        slots[2] = serve_ps(net, 2, PS[2])
+        mover.scale(2)
+        for _ in range(4):
+            await mover.step()
+        assert chief.recovery.homes.of == [0, 1, 2]
+        pusher.stop = True
+        await task
+        np.testing.assert_array_equal(
+            await pusher.values(), np.full((12, 4), -0.5 * pusher.acked, np.float32)
+        )
+        await pusher.client.close()
+
+    run(body())
+
+
+def test_a_scale_beyond_the_spec_is_refused() -> None:
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, _ = await cluster(net, 1)
+        assert chief.recovery.mover is not None
+        with pytest.raises(InvalidArgument, match="names 3"):
+            chief.recovery.mover.scale(4)
+
+    run(body())

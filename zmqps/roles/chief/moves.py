@@ -1,0 +1,383 @@
+"""Elastic PS: the chief moves PS states between processes while training goes on.
+
+A run has as many PS states as its cluster spec names PS (state ``i`` starts on
+process ``i``). ``zmqps scale --ps N`` (the ``scale`` op) or the launcher's
+``--ps-schedule`` asks for the first N processes to serve them; a process of the
+spec started by hand afterwards joins on its own (the ``join`` of this module's
+watch). The plan (``core/elastic.plan_homes``) moves the states of the processes
+that leave, and then only what keeps the loads (bytes) within one state of each
+other.
+
+One move of state ``s`` from process ``a`` to process ``b`` (:meth:`Mover.move`):
+
+1. ``a`` serves ``s`` as a replication primary (a run without replication makes it
+   one, with no backups: nothing changes but that its updates are numbered).
+2. ``b`` gets an empty copy and ``a`` a ``join``: a whole copy as of one entry, sent
+   while ``a`` keeps serving, then the entries after it (re-replication's copy,
+   ``Rereplicator.join``), until ``a`` says ``b`` is in sync.
+3. The hand-over, under the placement lock, at term + 1: ``a`` steps down (it answers
+   what it had not committed, and everything after, ``not_primary``: the workers send
+   it again to the new home), every other copy is fenced and says how far it applied,
+   the furthest is promoted (``b`` on a tie; every acknowledged update is on every
+   in-sync copy), the placement names the new copies at a new epoch, and workers
+   re-route (heartbeats carry the epoch). The copy on ``a`` is then dropped.
+
+A push is answered only once every in-sync copy has it, and the dedup window moves
+with the state, so a push sent again after the hand-over is applied once.
+
+A process none of whose states remain, outside the processes asked for, is told to
+shut down: it exits 0 (it was drained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from zmqps.core.elastic import Move, moves, plan_homes
+from zmqps.core.variables import Placement
+from zmqps.roles.chief.variables import TERM
+from zmqps.wire import ops as o
+from zmqps.wire.errors import InvalidArgument, ZmqpsError
+
+if TYPE_CHECKING:
+    from zmqps.roles.chief.recovery import RecoveryController
+    from zmqps.roles.homes import Homes
+
+__all__ = ["Mover"]
+
+log = logging.getLogger("zmqps.chief")
+
+#: moves kept in the status
+KEEP = 16
+#: bytes a second a moving state's copy is sent at: faster than re-replication's (a
+#: move is asked for, and the old process may be about to go)
+MOVE_RATE = 256 << 20
+
+
+class Mover:
+    def __init__(
+        self,
+        recovery: RecoveryController,
+        homes: Homes,
+        *,
+        rate: float = MOVE_RATE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.recovery = recovery
+        self.homes = homes
+        self.rate = rate
+        self.clock = clock
+        cfg = recovery.cfg
+        self.interval = min(cfg.heartbeat_interval, cfg.heartbeat_timeout / 4)
+        #: the processes asked to serve the states (None: those serving them now)
+        self.wanted: list[int] | None = None
+        #: processes asked to leave: process -> its boot id then (None: not heard yet)
+        self.left: dict[int, str | None] = {}
+        #: processes told to shut down once drained: process -> the boot id it had
+        self.drained: dict[int, str] = {}
+        #: the move under way: {"state", "from", "to", "phase", "progress"}
+        self.current: dict[str, Any] | None = None
+        #: moves done or given up (the last KEEP)
+        self.done: list[dict[str, Any]] = []
+        self.moves = 0
+        self.failures = 0
+        self.bytes = 0
+        #: each process's boot id as last heard (None: silent)
+        self.boots: dict[int, str | None] = {}
+        #: why the plan waits (a process asked for is not up), for the status
+        self.waiting: str | None = None
+
+    # ------------------------------------------------------------------ asking
+
+    def scale(self, n: int) -> list[int]:
+        """Serve the states from the first ``n`` processes of the spec."""
+        total = len(self.homes.processes)
+        if isinstance(n, bool) or not 1 <= n <= total:
+            raise InvalidArgument(
+                f"scale: {n} PS asked for; the cluster spec names {total} (1 to {total})"
+            )
+        self.wanted = list(range(n))
+        for q in range(n, total):  # asked to leave: it joins again only once restarted
+            self.left.setdefault(q, self.boots.get(q))
+        for q in self.wanted:
+            self.left.pop(q, None)
+        log.warning("scaling to %d PS: ps %s serve the states", n, self.wanted)
+        return self.wanted
+
+    def serving(self) -> list[int]:
+        return sorted(set(self.homes.of))
+
+    def target(self) -> list[int]:
+        return self.serving() if self.wanted is None else list(self.wanted)
+
+    # ------------------------------------------------------------------ the loop
+
+    def active(self) -> bool:
+        r = self.recovery
+        return r.variables.placement is not None and r.training and not r.recovering
+
+    async def run(self) -> None:
+        """Watch the processes, move states toward the plan, drain who leaves."""
+        while True:
+            await asyncio.sleep(self.interval)
+            if not self.active():
+                continue
+            await self.step()
+
+    async def step(self) -> Move | None:
+        """One look: join a new process, make the next move, or drain. Returns the move
+        made (None: none)."""
+        await self._probe_all()
+        self._join_new()
+        job = self.next_move()
+        if job is not None:
+            await self.move(job.state, job.target)
+            return job
+        await self._drain()
+        return None
+
+    async def _probe_all(self) -> None:
+        processes = self.homes.processes
+
+        async def probe(q: int) -> str | None:
+            try:
+                rep = await processes[q].request("ps_state", timeout=1.0)
+                return o.PsStateReply.parse(rep.body).boot
+            except ZmqpsError:
+                return None
+
+        boots = await asyncio.gather(*(probe(q) for q in range(len(processes))))
+        self.boots = dict(enumerate(boots))
+        for q, boot in self.boots.items():
+            if boot is not None and self.drained.get(q, boot) != boot:
+                del self.drained[q]  # started again: no longer the process drained
+
+    def _join_new(self) -> None:
+        """A process of the spec that answers, serves nothing and is not the one drained
+        (started by hand, or again after it left): it joins the processes asked for."""
+        if self.wanted is None:
+            return
+        for q, boot in self.boots.items():
+            if boot is None or q in self.wanted or q in self.homes.of:
+                continue
+            if self.left.get(q, boot) in (boot, None):
+                self.left[q] = boot  # the process asked to leave, not a new one
+                continue
+            self.left.pop(q, None)
+            self.drained.pop(q, None)
+            log.warning("ps %d answers and serves nothing: it joins the PS serving the states", q)
+            self.wanted = sorted({*self.wanted, q})
+
+    def sizes(self, placement: Placement) -> dict[int, int]:
+        """Each PS state's bytes, by the placement (values; slots count alike)."""
+        out = dict.fromkeys(range(len(self.homes.of)), 0)
+        by_name = {v.name: v for v in placement.variables}
+        for s in placement.shards:
+            v = by_name[s.var]
+            out[s.state] = out.get(s.state, 0) + s.rows * v.row_size * v.itemsize
+        return out
+
+    def next_move(self) -> Move | None:
+        placement = self.recovery.variables.placement
+        if placement is None or self.wanted is None:
+            return None
+        up = [q for q in self.wanted if self.boots.get(q) is not None]
+        missing = sorted(set(self.wanted) - set(up))
+        self.waiting = (
+            f"ps {', '.join(map(str, missing))} asked for and not answering" if missing else None
+        )
+        if not up:
+            return None
+        sizes = self.sizes(placement)
+        homes = dict(enumerate(self.homes.of))
+        planned = plan_homes(sizes, homes, up)
+        todo = moves(sizes, homes, planned)
+        return todo[0] if todo else None
+
+    async def _drain(self) -> None:
+        """Processes asked to leave that serve nothing now: told to shut down (they exit
+        0). One that still holds a backup of a state is left to the re-replication."""
+        if self.wanted is None:
+            return
+        placement = self.recovery.variables.placement
+        holding = {q for s in placement.shards for q in s.copies} if placement else set()
+        for q, boot in self.boots.items():
+            if boot is None or q in self.wanted or q in holding or self.drained.get(q) == boot:
+                continue
+            try:
+                await self.homes.processes[q].request("shutdown", timeout=2.0)
+            except ZmqpsError as exc:
+                log.info("ps %d: shutdown after draining not answered: %s", q, exc)
+                continue
+            self.drained[q] = boot
+            log.warning("ps %d drained (it serves no state): told to shut down", q)
+
+    # ------------------------------------------------------------------ one move
+
+    async def move(self, state: int, target: int) -> bool:
+        """Move PS state ``state`` to process ``target``; True once the placement
+        serves it from there."""
+        r = self.recovery
+        rr = r.rereplicator
+        assert rr is not None
+        source = self.homes.of[state]
+        started = self.clock()
+        self.current = {"state": state, "from": source, "to": target, "phase": "starting"}
+        r.moving = self.current
+        log.warning("moving ps %d's state from ps %d to ps %d", state, source, target)
+        why = ""
+        info: dict[str, Any] = {}
+        try:
+            async with r.placement_lock:
+                await self._primary_here(state, source)
+            # given up past a deadline: the state's bytes at a quarter of the rate, and
+            # a minute more (a target that died mid-copy never gets in sync)
+            sizes = self.sizes(self.recovery.variables.placement)  # type: ignore[arg-type]
+            deadline = self.clock() + 60.0 + 4 * sizes.get(state, 0) / self.rate
+
+            def going() -> bool:
+                return self.active() and self.clock() < deadline
+
+            why, info = await rr.join(state, target, self.rate, self.current, going, lambda q: True)
+            if not why:
+                async with r.placement_lock:
+                    why = await self._hand_over(state, source, target)
+        except ZmqpsError as exc:
+            why = f"{exc.code}: {exc}"
+        finally:
+            self.current = None
+            r.moving = None
+        copied = int(info.get("bytes", 0))
+        record: dict[str, Any] = {
+            "state": state,
+            "from": source,
+            "to": target,
+            "seconds": round(self.clock() - started, 3),
+            "bytes": copied,
+        }
+        self.bytes += copied
+        if why:
+            self.failures += 1
+            record["failed"] = why
+            log.warning("moving ps %d's state to ps %d failed: %s", state, target, why)
+            with contextlib.suppress(ZmqpsError):
+                await rr.drop_joiner(state)
+        else:
+            self.moves += 1
+            log.warning(
+                "ps %d's state moved from ps %d to ps %d (%.2fs, %d bytes; placement epoch %d)",
+                state,
+                source,
+                target,
+                record["seconds"],
+                copied,
+                self.homes.epoch,
+            )
+        self.done.append(record)
+        del self.done[:-KEEP]
+        return not why
+
+    async def _primary_here(self, state: int, source: int) -> None:
+        """The state's home numbers its updates (a replication primary): a run without
+        replication makes it one with no backups, at the state's term."""
+        placement = self.recovery.variables.placement
+        assert placement is not None
+        s = next(s for s in placement.shards if s.state == state)
+        if s.backups:
+            return  # replicated: a primary already
+        term = self.recovery.terms.setdefault(state, TERM)
+        body = o.ReplicaSet(state, term, True, (), epoch=placement.epoch)
+        await self.homes.processes[source].request("replica", body.to_wire(), timeout=2.0)
+
+    async def _hand_over(self, state: int, source: int, target: int) -> str:
+        """``target`` (in sync) takes the state over from ``source`` at a new term;
+        returns why not ("" once done)."""
+        r = self.recovery
+        placement = r.variables.placement
+        assert placement is not None
+        if self.homes.of[state] != source:
+            return "the state's primary changed while it was copied"
+        processes = self.homes.processes
+        s = next(s for s in placement.shards if s.state == state)
+        others = [q for q in s.backups if q != target]
+        term = r.terms[state] = r.terms.get(state, TERM) + 1
+        epoch = placement.epoch + 1
+        fence = o.ReplicaSet(state, term, primary=False, epoch=epoch).to_wire()
+
+        async def fenced(q: int) -> int | None:
+            try:
+                rep = await processes[q].request("replica", fence, timeout=2.0)
+                return o.ReplicaState.parse(rep.body).applied
+            except ZmqpsError as exc:
+                log.warning("ps %d: fencing its copy of ps %d failed: %s", q, state, exc)
+                return None
+
+        # 1. the target stops taking the source's entries: from here the source commits
+        #    nothing more (it answers what it had not committed, and all after,
+        #    not_primary: the workers send it again to the new home). Refused: nothing
+        #    changed yet, the move is given up.
+        at = await fenced(target)
+        if at is None:
+            r.terms[state] = term - 1
+            return "the target did not take the hand-over"
+        heads = {target: at}
+        # 2. the source steps down (lost: it is fenced by the target's refusals anyway),
+        #    every other copy stops at the new term and says how far it applied
+        await fenced(source)
+        for q in others:
+            got = await fenced(q)
+            if got is not None:
+                heads[q] = got
+        # the furthest copy serves (the target on a tie): a fail-over's choice
+        chosen = max(heads, key=lambda q: (heads[q], q == target, -q))
+        backups = tuple(q for q in (target, *others) if q != chosen and q in heads)
+        links = tuple((q, processes[q].endpoint) for q in backups)
+        applied = tuple(heads[q] for q in backups)
+        body = o.ReplicaSet(state, term, True, links, applied, epoch=epoch)
+        await processes[chosen].request("replica", body.to_wire(), timeout=2.0)
+        shards = tuple(
+            replace(x, ps=chosen, backups=backups, slot=state) if x.state == state else x
+            for x in placement.shards
+        )
+        new = replace(placement, shards=shards, epoch=epoch)
+        # the boot id the state's copy there answers with (each copy has its own)
+        rep = await processes[chosen].request("ps_state", timeout=2.0, slot=state)
+        boot = o.PsStateReply.parse(rep.body).boot
+        # in one turn: the health watch expects the new home's boot id from the probe
+        # routed by the new placement on (an answer from the old home is of an older
+        # epoch, and not taken for a restart)
+        r.variables.use(new)
+        self.homes.update(new)
+        r.boots[state] = boot
+        r.health.expect({state: boot}, r.gen, self.clock())
+        await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
+        # 3. the copy left on the source goes (its own state's copy stays a backup that
+        #    serves nothing; its process may take it back later)
+        drop = o.ReplicaSet(state, term, primary=False, epoch=epoch, drop=True).to_wire()
+        try:
+            await processes[source].request("replica", drop, timeout=2.0)
+        except ZmqpsError as exc:
+            log.info("ps %d: dropping its copy of ps %d failed: %s", source, state, exc)
+        return ""
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "serving": self.serving(),
+            "asked": self.wanted,
+            "waiting": self.waiting,
+            "moving": self.current,
+            "moves_done": self.moves,
+            "moves_failed": self.failures,
+            "moved_bytes": self.bytes,
+            "recent_moves": self.done[-5:],
+            "drained": sorted(self.drained),
+            "epoch": self.homes.epoch,
+        }
