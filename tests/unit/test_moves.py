@@ -14,7 +14,7 @@ import pytest
 from fake_replicated import chief_on, replicated_config, serve_ps
 
 from zmqps.core.variables import VariableDef
-from zmqps.roles.channels import Delivery
+from zmqps.roles.channels import RECOVERABLE, Delivery
 from zmqps.roles.chief import ChiefService
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.homes import Homes
@@ -57,7 +57,7 @@ class Pusher:
         self.homes = Homes([net.client(a, "worker:0:0", timeout=2.0) for a in PS])
         self.homes.update(placement)
         self.client = ParameterClient(
-            self.homes.links(), placement, worker="worker:0", incarnation=0
+            self.homes.links(), placement, worker="worker:0", incarnation=0, timeout=1.0
         )
         self.chief = chief
         self.acked = 0.0
@@ -66,7 +66,8 @@ class Pusher:
     def follow(self) -> None:
         """What a heartbeat does: a newer placement epoch, the links follow it."""
         placement = self.chief.placement
-        assert placement is not None
+        if placement is None:
+            return  # a restarted chief not started yet
         moved = self.homes.update(placement)
         if moved:
             self.client.moved(moved)
@@ -82,8 +83,10 @@ class Pusher:
                 try:
                     await self.client.push({"w": grad}, delivery=delivery)
                     break
-                except NotPrimary:
-                    await asyncio.sleep(0.01)  # until the placement moved: sent again
+                except RECOVERABLE:
+                    # as a worker's session: sent again once the placement moved (a
+                    # request the old home never answered times out)
+                    await asyncio.sleep(0.01)
                     self.follow()
             self.acked += g
             await asyncio.sleep(0)
@@ -172,5 +175,46 @@ def test_a_scale_beyond_the_spec_is_refused() -> None:
         assert chief.recovery.mover is not None
         with pytest.raises(InvalidArgument, match="names 3"):
             chief.recovery.mover.scale(4)
+
+    run(body())
+
+
+def test_a_chief_restarted_after_a_scale_down_adopts_the_moved_states() -> None:
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, _ = await cluster(net, 1)
+        mover = chief.recovery.mover
+        assert mover is not None
+        pusher = Pusher(net, chief)
+        task = asyncio.ensure_future(pusher.run())
+        mover.scale(1)
+        for _ in range(4):
+            await mover.step()
+        assert mover.status()["drained"] == [1, 2]
+        for q in (1, 2):  # the drained processes exited
+            net.remove(PS[q])
+        # the chief dies and is restarted: it learns the homes from the PS that answer
+        net.remove(CHIEF)
+        restarted = chief_on(net, chief.cfg)
+        pusher.chief = restarted
+        await asyncio.wait_for(restarted.start(), 30.0)
+        st = restarted.status()
+        assert st["gen"] == 0 and not st["recoveries"], st  # adopted: no restore
+        assert restarted.recovery.homes is not None
+        assert restarted.recovery.homes.of == [0, 0, 0]
+        assert restarted.placement is not None
+        assert restarted.placement.epoch > chief.placement.epoch  # type: ignore[union-attr]
+        assert restarted.recovery.mover is not None
+        assert restarted.recovery.mover.wanted == [0]
+        # training goes on; nothing acknowledged lost
+        await asyncio.sleep(0.2)
+        pusher.stop = True
+        await task
+        np.testing.assert_array_equal(
+            await pusher.values(), np.full((12, 4), -0.5 * pusher.acked, np.float32)
+        )
+        # a restore after it puts every state on the process left, not on a drained one
+        assert restarted.recovery.restore_homes() == {0: 0, 1: 0, 2: 0}
+        await pusher.client.close()
 
     run(body())

@@ -110,6 +110,14 @@ class Mover:
         log.warning("scaling to %d PS: ps %s serve the states", n, self.wanted)
         return self.wanted
 
+    def adopt(self) -> None:
+        """A restarted chief found the states moved: the processes serving them are
+        those asked for (the others left the run; one joins again once restarted)."""
+        self.wanted = self.serving()
+        for q in range(len(self.homes.processes)):
+            if q not in self.wanted:
+                self.left.setdefault(q, None)
+
     def serving(self) -> list[int]:
         return sorted(set(self.homes.of))
 

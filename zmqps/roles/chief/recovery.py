@@ -289,8 +289,9 @@ class RecoveryController:
             probe = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
             if not await self._any_ps_answers(probe):
                 raise RunFinished(latest, summary, f"no PS answered within {probe:g}s")
+        elastic = None if self.replicated() else await self._moved_homes()
         states = first = await self.ps_states(self.cfg.startup_timeout)
-        moved, orphans, gone = self._copies_of(states) if self.replicated() else (None, [], [])
+        moved, orphans, gone = self._copies_of(states) if self.replicated() else (elastic, [], [])
         if moved is not None:  # each state from its primary, wherever it is now
             assert self.homes is not None
             self.homes.update(moved)
@@ -342,6 +343,11 @@ class RecoveryController:
                     self._terms_past(first)
                     self._epoch_past(max(int(st.get("epoch") or 0) for st in first))
                     await self._unreplicate(self.variables.placement)  # type: ignore[arg-type]
+                    states = await self.ps_states(self.cfg.startup_timeout)
+                elif moved is not None:
+                    # states moved between processes (unreplicated): each one's process
+                    # holds a copy again (made empty there if it restarted) first
+                    await self._unreplicate(moved)
                     states = await self.ps_states(self.cfg.startup_timeout)
                 await self._restore(Event.RESTORE, "chief restart with PS in disagreement", states)
                 return
@@ -547,6 +553,43 @@ class RecoveryController:
         if isinstance(summary, dict) and summary.get("global_step") == step:
             return summary
         return None
+
+    async def _moved_homes(self) -> Placement | None:
+        """Unreplicated, at start: the placement of states moved between processes
+        (``zmqps scale``), as the newest one any process heard the last chief publish;
+        the homes then follow it, so that the processes a scale-down drained are not
+        waited for. None when no process heard one (no state ever moved). The processes
+        are given a few heartbeats to answer: those that serve states wait for each
+        other at start anyway."""
+        if self.homes is None:
+            return None
+        within = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
+
+        async def one(c: Requester) -> dict[str, Any] | None:
+            try:
+                rep = await c.request("ps_state", timeout=within)
+                return dict(rep.body)
+            except ZmqpsError:
+                return None
+
+        heard = [st for st in await asyncio.gather(*map(one, self.homes.processes)) if st]
+        published = [st["newest"] for st in heard if st.get("newest") is not None]
+        if not published:
+            return None
+        newest = Placement.from_wire(max(published, key=lambda p: int(p.get("epoch") or 0)))
+        self._terms_past(heard)
+        # past any epoch a process was told (a worker may have heard the last one)
+        told = max([newest.epoch, *(int(st.get("epoch") or 0) for st in heard)])
+        placement = replace(newest, epoch=min(told + 1, INT64_MAX))
+        self.homes.update(placement)
+        if self.mover is not None:
+            self.mover.adopt()
+        log.info(
+            "the PS states were moved: %s (placement epoch %d)",
+            ", ".join(f"ps {st} on ps {p}" for st, p in enumerate(self.homes.of)),
+            placement.epoch,
+        )
+        return placement
 
     async def _any_ps_answers(self, within: float) -> bool:
         async def one(c: Requester) -> bool:
