@@ -60,6 +60,7 @@ from zmqps.cli.console import Console
 from zmqps.cli.coordinator import add_driver_args, check_launch
 from zmqps.cli.tasks import DEFAULT_JOB
 from zmqps.config import ClusterSpec
+from zmqps.core.finished import RECORD_NAME
 from zmqps.device import Device, DeviceError, cuda_device_count
 from zmqps.process import blas_threads, thread_env, usable_cores
 from zmqps.roles.configs import (
@@ -1048,6 +1049,16 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
     return latest
 
 
+def forget_finished(root: Path) -> None:
+    """A resumed run is a new cluster on the checkpoint: the workers the last run's
+    chief recorded as finished (``workers-done.json``) train again in it, and its
+    chief must not take them for done (it would end the run at once, or fail it)."""
+    try:
+        (root / RECORD_NAME).unlink(missing_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--resume: cannot remove {root / RECORD_NAME}: {exc.strerror}") from None
+
+
 def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
     """A resumed run's workers go on from their batch cursors: each cursor counts
     batches of that worker's part of the data, so the split (the worker count), the
@@ -1099,6 +1110,8 @@ def launch(args: argparse.Namespace) -> int:
                     f"--{flag.replace('_', '-')} {path}: cannot create its folder ({exc.strerror})"
                 ) from None
     resumed = resume_from(args, Path(args.run_dir) if args.run_dir else None)
+    if resumed is not None:
+        forget_finished(resumed.path.parent)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="zmqps-run-"))
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zmqps.checkpoint import Checkpoint
+from zmqps.core.finished import Finished, Held, lost_verdict, work_lost
 from zmqps.core.membership import Membership
 from zmqps.core.recovery import (
     Event,
@@ -49,6 +50,7 @@ from zmqps.core.variables import Placement, ShardInfo
 from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
 from zmqps.roles.checkpointer import Checkpointer
+from zmqps.roles.chief.done_record import DoneRecord, record_path
 from zmqps.roles.chief.modes import ChiefMode
 from zmqps.roles.chief.moves import Mover
 from zmqps.roles.chief.rereplication import Rereplicator
@@ -58,13 +60,13 @@ from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
-from zmqps.wire.errors import DeadlineExceeded, NotFound, NotReady, ZmqpsError
+from zmqps.wire.errors import DeadlineExceeded, NotFound, NotReady, RunFailed, ZmqpsError
 from zmqps.wire.schema import INT64_MAX
 
 if TYPE_CHECKING:
     from zmqps.roles.chief.checkpoints import ChiefCheckpoints
 
-__all__ = ["RecoveryController", "RunFinished"]
+__all__ = ["RecoveryController", "RunFinished", "WorkLost"]
 
 log = logging.getLogger("zmqps.chief")
 
@@ -89,6 +91,20 @@ class RunFinished(Exception):
         self.ckpt = ckpt
         #: the summary the run wrote when it ended
         self.summary = summary
+
+
+class WorkLost(RunFailed):
+    """At start: workers finished their work and left, and the state the cluster would
+    start from (a checkpoint, or the initial values: the PS lost theirs, no copy of it
+    was kept) does not hold all of it. Their batches cannot be trained again: the run
+    ends failed (exit code 3), saying so (:func:`zmqps.core.finished.lost_verdict`)."""
+
+
+def _held(ckpt: Checkpoint | None) -> Held:
+    """What a cluster that goes back to ``ckpt`` (None: the initial values) holds."""
+    if ckpt is None:
+        return Held()
+    return Held(ckpt.name, ckpt.step, ckpt.cursors, ckpt.final, ckpt.generation)
 
 
 def _resumed(ckpt: Checkpoint | None) -> dict[str, int] | None:
@@ -177,6 +193,16 @@ class RecoveryController:
         self.training_failed = asyncio.Event()
         self.training_error: BaseException | None = None
         self._training: asyncio.Task[None] | None = None
+        path = record_path(cfg.checkpoint.directory if cfg.checkpoint else None, cfg.summary_path)
+        #: the record of the workers that finished, where this chief keeps it (None: a
+        #: chief with neither checkpoints nor a summary keeps none)
+        self.done_record = None if path is None else DoneRecord(path)
+        #: the workers that finished their work, as the record holds them
+        self.finished: dict[int, Finished] = {}
+        self._record_lock = asyncio.Lock()
+        #: called with the one line a run fails with when a restore took back batches of
+        #: workers that finished and left (they cannot train them again)
+        self.on_work_lost: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ the phase
 
@@ -289,6 +315,10 @@ class RecoveryController:
             probe = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
             if not await self._any_ps_answers(probe):
                 raise RunFinished(latest, summary, f"no PS answered within {probe:g}s")
+        if self.done_record is not None:
+            # the workers that finished under an earlier chief of this run: the PS may
+            # have lost what said it (restarted without a copy of their state)
+            self.finished = await asyncio.to_thread(self.done_record.load)
         elastic = None if self.replicated() else await self._moved_homes()
         states = first = await self.ps_states(self.cfg.startup_timeout)
         moved, orphans, gone = self._copies_of(states) if self.replicated() else (elastic, [], [])
@@ -308,6 +338,11 @@ class RecoveryController:
             states = await self.ps_states(self.cfg.startup_timeout)
         self._learn_progress(states)
         plan = decide_start(states, sync=self.mode.name == "sync")
+        if plan.kind != "adopt":
+            # the cluster goes back to the latest checkpoint, or to the initial values:
+            # the work of a worker that finished and left must be in it, for nothing
+            # will train it again
+            self._check_finished_work(states, latest, plan.kind, plan.reason)
         self.gen = plan.gen
         self.boots = boots = {i: str(st["boot"]) for i, st in enumerate(states)}
         try:
@@ -601,17 +636,82 @@ class RecoveryController:
 
         return any(await asyncio.gather(*(one(c) for c in self.ps)))
 
+    def _check_finished_work(
+        self,
+        states: Sequence[dict[str, Any]],
+        latest: Checkpoint | None,
+        kind: str,
+        reason: str,
+    ) -> None:
+        """At start, before a restore or a fresh start: raise :class:`WorkLost` when a
+        worker that finished (the record says, or a PS) did batches that ``latest``
+        (None: the initial values) does not hold."""
+        finished = dict(self.finished)
+        for index, done in _done_on_ps(states).items():
+            was = finished.get(index)
+            if was is None or was.steps < done.steps:
+                finished[index] = done
+        held = _held(latest)
+        lost = work_lost({i: f for i, f in finished.items() if i < self.members.num_workers}, held)
+        if not lost:
+            return
+        if self.done_record is not None and self.finished:
+            log.warning(
+                "the workers that finished under an earlier chief of this run are in %s"
+                " (a new run in this directory starts without it: remove it)",
+                self.done_record.path,
+            )
+        how = (
+            "every PS started again without the state that held it (no copy of it was kept)"
+            if kind == "fresh"
+            else f"the PS lost part of the state that held it ({reason})"
+        )
+        raise WorkLost(lost_verdict(lost, held, how))
+
+    async def note_done(self) -> None:
+        """The record holds the workers done now (each with the batches it did and the
+        generation it finished in): written before a leave is answered, after a start
+        and a restore. A record that cannot be written is said in the log."""
+        async with self._record_lock:
+            now: dict[int, Finished] = {}
+            for index, w in sorted(self.members.workers.items()):
+                if w.done:
+                    was = self.finished.get(index)
+                    if was is None or was.steps != w.total_steps:
+                        was = Finished(w.total_steps, self.gen)
+                    now[index] = was
+            self.finished = now
+            if self.done_record is None:
+                return
+            try:
+                await asyncio.to_thread(self.done_record.save, now)
+            except OSError as exc:
+                self.notes.warning(
+                    "cannot write %s (the workers that finished): %s",
+                    self.done_record.path,
+                    exc,
+                    key="done_record",
+                )
+
+    async def forget_done(self) -> None:
+        """The run ended in order (its summary written): the record goes."""
+        if self.done_record is None:
+            return
+        async with self._record_lock:
+            try:
+                await asyncio.to_thread(self.done_record.remove)
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", self.done_record.path, exc)
+
     def _learn_progress(self, states: Sequence[dict[str, Any]]) -> None:
         """What the PS know of the workers when this chief starts (it may have been
         restarted): which finished their work (the chief waits for no one that left),
         and, async / ssp, the batches pushed so far (the global step never goes back)."""
-        done: dict[int, int] = {}
+        done = {i: f.steps for i, f in _done_on_ps(states).items()}
+        for index, f in self.finished.items():  # the record: what no PS says any more
+            done.setdefault(index, f.steps)
         pushed: dict[str, int] = {}
         for st in states:
-            for name, steps in (st.get("done") or {}).items():
-                role, _, index = name.partition(":")
-                if role == "worker" and index.isdigit():
-                    done[int(index)] = max(done.get(int(index), 0), int(steps))
             # the highest batches ever pushed (a restore to a checkpoint took some
             # back, but the global step of async / ssp never goes back in a generation)
             for name, cursor in (st.get("highs") or st.get("cursors") or {}).items():
@@ -767,6 +867,10 @@ class RecoveryController:
         self.rewinds = dict(cursors or {}) if rewind else None
         if rewind:
             self._reopen(self.rewinds or {})
+            # a worker back at work is not done any more (before the restore is sent:
+            # a chief restarted in between must not wait for it as for one done)
+            await self.note_done()
+            self._finished_work_taken_back(reason, ckpt, step)
         await asyncio.gather(
             *(
                 self.ps[i].request(
@@ -812,6 +916,19 @@ class RecoveryController:
         if self.rewinds is None or (state is not None and state.done):
             return None
         return self.rewinds.get(f"worker:{index}", 0)
+
+    def _finished_work_taken_back(self, reason: str, ckpt: Checkpoint | None, step: int) -> None:
+        """After :meth:`_reopen`: the workers still done (they left, no longer heard
+        from) whose batches the restore takes back lost them for good. The run cannot
+        end truthfully: :attr:`on_work_lost` hears why."""
+        if self.on_work_lost is None or self.rewinds is None:
+            return
+        done = {i: Finished(w.total_steps) for i, w in self.members.workers.items() if w.done}
+        held = Held(None if ckpt is None else ckpt.name, step, self.rewinds)
+        lost = work_lost(done, held)
+        if lost:
+            how = f"the PS state that held it was lost ({reason})"
+            self.on_work_lost(lost_verdict(lost, held, how))
 
     def _reopen(self, rewinds: dict[str, int]) -> None:
         """Workers that finished their data but still wait for the run's end, and whose
@@ -1199,6 +1316,8 @@ class RecoveryController:
         that many batches."""
         unknown = who.index not in self.members.workers
         rejoin = self.members.register(who.index, who.incarnation, self.clock(), steps_planned)
+        if who.index in self.finished and not self.members.workers[who.index].done:
+            await self.note_done()  # it trains again: not done any more
         progress, silent = await self._fence(who)
         if silent and running is None:
             # where it resumes needs what every PS applied from it: a PS left out (paused,
@@ -1358,6 +1477,20 @@ class RecoveryController:
     def replicated(self) -> bool:
         """Whether the run keeps copies (``--replication`` above 1)."""
         return self.homes is not None and self.cfg.replication > 1
+
+
+def _done_on_ps(states: Sequence[dict[str, Any]]) -> dict[int, Finished]:
+    """The workers the PS say finished their work: the most batches any says, in the
+    generation of the PS that says it."""
+    out: dict[int, Finished] = {}
+    for st in states:
+        for name, steps in (st.get("done") or {}).items():
+            role, _, index = name.partition(":")
+            if role == "worker" and index.isdigit():
+                was = out.get(int(index))
+                if was is None or was.steps < int(steps):
+                    out[int(index)] = Finished(int(steps), int(st.get("gen") or 0))
+    return out
 
 
 def _rewinds(states: Sequence[dict[str, Any]], gen: int) -> dict[str, int] | None:

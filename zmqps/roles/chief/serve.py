@@ -32,7 +32,7 @@ from zmqps.metrics import Metrics
 from zmqps.metrics.summaries import open_summaries
 from zmqps.roles._run import run_server, start_exporter
 from zmqps.roles.chief.finish import summarize
-from zmqps.roles.chief.recovery import RunFinished
+from zmqps.roles.chief.recovery import RunFinished, WorkLost
 from zmqps.roles.chief.service import ChiefService
 from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
@@ -259,6 +259,11 @@ async def _run(service: ChiefService, watchers: _Watchers) -> bool:
     except RunFinished as e:
         _ended_before(service, e)
         return False
+    except WorkLost as e:
+        # nothing to train or to finish: the PS are shut down, the run ends failed
+        service.failure = str(e)
+        log.error("%s", e)
+        return True
     watchers.start("PS watch", recovery.watch_ps())
     if recovery.rereplicator is not None:
         watchers.start("re-replication", recovery.rereplicator.run())
@@ -331,6 +336,8 @@ async def _finish(service: ChiefService) -> bool:
         # a restore in progress ends first
         while not (recovery.lifecycle.can(Event.ALL_DONE) or recovery.phase is Phase.FINISHING):
             await asyncio.sleep(0.05)
+        if service.failure:
+            return False  # a restore took back the work of workers that left: it stops
         if not service.members.all_done():
             log.warning("a restore sent finished workers back to train again: the run goes on")
             return False
@@ -356,6 +363,8 @@ async def _finish(service: ChiefService) -> bool:
         # restored while the summary was made: it may be of values that are gone
     if cfg.summary_path:
         Path(cfg.summary_path).write_text(json.dumps(service.result, indent=2) + "\n")
+    # ended in order: a chief started again here is a new run (or finds it ended)
+    await recovery.forget_done()
     if service.result.get("failed"):
         service.failure = str(service.result["failed"])
         log.error("the run failed: %s", service.failure)

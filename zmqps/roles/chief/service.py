@@ -130,6 +130,7 @@ class ChiefService:
         self._held_beats: dict[int, asyncio.Future[None]] = {}
         self._finished = False
         self.recovery.on_phase = self._tell_held_beats
+        self.recovery.on_work_lost = self._work_lost
         self.consistency.generation = lambda: self.recovery.gen
         self.consistency.on_token_waits = self._token_waits
         #: why the run failed although it ended in order (non-finite values): the
@@ -223,6 +224,8 @@ class ChiefService:
         """Decide how the cluster starts (adopt, restore, fresh) and start training."""
         self._starting = True
         await self.recovery.start()
+        # what the PS said of the workers that finished is in the record from now
+        await self.recovery.note_done()
         if self.members.all_done():  # every worker finished before this chief started
             self.all_done.set()
 
@@ -404,6 +407,9 @@ class ChiefService:
         await self.consistency.membership_changed(gone=[who.index])
         state = self.members.workers[who.index]
         if state.done:
+            # kept where a restarted chief reads it, before the leave is answered: the
+            # PS keep it too, but lose it with their state
+            await self.recovery.note_done()
             await self.recovery.worker_left(who, state.total_steps)
         if self.members.all_done():
             self.all_done.set()
@@ -663,6 +669,15 @@ class ChiefService:
         if req.ps is not None:
             mover.scale(req.ps)
         return reply(msg, mover.status())
+
+    def _work_lost(self, why: str) -> None:
+        """A restore took back batches of workers that finished and left: nothing will
+        train them again, so the run stops, failed (exit code 3), saying why."""
+        if self.failure:
+            return
+        self.failure = why
+        log.error("%s: the run stops", why)
+        self.shutdown_requested.set()
 
     def _op_shutdown(self, msg: Message, req: o.Shutdown) -> Message:
         log.info("shutdown requested by %s", msg.sender or "?")
