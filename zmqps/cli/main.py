@@ -230,11 +230,14 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def _scaled(elastic: dict[str, Any]) -> bool:
-    """Every state on a process asked for, no move under way."""
+    """Every state on a process asked for, nothing moving or left to move, no process
+    asked for that does not answer."""
     asked = elastic.get("asked")
-    return not elastic.get("moving") and (
-        asked is None or set(elastic.get("serving") or []) <= set(asked)
-    )
+    if asked is None:
+        return not elastic.get("moving")
+    settled = elastic.get("planned") == 0 and not elastic.get("waiting")
+    on_asked = set(elastic.get("serving") or []) <= set(asked)
+    return settled and on_asked and not elastic.get("moving")
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:

@@ -92,6 +92,8 @@ class Mover:
         self.boots: dict[int, str | None] = {}
         #: why the plan waits (a process asked for is not up), for the status
         self.waiting: str | None = None
+        #: moves the last look planned (None: not looked since the last ask)
+        self.planned: int | None = 0
 
     # ------------------------------------------------------------------ asking
 
@@ -103,6 +105,7 @@ class Mover:
                 f"scale: {n} PS asked for; the cluster spec names {total} (1 to {total})"
             )
         self.wanted = list(range(n))
+        self.planned = None
         for q in range(n, total):  # asked to leave: it joins again only once restarted
             self.left.setdefault(q, self.boots.get(q))
         for q in self.wanted:
@@ -201,11 +204,13 @@ class Mover:
             f"ps {', '.join(map(str, missing))} asked for and not answering" if missing else None
         )
         if not up:
+            self.planned = None
             return None
         sizes = self.sizes(placement)
         homes = dict(enumerate(self.homes.of))
         planned = plan_homes(sizes, homes, up)
         todo = moves(sizes, homes, planned)
+        self.planned = len(todo)
         return todo[0] if todo else None
 
     async def _drain(self) -> None:
@@ -254,8 +259,7 @@ class Mover:
 
             why, info = await rr.join(state, target, self.rate, self.current, going, lambda q: True)
             if not why:
-                async with r.placement_lock:
-                    why = await self._hand_over(state, source, target)
+                why = await self._at_boundary(state, source, target)
         except ZmqpsError as exc:
             why = f"{exc.code}: {exc}"
         finally:
@@ -290,6 +294,34 @@ class Mover:
         self.done.append(record)
         del self.done[:-KEEP]
         return not why
+
+    async def _at_boundary(self, state: int, source: int, target: int) -> str:
+        """The hand-over at the next step boundary the chief holds (sync: every worker
+        waits for the next step's token, no push of it is on the way, the state's sums
+        are empty; async and ssp: at once). Once begun it runs to its end (a task of
+        its own: a restore that stops the stepping does not cut it in half). Returns
+        why it did not happen ("" once done)."""
+        r = self.recovery
+        begun: list[asyncio.Future[str]] = []
+
+        async def locked() -> str:
+            async with r.placement_lock:
+                return await self._hand_over(state, source, target)
+
+        async def job(step: int) -> str:
+            begun.append(asyncio.ensure_future(locked()))
+            return await asyncio.shield(begun[0])
+
+        done = r.mode.at_boundary(job)
+        deadline = self.clock() + max(30.0, 3 * r.cfg.heartbeat_timeout)
+        while not begun and not done.done():
+            late = not self.active() or self.clock() > deadline
+            if late and r.mode.drop_boundary_job(done):  # False: it just began
+                return "no step boundary came" if self.active() else "the run's end"
+            await asyncio.sleep(0.02)
+        if begun:
+            return await begun[0]
+        return str(done.result())
 
     async def _primary_here(self, state: int, source: int) -> None:
         """The state's home numbers its updates (a replication primary): a run without
@@ -382,6 +414,8 @@ class Mover:
             "asked": self.wanted,
             "waiting": self.waiting,
             "moving": self.current,
+            # moves the last look planned (None: not looked yet since the last ask)
+            "planned": self.planned,
             "moves_done": self.moves,
             "moves_failed": self.failures,
             "moved_bytes": self.bytes,
