@@ -94,6 +94,8 @@ class Mover:
         self.waiting: str | None = None
         #: moves the last look planned (None: not looked since the last ask)
         self.planned: int | None = 0
+        #: each change of PS count asked for: bytes it plans to move, the least (KEEP)
+        self.scales: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ asking
 
@@ -106,12 +108,38 @@ class Mover:
             )
         self.wanted = list(range(n))
         self.planned = None
+        self._account(n)
         for q in range(n, total):  # asked to leave: it joins again only once restarted
             self.left.setdefault(q, self.boots.get(q))
         for q in self.wanted:
             self.left.pop(q, None)
         log.warning("scaling to %d PS: ps %s serve the states", n, self.wanted)
         return self.wanted
+
+    def _account(self, n: int) -> None:
+        """What the change to ``n`` PS moves, by the plan made now, against the least
+        any placement balanced within one state moves: the states of the PS that leave,
+        and each PS that joins its share of the model less one state."""
+        placement = self.recovery.variables.placement
+        if placement is None or self.wanted is None:
+            return
+        sizes = self.sizes(placement)
+        homes = dict(enumerate(self.homes.of))
+        todo = moves(sizes, homes, plan_homes(sizes, homes, self.wanted))
+        total, largest = sum(sizes.values()), max(sizes.values(), default=0)
+        leaving = sum(n for st, n in sizes.items() if homes[st] not in self.wanted)
+        joining = [q for q in self.wanted if q not in homes.values()]
+        share = max(0, total // len(self.wanted) - largest)
+        self.scales.append(
+            {
+                "ps": n,
+                "at": round(time.time(), 3),
+                "planned_bytes": sum(m.nbytes for m in todo),
+                "least_bytes": leaving + share * len(joining),
+                "model_bytes": total,
+            }
+        )
+        del self.scales[:-KEEP]
 
     def adopt(self) -> None:
         """A restarted chief found the states moved: the processes serving them are
@@ -240,7 +268,7 @@ class Mover:
         rr = r.rereplicator
         assert rr is not None
         source = self.homes.of[state]
-        started = self.clock()
+        started, began = self.clock(), time.time()
         self.current = {"state": state, "from": source, "to": target, "phase": "starting"}
         r.moving = self.current
         log.warning("moving ps %d's state from ps %d to ps %d", state, source, target)
@@ -272,6 +300,12 @@ class Mover:
             "to": target,
             "seconds": round(self.clock() - started, 3),
             "bytes": copied,
+            "state_bytes": self.sizes(self.recovery.variables.placement).get(state, 0)
+            if self.recovery.variables.placement is not None
+            else 0,
+            # wall-clock times, to match the workers' step times against
+            "began": round(began, 3),
+            "ended": round(time.time(), 3),
         }
         self.bytes += copied
         if why:
