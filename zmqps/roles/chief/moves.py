@@ -55,6 +55,9 @@ log = logging.getLogger("zmqps.chief")
 
 #: moves kept in the status
 KEEP = 16
+#: seconds between the chief's looks at a moving state's copy (a move is asked for:
+#: handed over as soon as it is in sync)
+MOVE_POLL_S = 0.05
 #: bytes a second a moving state's copy is sent at: faster than re-replication's (a
 #: move is asked for, and the old process may be about to go)
 MOVE_RATE = 256 << 20
@@ -285,12 +288,15 @@ class Mover:
             def going() -> bool:
                 return self.active() and self.clock() < deadline
 
-            why, info = await rr.join(state, target, self.rate, self.current, going, lambda q: True)
+            why, info = await rr.join(
+                state, target, self.rate, self.current, going, lambda q: True, MOVE_POLL_S
+            )
             if not why:
                 why = await self._at_boundary(state, source, target)
         except ZmqpsError as exc:
             why = f"{exc.code}: {exc}"
         finally:
+            handover = (self.current or {}).get("handover_s")
             self.current = None
             r.moving = None
         copied = int(info.get("bytes", 0))
@@ -299,6 +305,8 @@ class Mover:
             "from": source,
             "to": target,
             "seconds": round(self.clock() - started, 3),
+            # the hand-over alone: what the state's requests waited for
+            "handover_s": handover,
             "bytes": copied,
             "state_bytes": self.sizes(self.recovery.variables.placement).get(state, 0)
             if self.recovery.variables.placement is not None
@@ -340,7 +348,12 @@ class Mover:
 
         async def locked() -> str:
             async with r.placement_lock:
-                return await self._hand_over(state, source, target)
+                began = self.clock()
+                try:
+                    return await self._hand_over(state, source, target)
+                finally:
+                    if self.current is not None:
+                        self.current["handover_s"] = round(self.clock() - began, 4)
 
         async def job(step: int) -> str:
             begun.append(asyncio.ensure_future(locked()))

@@ -420,13 +420,15 @@ class Rereplicator:
         current: dict[str, Any],
         active: Callable[[], bool],
         answers: Callable[[int], bool],
+        poll: float | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """An empty copy of ``state`` on ``target`` and its primary's ``join``, until the
         primary says the copy is in sync (a copy being made, or a state moving).
         Returns why it was given up ("": in sync) and the primary's account of the
         join; ``current`` is kept up to date with its phase and progress. ``active``
         false (a restore, the run's end, a deadline) or ``answers(target)`` false gives
-        it up."""
+        it up. The primary is asked how far the copy got every ``poll`` seconds
+        (default: the heartbeat interval)."""
         r = self.recovery
         primary = self.homes.of[state]
         term = r.terms.get(state, TERM)
@@ -449,7 +451,7 @@ class Rereplicator:
                 await processes[primary].request("join", body.to_wire(), timeout=2.0)
             current["phase"] = "copying"
             while True:
-                await asyncio.sleep(self.interval)
+                await asyncio.sleep(self.interval if poll is None else poll)
                 if self._moved(state, primary, term):
                     why = "the state's primary changed"
                     break

@@ -271,7 +271,8 @@ class Primary:
             self._changed()
         try:
             await self._signal.until(
-                lambda: self.fenced or self.log.committed >= entry.index, deadline
+                lambda: self.fenced or self._closed or self.log.committed >= entry.index,
+                deadline,
             )
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
@@ -290,7 +291,7 @@ class Primary:
         if ready():
             return
         try:
-            await self._signal.until(lambda: self.fenced or ready(), deadline)
+            await self._signal.until(lambda: self.fenced or self._closed or ready(), deadline)
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
                 f"ps {self.slot}: the replication log stayed full (a backup not answering)"
@@ -424,6 +425,11 @@ class Primary:
             raise NotPrimary(
                 f"ps {self.slot}'s state has a newer primary (term past {self.term}):"
                 " send to the one the placement names"
+            )
+        if self._closed:  # stepped down (a move, a newer term): what waited goes elsewhere
+            raise NotPrimary(
+                f"ps {self.slot}'s state is no longer served here (its primary of term"
+                f" {self.term} stepped down): send to the one the placement names"
             )
 
     def drop(self, backup: int) -> None:

@@ -42,6 +42,7 @@ from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     DeadlineExceeded,
     NotFound,
+    NotPrimary,
     NotReady,
     RolledBack,
     ShutdownError,
@@ -275,7 +276,8 @@ class Session:
         if routed is not None and routed < self.epoch:
             return
         log.warning("%s: %s; waiting for the cluster to recover", self.name, error)
-        deadline = time.monotonic() + self.recovery_timeout
+        started = time.monotonic()
+        deadline = started + self.recovery_timeout
         while True:
             try:
                 beat = await self.heartbeat()
@@ -299,7 +301,10 @@ class Session:
                     f"{self.name}: the cluster did not recover within"
                     f" {self.recovery_timeout:g}s ({error})"
                 ) from error
-            await asyncio.sleep(0.2)
+            # a state handed over to another process (not_primary) is served again
+            # within milliseconds: asked again soon for the first second
+            soon = isinstance(error, NotPrimary) and time.monotonic() < started + 1.0
+            await asyncio.sleep(0.02 if soon else 0.2)
         self.enter(beat.gen, beat.rewind)
         log.warning("%s: resuming in generation %d", self.name, beat.gen)
 
