@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ from fake_replicated import chief_on, replicated_config, serve_ps
 
 from zmqps.core.variables import VariableDef
 from zmqps.roles.channels import RECOVERABLE, Delivery
-from zmqps.roles.chief import ChiefService
+from zmqps.roles.chief import ChiefService, moves
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.homes import Homes
 from zmqps.roles.ps.replica import Backup
@@ -38,9 +38,11 @@ def run(coro: Awaitable[T]) -> T:
     return asyncio.run(bounded())
 
 
-async def cluster(net: FakeNetwork, replication: int) -> tuple[ChiefService, list[PSSlots]]:
+async def cluster(
+    net: FakeNetwork, replication: int, **flags: Any
+) -> tuple[ChiefService, list[PSSlots]]:
     slots = [serve_ps(net, i, PS[i]) for i in range(3)]
-    cfg = replace(replicated_config(CHIEF, PS, SGD), replication=replication)
+    cfg = replace(replicated_config(CHIEF, PS, SGD), replication=replication, **flags)
     chief = chief_on(net, cfg)
     await chief.start()
     await chief.create_variables(VARS, dict(SGD))
@@ -134,7 +136,7 @@ def test_a_state_moves_while_a_worker_pushes_and_nothing_is_lost_or_doubled(
     run(body())
 
 
-def test_scaling_down_drains_and_back_up_brings_each_state_home() -> None:
+def test_scaling_down_drains_and_back_up_spreads_the_states_again() -> None:
     async def body() -> None:
         net = FakeNetwork()
         chief, slots = await cluster(net, 1)
@@ -151,13 +153,18 @@ def test_scaling_down_drains_and_back_up_brings_each_state_home() -> None:
         assert all(slots[q].own.shutdown_requested.is_set() for q in (1, 2))
         assert not slots[0].own.shutdown_requested.is_set()
         assert mover.status()["drained"] == [1, 2]
-        # a drained process started again (a new boot) joins by itself
-        net.remove(PS[2])
+        # the drained processes exit; one started again (a new boot) joins by itself
+        for q in (1, 2):
+            net.remove(PS[q])
         slots[2] = serve_ps(net, 2, PS[2])
-        mover.scale(2)
         for _ in range(4):
             await mover.step()
-        assert chief.recovery.homes.of == [0, 1, 2]
+        assert mover.wanted == [0, 2]
+        slots[1] = serve_ps(net, 1, PS[1])
+        mover.scale(3)
+        for _ in range(4):
+            await mover.step()
+        assert sorted(chief.recovery.homes.of) == [0, 1, 2]  # one state each
         pusher.stop = True
         await task
         np.testing.assert_array_equal(
@@ -216,5 +223,69 @@ def test_a_chief_restarted_after_a_scale_down_adopts_the_moved_states() -> None:
         # a restore after it puts every state on the process left, not on a drained one
         assert restarted.recovery.restore_homes() == {0: 0, 1: 0, 2: 0}
         await pusher.client.close()
+
+    run(body())
+
+
+def test_a_ps_serving_more_than_the_limit_makes_the_chief_ask_for_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(moves, "GROW_WAIT_S", 0.0)
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1, add_ps_above=150)
+        mover = chief.recovery.mover
+        assert mover is not None
+        one = slots[0].own.store.nbytes()  # a state's bytes (values and slots)
+        await mover.step()
+        assert mover.wanted is None  # each PS serves one state: under the limit
+        mover.scale(1)
+        for _ in range(3):
+            await mover.step()
+        assert chief.recovery.homes.of == [0, 0, 0]
+        assert mover.status()["drained"] == [1, 2]
+        # ps 0 serves three states, above the limit (a state's bytes x 3 > 150 >= x 2):
+        # the chief asks for ps 1, which the launcher starts again, moves a state
+        # there, and asks for no more
+        assert 2 * one <= 150 < 3 * one, one
+        await mover.step()
+        assert mover.wanted == [0, 1]
+        assert chief.recovery.homes.of == [0, 0, 0]  # not onto the ps 1 told to go
+        net.remove(PS[1])
+        serve_ps(net, 1, PS[1])
+        for _ in range(6):
+            await mover.step()
+        assert mover.wanted == [0, 1]
+        assert sorted(chief.recovery.homes.of) == [0, 0, 1]
+        assert [s["ps"] for s in mover.scales] == [1, 2]
+
+    run(body())
+
+
+def test_a_target_killed_during_the_copy_gives_the_move_up_within_a_heartbeat_timeout() -> None:
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1, heartbeat_timeout=1.0)
+        mover = chief.recovery.mover
+        assert mover is not None and chief.placement is not None
+        before = chief.placement.epoch
+        mover.rate = 16.0  # 64 bytes at 16 B/s: the copy takes seconds
+        moving = asyncio.ensure_future(mover.move(1, 2))
+        await asyncio.sleep(0.3)
+        assert mover.current is not None and mover.current["phase"] != "starting"
+        net.remove(PS[2])  # kill -9 of the target (its own state is the watch's to restore)
+        started = asyncio.get_running_loop().time()
+        assert not await asyncio.wait_for(moving, 10.0)
+        assert asyncio.get_running_loop().time() - started < 5.0  # not the 60 s deadline
+        assert mover.status()["moves_failed"] == 1
+        assert "silent" in mover.done[-1]["failed"]
+        assert chief.placement.epoch == before  # the state never left ps 1
+        assert chief.recovery.homes is not None and chief.recovery.homes.of == [0, 1, 2]
+        role = slots[1].role(1)
+        assert role is not None and not role.backups()  # the joiner was dropped
+        # ps 1 still serves its state
+        rep = await net.client(PS[1], "worker:9:0").request("ps_state")
+        assert rep.body["shards"]
 
     run(body())

@@ -41,6 +41,7 @@ from tqdm import tqdm
 from zmqps.checkpoint.root import Checkpoint, CheckpointRoot
 from zmqps.cli.args import (
     add_device_args,
+    add_elastic_arg,
     add_job_args,
     add_nonfinite_args,
     add_replication_arg,
@@ -171,6 +172,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     add_replication_arg(g)
     add_wire_dtype_arg(g)
     add_stall_timeout_arg(g)
+    add_elastic_arg(g)
     g.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -466,6 +468,7 @@ class Launcher:
             max_nonfinite_share=a.max_nonfinite_share,
             logdir=logdir,
             stall_timeout=a.stall_timeout,
+            add_ps_above=a.add_ps_above,
             **metrics("chief"),
         )
         out: list[tuple[str, TaskConfig]] = [("chief", TaskConfig(chief=chief, keys=keys))]
@@ -635,35 +638,22 @@ class Launcher:
         await self.stop()
 
     async def _ps_schedule(self) -> None:
-        """``--ps-schedule``: at each global step named, the PS it asks for are running
-        (started again if they left) and the chief is asked to serve the states from
-        them (``scale``); a PS left without states is drained by the chief and exits 0."""
+        """``--ps-schedule``: at each global step named, the chief is asked to serve the
+        states from that many PS (``scale``); a PS left without states is drained by
+        the chief and exits 0 (:meth:`_start_asked` starts it again when asked for)."""
         text = getattr(self.args, "ps_schedule", None)
         if not text:
             return
         from zmqps.core.elastic import parse_schedule
 
         assert self.cluster.chief is not None
-        serving = self.args.ps
-        for step, n in [*parse_schedule(text, self.args.ps), (-1, 0)]:
+        for step, n in parse_schedule(text, self.args.ps):
             while True:
                 s = self.status or {}
-                # a PS asked for that the chief had drained (it exited 0): started again
-                drained = set((s.get("elastic") or {}).get("drained") or ())
-                running = not s.get("finished") and self.children[0].returncode is None
-                for c in self.children[1:]:
-                    if not c.name.startswith("ps") or c.returncode != 0:
-                        continue
-                    i = int(c.name[2:])
-                    if i < serving and i in drained and running and not self.stopping:
-                        self.say(f"zmqps launch: starting {c.name} again ({serving} PS)")
-                        await self._start(c)
-                        self._rewatch.append(asyncio.ensure_future(self._watch(c)))
                 known = s.get("step_known", True) and s.get("variables")
-                if step >= 0 and known and int(s.get("global_step", -1)) >= step:
+                if known and int(s.get("global_step", -1)) >= step:
                     break
                 await asyncio.sleep(0.2)
-            serving = n
             while True:
                 try:
                     await fetch_status(
@@ -679,6 +669,26 @@ class Launcher:
                     await asyncio.sleep(1.0)
             self.scaled.append({"step": step, "ps": n, "at_step": int(s.get("global_step", 0))})
             self.say(f"zmqps launch: step {step}: {n} PS serve the model from now on")
+
+    async def _start_asked(self) -> None:
+        """A PS the chief drained (it exited 0) and asks for again (``--ps-schedule``,
+        ``zmqps scale``, ``--add-ps-above``) is started again, while the run goes on."""
+        while not self.stopping:
+            await asyncio.sleep(0.2)
+            s = self.status or {}
+            elastic = s.get("elastic") or {}
+            asked = set(elastic.get("asked") or ())
+            drained = set(elastic.get("drained") or ())
+            if s.get("finished") or self.children[0].returncode is not None:
+                continue
+            for c in self.children[1:]:
+                if not c.name.startswith("ps") or c.returncode != 0 or self.stopping:
+                    continue
+                i = int(c.name[2:])
+                if i in asked and i in drained:
+                    self.say(f"zmqps launch: the chief asks for {c.name}: starting it again")
+                    await self._start(c)
+                    self._rewatch.append(asyncio.ensure_future(self._watch(c)))
 
     async def _progress(self) -> None:
         """The chief's status twice a second: for the progress bar, and kept for
@@ -831,6 +841,7 @@ class Launcher:
         progress = asyncio.ensure_future(self._progress())
         liveness = asyncio.ensure_future(self._liveness())
         schedule = asyncio.ensure_future(self._ps_schedule())
+        asked = asyncio.ensure_future(self._start_asked())
         interrupt = asyncio.ensure_future(interrupted.wait())
         timeout = self.args.timeout or None
         waitables: list[asyncio.Future[Any]] = [watchers, interrupt]
@@ -848,6 +859,7 @@ class Launcher:
         progress.cancel()
         liveness.cancel()
         schedule.cancel()
+        asked.cancel()
         for rewatch in self._rewatch:
             rewatch.cancel()
         lingering.cancel()

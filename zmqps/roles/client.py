@@ -622,7 +622,7 @@ class ParameterClient:
             self.version_gens[sid] = g
 
     def moved(self, states: Sequence[int]) -> None:
-        """PS ``states`` are served by other processes now (a fail-over): their
+        """PS ``states`` are served by other processes now (a fail-over, a move): their
         shared-memory channels were attached to the old ones, and are set up again
         on next use."""
         for state in states:

@@ -55,6 +55,8 @@ log = logging.getLogger("zmqps.chief")
 
 #: moves kept in the status
 KEEP = 16
+#: seconds after the memory policy asked for a PS before it may ask for another
+GROW_WAIT_S = 10.0
 #: seconds between the chief's looks at a moving state's copy (a move is asked for:
 #: handed over as soon as it is in sync)
 MOVE_POLL_S = 0.05
@@ -99,6 +101,10 @@ class Mover:
         self.planned: int | None = 0
         #: each change of PS count asked for: bytes it plans to move, the least (KEEP)
         self.scales: list[dict[str, Any]] = []
+        #: each state's bytes of shards as its PS last said (``--add-ps-above``)
+        self.measured: dict[int, int] = {}
+        #: no PS asked for by the memory policy before this (monotonic)
+        self._grown_at = 0.0
 
     # ------------------------------------------------------------------ asking
 
@@ -109,14 +115,23 @@ class Mover:
             raise InvalidArgument(
                 f"scale: {n} PS asked for; the cluster spec names {total} (1 to {total})"
             )
-        self.wanted = list(range(n))
+        return self.ask(list(range(n)))
+
+    def ask(self, processes: list[int]) -> list[int]:
+        """Serve the states from ``processes`` (the others leave)."""
+        self.wanted = sorted(set(processes))
         self.planned = None
-        self._account(n)
-        for q in range(n, total):  # asked to leave: it joins again only once restarted
-            self.left.setdefault(q, self.boots.get(q))
-        for q in self.wanted:
-            self.left.pop(q, None)
-        log.warning("scaling to %d PS: ps %s serve the states", n, self.wanted)
+        self._account(len(self.wanted))
+        for q in range(len(self.homes.processes)):
+            if q in self.wanted:
+                self.left.pop(q, None)
+            else:  # asked to leave: it joins again only once restarted
+                self.left.setdefault(q, self.boots.get(q))
+        log.warning(
+            "scaling to %d PS: ps %s serve the states",
+            len(self.wanted),
+            ", ".join(map(str, self.wanted)),
+        )
         return self.wanted
 
     def _account(self, n: int) -> None:
@@ -173,10 +188,12 @@ class Mover:
             await self.step()
 
     async def step(self) -> Move | None:
-        """One look: join a new process, make the next move, or drain. Returns the move
-        made (None: none)."""
+        """One look: join a new process, ask for one more when a PS serves too many
+        bytes (``--add-ps-above``), make the next move, or drain. Returns the move made
+        (None: none)."""
         await self._probe_all()
         self._join_new()
+        await self._grow()
         job = self.next_move()
         if job is not None:
             await self.move(job.state, job.target)
@@ -214,10 +231,13 @@ class Mover:
             self.left.pop(q, None)
             self.drained.pop(q, None)
             log.warning("ps %d answers and serves nothing: it joins the PS serving the states", q)
-            self.wanted = sorted({*self.wanted, q})
+            self.ask([*self.wanted, q])
 
     def sizes(self, placement: Placement) -> dict[int, int]:
-        """Each PS state's bytes, by the placement (values; slots count alike)."""
+        """Each PS state's bytes: as its PS last said (values, slots, hash-table rows:
+        :meth:`_measure`), else by the placement (values)."""
+        if len(self.measured) == len(self.homes.of):
+            return dict(self.measured)
         out = dict.fromkeys(range(len(self.homes.of)), 0)
         by_name = {v.name: v for v in placement.variables}
         for s in placement.shards:
@@ -225,11 +245,70 @@ class Mover:
             out[s.state] = out.get(s.state, 0) + s.rows * v.row_size * v.itemsize
         return out
 
+    async def _measure(self) -> dict[int, int]:
+        """Each state's bytes of shards as its process says (``status``)."""
+
+        async def one(state: int) -> tuple[int, int] | None:
+            try:
+                rep = await self.recovery.ps[state].request("status", timeout=1.0)
+                return state, int(rep.body.get("bytes") or 0)
+            except (ZmqpsError, TypeError, ValueError):
+                return None
+
+        got = await asyncio.gather(*(one(st) for st in range(len(self.homes.of))))
+        measured = dict(x for x in got if x is not None)
+        if len(measured) == len(self.homes.of):
+            self.measured = measured
+        return measured
+
+    async def _grow(self) -> None:
+        """``--add-ps-above``: a PS serving more bytes than the limit makes the chief ask
+        for the next PS of the spec (once the last change settled, at most once per
+        ``GROW_WAIT_S``); the launcher starts it, or whoever runs the cluster."""
+        limit = self.recovery.cfg.add_ps_above
+        if limit is None or self.current is not None or self.clock() < self._grown_at:
+            return
+        if self.wanted is not None and (self.planned != 0 or self.waiting):
+            return  # the last change is still under way
+        measured = await self._measure()
+        loads: dict[int, int] = {}
+        for state, n in measured.items():
+            loads[self.homes.of[state]] = loads.get(self.homes.of[state], 0) + n
+        over = {q: n for q, n in sorted(loads.items()) if n > limit}
+        if not over:
+            return
+        serving = set(self.target())
+        spare = [q for q in range(len(self.homes.processes)) if q not in serving]
+        self._grown_at = self.clock() + GROW_WAIT_S
+        q, n = next(iter(over.items()))
+        if not spare:
+            log.warning(
+                "ps %d serves %d bytes, above --add-ps-above %d, and every PS of the cluster"
+                " spec serves already",
+                q,
+                n,
+                limit,
+            )
+            return
+        log.warning(
+            "ps %d serves %d bytes, above --add-ps-above %d: asking for ps %d",
+            q,
+            n,
+            limit,
+            spare[0],
+        )
+        self.ask(sorted(serving | {spare[0]}))
+
     def next_move(self) -> Move | None:
         placement = self.recovery.variables.placement
         if placement is None or self.wanted is None:
             return None
-        up = [q for q in self.wanted if self.boots.get(q) is not None]
+        # a process told to shut down and not started again since is going away
+        up = [
+            q
+            for q in self.wanted
+            if self.boots.get(q) is not None and self.drained.get(q) != self.boots[q]
+        ]
         missing = sorted(set(self.wanted) - set(up))
         self.waiting = (
             f"ps {', '.join(map(str, missing))} asked for and not answering" if missing else None
@@ -288,9 +367,21 @@ class Mover:
             def going() -> bool:
                 return self.active() and self.clock() < deadline
 
-            why, info = await rr.join(
-                state, target, self.rate, self.current, going, lambda q: True, MOVE_POLL_S
-            )
+            heard = {"at": self.clock()}
+            pinger = asyncio.ensure_future(self._ping(target, heard))
+            timeout = self.recovery.cfg.heartbeat_timeout
+            try:
+                why, info = await rr.join(
+                    state,
+                    target,
+                    self.rate,
+                    self.current,
+                    going,
+                    lambda q: self.clock() - heard["at"] <= timeout,
+                    MOVE_POLL_S,
+                )
+            finally:
+                pinger.cancel()
             if not why:
                 why = await self._at_boundary(state, source, target)
         except ZmqpsError as exc:
@@ -336,6 +427,18 @@ class Mover:
         self.done.append(record)
         del self.done[:-KEEP]
         return not why
+
+    async def _ping(self, target: int, heard: dict[str, float]) -> None:
+        """While a copy is made on ``target``: when it last answered (a target killed
+        mid-copy gives the move up within a heartbeat timeout, not at its deadline)."""
+        client = self.homes.processes[target]
+        while True:
+            try:
+                await client.request("ping", timeout=max(0.5, self.interval))
+                heard["at"] = self.clock()
+            except ZmqpsError:
+                pass
+            await asyncio.sleep(min(0.5, self.interval))
 
     async def _at_boundary(self, state: int, source: int, target: int) -> str:
         """The hand-over at the next step boundary the chief holds (sync: every worker

@@ -271,7 +271,7 @@ class Session:
         already: then this returns after one round trip."""
         old = self.gen if made_in is None else made_in
         #: the placement epoch the request was routed by: once a newer one is known,
-        #: its PS state moved (a fail-over) and the request goes to the new primary
+        #: its PS state moved (a fail-over, a move) and the request goes to the new primary
         routed = getattr(error, "epoch", None)
         if routed is not None and routed < self.epoch:
             return
@@ -289,7 +289,7 @@ class Session:
                 if beat.gen != old and not beat.recovering:
                     break
                 if routed is not None and routed < self.epoch and not beat.recovering:
-                    log.warning("%s: its PS moved (a fail-over): sending again", self.name)
+                    log.warning("%s: its PS moved (fail-over, move): sending again", self.name)
                     return
                 if cut_off(error, beat, old):
                     log.warning("%s: every PS answers the chief again: retrying", self.name)
