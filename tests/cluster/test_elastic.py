@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import Reaper, chief_status, launch_run, read_json, wait_for, zmqps_cmd
+from safetensors.numpy import load_file
 from sync_worker import OPTIMIZERS, VARIABLES
 from test_sync_cluster import initial, reference, start_cluster
 
@@ -104,3 +105,34 @@ def test_a_launch_with_a_ps_schedule_ends_well(procs: Reaper, tmp_path: Path) ->
     assert "restoring every" not in chief_log
     # the PS that left was started again for the next scale up
     assert "starting it again" in launcher.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_sync_run_through_moves_ends_bit_identical_to_one_at_a_fixed_ps_count(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    """Sync, 2 workers, plain SGD, the same seed: the run whose states move 3 -> 2 ->
+    3 -> 1 -> 2 PS ends with every parameter bit-identical to the run that keeps 3 PS
+    (the states are the same; two gradients a step add up the same in either order, so
+    only a lost, doubled or altered update, or a step summed across a hand-over, could
+    make them differ)."""
+    flags = (
+        "--ps", "3", "--mode", "sync", "--optimizer", "sgd", "--lr", "0.1", "--epochs", "40",
+    )  # fmt: skip
+
+    def model(run: Path, *more: str) -> dict[str, Any]:
+        launcher, summary_path = launch_run(procs, run, "-q", *flags, *more, timeout=200)
+        launcher.expect_exit(0, timeout=250)
+        summary = read_json(summary_path)
+        assert summary is not None and not summary.get("restores"), summary
+        return {"summary": summary, "values": load_file(str(run / "model" / "model.safetensors"))}
+
+    plain = model(tmp_path / "plain")
+    steps = int(plain["summary"]["global_step"])
+    schedule = f"0:2,{steps // 4}:3,{steps // 2}:1,{3 * steps // 4}:2"
+    moved = model(tmp_path / "moved", "--ps-schedule", schedule)
+    assert moved["summary"]["global_step"] == steps
+    assert moved["summary"]["elastic"]["moves"] >= 3, moved["summary"]["elastic"]
+    assert plain["values"].keys() == moved["values"].keys() and plain["values"]
+    for name, value in plain["values"].items():
+        assert value.tobytes() == moved["values"][name].tobytes(), name

@@ -860,8 +860,15 @@ class Launcher:
         liveness.cancel()
         schedule.cancel()
         asked.cancel()
-        for rewatch in self._rewatch:
-            rewatch.cancel()
+        if self._rewatch:
+            # PS started again for the states (their first watch ended when they were
+            # drained): they end with the run, told by the chief; stopped past the grace
+            _, late = await asyncio.wait(self._rewatch, timeout=GRACE_S)
+            if late:
+                await self.stop()
+                await asyncio.wait(late, timeout=GRACE_S)
+            for rewatch in self._rewatch:
+                rewatch.cancel()
         lingering.cancel()
         if self.bar is not None:
             if not self.failure and not interrupted.is_set():

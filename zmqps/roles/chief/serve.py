@@ -442,6 +442,8 @@ async def _workers_gone(service: ChiefService, timeout: float) -> None:
 
 #: each attempt of the shutdown of a PS waits this long for its acknowledgement
 SHUTDOWN_ATTEMPT_S = 5.0
+#: a PS drained during the run (told to shut down then) is asked once, this long
+DRAINED_ATTEMPT_S = 1.0
 
 
 def shutdown_attempts(heartbeat_timeout: float) -> int:
@@ -461,25 +463,30 @@ async def _shutdown_ps(
     """Tell every PS process the run is over; one known ``silent`` (stopped or cut off
     past the heartbeat timeout, its states failed over or restored elsewhere) gets one
     attempt, not the whole window; one ``drained`` (it left the run, told to shut down
-    then, and acknowledged it) none."""
+    then; started again since if the chief asked for it) one short attempt."""
     body = o.Shutdown("training finished").to_wire()
     window = shutdown_attempts(heartbeat_timeout)
 
     async def one(q: int, c: Requester) -> None:
-        attempts = 1 if q in silent else window
+        attempts = 1 if q in silent or q in drained else window
+        # a drained PS exited when told, unless it was started again since: asked briefly
+        timeout = DRAINED_ATTEMPT_S if q in drained else SHUTDOWN_ATTEMPT_S
         try:
             # sent again on each deadline, and at once when the connection comes back
-            await c.request("shutdown", body, timeout=SHUTDOWN_ATTEMPT_S, attempts=attempts)
+            await c.request("shutdown", body, timeout=timeout, attempts=attempts)
         except DeadlineExceeded:
+            if q in drained:  # it exited when it was drained, as it should
+                log.info("ps at %s (drained) is gone", c.endpoint)
+                return
             log.warning(
                 "ps at %s did not acknowledge shutdown in %.0fs",
                 c.endpoint,
-                attempts * SHUTDOWN_ATTEMPT_S,
+                attempts * timeout,
             )
         except ZmqpsError as e:
             log.warning("ps at %s refused shutdown: %s", c.endpoint, e)
 
-    await asyncio.gather(*(one(q, c) for q, c in enumerate(ps_clients) if q not in drained))
+    await asyncio.gather(*(one(q, c) for q, c in enumerate(ps_clients)))
 
 
 def run_chief(cfg: ChiefConfig, options: SocketOptions | None = None) -> int:
