@@ -289,3 +289,39 @@ def test_a_target_killed_during_the_copy_gives_the_move_up_within_a_heartbeat_ti
         assert rep.body["shards"]
 
     run(body())
+
+
+def test_a_hash_table_moved_to_another_process_is_read_whole_where_it_is() -> None:
+    """The rows of a hash-keyed table in a moved state: pulled, pushed and listed (an
+    export's ``table_rows``) through the state, wherever it is served."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        slots = [serve_ps(net, i, PS[i]) for i in range(3)]
+        chief = chief_on(net, replace(replicated_config(CHIEF, PS, SGD), replication=1))
+        await chief.start()
+        table = VariableDef("t", (64, 4), init={"name": "normal", "seed": 4}, table={})
+        await chief.create_variables((table,), dict(SGD))
+        mover = chief.recovery.mover
+        assert mover is not None and chief.placement is not None
+        homes = Homes([net.client(a, "worker:0:0", timeout=2.0) for a in PS])
+        homes.update(chief.placement)
+        client = ParameterClient(homes.links(), chief.placement, worker="worker:0", incarnation=0)
+        ids = np.arange(0, 3000, 7, dtype=np.int64)
+        before = (await client.pull_rows("t", ids)).copy()
+        assert await mover.move(1, 0)
+        assert homes.update(chief.placement) == [1]
+        client.moved([1])
+        np.testing.assert_array_equal(await client.pull_rows("t", ids), before)
+        await client.push_rows("t", ids, np.ones((len(ids), 4), np.float32))
+        # an export's client, made with the placement as it is now (the chief's at the
+        # run's end)
+        fresh = ParameterClient(homes.links(), chief.placement, worker="chief", incarnation=0)
+        listed, values = await fresh.table_rows("t")
+        assert set(listed.tolist()) == set(ids.tolist())
+        order = np.searchsorted(listed, ids)
+        np.testing.assert_allclose(values[order], before - 0.5, rtol=1e-6)
+        assert not len(slots[1].own.store)  # its own state left: nothing served there
+        await client.close()
+
+    run(body())

@@ -1098,7 +1098,7 @@ class ParameterClient:
 
         async def page(s: ShardInfo, start: int) -> tuple[int, int, Array, Array]:
             body = o.TableRows(s.id, start, limit, self.gen)
-            rep = await self.ps[s.ps].request(
+            rep = await self.ps[s.state].request(
                 "table_rows", body.to_wire(), timeout=self.timeout, attempts=2
             )
             got = o.TablePage.parse(rep.body, "table_rows reply")
