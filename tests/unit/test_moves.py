@@ -325,3 +325,52 @@ def test_a_hash_table_moved_to_another_process_is_read_whole_where_it_is() -> No
         await client.close()
 
     run(body())
+
+
+def test_with_two_copies_a_scale_down_promotes_copies_and_moves_the_backups_first() -> None:
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 2)
+        mover, rr = chief.recovery.mover, chief.recovery.rereplicator
+        assert mover is not None and rr is not None
+        await rr.watch()  # the re-replication knows every process
+        pusher = Pusher(net, chief)
+        task = asyncio.ensure_future(pusher.run())
+        with pytest.raises(InvalidArgument, match="2 copies"):
+            mover.scale(1)
+        before = chief.placement
+        assert before is not None
+        # the process that leaves holds its own state's primary and another's backup
+        leaving = next(q for s in before.shards for q in s.backups)
+        stay = sorted({0, 1, 2} - {leaving})
+        mover.ask(stay)
+        for _ in range(8):
+            await mover.step()
+            await rr.watch()
+            job = rr.next_copy()
+            if job is not None:
+                await rr.copy(*job)
+        placement = chief.placement
+        assert placement is not None
+        # every state on ps 0 and 1, two copies each, none on ps 2, which drained
+        for s in placement.shards:
+            assert set(s.copies) == set(stay), s
+        assert slots[leaving].own.shutdown_requested.is_set()
+        assert mover.status()["drained"] == [leaving]
+        assert chief.recovery.restore_count == 0
+        pusher.stop = True
+        await task
+        np.testing.assert_array_equal(
+            await pusher.values(), np.full((12, 4), -0.5 * pusher.acked, np.float32)
+        )
+        # the copies agree with their primaries
+        for st in range(3):
+            s = next(x for x in placement.shards if x.state == st)
+            primary = slots[s.ps].service(st)
+            backup = slots[s.backups[0]].service(st)
+            assert [sh.values.tobytes() for sh in primary.store] == [
+                sh.values.tobytes() for sh in backup.store
+            ]
+        await pusher.client.close()
+
+    run(body())

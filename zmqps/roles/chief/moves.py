@@ -115,6 +115,12 @@ class Mover:
             raise InvalidArgument(
                 f"scale: {n} PS asked for; the cluster spec names {total} (1 to {total})"
             )
+        replication = self.recovery.cfg.replication
+        if n < replication:
+            raise InvalidArgument(
+                f"scale: {n} PS cannot hold {replication} copies of each state"
+                f" (--replication {replication})"
+            )
         return self.ask(list(range(n)))
 
     def ask(self, processes: list[int]) -> list[int]:
@@ -198,6 +204,11 @@ class Mover:
         if job is not None:
             await self.move(job.state, job.target)
             return job
+        placement = self.recovery.variables.placement
+        if placement is not None and self.wanted is not None:
+            for state, leaving in self._backups_leaving(placement):
+                await self._move_backup(state, leaving)
+                break  # one at a time; the next look takes the next
         await self._drain()
         return None
 
@@ -320,8 +331,76 @@ class Mover:
         homes = dict(enumerate(self.homes.of))
         planned = plan_homes(sizes, homes, up)
         todo = moves(sizes, homes, planned)
-        self.planned = len(todo)
-        return todo[0] if todo else None
+        backups = self._backups_leaving(placement)
+        self.planned = len(todo) + len(backups)
+        if not todo:
+            return None
+        first = todo[0]
+        if first.source not in up:
+            # a state of a process that leaves: to a copy of it where it may go, if one
+            # is (promoted: nothing to send), else where the plan says
+            copies = next(s.backups for s in placement.shards if s.state == first.state)
+            kept = [q for q in copies if q in up]
+            if kept and first.target not in copies:
+                first = Move(first.state, first.source, kept[0], first.nbytes)
+        return first
+
+    def _backups_leaving(self, placement: Placement) -> list[tuple[int, int]]:
+        """``(state, process)``: backups on processes that leave (replication)."""
+        seen: set[tuple[int, int]] = set()
+        for s in placement.shards:
+            for q in s.backups:
+                if q not in (self.wanted or ()) and (s.state, q) not in seen:
+                    seen.add((s.state, q))
+        return sorted(seen)
+
+    async def _move_backup(self, state: int, leaving: int) -> bool:
+        """A backup of ``state`` on a process that leaves: a new copy on one asked for
+        (made and caught up as re-replication makes one, while the old one still
+        counts), then the old one dropped. Returns whether it went."""
+        r = self.recovery
+        rr = r.rereplicator
+        placement = r.variables.placement
+        assert rr is not None and placement is not None and self.wanted is not None
+        s = next(s for s in placement.shards if s.state == state)
+        held = {q: 0 for q in self.wanted if self.boots.get(q) and q not in s.copies}
+        if not held:
+            return False
+        for x in {x.state: x for x in placement.shards}.values():
+            for q in x.copies:
+                if q in held:
+                    held[q] += 1
+        target = min(held, key=lambda q: (held[q], q))
+        log.warning(
+            "ps %d leaves: its copy of ps %d's state goes to ps %d first", leaving, state, target
+        )
+        r.moving = {"state": state, "from": leaving, "to": target, "phase": "copying a backup"}
+        try:
+            if not await rr.copy(state, target):
+                return False
+        finally:
+            r.moving = None
+        async with r.placement_lock:
+            placement = r.variables.placement
+            assert placement is not None
+            shards = tuple(
+                replace(x, backups=tuple(b for b in x.backups if b != leaving))
+                if x.state == state
+                else x
+                for x in placement.shards
+            )
+            new = replace(placement, shards=shards, epoch=placement.epoch + 1)
+            r.variables.use(new)
+            self.homes.update(new)
+            await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
+            await rr.drop_joiner(state)  # its primary ships to the placement's backups only
+            term = r.terms.get(state, TERM)
+            drop = o.ReplicaSet(state, term, primary=False, epoch=new.epoch, drop=True)
+            try:
+                await self.homes.processes[leaving].request("replica", drop.to_wire(), timeout=2.0)
+            except ZmqpsError as exc:
+                log.info("ps %d: dropping its copy of ps %d failed: %s", leaving, state, exc)
+        return True
 
     async def _drain(self) -> None:
         """Processes asked to leave that serve nothing now: told to shut down (they exit
@@ -356,7 +435,13 @@ class Mover:
         log.warning("moving ps %d's state from ps %d to ps %d", state, source, target)
         why = ""
         info: dict[str, Any] = {}
+        placement = r.variables.placement
+        assert placement is not None
+        promoting = target in next(s for s in placement.shards if s.state == state).backups
         try:
+            if promoting:  # an in-sync copy there: promoted, nothing to send
+                why = await self._at_boundary(state, source, target)
+                raise _Done(why)
             async with r.placement_lock:
                 await self._primary_here(state, source)
             # given up past a deadline: the state's bytes at a quarter of the rate, and
@@ -384,6 +469,8 @@ class Mover:
                 pinger.cancel()
             if not why:
                 why = await self._at_boundary(state, source, target)
+        except _Done as done:
+            why = done.why
         except ZmqpsError as exc:
             why = f"{exc.code}: {exc}"
         finally:
@@ -573,3 +660,11 @@ class Mover:
             "drained": sorted(self.drained),
             "epoch": self.homes.epoch,
         }
+
+
+class _Done(Exception):
+    """A move that needed no copy ended (``why``: "" once handed over)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why

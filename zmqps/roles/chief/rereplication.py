@@ -344,11 +344,14 @@ class Rereplicator:
         for state, copies in sorted(self.under_replicated().items(), key=lambda t: len(t[1])):
             if not self.alive(copies[0]):
                 continue  # its primary is silent: the fail-over comes first
+            mover = self.recovery.mover
+            asked = None if mover is None or mover.wanted is None else set(mover.wanted)
             candidates = [
                 q
                 for q in held
                 if q not in copies
                 and self.alive(q)
+                and (asked is None or q in asked)  # never onto a PS asked to leave
                 and self._failed.get((state, q), (0, 0.0))[1] <= now
             ]
             if candidates:
