@@ -372,5 +372,18 @@ def test_with_two_copies_a_scale_down_promotes_copies_and_moves_the_backups_firs
                 sh.values.tobytes() for sh in backup.store
             ]
         await pusher.client.close()
+        # the drained process exits; the chief dies and is restarted: it adopts the
+        # copies where they are, without waiting for the process that left
+        net.remove(PS[leaving])
+        net.remove(CHIEF)
+        restarted = chief_on(net, chief.cfg)
+        await asyncio.wait_for(restarted.start(), 30.0)
+        st = restarted.status()
+        assert st["gen"] == 0 and not st["recoveries"], st
+        after = restarted.placement
+        assert after is not None
+        assert {x.state: set(x.copies) for x in after.shards} == {
+            x.state: set(x.copies) for x in placement.shards
+        }
 
     run(body())

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -273,17 +273,23 @@ class RecoveryController:
 
     # ------------------------------------------------------------------ start
 
-    async def ps_states(self, timeout: float) -> list[dict[str, Any]]:
-        """``ps_state`` of every PS, waiting up to ``timeout`` s for each to answer."""
+    async def ps_states(self, timeout: float, left: Collection[int] = ()) -> list[dict[str, Any]]:
+        """``ps_state`` of every PS, waiting up to ``timeout`` s for each to answer.
+        One of ``left`` (it left the run: a scale-down drained it) that does not answer
+        within a few heartbeats reads as a process that holds no copy of any state."""
         deadline = self.clock() + timeout
+        brief = self.clock() + min(timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
 
         async def one(i: int) -> dict[str, Any]:
             while True:
-                left = deadline - self.clock()
+                ends = brief if i in left else deadline
+                wait = max(0.05, min(2.0, ends - self.clock()))
                 try:
-                    rep = await self.ps[i].request("ps_state", timeout=max(0.05, min(2.0, left)))
+                    rep = await self.ps[i].request("ps_state", timeout=wait)
                     return dict(rep.body)
                 except DeadlineExceeded:
+                    if i in left and self.clock() >= brief:
+                        return {"boot": "", "gen": 0, "shards": [], "roles": [], "left": True}
                     if self.clock() >= deadline:
                         raise NotReady(
                             f"ps {i} ({self.ps[i].endpoint}) did not answer within {timeout:g}s"
@@ -319,8 +325,11 @@ class RecoveryController:
             # the workers that finished under an earlier chief of this run: the PS may
             # have lost what said it (restarted without a copy of their state)
             self.finished = await asyncio.to_thread(self.done_record.load)
-        elastic = None if self.replicated() else await self._moved_homes()
-        states = first = await self.ps_states(self.cfg.startup_timeout)
+        elastic, named = await self._moved_homes()
+        # replicated: each process's own account of its copies (a process the newest
+        # placement names no copy on left the run, and is not waited for)
+        left = () if named is None else [q for q in range(len(self.ps)) if q not in named]
+        states = first = await self.ps_states(self.cfg.startup_timeout, left)
         moved, orphans, gone = self._copies_of(states) if self.replicated() else (elastic, [], [])
         if moved is not None:  # each state from its primary, wherever it is now
             assert self.homes is not None
@@ -589,15 +598,17 @@ class RecoveryController:
             return summary
         return None
 
-    async def _moved_homes(self) -> Placement | None:
-        """Unreplicated, at start: the placement of states moved between processes
-        (``zmqps scale``), as the newest one any process heard the last chief publish;
-        the homes then follow it, so that the processes a scale-down drained are not
-        waited for. None when no process heard one (no state ever moved). The processes
+    async def _moved_homes(self) -> tuple[Placement | None, set[int] | None]:
+        """At start: the newest placement any process heard the last chief publish, and
+        the processes it names a copy on (None, None: no process heard one).
+        Unreplicated, the placement of states moved between processes (``zmqps
+        scale``): the homes follow it, so that the processes a scale-down drained are
+        not waited for (replicated, the copies' roles say where the states are, and
+        this placement only which processes are still part of the run). The processes
         are given a few heartbeats to answer: those that serve states wait for each
         other at start anyway."""
         if self.homes is None:
-            return None
+            return None, None
         within = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
 
         async def one(c: Requester) -> dict[str, Any] | None:
@@ -610,8 +621,11 @@ class RecoveryController:
         heard = [st for st in await asyncio.gather(*map(one, self.homes.processes)) if st]
         published = [st["newest"] for st in heard if st.get("newest") is not None]
         if not published:
-            return None
+            return None, None
         newest = Placement.from_wire(max(published, key=lambda p: int(p.get("epoch") or 0)))
+        named = {q for s in newest.shards for q in s.copies}
+        if self.replicated():
+            return None, named
         self._terms_past(heard)
         # past any epoch a process was told (a worker may have heard the last one)
         told = max([newest.epoch, *(int(st.get("epoch") or 0) for st in heard)])
@@ -624,7 +638,7 @@ class RecoveryController:
             ", ".join(f"ps {st} on ps {p}" for st, p in enumerate(self.homes.of)),
             placement.epoch,
         )
-        return placement
+        return placement, named
 
     async def _any_ps_answers(self, within: float) -> bool:
         async def one(c: Requester) -> bool:
