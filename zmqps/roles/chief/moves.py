@@ -455,6 +455,22 @@ class Mover:
 
     # ------------------------------------------------------------------ status
 
+    def figures(self) -> dict[str, Any]:
+        """What the chief's elastic metrics say (read at scrape time, in the exporter's
+        thread: the move under way is read once)."""
+        current = self.current
+        return {
+            "epoch": self.homes.epoch,
+            "serving": len(self.serving()),
+            "asked": len(self.target()),
+            "moving": 0 if current is None else 1,
+            "move_progress": 0.0 if current is None else float(current.get("progress", 0.0)),
+            "moves_done": self.moves,
+            "moves_failed": self.failures,
+            "moved_bytes": self.bytes,
+            "drained": len(self.drained),
+        }
+
     def status(self) -> dict[str, Any]:
         return {
             "serving": self.serving(),
