@@ -475,6 +475,7 @@ class Mover:
             why = f"{exc.code}: {exc}"
         finally:
             handover = (self.current or {}).get("handover_s")
+            target = int((self.current or {}).get("to", target))
             self.current = None
             r.moving = None
         copied = int(info.get("bytes", 0))
@@ -618,6 +619,8 @@ class Mover:
         applied = tuple(heads[q] for q in backups)
         body = o.ReplicaSet(state, term, True, links, applied, epoch=epoch)
         await processes[chosen].request("replica", body.to_wire(), timeout=2.0)
+        if self.current is not None:
+            self.current["to"] = chosen  # where it is served now (the target a backup)
         shards = tuple(
             replace(x, ps=chosen, backups=backups, slot=state) if x.state == state else x
             for x in placement.shards
@@ -644,6 +647,22 @@ class Mover:
         return ""
 
     # ------------------------------------------------------------------ status
+
+    def figures(self) -> dict[str, Any]:
+        """What the chief's elastic metrics say (read at scrape time, in the exporter's
+        thread: the move under way is read once)."""
+        current = self.current
+        return {
+            "epoch": self.homes.epoch,
+            "serving": len(self.serving()),
+            "asked": len(self.target()),
+            "moving": 0 if current is None else 1,
+            "move_progress": 0.0 if current is None else float(current.get("progress", 0.0)),
+            "moves_done": self.moves,
+            "moves_failed": self.failures,
+            "moved_bytes": self.bytes,
+            "drained": len(self.drained),
+        }
 
     def status(self) -> dict[str, Any]:
         return {

@@ -114,6 +114,8 @@ class ChiefService:
         )
         if metrics is not None:
             metrics.watch_replication(self.recovery.replication_figures)
+            if self.recovery.mover is not None:
+                metrics.watch_elastic(self.recovery.mover.figures)
         #: side-car evaluators: (index, incarnation) -> last heard (monotonic); those
         #: silent past the heartbeat timeout are forgotten when another registers, and
         #: at most MAX_EVALUATORS are kept (the longest silent goes first)

@@ -550,8 +550,11 @@ class Primary:
             committed = self.log.committed
             placed = None if ring is None else ring.place(e.index, tensors)
             ring_name, specs = (None, None) if placed is None else placed
+            # sent at this primary's term: an entry a promoted copy kept from the
+            # replaced primary (its term older) is this primary's to send, and a backup
+            # fenced at the new term refuses only what is older than that
             wire = o.Replicate(
-                e.term,
+                self.log.term,
                 e.index,
                 op,
                 body,
