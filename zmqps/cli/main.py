@@ -240,6 +240,17 @@ def _scaled(elastic: dict[str, Any]) -> bool:
     return settled and on_asked and not elastic.get("moving")
 
 
+def _add_chief_query_args(p: argparse.ArgumentParser) -> None:
+    """``--chief``, ``--json``, ``--timeout`` and the keys: a command that asks a running
+    chief (``zmqps status``, ``zmqps scale``)."""
+    p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)"
+    )
+    add_security_args(p)
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from zmqps.transport.security import CLIENT_ROLES, keygen
 
@@ -354,12 +365,7 @@ def _build() -> argparse.ArgumentParser:
     add_inspect_args(p)
     p.set_defaults(func=cmd_inspect)
     p = _sub(sub, "status", help="show a running cluster's state, from its chief")
-    p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument(
-        "--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)"
-    )
-    add_security_args(p)
+    _add_chief_query_args(p)
     p.set_defaults(func=cmd_status)
     p = _sub(
         sub,
@@ -382,7 +388,6 @@ def _build() -> argparse.ArgumentParser:
         " caught up, handed over at a new placement epoch), and a PS left without states is"
         " drained and exits 0. Without --ps: print where the states are.",
     )
-    p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
     p.add_argument("--ps", type=int, metavar="N", help="the number of PS to serve the states")
     p.add_argument(
         "--wait",
@@ -391,11 +396,7 @@ def _build() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="wait until the moves are done, at most this long (exit 1 past it)",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument(
-        "--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)"
-    )
-    add_security_args(p)
+    _add_chief_query_args(p)
     p.set_defaults(func=cmd_scale)
     p = _sub(sub, "keygen", help="make CurveZMQ keys for a cluster (then run it with --keys)")
     p.add_argument("dir", metavar="DIR", help="folder for the keys (created mode 0700)")
