@@ -40,6 +40,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from zmqps.core.elastic import Move, moves, plan_homes
+from zmqps.core.recovery import Phase
 from zmqps.core.variables import Placement
 from zmqps.roles.chief.variables import TERM
 from zmqps.wire import ops as o
@@ -182,16 +183,23 @@ class Mover:
     # ------------------------------------------------------------------ the loop
 
     def active(self) -> bool:
+        """While training runs (not at the run's end: its final checkpoint, evaluation
+        and export are of the states where they are), and no restore is under way."""
         r = self.recovery
-        return r.variables.placement is not None and r.training and not r.recovering
+        running = r.phase in (Phase.RUNNING, Phase.DEGRADED)
+        return r.variables.placement is not None and r.training and running
 
     async def run(self) -> None:
-        """Watch the processes, move states toward the plan, drain who leaves."""
+        """Watch the processes, move states toward the plan, drain who leaves. A look
+        that fails on a request (a PS gone meanwhile) is made again at the next one."""
         while True:
             await asyncio.sleep(self.interval)
             if not self.active():
                 continue
-            await self.step()
+            try:
+                await self.step()
+            except ZmqpsError as exc:
+                log.warning("moving PS states: %s; looking again", exc)
 
     async def step(self) -> Move | None:
         """One look: join a new process, ask for one more when a PS serves too many
