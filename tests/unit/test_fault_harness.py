@@ -13,6 +13,7 @@ from faults.cluster import Instance, Task
 from faults.inject import FaultRecord
 from faults.invariants import (
     check_blockers,
+    check_moves,
     check_coordinator,
     check_end,
     check_model,
@@ -27,9 +28,11 @@ from faults.invariants import (
 )
 from faults.observe import Sample, Timeline, named_blockers
 from faults.report import replay_command
-from faults.runner import PSFinal, Reference, RunRecord, _states_final, bound
+from faults.runner import PSFinal, Reference, RunRecord, _moved_final, _states_final, bound
 from faults.schedule import (
+    BASE_KINDS,
     FAULT_KINDS,
+    MOVE_KINDS,
     REPLICATED_EXTRA,
     WIDE,
     Fault,
@@ -51,7 +54,7 @@ def test_schedules_cover_every_kind_and_keep_their_rules() -> None:
     seen: set[str] = set()
     for seed in range(1, 201):
         s = draw(seed)
-        assert 1 <= len(s.faults) <= 4
+        assert 1 <= len([f for f in s.faults if f.kind not in MOVE_KINDS]) <= 4
         assert s.mode in ("async", "sync", "ssp") and 1 <= s.ps <= 3 and 2 <= s.workers <= 4
         if s.driver == "coordinator":
             assert s.mode == "async"
@@ -108,8 +111,9 @@ def test_replicated_schedules_keep_their_rules_and_leave_the_others_alone() -> N
         assert s.netns == ("partition_ps" in s.kinds())
         assert "kill_evaluator" not in s.kinds() or s.evaluator is not None
         kills = [f for f in s.faults if f.kind == "kill_ps"]
-        assert 1 <= len(kills) <= 2 and len(s.faults) <= 3
-        assert len(s.faults) - len(kills) <= 1
+        others = [f for f in s.faults if f.kind not in MOVE_KINDS]
+        assert 1 <= len(kills) <= 2 and len(others) <= 3
+        assert len(others) - len(kills) <= 1
         assert [f.at for f in s.faults] == sorted(f.at for f in s.faults)
         assert set(s.kinds()) <= set(FAULT_KINDS)
         assert "-r2-" in s.config_key() and s.config()["replication"] == 2
@@ -123,7 +127,7 @@ def test_replicated_schedules_keep_their_rules_and_leave_the_others_alone() -> N
         assert dict(without.left_out) == {
             "partition_ps": "no network namespaces: no namespaces here"
         }
-    assert kinds == {"kill_ps", *REPLICATED_EXTRA} == set(FAULT_KINDS)
+    assert kinds == {"kill_ps", *REPLICATED_EXTRA, *MOVE_KINDS} == set(FAULT_KINDS)
     assert 90 <= seconds <= 210
     assert 90 <= wide <= 210  # a wide model: updates through the ring of shared memory
     assert "replication" not in draw(5).config() and "-r" not in draw(5).config_key()
@@ -155,6 +159,71 @@ def test_a_replicated_state_is_read_from_its_last_primary() -> None:
         not check_no_restore(rec)[0].ok and "ckpt-000000000040" in check_no_restore(rec)[0].detail
     )
     assert check_no_restore(_record()) == []  # unreplicated: restores are how it recovers
+
+
+def _without_moves(s: Schedule) -> str:
+    faults = ";".join(
+        f"{f.kind} {f.target} {f.at} {f.duration} {f.delay}"
+        for f in s.faults
+        if f.kind not in MOVE_KINDS
+    )
+    return f"{s.seed} {s.mode} {s.ps} {s.workers} {s.evaluator} {s.driver} {s.hidden} {faults}"
+
+
+def test_moves_leave_every_seeds_other_faults_as_they_were() -> None:
+    """Moves are drawn from a Random of their own: the cluster and the other faults of
+    seeds 1-300 (plain, without namespaces, replicated) are those drawn before moves
+    were (digests of the draws of the commit before them)."""
+    import hashlib
+
+    def digest(schedules: list[Schedule]) -> str:
+        text = "\n".join(_without_moves(s) for s in schedules)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    seeds = range(1, 301)
+    assert digest([draw(i) for i in seeds]) == "552bc0d3a431e7ef"
+    assert digest([draw(i, "x") for i in seeds]) == "6846a72e8f2c6970"
+    assert digest([draw_replicated(i) for i in seeds]) == "90e8cf95e7f1f17b"
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_about_half_the_schedules_carry_a_move_down_and_back_up(replicated: bool) -> None:
+    """A move is the chief asked for fewer PS (scale_ps or kill_during_move), then for
+    all of them again later (scale_ps): plain schedules with 2 PS or more (one PS has
+    nowhere to move to), replicated ones to 2 PS (two copies of each state)."""
+    carried = 0
+    victims: set[str] = set()
+    downs: set[str] = set()
+    for seed in range(1, 401):
+        s = draw_replicated(seed) if replicated else draw(seed)
+        moves = [f for f in s.faults if f.kind in MOVE_KINDS]
+        if not moves:
+            continue
+        carried += 1
+        assert s.ps >= 2
+        down, up = moves
+        assert down.at < up.at <= 0.85 and 0.1 <= down.at <= 0.5
+        assert up.kind == "scale_ps" and up.ps == s.ps
+        assert (2 if replicated else 1) <= down.ps < s.ps
+        downs.add(down.kind)
+        if down.kind == "kill_during_move":
+            assert down.target in ("source", "destination", "chief")
+            victims.add(down.target)
+            assert f"scale to {down.ps} PS" in down.describe()
+        else:
+            assert down.describe() == f"scale_ps to {down.ps} PS at {down.at:.0%}"
+        assert [f.at for f in s.faults] == sorted(f.at for f in s.faults)
+    assert 150 <= carried <= 250  # about half
+    assert downs == set(MOVE_KINDS)
+    assert victims == {"source", "destination", "chief"}
+    if not replicated:
+        ones = [draw(seed) for seed in range(1, 401) if draw(seed).ps == 1]
+        assert ones and not any(set(s.kinds()) & set(MOVE_KINDS) for s in ones)
+
+
+def test_the_kinds_drawn_before_moves_keep_their_order() -> None:
+    assert FAULT_KINDS == BASE_KINDS + MOVE_KINDS
+    assert REPLICATED_EXTRA == tuple(k for k in BASE_KINDS if k != "kill_ps")
 
 
 # ---------------------------------------------------------------- records
