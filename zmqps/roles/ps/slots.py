@@ -323,6 +323,8 @@ class PSSlots:
                 role = Backup(req.slot, req.term)
             else:
                 role.log.fence(req.term)
+            if req.make and isinstance(role, Backup):
+                role.expect_copy()
         was = self._roles.get(req.slot)
         if isinstance(was, Backup) and was is not role:  # promoted: the ring is the old primary's
             was.close()
