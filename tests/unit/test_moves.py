@@ -218,3 +218,102 @@ def test_a_chief_restarted_after_a_scale_down_adopts_the_moved_states() -> None:
         await pusher.client.close()
 
     run(body())
+
+
+def test_a_copy_left_by_a_move_given_up_is_not_taken_for_a_later_moves_copy() -> None:
+    """A move copies state 1 onto ps 0 and is given up (its source killed: fault
+    schedule seed 15); ps 1 comes back empty and every state is restored, in a new
+    generation, at the same term. The next move of state 1 to ps 0 sends a copy as of
+    the same (term, entry) as the one left there: it is installed, not answered as the
+    old copy's last part sent again (ps 0 served the state from before the restore, of
+    the old generation, and the chief took that for a restart and restored again)."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1)
+        rec = chief.recovery
+        mover, rr = rec.mover, rec.rereplicator
+        assert mover is not None and rr is not None
+        pusher = Pusher(net, chief)
+        task = asyncio.ensure_future(pusher.run())
+        await asyncio.sleep(0.2)
+        pusher.stop = True
+        await task
+        assert pusher.acked > 0
+        async with rec.placement_lock:
+            await mover._primary_here(1, 1)
+        # one push logged: the copy is as of entry 1, as the restored state's will be
+        await pusher.client.push({"w": np.ones((12, 4), np.float32)})
+        why, _ = await rr.join(1, 0, mover.rate, {}, lambda: True, lambda q: True, 0.01)
+        assert why == ""
+        await rr.drop_joiner(1)  # given up: the copy stays on ps 0
+        assert len(slots[0].service(1).store)
+        # ps 1 restarted empty: every state restored (no checkpoint: initial values)
+        net.remove(PS[1])
+        slots[1] = serve_ps(net, 1, PS[1])
+        async with rec.placement_lock:
+            await rec.restore_lost([1], rec.clock(), "ps 1 restarted")
+        assert rec.gen == 1
+        assert await mover.move(1, 0)
+        moved = slots[0].service(1)
+        assert moved.gen == rec.gen
+        values = [sh.values for sh in moved.store]
+        assert values and all(not np.any(v) for v in values)
+        await pusher.client.close()
+
+    run(body())
+
+
+def _slow_move(mover: object, state: int, target: int) -> asyncio.Future[bool]:
+    """A move whose copy takes ~20 s (10 bytes a second)."""
+    mover.rate = 10.0  # type: ignore[attr-defined]
+    return asyncio.ensure_future(mover.move(state, target))  # type: ignore[attr-defined]
+
+
+def test_a_move_whose_destination_restarted_is_given_up_at_once() -> None:
+    """The destination is killed mid-copy and restarted (fault schedule seeds 19, 20):
+    the new process holds no copy and refuses every part. The move is given up within
+    a few heartbeats, not at its deadline a minute later (no other move, and no drain,
+    can begin meanwhile), and the next one makes a fresh copy."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1)
+        mover = chief.recovery.mover
+        assert mover is not None
+        await mover.step()  # the boot ids heard
+        move = _slow_move(mover, 1, 2)
+        await asyncio.sleep(0.3)
+        assert mover.current is not None and not move.done()
+        net.remove(PS[2])
+        slots[2] = serve_ps(net, 2, PS[2])
+        assert not await asyncio.wait_for(move, 5.0)
+        assert "restarted" in mover.done[-1]["failed"]
+        mover.rate = 1 << 20
+        assert await mover.move(1, 2)
+
+    run(body())
+
+
+def test_a_move_under_way_at_a_restore_is_given_up() -> None:
+    """Every state is restored (another PS restarted empty) while a state is copied:
+    the copy is of the generation before, and the move is given up at once."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1)
+        rec = chief.recovery
+        mover = rec.mover
+        assert mover is not None
+        await mover.step()
+        move = _slow_move(mover, 1, 0)
+        await asyncio.sleep(0.3)
+        net.remove(PS[2])
+        slots[2] = serve_ps(net, 2, PS[2])
+        async with rec.placement_lock:
+            await rec.restore_lost([2], rec.clock(), "ps 2 restarted")
+        assert rec.gen == 1
+        assert not await asyncio.wait_for(move, 5.0)
+        assert "restore" in mover.done[-1]["failed"]
+
+    run(body())

@@ -277,6 +277,12 @@ class Mover:
         log.warning("moving ps %d's state from ps %d to ps %d", state, source, target)
         why = ""
         info: dict[str, Any] = {}
+        gen = r.gen
+        # the target's process, watched while its copy is made: one restarted holds no
+        # copy and refuses every part sent again (the move would wait out its deadline)
+        target_boot = self.boots.get(target)
+        restarted: list[str] = []
+        watch = asyncio.ensure_future(self._watch_target(target, target_boot, restarted))
         try:
             async with r.placement_lock:
                 await self._primary_here(state, source)
@@ -286,16 +292,22 @@ class Mover:
             deadline = self.clock() + 60.0 + 4 * sizes.get(state, 0) / self.rate
 
             def going() -> bool:
-                return self.active() and self.clock() < deadline
+                # a restore meanwhile: the copy is of the generation before
+                return self.active() and self.clock() < deadline and r.gen == gen
 
             why, info = await rr.join(
-                state, target, self.rate, self.current, going, lambda q: True, MOVE_POLL_S
+                state, target, self.rate, self.current, going, lambda q: not restarted, MOVE_POLL_S
             )
+            if restarted:
+                why = restarted[0]
+            elif r.gen != gen:
+                why = f"a restore meanwhile (generation {gen} -> {r.gen}): the copy is of before"
             if not why:
-                why = await self._at_boundary(state, source, target)
+                why = await self._at_boundary(state, source, target, gen)
         except ZmqpsError as exc:
             why = f"{exc.code}: {exc}"
         finally:
+            watch.cancel()
             handover = (self.current or {}).get("handover_s")
             self.current = None
             r.moving = None
@@ -337,7 +349,23 @@ class Mover:
         del self.done[:-KEEP]
         return not why
 
-    async def _at_boundary(self, state: int, source: int, target: int) -> str:
+    async def _watch_target(self, target: int, boot: str | None, restarted: list[str]) -> None:
+        """Probe ``target`` while its copy is made; a boot id other than ``boot`` (it
+        restarted, the copy gone with it) is said in ``restarted``."""
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                rep = await self.homes.processes[target].request("ps_state", timeout=1.0)
+                now = o.PsStateReply.parse(rep.body).boot
+            except ZmqpsError:
+                continue  # silent: the copy's deadline, or its answer, tells
+            if boot is None:
+                boot = now
+            elif now != boot:
+                restarted.append(f"ps {target} restarted while its copy was made")
+                return
+
+    async def _at_boundary(self, state: int, source: int, target: int, gen: int) -> str:
         """The hand-over at the next step boundary the chief holds (sync: every worker
         waits for the next step's token, no push of it is on the way, the state's sums
         are empty; async and ssp: at once). Once begun it runs to its end (a task of
@@ -348,6 +376,8 @@ class Mover:
 
         async def locked() -> str:
             async with r.placement_lock:
+                if r.gen != gen:
+                    return f"a restore meanwhile (generation {gen} -> {r.gen})"
                 began = self.clock()
                 try:
                     return await self._hand_over(state, source, target)
