@@ -336,9 +336,14 @@ class Injector:
         self.asked.append(n)
         return True
 
-    def _wait_plan(self, rec: FaultRecord, n: int, since: float) -> Waiting:
+    def _chief_pid(self) -> int | None:
+        cur = self.sup.cluster.task("chief").current
+        return None if cur is None else cur.pid
+
+    def _wait_plan(self, rec: FaultRecord, n: int, since: float, asked_by: int | None) -> Waiting:
+        """Until the plan for ``n`` PS is done; a chief other than the one asked
+        (``asked_by``, its pid) is asked again once it answers."""
         chief = self.sup.cluster.task("chief")
-        asked_by = chief.current.pid if chief.current else None
         deadline = time.monotonic() + PLAN_WAIT_S
         while time.monotonic() < deadline:
             if self._plan_done(n):
@@ -376,9 +381,10 @@ class Injector:
             yield from self._copies(rec)
         rec.fired = time.monotonic()
         rec.targets.append("chief")
+        asked_by = self._chief_pid()
         ok = yield from self._ask(rec, f.ps)
         if ok:
-            yield from self._wait_plan(rec, f.ps, rec.fired)
+            yield from self._wait_plan(rec, f.ps, rec.fired, asked_by)
 
     def _kill_during_move(self, rec: FaultRecord) -> Waiting:
         f = rec.fault
@@ -393,7 +399,7 @@ class Injector:
             for t in tasks
             if t.role in ("chief", "ps") and t.running and t.current is not None
         ]
-        asked = time.monotonic()
+        asked, asked_by = time.monotonic(), self._chief_pid()
         line = yield from self._scaler(f.ps, "--victim", f.target, *pids, f"--watch-s={WATCH_S}")
         if line is None or line.get("answered") is None:
             rec.skipped = f"the ask for {f.ps} PS failed: {(line or {}).get('error')}"
@@ -402,7 +408,7 @@ class Injector:
         name = self.sup.mark_killed(int(line["pid"])) if line.get("killed") else None
         if name is None:
             rec.skipped = f"nobody killed: {line.get('why')} ({line.get('polls')} polls)"
-            yield from self._wait_plan(rec, f.ps, asked)
+            yield from self._wait_plan(rec, f.ps, asked, asked_by)
             return
         rec.fired = float(line["t"])
         rec.targets.append(name)
@@ -417,7 +423,7 @@ class Injector:
             why = yield from self._ps_back(name, rec.fired, failovers)
         if why:
             rec.notes.append(why)
-        yield from self._wait_plan(rec, f.ps, rec.fired)
+        yield from self._wait_plan(rec, f.ps, rec.fired, asked_by)
 
     def _ps_back(self, name: str, killed_at: float, failovers_before: int) -> Waiting:
         """A PS killed during a move is back: restarted, and the chief counts no PS

@@ -13,7 +13,6 @@ from faults.cluster import Instance, Task
 from faults.inject import FaultRecord
 from faults.invariants import (
     check_blockers,
-    check_moves,
     check_coordinator,
     check_end,
     check_model,
@@ -28,7 +27,7 @@ from faults.invariants import (
 )
 from faults.observe import Sample, Timeline, named_blockers
 from faults.report import replay_command
-from faults.runner import PSFinal, Reference, RunRecord, _moved_final, _states_final, bound
+from faults.runner import PSFinal, Reference, RunRecord, _states_final, bound
 from faults.schedule import (
     BASE_KINDS,
     FAULT_KINDS,
@@ -223,7 +222,7 @@ def test_about_half_the_schedules_carry_a_move_down_and_back_up(replicated: bool
 
 def test_the_kinds_drawn_before_moves_keep_their_order() -> None:
     assert FAULT_KINDS == BASE_KINDS + MOVE_KINDS
-    assert REPLICATED_EXTRA == tuple(k for k in BASE_KINDS if k != "kill_ps")
+    assert tuple(k for k in BASE_KINDS if k != "kill_ps") == REPLICATED_EXTRA
 
 
 # ---------------------------------------------------------------- records
