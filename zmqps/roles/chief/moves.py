@@ -336,14 +336,18 @@ class Mover:
                 await rr.drop_joiner(state)
         else:
             self.moves += 1
+            # the furthest copy serves (a backup ahead of the target: the target is its
+            # backup); the record says which
+            home = record["home"] = self.homes.of[state]
             log.warning(
-                "ps %d's state moved from ps %d to ps %d (%.2fs, %d bytes; placement epoch %d)",
+                "ps %d's state moved from ps %d to ps %d (%.2fs, %d bytes; placement epoch %d)%s",
                 state,
                 source,
                 target,
                 record["seconds"],
                 copied,
                 self.homes.epoch,
+                "" if home == target else f"; ps {home}'s copy was further: it serves",
             )
         self.done.append(record)
         del self.done[:-KEEP]
