@@ -138,7 +138,9 @@ def bound(s: Schedule, ref: Reference) -> float:
     hb = s.heartbeat_timeout
     total = 2 * ref.wall + 20.0
     for f in s.faults:
-        if f.kind.startswith("kill_"):
+        if f.kind == "kill_during_move":  # the moves, a kill's recovery
+            total += hb + 35.0
+        elif f.kind.startswith("kill_"):
             total += hb + 20.0
         elif f.kind in ("stop_short", "stop_long"):
             total += f.duration + hb + 5.0
@@ -150,8 +152,6 @@ def bound(s: Schedule, ref: Reference) -> float:
             total += f.duration + hb + 10.0
         elif f.kind == "scale_ps":  # the moves, a drained PS started again
             total += 15.0
-        elif f.kind == "kill_during_move":  # the moves, a kill's recovery
-            total += hb + 35.0
     return round(total, 1)
 
 

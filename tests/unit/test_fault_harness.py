@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from faults.invariants import (
     check_coordinator,
     check_end,
     check_model,
+    check_moves,
     check_no_restore,
     check_pushes,
     check_steps,
@@ -27,7 +29,7 @@ from faults.invariants import (
 )
 from faults.observe import Sample, Timeline, named_blockers
 from faults.report import replay_command
-from faults.runner import PSFinal, Reference, RunRecord, _states_final, bound
+from faults.runner import PSFinal, Reference, RunRecord, _moved_final, _states_final, bound
 from faults.schedule import (
     BASE_KINDS,
     FAULT_KINDS,
@@ -686,3 +688,108 @@ def test_a_private_dev_shm_keeps_what_a_run_leaves() -> None:
     finally:
         box.close()
     assert box.regions() == []
+
+
+# ---------------------------------------------------------------- 6 (moves)
+
+
+def _moves_schedule(replication: int = 1) -> Schedule:
+    return _schedule(
+        ps=2,
+        replication=replication,
+        faults=(Fault("scale_ps", "ps", 0.3, ps=1), Fault("scale_ps", "ps", 0.6, ps=2)),
+    )
+
+
+def test_a_drained_ps_exits_0_and_no_ps_exits_0_undrained() -> None:
+    """ps1 drained at t=5 (the status lists it) exits 0: held; one drained that exits
+    1 is a violation, and so is a PS that exits 0 mid-run that nobody drained."""
+    finished = _status(100, finished=True)
+    samples = _samples(
+        [(1, _status(10)), (5, _status(40, elastic={"drained": [1]})), (20, finished)]
+    )
+    ps0 = _task("ps0", 0)
+    ps1 = _task("ps1", 0, 0)  # drained (listed at t=105), started again at 106
+    ps1.instances[0].ended = 106.0
+    ps1.instances[1].started = 107.0
+    for inst in (ps0.instances[0], ps1.instances[1]):
+        inst.ended = 121.0  # shut down at the end (finished at 120)
+    ok = _record(
+        schedule=_moves_schedule(),
+        samples=samples,
+        tasks=[_task("chief", 0), ps0, ps1],
+    )
+    checks = {c.name: c for c in check_moves(ok)}
+    assert checks["drained-exit-0"].ok, checks["drained-exit-0"].detail
+    ps1.instances[0].rc = 1
+    assert not {c.name: c for c in check_moves(ok)}["drained-exit-0"].ok
+    ps1.instances[0].rc = 0
+    undrained = _record(
+        schedule=_moves_schedule(),
+        samples=_samples([(1, _status(10)), (20, finished)]),
+        tasks=[_task("chief", 0), ps0, ps1],
+    )
+    bad = {c.name: c for c in check_moves(undrained)}["drained-exit-0"]
+    assert not bad.ok and "never said it drained" in bad.detail
+    assert check_moves(_record()) == []  # no moves: not checked
+
+
+def test_the_final_placement_serves_from_the_ps_asked_for() -> None:
+    def rec(serving: list[int], asked: list[int]) -> Any:
+        summary = {"test_accuracy": 0.955, "test_loss": 0.17, "elastic": {"serving": serving}}
+        r = _record(schedule=_moves_schedule(), summary=summary, asked=asked)
+        return {c.name: c for c in check_moves(r)}["final-placement"]
+
+    assert rec([0, 1], [1, 2]).ok
+    assert rec([0], [1]).ok
+    assert not rec([0, 1], [1]).ok  # the run ended scaled down, a state left on ps1
+    no_summary = _record(schedule=_moves_schedule(), asked=[1])
+    assert not {c.name: c for c in check_moves(no_summary)}["final-placement"].ok
+
+
+def test_a_restore_needs_a_fault_that_loses_a_ps_and_a_kill_per_restart_found() -> None:
+    restores = [("ckpt-000000000040", 40, 1)]
+    moves = _moves_schedule()
+
+    def check(**kw: Any) -> Any:
+        return {c.name: c for c in check_moves(_record(schedule=moves, **kw))}[
+            "moves-restore-nothing"
+        ]
+
+    assert check().ok
+    assert not check(restores=restores).ok  # a move alone restores nothing
+    kill = FaultRecord(Fault("kill_during_move", "source", 0.3, ps=1), fired=5.0, targets=["ps1"])
+    killed = _task("ps1", -9, 0, killed=(0,))
+    tasks = [_task("chief", 0), _task("ps0", 0), killed]
+    assert check(restores=restores, faults=[kill], tasks=tasks, found_restarted={1: 1}).ok
+    # found restarted twice, killed once: a move taken for a restart (seed 15)
+    ghost = check(restores=restores, faults=[kill], tasks=tasks, found_restarted={1: 2})
+    assert not ghost.ok and "killed 1 times" in ghost.detail
+    # replicated: check_no_restore says it (no restore at all)
+    assert "moves-restore-nothing" not in {
+        c.name for c in check_moves(_record(schedule=_moves_schedule(2)))
+    }
+
+
+def test_moved_states_are_read_from_their_last_primary_or_their_own_process() -> None:
+    start = "### faults: start \n"
+    own = "12:00:00 I zmqps.ps: ps {p}: final state: {j}\n"
+    moved = "12:00:00 I zmqps.ps: ps {p}: final state of ps {s}'s state (primary, term {t}): {j}\n"
+    logs = [
+        start
+        + own.format(p=0, j='{"applied_pushes": {"a": 3}}')
+        + moved.format(p=0, s=1, t=2, j='{"applied_pushes": {"a": 8}}'),
+        start + moved.format(p=1, s=1, t=1, j='{"applied_pushes": {"a": 5}}'),
+    ]
+    final = _moved_final(logs, [1, 1], restores=[])
+    assert final[0].status == {"applied_pushes": {"a": 3}} and final[0].full_life
+    assert final[1].status == {"applied_pushes": {"a": 8}} and final[1].full_life
+    after = _moved_final(logs, [1, 1], restores=[("ckpt-1", 1, 3)])
+    assert after[1].gen_start == 3 and not after[1].full_life
+
+
+def test_bound_allows_for_moves() -> None:
+    s = _moves_schedule()
+    assert bound(s, REF) == bound(replace(s, faults=()), REF) + 30.0
+    k = replace(s, faults=(Fault("kill_during_move", "chief", 0.3, ps=1),))
+    assert bound(k, REF) == bound(replace(s, faults=()), REF) + HB + 35.0
