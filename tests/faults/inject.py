@@ -326,6 +326,9 @@ class Injector:
         """Ask for ``n`` PS (started again first if they were drained) and wait until
         the plan is done; True when asked."""
         if n >= self.s.ps:
+            if self._ended():  # as the launcher's PS schedule: none started after the end
+                rec.notes.append("training ended: no PS started again")
+                return False
             for i in range(self.s.ps):
                 if self.sup.start_again(f"ps{i}"):
                     rec.notes.append(f"ps{i} started again")
