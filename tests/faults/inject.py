@@ -308,14 +308,16 @@ class Injector:
 
     def _plan_done(self, n: int) -> bool:
         """The chief's status says the ask for ``n`` PS is met: the first ``n`` asked for
-        (or more: a PS started again joins), the states served by them alone, nothing
-        moving or planned, and the PS asked to leave have exited (drained)."""
+        (or more: a PS started again joins), each answering, the states served by them
+        alone, nothing moving or planned, and the PS asked to leave have exited."""
         st = self.timeline.latest() or {}
         el = st.get("elastic") or {}
         asked = el.get("asked")
         if asked is None or not set(range(n)) <= set(asked):
             return False
         if el.get("moving") is not None or el.get("planned") != 0:
+            return False
+        if el.get("waiting"):  # a PS asked for not answering yet (started again)
             return False
         if not set(el.get("serving") or []) <= set(asked):
             return False

@@ -819,8 +819,14 @@ def check_moves(rec: RunRecord) -> list[Check]:
     bad = []
     listed = 0
     end = rec.stopped_at or rec.ended
+    # the end of training: the status says finished, or (unseen: the chief exits soon
+    # after) its last process ended well; the PS are shut down just before
+    chief = next((t for t in rec.tasks if t.name == "chief"), None)
+    last = None if chief is None else chief.current
+    chief_end = last.ended if last is not None and last.rc == 0 else None
     finished_at = next(
-        (x.t for x in rec.samples if x.status and x.status.get("finished")), rec.ended
+        (x.t for x in rec.samples if x.status and x.status.get("finished")),
+        chief_end if chief_end is not None else rec.ended,
     )
     for t in rec.tasks:
         if t.role != "ps":
