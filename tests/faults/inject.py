@@ -105,8 +105,10 @@ class Injector:
         self._partitioned: set[str] = set()
         self.hb = schedule.heartbeat_timeout
         self._training_since: float | None = None
-        #: the PS count each scale asked for, in order (the invariants read the last)
+        #: the PS count each scale asked for, in order (the invariants read the last),
+        #: and when each was answered
         self.asked: list[int] = []
+        self.asked_at: list[float] = []
         self._scales = 0
 
     # -- the loop ------------------------------------------------------------------
@@ -339,6 +341,7 @@ class Injector:
             rec.notes.append(f"the ask for {n} PS failed: {(line or {}).get('error')}")
             return False
         self.asked.append(n)
+        self.asked_at.append(time.monotonic())
         return True
 
     def _chief_pid(self) -> int | None:
@@ -410,6 +413,7 @@ class Injector:
             rec.skipped = f"the ask for {f.ps} PS failed: {(line or {}).get('error')}"
             return
         self.asked.append(f.ps)
+        self.asked_at.append(time.monotonic())
         name = self.sup.mark_killed(int(line["pid"])) if line.get("killed") else None
         if name is None:
             rec.skipped = f"nobody killed: {line.get('why')} ({line.get('polls')} polls)"

@@ -855,7 +855,19 @@ def check_moves(rec: RunRecord) -> list[Check]:
     if not (rec.hung or rec.failure) and rec.asked:
         el = (rec.summary or {}).get("elastic")
         last = rec.asked[-1]
-        if el is None:
+        late = bool(rec.asked_at) and chief_end is not None and (
+            chief_end - rec.asked_at[-1] < s.heartbeat_timeout + SLACK_S
+        )
+        if el is None and late:
+            out.append(
+                Check(
+                    "6",
+                    "final-placement",
+                    True,
+                    "not checked: the last ask came as the run ended (the summary has no moves)",
+                )
+            )
+        elif el is None:
             out.append(Check("6", "final-placement", False, "the summary says nothing of moves"))
         else:
             serving = [int(q) for q in el.get("serving") or []]

@@ -119,6 +119,7 @@ class RunRecord:
     accuracy_all: float | None
     #: the PS count each scale asked the chief for, in order (moves; empty: none)
     asked: list[int] = field(default_factory=list)
+    asked_at: list[float] = field(default_factory=list)
     #: PS index -> how many times the chief found it restarted without its shards
     found_restarted: dict[int, int] = field(default_factory=dict)
     leftover_procs: list[str] = field(default_factory=list)
@@ -484,6 +485,7 @@ def execute(
         export_problem=export_problem,
         accuracy_all=accuracy_all,
         asked=list(injector.asked),
+        asked_at=list(injector.asked_at),
         found_restarted=found,
         leftover_procs=left_desc,
         leftover_shm=shm_left,

@@ -743,8 +743,11 @@ def test_the_final_placement_serves_from_the_ps_asked_for() -> None:
     assert rec([0, 1], [1, 2]).ok
     assert rec([0], [1]).ok
     assert not rec([0, 1], [1]).ok  # the run ended scaled down, a state left on ps1
-    no_summary = _record(schedule=_moves_schedule(), asked=[1])
+    no_summary = _record(schedule=_moves_schedule(), asked=[1], asked_at=[90.0])
     assert not {c.name: c for c in check_moves(no_summary)}["final-placement"].ok
+    # asked as the run ended (the chief's last process ended at 101): not checked
+    late = _record(schedule=_moves_schedule(), asked=[1], asked_at=[100.5])
+    assert {c.name: c for c in check_moves(late)}["final-placement"].ok
 
 
 def test_a_restore_needs_a_fault_that_loses_a_ps_and_a_kill_per_restart_found() -> None:
