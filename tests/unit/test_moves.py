@@ -378,3 +378,43 @@ def test_a_copy_behind_the_one_promoted_takes_the_entry_it_lacks(
         await pusher.client.close()
 
     run(body())
+
+
+def test_a_chief_restarted_while_the_process_holding_moved_states_restarts_restores() -> None:
+    """Scaled down to 1 PS (every state on ps 0, the others drained and gone); the
+    chief restarts, learns the moved placement from ps 0, and ps 0 restarts empty
+    before the chief asks it for each state (fault schedule seed 51). The states
+    there are lost: the chief restores them onto ps 0 (no checkpoint: the initial
+    values). It exited 1 on ps 0's not_primary ("holds no copy of ps 1's state"),
+    and its next start, knowing nothing of the moves, waited for the drained PS."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1)
+        mover = chief.recovery.mover
+        assert mover is not None
+        mover.scale(1)
+        for _ in range(4):
+            await mover.step()
+        assert mover.status()["drained"] == [1, 2]
+        for q in (1, 2):
+            net.remove(PS[q])
+        net.remove(CHIEF)
+        restarted = chief_on(net, chief.cfg)
+        rec = restarted.recovery
+        learned = rec._moved_homes
+
+        async def then_ps0_restarts() -> object:
+            placement = await learned()
+            net.remove(PS[0])
+            slots[0] = serve_ps(net, 0, PS[0])
+            return placement
+
+        rec._moved_homes = then_ps0_restarts  # type: ignore[method-assign]
+        await asyncio.wait_for(restarted.start(), 30.0)
+        # started (no checkpoint: afresh), the drained processes not waited for; the
+        # states go back onto ps 0
+        assert rec.homes is not None and rec.homes.of == [0, 0, 0]
+        assert rec.restore_homes() == {0: 0, 1: 0, 2: 0}
+
+    run(body())

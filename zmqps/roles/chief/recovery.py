@@ -60,7 +60,14 @@ from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
-from zmqps.wire.errors import DeadlineExceeded, NotFound, NotReady, RunFailed, ZmqpsError
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    NotFound,
+    NotPrimary,
+    NotReady,
+    RunFailed,
+    ZmqpsError,
+)
 from zmqps.wire.schema import INT64_MAX
 
 if TYPE_CHECKING:
@@ -283,6 +290,13 @@ class RecoveryController:
                 try:
                     rep = await self.ps[i].request("ps_state", timeout=max(0.05, min(2.0, left)))
                     return dict(rep.body)
+                except (NotPrimary, NotFound) as exc:
+                    home = None if self.homes is None else self.homes.of[i]
+                    if self.replicated() or home is None or home == i:
+                        raise
+                    # unreplicated: a state moved to another process, which restarted
+                    # since (it holds no copy): lost there, as a restarted PS's own is
+                    return await self._lost_copy(i, home, exc, max(0.05, min(2.0, left)))
                 except DeadlineExceeded:
                     if self.clock() >= deadline:
                         raise NotReady(
@@ -291,6 +305,22 @@ class RecoveryController:
                     log.info("waiting for ps %d at %s", i, self.ps[i].endpoint)
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.ps)))))
+
+    async def _lost_copy(
+        self, state: int, home: int, exc: ZmqpsError, timeout: float
+    ) -> dict[str, Any]:
+        """``ps_state`` of PS state ``state``, moved to process ``home`` which holds no
+        copy of it (restarted since): the process's own answer (its boot id and
+        generation), with no shards and nothing of the state's progress."""
+        assert self.homes is not None
+        log.warning("ps %d's state is gone from ps %d (%s): a restore follows", state, home, exc)
+        rep = await self.homes.processes[home].request("ps_state", timeout=timeout, slot=home)
+        body = dict(rep.body)
+        lost = ("placement", "cursors", "done", "rewinds", "highs", "contributors", "newest")
+        for key in lost:
+            body.pop(key, None)
+        body.update(index=state, shards=[], step=0)
+        return body
 
     async def start(self) -> None:
         """At start: adopt the state of PS that already hold shards (this chief was
