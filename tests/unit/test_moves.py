@@ -418,3 +418,35 @@ def test_a_chief_restarted_while_the_process_holding_moved_states_restarts_resto
         assert rec.restore_homes() == {0: 0, 1: 0, 2: 0}
 
     run(body())
+
+
+def test_a_state_moves_onto_a_process_that_holds_a_backup_of_it_already() -> None:
+    """Replicated: the target of a move already holds an in-sync copy (a chief killed
+    while the copy was made finds it in the copies the primary names, and adopts it
+    as a backup: fault schedule seed 11). The move hands over to it at once; it
+    asked the primary for a join, which refused ("a backup already"), and the plan
+    asked again every look, for ever."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 2)
+        mover = chief.recovery.mover
+        assert mover is not None and chief.placement is not None
+        s1 = next(s for s in chief.placement.shards if s.state == 1)
+        backup = s1.backups[0]
+        pusher = Pusher(net, chief)
+        task = asyncio.ensure_future(pusher.run())
+        await asyncio.sleep(0.2)
+        assert await mover.move(1, backup)
+        pusher.stop = True
+        await task
+        after = chief.placement
+        assert after is not None
+        assert {s.ps for s in after.shards if s.state == 1} == {backup}
+        assert 1 not in after.shards_of("w")[1].copies
+        np.testing.assert_array_equal(
+            await pusher.values(), np.full((12, 4), -0.5 * pusher.acked, np.float32)
+        )
+        await pusher.client.close()
+
+    run(body())

@@ -295,9 +295,24 @@ class Mover:
                 # a restore meanwhile: the copy is of the generation before
                 return self.active() and self.clock() < deadline and r.gen == gen
 
-            why, info = await rr.join(
-                state, target, self.rate, self.current, going, lambda q: not restarted, MOVE_POLL_S
+            placement = self.recovery.variables.placement
+            held = placement is not None and any(
+                x.state == state and target in x.backups for x in placement.shards
             )
+            if held:
+                # the target holds a copy in sync already (a backup; one a move's join
+                # made before a chief restart, adopted as such): handed over at once
+                self.current["phase"] = "in sync"
+            else:
+                why, info = await rr.join(
+                    state,
+                    target,
+                    self.rate,
+                    self.current,
+                    going,
+                    lambda q: not restarted,
+                    MOVE_POLL_S,
+                )
             if restarted:
                 why = restarted[0]
             elif r.gen != gen:
