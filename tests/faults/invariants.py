@@ -855,8 +855,10 @@ def check_moves(rec: RunRecord) -> list[Check]:
     if not (rec.hung or rec.failure) and rec.asked:
         el = (rec.summary or {}).get("elastic")
         last = rec.asked[-1]
-        late = bool(rec.asked_at) and chief_end is not None and (
-            chief_end - rec.asked_at[-1] < s.heartbeat_timeout + SLACK_S
+        late = (
+            bool(rec.asked_at)
+            and chief_end is not None
+            and (chief_end - rec.asked_at[-1] < s.heartbeat_timeout + SLACK_S)
         )
         if el is None and late:
             out.append(
@@ -871,13 +873,25 @@ def check_moves(rec: RunRecord) -> list[Check]:
             out.append(Check("6", "final-placement", False, "the summary says nothing of moves"))
         else:
             serving = [int(q) for q in el.get("serving") or []]
-            ok = set(serving) <= set(range(last))
+            # a PS asked to leave that restarts (a new boot id) joins again, by design:
+            # the chief's own last word on whom it asks for counts too
+            chief_asked = next(
+                (
+                    (x.status.get("elastic") or {}).get("asked")
+                    for x in reversed(rec.samples)
+                    if x.status and (x.status.get("elastic") or {}).get("asked") is not None
+                ),
+                None,
+            )
+            allowed = set(range(last)) | {int(q) for q in chief_asked or []}
+            ok = set(serving) <= allowed
             out.append(
                 Check(
                     "6",
                     "final-placement",
                     ok,
-                    f"the states end on ps {serving}; the last ask was for {last} PS"
+                    f"the states end on ps {serving}; the last ask was for {last} PS, the"
+                    f" chief last asked for ps {chief_asked}"
                     f" ({el.get('moves')} moves, {el.get('moves_failed')} failed)",
                 )
             )

@@ -429,7 +429,7 @@ def test_a_state_moves_onto_a_process_that_holds_a_backup_of_it_already() -> Non
 
     async def body() -> None:
         net = FakeNetwork()
-        chief, slots = await cluster(net, 2)
+        chief, _ = await cluster(net, 2)
         mover = chief.recovery.mover
         assert mover is not None and chief.placement is not None
         s1 = next(s for s in chief.placement.shards if s.state == 1)
