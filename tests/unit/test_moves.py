@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable
 from dataclasses import replace
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -447,6 +448,72 @@ def test_a_state_moves_onto_a_process_that_holds_a_backup_of_it_already() -> Non
         np.testing.assert_array_equal(
             await pusher.values(), np.full((12, 4), -0.5 * pusher.acked, np.float32)
         )
+        await pusher.client.close()
+
+    run(body())
+
+
+def test_a_chief_restarted_after_every_moved_copy_was_lost_restores_from_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """As above, with a checkpoint: every copy is lost (ps 0, holding every state,
+    restarted), so the chief resumes from the checkpoint onto the process left. The
+    restore was sent by the moved homes and found no copy of ps 1's state on ps 0:
+    the chief exited 1 (fault schedule seed 51 again, after the fix above)."""
+    from zmqps.roles.configs import CheckpointPolicy
+    from zmqps.roles.ps import PSService
+
+    def ps(i: int) -> PSSlots:
+        slots = PSSlots(
+            PSService(i, checkpoint_dir=str(tmp_path)),
+            make_copy=lambda s: PSService(s, checkpoint_dir=str(tmp_path)),
+            link=lambda q, endpoint, slot: net.client(endpoint, f"ps{i}:ship{slot}", slot=slot),
+        )
+        net.serve(PS[i], slots, name=f"ps{i}")
+        return slots
+
+    net = FakeNetwork()
+
+    async def body() -> None:
+        slots = [ps(i) for i in range(3)]
+        cfg = replace(
+            replicated_config(CHIEF, PS, SGD),
+            replication=1,
+            checkpoint=CheckpointPolicy(str(tmp_path)),
+        )
+        chief = chief_on(net, cfg)
+        await chief.start()
+        await chief.create_variables(VARS, dict(SGD))
+        mover = chief.recovery.mover
+        assert mover is not None
+        pusher = Pusher(net, chief)
+        await pusher.client.push({"w": np.ones((12, 4), np.float32)})
+        mover.scale(1)
+        for _ in range(4):
+            await mover.step()
+        assert mover.status()["drained"] == [1, 2]
+        assert await chief.checkpoints.now(10.0)
+        for q in (1, 2):
+            net.remove(PS[q])
+        net.remove(CHIEF)
+        restarted = chief_on(net, cfg)
+        rec = restarted.recovery
+        learned = rec._moved_homes
+
+        async def then_ps0_restarts() -> object:
+            placement = await learned()
+            net.remove(PS[0])
+            slots[0] = ps(0)
+            return placement
+
+        rec._moved_homes = then_ps0_restarts  # type: ignore[method-assign]
+        await asyncio.wait_for(restarted.start(), 30.0)
+        assert rec.gen >= 1 and restarted.placement is not None
+        assert all(s.ps == 0 for s in restarted.placement.shards)
+        # every state back on ps 0 with the checkpoint's values (one push of ones)
+        for st in range(3):
+            for sh in slots[0].service(st).store:
+                assert np.all(sh.values == -0.5)
         await pusher.client.close()
 
     run(body())

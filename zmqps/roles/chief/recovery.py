@@ -424,6 +424,12 @@ class RecoveryController:
             variables = tuple(ckpt.variable_defs())
             placement = self.variables.plan(variables, dict(ckpt.manifest.optimizer))
             self.variables.use(placement)
+            if moved is not None and not self.replicated():
+                # states moved between processes (unreplicated), every copy lost: each
+                # state's process holds a copy again (made empty there if it restarted)
+                # before the restore (sent by the moved homes, it found no copy there)
+                await self._unreplicate(placement)
+                states = await self.ps_states(self.cfg.startup_timeout)
             if self.mode.name != "sync":
                 # the steps the checkpoint holds; those of the batches its workers resume
                 # after are counted again by the workers themselves
