@@ -443,13 +443,16 @@ class Mover:
         log.warning("moving ps %d's state from ps %d to ps %d", state, source, target)
         why = ""
         info: dict[str, Any] = {}
-        placement = r.variables.placement
-        assert placement is not None
-        promoting = target in next(s for s in placement.shards if s.state == state).backups
+        gen = r.gen
+        # the target's process, watched while its copy is made: one restarted holds no
+        # copy and refuses every part sent again, one silent past the heartbeat timeout
+        # is dead (either way the move would wait out its deadline)
+        target_boot = self.boots.get(target)
+        restarted: list[str] = []
+        heard = {"at": self.clock()}
+        watch = asyncio.ensure_future(self._watch_target(target, target_boot, restarted, heard))
+        timeout = r.cfg.heartbeat_timeout
         try:
-            if promoting:  # an in-sync copy there: promoted, nothing to send
-                why = await self._at_boundary(state, source, target)
-                raise _Done(why)
             async with r.placement_lock:
                 await self._primary_here(state, source)
             # given up past a deadline: the state's bytes at a quarter of the rate, and
@@ -458,30 +461,37 @@ class Mover:
             deadline = self.clock() + 60.0 + 4 * sizes.get(state, 0) / self.rate
 
             def going() -> bool:
-                return self.active() and self.clock() < deadline
+                # a restore meanwhile: the copy is of the generation before
+                return self.active() and self.clock() < deadline and r.gen == gen
 
-            heard = {"at": self.clock()}
-            pinger = asyncio.ensure_future(self._ping(target, heard))
-            timeout = self.recovery.cfg.heartbeat_timeout
-            try:
+            placement = self.recovery.variables.placement
+            held = placement is not None and any(
+                x.state == state and target in x.backups for x in placement.shards
+            )
+            if held:
+                # the target holds a copy in sync already (a backup; one a move's join
+                # made before a chief restart, adopted as such): handed over at once
+                self.current["phase"] = "in sync"
+            else:
                 why, info = await rr.join(
                     state,
                     target,
                     self.rate,
                     self.current,
                     going,
-                    lambda q: self.clock() - heard["at"] <= timeout,
+                    lambda q: not restarted and self.clock() - heard["at"] <= timeout,
                     MOVE_POLL_S,
                 )
-            finally:
-                pinger.cancel()
+            if restarted:
+                why = restarted[0]
+            elif r.gen != gen:
+                why = f"a restore meanwhile (generation {gen} -> {r.gen}): the copy is of before"
             if not why:
-                why = await self._at_boundary(state, source, target)
-        except _Done as done:
-            why = done.why
+                why = await self._at_boundary(state, source, target, gen)
         except ZmqpsError as exc:
             why = f"{exc.code}: {exc}"
         finally:
+            watch.cancel()
             handover = (self.current or {}).get("handover_s")
             target = int((self.current or {}).get("to", target))
             self.current = None
@@ -511,32 +521,44 @@ class Mover:
                 await rr.drop_joiner(state)
         else:
             self.moves += 1
+            # the furthest copy serves (a backup ahead of the target: the target is its
+            # backup); the record says which
+            home = record["home"] = self.homes.of[state]
             log.warning(
-                "ps %d's state moved from ps %d to ps %d (%.2fs, %d bytes; placement epoch %d)",
+                "ps %d's state moved from ps %d to ps %d (%.2fs, %d bytes; placement epoch %d)%s",
                 state,
                 source,
                 target,
                 record["seconds"],
                 copied,
                 self.homes.epoch,
+                "" if home == target else f"; ps {home}'s copy was further: it serves",
             )
         self.done.append(record)
         del self.done[:-KEEP]
         return not why
 
-    async def _ping(self, target: int, heard: dict[str, float]) -> None:
-        """While a copy is made on ``target``: when it last answered (a target killed
-        mid-copy gives the move up within a heartbeat timeout, not at its deadline)."""
-        client = self.homes.processes[target]
+    async def _watch_target(
+        self, target: int, boot: str | None, restarted: list[str], heard: dict[str, float]
+    ) -> None:
+        """Probe ``target`` while its copy is made: when it last answered (``heard``),
+        and a boot id other than ``boot`` (it restarted, the copy gone with it) is said
+        in ``restarted``."""
         while True:
-            try:
-                await client.request("ping", timeout=max(0.5, self.interval))
-                heard["at"] = self.clock()
-            except ZmqpsError:
-                pass
             await asyncio.sleep(min(0.5, self.interval))
+            try:
+                rep = await self.homes.processes[target].request("ps_state", timeout=1.0)
+                now = o.PsStateReply.parse(rep.body).boot
+            except ZmqpsError:
+                continue  # silent: past the heartbeat timeout the move is given up
+            heard["at"] = self.clock()
+            if boot is None:
+                boot = now
+            elif now != boot:
+                restarted.append(f"ps {target} restarted while its copy was made")
+                return
 
-    async def _at_boundary(self, state: int, source: int, target: int) -> str:
+    async def _at_boundary(self, state: int, source: int, target: int, gen: int) -> str:
         """The hand-over at the next step boundary the chief holds (sync: every worker
         waits for the next step's token, no push of it is on the way, the state's sums
         are empty; async and ssp: at once). Once begun it runs to its end (a task of
@@ -547,6 +569,8 @@ class Mover:
 
         async def locked() -> str:
             async with r.placement_lock:
+                if r.gen != gen:
+                    return f"a restore meanwhile (generation {gen} -> {r.gen})"
                 began = self.clock()
                 try:
                     return await self._hand_over(state, source, target)
@@ -687,11 +711,3 @@ class Mover:
             "drained": sorted(self.drained),
             "epoch": self.homes.epoch,
         }
-
-
-class _Done(Exception):
-    """A move that needed no copy ended (``why``: "" once handed over)."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(why)
-        self.why = why

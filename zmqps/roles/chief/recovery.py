@@ -60,7 +60,14 @@ from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
-from zmqps.wire.errors import DeadlineExceeded, NotFound, NotReady, RunFailed, ZmqpsError
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    NotFound,
+    NotPrimary,
+    NotReady,
+    RunFailed,
+    ZmqpsError,
+)
 from zmqps.wire.schema import INT64_MAX
 
 if TYPE_CHECKING:
@@ -287,6 +294,13 @@ class RecoveryController:
                 try:
                     rep = await self.ps[i].request("ps_state", timeout=wait)
                     return dict(rep.body)
+                except (NotPrimary, NotFound) as exc:
+                    home = None if self.homes is None else self.homes.of[i]
+                    if self.replicated() or home is None or home == i:
+                        raise
+                    # unreplicated: a state moved to another process, which restarted
+                    # since (it holds no copy): lost there, as a restarted PS's own is
+                    return await self._lost_copy(i, home, exc, wait)
                 except DeadlineExceeded:
                     if i in left and self.clock() >= brief:
                         return {"boot": "", "gen": 0, "shards": [], "roles": [], "left": True}
@@ -297,6 +311,22 @@ class RecoveryController:
                     log.info("waiting for ps %d at %s", i, self.ps[i].endpoint)
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.ps)))))
+
+    async def _lost_copy(
+        self, state: int, home: int, exc: ZmqpsError, timeout: float
+    ) -> dict[str, Any]:
+        """``ps_state`` of PS state ``state``, moved to process ``home`` which holds no
+        copy of it (restarted since): the process's own answer (its boot id and
+        generation), with no shards and nothing of the state's progress."""
+        assert self.homes is not None
+        log.warning("ps %d's state is gone from ps %d (%s): a restore follows", state, home, exc)
+        rep = await self.homes.processes[home].request("ps_state", timeout=timeout, slot=home)
+        body = dict(rep.body)
+        lost = ("placement", "cursors", "done", "rewinds", "highs", "contributors", "newest")
+        for key in lost:
+            body.pop(key, None)
+        body.update(index=state, shards=[], step=0)
+        return body
 
     async def start(self) -> None:
         """At start: adopt the state of PS that already hold shards (this chief was
@@ -403,6 +433,12 @@ class RecoveryController:
             variables = tuple(ckpt.variable_defs())
             placement = self.variables.plan(variables, dict(ckpt.manifest.optimizer))
             self.variables.use(placement)
+            if moved is not None and not self.replicated():
+                # states moved between processes (unreplicated), every copy lost: each
+                # state's process holds a copy again (made empty there if it restarted)
+                # before the restore (sent by the moved homes, it found no copy there)
+                await self._unreplicate(placement)
+                states = await self.ps_states(self.cfg.startup_timeout)
             if self.mode.name != "sync":
                 # the steps the checkpoint holds; those of the batches its workers resume
                 # after are counted again by the workers themselves

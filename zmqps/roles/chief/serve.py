@@ -23,7 +23,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -442,8 +442,6 @@ async def _workers_gone(service: ChiefService, timeout: float) -> None:
 
 #: each attempt of the shutdown of a PS waits this long for its acknowledgement
 SHUTDOWN_ATTEMPT_S = 5.0
-#: a PS drained during the run (told to shut down then) is asked once, this long
-DRAINED_ATTEMPT_S = 1.0
 
 
 def shutdown_attempts(heartbeat_timeout: float) -> int:
@@ -454,30 +452,42 @@ def shutdown_attempts(heartbeat_timeout: float) -> int:
     return max(1, math.ceil(window / SHUTDOWN_ATTEMPT_S))
 
 
+#: seconds a drained PS is given to answer at the end (one started again since)
+DRAINED_PROBE_S = 2.0
+
+
 async def _shutdown_ps(
     ps_clients: Sequence[Requester],
     heartbeat_timeout: float,
     silent: Collection[int] = (),
-    drained: Collection[int] = (),
+    drained: Collection[int] | Mapping[int, str] = (),
 ) -> None:
     """Tell every PS process the run is over; one known ``silent`` (stopped or cut off
     past the heartbeat timeout, its states failed over or restored elsewhere) gets one
     attempt, not the whole window; one ``drained`` (it left the run, told to shut down
-    then; started again since if the chief asked for it) one short attempt."""
+    then, and acknowledged it) none, unless another process answers at its address
+    (``drained`` maps each to the boot id it had): one started again (a supervisor, a
+    PS schedule) as the run ended, which no look of the chief saw, and which would
+    otherwise wait for a chief for ever."""
     body = o.Shutdown("training finished").to_wire()
     window = shutdown_attempts(heartbeat_timeout)
 
     async def one(q: int, c: Requester) -> None:
-        attempts = 1 if q in silent or q in drained else window
-        # a drained PS exited when told, unless it was started again since: asked briefly
-        timeout = DRAINED_ATTEMPT_S if q in drained else SHUTDOWN_ATTEMPT_S
+        attempts = 1 if q in silent else window
+        timeout = SHUTDOWN_ATTEMPT_S
+        if q in drained:
+            boot = drained.get(q) if isinstance(drained, Mapping) else None
+            try:
+                rep = await c.request("ps_state", None, timeout=DRAINED_PROBE_S, attempts=1)
+            except ZmqpsError:
+                return  # gone, as drained
+            if boot is None or rep.body.get("boot") == boot:
+                return  # the process drained, shutting down
+            log.info("ps at %s was drained and started again: shutting it down", c.endpoint)
         try:
             # sent again on each deadline, and at once when the connection comes back
             await c.request("shutdown", body, timeout=timeout, attempts=attempts)
         except DeadlineExceeded:
-            if q in drained:  # it exited when it was drained, as it should
-                log.info("ps at %s (drained) is gone", c.endpoint)
-                return
             log.warning(
                 "ps at %s did not acknowledge shutdown in %.0fs",
                 c.endpoint,

@@ -759,6 +759,14 @@ class Backup:
     def term(self) -> int:
         return self.log.term
 
+    def expect_copy(self) -> None:
+        """The chief asks for a copy to be made here (``replica`` with ``make``): a whole
+        copy follows, to be installed even if it is as of the same (term, entry) as the
+        one installed last (a copy left by a move given up, its primary since replaced
+        by a restarted process restored at the same term), not answered as that copy's
+        last part sent again."""
+        self._last = None
+
     def attach_ring(self, msg: Message) -> Message:
         """The primary shares a ring with this copy (``replica_ring``): map it, after
         :func:`~zmqps.transport.shm.attach_region`'s checks, in place of any earlier

@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from zmqps.core.replication import Entry
@@ -323,6 +324,8 @@ class PSSlots:
                 role = Backup(req.slot, req.term)
             else:
                 role.log.fence(req.term)
+            if req.make and isinstance(role, Backup):
+                role.expect_copy()
         was = self._roles.get(req.slot)
         if isinstance(was, Backup) and was is not role:  # promoted: the ring is the old primary's
             was.close()
@@ -434,7 +437,12 @@ class PSSlots:
         if isinstance(role, Backup):  # a promotion: this copy goes on from its head
             # the chief fences every surviving copy at the new term first (their
             # answers say how far each got), then promotes one at that same term
-            head, retained = role.log.applied, tuple(role.log.kept)
+            # the entries kept go to the copies behind this one at the new term: each
+            # came from the one primary of its term, so every copy that has it has the
+            # same, and a copy fenced at the new term refuses an entry of an older one
+            # (from the primary replaced) as stale
+            head = role.log.applied
+            retained = tuple(replace(e, term=req.term) for e in role.log.kept)
             given = req.applied or (head,) * len(wanted)
             if len(given) != len(wanted) or max(given, default=0) > head:
                 raise InvalidArgument(
