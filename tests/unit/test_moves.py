@@ -731,3 +731,36 @@ def test_a_chief_restarted_after_every_moved_copy_was_lost_restores_from_a_check
         await pusher.client.close()
 
     run(body())
+
+
+def test_a_version_ahead_of_a_moved_state_counts_as_current() -> None:
+    """A worker read an update the move's source had applied and not committed (its
+    push answered not_primary, to be sent again to the new home); its next push says
+    a version one ahead of the new home's. The new home took it for a hostile one
+    (invalid_argument: "pulled version 1237 outside [0, 1236]") and the worker exited
+    1 (fault schedules 211, 214, 228, 236, ssp). A copy serving in a replication role
+    takes it as the current version; a plain PS still refuses it."""
+    from zmqps.wire.errors import InvalidArgument as Invalid
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, _ = await cluster(net, 1)
+        mover = chief.recovery.mover
+        assert mover is not None and chief.placement is not None
+        pusher = Pusher(net, chief)
+        await pusher.client.pull()
+        async with chief.recovery.placement_lock:
+            await mover._primary_here(1, 1)  # state 1 a primary, as moves make it
+        ahead = {s.id: s.state for s in chief.placement.shards}
+        for sid, state in ahead.items():
+            if state == 1:
+                pusher.client.versions[sid] += 1
+        await pusher.client.push({"w": np.ones((12, 4), np.float32)})
+        for sid, state in ahead.items():
+            if state == 0:
+                pusher.client.versions[sid] += 5
+        with pytest.raises(Invalid, match="outside"):
+            await pusher.client.push({"w": np.ones((12, 4), np.float32)})
+        await pusher.client.close()
+
+    run(body())
