@@ -1164,9 +1164,15 @@ class RecoveryController:
         state whose primary they were goes on on a backup (no restore, no new
         generation); every primary they backed up stops waiting for them. The surviving
         copies are fenced at a new term first (their answers say how far each got), the
-        furthest is promoted, the new placement epoch is published."""
+        furthest is promoted, the new placement epoch is published.
+
+        The processes are the ones serving ``states`` *now*, when they were found
+        silent: a state moved meanwhile (a move's hand-over held the placement lock
+        this waits for) is served by another process, which is not taken for dead."""
+        if self.homes is not None:
+            processes = [*processes, *(self.homes.of[i] for i in states)]
         async with self.placement_lock:
-            await self._fail_over(states, processes)
+            await self._fail_over([], processes)
 
     async def _fail_over(self, states: Sequence[int], processes: Sequence[int]) -> None:
         assert self.homes is not None and self.variables.placement is not None
