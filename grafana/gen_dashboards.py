@@ -339,11 +339,12 @@ def overview() -> dict[str, Any]:
     )
     checkpoints_and_evaluation(b)
     replication(b)
+    elastic(b)
     return dashboard(
         "zmqps-overview",
         "zmqps / Overview",
         "Cluster-wide training progress, throughput, staleness and loss; checkpoints, "
-        "recovery and evaluation.",
+        "recovery and evaluation; replication and elastic PS.",
         b,
     )
 
@@ -555,6 +556,65 @@ def replication(b: Builder) -> None:
         w=6,
         description="From the chief deciding a PS is gone to the new placement published "
         "(fence, promote); detection itself takes up to the heartbeat timeout.",
+    )
+
+
+def elastic(b: Builder) -> None:
+    """The chief's view of the PS states moving between PS processes (``zmqps scale``,
+    ``zmqps launch --ps-schedule``)."""
+    b.row("Elastic PS")
+    b.panel(
+        "PS serving / asked for",
+        [
+            ('max(zmqps_ps_serving{job="chief"})', "PS serving states"),
+            ('max(zmqps_ps_asked{job="chief"})', "PS asked for"),
+            ('max(zmqps_ps_drained{job="chief"})', "PS drained"),
+        ],
+        w=6,
+        description="PS processes serving the PS states, the number asked for (zmqps "
+        "scale --ps N; as started: those serving) and those drained (left without "
+        "states, told to shut down). Serving differs from asked while states move, or "
+        "while a PS asked for is not up.",
+    )
+    b.panel(
+        "Move under way",
+        [
+            ('max(zmqps_ps_move_in_progress{job="chief"})', "a state moving"),
+            ('max(zmqps_ps_move_progress_ratio{job="chief"})', "its copy (share sent)"),
+        ],
+        unit="percentunit",
+        w=6,
+        description="1 (100%) while a PS state moves between PS processes (one at a "
+        "time), and how much of its copy was sent; the hand-over follows once the copy "
+        "is in sync.",
+    )
+    b.panel(
+        "Moves and bytes moved",
+        [
+            ('sum by (outcome) (zmqps_ps_moves_total{job="chief"})', "moves {{outcome}}"),
+            ('max(zmqps_ps_moved_bytes_total{job="chief"})', "bytes moved"),
+        ],
+        w=6,
+        overrides=[
+            {
+                "matcher": {"id": "byFrameRefID", "options": "B"},
+                "properties": [
+                    {"id": "unit", "value": "bytes"},
+                    {"id": "custom.axisPlacement", "value": "right"},
+                ],
+            }
+        ],
+        description="Moves of PS states since the chief started, by outcome (failed: "
+        "given up, the state stays where it was), and the bytes of the states' copies "
+        "sent to their new processes.",
+    )
+    b.panel(
+        "Placement epoch",
+        [('max(zmqps_placement_epoch{job="chief"})', "epoch")],
+        w=6,
+        description="The placement's epoch: it rises with each change of the processes "
+        "serving the PS states (a move, a fail-over, a copy made); workers follow it "
+        "through their heartbeats.",
     )
 
 

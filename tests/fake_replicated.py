@@ -9,6 +9,7 @@ from typing import Any
 
 from zmqps.config import ClusterSpec
 from zmqps.core.partition import Partitioner
+from zmqps.metrics import Metrics
 from zmqps.roles.chief import ChiefConfig, ChiefService
 from zmqps.roles.homes import Homes
 from zmqps.roles.ps import PSService
@@ -45,9 +46,9 @@ def replicated_config(
     )
 
 
-def chief_on(net: FakeNetwork, cfg: ChiefConfig) -> ChiefService:
+def chief_on(net: FakeNetwork, cfg: ChiefConfig, metrics: Metrics | None = None) -> ChiefService:
     """A chief serving ``cfg`` on ``net`` (a restarted one knows only what the PS say)."""
     homes = Homes([net.client(a, "chief:0") for a in cfg.cluster.ps])
-    chief = ChiefService(cfg, homes.links(), homes=homes)
+    chief = ChiefService(cfg, homes.links(), homes=homes, metrics=metrics)
     net.serve(cfg.cluster.chief, chief, name="chief")
     return chief

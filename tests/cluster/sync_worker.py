@@ -7,7 +7,9 @@ token (sync) or step of each push, whether the PS took it, the pushes the PS dro
 
 Faults are injected from here, never from the product: ``--stop-at K`` makes the
 process SIGSTOP itself right after ``begin_step`` of its local step K (so it holds a
-sync token while stopped); ``--sleep`` slows every step (from ``--sleep-from`` on).
+sync token while stopped); ``--sleep`` slows every step (from ``--sleep-from`` on);
+``--hold FILE``: once every push is done, write ``FILE.<index>`` and wait until FILE
+exists before leaving (the test acts between the last push and the leave).
 
 The test imports :data:`VARIABLES`, :func:`global_batch` and :func:`loss_and_grads`
 to compute the single-process reference.
@@ -79,6 +81,7 @@ def main() -> None:
     p.add_argument("--stop-at", type=int, help="SIGSTOP this process at this local step")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step")
     p.add_argument("--sleep-from", type=int, default=0, help="sleep from this local step on")
+    p.add_argument("--hold", help="after the last push: write HOLD.<index>, wait for HOLD")
     args = p.parse_args()
 
     x, y = my_slice(args.index, args.workers)
@@ -103,6 +106,10 @@ def main() -> None:
             np.savez(args.final, **worker.pull())
         # sync: the tokens a PS handed (the first of each incarnation is the chief's)
         record["tokens_from_ps"] = getattr(worker.steps, "from_ps", None)
+        if args.hold:
+            Path(f"{args.hold}.{args.index}").write_text("pushed\n")
+            while not Path(args.hold).exists():
+                time.sleep(0.05)
     Path(args.out).write_text(json.dumps(record))
 
 

@@ -34,6 +34,10 @@ SEEDS = {
     1170: "async, 2 PS, 2 workers, coordinator, evaluator (snapshot), namespaces:"
     " chief_during_ps_restart, kill_chief, partition_ps, finish_while_stopped",
     2198: "ssp, 2 PS, 2 workers, evaluator (checkpoint): stop_long evaluator",
+    # PS moves: the chief asked for 1 PS, the move's destination killed while it moves,
+    # all PS asked for again (the drained one started again); 2198's configuration
+    62: "ssp, 2 PS, 2 workers: kill_during_move destination, scale_ps, finish_while_stopped,"
+    " kill_worker",
 }
 
 _WHY_NO_NETNS = netns_unavailable()

@@ -160,6 +160,17 @@ def reference(optimizer: dict[str, Any], steps: int) -> dict[str, np.ndarray]:
     return params
 
 
+def assert_single_process(finals: Sequence[Path], optimizer: str, steps: int) -> None:
+    """Each saved final model equals ``steps`` single-process steps (within 1e-5)."""
+    expected = reference(OPTIMIZERS[optimizer], steps)
+    for final in finals:
+        got = np.load(final)
+        for v in VARIABLES:
+            diff = float(np.max(np.abs(got[v.name] - expected[v.name])))
+            assert diff <= 1e-5, (v.name, diff)
+        assert not np.allclose(got["w"], initial(VARIABLES[0]))  # it trained
+
+
 # ----------------------------------------------------------------- correctness oracle
 
 
@@ -252,12 +263,7 @@ def test_one_ps_releasing_runs_of_steps_equals_single_process_steps(
         rec = cluster.record(f"worker{i}")
         assert [p["step"] for p in rec["pushes"]] == list(range(steps))
         assert all(p["accepted"] for p in rec["pushes"]), (i, rec)
-    expected = reference(OPTIMIZERS["adam"], steps)
-    for final in finals:
-        got = np.load(final)
-        for v in VARIABLES:
-            diff = float(np.max(np.abs(got[v.name] - expected[v.name])))
-            assert diff <= 1e-5, (v.name, diff)
+    assert_single_process(finals, "adam", steps)
     # the policy's boundaries: the first at step 7, each next one 7 steps after the
     # last (later while one is still being written); each holds exactly its step
     taken = sorted(int(p.name[5:]) for p in ckpt.glob("ckpt-*") if p.name[5:].isdigit())

@@ -15,6 +15,9 @@ Rules of this module:
   most ``MAX_RESTARTS`` times per task, else the run has failed.
 * Each task's output (every start of it) goes to ``RUN/<task>.log``, a marker line
   before each start.
+* A PS that exits 0 while the run goes on was drained by the chief (its states moved
+  off it, ``scale``): it is not restarted; the fault that asks for it again starts it
+  again (:meth:`Supervisor.start_again`), as ``zmqps launch --ps-schedule`` does.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ NETNS_PORT = 2222
 MAX_RESTARTS = 6
 RESTART_DELAY_S = 0.2
 PROBE = Path(__file__).with_name("probe.py")
+SCALER = Path(__file__).with_name("scaler.py")
 #: The repository: every task runs there, so ``python -m zmqps`` is this checkout's
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -216,6 +220,23 @@ def probe_argv(cluster: Cluster) -> list[str]:
     ]
 
 
+def scaler_argv(cluster: Cluster, n: int, out: Path, *extra: str) -> list[str]:
+    """tests/faults/scaler.py asking the chief for ``n`` PS (``extra``: a victim, pids)."""
+    return [
+        sys.executable,
+        str(SCALER),
+        "--chief",
+        cluster.chief,
+        "--ps",
+        str(n),
+        "--out",
+        str(out),
+        "--parent-pid",
+        str(os.getpid()),
+        *extra,
+    ]
+
+
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "ZMQPS_KEYS")}
     env["PYTHONUNBUFFERED"] = "1"
@@ -315,6 +336,35 @@ class Supervisor:
     def start_all(self) -> None:
         for t in self.cluster.tasks:
             self.start(t)
+
+    def start_again(self, name: str) -> bool:
+        """Start task ``name`` again if its last process exited 0 (a PS the chief
+        drained); False when it runs, or failed, or the cluster is stopping."""
+        task = self.cluster.task(name)
+        cur = task.current
+        if self.stopping or cur is None or cur.rc != 0 or task.restart_at is not None:
+            return False
+        self.start(task)
+        self.events.append({"t": time.monotonic(), "task": name, "what": "started again"})
+        return True
+
+    def helper(self, argv: list[str], host: str | None, log: Path) -> subprocess.Popen[bytes]:
+        """A helper process of the harness (tests/faults/scaler.py) in ``host``'s
+        namespace; reaped with the probe."""
+        popen = self._spawn(argv, host, log)
+        self.extra.append(popen)
+        return popen
+
+    def mark_killed(self, pid: int) -> str | None:
+        """The process ``pid`` was killed -9 by a helper of the harness: it counts as a
+        fault, not a failure. Returns its task's name (None: no such process)."""
+        for t in self.cluster.tasks:
+            for inst in t.instances:
+                if inst.pid == pid:
+                    inst.killed = True
+                    t.stopped = False
+                    return t.name
+        return None
 
     def start_probe(self, host: str | None) -> None:
         argv = probe_argv(self.cluster)

@@ -11,6 +11,15 @@ Rules of this module:
   direct effect was over (SIGCONT, heal, or the killed task back: restarted and heard
   of by the chief), which the invariants use to tell whom a pause may be blamed on.
 * :meth:`Injector.abort` undoes what is still in force (SIGCONT, heal) at the end.
+* Moves (``scale_ps``, ``kill_during_move``): the ask and the kill during a move come
+  from tests/faults/scaler.py, a process in the chief's namespace that polls the
+  status as fast as the chief answers (a move of the digits' states takes ~0.1 s, less
+  than the probe's period) and kills the move's source, destination or the chief the
+  moment the status names the move. The fault is over once the chief's plan is done
+  (nothing planned, nothing moving, the PS asked for to leave exited). A scale back up
+  first starts the drained PS again. A chief killed mid-plan forgets what it was asked
+  (a restarted chief takes the PS serving the states for those asked for): it is asked
+  again once back, as an operator would.
 * Replicated schedules: a fault on a PS first waits (at most ``REPLICATED_WAIT_S``)
   until the chief says every state has all its copies, so one copy of each always
   lives; a killed PS is back once it restarted and its states have all their copies
@@ -19,13 +28,14 @@ Rules of this module:
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from faults.cluster import Supervisor
+from faults.cluster import Supervisor, scaler_argv
 from faults.observe import Timeline, progress_of
 from faults.schedule import Fault, Schedule
 
@@ -35,6 +45,11 @@ Waiting = Generator[None, None, Any]
 
 #: seconds a PS fault of a replicated schedule waits for every state's copies
 REPLICATED_WAIT_S = 30.0
+#: seconds the chief's plan may take after a scale (moves, drains) before the fault
+#: ends saying so
+PLAN_WAIT_S = 30.0
+#: seconds the scaler keeps asking, then looks for a move under way
+ASK_S, WATCH_S = 30.0, 20.0
 
 
 @dataclass
@@ -90,6 +105,11 @@ class Injector:
         self._partitioned: set[str] = set()
         self.hb = schedule.heartbeat_timeout
         self._training_since: float | None = None
+        #: the PS count each scale asked for, in order (the invariants read the last),
+        #: and when each was answered
+        self.asked: list[int] = []
+        self.asked_at: list[float] = []
+        self._scales = 0
 
     # -- the loop ------------------------------------------------------------------
 
@@ -268,10 +288,192 @@ class Injector:
         rep = st.get("replication") or {}
         return bool(rep) and not rep.get("under_replicated") and rep.get("copying") is None
 
+    # -- moves -----------------------------------------------------------------------
+
+    def _scaler(self, n: int, *extra: str) -> Waiting:
+        """Run tests/faults/scaler.py asking for ``n`` PS; returns its JSON line (None:
+        it wrote none)."""
+        self._scales += 1
+        cluster = self.sup.cluster
+        out = cluster.run_dir / f"scale-{self._scales}.json"
+        host = "chief" if self.s.netns else None
+        proc = self.sup.helper(
+            scaler_argv(cluster, n, out, *extra), host, cluster.run_dir / "scaler.log"
+        )
+        yield from self.until(lambda: proc.poll() is not None, ASK_S + WATCH_S + 10.0)
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            return json.loads(out.read_text().splitlines()[-1])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _plan_done(self, n: int) -> bool:
+        """The chief's status says the ask for ``n`` PS is met: the first ``n`` asked for
+        (or more: a PS started again joins), each answering, the states served by them
+        alone, nothing moving or planned, and the PS asked to leave have exited."""
+        st = self.timeline.latest() or {}
+        el = st.get("elastic") or {}
+        asked = el.get("asked")
+        if asked is None or not set(range(n)) <= set(asked):
+            return False
+        if el.get("moving") is not None or el.get("planned") != 0:
+            return False
+        if el.get("waiting"):  # a PS asked for not answering yet (started again)
+            return False
+        if not set(el.get("serving") or []) <= set(asked):
+            return False
+        tasks = self.sup.cluster.tasks
+        return not any(t.role == "ps" and t.index not in asked and t.running for t in tasks)
+
+    def _ask(self, rec: FaultRecord, n: int) -> Waiting:
+        """Ask for ``n`` PS (started again first if they were drained) and wait until
+        the plan is done; True when asked."""
+        if n >= self.s.ps:
+            if self._ended():  # as the launcher's PS schedule: none started after the end
+                rec.notes.append("training ended: no PS started again")
+                return False
+            for i in range(self.s.ps):
+                if self.sup.start_again(f"ps{i}"):
+                    rec.notes.append(f"ps{i} started again")
+        line = yield from self._scaler(n)
+        if line is None or line.get("answered") is None:
+            rec.notes.append(f"the ask for {n} PS failed: {(line or {}).get('error')}")
+            return False
+        self.asked.append(n)
+        self.asked_at.append(time.monotonic())
+        return True
+
+    def _chief_pid(self) -> int | None:
+        cur = self.sup.cluster.task("chief").current
+        return None if cur is None else cur.pid
+
+    def _wait_plan(self, rec: FaultRecord, n: int, since: float, asked_by: int | None) -> Waiting:
+        """Until the plan for ``n`` PS is done; a chief other than the one asked
+        (``asked_by``, its pid) is asked again once it answers."""
+        chief = self.sup.cluster.task("chief")
+        deadline = time.monotonic() + PLAN_WAIT_S
+        while time.monotonic() < deadline:
+            if self._plan_done(n):
+                st = self.timeline.latest() or {}
+                el = st.get("elastic") or {}
+                rec.notes.append(
+                    f"plan for {n} PS done after {time.monotonic() - since:.1f}s: serving"
+                    f" {el.get('serving')}, {el.get('moves_done')} moves done,"
+                    f" {el.get('moves_failed')} failed, drained {el.get('drained')}"
+                )
+                return True
+            cur = chief.current
+            if (
+                cur is not None
+                and cur.pid != asked_by
+                and self.timeline.answered_since(cur.started)
+            ):
+                # a restarted chief forgot the ask: asked again
+                asked_by = cur.pid
+                rec.notes.append(f"the chief restarted: {n} PS asked for again")
+                ok = yield from self._ask(rec, n)
+                if not ok:
+                    return False
+            yield
+        st = self.timeline.latest() or {}
+        rec.notes.append(
+            f"plan for {n} PS not done within {PLAN_WAIT_S:g}s: {st.get('elastic')}; PS"
+            f" running {[t.name for t in self.sup.cluster.tasks if t.role == 'ps' and t.running]}"
+        )
+        return False
+
+    def _scale(self, rec: FaultRecord) -> Waiting:
+        f = rec.fault
+        if self.s.replication > 1:  # a scale down moves states: every copy there first
+            yield from self._copies(rec)
+        rec.fired = time.monotonic()
+        rec.targets.append("chief")
+        asked_by = self._chief_pid()
+        ok = yield from self._ask(rec, f.ps)
+        if ok:
+            yield from self._wait_plan(rec, f.ps, rec.fired, asked_by)
+
+    def _kill_during_move(self, rec: FaultRecord) -> Waiting:
+        f = rec.fault
+        if self.s.replication > 1:
+            yield from self._copies(rec)
+        st = self.timeline.latest() or {}
+        gen = int(st.get("gen", 0))
+        failovers = int(st.get("failover_count") or 0)
+        tasks = self.sup.cluster.tasks
+        pids = [
+            f"--pid={t.name}={t.current.pid}"
+            for t in tasks
+            if t.role in ("chief", "ps") and t.running and t.current is not None
+        ]
+        asked, asked_by = time.monotonic(), self._chief_pid()
+        line = yield from self._scaler(f.ps, "--victim", f.target, *pids, f"--watch-s={WATCH_S}")
+        if line is None or line.get("answered") is None:
+            rec.skipped = f"the ask for {f.ps} PS failed: {(line or {}).get('error')}"
+            return
+        self.asked.append(f.ps)
+        self.asked_at.append(time.monotonic())
+        name = self.sup.mark_killed(int(line["pid"])) if line.get("killed") else None
+        if name is None:
+            rec.skipped = f"nobody killed: {line.get('why')} ({line.get('polls')} polls)"
+            yield from self._wait_plan(rec, f.ps, asked, asked_by)
+            return
+        rec.fired = float(line["t"])
+        rec.targets.append(name)
+        mv = line.get("moving") or {}
+        rec.notes.append(
+            f"{name} killed while ps {mv.get('state')}'s state moved from ps {mv.get('from')}"
+            f" to ps {mv.get('to')} ({mv.get('phase')}; {line.get('polls')} polls)"
+        )
+        if name == "chief":
+            why = yield from self.back("chief", rec.fired, gen, None)
+        else:
+            why = yield from self._ps_back(name, rec.fired, failovers)
+        if why:
+            rec.notes.append(why)
+        yield from self._wait_plan(rec, f.ps, rec.fired, asked_by)
+
+    def _ps_back(self, name: str, killed_at: float, failovers_before: int) -> Waiting:
+        """A PS killed during a move is back: restarted, and the chief counts no PS
+        down, recovers nothing, moves nothing (replicated: every copy made again)."""
+        task = self.sup.cluster.task(name)
+        timeout = self.hb + 20.0
+
+        def back() -> bool:
+            cur = task.current
+            if len(task.instances) < 2 or cur is None or cur.started <= killed_at:
+                return False
+            st = self.timeline.latest() or {}
+            if st.get("recovering") or str(task.index) in (st.get("ps_down") or {}):
+                return False
+            if (st.get("elastic") or {}).get("moving") is not None:
+                return False
+            return self.s.replication <= 1 or self._replicated(st)
+
+        ok = yield from self.until(back, timeout)
+        return None if ok else f"{name} not back within {timeout:g}s of the kill"
+
+    def _copies(self, rec: FaultRecord) -> Waiting:
+        ok = yield from self.until(
+            lambda: self._replicated(self.timeline.latest() or {}), REPLICATED_WAIT_S
+        )
+        if not ok:
+            rec.notes.append(f"states still short of copies after {REPLICATED_WAIT_S:g}s")
+
     # -- the faults ------------------------------------------------------------------
 
     def _run(self, rec: FaultRecord) -> Waiting:
         f = rec.fault
+        if f.kind == "scale_ps":
+            yield from self._scale(rec)
+            rec.ended = time.monotonic()
+            return
+        if f.kind == "kill_during_move":
+            yield from self._kill_during_move(rec)
+            if rec.injected:
+                rec.ended = time.monotonic()
+            return
         task = self.sup.cluster.task(f.target)
         if self.s.replication > 1 and task.role == "ps":
             ok = yield from self.until(

@@ -63,6 +63,7 @@ INVARIANTS = {
     "3": "every acknowledged push applied exactly once; no batch trained twice",
     "4": "the final model is finite, as accurate as unfaulted runs, and scored by the evaluator",
     "5": "every scheduled function completes exactly once or is reported failed",
+    "6": "moves: every drained PS exits 0, states end on PS asked for, a move restores nothing",
 }
 
 
@@ -783,6 +784,157 @@ def check_coordinator(rec: RunRecord, ref: Reference) -> list[Check]:
     return [Check("5", "functions", not bad, "; ".join(bad) or detail)]
 
 
+# ---------------------------------------------------------------- 6
+
+#: fault kinds that may cost an unreplicated run a PS's state (then a restore)
+PS_LOSING = ("kill_ps", "chief_during_ps_restart", "partition_ps", "stop_long", "stop_short")
+
+
+def _drained_at(rec: RunRecord) -> dict[int, list[float]]:
+    """PS index -> the times the chief's status first listed it drained, per listing."""
+    out: dict[int, list[float]] = {}
+    before: set[int] = set()
+    for s in rec.samples:
+        if s.status is None:
+            continue
+        now = {int(q) for q in (s.status.get("elastic") or {}).get("drained") or []}
+        for q in now - before:
+            out.setdefault(q, []).append(s.t)
+        before = now
+    return out
+
+
+def check_moves(rec: RunRecord) -> list[Check]:
+    """Schedules with moves (``scale_ps``, ``kill_during_move``): each PS process the
+    chief drained exited 0 (or was killed by a fault), and no PS process exited 0
+    mid-run without being drained; the final placement serves the states from PS the
+    last ask named; an unreplicated run restores only after a fault that can lose a
+    PS's state (a move alone loses nothing; replicated runs restore nothing at all,
+    ``check_no_restore``)."""
+    s = rec.schedule
+    if not any(f.kind in ("scale_ps", "kill_during_move") for f in s.faults):
+        return []
+    out = []
+    drained = _drained_at(rec)
+    bad = []
+    listed = 0
+    end = rec.stopped_at or rec.ended
+    # the end of training: the status says finished, or (unseen: the chief exits soon
+    # after) its last process ended well; the PS are shut down just before
+    chief = next((t for t in rec.tasks if t.name == "chief"), None)
+    last = None if chief is None else chief.current
+    chief_end = last.ended if last is not None and last.rc == 0 else None
+    finished_at = next(
+        (x.t for x in rec.samples if x.status and x.status.get("finished")),
+        chief_end if chief_end is not None else rec.ended,
+    )
+    for t in rec.tasks:
+        if t.role != "ps":
+            continue
+        times = drained.get(t.index, [])
+        for n, inst in enumerate(t.instances, 1):
+            ended = inst.ended if inst.ended is not None else end
+            hit = [x for x in times if inst.started <= x <= ended + 1.0]
+            if hit:
+                listed += 1
+                if not inst.killed and inst.rc != 0:
+                    bad.append(f"{t.name} (start {n}) was drained and exited with {inst.rc}")
+            elif inst.rc == 0 and ended < finished_at - 1.0 and not inst.killed:
+                bad.append(
+                    f"{t.name} (start {n}) exited 0 at {_t(rec, ended)}, before the end"
+                    " of training, and the chief never said it drained it"
+                )
+    out.append(
+        Check(
+            "6",
+            "drained-exit-0",
+            not bad,
+            "; ".join(bad[:3]) or f"{listed} PS processes drained, each exited 0 (or was killed)",
+        )
+    )
+    if not (rec.hung or rec.failure) and rec.asked:
+        el = (rec.summary or {}).get("elastic")
+        last = rec.asked[-1]
+        late = (
+            bool(rec.asked_at)
+            and chief_end is not None
+            and (chief_end - rec.asked_at[-1] < s.heartbeat_timeout + SLACK_S)
+        )
+        if el is None and late:
+            out.append(
+                Check(
+                    "6",
+                    "final-placement",
+                    True,
+                    "not checked: the last ask came as the run ended (the summary has no moves)",
+                )
+            )
+        elif el is None:
+            out.append(Check("6", "final-placement", False, "the summary says nothing of moves"))
+        else:
+            serving = [int(q) for q in el.get("serving") or []]
+            # a PS asked to leave that restarts (a new boot id) joins again, by design:
+            # the chief's own last word on whom it asks for counts too
+            chief_asked = next(
+                (
+                    (x.status.get("elastic") or {}).get("asked")
+                    for x in reversed(rec.samples)
+                    if x.status and (x.status.get("elastic") or {}).get("asked") is not None
+                ),
+                None,
+            )
+            allowed = set(range(last)) | {int(q) for q in chief_asked or []}
+            ok = set(serving) <= allowed
+            out.append(
+                Check(
+                    "6",
+                    "final-placement",
+                    ok,
+                    f"the states end on ps {serving}; the last ask was for {last} PS, the"
+                    f" chief last asked for ps {chief_asked}"
+                    f" ({el.get('moves')} moves, {el.get('moves_failed')} failed)",
+                )
+            )
+    if s.replication <= 1:
+        losing = [
+            f.fault.describe()
+            for f in rec.faults
+            if f.injected
+            and (
+                (
+                    f.fault.kind in PS_LOSING
+                    and (f.fault.kind != "stop_short" or f.fault.target.startswith("ps"))
+                    and (f.fault.kind != "stop_long" or f.fault.target.startswith("ps"))
+                )
+                or any(x.startswith("ps") for x in f.targets)
+            )
+        ]
+        restored = ", ".join(f"{n} step {st} generation {g}" for n, st, g in rec.restores)
+        ok = not rec.restores or bool(losing)
+        detail = (
+            f"restores ({restored}) after {'; '.join(losing)}"
+            if rec.restores and losing
+            else f"restores ({restored}) with no fault that can lose a PS's state"
+            if rec.restores
+            else "no restore"
+        )
+        # each finding of a PS restarted without its shards is a process of it killed
+        # (a move onto a process, or off it, is no restart)
+        ghosts = []
+        for q, n in sorted(rec.found_restarted.items()):
+            task = next((t for t in rec.tasks if t.name == f"ps{q}"), None)
+            killed = 0 if task is None else sum(i.killed for i in task.instances)
+            if n > killed:
+                ghosts.append(
+                    f"the chief found ps {q} restarted without its shards {n} times; it was"
+                    f" killed {killed} times"
+                )
+        if ghosts:
+            ok, detail = False, "; ".join(ghosts) + f" (restores: {restored or 'none'})"
+        out.append(Check("6", "moves-restore-nothing", ok, detail))
+    return out
+
+
 # ---------------------------------------------------------------- all
 
 
@@ -795,6 +947,7 @@ def check_all(rec: RunRecord, ref: Reference) -> list[Check]:
     checks += check_steps(rec)
     checks += check_no_restore(rec)
     checks += check_blockers(rec)
+    checks += check_moves(rec)
     if rec.hung or rec.failure:
         return checks
     checks += check_pushes(rec, ref)

@@ -30,7 +30,7 @@ from typing import Any
 from faults.cluster import ShmSandbox, Supervisor, Task, build, hosts_of
 from faults.inject import FaultRecord, Injector
 from faults.observe import Sample, Timeline
-from faults.schedule import Schedule
+from faults.schedule import MOVE_KINDS, Schedule
 
 __all__ = ["Reference", "References", "RunRecord", "bound", "execute"]
 
@@ -117,6 +117,11 @@ class RunRecord:
     export_problem: str | None  # None: the exported model loads and is finite
     #: the exported model's accuracy on all 1797 digits images (train and test)
     accuracy_all: float | None
+    #: the PS count each scale asked the chief for, in order (moves; empty: none)
+    asked: list[int] = field(default_factory=list)
+    asked_at: list[float] = field(default_factory=list)
+    #: PS index -> how many times the chief found it restarted without its shards
+    found_restarted: dict[int, int] = field(default_factory=dict)
     leftover_procs: list[str] = field(default_factory=list)
     leftover_shm: list[str] = field(default_factory=list)
     #: how leftover regions were looked for
@@ -134,7 +139,9 @@ def bound(s: Schedule, ref: Reference) -> float:
     hb = s.heartbeat_timeout
     total = 2 * ref.wall + 20.0
     for f in s.faults:
-        if f.kind.startswith("kill_"):
+        if f.kind == "kill_during_move":  # the moves, a kill's recovery
+            total += hb + 35.0
+        elif f.kind.startswith("kill_"):
             total += hb + 20.0
         elif f.kind in ("stop_short", "stop_long"):
             total += f.duration + hb + 5.0
@@ -144,6 +151,8 @@ def bound(s: Schedule, ref: Reference) -> float:
             total += f.delay + 2 * (hb + 20.0)
         elif f.kind == "partition_ps":
             total += f.duration + hb + 10.0
+        elif f.kind == "scale_ps":  # the moves, a drained PS started again
+            total += 15.0
     return round(total, 1)
 
 
@@ -225,6 +234,8 @@ _STATE_STOPPED = re.compile(
 )
 _PS_RESTORED = re.compile(r"restored \d+ shards from .+? \(generation (\d+), step \d+\)")
 _CHIEF_RESTORED = re.compile(r"restored every shard to (.+?) \(step (\d+), generation (\d+)\)")
+#: the chief's health watch found these PS restarted (each such finding: a restore)
+_FOUND_RESTARTED = re.compile(r"ps \[([\d, ]+)\] restarted without its shards")
 _COMMITTED = re.compile(r"checkpoint ckpt-(\d+) committed")
 _START = "### faults: start "
 
@@ -260,6 +271,32 @@ def _states_final(logs: list[str], states: int, restored: bool) -> dict[int, PSF
         i: PSFinal(best[i][1] if i in best else None, 0, full_life=not restored)
         for i in range(states)
     }
+
+
+def _moved_final(
+    logs: list[str], instances: list[int], restores: list[tuple[str, int, int]]
+) -> dict[int, PSFinal]:
+    """Unreplicated, with moves: each PS state's final status. A state that moved (or
+    was made ready to) is a replication primary with no backups wherever it is: the
+    highest term any process's last start logged for it, as replicated; one that never
+    did, its own process's final status. Its counts travel with it (the copy a move
+    makes carries its push ledger), so without a restore they cover the whole run;
+    after a restore, only the last restore's generation is compared (the process that
+    holds the state may have started since) and the per-state shares are not."""
+    best: dict[int, tuple[int, dict[str, Any]]] = {}
+    for log in logs:
+        for m in _STATE_STOPPED.finditer(_segments(log)[-1]):
+            state, term = int(m.group(1)), int(m.group(2))
+            if state not in best or term > best[state][0]:
+                best[state] = (term, json.loads(m.group(3)))
+    last_gen = max((g for _, _, g in restores), default=0)
+    out = {}
+    for i, log in enumerate(logs):
+        if i in best:
+            out[i] = PSFinal(best[i][1], last_gen, full_life=not restores)
+        else:
+            out[i] = _ps_final(log, instances[i])
+    return out
 
 
 def _read_json(path: Path) -> Any:
@@ -399,10 +436,17 @@ def execute(
     logs = [(run_dir / f"ps{i}.log").read_text(errors="replace") for i in range(s.ps)]
     if s.replication > 1:  # a state outlives the process it started on
         ps_final = _states_final(logs, s.ps, bool(restores))
+    elif any(f.kind in MOVE_KINDS for f in s.faults):  # states moved between processes
+        instances = [len(cluster.task(f"ps{i}").instances) for i in range(s.ps)]
+        ps_final = _moved_final(logs, instances, restores)
     else:
         ps_final = {
             i: _ps_final(log, len(cluster.task(f"ps{i}").instances)) for i, log in enumerate(logs)
         }
+    found: dict[int, int] = {}
+    for m in _FOUND_RESTARTED.finditer(chief_log):
+        for q in m.group(1).split(","):
+            found[int(q)] = found.get(int(q), 0) + 1
     committed = {int(m.group(1)) for m in _COMMITTED.finditer(chief_log)}
     # a chief killed between a checkpoint's commit (its manifest renamed into place)
     # and the log line saying so: the checkpoint is there all the same
@@ -440,6 +484,9 @@ def execute(
         evals=evals,
         export_problem=export_problem,
         accuracy_all=accuracy_all,
+        asked=list(injector.asked),
+        asked_at=list(injector.asked_at),
+        found_restarted=found,
         leftover_procs=left_desc,
         leftover_shm=shm_left,
         shm_how=(

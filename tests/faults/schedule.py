@@ -16,6 +16,13 @@ Rules of this module:
   copies again, often a second), perhaps one fault of any other kind. A PS fault
   waits until no state is short of copies (:mod:`faults.inject`), so one copy of
   every state always lives: no restore may happen.
+* PS moves (:data:`MOVE_KINDS`) are drawn from a Random of their own (as the one-PS
+  share is), after everything else: a seed's other faults are what they were before
+  moves were drawn. About half the schedules with 2 PS or more carry one: the chief is
+  asked for fewer PS (``scale_ps``, or ``kill_during_move``: a task of the move under
+  way, or the chief, killed meanwhile), and for all of them again later (a second
+  ``scale_ps``). The PS left without states are drained (they exit 0) and started
+  again before the scale back up, as ``zmqps launch --ps-schedule`` does.
 """
 
 from __future__ import annotations
@@ -31,14 +38,16 @@ __all__ = [
     "FAULT_KINDS",
     "HEARTBEAT_TIMEOUT",
     "JOB",
+    "MOVE_KINDS",
+    "MOVE_SHARE",
     "Fault",
     "Schedule",
     "draw",
     "draw_replicated",
 ]
 
-#: Every fault kind the harness injects.
-FAULT_KINDS = (
+#: The fault kinds drawn before moves were (their draws stay as they were).
+BASE_KINDS = (
     "kill_chief",  # kill -9 the chief; restarted
     "kill_ps",  # kill -9 one PS; restarted (the chief restores every shard)
     "kill_worker",  # kill -9 one worker; restarted (a new incarnation)
@@ -49,6 +58,24 @@ FAULT_KINDS = (
     "chief_during_ps_restart",  # kill -9 a PS, then the chief while the PS restarts
     "partition_ps",  # drop every packet of one PS's namespace, then heal
 )
+#: PS moves (drawn apart, :func:`_moves`): the chief asked for fewer PS (``Fault.ps``)
+#: and later for all of them again
+MOVE_KINDS = (
+    # the chief asked for Fault.ps PS (the states of the others move off them, and
+    # they are drained: exit 0), or for all of them again (the drained ones started
+    # again first)
+    "scale_ps",
+    # the chief asked for Fault.ps PS, and the move's source ("source"), destination
+    # ("destination") or the chief killed -9 while its status says the move is under
+    # way; restarted as usual
+    "kill_during_move",
+)
+#: Every fault kind the harness injects.
+FAULT_KINDS = BASE_KINDS + MOVE_KINDS
+#: the share of the schedules that carry moves: plain ones with 2 PS or more (with
+#: the one-PS share, about half of them all), replicated ones
+MOVE_SHARE = 0.6
+MOVE_SHARE_REPLICATED = 0.5
 
 #: Heartbeat timeout of every schedule (seconds): short, so detection is quick.
 HEARTBEAT_TIMEOUT = 2.5
@@ -78,8 +105,15 @@ class Fault:
     duration: float = 0.0
     #: chief_during_ps_restart: seconds between the PS's kill and the chief's
     delay: float = 0.0
+    #: scale_ps, kill_during_move: the PS the chief is asked for (the first ``ps`` of
+    #: the cluster spec); 0 for the other kinds
+    ps: int = 0
 
     def describe(self) -> str:
+        if self.kind == "scale_ps":
+            return f"scale_ps to {self.ps} PS at {self.at:.0%}"
+        if self.kind == "kill_during_move":
+            return f"kill_during_move {self.target} (scale to {self.ps} PS) at {self.at:.0%}"
         what = f"{self.kind} {self.target} at {self.at:.0%}"
         if self.duration:
             what += f" for {self.duration:.1f}s"
@@ -251,7 +285,7 @@ def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
     evaluator = rng.choice(("checkpoint", "snapshot")) if rng.random() < 0.4 else None
     hb = HEARTBEAT_TIMEOUT
 
-    kinds = list(FAULT_KINDS)
+    kinds = list(BASE_KINDS)
     left_out: list[tuple[str, str]] = []
     if evaluator is None:
         kinds.remove("kill_evaluator")
@@ -264,6 +298,7 @@ def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
     faults = []
     for at in points:
         faults.append(_fault(rng, rng.choice(kinds), at, ps, workers, evaluator, hb))
+    faults += _moves(random.Random(f"moves-{seed}"), ps, 1, MOVE_SHARE)
     faults.sort(key=lambda f: f.at)
     return Schedule(
         seed=seed,
@@ -280,8 +315,29 @@ def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
     )
 
 
+def _moves(rng: random.Random, ps: int, least: int, share: float) -> list[Fault]:
+    """PS moves, ``share`` of the time with 2 PS or more: the chief asked for
+    fewer PS (at least ``least``; the one fault ``kill_during_move`` half the time, else
+    ``scale_ps``) between 10 % and 50 % of the run, and for all ``ps`` again (a second
+    ``scale_ps``) 15-35 % later. Drawn from ``rng`` alone: the rest of the schedule is
+    as it would be without."""
+    if ps < 2 or ps <= least:
+        return []
+    if rng.random() >= share:
+        return []
+    n = rng.randint(least, ps - 1)
+    at = round(rng.uniform(0.1, 0.5), 3)
+    back = round(min(0.85, at + rng.uniform(0.15, 0.35)), 3)
+    if rng.random() < 0.5:
+        down = Fault("scale_ps", "ps", at, ps=n)
+    else:
+        victim = rng.choice(("source", "destination", "chief"))
+        down = Fault("kill_during_move", victim, at, ps=n)
+    return [down, Fault("scale_ps", "ps", back, ps=ps)]
+
+
 #: Fault kinds of replicated schedules beside ``kill_ps`` (at most one of them each)
-REPLICATED_EXTRA = tuple(k for k in FAULT_KINDS if k != "kill_ps")
+REPLICATED_EXTRA = tuple(k for k in BASE_KINDS if k != "kill_ps")
 
 
 def draw_replicated(seed: int, netns_unavailable: str | None = None) -> Schedule:
@@ -318,6 +374,9 @@ def draw_replicated(seed: int, netns_unavailable: str | None = None) -> Schedule
         else (("partition_ps", f"no network namespaces: {netns_unavailable}"),)
     )
     hidden = WIDE if rng.random() < 0.5 else None  # drawn last: the rest as before
+    # moves apart: two copies of each state need 2 PS at least
+    moves = _moves(random.Random(f"replicated-moves-{seed}"), ps, 2, MOVE_SHARE_REPLICATED)
+    faults = sorted([*faults, *moves], key=lambda f: f.at)
     return Schedule(
         seed=seed,
         mode=mode,

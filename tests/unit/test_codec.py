@@ -101,6 +101,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "ssp_clock": {"role": "worker", "index": 1, "incarnation": 1, "completed": 4},
     "status": {},
     "shutdown": {"reason": "end of job"},
+    "scale": {"ps": 2},
     "ps_state": {},
     "fence": {"worker": "worker:1", "inc": 17},
     "checkpoint": {"wait": 30.0},

@@ -109,6 +109,14 @@ CATALOGUE = {
     "zmqps_state_copies_total": "counter",
     "zmqps_state_copy_bytes_total": "counter",
     "zmqps_state_copy_progress_ratio": "gauge",
+    "zmqps_placement_epoch": "gauge",
+    "zmqps_ps_serving": "gauge",
+    "zmqps_ps_asked": "gauge",
+    "zmqps_ps_move_in_progress": "gauge",
+    "zmqps_ps_move_progress_ratio": "gauge",
+    "zmqps_ps_moves_total": "counter",
+    "zmqps_ps_moved_bytes_total": "counter",
+    "zmqps_ps_drained": "gauge",
 }
 #: Series names a query may use: gauges/counters as is, histograms by their series.
 SERIES = {
@@ -154,6 +162,14 @@ OWNER = {
     "zmqps_state_copies_total": "chief",
     "zmqps_state_copy_bytes_total": "chief",
     "zmqps_state_copy_progress_ratio": "chief",
+    "zmqps_placement_epoch": "chief",
+    "zmqps_ps_serving": "chief",
+    "zmqps_ps_asked": "chief",
+    "zmqps_ps_move_in_progress": "chief",
+    "zmqps_ps_move_progress_ratio": "chief",
+    "zmqps_ps_moves_total": "chief",
+    "zmqps_ps_moved_bytes_total": "chief",
+    "zmqps_ps_drained": "chief",
 }
 STANDARD = re.compile(r"^(up|scrape_[a-z_]+|process_[a-z_]+|python_[a-z_]+)$")
 
@@ -349,6 +365,14 @@ def test_dashboards_cover_the_design() -> None:
         "zmqps_eval_auc",
         "zmqps_eval_loss",
         "zmqps_eval_step",
+        # elastic PS: serving vs asked for, the move under way, bytes moved, the epoch
+        'max(zmqps_ps_serving{job="chief"})',
+        'max(zmqps_ps_asked{job="chief"})',
+        'max(zmqps_ps_move_in_progress{job="chief"})',
+        'max(zmqps_ps_move_progress_ratio{job="chief"})',
+        'sum by (outcome) (zmqps_ps_moves_total{job="chief"})',
+        'max(zmqps_ps_moved_bytes_total{job="chief"})',
+        'max(zmqps_placement_epoch{job="chief"})',
     ):
         assert needle in overview, needle
     assert "heatmap" in kinds["zmqps-overview"]
@@ -366,6 +390,45 @@ def test_dashboards_cover_the_design() -> None:
     for needle in ("zmqps_worker_step_seconds", "by (phase", "zmqps_worker_examples_total",
                    "zmqps_train_loss"):  # fmt: skip
         assert needle in worker, needle
+
+
+def test_the_catalogue_here_is_what_zmqps_exports() -> None:
+    """Every metric the queries may name (CATALOGUE) is exported by every zmqps process,
+    with that type: a panel on a metric the code lacks fails here, not in Grafana."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from zmqps.metrics import Metrics
+
+    text = generate_latest(Metrics().registry).decode()
+    exported = {}
+    for family in text_string_to_metric_families(text):
+        suffix = "_total" if family.type == "counter" else ""
+        exported[family.name + suffix] = family.type
+    missing = {n: k for n, k in CATALOGUE.items() if exported.get(n) != k}
+    assert not missing, f"not exported with that type: {missing}"
+
+
+def test_overview_has_an_elastic_ps_row() -> None:
+    """The row "Elastic PS": PS serving against asked for, the move under way, the moves
+    and bytes moved, the placement epoch."""
+    panels = load(DASHBOARDS / "zmqps-overview.json")["panels"]
+    titles = [p["title"] for p in panels]
+    start = titles.index("Elastic PS")
+    assert panels[start]["type"] == "row"
+    rest = panels[start + 1 :]
+    end = next((i for i, p in enumerate(rest) if p["type"] == "row"), len(rest))
+    row = "\n".join(t["expr"] for p in rest[:end] for t in p["targets"])
+    for name in (
+        "zmqps_ps_serving",
+        "zmqps_ps_asked",
+        "zmqps_ps_move_in_progress",
+        "zmqps_ps_move_progress_ratio",
+        "zmqps_ps_moves_total",
+        "zmqps_ps_moved_bytes_total",
+        "zmqps_placement_epoch",
+    ):
+        assert name in row, name
 
 
 # -- Grafana provisioning -----------------------------------------------------------

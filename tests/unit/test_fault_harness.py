@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from faults.invariants import (
     check_coordinator,
     check_end,
     check_model,
+    check_moves,
     check_no_restore,
     check_pushes,
     check_steps,
@@ -27,9 +29,11 @@ from faults.invariants import (
 )
 from faults.observe import Sample, Timeline, named_blockers
 from faults.report import replay_command
-from faults.runner import PSFinal, Reference, RunRecord, _states_final, bound
+from faults.runner import PSFinal, Reference, RunRecord, _moved_final, _states_final, bound
 from faults.schedule import (
+    BASE_KINDS,
     FAULT_KINDS,
+    MOVE_KINDS,
     REPLICATED_EXTRA,
     WIDE,
     Fault,
@@ -51,7 +55,7 @@ def test_schedules_cover_every_kind_and_keep_their_rules() -> None:
     seen: set[str] = set()
     for seed in range(1, 201):
         s = draw(seed)
-        assert 1 <= len(s.faults) <= 4
+        assert 1 <= len([f for f in s.faults if f.kind not in MOVE_KINDS]) <= 4
         assert s.mode in ("async", "sync", "ssp") and 1 <= s.ps <= 3 and 2 <= s.workers <= 4
         if s.driver == "coordinator":
             assert s.mode == "async"
@@ -108,8 +112,9 @@ def test_replicated_schedules_keep_their_rules_and_leave_the_others_alone() -> N
         assert s.netns == ("partition_ps" in s.kinds())
         assert "kill_evaluator" not in s.kinds() or s.evaluator is not None
         kills = [f for f in s.faults if f.kind == "kill_ps"]
-        assert 1 <= len(kills) <= 2 and len(s.faults) <= 3
-        assert len(s.faults) - len(kills) <= 1
+        others = [f for f in s.faults if f.kind not in MOVE_KINDS]
+        assert 1 <= len(kills) <= 2 and len(others) <= 3
+        assert len(others) - len(kills) <= 1
         assert [f.at for f in s.faults] == sorted(f.at for f in s.faults)
         assert set(s.kinds()) <= set(FAULT_KINDS)
         assert "-r2-" in s.config_key() and s.config()["replication"] == 2
@@ -123,7 +128,7 @@ def test_replicated_schedules_keep_their_rules_and_leave_the_others_alone() -> N
         assert dict(without.left_out) == {
             "partition_ps": "no network namespaces: no namespaces here"
         }
-    assert kinds == {"kill_ps", *REPLICATED_EXTRA} == set(FAULT_KINDS)
+    assert kinds == {"kill_ps", *REPLICATED_EXTRA, *MOVE_KINDS} == set(FAULT_KINDS)
     assert 90 <= seconds <= 210
     assert 90 <= wide <= 210  # a wide model: updates through the ring of shared memory
     assert "replication" not in draw(5).config() and "-r" not in draw(5).config_key()
@@ -155,6 +160,71 @@ def test_a_replicated_state_is_read_from_its_last_primary() -> None:
         not check_no_restore(rec)[0].ok and "ckpt-000000000040" in check_no_restore(rec)[0].detail
     )
     assert check_no_restore(_record()) == []  # unreplicated: restores are how it recovers
+
+
+def _without_moves(s: Schedule) -> str:
+    faults = ";".join(
+        f"{f.kind} {f.target} {f.at} {f.duration} {f.delay}"
+        for f in s.faults
+        if f.kind not in MOVE_KINDS
+    )
+    return f"{s.seed} {s.mode} {s.ps} {s.workers} {s.evaluator} {s.driver} {s.hidden} {faults}"
+
+
+def test_moves_leave_every_seeds_other_faults_as_they_were() -> None:
+    """Moves are drawn from a Random of their own: the cluster and the other faults of
+    seeds 1-300 (plain, without namespaces, replicated) are those drawn before moves
+    were (digests of the draws of the commit before them)."""
+    import hashlib
+
+    def digest(schedules: list[Schedule]) -> str:
+        text = "\n".join(_without_moves(s) for s in schedules)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    seeds = range(1, 301)
+    assert digest([draw(i) for i in seeds]) == "552bc0d3a431e7ef"
+    assert digest([draw(i, "x") for i in seeds]) == "6846a72e8f2c6970"
+    assert digest([draw_replicated(i) for i in seeds]) == "90e8cf95e7f1f17b"
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_about_half_the_schedules_carry_a_move_down_and_back_up(replicated: bool) -> None:
+    """A move is the chief asked for fewer PS (scale_ps or kill_during_move), then for
+    all of them again later (scale_ps): plain schedules with 2 PS or more (one PS has
+    nowhere to move to), replicated ones to 2 PS (two copies of each state)."""
+    carried = 0
+    victims: set[str] = set()
+    downs: set[str] = set()
+    for seed in range(1, 401):
+        s = draw_replicated(seed) if replicated else draw(seed)
+        moves = [f for f in s.faults if f.kind in MOVE_KINDS]
+        if not moves:
+            continue
+        carried += 1
+        assert s.ps >= 2
+        down, up = moves
+        assert down.at < up.at <= 0.85 and 0.1 <= down.at <= 0.5
+        assert up.kind == "scale_ps" and up.ps == s.ps
+        assert (2 if replicated else 1) <= down.ps < s.ps
+        downs.add(down.kind)
+        if down.kind == "kill_during_move":
+            assert down.target in ("source", "destination", "chief")
+            victims.add(down.target)
+            assert f"scale to {down.ps} PS" in down.describe()
+        else:
+            assert down.describe() == f"scale_ps to {down.ps} PS at {down.at:.0%}"
+        assert [f.at for f in s.faults] == sorted(f.at for f in s.faults)
+    assert 150 <= carried <= 250  # about half
+    assert downs == set(MOVE_KINDS)
+    assert victims == {"source", "destination", "chief"}
+    if not replicated:
+        ones = [draw(seed) for seed in range(1, 401) if draw(seed).ps == 1]
+        assert ones and not any(set(s.kinds()) & set(MOVE_KINDS) for s in ones)
+
+
+def test_the_kinds_drawn_before_moves_keep_their_order() -> None:
+    assert FAULT_KINDS == BASE_KINDS + MOVE_KINDS
+    assert tuple(k for k in BASE_KINDS if k != "kill_ps") == REPLICATED_EXTRA
 
 
 # ---------------------------------------------------------------- records
@@ -618,3 +688,119 @@ def test_a_private_dev_shm_keeps_what_a_run_leaves() -> None:
     finally:
         box.close()
     assert box.regions() == []
+
+
+# ---------------------------------------------------------------- 6 (moves)
+
+
+def _moves_schedule(replication: int = 1) -> Schedule:
+    return _schedule(
+        ps=2,
+        replication=replication,
+        faults=(Fault("scale_ps", "ps", 0.3, ps=1), Fault("scale_ps", "ps", 0.6, ps=2)),
+    )
+
+
+def test_a_drained_ps_exits_0_and_no_ps_exits_0_undrained() -> None:
+    """ps1 drained at t=5 (the status lists it) exits 0: held; one drained that exits
+    1 is a violation, and so is a PS that exits 0 mid-run that nobody drained."""
+    finished = _status(100, finished=True)
+    samples = _samples(
+        [(1, _status(10)), (5, _status(40, elastic={"drained": [1]})), (20, finished)]
+    )
+    ps0 = _task("ps0", 0)
+    ps1 = _task("ps1", 0, 0)  # drained (listed at t=105), started again at 106
+    ps1.instances[0].ended = 106.0
+    ps1.instances[1].started = 107.0
+    for inst in (ps0.instances[0], ps1.instances[1]):
+        inst.ended = 121.0  # shut down at the end (finished at 120)
+    ok = _record(
+        schedule=_moves_schedule(),
+        samples=samples,
+        tasks=[_task("chief", 0), ps0, ps1],
+    )
+    checks = {c.name: c for c in check_moves(ok)}
+    assert checks["drained-exit-0"].ok, checks["drained-exit-0"].detail
+    ps1.instances[0].rc = 1
+    assert not {c.name: c for c in check_moves(ok)}["drained-exit-0"].ok
+    ps1.instances[0].rc = 0
+    undrained = _record(
+        schedule=_moves_schedule(),
+        samples=_samples([(1, _status(10)), (20, finished)]),
+        tasks=[_task("chief", 0), ps0, ps1],
+    )
+    bad = {c.name: c for c in check_moves(undrained)}["drained-exit-0"]
+    assert not bad.ok and "never said it drained" in bad.detail
+    assert check_moves(_record()) == []  # no moves: not checked
+
+
+def test_the_final_placement_serves_from_the_ps_asked_for() -> None:
+    def rec(serving: list[int], asked: list[int]) -> Any:
+        summary = {"test_accuracy": 0.955, "test_loss": 0.17, "elastic": {"serving": serving}}
+        r = _record(schedule=_moves_schedule(), summary=summary, asked=asked)
+        return {c.name: c for c in check_moves(r)}["final-placement"]
+
+    assert rec([0, 1], [1, 2]).ok
+    assert rec([0], [1]).ok
+    assert not rec([0, 1], [1]).ok  # the run ended scaled down, a state left on ps1
+    # ps1, asked to leave, restarted and joined again (the chief's status says)
+    rejoined = _record(
+        schedule=_moves_schedule(),
+        summary={"elastic": {"serving": [0, 1]}},
+        asked=[1],
+        samples=_samples([(1, _status(10, elastic={"asked": [0, 1]}))]),
+    )
+    assert {c.name: c for c in check_moves(rejoined)}["final-placement"].ok
+    no_summary = _record(schedule=_moves_schedule(), asked=[1], asked_at=[90.0])
+    assert not {c.name: c for c in check_moves(no_summary)}["final-placement"].ok
+    # asked as the run ended (the chief's last process ended at 101): not checked
+    late = _record(schedule=_moves_schedule(), asked=[1], asked_at=[100.5])
+    assert {c.name: c for c in check_moves(late)}["final-placement"].ok
+
+
+def test_a_restore_needs_a_fault_that_loses_a_ps_and_a_kill_per_restart_found() -> None:
+    restores = [("ckpt-000000000040", 40, 1)]
+    moves = _moves_schedule()
+
+    def check(**kw: Any) -> Any:
+        return {c.name: c for c in check_moves(_record(schedule=moves, **kw))}[
+            "moves-restore-nothing"
+        ]
+
+    assert check().ok
+    assert not check(restores=restores).ok  # a move alone restores nothing
+    kill = FaultRecord(Fault("kill_during_move", "source", 0.3, ps=1), fired=5.0, targets=["ps1"])
+    killed = _task("ps1", -9, 0, killed=(0,))
+    tasks = [_task("chief", 0), _task("ps0", 0), killed]
+    assert check(restores=restores, faults=[kill], tasks=tasks, found_restarted={1: 1}).ok
+    # found restarted twice, killed once: a move taken for a restart (seed 15)
+    ghost = check(restores=restores, faults=[kill], tasks=tasks, found_restarted={1: 2})
+    assert not ghost.ok and "killed 1 times" in ghost.detail
+    # replicated: check_no_restore says it (no restore at all)
+    assert "moves-restore-nothing" not in {
+        c.name for c in check_moves(_record(schedule=_moves_schedule(2)))
+    }
+
+
+def test_moved_states_are_read_from_their_last_primary_or_their_own_process() -> None:
+    start = "### faults: start \n"
+    own = "12:00:00 I zmqps.ps: ps {p}: final state: {j}\n"
+    moved = "12:00:00 I zmqps.ps: ps {p}: final state of ps {s}'s state (primary, term {t}): {j}\n"
+    logs = [
+        start
+        + own.format(p=0, j='{"applied_pushes": {"a": 3}}')
+        + moved.format(p=0, s=1, t=2, j='{"applied_pushes": {"a": 8}}'),
+        start + moved.format(p=1, s=1, t=1, j='{"applied_pushes": {"a": 5}}'),
+    ]
+    final = _moved_final(logs, [1, 1], restores=[])
+    assert final[0].status == {"applied_pushes": {"a": 3}} and final[0].full_life
+    assert final[1].status == {"applied_pushes": {"a": 8}} and final[1].full_life
+    after = _moved_final(logs, [1, 1], restores=[("ckpt-1", 1, 3)])
+    assert after[1].gen_start == 3 and not after[1].full_life
+
+
+def test_bound_allows_for_moves() -> None:
+    s = _moves_schedule()
+    assert bound(s, REF) == bound(replace(s, faults=()), REF) + 30.0
+    k = replace(s, faults=(Fault("kill_during_move", "chief", 0.3, ps=1),))
+    assert bound(k, REF) == bound(replace(s, faults=()), REF) + HB + 35.0

@@ -87,6 +87,14 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...]]] = {
     "zmqps_state_copies": ("counter", ("outcome",)),
     "zmqps_state_copy_bytes": ("counter", ()),
     "zmqps_state_copy_progress_ratio": ("gauge", ()),
+    "zmqps_placement_epoch": ("gauge", ()),
+    "zmqps_ps_serving": ("gauge", ()),
+    "zmqps_ps_asked": ("gauge", ()),
+    "zmqps_ps_move_in_progress": ("gauge", ()),
+    "zmqps_ps_move_progress_ratio": ("gauge", ()),
+    "zmqps_ps_moves": ("counter", ("outcome",)),
+    "zmqps_ps_moved_bytes": ("counter", ()),
+    "zmqps_ps_drained": ("gauge", ()),
 }
 
 VARS = (
@@ -433,3 +441,39 @@ def test_replication_metrics_read_the_chief_and_the_copies() -> None:
     assert value(ps, "zmqps_replication_lag_seconds", state="0") == 1.5
     assert ps.registry.get_sample_value("zmqps_replication_lag_seconds", {"state": "2"}) is None
     assert value(ps, "zmqps_replication_lag_updates", state="0", backup="1") == 7
+
+
+def test_elastic_metrics_read_the_chiefs_mover() -> None:
+    """The chief's elastic PS figures are read at scrape time (each scrape reads them
+    again); outside the chief they are zeros."""
+    plain = Metrics()
+    for name in ("zmqps_placement_epoch", "zmqps_ps_serving", "zmqps_ps_move_in_progress"):
+        assert value(plain, name) == 0.0
+    assert value(plain, "zmqps_ps_moves_total", outcome="done") == 0.0
+    figures: dict[str, Any] = {
+        "epoch": 7,
+        "serving": 1,
+        "asked": 2,
+        "moving": 1,
+        "move_progress": 0.5,
+        "moves_done": 3,
+        "moves_failed": 1,
+        "moved_bytes": 8192,
+        "drained": 1,
+    }
+    chief = Metrics()
+    chief.watch_elastic(lambda: figures)
+    assert value(chief, "zmqps_placement_epoch") == 7
+    assert value(chief, "zmqps_ps_serving") == 1
+    assert value(chief, "zmqps_ps_asked") == 2
+    assert value(chief, "zmqps_ps_move_in_progress") == 1
+    assert value(chief, "zmqps_ps_move_progress_ratio") == 0.5
+    assert value(chief, "zmqps_ps_moves_total", outcome="done") == 3
+    assert value(chief, "zmqps_ps_moves_total", outcome="failed") == 1
+    assert value(chief, "zmqps_ps_moved_bytes_total") == 8192
+    assert value(chief, "zmqps_ps_drained") == 1
+    figures.update(moving=0, move_progress=0.0, serving=2, epoch=8, moves_done=4)
+    assert value(chief, "zmqps_ps_move_in_progress") == 0
+    assert value(chief, "zmqps_ps_serving") == 2
+    assert value(chief, "zmqps_placement_epoch") == 8
+    assert value(chief, "zmqps_ps_moves_total", outcome="done") == 4

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -42,6 +43,7 @@ from zmqps.wire.errors import ConfigError
 
 __all__ = [
     "add_cluster_args",
+    "add_elastic_arg",
     "add_evaluator_args",
     "add_job_args",
     "add_metrics_args",
@@ -263,6 +265,28 @@ def add_stall_timeout_arg(g: Any, *, role: str = "") -> None:
         " a worker that never comes back, a PS that is never restarted) ends failed (exit"
         " code 3) with what it waited on; 0: wait for ever"
         f" (default: {STALL_TIMEOUT_S:g})",
+    )
+
+
+def parse_bytes(text: str) -> int:
+    """A size: an integer of bytes, or with K, M, G (powers of 1,024), e.g. ``512M``."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or e.g. 512M, 2G)")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def add_elastic_arg(g: Any, *, role: str = "") -> None:
+    """``--add-ps-above BYTES`` (the chief's, and ``zmqps launch``'s)."""
+    g.add_argument(
+        "--add-ps-above",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help=f"{role}when a PS serves more than this many bytes of shards (values, slots,"
+        " hash-table rows; e.g. 512M), ask for the next PS of the cluster spec and move"
+        " states onto it (zmqps launch starts it; elsewhere, start it yourself)"
+        " (default: never)",
     )
 
 
@@ -583,6 +607,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_replication_arg(g, role="(chief) ")
     add_wire_dtype_arg(g, role="(chief) ")
     add_stall_timeout_arg(g, role="(chief) ")
+    add_elastic_arg(g, role="(chief) ")
     g.add_argument(
         "--heartbeat-timeout",
         type=float,

@@ -41,6 +41,7 @@ from tqdm import tqdm
 from zmqps.checkpoint.root import Checkpoint, CheckpointRoot
 from zmqps.cli.args import (
     add_device_args,
+    add_elastic_arg,
     add_job_args,
     add_nonfinite_args,
     add_replication_arg,
@@ -60,6 +61,7 @@ from zmqps.cli.console import Console
 from zmqps.cli.coordinator import add_driver_args, check_launch
 from zmqps.cli.tasks import DEFAULT_JOB
 from zmqps.config import ClusterSpec
+from zmqps.core.finished import RECORD_NAME
 from zmqps.device import Device, DeviceError, cuda_device_count
 from zmqps.process import blas_threads, thread_env, usable_cores
 from zmqps.roles.configs import (
@@ -154,6 +156,12 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ps", type=int, default=2, help="number of PS tasks (default: 2)")
     g.add_argument("--workers", type=int, default=2, help="number of workers (default: 2)")
     g.add_argument(
+        "--ps-schedule",
+        metavar="STEP:N[,STEP:N...]",
+        help="change the number of PS serving the model at these global steps (the PS"
+        " states move while training goes on; N at most --ps, the PS started)",
+    )
+    g.add_argument(
         "--placement",
         choices=("round_robin", "greedy"),
         default="round_robin",
@@ -164,6 +172,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     add_replication_arg(g)
     add_wire_dtype_arg(g)
     add_stall_timeout_arg(g)
+    add_elastic_arg(g)
     g.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -375,6 +384,10 @@ class Launcher:
         #: (time.monotonic(); 0: never): what ``_liveness`` judges by
         self.status: dict[str, Any] | None = None
         self.status_at = 0.0
+        #: watchers of PS started again by --ps-schedule
+        self._rewatch: list[asyncio.Future[None]] = []
+        #: the PS counts --ps-schedule asked for: {"step", "ps", "at_step"}
+        self.scaled: list[dict[str, Any]] = []
         self.stopping = False
         self.failure = ""
         self.first_failed: Child | None = None
@@ -455,6 +468,7 @@ class Launcher:
             max_nonfinite_share=a.max_nonfinite_share,
             logdir=logdir,
             stall_timeout=a.stall_timeout,
+            add_ps_above=a.add_ps_above,
             **metrics("chief"),
         )
         out: list[tuple[str, TaskConfig]] = [("chief", TaskConfig(chief=chief, keys=keys))]
@@ -623,6 +637,59 @@ class Launcher:
         )
         await self.stop()
 
+    async def _ps_schedule(self) -> None:
+        """``--ps-schedule``: at each global step named, the chief is asked to serve the
+        states from that many PS (``scale``); a PS left without states is drained by
+        the chief and exits 0 (:meth:`_start_asked` starts it again when asked for)."""
+        text = getattr(self.args, "ps_schedule", None)
+        if not text:
+            return
+        from zmqps.core.elastic import parse_schedule
+
+        assert self.cluster.chief is not None
+        for step, n in parse_schedule(text, self.args.ps):
+            while True:
+                s = self.status or {}
+                known = s.get("step_known", True) and s.get("variables")
+                if known and int(s.get("global_step", -1)) >= step:
+                    break
+                await asyncio.sleep(0.2)
+            while True:
+                try:
+                    await fetch_status(
+                        self.cluster.chief,
+                        timeout=STATUS_TIMEOUT_S,
+                        options=self.status_options,
+                        op="scale",
+                        body={"ps": n},
+                    )
+                    break
+                except ZmqpsError as exc:
+                    self.say(f"zmqps launch: step {step}: asking for {n} PS failed ({exc})")
+                    await asyncio.sleep(1.0)
+            self.scaled.append({"step": step, "ps": n, "at_step": int(s.get("global_step", 0))})
+            self.say(f"zmqps launch: step {step}: {n} PS serve the model from now on")
+
+    async def _start_asked(self) -> None:
+        """A PS the chief drained (it exited 0) and asks for again (``--ps-schedule``,
+        ``zmqps scale``, ``--add-ps-above``) is started again, while the run goes on."""
+        while not self.stopping:
+            await asyncio.sleep(0.2)
+            s = self.status or {}
+            elastic = s.get("elastic") or {}
+            asked = set(elastic.get("asked") or ())
+            drained = set(elastic.get("drained") or ())
+            if s.get("finished") or self.children[0].returncode is not None:
+                continue
+            for c in self.children[1:]:
+                if not c.name.startswith("ps") or c.returncode != 0 or self.stopping:
+                    continue
+                i = int(c.name[2:])
+                if i in asked and i in drained:
+                    self.say(f"zmqps launch: the chief asks for {c.name}: starting it again")
+                    await self._start(c)
+                    self._rewatch.append(asyncio.ensure_future(self._watch(c)))
+
     async def _progress(self) -> None:
         """The chief's status twice a second: for the progress bar, and kept for
         :meth:`_liveness` (one poll serves both)."""
@@ -773,6 +840,8 @@ class Launcher:
         lingering = asyncio.ensure_future(self._after_the_chief(watchers))
         progress = asyncio.ensure_future(self._progress())
         liveness = asyncio.ensure_future(self._liveness())
+        schedule = asyncio.ensure_future(self._ps_schedule())
+        asked = asyncio.ensure_future(self._start_asked())
         interrupt = asyncio.ensure_future(interrupted.wait())
         timeout = self.args.timeout or None
         waitables: list[asyncio.Future[Any]] = [watchers, interrupt]
@@ -789,6 +858,17 @@ class Launcher:
         interrupt.cancel()
         progress.cancel()
         liveness.cancel()
+        schedule.cancel()
+        asked.cancel()
+        if self._rewatch:
+            # PS started again for the states (their first watch ended when they were
+            # drained): they end with the run, told by the chief; stopped past the grace
+            _, late = await asyncio.wait(self._rewatch, timeout=GRACE_S)
+            if late:
+                await self.stop()
+                await asyncio.wait(late, timeout=GRACE_S)
+            for rewatch in self._rewatch:
+                rewatch.cancel()
         lingering.cancel()
         if self.bar is not None:
             if not self.failure and not interrupted.is_set():
@@ -905,6 +985,14 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
         raise ConfigError("--ps and --workers must be >= 1")
     if args.model in (None, "none"):
         raise ConfigError("zmqps launch runs a built-in --model")
+    if getattr(args, "ps_schedule", None):
+        from zmqps.core.elastic import parse_schedule
+        from zmqps.wire.errors import InvalidArgument
+
+        try:
+            parse_schedule(args.ps_schedule, args.ps)
+        except InvalidArgument as exc:
+            raise ConfigError(f"{exc} (--ps {args.ps} PS are started)") from None
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts must be >= 0")
     if args.heartbeat_timeout <= 0:
@@ -980,6 +1068,16 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
     return latest
 
 
+def forget_finished(root: Path) -> None:
+    """A resumed run is a new cluster on the checkpoint: the workers the last run's
+    chief recorded as finished (``workers-done.json``) train again in it, and its
+    chief must not take them for done (it would end the run at once, or fail it)."""
+    try:
+        (root / RECORD_NAME).unlink(missing_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--resume: cannot remove {root / RECORD_NAME}: {exc.strerror}") from None
+
+
 def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
     """A resumed run's workers go on from their batch cursors: each cursor counts
     batches of that worker's part of the data, so the split (the worker count), the
@@ -1031,6 +1129,8 @@ def launch(args: argparse.Namespace) -> int:
                     f"--{flag.replace('_', '-')} {path}: cannot create its folder ({exc.strerror})"
                 ) from None
     resumed = resume_from(args, Path(args.run_dir) if args.run_dir else None)
+    if resumed is not None:
+        forget_finished(resumed.path.parent)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="zmqps-run-"))
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -1100,6 +1200,8 @@ def launch(args: argparse.Namespace) -> int:
     summary["worker_blas_threads"] = int(threads) if threads and threads.isdigit() else None
     summary["worker_stats"] = _worker_stats(launcher, args.workers)
     summary["restarts"] = launcher.restarts
+    if launcher.scaled:
+        summary["ps_schedule"] = launcher.scaled
     if args.evaluator:
         summary["evaluations"] = _evaluations(run_dir / "evaluator.jsonl")
     if resumed is not None:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -200,6 +201,56 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    """``zmqps scale``: ask the chief to serve the PS states from the first N PS of the
+    cluster spec (``--wait``: until the moves are done)."""
+    from zmqps.config import split_address
+    from zmqps.roles.status import fetch_status, format_elastic
+
+    try:
+        split_address(args.chief)
+    except ConfigError as exc:
+        problem = str(exc).removeprefix("bad address: ")
+        raise ConfigError(f"--chief: {problem} (expected HOST:PORT, e.g. 127.0.0.1:2222)") from None
+    if args.ps is not None and args.ps < 1:
+        raise ConfigError(f"--ps must be >= 1, got {args.ps}")
+    options = socket_options(args, "status", None, serve=False, connect=True)
+    body = {} if args.ps is None else {"ps": args.ps}
+    elastic = asyncio.run(fetch_status(args.chief, args.timeout, options, "scale", body))
+    deadline = time.monotonic() + args.wait
+    while args.wait and not _scaled(elastic):
+        if time.monotonic() > deadline:
+            print(format_elastic(elastic))
+            print(f"zmqps scale: the moves are not done after {args.wait:g}s", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+        elastic = asyncio.run(fetch_status(args.chief, args.timeout, options, "scale", {}))
+    print(json.dumps(elastic, indent=2) if args.json else format_elastic(elastic))
+    return 0
+
+
+def _scaled(elastic: dict[str, Any]) -> bool:
+    """Every state on a process asked for, nothing moving or left to move, no process
+    asked for that does not answer."""
+    asked = elastic.get("asked")
+    if asked is None:
+        return not elastic.get("moving")
+    settled = elastic.get("planned") == 0 and not elastic.get("waiting")
+    on_asked = set(elastic.get("serving") or []) <= set(asked)
+    return settled and on_asked and not elastic.get("moving")
+
+
+def _add_chief_query_args(p: argparse.ArgumentParser) -> None:
+    """``--chief``, ``--json``, ``--timeout`` and the keys: a command that asks a running
+    chief (``zmqps status``, ``zmqps scale``)."""
+    p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)"
+    )
+    add_security_args(p)
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from zmqps.transport.security import CLIENT_ROLES, keygen
 
@@ -314,12 +365,7 @@ def _build() -> argparse.ArgumentParser:
     add_inspect_args(p)
     p.set_defaults(func=cmd_inspect)
     p = _sub(sub, "status", help="show a running cluster's state, from its chief")
-    p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument(
-        "--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)"
-    )
-    add_security_args(p)
+    _add_chief_query_args(p)
     p.set_defaults(func=cmd_status)
     p = _sub(
         sub,
@@ -333,6 +379,25 @@ def _build() -> argparse.ArgumentParser:
     add_cluster_args(p)
     p.add_argument("--compact", action="store_true", help="one line of JSON")
     p.set_defaults(func=cmd_cluster)
+    p = _sub(
+        sub,
+        "scale",
+        help="serve the PS states from N PS of the cluster spec, moving them while training",
+        description="Ask a running cluster's chief to serve its PS states from the first N"
+        " PS processes its cluster spec names: states move while training goes on (copied,"
+        " caught up, handed over at a new placement epoch), and a PS left without states is"
+        " drained and exits 0. Without --ps: print where the states are.",
+    )
+    p.add_argument("--ps", type=int, metavar="N", help="the number of PS to serve the states")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait until the moves are done, at most this long (exit 1 past it)",
+    )
+    _add_chief_query_args(p)
+    p.set_defaults(func=cmd_scale)
     p = _sub(sub, "keygen", help="make CurveZMQ keys for a cluster (then run it with --keys)")
     p.add_argument("dir", metavar="DIR", help="folder for the keys (created mode 0700)")
     p.add_argument(

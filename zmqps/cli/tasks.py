@@ -171,6 +171,7 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
         max_nonfinite_share=args.max_nonfinite_share,
         logdir=args.logdir,
         stall_timeout=args.stall_timeout,
+        add_ps_above=getattr(args, "add_ps_above", None),
     )
 
 

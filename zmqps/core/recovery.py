@@ -225,11 +225,11 @@ def decide_start(states: Sequence[Mapping[str, Any]], sync: bool) -> StartPlan:
     known = [st["placement"] for st in held if st.get("placement") is not None]
     if not held or not known:
         return StartPlan("restore" if held else "fresh", gen, reason="no placement held")
-    placement = known[0]
+    placement = max(known, key=lambda p: int(p.get("epoch") or 0))
     problem = _disagreement(states, placement, sync)
     if problem is not None:
         return StartPlan("restore", gen, placement, reason=f"the PS do not agree ({problem})")
-    holders = sorted({int(s[5]) for s in placement["shards"]})
+    holders = sorted(set(_states_of(placement)))
     step = min(int(states[i]["step"]) for i in holders) if holders else 0
     at_step = [st for i, st in enumerate(states) if i in holders and int(st["step"]) == step]
     contributors = set.intersection(*(set(st.get("contributors", ())) for st in at_step))
@@ -242,17 +242,27 @@ def _disagreement(
     gens = {int(st["gen"]) for st in states}
     if len(gens) > 1:
         return f"generations {sorted(gens)}"
+    state_of = _states_of(placement)
     for i, st in enumerate(states):
-        want = {int(s[0]) for s in placement["shards"] if int(s[5]) == i}
+        want = {int(s[0]) for s, at in zip(placement["shards"], state_of, strict=True) if at == i}
         have = {int(sid) for sid, _ in st["shards"]}
         if want != have:
             return f"ps {i} holds shards {sorted(have)[:8]}, the placement says {sorted(want)[:8]}"
     if sync:
-        holders = sorted({int(s[5]) for s in placement["shards"]})
+        holders = sorted(set(state_of))
         steps = {int(states[i]["step"]) for i in holders}
         if len(steps) > 1 and max(steps) - min(steps) > 1:
             return f"sync steps {sorted(steps)}"
     return None
+
+
+def _states_of(placement: Mapping[str, Any]) -> list[int]:
+    """The PS state of each shard of a placement in wire form (its slot when a state
+    was moved to another process, else the PS that holds it)."""
+    slots = placement.get("slots")
+    if slots is not None and len(slots) == len(placement["shards"]):
+        return [int(x) for x in slots]
+    return [int(s[5]) for s in placement["shards"]]
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ TableStats = Callable[[], Mapping[str, Mapping[str, Any]]]
 StateStats = Callable[[], Mapping[int, Mapping[str, Any]]]
 #: Reads the chief's replication figures at scrape time (``RecoveryController``).
 ReplicationStats = Callable[[], Mapping[str, Any]]
+#: Reads the chief's elastic PS figures at scrape time (``Mover.figures``).
+ElasticStats = Callable[[], Mapping[str, Any]]
 
 
 class _Read(Collector):
@@ -179,6 +181,73 @@ class _ReplicationCollector(_Read):
         copies.add_metric(["made"], float(st.get("copies_made", 0)))
         copies.add_metric(["failed"], float(st.get("copies_failed", 0)))
         yield copies
+
+
+#: The chief's elastic PS figures without labels: (kind, name, help, key of the figures
+#: :meth:`Mover.figures` returns).
+_CHIEF_ELASTIC = (
+    (
+        "gauge",
+        "zmqps_placement_epoch",
+        "The placement's epoch (it rises when PS states change processes: a move, a"
+        " fail-over, a copy made).",
+        "epoch",
+    ),
+    ("gauge", "zmqps_ps_serving", "PS processes serving PS states.", "serving"),
+    (
+        "gauge",
+        "zmqps_ps_asked",
+        "PS processes asked to serve the PS states (zmqps scale --ps; as started: those serving).",
+        "asked",
+    ),
+    (
+        "gauge",
+        "zmqps_ps_move_in_progress",
+        "1 while a PS state moves between PS processes, else 0.",
+        "moving",
+    ),
+    (
+        "gauge",
+        "zmqps_ps_move_progress_ratio",
+        "Share of the moving PS state's copy sent so far (0 when no state moves).",
+        "move_progress",
+    ),
+    (
+        "counter",
+        "zmqps_ps_moved_bytes",
+        "Bytes of PS states copied to the processes they moved to.",
+        "moved_bytes",
+    ),
+    (
+        "gauge",
+        "zmqps_ps_drained",
+        "PS processes left without states and told to shut down (not started again).",
+        "drained",
+    ),
+)
+
+
+class _ElasticCollector(_Read):
+    """The chief's elastic PS figures (what its mover already counts), read at scrape
+    time; zeros outside the chief (every process exports the whole catalogue)."""
+
+    @staticmethod
+    def _families(st: Mapping[str, Any]) -> Iterator[Metric]:
+        for kind, name, doc, key in _CHIEF_ELASTIC:
+            family = (
+                GaugeMetricFamily(name, doc) if kind == "gauge" else CounterMetricFamily(name, doc)
+            )
+            family.add_metric([], float(st.get(key, 0)))
+            yield family
+        moves = CounterMetricFamily(
+            "zmqps_ps_moves",
+            "Moves of PS states between PS processes (zmqps scale, a PS joining), by"
+            " outcome (done, failed: given up, the state stays where it was).",
+            labels=["outcome"],
+        )
+        moves.add_metric(["done"], float(st.get("moves_done", 0)))
+        moves.add_metric(["failed"], float(st.get("moves_failed", 0)))
+        yield moves
 
 
 class _TableCollector(_Read):
@@ -331,6 +400,8 @@ class Metrics:
         self.global_step = Gauge("zmqps_global_step", "The chief's global step.", registry=r)
         self._replication = _ReplicationCollector()
         r.register(self._replication)
+        self._elastic = _ElasticCollector()
+        r.register(self._elastic)
         self.tokens_available = Gauge(
             "zmqps_sync_tokens_available", "Tokens waiting in the sync token queue.", registry=r
         )
@@ -549,6 +620,10 @@ class Metrics:
     def watch_replication(self, read: ReplicationStats) -> None:
         """Chief: read the replication figures from ``read`` at scrape time."""
         self._replication.read = read
+
+    def watch_elastic(self, read: ElasticStats) -> None:
+        """Chief: read the elastic PS figures (``Mover.figures``) at scrape time."""
+        self._elastic.read = read
 
     # -- worker --------------------------------------------------------------------
 

@@ -622,7 +622,7 @@ class ParameterClient:
             self.version_gens[sid] = g
 
     def moved(self, states: Sequence[int]) -> None:
-        """PS ``states`` are served by other processes now (a fail-over): their
+        """PS ``states`` are served by other processes now (a fail-over, a move): their
         shared-memory channels were attached to the old ones, and are set up again
         on next use."""
         for state in states:
@@ -1098,7 +1098,7 @@ class ParameterClient:
 
         async def page(s: ShardInfo, start: int) -> tuple[int, int, Array, Array]:
             body = o.TableRows(s.id, start, limit, self.gen)
-            rep = await self.ps[s.ps].request(
+            rep = await self.ps[s.state].request(
                 "table_rows", body.to_wire(), timeout=self.timeout, attempts=2
             )
             got = o.TablePage.parse(rep.body, "table_rows reply")

@@ -175,10 +175,15 @@ class ChiefConfig:
     wire_dtype: str | None = None
     #: training standing still this long (seconds) ends the run failed; 0: never
     stall_timeout: float = STALL_TIMEOUT_S
+    #: elastic PS: a PS serving more bytes of shards than this makes the chief ask for
+    #: the next PS of the spec (None: never)
+    add_ps_above: int | None = None
 
     def __post_init__(self) -> None:
         if not self.stall_timeout >= 0:
             raise ConfigError(f"--stall-timeout must be >= 0, got {self.stall_timeout:g}")
+        if self.add_ps_above is not None and self.add_ps_above < 1:
+            raise ConfigError(f"--add-ps-above must be > 0 bytes, got {self.add_ps_above}")
         try:
             check_replication(self.replication, self.cluster.num_ps)
         except InvalidArgument as exc:

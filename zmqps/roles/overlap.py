@@ -59,6 +59,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import heapq
 import threading
 import time
 from collections.abc import Coroutine, Mapping
@@ -76,6 +77,8 @@ if TYPE_CHECKING:
 
 __all__ = ["COMM_PHASES", "OverlapStats", "StepPipeline"]
 
+#: The longest steps a worker's statistics keep, with when each ended.
+KEEP_LONGEST = 32
 #: The phases that move data (everything but compute).
 COMM_PHASES = ("pull", "h2d", "d2h", "push")
 T = TypeVar("T")
@@ -91,6 +94,8 @@ class OverlapStats:
     waited: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMM_PHASES, 0.0))
     took: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMM_PHASES, 0.0))
     compute: float = 0.0
+    #: the longest steps (at most :data:`KEEP_LONGEST`): (seconds, wall-clock end)
+    longest: list[tuple[float, float]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _recent: collections.deque[tuple[float, float]] = field(
         default_factory=lambda: collections.deque(maxlen=100), repr=False
@@ -113,6 +118,17 @@ class OverlapStats:
         """Share of communication time hidden behind compute, over the whole run."""
         return self.ratio(sum(self.waited.values()), sum(self.took.values()))
 
+    def step_took(self, seconds: float) -> None:
+        """One step's wall time: kept among the longest (when a step paused, and for
+        how long: a PS state moving, a fail-over)."""
+        with self._lock:
+            self.wall += seconds
+            item = (round(seconds, 6), round(time.time(), 3))
+            if len(self.longest) < KEEP_LONGEST:
+                heapq.heappush(self.longest, item)
+            elif item > self.longest[0]:
+                heapq.heapreplace(self.longest, item)
+
     def step_done(self, waited: float, took: float) -> float:
         """Record one step's communication; returns the overlap over the recent steps."""
         with self._lock:
@@ -130,6 +146,7 @@ class OverlapStats:
             "waited_seconds": {p: round(s / n, 6) for p, s in self.waited.items()},
             "took_seconds": {p: round(s / n, 6) for p, s in self.took.items()},
             "overlap": round(self.overlap, 4),
+            "longest_steps": sorted(self.longest, reverse=True),
         }
 
 
@@ -399,8 +416,7 @@ class StepPipeline:
                 self._need_pull = True  # values of variables without a gradient: not back
             self._keep_versions(self.back)
         self.worker.count_step(loss, examples)
-        now = time.perf_counter()
-        self.stats.wall += now - self._began
+        self.stats.step_took(time.perf_counter() - self._began)
         took = sum(self.stats.took.values()) - self._took_before
         ratio = self.stats.step_done(self._step_waited, took)
         if self.worker.metrics is not None:

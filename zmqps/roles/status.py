@@ -11,12 +11,17 @@ __all__ = ["fetch_status", "format_status"]
 
 
 async def fetch_status(
-    chief: str, timeout: float = 5.0, options: SocketOptions | None = None
+    chief: str,
+    timeout: float = 5.0,
+    options: SocketOptions | None = None,
+    op: str = "status",
+    body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The chief's answer to ``op`` (its status, or ``scale``'s account of the moves)."""
     ctx = new_context()
-    client = Client(ctx, chief, f"status:{uuid.uuid4().hex[:8]}", options=options, timeout=timeout)
+    client = Client(ctx, chief, f"{op}:{uuid.uuid4().hex[:8]}", options=options, timeout=timeout)
     try:
-        rep = await client.request("status")
+        rep = await client.request(op, body)
         return dict(rep.body)
     finally:
         # a status query left unsent (the chief gone) is dropped: with the socket's
@@ -71,6 +76,9 @@ def format_status(s: dict[str, Any]) -> str:
             f"ssp           max staleness {ssp['max_staleness']},"
             f" largest spread granted {ssp['max_spread']}"
         )
+    elastic = s.get("elastic") or {}
+    if elastic.get("asked") is not None or elastic.get("moves_done") or elastic.get("moving"):
+        lines.append(format_elastic(elastic))
     workers = s.get("workers") or []
     if workers:
         lines.append("worker  incarnation       state  step    loss    last seen")
@@ -80,4 +88,30 @@ def format_status(s: dict[str, Any]) -> str:
                 f"{w['index']:<7} {w['incarnation']:<17} {w['state']:<6} {w['step']:<7}"
                 f" {loss:<7} {w['last_seen_s']:.1f}s ago"
             )
+    return "\n".join(lines)
+
+
+def format_elastic(e: dict[str, Any]) -> str:
+    """``zmqps scale``'s lines: who serves the states, what moves, what was moved."""
+    lines = [
+        f"serving       ps {', '.join(map(str, e.get('serving') or []))}"
+        f"  (placement epoch {e.get('epoch', 0)})",
+        "asked         "
+        + ("as started" if e.get("asked") is None else f"ps {', '.join(map(str, e['asked']))}"),
+    ]
+    moving = e.get("moving")
+    if moving:
+        done = 100 * float(moving.get("progress", 0))
+        lines.append(
+            f"moving        ps {moving['state']}'s state from ps {moving['from']} to ps"
+            f" {moving['to']} ({moving.get('phase')}, {done:.0f}%)"
+        )
+    if e.get("waiting"):
+        lines.append(f"waiting       {e['waiting']}")
+    lines.append(
+        f"moves         {e.get('moves_done', 0)} done, {e.get('moves_failed', 0)} failed,"
+        f" {e.get('moved_bytes', 0)} bytes moved"
+    )
+    if e.get("drained"):
+        lines.append(f"drained       ps {', '.join(map(str, e['drained']))}")
     return "\n".join(lines)

@@ -75,6 +75,8 @@ REQUEST_OPS = frozenset(
         "join",
         "install",
         "replica_ring",
+        # elastic PS: the processes that serve the states (an operator to the chief)
+        "scale",
         # coordinator mode: functions scheduled onto worker servers
         "run",
         "make_resource",

@@ -334,6 +334,14 @@ class Shutdown(Body):
     reason: str | None = wire(Str(256), default=None)
 
 
+@_body("scale")
+class Scale(Body):
+    """Serve the PS states from the first ``ps`` processes of the cluster spec (the
+    chief moves them while training goes on; None: only say where they are)."""
+
+    ps: int | None = wire(Int(1, 1 << 20), default=None)
+
+
 # ---------------------------------------------------------------------------
 # Requests: data (workers -> PS).
 
@@ -557,6 +565,9 @@ class ReplicaSet(Body):
     #: the placement epoch the chief is at (the process remembers the highest: a
     #: restarted chief starts past it)
     epoch: int | None = wire(COUNT, default=None)
+    #: the state moved away: the process drops its copy (its own state: emptied, a
+    #: backup that refuses every request for it)
+    drop: bool = wire(Bool(), default=False)
 
 
 #: ops whose requests change a PS state (``pull_rows`` creates hash-table rows): a
@@ -1081,6 +1092,7 @@ REQUESTS: Mapping[str, type[Body]] = {
         ReplicaRing,
         Join,
         Install,
+        Scale,
         Run,
         MakeResource,
     )
@@ -1150,6 +1162,7 @@ REPLIES: Mapping[str, type[Body]] = {
     "join": Joining,
     "install": Replicated,
     "replica_ring": RingAttached,
+    "scale": Free,
     "run": Ran,
     "make_resource": ResourceMade,
 }

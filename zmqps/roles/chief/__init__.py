@@ -6,6 +6,7 @@ recovery.py     RecoveryController: phase, PS health, generations, restores, ado
                 worker admission (fencing, where a new incarnation resumes)
 variables.py    variable creation and the placement
 checkpoints.py  when checkpoints are taken
+done_record.py  the workers that finished, on disk (a restarted chief reads them)
 finish.py       the summary, the final model's evaluation and export
 serve.py        the chief as a process, and the order of the end of a run
 """

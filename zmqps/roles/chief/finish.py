@@ -65,6 +65,18 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
             "copies_failed": recovery.rereplicator.failures,
             "restores": recovery.restore_count,
         }
+    mover = recovery.mover
+    if mover is not None and (mover.moves or mover.failures or mover.wanted is not None):
+        # elastic PS: the processes that served the states at the end, and the moves
+        summary["elastic"] = {
+            "serving": mover.serving(),
+            "moves": mover.moves,
+            "moves_failed": mover.failures,
+            "moved_bytes": mover.bytes,
+            "epoch": mover.homes.epoch,
+            "recent_moves": mover.done,
+            "scales": mover.scales,
+        }
     failure = nonfinite_verdict(m.nonfinite, m.global_step, cfg.max_nonfinite_share)
     if failure:
         summary["failed"] = failure

@@ -120,7 +120,42 @@ class ChiefMode:
         #: a reconfiguration some PS missed: told again later (:meth:`_reconfigure`)
         self._retry: asyncio.Future[None] | None = None
         self._told_everyone = True
+        #: work for the next step boundary the chief holds (sync: no tokens of the next
+        #: step out; a PS state moved there leaves no step half-summed behind)
+        self._at_boundary: list[tuple[Callable[[int], Awaitable[Any]], asyncio.Future[Any]]] = []
+        self._running_jobs: set[asyncio.Future[None]] = set()
         self.setup()
+
+    def at_boundary(self, job: Callable[[int], Awaitable[Any]]) -> asyncio.Future[Any]:
+        """Run ``job(step)`` at the next step boundary the chief holds (sync: after
+        ``step`` was applied everywhere, before any token of the next is put); its
+        outcome is the future's. Async and ssp have no boundary: it runs at once."""
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._at_boundary.append((job, done))
+        if self.name != "sync":
+            running = asyncio.ensure_future(self._run_boundary_jobs(self.global_step))
+            self._running_jobs.add(running)
+            running.add_done_callback(self._running_jobs.discard)
+        return done
+
+    def drop_boundary_job(self, done: asyncio.Future[Any]) -> bool:
+        """A job not run yet is not wanted any more; False when it began already."""
+        kept = [(j, d) for j, d in self._at_boundary if d is not done]
+        dropped = len(kept) != len(self._at_boundary)
+        self._at_boundary = kept
+        return dropped
+
+    async def _run_boundary_jobs(self, step: int) -> None:
+        jobs, self._at_boundary = self._at_boundary, []
+        for job, done in jobs:
+            try:
+                out = await job(step)
+            except Exception as exc:  # the job's failure is its caller's
+                if not done.done():
+                    done.set_exception(exc)
+                continue
+            if not done.done():
+                done.set_result(out)
 
     def setup(self) -> None:
         """The mode's own state (subclasses)."""
@@ -519,6 +554,8 @@ class SyncMode(ChiefMode):
             self.counted.clear()
             self._gone_memo = None
             await self._reconfigure()
+            if self._at_boundary and not out:
+                await self._run_boundary_jobs(nxt)
             if self.on_step is not None and not out:
                 # e.g. a checkpoint, while no tokens are out (a step the PS released by
                 # itself has them out: one due meanwhile waits for the next boundary,
@@ -751,6 +788,7 @@ class SyncMode(ChiefMode):
             and self._told_everyone
             and self.required == self.needed()
             and not self.step_due(step)
+            and not self._at_boundary
         )
 
     def _relaying(self) -> bool:

@@ -28,12 +28,13 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zmqps.checkpoint import Checkpoint
+from zmqps.core.finished import Finished, Held, lost_verdict, work_lost
 from zmqps.core.membership import Membership
 from zmqps.core.recovery import (
     Event,
@@ -49,7 +50,9 @@ from zmqps.core.variables import Placement, ShardInfo
 from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
 from zmqps.roles.checkpointer import Checkpointer
+from zmqps.roles.chief.done_record import DoneRecord, record_path
 from zmqps.roles.chief.modes import ChiefMode
+from zmqps.roles.chief.moves import Mover
 from zmqps.roles.chief.rereplication import Rereplicator
 from zmqps.roles.chief.variables import TERM, Variables
 from zmqps.roles.client import tell_left
@@ -57,13 +60,20 @@ from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
-from zmqps.wire.errors import DeadlineExceeded, NotFound, NotReady, ZmqpsError
+from zmqps.wire.errors import (
+    DeadlineExceeded,
+    NotFound,
+    NotPrimary,
+    NotReady,
+    RunFailed,
+    ZmqpsError,
+)
 from zmqps.wire.schema import INT64_MAX
 
 if TYPE_CHECKING:
     from zmqps.roles.chief.checkpoints import ChiefCheckpoints
 
-__all__ = ["RecoveryController", "RunFinished"]
+__all__ = ["RecoveryController", "RunFinished", "WorkLost"]
 
 log = logging.getLogger("zmqps.chief")
 
@@ -88,6 +98,20 @@ class RunFinished(Exception):
         self.ckpt = ckpt
         #: the summary the run wrote when it ended
         self.summary = summary
+
+
+class WorkLost(RunFailed):
+    """At start: workers finished their work and left, and the state the cluster would
+    start from (a checkpoint, or the initial values: the PS lost theirs, no copy of it
+    was kept) does not hold all of it. Their batches cannot be trained again: the run
+    ends failed (exit code 3), saying so (:func:`zmqps.core.finished.lost_verdict`)."""
+
+
+def _held(ckpt: Checkpoint | None) -> Held:
+    """What a cluster that goes back to ``ckpt`` (None: the initial values) holds."""
+    if ckpt is None:
+        return Held()
+    return Held(ckpt.name, ckpt.step, ckpt.cursors, ckpt.final, ckpt.generation)
 
 
 def _resumed(ckpt: Checkpoint | None) -> dict[str, int] | None:
@@ -129,6 +153,10 @@ class RecoveryController:
         self.placement_lock = asyncio.Lock()
         #: brings the states back to R copies (replication only)
         self.rereplicator = None if homes is None else Rereplicator(self, homes, clock=clock)
+        #: moves PS states between processes (``zmqps scale``, a PS joining)
+        self.mover = None if homes is None else Mover(self, homes, clock=clock)
+        #: the state move under way (the re-replication leaves the copies alone)
+        self.moving: dict[str, Any] | None = None
         self.members = members
         self.mode = mode
         self.variables = variables
@@ -172,6 +200,16 @@ class RecoveryController:
         self.training_failed = asyncio.Event()
         self.training_error: BaseException | None = None
         self._training: asyncio.Task[None] | None = None
+        path = record_path(cfg.checkpoint.directory if cfg.checkpoint else None, cfg.summary_path)
+        #: the record of the workers that finished, where this chief keeps it (None: a
+        #: chief with neither checkpoints nor a summary keeps none)
+        self.done_record = None if path is None else DoneRecord(path)
+        #: the workers that finished their work, as the record holds them
+        self.finished: dict[int, Finished] = {}
+        self._record_lock = asyncio.Lock()
+        #: called with the one line a run fails with when a restore took back batches of
+        #: workers that finished and left (they cannot train them again)
+        self.on_work_lost: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ the phase
 
@@ -242,17 +280,30 @@ class RecoveryController:
 
     # ------------------------------------------------------------------ start
 
-    async def ps_states(self, timeout: float) -> list[dict[str, Any]]:
-        """``ps_state`` of every PS, waiting up to ``timeout`` s for each to answer."""
+    async def ps_states(self, timeout: float, left: Collection[int] = ()) -> list[dict[str, Any]]:
+        """``ps_state`` of every PS, waiting up to ``timeout`` s for each to answer.
+        One of ``left`` (it left the run: a scale-down drained it) that does not answer
+        within a few heartbeats reads as a process that holds no copy of any state."""
         deadline = self.clock() + timeout
+        brief = self.clock() + min(timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
 
         async def one(i: int) -> dict[str, Any]:
             while True:
-                left = deadline - self.clock()
+                ends = brief if i in left else deadline
+                wait = max(0.05, min(2.0, ends - self.clock()))
                 try:
-                    rep = await self.ps[i].request("ps_state", timeout=max(0.05, min(2.0, left)))
+                    rep = await self.ps[i].request("ps_state", timeout=wait)
                     return dict(rep.body)
+                except (NotPrimary, NotFound) as exc:
+                    home = None if self.homes is None else self.homes.of[i]
+                    if self.replicated() or home is None or home == i:
+                        raise
+                    # unreplicated: a state moved to another process, which restarted
+                    # since (it holds no copy): lost there, as a restarted PS's own is
+                    return await self._lost_copy(i, home, exc, wait)
                 except DeadlineExceeded:
+                    if i in left and self.clock() >= brief:
+                        return {"boot": "", "gen": 0, "shards": [], "roles": [], "left": True}
                     if self.clock() >= deadline:
                         raise NotReady(
                             f"ps {i} ({self.ps[i].endpoint}) did not answer within {timeout:g}s"
@@ -260,6 +311,22 @@ class RecoveryController:
                     log.info("waiting for ps %d at %s", i, self.ps[i].endpoint)
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.ps)))))
+
+    async def _lost_copy(
+        self, state: int, home: int, exc: ZmqpsError, timeout: float
+    ) -> dict[str, Any]:
+        """``ps_state`` of PS state ``state``, moved to process ``home`` which holds no
+        copy of it (restarted since): the process's own answer (its boot id and
+        generation), with no shards and nothing of the state's progress."""
+        assert self.homes is not None
+        log.warning("ps %d's state is gone from ps %d (%s): a restore follows", state, home, exc)
+        rep = await self.homes.processes[home].request("ps_state", timeout=timeout, slot=home)
+        body = dict(rep.body)
+        lost = ("placement", "cursors", "done", "rewinds", "highs", "contributors", "newest")
+        for key in lost:
+            body.pop(key, None)
+        body.update(index=state, shards=[], step=0)
+        return body
 
     async def start(self) -> None:
         """At start: adopt the state of PS that already hold shards (this chief was
@@ -284,8 +351,16 @@ class RecoveryController:
             probe = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
             if not await self._any_ps_answers(probe):
                 raise RunFinished(latest, summary, f"no PS answered within {probe:g}s")
-        states = first = await self.ps_states(self.cfg.startup_timeout)
-        moved, orphans, gone = self._copies_of(states) if self.replicated() else (None, [], [])
+        if self.done_record is not None:
+            # the workers that finished under an earlier chief of this run: the PS may
+            # have lost what said it (restarted without a copy of their state)
+            self.finished = await asyncio.to_thread(self.done_record.load)
+        elastic, named = await self._moved_homes()
+        # replicated: each process's own account of its copies (a process the newest
+        # placement names no copy on left the run, and is not waited for)
+        left = () if named is None else [q for q in range(len(self.ps)) if q not in named]
+        states = first = await self.ps_states(self.cfg.startup_timeout, left)
+        moved, orphans, gone = self._copies_of(states) if self.replicated() else (elastic, [], [])
         if moved is not None:  # each state from its primary, wherever it is now
             assert self.homes is not None
             self.homes.update(moved)
@@ -302,6 +377,11 @@ class RecoveryController:
             states = await self.ps_states(self.cfg.startup_timeout)
         self._learn_progress(states)
         plan = decide_start(states, sync=self.mode.name == "sync")
+        if plan.kind != "adopt":
+            # the cluster goes back to the latest checkpoint, or to the initial values:
+            # the work of a worker that finished and left must be in it, for nothing
+            # will train it again
+            self._check_finished_work(states, latest, plan.kind, plan.reason)
         self.gen = plan.gen
         self.boots = boots = {i: str(st["boot"]) for i, st in enumerate(states)}
         try:
@@ -338,6 +418,11 @@ class RecoveryController:
                     self._epoch_past(max(int(st.get("epoch") or 0) for st in first))
                     await self._unreplicate(self.variables.placement)  # type: ignore[arg-type]
                     states = await self.ps_states(self.cfg.startup_timeout)
+                elif moved is not None:
+                    # states moved between processes (unreplicated): each one's process
+                    # holds a copy again (made empty there if it restarted) first
+                    await self._unreplicate(moved)
+                    states = await self.ps_states(self.cfg.startup_timeout)
                 await self._restore(Event.RESTORE, "chief restart with PS in disagreement", states)
                 return
             ckpt = latest  # verified above, off the event loop (it hashes every file)
@@ -348,6 +433,12 @@ class RecoveryController:
             variables = tuple(ckpt.variable_defs())
             placement = self.variables.plan(variables, dict(ckpt.manifest.optimizer))
             self.variables.use(placement)
+            if moved is not None and not self.replicated():
+                # states moved between processes (unreplicated), every copy lost: each
+                # state's process holds a copy again (made empty there if it restarted)
+                # before the restore (sent by the moved homes, it found no copy there)
+                await self._unreplicate(placement)
+                states = await self.ps_states(self.cfg.startup_timeout)
             if self.mode.name != "sync":
                 # the steps the checkpoint holds; those of the batches its workers resume
                 # after are counted again by the workers themselves
@@ -543,6 +634,48 @@ class RecoveryController:
             return summary
         return None
 
+    async def _moved_homes(self) -> tuple[Placement | None, set[int] | None]:
+        """At start: the newest placement any process heard the last chief publish, and
+        the processes it names a copy on (None, None: no process heard one).
+        Unreplicated, the placement of states moved between processes (``zmqps
+        scale``): the homes follow it, so that the processes a scale-down drained are
+        not waited for (replicated, the copies' roles say where the states are, and
+        this placement only which processes are still part of the run). The processes
+        are given a few heartbeats to answer: those that serve states wait for each
+        other at start anyway."""
+        if self.homes is None:
+            return None, None
+        within = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
+
+        async def one(c: Requester) -> dict[str, Any] | None:
+            try:
+                rep = await c.request("ps_state", timeout=within)
+                return dict(rep.body)
+            except ZmqpsError:
+                return None
+
+        heard = [st for st in await asyncio.gather(*map(one, self.homes.processes)) if st]
+        published = [st["newest"] for st in heard if st.get("newest") is not None]
+        if not published:
+            return None, None
+        newest = Placement.from_wire(max(published, key=lambda p: int(p.get("epoch") or 0)))
+        named = {q for s in newest.shards for q in s.copies}
+        if self.replicated():
+            return None, named
+        self._terms_past(heard)
+        # past any epoch a process was told (a worker may have heard the last one)
+        told = max([newest.epoch, *(int(st.get("epoch") or 0) for st in heard)])
+        placement = replace(newest, epoch=min(told + 1, INT64_MAX))
+        self.homes.update(placement)
+        if self.mover is not None:
+            self.mover.adopt()
+        log.info(
+            "the PS states were moved: %s (placement epoch %d)",
+            ", ".join(f"ps {st} on ps {p}" for st, p in enumerate(self.homes.of)),
+            placement.epoch,
+        )
+        return placement, named
+
     async def _any_ps_answers(self, within: float) -> bool:
         async def one(c: Requester) -> bool:
             try:
@@ -553,17 +686,82 @@ class RecoveryController:
 
         return any(await asyncio.gather(*(one(c) for c in self.ps)))
 
+    def _check_finished_work(
+        self,
+        states: Sequence[dict[str, Any]],
+        latest: Checkpoint | None,
+        kind: str,
+        reason: str,
+    ) -> None:
+        """At start, before a restore or a fresh start: raise :class:`WorkLost` when a
+        worker that finished (the record says, or a PS) did batches that ``latest``
+        (None: the initial values) does not hold."""
+        finished = dict(self.finished)
+        for index, done in _done_on_ps(states).items():
+            was = finished.get(index)
+            if was is None or was.steps < done.steps:
+                finished[index] = done
+        held = _held(latest)
+        lost = work_lost({i: f for i, f in finished.items() if i < self.members.num_workers}, held)
+        if not lost:
+            return
+        if self.done_record is not None and self.finished:
+            log.warning(
+                "the workers that finished under an earlier chief of this run are in %s"
+                " (a new run in this directory starts without it: remove it)",
+                self.done_record.path,
+            )
+        how = (
+            "every PS started again without the state that held it (no copy of it was kept)"
+            if kind == "fresh"
+            else f"the PS lost part of the state that held it ({reason})"
+        )
+        raise WorkLost(lost_verdict(lost, held, how))
+
+    async def note_done(self) -> None:
+        """The record holds the workers done now (each with the batches it did and the
+        generation it finished in): written before a leave is answered, after a start
+        and a restore. A record that cannot be written is said in the log."""
+        async with self._record_lock:
+            now: dict[int, Finished] = {}
+            for index, w in sorted(self.members.workers.items()):
+                if w.done:
+                    was = self.finished.get(index)
+                    if was is None or was.steps != w.total_steps:
+                        was = Finished(w.total_steps, self.gen)
+                    now[index] = was
+            self.finished = now
+            if self.done_record is None:
+                return
+            try:
+                await asyncio.to_thread(self.done_record.save, now)
+            except OSError as exc:
+                self.notes.warning(
+                    "cannot write %s (the workers that finished): %s",
+                    self.done_record.path,
+                    exc,
+                    key="done_record",
+                )
+
+    async def forget_done(self) -> None:
+        """The run ended in order (its summary written): the record goes."""
+        if self.done_record is None:
+            return
+        async with self._record_lock:
+            try:
+                await asyncio.to_thread(self.done_record.remove)
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", self.done_record.path, exc)
+
     def _learn_progress(self, states: Sequence[dict[str, Any]]) -> None:
         """What the PS know of the workers when this chief starts (it may have been
         restarted): which finished their work (the chief waits for no one that left),
         and, async / ssp, the batches pushed so far (the global step never goes back)."""
-        done: dict[int, int] = {}
+        done = {i: f.steps for i, f in _done_on_ps(states).items()}
+        for index, f in self.finished.items():  # the record: what no PS says any more
+            done.setdefault(index, f.steps)
         pushed: dict[str, int] = {}
         for st in states:
-            for name, steps in (st.get("done") or {}).items():
-                role, _, index = name.partition(":")
-                if role == "worker" and index.isdigit():
-                    done[int(index)] = max(done.get(int(index), 0), int(steps))
             # the highest batches ever pushed (a restore to a checkpoint took some
             # back, but the global step of async / ssp never goes back in a generation)
             for name, cursor in (st.get("highs") or st.get("cursors") or {}).items():
@@ -719,6 +917,10 @@ class RecoveryController:
         self.rewinds = dict(cursors or {}) if rewind else None
         if rewind:
             self._reopen(self.rewinds or {})
+            # a worker back at work is not done any more (before the restore is sent:
+            # a chief restarted in between must not wait for it as for one done)
+            await self.note_done()
+            self._finished_work_taken_back(reason, ckpt, step)
         await asyncio.gather(
             *(
                 self.ps[i].request(
@@ -764,6 +966,19 @@ class RecoveryController:
         if self.rewinds is None or (state is not None and state.done):
             return None
         return self.rewinds.get(f"worker:{index}", 0)
+
+    def _finished_work_taken_back(self, reason: str, ckpt: Checkpoint | None, step: int) -> None:
+        """After :meth:`_reopen`: the workers still done (they left, no longer heard
+        from) whose batches the restore takes back lost them for good. The run cannot
+        end truthfully: :attr:`on_work_lost` hears why."""
+        if self.on_work_lost is None or self.rewinds is None:
+            return
+        done = {i: Finished(w.total_steps) for i, w in self.members.workers.items() if w.done}
+        held = Held(None if ckpt is None else ckpt.name, step, self.rewinds)
+        lost = work_lost(done, held)
+        if lost:
+            how = f"the PS state that held it was lost ({reason})"
+            self.on_work_lost(lost_verdict(lost, held, how))
 
     def _reopen(self, rewinds: dict[str, int]) -> None:
         """Workers that finished their data but still wait for the run's end, and whose
@@ -816,18 +1031,21 @@ class RecoveryController:
         that PS waits for it: a silent PS is found within an interval of the heartbeat
         timeout, not after its probe's own timeout on top."""
         interval = min(self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout / 4)
-        inflight: dict[int, asyncio.Task[tuple[int, o.PsStateReply | None]]] = {}
+        inflight: dict[int, asyncio.Task[tuple[int, int, o.PsStateReply | None]]] = {}
 
-        async def probe(i: int, gen: int) -> tuple[int, o.PsStateReply | None]:
+        async def probe(i: int, gen: int) -> tuple[int, int, o.PsStateReply | None]:
+            # the placement epoch it is routed by: a state moved meanwhile answers from
+            # its new home, whose boot id the watch expects from then on
+            epoch = self.homes.epoch if self.homes is not None else 0
             try:
                 # attempts=2: a read, so it may be sent again, and is, at once, when the
                 # connection comes back after a partition (the PS is heard without delay)
                 rep = await self.ps[i].request(
                     "ps_state", timeout=max(0.5, 2 * interval), attempts=2
                 )
-                return gen, o.PsStateReply.parse(rep.body)
+                return gen, epoch, o.PsStateReply.parse(rep.body)
             except ZmqpsError:
-                return gen, None
+                return gen, epoch, None
 
         def forget() -> None:
             for t in inflight.values():
@@ -864,7 +1082,7 @@ class RecoveryController:
 
     def _hear(
         self,
-        inflight: dict[int, asyncio.Task[tuple[int, o.PsStateReply | None]]],
+        inflight: dict[int, asyncio.Task[tuple[int, int, o.PsStateReply | None]]],
         failing: list[int] | None = None,
     ) -> list[int]:
         """Take the answered probes; returns the PS that restarted. A replicated PS
@@ -877,8 +1095,10 @@ class RecoveryController:
             st: o.PsStateReply | None = None
             if task is not None and task.done():
                 del inflight[i]
-                gen, st = task.result()
-                st = st if gen == self.gen else None  # a probe of before a restore
+                gen, epoch, st = task.result()
+                # a probe of before a restore, or routed to where a state no longer is
+                moved = self.homes is not None and epoch != self.homes.epoch
+                st = st if gen == self.gen and not moved else None
             if st is None:
                 if self.health.silent(i, now):
                     if failing is not None and self.can_fail_over(i):
@@ -944,9 +1164,15 @@ class RecoveryController:
         state whose primary they were goes on on a backup (no restore, no new
         generation); every primary they backed up stops waiting for them. The surviving
         copies are fenced at a new term first (their answers say how far each got), the
-        furthest is promoted, the new placement epoch is published."""
+        furthest is promoted, the new placement epoch is published.
+
+        The processes are the ones serving ``states`` *now*, when they were found
+        silent: a state moved meanwhile (a move's hand-over held the placement lock
+        this waits for) is served by another process, which is not taken for dead."""
+        if self.homes is not None:
+            processes = [*processes, *(self.homes.of[i] for i in states)]
         async with self.placement_lock:
-            await self._fail_over(states, processes)
+            await self._fail_over([], processes)
 
     async def _fail_over(self, states: Sequence[int], processes: Sequence[int]) -> None:
         assert self.homes is not None and self.variables.placement is not None
@@ -1029,15 +1255,7 @@ class RecoveryController:
         self.variables.use(out.placement)
         self.homes.update(out.placement)
         # 3. the moved states answer from their new homes (another boot id)
-        boots: dict[int, str] = {}
-        for state in promoted:
-            try:
-                rep = await self.ps[state].request("ps_state", timeout=2.0)
-                boots[state] = o.PsStateReply.parse(rep.body).boot
-            except ZmqpsError as exc:
-                log.warning("ps %d's new primary does not answer: %s", state, exc)
-        self.boots.update(boots)
-        self.health.expect(boots, self.gen, self.clock())
+        await self.rehome(promoted)
         seconds = round(self.clock() - started, 3)
         # counted with the record in one turn: a status never shows one without the other
         self.promotions += len(promoted)
@@ -1068,6 +1286,33 @@ class RecoveryController:
             )
             await self.restore_lost(sorted(lost_states), started, "every copy of a PS state lost")
 
+    async def rehome(self, states: Sequence[int]) -> None:
+        """``states`` moved to other processes: the health watch expects their new
+        homes' boot ids."""
+        boots: dict[int, str] = {}
+        for state in states:
+            try:
+                rep = await self.ps[state].request("ps_state", timeout=2.0)
+                boots[state] = o.PsStateReply.parse(rep.body).boot
+            except ZmqpsError as exc:
+                log.warning("ps %d's new primary does not answer: %s", state, exc)
+        self.boots.update(boots)
+        self.health.expect(boots, self.gen, self.clock())
+
+    def restore_homes(self) -> dict[int, int]:
+        """Where a restore puts each state: on its own process, unless the run was
+        scaled to processes without it; then where it is served now, if that process
+        stays, else on the first that stays."""
+        assert self.homes is not None
+        stays = None if self.mover is None or self.mover.wanted is None else self.mover.wanted
+        out = {}
+        for state, home in enumerate(self.homes.of):
+            if stays is None or state in stays:
+                out[state] = state
+            else:
+                out[state] = home if home in stays else stays[0]
+        return out
+
     async def _unreplicate(self, placement: Placement) -> None:
         """Back to one copy of each state, on its own process, before a restore (every
         copy of some state was lost, or one had none left): every
@@ -1085,17 +1330,29 @@ class RecoveryController:
 
         # every state (one with a copy joining but no backup yet too), at a newer term:
         # a copy left of an older one can never be taken for the state's primary
+        back = self.restore_homes()
         for state in sorted({s.state for s in placement.shards}):
             home = self.homes.of[state]
             term = self.terms[state] = self.terms.get(state, TERM) + 1
-            if home != state:  # served elsewhere since a fail-over: that copy steps down
+            if home != back[state]:  # served elsewhere since: that copy steps down
                 await tell(home, o.ReplicaSet(state, term, False, epoch=epoch), "retire")
             # the state's own process serves it, the only copy (a backup of it there,
-            # made since the process restarted, promoted: the restore overwrites it)
-            await tell(state, o.ReplicaSet(state, term, True, epoch=epoch), "take back")
+            # made since the process restarted, promoted: the restore overwrites it);
+            # one that left the run (scaled down) is served where it was moved, an
+            # empty copy made there when that process restarted
+            body = o.ReplicaSet(state, term, True, epoch=epoch, make=back[state] != state)
+            await tell(back[state], body, "take back")
         plain = replace(
             placement,
-            shards=tuple(replace(s, ps=s.state, backups=(), slot=None) for s in placement.shards),
+            shards=tuple(
+                replace(
+                    s,
+                    ps=back[s.state],
+                    backups=(),
+                    slot=None if back[s.state] == s.state else s.state,
+                )
+                for s in placement.shards
+            ),
             epoch=epoch,
         )
         self.variables.use(plain)
@@ -1115,6 +1372,8 @@ class RecoveryController:
         that many batches."""
         unknown = who.index not in self.members.workers
         rejoin = self.members.register(who.index, who.incarnation, self.clock(), steps_planned)
+        if who.index in self.finished and not self.members.workers[who.index].done:
+            await self.note_done()  # it trains again: not done any more
         progress, silent = await self._fence(who)
         if silent and running is None:
             # where it resumes needs what every PS applied from it: a PS left out (paused,
@@ -1253,6 +1512,7 @@ class RecoveryController:
                 if self.rereplicator is not None and self.replicated()
                 else {}
             ),
+            **({"elastic": self.mover.status()} if self.mover is not None else {}),
         }
 
     def replication_figures(self) -> dict[str, Any]:
@@ -1273,6 +1533,20 @@ class RecoveryController:
     def replicated(self) -> bool:
         """Whether the run keeps copies (``--replication`` above 1)."""
         return self.homes is not None and self.cfg.replication > 1
+
+
+def _done_on_ps(states: Sequence[dict[str, Any]]) -> dict[int, Finished]:
+    """The workers the PS say finished their work: the most batches any says, in the
+    generation of the PS that says it."""
+    out: dict[int, Finished] = {}
+    for st in states:
+        for name, steps in (st.get("done") or {}).items():
+            role, _, index = name.partition(":")
+            if role == "worker" and index.isdigit():
+                was = out.get(int(index))
+                if was is None or was.steps < int(steps):
+                    out[int(index)] = Finished(int(steps), int(st.get("gen") or 0))
+    return out
 
 
 def _rewinds(states: Sequence[dict[str, Any]], gen: int) -> dict[str, int] | None:

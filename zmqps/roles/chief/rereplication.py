@@ -121,7 +121,7 @@ class Rereplicator:
         probed = self.recovery.variables.placement
         states = await asyncio.gather(*(self._probe(q) for q in range(n)))
         dead = await self._watch_boots([None if st is None else st.boot for st in states])
-        if not dead and self.current is None:
+        if not dead and self.current is None and self.recovery.moving is None:
             await self.reconcile(states, probed)
         return dead
 
@@ -180,7 +180,8 @@ class Rereplicator:
         changed: list[int] = []
         async with self.recovery.placement_lock:
             placement = self.recovery.variables.placement
-            if placement is None or not self.active() or self.current is not None:
+            busy = self.current is not None or self.recovery.moving is not None
+            if placement is None or not self.active() or busy:
                 return changed
             named = {s.state: set(s.backups) for s in placement.shards}
             unnamed: dict[int, set[int]] = {}
@@ -210,7 +211,7 @@ class Rereplicator:
                             state,
                             ", ".join(map(str, sorted(extra))),
                         )
-                        await self._drop_joiner(state)
+                        await self.drop_joiner(state)
                         changed.append(state)
                     missing = named[state] - set(in_sync) - unnamed.get(state, set())
                     if missing:
@@ -235,7 +236,7 @@ class Rereplicator:
                 self.homes.update(new)
                 await self.recovery.publish_placement(new, skip=self.silent())
                 for state in sorted(unnamed):
-                    await self._drop_joiner(state)  # it stops shipping to (and waiting for) them
+                    await self.drop_joiner(state)  # it stops shipping to (and waiting for) them
         return sorted(set(changed))
 
     def _copies_gone(
@@ -343,11 +344,14 @@ class Rereplicator:
         for state, copies in sorted(self.under_replicated().items(), key=lambda t: len(t[1])):
             if not self.alive(copies[0]):
                 continue  # its primary is silent: the fail-over comes first
+            mover = self.recovery.mover
+            asked = None if mover is None or mover.wanted is None else set(mover.wanted)
             candidates = [
                 q
                 for q in held
                 if q not in copies
                 and self.alive(q)
+                and (asked is None or q in asked)  # never onto a PS asked to leave
                 and self._failed.get((state, q), (0, 0.0))[1] <= now
             ]
             if candidates:
@@ -360,54 +364,15 @@ class Rereplicator:
         """Make a copy of ``state`` on process ``target``; True once the placement
         names it."""
         r = self.recovery
-        placement = r.variables.placement
-        assert placement is not None
         primary = self.homes.of[state]
         term = r.terms.get(state, TERM)
-        processes = self.homes.processes
         started = self.clock()
         self.current = {"state": state, "to": target, "from": primary, "phase": "starting"}
         log.info("copying ps %d's state from ps %d to ps %d", state, primary, target)
-        why = ""
-        info: dict[str, Any] = {}
         try:
-            # begun under the placement's lock: a fail-over or a restore under way
-            # ends first (a copy begun meanwhile would make the target a backup at
-            # the term they fence copies with, its own state included)
-            async with r.placement_lock:
-                if self._moved(state, primary, term) or not self.active():
-                    raise NotReady("the placement changed before the copy began")
-                await processes[target].request(
-                    "replica",
-                    o.ReplicaSet(state, term, primary=False, make=True).to_wire(),
-                    timeout=2.0,
-                )
-                body = o.Join(state, term, target, processes[target].endpoint, self.rate)
-                await processes[primary].request("join", body.to_wire(), timeout=2.0)
-            self.current["phase"] = "copying"
-            while True:
-                await asyncio.sleep(self.interval)
-                if self._moved(state, primary, term):
-                    why = "the state's primary changed"
-                    break
-                if not self.alive(target) or not self.active():
-                    r = self.recovery
-                    why = (
-                        f"ps {target} is silent"
-                        if not self.alive(target)
-                        else ("a restore" if r.recovering else "the run's end")
-                    )
-                    break
-                rep = await processes[primary].request("status", timeout=2.0, slot=state)
-                info = dict((rep.body.get("replica") or {}).get("joins", {}).get(str(target), {}))
-                self.current.update(phase=info.get("state", "?"), progress=_progress(info))
-                if info.get("state") == "in sync":
-                    break
-                if str(info.get("state", "failed")).startswith("failed"):
-                    why = str(info.get("state", "failed: the primary forgot the copy"))
-                    break
-        except ZmqpsError as exc:
-            why = f"{exc.code}: {exc}"
+            why, info = await self.join(
+                state, target, self.rate, self.current, self.active, self.alive
+            )
         finally:
             self.current = None
         seconds = round(self.clock() - started, 3)
@@ -433,7 +398,7 @@ class Rereplicator:
             n, _ = self._failed.get((state, target), (0, 0.0))
             self._failed[(state, target)] = (n + 1, self.clock() + BACKOFF[min(n, 4)])
             log.warning("copying ps %d's state to ps %d failed: %s", state, target, why)
-            await self._drop_joiner(state)
+            await self.drop_joiner(state)
         else:
             self.copies += 1
             self._failed.pop((state, target), None)
@@ -449,6 +414,68 @@ class Rereplicator:
         self.done.append(record)
         del self.done[:-KEEP]
         return not why
+
+    async def join(
+        self,
+        state: int,
+        target: int,
+        rate: float,
+        current: dict[str, Any],
+        active: Callable[[], bool],
+        answers: Callable[[int], bool],
+        poll: float | None = None,
+    ) -> tuple[str, dict[str, Any]]:
+        """An empty copy of ``state`` on ``target`` and its primary's ``join``, until the
+        primary says the copy is in sync (a copy being made, or a state moving).
+        Returns why it was given up ("": in sync) and the primary's account of the
+        join; ``current`` is kept up to date with its phase and progress. ``active``
+        false (a restore, the run's end, a deadline) or ``answers(target)`` false gives
+        it up. The primary is asked how far the copy got every ``poll`` seconds
+        (default: the heartbeat interval)."""
+        r = self.recovery
+        primary = self.homes.of[state]
+        term = r.terms.get(state, TERM)
+        processes = self.homes.processes
+        why = ""
+        info: dict[str, Any] = {}
+        try:
+            # begun under the placement's lock: a fail-over or a restore under way
+            # ends first (a copy begun meanwhile would make the target a backup at
+            # the term they fence copies with, its own state included)
+            async with r.placement_lock:
+                if self._moved(state, primary, term) or not active():
+                    raise NotReady("the placement changed before the copy began")
+                await processes[target].request(
+                    "replica",
+                    o.ReplicaSet(state, term, primary=False, make=True).to_wire(),
+                    timeout=2.0,
+                )
+                body = o.Join(state, term, target, processes[target].endpoint, rate)
+                await processes[primary].request("join", body.to_wire(), timeout=2.0)
+            current["phase"] = "copying"
+            while True:
+                await asyncio.sleep(self.interval if poll is None else poll)
+                if self._moved(state, primary, term):
+                    why = "the state's primary changed"
+                    break
+                if not answers(target) or not active():
+                    why = (
+                        f"ps {target} is silent"
+                        if not answers(target)
+                        else ("a restore" if r.recovering else "the run's end or a deadline")
+                    )
+                    break
+                rep = await processes[primary].request("status", timeout=2.0, slot=state)
+                info = dict((rep.body.get("replica") or {}).get("joins", {}).get(str(target), {}))
+                current.update(phase=info.get("state", "?"), progress=_progress(info))
+                if info.get("state") == "in sync":
+                    break
+                if str(info.get("state", "failed")).startswith("failed"):
+                    why = str(info.get("state", "failed: the primary forgot the copy"))
+                    break
+        except ZmqpsError as exc:
+            why = f"{exc.code}: {exc}"
+        return why, info
 
     def _moved(self, state: int, primary: int, term: int) -> bool:
         return (
@@ -487,7 +514,7 @@ class Rereplicator:
         except ZmqpsError as exc:
             log.info("ps %d: the placement epoch not told: %s", s.ps, exc)
 
-    async def _drop_joiner(self, state: int) -> None:
+    async def drop_joiner(self, state: int) -> None:
         """The primary of ``state`` ships to the placement's backups only (a joiner
         given up is dropped)."""
         placement = self.recovery.variables.placement

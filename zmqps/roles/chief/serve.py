@@ -23,7 +23,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from zmqps.metrics import Metrics
 from zmqps.metrics.summaries import open_summaries
 from zmqps.roles._run import run_server, start_exporter
 from zmqps.roles.chief.finish import summarize
-from zmqps.roles.chief.recovery import RunFinished
+from zmqps.roles.chief.recovery import RunFinished, WorkLost
 from zmqps.roles.chief.service import ChiefService
 from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
@@ -172,7 +172,13 @@ async def _serve(
     try:
         if await watchers.unless_one_fails(_run(service, watchers)):
             service.recovery.ps_shutting_down = True
-            await _shutdown_ps(ps_clients, cfg.heartbeat_timeout, service.recovery.silent_ps())
+            mover = service.recovery.mover
+            await _shutdown_ps(
+                ps_clients,
+                cfg.heartbeat_timeout,
+                service.recovery.silent_ps(),
+                drained=() if mover is None else mover.drained,
+            )
         if service.recovery.lifecycle.can(Event.FINISHED):
             service.recovery.handle(Event.FINISHED)
     finally:
@@ -253,9 +259,16 @@ async def _run(service: ChiefService, watchers: _Watchers) -> bool:
     except RunFinished as e:
         _ended_before(service, e)
         return False
+    except WorkLost as e:
+        # nothing to train or to finish: the PS are shut down, the run ends failed
+        service.failure = str(e)
+        log.error("%s", e)
+        return True
     watchers.start("PS watch", recovery.watch_ps())
     if recovery.rereplicator is not None:
         watchers.start("re-replication", recovery.rereplicator.run())
+    if recovery.mover is not None:
+        watchers.start("state moves", recovery.mover.run())
     await _create_job_variables(service)
     while True:
         await _first(service.all_done, service.shutdown_requested, recovery.training_failed)
@@ -323,6 +336,8 @@ async def _finish(service: ChiefService) -> bool:
         # a restore in progress ends first
         while not (recovery.lifecycle.can(Event.ALL_DONE) or recovery.phase is Phase.FINISHING):
             await asyncio.sleep(0.05)
+        if service.failure:
+            return False  # a restore took back the work of workers that left: it stops
         if not service.members.all_done():
             log.warning("a restore sent finished workers back to train again: the run goes on")
             return False
@@ -348,6 +363,8 @@ async def _finish(service: ChiefService) -> bool:
         # restored while the summary was made: it may be of values that are gone
     if cfg.summary_path:
         Path(cfg.summary_path).write_text(json.dumps(service.result, indent=2) + "\n")
+    # ended in order: a chief started again here is a new run (or finds it ended)
+    await recovery.forget_done()
     if service.result.get("failed"):
         service.failure = str(service.result["failed"])
         log.error("the run failed: %s", service.failure)
@@ -435,25 +452,46 @@ def shutdown_attempts(heartbeat_timeout: float) -> int:
     return max(1, math.ceil(window / SHUTDOWN_ATTEMPT_S))
 
 
+#: seconds a drained PS is given to answer at the end (one started again since)
+DRAINED_PROBE_S = 2.0
+
+
 async def _shutdown_ps(
-    ps_clients: Sequence[Requester], heartbeat_timeout: float, silent: Collection[int] = ()
+    ps_clients: Sequence[Requester],
+    heartbeat_timeout: float,
+    silent: Collection[int] = (),
+    drained: Collection[int] | Mapping[int, str] = (),
 ) -> None:
     """Tell every PS process the run is over; one known ``silent`` (stopped or cut off
     past the heartbeat timeout, its states failed over or restored elsewhere) gets one
-    attempt, not the whole window."""
+    attempt, not the whole window; one ``drained`` (it left the run, told to shut down
+    then, and acknowledged it) none, unless another process answers at its address
+    (``drained`` maps each to the boot id it had): one started again (a supervisor, a
+    PS schedule) as the run ended, which no look of the chief saw, and which would
+    otherwise wait for a chief for ever."""
     body = o.Shutdown("training finished").to_wire()
     window = shutdown_attempts(heartbeat_timeout)
 
     async def one(q: int, c: Requester) -> None:
         attempts = 1 if q in silent else window
+        timeout = SHUTDOWN_ATTEMPT_S
+        if q in drained:
+            boot = drained.get(q) if isinstance(drained, Mapping) else None
+            try:
+                rep = await c.request("ps_state", None, timeout=DRAINED_PROBE_S, attempts=1)
+            except ZmqpsError:
+                return  # gone, as drained
+            if boot is None or rep.body.get("boot") == boot:
+                return  # the process drained, shutting down
+            log.info("ps at %s was drained and started again: shutting it down", c.endpoint)
         try:
             # sent again on each deadline, and at once when the connection comes back
-            await c.request("shutdown", body, timeout=SHUTDOWN_ATTEMPT_S, attempts=attempts)
+            await c.request("shutdown", body, timeout=timeout, attempts=attempts)
         except DeadlineExceeded:
             log.warning(
                 "ps at %s did not acknowledge shutdown in %.0fs",
                 c.endpoint,
-                attempts * SHUTDOWN_ATTEMPT_S,
+                attempts * timeout,
             )
         except ZmqpsError as e:
             log.warning("ps at %s refused shutdown: %s", c.endpoint, e)

@@ -114,6 +114,8 @@ class ChiefService:
         )
         if metrics is not None:
             metrics.watch_replication(self.recovery.replication_figures)
+            if self.recovery.mover is not None:
+                metrics.watch_elastic(self.recovery.mover.figures)
         #: side-car evaluators: (index, incarnation) -> last heard (monotonic); those
         #: silent past the heartbeat timeout are forgotten when another registers, and
         #: at most MAX_EVALUATORS are kept (the longest silent goes first)
@@ -130,6 +132,7 @@ class ChiefService:
         self._held_beats: dict[int, asyncio.Future[None]] = {}
         self._finished = False
         self.recovery.on_phase = self._tell_held_beats
+        self.recovery.on_work_lost = self._work_lost
         self.consistency.generation = lambda: self.recovery.gen
         self.consistency.on_token_waits = self._token_waits
         #: why the run failed although it ended in order (non-finite values): the
@@ -160,6 +163,7 @@ class ChiefService:
             "checkpoint": (o.TakeCheckpoint, self._op_checkpoint),
             "status": (o.Status, self._op_status),
             "shutdown": (o.Shutdown, self._op_shutdown),
+            "scale": (o.Scale, self._op_scale),
         }
 
     def __call__(self, msg: Message) -> Message | Awaitable[Message]:
@@ -222,6 +226,8 @@ class ChiefService:
         """Decide how the cluster starts (adopt, restore, fresh) and start training."""
         self._starting = True
         await self.recovery.start()
+        # what the PS said of the workers that finished is in the record from now
+        await self.recovery.note_done()
         if self.members.all_done():  # every worker finished before this chief started
             self.all_done.set()
 
@@ -403,6 +409,9 @@ class ChiefService:
         await self.consistency.membership_changed(gone=[who.index])
         state = self.members.workers[who.index]
         if state.done:
+            # kept where a restarted chief reads it, before the leave is answered: the
+            # PS keep it too, but lose it with their state
+            await self.recovery.note_done()
             await self.recovery.worker_left(who, state.total_steps)
         if self.members.all_done():
             self.all_done.set()
@@ -653,6 +662,24 @@ class ChiefService:
                 if key.startswith("test_") and isinstance(value, (int, float)):
                     values[f"final/{key}"] = float(value)
         self.summaries.scalars(step, values)
+
+    def _op_scale(self, msg: Message, req: o.Scale) -> Message:
+        """``zmqps scale``: the PS processes that serve the states from now on."""
+        mover = self.recovery.mover
+        if mover is None:
+            raise InvalidArgument("this chief does not move PS states")
+        if req.ps is not None:
+            mover.scale(req.ps)
+        return reply(msg, mover.status())
+
+    def _work_lost(self, why: str) -> None:
+        """A restore took back batches of workers that finished and left: nothing will
+        train them again, so the run stops, failed (exit code 3), saying why."""
+        if self.failure:
+            return
+        self.failure = why
+        log.error("%s: the run stops", why)
+        self.shutdown_requested.set()
 
     def _op_shutdown(self, msg: Message, req: o.Shutdown) -> Message:
         log.info("shutdown requested by %s", msg.sender or "?")

@@ -76,12 +76,13 @@ class Variables:
         return sorted({s.state for s in self.placement.shards})
 
     def defs_by_ps(self) -> dict[int, list[dict[str, Any]]]:
-        """Every PS's shard definitions (wire form) under the placement."""
+        """Every PS state's shard definitions (wire form) under the placement (a state
+        moved to another process keeps its shards)."""
         assert self.placement is not None
-        by_ps: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(self.ps))}
-        for ps, d in self.placement.shard_defs():
-            by_ps[ps].append(d.to_wire())
-        return by_ps
+        by_state: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(self.ps))}
+        for s, (_, d) in zip(self.placement.shards, self.placement.shard_defs(), strict=True):
+            by_state[s.state].append(d.to_wire())
+        return by_state
 
     def use(self, placement: Placement) -> None:
         """A placement that exists already (adopted PS, a checkpoint)."""

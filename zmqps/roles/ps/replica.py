@@ -271,7 +271,8 @@ class Primary:
             self._changed()
         try:
             await self._signal.until(
-                lambda: self.fenced or self.log.committed >= entry.index, deadline
+                lambda: self.fenced or self._closed or self.log.committed >= entry.index,
+                deadline,
             )
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
@@ -290,7 +291,7 @@ class Primary:
         if ready():
             return
         try:
-            await self._signal.until(lambda: self.fenced or ready(), deadline)
+            await self._signal.until(lambda: self.fenced or self._closed or ready(), deadline)
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
                 f"ps {self.slot}: the replication log stayed full (a backup not answering)"
@@ -425,6 +426,11 @@ class Primary:
                 f"ps {self.slot}'s state has a newer primary (term past {self.term}):"
                 " send to the one the placement names"
             )
+        if self._closed:  # stepped down (a move, a newer term): what waited goes elsewhere
+            raise NotPrimary(
+                f"ps {self.slot}'s state is no longer served here (its primary of term"
+                f" {self.term} stepped down): send to the one the placement names"
+            )
 
     def drop(self, backup: int) -> None:
         """``backup`` is gone (the chief says): nothing waits for it any more."""
@@ -544,8 +550,11 @@ class Primary:
             committed = self.log.committed
             placed = None if ring is None else ring.place(e.index, tensors)
             ring_name, specs = (None, None) if placed is None else placed
+            # sent at this primary's term: an entry a promoted copy kept from the
+            # replaced primary (its term older) is this primary's to send, and a backup
+            # fenced at the new term refuses only what is older than that
             wire = o.Replicate(
-                e.term,
+                self.log.term,
                 e.index,
                 op,
                 body,
@@ -749,6 +758,14 @@ class Backup:
     @property
     def term(self) -> int:
         return self.log.term
+
+    def expect_copy(self) -> None:
+        """The chief asks for a copy to be made here (``replica`` with ``make``): a whole
+        copy follows, to be installed even if it is as of the same (term, entry) as the
+        one installed last (a copy left by a move given up, its primary since replaced
+        by a restarted process restored at the same term), not answered as that copy's
+        last part sent again."""
+        self._last = None
 
     def attach_ring(self, msg: Message) -> Message:
         """The primary shares a ring with this copy (``replica_ring``): map it, after

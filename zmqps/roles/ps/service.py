@@ -645,6 +645,22 @@ class PSService:
                 raise InvalidArgument(f"push: no gradient for shard {sid}")
         return by_shard
 
+    def _pulled(self, sids: Sequence[int], versions: Sequence[Any]) -> tuple[Any, ...]:
+        """The versions a push says its values were pulled at. A copy serving in a
+        replication role (a moved or replicated state) may be behind what a worker
+        read: the worker read an update the replaced primary had applied and never
+        committed (that push, answered not_primary, is sent here again). Such a
+        version counts as the current one (staleness 0); a plain PS refuses a version
+        ahead of its own, as before. Backups replaying the entry read it alike."""
+        if self.replica is None:
+            return tuple(versions)
+        out = []
+        for sid, v in zip(sids, versions, strict=True):
+            if isinstance(v, int) and not isinstance(v, bool) and sid in self.store:
+                v = min(v, self.store.get(sid).version)
+            out.append(v)
+        return tuple(out)
+
     def _dense_plans(self, msg: Message, req: o.Push) -> list[Update]:
         """Every shard's gradient, from the push region or the message, validated. A pack
         named by the message that is a pack here is checked and planned whole (in sync
@@ -670,6 +686,7 @@ class PSService:
                 packed.append(ts[0].array.reshape(-1))
             self._check_chunk_counts(by_shard)
             chunks = {sid: [(t.offset, t.array.reshape(-1)) for t in by_shard[sid]] for sid in rest}
+        versions = self._pulled(sids, req.versions)
         whole: list[tuple[Pack, Any, int]] = []  # (pack, gradient, first version's index)
         pos = 0
         for span, flat in zip(spans, packed, strict=True):
@@ -681,7 +698,7 @@ class PSService:
                     chunks[sid] = [(0, view)]
             pos += len(span)
         plans: list[Update] = [
-            self.store.plan_pack(pack, flat, req.versions[at : at + len(pack.ids)])
+            self.store.plan_pack(pack, flat, versions[at : at + len(pack.ids)])
             for pack, flat, at in whole
         ]
         self._check_values(
@@ -692,7 +709,7 @@ class PSService:
         in_packs = {sid for pack, _, _ in whole for sid in pack.ids}
         return plans + [
             self.store.plan_dense(sid, chunks[sid], ver)
-            for sid, ver in zip(sids, req.versions, strict=True)
+            for sid, ver in zip(sids, versions, strict=True)
             if sid not in in_packs
         ]
 
@@ -811,7 +828,7 @@ class PSService:
             raise
         plans: list[Update] = [
             self.store.plan_rows(sid, by_shard[sid][0].array, by_shard[sid][1].array, ver)
-            for sid, ver in zip(req.shards, req.versions, strict=True)
+            for sid, ver in zip(req.shards, self._pulled(req.shards, req.versions), strict=True)
         ]
         if self.metrics is not None:
             for sid, ts in by_shard.items():
@@ -966,7 +983,7 @@ class PSService:
         rows = op == "push_rows"
         plans = [
             self.store.plan_counted(sid, ver, rows=rows)
-            for sid, ver in zip(req.shards, req.versions, strict=True)
+            for sid, ver in zip(req.shards, self._pulled(req.shards, req.versions), strict=True)
         ]
         self._commit(req, plans)
 

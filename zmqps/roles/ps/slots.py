@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from zmqps.core.replication import Entry
@@ -277,9 +278,11 @@ class PSSlots:
         req = o.ReplicaSet.from_wire(msg.body)
         if req.epoch is not None:
             self.epoch = max(self.epoch, req.epoch)
+        if req.drop:
+            return self._drop(msg, req)
         service = self._slots.get(req.slot)
         if service is None:
-            if req.primary or self._make_copy is None or not req.make:
+            if self._make_copy is None or not req.make:
                 raise NotFound(f"ps {self.own.index} holds no copy of ps {req.slot}'s state")
             if len(self._slots) - 1 >= MAX_COPIES:  # the process's own is no copy
                 raise InvalidArgument(
@@ -321,6 +324,8 @@ class PSSlots:
                 role = Backup(req.slot, req.term)
             else:
                 role.log.fence(req.term)
+            if req.make and isinstance(role, Backup):
+                role.expect_copy()
         was = self._roles.get(req.slot)
         if isinstance(was, Backup) and was is not role:  # promoted: the ring is the old primary's
             was.close()
@@ -328,6 +333,41 @@ class PSSlots:
         service.replica = role
         applied = role.log.head if isinstance(role, Primary) else role.log.applied
         return reply(msg, o.ReplicaState(req.slot, role.term, req.primary, applied).to_wire())
+
+    def _drop(self, msg: Message, req: o.ReplicaSet) -> Message:
+        """The state moved to another process (``drop``): this copy goes. The process's
+        own state cannot go; it is emptied and stays a backup, which refuses every
+        request for the state with ``not_primary`` (a client with an older placement
+        is sent to the new home), until the state comes back by a whole copy."""
+        role = self._roles.get(req.slot)
+        service = self._slots.get(req.slot)
+        if service is None:
+            return reply(msg, o.ReplicaState(req.slot, req.term, False, 0).to_wire())
+        if isinstance(role, Primary) and not role.fenced and req.term <= role.term:
+            raise InvalidArgument(
+                f"ps {self.own.index} is ps {req.slot}'s primary at term {role.term}:"
+                " it steps down before its copy is dropped"
+            )
+        if isinstance(role, Primary):
+            self._retire_later(role)
+        if req.slot != self.own.index:
+            if isinstance(role, Backup):
+                role.close()
+            self._roles.pop(req.slot, None)
+            del self._slots[req.slot]
+            service.replica = None
+            service.regions.close()
+            service.check_threads.close()
+            log.info("ps %d: its copy of ps %d's state dropped (moved)", self.own.index, req.slot)
+        else:
+            kept = role if isinstance(role, Backup) else Backup(req.slot, req.term)
+            if kept.term < req.term:
+                kept.log.fence(req.term)
+            self._roles[req.slot] = kept
+            service.replica = kept
+            service.store.clear()
+            log.info("ps %d: its own state moved away; its copy emptied", self.own.index)
+        return reply(msg, o.ReplicaState(req.slot, req.term, False, 0).to_wire())
 
     def _op_placement(self, msg: Message) -> Message:
         """Keep the chief's placement if it is the newest this process heard (what
@@ -397,7 +437,12 @@ class PSSlots:
         if isinstance(role, Backup):  # a promotion: this copy goes on from its head
             # the chief fences every surviving copy at the new term first (their
             # answers say how far each got), then promotes one at that same term
-            head, retained = role.log.applied, tuple(role.log.kept)
+            # the entries kept go to the copies behind this one at the new term: each
+            # came from the one primary of its term, so every copy that has it has the
+            # same, and a copy fenced at the new term refuses an entry of an older one
+            # (from the primary replaced) as stale
+            head = role.log.applied
+            retained = tuple(replace(e, term=req.term) for e in role.log.kept)
             given = req.applied or (head,) * len(wanted)
             if len(given) != len(wanted) or max(given, default=0) > head:
                 raise InvalidArgument(

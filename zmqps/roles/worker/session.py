@@ -42,6 +42,7 @@ from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     DeadlineExceeded,
     NotFound,
+    NotPrimary,
     NotReady,
     RolledBack,
     ShutdownError,
@@ -270,12 +271,13 @@ class Session:
         already: then this returns after one round trip."""
         old = self.gen if made_in is None else made_in
         #: the placement epoch the request was routed by: once a newer one is known,
-        #: its PS state moved (a fail-over) and the request goes to the new primary
+        #: its PS state moved (a fail-over, a move) and the request goes to the new primary
         routed = getattr(error, "epoch", None)
         if routed is not None and routed < self.epoch:
             return
         log.warning("%s: %s; waiting for the cluster to recover", self.name, error)
-        deadline = time.monotonic() + self.recovery_timeout
+        started = time.monotonic()
+        deadline = started + self.recovery_timeout
         while True:
             try:
                 beat = await self.heartbeat()
@@ -287,7 +289,7 @@ class Session:
                 if beat.gen != old and not beat.recovering:
                     break
                 if routed is not None and routed < self.epoch and not beat.recovering:
-                    log.warning("%s: its PS moved (a fail-over): sending again", self.name)
+                    log.warning("%s: its PS moved (fail-over, move): sending again", self.name)
                     return
                 if cut_off(error, beat, old):
                     log.warning("%s: every PS answers the chief again: retrying", self.name)
@@ -299,7 +301,10 @@ class Session:
                     f"{self.name}: the cluster did not recover within"
                     f" {self.recovery_timeout:g}s ({error})"
                 ) from error
-            await asyncio.sleep(0.2)
+            # a state handed over to another process (not_primary) is served again
+            # within milliseconds: asked again soon for the first second
+            soon = isinstance(error, NotPrimary) and time.monotonic() < started + 1.0
+            await asyncio.sleep(0.02 if soon else 0.2)
         self.enter(beat.gen, beat.rewind)
         log.warning("%s: resuming in generation %d", self.name, beat.gen)
 

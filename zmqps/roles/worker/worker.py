@@ -332,7 +332,7 @@ class Worker:
         self._mirror = None
 
     async def _placement_moved(self) -> None:
-        """A heartbeat named a newer placement epoch: PS states moved (a fail-over).
+        """A heartbeat named a newer placement epoch: PS states moved (a fail-over, a move).
         Requests in flight to their old processes are sent again to the new ones."""
         rep = await self.session.call(
             "get_placement", o.GetPlacement(0.0), o.PlacementReply, timeout=5.0

@@ -1,0 +1,244 @@
+"""Workers that finished their work, known to a restarted chief (``zmqps.core.finished``
+and the chief's record of them).
+
+The defect (fault schedule 13110): the workers finished and left, the lone PS lost its
+state (no copy, ``--replication 1``) before the final checkpoint was committed, and the
+chief was restarted. It found empty PS and no checkpoint, started anew and waited for
+ever for workers 0 and 1 to register ("waiting for workers [0, 1] to register"): what
+said they had finished was kept on the PS only, and went with their state. The chief
+now keeps it in a record of its own, and a start that would go back past the work of
+workers who left ends the run failed, saying so, instead of waiting for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_chief import SGD, VARS, call, make_env, run, who
+
+from zmqps.core.finished import (
+    Finished,
+    Held,
+    lost_verdict,
+    parse_record,
+    record_bytes,
+    work_lost,
+)
+from zmqps.core.partition import Partitioner, plan
+from zmqps.roles.checkpointer import Checkpointer
+from zmqps.roles.chief import ChiefService
+from zmqps.roles.chief.done_record import DoneRecord, record_path
+from zmqps.roles.chief.recovery import WorkLost
+from zmqps.roles.configs import CheckpointPolicy
+from zmqps.roles.ps import PSService
+from zmqps.transport.fake import FakeNetwork
+from zmqps.wire import ops as o
+
+DONE = {0: Finished(40, 0), 1: Finished(38, 0)}
+
+# ---------------------------------------------------------------- the decision (sans-IO)
+
+
+def test_no_checkpoint_holds_none_of_the_finished_work() -> None:
+    assert work_lost(DONE, Held()) == {0: (0, 40), 1: (0, 38)}
+
+
+def test_a_checkpoint_holding_every_batch_loses_nothing() -> None:
+    held = Held("ckpt-000000000078", 78, {"worker:0": 40, "worker:1": 38})
+    assert work_lost(DONE, held) == {}
+
+
+def test_a_checkpoint_of_before_the_end_loses_the_batches_after_it() -> None:
+    held = Held("ckpt-000000000050", 50, {"worker:0": 30, "worker:1": 38})
+    assert work_lost(DONE, held) == {0: (30, 40)}
+    # a checkpoint that does not say its cursors shows nothing of any worker
+    assert work_lost(DONE, Held("ckpt-000000000050", 50, None)) == {0: (0, 40), 1: (0, 38)}
+
+
+def test_a_final_checkpoint_holds_the_work_of_its_run_only() -> None:
+    # the run's own final checkpoint (taken once every worker was done) holds it all
+    assert work_lost(DONE, Held("ckpt-000000000078", 78, None, final=True, gen=0)) == {}
+    assert work_lost(DONE, Held("ckpt-000000000078", 78, {}, final=True, gen=2)) == {}
+    # one of an earlier run (a resumed run is in a later generation): its cursors count
+    # another run's batches
+    old = Held("ckpt-000000000078", 78, {"worker:0": 99, "worker:1": 99}, final=True, gen=0)
+    later = {0: Finished(40, 1)}
+    assert work_lost(later, old) == {0: (0, 40)}
+
+
+def test_a_worker_that_did_no_batch_lost_nothing() -> None:
+    assert work_lost({0: Finished(0, 0)}, Held()) == {}
+
+
+def test_the_verdict_is_one_line_that_names_the_workers_and_the_way_on() -> None:
+    line = lost_verdict({0: (0, 40), 1: (0, 38)}, Held(), "the PS lost it")
+    assert "\n" not in line
+    assert line.startswith("the run cannot finish: workers 0, 1 finished their work (78 batches)")
+    assert "no checkpoint was committed" in line and "train again" in line
+    held = Held("ckpt-000000000050", 50, {"worker:0": 30})
+    line = lost_verdict({0: (30, 40)}, held, "the PS lost it")
+    assert "worker 0 finished its work (40 batches)" in line
+    assert "ckpt-000000000050 (step 50) holds 30 of those 40 batches" in line
+    assert "zmqps launch --resume" in line and "the other 10 again" in line
+
+
+# ---------------------------------------------------------------- the record's format
+
+
+def test_the_record_reads_back_what_was_written() -> None:
+    raw = record_bytes(DONE)
+    assert parse_record(raw) == DONE
+    assert json.loads(raw)["workers"] == {
+        "0": {"steps": 40, "gen": 0},
+        "1": {"steps": 38, "gen": 0},
+    }
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\xff\xfe",
+        b"[]",
+        pickle.dumps({"workers": {}}),
+        b'{"format": "other", "version": 1, "workers": {}}',
+        b'{"format": "zmqps-workers-done", "version": 2, "workers": {}}',
+        b'{"format": "zmqps-workers-done", "version": 1, "workers": []}',
+        b'{"format": "zmqps-workers-done", "version": 1, "workers": {"a": {"steps": 1}}}',
+        b'{"format": "zmqps-workers-done", "version": 1, "workers": {"-1": {"steps": 1}}}',
+        b'{"format": "zmqps-workers-done", "version": 1, "workers": {"0": {"steps": -1}}}',
+        b'{"format": "zmqps-workers-done", "version": 1, "workers": {"0": {"steps": true}}}',
+        b'{"format": "zmqps-workers-done", "version": 1, "workers": {"0": {"steps": 1.5}}}',
+        b'{"format": "zmqps-workers-done", "version": 1, "workers": {"0": 3}}',
+    ],
+)
+def test_anything_else_is_not_a_record(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        parse_record(raw)
+
+
+def test_where_the_record_lives(tmp_path: Path) -> None:
+    ckpts, summary = str(tmp_path / "ckpts"), str(tmp_path / "run" / "summary.json")
+    assert record_path(ckpts, summary) == tmp_path / "ckpts" / "workers-done.json"
+    assert record_path(None, summary) == tmp_path / "run" / "summary.workers-done.json"
+    assert record_path(None, None) is None
+    record = DoneRecord(tmp_path / "ckpts" / "workers-done.json")
+    assert record.load() == {}
+    assert record.save(DONE) and not record.save(DONE)  # unchanged: not written again
+    assert DoneRecord(record.path).load() == DONE
+    record.path.write_bytes(b"garbage")
+    assert DoneRecord(record.path).load() == {}  # said in the log, taken as none
+    record.remove()
+    record.remove()  # gone already: nothing to do
+    assert not record.path.exists()
+
+
+# ---------------------------------------------------------------- a restarted chief
+
+
+async def _finished_and_ps_lost(tmp_path: Path, **cfg: Any) -> tuple[Any, list[Any]]:
+    """Two workers finished their work (10 and 12 batches) and left; then the lone PS
+    restarted without its state (no copy), before any final checkpoint: the chief's
+    configuration and the clients a restarted chief reaches the new PS with."""
+    env = make_env(1, num_workers=2, summary_path=str(tmp_path / "summary.json"), **cfg)
+    if "checkpoint" in cfg:
+        env.services[0] = PSService(0, checkpoint_dir=cfg["checkpoint"].directory)
+        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+    await env.chief.start()
+    await env.chief.create_variables(VARS, SGD)
+    for i, steps in ((0, 10), (1, 12)):
+        await call(env.chief, "register", who(i, 1, steps_planned=steps))
+        await call(env.chief, "leave", who(i, 1, step=steps, reason="done"))
+    assert env.chief.all_done.is_set()
+    env.serve(0)  # a new PS process at its address: empty
+    clients = [env.net.client(addr, "chief:0") for addr in env.cfg.cluster.ps]
+    return env, clients
+
+
+def test_a_restarted_chief_with_the_ps_and_no_checkpoint_lost_ends_the_run_failed(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        env, clients = await _finished_and_ps_lost(tmp_path)
+        record = tmp_path / "summary.workers-done.json"
+        assert parse_record(record.read_bytes()) == {0: Finished(10, 0), 1: Finished(12, 0)}
+        restarted = ChiefService(env.cfg, clients, clock=env.clock)
+        # before: it started anew and waited for workers 0 and 1 to register, for ever
+        with pytest.raises(WorkLost) as lost:
+            await restarted.start()
+        said = str(lost.value)
+        assert said.startswith("the run cannot finish: workers 0, 1 finished their work")
+        assert "no checkpoint was committed" in said, said
+        assert not restarted.all_done.is_set()
+        assert record.exists()  # a chief started again fails the same way
+
+    run(body())
+
+
+def test_a_restarted_chief_whose_ps_kept_their_state_finishes_the_run(tmp_path: Path) -> None:
+    async def body() -> None:
+        env = make_env(1, num_workers=2, summary_path=str(tmp_path / "summary.json"))
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        for i in (0, 1):
+            await call(env.chief, "register", who(i, 1))
+            await call(env.chief, "leave", who(i, 1, step=5, reason="done"))
+        clients = [env.net.client(addr, "chief:0") for addr in env.cfg.cluster.ps]
+        restarted = ChiefService(env.cfg, clients, clock=env.clock)
+        await restarted.start()  # adopts the PS: their state holds every batch
+        assert restarted.all_done.is_set()
+
+    run(body())
+
+
+def _checkpoint(tmp_path: Path, cursors: dict[str, int], step: int) -> None:
+    """A committed checkpoint of the run's variables at ``step`` holding ``cursors``."""
+    placement = plan(VARS, 1, Partitioner(num_shards=2), optimizer=dict(SGD))
+
+    async def write() -> None:
+        net = FakeNetwork()
+        net.serve("ps0", PSService(0, checkpoint_dir=str(tmp_path)), name="ps0")
+        client = net.client("ps0", "chief:0")
+        defs = tuple(d.to_wire() for _, d in placement.shard_defs())
+        restore = o.Restore(0, 0, defs, None, placement.to_wire(), cursors, False)
+        await client.request("restore", restore.to_wire())
+        ck = Checkpointer(CheckpointPolicy(str(tmp_path)), [client])
+        assert (await ck.take(step, placement, "async", 0, {})) is not None
+
+    asyncio.run(write())
+
+
+@pytest.mark.parametrize(
+    ("cursors", "lost"), [({"worker:0": 10, "worker:1": 12}, False), ({"worker:0": 6}, True)]
+)
+def test_a_restarted_chief_restores_the_checkpoint_and_finishes_only_if_it_holds_the_work(
+    tmp_path: Path, cursors: dict[str, int], lost: bool
+) -> None:
+    """A committed checkpoint holding every batch of the workers that finished: the run
+    finishes from it (nothing was lost). One of before their last batches: the run
+    cannot finish (they left, nobody trains those again) and says where to go on from."""
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+
+    async def body() -> None:
+        env, clients = await _finished_and_ps_lost(
+            tmp_path, checkpoint=CheckpointPolicy(str(ckpts), secs=600.0)
+        )
+        await asyncio.to_thread(_checkpoint, ckpts, cursors, 22)  # its own loop, there
+        env.services[0] = PSService(0, checkpoint_dir=str(ckpts))  # empty, reads ckpts
+        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        restarted = ChiefService(env.cfg, clients, clock=env.clock)
+        if lost:
+            with pytest.raises(WorkLost, match=r"ckpt-000000000022 \(step 22\) holds 6 of"):
+                await restarted.start()
+            return
+        await restarted.start()
+        assert restarted.all_done.is_set()
+        assert restarted.recovery.gen >= 1  # restored from the checkpoint
+
+    run(body(), timeout=20.0)

@@ -1,0 +1,85 @@
+"""The chief's record of the workers that finished their work, on disk.
+
+It lives beside the run's checkpoints (``CHECKPOINT_DIR/workers-done.json``), or,
+a run without checkpoints, beside its summary (``SUMMARY.workers-done.json``); a
+chief with neither keeps none. The format and what it decides are sans-IO
+(:mod:`zmqps.core.finished`); this module only reads, writes (atomically: temp
+file, fsync, rename) and removes the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from zmqps.checkpoint.format import write_file_atomic
+from zmqps.core.finished import (
+    RECORD_NAME,
+    SUMMARY_SUFFIX,
+    Finished,
+    parse_record,
+    record_bytes,
+)
+
+__all__ = ["RECORD_NAME", "DoneRecord", "record_path"]
+
+log = logging.getLogger("zmqps.chief")
+
+
+def record_path(checkpoint_dir: str | None, summary_path: str | None) -> Path | None:
+    """Where a chief with these keeps its record (None: nowhere durable)."""
+    if checkpoint_dir:
+        return Path(checkpoint_dir) / RECORD_NAME
+    if summary_path:
+        summary = Path(summary_path)
+        return summary.with_name(summary.stem + SUMMARY_SUFFIX)
+    return None
+
+
+class DoneRecord:
+    """The record at ``path``. Blocking calls: run them in a thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        #: what the file holds as far as this process knows (None: not read yet)
+        self._held: dict[int, Finished] | None = None
+
+    def load(self) -> dict[int, Finished]:
+        """The workers the record holds ({} when there is none; one that does not read
+        is said in the log and taken as none)."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            self._held = {}
+            return {}
+        except OSError as exc:
+            log.warning("cannot read %s (the workers that finished): %s", self.path, exc)
+            return {}
+        try:
+            held = parse_record(raw)
+        except ValueError as exc:
+            log.warning(
+                "%s is not a record of the workers that finished (%s): ignored", self.path, exc
+            )
+            return {}
+        self._held = held
+        return dict(held)
+
+    def save(self, finished: Mapping[int, Finished]) -> bool:
+        """The record holds ``finished`` from now (written only if that changes it);
+        True when it was written. Raises OSError."""
+        want = dict(finished)
+        if want == self._held:
+            return False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(self.path, record_bytes(want))
+        self._held = want
+        return True
+
+    def remove(self) -> None:
+        """The run ended in order: the record goes (a new run here starts with none)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._held = {}

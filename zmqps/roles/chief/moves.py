@@ -1,0 +1,713 @@
+"""Elastic PS: the chief moves PS states between processes while training goes on.
+
+A run has as many PS states as its cluster spec names PS (state ``i`` starts on
+process ``i``). ``zmqps scale --ps N`` (the ``scale`` op) or the launcher's
+``--ps-schedule`` asks for the first N processes to serve them; a process of the
+spec started by hand afterwards joins on its own (the ``join`` of this module's
+watch). The plan (``core/elastic.plan_homes``) moves the states of the processes
+that leave, and then only what keeps the loads (bytes) within one state of each
+other.
+
+One move of state ``s`` from process ``a`` to process ``b`` (:meth:`Mover.move`):
+
+1. ``a`` serves ``s`` as a replication primary (a run without replication makes it
+   one, with no backups: nothing changes but that its updates are numbered).
+2. ``b`` gets an empty copy and ``a`` a ``join``: a whole copy as of one entry, sent
+   while ``a`` keeps serving, then the entries after it (re-replication's copy,
+   ``Rereplicator.join``), until ``a`` says ``b`` is in sync.
+3. The hand-over, under the placement lock, at term + 1: ``a`` steps down (it answers
+   what it had not committed, and everything after, ``not_primary``: the workers send
+   it again to the new home), every other copy is fenced and says how far it applied,
+   the furthest is promoted (``b`` on a tie; every acknowledged update is on every
+   in-sync copy), the placement names the new copies at a new epoch, and workers
+   re-route (heartbeats carry the epoch). The copy on ``a`` is then dropped.
+
+A push is answered only once every in-sync copy has it, and the dedup window moves
+with the state, so a push sent again after the hand-over is applied once.
+
+A process none of whose states remain, outside the processes asked for, is told to
+shut down: it exits 0 (it was drained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from zmqps.core.elastic import Move, moves, plan_homes
+from zmqps.core.recovery import Phase
+from zmqps.core.variables import Placement
+from zmqps.roles.chief.variables import TERM
+from zmqps.wire import ops as o
+from zmqps.wire.errors import InvalidArgument, ZmqpsError
+
+if TYPE_CHECKING:
+    from zmqps.roles.chief.recovery import RecoveryController
+    from zmqps.roles.homes import Homes
+
+__all__ = ["Mover"]
+
+log = logging.getLogger("zmqps.chief")
+
+#: moves kept in the status
+KEEP = 16
+#: seconds after the memory policy asked for a PS before it may ask for another
+GROW_WAIT_S = 10.0
+#: seconds between the chief's looks at a moving state's copy (a move is asked for:
+#: handed over as soon as it is in sync)
+MOVE_POLL_S = 0.05
+#: bytes a second a moving state's copy is sent at: faster than re-replication's (a
+#: move is asked for, and the old process may be about to go)
+MOVE_RATE = 256 << 20
+
+
+class Mover:
+    def __init__(
+        self,
+        recovery: RecoveryController,
+        homes: Homes,
+        *,
+        rate: float = MOVE_RATE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.recovery = recovery
+        self.homes = homes
+        self.rate = rate
+        self.clock = clock
+        cfg = recovery.cfg
+        self.interval = min(cfg.heartbeat_interval, cfg.heartbeat_timeout / 4)
+        #: the processes asked to serve the states (None: those serving them now)
+        self.wanted: list[int] | None = None
+        #: processes asked to leave: process -> its boot id then (None: not heard yet)
+        self.left: dict[int, str | None] = {}
+        #: processes told to shut down once drained: process -> the boot id it had
+        self.drained: dict[int, str] = {}
+        #: the move under way: {"state", "from", "to", "phase", "progress"}
+        self.current: dict[str, Any] | None = None
+        #: moves done or given up (the last KEEP)
+        self.done: list[dict[str, Any]] = []
+        self.moves = 0
+        self.failures = 0
+        self.bytes = 0
+        #: each process's boot id as last heard (None: silent)
+        self.boots: dict[int, str | None] = {}
+        #: why the plan waits (a process asked for is not up), for the status
+        self.waiting: str | None = None
+        #: moves the last look planned (None: not looked since the last ask)
+        self.planned: int | None = 0
+        #: each change of PS count asked for: bytes it plans to move, the least (KEEP)
+        self.scales: list[dict[str, Any]] = []
+        #: each state's bytes of shards as its PS last said (``--add-ps-above``)
+        self.measured: dict[int, int] = {}
+        #: no PS asked for by the memory policy before this (monotonic)
+        self._grown_at = 0.0
+
+    # ------------------------------------------------------------------ asking
+
+    def scale(self, n: int) -> list[int]:
+        """Serve the states from the first ``n`` processes of the spec."""
+        total = len(self.homes.processes)
+        if isinstance(n, bool) or not 1 <= n <= total:
+            raise InvalidArgument(
+                f"scale: {n} PS asked for; the cluster spec names {total} (1 to {total})"
+            )
+        replication = self.recovery.cfg.replication
+        if n < replication:
+            raise InvalidArgument(
+                f"scale: {n} PS cannot hold {replication} copies of each state"
+                f" (--replication {replication})"
+            )
+        return self.ask(list(range(n)))
+
+    def ask(self, processes: list[int]) -> list[int]:
+        """Serve the states from ``processes`` (the others leave)."""
+        self.wanted = sorted(set(processes))
+        self.planned = None
+        self._account(len(self.wanted))
+        for q in range(len(self.homes.processes)):
+            if q in self.wanted:
+                self.left.pop(q, None)
+            else:  # asked to leave: it joins again only once restarted
+                self.left.setdefault(q, self.boots.get(q))
+        log.warning(
+            "scaling to %d PS: ps %s serve the states",
+            len(self.wanted),
+            ", ".join(map(str, self.wanted)),
+        )
+        return self.wanted
+
+    def _account(self, n: int) -> None:
+        """What the change to ``n`` PS moves, by the plan made now, against the least
+        any placement balanced within one state moves: the states of the PS that leave,
+        and each PS that joins its share of the model less one state."""
+        placement = self.recovery.variables.placement
+        if placement is None or self.wanted is None:
+            return
+        sizes = self.sizes(placement)
+        homes = dict(enumerate(self.homes.of))
+        todo = moves(sizes, homes, plan_homes(sizes, homes, self.wanted))
+        total, largest = sum(sizes.values()), max(sizes.values(), default=0)
+        leaving = sum(n for st, n in sizes.items() if homes[st] not in self.wanted)
+        joining = [q for q in self.wanted if q not in homes.values()]
+        share = max(0, total // len(self.wanted) - largest)
+        self.scales.append(
+            {
+                "ps": n,
+                "at": round(time.time(), 3),
+                "planned_bytes": sum(m.nbytes for m in todo),
+                "least_bytes": leaving + share * len(joining),
+                "model_bytes": total,
+            }
+        )
+        del self.scales[:-KEEP]
+
+    def adopt(self) -> None:
+        """A restarted chief found the states moved: the processes serving them are
+        those asked for (the others left the run; one joins again once restarted)."""
+        self.wanted = self.serving()
+        for q in range(len(self.homes.processes)):
+            if q not in self.wanted:
+                self.left.setdefault(q, None)
+
+    def serving(self) -> list[int]:
+        return sorted(set(self.homes.of))
+
+    def target(self) -> list[int]:
+        return self.serving() if self.wanted is None else list(self.wanted)
+
+    # ------------------------------------------------------------------ the loop
+
+    def active(self) -> bool:
+        """While training runs (not at the run's end: its final checkpoint, evaluation
+        and export are of the states where they are), and no restore is under way."""
+        r = self.recovery
+        running = r.phase in (Phase.RUNNING, Phase.DEGRADED)
+        return r.variables.placement is not None and r.training and running
+
+    async def run(self) -> None:
+        """Watch the processes, move states toward the plan, drain who leaves. A look
+        that fails on a request (a PS gone meanwhile) is made again at the next one."""
+        while True:
+            await asyncio.sleep(self.interval)
+            if not self.active():
+                continue
+            try:
+                await self.step()
+            except ZmqpsError as exc:
+                log.warning("moving PS states: %s; looking again", exc)
+
+    async def step(self) -> Move | None:
+        """One look: join a new process, ask for one more when a PS serves too many
+        bytes (``--add-ps-above``), make the next move, or drain. Returns the move made
+        (None: none)."""
+        await self._probe_all()
+        self._join_new()
+        await self._grow()
+        job = self.next_move()
+        if job is not None:
+            await self.move(job.state, job.target)
+            return job
+        placement = self.recovery.variables.placement
+        if placement is not None and self.wanted is not None:
+            for state, leaving in self._backups_leaving(placement):
+                await self._move_backup(state, leaving)
+                break  # one at a time; the next look takes the next
+        await self._drain()
+        return None
+
+    async def _probe_all(self) -> None:
+        processes = self.homes.processes
+
+        async def probe(q: int) -> str | None:
+            try:
+                rep = await processes[q].request("ps_state", timeout=1.0)
+                return o.PsStateReply.parse(rep.body).boot
+            except ZmqpsError:
+                return None
+
+        boots = await asyncio.gather(*(probe(q) for q in range(len(processes))))
+        self.boots = dict(enumerate(boots))
+        for q, boot in self.boots.items():
+            if boot is not None and self.drained.get(q, boot) != boot:
+                del self.drained[q]  # started again: no longer the process drained
+
+    def _join_new(self) -> None:
+        """A process of the spec that answers, serves nothing and is not the one drained
+        (started by hand, or again after it left): it joins the processes asked for."""
+        if self.wanted is None:
+            return
+        for q, boot in self.boots.items():
+            if boot is None or q in self.wanted or q in self.homes.of:
+                continue
+            if self.left.get(q, boot) in (boot, None):
+                self.left[q] = boot  # the process asked to leave, not a new one
+                continue
+            self.left.pop(q, None)
+            self.drained.pop(q, None)
+            log.warning("ps %d answers and serves nothing: it joins the PS serving the states", q)
+            self.ask([*self.wanted, q])
+
+    def sizes(self, placement: Placement) -> dict[int, int]:
+        """Each PS state's bytes: as its PS last said (values, slots, hash-table rows:
+        :meth:`_measure`), else by the placement (values)."""
+        if len(self.measured) == len(self.homes.of):
+            return dict(self.measured)
+        out = dict.fromkeys(range(len(self.homes.of)), 0)
+        by_name = {v.name: v for v in placement.variables}
+        for s in placement.shards:
+            v = by_name[s.var]
+            out[s.state] = out.get(s.state, 0) + s.rows * v.row_size * v.itemsize
+        return out
+
+    async def _measure(self) -> dict[int, int]:
+        """Each state's bytes of shards as its process says (``status``)."""
+
+        async def one(state: int) -> tuple[int, int] | None:
+            try:
+                rep = await self.recovery.ps[state].request("status", timeout=1.0)
+                return state, int(rep.body.get("bytes") or 0)
+            except (ZmqpsError, TypeError, ValueError):
+                return None
+
+        got = await asyncio.gather(*(one(st) for st in range(len(self.homes.of))))
+        measured = dict(x for x in got if x is not None)
+        if len(measured) == len(self.homes.of):
+            self.measured = measured
+        return measured
+
+    async def _grow(self) -> None:
+        """``--add-ps-above``: a PS serving more bytes than the limit makes the chief ask
+        for the next PS of the spec (once the last change settled, at most once per
+        ``GROW_WAIT_S``); the launcher starts it, or whoever runs the cluster."""
+        limit = self.recovery.cfg.add_ps_above
+        if limit is None or self.current is not None or self.clock() < self._grown_at:
+            return
+        if self.wanted is not None and (self.planned != 0 or self.waiting):
+            return  # the last change is still under way
+        measured = await self._measure()
+        loads: dict[int, int] = {}
+        for state, n in measured.items():
+            loads[self.homes.of[state]] = loads.get(self.homes.of[state], 0) + n
+        over = {q: n for q, n in sorted(loads.items()) if n > limit}
+        if not over:
+            return
+        serving = set(self.target())
+        spare = [q for q in range(len(self.homes.processes)) if q not in serving]
+        self._grown_at = self.clock() + GROW_WAIT_S
+        q, n = next(iter(over.items()))
+        if not spare:
+            log.warning(
+                "ps %d serves %d bytes, above --add-ps-above %d, and every PS of the cluster"
+                " spec serves already",
+                q,
+                n,
+                limit,
+            )
+            return
+        log.warning(
+            "ps %d serves %d bytes, above --add-ps-above %d: asking for ps %d",
+            q,
+            n,
+            limit,
+            spare[0],
+        )
+        self.ask(sorted(serving | {spare[0]}))
+
+    def next_move(self) -> Move | None:
+        placement = self.recovery.variables.placement
+        if placement is None or self.wanted is None:
+            return None
+        # a process told to shut down and not started again since is going away
+        up = [
+            q
+            for q in self.wanted
+            if self.boots.get(q) is not None and self.drained.get(q) != self.boots[q]
+        ]
+        missing = sorted(set(self.wanted) - set(up))
+        self.waiting = (
+            f"ps {', '.join(map(str, missing))} asked for and not answering" if missing else None
+        )
+        if not up:
+            self.planned = None
+            return None
+        sizes = self.sizes(placement)
+        homes = dict(enumerate(self.homes.of))
+        planned = plan_homes(sizes, homes, up)
+        todo = moves(sizes, homes, planned)
+        backups = self._backups_leaving(placement)
+        self.planned = len(todo) + len(backups)
+        if not todo:
+            return None
+        first = todo[0]
+        if first.source not in up:
+            # a state of a process that leaves: to a copy of it where it may go, if one
+            # is (promoted: nothing to send), else where the plan says
+            copies = next(s.backups for s in placement.shards if s.state == first.state)
+            kept = [q for q in copies if q in up]
+            if kept and first.target not in copies:
+                first = Move(first.state, first.source, kept[0], first.nbytes)
+        return first
+
+    def _backups_leaving(self, placement: Placement) -> list[tuple[int, int]]:
+        """``(state, process)``: backups on processes that leave (replication)."""
+        seen: set[tuple[int, int]] = set()
+        for s in placement.shards:
+            for q in s.backups:
+                if q not in (self.wanted or ()) and (s.state, q) not in seen:
+                    seen.add((s.state, q))
+        return sorted(seen)
+
+    async def _move_backup(self, state: int, leaving: int) -> bool:
+        """A backup of ``state`` on a process that leaves: a new copy on one asked for
+        (made and caught up as re-replication makes one, while the old one still
+        counts), then the old one dropped. Returns whether it went."""
+        r = self.recovery
+        rr = r.rereplicator
+        placement = r.variables.placement
+        assert rr is not None and placement is not None and self.wanted is not None
+        s = next(s for s in placement.shards if s.state == state)
+        held = {q: 0 for q in self.wanted if self.boots.get(q) and q not in s.copies}
+        if not held:
+            return False
+        for x in {x.state: x for x in placement.shards}.values():
+            for q in x.copies:
+                if q in held:
+                    held[q] += 1
+        target = min(held, key=lambda q: (held[q], q))
+        log.warning(
+            "ps %d leaves: its copy of ps %d's state goes to ps %d first", leaving, state, target
+        )
+        r.moving = {"state": state, "from": leaving, "to": target, "phase": "copying a backup"}
+        try:
+            if not await rr.copy(state, target):
+                return False
+        finally:
+            r.moving = None
+        async with r.placement_lock:
+            placement = r.variables.placement
+            assert placement is not None
+            shards = tuple(
+                replace(x, backups=tuple(b for b in x.backups if b != leaving))
+                if x.state == state
+                else x
+                for x in placement.shards
+            )
+            new = replace(placement, shards=shards, epoch=placement.epoch + 1)
+            r.variables.use(new)
+            self.homes.update(new)
+            await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
+            await rr.drop_joiner(state)  # its primary ships to the placement's backups only
+            term = r.terms.get(state, TERM)
+            drop = o.ReplicaSet(state, term, primary=False, epoch=new.epoch, drop=True)
+            try:
+                await self.homes.processes[leaving].request("replica", drop.to_wire(), timeout=2.0)
+            except ZmqpsError as exc:
+                log.info("ps %d: dropping its copy of ps %d failed: %s", leaving, state, exc)
+        return True
+
+    async def _drain(self) -> None:
+        """Processes asked to leave that serve nothing now: told to shut down (they exit
+        0). One that still holds a backup of a state is left to the re-replication."""
+        if self.wanted is None:
+            return
+        placement = self.recovery.variables.placement
+        holding = {q for s in placement.shards for q in s.copies} if placement else set()
+        for q, boot in self.boots.items():
+            if boot is None or q in self.wanted or q in holding or self.drained.get(q) == boot:
+                continue
+            try:
+                await self.homes.processes[q].request("shutdown", timeout=2.0)
+            except ZmqpsError as exc:
+                log.info("ps %d: shutdown after draining not answered: %s", q, exc)
+                continue
+            self.drained[q] = boot
+            log.warning("ps %d drained (it serves no state): told to shut down", q)
+
+    # ------------------------------------------------------------------ one move
+
+    async def move(self, state: int, target: int) -> bool:
+        """Move PS state ``state`` to process ``target``; True once the placement
+        serves it from there."""
+        r = self.recovery
+        rr = r.rereplicator
+        assert rr is not None
+        source = self.homes.of[state]
+        started, began = self.clock(), time.time()
+        self.current = {"state": state, "from": source, "to": target, "phase": "starting"}
+        r.moving = self.current
+        log.warning("moving ps %d's state from ps %d to ps %d", state, source, target)
+        why = ""
+        info: dict[str, Any] = {}
+        gen = r.gen
+        # the target's process, watched while its copy is made: one restarted holds no
+        # copy and refuses every part sent again, one silent past the heartbeat timeout
+        # is dead (either way the move would wait out its deadline)
+        target_boot = self.boots.get(target)
+        restarted: list[str] = []
+        heard = {"at": self.clock()}
+        watch = asyncio.ensure_future(self._watch_target(target, target_boot, restarted, heard))
+        timeout = r.cfg.heartbeat_timeout
+        try:
+            async with r.placement_lock:
+                await self._primary_here(state, source)
+            # given up past a deadline: the state's bytes at a quarter of the rate, and
+            # a minute more (a target that died mid-copy never gets in sync)
+            sizes = self.sizes(self.recovery.variables.placement)  # type: ignore[arg-type]
+            deadline = self.clock() + 60.0 + 4 * sizes.get(state, 0) / self.rate
+
+            def going() -> bool:
+                # a restore meanwhile: the copy is of the generation before
+                return self.active() and self.clock() < deadline and r.gen == gen
+
+            placement = self.recovery.variables.placement
+            held = placement is not None and any(
+                x.state == state and target in x.backups for x in placement.shards
+            )
+            if held:
+                # the target holds a copy in sync already (a backup; one a move's join
+                # made before a chief restart, adopted as such): handed over at once
+                self.current["phase"] = "in sync"
+            else:
+                why, info = await rr.join(
+                    state,
+                    target,
+                    self.rate,
+                    self.current,
+                    going,
+                    lambda q: not restarted and self.clock() - heard["at"] <= timeout,
+                    MOVE_POLL_S,
+                )
+            if restarted:
+                why = restarted[0]
+            elif r.gen != gen:
+                why = f"a restore meanwhile (generation {gen} -> {r.gen}): the copy is of before"
+            if not why:
+                why = await self._at_boundary(state, source, target, gen)
+        except ZmqpsError as exc:
+            why = f"{exc.code}: {exc}"
+        finally:
+            watch.cancel()
+            handover = (self.current or {}).get("handover_s")
+            target = int((self.current or {}).get("to", target))
+            self.current = None
+            r.moving = None
+        copied = int(info.get("bytes", 0))
+        record: dict[str, Any] = {
+            "state": state,
+            "from": source,
+            "to": target,
+            "seconds": round(self.clock() - started, 3),
+            # the hand-over alone: what the state's requests waited for
+            "handover_s": handover,
+            "bytes": copied,
+            "state_bytes": self.sizes(self.recovery.variables.placement).get(state, 0)
+            if self.recovery.variables.placement is not None
+            else 0,
+            # wall-clock times, to match the workers' step times against
+            "began": round(began, 3),
+            "ended": round(time.time(), 3),
+        }
+        self.bytes += copied
+        if why:
+            self.failures += 1
+            record["failed"] = why
+            log.warning("moving ps %d's state to ps %d failed: %s", state, target, why)
+            with contextlib.suppress(ZmqpsError):
+                await rr.drop_joiner(state)
+        else:
+            self.moves += 1
+            # the furthest copy serves (a backup ahead of the target: the target is its
+            # backup); the record says which
+            home = record["home"] = self.homes.of[state]
+            log.warning(
+                "ps %d's state moved from ps %d to ps %d (%.2fs, %d bytes; placement epoch %d)%s",
+                state,
+                source,
+                target,
+                record["seconds"],
+                copied,
+                self.homes.epoch,
+                "" if home == target else f"; ps {home}'s copy was further: it serves",
+            )
+        self.done.append(record)
+        del self.done[:-KEEP]
+        return not why
+
+    async def _watch_target(
+        self, target: int, boot: str | None, restarted: list[str], heard: dict[str, float]
+    ) -> None:
+        """Probe ``target`` while its copy is made: when it last answered (``heard``),
+        and a boot id other than ``boot`` (it restarted, the copy gone with it) is said
+        in ``restarted``."""
+        while True:
+            await asyncio.sleep(min(0.5, self.interval))
+            try:
+                rep = await self.homes.processes[target].request("ps_state", timeout=1.0)
+                now = o.PsStateReply.parse(rep.body).boot
+            except ZmqpsError:
+                continue  # silent: past the heartbeat timeout the move is given up
+            heard["at"] = self.clock()
+            if boot is None:
+                boot = now
+            elif now != boot:
+                restarted.append(f"ps {target} restarted while its copy was made")
+                return
+
+    async def _at_boundary(self, state: int, source: int, target: int, gen: int) -> str:
+        """The hand-over at the next step boundary the chief holds (sync: every worker
+        waits for the next step's token, no push of it is on the way, the state's sums
+        are empty; async and ssp: at once). Once begun it runs to its end (a task of
+        its own: a restore that stops the stepping does not cut it in half). Returns
+        why it did not happen ("" once done)."""
+        r = self.recovery
+        begun: list[asyncio.Future[str]] = []
+
+        async def locked() -> str:
+            async with r.placement_lock:
+                if r.gen != gen:
+                    return f"a restore meanwhile (generation {gen} -> {r.gen})"
+                began = self.clock()
+                try:
+                    return await self._hand_over(state, source, target)
+                finally:
+                    if self.current is not None:
+                        self.current["handover_s"] = round(self.clock() - began, 4)
+
+        async def job(step: int) -> str:
+            begun.append(asyncio.ensure_future(locked()))
+            return await asyncio.shield(begun[0])
+
+        done = r.mode.at_boundary(job)
+        deadline = self.clock() + max(30.0, 3 * r.cfg.heartbeat_timeout)
+        while not begun and not done.done():
+            late = not self.active() or self.clock() > deadline
+            if late and r.mode.drop_boundary_job(done):  # False: it just began
+                return "no step boundary came" if self.active() else "the run's end"
+            await asyncio.sleep(0.02)
+        if begun:
+            return await begun[0]
+        return str(done.result())
+
+    async def _primary_here(self, state: int, source: int) -> None:
+        """The state's home numbers its updates (a replication primary): a run without
+        replication makes it one with no backups, at the state's term."""
+        placement = self.recovery.variables.placement
+        assert placement is not None
+        s = next(s for s in placement.shards if s.state == state)
+        if s.backups:
+            return  # replicated: a primary already
+        term = self.recovery.terms.setdefault(state, TERM)
+        body = o.ReplicaSet(state, term, True, (), epoch=placement.epoch)
+        await self.homes.processes[source].request("replica", body.to_wire(), timeout=2.0)
+
+    async def _hand_over(self, state: int, source: int, target: int) -> str:
+        """``target`` (in sync) takes the state over from ``source`` at a new term;
+        returns why not ("" once done)."""
+        r = self.recovery
+        placement = r.variables.placement
+        assert placement is not None
+        if self.homes.of[state] != source:
+            return "the state's primary changed while it was copied"
+        processes = self.homes.processes
+        s = next(s for s in placement.shards if s.state == state)
+        others = [q for q in s.backups if q != target]
+        term = r.terms[state] = r.terms.get(state, TERM) + 1
+        epoch = placement.epoch + 1
+        fence = o.ReplicaSet(state, term, primary=False, epoch=epoch).to_wire()
+
+        async def fenced(q: int) -> int | None:
+            try:
+                rep = await processes[q].request("replica", fence, timeout=2.0)
+                return o.ReplicaState.parse(rep.body).applied
+            except ZmqpsError as exc:
+                log.warning("ps %d: fencing its copy of ps %d failed: %s", q, state, exc)
+                return None
+
+        # 1. the target stops taking the source's entries: from here the source commits
+        #    nothing more (it answers what it had not committed, and all after,
+        #    not_primary: the workers send it again to the new home). Refused: nothing
+        #    changed yet, the move is given up.
+        at = await fenced(target)
+        if at is None:
+            r.terms[state] = term - 1
+            return "the target did not take the hand-over"
+        heads = {target: at}
+        # 2. the source steps down (lost: it is fenced by the target's refusals anyway),
+        #    every other copy stops at the new term and says how far it applied
+        await fenced(source)
+        for q in others:
+            got = await fenced(q)
+            if got is not None:
+                heads[q] = got
+        # the furthest copy serves (the target on a tie): a fail-over's choice
+        chosen = max(heads, key=lambda q: (heads[q], q == target, -q))
+        backups = tuple(q for q in (target, *others) if q != chosen and q in heads)
+        links = tuple((q, processes[q].endpoint) for q in backups)
+        applied = tuple(heads[q] for q in backups)
+        body = o.ReplicaSet(state, term, True, links, applied, epoch=epoch)
+        await processes[chosen].request("replica", body.to_wire(), timeout=2.0)
+        if self.current is not None:
+            self.current["to"] = chosen  # where it is served now (the target a backup)
+        shards = tuple(
+            replace(x, ps=chosen, backups=backups, slot=state) if x.state == state else x
+            for x in placement.shards
+        )
+        new = replace(placement, shards=shards, epoch=epoch)
+        # the boot id the state's copy there answers with (each copy has its own)
+        rep = await processes[chosen].request("ps_state", timeout=2.0, slot=state)
+        boot = o.PsStateReply.parse(rep.body).boot
+        # in one turn: the health watch expects the new home's boot id from the probe
+        # routed by the new placement on (an answer from the old home is of an older
+        # epoch, and not taken for a restart)
+        r.variables.use(new)
+        self.homes.update(new)
+        r.boots[state] = boot
+        r.health.expect({state: boot}, r.gen, self.clock())
+        await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
+        # 3. the copy left on the source goes (its own state's copy stays a backup that
+        #    serves nothing; its process may take it back later)
+        drop = o.ReplicaSet(state, term, primary=False, epoch=epoch, drop=True).to_wire()
+        try:
+            await processes[source].request("replica", drop, timeout=2.0)
+        except ZmqpsError as exc:
+            log.info("ps %d: dropping its copy of ps %d failed: %s", source, state, exc)
+        return ""
+
+    # ------------------------------------------------------------------ status
+
+    def figures(self) -> dict[str, Any]:
+        """What the chief's elastic metrics say (read at scrape time, in the exporter's
+        thread: the move under way is read once)."""
+        current = self.current
+        return {
+            "epoch": self.homes.epoch,
+            "serving": len(self.serving()),
+            "asked": len(self.target()),
+            "moving": 0 if current is None else 1,
+            "move_progress": 0.0 if current is None else float(current.get("progress", 0.0)),
+            "moves_done": self.moves,
+            "moves_failed": self.failures,
+            "moved_bytes": self.bytes,
+            "drained": len(self.drained),
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "serving": self.serving(),
+            "asked": self.wanted,
+            "waiting": self.waiting,
+            "moving": self.current,
+            # moves the last look planned (None: not looked yet since the last ask)
+            "planned": self.planned,
+            "moves_done": self.moves,
+            "moves_failed": self.failures,
+            "moved_bytes": self.bytes,
+            "recent_moves": self.done[-5:],
+            "drained": sorted(self.drained),
+            "epoch": self.homes.epoch,
+        }
