@@ -487,7 +487,13 @@ class Mover:
             elif r.gen != gen:
                 why = f"a restore meanwhile (generation {gen} -> {r.gen}): the copy is of before"
             if not why:
-                why = await self._at_boundary(state, source, target, gen)
+                why = await self._at_boundary(
+                    state,
+                    source,
+                    target,
+                    gen,
+                    lambda: not restarted and self.clock() - heard["at"] <= timeout,
+                )
         except ZmqpsError as exc:
             why = f"{exc.code}: {exc}"
         finally:
@@ -558,7 +564,14 @@ class Mover:
                 restarted.append(f"ps {target} restarted while its copy was made")
                 return
 
-    async def _at_boundary(self, state: int, source: int, target: int, gen: int) -> str:
+    async def _at_boundary(
+        self,
+        state: int,
+        source: int,
+        target: int,
+        gen: int,
+        target_alive: Callable[[], bool] = lambda: True,
+    ) -> str:
         """The hand-over at the next step boundary the chief holds (sync: every worker
         waits for the next step's token, no push of it is on the way, the state's sums
         are empty; async and ssp: at once). Once begun it runs to its end (a task of
@@ -585,8 +598,13 @@ class Mover:
         done = r.mode.at_boundary(job)
         deadline = self.clock() + max(30.0, 3 * r.cfg.heartbeat_timeout)
         while not begun and not done.done():
-            late = not self.active() or self.clock() > deadline
+            # a target gone while its in-sync copy waits for the boundary holds every
+            # step of the state (its primary waits for it): given up at once
+            gone = not target_alive()
+            late = gone or not self.active() or self.clock() > deadline
             if late and r.mode.drop_boundary_job(done):  # False: it just began
+                if gone:
+                    return f"ps {target} is silent or restarted"
                 return "no step boundary came" if self.active() else "the run's end"
             await asyncio.sleep(0.02)
         if begun:
