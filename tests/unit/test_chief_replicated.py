@@ -321,12 +321,12 @@ def test_a_primary_left_shipping_to_a_copy_given_up_is_told_its_backups_again() 
         held = asyncio.ensure_future(w.push({"w": np.ones((12, 4), np.float32)}))
         await asyncio.sleep(0.3)
         assert not held.done()  # state 0's commit waits for t
-        states = [None if q == t else await rr._probe(q) for q in range(3)]
+        states = [None if q == t else await rr.probe(q) for q in range(3)]
         assert await rr.reconcile(states) == [0]
         assert str(t) not in primary.log.in_sync()
         await asyncio.wait_for(held, 10)
         # a primary shipping to the placement's backups only is left alone
-        states = [None if q == t else await rr._probe(q) for q in range(3)]
+        states = [None if q == t else await rr.probe(q) for q in range(3)]
         assert await rr.reconcile(states) == []
 
     run(body())
@@ -358,7 +358,7 @@ def test_a_backup_its_primary_dropped_leaves_the_placement_and_is_made_again() -
         assert rr.next_copy() == (0, gone)  # made again: the process holding fewest
         assert await rr.copy(0, gone)
         assert str(gone) in primary.log.in_sync() and not rr.under_replicated()
-        states = [await rr._probe(q) for q in range(3)]
+        states = [await rr.probe(q) for q in range(3)]
         assert await rr.reconcile(states) == []  # the two agree again
 
     run(body())
@@ -408,7 +408,7 @@ def test_a_backup_restarted_before_a_new_chief_first_heard_it_is_made_again() ->
                 break
             assert await rr.copy(*job)
         assert not rr.under_replicated()
-        states = [await rr._probe(q) for q in range(3)]
+        states = [await rr.probe(q) for q in range(3)]
         assert await rr.reconcile(states) == []  # the two agree again
         await w.push({"w": np.ones((12, 4), np.float32)})
 

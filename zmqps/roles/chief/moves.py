@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from zmqps.core.elastic import Move, moves, plan_homes
 from zmqps.core.recovery import Phase
 from zmqps.core.variables import Placement
+from zmqps.roles.chief.copying import StateCopier
 from zmqps.roles.chief.variables import TERM
 from zmqps.wire import ops as o
 from zmqps.wire.errors import InvalidArgument, ZmqpsError
@@ -66,7 +67,7 @@ MOVE_POLL_S = 0.05
 MOVE_RATE = 256 << 20
 
 
-class Mover:
+class Mover(StateCopier):
     def __init__(
         self,
         recovery: RecoveryController,
@@ -75,25 +76,14 @@ class Mover:
         rate: float = MOVE_RATE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.recovery = recovery
-        self.homes = homes
-        self.rate = rate
-        self.clock = clock
-        cfg = recovery.cfg
-        self.interval = min(cfg.heartbeat_interval, cfg.heartbeat_timeout / 4)
+        super().__init__(recovery, homes, rate=rate, clock=clock)
         #: the processes asked to serve the states (None: those serving them now)
         self.wanted: list[int] | None = None
         #: processes asked to leave: process -> its boot id then (None: not heard yet)
         self.left: dict[int, str | None] = {}
         #: processes told to shut down once drained: process -> the boot id it had
         self.drained: dict[int, str] = {}
-        #: the move under way: {"state", "from", "to", "phase", "progress"}
-        self.current: dict[str, Any] | None = None
-        #: moves done or given up (the last KEEP)
-        self.done: list[dict[str, Any]] = []
         self.moves = 0
-        self.failures = 0
-        self.bytes = 0
         #: each process's boot id as last heard (None: silent)
         self.boots: dict[int, str | None] = {}
         #: why the plan waits (a process asked for is not up), for the status
@@ -221,16 +211,9 @@ class Mover:
         return None
 
     async def _probe_all(self) -> None:
-        processes = self.homes.processes
-
-        async def probe(q: int) -> str | None:
-            try:
-                rep = await processes[q].request("ps_state", timeout=1.0)
-                return o.PsStateReply.parse(rep.body).boot
-            except ZmqpsError:
-                return None
-
-        boots = await asyncio.gather(*(probe(q) for q in range(len(processes))))
+        n = len(self.homes.processes)
+        states = await asyncio.gather(*(self.probe(q, timeout=1.0) for q in range(n)))
+        boots = [None if st is None else st.boot for st in states]
         self.boots = dict(enumerate(boots))
         for q, boot in self.boots.items():
             if boot is not None and self.drained.get(q, boot) != boot:

@@ -36,6 +36,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from zmqps.core.variables import Placement
+from zmqps.roles.chief.copying import StateCopier
 from zmqps.roles.chief.variables import TERM
 from zmqps.wire import ops as o
 from zmqps.wire.errors import NotReady, ZmqpsError
@@ -57,7 +58,7 @@ KEEP = 16
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0)
 
 
-class Rereplicator:
+class Rereplicator(StateCopier):
     def __init__(
         self,
         recovery: RecoveryController,
@@ -66,24 +67,13 @@ class Rereplicator:
         rate: float = RATE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.recovery = recovery
-        self.homes = homes
-        self.rate = rate
-        self.clock = clock
-        cfg = recovery.cfg
-        self.timeout = cfg.heartbeat_timeout
-        self.interval = min(cfg.heartbeat_interval, cfg.heartbeat_timeout / 4)
+        super().__init__(recovery, homes, rate=rate, clock=clock)
+        self.timeout = recovery.cfg.heartbeat_timeout
         n = len(homes.processes)
         #: each process's boot id as last heard, and when it last answered
         self.boots: dict[int, str] = {}
         self.heard: dict[int, float] = dict.fromkeys(range(n), clock())
-        #: the copy under way: {"state", "to", "started", "phase"}
-        self.current: dict[str, Any] | None = None
-        #: copies made or given up (the last KEEP)
-        self.done: list[dict[str, Any]] = []
         self.copies = 0
-        self.failures = 0
-        self.bytes = 0
         self._failed: dict[tuple[int, int], tuple[int, float]] = {}
 
     # ------------------------------------------------------------------ the loop
@@ -104,22 +94,13 @@ class Rereplicator:
             if job is not None and self.active():
                 await self.copy(*job)
 
-    async def _probe(self, q: int) -> o.PsStateReply | None:
-        """Process ``q``'s ``ps_state`` (None: no answer)."""
-        timeout = max(0.5, 2 * self.interval)
-        try:
-            rep = await self.homes.processes[q].request("ps_state", timeout=timeout)
-            return o.PsStateReply.parse(rep.body)
-        except ZmqpsError:
-            return None
-
     async def watch(self) -> list[int]:
         """Probe every process; fail over those that serve no state, hold copies and are
         silent past the heartbeat timeout or restarted (returns them); then bring the
         placement and the copies' roles into agreement (:meth:`reconcile`)."""
         n = len(self.homes.processes)
         probed = self.recovery.variables.placement
-        states = await asyncio.gather(*(self._probe(q) for q in range(n)))
+        states = await asyncio.gather(*(self.probe(q) for q in range(n)))
         dead = await self._watch_boots([None if st is None else st.boot for st in states])
         if not dead and self.current is None and self.recovery.moving is None:
             await self.reconcile(states, probed)
