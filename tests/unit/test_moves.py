@@ -182,6 +182,42 @@ def test_scaling_down_drains_and_back_up_spreads_the_states_again() -> None:
     run(body())
 
 
+def test_a_ps_restarted_while_it_leaves_leaves_and_one_started_after_its_drain_joins() -> None:
+    """A PS asked to leave that crashes and is restarted before it was drained (a
+    supervisor's restart) does not undo the scale-down: it is drained too. Once drained
+    (it exited 0), a start of it is deliberate: it joins."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1)
+        mover = chief.recovery.mover
+        assert mover is not None
+        await mover.step()  # the boot ids heard
+        mover.ask([0, 1])
+        assert await mover.step() is not None  # ps 2's state moved off it
+        assert 2 not in chief.recovery.homes.of
+        assert not slots[2].own.shutdown_requested.is_set()
+        # killed and restarted before it was told to shut down
+        net.remove(PS[2])
+        slots[2] = serve_ps(net, 2, PS[2])
+        for _ in range(3):
+            await mover.step()
+        assert mover.wanted == [0, 1]
+        assert slots[2].own.shutdown_requested.is_set()  # drained, this incarnation too
+        assert mover.status()["drained"] == [2]
+        assert 2 not in chief.recovery.homes.of
+        # it exits 0; started again by hand afterwards: it joins and gets a state
+        net.remove(PS[2])
+        slots[2] = serve_ps(net, 2, PS[2])
+        for _ in range(3):
+            await mover.step()
+        assert mover.wanted == [0, 1, 2]
+        assert sorted(chief.recovery.homes.of) == [0, 1, 2]
+        assert mover.status()["drained"] == []
+
+    run(body())
+
+
 def test_the_chiefs_elastic_metrics_follow_the_moves() -> None:
     """Read at scrape time from the mover: the PS serving and asked for, the epoch, a move
     under way and its progress, the moves done and the bytes moved, the PS drained."""

@@ -59,6 +59,9 @@ log = logging.getLogger("zmqps.chief")
 KEEP = 16
 #: seconds after the memory policy asked for a PS before it may ask for another
 GROW_WAIT_S = 10.0
+#: in ``Mover.left``: no incarnation of the process was running when it was asked to
+#: leave (a later one is a start of it after it left, which joins)
+NONE = ""
 #: seconds between the chief's looks at a moving state's copy (a move is asked for:
 #: handed over as soon as it is in sync)
 MOVE_POLL_S = 0.05
@@ -79,8 +82,14 @@ class Mover(StateCopier):
         super().__init__(recovery, homes, rate=rate, clock=clock)
         #: the processes asked to serve the states (None: those serving them now)
         self.wanted: list[int] | None = None
-        #: processes asked to leave: process -> its boot id then (None: not heard yet)
+        #: processes asked to leave: process -> the boot id of the incarnation asked
+        #: (``NONE``: none was running; None: not looked at yet, the first heard is
+        #: the one asked); a later incarnation joins only if that one was drained or
+        #: none was running: one restarted while it leaves (a crash, a supervisor's
+        #: restart) leaves too
         self.left: dict[int, str | None] = {}
+        #: each process's boot id as last heard (kept while it is silent)
+        self.known: dict[int, str] = {}
         #: processes told to shut down once drained: process -> the boot id it had
         self.drained: dict[int, str] = {}
         self.moves = 0
@@ -122,8 +131,8 @@ class Mover(StateCopier):
         for q in range(len(self.homes.processes)):
             if q in self.wanted:
                 self.left.pop(q, None)
-            else:  # asked to leave: it joins again only once restarted
-                self.left.setdefault(q, self.boots.get(q))
+            else:  # asked to leave: the incarnation running now
+                self.left.setdefault(q, self.known.get(q, NONE if q in self.boots else None))
         log.warning(
             "scaling to %d PS: ps %s serve the states",
             len(self.wanted),
@@ -156,13 +165,15 @@ class Mover(StateCopier):
         )
         del self.scales[:-KEEP]
 
-    def adopt(self) -> None:
+    def adopt(self, boots: dict[int, str]) -> None:
         """A restarted chief found the states moved: the processes serving them are
-        those asked for (the others left the run; one joins again once restarted)."""
+        those asked for; the others left the run, or are leaving (those that answered
+        at the start, ``boots``: drained once they hold no copy)."""
+        self.known.update(boots)
         self.wanted = self.serving()
         for q in range(len(self.homes.processes)):
             if q not in self.wanted:
-                self.left.setdefault(q, None)
+                self.left.setdefault(q, boots.get(q, NONE))
 
     def serving(self) -> list[int]:
         return sorted(set(self.homes.of))
@@ -216,20 +227,32 @@ class Mover(StateCopier):
         boots = [None if st is None else st.boot for st in states]
         self.boots = dict(enumerate(boots))
         for q, boot in self.boots.items():
-            if boot is not None and self.drained.get(q, boot) != boot:
-                del self.drained[q]  # started again: no longer the process drained
+            if boot is None:
+                continue
+            self.known[q] = boot
+            if q not in self.left and self.drained.get(q, boot) != boot:
+                del self.drained[q]  # started again, asked for: no longer the one drained
 
     def _join_new(self) -> None:
-        """A process of the spec that answers, serves nothing and is not the one drained
-        (started by hand, or again after it left): it joins the processes asked for."""
+        """A process of the spec that answers and serves nothing, started after it left
+        the run (drained, or not running when it was asked to leave), or never asked
+        to: it joins the processes asked for. One restarted while it was leaving
+        (before it was drained: a crash, a supervisor's restart) leaves too."""
         if self.wanted is None:
             return
         for q, boot in self.boots.items():
             if boot is None or q in self.wanted or q in self.homes.of:
                 continue
-            if self.left.get(q, boot) in (boot, None):
-                self.left[q] = boot  # the process asked to leave, not a new one
-                continue
+            if q in self.left:
+                gone = self.left[q]
+                if gone is None:
+                    gone = self.left[q] = boot  # the first heard since the ask
+                if gone == boot:
+                    continue  # the incarnation asked to leave: drained once it holds nothing
+                if gone != NONE and self.drained.get(q) != gone:
+                    self.left[q] = boot
+                    log.warning("ps %d restarted while it was leaving: it leaves", q)
+                    continue
             self.left.pop(q, None)
             self.drained.pop(q, None)
             log.warning("ps %d answers and serves nothing: it joins the PS serving the states", q)

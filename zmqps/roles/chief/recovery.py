@@ -654,7 +654,8 @@ class RecoveryController:
             except ZmqpsError:
                 return None
 
-        heard = [st for st in await asyncio.gather(*map(one, self.homes.processes)) if st]
+        answers = await asyncio.gather(*map(one, self.homes.processes))
+        heard = [st for st in answers if st]
         published = [st["newest"] for st in heard if st.get("newest") is not None]
         if not published:
             return None, None
@@ -668,7 +669,7 @@ class RecoveryController:
         placement = replace(newest, epoch=min(told + 1, INT64_MAX))
         self.homes.update(placement)
         if self.mover is not None:
-            self.mover.adopt()
+            self.mover.adopt({q: str(st["boot"]) for q, st in enumerate(answers) if st})
         log.info(
             "the PS states were moved: %s (placement epoch %d)",
             ", ".join(f"ps {st} on ps {p}" for st, p in enumerate(self.homes.of)),
