@@ -218,6 +218,43 @@ def test_a_ps_restarted_while_it_leaves_leaves_and_one_started_after_its_drain_j
     run(body())
 
 
+def test_a_probe_across_new_placement_epochs_that_left_its_state_in_place_is_heard() -> None:
+    """Moves and copies back to back (a scale just after a chief restart) change the
+    placement epoch every probe interval. A probe answered by the process that still
+    serves its state is heard whatever the epoch did meanwhile; only one routed to a
+    process the state has since left is set aside (fault schedule 712: every probe of
+    a state that never moved was set aside for 2.5 s, and its process failed over)."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, _ = await cluster(net, 2)
+        rec = chief.recovery
+        assert rec.homes is not None and chief.placement is not None
+        loop = asyncio.get_running_loop()
+        rep = await rec.ps[0].request("ps_state", timeout=1.0)
+        st = o.PsStateReply.parse(rep.body)
+
+        def answered(home: int) -> dict[int, asyncio.Future[Any]]:
+            done: asyncio.Future[Any] = loop.create_future()
+            done.set_result((rec.gen, home, st))
+            return {0: done}
+
+        # a new epoch (a copy added elsewhere), state 0 still on process 0
+        rec.homes.update(replace(chief.placement, epoch=chief.placement.epoch + 3))
+        later = rec.clock() + 10 * rec.cfg.heartbeat_timeout
+        rec.clock = lambda: later  # type: ignore[method-assign]
+        failing: list[int] = []
+        assert rec._hear(answered(0), failing) == []  # type: ignore[arg-type]
+        assert 0 not in failing  # (the states not probed here are silent, long since)
+        # one routed to a process state 0 has left, long after: not an answer (silent)
+        rec.clock = lambda: later + 10 * rec.cfg.heartbeat_timeout  # type: ignore[method-assign]
+        failing.clear()
+        assert rec._hear(answered(1), failing) == []  # type: ignore[arg-type]
+        assert 0 in failing
+
+    run(body())
+
+
 def test_the_chiefs_elastic_metrics_follow_the_moves() -> None:
     """Read at scrape time from the mover: the PS serving and asked for, the epoch, a move
     under way and its progress, the moves done and the bytes moved, the PS drained."""

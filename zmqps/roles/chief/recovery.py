@@ -1035,18 +1035,20 @@ class RecoveryController:
         inflight: dict[int, asyncio.Task[tuple[int, int, o.PsStateReply | None]]] = {}
 
         async def probe(i: int, gen: int) -> tuple[int, int, o.PsStateReply | None]:
-            # the placement epoch it is routed by: a state moved meanwhile answers from
-            # its new home, whose boot id the watch expects from then on
-            epoch = self.homes.epoch if self.homes is not None else 0
+            # the process it is routed to: a state moved meanwhile answers from its new
+            # home, whose boot id the watch expects from then on (a new placement epoch
+            # that leaves the state where it was, a copy added or dropped, changes
+            # nothing: moves and copies back to back change the epoch every probe)
+            home = self.homes.of[i] if self.homes is not None else i
             try:
                 # attempts=2: a read, so it may be sent again, and is, at once, when the
                 # connection comes back after a partition (the PS is heard without delay)
                 rep = await self.ps[i].request(
                     "ps_state", timeout=max(0.5, 2 * interval), attempts=2
                 )
-                return gen, epoch, o.PsStateReply.parse(rep.body)
+                return gen, home, o.PsStateReply.parse(rep.body)
             except ZmqpsError:
-                return gen, epoch, None
+                return gen, home, None
 
         def forget() -> None:
             for t in inflight.values():
@@ -1096,9 +1098,9 @@ class RecoveryController:
             st: o.PsStateReply | None = None
             if task is not None and task.done():
                 del inflight[i]
-                gen, epoch, st = task.result()
+                gen, home, st = task.result()
                 # a probe of before a restore, or routed to where a state no longer is
-                moved = self.homes is not None and epoch != self.homes.epoch
+                moved = self.homes is not None and home != self.homes.of[i]
                 st = st if gen == self.gen and not moved else None
             if st is None:
                 if self.health.silent(i, now):
