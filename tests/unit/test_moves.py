@@ -418,6 +418,8 @@ def test_a_target_killed_during_the_copy_gives_the_move_up_within_a_heartbeat_ti
         rep = await net.client(PS[1], "worker:9:0").request("ps_state")
         assert rep.body["shards"]
 
+    run(body())
+
 
 def test_a_copy_left_by_a_move_given_up_is_not_taken_for_a_later_moves_copy() -> None:
     """A move copies state 1 onto ps 0 and is given up (its source killed: fault
@@ -527,6 +529,8 @@ def test_a_hash_table_moved_to_another_process_is_read_whole_where_it_is() -> No
         assert not len(slots[1].own.store)  # its own state left: nothing served there
         await client.close()
 
+    run(body())
+
 
 def test_a_move_under_way_at_a_restore_is_given_up() -> None:
     """Every state is restored (another PS restarted empty) while a state is copied:
@@ -571,6 +575,15 @@ def test_with_two_copies_a_scale_down_promotes_copies_and_moves_the_backups_firs
         mover.ask(stay)
         for _ in range(8):
             await mover.step()
+            # never fewer than two copies of a state: a promotion that drops the
+            # source's copy makes one more first (fault schedule 809: a kill in that
+            # window lost the state's only copy)
+            now = chief.placement
+            assert now is not None
+            open("/tmp/copies.log", "a").write(
+                repr([(x.state, x.copies) for x in now.shards]) + "\n"
+            )
+            assert all(len(x.copies) >= 2 for x in now.shards), now.shards
             await rr.watch()
             job = rr.next_copy()
             if job is not None:
@@ -610,6 +623,8 @@ def test_with_two_copies_a_scale_down_promotes_copies_and_moves_the_backups_firs
         assert {x.state: set(x.copies) for x in after.shards} == {
             x.state: set(x.copies) for x in placement.shards
         }
+
+    run(body())
 
 
 def test_a_copy_behind_the_one_promoted_takes_the_entry_it_lacks(

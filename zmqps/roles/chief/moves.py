@@ -211,6 +211,16 @@ class Mover(StateCopier):
         await self._grow()
         job = self.next_move()
         if job is not None:
+            if self._short_after(job):
+                # a hand-over onto a copy there already drops the source's: the state
+                # would have fewer copies than the replication until the re-replication
+                # made one (a kill then loses it). A copy where it may go comes first.
+                why = (
+                    f"the hand-over of ps {job.state}'s state from ps {job.source} to"
+                    f" ps {job.target}, a copy of it, drops one"
+                )
+                if await self._new_copy(job.state, why) is False:
+                    return None  # failed (a process gone meanwhile): the next look again
             await self.move(job.state, job.target)
             return job
         placement = self.recovery.variables.placement
@@ -368,32 +378,55 @@ class Mover(StateCopier):
                     seen.add((s.state, q))
         return sorted(seen)
 
+    def _short_after(self, job: Move) -> bool:
+        """Whether ``job`` would leave its state with fewer copies than the replication:
+        a hand-over onto a copy there already (a promotion) drops the source's."""
+        placement = self.recovery.variables.placement
+        replication = self.recovery.cfg.replication
+        if placement is None or replication < 2:
+            return False
+        s = next(s for s in placement.shards if s.state == job.state)
+        return job.target in s.copies and len(s.copies) - 1 < replication
+
+    async def _new_copy(self, state: int, why: str) -> bool | None:
+        """One more copy of ``state``, on the process asked for that holds the fewest
+        copies and none of it, made and caught up as re-replication makes one (the
+        others still count meanwhile). True once the placement names it; False when
+        it failed; None when no process asked for is without a copy of it."""
+        r = self.recovery
+        rr = r.rereplicator
+        placement = r.variables.placement
+        assert rr is not None and placement is not None and self.wanted is not None
+        s = next(s for s in placement.shards if s.state == state)
+        held = {
+            q: 0
+            for q in self.wanted
+            if self.boots.get(q) and self.drained.get(q) != self.boots[q] and q not in s.copies
+        }
+        if not held:
+            return None
+        for x in {x.state: x for x in placement.shards}.values():
+            for q in x.copies:
+                if q in held:
+                    held[q] += 1
+        target = min(held, key=lambda q: (held[q], q))
+        log.warning("%s: one more copy of ps %d's state on ps %d first", why, state, target)
+        source = self.homes.of[state]
+        r.moving = {"state": state, "from": source, "to": target, "phase": "copying a backup"}
+        try:
+            return await rr.copy(state, target)
+        finally:
+            r.moving = None
+
     async def _move_backup(self, state: int, leaving: int) -> bool:
         """A backup of ``state`` on a process that leaves: a new copy on one asked for
         (made and caught up as re-replication makes one, while the old one still
         counts), then the old one dropped. Returns whether it went."""
         r = self.recovery
         rr = r.rereplicator
-        placement = r.variables.placement
-        assert rr is not None and placement is not None and self.wanted is not None
-        s = next(s for s in placement.shards if s.state == state)
-        held = {q: 0 for q in self.wanted if self.boots.get(q) and q not in s.copies}
-        if not held:
+        assert rr is not None
+        if not await self._new_copy(state, f"ps {leaving} leaves, holding a copy"):
             return False
-        for x in {x.state: x for x in placement.shards}.values():
-            for q in x.copies:
-                if q in held:
-                    held[q] += 1
-        target = min(held, key=lambda q: (held[q], q))
-        log.warning(
-            "ps %d leaves: its copy of ps %d's state goes to ps %d first", leaving, state, target
-        )
-        r.moving = {"state": state, "from": leaving, "to": target, "phase": "copying a backup"}
-        try:
-            if not await rr.copy(state, target):
-                return False
-        finally:
-            r.moving = None
         async with r.placement_lock:
             placement = r.variables.placement
             assert placement is not None
