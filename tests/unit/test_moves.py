@@ -580,9 +580,6 @@ def test_with_two_copies_a_scale_down_promotes_copies_and_moves_the_backups_firs
             # window lost the state's only copy)
             now = chief.placement
             assert now is not None
-            open("/tmp/copies.log", "a").write(
-                repr([(x.state, x.copies) for x in now.shards]) + "\n"
-            )
             assert all(len(x.copies) >= 2 for x in now.shards), now.shards
             await rr.watch()
             job = rr.next_copy()
@@ -623,6 +620,36 @@ def test_with_two_copies_a_scale_down_promotes_copies_and_moves_the_backups_firs
         assert {x.state: set(x.copies) for x in after.shards} == {
             x.state: set(x.copies) for x in placement.shards
         }
+
+    run(body())
+
+
+def test_a_promotion_whose_copy_first_fails_goes_on_without_it() -> None:
+    """A chief killed during a hand-over leaves the source stepped down while the
+    placement still names it primary: the copy made before a promotion is refused
+    (``not_primary``), and only the hand-over makes a primary again. The move goes on
+    without the copy (before, it tried the copy every look, and the state had no
+    primary for 34 s: fault schedule 702)."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 2)
+        mover, rr = chief.recovery.mover, chief.recovery.rereplicator
+        assert mover is not None and rr is not None and chief.placement is not None
+        await rr.watch()
+        s = next(x for x in chief.placement.shards if x.state == 2)
+        # the source steps down, as a hand-over's first steps make it
+        term = chief.recovery.terms.get(2, 1) + 1
+        fence = o.ReplicaSet(2, term, primary=False, epoch=chief.placement.epoch + 1)
+        await net.client(PS[s.ps], "chief:9").request("replica", fence.to_wire())
+        mover.ask([q for q in range(3) if q != s.ps])
+        for _ in range(3):
+            await mover.step()
+        assert chief.recovery.homes is not None
+        assert chief.recovery.homes.of[2] != s.ps
+        pusher = Pusher(net, chief)
+        await pusher.client.push({"w": np.ones((12, 4), np.float32)})  # served again
+        await pusher.client.close()
 
     run(body())
 
@@ -816,6 +843,79 @@ def test_a_chief_restarted_after_every_moved_copy_was_lost_restores_from_a_check
         for st in range(3):
             for sh in slots[0].service(st).store:
                 assert np.all(sh.values == -0.5)
+        await pusher.client.close()
+
+    run(body())
+
+
+def test_a_replicated_chief_restarted_after_a_scale_down_restores_onto_the_ps_that_stay(
+    tmp_path: Path,
+) -> None:
+    """With two copies: ps 2 drained by a scale to 2 PS (it exited), then the chief
+    restarted while ps 0 and ps 1 both restarted, every copy lost. The restore puts
+    each state on a process that stays, and the start does not wait for ps 2 (the
+    newest placement names no copy there): before, it gave ps 2's state back to ps 2
+    and waited the start-up timeout for it (fault schedule 809)."""
+    from zmqps.roles.configs import CheckpointPolicy
+    from zmqps.roles.ps import PSService
+
+    def ps(i: int) -> PSSlots:
+        slots = PSSlots(
+            PSService(i, checkpoint_dir=str(tmp_path)),
+            make_copy=lambda s: PSService(s, checkpoint_dir=str(tmp_path)),
+            link=lambda q, endpoint, slot: net.client(endpoint, f"ps{i}:ship{slot}", slot=slot),
+        )
+        net.serve(PS[i], slots, name=f"ps{i}")
+        return slots
+
+    net = FakeNetwork()
+
+    async def body() -> None:
+        slots = [ps(i) for i in range(3)]
+        cfg = replace(
+            replicated_config(CHIEF, PS, SGD),
+            replication=2,
+            checkpoint=CheckpointPolicy(str(tmp_path)),
+        )
+        chief = chief_on(net, cfg)
+        await chief.start()
+        await chief.create_variables(VARS, dict(SGD))
+        mover, rr = chief.recovery.mover, chief.recovery.rereplicator
+        assert mover is not None and rr is not None
+        await rr.watch()
+        pusher = Pusher(net, chief)
+        await pusher.client.push({"w": np.ones((12, 4), np.float32)})
+        mover.ask([0, 1])
+        for _ in range(8):
+            await mover.step()
+            await rr.watch()
+            job = rr.next_copy()
+            if job is not None:
+                await rr.copy(*job)
+        assert mover.status()["drained"] == [2]
+        assert chief.placement is not None
+        assert all(set(s.copies) == {0, 1} for s in chief.placement.shards)
+        assert await chief.checkpoints.now(10.0)
+        net.remove(PS[2])
+        net.remove(CHIEF)
+        restarted = chief_on(net, cfg)
+        rec = restarted.recovery
+        learned = rec._moved_homes
+
+        async def then_both_restart() -> object:
+            out = await learned()
+            for q in (0, 1):
+                net.remove(PS[q])
+                slots[q] = ps(q)
+            return out
+
+        rec._moved_homes = then_both_restart  # type: ignore[method-assign]
+        await asyncio.wait_for(restarted.start(), 30.0)  # the start-up timeout is 120 s
+        assert rec.gen >= 1 and restarted.placement is not None
+        assert {s.ps for s in restarted.placement.shards} <= {0, 1}
+        for s in restarted.placement.shards:
+            for sh in slots[s.ps].service(s.state).store:
+                assert np.all(sh.values == -0.5)  # the checkpoint's: one push of ones
         await pusher.client.close()
 
     run(body())

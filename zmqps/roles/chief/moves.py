@@ -220,7 +220,11 @@ class Mover(StateCopier):
                     f" ps {job.target}, a copy of it, drops one"
                 )
                 if await self._new_copy(job.state, why) is False:
-                    return None  # failed (a process gone meanwhile): the next look again
+                    # failed: a process gone meanwhile, or the source no longer the
+                    # state's primary (a chief killed during a hand-over: only the
+                    # hand-over, which fences every copy and promotes one, makes one
+                    # again). The move goes on; the re-replication makes the copy after.
+                    log.warning("moving ps %d's state without the copy first", job.state)
             await self.move(job.state, job.target)
             return job
         placement = self.recovery.variables.placement

@@ -197,6 +197,10 @@ class RecoveryController:
         self.started = asyncio.Event()
         #: start() is under way: what a worker resumes after is not known yet
         self.starting = False
+        #: processes that had left the run when this chief started (scaled down: the
+        #: newest placement the processes heard names no copy on them), while no scale
+        #: was asked of this chief: no restore puts a state there
+        self.left_at_start: list[int] = []
         self.training_failed = asyncio.Event()
         self.training_error: BaseException | None = None
         self._training: asyncio.Task[None] | None = None
@@ -358,7 +362,8 @@ class RecoveryController:
         elastic, named = await self._moved_homes()
         # replicated: each process's own account of its copies (a process the newest
         # placement names no copy on left the run, and is not waited for)
-        left = () if named is None else [q for q in range(len(self.ps)) if q not in named]
+        left = [] if named is None else [q for q in range(len(self.ps)) if q not in named]
+        self.left_at_start = left
         states = first = await self.ps_states(self.cfg.startup_timeout, left)
         moved, orphans, gone = self._copies_of(states) if self.replicated() else (elastic, [], [])
         if moved is not None:  # each state from its primary, wherever it is now
@@ -374,7 +379,7 @@ class RecoveryController:
                     self._learn_progress(states)
                     self.started.set()
                     return
-            states = await self.ps_states(self.cfg.startup_timeout)
+            states = await self.ps_states(self.cfg.startup_timeout, left)
         self._learn_progress(states)
         plan = decide_start(states, sync=self.mode.name == "sync")
         if plan.kind != "adopt":
@@ -417,12 +422,12 @@ class RecoveryController:
                     self._terms_past(first)
                     self._epoch_past(max(int(st.get("epoch") or 0) for st in first))
                     await self._unreplicate(self.variables.placement)  # type: ignore[arg-type]
-                    states = await self.ps_states(self.cfg.startup_timeout)
+                    states = await self.ps_states(self.cfg.startup_timeout, left)
                 elif moved is not None:
                     # states moved between processes (unreplicated): each one's process
                     # holds a copy again (made empty there if it restarted) first
                     await self._unreplicate(moved)
-                    states = await self.ps_states(self.cfg.startup_timeout)
+                    states = await self.ps_states(self.cfg.startup_timeout, left)
                 await self._restore(Event.RESTORE, "chief restart with PS in disagreement", states)
                 return
             ckpt = latest  # verified above, off the event loop (it hashes every file)
@@ -433,12 +438,13 @@ class RecoveryController:
             variables = tuple(ckpt.variable_defs())
             placement = self.variables.plan(variables, dict(ckpt.manifest.optimizer))
             self.variables.use(placement)
-            if moved is not None and not self.replicated():
-                # states moved between processes (unreplicated), every copy lost: each
-                # state's process holds a copy again (made empty there if it restarted)
-                # before the restore (sent by the moved homes, it found no copy there)
+            if (moved is not None and not self.replicated()) or self.left_at_start:
+                # states moved between processes, every copy lost: each state's process
+                # holds a copy again (made empty there if it restarted) before the
+                # restore (sent by the moved homes, it found no copy there); the states
+                # of processes that left go to processes that stay
                 await self._unreplicate(placement)
-                states = await self.ps_states(self.cfg.startup_timeout)
+                states = await self.ps_states(self.cfg.startup_timeout, left)
             if self.mode.name != "sync":
                 # the steps the checkpoint holds; those of the batches its workers resume
                 # after are counted again by the workers themselves
@@ -1308,6 +1314,8 @@ class RecoveryController:
         stays, else on the first that stays."""
         assert self.homes is not None
         stays = None if self.mover is None or self.mover.wanted is None else self.mover.wanted
+        if stays is None and self.left_at_start:
+            stays = [q for q in range(len(self.homes.of)) if q not in self.left_at_start]
         out = {}
         for state, home in enumerate(self.homes.of):
             if stays is None or state in stays:
