@@ -20,7 +20,9 @@ from zmqps.metrics import Metrics
 from zmqps.roles.channels import RECOVERABLE, Delivery
 from zmqps.roles.chief import ChiefService, moves
 from zmqps.roles.client import ParameterClient
+from zmqps.roles.configs import CheckpointPolicy
 from zmqps.roles.homes import Homes
+from zmqps.roles.ps import PSService
 from zmqps.roles.ps.replica import Backup
 from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import FakeNetwork
@@ -633,7 +635,7 @@ def test_a_promotion_whose_copy_first_fails_goes_on_without_it() -> None:
 
     async def body() -> None:
         net = FakeNetwork()
-        chief, slots = await cluster(net, 2)
+        chief, _ = await cluster(net, 2)
         mover, rr = chief.recovery.mover, chief.recovery.rereplicator
         assert mover is not None and rr is not None and chief.placement is not None
         await rr.watch()
@@ -782,6 +784,33 @@ def test_a_state_moves_onto_a_process_that_holds_a_backup_of_it_already() -> Non
     run(body())
 
 
+def serve_checkpointing_ps(net: FakeNetwork, i: int, folder: Path) -> PSSlots:
+    """PS ``i`` on the in-memory network, restoring from checkpoints in ``folder``."""
+    slots = PSSlots(
+        PSService(i, checkpoint_dir=str(folder)),
+        make_copy=lambda s: PSService(s, checkpoint_dir=str(folder)),
+        link=lambda q, endpoint, slot: net.client(endpoint, f"ps{i}:ship{slot}", slot=slot),
+    )
+    net.serve(PS[i], slots, name=f"ps{i}")
+    return slots
+
+
+async def checkpointed_cluster(
+    net: FakeNetwork, folder: Path, replication: int
+) -> tuple[ChiefService, list[PSSlots]]:
+    """:func:`cluster` with checkpoints in ``folder``."""
+    slots = [serve_checkpointing_ps(net, i, folder) for i in range(3)]
+    cfg = replace(
+        replicated_config(CHIEF, PS, SGD),
+        replication=replication,
+        checkpoint=CheckpointPolicy(str(folder)),
+    )
+    chief = chief_on(net, cfg)
+    await chief.start()
+    await chief.create_variables(VARS, dict(SGD))
+    return chief, slots
+
+
 def test_a_chief_restarted_after_every_moved_copy_was_lost_restores_from_a_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -789,30 +818,14 @@ def test_a_chief_restarted_after_every_moved_copy_was_lost_restores_from_a_check
     restarted), so the chief resumes from the checkpoint onto the process left. The
     restore was sent by the moved homes and found no copy of ps 1's state on ps 0:
     the chief exited 1 (fault schedule seed 51 again, after the fix above)."""
-    from zmqps.roles.configs import CheckpointPolicy
-    from zmqps.roles.ps import PSService
-
-    def ps(i: int) -> PSSlots:
-        slots = PSSlots(
-            PSService(i, checkpoint_dir=str(tmp_path)),
-            make_copy=lambda s: PSService(s, checkpoint_dir=str(tmp_path)),
-            link=lambda q, endpoint, slot: net.client(endpoint, f"ps{i}:ship{slot}", slot=slot),
-        )
-        net.serve(PS[i], slots, name=f"ps{i}")
-        return slots
-
     net = FakeNetwork()
 
+    def ps(i: int) -> PSSlots:
+        return serve_checkpointing_ps(net, i, tmp_path)
+
     async def body() -> None:
-        slots = [ps(i) for i in range(3)]
-        cfg = replace(
-            replicated_config(CHIEF, PS, SGD),
-            replication=1,
-            checkpoint=CheckpointPolicy(str(tmp_path)),
-        )
-        chief = chief_on(net, cfg)
-        await chief.start()
-        await chief.create_variables(VARS, dict(SGD))
+        chief, slots = await checkpointed_cluster(net, tmp_path, 1)
+        cfg = chief.cfg
         mover = chief.recovery.mover
         assert mover is not None
         pusher = Pusher(net, chief)
@@ -856,30 +869,14 @@ def test_a_replicated_chief_restarted_after_a_scale_down_restores_onto_the_ps_th
     each state on a process that stays, and the start does not wait for ps 2 (the
     newest placement names no copy there): before, it gave ps 2's state back to ps 2
     and waited the start-up timeout for it (fault schedule 809)."""
-    from zmqps.roles.configs import CheckpointPolicy
-    from zmqps.roles.ps import PSService
-
-    def ps(i: int) -> PSSlots:
-        slots = PSSlots(
-            PSService(i, checkpoint_dir=str(tmp_path)),
-            make_copy=lambda s: PSService(s, checkpoint_dir=str(tmp_path)),
-            link=lambda q, endpoint, slot: net.client(endpoint, f"ps{i}:ship{slot}", slot=slot),
-        )
-        net.serve(PS[i], slots, name=f"ps{i}")
-        return slots
-
     net = FakeNetwork()
 
+    def ps(i: int) -> PSSlots:
+        return serve_checkpointing_ps(net, i, tmp_path)
+
     async def body() -> None:
-        slots = [ps(i) for i in range(3)]
-        cfg = replace(
-            replicated_config(CHIEF, PS, SGD),
-            replication=2,
-            checkpoint=CheckpointPolicy(str(tmp_path)),
-        )
-        chief = chief_on(net, cfg)
-        await chief.start()
-        await chief.create_variables(VARS, dict(SGD))
+        chief, slots = await checkpointed_cluster(net, tmp_path, 2)
+        cfg = chief.cfg
         mover, rr = chief.recovery.mover, chief.recovery.rereplicator
         assert mover is not None and rr is not None
         await rr.watch()
