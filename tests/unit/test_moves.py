@@ -19,6 +19,7 @@ from zmqps.core.variables import VariableDef
 from zmqps.metrics import Metrics
 from zmqps.roles.channels import RECOVERABLE, Delivery
 from zmqps.roles.chief import ChiefService, moves
+from zmqps.roles.chief.finish import summarize
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.configs import CheckpointPolicy
 from zmqps.roles.homes import Homes
@@ -622,6 +623,9 @@ def test_with_two_copies_a_scale_down_promotes_copies_and_moves_the_backups_firs
         assert {x.state: set(x.copies) for x in after.shards} == {
             x.state: set(x.copies) for x in placement.shards
         }
+        # its summary says where the states are, though it moved none itself
+        summary = await summarize(restarted)
+        assert set(summary["elastic"]["serving"]) <= set(stay), summary
 
     run(body())
 
