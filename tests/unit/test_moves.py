@@ -28,7 +28,7 @@ from zmqps.roles.ps.replica import Backup
 from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import FakeNetwork
 from zmqps.wire import ops as o
-from zmqps.wire.errors import InvalidArgument, NotPrimary
+from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotPrimary
 
 T = TypeVar("T")
 CHIEF = "127.0.0.1:7000"
@@ -656,6 +656,39 @@ def test_a_promotion_whose_copy_first_fails_goes_on_without_it() -> None:
         pusher = Pusher(net, chief)
         await pusher.client.push({"w": np.ones((12, 4), np.float32)})  # served again
         await pusher.client.close()
+
+    run(body())
+
+
+def test_a_hand_over_whose_new_primary_dies_at_once_is_recorded() -> None:
+    """The new primary is promoted, then killed before it says its boot id (fault
+    schedule 704: the move's destination killed as the move ended). The placement
+    names it all the same, so the fail-over that follows starts from where the state
+    is; before, the chief kept the old placement, its next move made the stepped-down
+    source a primary again at the same term, and sync waited on that copy's old step
+    for ever."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, _ = await cluster(net, 2)
+        mover = chief.recovery.mover
+        assert mover is not None and chief.placement is not None
+        await mover.step()  # the boot ids heard
+        s = next(x for x in chief.placement.shards if x.state == 1)
+        target = s.backups[0]
+        link = mover.homes.processes[target]
+        asked = link.request
+
+        async def dies_after_the_promotion(op: str, *args: Any, **kw: Any) -> Any:
+            if op == "ps_state" and kw.get("slot") == 1:
+                raise DeadlineExceeded("no reply (killed)")
+            return await asked(op, *args, **kw)
+
+        link.request = dies_after_the_promotion  # type: ignore[method-assign]
+        assert await mover.move(1, target)
+        assert chief.placement.epoch > 0
+        assert next(x for x in chief.placement.shards if x.state == 1).ps == target
+        assert chief.recovery.homes is not None and chief.recovery.homes.of[1] == target
 
     run(body())
 

@@ -719,9 +719,16 @@ class Mover(StateCopier):
             for x in placement.shards
         )
         new = replace(placement, shards=shards, epoch=epoch)
-        # the boot id the state's copy there answers with (each copy has its own)
-        rep = await processes[chosen].request("ps_state", timeout=2.0, slot=state)
-        boot = o.PsStateReply.parse(rep.body).boot
+        # the boot id the state's copy there answers with (each copy has its own). The
+        # promotion is done whatever comes now: the placement must say so. A copy that
+        # does not answer (its process killed just now) is expected to answer with no
+        # boot id: the health watch takes it for restarted and fails it over.
+        try:
+            rep = await processes[chosen].request("ps_state", timeout=2.0, slot=state)
+            boot = o.PsStateReply.parse(rep.body).boot
+        except ZmqpsError as exc:
+            log.warning("ps %d, now serving ps %d's state, does not answer: %s", chosen, state, exc)
+            boot = ""
         # in one turn: the health watch expects the new home's boot id from the probe
         # routed by the new placement on (an answer from the old home is of an older
         # epoch, and not taken for a restart)
