@@ -670,7 +670,7 @@ def test_a_hand_over_whose_new_primary_dies_at_once_is_recorded() -> None:
 
     async def body() -> None:
         net = FakeNetwork()
-        chief, _ = await cluster(net, 2)
+        chief, slots = await cluster(net, 2)
         mover = chief.recovery.mover
         assert mover is not None and chief.placement is not None
         await mover.step()  # the boot ids heard
@@ -687,8 +687,13 @@ def test_a_hand_over_whose_new_primary_dies_at_once_is_recorded() -> None:
         link.request = dies_after_the_promotion  # type: ignore[method-assign]
         assert await mover.move(1, target)
         assert chief.placement.epoch > 0
-        assert next(x for x in chief.placement.shards if x.state == 1).ps == target
+        moved = next(x for x in chief.placement.shards if x.state == 1)
+        assert moved.ps == target
         assert chief.recovery.homes is not None and chief.recovery.homes.of[1] == target
+        # the source's copy, whole, is kept and named: the fail-over may promote it
+        # (fault schedule 823: dropped, the state had no copy left)
+        assert s.ps in moved.backups
+        assert slots[s.ps].role(1) is not None
 
     run(body())
 

@@ -700,7 +700,7 @@ class Mover(StateCopier):
         heads = {target: at}
         # 2. the source steps down (lost: it is fenced by the target's refusals anyway),
         #    every other copy stops at the new term and says how far it applied
-        await fenced(source)
+        kept = await fenced(source)
         for q in others:
             got = await fenced(q)
             if got is not None:
@@ -729,6 +729,13 @@ class Mover(StateCopier):
         except ZmqpsError as exc:
             log.warning("ps %d, now serving ps %d's state, does not answer: %s", chosen, state, exc)
             boot = ""
+        if not boot and kept is not None and source not in backups:
+            # the source's copy (fenced, whole) stays a named copy: the fail-over that
+            # follows may promote it. Dropped, the state could be left with no copy.
+            shards = tuple(
+                replace(x, backups=(*x.backups, source)) if x.state == state else x for x in shards
+            )
+            new = replace(placement, shards=shards, epoch=epoch)
         # in one turn: the health watch expects the new home's boot id from the probe
         # routed by the new placement on (an answer from the old home is of an older
         # epoch, and not taken for a restart)
@@ -737,6 +744,8 @@ class Mover(StateCopier):
         r.boots[state] = boot
         r.health.expect({state: boot}, r.gen, self.clock())
         await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
+        if not boot and kept is not None:
+            return ""  # the source's copy stays (above)
         # 3. the copy left on the source goes (its own state's copy stays a backup that
         #    serves nothing; its process may take it back later)
         drop = o.ReplicaSet(state, term, primary=False, epoch=epoch, drop=True).to_wire()
