@@ -714,37 +714,34 @@ class Mover(StateCopier):
         await processes[chosen].request("replica", body.to_wire(), timeout=2.0)
         if self.current is not None:
             self.current["to"] = chosen  # where it is served now (the target a backup)
-        shards = tuple(
-            replace(x, ps=chosen, backups=backups, slot=state) if x.state == state else x
-            for x in placement.shards
-        )
-        new = replace(placement, shards=shards, epoch=epoch)
         # the boot id the state's copy there answers with (each copy has its own). The
         # promotion is done whatever comes now: the placement must say so. A copy that
         # does not answer (its process killed just now) is expected to answer with no
-        # boot id: the health watch takes it for restarted and fails it over.
+        # boot id: the health watch takes it for restarted and fails it over, and the
+        # source's copy (fenced, whole) stays a named copy it may promote (dropped, the
+        # state could be left with no copy).
         try:
             rep = await processes[chosen].request("ps_state", timeout=2.0, slot=state)
             boot = o.PsStateReply.parse(rep.body).boot
         except ZmqpsError as exc:
             log.warning("ps %d, now serving ps %d's state, does not answer: %s", chosen, state, exc)
             boot = ""
-        if not boot and kept is not None and source not in backups:
-            # the source's copy (fenced, whole) stays a named copy: the fail-over that
-            # follows may promote it. Dropped, the state could be left with no copy.
-            shards = tuple(
-                replace(x, backups=(*x.backups, source)) if x.state == state else x for x in shards
-            )
-            new = replace(placement, shards=shards, epoch=epoch)
+        keep_source = not boot and kept is not None and source not in backups
+        named = (*backups, source) if keep_source else backups
+        shards = tuple(
+            replace(x, ps=chosen, backups=named, slot=state) if x.state == state else x
+            for x in placement.shards
+        )
+        new = replace(placement, shards=shards, epoch=epoch)
         # in one turn: the health watch expects the new home's boot id from the probe
-        # routed by the new placement on (an answer from the old home is of an older
-        # epoch, and not taken for a restart)
+        # routed by the new placement on (a probe sent to the old home is set aside,
+        # not taken for a restart)
         r.variables.use(new)
         self.homes.update(new)
         r.boots[state] = boot
         r.health.expect({state: boot}, r.gen, self.clock())
         await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
-        if not boot and kept is not None:
+        if keep_source:
             return ""  # the source's copy stays (above)
         # 3. the copy left on the source goes (its own state's copy stays a backup that
         #    serves nothing; its process may take it back later)
