@@ -66,15 +66,13 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
             "restores": recovery.restore_count,
         }
     mover = recovery.mover
-    moved = mover is not None and (
+    if mover is not None and (
         mover.moves
         or mover.failures
         or mover.wanted is not None
         # a chief started after states moved (its own moves are none): where they are
-        or bool(recovery.left_at_start)
         or mover.serving() != list(range(len(mover.homes.processes)))
-    )
-    if mover is not None and moved:
+    ):
         # elastic PS: the processes that served the states at the end, and the moves
         summary["elastic"] = {
             "serving": mover.serving(),
