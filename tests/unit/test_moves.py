@@ -698,6 +698,110 @@ def test_a_hand_over_whose_new_primary_dies_at_once_is_recorded() -> None:
     run(body())
 
 
+def test_one_copy_at_a_time_a_move_and_the_re_replication_wait_for_each_other() -> None:
+    """A state one copy short (a fail-over) while the chief moves states (a scale
+    down): the re-replication's copy waits until the move's copies are done, and a
+    move waits for a copy under way. Before, both joined copies at once (fault
+    schedule 716): the one given up dropped the other's joiner, its primary
+    committed without it, and the move then promoted a copy a sync step behind."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 2)
+        rec = chief.recovery
+        mover, rr = rec.mover, rec.rereplicator
+        assert mover is not None and rr is not None and chief.placement is not None
+        await rr.watch()
+        pusher = Pusher(net, chief)
+        task = asyncio.ensure_future(pusher.run())
+        # ps 2 leaves: its state's backup is promoted, one more copy made first
+        mover.ask([0, 1])
+        s2 = next(x for x in chief.placement.shards if x.state == 2)
+        # state 0 one copy short, as a fail-over leaves it
+        placement = chief.placement
+        shards = tuple(replace(x, backups=()) if x.state == 0 else x for x in placement.shards)
+        short = replace(placement, shards=shards, epoch=placement.epoch + 1)
+        rec.variables.use(short)
+        mover.homes.update(short)
+        await rr.drop_joiner(0)
+        assert rr.next_copy() is not None
+        mover.rate = rr.rate = 400.0  # each copy takes about a second
+        stepping = asyncio.ensure_future(mover.step())
+        while rec.moving is None:
+            await asyncio.sleep(0.01)
+        made = rr.copies
+        assert await rr.copy_next() is None  # the next look
+        assert rr.copies == made and rr.current is not None
+        assert rr.current["state"] == 2  # the move's own copy, the one under way
+        assert (await stepping) is not None
+        assert mover.homes.of[2] != 2 and s2.ps == 2
+        # now the re-replication's copy; a move meanwhile waits for the next look
+        copying = asyncio.ensure_future(rr.copy_next())
+        while rr.current is None:
+            await asyncio.sleep(0.01)
+        epoch = chief.placement.epoch
+        assert await mover.step() is None
+        assert chief.placement.epoch == epoch
+        assert await copying
+        for _ in range(6):
+            await mover.step()
+            await rr.watch()
+            await rr.copy_next()
+        pusher.stop = True
+        await task
+        np.testing.assert_array_equal(
+            await pusher.values(), np.full((12, 4), -0.5 * pusher.acked, np.float32)
+        )
+        final = chief.placement
+        assert final is not None
+        assert all(len(x.copies) == 2 and 2 not in x.copies for x in final.shards)
+        for st in range(3):
+            x = next(x for x in final.shards if x.state == st)
+            values = [[sh.values.tobytes() for sh in slots[q].service(st).store] for q in x.copies]
+            assert values[0] == values[1], st
+        await pusher.client.close()
+
+    run(body())
+
+
+def test_a_move_whose_copy_stopped_counting_in_commits_is_not_handed_over() -> None:
+    """The target's copy got in sync, then its primary stopped shipping to it (its
+    joiner dropped: fault schedule 716, by a copy given up) and committed a push
+    without it. The hand-over refuses to promote that copy: it lacks the push."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, _ = await cluster(net, 1)
+        rec = chief.recovery
+        mover, rr = rec.mover, rec.rereplicator
+        assert mover is not None and rr is not None
+        pusher = Pusher(net, chief)
+        join = rr.join
+
+        async def then_dropped(state: int, target: int, *args: Any) -> tuple[str, Any]:
+            why, info = await join(state, target, *args)
+            await rr.drop_joiner(state)
+            await pusher.client.push({"w": np.ones((12, 4), np.float32)})
+            pusher.acked += 1
+            return why, info
+
+        rr.join = then_dropped  # type: ignore[method-assign]
+        assert not await mover.move(1, 2)
+        assert "fell out of sync" in mover.done[-1]["failed"]
+        assert rec.homes is not None and rec.homes.of == [0, 1, 2]
+        np.testing.assert_array_equal(
+            await pusher.values(), np.full((12, 4), -0.5 * pusher.acked, np.float32)
+        )
+        rr.join = join  # type: ignore[method-assign]
+        assert await mover.move(1, 2)  # a fresh copy
+        np.testing.assert_array_equal(
+            await pusher.values(), np.full((12, 4), -0.5 * pusher.acked, np.float32)
+        )
+        await pusher.client.close()
+
+    run(body())
+
+
 def test_a_copy_behind_the_one_promoted_takes_the_entry_it_lacks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -210,30 +210,42 @@ class Mover(StateCopier):
         self._join_new()
         await self._grow()
         job = self.next_move()
+        # one copy of a state at a time: re-replication's copy under way, the move and
+        # the copies below wait for the next look (``copy_lock``)
+        lock = self.recovery.copy_lock
         if job is not None:
-            if self._short_after(job):
-                # a hand-over onto a copy there already drops the source's: the state
-                # would have fewer copies than the replication until the re-replication
-                # made one (a kill then loses it). A copy where it may go comes first.
-                why = (
-                    f"the hand-over of ps {job.state}'s state from ps {job.source} to"
-                    f" ps {job.target}, a copy of it, drops one"
-                )
-                if await self._new_copy(job.state, why) is False:
-                    # failed: a process gone meanwhile, or the source no longer the
-                    # state's primary (a chief killed during a hand-over: only the
-                    # hand-over, which fences every copy and promotes one, makes one
-                    # again). The move goes on; the re-replication makes the copy after.
-                    log.warning("moving ps %d's state without the copy first", job.state)
-            await self.move(job.state, job.target)
+            if lock.locked():
+                return None
+            async with lock:
+                await self._make(job)
             return job
         placement = self.recovery.variables.placement
-        if placement is not None and self.wanted is not None:
-            for state, leaving in self._backups_leaving(placement):
-                await self._move_backup(state, leaving)
-                break  # one at a time; the next look takes the next
+        if placement is not None and self.wanted is not None and not lock.locked():
+            async with lock:
+                for state, leaving in self._backups_leaving(placement):
+                    await self._move_backup(state, leaving)
+                    break  # one at a time; the next look takes the next
         await self._drain()
         return None
+
+    async def _make(self, job: Move) -> None:
+        """One planned move, with one more copy first where its hand-over would drop
+        one."""
+        if self._short_after(job):
+            # a hand-over onto a copy there already drops the source's: the state
+            # would have fewer copies than the replication until the re-replication
+            # made one (a kill then loses it). A copy where it may go comes first.
+            why = (
+                f"the hand-over of ps {job.state}'s state from ps {job.source} to"
+                f" ps {job.target}, a copy of it, drops one"
+            )
+            if await self._new_copy(job.state, why) is False:
+                # failed: a process gone meanwhile, or the source no longer the
+                # state's primary (a chief killed during a hand-over: only the
+                # hand-over, which fences every copy and promotes one, makes one
+                # again). The move goes on; the re-replication makes the copy after.
+                log.warning("moving ps %d's state without the copy first", job.state)
+        await self.move(job.state, job.target)
 
     async def _probe_all(self) -> None:
         n = len(self.homes.processes)
@@ -676,6 +688,15 @@ class Mover(StateCopier):
             return "the state's primary changed while it was copied"
         processes = self.homes.processes
         s = next(s for s in placement.shards if s.state == state)
+        # the target's copy still counts in the source's commits: one its primary
+        # stopped shipping to (dropped as a joiner) lacks what was committed since,
+        # and promoted it would serve the state behind (fault schedule 716: a sync
+        # step lost, and sync waited on it for ever). A source that does not answer
+        # commits nothing more: the fences below decide.
+        heard = await self.probe(source, timeout=2.0)
+        for st, part, _term, _head, fenced, in_sync in (heard and heard.roles) or ():
+            if st == state and part == "primary" and not fenced and target not in in_sync:
+                return f"ps {target}'s copy fell out of sync (its primary no longer ships to it)"
         others = [q for q in s.backups if q != target]
         term = r.terms[state] = r.terms.get(state, TERM) + 1
         epoch = placement.epoch + 1

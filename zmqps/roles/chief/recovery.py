@@ -151,6 +151,12 @@ class RecoveryController:
         #: held by whatever changes the copies of the states (a fail-over, a copy
         #: joining): one at a time
         self.placement_lock = asyncio.Lock()
+        #: held by the one copy of a state under way, re-replication's or a move's,
+        #: from its join until the placement names the copy (or its joiner is dropped):
+        #: a second join of a state, given up, drops the first's joiner with it, and the
+        #: state's primary then commits without it (fault schedule 716: a move promoted
+        #: a copy a sync step behind, and sync waited on it for ever)
+        self.copy_lock = asyncio.Lock()
         #: brings the states back to R copies (replication only)
         self.rereplicator = None if homes is None else Rereplicator(self, homes, clock=clock)
         #: moves PS states between processes (``zmqps scale``, a PS joining)

@@ -90,9 +90,17 @@ class Rereplicator(StateCopier):
             if not self.active():
                 continue
             await self.watch()
+            await self.copy_next()
+
+    async def copy_next(self) -> bool | None:
+        """The next copy (:meth:`next_copy`) made, unless a copy or a move is under way
+        (``copy_lock``: the next look tries again). None: none was made."""
+        lock = self.recovery.copy_lock
+        if lock.locked() or not self.active():
+            return None
+        async with lock:
             job = self.next_copy()
-            if job is not None and self.active():
-                await self.copy(*job)
+            return None if job is None else await self.copy(*job)
 
     async def watch(self) -> list[int]:
         """Probe every process; fail over those that serve no state, hold copies and are
@@ -102,9 +110,14 @@ class Rereplicator(StateCopier):
         probed = self.recovery.variables.placement
         states = await asyncio.gather(*(self.probe(q) for q in range(n)))
         dead = await self._watch_boots([None if st is None else st.boot for st in states])
-        if not dead and self.current is None and self.recovery.moving is None:
+        if not dead and not self._busy():
             await self.reconcile(states, probed)
         return dead
+
+    def _busy(self) -> bool:
+        """A copy or a move under way: the copies are not judged meanwhile."""
+        r = self.recovery
+        return self.current is not None or r.moving is not None or r.copy_lock.locked()
 
     async def _watch_boots(self, boots: list[str | None]) -> list[int]:
         now = self.clock()
@@ -161,7 +174,7 @@ class Rereplicator(StateCopier):
         changed: list[int] = []
         async with self.recovery.placement_lock:
             placement = self.recovery.variables.placement
-            busy = self.current is not None or self.recovery.moving is not None
+            busy = self._busy()
             if placement is None or not self.active() or busy:
                 return changed
             named = {s.state: set(s.backups) for s in placement.shards}
