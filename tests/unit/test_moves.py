@@ -24,7 +24,7 @@ from zmqps.roles.client import ParameterClient
 from zmqps.roles.configs import CheckpointPolicy
 from zmqps.roles.homes import Homes
 from zmqps.roles.ps import PSService
-from zmqps.roles.ps.replica import Backup
+from zmqps.roles.ps.replica import Backup, Primary
 from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import FakeNetwork
 from zmqps.wire import ops as o
@@ -798,6 +798,41 @@ def test_a_move_whose_copy_stopped_counting_in_commits_is_not_handed_over() -> N
             await pusher.values(), np.full((12, 4), -0.5 * pusher.acked, np.float32)
         )
         await pusher.client.close()
+
+    run(body())
+
+
+def test_a_move_planned_before_its_source_failed_over_is_given_up() -> None:
+    """The source of a move is killed, restarted empty and failed over while the move
+    waits for the placement's lock (fault schedule 716, replayed on the fix above).
+    The move is given up; before, it made the empty process the state's primary (a
+    state with no backup left looked unreplicated), and every later copy onto it was
+    refused ("it cannot become its backup")."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 2)
+        rec = chief.recovery
+        mover = rec.mover
+        assert mover is not None and chief.placement is not None
+        s1 = next(x for x in chief.placement.shards if x.state == 1)
+        target = ({0, 1, 2} - set(s1.copies)).pop()
+        async with rec.placement_lock:
+            net.remove(PS[1])
+            slots[1] = serve_ps(net, 1, PS[1])
+            failing = asyncio.ensure_future(rec.fail_over([1]))
+            await asyncio.sleep(0.01)
+            moving = asyncio.ensure_future(mover.move(1, target))
+            await asyncio.sleep(0.01)
+        await failing
+        assert not await moving
+        assert "no longer served by ps 1" in mover.done[-1]["failed"]
+        assert rec.homes is not None and rec.homes.of[1] == s1.backups[0]
+        assert not isinstance(slots[1].role(1), Primary)
+        # the state's copy goes onto the restarted process again
+        mover.rate = 1 << 20
+        assert await mover.move(1, 1)
+        assert rec.homes.of[1] == 1
 
     run(body())
 

@@ -17,7 +17,10 @@ if TYPE_CHECKING:
     from zmqps.roles.chief.recovery import RecoveryController
     from zmqps.roles.homes import Homes
 
-__all__ = ["StateCopier"]
+__all__ = ["BACKOFF", "StateCopier"]
+
+#: seconds before a failed (state, process) pair is tried again: doubling to the last
+BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 class StateCopier:
@@ -45,6 +48,21 @@ class StateCopier:
         self.done: list[dict[str, Any]] = []
         self.failures = 0
         self.bytes = 0
+        #: (state, process) pairs that failed: how many times in a row, and when they
+        #: may be tried again (:data:`BACKOFF`)
+        self._failed: dict[tuple[int, int], tuple[int, float]] = {}
+
+    def backing_off(self, state: int, q: int) -> bool:
+        """Whether a copy of ``state`` onto ``q`` failed lately (not tried again yet)."""
+        return self._failed.get((state, q), (0, 0.0))[1] > self.clock()
+
+    def outcome(self, state: int, q: int, ok: bool) -> None:
+        """A copy of ``state`` onto ``q`` done (``ok``) or given up (its backoff grows)."""
+        if ok:
+            self._failed.pop((state, q), None)
+            return
+        n, _ = self._failed.get((state, q), (0, 0.0))
+        self._failed[(state, q)] = (n + 1, self.clock() + BACKOFF[min(n, len(BACKOFF) - 1)])
 
     async def probe(self, q: int, timeout: float | None = None) -> o.PsStateReply | None:
         """Process ``q``'s ``ps_state`` (None: no answer within ``timeout`` s, by

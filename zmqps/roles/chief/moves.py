@@ -45,7 +45,7 @@ from zmqps.core.variables import Placement
 from zmqps.roles.chief.copying import StateCopier
 from zmqps.roles.chief.variables import TERM
 from zmqps.wire import ops as o
-from zmqps.wire.errors import InvalidArgument, ZmqpsError
+from zmqps.wire.errors import InvalidArgument, NotReady, ZmqpsError
 
 if TYPE_CHECKING:
     from zmqps.roles.chief.recovery import RecoveryController
@@ -214,8 +214,8 @@ class Mover(StateCopier):
         # the copies below wait for the next look (``copy_lock``)
         lock = self.recovery.copy_lock
         if job is not None:
-            if lock.locked():
-                return None
+            if lock.locked() or self.backing_off(job.state, job.target):
+                return None  # (a move that failed lately: tried again after its backoff)
             async with lock:
                 await self._make(job)
             return job
@@ -456,7 +456,7 @@ class Mover(StateCopier):
             r.variables.use(new)
             self.homes.update(new)
             await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
-            await rr.drop_joiner(state)  # its primary ships to the placement's backups only
+            await rr.tell_backups(state)  # its primary ships to the placement's backups only
             term = r.terms.get(state, TERM)
             drop = o.ReplicaSet(state, term, primary=False, epoch=new.epoch, drop=True)
             try:
@@ -574,6 +574,7 @@ class Mover(StateCopier):
             "ended": round(time.time(), 3),
         }
         self.bytes += copied
+        self.outcome(state, target, ok=not why)
         if why:
             self.failures += 1
             record["failed"] = why
@@ -668,12 +669,20 @@ class Mover(StateCopier):
 
     async def _primary_here(self, state: int, source: int) -> None:
         """The state's home numbers its updates (a replication primary): a run without
-        replication makes it one with no backups, at the state's term."""
-        placement = self.recovery.variables.placement
+        replication makes it one with no backups, at the state's term. Called under the
+        placement's lock: a fail-over or a restore since the move was planned (its
+        source no longer the state's home) gives the move up."""
+        r = self.recovery
+        placement = r.variables.placement
         assert placement is not None
+        if self.homes.of[state] != source:
+            # (fault schedule 716: the source, restarted empty and failed over, was
+            # made the primary of a state it held nothing of, and no copy could be
+            # made on it again)
+            raise NotReady(f"ps {state}'s state is no longer served by ps {source}")
         s = next(s for s in placement.shards if s.state == state)
-        if s.backups:
-            return  # replicated: a primary already
+        if s.backups or r.cfg.replication > 1:
+            return  # replicated: a primary already (one with no backups left, too)
         term = self.recovery.terms.setdefault(state, TERM)
         body = o.ReplicaSet(state, term, True, (), epoch=placement.epoch)
         await self.homes.processes[source].request("replica", body.to_wire(), timeout=2.0)

@@ -54,8 +54,6 @@ log = logging.getLogger("zmqps.chief")
 RATE = 64 << 20
 #: copies kept in the status
 KEEP = 16
-#: seconds before a failed (state, process) pair is tried again: doubling to the last
-BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 class Rereplicator(StateCopier):
@@ -74,7 +72,6 @@ class Rereplicator(StateCopier):
         self.boots: dict[int, str] = {}
         self.heard: dict[int, float] = dict.fromkeys(range(n), clock())
         self.copies = 0
-        self._failed: dict[tuple[int, int], tuple[int, float]] = {}
 
     # ------------------------------------------------------------------ the loop
 
@@ -205,7 +202,7 @@ class Rereplicator(StateCopier):
                             state,
                             ", ".join(map(str, sorted(extra))),
                         )
-                        await self.drop_joiner(state)
+                        await self.tell_backups(state)
                         changed.append(state)
                     missing = named[state] - set(in_sync) - unnamed.get(state, set())
                     if missing:
@@ -230,7 +227,7 @@ class Rereplicator(StateCopier):
                 self.homes.update(new)
                 await self.recovery.publish_placement(new, skip=self.silent())
                 for state in sorted(unnamed):
-                    await self.drop_joiner(state)  # it stops shipping to (and waiting for) them
+                    await self.tell_backups(state)  # it stops shipping to (and waiting for) them
         return sorted(set(changed))
 
     def _copies_gone(
@@ -334,7 +331,6 @@ class Rereplicator(StateCopier):
         for s in {s.state: s for s in placement.shards}.values():
             for q in s.copies:
                 held[q] += 1
-        now = self.clock()
         for state, copies in sorted(self.under_replicated().items(), key=lambda t: len(t[1])):
             if not self.alive(copies[0]):
                 continue  # its primary is silent: the fail-over comes first
@@ -346,7 +342,7 @@ class Rereplicator(StateCopier):
                 if q not in copies
                 and self.alive(q)
                 and (asked is None or q in asked)  # never onto a PS asked to leave
-                and self._failed.get((state, q), (0, 0.0))[1] <= now
+                and not self.backing_off(state, q)
             ]
             if candidates:
                 return state, min(candidates, key=lambda q: (held[q], q))
@@ -389,13 +385,12 @@ class Rereplicator(StateCopier):
         if why:
             self.failures += 1
             record["failed"] = why
-            n, _ = self._failed.get((state, target), (0, 0.0))
-            self._failed[(state, target)] = (n + 1, self.clock() + BACKOFF[min(n, 4)])
+            self.outcome(state, target, ok=False)
             log.warning("copying ps %d's state to ps %d failed: %s", state, target, why)
             await self.drop_joiner(state)
         else:
             self.copies += 1
-            self._failed.pop((state, target), None)
+            self.outcome(state, target, ok=True)
             log.warning(
                 "ps %d's state has a new copy on ps %d (%.2fs, %d bytes); %d states short of"
                 " copies",
@@ -510,7 +505,15 @@ class Rereplicator(StateCopier):
 
     async def drop_joiner(self, state: int) -> None:
         """The primary of ``state`` ships to the placement's backups only (a joiner
-        given up is dropped)."""
+        given up is dropped): :meth:`tell_backups` under the placement's lock."""
+        async with self.recovery.placement_lock:
+            await self.tell_backups(state)
+
+    async def tell_backups(self, state: int) -> None:
+        """The state's primary, as the placement names it, told its backups at the
+        state's term. The caller holds the placement's lock: read in the middle of a
+        fail-over, the home and the term do not go together (fault schedule 716: a
+        restarted, empty process was made a primary at the new term)."""
         placement = self.recovery.variables.placement
         if placement is None:
             return
