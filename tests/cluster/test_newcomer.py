@@ -178,6 +178,10 @@ def test_a_reused_run_dir_is_refused_and_resume_is_explicit(procs: Reaper, tmp_p
     chief_log = (run / "chief.log").read_text()
     assert chief_log.count("chief: serving on") == 2  # both runs' lines are kept
     assert f"resuming from ckpt-{steps:012d} (global step {steps}" in chief_log
+    # the finished run's own summary, set aside (left as the chief's summary, it says
+    # the run is over: a chief started again after the end ends at once)
+    kept = read_json(run / f"chief-summary-ckpt-{steps:012d}.json")
+    assert kept["global_step"] == steps, kept
 
 
 def _by_hand(procs: Reaper, *worker_flags: list[str]) -> tuple[list[Proc], str]:

@@ -271,3 +271,29 @@ def test_a_chief_started_after_the_end_of_its_run_ends_at_once(
     assert time.monotonic() - started < 30, chief.tail()
     assert "the run already finished" in chief.stderr, chief.tail()
     assert read_json(run / "chief-summary.json") == summary  # the run's own summary stays
+
+
+@pytest.mark.timeout(150)
+def test_a_chief_started_after_the_end_with_its_ps_started_again_ends_them_and_itself(
+    procs: Reaper, finished_run: tuple[Path, dict[str, Any]]
+) -> None:
+    """Fault schedule 814: the chief was killed as it shut the PS down at the end, and
+    a supervisor started the PS again (they had exited 0). The new chief restored the
+    final checkpoint and waited for workers that had finished, to its stall timeout.
+    Now it ends the run at once, the summary left as the run wrote it, and shuts the
+    PS down: every process exits 0."""
+    run, _ = finished_run
+    summary = read_json(run / "chief-summary.json")
+    tasks = sorted((run / "tasks").glob("ps*.json"))
+    assert tasks
+    ps = [procs.spawn(zmqps_cmd("task", "--config", str(t)), name=t.stem) for t in tasks]
+    started = time.monotonic()
+    chief = procs.spawn(
+        zmqps_cmd("task", "--config", str(run / "tasks" / "chief.json")), name="chief-again"
+    )
+    chief.expect_exit(0, timeout=60)
+    assert time.monotonic() - started < 45, chief.tail()
+    assert "the PS that answer were started after it ended" in chief.stderr, chief.tail()
+    for p in ps:
+        p.expect_exit(0, timeout=30)
+    assert read_json(run / "chief-summary.json") == summary

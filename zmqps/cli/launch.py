@@ -360,7 +360,7 @@ class Launcher:
             ps=tuple(f"{HOST}:{p}" for p in ports[1 : 1 + args.ps]),
             worker=tuple(f"{HOST}:{p}" for p in ports[1 + args.ps : n]),
         )
-        self.chief_summary = run_dir / "chief-summary.json"
+        self.chief_summary = run_dir / CHIEF_SUMMARY
         self.checkpoint_dir: Path | None = None
         if args.checkpoints:
             self.checkpoint_dir = Path(args.checkpoint_dir or run_dir / "checkpoints").resolve()
@@ -1030,7 +1030,9 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
 
 
 #: Files and folders an earlier launch leaves in its run directory.
-RUN_FILES = ("chief.log", "tasks", "model", "chief-summary.json", "checkpoints")
+#: the chief's summary in a run's folder (a finished run's, resumed: set aside)
+CHIEF_SUMMARY = "chief-summary.json"
+RUN_FILES = ("chief.log", "tasks", "model", CHIEF_SUMMARY, "checkpoints")
 
 
 def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | None:
@@ -1076,6 +1078,21 @@ def forget_finished(root: Path) -> None:
         (root / RECORD_NAME).unlink(missing_ok=True)
     except OSError as exc:
         raise ConfigError(f"--resume: cannot remove {root / RECORD_NAME}: {exc.strerror}") from None
+
+
+def set_summary_aside(run_dir: Path, ckpt: Checkpoint) -> None:
+    """A finished run resumed in its folder: the summary its chief wrote at the end is
+    kept as ``chief-summary-<checkpoint>.json``. Left as the chief's summary, the new
+    chief would take the run for over (its final checkpoint, and the summary of that
+    step: a chief started again after the end ends at once, and shuts down PS
+    started again since)."""
+    summary = run_dir / CHIEF_SUMMARY
+    if not ckpt.final or not summary.exists():
+        return
+    try:
+        summary.replace(run_dir / f"chief-summary-{ckpt.name}.json")
+    except OSError as exc:
+        raise ConfigError(f"--resume: cannot move {summary} aside: {exc.strerror}") from None
 
 
 def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
@@ -1131,6 +1148,8 @@ def launch(args: argparse.Namespace) -> int:
     resumed = resume_from(args, Path(args.run_dir) if args.run_dir else None)
     if resumed is not None:
         forget_finished(resumed.path.parent)
+        if args.run_dir:
+            set_summary_aside(Path(args.run_dir), resumed)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="zmqps-run-"))
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

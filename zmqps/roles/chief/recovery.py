@@ -93,11 +93,15 @@ class RunFinished(Exception):
     """At start: the checkpoint directory holds the run's final checkpoint and the PS
     do not answer (they were shut down at the end of the run): nothing is left to do."""
 
-    def __init__(self, ckpt: Checkpoint, summary: dict[str, Any], why: str) -> None:
+    def __init__(
+        self, ckpt: Checkpoint, summary: dict[str, Any], why: str, ps_up: bool = False
+    ) -> None:
         super().__init__(f"the run already finished ({ckpt.name}, step {ckpt.step}): {why}")
         self.ckpt = ckpt
         #: the summary the run wrote when it ended
         self.summary = summary
+        #: PS answered (started again after the end, holding nothing): shut down too
+        self.ps_up = ps_up
 
 
 class WorkLost(RunFailed):
@@ -388,6 +392,13 @@ class RecoveryController:
             states = await self.ps_states(self.cfg.startup_timeout, left)
         self._learn_progress(states)
         plan = decide_start(states, sync=self.mode.name == "sync")
+        if latest is not None and summary is not None and plan.kind == "fresh":
+            # the run ended, and the PS that answer hold nothing of it: started again
+            # after its end (a supervisor restarting processes that exited 0, fault
+            # schedule 814). Restored, the run would wait for workers that finished.
+            raise RunFinished(
+                latest, summary, "the PS that answer were started after it ended", ps_up=True
+            )
         if plan.kind != "adopt":
             # the cluster goes back to the latest checkpoint, or to the initial values:
             # the work of a worker that finished and left must be in it, for nothing

@@ -243,7 +243,7 @@ async def _cleanly(name: str, step: Awaitable[Any], failed: list[str]) -> None:
 
 async def _run(service: ChiefService, watchers: _Watchers) -> bool:
     """The run, from the start to its end or a shutdown. False when it never started
-    (there are no PS to shut down)."""
+    (there are no PS to shut down: none answered a chief started after the end)."""
     cfg = service.cfg
     recovery = service.recovery
     starting = asyncio.ensure_future(service.start())
@@ -258,7 +258,7 @@ async def _run(service: ChiefService, watchers: _Watchers) -> bool:
         starting.result()
     except RunFinished as e:
         _ended_before(service, e)
-        return False
+        return e.ps_up  # PS started again after the end are shut down
     except WorkLost as e:
         # nothing to train or to finish: the PS are shut down, the run ends failed
         service.failure = str(e)
@@ -298,8 +298,9 @@ async def _run(service: ChiefService, watchers: _Watchers) -> bool:
 
 
 def _ended_before(service: ChiefService, finished: RunFinished) -> None:
-    """A chief started after the end of its run (its PS shut down): it ends at once,
-    as the run did, with the summary the run wrote (left as it is)."""
+    """A chief started after the end of its run (its PS shut down, or started again
+    holding nothing): it ends at once, as the run did, with the summary the run wrote
+    (left as it is)."""
     log.warning("%s; this chief ends", finished)
     service.finished = True
     service.result = finished.summary
