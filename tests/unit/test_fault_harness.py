@@ -758,6 +758,23 @@ def test_the_final_placement_serves_from_the_ps_asked_for() -> None:
     # asked as the run ended (the chief's last process ended at 101): not checked
     late = _record(schedule=_moves_schedule(), asked=[1], asked_at=[100.5])
     assert {c.name: c for c in check_moves(late)}["final-placement"].ok
+    # asked again by the harness to a restarted chief a second before every worker
+    # finished (fault schedule 811): the summary has an elastic part, still not due
+    again = _record(
+        schedule=_moves_schedule(),
+        summary={"elastic": {"serving": [0, 1]}},
+        asked=[1, 1],
+        asked_at=[95.0, 100.5],
+    )
+    check = {c.name: c for c in check_moves(again)}["final-placement"]
+    assert check.ok and check.detail.startswith("not checked"), check.detail
+    early = _record(
+        schedule=_moves_schedule(),
+        summary={"elastic": {"serving": [0, 1]}},
+        asked=[1],
+        asked_at=[90.0],
+    )
+    assert not {c.name: c for c in check_moves(early)}["final-placement"].ok
 
 
 def test_a_restore_needs_a_fault_that_loses_a_ps_and_a_kill_per_restart_found() -> None:
