@@ -1042,6 +1042,46 @@ def test_a_chief_restarted_after_every_moved_copy_was_lost_restores_from_a_check
     run(body())
 
 
+def test_a_chief_restarted_after_every_process_that_heard_the_moves_restarted_starts(
+    tmp_path: Path,
+) -> None:
+    """Unreplicated: scaled to 1 PS (ps 1 and 2 drained, gone), a checkpoint, then ps 0
+    restarted, and the chief with it: no running process heard where the states were.
+    The checkpoint says which processes served the run: the start waits for the others
+    a few heartbeats and restores every state onto ps 0. Before, it waited its whole
+    start-up timeout for ps 1 and 2, failed, and a launcher started it again for ever."""
+    net = FakeNetwork()
+
+    async def body() -> None:
+        chief, slots = await checkpointed_cluster(net, tmp_path, 1)
+        cfg = replace(chief.cfg, startup_timeout=120.0)
+        mover = chief.recovery.mover
+        assert mover is not None
+        pusher = Pusher(net, chief)
+        await pusher.client.push({"w": np.ones((12, 4), np.float32)})
+        mover.scale(1)
+        for _ in range(4):
+            await mover.step()
+        assert mover.status()["drained"] == [1, 2]
+        assert await chief.checkpoints.now(10.0)
+        for q in (0, 1, 2):
+            net.remove(PS[q])
+        net.remove(CHIEF)
+        slots[0] = serve_checkpointing_ps(net, 0, tmp_path)
+        restarted = chief_on(net, cfg)
+        await asyncio.wait_for(restarted.start(), 30.0)
+        rec = restarted.recovery
+        assert rec.gen >= 1 and rec.left_at_start == [1, 2]
+        assert restarted.placement is not None
+        assert all(s.ps == 0 for s in restarted.placement.shards)
+        for st in range(3):
+            for sh in slots[0].service(st).store:
+                assert np.all(sh.values == -0.5)
+        await pusher.client.close()
+
+    run(body())
+
+
 def test_a_replicated_chief_restarted_after_a_scale_down_restores_onto_the_ps_that_stay(
     tmp_path: Path,
 ) -> None:

@@ -64,6 +64,11 @@ class ChiefCheckpoints:
         # what its variables travel as: a resumed run's must be the same (they are part
         # of the variables' definitions the PS hold)
         extra["wire_dtype"] = self.chief.cfg.wire_dtype or "float32"
+        placement = self.chief.variables.placement
+        if placement is not None:
+            # the processes that serve the run (a scale-down drains the others): a chief
+            # started when no running process heard where the states are waits for these
+            extra["serving"] = sorted({q for s in placement.shards for q in s.copies})
         if final:  # every worker finished: a lone evaluator ends after this one
             extra["final"] = True
         return extra

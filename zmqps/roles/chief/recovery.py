@@ -373,8 +373,10 @@ class RecoveryController:
         # replicated: each process's own account of its copies (a process the newest
         # placement names no copy on left the run, and is not waited for)
         left = [] if named is None else [q for q in range(len(self.ps)) if q not in named]
-        self.left_at_start = left
-        states = first = await self.ps_states(self.cfg.startup_timeout, left)
+        outside = [] if named is not None else self._outside(latest)
+        states = first = await self.ps_states(self.cfg.startup_timeout, [*left, *outside])
+        # (those outside the latest checkpoint's run that answer are part of it again)
+        self.left_at_start = left = [*left, *(q for q in outside if states[q].get("left"))]
         moved, orphans, gone = self._copies_of(states) if self.replicated() else (elastic, [], [])
         if moved is not None:  # each state from its primary, wherever it is now
             assert self.homes is not None
@@ -699,6 +701,20 @@ class RecoveryController:
             placement.epoch,
         )
         return placement, named
+
+    def _outside(self, latest: Checkpoint | None) -> list[int]:
+        """No running process heard where the states are (every one that did restarted,
+        or none was told): the processes the latest checkpoint says did not serve the
+        run (drained by a scale-down, exited). The start waits for them a few
+        heartbeats, not its whole timeout: before, it waited for them, failed, and a
+        launcher started it again, for ever. A final checkpoint (a run resumed) and
+        one of another PS count (another cluster) say nothing of this one."""
+        if latest is None or latest.final or latest.manifest.num_ps != len(self.ps):
+            return []
+        serving = latest.manifest.extra.get("serving")
+        if not isinstance(serving, list) or not serving:
+            return []
+        return [q for q in range(len(self.ps)) if q not in serving]
 
     async def _any_ps_answers(self, within: float) -> bool:
         async def one(c: Requester) -> bool:
