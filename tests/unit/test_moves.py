@@ -20,6 +20,8 @@ from zmqps.metrics import Metrics
 from zmqps.roles.channels import RECOVERABLE, Delivery
 from zmqps.roles.chief import ChiefService, moves
 from zmqps.roles.chief.finish import summarize
+from zmqps.roles.chief.recovery import RecoveryController
+from zmqps.roles.chief.rereplication import Rereplicator
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.configs import CheckpointPolicy
 from zmqps.roles.homes import Homes
@@ -53,6 +55,12 @@ async def cluster(
     await chief.start()
     await chief.create_variables(VARS, dict(SGD))
     return chief, slots
+
+
+def copiers(rec: RecoveryController) -> tuple[moves.Mover, Rereplicator]:
+    """The chief's mover and re-replication (a chief with PS homes has both)."""
+    assert rec.mover is not None and rec.rereplicator is not None
+    return rec.mover, rec.rereplicator
 
 
 class Pusher:
@@ -436,8 +444,7 @@ def test_a_copy_left_by_a_move_given_up_is_not_taken_for_a_later_moves_copy() ->
         net = FakeNetwork()
         chief, slots = await cluster(net, 1)
         rec = chief.recovery
-        mover, rr = rec.mover, rec.rereplicator
-        assert mover is not None and rr is not None
+        mover, rr = copiers(rec)
         pusher = Pusher(net, chief)
         task = asyncio.ensure_future(pusher.run())
         await asyncio.sleep(0.2)
@@ -563,8 +570,7 @@ def test_with_two_copies_a_scale_down_promotes_copies_and_moves_the_backups_firs
     async def body() -> None:
         net = FakeNetwork()
         chief, slots = await cluster(net, 2)
-        mover, rr = chief.recovery.mover, chief.recovery.rereplicator
-        assert mover is not None and rr is not None
+        mover, rr = copiers(chief.recovery)
         await rr.watch()  # the re-replication knows every process
         pusher = Pusher(net, chief)
         task = asyncio.ensure_future(pusher.run())
@@ -640,8 +646,8 @@ def test_a_promotion_whose_copy_first_fails_goes_on_without_it() -> None:
     async def body() -> None:
         net = FakeNetwork()
         chief, _ = await cluster(net, 2)
-        mover, rr = chief.recovery.mover, chief.recovery.rereplicator
-        assert mover is not None and rr is not None and chief.placement is not None
+        mover, rr = copiers(chief.recovery)
+        assert chief.placement is not None
         await rr.watch()
         s = next(x for x in chief.placement.shards if x.state == 2)
         # the source steps down, as a hand-over's first steps make it
@@ -709,8 +715,8 @@ def test_one_copy_at_a_time_a_move_and_the_re_replication_wait_for_each_other() 
         net = FakeNetwork()
         chief, slots = await cluster(net, 2)
         rec = chief.recovery
-        mover, rr = rec.mover, rec.rereplicator
-        assert mover is not None and rr is not None and chief.placement is not None
+        mover, rr = copiers(rec)
+        assert chief.placement is not None
         await rr.watch()
         pusher = Pusher(net, chief)
         task = asyncio.ensure_future(pusher.run())
@@ -773,8 +779,7 @@ def test_a_move_whose_copy_stopped_counting_in_commits_is_not_handed_over() -> N
         net = FakeNetwork()
         chief, _ = await cluster(net, 1)
         rec = chief.recovery
-        mover, rr = rec.mover, rec.rereplicator
-        assert mover is not None and rr is not None
+        mover, rr = copiers(rec)
         pusher = Pusher(net, chief)
         join = rr.join
 
@@ -852,8 +857,8 @@ def test_a_copy_behind_the_one_promoted_takes_the_entry_it_lacks(
         net = FakeNetwork()
         chief, slots = await cluster(net, 2)
         rec = chief.recovery
-        mover, rr = rec.mover, rec.rereplicator
-        assert mover is not None and rr is not None and chief.placement is not None
+        mover, rr = copiers(rec)
+        assert chief.placement is not None
         s1 = next(s for s in chief.placement.shards if s.state == 1)
         source, backup = s1.ps, s1.backups[0]
         target = next(q for q in range(3) if q not in s1.copies)
@@ -992,6 +997,33 @@ async def checkpointed_cluster(
     return chief, slots
 
 
+async def scaled_to_ps0_and_checkpointed(
+    net: FakeNetwork, folder: Path
+) -> tuple[ChiefService, list[PSSlots], Pusher]:
+    """Unreplicated, checkpoints in ``folder``: one push of ones, every state moved
+    onto ps 0 (ps 1 and 2 drained), a checkpoint committed."""
+    chief, slots = await checkpointed_cluster(net, folder, 1)
+    mover = chief.recovery.mover
+    assert mover is not None
+    pusher = Pusher(net, chief)
+    await pusher.client.push({"w": np.ones((12, 4), np.float32)})
+    mover.scale(1)
+    for _ in range(4):
+        await mover.step()
+    assert mover.status()["drained"] == [1, 2]
+    assert await chief.checkpoints.now(10.0)
+    return chief, slots, pusher
+
+
+def assert_restored_onto_ps0(chief: ChiefService, slots: list[PSSlots]) -> None:
+    """Every state on ps 0 with the checkpoint's values (one push of ones)."""
+    assert chief.recovery.gen >= 1 and chief.placement is not None
+    assert all(s.ps == 0 for s in chief.placement.shards)
+    for st in range(3):
+        for sh in slots[0].service(st).store:
+            assert np.all(sh.values == -0.5)
+
+
 def test_a_chief_restarted_after_every_moved_copy_was_lost_restores_from_a_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -1005,17 +1037,8 @@ def test_a_chief_restarted_after_every_moved_copy_was_lost_restores_from_a_check
         return serve_checkpointing_ps(net, i, tmp_path)
 
     async def body() -> None:
-        chief, slots = await checkpointed_cluster(net, tmp_path, 1)
+        chief, slots, pusher = await scaled_to_ps0_and_checkpointed(net, tmp_path)
         cfg = chief.cfg
-        mover = chief.recovery.mover
-        assert mover is not None
-        pusher = Pusher(net, chief)
-        await pusher.client.push({"w": np.ones((12, 4), np.float32)})
-        mover.scale(1)
-        for _ in range(4):
-            await mover.step()
-        assert mover.status()["drained"] == [1, 2]
-        assert await chief.checkpoints.now(10.0)
         for q in (1, 2):
             net.remove(PS[q])
         net.remove(CHIEF)
@@ -1031,12 +1054,7 @@ def test_a_chief_restarted_after_every_moved_copy_was_lost_restores_from_a_check
 
         rec._moved_homes = then_ps0_restarts  # type: ignore[method-assign]
         await asyncio.wait_for(restarted.start(), 30.0)
-        assert rec.gen >= 1 and restarted.placement is not None
-        assert all(s.ps == 0 for s in restarted.placement.shards)
-        # every state back on ps 0 with the checkpoint's values (one push of ones)
-        for st in range(3):
-            for sh in slots[0].service(st).store:
-                assert np.all(sh.values == -0.5)
+        assert_restored_onto_ps0(restarted, slots)
         await pusher.client.close()
 
     run(body())
@@ -1053,30 +1071,16 @@ def test_a_chief_restarted_after_every_process_that_heard_the_moves_restarted_st
     net = FakeNetwork()
 
     async def body() -> None:
-        chief, slots = await checkpointed_cluster(net, tmp_path, 1)
+        chief, slots, pusher = await scaled_to_ps0_and_checkpointed(net, tmp_path)
         cfg = replace(chief.cfg, startup_timeout=120.0)
-        mover = chief.recovery.mover
-        assert mover is not None
-        pusher = Pusher(net, chief)
-        await pusher.client.push({"w": np.ones((12, 4), np.float32)})
-        mover.scale(1)
-        for _ in range(4):
-            await mover.step()
-        assert mover.status()["drained"] == [1, 2]
-        assert await chief.checkpoints.now(10.0)
         for q in (0, 1, 2):
             net.remove(PS[q])
         net.remove(CHIEF)
         slots[0] = serve_checkpointing_ps(net, 0, tmp_path)
         restarted = chief_on(net, cfg)
         await asyncio.wait_for(restarted.start(), 30.0)
-        rec = restarted.recovery
-        assert rec.gen >= 1 and rec.left_at_start == [1, 2]
-        assert restarted.placement is not None
-        assert all(s.ps == 0 for s in restarted.placement.shards)
-        for st in range(3):
-            for sh in slots[0].service(st).store:
-                assert np.all(sh.values == -0.5)
+        assert restarted.recovery.left_at_start == [1, 2]
+        assert_restored_onto_ps0(restarted, slots)
         await pusher.client.close()
 
     run(body())
@@ -1098,8 +1102,7 @@ def test_a_replicated_chief_restarted_after_a_scale_down_restores_onto_the_ps_th
     async def body() -> None:
         chief, slots = await checkpointed_cluster(net, tmp_path, 2)
         cfg = chief.cfg
-        mover, rr = chief.recovery.mover, chief.recovery.rereplicator
-        assert mover is not None and rr is not None
+        mover, rr = copiers(chief.recovery)
         await rr.watch()
         pusher = Pusher(net, chief)
         await pusher.client.push({"w": np.ones((12, 4), np.float32)})

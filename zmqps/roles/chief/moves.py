@@ -703,8 +703,8 @@ class Mover(StateCopier):
         # step lost, and sync waited on it for ever). A source that does not answer
         # commits nothing more: the fences below decide.
         heard = await self.probe(source, timeout=2.0)
-        for st, part, _term, _head, fenced, in_sync in (heard and heard.roles) or ():
-            if st == state and part == "primary" and not fenced and target not in in_sync:
+        for st, part, _term, _head, cut_off, in_sync in (heard and heard.roles) or ():
+            if st == state and part == "primary" and not cut_off and target not in in_sync:
                 return f"ps {target}'s copy fell out of sync (its primary no longer ships to it)"
         others = [q for q in s.backups if q != target]
         term = r.terms[state] = r.terms.get(state, TERM) + 1
