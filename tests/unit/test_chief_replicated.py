@@ -82,6 +82,56 @@ async def copied_again(rr: Rereplicator) -> None:
             break
 
 
+def test_a_chief_restarted_mid_hand_over_with_a_copy_on_every_process_adopts_the_copies() -> None:
+    """The last chief was killed in a hand-over of state 2 after its copies were fenced
+    at the new term and before one was promoted, with a copy on every process (the copy
+    made before a promotion), and state 1 failed over before. Its copies had no
+    primary and no process without one to name as the lost primary: the restarted
+    chief fell back on the placement of the PS's first report (state 1 on ps 1, which
+    holds a backup of it) and every copy onto ps 0 of state 1 was refused
+    (``not_primary``), every look, to the run's end (fault schedule 821). Now the
+    furthest copy of the highest term is named primary and promoted by the first
+    watch; state 1 stays where its fail-over put it."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots, rr = await started_watched(net)
+        net.remove(PS[1])
+        await chief.recovery.fail_over([1])
+        slots[1] = serve_ps(net, 1, PS[1])
+        await copied_again(rr)
+        rec = chief.recovery
+        assert rec.homes is not None and chief.placement is not None
+        home1 = rec.homes.of[1]
+        assert home1 != 1
+        s2 = next(s for s in chief.placement.shards if s.state == 2)
+        third = next(q for q in range(3) if q not in s2.copies)
+        assert await rr.copy(2, third)  # a copy of state 2 on every process
+        term = rec.terms.get(2, 1) + 1
+        epoch = chief.placement.epoch + 1
+        fence = o.ReplicaSet(2, term, primary=False, epoch=epoch).to_wire()
+        for q in range(3):
+            await net.client(PS[q], "chief:9").request("replica", fence)
+        net.remove(CHIEF)
+        restarted = chief_on(net, chief.cfg)
+        await restarted.start()
+        r = restarted.recovery
+        assert r.homes is not None and r.homes.of[1] == home1
+        await r.rereplicator.watch()  # type: ignore[union-attr]
+        after = restarted.placement
+        assert after is not None
+        home2 = r.homes.of[2]
+        assert isinstance(slots[home2].role(2), Primary)
+        wh = Homes([net.client(a, "worker:0:1") for a in PS])
+        wh.update(after)
+        w = ParameterClient(wh.links(), after, worker="worker:0", incarnation=1, timeout=2.0)
+        before = (await w.pull())["w"].copy()
+        await w.push({"w": np.ones((12, 4), np.float32)})
+        np.testing.assert_array_equal((await w.pull())["w"], before - np.float32(0.1))
+
+    run(body())
+
+
 def test_a_restarted_chief_adopts_states_moved_by_a_fail_over() -> None:
     async def body() -> None:
         net = FakeNetwork()

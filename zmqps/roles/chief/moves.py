@@ -408,7 +408,8 @@ class Mover(StateCopier):
         """One more copy of ``state``, on the process asked for that holds the fewest
         copies and none of it, made and caught up as re-replication makes one (the
         others still count meanwhile). True once the placement names it; False when
-        it failed; None when no process asked for is without a copy of it."""
+        it failed; None when no process asked for is without a copy of it (or each
+        such failed lately, and waits its backoff)."""
         r = self.recovery
         rr = r.rereplicator
         placement = r.variables.placement
@@ -417,7 +418,10 @@ class Mover(StateCopier):
         held = {
             q: 0
             for q in self.wanted
-            if self.boots.get(q) and self.drained.get(q) != self.boots[q] and q not in s.copies
+            if self.boots.get(q)
+            and self.drained.get(q) != self.boots[q]
+            and q not in s.copies
+            and not rr.backing_off(state, q)  # (failed lately: tried again after a wait)
         }
         if not held:
             return None

@@ -569,16 +569,16 @@ class RecoveryController:
         orphans: list[int] = []
         gone: set[int] = set()
         for state in sorted({s.state for s in placement.shards}):
-            # its copies: (process, role, term, fenced, in-sync backups)
+            # its copies: (process, role, term, fenced, in-sync backups, entry applied)
             copies = [
-                (i, kind, int(term), fenced, [int(q) for q in in_sync])
+                (i, kind, int(term), fenced, [int(q) for q in in_sync], int(head))
                 for i, held in roles.items()
-                for slot, kind, term, _, fenced, in_sync in held
+                for slot, kind, term, head, fenced, in_sync in held
                 if slot == state
             ]
             primaries = [c for c in copies if c[1] == "primary" and not c[3]]
             if primaries:
-                primary, _, term, _, in_sync = max(primaries, key=lambda c: c[2])
+                primary, _, term, _, in_sync, _ = max(primaries, key=lambda c: c[2])
                 gone |= set(in_sync) - _backups_at(copies, term)
                 homes[state] = (term, primary, tuple(in_sync))
                 continue
@@ -595,8 +595,21 @@ class RecoveryController:
                 (q for q in range(len(states)) if q not in {c[0] for c in copies}),
                 key=lambda q: (q in roles, q != old, q),  # empty first, then the old one
             )
-            if not spare:  # every process holds a copy and none is its primary
-                return None, [], []
+            if not spare:
+                # every process holds a copy and none is its primary (the last chief
+                # killed in a hand-over, after the source stepped down and before the
+                # target was promoted: fault schedule 821). The furthest copy of the
+                # highest term is named the primary, the others of that term its
+                # backups, and the re-replication's first watch promotes it there
+                # (``Rereplicator._promote_again``). Before, the start fell back on the
+                # placement of the PS's first report, and its homes were wrong for
+                # states failed over or moved since.
+                top = max(terms)
+                at_top = [c for c in copies if c[1] == "backup" and c[2] == top]
+                chosen = max(at_top, key=lambda c: (c[5], -c[0]))[0]
+                backups = tuple(sorted(c[0] for c in at_top if c[0] != chosen))
+                homes[state] = (top, chosen, backups)
+                continue
             gone.add(spare[0])
             homes[state] = (max(terms), spare[0], tuple(sorted(_backups_at(copies, max(terms)))))
             orphans.append(state)
@@ -1611,7 +1624,7 @@ def _workers(indices: Sequence[int]) -> str:
     return f"{len(indices)} workers ({indices[0]} .. {indices[-1]}) were"
 
 
-def _backups_at(copies: Sequence[tuple[int, str, int, bool, list[int]]], term: int) -> set[int]:
+def _backups_at(copies: Sequence[tuple[Any, ...]], term: int) -> set[int]:
     """The processes among a state's ``copies`` (process, role, term, fenced, in-sync
-    backups) that hold a backup at ``term``."""
+    backups, entry applied) that hold a backup at ``term``."""
     return {i for i, kind, t, *_ in copies if kind == "backup" and t == term}
