@@ -11,8 +11,9 @@ Rules of this module:
   folder, so anything left of a run is found by its command line.
 * The supervisor restarts a task that dies the way ``zmqps launch --restart
   on-failure`` does: a non-zero exit (a signal too) is restarted 0.2 s later, unless
-  the cluster is stopping or the chief has already ended the job with exit code 0; at
-  most ``MAX_RESTARTS`` times per task, else the run has failed.
+  the cluster is stopping or the chief has already ended the job with exit code 0,
+  or the exit code says it would fail again (2: its configuration; 3: the run ended
+  failed); at most ``MAX_RESTARTS`` times per task, else the run has failed.
 * Each task's output (every start of it) goes to ``RUN/<task>.log``, a marker line
   before each start.
 * A PS that exits 0 while the run goes on was drained by the chief (its states moved
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from faults.schedule import Schedule
+from zmqps.wire.errors import EXIT_CONFIG, EXIT_RUN_FAILED
 
 __all__ = ["MAX_RESTARTS", "Cluster", "Instance", "Supervisor", "Task", "build"]
 
@@ -419,6 +421,15 @@ class Supervisor:
         how = f"killed by signal {-cur.rc}" if cur.rc < 0 else f"exited with code {cur.rc}"
         if t.name != "chief" and self.chief_done():
             self.events.append({"t": now, "task": t.name, "what": f"{how} after the end"})
+            return
+        if cur.rc in (EXIT_CONFIG, EXIT_RUN_FAILED):
+            # as zmqps launch: a task that failed on its configuration, or a run that
+            # ended failed (finished work lost), fails again; it is not restarted
+            # (seed 220: a chief restarted after exit 3 waited 120 s for the PS it had
+            # shut down)
+            t.given_up = f"{how}: not restarted (it would fail again)"
+            self.events.append({"t": now, "task": t.name, "what": t.given_up})
+            self.stop()  # (zmqps launch stops the cluster too)
             return
         if len(t.instances) - 1 >= MAX_RESTARTS:
             t.given_up = f"{how}; {MAX_RESTARTS} restarts already"

@@ -4,13 +4,14 @@ seeds, and every invariant check on made-up run records, both ways (held, violat
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from faults.cluster import Instance, Task
+from faults.cluster import Cluster, Instance, Supervisor, Task
 from faults.inject import FaultRecord
 from faults.invariants import (
     check_blockers,
@@ -823,3 +824,27 @@ def test_bound_allows_for_moves() -> None:
     assert bound(s, REF) == bound(replace(s, faults=()), REF) + 30.0
     k = replace(s, faults=(Fault("kill_during_move", "chief", 0.3, ps=1),))
     assert bound(k, REF) == bound(replace(s, faults=()), REF) + HB + 35.0
+
+
+@pytest.mark.parametrize(("rc", "restarted"), [(1, True), (-9, True), (2, False), (3, False)])
+def test_the_supervisor_restarts_as_zmqps_launch_does(
+    tmp_path: Path, rc: int, restarted: bool
+) -> None:
+    """A chief that exited 2 (its configuration) or 3 (the run ended failed) would fail
+    again: zmqps launch does not restart it, and neither does the harness (seed 220:
+    restarted after exit 3, it waited 120 s for the PS it had shut down)."""
+
+    def ended(code: int) -> Instance:
+        done = subprocess.Popen(["true"])
+        done.wait()
+        return Instance(done.pid, done, 0.0, ended=1.0, rc=code)
+
+    chief = Task("chief", ["true"], instances=[ended(rc)])
+    ps = Task("ps0", ["true"], instances=[ended(0)])
+    folder = tmp_path / "run"
+    cluster = Cluster({}, [chief, ps], folder, folder, folder, folder, folder, folder)
+    sup = Supervisor(cluster)
+    sup._exited(chief, chief.instances[0], 2.0)
+    assert (chief.restart_at is not None) == restarted
+    assert sup.stopping == (not restarted)
+    assert bool(chief.given_up) == (not restarted), chief.given_up
