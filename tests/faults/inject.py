@@ -133,6 +133,17 @@ class Injector:
         st = self.timeline.latest()
         return self.sup.chief_done() or bool(st and st.get("finished"))
 
+    def _ending(self) -> bool:
+        """Training ended or is ending (every worker done, the chief finishing). A PS
+        started again from here may come up after the chief's shutdown reached its
+        address, and wait for a chief for ever (seed 707: asked for during the final
+        evaluation, before the status said ``finished``); ``zmqps launch`` stops such
+        a task once the chief ended, the harness does not start it."""
+        st = self.timeline.latest() or {}
+        workers = st.get("workers") or []
+        done = bool(workers) and all(w.get("state") == "done" for w in workers)
+        return self._ended() or st.get("phase") in ("finishing", "finished") or done
+
     def tick(self, now: float) -> None:
         if self._running is not None:
             rec, gen = self._running
@@ -330,7 +341,7 @@ class Injector:
         """Ask for ``n`` PS (started again first if they were drained) and wait until
         the plan is done; True when asked."""
         if n >= self.s.ps:
-            if self._ended():  # as the launcher's PS schedule: none started after the end
+            if self._ending():  # as the launcher's PS schedule: none started after the end
                 rec.notes.append("training ended: no PS started again")
                 return False
             for i in range(self.s.ps):

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from faults.cluster import Cluster, Instance, Supervisor, Task
-from faults.inject import FaultRecord
+from faults.inject import FaultRecord, Injector
 from faults.invariants import (
     check_blockers,
     check_coordinator,
@@ -848,3 +848,26 @@ def test_the_supervisor_restarts_as_zmqps_launch_does(
     assert (chief.restart_at is not None) == restarted
     assert sup.stopping == (not restarted)
     assert bool(chief.given_up) == (not restarted), chief.given_up
+
+
+def test_no_ps_is_started_again_once_every_worker_is_done() -> None:
+    """Seed 707: a scale back up asked during the final evaluation (every worker done,
+    the status not yet ``finished``) started two PS after the chief's shutdown had
+    reached their addresses; they waited for a chief for ever."""
+    status: dict[str, Any] = {"phase": "running", "finished": False, "workers": []}
+
+    class Sup:
+        def chief_done(self) -> bool:
+            return False
+
+    class Line:
+        def latest(self) -> dict[str, Any]:
+            return status
+
+    inj = Injector(_moves_schedule(), Sup(), Line(), 100, 10.0)  # type: ignore[arg-type]
+    status["workers"] = [{"state": "done"}, {"state": "alive"}]
+    assert not inj._ending() and not inj._ended()
+    status["workers"] = [{"state": "done"}, {"state": "done"}]
+    assert inj._ending() and not inj._ended()  # faults still fire; no PS starts
+    status.update(workers=[], phase="finishing")
+    assert inj._ending()
