@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from fake_replicated import chief_on, replicated_config, serve_ps
 
+from zmqps.core.recovery import decide_start
 from zmqps.core.variables import VariableDef
 from zmqps.metrics import Metrics
 from zmqps.roles.channels import RECOVERABLE, Delivery
@@ -1086,6 +1087,37 @@ def test_a_chief_restarted_after_every_process_that_heard_the_moves_restarted_st
     run(body())
 
 
+def test_a_chief_restarted_after_a_restore_onto_the_ps_left_adopts_it(tmp_path: Path) -> None:
+    """Unreplicated, scaled to 1 PS (ps 1 and 2 drained, gone): ps 0, holding every
+    state, restarted and the chief restored them all onto it; then the chief was
+    killed. The restore now publishes where the states are, so the next chief adopts
+    ps 0 as it is. Before (fault schedule 730), no process had heard it: the next chief
+    found the PS in disagreement (the drained ones counted as of generation 0),
+    restored every state again, onto their own processes, and waited for the drained
+    ones, which the restore then found restarted: a third restore."""
+    net = FakeNetwork()
+
+    async def body() -> None:
+        chief, slots, pusher = await scaled_to_ps0_and_checkpointed(net, tmp_path)
+        rec = chief.recovery
+        for q in (0, 1, 2):
+            net.remove(PS[q])
+        slots[0] = serve_checkpointing_ps(net, 0, tmp_path)
+        async with rec.placement_lock:
+            await rec.restore_lost([0], rec.clock(), "ps 0 restarted")
+        assert rec.gen == 1
+        assert_restored_onto_ps0(chief, slots)
+        net.remove(CHIEF)
+        restarted = chief_on(net, replace(chief.cfg, startup_timeout=120.0))
+        await asyncio.wait_for(restarted.start(), 30.0)
+        r = restarted.recovery
+        assert r.gen == 1 and r.restore_count == 0, r.recoveries  # adopted
+        assert_restored_onto_ps0(restarted, slots)
+        await pusher.client.close()
+
+    run(body())
+
+
 def test_a_replicated_chief_restarted_after_a_scale_down_restores_onto_the_ps_that_stay(
     tmp_path: Path,
 ) -> None:
@@ -1173,3 +1205,20 @@ def test_a_version_ahead_of_a_moved_state_counts_as_current() -> None:
         await pusher.client.close()
 
     run(body())
+
+
+def test_a_ps_that_left_counts_for_no_generation_at_start() -> None:
+    """At start, a process that left the run (drained, not answering: ``ps_states``
+    reads it as holding nothing, ``left``) says nothing of the generation: with it
+    counted as generation 0, PS restored since (generation 1) looked in disagreement,
+    and a chief restored every state again (fault schedule 730)."""
+    wire = {
+        "variables": [{"name": "w", "shape": [8, 4], "dtype": "float32", "sparse": False}],
+        "shards": [[0, "w", 0, 0, 4, 0], [1, "w", 0, 4, 4, 0]],
+        "optimizer": {"name": "sgd", "lr": 0.5},
+    }
+    held = {"gen": 1, "step": 0, "shards": [[0, 1], [1, 1]], "placement": wire}
+    gone = {"boot": "", "gen": 0, "shards": [], "roles": [], "left": True}
+    plan = decide_start([held, gone], sync=False)
+    assert plan.kind == "adopt" and plan.gen == 1, plan
+    assert decide_start([held, {**gone, "left": False}], sync=False).kind == "restore"

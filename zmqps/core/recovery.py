@@ -239,7 +239,8 @@ def decide_start(states: Sequence[Mapping[str, Any]], sync: bool) -> StartPlan:
 def _disagreement(
     states: Sequence[Mapping[str, Any]], placement: Mapping[str, Any], sync: bool
 ) -> str | None:
-    gens = {int(st["gen"]) for st in states}
+    # (a process that left the run, drained and gone, says nothing of a generation)
+    gens = {int(st["gen"]) for st in states if not st.get("left")}
     if len(gens) > 1:
         return f"generations {sorted(gens)}"
     state_of = _states_of(placement)

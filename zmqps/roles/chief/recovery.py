@@ -442,10 +442,12 @@ class RecoveryController:
                     self._epoch_past(max(int(st.get("epoch") or 0) for st in first))
                     await self._unreplicate(self.variables.placement)  # type: ignore[arg-type]
                     states = await self.ps_states(self.cfg.startup_timeout, left)
-                elif moved is not None:
-                    # states moved between processes (unreplicated): each one's process
-                    # holds a copy again (made empty there if it restarted) first
-                    await self._unreplicate(moved)
+                elif moved is not None or left:
+                    # states moved between processes (unreplicated), or processes left
+                    # the run: each state's process holds a copy again (made empty there
+                    # if it restarted; one that left gives its states to one that
+                    # stays) first
+                    await self._unreplicate(moved or self.variables.placement)  # type: ignore[arg-type]
                     states = await self.ps_states(self.cfg.startup_timeout, left)
                 await self._restore(Event.RESTORE, "chief restart with PS in disagreement", states)
                 return
@@ -1414,6 +1416,11 @@ class RecoveryController:
         )
         self.variables.use(plain)
         self.homes.update(plain)
+        # every process hears where the states go: a chief started after every one
+        # that heard the moves restarted learns them here (fault schedule 730: after a
+        # restore onto the process left by a scale-down, none had heard, and the next
+        # chief restored again onto the drained one and waited for it)
+        await self.publish_placement(plain)
 
     # ------------------------------------------------------------------ workers
 
