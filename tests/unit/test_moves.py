@@ -667,13 +667,16 @@ def test_a_promotion_whose_copy_first_fails_goes_on_without_it() -> None:
     run(body())
 
 
-def test_a_hand_over_whose_new_primary_dies_at_once_is_recorded() -> None:
+@pytest.mark.parametrize("lost", ["boot", "promotion"])
+def test_a_hand_over_whose_new_primary_dies_at_once_is_recorded(lost: str) -> None:
     """The new primary is promoted, then killed before it says its boot id (fault
-    schedule 704: the move's destination killed as the move ended). The placement
-    names it all the same, so the fail-over that follows starts from where the state
-    is; before, the chief kept the old placement, its next move made the stepped-down
-    source a primary again at the same term, and sync waited on that copy's old step
-    for ever."""
+    schedule 704: the move's destination killed as the move ended), or killed as it is
+    promoted, the promotion never answered (schedule 831). The placement names it all
+    the same, so the fail-over that follows starts from where the state is; before,
+    the chief kept the old placement, its next move (704), or telling the stepped-down
+    source its backups (831), made that source a primary again at the same term: sync
+    waited on its old step for ever, or it counted its entries from 0 and a backup
+    took them for ones it had (acknowledged pushes lost)."""
 
     async def body() -> None:
         net = FakeNetwork()
@@ -689,6 +692,9 @@ def test_a_hand_over_whose_new_primary_dies_at_once_is_recorded() -> None:
         async def dies_after_the_promotion(op: str, *args: Any, **kw: Any) -> Any:
             if op == "ps_state" and kw.get("slot") == 1:
                 raise DeadlineExceeded("no reply (killed)")
+            if lost == "promotion" and op == "replica" and args and args[0].get("primary"):
+                await asked(op, *args, **kw)  # promoted, and killed before it answered
+                raise DeadlineExceeded("no reply (killed)")
             return await asked(op, *args, **kw)
 
         link.request = dies_after_the_promotion  # type: ignore[method-assign]
@@ -701,6 +707,14 @@ def test_a_hand_over_whose_new_primary_dies_at_once_is_recorded() -> None:
         # (fault schedule 823: dropped, the state had no copy left)
         assert s.ps in moved.backups
         assert slots[s.ps].role(1) is not None
+        # a word meant for a primary never promotes the stepped-down source
+        rr = chief.recovery.rereplicator
+        assert rr is not None
+        links = ((target, PS[target]),)
+        word = o.ReplicaSet(1, chief.recovery.terms[1], True, links).to_wire()
+        with pytest.raises(InvalidArgument, match="a promotion names how far"):
+            await net.client(PS[s.ps], "chief:9").request("replica", word)
+        assert isinstance(slots[s.ps].role(1), Backup)
 
     run(body())
 

@@ -656,6 +656,8 @@ class Mover(StateCopier):
             return await asyncio.shield(begun[0])
 
         done = r.mode.at_boundary(job)
+        # (its outcome is read from the task begun, when one was: retrieved here too)
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
         deadline = self.clock() + max(30.0, 3 * r.cfg.heartbeat_timeout)
         while not begun and not done.done():
             # a target gone while its in-sync copy waits for the boundary holds every
@@ -745,21 +747,24 @@ class Mover(StateCopier):
         links = tuple((q, processes[q].endpoint) for q in backups)
         applied = tuple(heads[q] for q in backups)
         body = o.ReplicaSet(state, term, True, links, applied, epoch=epoch)
-        await processes[chosen].request("replica", body.to_wire(), timeout=2.0)
-        if self.current is not None:
-            self.current["to"] = chosen  # where it is served now (the target a backup)
-        # the boot id the state's copy there answers with (each copy has its own). The
-        # promotion is done whatever comes now: the placement must say so. A copy that
-        # does not answer (its process killed just now) is expected to answer with no
-        # boot id: the health watch takes it for restarted and fails it over, and the
-        # source's copy (fenced, whole) stays a named copy it may promote (dropped, the
-        # state could be left with no copy).
+        # From here the promotion counts as done whatever comes: the source stepped
+        # down and every copy is fenced at the new term, so the placement must name the
+        # new primary. A copy that does not answer the promotion or the boot id asked
+        # after it (its process killed just now) is expected to answer with no boot id:
+        # the health watch takes it for restarted and fails it over, and the source's
+        # copy (fenced, whole) stays a named copy it may promote (dropped, the state
+        # could be left with no copy). Before (fault schedule 831), a promotion not
+        # answered raised here: the old placement stayed, naming the stepped-down
+        # source, and telling it its backups promoted it, its entries counted from 0.
+        boot = ""
         try:
+            await processes[chosen].request("replica", body.to_wire(), timeout=2.0)
             rep = await processes[chosen].request("ps_state", timeout=2.0, slot=state)
             boot = o.PsStateReply.parse(rep.body).boot
         except ZmqpsError as exc:
             log.warning("ps %d, now serving ps %d's state, does not answer: %s", chosen, state, exc)
-            boot = ""
+        if self.current is not None:
+            self.current["to"] = chosen  # where it is served now (the target a backup)
         keep_source = not boot and kept is not None and source not in backups
         named = (*backups, source) if keep_source else backups
         shards = tuple(

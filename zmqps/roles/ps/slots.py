@@ -434,6 +434,16 @@ class PSSlots:
             raise InvalidArgument(f"ps {self.own.index} cannot reach other PS")
         retained: tuple[Entry, ...] = ()
         acked: dict[int, int] | None = None
+        if isinstance(role, Backup) and wanted and req.applied is None:
+            # a promotion with backups says how far each got (the chief fenced them
+            # first); one without is a word meant for a primary (its backups told
+            # again) reaching a copy that stepped down since: promoted, it would count
+            # its entries from its own, and a backup ahead of it would take them for
+            # ones it has (fault schedule 831: acknowledged pushes lost)
+            raise InvalidArgument(
+                f"ps {self.own.index} holds a backup of ps {req.slot}'s state: a promotion"
+                " names how far each backup got"
+            )
         if isinstance(role, Backup):  # a promotion: this copy goes on from its head
             # the chief fences every surviving copy at the new term first (their
             # answers say how far each got), then promotes one at that same term
