@@ -1236,3 +1236,35 @@ def test_a_ps_that_left_counts_for_no_generation_at_start() -> None:
     plan = decide_start([held, gone], sync=False)
     assert plan.kind == "adopt" and plan.gen == 1, plan
     assert decide_start([held, {**gone, "left": False}], sync=False).kind == "restore"
+
+
+def test_a_restore_goes_past_every_generation_a_chief_of_the_run_restored_to(
+    tmp_path: Path,
+) -> None:
+    """A chief restored every PS (generation 1), then it and every PS were killed
+    before a checkpoint of that generation: the next chief restores the same
+    checkpoint. Workers heard generation 1 with other values, so it takes 2 (fault
+    schedule 723: both restores were of generation 1, and the step went back within
+    it). The highest generation is kept beside the checkpoints."""
+    net = FakeNetwork()
+
+    async def body() -> None:
+        chief, slots = await checkpointed_cluster(net, tmp_path, 1)
+        rec = chief.recovery
+        assert await chief.checkpoints.now(10.0)
+        for q in (0, 1, 2):
+            net.remove(PS[q])
+            slots[q] = serve_checkpointing_ps(net, q, tmp_path)
+        async with rec.placement_lock:
+            await rec.restore_lost([0, 1, 2], rec.clock(), "every PS restarted")
+        assert rec.gen == 1
+        for q in (0, 1, 2):
+            net.remove(PS[q])
+            slots[q] = serve_checkpointing_ps(net, q, tmp_path)
+        net.remove(CHIEF)
+        restarted = chief_on(net, chief.cfg)
+        await asyncio.wait_for(restarted.start(), 30.0)
+        assert restarted.recovery.gen == 2
+        assert all(slots[q].service(q).gen == 2 for q in range(3))
+
+    run(body())

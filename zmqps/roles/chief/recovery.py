@@ -50,7 +50,7 @@ from zmqps.core.variables import Placement, ShardInfo
 from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
 from zmqps.roles.checkpointer import Checkpointer
-from zmqps.roles.chief.done_record import DoneRecord, record_path
+from zmqps.roles.chief.done_record import DoneRecord, GenerationMark, record_path
 from zmqps.roles.chief.modes import ChiefMode
 from zmqps.roles.chief.moves import Mover
 from zmqps.roles.chief.rereplication import Rereplicator
@@ -218,6 +218,10 @@ class RecoveryController:
         #: the record of the workers that finished, where this chief keeps it (None: a
         #: chief with neither checkpoints nor a summary keeps none)
         self.done_record = None if path is None else DoneRecord(path)
+        #: the highest generation a chief of this run restored to (beside the record):
+        #: a restore goes past it
+        self.gen_mark = None if path is None else GenerationMark(path)
+        self.gen_floor = 0
         #: the workers that finished their work, as the record holds them
         self.finished: dict[int, Finished] = {}
         self._record_lock = asyncio.Lock()
@@ -369,6 +373,8 @@ class RecoveryController:
             # the workers that finished under an earlier chief of this run: the PS may
             # have lost what said it (restarted without a copy of their state)
             self.finished = await asyncio.to_thread(self.done_record.load)
+        if self.gen_mark is not None:
+            self.gen_floor = await asyncio.to_thread(self.gen_mark.load)
         elastic, named = await self._moved_homes()
         # replicated: each process's own account of its copies (a process the newest
         # placement names no copy on left the run, and is not waited for)
@@ -944,7 +950,15 @@ class RecoveryController:
             ckpt = await asyncio.to_thread(self.checkpointer.latest)
         step = 0 if ckpt is None else ckpt.step
         sync_step = step if self.mode.name == "sync" else 0
-        self.gen += 1
+        # past any generation a chief of this run restored to: one killed during its
+        # restore, its PS restarted too, left no PS that says it, but workers heard it
+        gen = self.gen_floor = max(self.gen, self.gen_floor) + 1
+        if self.gen_mark is not None:
+            try:
+                await asyncio.to_thread(self.gen_mark.save, gen)
+            except OSError as exc:
+                log.warning("cannot keep generation %d in %s: %s", gen, self.gen_mark.path, exc)
+        self.gen = gen
         if self.mode.name == "sync":
             # with the generation, in the same turn: a status never says the new
             # generation with the old step (the step would seem to go back within it)
