@@ -222,6 +222,8 @@ class RecoveryController:
         #: a restore goes past it
         self.gen_mark = None if path is None else GenerationMark(path)
         self.gen_floor = 0
+        #: processes that did not answer the start's first look (``_moved_homes``)
+        self.silent_at_start: set[int] = set()
         #: the workers that finished their work, as the record holds them
         self.finished: dict[int, Finished] = {}
         self._record_lock = asyncio.Lock()
@@ -304,10 +306,16 @@ class RecoveryController:
         within a few heartbeats reads as a process that holds no copy of any state."""
         deadline = self.clock() + timeout
         brief = self.clock() + min(timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
+        # one that left and was silent to the start's first look already: a second
+        # and no more (each look of a few heartbeats made a restarted chief's pause
+        # longer, fault schedule 730)
+        briefer = min(brief, self.clock() + 1.0)
 
         async def one(i: int) -> dict[str, Any]:
             while True:
-                ends = brief if i in left else deadline
+                ends = deadline
+                if i in left:
+                    ends = briefer if i in self.silent_at_start else brief
                 wait = max(0.05, min(2.0, ends - self.clock()))
                 try:
                     rep = await self.ps[i].request("ps_state", timeout=wait)
@@ -320,7 +328,7 @@ class RecoveryController:
                     # since (it holds no copy): lost there, as a restarted PS's own is
                     return await self._lost_copy(i, home, exc, wait)
                 except DeadlineExceeded:
-                    if i in left and self.clock() >= brief:
+                    if i in left and self.clock() >= ends:
                         return {"boot": "", "gen": 0, "shards": [], "roles": [], "left": True}
                     if self.clock() >= deadline:
                         raise NotReady(
@@ -354,6 +362,7 @@ class RecoveryController:
             await self._start()
         finally:
             self.starting = False
+            self.silent_at_start = set()
 
     async def _start(self) -> None:
         latest = None
@@ -701,6 +710,7 @@ class RecoveryController:
                 return None
 
         answers = await asyncio.gather(*map(one, self.homes.processes))
+        self.silent_at_start = {q for q, st in enumerate(answers) if st is None}
         heard = [st for st in answers if st]
         published = [st["newest"] for st in heard if st.get("newest") is not None]
         if not published:
