@@ -12,6 +12,7 @@ knows from its record that the workers finished, and that nothing holds their wo
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -119,6 +120,23 @@ def test_a_chief_restarted_after_the_workers_finished_and_the_ps_lost_its_state_
     ), said
     assert "no checkpoint was committed" in said[0], said
     assert took < 60, f"{took:.1f}s\n{new_chief.tail()}"
-    # the failed run shut its PS down; a chief started again fails the same way
+    # the failed run shut its PS down, and its summary says why
     new_ps.expect_exit(0, timeout=30)
     assert _recorded(record)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary == {
+        "failed": said[0].removeprefix("zmqps: error: "),
+        "work_lost": True,
+        "checkpoint": None,
+    }, summary
+    # A chief started again (a supervisor that restarts whatever exits non-zero, e.g.
+    # compose's restart: on-failure) fails the same way at once. It used to wait its
+    # whole start-up timeout (120 s) for the PS shut down, then exit 1.
+    began = time.monotonic()
+    third = procs.spawn(chief_argv, name="chief-third")
+    third.expect_exit(3, timeout=60)
+    took = time.monotonic() - began
+    again = [line for line in third.stderr.splitlines() if line.startswith("zmqps: error:")]
+    assert again == said, third.tail()
+    assert took < 30, f"{took:.1f}s\n{third.tail()}"
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary

@@ -86,10 +86,10 @@ def test_too_many_nonfinite_steps_fail_the_run(procs: Reaper, tmp_path: Path) ->
     summary = tmp_path / "summary.json"
     job = ["--model", "mlp", "--epochs", "2"]
     server = script("zmqps-server")
-    chief_p = procs.spawn(
-        [server, *job, "--summary", str(summary)], name="chief", env=_tf_config(cluster, "chief", 0)
-    )
-    ps = procs.spawn([server], name="ps0", env=_tf_config(cluster, "ps", 0))
+    ckpts = ["--checkpoint-dir", str(tmp_path / "checkpoints")]
+    chief_argv = [server, *job, *ckpts, "--summary", str(summary)]
+    chief_p = procs.spawn(chief_argv, name="chief", env=_tf_config(cluster, "chief", 0))
+    ps = procs.spawn([server, *ckpts], name="ps0", env=_tf_config(cluster, "ps", 0))
     worker = procs.spawn(
         [sys.executable, NAN_WORKER, *job],
         name="worker0",
@@ -102,6 +102,14 @@ def test_too_many_nonfinite_steps_fail_the_run(procs: Reaper, tmp_path: Path) ->
     assert result["nonfinite_steps"] == 9  # 2 epochs of 45 steps, one worker
     assert "more than --max-nonfinite-share 0.05" in result["failed"], result
     assert "zmqps: error: 9 of 90 steps (10.0%) had non-finite gradients" in chief_p.stderr
+    # A chief started again after the end (compose's restart: on-failure restarts
+    # whatever exits non-zero) finds the run over, failed: it exits 3 too. It used to
+    # exit 0, as if the run had ended well.
+    again = procs.spawn(chief_argv, name="chief-again", env=_tf_config(cluster, "chief", 0))
+    again.expect_exit(3, timeout=60)
+    assert "the run already finished" in again.stderr, again.tail()
+    assert "more than --max-nonfinite-share 0.05" in again.stderr, again.tail()
+    assert read_json(summary) == result  # the run's own summary stays
 
 
 @pytest.mark.timeout(120)

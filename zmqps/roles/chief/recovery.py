@@ -110,6 +110,14 @@ class WorkLost(RunFailed):
     was kept) does not hold all of it. Their batches cannot be trained again: the run
     ends failed (exit code 3), saying so (:func:`zmqps.core.finished.lost_verdict`)."""
 
+    def __init__(self, verdict: str, checkpoint: str | None, ps_up: bool = True) -> None:
+        super().__init__(verdict)
+        #: the checkpoint the verdict is against (None: none was committed); the summary
+        #: records it, so that a chief started again after this end fails the same way
+        self.checkpoint = checkpoint
+        #: PS answered: they are shut down
+        self.ps_up = ps_up
+
 
 def _held(ckpt: Checkpoint | None) -> Held:
     """What a cluster that goes back to ``ckpt`` (None: the initial values) holds."""
@@ -370,18 +378,24 @@ class RecoveryController:
             await asyncio.to_thread(self.checkpointer.clean)
             latest = await asyncio.to_thread(self.checkpointer.latest)
         summary = None if latest is None else self._ended(latest)
-        if latest is not None and summary is not None:
-            # This run ended (its final checkpoint, and the summary of that step): a
-            # chief restarted after the end (killed while it shut the cluster down)
-            # finds the PS gone. When none answers within a few heartbeats, it does not
-            # wait the whole start-up timeout: the run is over.
-            probe = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
-            if not await self._any_ps_answers(probe):
-                raise RunFinished(latest, summary, f"no PS answered within {probe:g}s")
+        probe = min(self.cfg.startup_timeout, max(5.0, 5 * self.cfg.heartbeat_interval))
+        # This run ended (its final checkpoint, and the summary of that step): a chief
+        # restarted after the end (killed while it shut the cluster down) finds the PS
+        # gone. When none answers within a few heartbeats, it does not wait the whole
+        # start-up timeout: the run is over.
+        if latest is not None and summary is not None and not await self._any_ps_answers(probe):
+            raise RunFinished(latest, summary, f"no PS answered within {probe:g}s")
         if self.done_record is not None:
             # the workers that finished under an earlier chief of this run: the PS may
             # have lost what said it (restarted without a copy of their state)
             self.finished = await asyncio.to_thread(self.done_record.load)
+        failed = self._failed_before(latest)
+        if failed is not None and not await self._any_ps_answers(probe):
+            # An earlier chief of this run ended it failed, finished work lost, and shut
+            # the PS down; the record still says that work is not held. A chief started
+            # again (by a supervisor that restarts whatever exits non-zero) fails the
+            # same way at once, not after its whole start-up timeout.
+            raise WorkLost(failed, None if latest is None else latest.name, ps_up=False)
         if self.gen_mark is not None:
             self.gen_floor = await asyncio.to_thread(self.gen_mark.load)
         elastic, named = await self._moved_homes()
@@ -678,16 +692,35 @@ class RecoveryController:
         final checkpoint and the summary was written for it: the run ended before this
         chief started. None otherwise (a new run started on an old run's checkpoints
         writes another summary)."""
-        if not ckpt.final or not self.cfg.summary_path:
+        summary = self._summary() if ckpt.final else None
+        step = ckpt.manifest.extra.get("global_step", ckpt.step)
+        if summary is not None and summary.get("global_step") == step:
+            return summary
+        return None
+
+    def _failed_before(self, latest: Checkpoint | None) -> str | None:
+        """At start: the verdict of an earlier chief of this run that found the work of
+        finished workers lost against ``latest`` (the summary says so), when the
+        record of those workers still says that work is not in ``latest``. None
+        otherwise (e.g. the record was removed for a new run)."""
+        summary = self._summary() if self.finished else None
+        if summary is None or not summary.get("work_lost") or not summary.get("failed"):
+            return None
+        if summary.get("checkpoint") != (None if latest is None else latest.name):
+            return None
+        if not work_lost(self._finished_here(), _held(latest)):
+            return None
+        return str(summary["failed"])
+
+    def _summary(self) -> dict[str, Any] | None:
+        """The summary the chief's ``summary_path`` holds (None: none, or unreadable)."""
+        if not self.cfg.summary_path:
             return None
         try:
             summary = json.loads(Path(self.cfg.summary_path).read_text())
         except (OSError, ValueError):
             return None
-        step = ckpt.manifest.extra.get("global_step", ckpt.step)
-        if isinstance(summary, dict) and summary.get("global_step") == step:
-            return summary
-        return None
+        return summary if isinstance(summary, dict) else None
 
     async def _moved_homes(self) -> tuple[Placement | None, set[int] | None]:
         """At start: the newest placement any process heard the last chief publish, and
@@ -757,6 +790,11 @@ class RecoveryController:
 
         return any(await asyncio.gather(*(one(c) for c in self.ps)))
 
+    def _finished_here(self, finished: dict[int, Finished] | None = None) -> dict[int, Finished]:
+        """The workers of this cluster among those that finished (default: the record's)."""
+        of = self.finished if finished is None else finished
+        return {i: f for i, f in of.items() if i < self.members.num_workers}
+
     def _check_finished_work(
         self,
         states: Sequence[dict[str, Any]],
@@ -773,7 +811,7 @@ class RecoveryController:
             if was is None or was.steps < done.steps:
                 finished[index] = done
         held = _held(latest)
-        lost = work_lost({i: f for i, f in finished.items() if i < self.members.num_workers}, held)
+        lost = work_lost(self._finished_here(finished), held)
         if not lost:
             return
         if self.done_record is not None and self.finished:
@@ -787,7 +825,7 @@ class RecoveryController:
             if kind == "fresh"
             else f"the PS lost part of the state that held it ({reason})"
         )
-        raise WorkLost(lost_verdict(lost, held, how))
+        raise WorkLost(lost_verdict(lost, held, how), None if latest is None else latest.name)
 
     async def note_done(self) -> None:
         """The record holds the workers done now (each with the batches it did and the

@@ -260,10 +260,13 @@ async def _run(service: ChiefService, watchers: _Watchers) -> bool:
         _ended_before(service, e)
         return e.ps_up  # PS started again after the end are shut down
     except WorkLost as e:
-        # nothing to train or to finish: the PS are shut down, the run ends failed
+        # nothing to train or to finish: the PS are shut down, the run ends failed, and
+        # the summary says why (a chief started again here reads it: it fails too)
         service.failure = str(e)
         log.error("%s", e)
-        return True
+        service.result = {"failed": str(e), "work_lost": True, "checkpoint": e.checkpoint}
+        _write_summary(service)
+        return e.ps_up
     watchers.start("PS watch", recovery.watch_ps())
     if recovery.rereplicator is not None:
         watchers.start("re-replication", recovery.rereplicator.run())
@@ -304,6 +307,16 @@ def _ended_before(service: ChiefService, finished: RunFinished) -> None:
     log.warning("%s; this chief ends", finished)
     service.finished = True
     service.result = finished.summary
+    failed = finished.summary.get("failed")
+    if failed:  # it ended failed (exit code 3): so does this chief, not with 0
+        service.failure = str(failed)
+        log.error("the run failed: %s", service.failure)
+
+
+def _write_summary(service: ChiefService) -> None:
+    """The run's summary (``service.result``) to the chief's ``--summary`` file."""
+    if service.cfg.summary_path:
+        Path(service.cfg.summary_path).write_text(json.dumps(service.result, indent=2) + "\n")
 
 
 async def _create_job_variables(service: ChiefService) -> None:
@@ -362,8 +375,7 @@ async def _finish(service: ChiefService) -> bool:
             service.result = result
             break
         # restored while the summary was made: it may be of values that are gone
-    if cfg.summary_path:
-        Path(cfg.summary_path).write_text(json.dumps(service.result, indent=2) + "\n")
+    _write_summary(service)
     # ended in order: a chief started again here is a new run (or finds it ended)
     await recovery.forget_done()
     if service.result.get("failed"):
