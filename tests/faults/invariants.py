@@ -19,7 +19,7 @@ derived from the schedule's heartbeat timeout ``HB``:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -804,6 +804,22 @@ def _drained_at(rec: RunRecord) -> dict[int, list[float]]:
     return out
 
 
+def _ending_since(samples: Sequence[Sample]) -> float | None:
+    """When the run's end began: the first status of the last stretch that says it
+    finished, or is in phase ``finishing`` (every worker done: the final checkpoint,
+    then the PS are shut down), with no status after it saying otherwise (a restore
+    can send finished workers back to train). None: no status said so."""
+    since = None
+    for x in samples:
+        if x.status is None:
+            continue
+        if x.status.get("finished") or x.status.get("phase") == "finishing":
+            since = x.t if since is None else since
+        else:
+            since = None
+    return since
+
+
 def check_moves(rec: RunRecord) -> list[Check]:
     """Schedules with moves (``scale_ps``, ``kill_during_move``): each PS process the
     chief drained exited 0 (or was killed by a fault), and no PS process exited 0
@@ -824,10 +840,9 @@ def check_moves(rec: RunRecord) -> list[Check]:
     chief = next((t for t in rec.tasks if t.name == "chief"), None)
     last = None if chief is None else chief.current
     chief_end = last.ended if last is not None and last.rc == 0 else None
-    finished_at = next(
-        (x.t for x in rec.samples if x.status and x.status.get("finished")),
-        chief_end if chief_end is not None else rec.ended,
-    )
+    finished_at = _ending_since(rec.samples)
+    if finished_at is None:
+        finished_at = chief_end if chief_end is not None else rec.ended
     for t in rec.tasks:
         if t.role != "ps":
             continue

@@ -25,7 +25,7 @@ from zmqps.core.variables import Placement, VariableDef
 from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.chief import ChiefConfig, ChiefService
 from zmqps.roles.client import ParameterClient
-from zmqps.roles.configs import CheckpointPolicy
+from zmqps.roles.configs import CheckpointPolicy, SyncConfig
 from zmqps.roles.job import JobConfig
 from zmqps.roles.ps import PSService
 from zmqps.roles.status import format_status
@@ -1115,6 +1115,28 @@ def test_a_ps_silent_at_the_end_of_the_run_is_waited_for_and_still_watched() -> 
                 break
         assert not watch.done() and rec.health.down == {}
         watch.cancel()
+
+    run(body())
+
+
+def test_a_status_at_the_end_of_the_run_asks_the_ps_nothing() -> None:
+    """Sync, every worker done: the chief takes the final checkpoint, then shuts the PS
+    down. A status in that time asked each PS whom the step waits on, and waited 2 s
+    for those already gone; the chief's exit waited with it (fault schedule 715)."""
+    from zmqps.core.recovery import Event
+
+    async def body() -> None:
+        env = make_env(2, 2, sync=SyncConfig(mode="sync"))
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        await call(env.chief, "register", who(0))
+        st = (await call(env.chief, "status")).body
+        asked = [s.by_op.get("status", 0) for s in env.stats]
+        assert st["waiting_on"] == [0] and asked == [1, 1]  # during the run: each PS asked
+        env.chief.recovery.handle(Event.ALL_DONE)
+        st = (await call(env.chief, "status")).body
+        assert st["waiting_on"] == [] and [s.by_op.get("status", 0) for s in env.stats] == asked
+        assert st["blocker"] == "finishing: the final checkpoint, evaluation and export"
 
     run(body())
 

@@ -735,6 +735,27 @@ def test_a_drained_ps_exits_0_and_no_ps_exits_0_undrained() -> None:
     assert check_moves(_record()) == []  # no moves: not checked
 
 
+def test_the_ps_shut_down_at_the_end_are_not_taken_for_undrained() -> None:
+    """Fault schedule 715: the last status the probe got was in phase finishing (every
+    worker done); the chief shut the PS down, then took 2 s to exit, and no status said
+    finished. The PS's exit is the end's, not a PS leaving mid-run undrained. A
+    finishing that a restore undid (training again after it) does not count."""
+    ps0 = _task("ps0", 0)
+    ps0.instances[0].ended = 121.0
+    chief = _task("chief", 0)
+    chief.instances[0].ended = 123.0  # exited 3 s after the PS
+    ending = _status(480, phase="finishing")
+
+    def drained_exit(points: Sequence[tuple[float, dict[str, Any] | None]]) -> Any:
+        rec = _record(schedule=_moves_schedule(), samples=_samples(points), tasks=[chief, ps0])
+        return {c.name: c for c in check_moves(rec)}["drained-exit-0"]
+
+    held = drained_exit([(1, _status(10)), (20, ending), (21.5, None)])
+    assert held.ok, held.detail
+    undone = drained_exit([(1, _status(10)), (10, ending), (12, _status(300)), (20.5, None)])
+    assert not undone.ok and "never said it drained" in undone.detail
+
+
 def test_the_final_placement_serves_from_the_ps_asked_for() -> None:
     def rec(serving: list[int], asked: list[int]) -> Any:
         summary = {"test_accuracy": 0.955, "test_loss": 0.17, "elastic": {"serving": serving}}

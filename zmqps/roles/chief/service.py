@@ -539,8 +539,13 @@ class ChiefService:
     async def full_status(self) -> dict[str, Any]:
         """:meth:`status` with whom the current step waits on and what holds it back."""
         out = self.status()
-        down = [self.ps[i] for i in self.recovery.ps_down]
-        out["waiting_on"] = await self.consistency.waiting_on(out["workers_alive"], skip=down)
+        if self.finished or self.recovery.phase in (Phase.FINISHING, Phase.STOPPING):
+            # no step to wait on: the end (the PS about to be shut down; asking them
+            # made a status wait 2 s for those gone, and the chief's exit with it)
+            out["waiting_on"] = []
+        else:
+            down = [self.ps[i] for i in self.recovery.ps_down]
+            out["waiting_on"] = await self.consistency.waiting_on(out["workers_alive"], skip=down)
         # the PS just said which tokens they handed (they hand most of them)
         out.update(self.consistency.status())
         out["blocker"] = self.blocker(out)
