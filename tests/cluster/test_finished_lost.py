@@ -138,5 +138,6 @@ def test_a_chief_restarted_after_the_workers_finished_and_the_ps_lost_its_state_
     took = time.monotonic() - began
     again = [line for line in third.stderr.splitlines() if line.startswith("zmqps: error:")]
     assert again == said, third.tail()
+    assert f"are in {record} (a new run in this directory starts without it" in third.stderr
     assert took < 30, f"{took:.1f}s\n{third.tail()}"
     assert json.loads((tmp_path / "summary.json").read_text()) == summary

@@ -395,6 +395,7 @@ class RecoveryController:
             # the PS down; the record still says that work is not held. A chief started
             # again (by a supervisor that restarts whatever exits non-zero) fails the
             # same way at once, not after its whole start-up timeout.
+            self._name_record()
             raise WorkLost(failed, None if latest is None else latest.name, ps_up=False)
         if self.gen_mark is not None:
             self.gen_floor = await asyncio.to_thread(self.gen_mark.load)
@@ -795,6 +796,16 @@ class RecoveryController:
         of = self.finished if finished is None else finished
         return {i: f for i, f in of.items() if i < self.members.num_workers}
 
+    def _name_record(self) -> None:
+        """Say where the record of the workers that finished is (a run that cannot
+        finish for their lost work; a new run in the same directory must remove it)."""
+        if self.done_record is not None and self.finished:
+            log.warning(
+                "the workers that finished under an earlier chief of this run are in %s"
+                " (a new run in this directory starts without it: remove it)",
+                self.done_record.path,
+            )
+
     def _check_finished_work(
         self,
         states: Sequence[dict[str, Any]],
@@ -814,12 +825,7 @@ class RecoveryController:
         lost = work_lost(self._finished_here(finished), held)
         if not lost:
             return
-        if self.done_record is not None and self.finished:
-            log.warning(
-                "the workers that finished under an earlier chief of this run are in %s"
-                " (a new run in this directory starts without it: remove it)",
-                self.done_record.path,
-            )
+        self._name_record()
         how = (
             "every PS started again without the state that held it (no copy of it was kept)"
             if kind == "fresh"
