@@ -822,6 +822,40 @@ def test_a_move_whose_copy_stopped_counting_in_commits_is_not_handed_over() -> N
     run(body())
 
 
+def test_a_move_onto_a_process_restarted_since_its_copy_was_made_is_given_up() -> None:
+    """Fault schedule 831, replayed on its fix: ps 1's state was moved off ps 1, a copy
+    of it made on ps 1 again, and ps 1 killed and restarted; its primary, shipping
+    nothing meanwhile, still counted that copy in sync. A move back onto ps 1 fenced
+    the restarted process's own (empty) state, which took the fence as an empty backup
+    and was promoted: the state's shards were lost, and workers waited on it for ever.
+    Now the fence is refused (the process holds no copy) and the move given up."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 2)
+        rec = chief.recovery
+        mover, rr = copiers(rec)
+        assert chief.placement is not None and rec.homes is not None
+        b = next(s for s in chief.placement.shards if s.state == 1).backups[0]
+        pusher = Pusher(net, chief)
+        await pusher.client.push({"w": np.ones((12, 4), np.float32)})
+        pusher.acked += 1
+        assert await mover.move(1, b)  # served by its backup; ps 1's copy emptied
+        await rr.watch()  # the re-replication knows every process
+        assert await rr.copy(1, 1)  # a copy on ps 1 again, in sync
+        before = await pusher.values()
+        net.remove(PS[1])  # killed and restarted, empty
+        slots[1] = serve_ps(net, 1, PS[1])
+        assert not await mover.move(1, 1)
+        assert "the target did not take the hand-over" in mover.done[-1]["failed"]
+        assert rec.homes.of[1] == b and not isinstance(slots[1].role(1), Primary)
+        np.testing.assert_array_equal(await pusher.values(), before)
+        np.testing.assert_array_equal(before, np.full((12, 4), -0.5, np.float32))
+        await pusher.client.close()
+
+    run(body())
+
+
 def test_a_move_planned_before_its_source_failed_over_is_given_up() -> None:
     """The source of a move is killed, restarted empty and failed over while the move
     waits for the placement's lock (fault schedule 716, replayed on the fix above).

@@ -696,7 +696,9 @@ def test_a_stray_replica_request_cannot_demote_the_only_copy_of_a_state() -> Non
         out = await c.net.client("ps0", "worker:0:0").request("push", body, grads)
         assert out.body["applied"]
         fresh = PSSlots(PSService(0))  # a restarted PS, restored from nothing yet
-        fresh._op_replica(request("replica", {"slot": 0, "term": 2, "primary": False}))
+        fresh._op_replica(
+            request("replica", {"slot": 0, "term": 2, "primary": False, "make": True})
+        )
         assert fresh.role(0) is not None
 
     run(body(), 30.0)

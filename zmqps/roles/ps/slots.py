@@ -321,6 +321,16 @@ class PSSlots:
                         f"ps {self.own.index} holds its own state and no other copy of it"
                         " exists: it cannot become a backup of it"
                     )
+                if not req.make:
+                    # its own state, empty, and no part in its copies: the process
+                    # restarted since it held one. A fence is of a copy it holds; taken
+                    # as an empty backup, a hand-over promoted it, the state's shards
+                    # lost (fault schedule 831, replayed: a move onto a process killed
+                    # and restarted 2 s before, its primary still counting it in sync)
+                    raise NotFound(
+                        f"ps {self.own.index} holds no copy of ps {req.slot}'s state"
+                        " (restarted since it held one)"
+                    )
                 role = Backup(req.slot, req.term)
             else:
                 role.log.fence(req.term)
