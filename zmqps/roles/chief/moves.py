@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -239,7 +239,12 @@ class Mover(StateCopier):
                 f"the hand-over of ps {job.state}'s state from ps {job.source} to"
                 f" ps {job.target}, a copy of it, drops one"
             )
-            if await self._new_copy(job.state, why) is False:
+            made = await self._new_copy(job.state, why)
+            if made is None and self.wanted is not None and job.source in self.wanted:
+                # no process to make it on now (each failed lately): a move that only
+                # rebalances waits for the next look
+                return
+            if made is False:
                 # failed: a process gone meanwhile, or the source no longer the
                 # state's primary (a chief killed during a hand-over: only the
                 # hand-over, which fences every copy and promotes one, makes one
@@ -370,7 +375,7 @@ class Mover(StateCopier):
         sizes = self.sizes(placement)
         homes = dict(enumerate(self.homes.of))
         planned = plan_homes(sizes, homes, up)
-        todo = moves(sizes, homes, planned)
+        todo = [m for m in moves(sizes, homes, planned) if not self._swap_only(m, placement, up)]
         backups = self._backups_leaving(placement)
         self.planned = len(todo) + len(backups)
         if not todo:
@@ -393,6 +398,18 @@ class Mover(StateCopier):
                 if q not in (self.wanted or ()) and (s.state, q) not in seen:
                     seen.add((s.state, q))
         return sorted(seen)
+
+    def _swap_only(self, job: Move, placement: Placement, up: Sequence[int]) -> bool:
+        """Whether ``job`` only rebalances (its source stays in the run) by a hand-over
+        onto a copy there already, which drops the source's copy, leaving the state
+        fewer copies than the replication, with no process that stays without a copy of
+        it to make one more on first. Such a move is not made: a kill before the
+        re-replication made the copy again lost the state's last copy (fault schedule
+        809, draw g10: a restore, acknowledged pushes lost)."""
+        if job.source not in up or not self._short_after(job):
+            return False
+        s = next(s for s in placement.shards if s.state == job.state)
+        return all(q in s.copies for q in up)
 
     def _short_after(self, job: Move) -> bool:
         """Whether ``job`` would leave its state with fewer copies than the replication:
