@@ -1141,6 +1141,26 @@ def test_a_status_at_the_end_of_the_run_asks_the_ps_nothing() -> None:
     run(body())
 
 
+def test_the_status_names_where_training_starts_until_its_first_step() -> None:
+    """Right after training (re)starts (a restore, a chief's start), before the workers
+    have pushed in its generation, the status named nothing (fault schedule 878, draw
+    g11: the first status after a restore, in a pause of 9.7 s)."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=1)
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        await call(env.chief, "register", who(0))
+        st = (await call(env.chief, "status")).body
+        assert st["blocker"] == (
+            "training starts at step 0 (generation 0): the workers take its values"
+        )
+        await call(env.chief, "heartbeat", who(0, step=3))
+        assert (await call(env.chief, "status")).body["blocker"] is None
+
+    run(body())
+
+
 def test_a_shutdown_during_a_restore_stops_without_restarting_training() -> None:
     """SIGTERM while every PS is being restored: the restore ends and training does not
     start again (handling 'restored' in phase stopping used to raise)."""

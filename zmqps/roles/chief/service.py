@@ -601,6 +601,14 @@ class ChiefService:
                 f"no live worker: {left or 'a worker'} left without finishing its work;"
                 " waiting for it to come back (start it again)"
             )
+        resumed = self.recovery.resumed
+        if resumed is not None and st["global_step"] <= resumed[0] and st["workers_alive"]:
+            # training (re)started here (a restore, a chief's start): no step is counted
+            # until the workers have the values of this generation and pushed again
+            return (
+                f"training starts at step {resumed[0]} (generation {resumed[1]}):"
+                " the workers take its values"
+            )
         return None
 
     async def report_waits(self, every: float = WAIT_REPORT_S) -> None:
