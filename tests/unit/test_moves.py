@@ -676,6 +676,28 @@ def test_a_move_that_only_swaps_primaries_between_processes_with_every_copy_is_n
     run(body())
 
 
+def test_a_chief_restarted_after_states_swapped_processes_says_where_they_are() -> None:
+    """Scaled down and back up, every process serves a state again, but not its own:
+    a chief restarted then (fault schedule 729, draw g11) wrote a summary saying
+    nothing of the moves, as if the states were where the spec put them."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, _ = await cluster(net, 2)
+        mover = chief.recovery.mover
+        assert mover is not None
+        assert await mover.move(0, 1) and await mover.move(1, 0)
+        assert mover.homes.of == [1, 0, 2] and mover.serving() == [0, 1, 2]
+        net.remove(CHIEF)
+        restarted = chief_on(net, chief.cfg)
+        await asyncio.wait_for(restarted.start(), 30.0)
+        summary = await summarize(restarted)
+        assert summary["elastic"]["serving"] == [0, 1, 2], summary
+        assert summary["elastic"]["moves"] == 0  # its own: none
+
+    run(body())
+
+
 def test_a_promotion_whose_copy_first_fails_goes_on_without_it() -> None:
     """A chief killed during a hand-over leaves the source stepped down while the
     placement still names it primary: the copy made before a promotion is refused

@@ -70,8 +70,9 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         mover.moves
         or mover.failures
         or mover.wanted is not None
-        # a chief started after states moved (its own moves are none): where they are
-        or mover.serving() != list(range(len(mover.homes.processes)))
+        # a chief started after states moved (its own moves are none): where they are,
+        # even when every process serves one again (a scale down, then back up)
+        or list(mover.homes.of) != list(range(len(mover.homes.of)))
     ):
         # elastic PS: the processes that served the states at the end, and the moves
         summary["elastic"] = {
