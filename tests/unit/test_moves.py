@@ -64,6 +64,17 @@ def copiers(rec: RecoveryController) -> tuple[moves.Mover, Rereplicator]:
     return rec.mover, rec.rereplicator
 
 
+async def settle(mover: moves.Mover, rr: Rereplicator, looks: int = 8) -> None:
+    """``looks`` looks of the mover, each followed by one of the re-replication (a copy
+    made where one is short), as the chief's two loops take turns."""
+    for _ in range(looks):
+        await mover.step()
+        await rr.watch()
+        job = rr.next_copy()
+        if job is not None:
+            await rr.copy(*job)
+
+
 class Pusher:
     """A worker pushing gradients of 1, 2 or 3 by its step (sums stay exact in float32),
     and counting what was answered."""
@@ -653,12 +664,7 @@ def test_a_move_that_only_swaps_primaries_between_processes_with_every_copy_is_n
         assert before is not None
         stay = sorted({0, 1, 2} - {next(q for s in before.shards for q in s.backups)})
         mover.ask(stay)
-        for _ in range(8):
-            await mover.step()
-            await rr.watch()
-            job = rr.next_copy()
-            if job is not None:
-                await rr.copy(*job)
+        await settle(mover, rr)
         settled = chief.placement
         assert settled is not None and mover.next_move() is None
         assert all(set(s.copies) == set(stay) for s in settled.shards)
@@ -1248,12 +1254,7 @@ def test_a_replicated_chief_restarted_after_a_scale_down_restores_onto_the_ps_th
         pusher = Pusher(net, chief)
         await pusher.client.push({"w": np.ones((12, 4), np.float32)})
         mover.ask([0, 1])
-        for _ in range(8):
-            await mover.step()
-            await rr.watch()
-            job = rr.next_copy()
-            if job is not None:
-                await rr.copy(*job)
+        await settle(mover, rr)
         assert mover.status()["drained"] == [2]
         assert chief.placement is not None
         assert all(set(s.copies) == {0, 1} for s in chief.placement.shards)
