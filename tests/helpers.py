@@ -236,6 +236,15 @@ class Proc:
         assert rc == code, f"{self.name} exited with {rc}, expected {code}\n{self.tail()}"
 
 
+def _terminal_signals() -> None:
+    """In a child before it runs: SIGINT, SIGQUIT and SIGHUP as a command started from a
+    terminal has them (their default action). A test suite run in the background or
+    under ``nohup`` passes them on ignored, and a Python program started so never
+    raises KeyboardInterrupt: what a Ctrl-C test sends would be lost."""
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 class Reaper:
     """Starts children and, at :meth:`reap`, stops every one still running."""
 
@@ -265,7 +274,7 @@ class Reaper:
                 stdin=subprocess.DEVNULL,
                 env=full_env,
                 start_new_session=True,
-                **kw,
+                **{"preexec_fn": _terminal_signals, **kw},
             )
         proc = Proc(name, list(argv), popen, out, err)
         self.procs.append(proc)
