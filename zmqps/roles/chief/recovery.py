@@ -234,6 +234,8 @@ class RecoveryController:
         self.silent_at_start: set[int] = set()
         #: the workers that finished their work, as the record holds them
         self.finished: dict[int, Finished] = {}
+        #: where training (re)started last: the step and generation (the status names
+        #: it as what training waits on until the first step after it is counted)
         self.resumed: tuple[int, int] | None = None
         self._record_lock = asyncio.Lock()
         #: called with the one line a run fails with when a restore took back batches of
@@ -277,8 +279,6 @@ class RecoveryController:
     # ------------------------------------------------------------------ training
 
     def _start_training(self, step: int) -> None:
-        #: where training (re)started last: the step and generation (the status names
-        #: it as what training waits on until the first step after it is counted)
         self.resumed = (step, self.gen)
         holders = self.variables.holders()
 
