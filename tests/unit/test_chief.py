@@ -1161,6 +1161,44 @@ def test_the_status_names_where_training_starts_until_its_first_step() -> None:
     run(body())
 
 
+def test_after_a_restore_below_the_step_shown_the_status_names_the_steps_trained_again() -> None:
+    """Async and ssp never show a lower global step: after a restore to a checkpoint
+    below it, the workers train again the steps after the checkpoint while the step
+    shown stands still. The status named nothing then (fault schedule 878, draw g12: a
+    chief restart restored every shard to step 927 with 982 shown, and the status
+    named no blocker in a pause of 10 s)."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=1)
+        rec = env.chief.recovery
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        await call(env.chief, "register", who(0))
+        # what a restarted chief shows at first: the step the lost chief had reached
+        env.chief.consistency.global_step = 6
+        st = (await call(env.chief, "status")).body
+        assert (st["global_step"], st["blocker"]) == (6, None)
+        await rec.restore_lost([0], env.clock(), "ps 0 restarted")
+        step, gen, shown = rec.resumed
+        assert (step, shown) == (0, 6) and gen == rec.gen
+        st = (await call(env.chief, "status")).body
+        again = (
+            f"training starts at step 0 (generation {gen}): the workers take its values and"
+            " train again the steps after it; the global step stays 6 until they pass it"
+        )
+        assert (st["global_step"], st["blocker"]) == (6, again)
+        # the workers report the steps they train again: the wait is not a stall
+        await call(env.chief, "heartbeat", who(0, step=2))
+        st = (await call(env.chief, "status")).body
+        assert (st["global_step"], st["blocker"]) == (6, again)
+        assert env.chief.consistency.counted_step == 2
+        await call(env.chief, "heartbeat", who(0, step=7))
+        st = (await call(env.chief, "status")).body
+        assert (st["global_step"], st["blocker"]) == (7, None)
+
+    run(body())
+
+
 def test_a_shutdown_during_a_restore_stops_without_restarting_training() -> None:
     """SIGTERM while every PS is being restored: the restore ends and training does not
     start again (handling 'restored' in phase stopping used to raise)."""

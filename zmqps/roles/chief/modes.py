@@ -172,6 +172,13 @@ class ChiefMode:
     def global_step(self, step: int) -> None:
         self._floor = max(self._floor, step)
 
+    @property
+    def counted_step(self) -> int:
+        """The steps counted since the last restore, on top of its checkpoint's step:
+        :attr:`global_step` without its floor (after a restore below what was shown,
+        this moves while the workers train again the steps after the checkpoint)."""
+        return min(self.step_offset + self.members.global_step, INT64_MAX)
+
     async def _configure_ps(self, required: int) -> None:
         body = o.SyncConfigure(self.name, required).to_wire()
         await asyncio.gather(*(c.request("sync_config", body, timeout=10.0) for c in self.ps))
@@ -373,6 +380,10 @@ class SyncMode(ChiefMode):
     @global_step.setter
     def global_step(self, step: int) -> None:
         self._step = step
+
+    @property
+    def counted_step(self) -> int:
+        return self._step
 
     # ------------------------------------------------------------ replicas
 

@@ -234,9 +234,11 @@ class RecoveryController:
         self.silent_at_start: set[int] = set()
         #: the workers that finished their work, as the record holds them
         self.finished: dict[int, Finished] = {}
-        #: where training (re)started last: the step and generation (the status names
-        #: it as what training waits on until the first step after it is counted)
-        self.resumed: tuple[int, int] | None = None
+        #: where training (re)started last: the step, the generation and the global
+        #: step the status showed then (async and ssp never show a lower one: after a
+        #: restore below it, the workers train again the steps up to it first). The
+        #: status names it as what training waits on until the shown step moves.
+        self.resumed: tuple[int, int, int] | None = None
         self._record_lock = asyncio.Lock()
         #: called with the one line a run fails with when a restore took back batches of
         #: workers that finished and left (they cannot train them again)
@@ -279,7 +281,7 @@ class RecoveryController:
     # ------------------------------------------------------------------ training
 
     def _start_training(self, step: int) -> None:
-        self.resumed = (step, self.gen)
+        self.resumed = (step, self.gen, max(step, self.mode.global_step))
         holders = self.variables.holders()
 
         async def train() -> None:

@@ -602,13 +602,19 @@ class ChiefService:
                 " waiting for it to come back (start it again)"
             )
         resumed = self.recovery.resumed
-        if resumed is not None and st["global_step"] <= resumed[0] and st["workers_alive"]:
+        if resumed is not None and st["global_step"] <= resumed[2] and st["workers_alive"]:
             # training (re)started here (a restore, a chief's start): no step is counted
             # until the workers have the values of this generation and pushed again
-            return (
-                f"training starts at step {resumed[0]} (generation {resumed[1]}):"
-                " the workers take its values"
-            )
+            step, gen, shown = resumed
+            why = f"training starts at step {step} (generation {gen}): the workers take its values"
+            if shown > step:
+                # async, ssp: a restore below the step shown (it never goes back): the
+                # workers train again the steps after the checkpoint first
+                why += (
+                    f" and train again the steps after it; the global step stays {shown}"
+                    " until they pass it"
+                )
+            return why
         return None
 
     async def report_waits(self, every: float = WAIT_REPORT_S) -> None:
@@ -616,13 +622,15 @@ class ChiefService:
         what it waits on (once per ``every`` s): a run waiting for a task to come back
         is never silent."""
         since: float | None = None
-        said, step = 0.0, -1
+        said, step = 0.0, (-1, -1)
         while True:
             await asyncio.sleep(min(every, 5.0))
             st = await self.full_status()
             why = st["blocker"] if self.recovery.started.is_set() else None
             now = self.clock()
-            moved, step = st["global_step"] != step, st["global_step"]
+            # the steps trained again after a restore below the step shown move too
+            at = (st["global_step"], self.consistency.counted_step)
+            moved, step = at != step, at
             if why is None or moved:
                 since = None
                 continue
