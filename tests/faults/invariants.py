@@ -820,6 +820,21 @@ def _ending_since(samples: Sequence[Sample]) -> float | None:
     return since
 
 
+def _last_move_failed(samples: Sequence[Sample]) -> float | None:
+    """When the statuses last showed a move fail (their count of failed moves went up;
+    a restarted chief counts from 0 again). None: none failed."""
+    at, before = None, None
+    for x in samples:
+        el = (x.status or {}).get("elastic") or {}
+        n = el.get("moves_failed")
+        if not isinstance(n, int):
+            continue
+        if before is not None and n > before:
+            at = x.t
+        before = n
+    return at
+
+
 def check_moves(rec: RunRecord) -> list[Check]:
     """Schedules with moves (``scale_ps``, ``kill_during_move``): each PS process the
     chief drained exited 0 (or was killed by a fault), and no PS process exited 0
@@ -870,10 +885,14 @@ def check_moves(rec: RunRecord) -> list[Check]:
     if not (rec.hung or rec.failure) and rec.asked:
         el = (rec.summary or {}).get("elastic")
         last = rec.asked[-1]
+        # the chief's last start on the ask: the ask, or a move of it that failed (its
+        # destination killed: the chief tries again after it, moves stop at the end)
+        failed = _last_move_failed(rec.samples)
+        since = max([*rec.asked_at[-1:], *([] if failed is None else [failed])], default=None)
         late = (
-            bool(rec.asked_at)
+            since is not None
             and chief_end is not None
-            and (chief_end - rec.asked_at[-1] < s.heartbeat_timeout + SLACK_S)
+            and (chief_end - since < s.heartbeat_timeout + SLACK_S)
         )
         if el is None and late:
             out.append(
@@ -905,11 +924,16 @@ def check_moves(rec: RunRecord) -> list[Check]:
                 f" chief last asked for ps {chief_asked}"
                 f" ({el.get('moves')} moves, {el.get('moves_failed')} failed)"
             )
+            told = bool(el.get("unmet"))
             if not ok and late:
                 # (fault schedule 811: a chief restarted, asked again, and every worker
-                # finished its work a second later: nothing trains to move states for)
-                said = f"not checked: the last ask came as the run ended; {said}"
-            out.append(Check("6", "final-placement", ok or late, said))
+                # finished its work a second later: nothing trains to move states for;
+                # 845: a move's destination killed 2 s before the end). The summary
+                # must say the scale was left undone.
+                said = f"not checked: the last ask, or a move of it, came as the run ended; {said}"
+                if not told:
+                    said += "; the summary does not say the scale was left undone"
+            out.append(Check("6", "final-placement", ok or (late and told), said))
     if s.replication <= 1:
         losing = [
             f.fault.describe()

@@ -782,14 +782,52 @@ def test_the_final_placement_serves_from_the_ps_asked_for() -> None:
     assert {c.name: c for c in check_moves(late)}["final-placement"].ok
     # asked again by the harness to a restarted chief a second before every worker
     # finished (fault schedule 811): the summary has an elastic part, still not due
+    unmet = "ps 1's state on ps 1, not on the PS asked for (ps 0): moves stop when training ends"
     again = _record(
         schedule=_moves_schedule(),
-        summary={"elastic": {"serving": [0, 1]}},
+        summary={"elastic": {"serving": [0, 1], "asked": [0], "unmet": unmet}},
         asked=[1, 1],
         asked_at=[95.0, 100.5],
     )
     check = {c.name: c for c in check_moves(again)}["final-placement"]
     assert check.ok and check.detail.startswith("not checked"), check.detail
+    # ... and the summary must say the scale was left undone
+    silent = _record(
+        schedule=_moves_schedule(),
+        summary={"elastic": {"serving": [0, 1]}},
+        asked=[1, 1],
+        asked_at=[95.0, 100.5],
+    )
+    check = {c.name: c for c in check_moves(silent)}["final-placement"]
+    assert not check.ok and "does not say the scale was left undone" in check.detail
+    # asked long before the end, but the move failed (its destination killed) 2 s
+    # before it (fault schedule 845): the chief was at it again when training ended
+    failing = [
+        (50, _status(100, elastic={"moves_failed": 0})),
+        (99, _status(400, elastic={"moves_failed": 1})),
+    ]
+    failed = _record(
+        schedule=_moves_schedule(),
+        summary={"elastic": {"serving": [0, 1], "asked": [0], "unmet": unmet}},
+        asked=[1],
+        asked_at=[40.0],
+        samples=_samples(failing),
+    )
+    check = {c.name: c for c in check_moves(failed)}["final-placement"]
+    assert check.ok and check.detail.startswith("not checked"), check.detail
+    # a chief restarted (its count from 0 again) is no failure
+    restarted = [
+        (50, _status(100, elastic={"moves_failed": 2})),
+        (99, _status(400, elastic={"moves_failed": 0})),
+    ]
+    quiet = _record(
+        schedule=_moves_schedule(),
+        summary={"elastic": {"serving": [0, 1], "asked": [0], "unmet": unmet}},
+        asked=[1],
+        asked_at=[40.0],
+        samples=_samples(restarted),
+    )
+    assert not {c.name: c for c in check_moves(quiet)}["final-placement"].ok
     early = _record(
         schedule=_moves_schedule(),
         summary={"elastic": {"serving": [0, 1]}},

@@ -704,6 +704,31 @@ def test_a_chief_restarted_after_states_swapped_processes_says_where_they_are() 
     run(body())
 
 
+def test_a_run_that_ends_before_its_last_scale_is_done_says_so() -> None:
+    """Moves stop when training ends. A run whose last scale was not done (its move's
+    destination killed two seconds before the end: fault schedule 845, draw g13) wrote
+    a summary with where the states are, but not what was asked: nothing said the
+    scale was left undone."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, _ = await cluster(net, 2)
+        mover = chief.recovery.mover
+        assert mover is not None
+        mover.ask([0, 1])
+        summary = await summarize(chief)
+        el = summary["elastic"]
+        assert el["serving"] == [0, 1, 2] and el["asked"] == [0, 1], el
+        assert el["unmet"] == (
+            "ps 2's state on ps 2, not on the PS asked for (ps 0, 1): moves stop when training ends"
+        )
+        assert await mover.move(2, 0)
+        el = (await summarize(chief))["elastic"]
+        assert el["asked"] == [0, 1] and "unmet" not in el, el
+
+    run(body())
+
+
 def test_a_promotion_whose_copy_first_fails_goes_on_without_it() -> None:
     """A chief killed during a hand-over leaves the source stepped down while the
     placement still names it primary: the copy made before a promotion is refused

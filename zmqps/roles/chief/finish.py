@@ -83,7 +83,14 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
             "epoch": mover.homes.epoch,
             "recent_moves": mover.done,
             "scales": mover.scales,
+            "asked": mover.wanted,
         }
+        unmet = mover.unmet()
+        if unmet is not None:
+            # the run's work is done: its end does not wait for moves (the final
+            # checkpoint and model are of the states where they are)
+            summary["elastic"]["unmet"] = unmet
+            log.warning("the run ended before the last scale was done: %s", unmet)
     failure = nonfinite_verdict(m.nonfinite, m.global_step, cfg.max_nonfinite_share)
     if failure:
         summary["failed"] = failure

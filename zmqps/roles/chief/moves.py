@@ -181,6 +181,23 @@ class Mover(StateCopier):
     def target(self) -> list[int]:
         return self.serving() if self.wanted is None else list(self.wanted)
 
+    def unmet(self) -> str | None:
+        """What of the last ask is not done (None: every state is on a PS asked for):
+        moves stop at the run's end, so a run may end with states still to move."""
+        if self.wanted is None:
+            return None
+        away = [
+            f"ps {state}'s state on ps {q}"
+            for state, q in enumerate(self.homes.of)
+            if q not in self.wanted
+        ]
+        if not away:
+            return None
+        return (
+            f"{', '.join(away)}, not on the PS asked for (ps {', '.join(map(str, self.wanted))}):"
+            " moves stop when training ends"
+        )
+
     # ------------------------------------------------------------------ the loop
 
     def active(self) -> bool:
