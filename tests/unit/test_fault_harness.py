@@ -800,34 +800,27 @@ def test_the_final_placement_serves_from_the_ps_asked_for() -> None:
     )
     check = {c.name: c for c in check_moves(silent)}["final-placement"]
     assert not check.ok and "does not say the scale was left undone" in check.detail
-    # asked long before the end, but the move failed (its destination killed) 2 s
-    # before it (fault schedule 845): the chief was at it again when training ended
-    failing = [
-        (50, _status(100, elastic={"moves_failed": 0})),
-        (99, _status(400, elastic={"moves_failed": 1})),
-    ]
-    failed = _record(
-        schedule=_moves_schedule(),
-        summary={"elastic": {"serving": [0, 1], "asked": [0], "unmet": unmet}},
-        asked=[1],
-        asked_at=[40.0],
-        samples=_samples(failing),
-    )
-    check = {c.name: c for c in check_moves(failed)}["final-placement"]
+
+    def failed_then(before: int, after: int) -> Any:
+        """Asked at 40, long before the end (101); the statuses' count of failed moves
+        at 50 and at 99."""
+        points = [(50, _status(100, elastic={"moves_failed": before}))]
+        points.append((99, _status(400, elastic={"moves_failed": after})))
+        r = _record(
+            schedule=_moves_schedule(),
+            summary={"elastic": {"serving": [0, 1], "asked": [0], "unmet": unmet}},
+            asked=[1],
+            asked_at=[40.0],
+            samples=_samples(points),
+        )
+        return {c.name: c for c in check_moves(r)}["final-placement"]
+
+    # the move failed (its destination killed) 2 s before the end (fault schedule
+    # 845): the chief was at it again when training ended
+    check = failed_then(0, 1)
     assert check.ok and check.detail.startswith("not checked"), check.detail
     # a chief restarted (its count from 0 again) is no failure
-    restarted = [
-        (50, _status(100, elastic={"moves_failed": 2})),
-        (99, _status(400, elastic={"moves_failed": 0})),
-    ]
-    quiet = _record(
-        schedule=_moves_schedule(),
-        summary={"elastic": {"serving": [0, 1], "asked": [0], "unmet": unmet}},
-        asked=[1],
-        asked_at=[40.0],
-        samples=_samples(restarted),
-    )
-    assert not {c.name: c for c in check_moves(quiet)}["final-placement"].ok
+    assert not failed_then(2, 0).ok
     early = _record(
         schedule=_moves_schedule(),
         summary={"elastic": {"serving": [0, 1]}},
