@@ -164,8 +164,7 @@ class ChiefMode:
     def global_step(self) -> int:
         """Updates applied to the model, as the workers reported them (never less than
         what was known before: a restarted chief starts from what the PS applied)."""
-        self._floor = max(self._floor, self.step_offset + self.members.global_step)
-        self._floor = min(self._floor, INT64_MAX)
+        self._floor = min(max(self._floor, self.counted_step), INT64_MAX)
         return self._floor
 
     @global_step.setter
