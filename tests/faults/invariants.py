@@ -41,15 +41,23 @@ ACCURACY_TOLERANCE = 0.005
 #: finished its data are workers training their shards alone, and the model leans to
 #: those shards: with a quarter of the steps so (a worker killed early and back 2 s
 #: later in a 2.6 s run) the test images lost 1 %, with a sixth 1.4 %, every push
-#: applied once. That is the order of the data, not damage, and unfaulted runs have
-#: next to none of it: above this share accuracy is not compared (the report says
-#: so); invariant 3 still checks every push. The same share bounds, in sync runs, the
-#: gradients averaged in steps of fewer than all workers (the PS count them by N): a
-#: worker stopped for 3.8 s and a PS cut off for 7.3 s in a 4-worker run (45 % of the
-#: gradients) cost the test images 1.4 %. And, coordinator driver, the steps that ran
-#: on other workers' shards than an even split (two workers each stopped 3.8 s and one
-#: killed in a 17 s run: 25 % moved, all images 0.56 % off).
-LONE = 0.05
+#: applied once. That is the order of the data, not damage: above this share accuracy
+#: is not compared (the report says so); invariant 3 still checks every push. One
+#: worker left alone at the end moves the model most. Measured on schedule 743 (ssp, 3
+#: PS, 4 workers) with its only fault a stop of worker 2 as the others finish, its time
+#: varied, nothing restored or moved: all digits images off by 0.0022 at 0.5 % of the
+#: steps alone, 0.0039-0.0045 at 1.5-2.5 % (test images 0.0028), 0.0067 at 5.3 % (test
+#: images 0.0056), 0.0072-0.0106 at 7.6-14 %. Unfaulted ssp and sync runs stay near
+#: 0 %; unfaulted async runs reach 20 % (workers drift apart), and their accuracy range
+#: has them.
+LONE = 0.02
+#: The share that bounds, in sync runs, the gradients averaged in steps of fewer than
+#: all workers (the PS count them by N): a worker stopped for 3.8 s and a PS cut off
+#: for 7.3 s in a 4-worker run (45 % of the gradients) cost the test images 1.4 %.
+#: And, coordinator driver, the steps that ran on other workers' shards than an even
+#: split (two workers each stopped 3.8 s and one killed in a 17 s run: 25 % moved, all
+#: images 0.56 % off).
+MIXED = 0.05
 #: Counts of a worker that changed further apart than this (two heartbeats) are not
 #: interpolated between: the worker stood still meanwhile.
 STALL_S = 2.0
@@ -689,12 +697,12 @@ def check_model(rec: RunRecord, ref: Reference) -> list[Check]:
             f"{lone:.0%} of the steps were taken after the first worker had finished its"
             " data (workers training their shards alone: an order no unfaulted run has)"
         )
-    elif partial is not None and partial > LONE:
+    elif partial is not None and partial > MIXED:
         why = (
             f"{partial:.0%} of the gradients were averaged in sync steps of fewer than"
             f" {rec.schedule.workers} (workers missing: a mean no unfaulted run takes)"
         )
-    elif (moved := moved_share(rec)) is not None and moved > LONE:
+    elif (moved := moved_share(rec)) is not None and moved > MIXED:
         why = (
             f"{moved:.0%} of the steps ran on other workers' shards than an even split"
             " (coordinator: each worker trains its own shard, and a missing worker's"
