@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zmqps.core.elastic import Move, cap, moves, parse_schedule, plan_homes
+from zmqps.core.elastic import Move, cap, moves, parse_schedule, past_the_end, plan_homes
 from zmqps.wire.errors import InvalidArgument
 
 
@@ -119,3 +119,14 @@ def test_schedules_parse_and_refuse_what_cannot_run() -> None:
     for bad in ("40", "x:2", "10:0", "10:4", "10:2,5:1", "10:2,10:1", "-1:2"):
         with pytest.raises(InvalidArgument, match="--ps-schedule"):
             parse_schedule(bad, 3)
+
+
+def test_a_schedule_past_the_runs_last_step_is_named() -> None:
+    schedule = parse_schedule("0:2,1500:3,3000:1", 3)
+    late = past_the_end(schedule, 920)
+    assert late is not None
+    assert "1500:3,3000:1 never comes" in late and "920 global steps" in late
+    assert past_the_end(schedule, 3001) is None
+    # the last step is the run's end: moves stop there, so a point at it never comes
+    assert past_the_end(schedule, 3000) is not None and "3000:1" in past_the_end(schedule, 3000)
+    assert past_the_end(schedule, 0) is None  # the steps planned not known yet

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import zmqps.cli.launch as launch
-from zmqps.cli.launch import Child, Launcher
+from zmqps.cli.launch import Child, Launcher, _planned, _trained
 
 
 class _Proc:
@@ -93,3 +93,14 @@ def test_a_replicated_ps_the_chiefs_probes_do_not_hear_is_killed(monkeypatch: An
     assert "kill" in lc.children[1].proc.signals  # type: ignore[union-attr]
     assert lc.children[2].proc.signals == []  # type: ignore[union-attr]
     assert lc.children[0].proc.signals == []  # type: ignore[union-attr]
+
+
+def test_a_ps_schedule_asks_nothing_once_training_is_over() -> None:
+    running = {"phase": "running", "global_step": 500, "steps_planned": 920}
+    assert _planned(running) == 920 and not _trained(running)
+    assert _trained({**running, "global_step": 920})  # every planned step taken
+    assert _trained({**running, "phase": "finishing"})
+    assert _trained({**running, "finished": True})
+    # the steps planned not known (a chief not started yet, a bad field): not over
+    assert not _trained({"phase": "running", "global_step": 10})
+    assert _planned({"steps_planned": "x"}) == 0 and not _trained({"steps_planned": None})

@@ -644,13 +644,25 @@ class Launcher:
         text = getattr(self.args, "ps_schedule", None)
         if not text:
             return
-        from zmqps.core.elastic import parse_schedule
+        from zmqps.core.elastic import parse_schedule, past_the_end
 
         assert self.cluster.chief is not None
-        for step, n in parse_schedule(text, self.args.ps):
+        told = False
+        for step, n in (schedule := parse_schedule(text, self.args.ps)):
             while True:
                 s = self.status or {}
                 known = s.get("step_known", True) and s.get("variables")
+                if known and not told and (late := past_the_end(schedule, _planned(s))):
+                    self.say(f"zmqps launch: {late}")
+                    told = True
+                if known and _trained(s):
+                    # moves stop when training ends: an ask now would move nothing
+                    if not told:
+                        self.say(
+                            f"zmqps launch: --ps-schedule from step {step} on: training"
+                            f" ended at step {int(s.get('global_step', 0)):,} before it"
+                        )
+                    return
                 if known and int(s.get("global_step", -1)) >= step:
                     break
                 await asyncio.sleep(0.2)
@@ -976,6 +988,30 @@ def _print_summary(summary: dict[str, Any]) -> None:
     if summary.get("logdir"):
         lines.append(f"  TensorBoard: tensorboard --logdir {summary['logdir']}")
     print("\n".join(lines), flush=True)
+
+
+def _planned(status: dict[str, Any]) -> int:
+    """The global steps a chief's status says the run plans (0: not known)."""
+    try:
+        return int(status.get("steps_planned") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _trained(status: dict[str, Any]) -> bool:
+    """Whether a chief's status says training is over (the run finishing or finished,
+    or its global step at the steps planned)."""
+    if status.get("finished") or str(status.get("phase") or "") in (
+        "finishing",
+        "stopping",
+        "stopped",
+    ):
+        return True
+    planned = _planned(status)
+    try:
+        return planned > 0 and int(status.get("global_step") or 0) >= planned
+    except (TypeError, ValueError):
+        return False
 
 
 def check_launch_args(args: argparse.Namespace) -> JobConfig:

@@ -189,3 +189,16 @@ def parse_schedule(text: str, most: int) -> list[tuple[int, int]]:
             raise InvalidArgument(f"--ps-schedule: steps must increase ({out[-1][0]}, then {step})")
         out.append((step, n))
     return out
+
+
+def past_the_end(schedule: list[tuple[int, int]], planned: int) -> str | None:
+    """What of a ``--ps-schedule`` a run of ``planned`` global steps never reaches
+    (its points at or after the last step), in words; None: all of it is reached, or
+    the steps planned are not known (``planned`` 0)."""
+    late = [f"{step}:{n}" for step, n in schedule if planned > 0 and step >= planned]
+    if not late:
+        return None
+    return (
+        f"--ps-schedule {','.join(late)} never comes: the run has {planned:,} global steps;"
+        f" give steps below {planned:,} (or more --epochs)"
+    )
