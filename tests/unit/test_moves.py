@@ -1389,3 +1389,30 @@ def test_a_restore_goes_past_every_generation_a_chief_of_the_run_restored_to(
         assert all(slots[q].service(q).gen == 2 for q in range(3))
 
     run(body())
+
+
+def test_a_scale_up_left_undone_at_the_end_says_so() -> None:
+    """A scale up whose PS came too late (the launcher starts it when asked; the run
+    ended first) left every state where it was. The summary named nothing undone:
+    every state was on a PS asked for, though the plan for them still moved some."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, _ = await cluster(net, 2)
+        mover = chief.recovery.mover
+        assert mover is not None
+        mover.ask([0])
+        assert await mover.move(1, 0) and await mover.move(2, 0)
+        assert "unmet" not in (await summarize(chief))["elastic"]
+        mover.ask([0, 1, 2])
+        el = (await summarize(chief))["elastic"]
+        assert el["serving"] == [0] and el["asked"] == [0, 1, 2], el
+        assert el["unmet"].endswith(
+            "not moved, to balance the PS asked for (ps 0, 1, 2): moves stop when training ends"
+        ), el["unmet"]
+        assert "from ps 0 to ps 1" in el["unmet"] or "from ps 0 to ps 2" in el["unmet"]
+        assert await mover.move(1, 1) and await mover.move(2, 2)
+        el = (await summarize(chief))["elastic"]
+        assert el["serving"] == [0, 1, 2] and "unmet" not in el, el
+
+    run(body())

@@ -182,20 +182,37 @@ class Mover(StateCopier):
         return self.serving() if self.wanted is None else list(self.wanted)
 
     def unmet(self) -> str | None:
-        """What of the last ask is not done (None: every state is on a PS asked for):
-        moves stop at the run's end, so a run may end with states still to move."""
+        """What of the last ask is not done (None: every state is on a PS asked for,
+        and the plan for them moves nothing more): moves stop at the run's end, so a
+        run may end with states still to move, off a PS that leaves or onto one that
+        joined (or was still starting)."""
         if self.wanted is None:
             return None
+        asked = f"(ps {', '.join(map(str, self.wanted))})"
         away = [
             f"ps {state}'s state on ps {q}"
             for state, q in enumerate(self.homes.of)
             if q not in self.wanted
         ]
-        if not away:
+        if away:
+            return (
+                f"{', '.join(away)}, not on the PS asked for {asked}: moves stop when training ends"
+            )
+        placement = self.recovery.variables.placement
+        if placement is None:
             return None
+        sizes = self.sizes(placement)
+        homes = dict(enumerate(self.homes.of))
+        todo = [
+            m
+            for m in moves(sizes, homes, plan_homes(sizes, homes, self.wanted))
+            if not self._swap_only(m, placement, self.wanted)
+        ]
+        if not todo:
+            return None
+        left = ", ".join(f"ps {m.state}'s state from ps {m.source} to ps {m.target}" for m in todo)
         return (
-            f"{', '.join(away)}, not on the PS asked for (ps {', '.join(map(str, self.wanted))}):"
-            " moves stop when training ends"
+            f"{left} not moved, to balance the PS asked for {asked}: moves stop when training ends"
         )
 
     # ------------------------------------------------------------------ the loop
