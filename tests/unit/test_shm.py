@@ -28,7 +28,10 @@ from zmqps.wire.errors import InvalidArgument, NotFound
 
 
 def shm_files() -> set[str]:
-    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("zmqps-")}
+    """This process's regions in /dev/shm (named after the pid that made them): tests
+    in other processes of the run (pytest -n) make and unlink theirs meanwhile."""
+    mine = f"zmqps-{os.getpid() & 0xFFFFFFFF:08x}"
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(mine)}
 
 
 @pytest.mark.parametrize(("num_ps", "num_shards"), LAYOUTS)
