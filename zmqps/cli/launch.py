@@ -716,7 +716,7 @@ class Launcher:
                 continue
             self.status, self.status_at = s, time.monotonic()
             if self.bar is not None:
-                planned = int(s.get("steps_planned") or 0)
+                planned = _planned(s)
                 if planned and self.bar.total != planned:
                     self.bar.total = planned
                 if not s.get("step_known", True):

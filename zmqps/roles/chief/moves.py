@@ -201,13 +201,7 @@ class Mover(StateCopier):
         placement = self.recovery.variables.placement
         if placement is None:
             return None
-        sizes = self.sizes(placement)
-        homes = dict(enumerate(self.homes.of))
-        todo = [
-            m
-            for m in moves(sizes, homes, plan_homes(sizes, homes, self.wanted))
-            if not self._swap_only(m, placement, self.wanted)
-        ]
+        todo = self._todo(placement, self.wanted)
         if not todo:
             return None
         left = ", ".join(f"ps {m.state}'s state from ps {m.source} to ps {m.target}" for m in todo)
@@ -406,10 +400,7 @@ class Mover(StateCopier):
         if not up:
             self.planned = None
             return None
-        sizes = self.sizes(placement)
-        homes = dict(enumerate(self.homes.of))
-        planned = plan_homes(sizes, homes, up)
-        todo = [m for m in moves(sizes, homes, planned) if not self._swap_only(m, placement, up)]
+        todo = self._todo(placement, up)
         backups = self._backups_leaving(placement)
         self.planned = len(todo) + len(backups)
         if not todo:
@@ -423,6 +414,14 @@ class Mover(StateCopier):
             if kept and first.target not in copies:
                 first = Move(first.state, first.source, kept[0], first.nbytes)
         return first
+
+    def _todo(self, placement: Placement, up: Sequence[int]) -> list[Move]:
+        """The moves the plan for processes ``up`` makes from where the states are
+        (swap-only rebalancing left out: never made)."""
+        sizes = self.sizes(placement)
+        homes = dict(enumerate(self.homes.of))
+        planned = plan_homes(sizes, homes, up)
+        return [m for m in moves(sizes, homes, planned) if not self._swap_only(m, placement, up)]
 
     def _backups_leaving(self, placement: Placement) -> list[tuple[int, int]]:
         """``(state, process)``: backups on processes that leave (replication)."""
