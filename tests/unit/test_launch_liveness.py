@@ -96,8 +96,13 @@ def test_a_replicated_ps_the_chiefs_probes_do_not_hear_is_killed(monkeypatch: An
 
 
 def test_a_ps_schedule_asks_nothing_once_training_is_over() -> None:
+    two = [{"index": 0}, {"index": 1}]
     running = {"phase": "running", "global_step": 500, "steps_planned": 920}
+    running.update(workers_expected=2, workers=two)
     assert _planned(running) == 920 and not _trained(running)
+    # the count grows as workers register: not known until every one expected has
+    early = {**running, "global_step": 460, "steps_planned": 460, "workers": two[:1]}
+    assert _planned(early) == 0 and not _trained(early)
     assert _trained({**running, "global_step": 920})  # every planned step taken
     assert _trained({**running, "phase": "finishing"})
     assert _trained({**running, "finished": True})

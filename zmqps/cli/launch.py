@@ -716,7 +716,7 @@ class Launcher:
                 continue
             self.status, self.status_at = s, time.monotonic()
             if self.bar is not None:
-                planned = _planned(s)
+                planned = int(s.get("steps_planned") or 0)
                 if planned and self.bar.total != planned:
                     self.bar.total = planned
                 if not s.get("step_known", True):
@@ -991,8 +991,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def _planned(status: dict[str, Any]) -> int:
-    """The global steps a chief's status says the run plans (0: not known)."""
+    """The global steps a chief's status says the run plans (0: not known, as while
+    not every worker expected has registered: the count grows with each)."""
     try:
+        expected = int(status.get("workers_expected") or 0)
+        if expected < 1 or len(status.get("workers") or ()) < expected:
+            return 0
         return int(status.get("steps_planned") or 0)
     except (TypeError, ValueError):
         return 0
