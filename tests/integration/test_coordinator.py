@@ -288,3 +288,19 @@ def test_per_worker_resources_are_bounded() -> None:
         asyncio.run(go())
     finally:
         handler.close()
+
+
+def test_a_join_after_the_close_cancelled_its_functions_still_says_so() -> None:
+    """The close cancels the pending functions before the driver's ``join`` looks (a
+    driver thread slow to wake, or a join called after the close): ``join`` raises
+    ShutdownError naming the functions the close left unfinished. It read the count
+    after the cancellations, found none pending and returned as if every function had
+    finished (seen in CI, where the waiting thread woke late)."""
+    from zmqps.wire.errors import ShutdownError
+
+    coord = coordinator(addresses(1))
+    coord.schedule("add", 1, 2)  # no worker answers: it stays pending
+    coord.schedule("add", 3, 4)
+    coord.close()  # cancels both before anyone joins
+    with pytest.raises(ShutdownError, match="closed with 2 functions pending"):
+        coord.join(timeout=5)

@@ -251,6 +251,8 @@ class Coordinator:
         self._outstanding = 0
         self._error: BaseException | None = None
         self._closed = False
+        #: functions pending when the coordinator closed (they never finish)
+        self._closed_pending = 0
         #: counters (also in :meth:`stats` and the metrics)
         self.scheduled = 0
         self.completed = 0
@@ -337,9 +339,13 @@ class Coordinator:
                     f"join: {self._outstanding} functions still pending after {timeout}s"
                 )
             self._raise_error()
-            if self._outstanding:  # closed meanwhile: they will never all finish
+            # closed meanwhile: they will never all finish. Counted at the close, not
+            # now: the close cancels them (the count falls to 0), and a join woken after
+            # that returned as if they had all finished
+            pending = max(self._outstanding, self._closed_pending)
+            if self._closed and pending:
                 raise ShutdownError(
-                    f"join: the coordinator closed with {self._outstanding} functions pending"
+                    f"join: the coordinator closed with {pending} functions pending"
                 )
 
     def done(self) -> bool:
@@ -463,6 +469,7 @@ class Coordinator:
             if self._closed:
                 return
             self._closed = True
+            self._closed_pending = self._outstanding  # what join() then reports
             self._cond.notify_all()  # a join() waiting returns (ShutdownError)
         try:
             self._io.run(self._close(shutdown_workers), timeout=60)
