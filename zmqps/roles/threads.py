@@ -11,7 +11,7 @@ made at the first large array and its idle threads cost nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from zmqps.process import usable_cores
 
@@ -30,12 +30,17 @@ class CheckThreads:
         self._pool: ThreadPoolExecutor | None = None
 
     def run(self, calls: Sequence[Callable[[], bool]]) -> list[bool]:
+        """Every call's result, in order; the first error of a call (in order) is
+        raised once every call has finished."""
         if self.threads <= 1:
             return [call() for call in calls]
         if len(calls) > 1 and self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="zmqps-check")
         later = [self._pool.submit(call) for call in calls[1:]] if self._pool else []
-        first = calls[0]()
+        try:
+            first = calls[0]()
+        finally:  # an error is raised once no call is left running over the arrays
+            wait(later)
         return [first, *(f.result() for f in later)]
 
     def close(self) -> None:
