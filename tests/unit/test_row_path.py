@@ -54,8 +54,26 @@ def test_sum_rows_adds_each_ids_rows_in_batch_order(
         got = sum_rows(values, inverse, uniq.size, load=load)
         assert got.dtype == values.dtype and got.shape == (uniq.size, *row_shape)
         np.testing.assert_array_equal(got, want)  # the same additions, the same order
+        # into a given array (a region's rows): every row written, nothing else
+        room = np.full(uniq.size * int(np.prod(row_shape)) + 5, np.nan, dtype)
+        out = room[: uniq.size * int(np.prod(row_shape))].reshape(uniq.size, *row_shape)
+        assert sum_rows(values, inverse, uniq.size, load=load, out=out) is out
+        np.testing.assert_array_equal(out, want)
+        assert np.isnan(room[-5:]).all()
     np.testing.assert_array_equal(values, before)  # the input is left alone
     assert np.array_equal(want_ids, uniq)
+
+
+def test_sum_rows_refuses_an_out_of_another_shape_or_dtype() -> None:
+    values = np.ones((4, 3), np.float32)
+    inverse = np.array([0, 1, 0, 2])
+    for out in (
+        np.empty((2, 3), np.float32),
+        np.empty((3, 3), np.float64),
+        np.empty((3, 6), np.float32)[:, ::2],  # not contiguous
+    ):
+        with pytest.raises(ValueError, match="out"):
+            sum_rows(values, inverse, 3, out=out)
 
 
 def test_sum_rows_without_duplicates_is_a_permutation() -> None:

@@ -160,6 +160,49 @@ def test_rows_that_do_not_fit_the_room_go_by_tcp() -> None:
     run(body(), 20.0)
 
 
+@pytest.mark.parametrize("num_ps,num_shards", [(1, 1), (1, 4), (2, 3)])
+@pytest.mark.parametrize("room", [None, 64], ids=["room", "small"])
+def test_rows_summed_as_they_are_sent_equal_rows_summed_first(
+    num_ps: int, num_shards: int, room: int | None
+) -> None:
+    """A push made ``later`` (what ``Worker.push_pull_rows`` sends: its caller waits) is
+    summed into the push region as it is sent, and the pulled rows gathered straight
+    from the pull region when one PS holds them all: byte for byte what a push summed
+    first and rows copied out of the region give, over TCP too (a small room)."""
+
+    async def body() -> None:
+        rng = np.random.default_rng(num_ps * 10 + num_shards)
+        seq = batches(rng, 23, 12, 10)
+        grads = [rng.standard_normal((ids.size, 3)).astype(np.float32) for ids in seq]
+        a = await make_cluster(ALL, num_ps, num_shards, optimizer=ADAM)
+        b = await make_cluster(ALL, num_ps, num_shards, optimizer=ADAM)
+        first, later = shm_client(a, room=room), shm_client(b, room=room)
+        await warm(first, "emb", seq[0])
+        await warm(later, "emb", seq[0])
+        want = await one_request(first, "emb", seq, grads)
+        got = [await later.pull_rows("emb", seq[0])]
+        in_region = 0
+        for k in range(1, len(seq)):
+            g = grads[k - 1].copy()
+            rows = later.rows_push("emb", seq[k - 1], g, later=True)
+            assert rows.summed_rows is None and rows.grads is g  # not summed, not copied
+            applied, pulled = await later.send_pull_rows(rows, seq[k])
+            assert applied
+            in_region += rows.summed_rows is None  # summed in the region, never apart
+            got.append(pulled)
+        for w, x in zip(want, got, strict=True):
+            assert x.dtype == w.dtype and x.shape == w.shape
+            np.testing.assert_array_equal(x, w)
+        assert shard_state(b.services) == shard_state(a.services)
+        assert later.versions == first.versions
+        if room is None and num_ps == num_shards == 1:  # one part: the rows back to back
+            assert in_region == len(seq) - 1  # (an empty batch's: nothing to sum)
+        await first.close()
+        await later.close()
+
+    run(body(), 20.0)
+
+
 def _attach(svc: Any, worker: str, data_bytes: int = 1024) -> tuple[int, shm.Region]:
     region = shm.create_region(data_bytes)
     try:

@@ -54,7 +54,9 @@ def sum_runs(values: Array, starts: Array) -> Array:
     return out
 
 
-def sum_rows(values: Array, inverse: Array, size: int, *, load: bool = True) -> Array:
+def sum_rows(
+    values: Array, inverse: Array, size: int, *, load: bool = True, out: Array | None = None
+) -> Array:
     """One row per distinct id of a batch: row ``j`` of the result is the sum of the
     rows ``values[i]`` with ``inverse[i] == j``, the first copied and the others added
     in order of ``i``. Every ``j`` in ``[0, size)`` must occur in ``inverse`` (as
@@ -64,24 +66,34 @@ def sum_rows(values: Array, inverse: Array, size: int, *, load: bool = True) -> 
     float32 / float64 rows go through the compiled kernel (one pass, no sort), other
     dtypes through :func:`sum_runs`. ``load=False``: the kernel only once
     :func:`load_kernels` loaded it (an event loop must not wait seconds for numba;
-    a thread that may calls that first)."""
+    a thread that may calls that first). ``out``: written there instead (``size``
+    rows of ``values``' dtype and row shape, C-contiguous; every row is written) and
+    returned."""
     n = values.shape[0]
     inverse = np.asarray(inverse).reshape(-1).astype(np.int64, copy=False)
     if inverse.shape[0] != n:
         raise ValueError(f"sum_rows: {inverse.shape[0]} inverse entries for {n} rows")
     row_shape = values.shape[1:]
+    if out is not None and (
+        out.shape != (size, *row_shape) or out.dtype != values.dtype or not out.flags.c_contiguous
+    ):
+        raise ValueError(f"sum_rows: out is {out.shape} {out.dtype}, not {(size, *row_shape)}")
     if n == 0 or size == 0:
-        return np.empty((size, *row_shape), values.dtype)
+        return np.empty((size, *row_shape), values.dtype) if out is None else out
     fused = _kernels.kernel("sum_rows", values) if load or _loaded else None
     if fused is not None:
         g = np.ascontiguousarray(values).reshape(n, -1)
-        out = np.empty((size, g.shape[1]), values.dtype)
-        fused(g, inverse, out, np.zeros(size, np.bool_))
-        return out.reshape((size, *row_shape))
+        flat = np.empty((size, g.shape[1]), values.dtype) if out is None else out.reshape(size, -1)
+        fused(g, inverse, flat, np.zeros(size, np.bool_))
+        return flat.reshape((size, *row_shape)) if out is None else out
     order = np.argsort(inverse, kind="stable")
     ranked = inverse[order]
     starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
-    return sum_runs(values[order], starts)
+    summed = sum_runs(values[order], starts)
+    if out is None:
+        return summed
+    out[...] = summed
+    return out
 
 
 def load_kernels() -> None:

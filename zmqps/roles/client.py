@@ -168,14 +168,47 @@ _RowPull = tuple[
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RowPush:
     """A row push made ready to send (:meth:`ParameterClient.rows_push`): the batch's
-    plan and its rows summed per distinct id, in the plan's order (arrays of its own)."""
+    plan and its rows summed per distinct id, in the plan's order (arrays of its own).
+
+    Made with ``grads`` (a caller that waits for the push, and leaves its rows alone
+    meanwhile), the sum is made when the push is sent: straight into the push
+    region when the rows go there, saving a copy of them; else on first use."""
 
     name: str
     plan: _RowPlan
-    summed: Array
+    #: the sum, once made (None: not yet, ``grads`` holds the batch's rows)
+    summed_rows: Array | None
+    #: the batch's rows as the caller gave them, until summed (not a copy)
+    grads: Array | None = None
+
+    @property
+    def summed(self) -> Array:
+        """The rows summed per distinct id (made now if not yet)."""
+        if self.summed_rows is None:
+            assert self.grads is not None
+            self.summed_rows = sum_rows(
+                self.grads, self.plan.inverse, self.plan.uniq.size, load=False
+            )
+        return self.summed_rows
+
+    @property
+    def rows(self) -> Array:
+        """Rows of the dtype and row shape the pushed ones have (summed or not)."""
+        rows = self.summed_rows if self.summed_rows is not None else self.grads
+        assert rows is not None
+        return rows
+
+    def sum_into(self, out: Array) -> bool:
+        """Sum the rows into ``out`` (every distinct id's row, in the plan's order) when
+        they are not summed yet; False: summed already (copy them instead)."""
+        if self.summed_rows is not None:
+            return False
+        assert self.grads is not None
+        sum_rows(self.grads, self.plan.inverse, self.plan.uniq.size, load=False, out=out)
+        return True
 
 
 class ParameterClient:
@@ -1059,10 +1092,13 @@ class ParameterClient:
         create: bool,
         gen: int | None,
         region: tuple[Region, Sequence[int]] | None = None,
+        *,
+        copy: bool = True,
     ) -> None:
         """The rows a reply to a row pull of ``parts`` brought (``region``: the PS wrote
-        them in this region at these offsets), copied into their slices of ``rows``; a
-        creating pull's versions recorded (of generation ``gen``)."""
+        them in this region at these offsets), copied into their slices of ``rows``
+        (``copy=False``: the caller reads them from the region itself); a creating
+        pull's versions recorded (of generation ``gen``)."""
         if len(versions) != len(parts):
             raise ProtocolError(f"{op} reply: versions do not match")
         row_shape = rows.shape[1:]
@@ -1070,7 +1106,7 @@ class ParameterClient:
             if rep.tensors:
                 raise ProtocolError(f"{op} reply: rows in the region and in the reply")
             width = math.prod(row_shape)
-            for (_, lo, hi), off in zip(parts, region[1], strict=True):
+            for (_, lo, hi), off in zip(parts, region[1], strict=True) if copy else ():
                 rows[lo:hi] = (
                     region[0].view(off, rows.dtype, (hi - lo) * width).reshape(hi - lo, *row_shape)
                 )
@@ -1153,11 +1189,15 @@ class ParameterClient:
         rows = self.rows_push(name, ids, grads)
         return await self.send_rows(rows, step=step, cursor=cursor, delivery=delivery)
 
-    def rows_push(self, name: str, ids: Any, grads: Any, *, load: bool = False) -> RowPush:
+    def rows_push(
+        self, name: str, ids: Any, grads: Any, *, load: bool = False, later: bool = False
+    ) -> RowPush:
         """The first half of :meth:`push_rows`, no I/O: the gradients checked, their
         repeated ids summed into rows of their own (the caller's arrays are not held:
         it may refill them at once). ``load``: the caller's thread may load the row
-        kernel (:func:`~zmqps.core.segments.sum_rows`)."""
+        kernel (:func:`~zmqps.core.segments.sum_rows`). ``later``: the caller waits
+        for the push and leaves ``grads`` alone until then; they are summed as the
+        push is sent (into the push region, when the rows go there)."""
         v = self._variable(name)
         ids = np.asarray(ids, dtype=np.int64)
         grads = np.asarray(grads, dtype=v.dtype)
@@ -1168,6 +1208,8 @@ class ParameterClient:
         plan = self._row_plan(name, ids)  # the pull's, when these are the ids just pulled
         # duplicates summed in one pass, in the batch's order (core/segments.py), into
         # the plan's order: each shard's rows are one slice, sent as a view
+        if later:
+            return RowPush(name, plan, None, grads)
         return RowPush(name, plan, sum_rows(grads, plan.inverse, plan.uniq.size, load=load))
 
     async def send_rows(
@@ -1179,8 +1221,7 @@ class ParameterClient:
         delivery: Delivery | None = None,
     ) -> bool:
         """The second half of :meth:`push_rows`: one request to each PS."""
-        plan, summed = rows.plan, rows.summed
-        uniq = plan.uniq
+        uniq = rows.plan.uniq
 
         async def one(ps: int, parts: list[tuple[ShardInfo, int, int]]) -> bool:
             sids = [s.id for s, _, _ in parts]
@@ -1189,7 +1230,7 @@ class ParameterClient:
                 return done
             again = delivery is not None and delivery.sent_to(ps)  # then by TCP
             body = self.push_body(ps, sids, step, cursor=cursor, op="push_rows", delivery=delivery)
-            rep = await self._row_request(ps, body, again, parts, uniq, summed)
+            rep = await self._row_request(ps, body, again, parts, uniq, rows)
             return self.after_push(ps, rep, body, delivery)
 
         routed = self._routed(rows, step)
@@ -1204,19 +1245,21 @@ class ParameterClient:
         again: bool,
         parts: list[tuple[ShardInfo, int, int]],
         uniq: Array,
-        summed: Array,
+        pushed: RowPush,
         pull: _RowPull | None = None,
     ) -> Message:
         """Send row push ``body`` (``push_rows``, or ``push_pull_rows`` with ``pull``:
         its parts, their ids, where the rows land, and what reads the reply) to PS
-        state ``ps``: the rows of ``summed[lo:hi]`` of each part, through the regions
-        when they fit and are free (not ``again``: a push sent again goes by TCP), else
-        in the message; the reply (its pulled rows taken already)."""
+        state ``ps``: the rows of ``pushed.summed[lo:hi]`` of each part, through the
+        regions when they fit and are free (not ``again``: a push sent again goes by
+        TCP), else in the message; the reply (its pulled rows taken already)."""
         ch = None if again else self._row_channel(ps)
         push_at = pull_at = None
         if ch is not None:
             if not ch.rows_push_lock.locked():
-                push_at = ch.row_places([summed[lo:hi].nbytes for _, lo, hi in parts])
+                like = pushed.rows
+                row_bytes = like.itemsize * math.prod(like.shape[1:])
+                push_at = ch.row_places([(hi - lo) * row_bytes for _, lo, hi in parts])
             if pull is not None and not ch.rows_pull_lock.locked():
                 got = pull[2]
                 row_bytes = got.itemsize * math.prod(got.shape[1:])
@@ -1228,16 +1271,19 @@ class ParameterClient:
                 r = ch.regions
                 if push_at is not None:
                     await held.enter_async_context(ch.rows_push_lock)
-                    for (_, lo, hi), off in zip(parts, push_at, strict=True):
-                        src = summed[lo:hi]
-                        r.push.view(off, src.dtype, src.size)[...] = src.reshape(-1)
+                    whole = _whole(r.push, parts, push_at, pushed.rows, uniq.size)
+                    if whole is None or not pushed.sum_into(whole):
+                        summed = pushed.summed
+                        for (_, lo, hi), off in zip(parts, push_at, strict=True):
+                            src = summed[lo:hi]
+                            r.push.view(off, src.dtype, src.size)[...] = src.reshape(-1)
                 if pull_at is not None:
                     await held.enter_async_context(ch.rows_pull_lock)
                 shm = None if push_at is None else o.ShmRef(r.push_id, tuple(push_at))
                 out = None if pull_at is None else o.ShmRef(r.pull_id, tuple(pull_at))
                 try:
                     rep = await self._row_send(
-                        ps, replace(body, shm=shm, shm_out=out), parts, uniq, summed, pull
+                        ps, replace(body, shm=shm, shm_out=out), parts, uniq, pushed, pull
                     )
                 except NotFound as exc:
                     if isinstance(exc, NotPrimary):
@@ -1248,7 +1294,7 @@ class ParameterClient:
                         region = None if pull_at is None or rep.tensors else (r.pull, pull_at)
                         pull[3](rep, region)
                     return rep
-        rep = await self._row_send(ps, body, parts, uniq, summed, pull)
+        rep = await self._row_send(ps, body, parts, uniq, pushed, pull)
         if pull is not None:
             pull[3](rep, None)
         return rep
@@ -1259,15 +1305,16 @@ class ParameterClient:
         body: o.Push,
         parts: list[tuple[ShardInfo, int, int]],
         uniq: Array,
-        summed: Array,
+        pushed: RowPush,
         pull: _RowPull | None,
     ) -> Message:
         """One row push message: each part's ids, and its rows unless they are in the
         push region (``body.shm``), then the ids of each part of ``pull``."""
         tensors: list[Tensor] = []
+        summed = None if body.shm is not None else pushed.summed
         for s, lo, hi in parts:
             tensors.append(Tensor(uniq[lo:hi], "index", s.id))
-            if body.shm is None:
+            if summed is not None:
                 tensors.append(Tensor(summed[lo:hi], "rows", s.id))
         if pull is not None:
             tensors += [Tensor(pull[1][lo:hi], "index", s.id) for s, lo, hi in pull[0]]
@@ -1349,7 +1396,10 @@ class ParameterClient:
             if delivery is not None:
                 delivery.pulled = kept
         got, done = kept
-        uniq, summed = rows.plan.uniq, rows.summed
+        uniq = rows.plan.uniq
+        #: the batch's rows gathered straight from the pull region (one PS): then
+        #: ``got`` was not filled, and the PS is not ``done`` (sent again, it pulls anew)
+        gathered: list[Array] = []
 
         async def pull(ps: int) -> None:
             if ps in wanted and ps not in done:
@@ -1367,7 +1417,9 @@ class ParameterClient:
                 # answered already, nothing to pull there, or a PS that may not take it
                 if answered is None:
                     answered = await self.send_rows(
-                        RowPush(rows.name, _only(rows.plan, ps, parts), summed),
+                        RowPush(
+                            rows.name, _only(rows.plan, ps, parts), rows.summed_rows, rows.grads
+                        ),
                         step=step,
                         cursor=cursor,
                         delivery=delivery,
@@ -1386,15 +1438,29 @@ class ParameterClient:
 
             def take(rep: Message, region: tuple[Region, Sequence[int]] | None) -> None:
                 versions = o.PushReply.parse(rep.body, "push_pull_rows reply").pulled or ()
+                whole = None
+                if region is not None and len(every) == 1:
+                    whole = _whole(region[0], pulls, region[1], got, plan.uniq.size)
                 # the pull read at the request's generation: the PS refuses another one
                 self._take_rows(
-                    "push_pull_rows", rep, versions, pulls, got, create, body.gen, region
+                    "push_pull_rows",
+                    rep,
+                    versions,
+                    pulls,
+                    got,
+                    create,
+                    body.gen,
+                    region,
+                    copy=whole is None,
                 )
+                if whole is not None:  # read before the region is free again: one copy
+                    gathered.append(np.take(whole, plan.inverse, axis=0))
 
             rep = await self._row_request(
-                ps, body, again, parts, uniq, summed, (pulls, plan.uniq, got, take)
+                ps, body, again, parts, uniq, rows, (pulls, plan.uniq, got, take)
             )
-            done.add(ps)
+            if not gathered:
+                done.add(ps)
             return self.after_push(ps, rep, body, delivery)
 
         every = set(routed) | set(wanted)
@@ -1402,6 +1468,8 @@ class ParameterClient:
             applied = await one(next(iter(every)))
         else:
             applied = await _every(one(ps) for ps in sorted(every))
+        if gathered:
+            return applied, gathered[0]
         return applied, np.take(got, plan.inverse, axis=0)
 
 
@@ -1419,6 +1487,26 @@ def _row_window(plan: _RowPlan, lo: int, hi: int) -> dict[int, list[tuple[ShardI
 def _only(plan: _RowPlan, ps: int, parts: list[tuple[ShardInfo, int, int]]) -> _RowPlan:
     """``plan`` with only PS state ``ps``'s ``parts``."""
     return _RowPlan(plan.ids, plan.uniq, plan.inverse, {ps: parts})
+
+
+def _whole(
+    region: Region,
+    parts: Sequence[tuple[ShardInfo, int, int]],
+    places: Sequence[int],
+    like: Array,
+    size: int,
+) -> Array | None:
+    """The rows of all ``size`` distinct ids as one view of ``region``, when ``parts``
+    cover them in order and their ``places`` there are back to back (rows like
+    ``like``'s); else None."""
+    width = math.prod(like.shape[1:])
+    row_bytes = like.itemsize * width
+    if not parts or parts[0][1] != 0 or parts[-1][2] != size:
+        return None
+    for k, ((_, lo, _), off) in enumerate(zip(parts, places, strict=True)):
+        if (k and lo != parts[k - 1][2]) or off != places[0] + lo * row_bytes:
+            return None
+    return region.view(places[0], like.dtype, size * width).reshape(size, *like.shape[1:])
 
 
 def _same_memory(a: Array, b: Array) -> bool:

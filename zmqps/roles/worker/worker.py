@@ -684,7 +684,9 @@ class Worker:
         load_kernels()  # here, not in the I/O loop: its first call may take seconds
         step, cursor = self.steps.tag(), self.cursor
         client = self.client
-        rows = client.rows_push(name, ids, grads, load=True)
+        # summed as it is sent (into the push region): this call returns only once the
+        # push is answered, and ``grads`` is not the caller's to change until then
+        rows = client.rows_push(name, ids, grads, load=True, later=True)
         pulled: list[Array] = []
 
         async def send(delivery: Delivery) -> bool:
