@@ -104,6 +104,26 @@ _CREDENTIAL_INFO = b"zmqps seal v1 data-credential"
 _INTO = hasattr(AESGCM, "encrypt_into") and hasattr(AESGCM, "decrypt_into")
 
 
+def _opens_in_place() -> bool:
+    """Whether this ``cryptography`` opens a frame into its own bytes (``decrypt_into``
+    with the plaintext at the ciphertext's start): older releases let OpenSSL do
+    it; later ones refuse any overlap (``ValueError``), and a frame is then opened
+    into a buffer of its own."""
+    if not _INTO:
+        return False
+    aead, nonce = AESGCM(bytes(32)), bytes(12)
+    buf = memoryview(bytearray(aead.encrypt(nonce, b"\x5a" * 16, b"")))
+    try:
+        aead.decrypt_into(nonce, buf, b"", buf[:16])
+    except (ValueError, TypeError):
+        return False
+    return bytes(buf[:16]) == b"\x5a" * 16
+
+
+#: a received frame is opened in place (else into a buffer of its own)
+_IN_PLACE = _opens_in_place()
+
+
 class SealRefused(ProtocolError):
     """A sealed message refused (or a key that can seal no more): ``reason`` is one
     of :data:`REASONS`."""
@@ -207,8 +227,10 @@ class Opener:
     ) -> list[memoryview]:
         """The plaintext of one message's sealed frames, or :class:`SealRefused`
         (nothing accepted: the counter does not move). A writable frame (a received
-        ZeroMQ frame) is opened in place: its plaintext is a view of it, nothing is
-        copied; a refused message's writable frames are left garbled.
+        ZeroMQ frame) is opened in place where this ``cryptography`` allows it
+        (:data:`_IN_PLACE`): its plaintext is a view of it, nothing is copied, and a
+        refused message's writable frames are left garbled; else each frame is
+        opened into a buffer of its own.
 
         ``land``, given the first frame's plaintext (a header), may name where each
         later frame is opened instead (a writable buffer of exactly its plaintext's
@@ -250,11 +272,11 @@ class Opener:
                 if _INTO and dest is not None:
                     plain = dest
                     self._aead.decrypt_into(_nonce(counter), body, aad, plain)
-                elif _INTO and not view.readonly:  # in place: same start, OpenSSL allows it
+                elif _IN_PLACE and not view.readonly:  # same start: OpenSSL allows it
                     plain = view[_PREFIX.size : view.nbytes - TAG_BYTES]
                     self._aead.decrypt_into(_nonce(counter), body, aad, plain)
-                elif _INTO:
-                    plain = memoryview(bytearray(view.nbytes - OVERHEAD))
+                elif _INTO:  # a buffer of its own, not zeroed first (written whole)
+                    plain = memoryview(np.empty(view.nbytes - OVERHEAD, np.uint8))
                     self._aead.decrypt_into(_nonce(counter), body, aad, plain)
                 else:  # pragma: no cover - cryptography without decrypt_into
                     plain = memoryview(self._aead.decrypt(_nonce(counter), body, aad))
