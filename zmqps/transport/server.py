@@ -521,6 +521,13 @@ class Server:
             loop.add_reader(self._data_fd, self._on_data_readable)
             self._read_data_soon()
 
+    def reader_failed(self) -> asyncio.Future[None]:
+        """A future that fails with the error that stopped this server's reader (a bug:
+        nothing is read from then on, so the process must end, saying why, rather than
+        go on deaf); cancelled when the server stops. Call after :meth:`start`."""
+        assert self._loop_task is not None, "reader_failed() before start()"
+        return self._loop_task
+
     async def serve_forever(self) -> None:
         if self._loop_task is None:
             self.start()

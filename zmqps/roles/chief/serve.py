@@ -164,6 +164,8 @@ async def _serve(
         loop.add_signal_handler(sig, _stop_on, service, sig)
     service.summaries = open_summaries(cfg.logdir, "chief")
     watchers = _Watchers()
+    # a server that stopped reading (a bug) leaves the chief deaf: it ends instead
+    watchers.start("server's reader", server.reader_failed())
     watchers.start("worker watch", service.recovery.watch_workers())
     watchers.start("wait reports", service.report_waits())
     if service.summaries is not None:

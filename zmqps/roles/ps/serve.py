@@ -181,11 +181,18 @@ async def serve_ps(
     log.info("ps %d: serving on %s", cfg.index, endpoint)
     gate.start()
     server.start()
+    deaf = server.reader_failed()
     try:
         stop = asyncio.ensure_future(service.shutdown_requested.wait())
         started = said = loop.time()
+        either: list[asyncio.Future[Any]] = [stop, deaf]
         while not stop.done() and not signalled:
-            await asyncio.wait([stop], timeout=0.1)
+            await asyncio.wait(either, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+            if deaf.done():  # nothing is read any more: end, failed, saying why
+                stop.cancel()
+                raise RuntimeError(
+                    f"ps {cfg.index}: its server stopped reading: {deaf.exception()!r}"
+                )
             idle = not service.chief_seen and not service.store.stats()["shards"]
             if loop.time() - said >= IDLE_NOTE_S and idle:
                 said = loop.time()  # never silent: a PS nobody gave variables says so
