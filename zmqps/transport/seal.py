@@ -276,7 +276,7 @@ class Opener:
                     plain = view[_PREFIX.size : view.nbytes - TAG_BYTES]
                     self._aead.decrypt_into(_nonce(counter), body, aad, plain)
                 elif _INTO:  # a buffer of its own, not zeroed first (written whole)
-                    plain = memoryview(np.empty(view.nbytes - OVERHEAD, np.uint8))
+                    plain = np.empty(view.nbytes - OVERHEAD, np.uint8).data
                     self._aead.decrypt_into(_nonce(counter), body, aad, plain)
                 else:  # pragma: no cover - cryptography without decrypt_into
                     plain = memoryview(self._aead.decrypt(_nonce(counter), body, aad))
