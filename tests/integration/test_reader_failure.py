@@ -1,10 +1,12 @@
-"""A server whose reader stops (a bug: an error nobody planned for while a message is
-read) must not leave its process running deaf, every peer then waiting on it for
-ever: the PS ends, failed, naming the error, within a bound (loopback, real ZeroMQ)."""
+"""A reader that meets an error nobody planned for (a bug while a message is read)
+must not leave anyone waiting for ever: a PS whose server stopped reading ends,
+failed, naming the error, instead of running on deaf; a client fails the requests
+waiting for a reply at once and reads on (loopback, real ZeroMQ)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -13,6 +15,8 @@ import zmq.asyncio
 from zmqps.cli.launch import free_ports
 from zmqps.roles.ps import PSConfig, serve_ps
 from zmqps.transport import Client, Server
+from zmqps.wire import reply
+from zmqps.wire.errors import ProtocolError
 
 
 def test_a_ps_whose_reader_failed_ends_failed_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,12 +42,51 @@ def test_a_ps_whose_reader_failed_ends_failed_saying_why(monkeypatch: pytest.Mon
             asking = asyncio.ensure_future(client.request("ping", timeout=30.0))
             done, _ = await asyncio.wait([task], timeout=10.0)
             assert done, "the PS went on running, deaf, after its reader failed"
-            with pytest.raises(RuntimeError, match="stopped reading.*a bug while reading"):
+            with pytest.raises(RuntimeError, match=r"stopped reading.*a bug while reading"):
                 task.result()
             asking.cancel()
         finally:
             task.cancel()
             await client.close()
+            ctx.term()
+
+    asyncio.run(main())
+
+
+def test_a_client_whose_reply_reading_failed_fails_its_requests_and_reads_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error nobody planned for while a reply is read fails the requests waiting
+    (at once, not at their deadline) and the next request is answered."""
+    deliver = Client._deliver
+    broken: list[bool] = []
+
+    def reading(self: Client, frames: Any) -> None:
+        if broken:
+            broken.clear()
+            raise ValueError("a bug while reading a reply")
+        deliver(self, frames)
+
+    monkeypatch.setattr(Client, "_deliver", reading)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(ctx, "tcp://127.0.0.1:0", lambda m: reply(m), name="t")
+        endpoint = server.bind()
+        server.start()
+        client = Client(ctx, endpoint, "c", timeout=30.0)
+        try:
+            assert (await client.request("ping")).op == "ok"
+            broken.append(True)
+            started = time.monotonic()
+            with pytest.raises(ProtocolError, match="a bug while reading a reply"):
+                await client.request("ping")
+            assert time.monotonic() - started < 10  # not its 30 s deadline
+            assert (await client.request("ping")).op == "ok"  # the reader went on
+            assert client.stats.bad_messages == 1
+        finally:
+            await client.close()
+            await server.stop()
             ctx.term()
 
     asyncio.run(main())

@@ -327,7 +327,10 @@ class Client:
                     self.observer.seal_refused(exc.reason)
                 log.warning("%s: %s", self._data_endpoint, exc)
                 continue
-            self._deliver(plain)
+            except Exception as exc:  # nobody planned it: the reader goes on
+                self._reading_failed(exc)
+                continue
+            self._deliver_safely(plain)
 
     async def request(
         self,
@@ -490,7 +493,24 @@ class Client:
             self.stats.bytes_in += received
             if self.observer is not None:
                 self.observer.bytes_in(received)
+            self._deliver_safely(frames)
+
+    def _deliver_safely(self, frames: Sequence[Any]) -> None:
+        """:meth:`_deliver`; an error nobody planned for (a bug) does not stop the
+        reader, which would leave every later request waiting out its deadline."""
+        try:
             self._deliver(frames)
+        except Exception as exc:
+            self._reading_failed(exc)
+
+    def _reading_failed(self, exc: Exception) -> None:
+        """A reply whose reading failed on an error nobody planned for: logged (with
+        its traceback) and counted, and every request waiting for a reply fails with
+        it at once (its own reply may have been that one) instead of waiting out its
+        deadline; the reader goes on."""
+        self.stats.bad_messages += 1
+        log.error("%s: reading a reply failed: %r", self.endpoint, exc, exc_info=exc)
+        self.fail_pending(ProtocolError(f"reading a reply from {self.endpoint} failed: {exc!r}"))
 
     def _land(self, header: memoryview) -> list[Any]:
         """Where a sealed reply's buffers are opened: its request's landing's answers."""
