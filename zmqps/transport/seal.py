@@ -106,9 +106,9 @@ _INTO = hasattr(AESGCM, "encrypt_into") and hasattr(AESGCM, "decrypt_into")
 
 def _opens_in_place() -> bool:
     """Whether this ``cryptography`` opens a frame into its own bytes (``decrypt_into``
-    with the plaintext at the ciphertext's start): older releases let OpenSSL do
-    it; later ones refuse any overlap (``ValueError``), and a frame is then opened
-    into a buffer of its own."""
+    with the plaintext at the ciphertext's start): releases 47 to 50 let OpenSSL do
+    it; 51 refuses any overlap (``ValueError``), and a frame is then opened into a
+    buffer of its own. (Before 47 there is no ``decrypt_into``.)"""
     if not _INTO:
         return False
     aead, nonce = AESGCM(bytes(32)), bytes(12)
