@@ -203,6 +203,59 @@ def test_rows_summed_as_they_are_sent_equal_rows_summed_first(
     run(body(), 20.0)
 
 
+@pytest.mark.parametrize("budget", [None, 6])
+def test_a_hash_keyed_tables_rows_summed_as_they_are_sent(budget: int | None) -> None:
+    """The same for a hash-keyed table, one PS, three shards: rows of 16 float32 (64
+    bytes, the room's alignment) lie back to back, so every push is summed into the
+    region and every pull gathered out of it, ids new to the table and evicted too."""
+    table: dict[str, Any] = {} if budget is None else {"row_budget": budget}
+    emb = VariableDef("h", (64, 16), optimizer=ADAM, table=table)
+    placement = plan([emb], 1, Partitioner(num_shards=3), optimizer=SGD)
+
+    async def body() -> None:
+        rng = np.random.default_rng(9)
+        seq = []
+        for k in range(10):
+            ids = rng.integers(-(2**62), 2**62, 9)
+            ids[:3] = [7, 7, 7]  # repeated
+            ids[3] = k
+            seq.append(ids.astype(np.int64))
+        grads = [rng.standard_normal((ids.size, 16)).astype(np.float32) for ids in seq]
+        a = await created_cluster(placement, 1, None)
+        b = await created_cluster(placement, 1, None)
+        first, later = shm_client(a), shm_client(b)
+        await warm(first, "h", seq[0])
+        await warm(later, "h", seq[0])
+        want = await one_request(first, "h", seq, grads)
+        got = [await later.pull_rows("h", seq[0])]
+        copied: list[bool] = []  # how each reply's rows were taken
+        take = later._take_rows
+
+        def spy(*args: Any, copy: bool = True, **kwargs: Any) -> None:
+            copied.append(copy)
+            take(*args, copy=copy, **kwargs)
+
+        later._take_rows = spy  # type: ignore[method-assign]
+        in_region = 0
+        for k in range(1, len(seq)):
+            rows = later.rows_push("h", seq[k - 1], grads[k - 1], later=True)
+            applied, pulled = await later.send_pull_rows(rows, seq[k])
+            assert applied
+            in_region += rows.summed_rows is None
+            got.append(pulled)
+        for w, x in zip(want, got, strict=True):
+            np.testing.assert_array_equal(x, w)
+        assert shard_state(b.services) == shard_state(a.services)
+        assert in_region == len(seq) - 1
+        assert copied == [False] * (len(seq) - 1)  # gathered out of the region
+        sent, with_rows = row_frames(later)
+        assert sent >= 9 and with_rows == 0
+        await first.close()
+        await later.close()
+
+    run(body(), 20.0)
+
+
 def _attach(svc: Any, worker: str, data_bytes: int = 1024) -> tuple[int, shm.Region]:
     region = shm.create_region(data_bytes)
     try:
