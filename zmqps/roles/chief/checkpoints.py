@@ -118,7 +118,7 @@ class ChiefCheckpoints:
         await self.ck.wait()
         mode = self.chief.consistency
         step = await mode.applied_step() if self.sync else mode.global_step
-        if step <= self.ck.last_step:
+        if step <= self.ck.last_step and not self._unmarked_end(step, finished):
             return None
         if self.sync:
             snap = await self.ck.snapshot_sync(step, placement)
@@ -133,6 +133,15 @@ class ChiefCheckpoints:
         return await self.ck.take(
             step, placement, mode.name, self.chief.recovery.gen, self._extra(finished)
         )
+
+    def _unmarked_end(self, step: int, finished: bool) -> bool:
+        """The run finished and its last checkpoint, of this very step, does not say so:
+        the schedule took it as the last pushes landed, just before the end. It is
+        taken again as the final one (the same step: the commit replaces it), else a
+        resume would take the finished run for one cut short, its workers' cursors
+        past the epochs asked for, and train nothing."""
+        last = self.ck.last_committed
+        return finished and last is not None and last.step == step and not last.final
 
     async def now(self, wait: float) -> Checkpoint:
         """The ``checkpoint`` op: one now (async, ssp) or at the next boundary (sync)."""
