@@ -71,6 +71,18 @@ async def warm(client: ParameterClient, name: str, ids: np.ndarray) -> None:
             r.replies.clear()
 
 
+def hashed_batches(rng: np.random.Generator, size: int, repeated: int) -> list[np.ndarray]:
+    """Ten batches of any int64 ids for a hash-keyed table: id 7 ``repeated`` times in
+    each, and ids new to the table."""
+    seq = []
+    for k in range(10):
+        ids = rng.integers(-(2**62), 2**62, size)
+        ids[:repeated] = 7
+        ids[repeated] = k
+        seq.append(ids.astype(np.int64))
+    return seq
+
+
 @pytest.mark.parametrize("num_ps,num_shards", [(1, 1), (2, 3), (3, 7)])
 @pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd", "adam"])
 @pytest.mark.parametrize("one", [False, True], ids=["two", "one"])
@@ -109,12 +121,7 @@ def test_a_hash_keyed_table_through_the_region(budget: int | None) -> None:
 
     async def body() -> None:
         rng = np.random.default_rng(5)
-        seq = []
-        for k in range(10):
-            ids = rng.integers(-(2**62), 2**62, 7)
-            ids[:2] = [7, 7]  # repeated
-            ids[2] = k
-            seq.append(ids.astype(np.int64))
+        seq = hashed_batches(rng, 7, 2)
         grads = [rng.standard_normal((ids.size, 2)).astype(np.float32) for ids in seq]
         a = await created_cluster(placement, 3, None)
         b = await created_cluster(placement, 3, None)
@@ -214,12 +221,7 @@ def test_a_hash_keyed_tables_rows_summed_as_they_are_sent(budget: int | None) ->
 
     async def body() -> None:
         rng = np.random.default_rng(9)
-        seq = []
-        for k in range(10):
-            ids = rng.integers(-(2**62), 2**62, 9)
-            ids[:3] = [7, 7, 7]  # repeated
-            ids[3] = k
-            seq.append(ids.astype(np.int64))
+        seq = hashed_batches(rng, 9, 3)
         grads = [rng.standard_normal((ids.size, 16)).astype(np.float32) for ids in seq]
         a = await created_cluster(placement, 1, None)
         b = await created_cluster(placement, 1, None)
