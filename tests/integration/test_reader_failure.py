@@ -1,11 +1,12 @@
 """A reader that meets an error nobody planned for (a bug while a message is read)
-must not leave anyone waiting for ever: a PS whose server stopped reading ends,
-failed, naming the error, instead of running on deaf; a client fails the requests
-waiting for a reply at once and reads on (loopback, real ZeroMQ)."""
+must not leave anyone waiting for ever: a PS or a chief whose server stopped reading
+ends, failed, naming the error, instead of running on deaf; a client fails the
+requests waiting for a reply at once and reads on (loopback, real ZeroMQ)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -13,10 +14,21 @@ import pytest
 import zmq.asyncio
 
 from zmqps.cli.launch import free_ports
+from zmqps.config import ClusterSpec
+from zmqps.roles.chief.serve import serve_chief
+from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.ps import PSConfig, serve_ps
 from zmqps.transport import Client, Server
 from zmqps.wire import reply
 from zmqps.wire.errors import ProtocolError
+
+
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    """``task`` ended (cancelled if it runs on): its sockets closed before the context
+    is terminated, or the termination would wait for them for ever."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await asyncio.wait_for(task, 30.0)
 
 
 def test_a_ps_whose_reader_failed_ends_failed_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,7 +58,45 @@ def test_a_ps_whose_reader_failed_ends_failed_saying_why(monkeypatch: pytest.Mon
                 task.result()
             asking.cancel()
         finally:
-            task.cancel()
+            await _cancelled(task)
+            await client.close()
+            ctx.term()
+
+    asyncio.run(main())
+
+
+def test_a_chief_whose_reader_failed_ends_failed_saying_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chief's reader is one of its watchers: it failing ends the chief (its error
+    raised, every socket closed), while it still waits for PS that never answer."""
+    dispatch = Server._dispatch
+    broken: list[bool] = []
+
+    def reading(self: Server, frames: list[Any]) -> None:
+        if broken:
+            raise ValueError("a bug while the chief reads")
+        dispatch(self, frames)
+
+    monkeypatch.setattr(Server, "_dispatch", reading)
+
+    async def main() -> None:
+        chief, ps, worker = (f"127.0.0.1:{p}" for p in free_ports(3))
+        cfg = ChiefConfig(bind=chief, cluster=ClusterSpec(chief, (ps,), (worker,)))
+        ctx = zmq.asyncio.Context()
+        task = asyncio.ensure_future(serve_chief(cfg, ctx))
+        client = Client(ctx, chief, "w0:0")
+        try:
+            await client.request("ping", timeout=5.0, attempts=3)  # it serves
+            broken.append(True)
+            asking = asyncio.ensure_future(client.request("ping", timeout=30.0))
+            done, _ = await asyncio.wait([task], timeout=10.0)
+            assert done, "the chief went on running, deaf, after its reader failed"
+            with pytest.raises(ValueError, match="a bug while the chief reads"):
+                task.result()
+            asking.cancel()
+        finally:
+            await _cancelled(task)
             await client.close()
             ctx.term()
 
