@@ -58,3 +58,28 @@ def test_every_flag_has_help_and_no_abbreviations(name: str) -> None:
 def test_help_states_the_default(name: str, flag: str, default: str) -> None:
     (action,) = [a for a in PARSERS[name]._actions if flag in a.option_strings]
     assert (action.help or "").endswith(default)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["launch", "--ps", "3", "--workers", "2", "--mode", "sync"],
+        ["-v", "bench", "dense", "--sides", "zmqps,raw", "--repeat", "2"],
+        ["predict", "--model", "m", "--input", "x.npy"],
+        ["inspect", "--json", "ck"],
+        ["server", "--role", "ps", "--index", "1", "-v"],
+        ["task", "--config", "t.json"],
+    ],
+)
+def test_the_parser_of_one_command_parses_it_as_the_whole_parser(argv: list[str]) -> None:
+    """``zmqps CMD`` builds CMD's arguments only (the others' modules are not imported
+    at a task's start); what it parses is what the parser of every command parses."""
+    from zmqps.cli.main import _command
+
+    command = _command(argv)
+    assert command == next(a for a in argv if not a.startswith("-"))
+    alone = _build(command)
+    subs = next(a for a in alone._actions if isinstance(a, argparse._SubParsersAction))
+    others = [n for n, p in subs.choices.items() if n != command and len(p._actions) > 2]
+    assert not {"launch", "bench", "predict", "inspect"} & set(others), others
+    assert vars(alone.parse_args(argv)) == vars(_build().parse_args(argv))

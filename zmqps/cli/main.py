@@ -329,11 +329,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
 
 
-def _build() -> argparse.ArgumentParser:
-    from zmqps.bench.suites import add_bench_args
-    from zmqps.cli.inspect import add_args as add_inspect_args
-    from zmqps.cli.launch import add_launch_args
-    from zmqps.cli.predict import add_args as add_predict_args
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not an option: the
+    options before it take no value), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _build(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand; given ``command``, the other subcommands' own
+    arguments are left out, and with them their modules' imports (the benchmarks,
+    the launcher, the exported models: a tenth of a second of every task's start)."""
+
+    def wanted(name: str) -> bool:
+        return command is None or command == name
 
     parser = _Parser(
         prog="zmqps", description="zmqps: a parameter server over ZeroMQ", allow_abbrev=False
@@ -341,7 +349,10 @@ def _build() -> argparse.ArgumentParser:
     _common_args(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = _sub(sub, "launch", help="run a whole cluster as local processes (the demo)")
-    add_launch_args(p)
+    if wanted("launch"):
+        from zmqps.cli.launch import add_launch_args
+
+        add_launch_args(p)
     p.set_defaults(func=cmd_launch)
     p = _sub(sub, "server", help="run a chief or PS task (same as zmqps-server)")
     _server_parser(p)
@@ -362,7 +373,10 @@ def _build() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_top)
     p = _sub(sub, "inspect", help="list and verify the checkpoints in a checkpoint root")
-    add_inspect_args(p)
+    if wanted("inspect"):
+        from zmqps.cli.inspect import add_args as add_inspect_args
+
+        add_inspect_args(p)
     p.set_defaults(func=cmd_inspect)
     p = _sub(sub, "status", help="show a running cluster's state, from its chief")
     _add_chief_query_args(p)
@@ -416,10 +430,16 @@ def _build() -> argparse.ArgumentParser:
     p.add_argument("--nonblocking-output", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_task)
     p = _sub(sub, "predict", help="run an exported model on a file of examples")
-    add_predict_args(p)
+    if wanted("predict"):
+        from zmqps.cli.predict import add_args as add_predict_args
+
+        add_predict_args(p)
     p.set_defaults(func=cmd_predict)
     p = _sub(sub, "bench", help="benchmarks: zmqps vs raw pyzmq vs torch RPC (BENCHMARKS.md)")
-    add_bench_args(p)
+    if wanted("bench"):
+        from zmqps.bench.suites import add_bench_args
+
+        add_bench_args(p)
     p.set_defaults(func=cmd_bench)
     return parser
 
@@ -461,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from zmqps.bench.scale_sim import main as scale_sim
 
         return scale_sim(given[2:], prog="zmqps bench scale-sim")
-    args = _build().parse_args(argv)
+    args = _build(_command(given)).parse_args(given)
     args.verbose += args.sub_verbose
     del args.sub_verbose
     return _run(args.func, args)
