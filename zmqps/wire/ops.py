@@ -162,18 +162,37 @@ def _kind(hint: Any) -> tuple[int, Any]:
     return _PLAIN, None
 
 
+def _kind_of(annotation: Any) -> tuple[int, Any]:
+    """:func:`_kind` of a field as written in this module (a string: the module
+    postpones its annotations), read without evaluating it: ``typing.get_type_hints``
+    evaluated every field of every body, a good part of this module's import, which
+    every process makes at its start. A body field is ``X`` or ``X | None`` with ``X``
+    ``Who``, a body class, a ``tuple[...]`` or a plain type (``tests/unit/test_ops.py``
+    checks that this reads each field as ``get_type_hints`` does)."""
+    if not isinstance(annotation, str):
+        return _kind(annotation)
+    base = annotation.removesuffix(" | None")
+    if base == "Who":
+        return _WHO, None
+    if base.startswith("tuple["):
+        return _TUPLE, None
+    sub = globals().get(base)
+    if isinstance(sub, type) and issubclass(sub, Body):
+        return _BODY, sub
+    return _PLAIN, None
+
+
 @dataclass_transform(frozen_default=True, field_specifiers=(field, wire))
 def _body(op: str = "", *, reply: bool = False) -> Callable[[type[B]], type[B]]:
     """Make ``cls`` a frozen dataclass body; derive its schema and converters."""
 
     def make(cls: type[B]) -> type[B]:
         cls = dataclass(frozen=True, slots=True)(cls)
-        hints = typing.get_type_hints(cls)
         codec: list[tuple[str, int, bool, Any]] = []
         required: dict[str, Schema] = {}
         optional: dict[str, Schema] = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            kind, sub = _kind(hints[f.name])
+            kind, sub = _kind_of(f.type)
             if kind == _WHO:
                 required.update(WHO_FIELDS)
                 codec.append((f.name, kind, False, None))

@@ -1,0 +1,41 @@
+"""The typed bodies' converters (zmqps.wire.ops): each field is read, at import, from
+its annotation as written, without evaluating it; that reading must agree with the
+evaluated type for every field of every body (sans-IO)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from zmqps.wire import ops
+
+
+def _bodies() -> list[type[ops.Body]]:
+    found = []
+    for value in vars(ops).values():
+        if isinstance(value, type) and issubclass(value, ops.Body) and value is not ops.Body:
+            found.append(value)
+    return found
+
+
+def test_every_field_is_read_as_its_evaluated_type() -> None:
+    bodies = _bodies()
+    assert len(bodies) > 60
+    kinds = set()
+    for cls in bodies:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            assert isinstance(f.type, str), (cls.__name__, f.name)
+            assert ops._kind_of(f.type) == ops._kind(hints[f.name]), (cls.__name__, f.name)
+            kinds.add(ops._kind_of(f.type)[0])
+        # the converters the body was made with are those readings
+        for name, kind, _, sub in cls._CODEC:
+            assert (kind, sub) == ops._kind(hints[name]), (cls.__name__, name)
+    assert kinds == {ops._PLAIN, ops._TUPLE, ops._BODY, ops._WHO}
+
+
+def test_a_field_given_as_a_type_is_read_as_one() -> None:
+    assert ops._kind_of(int) == (ops._PLAIN, None)
+    assert ops._kind_of(tuple[int, ...]) == (ops._TUPLE, None)
+    assert ops._kind_of(ops.ShmRef | None) == (ops._BODY, ops.ShmRef)
+    assert ops._kind_of(ops.Who) == (ops._WHO, None)
