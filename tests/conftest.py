@@ -19,10 +19,29 @@ from helpers import Reaper
 CLUSTER_DIR = Path(__file__).parent / "cluster"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.is_relative_to(CLUSTER_DIR):
             item.add_marker(pytest.mark.cluster)
+        if _uses_a_fixture_of_its_module(item):
+            # run by one process (bin/test: --dist loadgroup), so that the fixture, made
+            # once per process (a Slurm of the module's own, unfaulted reference runs),
+            # is made once
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _uses_a_fixture_of_its_module(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture defined in its own module."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    module = item.nodeid.split("::")[0]
+    return any(
+        d.scope == "module" and d.baseid == module
+        for defs in info.name2fixturedefs.values()
+        for d in defs
+    )
 
 
 _CALL_FAILED = pytest.StashKey[bool]()
