@@ -316,7 +316,11 @@ def test_launch_sync_trains_digits(procs: Reaper, tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_backup_worker_stopped_holding_a_token(procs: Reaper, tmp_path: Path) -> None:
     """M = 3, N = 2: worker 2 stops itself holding a token; steps go on with the other
-    two, and its late gradient is dropped as stale when it resumes."""
+    two, and its late gradient is dropped as stale when it resumes.
+
+    Worker 2 starts first, and the other two have steps to spare: started last on a
+    loaded machine, it once registered after they had done all their steps, and then
+    no step was left to go on without it."""
     steps, stop_at = 30, 5
     cluster = start_cluster(
         procs,
@@ -329,9 +333,13 @@ def test_backup_worker_stopped_holding_a_token(procs: Reaper, tmp_path: Path) ->
         "2",
         "--keep-alive",
     )
-    flags = ["--steps", str(steps)]
-    workers = [cluster.worker(i, *flags) for i in (0, 1)]
-    slow = cluster.worker(2, *flags, "--stop-at", str(stop_at))
+    slow = cluster.worker(2, "--steps", str(steps), "--stop-at", str(stop_at))
+    wait_for(
+        lambda: any(w["index"] == 2 for w in cluster.status()["workers"]),
+        timeout=30,
+        what="worker 2 to register",
+    )
+    workers = [cluster.worker(i, "--steps", str(10 * steps)) for i in (0, 1)]
 
     wait_for(lambda: process_state(slow) == "T", timeout=30, what="worker 2 to stop itself")
     at_stop = cluster.status()["global_step"]
