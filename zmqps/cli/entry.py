@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["interrupted", "main", "server_main", "worker_main"]
+__all__ = ["interrupted", "main", "server_main", "started", "worker_main"]
 
 #: the exit code of a run ended by Ctrl-C, as a shell says (128 + SIGINT)
 EXIT_INTERRUPTED = 130
@@ -24,28 +24,43 @@ def interrupted(prog: str) -> int:
     return EXIT_INTERRUPTED
 
 
+#: Ctrl-Cs that came while a program started (its imports, its arguments): one that a
+#: library swallowed (a ``KeyboardInterrupt`` caught while a module was imported) is
+#: still seen, by :func:`started`, before the command runs
+_CAME: list[int] = []
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    _CAME.append(signum)
+    raise KeyboardInterrupt
+
+
+def started() -> bool:
+    """The program's start is over, its command about to run: Ctrl-C as Python handles
+    it again (``asyncio.run`` then cancels its main task on one); whether one came
+    during the start (then the command must not run: it was interrupted)."""
+    if signal.getsignal(signal.SIGINT) is _on_sigint:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    came = bool(_CAME)
+    _CAME.clear()
+    return came
+
+
 def _cli() -> ModuleType:
     """``zmqps.cli.main``, imported (numpy, zmq, the roles: the slow part of a start).
     A Ctrl-C in there can surface as another error of an import it broke: whatever
-    it raised after a Ctrl-C is the Ctrl-C's."""
-    came: list[int] = []
-
-    def on_sigint(signum: int, frame: object) -> None:
-        came.append(signum)
-        raise KeyboardInterrupt
-
+    it raised after a Ctrl-C is the Ctrl-C's. The handler that records it stays until
+    the command runs (:func:`started`)."""
     mine = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not SIG_IGN
     if mine:
-        signal.signal(signal.SIGINT, on_sigint)
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         from zmqps.cli import main as cli
     except BaseException:
-        if came:
+        started()
+        if _CAME:
             raise KeyboardInterrupt from None
         raise
-    finally:
-        if mine:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
     return cli
 
 

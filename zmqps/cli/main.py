@@ -445,6 +445,10 @@ def _build(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    from zmqps.cli.entry import interrupted, started
+
+    if started():  # a Ctrl-C came while it started (one an import swallowed included)
+        return interrupted(getattr(args, "prog", "zmqps"))
     if getattr(args, "nonblocking_output", False):
         from zmqps.process import nonblocking_output
 
@@ -469,8 +473,6 @@ def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
         print(f"zmqps: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        from zmqps.cli.entry import interrupted
-
         return interrupted(getattr(args, "prog", "zmqps"))
 
 
@@ -479,7 +481,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if given[:2] == ["bench", "scale-sim"]:
         # simulated workers against a real chief and real PS, with flags of its own
         from zmqps.bench.scale_sim import main as scale_sim
+        from zmqps.cli.entry import interrupted, started
 
+        if started():
+            return interrupted("zmqps bench scale-sim")
         return scale_sim(given[2:], prog="zmqps bench scale-sim")
     args = _build(_command(given)).parse_args(given)
     args.verbose += args.sub_verbose

@@ -1,0 +1,34 @@
+"""A Ctrl-C while a program starts (its imports, its arguments) ends it with 130, even
+when an import swallowed the ``KeyboardInterrupt`` it raised: the command never runs
+(sans-IO: the handler is called by hand, no signal is sent)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+
+import pytest
+
+from zmqps.cli import entry
+from zmqps.cli.main import _run
+
+
+def test_a_ctrl_c_an_import_swallowed_still_stops_the_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ran: list[bool] = []
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, entry._on_sigint)  # as _cli() leaves it
+    try:
+        with contextlib.suppress(KeyboardInterrupt):  # an import swallowed it
+            entry._on_sigint(signal.SIGINT, None)  # the Ctrl-C, during the import
+        code = _run(lambda args: ran.append(True) or 0, argparse.Namespace(prog="zmqps"))
+        assert code == entry.EXIT_INTERRUPTED and not ran
+        assert "zmqps: interrupted" in capsys.readouterr().err
+        # Python's own handler again, as asyncio.run expects it; nothing left pending
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert _run(lambda args: ran.append(True) or 0, argparse.Namespace(prog="zmqps")) == 0
+        assert ran == [True]
+    finally:
+        signal.signal(signal.SIGINT, before)
