@@ -32,3 +32,25 @@ def test_a_ctrl_c_an_import_swallowed_still_stops_the_command(
         assert ran == [True]
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_an_import_a_ctrl_c_broke_raises_the_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever an import raised after a Ctrl-C is the Ctrl-C's."""
+    before = signal.getsignal(signal.SIGINT)
+    real_import = __import__
+
+    def importing(name: str, *args: object, **kwargs: object) -> object:
+        if name == "zmqps.cli":
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # type: ignore[operator]
+            raise ImportError("an import the Ctrl-C broke")
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("builtins.__import__", importing)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            entry._cli()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)

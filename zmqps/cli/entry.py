@@ -57,8 +57,7 @@ def _cli() -> ModuleType:
     try:
         from zmqps.cli import main as cli
     except BaseException:
-        started()
-        if _CAME:
+        if started():
             raise KeyboardInterrupt from None
         raise
     return cli
