@@ -125,6 +125,18 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[1])
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time ``pid`` has used (user + system), seconds; None when it is gone.
+    Unlike the wall time since a start, it says how far a program got whatever the
+    load on the machine."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _alive(pid: int) -> bool:
     stat = _proc_stat(pid)
     return stat is not None and stat[0] != "Z"
@@ -212,6 +224,15 @@ class Proc:
 
     def send(self, sig: int) -> None:
         self.popen.send_signal(sig)
+
+    def wait_cpu(self, seconds: float, timeout: float) -> None:
+        """Until the process has used ``seconds`` of CPU (or has exited)."""
+
+        def far_enough() -> bool:
+            used = cpu_seconds(self.pid)
+            return used is None or used >= seconds or self.poll() is not None
+
+        wait_for(far_enough, timeout, what=f"{seconds}s of CPU in {self.name}", interval=0.002)
 
     def tail(self, lines: int = 15) -> str:
         def last(text: str) -> str:
