@@ -106,6 +106,9 @@ def main() -> None:
             np.savez(args.final, **worker.pull())
         # sync: the tokens a PS handed (the first of each incarnation is the chief's)
         record["tokens_from_ps"] = getattr(worker.steps, "from_ps", None)
+        # sync: pulls the push before answered (its reply brought the step's values)
+        stats = worker.stats()
+        record["fresh_pulls"], record["fresh_misses"] = stats["fresh_pulls"], stats["fresh_misses"]
         if args.hold:
             Path(f"{args.hold}.{args.index}").write_text("pushed\n")
             while not Path(args.hold).exists():

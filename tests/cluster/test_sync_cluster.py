@@ -186,7 +186,8 @@ def test_sync_steps_equal_single_process_steps(
     step: the step must still wait for them (not be applied from worker 2's gradient
     and drop theirs as stale). Workers 0 and 1 wait for the global step to reach 50
     and save the final parameters. Every token but each worker's first comes from a
-    PS (the chief releases them; it hears no request per worker and step).
+    PS (the chief releases them; it hears no request per worker and step), and the
+    values of most steps with the reply of the push before (no pull request).
     """
     steps = 50
     cluster = start_cluster(procs, tmp_path, "--mode", "sync", "--num-shards", "2")
@@ -208,6 +209,9 @@ def test_sync_steps_equal_single_process_steps(
         # the chief answered each worker's first token request; a PS the others
         # (workers 0 and 1 take one more token: the final step's)
         assert rec["tokens_from_ps"] == steps - 1 + (i < 2), rec["tokens_from_ps"]
+        # the values of most steps came with the push before (every one but the first
+        # on a quiet machine; a step not applied within the PS's short wait is pulled)
+        assert rec["fresh_pulls"] >= steps // 2, rec
     expected = reference(OPTIMIZERS[optimizer], steps)
     for i, final in enumerate(finals):
         assert cluster.record(f"worker{i}")["final_step"] == steps
@@ -263,6 +267,9 @@ def test_one_ps_releasing_runs_of_steps_equals_single_process_steps(
         rec = cluster.record(f"worker{i}")
         assert [p["step"] for p in rec["pushes"]] == list(range(steps))
         assert all(p["accepted"] for p in rec["pushes"]), (i, rec)
+        # the values of most steps came with the push before (every one but the first
+        # on a quiet machine; a step not applied within the PS's short wait is pulled)
+        assert rec["fresh_pulls"] >= steps // 2, rec
     assert_single_process(finals, "adam", steps)
     # the policy's boundaries: the first at step 7, each next one 7 steps after the
     # last (later while one is still being written); each holds exactly its step

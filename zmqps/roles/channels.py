@@ -198,7 +198,7 @@ class TcpChannel(DenseChannel):
                 t.op, body.to_wire(), tensors, timeout=c.timeout, attempts=c.push_attempts
             )
         accepted = c.after_push(self.ps, rep, body, t.delivery)
-        if t.op == "push_pull":
+        if t.op == "push_pull" and not rep.body.get("unvalued"):
             c.take_values(rep, sids, t.out, body.gen)
         return accepted
 
@@ -308,7 +308,9 @@ class ShmChannel(DenseChannel):
                     "pull", pull.to_wire(), timeout=c.timeout, attempts=2
                 )
                 accepted, gen = True, pull.gen
-            if pulls and rep.tensors:  # a resend's reply: values by TCP (see above)
+            if pulls and rep.body.get("unvalued"):
+                pass  # a fresh push's reply without values (the worker pulls)
+            elif pulls and rep.tensors:  # a resend's reply: values by TCP (see above)
                 c.take_values(rep, sids, t.out, gen)
             elif pulls:
                 c.set_versions(rep, sids, gen)

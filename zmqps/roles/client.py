@@ -288,6 +288,14 @@ class ParameterClient:
         #: the next token a push reply brought, as (step, generation, PS); taken by the
         #: worker (:meth:`take_offered`)
         self.offered: tuple[int, int, int | None] | None = None
+        #: sync: while a push is sent, whether it asks for the values of after its step
+        #: (``Push.fresh``, sent as ``push_pull``); the step of those each PS state
+        #: brought (-1: it brought none), read by the worker after the push
+        self.fresh = False
+        self.fresh_steps: dict[int, int] = {}
+        #: the PS states whose dense push replies said they take ``Push.fresh`` (an
+        #: older PS refuses a field it does not know)
+        self.fresh_ps: set[int] = set()
         #: pushes sent / acknowledged applied / dropped, by "ps/generation": what the PS
         #: counted of this incarnation must match (a fault test's exactly-once check)
         self.push_counts: dict[str, dict[str, int]] = {}
@@ -593,7 +601,8 @@ class ParameterClient:
             closure=self._closure,
             closure_seq=closure_seq,
             packs=tuple(packs) or None,
-            token=True if op == "push" and ps == self.token_ps else None,
+            token=True if ps == self.token_ps and (op == "push" or self.fresh) else None,
+            fresh=True if op == "push_pull" and self.fresh else None,
         )
 
     def _tally(self, ps: int, gen: int, what: str) -> None:
@@ -608,6 +617,11 @@ class ParameterClient:
         rep = o.PushReply.parse(reply.body, "push reply")
         if body.OP in _ROW_OPS:
             self.heard_takes(ps, rep.takes)
+        elif body.OP == "push" or body.fresh:  # a sync PS says it takes ``fresh``
+            if rep.takes is not None and "fresh" in rep.takes:
+                self.fresh_ps.add(ps)
+            else:
+                self.fresh_ps.discard(ps)
         if delivery is not None:
             delivery.answered[(ps, tuple(body.shards))] = rep.applied
         if rep.staleness:
@@ -619,6 +633,9 @@ class ParameterClient:
             and (self.offered is None or self.offered[:2] < token)
         ):
             self.offered = (token[0], token[1], rep.token_ps)
+        if body.fresh:  # the step of the values it brought, the oldest of the PS state's
+            step = -1 if rep.values_step is None else rep.values_step
+            self.fresh_steps[ps] = min(step, self.fresh_steps.get(ps, step))
         outcome = rep.outcome
         self._tally(ps, body.gen or 0, "applied" if rep.applied else "dropped")
         if rep.applied:
@@ -637,6 +654,16 @@ class ParameterClient:
             self.rows_shm.add(ps)
         else:
             self.rows_shm.discard(ps)
+
+    def takes_fresh(self, names: Iterable[str]) -> bool:
+        """Whether every PS state holding shards of ``names`` said it takes ``Push.fresh``."""
+        return self._by_ps(names).keys() <= self.fresh_ps
+
+    def fresh_step(self, names: Iterable[str]) -> int | None:
+        """The sync step of the values the last push brought for every shard of
+        ``names`` (:attr:`fresh`), or None where some PS state brought none."""
+        steps = [self.fresh_steps.get(ps, -1) for ps in self._by_ps(names)]
+        return min(steps) if steps and min(steps) >= 0 else None
 
     def take_offered(self) -> tuple[int, int, int | None] | None:
         """The next token the last push's replies brought, if any (forgotten here)."""

@@ -409,6 +409,10 @@ class Push(Body):
     #: worker's next token, the step after ``step``, once it is released there (or
     #: without one after a short wait: the worker then asks as before)
     token: bool | None = wire(Bool(), default=None)
+    #: sync ``push_pull``: answer with the values of after the push's step (held until
+    #: this PS applied it, at most a short wait; else answered ``unvalued``): the
+    #: worker's next pull, saved
+    fresh: bool | None = wire(Bool(), default=None)
 
 
 @_body("push_pull")
@@ -903,6 +907,11 @@ class PushReply(Body):
     token_step: int | None = wire(STEP, default=None)
     token_gen: int | None = wire(Int(0), default=None)
     token_ps: int | None = wire(Int(0, MAX_SHARDS), default=None)
+    #: a push that asked for fresh values (``Push.fresh``): the PS's sync step when
+    #: it read the values the reply brings; ``unvalued``: the reply brings none (the
+    #: step was not applied within the PS's wait, or it holds no such replies)
+    values_step: int | None = wire(STEP, default=None)
+    unvalued: bool | None = wire(Bool(), default=None)
 
     @property
     def outcome(self) -> str:

@@ -106,6 +106,10 @@ _DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
 #: client sends them only to a PS that said so: an older one refuses them)
 TAKES = ("push_pull_rows", "shm_rows")
 
+#: what a sync PS's dense push replies say it takes beyond the common fields:
+#: ``Push.fresh`` (a worker asks for the next step's values only of a PS that said so)
+DENSE_TAKES = ("fresh",)
+
 
 class PSService:
     """Request handler of one PS task."""
@@ -797,10 +801,14 @@ class PSService:
         if pull and req.shm_out is not None:  # validated before applying; used after
             out_views = self.regions.views(self.store, req.shards, req.shm_out, req.worker, packs)
         out = self._commit(req, plans)  # no await in between: the views stay valid
+        if pull and req.fresh and not out.duplicate:
+            return self._fresh_values(msg, req, out, packs)
         if not pull:
-            if req.token and req.step is not None and self._hands_tokens():
-                return self._with_token(msg, _with_versions(out, self._versions(req.shards)), req)
-            return reply(msg, self._push_reply(out, req.shards))
+            takes = DENSE_TAKES if self._hands_tokens() else None
+            out = _with_versions(out, self._versions(req.shards), takes=takes)
+            if req.token and req.step is not None and takes:
+                return self._with_token(msg, out, req)
+            return reply(msg, out.to_wire())
         if req.shm_out is not None and not out.duplicate:
             versions = self._snapshot_to_region(req.shards, req.shm_out, out_views, packs)
             return reply(msg, _with_versions(out, versions).to_wire())
@@ -836,10 +844,6 @@ class PSService:
                 self.metrics.rows(var, "push", ts[0].array.shape[0])
         out = self._commit(req, plans)
         return reply(msg, _with_versions(out, self._versions(req.shards), takes=TAKES).to_wire())
-
-    def _push_reply(self, out: o.PushReply, sids: Sequence[int]) -> dict[str, Any]:
-        """The reply's body: the push's outcome and the shards' versions after it."""
-        return _with_versions(out, self._versions(sids)).to_wire()
 
     def _versions(self, sids: Sequence[int]) -> list[int]:
         return [self.store.get(sid).version for sid in sids]
@@ -891,6 +895,89 @@ class PSService:
                 await self._token_changes.wait(left)
 
         return held()
+
+    def _fresh_values(
+        self, msg: Message, req: o.Push, out: o.PushReply, packs: Sequence[int]
+    ) -> Message | Awaitable[Message]:
+        """The reply to a sync ``push_pull`` that asks for the values of after its step
+        (``Push.fresh``): the worker's next pull, saved. Held until this PS applied the
+        push's step (and, asked for, released the next token), at most
+        :data:`PUSH_TOKEN_WAIT_S`; then it brings the values read at that moment and
+        the step they are of (``values_step``). Answered at once with no values
+        (``unvalued``) where this PS holds no such replies (not sync, replicated), and
+        with none after the wait (the worker pulls, as without)."""
+        if req.step is None or not self._hands_tokens():  # (a worker then stops asking)
+            bare = replace(_with_versions(out, self._versions(req.shards)), unvalued=True)
+            return reply(msg, bare.to_wire())
+        out = _with_versions(out, self._versions(req.shards), takes=DENSE_TAKES)
+        bare = replace(out, unvalued=True)
+        want, asked = req.step + 1, bool(req.token)
+
+        def answer(final: bool) -> Message | None:
+            if self.visible_step < want:
+                return reply(msg, bare.to_wire()) if final else None
+            token = self.tokens.grant(req.step, self.gen) if asked else None
+            if asked and token is None and not final:
+                return None
+            body = (
+                out
+                if token is None
+                else replace(out, token_step=token[0], token_gen=token[1], token_ps=self.index)
+            )
+            return self._with_values(msg, req, body, packs, bare)
+
+        now = answer(False)
+        if now is not None:
+            if asked:
+                self.tokens.waited(0.0)
+            return now
+
+        async def held() -> Message:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            deadline = started + PUSH_TOKEN_WAIT_S
+            while True:
+                left = deadline - loop.time()
+                got = answer(left <= 0)
+                if got is not None:
+                    if asked:
+                        self.tokens.waited(loop.time() - started)
+                    return got
+                if self.visible_step < want:
+                    await self.waiters.wait(want, left)
+                else:
+                    await self._token_changes.wait(left)
+
+        return held()
+
+    def _with_values(
+        self, msg: Message, req: o.Push, out: o.PushReply, packs: Sequence[int], bare: o.PushReply
+    ) -> Message:
+        """``out`` with the values of the push's shards now, and their step: into the
+        worker's pull region (looked up again: the reply may have been held) or in
+        the reply; ``bare`` (with ``out``'s token) where the region is gone meanwhile."""
+
+        def stamped(body: o.PushReply, values_step: int | None = None) -> o.PushReply:
+            return replace(
+                body,
+                takes=out.takes,
+                token_step=out.token_step,
+                token_gen=out.token_gen,
+                token_ps=out.token_ps,
+                values_step=values_step,
+            )
+
+        step = self.visible_step
+        if req.shm_out is not None:
+            try:
+                views = self.regions.views(self.store, req.shards, req.shm_out, req.worker, packs)
+            except ZmqpsError:
+                return reply(msg, stamped(bare).to_wire())
+            versions = self._snapshot_to_region(req.shards, req.shm_out, views, packs)
+            return reply(msg, stamped(_with_versions(out, versions), values_step=step).to_wire())
+        versions, tensors, packed = self._snapshot_tensors(req.shards, packs=packs)
+        body = stamped(_with_versions(out, versions, packed), values_step=step)
+        return reply(msg, body.to_wire(), tensors)
 
     def _commit(self, req: o.Push, plans: Sequence[Update]) -> o.PushReply:
         """Deduplicate, then commit a validated push through the consistency mode."""

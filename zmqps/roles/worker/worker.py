@@ -54,6 +54,7 @@ from zmqps.metrics.summaries import Summaries, Window
 from zmqps.roles.client import Delivery, ParameterClient
 from zmqps.roles.configs import NONFINITE_POLICIES
 from zmqps.roles.homes import Homes
+from zmqps.roles.worker.fresh import FreshValues
 from zmqps.roles.worker.modes import StepMode, make_step_mode
 from zmqps.roles.worker.session import Session
 from zmqps.transport import Client, LoopThread, Requester, SocketOptions, new_context
@@ -207,6 +208,8 @@ class Worker:
         self.nonfinite = 0
         self._nonfinite_log = RateLimitedLog(log, NONFINITE_LOG_INTERVAL_S)
         self._refused_step = -1
+        #: sync: the values a push brought for the next pull (:mod:`.fresh`)
+        self._fresh = FreshValues()
         #: steps whose push a restore dropped before any PS kept it (values of before
         #: the restore): their update is gone, a caller counting steps trains them again
         self.lost_steps = 0
@@ -504,6 +507,14 @@ class Worker:
         started = time.perf_counter()
         wanted = None if names is None else list(names)
         staged = out is None and self.device.separate
+        if out is not None or staged:
+            self._fresh.pulled_elsewhere()
+        elif self._fresh.serve(
+            self.steps.tag(), self.session.gen, wanted, self.client.dense_names()
+        ):
+            # sync: the values of this token's step came with the last push's reply
+            self.record_phase("pull", started)
+            return self.client.params
         dest = self.mirror.host[0] if staged else out
         values = self.io.run(self.session.retrying(lambda: self.client.pull(wanted, out=dest)))
         if self.steps.voided:
@@ -574,14 +585,23 @@ class Worker:
         step, cursor = self.steps.tag(), self.cursor
         client = self.client
         # sync: the push to the PS that handed this step's token asks for the next one
-        # (its reply brings it once released: no token request of its own)
+        # (its reply brings it once released: no token request of its own), and, where
+        # the next pull would take them, for the values of after this step
+        sync = self.mode == "sync"
+        fresh = self._fresh.ask(
+            grads, client.dense_names(), allowed=sync and client.takes_fresh(grads)
+        )
         client.token_ps, client.offered = self.steps.push_asks(), None
+        client.fresh, client.fresh_steps = fresh, {}
         try:
             accepted = self._send(
-                lambda d: client.push(grads, step=step, cursor=cursor, delivery=d), loss
+                lambda d: client.push(grads, pull=fresh, step=step, cursor=cursor, delivery=d),
+                loss,
             )
+            if fresh:
+                self._fresh.brought(client.fresh_step(grads), client.values_gen())
         finally:
-            client.token_ps = None
+            client.token_ps, client.fresh = None, False
         self.record_phase("push", started)
         self.count_step(loss, examples)
         self.steps.offered(client.take_offered())
@@ -765,8 +785,9 @@ class Worker:
 
     def stats(self) -> dict[str, Any]:
         """This incarnation: the batches it resumed after (``steps_done``), the steps it
-        did, the batches restores gave back (``rewound``: trained again), and its pushes
-        by "ps/generation" (sent, acknowledged applied, dropped)."""
+        did, the batches restores gave back (``rewound``: trained again), the pulls the
+        pushes before answered (sync, ``fresh_pulls``), and its pushes by
+        "ps/generation" (sent, acknowledged applied, dropped)."""
         pushes = {} if self._client is None else self._client.push_counts
         return {
             "incarnation": self.incarnation,
@@ -776,6 +797,10 @@ class Worker:
             "rolled_back": self.rolled_back,
             "resent": self.session.resent,
             "nonfinite": self.nonfinite,
+            # sync: pulls answered by the values the push before brought, and pushes
+            # that asked for them in vain (the next pull went to the PS)
+            "fresh_pulls": self._fresh.hits,
+            "fresh_misses": self._fresh.misses,
             "pushes": {k: dict(v) for k, v in pushes.items()},
         }
 
