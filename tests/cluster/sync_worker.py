@@ -88,6 +88,7 @@ def main() -> None:
     record: dict[str, Any] = {"index": args.index, "pid": os.getpid(), "pushes": []}
     with zmqps.Worker(args.chief, args.index, steps_planned=args.steps) as worker:
         worker.create_variables(VARIABLES, optimizer=OPTIMIZERS[args.optimizer])
+        worker.pull()  # before any token (as the built-in CTR loop does): a plain pull
         for k in range(args.steps):
             step = worker.begin_step()
             if k == args.stop_at:

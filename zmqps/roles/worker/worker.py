@@ -17,7 +17,8 @@ Rules of this module:
 * The incarnation identifies this process run: a restarted worker registers with a
   newer one, and the PS fence pushes of the old one.
 * Arrays returned by :meth:`Worker.pull` belong to the worker and are refreshed in
-  place by the next pull; copy them to keep them.
+  place by the next pull (sync: by the next push, whose reply brings the next step's
+  values for that pull, :mod:`~zmqps.roles.worker.fresh`); copy them to keep them.
 * ``device="cuda:N"``: :meth:`Worker.pull` returns cupy arrays on that GPU (landed in
   pinned host buffers, then copied on a copy stream) and :meth:`Worker.push` takes
   cupy gradients (copied to pinned buffers, then sent); see :mod:`zmqps.device`.
@@ -510,7 +511,11 @@ class Worker:
         if out is not None or staged:
             self._fresh.pulled_elsewhere()
         elif self._fresh.serve(
-            self.steps.tag(), self.session.gen, wanted, self.client.dense_names()
+            # the token held now (none before the first begin_step: never served)
+            getattr(self.steps, "token", None),
+            self.session.gen,
+            wanted,
+            self.client.dense_names(),
         ):
             # sync: the values of this token's step came with the last push's reply
             self.record_phase("pull", started)
