@@ -157,21 +157,22 @@ def test_status_of_a_curve_cluster_without_keys_hints_at_keys(
         " ZMQPS_KEYS)\n"
     )
     server.send(signal.SIGTERM)
-    server.expect_exit(0, timeout=20)
+    server.expect_exit(143, timeout=20)  # stopped by a signal, not by a chief
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_standalone_ps_names_the_signal_and_stops_at_once(procs: Reaper, sig: int) -> None:
     """A PS holding no variables has nothing to serve on for: Ctrl-C ends it in a
-    moment (it waited the whole 8 s grace), and its log names the signal it got."""
+    moment (it waited the whole 8 s grace), its log names the signal it got, and its
+    exit code says it (128 + the signal: no chief shut it down)."""
     chief, ps, worker = addresses(3)
     hosts = ["--chief-host", chief, "--ps-hosts", ps, "--worker-hosts", worker]
     p = procs.spawn([script("zmqps-server"), *hosts, "--role", "ps", "--index", "0"], name="ps")
     wait_for(lambda: "serving on" in p.stderr, 30, what="the PS to serve")
     started = time.monotonic()
     p.send(sig)
-    p.expect_exit(0, timeout=20)
+    p.expect_exit(128 + sig, timeout=20)
     assert time.monotonic() - started < 2.0, p.tail()
     name = signal.Signals(sig).name
     assert f"ps 0: {name}; stopping (no variables here yet)" in p.stderr, p.tail()
@@ -262,7 +263,7 @@ def test_top_ends_with_one_line_when_the_cluster_is_gone(procs: Reaper) -> None:
     top = procs.spawn(zmqps_cmd("top", url, "--interval", "0.2"), name="top")
     wait_for(lambda: "requests/s" in top.stdout, 30, what="a view with the PS")
     server.send(signal.SIGTERM)
-    server.expect_exit(0, timeout=20)
+    server.expect_exit(143, timeout=20)  # stopped by a signal, not by a chief
     # never reached (started now, it waits out its 5 s while the first one does): exit
     # 1, one line
     never = procs.spawn(zmqps_cmd("top", url, "--interval", "0.5"), name="never")

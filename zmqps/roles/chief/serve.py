@@ -25,7 +25,7 @@ import signal
 import time
 from collections.abc import Awaitable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from zmqps.core.recovery import Event, Phase
 from zmqps.metrics import Metrics
@@ -49,6 +49,8 @@ from zmqps.wire.errors import (
 )
 
 __all__ = ["run_chief", "serve_chief"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("zmqps.chief")
 
@@ -172,14 +174,21 @@ async def _serve(
         watchers.start("summary writer", service.write_summaries())
     failed: list[str] = []  # shutdown steps that failed (each logged with its traceback)
     try:
-        if await watchers.unless_one_fails(_run(service, watchers)):
+        ran = await _unless_forced(service, watchers.unless_one_fails(_run(service, watchers)))
+        if ran:
             service.recovery.ps_shutting_down = True
             mover = service.recovery.mover
-            await _shutdown_ps(
-                ps_clients,
-                cfg.heartbeat_timeout,
-                service.recovery.silent_ps(),
-                drained=() if mover is None else mover.drained,
+            await _unless_forced(
+                service,
+                _shutdown_ps(
+                    ps_clients,
+                    cfg.heartbeat_timeout,
+                    service.recovery.silent_ps(),
+                    drained=() if mover is None else mover.drained,
+                    # stopped by a signal: a PS that does not answer at once is not
+                    # waited for (the window is for the end of a run, not a stop)
+                    budget=None if service.stop_signal is None else SIGNAL_SHUTDOWN_S,
+                ),
             )
         if service.recovery.lifecycle.can(Event.FINISHED):
             service.recovery.handle(Event.FINISHED)
@@ -225,11 +234,29 @@ async def _serve(
 
 
 def _stop_on(service: ChiefService, sig: signal.Signals) -> None:
-    """SIGTERM or SIGINT: the run stops (workers told by their heartbeats' replies)."""
+    """SIGTERM or SIGINT: the run stops (workers told by their heartbeats' replies); a
+    second one: the chief stops waiting for anything and exits."""
     if service.stop_signal is None:
-        log.warning("chief: %s: stopping the run", sig.name)
+        log.warning("chief: %s: stopping the run (a second signal stops it at once)", sig.name)
         service.stop_signal = sig
+    elif service.shutdown_requested.is_set() and not service.forced.is_set():
+        log.warning("chief: %s again: stopping at once, waiting for nothing more", sig.name)
+        service.forced.set()
     service.shutdown_requested.set()
+
+
+async def _unless_forced(service: ChiefService, step: Awaitable[T]) -> T | None:
+    """``step``'s result; None, the step cancelled, once a second signal came."""
+    running = asyncio.ensure_future(step)
+    forced = asyncio.ensure_future(service.forced.wait())
+    try:
+        await asyncio.wait([running, forced], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        forced.cancel()
+    if running.done():
+        return running.result()
+    await cancel_and_wait(running)
+    return None
 
 
 async def _cleanly(name: str, step: Awaitable[Any], failed: list[str]) -> None:
@@ -470,12 +497,18 @@ def shutdown_attempts(heartbeat_timeout: float) -> int:
 #: seconds a drained PS is given to answer at the end (one started again since)
 DRAINED_PROBE_S = 2.0
 
+#: a chief stopped by a signal waits this long for each PS to acknowledge its
+#: shutdown (one that does not, down or cut off, is not waited for: the stop is the
+#: user's, and every role obeys a signal within about two seconds)
+SIGNAL_SHUTDOWN_S = 2.0
+
 
 async def _shutdown_ps(
     ps_clients: Sequence[Requester],
     heartbeat_timeout: float,
     silent: Collection[int] = (),
     drained: Collection[int] | Mapping[int, str] = (),
+    budget: float | None = None,
 ) -> None:
     """Tell every PS process the run is over; one known ``silent`` (stopped or cut off
     past the heartbeat timeout, its states failed over or restored elsewhere) gets one
@@ -483,13 +516,14 @@ async def _shutdown_ps(
     then, and acknowledged it) none, unless another process answers at its address
     (``drained`` maps each to the boot id it had): one started again (a supervisor, a
     PS schedule) as the run ended, which no look of the chief saw, and which would
-    otherwise wait for a chief for ever."""
+    otherwise wait for a chief for ever. ``budget``: one attempt of that many seconds
+    each, whatever else (the chief was stopped by a signal)."""
     body = o.Shutdown("training finished").to_wire()
     window = shutdown_attempts(heartbeat_timeout)
 
     async def one(q: int, c: Requester) -> None:
-        attempts = 1 if q in silent else window
-        timeout = SHUTDOWN_ATTEMPT_S
+        attempts = 1 if q in silent or budget is not None else window
+        timeout = SHUTDOWN_ATTEMPT_S if budget is None else budget
         if q in drained:
             boot = drained.get(q) if isinstance(drained, Mapping) else None
             try:

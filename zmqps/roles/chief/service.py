@@ -127,6 +127,9 @@ class ChiefService:
         self.shutdown_requested = asyncio.Event()
         #: the signal (SIGTERM, SIGINT) that asked for the shutdown, if one did
         self.stop_signal: signal.Signals | None = None
+        #: a second signal: the chief stops waiting (for its last checkpoint, for the PS
+        #: to acknowledge their shutdown) and exits
+        self.forced = asyncio.Event()
         #: held heartbeats of workers waiting for the run's end, by index (at most one
         #: each), answered by :meth:`_tell_held_beats`
         self._held_beats: dict[int, asyncio.Future[None]] = {}

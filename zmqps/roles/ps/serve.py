@@ -229,6 +229,8 @@ async def serve_ps(
                 json.dumps(slots.service(state).status(), sort_keys=True, default=str),
             )
     why = "the chief shut it down" if service.shutdown_requested.is_set() else signalled[0]
+    if not service.shutdown_requested.is_set():
+        service.stop_signal = signalled[0]
     log.info(
         "ps %d: stopped (%s): %d shards, %d bytes, %d updates applied, generation %d",
         cfg.index,
@@ -291,4 +293,14 @@ async def _grace(
 
 
 def run_ps(cfg: PSConfig, options: SocketOptions | None = None) -> int:
-    return run_server(lambda ctx: serve_ps(cfg, ctx, options))
+    """The PS as a process; its exit code: 0 when the chief shut it down (the run's end,
+    or a stop the chief led: its final checkpoint taken), else 128 + the signal that
+    stopped it (as a shell says, and as the chief and the workers exit)."""
+    served: list[PSService] = []
+
+    async def serve(ctx: ZmqContext) -> None:
+        served.append(await serve_ps(cfg, ctx, options))
+
+    run_server(serve)
+    stopped_by = served[0].stop_signal if served else None
+    return 0 if stopped_by is None else 128 + int(signal.Signals[stopped_by])
