@@ -161,6 +161,26 @@ def test_status_of_a_curve_cluster_without_keys_hints_at_keys(
 
 
 @pytest.mark.timeout(60)
+def test_status_pointed_at_a_ps_says_so(procs: Reaper) -> None:
+    """A PS answers ``status`` too: ``zmqps status --chief <a PS>`` printed a table of
+    None and exited 0; it names what answered and exits 2."""
+    chief, ps, worker = addresses(3)
+    hosts = ["--chief-host", chief, "--ps-hosts", ps, "--worker-hosts", worker]
+    server = procs.spawn([script("zmqps-server"), *hosts, "--role", "ps"], name="ps")
+    wait_for(lambda: "serving on" in server.stderr, 30, what="the PS to serve")
+    for flags in ([], ["--json"]):
+        p = procs.spawn(zmqps_cmd("status", "--chief", ps, *flags), name="status")
+        p.expect_exit(2, timeout=20)
+        assert p.stdout == ""
+        assert p.stderr == (
+            f"zmqps: error: --chief {ps}: that is ps 0, not the chief (pass the chief's"
+            " address: the cluster spec's chief, --chief-host)\n"
+        ), p.stderr
+    server.send(signal.SIGTERM)
+    server.expect_exit(143, timeout=20)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_standalone_ps_names_the_signal_and_stops_at_once(procs: Reaper, sig: int) -> None:
     """A PS holding no variables has nothing to serve on for: Ctrl-C ends it in a

@@ -209,6 +209,26 @@ def test_a_read_only_folder_is_refused(tmp_path: Path) -> None:
         ro.chmod(0o755)
 
 
+def test_a_summary_path_that_cannot_be_a_file_is_refused_before_the_run(tmp_path: Path) -> None:
+    """``--summary <a folder>`` trained the whole run, then failed at its last line
+    with a raw errno."""
+    for argv, message in [
+        ((str(tmp_path),), f"--summary {tmp_path}: that is a folder (name the file to write)"),
+        (
+            (str(tmp_path / "f" / "s.json"),),
+            f"--summary {tmp_path / 'f'}: cannot create it (a file of that name is in the way)",
+        ),
+    ]:
+        (tmp_path / "f").write_text("")
+        with pytest.raises(ConfigError) as err:
+            check_launch_args(launch_args("--summary", *argv))
+        assert str(err.value) == message
+    (tmp_path / "f").unlink()
+    check_launch_args(launch_args("--summary", str(tmp_path / "s.json")))
+    check_launch_args(launch_args("--summary", str(tmp_path / "new" / "s.json")))  # made later
+    assert list(tmp_path.iterdir()) == []  # nothing written to find out
+
+
 def test_the_check_leaves_nothing_behind(tmp_path: Path) -> None:
     """A folder that appeared would look like an earlier run's (resume_from)."""
     deep = tmp_path / "a" / "b" / "c"

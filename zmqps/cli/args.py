@@ -430,6 +430,24 @@ def check_output_dir(flag: str, path: str | os.PathLike[str] | None) -> None:
         raise ConfigError(f"{flag} {path}: cannot write in it (Permission denied)")
 
 
+def check_output_file(flag: str, path: str | os.PathLike[str] | None) -> None:
+    """``path`` (the file of ``flag``, written at the end of a run) can be written,
+    checked before anything starts: a run that trained for an hour must not fail at
+    its last line on a path that was never a file's."""
+    if path is None:
+        return
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise ConfigError(f"{flag} {path}: that is a folder (name the file to write)")
+    parent = os.path.dirname(target)
+    if not os.path.isdir(parent):  # made when the file is written: it must be possible
+        check_output_dir(flag, parent)
+        return
+    writable = os.access(target, os.W_OK) if os.path.exists(target) else os.access(parent, os.W_OK)
+    if not writable:
+        raise ConfigError(f"{flag} {path}: cannot write it (Permission denied)")
+
+
 def add_metrics_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("metrics (Prometheus)")
     g.add_argument(

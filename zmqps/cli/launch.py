@@ -49,6 +49,7 @@ from zmqps.cli.args import (
     add_sync_args,
     add_wire_dtype_arg,
     check_output_dir,
+    check_output_file,
     checkpoint_policy_from_args,
     job_from_args,
     on_nonfinite_from_args,
@@ -1066,6 +1067,7 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
         check_output_dir("--checkpoint-dir", args.checkpoint_dir)
     check_output_dir("--export-dir", args.export_dir)
     check_output_dir("--logdir", args.logdir)
+    check_output_file("--summary", args.summary)
     return job
 
 
@@ -1196,7 +1198,12 @@ def launch(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"--run-dir {run_dir}: cannot create it ({exc.strerror})") from None
     started = time.monotonic()
-    launcher = Launcher(args, run_dir)
+    try:
+        launcher = Launcher(args, run_dir)
+    except ConfigError:  # nothing started: a folder made for the run is not left behind
+        if not args.run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     if not args.quiet:
         print(
             f"zmqps launch: chief {launcher.cluster.chief}, {args.ps} PS, {args.workers}"

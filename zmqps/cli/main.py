@@ -194,6 +194,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{exc} (is the chief running? a cluster started with CURVE keys answers only"
             f" with them: pass --keys DIR or set {KEYS_ENV})"
         ) from None
+    role = status.get("role")
+    if role != "chief":  # a PS answers ``status`` too (its own, nothing of the run's)
+        what = f"{role} {status.get('index', '')}".strip() if role else "not a chief"
+        raise ConfigError(
+            f"--chief {args.chief}: that is {what}, not the chief (pass the chief's address:"
+            " the cluster spec's chief, --chief-host)"
+        )
     if args.json:
         print(json.dumps(status, indent=2))
     else:

@@ -131,6 +131,7 @@ def _chief_timeout(given: float | None, default: float) -> float | None:
 
 def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
     from zmqps.cli.args import (
+        check_output_file,
         job_from_args,
         metrics_port,
         optimizer_from_args,
@@ -140,6 +141,7 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
     )
 
     job = job_from_args(args)
+    check_output_file("--summary", args.summary)
     driver = None
     if getattr(args, "driver", "worker") == "coordinator":
         if job is None:

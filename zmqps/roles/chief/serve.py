@@ -345,7 +345,9 @@ def _ended_before(service: ChiefService, finished: RunFinished) -> None:
 def _write_summary(service: ChiefService) -> None:
     """The run's summary (``service.result``) to the chief's ``--summary`` file."""
     if service.cfg.summary_path:
-        Path(service.cfg.summary_path).write_text(json.dumps(service.result, indent=2) + "\n")
+        path = Path(service.cfg.summary_path)
+        path.parent.mkdir(parents=True, exist_ok=True)  # checked at the start (--summary)
+        path.write_text(json.dumps(service.result, indent=2) + "\n")
 
 
 async def _create_job_variables(service: ChiefService) -> None:
