@@ -7,7 +7,11 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+import pytest
+
 from zmqps.wire import ops
+from zmqps.wire.errors import ProtocolError
+from zmqps.wire.schema import Map
 
 
 def _bodies() -> list[type[ops.Body]]:
@@ -39,3 +43,23 @@ def test_a_field_given_as_a_type_is_read_as_one() -> None:
     assert ops._kind_of(tuple[int, ...]) == (ops._TUPLE, None)
     assert ops._kind_of(ops.ShmRef | None) == (ops._BODY, ops.ShmRef)
     assert ops._kind_of(ops.Who) == (ops._WHO, None)
+
+
+def test_a_generation_or_step_whose_next_would_overflow_is_refused() -> None:
+    """A ``restore`` to generation 2**63 - 1 was taken by a PS; the chief, computing the
+    next generation from it, failed (its 64-bit field) and exited 1."""
+    body = {"gen": 2**63 - 1, "step": 0, "shards": []}
+    with pytest.raises(ProtocolError, match=r"Restore body\.gen"):
+        ops.Restore.parse(body)
+    with pytest.raises(ProtocolError, match=r"Restore body\.step"):
+        ops.Restore.parse({**body, "gen": 1, "step": 2**63 - 1})
+    top = ops.MAX_COUNT
+    assert ops.Restore.parse({**body, "gen": top, "step": top}).gen == top
+    for cls in (ops.Restore, ops.Push, ops.Pull, ops.PushReply):  # generations and steps
+        schema = cls.SCHEMA
+        assert isinstance(schema, Map)
+        known = {**schema.required, **schema.optional}
+        for name in ("gen", "values_step", "token_step"):
+            if name in known:
+                with pytest.raises(ProtocolError):
+                    known[name].check(2**63 - 1, f"{cls.__name__}.{name}")

@@ -205,6 +205,11 @@ def test_config_roundtrip_and_types() -> None:
         {"name": "adam", "lr": 0.1, "eps": 0.0},
         {"name": "adagrad", "lr": 0.1, "initial_accumulator": 0.0, "eps": 0.0},
         {"name": "adam", "lr": 0.1, "nesterov": True},
+        # finite, but one update of a gradient the PS takes would not be: parameters
+        # became infinite (lr) or NaN (weight decay)
+        {"name": "sgd", "lr": 1e300},
+        {"name": "sgd", "lr": 0.1, "weight_decay": 1e300},
+        {"name": "adam", "lr": 1e7},
     ],
 )
 def test_make_optimizer_refuses(cfg: dict[str, Any]) -> None:

@@ -78,6 +78,12 @@ def compute_dtype(dtype: str | np.dtype[Any]) -> np.dtype[Any]:
     return np.dtype(np.float32) if dt == np.float16 else dt
 
 
+#: the largest value a hyperparameter (lr, weight decay, eps, ...) may take: far past
+#: any that trains, and small enough that one update of a gradient the PS takes (below
+#: its dtype's limit) stays finite (``lr=1e300`` made every parameter infinite)
+MAX_HYPERPARAMETER = 1e6
+
+
 def _number(config: Mapping[str, Any], key: str, default: float | None) -> float:
     v = config.get(key, default)
     if v is None:
@@ -86,6 +92,9 @@ def _number(config: Mapping[str, Any], key: str, default: float | None) -> float
         raise InvalidArgument(f"optimizer {key!r} must be a finite number, got {v!r}")
     if v < 0:
         raise InvalidArgument(f"optimizer {key!r} must be >= 0, got {v!r}")
+    if v > MAX_HYPERPARAMETER:
+        top = MAX_HYPERPARAMETER
+        raise InvalidArgument(f"optimizer {key!r} must be at most {top:g}, got {v!r}")
     return float(v)
 
 

@@ -69,6 +69,13 @@ __all__ = [
     "wire",
 ]
 
+#: generations and steps: counts no run comes near (2**62 restores or steps), bounded
+#: so that one more (``gen + 1``, ``step + 1``) never overflows a peer's 64-bit field
+#: (a restore of generation 2**63 - 1 made the chief fail at its next one)
+MAX_COUNT = 2**62
+GEN = Int(0, MAX_COUNT)
+STEP = Int(0, MAX_COUNT)
+
 if TYPE_CHECKING:
     from typing_extensions import dataclass_transform
 else:
@@ -302,7 +309,7 @@ class Leave(Body):
     nonfinite: int | None = wire(TALLY, default=None)
     #: the cluster generation the task's work is of: a ``done`` of an older one than
     #: the chief's is refused (a restore meanwhile may have taken its batches back)
-    gen: int | None = wire(Int(0), default=None)
+    gen: int | None = wire(GEN, default=None)
 
 
 @_body("create_vars")
@@ -325,7 +332,7 @@ class TakeToken(Body):
     have: int | None = wire(Int(-1), default=None)
     #: the generation ``have`` was computed in: a poll the chief holds across a restore
     #: then counts as saying nothing computed (the steps went back with the restore)
-    have_gen: int | None = wire(Int(0), default=None)
+    have_gen: int | None = wire(GEN, default=None)
 
 
 @_body("ssp_clock")
@@ -375,7 +382,7 @@ class CreateShards(Body):
 class Pull(Body):
     shards: tuple[int, ...] = wire(SHARDS)
     shm_out: ShmRef | None = wire(ShmRef.SCHEMA, default=None)
-    gen: int | None = wire(Int(0), default=None)
+    gen: int | None = wire(GEN, default=None)
     #: the values as the PS keeps them, not rounded to their variable's wire dtype (the
     #: chief's final evaluation and export, an evaluator)
     exact: bool | None = wire(Bool(), default=None)
@@ -394,7 +401,7 @@ class Push(Body):
     step: int | None = wire(Int(0), default=None)
     shm: ShmRef | None = wire(ShmRef.SCHEMA, default=None)
     shm_out: ShmRef | None = wire(ShmRef.SCHEMA, default=None)
-    gen: int | None = wire(Int(0), default=None)
+    gen: int | None = wire(GEN, default=None)
     #: how many batches this worker (all its incarnations) has pushed, this one
     #: included: the PS keep the highest per worker, so a restarted worker resumes
     #: after the batches that really reached them
@@ -443,7 +450,7 @@ class PushPullRows(Push):
 @_body("pull_rows")
 class PullRows(Body):
     shards: tuple[int, ...] = wire(SHARDS)
-    gen: int | None = wire(Int(0), default=None)
+    gen: int | None = wire(GEN, default=None)
     #: False: a read-only pull (hash tables create, stamp and admit nothing)
     create: bool | None = wire(Bool(), default=None)
     #: same host: the rows go into this region (one offset per shard, each shard's
@@ -459,7 +466,7 @@ class TableRows(Body):
     shard: int = wire(SHARD_ID)
     start: int = wire(Int(0, 2**48))
     limit: int = wire(Int(1, 1 << 24))
-    gen: int | None = wire(Int(0), default=None)
+    gen: int | None = wire(GEN, default=None)
 
 
 @_body("shm_attach")
@@ -507,7 +514,7 @@ class WaitStep(Body):
     #: checkpoint is taken), of generation ``gen``: this PS hands them to the workers
     #: that ask it (``take_token``); None: it hands none
     released: int | None = wire(Int(0), default=None)
-    gen: int | None = wire(Int(0), default=None)
+    gen: int | None = wire(GEN, default=None)
     #: sync: this PS may release ``step``'s tokens (generation ``gen``) by itself the
     #: moment it applied the step, before the chief hears of it (the chief says so for
     #: a boundary it needs nothing at, and only to the one PS holding shards)
@@ -549,8 +556,8 @@ class CheckpointDone(Body):
 
 @_body("restore")
 class Restore(Body):
-    gen: int = wire(Int(0))
-    step: int = wire(Int(0))
+    gen: int = wire(GEN)
+    step: int = wire(STEP)
     shards: tuple[Mapping[str, Any], ...] = wire(List(SHARD, MAX_SHARDS))
     name: str | None = wire(CKPT_NAME, default=None)
     placement: Mapping[str, Any] | None = wire(PLACEMENT, default=None)
@@ -764,7 +771,6 @@ class MakeResource(Body):
 # Replies.
 
 ANY = AnyMap()
-STEP = Int(0)
 
 
 @_body(reply=True)
@@ -797,7 +803,7 @@ class ClusterInfo(Body):
     ps: tuple[str, ...] = wire(List(Str(256), MAX_SHARDS))
     mode: str = wire(Str(8))
     heartbeat_interval: float = wire(Float(0.0))
-    gen: int = wire(Int(0), default=0)
+    gen: int = wire(GEN, default=0)
     global_step: int = wire(STEP, default=0)
     placement: Mapping[str, Any] | None = wire(Nullable(PLACEMENT), default=None, keep_none=True)
     recovering: bool = wire(Bool(), default=False)
@@ -810,7 +816,7 @@ class ClusterInfo(Body):
 @_body(reply=True)
 class HeartbeatReply(Body):
     global_step: int = wire(STEP)
-    gen: int = wire(Int(0))
+    gen: int = wire(GEN)
     recovering: bool = wire(Bool(), default=False)
     finished: bool = wire(Bool(), default=False)
     stop: bool = wire(Bool(), default=False)
@@ -848,7 +854,7 @@ class StepReply(Body):
 @_body(reply=True)
 class Token(Body):
     step: int = wire(STEP)
-    gen: int = wire(Int(0))
+    gen: int = wire(GEN)
     #: the PS (its index) to ask for the next token: it hands the tokens the chief
     #: releases, so the chief hears no request per worker and step; None: ask the chief
     ps: int | None = wire(Int(0, MAX_SHARDS), default=None)
@@ -905,7 +911,7 @@ class PushReply(Body):
     #: a push that asked for it (``Push.token``): the next token (its step and
     #: generation, the PS that handed it), if released within the PS's short wait
     token_step: int | None = wire(STEP, default=None)
-    token_gen: int | None = wire(Int(0), default=None)
+    token_gen: int | None = wire(GEN, default=None)
     token_ps: int | None = wire(Int(0, MAX_SHARDS), default=None)
     #: a push that asked for fresh values (``Push.fresh``): the PS's sync step when
     #: it read the values the reply brings; ``unvalued``: the reply brings none (the
@@ -946,7 +952,7 @@ class PsStateReply(Body):
 
     index: int = wire(Int(0))
     boot: str = wire(Str(64))
-    gen: int = wire(Int(0))
+    gen: int = wire(GEN)
     shards: Sequence[Any] = wire(AnyList())  # [[shard id, version], ...]
     mode: str = wire(Str(8), default="")
     step: int = wire(STEP, default=0)
@@ -1019,7 +1025,7 @@ class Written(Body):
 
 @_body(reply=True)
 class Restored(Body):
-    gen: int = wire(Int(0))
+    gen: int = wire(GEN)
     versions: Sequence[Any] = wire(AnyList())
 
 
