@@ -22,7 +22,7 @@ from zmqps.core.partition import (
 )
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.wire.errors import InvalidArgument
-from zmqps.wire.schema import PLACEMENT
+from zmqps.wire.schema import MAX_SHARDS, PLACEMENT
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -410,3 +410,14 @@ def test_plan_rejects(args, match):
     kwargs = {"variables": model(), "num_ps": 2, "partitioner": Partitioner(), **args}
     with pytest.raises(InvalidArgument, match=match):
         plan(**kwargs)
+
+
+def test_a_plan_of_more_shards_than_the_wire_carries_is_refused_before_any_is_made() -> None:
+    """One ``create_vars`` of a [2**40, 256] variable made the chief build 2**24 shards
+    (gigabytes, no reply) before anything said no."""
+    huge = VariableDef("huge", (2**40, 256))
+    with pytest.raises(InvalidArgument, match="need 16,777,216 shards, at most 65,536"):
+        plan([huge], 2, Partitioner())
+    with pytest.raises(InvalidArgument, match="at most 65,536"):  # many small ones too
+        plan([VariableDef(f"v{i}", (30_000,)) for i in range(3)], 1, Partitioner(num_shards=30_000))
+    plan([VariableDef("ok", (MAX_SHARDS, 1))], 1, Partitioner(num_shards=MAX_SHARDS))

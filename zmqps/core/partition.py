@@ -31,7 +31,7 @@ from typing import Any
 
 from zmqps.core.variables import Placement, ShardInfo, VariableDef
 from zmqps.wire.errors import InvalidArgument
-from zmqps.wire.schema import MAX_REPLICATION
+from zmqps.wire.schema import MAX_REPLICATION, MAX_SHARDS
 
 __all__ = [
     "DEFAULT_OPTIMIZER",
@@ -250,6 +250,16 @@ def plan(
             raise InvalidArgument(f"duplicate variable name {v.name!r}")
         seen.add(v.name)
 
+    # counted before anything is split: a variable of 2**40 rows asked for 2**24 shards,
+    # and the chief built them all (gigabytes) before any check said no
+    counts = [partitioner.num_shards_for(v, num_ps) for v in variables]
+    if sum(counts) > MAX_SHARDS:
+        n, big = max(zip(counts, variables, strict=True), key=lambda c: c[0])
+        raise InvalidArgument(
+            f"these variables need {sum(counts):,} shards, at most {MAX_SHARDS:,} are"
+            f" possible ({big.name} {list(big.shape)}, {big.nbytes:,} bytes, alone needs"
+            f" {n:,} of at most {partitioner.max_shard_bytes:,} bytes)"
+        )
     pieces: list[tuple[VariableDef, int, int, int]] = []  # (var, index, row_start, rows)
     for v in variables:
         for index, (row_start, rows) in enumerate(partitioner.split(v, num_ps)):

@@ -26,8 +26,12 @@ from typing import Any, Protocol
 
 __all__ = ["TRACK_BYTES", "Tracker", "UnreadReplies"]
 
-#: replies carrying at least this many bytes are tracked (smaller ones pin little)
-TRACK_BYTES = 1 << 20
+#: replies carrying at least this many bytes of tensors are tracked. Tracking costs
+#: nothing measurable (a tracked frame goes zero-copy instead of being copied); left
+#: untracked below 1 MiB, pulls of a small model that a peer never read grew a PS by
+#: gigabytes (ZeroMQ queues 10,000 replies per connection). What stays untracked is
+#: at most the send HWM of replies of less than this each, per connection.
+TRACK_BYTES = 4 << 10
 #: at most this often (seconds) are every peer's trackers looked at
 _SWEEP_EVERY_S = 0.1
 
