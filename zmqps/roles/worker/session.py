@@ -61,6 +61,10 @@ B = TypeVar("B", bound=o.Body)
 LINGER_SILENCE = 10
 
 
+#: a worker waiting for its chief says so at most this often (seconds)
+REGISTER_NOTE_S = 5.0
+
+
 class Session:
     """One task (``who``) of the cluster whose chief is reached through ``chief``."""
 
@@ -144,6 +148,7 @@ class Session:
         body = o.Register(
             self.who, self.steps_planned, steps_done=self.steps_done, epoch=self.epoch or None
         ).to_wire()
+        said, why = float("-inf"), ""
         while True:
             try:
                 rep = await self.chief.request("register", body, timeout=2.0)
@@ -151,11 +156,24 @@ class Session:
                 self.last_contact = time.monotonic()
                 return self.info
             except (DeadlineExceeded, NotReady) as exc:
+                # a chief that answers NotReady is up and starting (e.g. waiting for its
+                # PS): its own words, not "no answer" (which sends users to the network)
+                now_why = f"the chief is not ready: {exc}" if isinstance(exc, NotReady) else ""
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded(
                         f"chief at {self.chief.endpoint} did not answer within {connect_timeout:g}s"
+                        if not now_why
+                        else f"chief at {self.chief.endpoint} was not ready within"
+                        f" {connect_timeout:g}s ({exc})"
                     ) from None
-                log.info("%s: waiting for the chief at %s", self.name, self.chief.endpoint)
+                if now_why != why or time.monotonic() - said >= REGISTER_NOTE_S:
+                    said, why = time.monotonic(), now_why  # at most one line per 5 s
+                    log.info(
+                        "%s: waiting for the chief at %s%s",
+                        self.name,
+                        self.chief.endpoint,
+                        f" ({now_why})" if now_why else "",
+                    )
                 if isinstance(exc, NotReady):  # it answers, and is starting: ask again soon
                     await asyncio.sleep(0.2)
 
