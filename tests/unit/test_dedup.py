@@ -183,3 +183,24 @@ def test_fence_refuses_older_incarnations_before_the_new_one_pushes() -> None:
     assert d.fence("never-pushed", 5)
     with pytest.raises(FencedError):
         d.check("never-pushed", 4, 0)
+
+
+def test_a_name_the_chief_fences_makes_room_by_a_name_it_never_registered() -> None:
+    """8,192 pushes under invented names filled the table for good: the real worker's
+    fence was refused, it never registered, and training stayed at step 0."""
+    d = PushDeduper(window=8, max_workers=4)
+    d.fence("worker:0", 1)
+    for i in range(3):
+        d.commit(f"invented{i}", 1, 0)
+    assert d.full_for("worker:1") and not d.full_for("worker:0")
+    assert d.unregistered() == "invented0"  # the oldest never fenced
+    d.forget("invented0")
+    assert d.fence("worker:1", 1)
+    assert d.full_for("worker:2") and d.unregistered() == "invented1"
+    d.forget("invented1")
+    d.forget("invented2")
+    d.fence("worker:2", 1)
+    d.fence("worker:3", 1)
+    assert d.unregistered() is None  # every name registered: nobody is made room by
+    with pytest.raises(InvalidArgument):
+        d.fence("worker:4", 1)

@@ -73,6 +73,8 @@ class PushDeduper:
         self._mask = (1 << window) - 1
         self._workers: dict[str, _Worker] = {}
         self._chars = 0  # of the names in _workers
+        #: the names the chief fenced (it registered them): never made room for
+        self._fenced: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -154,14 +156,29 @@ class PushDeduper:
         past the bounds raises InvalidArgument, changing nothing."""
         w = self._workers.get(worker)
         if w is not None and incarnation <= w.incarnation:
+            self._fenced.add(worker)
             return False
         self._put(worker, _Worker(incarnation))
+        self._fenced.add(worker)
         return True
+
+    def full_for(self, worker: str) -> bool:
+        """Whether a new name ``worker`` would pass the bounds."""
+        return worker not in self._workers and (
+            len(self._workers) >= self.max_workers or self._chars + len(worker) > self.max_chars
+        )
+
+    def unregistered(self) -> str | None:
+        """The oldest name the chief never fenced (pushes under a name no worker was
+        registered with: a client inventing names), or None: what a worker the chief
+        registers makes room by, when the names fill the bounds."""
+        return next((name for name in self._workers if name not in self._fenced), None)
 
     def forget(self, worker: str) -> None:
         """Drop everything known about ``worker`` (e.g. it left the job for good)."""
         if self._workers.pop(worker, None) is not None:
             self._chars -= len(worker)
+        self._fenced.discard(worker)
 
     # -- persistence ---------------------------------------------------------
 
@@ -195,6 +212,7 @@ class PushDeduper:
         if len(workers) > self.max_workers or chars > self.max_chars:
             raise InvalidArgument("dedup snapshot past its bounds")
         self._workers, self._chars = workers, chars
+        self._fenced &= workers.keys()
 
 
 def _int(v: Any, lo: int) -> int:
@@ -281,6 +299,10 @@ class PushLedger:
         if w is None:
             w = self._workers[worker] = WorkerPushes()
         return w
+
+    def forget(self, worker: str) -> None:
+        """Drop ``worker``'s record (the deduper forgot the name: room was made)."""
+        self._workers.pop(worker, None)
 
     def applied(
         self, worker: str, incarnation: int, gen: int, cursor: int | None, step: int | None

@@ -1210,7 +1210,24 @@ class PSService:
 
     def _op_fence(self, msg: Message, req: o.Fence) -> Message:
         """The chief registered an incarnation of a worker: fence the older ones now,
-        and say how far that worker's pushes got (read in the same turn)."""
+        and say how far that worker's pushes got (read in the same turn). A name new
+        here, the names at their bound, takes the place of the oldest name the chief
+        never fenced: pushes under names no worker registered with (a client inventing
+        them) never lock a registered worker out."""
+        if self.dedup.full_for(req.worker):
+            gone = self.dedup.unregistered()
+            if gone is not None:
+                self.dedup.forget(gone)
+                self.pushes.forget(gone)
+                self.notes.log(
+                    logging.WARNING,
+                    "ps %d: the worker names are at their bound: %s (never registered by the"
+                    " chief) forgotten to keep %s",
+                    self.index,
+                    gone,
+                    req.worker,
+                    key="names_full",
+                )
         if self.dedup.fence(req.worker, req.inc):
             self.notes.log(
                 logging.INFO,
