@@ -193,14 +193,25 @@ async def serve_ps(
                 raise RuntimeError(
                     f"ps {cfg.index}: its server stopped reading: {deaf.exception()!r}"
                 )
+            if loop.time() - said < IDLE_NOTE_S:
+                continue
             idle = not service.chief_seen and not service.store.stats()["shards"]
-            if loop.time() - said >= IDLE_NOTE_S and idle:
+            silent = service.chief_silent_for()  # a chief that probed it, gone quiet
+            if idle:
                 said = loop.time()  # never silent: a PS nobody gave variables says so
                 log.warning(
                     "ps %d: no variables after %.0fs: waiting for a chief to create them"
                     " (is `zmqps-server --role chief` running, with this PS in its cluster?)",
                     cfg.index,
                     said - started,
+                )
+            elif silent is not None and silent >= IDLE_NOTE_S:
+                said = loop.time()  # a PS whose chief died serves on, but says so
+                log.warning(
+                    "ps %d: no word from the chief for %.0fs: serving on (a chief started"
+                    " again resumes the run; Ctrl-C or SIGTERM stops this PS)",
+                    cfg.index,
+                    silent,
                 )
         if not service.shutdown_requested.is_set():
             await _grace(cfg, service, stop, signalled)

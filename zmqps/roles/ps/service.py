@@ -158,6 +158,7 @@ class PSService:
         self.fenced = 0
         #: a chief has asked this PS for its state (it probes every PS, shards or none)
         self.chief_seen = False
+        self._chief_heard: float | None = None
         #: pushes refused or acknowledged without being applied, by reason
         self.dropped: Counter[str] = Counter()
         #: the consistency mode; the chief sets it (``sync_config``)
@@ -1189,9 +1190,17 @@ class PSService:
 
     # -- recovery --------------------------------------------------------------
 
+    def chief_silent_for(self, now: float | None = None) -> float | None:
+        """Seconds since a chief last probed this PS (``ps_state``, every heartbeat
+        interval while one runs), or None if none ever did."""
+        if self._chief_heard is None:
+            return None
+        return (time.monotonic() if now is None else now) - self._chief_heard
+
     def _op_ps_state(self, msg: Message, req: o.PsState) -> Message:
         """What a (restarted) chief needs to adopt this PS's state or to restore it."""
         self.chief_seen = True  # a chief probes every PS with this, shards or none
+        self._chief_heard = time.monotonic()  # ... each heartbeat interval
         state = o.PsStateReply(
             index=self.index,
             boot=self.boot,
