@@ -48,10 +48,7 @@ def test_the_reply_is_held_until_the_step_is_applied_and_brings_its_values(
     async def body() -> None:
         c = await sync_cluster(required=2, num_ps=num_ps)
         for i in range(num_ps):
-            await c.net.client(f"ps{i}", "chief:0").request(
-                "wait_step",
-                {"step": 1, "wait": 0.0, "released": 0, "gen": 0, "release_step": True},
-            )
+            await released_ahead(c, 1, ps=i)
         w0, w1 = c.client("worker:0", shared_memory=shm), c.client("worker:1", shared_memory=shm)
         for w in (w0, w1):
             await w.pull()

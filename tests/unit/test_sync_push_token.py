@@ -84,10 +84,10 @@ def test_the_chief_hears_the_tokens_of_the_step_it_asks_about_after_the_ps_moved
 # ------------------------------------------------------------------ the PS
 
 
-def released_ahead(c: Any, step: int, gen: int = 0) -> Any:
-    """The chief's poll that released ``step - 1`` and lets the PS release ``step``."""
+def released_ahead(c: Any, step: int, gen: int = 0, ps: int = 0) -> Any:
+    """The chief's poll that released ``step - 1`` and lets PS ``ps`` release ``step``."""
     body = {"step": step, "wait": 0.0, "released": step - 1, "gen": gen, "release_step": True}
-    return c.net.client("ps0", "chief:0").request("wait_step", body)
+    return c.net.client(f"ps{ps}", "chief:0").request("wait_step", body)
 
 
 def test_the_push_completing_the_step_releases_the_next_and_every_reply_carries_it() -> None:

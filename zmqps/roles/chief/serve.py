@@ -96,17 +96,26 @@ class _Watchers:
 
     async def unless_one_fails(self, run: Awaitable[bool]) -> bool:
         """``run``'s result; the first watcher's error instead, should one fail first."""
-        running = asyncio.ensure_future(run)
-        failed = asyncio.ensure_future(self.failed.wait())
-        try:
-            await asyncio.wait([running, failed], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            failed.cancel()
-        if not running.done():
-            await cancel_and_wait(running)
+        done, result = await _unless(self.failed, run)
+        if not done:
             assert self.error is not None
             raise self.error
-        return running.result()
+        return bool(result)
+
+
+async def _unless(event: asyncio.Event, step: Awaitable[T]) -> tuple[bool, T | None]:
+    """(True, ``step``'s result), or (False, None) with the step cancelled when
+    ``event`` is set first."""
+    running = asyncio.ensure_future(step)
+    waiting = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait([running, waiting], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if running.done():
+        return True, running.result()
+    await cancel_and_wait(running)
+    return False, None
 
 
 async def serve_chief(
@@ -247,16 +256,7 @@ def _stop_on(service: ChiefService, sig: signal.Signals) -> None:
 
 async def _unless_forced(service: ChiefService, step: Awaitable[T]) -> T | None:
     """``step``'s result; None, the step cancelled, once a second signal came."""
-    running = asyncio.ensure_future(step)
-    forced = asyncio.ensure_future(service.forced.wait())
-    try:
-        await asyncio.wait([running, forced], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        forced.cancel()
-    if running.done():
-        return running.result()
-    await cancel_and_wait(running)
-    return None
+    return (await _unless(service.forced, step))[1]
 
 
 async def _cleanly(name: str, step: Awaitable[Any], failed: list[str]) -> None:

@@ -40,7 +40,7 @@ import math
 import secrets
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from itertools import islice
 from pathlib import Path
@@ -868,17 +868,30 @@ class PSService:
         the push, the worker computed its step: the next token is the one after it."""
         have = req.step
 
-        def answer() -> Message | None:
+        def answer(final: bool) -> Message | None:
             token = self.tokens.grant(have, self.gen)
             if token is None:
-                return None
+                return reply(msg, out.to_wire()) if final else None
             step, gen = token
             with_token = replace(out, token_step=step, token_gen=gen, token_ps=self.index)
             return reply(msg, with_token.to_wire())
 
-        now = answer()
+        return self._held(answer, self._token_changes.wait, token=True)
+
+    def _held(
+        self,
+        answer: Callable[[bool], Message | None],
+        changed: Callable[[float], Awaitable[Any]],
+        token: bool,
+    ) -> Message | Awaitable[Message]:
+        """A push's reply that may wait: ``answer(False)`` now, or, while that is None,
+        again after each change (``changed(left)``: a release, a step) within
+        :data:`PUSH_TOKEN_WAIT_S`, when ``answer(True)`` answers whatever it has.
+        ``token``: the wait is reported as a token request's (``zmqps status``)."""
+        now = answer(False)
         if now is not None:
-            self.tokens.waited(0.0)
+            if token:
+                self.tokens.waited(0.0)
             return now
 
         async def held() -> Message:
@@ -889,14 +902,13 @@ class PSService:
             started = loop.time()
             deadline = started + PUSH_TOKEN_WAIT_S
             while True:
-                got = answer()
-                if got is not None:
-                    self.tokens.waited(loop.time() - started)
-                    return got
                 left = deadline - loop.time()
-                if left <= 0:
-                    return reply(msg, out.to_wire())
-                await self._token_changes.wait(left)
+                got = answer(left <= 0)
+                if got is not None:
+                    if token:
+                        self.tokens.waited(loop.time() - started)
+                    return got
+                await changed(left)
 
         return held()
 
@@ -915,12 +927,12 @@ class PSService:
             return reply(msg, bare.to_wire())
         out = _with_versions(out, self._versions(req.shards), takes=DENSE_TAKES)
         bare = replace(out, unvalued=True)
-        want, asked = req.step + 1, bool(req.token)
+        want, asked, step = req.step + 1, bool(req.token), req.step
 
         def answer(final: bool) -> Message | None:
             if self.visible_step < want:
                 return reply(msg, bare.to_wire()) if final else None
-            token = self.tokens.grant(req.step, self.gen) if asked else None
+            token = self.tokens.grant(step, self.gen) if asked else None
             if asked and token is None and not final:
                 return None
             body = (
@@ -930,29 +942,12 @@ class PSService:
             )
             return self._with_values(msg, req, body, packs, bare)
 
-        now = answer(False)
-        if now is not None:
-            if asked:
-                self.tokens.waited(0.0)
-            return now
+        def changed(left: float) -> Awaitable[Any]:
+            if self.visible_step < want:
+                return self.waiters.wait(want, left)
+            return self._token_changes.wait(left)
 
-        async def held() -> Message:
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            deadline = started + PUSH_TOKEN_WAIT_S
-            while True:
-                left = deadline - loop.time()
-                got = answer(left <= 0)
-                if got is not None:
-                    if asked:
-                        self.tokens.waited(loop.time() - started)
-                    return got
-                if self.visible_step < want:
-                    await self.waiters.wait(want, left)
-                else:
-                    await self._token_changes.wait(left)
-
-        return held()
+        return self._held(answer, changed, token=asked)
 
     def _with_values(
         self, msg: Message, req: o.Push, out: o.PushReply, packs: Sequence[int], bare: o.PushReply
