@@ -129,6 +129,7 @@ def test_distribution_moments() -> None:
         {"name": 3},
         {"name": "normal", "stddev": -1.0},
         {"name": "uniform", "low": 1.0, "high": 0.0},
+        {"name": "uniform", "low": -1e308, "high": 1e308},  # was an internal error
         {"name": "zeros", "value": 1.0},
         {"name": "glorot_uniform", "stddev": 1.0},
         {"name": "normal", "mean": float("nan")},

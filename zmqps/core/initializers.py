@@ -114,8 +114,11 @@ def validate_init(init: Mapping[str, Any]) -> None:
             _float(init, key, 0.0)
     if _float(init, "stddev", 0.0) < 0:
         raise InvalidArgument("initializer stddev must be >= 0")
-    if _float(init, "low", -0.05) > _float(init, "high", 0.05):
+    low, high = _float(init, "low", -0.05), _float(init, "high", 0.05)
+    if low > high:
         raise InvalidArgument("initializer low must be <= high")
+    if not math.isfinite(high - low):  # numpy cannot draw from it (an internal error)
+        raise InvalidArgument(f"initializer range [{low:g}, {high:g}] is wider than a float64")
 
 
 def fans(full_shape: tuple[int, ...]) -> tuple[int, int]:
