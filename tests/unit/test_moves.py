@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
@@ -324,6 +325,27 @@ def test_the_chiefs_elastic_metrics_follow_the_moves() -> None:
         assert metric(m, "zmqps_ps_moved_bytes_total") == mover.bytes > 0
         assert metric(m, "zmqps_ps_drained") == 2
         assert metric(m, "zmqps_placement_epoch") == chief.recovery.homes.epoch == epoch + 2  # type: ignore[operator]
+
+    run(body())
+
+
+def test_the_same_scale_asked_again_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """500 ``scale`` requests of a hostile client were 500 log lines of the chief."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, _ = await cluster(net, 1)
+        mover = chief.recovery.mover
+        assert mover is not None
+        with caplog.at_level(logging.WARNING, logger="zmqps"):
+            for _ in range(50):
+                assert mover.scale(2) == [0, 1]
+            mover.scale(3)
+        lines = [r.getMessage() for r in caplog.records if "scaling to" in r.getMessage()]
+        assert lines == [
+            "scaling to 2 PS: ps 0, 1 serve the states",
+            "scaling to 3 PS: ps 0, 1, 2 serve the states",
+        ]
 
     run(body())
 

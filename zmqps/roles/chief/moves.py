@@ -125,7 +125,7 @@ class Mover(StateCopier):
 
     def ask(self, processes: list[int]) -> list[int]:
         """Serve the states from ``processes`` (the others leave)."""
-        self.wanted = sorted(set(processes))
+        before, self.wanted = self.wanted, sorted(set(processes))
         self.planned = None
         self._account(len(self.wanted))
         for q in range(len(self.homes.processes)):
@@ -133,11 +133,12 @@ class Mover(StateCopier):
                 self.left.pop(q, None)
             else:  # asked to leave: the incarnation running now
                 self.left.setdefault(q, self.known.get(q, NONE if q in self.boots else None))
-        log.warning(
-            "scaling to %d PS: ps %s serve the states",
-            len(self.wanted),
-            ", ".join(map(str, self.wanted)),
-        )
+        if self.wanted != before:  # the same ask again is no news (one line per ask)
+            log.warning(
+                "scaling to %d PS: ps %s serve the states",
+                len(self.wanted),
+                ", ".join(map(str, self.wanted)),
+            )
         return self.wanted
 
     def _account(self, n: int) -> None:
