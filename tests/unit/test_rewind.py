@@ -7,6 +7,7 @@ trained again. Sans-IO pieces here; the run itself in tests/cluster/test_recover
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from zmqps.core.dedup import RECENT, PushLedger
 from zmqps.core.membership import Membership
 from zmqps.data import Dataset, batches, stream
 from zmqps.roles.checkpointer import _cursors
+from zmqps.roles.worker import session as session_module
 from zmqps.roles.worker.session import Session
 from zmqps.wire import Message
 from zmqps.wire import ops as o
@@ -284,6 +286,20 @@ def test_a_waiting_worker_goes_back_to_work_when_a_restore_takes_its_batches() -
         10,
     )
     assert back is None and s.gen == 1
+
+
+def test_a_worker_waiting_for_the_runs_end_says_so_now_and_then(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker done with its work sat for minutes without a line while the run went
+    on (another worker failed): it says it waits, and for how long."""
+    monkeypatch.setattr(session_module, "LINGER_NOTE_S", 0.02)
+    replies = [o.HeartbeatReply(10, 0)] * 12 + [o.HeartbeatReply(10, 0, finished=True)]
+    with caplog.at_level(logging.INFO, logger="zmqps"):
+        back, _ = _lingering(_ScriptedChief(*replies), 10)
+    assert back is None
+    said = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    assert said and all("its work done, waiting" in line for line in said), said
 
 
 def test_a_push_of_values_of_before_a_restore_already_heard_of_is_dropped_at_once() -> None:

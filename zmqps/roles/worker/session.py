@@ -63,6 +63,8 @@ LINGER_SILENCE = 10
 
 #: a worker waiting for its chief says so at most this often (seconds)
 REGISTER_NOTE_S = 5.0
+#: a worker done with its work, waiting for the run's end, says so this often (seconds)
+LINGER_NOTE_S = 60.0
 
 
 class Session:
@@ -418,7 +420,17 @@ class Session:
         10 s: a chief restarted by its supervisor answers within about one)."""
         interval = self.info.heartbeat_interval if self.info is not None else 1.0
         silence = max(10.0, LINGER_SILENCE * interval)
+        started = said = time.monotonic()
         while not stop():
+            if time.monotonic() - said >= LINGER_NOTE_S:  # never silent while it waits
+                said = time.monotonic()
+                log.info(
+                    "%s: its work done, waiting %.0fs for the run's end (other workers"
+                    " still training, or the chief's last checkpoint; `zmqps status` says"
+                    " who it waits on)",
+                    self.name,
+                    said - started,
+                )
             sent = time.monotonic()
             # the chief holds this heartbeat until the run's end (or a restore), one
             # interval at most: the end is heard at once, not at the next heartbeat
