@@ -176,8 +176,9 @@ class Dispatcher:
             if self.observer is not None:
                 self.observer.request_done(msg.op, "expired", 0.0)
             self._busy_log.warning(
-                "%s: dropped %s from %r: its deadline passed %.1f s ago"
-                " (this server was busy, or a clock is off)",
+                "%s: dropped %s from %r: its deadline passed %.1f s ago (its sender gave"
+                " up on it: sent while this server was stopped, restarting or busy, or a"
+                " clock is off)",
                 self.name,
                 msg.op,
                 peer,
