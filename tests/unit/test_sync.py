@@ -1325,6 +1325,47 @@ def test_copies_holding_a_step_are_named_before_the_log_says_so(
     assert not [r for r in caplog.records if "waits on ps" in r.getMessage()]
 
 
+class _PushesMissingPS(_CopiesBehindPS):
+    """A PS state at step 0 holding one push of the two the step needs."""
+
+    async def request(self, op: str, body: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if op != "status":
+            return await super().request(op, body, *args, **kwargs)
+        sync = {"step": 0, "required": 2, "contributors": ["worker:0"]}
+        return Message("status", 1, b"", {"sync": sync}, [])
+
+
+def test_a_step_waiting_for_pushes_names_those_in_not_the_ps(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sync chief whose worker 1 was stopped logged "step 1 waits on ps 0's state",
+    as if the PS were at fault: the line says whose pushes the PS has, and that the
+    step waits for the others'."""
+    import zmqps.roles.chief.modes as modes
+
+    monkeypatch.setattr(modes, "BEHIND_REPORT_S", 0.05)
+    monkeypatch.setattr(modes, "BEHIND_LOOK_S", 0.05)
+
+    async def body() -> None:
+        ps = _PushesMissingPS()
+        mode = SyncMode(SyncConfig(mode="sync"), Membership(2), [ps], clock=time.monotonic)
+        task = asyncio.ensure_future(mode.start([0], 0))
+        await until(
+            lambda: any("waits on ps" in r.getMessage() for r in caplog.records),
+            what="the line",
+        )
+        mode.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.INFO, logger="zmqps.chief"):
+        run(body())
+    said = [r.getMessage() for r in caplog.records if "waits on ps" in r.getMessage()]
+    assert "the pushes of worker:0 of the 2 it needs are in" in said[0], said
+    assert "waits for the other workers' pushes" in said[0], said
+
+
 class _BusyPS(_CopiesBehindPS):
     """A PS whose pending requests are at their bound (other peers' long polls, a
     flood): it refuses the chief's step polls ``busy`` for a while, then answers."""

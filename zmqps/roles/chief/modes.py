@@ -751,8 +751,22 @@ class SyncMode(ChiefMode):
                 replica.get("backups"),
             )
         elif say:
+            # the PS has not the pushes of the step yet: say whose it has, so the worker
+            # it waits for is named (the line read as if the PS were at fault)
+            who = sync.get("contributors")
+            who = who if isinstance(who, list) else []
+            got = ", ".join(map(str, who[:8])) or "none"
+            if len(who) > 8:
+                got += f" and {len(who) - 8} more"
             log.info(
-                "step %d waits on ps %d's state (at %s), at step %s", step, k, ps.endpoint, there
+                "step %d waits on ps %d's state (at %s), at step %s: the pushes of %s of the"
+                " %s it needs are in (the step waits for the other workers' pushes)",
+                step,
+                k,
+                ps.endpoint,
+                there,
+                got,
+                sync.get("required"),
             )
 
     def held_by_copies(self) -> dict[int, tuple[float, int]]:
