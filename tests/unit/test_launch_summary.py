@@ -48,6 +48,22 @@ def test_restarts_restores_and_a_silent_evaluator_are_said(
     assert "the chief was restarted" in out
 
 
+def test_a_restore_with_no_checkpoint_is_not_said_to_be_from_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A PS killed before the first checkpoint: the chief's log said "no committed
+    checkpoint", the summary "1 restores from a checkpoint"."""
+    out = printed(
+        capsys, restarts=[{"task": "ps1"}], restores=1, restores_from_scratch=1, evaluations=3
+    )
+    assert "1 to the initial values (no checkpoint yet), 0 batches trained again" in out
+    assert "from a checkpoint" not in out
+    out = printed(
+        capsys, restarts=[{"task": "ps1"}], restores=3, restores_from_scratch=1, evaluations=3
+    )
+    assert "2 restores from a checkpoint, 1 to the initial values (no checkpoint yet)" in out
+
+
 def test_evaluations_are_the_lines_of_the_evaluators_log(tmp_path: Path) -> None:
     assert _evaluations(tmp_path / "missing.jsonl") == 0
     log = tmp_path / "evaluator.jsonl"

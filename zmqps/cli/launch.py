@@ -939,8 +939,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
         said = ", ".join(f"{t} {n}x" for t, n in tasks.items()) or "none"
         line = f"  tasks restarted: {said}"
         if summary.get("restores"):
+            scratch = summary.get("restores_from_scratch") or 0
+            ckpt = summary["restores"] - scratch
+            what = [f"{ckpt} restores from a checkpoint"] if ckpt else []
+            if scratch:  # no checkpoint was committed yet: every shard to its initial values
+                what.append(f"{scratch} to the initial values (no checkpoint yet)")
             line += (
-                f"; {summary['restores']} restores from a checkpoint,"
+                f"; {', '.join(what)},"
                 f" {summary.get('rewound_batches', 0)} batches trained again (counted above)"
             )
         lines.append(line)

@@ -54,6 +54,7 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
     # restores to a checkpoint (a PS lost its state): the batches after it were trained
     # again, so the workers' steps and examples count them twice
     summary["restores"] = recovery.restore_count
+    summary["restores_from_scratch"] = recovery.restores_from_scratch  # no checkpoint
     summary["rewound_batches"] = recovery.rewound
     if recovery.replicated() and recovery.rereplicator is not None:
         # what replication did: fail-overs, promoted copies, copies made again

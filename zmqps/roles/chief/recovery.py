@@ -197,6 +197,9 @@ class RecoveryController:
         self.recoveries: list[dict[str, Any]] = []
         #: restores so far (``recoveries`` keeps the last 20)
         self.restore_count = 0
+        #: of them, restores with no committed checkpoint (every shard to its initial
+        #: values)
+        self.restores_from_scratch = 0
         #: the last restore to a checkpoint's batch cursors, per worker name (None: no
         #: restore went back, or the checkpoint did not say): each live worker trains
         #: its batches after its cursor again (heartbeat replies say it)
@@ -1025,6 +1028,7 @@ class RecoveryController:
             self.mode.global_step = sync_step
         if ckpt is None:
             log.warning("no committed checkpoint: every shard restarts from its initial values")
+            self.restores_from_scratch += 1
         # Pushes applied since the checkpoint are gone with the restore: when the PS
         # applied any (a restore during the run), every worker goes back to the batches
         # the checkpoint holds and trains the later ones again, so no acknowledged
