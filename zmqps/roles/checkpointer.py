@@ -312,7 +312,14 @@ class Checkpointer:
         self._retry_at = self.clock() + self._backoff
         if self.metrics is not None:
             self.metrics.checkpoints.labels("failed").inc()
-        log.error("checkpoint of step %d failed: %s (the previous one stays the latest)", step, why)
+        log.error(
+            "checkpoint of step %d failed: %s (%s)",
+            step,
+            why,
+            "the previous one stays the latest"
+            if self.last_committed is not None
+            else "none is committed yet",
+        )
         try:
             self.root.abort(temp)
         except (OSError, CheckpointError) as e:  # the next start's clean_orphans will
