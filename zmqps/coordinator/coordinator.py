@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from zmqps.config import ClusterSpec
 from zmqps.transport import Client, LoopThread, SocketOptions, new_context
+from zmqps.transport.base import unless_set
 from zmqps.wire import Tensor
 from zmqps.wire.errors import (
     DeadlineExceeded,
@@ -613,17 +614,10 @@ class Coordinator:
 
     async def _unless_lost(self, request: Any, lost: asyncio.Event) -> Any:
         """Await ``request`` unless the worker is declared lost first (NotReady)."""
-        task = asyncio.ensure_future(request)
-        gone = asyncio.ensure_future(lost.wait())
-        try:
-            await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        done, value = await unless_set(lost, request, Exception)
+        if not done:
             raise NotReady("the worker was lost while running it")
-        return task.result()
+        return value
 
     async def _make_resources(self, w: _RemoteWorker) -> None:
         for rid, (fn, args, kwargs, tensors) in list(self._resources.items()):

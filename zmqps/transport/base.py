@@ -26,6 +26,7 @@ __all__ = [
     "cancel_and_wait",
     "retry_busy",
     "send_soon",
+    "unless_set",
 ]
 
 #: the first pause before a request answered ``busy`` is sent again (then doubled,
@@ -216,6 +217,24 @@ async def waited(aw: Awaitable[Any], timeout: float) -> bool:
     except asyncio.TimeoutError:
         return False
     return True
+
+
+async def unless_set(
+    event: asyncio.Event, step: Awaitable[T], *also: type[BaseException]
+) -> tuple[bool, T | None]:
+    """(True, ``step``'s result), or (False, None) with the step cancelled (and waited
+    for, its errors ``also`` taken, see :func:`cancel_and_wait`) when ``event`` is set
+    first."""
+    running = asyncio.ensure_future(step)
+    waiting = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait([running, waiting], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if running.done():
+        return True, running.result()
+    await cancel_and_wait(running, *also)
+    return False, None
 
 
 async def cancel_and_wait(task: asyncio.Future[Any], *also: type[BaseException]) -> None:

@@ -37,7 +37,7 @@ from zmqps.roles.chief.service import ChiefService
 from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
 from zmqps.transport import Client, Requester, Server, SocketOptions, ZmqContext
-from zmqps.transport.base import cancel_and_wait, within
+from zmqps.transport.base import unless_set, within
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     DeadlineExceeded,
@@ -96,26 +96,11 @@ class _Watchers:
 
     async def unless_one_fails(self, run: Awaitable[bool]) -> bool:
         """``run``'s result; the first watcher's error instead, should one fail first."""
-        done, result = await _unless(self.failed, run)
+        done, result = await unless_set(self.failed, run)
         if not done:
             assert self.error is not None
             raise self.error
         return bool(result)
-
-
-async def _unless(event: asyncio.Event, step: Awaitable[T]) -> tuple[bool, T | None]:
-    """(True, ``step``'s result), or (False, None) with the step cancelled when
-    ``event`` is set first."""
-    running = asyncio.ensure_future(step)
-    waiting = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait([running, waiting], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiting.cancel()
-    if running.done():
-        return True, running.result()
-    await cancel_and_wait(running)
-    return False, None
 
 
 async def serve_chief(
@@ -256,7 +241,7 @@ def _stop_on(service: ChiefService, sig: signal.Signals) -> None:
 
 async def _unless_forced(service: ChiefService, step: Awaitable[T]) -> T | None:
     """``step``'s result; None, the step cancelled, once a second signal came."""
-    return (await _unless(service.forced, step))[1]
+    return (await unless_set(service.forced, step))[1]
 
 
 async def _cleanly(name: str, step: Awaitable[Any], failed: list[str]) -> None:
