@@ -112,7 +112,7 @@ class PushDeduper:
 
     def _admit(self, worker: str) -> None:
         """Raise InvalidArgument if a new name ``worker`` would pass the bounds."""
-        if len(self._workers) >= self.max_workers or self._chars + len(worker) > self.max_chars:
+        if self.full_for(worker):
             raise InvalidArgument(
                 f"worker {worker!r} refused: this PS already keeps the pushes of"
                 f" {len(self._workers)} worker names ({self._chars} characters; the bounds"

@@ -755,18 +755,18 @@ class Server:
         payload = sum(t.array.nbytes for t in msg.tensors)
         track = payload >= TRACK_BYTES
         try:
+            # tracked: every frame zero-copy (pyzmq copies a frame under its copy
+            # threshold, 64 KiB, and a copied last frame's tracker is done at once,
+            # however long the reply waits unread)
+            threshold = sock.copy_threshold
             if track:
-                # every frame zero-copy: pyzmq copies a frame under its copy threshold
-                # (64 KiB), and a copied last frame's tracker is done at once, however
-                # long the reply waits unread
                 sock.copy_threshold = 0
             try:
                 tracker = sock.send_multipart(
                     [identity, *frames], copy=False, track=track, flags=zmq.DONTWAIT
                 )
             finally:
-                if track:
-                    sock.copy_threshold = zmq.COPY_THRESHOLD
+                sock.copy_threshold = threshold
             if session is None:
                 if not self._reading and _waiting(sock):
                     self._read_soon()  # the send may have taken a message's edge

@@ -126,10 +126,10 @@ class PSService:
         checkpoint_dir: str | Path | None = None,
     ):
         self.index = index
-        #: a new value every process start: the chief tells a restarted PS by it
         #: the signal (its name) that stopped this PS's process before the chief shut
         #: it down, if one did (the process's exit code says it)
         self.stop_signal: str | None = None
+        #: a new value every process start: the chief tells a restarted PS by it
         self.boot = secrets.token_hex(8)
         #: the cluster's generation (restores so far); requests of another one are refused
         self.gen = 0
