@@ -2,7 +2,9 @@
 
 Every worker makes the same global batch (fixed seed) and trains on its own contiguous
 slice of it, with the loop that serves every mode: ``begin_step``, ``pull``, gradients
-of the mean loss over the slice, ``push``. What it did goes to ``--out`` as JSON: the
+of the mean loss over the slice, ``push`` (or, with ``--pipeline``, the built-in
+training loop's :class:`~zmqps.roles.overlap.StepPipeline`: ``begin``, gradients,
+``end``). What it did goes to ``--out`` as JSON: the
 token (sync) or step of each push, whether the PS took it, the pushes the PS dropped.
 
 Faults are injected from here, never from the product: ``--stop-at K`` makes the
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 
 import zmqps
+from zmqps.roles.overlap import StepPipeline
 
 FEATURES, CLASSES, BATCH = 6, 4, 48
 VARIABLES = (
@@ -82,6 +85,11 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0, help="seconds of extra work per step")
     p.add_argument("--sleep-from", type=int, default=0, help="sleep from this local step on")
     p.add_argument("--hold", help="after the last push: write HOLD.<index>, wait for HOLD")
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="the built-in training loop's steps (StepPipeline: begin, compute, end)",
+    )
     args = p.parse_args()
 
     x, y = my_slice(args.index, args.workers)
@@ -89,16 +97,27 @@ def main() -> None:
     with zmqps.Worker(args.chief, args.index, steps_planned=args.steps) as worker:
         worker.create_variables(VARIABLES, optimizer=OPTIMIZERS[args.optimizer])
         worker.pull()  # before any token (as the built-in CTR loop does): a plain pull
+        pipe = StepPipeline(worker) if args.pipeline else None
         for k in range(args.steps):
-            step = worker.begin_step()
+            if pipe is not None:
+                params = pipe.begin()  # begin_step, then this step's values
+                step = worker.steps.tag()
+            else:
+                step = worker.begin_step()
             if k == args.stop_at:
                 os.kill(os.getpid(), signal.SIGSTOP)  # resumed by the test's SIGCONT
-            params = worker.pull()
+            if pipe is None:
+                params = worker.pull()
             loss, grads = loss_and_grads(params, x, y)
             if args.sleep and k >= args.sleep_from:
                 time.sleep(args.sleep)
-            accepted = worker.push(grads, loss=loss, examples=len(x))
+            if pipe is not None:
+                accepted = pipe.end(grads, loss=loss, examples=len(x))
+            else:
+                accepted = worker.push(grads, loss=loss, examples=len(x))
             record["pushes"].append({"step": step, "accepted": accepted})
+        if pipe is not None:
+            pipe.close()
         record["dropped"] = dict(worker.client.dropped)
         if args.final:
             # The token of step --steps is handed out once every PS has applied step

@@ -175,9 +175,11 @@ def assert_single_process(finals: Sequence[Path], optimizer: str, steps: int) ->
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize(
+    ("optimizer", "loop"), [("sgd", "worker"), ("adam", "worker"), ("adam", "pipeline")]
+)
 def test_sync_steps_equal_single_process_steps(
-    procs: Reaper, tmp_path: Path, optimizer: str
+    procs: Reaper, tmp_path: Path, optimizer: str, loop: str
 ) -> None:
     """N = M = 3 workers, each on a fixed third of the global batch, 2 PS, 2 shards per
     variable: 50 sync steps give the parameters of 50 single-process steps.
@@ -187,12 +189,15 @@ def test_sync_steps_equal_single_process_steps(
     and drop theirs as stale). Workers 0 and 1 wait for the global step to reach 50
     and save the final parameters. Every token but each worker's first comes from a
     PS (the chief releases them; it hears no request per worker and step), and the
-    values of most steps with the reply of the push before (no pull request).
+    values of most steps with the reply of the push before (no pull request). The
+    same with the built-in training loop's steps (``loop="pipeline"``).
     """
     steps = 50
     cluster = start_cluster(procs, tmp_path, "--mode", "sync", "--num-shards", "2")
     finals = [tmp_path / f"final{i}.npz" for i in range(2)]
     flags = ["--steps", str(steps), "--optimizer", optimizer]
+    if loop == "pipeline":
+        flags.append("--pipeline")
     last_slow = ["--sleep", "0.3", "--sleep-from", str(steps - 1)]
     workers = [cluster.worker(i, *flags, *last_slow, "--final", str(finals[i])) for i in (0, 1)]
     workers.append(cluster.worker(2, *flags))

@@ -39,6 +39,12 @@ Rules of this module:
   values, which exist only once every replica pushed the step before; ssp's clock
   wait is what bounds staleness, so a pull sent before it would break the bound.
   Pushes and device copies still overlap compute there.
+* sync: the step's last push (the one :meth:`StepPipeline.end` sends) asks the PS
+  that handed the token for the next one, and, where it pushes every dense variable
+  (all gradients at once, as on the CPU), for the values of after its step, landed
+  in the host buffers the next pull would fill (:mod:`zmqps.roles.worker.fresh`):
+  the next :meth:`StepPipeline.begin` then sends nothing when they are of its
+  token's step and generation, and pulls as before otherwise.
 * Towers (``Worker(devices=...)``): the pulled values land once in the host
   buffers and are copied to every tower's device; :meth:`StepPipeline.compute`
   runs the towers (:class:`~zmqps.device.towers.Towers`) and hands each averaged
@@ -168,6 +174,11 @@ class StepPipeline:
         #: async only: pushes bring the next step's values back (push_pull)
         self.push_pull = worker.steps.pulls_ahead and not prefetch
         self.prefetch = worker.steps.pulls_ahead and prefetch
+        #: sync: the last push of a step asks for the next token and the next values
+        #: (what it brought is kept here until :meth:`end` reads it)
+        self.fresh = worker.fresh_values() if worker.mode == "sync" else None
+        self._offered: tuple[int, int, int | None] | None = None
+        self._brought: tuple[int | None, int] | None = None
         self.stats = OverlapStats()
         #: gradients wait until this many bytes are ready before they are pushed
         if push_bytes is None:
@@ -265,7 +276,12 @@ class StepPipeline:
     def _pull_now(self) -> None:
         slot = self.front
         started = time.perf_counter()
-        self.worker.pull(out=self.mirror.host[slot])  # with recovery; records "pull"
+        if self._serve_fresh():  # sync: the last push brought them into this slot
+            self.worker.record_phase("pull", started)
+        else:
+            self.worker.pull(out=self.mirror.host[slot])  # with recovery; records "pull"
+            if self.fresh is not None:
+                self.fresh.pulled_whole()
         self._keep_versions(slot)
         took = time.perf_counter() - started
         self.stats.add_waited("pull", took)
@@ -279,6 +295,18 @@ class StepPipeline:
             upload.before_compute()
             self._later.append(upload)
         self._need_pull = False
+
+    def _serve_fresh(self) -> bool:
+        """sync: whether the step's last push brought the values of the token's step,
+        of this generation, into the front buffers (then no pull is sent)."""
+        if self.fresh is None or self._need_pull:
+            return False
+        return self.fresh.serve(
+            getattr(self.worker.steps, "token", None),
+            self.worker.session.gen,
+            None,
+            self.names,
+        )
 
     async def _fetch(self, slot: int) -> Copy:
         started = time.perf_counter()
@@ -311,7 +339,7 @@ class StepPipeline:
         if self._ready and self._ready_bytes >= self.push_bytes:
             self._flush()
 
-    def _flush(self) -> None:
+    def _flush(self, last: bool = False) -> None:
         ready, self._ready, self._ready_bytes = self._ready, {}, 0
         if not ready:
             return
@@ -319,8 +347,16 @@ class StepPipeline:
         self._sent.update(ready)
         step, cursor = self.worker.steps.tag(), self.worker.cursor
         versions = self._versions[self.front], self._vgens[self.front]
+        token_ps, fresh = None, False
+        if last and self.fresh is not None:  # the step's last push (sync): the next
+            token_ps = self.worker.steps.push_asks()  # token, and the next values
+            client = self.worker.client
+            fresh = self.fresh.ask(ready, self.names, allowed=client.takes_fresh(ready))
+        # push_pull (async) brings values into the other slot; fresh (sync) into the
+        # one the next pull would fill
+        slot = self.front if fresh else self.back
         self._pending.append(
-            self._submit(self._push(host, copy, step, cursor, versions, self.back))
+            self._submit(self._push(host, copy, step, cursor, versions, slot, token_ps, fresh))
         )
 
     async def _push(
@@ -331,30 +367,49 @@ class StepPipeline:
         cursor: int,
         versions: tuple[dict[int, int], int],
         slot: int,
+        token_ps: int | None = None,
+        fresh: bool = False,
     ) -> tuple[bool | None, Copy | None]:
         """One push of the step (sent again through a fail-over): whether it was
-        applied (None: a restore dropped it), and its values' upload (push_pull)."""
+        applied (None: a restore dropped it), and its values' upload (push_pull).
+        sync: ``token_ps`` is asked for the next token, and with ``fresh`` every PS for
+        the values of after the step, into ``slot`` (kept for :meth:`end`)."""
         await copy.wait_async()
         self._took("d2h", copy.seconds())
         client = self.worker.client
         started = time.perf_counter()
         kept, gen = versions
-        out = self.mirror.host[slot] if self.push_pull else None
+        out = self.mirror.host[slot] if self.push_pull or fresh else None
 
         async def push(delivery: Delivery) -> bool:
-            return await client.push(
-                host,
-                pull=self.push_pull,
-                step=step,
-                out=out,
-                versions=kept,
-                cursor=cursor,
-                versions_gen=gen,
-                delivery=delivery,
-            )
+            # the client reads what to ask for as it makes each message (a resend too)
+            client.token_ps, client.fresh = token_ps, fresh
+            if fresh:
+                client.fresh_steps = {}
+            try:
+                return await client.push(
+                    host,
+                    pull=self.push_pull or fresh,
+                    step=step,
+                    out=out,
+                    versions=kept,
+                    cursor=cursor,
+                    versions_gen=gen,
+                    delivery=delivery,
+                )
+            finally:
+                client.token_ps, client.fresh = None, False
 
-        accepted = await self.worker.session.delivering(push, gen)
+        try:
+            accepted = await self.worker.session.delivering(push, gen)
+        finally:
+            if token_ps is not None:
+                self._offered = client.take_offered()
+            if fresh:
+                self._brought = client.fresh_step(host), client.values_gen()
         self._took("push", time.perf_counter() - started)
+        if fresh:
+            return accepted, None  # the values wait in their slot for the next begin()
         if not self.push_pull or accepted is None:
             return accepted, None
         upload = self.mirror.upload(slot, host)
@@ -375,7 +430,8 @@ class StepPipeline:
         self.stats.compute += computed - self._computing
         self.worker.check_loss(loss)  # on_nonfinite="stop": before anything more is sent
         self.grads_ready(grads)
-        self._flush()
+        self._offered, self._brought = None, None
+        self._flush(last=True)
         accepted = True
         dropped = False
         failure: BaseException | None = None
@@ -396,6 +452,10 @@ class StepPipeline:
             if upload is not None:
                 self._uploads.append(upload)
         self._pending = []
+        if self.fresh is not None:
+            self.worker.steps.offered(self._offered)  # used only if it still holds
+            if self._brought is not None:
+                self.fresh.brought(*self._brought)
         if failure is not None:
             raise failure
         self._waited("push", time.perf_counter() - computed)

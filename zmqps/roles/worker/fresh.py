@@ -84,6 +84,11 @@ class FreshValues:
         self.skip, self.backoff = self.backoff, min(MAX_BACKOFF, 2 * self.backoff)
         return False
 
+    def pulled_whole(self) -> None:
+        """A pull of every dense variable into the arrays a push's values land in
+        (a step pipeline's host buffers), not served: the next push may ask."""
+        self.asked, self.have, self.whole_pull = False, None, True
+
     def pulled_elsewhere(self) -> None:
         """A pull into the caller's arrays (or staged to a device): nothing is served,
         and the next push does not ask."""

@@ -211,6 +211,7 @@ class Worker:
         self._refused_step = -1
         #: sync: the values a push brought for the next pull (:mod:`.fresh`)
         self._fresh = FreshValues()
+        self._fresh_loops: list[FreshValues] = []  # step pipelines' (fresh_values)
         #: steps whose push a restore dropped before any PS kept it (values of before
         #: the restore): their update is gone, a caller counting steps trains them again
         self.lost_steps = 0
@@ -534,6 +535,15 @@ class Worker:
         self.record_phase("h2d", started)
         return {n: self.mirror.dev[0][n] for n in values}
 
+    def fresh_values(self) -> FreshValues:
+        """Sync: a record of the next step's values its pushes bring, for a step loop
+        that pulls into buffers of its own (:class:`~zmqps.roles.overlap.StepPipeline`;
+        the values land there, never in the arrays :meth:`pull` returns). Its counts
+        are in :meth:`stats`."""
+        fresh = FreshValues()
+        self._fresh_loops.append(fresh)
+        return fresh
+
     def to_host(self, grads: Mapping[str, Any]) -> Mapping[str, Any]:
         """Gradients on the device: copied to pinned host buffers (waited for)."""
         if not self.device.separate:
@@ -804,8 +814,8 @@ class Worker:
             "nonfinite": self.nonfinite,
             # sync: pulls answered by the values the push before brought, and pushes
             # that asked for them in vain (the next pull went to the PS)
-            "fresh_pulls": self._fresh.hits,
-            "fresh_misses": self._fresh.misses,
+            "fresh_pulls": sum(f.hits for f in (self._fresh, *self._fresh_loops)),
+            "fresh_misses": sum(f.misses for f in (self._fresh, *self._fresh_loops)),
             "pushes": {k: dict(v) for k, v in pushes.items()},
         }
 
