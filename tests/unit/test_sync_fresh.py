@@ -174,6 +174,18 @@ def test_asked_only_after_a_whole_pull_and_for_a_push_of_every_variable() -> Non
     assert not f.serve(0, 0, None, NAMES)  # and a push that did not ask serves nothing
 
 
+def test_a_step_loops_own_whole_pull_lets_the_next_push_ask_and_forgets_the_last() -> None:
+    """A step pipeline's record: its pulls go to its own buffers (``pulled_whole``), and
+    a pull it made itself (after a restore, a refused push) serves nothing brought."""
+    f = FreshValues()
+    f.pulled_whole()
+    assert f.ask(NAMES, NAMES)
+    f.brought(4, 1)
+    f.pulled_whole()  # pulled anyway: what the push brought is forgotten
+    assert f.asked is False and f.have is None and f.whole_pull
+    assert not f.serve(4, 1, None, NAMES) and f.misses == 0  # nothing asked: no miss
+
+
 def test_a_push_that_does_not_ask_forgets_what_the_one_before_brought() -> None:
     f = FreshValues(whole_pull=True)
     assert f.ask(NAMES, NAMES)
