@@ -243,7 +243,9 @@ def test_a_silent_chief_is_an_error_after_chief_timeout(test_split: Dataset) -> 
     run(body())
 
 
-def test_a_cluster_that_shut_down_ends_the_evaluation(test_split: Dataset) -> None:
+def test_a_cluster_that_shut_down_after_its_workers_finished_ends_the_evaluation(
+    test_split: Dataset, caplog: pytest.LogCaptureFixture
+) -> None:
     async def body() -> None:
         c = await make_cluster(test_split)
         ev = c.evaluator(test_split, chief_timeout=30.0)
@@ -252,15 +254,51 @@ def test_a_cluster_that_shut_down_ends_the_evaluation(test_split: Dataset) -> No
         await c.worker(0, "register", steps_planned=5)
         await c.worker(0, "heartbeat", step=3)
         await until(lambda: ev._watch.global_step == 3, "the step seen")
-        # The chief ended and shut the PS down between two polls: every port is closed.
+        await c.worker(0, "leave", step=5, reason="done")
+        await until(lambda: ev._watch.workers_done, "every worker seen done")
+        scored = len(ev.evaluations)
+        # The chief ended and shut the PS down (it could not wait) between two polls:
+        # every port is closed.
         c.probe_answer = True
         c.net.remove(CHIEF)
         for addr in PS:
             c.net.remove(addr)
         evaluations = await asyncio.wait_for(task, 5.0)  # well before chief_timeout
-        assert evaluations[-1].step in (0, 3)  # no final snapshot: the PS are gone
+        assert len(evaluations) == scored  # no final snapshot: the PS are gone
 
-    run(body())
+    with caplog.at_level(logging.INFO, logger="zmqps"):
+        run(body())
+    assert "closed their ports and every worker had finished" in caplog.text
+
+
+def test_a_cluster_all_down_before_its_end_is_not_taken_for_the_end(
+    test_split: Dataset, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The chief and every PS refuse connections mid-run (all restarting at once): the
+    evaluator waits for them as for a silent chief, and says so; it never ends as if
+    training were over (exit 0, its last score not the final model's)."""
+
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        ev = c.evaluator(test_split, chief_timeout=1.5)
+        task = asyncio.ensure_future(ev.run())
+        await until(lambda: ev.evaluations, "the first evaluation")
+        await c.worker(0, "register", steps_planned=5)
+        await c.worker(0, "heartbeat", step=3)
+        await until(lambda: ev._watch.global_step == 3, "the step seen")
+        c.probe_answer = True
+        c.net.remove(CHIEF)
+        for addr in PS:
+            c.net.remove(addr)
+        await until(lambda: "not seen ending" in caplog.text, "the warning")
+        assert not task.done()
+        with pytest.raises(DeadlineExceeded, match="training was not seen finished"):
+            await asyncio.wait_for(task, 5.0)
+
+    with caplog.at_level(logging.INFO, logger="zmqps"):
+        run(body())
+    assert caplog.text.count("not seen ending") == 1  # once per outage
+    assert "training is over" not in caplog.text
 
 
 def test_stop_ends_it_promptly(test_split: Dataset) -> None:
@@ -285,8 +323,11 @@ def test_config_checks() -> None:
 # -- source A: checkpoints --------------------------------------------------------
 
 
-def write_checkpoint(root_dir: Path, model: Model, params: dict[str, np.ndarray], step: int) -> str:
-    """Commit ``params`` as the checkpoint of ``step`` (two PS, two shards a variable)."""
+def write_checkpoint(
+    root_dir: Path, model: Model, params: dict[str, np.ndarray], step: int, final: bool = False
+) -> str:
+    """Commit ``params`` as the checkpoint of ``step`` (two PS, two shards a variable;
+    ``final``: the run's last one, as the chief marks it)."""
     from zmqps.checkpoint import CheckpointRoot, Manifest, write_shard
 
     pl = plan(model.variables(), 2, Partitioner(num_shards=2), optimizer=dict(SGD))
@@ -302,6 +343,7 @@ def write_checkpoint(root_dir: Path, model: Model, params: dict[str, np.ndarray]
         optimizer=dict(SGD),
         num_ps=2,
         shards=records,
+        extra={"final": True} if final else {},
     )
     return root.commit(temp, manifest).name
 
@@ -372,6 +414,45 @@ def test_checkpoints_each_new_one_once_corrupted_ones_skipped(
         (30, "ckpt-000000000030"),
         (40, "ckpt-000000000040"),
     ]
+
+
+def test_all_down_ends_the_evaluation_only_once_the_final_checkpoint_is_committed(
+    tmp_path: Path, test_split: Dataset, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Checkpoint source: the chief and every PS refuse connections. While the newest
+    checkpoint is not the run's final one, the evaluator waits; once the final one is
+    there (the chief committed it and could not wait), it scores it and ends."""
+    pytest.importorskip("zmqps.checkpoint", reason="the checkpoint library is not available")
+    ckpts = tmp_path / "ckpts"
+
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        m = c.model
+        rng = np.random.default_rng(1)
+        values = [
+            {v.name: rng.normal(size=v.shape).astype(v.dtype) for v in m.variables()}
+            for _ in range(2)
+        ]
+        ev = c.evaluator(test_split, checkpoint_dir=str(ckpts), chief_timeout=30.0)
+        task = asyncio.ensure_future(ev.run())
+        write_checkpoint(ckpts, m, values[0], 10)
+        await until(lambda: len(ev.evaluations) == 1, "the first checkpoint's evaluation")
+        c.probe_answer = True
+        c.net.remove(CHIEF)
+        for addr in PS:
+            c.net.remove(addr)
+        await until(lambda: "not seen ending" in caplog.text, "the warning")
+        await asyncio.sleep(4 * FAST)
+        assert not task.done()
+        final = write_checkpoint(ckpts, m, values[1], 20, final=True)
+        evaluations = await asyncio.wait_for(task, 5.0)
+        assert [(e.step, e.checkpoint) for e in evaluations][-1] == (20, final)
+        want = m.evaluate(values[1], test_split.x, test_split.y)
+        assert evaluations[-1].accuracy == pytest.approx(want["accuracy"])
+
+    with caplog.at_level(logging.INFO, logger="zmqps"):
+        run(body())
+    assert "the newest checkpoint, ckpt-000000000020, is the run's final one" in caplog.text
 
 
 def test_checkpoint_of_another_model_is_skipped(

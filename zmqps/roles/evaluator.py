@@ -17,9 +17,14 @@ Rules of this module:
   written and the final checkpoint committed). The chief keeps the PS up until this
   evaluator scored the final model (a snapshot pull, or the final checkpoint) and
   left; then the evaluator exits 0. If the chief and every PS refuse connections
-  (a chief that could not wait), the evaluator scores what it can and exits 0. A
-  chief that does not answer for ``chief_timeout`` seconds otherwise (a crash: the
-  PS still listen; a network problem: connections time out) is an error (exit 1).
+  and the run was seen ending (a chief that could not wait: with a checkpoint
+  directory, its newest checkpoint is the run's final one; without, the chief's last
+  status had every worker done), the evaluator scores what it can and exits 0.
+  Refused connections without that are a cluster whose processes are all down at
+  once (a chief and its PS restarting), never taken for the end: the evaluator
+  waits for them as for a silent chief. A chief that does not answer for
+  ``chief_timeout`` seconds (a crash: the PS still listen; a network problem:
+  connections time out; all of them down) is an error (exit 1).
   SIGTERM / SIGINT stop it cleanly (exit 0).
 * A lone evaluator (no chief in its cluster, TF2's side-car evaluation job)
   evaluates the checkpoints of ``checkpoint_dir`` as they appear: each new committed
@@ -177,6 +182,11 @@ class _Watch:
     global_step: int | None = None
     gen: int = 0  # restores so far: pulls must carry it
     mode: str = ""
+    #: the last status had every expected worker done (the run's end was near)
+    workers_done: bool = False
+    #: the chief and every PS refuse connections, and the run was not seen ending
+    #: (said once per outage)
+    all_down: bool = False
 
 
 @dataclass
@@ -419,12 +429,24 @@ class Evaluator:
                 log.info("evaluator: the chief has gone away after the end of training")
                 return True
             elif await self._cluster_shut_down():
-                self._ps_gone = True
-                log.info(
-                    "evaluator: the chief and every PS have closed their ports:"
-                    " the cluster has shut down (training is over)"
-                )
-                return True
+                ended = await asyncio.to_thread(self._seen_ending)
+                if ended is not None:
+                    self._ps_gone = True
+                    log.info(
+                        "evaluator: the chief and every PS have closed their ports and %s:"
+                        " the cluster has shut down (training is over)",
+                        ended,
+                    )
+                    return True
+                if not w.all_down:
+                    w.all_down = True
+                    log.warning(
+                        "evaluator: the chief and every PS refuse connections, but training"
+                        " was not seen ending: waiting up to %gs for them to come back",
+                        max(0.0, self.cfg.chief_timeout - (now - w.last_contact)),
+                    )
+                if now - w.last_contact > self.cfg.chief_timeout:
+                    raise self._chief_lost("status requests")
             elif now - w.last_contact > self.cfg.chief_timeout:
                 raise self._chief_lost("status requests")
             if w.finished:
@@ -448,8 +470,28 @@ class Evaluator:
         closed = await asyncio.gather(*(asyncio.to_thread(self.probe, a) for a in addresses))
         return all(closed)
 
+    def _seen_ending(self) -> str | None:
+        """Why the run is known to have ended, with its processes gone (None: it is not):
+        with a checkpoint directory, its newest committed checkpoint is the run's final
+        one; without, the chief's last status had every worker done."""
+        if self.cfg.checkpoint_dir is None:
+            return "every worker had finished" if self._watch.workers_done else None
+        try:
+            listed = list(self.open_root(self.cfg.checkpoint_dir).checkpoints())
+        except (ZmqpsError, OSError, ValueError) as exc:
+            log.warning("evaluator: cannot list checkpoints: %s", exc)
+            return None
+        if listed and getattr(listed[-1], "final", False) is True:
+            return f"the newest checkpoint, {listed[-1].name}, is the run's final one"
+        return None
+
     def _take_status(self, status: Mapping[str, Any]) -> None:
         w = self._watch
+        w.all_down = False
+        workers, expected = status.get("workers"), status.get("workers_expected")
+        if isinstance(workers, list) and isinstance(expected, int):
+            done = [x for x in workers if isinstance(x, dict) and x.get("state") == "done"]
+            w.workers_done = expected > 0 and len(done) >= expected
         # Training is over when the chief says so: its summary is written, its final
         # checkpoint committed, and it keeps the PS up until this evaluator leaves.
         w.finished = w.finished or bool(status.get("finished", False))
