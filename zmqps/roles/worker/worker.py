@@ -211,7 +211,9 @@ class Worker:
         self._refused_step = -1
         #: sync: the values a push brought for the next pull (:mod:`.fresh`)
         self._fresh = FreshValues()
-        self._fresh_loops: list[FreshValues] = []  # step pipelines' (fresh_values)
+        #: a step pipeline's (fresh_values), and the hits and misses of those before it
+        self._fresh_loop: FreshValues | None = None
+        self._fresh_done = (0, 0)
         #: steps whose push a restore dropped before any PS kept it (values of before
         #: the restore): their update is gone, a caller counting steps trains them again
         self.lost_steps = 0
@@ -540,9 +542,11 @@ class Worker:
         that pulls into buffers of its own (:class:`~zmqps.roles.overlap.StepPipeline`;
         the values land there, never in the arrays :meth:`pull` returns). Its counts
         are in :meth:`stats`."""
-        fresh = FreshValues()
-        self._fresh_loops.append(fresh)
-        return fresh
+        done = self._fresh_loop  # a loop's that ended (one loop at a time): its counts
+        if done is not None:
+            self._fresh_done = (self._fresh_done[0] + done.hits, self._fresh_done[1] + done.misses)
+        self._fresh_loop = FreshValues()
+        return self._fresh_loop
 
     def to_host(self, grads: Mapping[str, Any]) -> Mapping[str, Any]:
         """Gradients on the device: copied to pinned host buffers (waited for)."""
@@ -804,6 +808,7 @@ class Worker:
         pushes before answered (sync, ``fresh_pulls``), and its pushes by
         "ps/generation" (sent, acknowledged applied, dropped)."""
         pushes = {} if self._client is None else self._client.push_counts
+        loop = self._fresh_loop
         return {
             "incarnation": self.incarnation,
             "steps_done": self.steps_done,
@@ -814,8 +819,10 @@ class Worker:
             "nonfinite": self.nonfinite,
             # sync: pulls answered by the values the push before brought, and pushes
             # that asked for them in vain (the next pull went to the PS)
-            "fresh_pulls": sum(f.hits for f in (self._fresh, *self._fresh_loops)),
-            "fresh_misses": sum(f.misses for f in (self._fresh, *self._fresh_loops)),
+            "fresh_pulls": self._fresh.hits + self._fresh_done[0] + (loop.hits if loop else 0),
+            "fresh_misses": (
+                self._fresh.misses + self._fresh_done[1] + (loop.misses if loop else 0)
+            ),
             "pushes": {k: dict(v) for k, v in pushes.items()},
         }
 
