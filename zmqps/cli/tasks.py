@@ -314,7 +314,7 @@ def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
                 result = train(worker, cfg.job, cfg.cluster.num_workers, prefetch=cfg.prefetch)
         except Terminated:
             why, code = stopper.why(worker)
-            step = 0 if worker is None else worker.step
+            step = 0 if worker is None else worker.net_steps
             log.warning("worker %d: %s; left after %d steps", cfg.index, why, step)
             return code
         finally:

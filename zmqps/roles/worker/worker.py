@@ -196,6 +196,11 @@ class Worker:
         #: batches given back to restores (trained again): the position is
         #: ``steps_done + step - rewound``
         self.rewound = 0
+        #: steps of this incarnation that trained a batch again: one its data had got
+        #: past before a restore went back (their first pushes were taken back)
+        self.retrained = 0
+        #: the furthest position this incarnation's data got to (past it: new batches)
+        self._furthest = 0
         self.examples = 0
         self.loss: float | None = None
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -264,6 +269,7 @@ class Worker:
         #: batches earlier incarnations of this worker really pushed (the built-in loop
         #: skips them)
         self.steps_done = info.steps_done
+        self._furthest = info.steps_done
         if info.placement is not None:
             self._use(Placement.from_wire(info.placement))
         if metrics is not None:
@@ -551,8 +557,14 @@ class Worker:
             self.metrics.phase(phase, time.perf_counter() - started)
 
     def count_step(self, loss: float | None, examples: int | None) -> None:
-        """One step done (its gradients pushed): counted for heartbeats and metrics."""
+        """One step done (its gradients pushed): counted for heartbeats and metrics; a
+        batch before the furthest position reached is counted as trained again."""
+        before = self.position
         self.step += 1
+        if before < self._furthest:
+            self.retrained += 1
+        else:
+            self._furthest = before + 1
         self.steps.step_done()
         if loss is not None:
             self.loss = float(loss)
@@ -790,7 +802,8 @@ class Worker:
 
     def stats(self) -> dict[str, Any]:
         """This incarnation: the batches it resumed after (``steps_done``), the steps it
-        did, the batches restores gave back (``rewound``: trained again), the pulls the
+        did, the batches restores gave back (``rewound``) and the steps that trained
+        such a batch again (``retrained``, among ``steps``), the pulls the
         pushes before answered (sync, ``fresh_pulls``), and its pushes by
         "ps/generation" (sent, acknowledged applied, dropped)."""
         pushes = {} if self._client is None else self._client.push_counts
@@ -799,6 +812,7 @@ class Worker:
             "steps_done": self.steps_done,
             "steps": self.step,
             "rewound": self.rewound,
+            "retrained": self.retrained,
             "rolled_back": self.rolled_back,
             "resent": self.session.resent,
             "nonfinite": self.nonfinite,
