@@ -103,9 +103,9 @@ def _choices() -> Iterator[tuple[str, str, str]]:
         for action in parser._actions:
             if action.option_strings and action.choices and action.help != argparse.SUPPRESS:
                 for choice in action.choices:
-                    if isinstance(choice, str) and len(choice) >= 3:
-                        if _choice_typo(choice) not in action.choices:
-                            yield name, action.option_strings[0], choice
+                    typo = _choice_typo(choice) if isinstance(choice, str) else ""
+                    if len(choice) >= 3 and typo and typo not in action.choices:
+                        yield name, action.option_strings[0], choice
 
 
 CHOICES = list(_choices())
