@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -177,19 +178,36 @@ class ChiefService:
         m.set_info("chief", 0, self.mode)
         m.watch(m.global_step, lambda: self.global_step)
         m.watch(m.workers_alive, self._alive_count)
+        # what every worker's heartbeats said: the run's throughput and loss, seen from
+        # the chief alone (zmqps top given the chief's endpoint only)
+        m.watch(m.cluster_examples, lambda: self._read_members(lambda: self.members.examples))
+        m.watch(m.cluster_loss, lambda: self._read_members(self._mean_loss))
         m.watch(m.tokens_available, lambda: self.consistency.status().get("tokens_available", 0))
         m.watch(m.generation, lambda: self.recovery.gen)
         m.watch(m.ps_down, lambda: len(self.recovery.ps_down))
 
     def _alive_count(self) -> float:
+        return self._read_members(lambda: len(self.members.alive(self.clock())))
+
+    @staticmethod
+    def _read_members(read: Callable[[], float]) -> float:
         # Runs in the exporter's thread: a worker registering meanwhile can change the
         # membership dict under the iteration; read again rather than fail the scrape.
         for _ in range(3):
             try:
-                return len(self.members.alive(self.clock()))
+                return read()
             except RuntimeError:
                 continue
         return float("nan")
+
+    def _mean_loss(self) -> float:
+        """The mean of the last loss of each live worker that reported one (NaN: none)."""
+        losses = []
+        for i in self.members.alive(self.clock()):
+            w = self.members.workers.get(i)
+            if w is not None and w.loss is not None and math.isfinite(w.loss):
+                losses.append(w.loss)
+        return sum(losses) / len(losses) if losses else float("nan")
 
     # ---------------------------------------------------------------- the parts' state
 
