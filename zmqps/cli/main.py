@@ -62,7 +62,7 @@ def _worker_parser(p: argparse.ArgumentParser) -> None:
 
     add_serve_args(p)
     add_cluster_args(p)
-    add_job_args(p)
+    add_job_args(p, worker=True)
     add_device_args(p)
     add_nonfinite_args(p, chief=False)
     add_metrics_args(p)

@@ -25,7 +25,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from zmqps.core.membership import Membership
@@ -34,6 +34,7 @@ from zmqps.core.variables import Placement, VariableDef
 from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
 from zmqps.metrics.summaries import WINDOW_S, Summaries, Window
+from zmqps.roles.agreement import compare, job_flags, refusal
 from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.chief.checkpoints import ChiefCheckpoints
 from zmqps.roles.chief.modes import ChiefMode, make_chief_mode
@@ -45,7 +46,7 @@ from zmqps.roles.optable import Handler, OpTable
 from zmqps.transport import Requester
 from zmqps.wire import Message, reply
 from zmqps.wire import ops as o
-from zmqps.wire.errors import InvalidArgument, NotReady, RolledBack
+from zmqps.wire.errors import ConfigError, InvalidArgument, NotReady, RolledBack
 
 __all__ = ["ChiefService"]
 
@@ -149,6 +150,8 @@ class ChiefService:
         self._window = Window()
         self._summarized_step = 0
         self._summarized_examples = 0
+        #: (worker, flag) whose difference from the chief's was logged (once each)
+        self._flags_warned: set[tuple[int, str]] = set()
         self._ops = OpTable("the chief", self.ops())
         if metrics is not None:
             self._watch(metrics)
@@ -279,6 +282,8 @@ class ChiefService:
         if who.role != "worker":
             self._heard_evaluator(who)
             return reply(msg, self._info().to_wire())
+        if req.job is not None and who.index < self.cfg.cluster.num_workers:
+            self._check_job_flags(who.index, req.job)  # (admit refuses another index)
         if self.recovery.starting:
             # where a worker resumes is known once the PS are adopted or restored (a
             # new cluster on an interrupted run's checkpoint resumes after its batches)
@@ -287,6 +292,22 @@ class ChiefService:
         if req.epoch is not None:
             await self.recovery.publish_past(req.epoch)
         return reply(msg, self._info(skip, last).to_wire())
+
+    def _check_job_flags(self, index: int, flags: Mapping[str, str]) -> None:
+        """Compare a registering worker's job flags with the chief's: refuse one of
+        another cluster layout or model (:class:`ConfigError`: the worker exits with the
+        line), warn once per worker and flag about those that run, naming the winner."""
+        cfg = self.cfg
+        differences = compare(job_flags(cfg.cluster, cfg.job, cfg.sync.mode), flags)
+        refused = refusal(index, differences)
+        if refused is not None:
+            self.notes.warning("%s", refused, key=("refused", index))
+            raise ConfigError(refused)
+        for d in differences:
+            # bounded: the cluster spec's workers times the flags compared
+            if (index, d.flag) not in self._flags_warned:
+                self._flags_warned.add((index, d.flag))
+                log.warning("%s", d.warning(index))
 
     def _op_heartbeat(self, msg: Message, req: o.Heartbeat) -> Message | Awaitable[Message]:
         who = req.who

@@ -141,6 +141,11 @@ class Worker:
     >>> w.create_variables([VariableDef("w", (13, 1))], optimizer={"name": "sgd", "lr": 0.1})
     >>> params = w.pull(); ...; w.push(grads, loss=loss)       # doctest: +SKIP
     >>> w.close()                                              # doctest: +SKIP
+
+    ``job_flags``: the job flags the worker runs with
+    (:func:`zmqps.roles.agreement.job_flags`), sent when it registers: the chief
+    refuses a worker of another cluster layout or model (:class:`ConfigError`) and
+    logs the other differences.
     """
 
     def __init__(
@@ -163,6 +168,7 @@ class Worker:
         devices: str | Sequence[str | Device] | None = None,
         on_nonfinite: str = "skip",
         summaries: Summaries | None = None,
+        job_flags: Mapping[str, str] | None = None,
     ) -> None:
         #: how this worker connects (role, timeouts, ...), as given
         self.settings = WorkerOptions(
@@ -246,6 +252,7 @@ class Worker:
             recovery_timeout=s.recovery_timeout,
             chief_timeout=s.chief_timeout,
             on_stop=self.request_stop,
+            job=job_flags,
             # the batches of this incarnation that hold (those given back to a
             # restore are not counted until trained again)
             progress=lambda: (
