@@ -345,9 +345,10 @@ def _cluster_from_obj(obj: object, source: str, allow_port_zero: bool) -> Cluste
         raise ConfigError(f"{source}: 'cluster' must be an object, got {_json_type(obj)}")
     unknown = sorted(set(obj) - set(_CLUSTER_KEYS))
     if unknown:
+        hint = did_you_mean(str(unknown[0]), _CLUSTER_KEYS, quote=True)
         raise ConfigError(
             f"{source}: unknown job {unknown[0]!r} in cluster"
-            " (expected chief, master, ps, worker or evaluator)"
+            f" (expected chief, master, ps, worker or evaluator{hint})"
         )
     if "chief" in obj and "master" in obj:
         raise ConfigError(

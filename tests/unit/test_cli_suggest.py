@@ -191,3 +191,15 @@ def test_closest_is_the_best_and_those_about_as_close() -> None:
     assert closest("MLP", ["mlp", "softmax"]) == ["mlp"]  # case does not matter
     assert did_you_mean("--zzz", options) == ""
     assert did_you_mean("mpl", ["mlp"], quote=True) == "; did you mean 'mlp'?"
+
+
+def test_a_mistyped_job_of_a_cluster_spec_names_the_job() -> None:
+    from zmqps.config import parse_tf_config
+
+    spec = '{"cluster": {"chief": ["127.0.0.1:1"], "wokers": ["127.0.0.1:3"]}}'
+    with pytest.raises(ConfigError) as exc:
+        parse_tf_config(spec)
+    assert str(exc.value).endswith(
+        "unknown job 'wokers' in cluster (expected chief, master, ps, worker or evaluator;"
+        " did you mean 'worker'?)"
+    )
