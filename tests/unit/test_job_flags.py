@@ -19,7 +19,7 @@ from zmqps.roles.job import JobConfig
 from zmqps.roles.worker.session import Session
 from zmqps.wire import Message
 from zmqps.wire import ops as o
-from zmqps.wire.errors import ConfigError, ProtocolError
+from zmqps.wire.errors import EXIT_CONFIG, ConfigError, NotFound, ProtocolError
 
 CLUSTER = ClusterSpec(
     chief="127.0.0.1:7000", ps=("127.0.0.1:7100",), worker=("127.0.0.1:7200", "127.0.0.1:7201")
@@ -195,3 +195,37 @@ def test_another_protocol_error_is_not_taken_for_an_older_chief() -> None:
     session = Session(_Broken(), o.Who("worker", 0, 1), job={"--epochs": "3"})  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match="missing field"):
         asyncio.run(asyncio.wait_for(session.open(5.0), 5.0))
+
+
+class _RestartedChief:
+    """A chief restarted with other flags: it knows no task, and refuses this one's."""
+
+    endpoint = "127.0.0.1:7000"
+
+    async def request(self, op: str, body: Any = None, *_: Any, **__: Any) -> Message:
+        if op == "heartbeat":
+            raise NotFound("worker 0 is not registered")
+        assert op == "register" and "job" in body
+        raise ConfigError("the chief refuses worker 0, started for another run: --model: ...")
+
+
+def test_a_worker_refused_when_it_registers_again_stops_with_exit_code_2() -> None:
+    """Its heartbeats' task ended on the refusal, and the worker trained on without
+    heartbeats (the chief counting it dead) instead of stopping."""
+    stops: list[tuple[str, int]] = []
+    session = Session(
+        _RestartedChief(),  # type: ignore[arg-type]
+        o.Who("worker", 0, 1),
+        job={"--model": "mlp"},
+        on_stop=lambda reason, code: stops.append((reason, code)),
+    )
+
+    async def go() -> None:
+        session.start_heartbeats(0.01)
+        assert session._heartbeats is not None
+        await asyncio.wait_for(session._heartbeats, 5.0)
+
+    asyncio.run(go())
+    assert stops == [
+        ("the chief refuses worker 0, started for another run: --model: ...", EXIT_CONFIG)
+    ]

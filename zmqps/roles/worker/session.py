@@ -40,6 +40,8 @@ from zmqps.roles.channels import RECOVERABLE, Delivery
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
+    EXIT_CONFIG,
+    ConfigError,
     DeadlineExceeded,
     NotFound,
     NotPrimary,
@@ -293,6 +295,12 @@ class Session:
                 self._silence()
                 continue
             except ShutdownError:
+                return
+            except ConfigError as exc:
+                # registered again with a chief restarted with other flags, which refuses
+                # this task: it stops (exit code 2), it does not go on without heartbeats
+                if self.on_stop is not None:
+                    self.on_stop(str(exc), EXIT_CONFIG)
                 return
             if beat.gen != self.gen and not beat.recovering:
                 log.warning("%s: the cluster was restored (generation %d)", self.name, beat.gen)
