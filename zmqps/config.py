@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from zmqps.slurm import DEFAULT_PORT_BASE, in_slurm_step, slurm_layout
-from zmqps.wire.errors import ConfigError
+from zmqps.wire.errors import ConfigError, did_you_mean
 
 __all__ = [
     "KEYS_ENV",
@@ -87,8 +87,10 @@ def _n_tasks(n: int) -> str:
 def _canonical_role(name: object, source: str, what: str = "task type") -> str:
     role = _ALIASES.get(name, name) if isinstance(name, str) else name
     if role not in ROLES:
+        hint = did_you_mean(name, (*ROLES, *_ALIASES), quote=True) if isinstance(name, str) else ""
         raise ConfigError(
-            f"{source}: unknown {what} {name!r} (expected chief, master, ps, worker or evaluator)"
+            f"{source}: unknown {what} {name!r} (expected chief, master, ps, worker or"
+            f" evaluator{hint})"
         )
     assert isinstance(role, str)
     return role
@@ -343,9 +345,10 @@ def _cluster_from_obj(obj: object, source: str, allow_port_zero: bool) -> Cluste
         raise ConfigError(f"{source}: 'cluster' must be an object, got {_json_type(obj)}")
     unknown = sorted(set(obj) - set(_CLUSTER_KEYS))
     if unknown:
+        hint = did_you_mean(str(unknown[0]), _CLUSTER_KEYS, quote=True)
         raise ConfigError(
             f"{source}: unknown job {unknown[0]!r} in cluster"
-            " (expected chief, master, ps, worker or evaluator)"
+            f" (expected chief, master, ps, worker or evaluator{hint})"
         )
     if "chief" in obj and "master" in obj:
         raise ConfigError(

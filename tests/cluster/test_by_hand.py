@@ -80,3 +80,90 @@ def test_classic_flags_keep_alive_and_status(procs: Reaper, tmp_path: Path) -> N
     chief_p.send(signal.SIGTERM)
     chief_p.expect_exit(0, timeout=20)
     ps_p.expect_exit(0, timeout=20)
+
+
+@pytest.mark.timeout(120)
+def test_mismatched_job_flags_are_refused_or_said_once(procs: Reaper) -> None:
+    """A chief started with --epochs 1 and workers with other flags ran without a word.
+    A worker of another cluster layout (2 PS where the chief has 1) is refused with one
+    line naming both lists (exit 2); one with other --epochs runs, and the chief's log
+    says so once, naming the winner."""
+    chief, ps, w0, w1, other_ps = addresses(5)
+    hosts = ["--worker-hosts", f"{w0},{w1}", "--chief-host", chief]
+    job = ["--model", "softmax"]
+    server, worker = script("zmqps-server"), script("zmqps-worker")
+    chief_p = procs.spawn(
+        [server, *hosts, "--ps-hosts", ps, "--job-name", "chief", *job, "--epochs", "1"],
+        name="chief",
+    )
+    ps_p = procs.spawn([server, *hosts, "--ps-hosts", ps, "--job-name", "ps"], name="ps0")
+    w1_task = ["--job-name", "worker", "--task-id", "1"]
+    wrong = procs.spawn(
+        [worker, *hosts, "--ps-hosts", f"{ps},{other_ps}", *w1_task, *job, "--epochs", "1"],
+        name="wrong",
+    )
+    wrong.expect_exit(2, timeout=60)
+    assert wrong.stderr.splitlines()[-1] == (
+        f"zmqps: error: the chief refuses worker 1, started for another run: --ps-hosts: the"
+        f" chief's is {ps}, this worker's {ps},{other_ps} (every task of a run takes the same"
+        " cluster spec)"
+    ), wrong.tail()
+    workers = []
+    for i, epochs in ((0, "2"), (1, "1")):
+        task = ["--job-name", "worker", "--task-id", str(i)]
+        argv = [worker, *hosts, "--ps-hosts", ps, *task, *job, "--epochs", epochs]
+        workers.append(procs.spawn(argv, name=f"w{i}"))
+    for proc in (*workers, chief_p, ps_p):
+        proc.expect_exit(0, timeout=80)
+    said = [ln for ln in chief_p.stderr.splitlines() if "runs with --" in ln]
+    assert len(said) == 1, chief_p.tail()
+    assert said[0].endswith(
+        "W zmqps.chief: worker 0 runs with --epochs 2, the chief with --epochs 1: the worker's"
+        " wins (it trains that many passes over its own data)"
+    ), said
+    assert "the chief refuses worker 1" in chief_p.stderr
+
+
+@pytest.mark.timeout(120)
+def test_top_given_the_chief_alone_shows_the_throughput(procs: Reaper) -> None:
+    """``zmqps top CHIEF_METRICS_URL`` (the README's first hour) said "examples/s 0" and
+    loss "-" while the run trained: it read examples from the workers' endpoints only."""
+    from helpers import chief_status, free_ports
+
+    chief, ps, w0, w1 = addresses(4)
+    (port,) = free_ports(1)
+    hosts = ["--ps-hosts", ps, "--worker-hosts", f"{w0},{w1}", "--chief-host", chief]
+    job = ["--model", "mlp", "--epochs", "500"]
+    server, worker = script("zmqps-server"), script("zmqps-worker")
+    metrics = ["--metrics-port", str(port)]
+    tasks = [
+        procs.spawn([server, *hosts, "--job-name", "chief", *job, *metrics], name="chief"),
+        procs.spawn([server, *hosts, "--job-name", "ps", "--task-id", "0"], name="ps"),
+        *(
+            procs.spawn(
+                [worker, *hosts, "--job-name", "worker", "--task-id", str(i), *job],
+                name=f"worker{i}",
+            )
+            for i in (0, 1)
+        ),
+    ]
+    wait_for(
+        lambda: (s := chief_status(chief)) and s.get("global_step", 0) > 100,
+        timeout=60,
+        what="training under way",
+    )
+    url = f"http://127.0.0.1:{port}/metrics"
+    top = procs.spawn(zmqps_cmd("top", url, "--iterations", "3", "--interval", "1"), name="top")
+    top.expect_exit(0, timeout=30)
+    lines = [ln for ln in top.stdout.splitlines() if ln.startswith("examples/s ")]
+    assert len(lines) == 3, top.tail()
+    for line in lines:
+        rate = float(line.split()[1].replace(",", ""))
+        assert rate > 0, top.tail()
+        assert "(from the chief: the workers' heartbeats)" in line, line
+    assert "loss (mean of workers) -" not in lines[-1], top.tail()
+    chief_p = tasks[0]
+    chief_p.send(signal.SIGTERM)
+    chief_p.expect_exit(143, timeout=30)
+    for t in tasks[1:]:
+        t.expect_exit(0, timeout=30)

@@ -212,30 +212,32 @@ ABBREVIATED = {
     # --epochs 0: should --worker ever be taken for --workers again, nothing starts
     "launch": (
         ["zmqps", "launch", "--worker", "3", "--epochs", "0"],
-        "zmqps: error: unrecognized arguments: --worker 3",
+        "zmqps launch: error: unrecognized arguments: --worker 3; did you mean --workers?",
     ),
     "keygen": (
         ["zmqps", "keygen", "keys", "--work", "3"],
-        "zmqps: error: unrecognized arguments: --work 3",
+        "zmqps keygen: error: unrecognized arguments: --work 3; did you mean --workers?",
     ),
     "server": (
         ["zmqps-server", "--heartbeat", "3"],
-        "zmqps-server: error: unrecognized arguments: --heartbeat 3",
+        "zmqps-server: error: unrecognized arguments: --heartbeat 3;"
+        " did you mean --heartbeat-timeout?",
     ),
     "worker": (
         ["zmqps-worker", "--connect", "3"],
-        "zmqps-worker: error: unrecognized arguments: --connect 3",
+        "zmqps-worker: error: unrecognized arguments: --connect 3; did you mean --connect-timeout?",
     ),
     "program": (
         ["zmqps", "--verb", "status", "--chief", "127.0.0.1:1"],
-        "zmqps: error: unrecognized arguments: --verb",
+        "zmqps: error: unrecognized arguments: --verb; did you mean --verbose?",
     ),
 }
 
 
 @pytest.mark.parametrize("case", ABBREVIATED)
 def test_no_prefix_matching_of_flags(case: str, tmp_path: Path) -> None:
-    """``--worker 3`` is a mistake, not ``--workers 3``: exit 2 before anything runs."""
+    """``--worker 3`` is a mistake, not ``--workers 3``: exit 2 before anything runs, the
+    command that refused it named, and the flag it was probably meant as."""
     (command, *args), message = ABBREVIATED[case]
     done = subprocess.run(
         [script(command), *args], capture_output=True, text=True, timeout=30, cwd=tmp_path

@@ -325,7 +325,8 @@ def test_resume_of_an_interrupted_run_finishes_its_work_once(
 
 @pytest.mark.timeout(90)
 def test_a_worker_of_another_model_than_the_clusters_exits_2(procs: Reaper) -> None:
-    """It exited 1 (restarted to fail again) with a message naming no flag."""
+    """It exited 1 (restarted to fail again) with a message naming no flag. The chief
+    refuses it when it registers, naming both models."""
     chief, ps, w0 = addresses(3)
     hosts = ["--ps-hosts", ps, "--worker-hosts", w0, "--chief-host", chief]
     server = script("zmqps-server")
@@ -342,9 +343,10 @@ def test_a_worker_of_another_model_than_the_clusters_exits_2(procs: Reaper) -> N
         name="worker",
     )
     worker.expect_exit(2, timeout=60)
-    assert worker.stderr.splitlines()[-1].startswith(
-        "zmqps: error: this task's --model softmax (--optimizer momentum) is not the model"
-        " the cluster holds (variables were already created with different definitions"
+    assert worker.stderr.splitlines()[-1] == (
+        "zmqps: error: the chief refuses worker 0, started for another run: --model: the"
+        " chief's is mlp, this worker's softmax (the chief creates, evaluates and exports its"
+        " own model)"
     ), worker.tail()
     for t in tasks:
         t.send(signal.SIGTERM)

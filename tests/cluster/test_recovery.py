@@ -9,6 +9,7 @@ running PS (global step, placement); no step is applied twice.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -250,6 +251,11 @@ def test_a_worker_that_finished_trains_again_after_a_restore(procs: Reaper, tmp_
     stats = read_json(run / "worker0-stats.json")
     assert stats["steps_done"] + stats["steps"] - stats["rewound"] == share, stats
     assert stats["rewound"] == share, stats  # every batch of it trained again
+    # its log tells the truth: the steps that hold, and how many were trained again
+    assert stats["retrained"] == share, stats
+    log = (run / "worker0.log").read_text()
+    done = re.search(r"worker 0: done after (\d+) steps \(.*\); (\d+) batches trained again", log)
+    assert done and done.groups() == (str(share), str(share)), log[-1500:]
     # the final checkpoint holds every batch of each worker, once
     ckpt = CheckpointRoot(run / "checkpoints").latest()
     assert ckpt is not None and ckpt.cursors == {"worker:0": share, "worker:1": share}

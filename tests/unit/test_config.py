@@ -219,7 +219,7 @@ def cfg(cluster=None, task=None, **extra):
         (
             cfg({**BASE, "workers": ["w:3"]}),
             "TF_CONFIG: unknown job 'workers' in cluster"
-            " (expected chief, master, ps, worker or evaluator)",
+            " (expected chief, master, ps, worker or evaluator; did you mean 'worker'?)",
         ),
         (
             cfg({**BASE, "ps": 5}),

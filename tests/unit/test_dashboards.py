@@ -71,6 +71,8 @@ CATALOGUE = {
     "zmqps_sync_tokens_available": "gauge",
     "zmqps_sync_token_wait_seconds": "histogram",
     "zmqps_workers_alive": "gauge",
+    "zmqps_cluster_examples": "gauge",
+    "zmqps_cluster_loss": "gauge",
     "zmqps_worker_examples_total": "counter",
     "zmqps_worker_step_seconds": "histogram",
     "zmqps_train_loss": "gauge",

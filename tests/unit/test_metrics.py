@@ -7,6 +7,7 @@ transport Dispatcher's observer), the chief's gauges through ChiefService direct
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,6 +45,8 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...]]] = {
     "zmqps_sync_tokens_available": ("gauge", ()),
     "zmqps_sync_token_wait_seconds": ("histogram", ()),
     "zmqps_workers_alive": ("gauge", ()),
+    "zmqps_cluster_examples": ("gauge", ()),
+    "zmqps_cluster_loss": ("gauge", ()),
     "zmqps_worker_examples": ("counter", ()),
     "zmqps_worker_step_seconds": ("histogram", ("phase",)),
     "zmqps_train_loss": ("gauge", ()),
@@ -313,6 +316,12 @@ def test_chief_gauges_read_its_state() -> None:
         assert value(m, "zmqps_sync_tokens_available") == 0
         chief.members.register(0, 1, 100.0, 10)
         assert value(m, "zmqps_workers_alive") == 1
+        # what the workers' heartbeats said: examples of the run, the mean last loss
+        assert value(m, "zmqps_cluster_examples") == 0
+        assert math.isnan(m.registry.get_sample_value("zmqps_cluster_loss", {}) or 0.0)
+        chief.members.heartbeat(0, 1, 5, 100.0, loss=0.5, examples=160)
+        assert value(m, "zmqps_cluster_examples") == 160
+        assert value(m, "zmqps_cluster_loss") == 0.5
         chief.consistency.tokens.restart(0, extra=1)  # step 0: M = 1 token, 1 init token
         chief.consistency.started = True
         assert value(m, "zmqps_sync_tokens_available") == 2

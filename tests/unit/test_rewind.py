@@ -439,3 +439,65 @@ def test_a_restore_with_no_ps_left_that_knew_the_cursors_still_rewinds_the_worke
         assert seen == [{"worker:0": 30, "worker:1": 30}]
 
     run_chief(body())
+
+
+def _counting_worker(steps_done: int = 0) -> Any:
+    """A Worker's step bookkeeping alone (no cluster): count_step and take_rewind."""
+    from types import SimpleNamespace
+
+    from zmqps.metrics.summaries import Window
+    from zmqps.roles.worker.worker import Worker
+
+    class _Session:
+        rewind: int | None = None
+
+        def take_rewind(self) -> int | None:
+            back, self.rewind = self.rewind, None
+            return back
+
+    w = Worker.__new__(Worker)
+    w.session = _Session()  # type: ignore[assignment]
+    w.steps = SimpleNamespace(step_done=lambda: None)  # type: ignore[assignment]
+    w.metrics = w.summaries = None
+    w._window = Window()
+    w.name, w.index, w.loss, w.examples = "worker:0", 0, None, 0
+    w.steps_done, w.step, w.rewound, w.retrained, w._furthest = steps_done, 0, 0, 0, steps_done
+    return w
+
+
+def test_progress_lines_count_a_batch_trained_again_once_and_say_so() -> None:
+    """A worker's "step N" counted every push: after a restore went back 20 batches,
+    its lines said step 70 where its data was at 50 and the cluster held 50 of its
+    batches. The step shown leaves the batches trained again out, and the line says
+    how many there were."""
+    from zmqps.roles.worker.train import due, retrained_note
+
+    w = _counting_worker()
+    for _ in range(50):
+        w.count_step(0.5, 32)
+    assert (w.net_steps, w.retrained, retrained_note(w)) == (50, 0, "")
+    w.session.rewind = 30  # the checkpoint restored holds its first 30 batches
+    assert w.take_rewind() == 30 and w.position == 30
+    lines = []
+    for _ in range(40):
+        w.count_step(0.5, 32)
+        if due(w, 10):
+            lines.append((w.net_steps, w.retrained))
+    # steps 31..50 trained again, 51..70 new: the lines at 40 and 50 come again
+    assert (w.step, w.net_steps, w.position, w.retrained) == (90, 70, 70, 20)
+    assert lines == [(40, 10), (50, 20), (60, 20), (70, 20)]
+    assert retrained_note(w) == "; 20 batches trained again after a restore went back"
+    w.session.rewind = 69
+    w.take_rewind()
+    w.count_step(0.5, 32)
+    assert w.retrained == 21 and w.net_steps == 70
+    assert not due(_counting_worker(), 10)  # nothing done yet: no line at step 0
+
+
+def test_a_resumed_worker_counts_only_what_it_trains_again_itself() -> None:
+    """A new incarnation that resumed after 100 batches of earlier ones: its steps past
+    them are new, not trained again."""
+    w = _counting_worker(steps_done=100)
+    for _ in range(5):
+        w.count_step(None, None)
+    assert (w.position, w.net_steps, w.retrained) == (105, 5, 0)

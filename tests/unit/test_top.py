@@ -239,3 +239,68 @@ def test_top_fails_when_iterations_end_before_any_answer() -> None:
     code, _, err, redraws = _run_top([], iterations=2)
     assert (code, redraws) == (1, 2)
     assert err.startswith("zmqps: error: top: none of the 1 target ever answered")
+
+
+def test_top_given_the_chief_alone_shows_the_workers_throughput_and_loss() -> None:
+    """``zmqps top CHIEF_URL`` (the README's by-hand step) said "examples/s 0" and loss
+    "-" while the run trained: examples were read from the workers' endpoints only.
+    The chief exports what the workers' heartbeats said, and top reads it over a
+    window of 5 s (each worker's count moves once per heartbeat: a rate over one
+    redraw said 0, or twice the truth)."""
+    import io
+
+    from zmqps.metrics.top import top
+
+    clock = _Clock()
+    per_s = 6400.0  # two workers, 100 steps/s of 32 examples each
+
+    def fake_scrape(t: Target) -> Sample:
+        # the chief's count moves once per heartbeat round (every 2 s here)
+        beats = int(clock.now // 2.0)
+        return _sample(
+            "chief",
+            t.url,
+            clock.now,
+            [
+                ("zmqps_global_step", {}, 200.0 * clock.now),
+                ("zmqps_cluster_examples", {}, per_s * 2.0 * beats),
+                ("zmqps_cluster_loss", {}, 0.125),
+                ("zmqps_worker_examples_total", {}, 0.0),  # the chief's own: none
+            ],
+        )
+
+    out = io.StringIO()
+    code = top(
+        [Target("?", "http://127.0.0.1:9/metrics")],
+        1.0,
+        12,
+        scrape_one=fake_scrape,
+        sleep=clock.sleep,
+        clock=clock,
+        out=out,
+        err=io.StringIO(),
+    )
+    assert code == 0
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("examples/s")]
+    assert len(lines) == 12
+    rates = [float(ln.split()[1].replace(",", "")) for ln in lines]
+    # once 5 s of samples are kept, every redraw is within a heartbeat of the truth
+    assert all(abs(r - per_s) <= per_s * 2 / 5 for r in rates[5:]), rates
+    assert all(r > 0 for r in rates[1:]), rates
+    assert "loss (mean of workers) 0.1250   (from the chief: the workers' heartbeats)" in lines[-1]
+
+
+def test_worker_endpoints_win_over_the_chiefs_count() -> None:
+    chief = {
+        "c": _sample("chief", "c", 0.0, [("zmqps_cluster_examples", {}, 0.0)]),
+        "w": _sample("worker", "w", 0.0, [("zmqps_worker_examples_total", {}, 0.0)]),
+    }
+    now = [
+        _sample("chief", "c", 1.0, [("zmqps_cluster_examples", {}, 999.0)]),
+        _sample("worker", "w", 1.0, [("zmqps_worker_examples_total", {}, 320.0)]),
+    ]
+    text = render(now, chief)
+    assert "examples/s 320" in text and "from the chief" not in text
+    # no worker answered: the chief's count, said so
+    text = render([now[0], Sample(Target("worker", "w"), 1.0, error="refused")], chief)
+    assert "examples/s 999" in text and "(from the chief" in text

@@ -741,16 +741,23 @@ def _positive(kind: type[int] | type[float]) -> Any:
     return parse
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "zmqps.bench.scale_sim") -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    prog: str = "zmqps.bench.scale_sim",
+    parser: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+) -> int:
     """``zmqps bench scale-sim`` (or ``python -m zmqps.bench.scale_sim``): every
-    combination of ``--workers`` and ``--ps``; with ``--child``, a simulator process."""
+    combination of ``--workers`` and ``--ps``; with ``--child``, a simulator process.
+    ``parser``: the class of its argument parser (``zmqps``'s own, whose errors are one
+    line naming the closest valid flag)."""
     from zmqps.bench.common import int_list
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--child" in argv:
         return _child_main(argv)
-    p = argparse.ArgumentParser(
+    p = parser(
         prog=prog,
+        allow_abbrev=False,
         description="simulated workers (the real wire protocol) against a real chief and"
         " real PS: exactness, the chief's CPU per worker and step, latency, death detection",
     )

@@ -51,7 +51,7 @@ from zmqps.bench.workload import (
     sparse,
 )
 from zmqps.core.variables import ShardInfo
-from zmqps.wire.errors import ConfigError
+from zmqps.wire.errors import ConfigError, did_you_mean
 
 __all__ = ["add_bench_args", "run_bench"]
 
@@ -344,16 +344,21 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     requested = tuple(args.suites) or SUITES + EXTRA_SUITES
     for s in requested:
         if s not in SUITES + EXTRA_SUITES:
-            raise ConfigError(f"unknown suite {s!r} (expected {', '.join(SUITES + EXTRA_SUITES)})")
+            hint = did_you_mean(s, SUITES + EXTRA_SUITES + ("scale-sim",), quote=True)
+            raise ConfigError(
+                f"unknown suite {s!r} (expected {', '.join(SUITES + EXTRA_SUITES)}{hint})"
+            )
     suites = tuple(s for s in requested if s in SUITES)
     extras = tuple(s for s in requested if s in EXTRA_SUITES)
     for s in args.sides:
         if s not in SIDES:
-            raise ConfigError(f"unknown side {s!r} (expected {', '.join(SIDES)})")
+            hint = did_you_mean(s, SIDES, quote=True)
+            raise ConfigError(f"unknown side {s!r} (expected {', '.join(SIDES)}{hint})")
     known = {v for vs in VARIANTS.values() for v in vs}
     for v in args.variants or ():
         if v not in known:
-            raise ConfigError(f"unknown variant {v!r} (expected {', '.join(sorted(known))})")
+            hint = did_you_mean(v, sorted(known), quote=True)
+            raise ConfigError(f"unknown variant {v!r} (expected {', '.join(sorted(known))}{hint})")
     for flag in ("ps", "repeat", "rows", "dim", "batch_rows", "variables", "row_budget"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")

@@ -158,14 +158,22 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_job_args(p: argparse.ArgumentParser, *, model_default: str | None = "mlp") -> None:
+def add_job_args(
+    p: argparse.ArgumentParser, *, model_default: str | None = "mlp", worker: bool = False
+) -> None:
     g = p.add_argument_group("job")
     g.add_argument(
         "--mode",
         choices=MODES,
-        default="async",
+        # a worker follows the chief's mode: given, it is only compared with it
+        default=None if worker else "async",
         help="consistency model: async, sync (SyncReplicas) or ssp (bounded staleness);"
-        " set on the chief, workers follow it (default: async)",
+        " set on the chief, workers follow it"
+        + (
+            " (a worker given another one says so in the chief's log) (default: the chief's)"
+            if worker
+            else " (default: async)"
+        ),
     )
     g.add_argument(
         "--model",

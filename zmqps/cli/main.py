@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from zmqps.cli.args import (
     add_cluster_args,
@@ -33,6 +33,7 @@ from zmqps.cli.args import (
     setup_logging,
     socket_options,
 )
+from zmqps.cli.parser import Parser
 from zmqps.cli.tasks import run_task, task_from_args
 from zmqps.config import Resolution
 from zmqps.device import DeviceError
@@ -61,7 +62,7 @@ def _worker_parser(p: argparse.ArgumentParser) -> None:
 
     add_serve_args(p)
     add_cluster_args(p)
-    add_job_args(p)
+    add_job_args(p, worker=True)
     add_device_args(p)
     add_nonfinite_args(p, chief=False)
     add_metrics_args(p)
@@ -328,14 +329,6 @@ def _sub(sub: Any, name: str, **kw: Any) -> argparse.ArgumentParser:
     return p
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (and where to look), not the whole
-    usage block ahead of it: a mistyped choice reads like every other refusal."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
-
-
 def _command(argv: Sequence[str]) -> str | None:
     """The subcommand ``argv`` names (its first word that is not an option: the
     options before it take no value), or None."""
@@ -350,7 +343,7 @@ def _build(command: str | None = None) -> argparse.ArgumentParser:
     def wanted(name: str) -> bool:
         return command is None or command == name
 
-    parser = _Parser(
+    parser = Parser(
         prog="zmqps", description="zmqps: a parameter server over ZeroMQ", allow_abbrev=False
     )
     _common_args(parser)
@@ -492,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if started():
             return interrupted("zmqps bench scale-sim")
-        return scale_sim(given[2:], prog="zmqps bench scale-sim")
+        return scale_sim(given[2:], prog="zmqps bench scale-sim", parser=Parser)
     args = _build(_command(given)).parse_args(given)
     args.verbose += args.sub_verbose
     del args.sub_verbose
@@ -505,7 +498,7 @@ def _single(
     func: Callable[[argparse.Namespace], int],
     argv: Sequence[str] | None,
 ) -> int:
-    p = _Parser(prog=prog, allow_abbrev=False)
+    p = Parser(prog=prog, allow_abbrev=False)
     _common_args(p)
     build(p)
     args = p.parse_args(argv)

@@ -104,6 +104,7 @@ def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpe
         serve_job=serve_job,
         on_nonfinite=on_nonfinite_from_args(args),
         logdir=args.logdir,
+        mode=args.mode,
     )
     return TaskConfig(worker=worker, **common)
 
@@ -257,6 +258,7 @@ def run_task(task: TaskConfig) -> int:
 
 def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
     from zmqps.metrics.summaries import open_summaries
+    from zmqps.roles.agreement import job_flags
     from zmqps.roles.worker import Terminated, Worker, train
 
     tspec = TaskSpec("worker", cfg.index)
@@ -304,6 +306,7 @@ def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
                 devices=cfg.device,
                 on_nonfinite=cfg.on_nonfinite,
                 summaries=summaries,
+                job_flags=job_flags(cfg.cluster, cfg.job, cfg.mode),
             ) as worker:
                 # From now on a stop (a signal, the chief's shutdown, a chief gone) ends
                 # the current step first (its gradient reaches every PS, so a sync step
@@ -314,7 +317,7 @@ def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
                 result = train(worker, cfg.job, cfg.cluster.num_workers, prefetch=cfg.prefetch)
         except Terminated:
             why, code = stopper.why(worker)
-            step = 0 if worker is None else worker.step
+            step = 0 if worker is None else worker.net_steps
             log.warning("worker %d: %s; left after %d steps", cfg.index, why, step)
             return code
         finally:

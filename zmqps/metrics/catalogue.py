@@ -414,6 +414,17 @@ class Metrics:
         self.workers_alive = Gauge(
             "zmqps_workers_alive", "Workers the chief has heard from recently.", registry=r
         )
+        self.cluster_examples = Gauge(
+            "zmqps_cluster_examples",
+            "Training examples of the run, as the workers reported them to the chief in"
+            " their heartbeats (every worker, every incarnation).",
+            registry=r,
+        )
+        self.cluster_loss = Gauge(
+            "zmqps_cluster_loss",
+            "Mean of the last training loss each live worker reported to the chief.",
+            registry=r,
+        )
         # -- worker ----------------------------------------------------------------
         self.examples = Counter(
             "zmqps_worker_examples_total", "Training examples processed by this worker.", registry=r

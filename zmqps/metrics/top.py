@@ -156,7 +156,18 @@ def _staleness_buckets(
     return sorted(acc.items())
 
 
-def render(now: list[Sample], before: dict[str, Sample]) -> str:
+#: seconds a rate from the chief's heartbeat-fed counts spans at least: each worker's
+#: count moves once per heartbeat (1 s), so a rate over one redraw said 0 or twice it
+CHIEF_RATE_WINDOW_S = 5.0
+
+
+def render(
+    now: list[Sample], before: dict[str, Sample], older: dict[str, Sample] | None = None
+) -> str:
+    """The view of ``now``, with rates since ``before`` (the last redraw's samples);
+    ``older``: samples of up to :data:`CHIEF_RATE_WINDOW_S` ago (default ``before``),
+    for the figures the chief has from heartbeats."""
+    older = before if older is None else older
     by_job: dict[str, list[Sample]] = {}
     for s in now:
         by_job.setdefault(s.target.job, []).append(s)
@@ -178,7 +189,15 @@ def render(now: list[Sample], before: dict[str, Sample]) -> str:
     examples = sum(_rate(s, prev(s), "zmqps_worker_examples_total") for s in workers)
     losses = [s.get("zmqps_train_loss") for s in workers]
     loss = f"{sum(losses) / len(losses):.4f}" if losses else "-"
-    lines.append(f"examples/s {examples:,.0f}   loss (mean of workers) {loss}")
+    source = ""
+    if not workers and chief is not None and not chief.error:
+        # no worker's endpoint among the targets (zmqps top CHIEF_URL): what the
+        # workers' heartbeats told the chief
+        examples = _rate(chief, older.get(chief.target.url), "zmqps_cluster_examples")
+        mean = chief.values.get(("zmqps_cluster_loss", ()), math.nan)
+        loss = "-" if math.isnan(mean) else f"{mean:.4f}"
+        source = "   (from the chief: the workers' heartbeats)"
+    lines.append(f"examples/s {examples:,.0f}   loss (mean of workers) {loss}{source}")
     pss = [s for s in by_job.get("ps", []) if not s.error]
     buckets = _staleness_buckets(pss, before)
     q = [_quantile(x, buckets) for x in (0.5, 0.9, 0.99)]
@@ -249,6 +268,8 @@ def top(
     err = sys.stderr if err is None else err
     first = [scrape_one(t) for t in targets]
     before: dict[str, Sample] = {s.target.url: s for s in first}
+    # each target's answered samples of the last CHIEF_RATE_WINDOW_S, oldest first
+    history: dict[str, list[Sample]] = {s.target.url: [s] for s in first if not s.error}
     reached = any(not s.error for s in first)
     down_since: float | None = None if reached else clock()
     down_redraws = 0
@@ -265,13 +286,29 @@ def top(
             gone_for = clock() - down_since
             if down_redraws >= GONE_REDRAWS and gone_for >= GONE_SECONDS:
                 return _gone(now, reached, gone_for, out, err)
-        text = render(now, before)
+        text = render(now, before, _window_starts(history, now))
         print(("\033[H\033[J" if tty else "") + text + ("" if tty else "\n"), file=out, flush=True)
         before = {s.target.url: s for s in now}
         n += 1
     if not reached:  # --iterations ran out before any target ever answered
         return _gone(list(before.values()), reached, clock() - (down_since or clock()), out, err)
     return 0
+
+
+def _window_starts(history: dict[str, list[Sample]], now: list[Sample]) -> dict[str, Sample]:
+    """Each target's sample that a rate over the last :data:`CHIEF_RATE_WINDOW_S` starts
+    from (the oldest kept, at most that old), with ``now`` added to ``history``."""
+    starts: dict[str, Sample] = {}
+    for s in now:
+        kept = history.setdefault(s.target.url, [])
+        if s.error:
+            continue
+        while len(kept) > 1 and s.at - kept[1].at >= CHIEF_RATE_WINDOW_S:
+            kept.pop(0)
+        if kept:
+            starts[s.target.url] = kept[0]
+        kept.append(s)
+    return starts
 
 
 def _gone(now: list[Sample], reached: bool, seconds: float, out: TextIO, err: TextIO) -> int:

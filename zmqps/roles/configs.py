@@ -224,6 +224,9 @@ class WorkerConfig:
     on_nonfinite: str = "skip"
     #: TensorBoard: this task's scalars in ``logdir/worker<index>`` (None: none)
     logdir: str | None = None
+    #: ``--mode`` as given to this worker (None: not given): the chief's mode is the
+    #: run's, and the chief says so when they differ
+    mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.on_nonfinite not in NONFINITE_POLICIES:

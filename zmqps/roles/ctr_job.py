@@ -80,6 +80,7 @@ def _batches(data: CTRDataset, job: JobConfig, worker: Worker) -> Iterator[CTRDa
 
 def train_ctr(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
     """Train the wide-and-deep CTR model on this worker's shard of the data."""
+    from zmqps.roles.worker.train import due, retrained_note
     from zmqps.roles.worker.worker import Terminated
 
     data = job.load_ctr("train").shard(worker.index, num_workers)
@@ -121,20 +122,27 @@ def train_ctr(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any
             worker.push(grads, loss=loss, examples=len(batch))
         if worker.stop_requested:
             raise Terminated()
-        if worker.step % job.log_every == 0:
+        if due(worker, job.log_every):
             now = time.perf_counter()
             log.info(
-                "worker %d: step %d, global step %d, loss %.4f (%.4f s/batch, %d unique ids)",
+                "worker %d: step %d, global step %d, loss %.4f (%.4f s/batch, %d unique ids)%s",
                 worker.index,
-                worker.step,
+                worker.net_steps,
                 worker.global_step,
                 loss,
                 (now - t_last) / max(1, worker.step - s_last),
                 sparse.unique.size,
+                retrained_note(worker),
             )
             t_last, s_last = now, worker.step
         batch, sparse = nxt, nxt_sparse
-    log.info("worker %d: done after %d steps (loss %.4f)", worker.index, worker.step, loss)
+    log.info(
+        "worker %d: done after %d steps (loss %.4f)%s",
+        worker.index,
+        worker.net_steps,
+        loss,
+        retrained_note(worker),
+    )
     return {"steps": worker.step, "loss": loss}
 
 

@@ -12,6 +12,9 @@ Nothing else in zmqps catches broad exceptions to hide them.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 __all__ = [
     "EXIT_CONFIG",
     "EXIT_RUN_FAILED",
@@ -33,6 +36,8 @@ __all__ = [
     "ShutdownError",
     "Superseded",
     "ZmqpsError",
+    "closest",
+    "did_you_mean",
     "error_from_code",
 ]
 
@@ -178,6 +183,7 @@ _BY_CODE: dict[str, type[ZmqpsError]] = {
         InvalidArgument,
         NonFiniteGradient,
         ModelMismatch,
+        ConfigError,
         NotFound,
         NotPrimary,
         Superseded,
@@ -198,3 +204,41 @@ def error_from_code(code: str, message: str) -> ZmqpsError:
     if cls is None:
         return RemoteError(code, message)
     return cls(message)
+
+
+#: how alike a mistyped word and a valid one must be to be suggested (difflib's ratio)
+CUTOFF = 0.6
+#: at most this many suggestions, each about as close as the best (within this ratio)
+MAX_SUGGESTIONS = 3
+AS_CLOSE = 0.1
+
+
+def closest(word: str, candidates: Iterable[str]) -> list[str]:
+    """The candidates closest to ``word``, compared without case: the best, and up to
+    :data:`MAX_SUGGESTIONS` in all that are about as close; none when nothing is alike.
+    What every "did you mean" of zmqps suggests (flags, choices, roles, names)."""
+    folded: dict[str, str] = {}
+    for c in candidates:
+        folded.setdefault(c.lower(), c)  # the first spelling of each wins
+    scored = []
+    for key, c in folded.items():
+        matcher = difflib.SequenceMatcher(None, word.lower(), key)
+        if matcher.real_quick_ratio() >= CUTOFF and matcher.quick_ratio() >= CUTOFF:
+            ratio = matcher.ratio()
+            if ratio >= CUTOFF:
+                scored.append((-ratio, c))
+    scored.sort()
+    if not scored:
+        return []
+    best = -scored[0][0]
+    return [c for r, c in scored[:MAX_SUGGESTIONS] if -r >= best - AS_CLOSE]
+
+
+def did_you_mean(word: str, candidates: Iterable[str], quote: bool = False) -> str:
+    """``"; did you mean X?"`` (or ``X or Y``) for the candidates closest to ``word``
+    (``quote``: each as its repr), or an empty string when none is close."""
+    found = closest(word, candidates)
+    if not found:
+        return ""
+    shown = [repr(f) if quote else f for f in found]
+    return f"; did you mean {' or '.join(shown)}?"

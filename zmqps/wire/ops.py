@@ -244,6 +244,10 @@ class Who:
 
 WAIT = Float(0.0, MAX_WAIT_S)
 CURSORS = Dict(COUNT, Str(64), 1 << 20)
+#: the job flags a worker runs with, each as its text (``roles/agreement.py``): the
+#: chief refuses a worker of another cluster layout or model, and says which of the
+#: others differ (a PS list of 1,000 hosts fits)
+JOB_FLAGS = Dict(Str(1 << 16), Str(64), 64)
 SHARDS = List(SHARD_ID, MAX_SHARDS)
 VERSIONS = List(Int(0), MAX_SHARDS)
 #: packs (:mod:`zmqps.core.packs`): the number of shards in each of the message's
@@ -280,6 +284,9 @@ class Register(Body):
     #: the placement epoch this task last heard of: a restarted chief whose placement
     #: is not past it publishes it again past it (the task would keep its old routes)
     epoch: int | None = wire(COUNT, default=None)
+    #: the job flags this worker runs with (flag -> text): the chief compares them with
+    #: its own. An older chief refuses the field: the worker registers again without it
+    job: Mapping[str, str] | None = wire(JOB_FLAGS, default=None)
 
 
 @_body("heartbeat")

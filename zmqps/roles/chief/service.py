@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from zmqps.core.membership import Membership
@@ -33,6 +34,7 @@ from zmqps.core.variables import Placement, VariableDef
 from zmqps.logs import RateLimitedLog
 from zmqps.metrics import Metrics
 from zmqps.metrics.summaries import WINDOW_S, Summaries, Window
+from zmqps.roles.agreement import compare, job_flags, refusal
 from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.chief.checkpoints import ChiefCheckpoints
 from zmqps.roles.chief.modes import ChiefMode, make_chief_mode
@@ -44,7 +46,7 @@ from zmqps.roles.optable import Handler, OpTable
 from zmqps.transport import Requester
 from zmqps.wire import Message, reply
 from zmqps.wire import ops as o
-from zmqps.wire.errors import InvalidArgument, NotReady, RolledBack
+from zmqps.wire.errors import ConfigError, InvalidArgument, NotReady, RolledBack
 
 __all__ = ["ChiefService"]
 
@@ -148,6 +150,8 @@ class ChiefService:
         self._window = Window()
         self._summarized_step = 0
         self._summarized_examples = 0
+        #: (worker, flag) whose difference from the chief's was logged (once each)
+        self._flags_warned: set[tuple[int, str]] = set()
         self._ops = OpTable("the chief", self.ops())
         if metrics is not None:
             self._watch(metrics)
@@ -177,19 +181,36 @@ class ChiefService:
         m.set_info("chief", 0, self.mode)
         m.watch(m.global_step, lambda: self.global_step)
         m.watch(m.workers_alive, self._alive_count)
+        # what every worker's heartbeats said: the run's throughput and loss, seen from
+        # the chief alone (zmqps top given the chief's endpoint only)
+        m.watch(m.cluster_examples, lambda: self._read_members(lambda: self.members.examples))
+        m.watch(m.cluster_loss, lambda: self._read_members(self._mean_loss))
         m.watch(m.tokens_available, lambda: self.consistency.status().get("tokens_available", 0))
         m.watch(m.generation, lambda: self.recovery.gen)
         m.watch(m.ps_down, lambda: len(self.recovery.ps_down))
 
     def _alive_count(self) -> float:
+        return self._read_members(lambda: len(self.members.alive(self.clock())))
+
+    @staticmethod
+    def _read_members(read: Callable[[], float]) -> float:
         # Runs in the exporter's thread: a worker registering meanwhile can change the
         # membership dict under the iteration; read again rather than fail the scrape.
         for _ in range(3):
             try:
-                return len(self.members.alive(self.clock()))
+                return read()
             except RuntimeError:
                 continue
         return float("nan")
+
+    def _mean_loss(self) -> float:
+        """The mean of the last loss of each live worker that reported one (NaN: none)."""
+        losses = []
+        for i in self.members.alive(self.clock()):
+            w = self.members.workers.get(i)
+            if w is not None and w.loss is not None and math.isfinite(w.loss):
+                losses.append(w.loss)
+        return sum(losses) / len(losses) if losses else float("nan")
 
     # ---------------------------------------------------------------- the parts' state
 
@@ -261,6 +282,8 @@ class ChiefService:
         if who.role != "worker":
             self._heard_evaluator(who)
             return reply(msg, self._info().to_wire())
+        if req.job is not None and who.index < self.cfg.cluster.num_workers:
+            self._check_job_flags(who.index, req.job)  # (admit refuses another index)
         if self.recovery.starting:
             # where a worker resumes is known once the PS are adopted or restored (a
             # new cluster on an interrupted run's checkpoint resumes after its batches)
@@ -269,6 +292,22 @@ class ChiefService:
         if req.epoch is not None:
             await self.recovery.publish_past(req.epoch)
         return reply(msg, self._info(skip, last).to_wire())
+
+    def _check_job_flags(self, index: int, flags: Mapping[str, str]) -> None:
+        """Compare a registering worker's job flags with the chief's: refuse one of
+        another cluster layout or model (:class:`ConfigError`: the worker exits with the
+        line), warn once per worker and flag about those that run, naming the winner."""
+        cfg = self.cfg
+        differences = compare(job_flags(cfg.cluster, cfg.job, cfg.sync.mode), flags)
+        refused = refusal(index, differences)
+        if refused is not None:
+            self.notes.warning("%s", refused, key=("refused", index))
+            raise ConfigError(refused)
+        for d in differences:
+            # bounded: the cluster spec's workers times the flags compared
+            if (index, d.flag) not in self._flags_warned:
+                self._flags_warned.add((index, d.flag))
+                log.warning("%s", d.warning(index))
 
     def _op_heartbeat(self, msg: Message, req: o.Heartbeat) -> Message | Awaitable[Message]:
         who = req.who

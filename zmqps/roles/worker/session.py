@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -40,10 +40,13 @@ from zmqps.roles.channels import RECOVERABLE, Delivery
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
+    EXIT_CONFIG,
+    ConfigError,
     DeadlineExceeded,
     NotFound,
     NotPrimary,
     NotReady,
+    ProtocolError,
     RolledBack,
     ShutdownError,
     ZmqpsError,
@@ -80,8 +83,12 @@ class Session:
         progress: Callable[[], tuple[int, int, float | None, int]] | None = None,
         chief_timeout: float | None = None,
         on_stop: Callable[[str, int], None] | None = None,
+        job: Mapping[str, str] | None = None,
     ) -> None:
         self.chief = chief
+        #: the job flags this task runs with, sent when it registers: the chief refuses
+        #: a worker of another cluster layout or model (:mod:`zmqps.roles.agreement`)
+        self.job = dict(job) if job else None
         self.who = who
         self.steps_planned = steps_planned
         self.recovery_timeout = recovery_timeout
@@ -148,7 +155,11 @@ class Session:
         deadline = time.monotonic() + connect_timeout
         # registering again (the chief restarted): say where this incarnation started
         body = o.Register(
-            self.who, self.steps_planned, steps_done=self.steps_done, epoch=self.epoch or None
+            self.who,
+            self.steps_planned,
+            steps_done=self.steps_done,
+            epoch=self.epoch or None,
+            job=self.job,
         ).to_wire()
         said, why = float("-inf"), ""
         while True:
@@ -157,6 +168,13 @@ class Session:
                 self.info = o.ClusterInfo.parse(rep.body, "register reply")
                 self.last_contact = time.monotonic()
                 return self.info
+            except ProtocolError as exc:
+                if "job" not in body or "unknown field 'job'" not in str(exc):
+                    raise
+                # a chief of an older zmqps: it compares no job flags
+                log.info("%s: the chief does not compare job flags (an older zmqps)", self.name)
+                self.job = None
+                body = {k: v for k, v in body.items() if k != "job"}
             except (DeadlineExceeded, NotReady) as exc:
                 # a chief that answers NotReady is up and starting (e.g. waiting for its
                 # PS): its own words, not "no answer" (which sends users to the network)
@@ -277,6 +295,12 @@ class Session:
                 self._silence()
                 continue
             except ShutdownError:
+                return
+            except ConfigError as exc:
+                # registered again with a chief restarted with other flags, which refuses
+                # this task: it stops (exit code 2), it does not go on without heartbeats
+                if self.on_stop is not None:
+                    self.on_stop(str(exc), EXIT_CONFIG)
                 return
             if beat.gen != self.gen and not beat.recovering:
                 log.warning("%s: the cluster was restored (generation %d)", self.name, beat.gen)

@@ -24,7 +24,7 @@ from zmqps.roles.overlap import StepPipeline
 from zmqps.roles.worker.worker import Terminated, Worker
 from zmqps.wire.errors import ModelMismatch
 
-__all__ = ["train"]
+__all__ = ["due", "retrained_note", "train"]
 
 log = logging.getLogger("zmqps.worker")
 
@@ -86,31 +86,49 @@ def train(
             pipe.end(grads, loss=loss, examples=len(x))
             if worker.stop_requested:
                 raise Terminated()
-            if worker.step % job.log_every == 0:
+            if due(worker, job.log_every):
                 now = time.perf_counter()
                 log.info(
                     "worker %d: step %d, global step %d, loss %.4f (%.4f s/batch,"
-                    " staleness %d, overlap %.2f)",
+                    " staleness %d, overlap %.2f)%s",
                     worker.index,
-                    worker.step,
+                    worker.net_steps,
                     worker.global_step,
                     loss,
                     (now - t_last) / max(1, worker.step - s_last),
                     worker.staleness,
                     pipe.stats.overlap,
+                    retrained_note(worker),
                 )
                 t_last, s_last = now, worker.step
     finally:
         pipe.close()
     log.info(
-        "worker %d: done after %d steps (global step %d, loss %.4f, overlap %.2f)%s",
+        "worker %d: done after %d steps (global step %d, loss %.4f, overlap %.2f)%s%s",
         worker.index,
-        worker.step,
+        worker.net_steps,
         worker.global_step,
         loss,
         pipe.stats.overlap,
         f"; {worker.nonfinite} skipped: gradients not finite or out of range"
         if worker.nonfinite
         else "",
+        retrained_note(worker),
     )
     return {"steps": worker.step, "loss": loss, "overlap": pipe.stats.as_dict()}
+
+
+def due(worker: Worker, every: int) -> bool:
+    """A progress line is due: every ``every`` steps of this worker that hold (a batch
+    trained again after a restore went back is not a new step)."""
+    return worker.net_steps > 0 and worker.net_steps % every == 0
+
+
+def retrained_note(worker: Worker) -> str:
+    """What a progress line adds once steps trained batches again (a restore went
+    back to a checkpoint that did not hold them): how many, so that the step count it
+    shows, which leaves them out, is not taken for all the work done."""
+    n = worker.retrained
+    if not n:
+        return ""
+    return f"; {n} batch{'es' * (n != 1)} trained again after a restore went back"

@@ -141,6 +141,11 @@ class Worker:
     >>> w.create_variables([VariableDef("w", (13, 1))], optimizer={"name": "sgd", "lr": 0.1})
     >>> params = w.pull(); ...; w.push(grads, loss=loss)       # doctest: +SKIP
     >>> w.close()                                              # doctest: +SKIP
+
+    ``job_flags``: the job flags the worker runs with
+    (:func:`zmqps.roles.agreement.job_flags`), sent when it registers: the chief
+    refuses a worker of another cluster layout or model (:class:`ConfigError`) and
+    logs the other differences.
     """
 
     def __init__(
@@ -163,6 +168,7 @@ class Worker:
         devices: str | Sequence[str | Device] | None = None,
         on_nonfinite: str = "skip",
         summaries: Summaries | None = None,
+        job_flags: Mapping[str, str] | None = None,
     ) -> None:
         #: how this worker connects (role, timeouts, ...), as given
         self.settings = WorkerOptions(
@@ -196,6 +202,11 @@ class Worker:
         #: batches given back to restores (trained again): the position is
         #: ``steps_done + step - rewound``
         self.rewound = 0
+        #: steps of this incarnation that trained a batch again: one its data had got
+        #: past before a restore went back (their first pushes were taken back)
+        self.retrained = 0
+        #: the furthest position this incarnation's data got to (past it: new batches)
+        self._furthest = 0
         self.examples = 0
         self.loss: float | None = None
         if on_nonfinite not in NONFINITE_POLICIES:
@@ -244,6 +255,7 @@ class Worker:
             recovery_timeout=s.recovery_timeout,
             chief_timeout=s.chief_timeout,
             on_stop=self.request_stop,
+            job=job_flags,
             # the batches of this incarnation that hold (those given back to a
             # restore are not counted until trained again)
             progress=lambda: (
@@ -267,6 +279,7 @@ class Worker:
         #: batches earlier incarnations of this worker really pushed (the built-in loop
         #: skips them)
         self.steps_done = info.steps_done
+        self._furthest = info.steps_done
         if info.placement is not None:
             self._use(Placement.from_wire(info.placement))
         if metrics is not None:
@@ -565,8 +578,14 @@ class Worker:
             self.metrics.phase(phase, time.perf_counter() - started)
 
     def count_step(self, loss: float | None, examples: int | None) -> None:
-        """One step done (its gradients pushed): counted for heartbeats and metrics."""
+        """One step done (its gradients pushed): counted for heartbeats and metrics; a
+        batch before the furthest position reached is counted as trained again."""
+        before = self.position
         self.step += 1
+        if before < self._furthest:
+            self.retrained += 1
+        else:
+            self._furthest = before + 1
         self.steps.step_done()
         if loss is not None:
             self.loss = float(loss)
@@ -804,7 +823,8 @@ class Worker:
 
     def stats(self) -> dict[str, Any]:
         """This incarnation: the batches it resumed after (``steps_done``), the steps it
-        did, the batches restores gave back (``rewound``: trained again), the pulls the
+        did, the batches restores gave back (``rewound``) and the steps that trained
+        such a batch again (``retrained``, among ``steps``), the pulls the
         pushes before answered (sync, ``fresh_pulls``), and its pushes by
         "ps/generation" (sent, acknowledged applied, dropped)."""
         pushes = {} if self._client is None else self._client.push_counts
@@ -814,6 +834,7 @@ class Worker:
             "steps_done": self.steps_done,
             "steps": self.step,
             "rewound": self.rewound,
+            "retrained": self.retrained,
             "rolled_back": self.rolled_back,
             "resent": self.session.resent,
             "nonfinite": self.nonfinite,
