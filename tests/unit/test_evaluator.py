@@ -348,6 +348,15 @@ def write_checkpoint(
     return root.commit(temp, manifest).name
 
 
+def random_values(model: Model, count: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """``count`` sets of random values of ``model``'s variables."""
+    rng = np.random.default_rng(seed)
+    return [
+        {v.name: rng.normal(size=v.shape).astype(v.dtype) for v in model.variables()}
+        for _ in range(count)
+    ]
+
+
 def corrupt(ckpt_dir: Path) -> None:
     shard = sorted(ckpt_dir.glob("shard-*.safetensors"))[0]
     data = bytearray(shard.read_bytes())
@@ -365,11 +374,7 @@ def test_checkpoints_each_new_one_once_corrupted_ones_skipped(
     async def body() -> None:
         c = await make_cluster(test_split)
         m = c.model
-        rng = np.random.default_rng(0)
-        values = [
-            {v.name: rng.normal(size=v.shape).astype(v.dtype) for v in m.variables()}
-            for _ in range(4)
-        ]
+        values = random_values(m, 4, seed=0)
         ev = c.evaluator(test_split, checkpoint_dir=str(ckpts), eval_log=str(log_path))
         task = asyncio.ensure_future(ev.run())
         await asyncio.sleep(4 * FAST)
@@ -428,11 +433,7 @@ def test_all_down_ends_the_evaluation_only_once_the_final_checkpoint_is_committe
     async def body() -> None:
         c = await make_cluster(test_split)
         m = c.model
-        rng = np.random.default_rng(1)
-        values = [
-            {v.name: rng.normal(size=v.shape).astype(v.dtype) for v in m.variables()}
-            for _ in range(2)
-        ]
+        values = random_values(m, 2, seed=1)
         ev = c.evaluator(test_split, checkpoint_dir=str(ckpts), chief_timeout=30.0)
         task = asyncio.ensure_future(ev.run())
         write_checkpoint(ckpts, m, values[0], 10)
