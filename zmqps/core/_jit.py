@@ -264,6 +264,29 @@ def sum_rows(g, inverse, out, seen):  # type: ignore[no-untyped-def]
                 out[j, c] = g[i, c]
 
 
+# Row ids to a fixed-size shard's local row numbers: out[i] = ids[i] - start, each
+# checked to lie in [0, n) (False at the first that does not; out is then partly
+# written), in one pass instead of a minimum, a maximum, a conversion and a
+# subtraction over the ids
+@jit  # type: ignore[misc]
+def local_rows(ids, start, n, out):  # type: ignore[no-untyped-def]
+    for i in range(ids.shape[0]):
+        k = ids[i] - start
+        if k < 0 or k >= n:
+            return False
+        out[i] = k
+    return True
+
+
+# Whether keys are strictly increasing (distinct and sorted: what a client sends)
+@jit  # type: ignore[misc]
+def increasing(keys):  # type: ignore[no-untyped-def]
+    for i in range(1, keys.shape[0]):  # noqa: SIM110 (numba compiles no generator)
+        if keys[i] <= keys[i - 1]:
+            return False
+    return True
+
+
 @jit  # type: ignore[misc]
 def add_into(acc, g):  # type: ignore[no-untyped-def]
     for i in range(acc.shape[0]):
@@ -277,6 +300,8 @@ KERNELS: dict[str, Any] = {
     "narrow_bf16": narrow_bf16,
     "widen_bf16": widen_bf16,
     "add_into": add_into,
+    "local_rows": local_rows,
+    "increasing": increasing,
     "sum_rows": sum_rows,
     "first_bad": first_bad,
     "bad_sum": bad_sum,

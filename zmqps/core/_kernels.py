@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "bits_kernel", "kernel"]
+__all__ = ["available", "bits_kernel", "index_kernel", "kernel"]
 
 _KERNELS: dict[str, Any] | None = None
 _FAILED = False
@@ -70,6 +70,15 @@ def bits_kernel(name: str) -> Any:
     """A kernel of bfloat16 bits (``bad_bits16``, ``bad_words16``, ``first_bad16``,
     ``narrow_bf16``, ``widen_bf16``), or None (numpy path)."""
     if not available():
+        return None
+    assert _KERNELS is not None
+    return _KERNELS[name]
+
+
+def index_kernel(name: str, ids: np.ndarray[Any, Any]) -> Any:
+    """A kernel of int64 row ids or keys (``local_rows``, ``increasing``), or None (the
+    numpy path: another dtype, or no numba)."""
+    if ids.dtype != np.int64 or not available():
         return None
     assert _KERNELS is not None
     return _KERNELS[name]

@@ -1,0 +1,128 @@
+"""The compiled paths of a fixed-size shard's row ids (``local_rows``: range check and
+local keys in one pass; ``increasing``: whether a push's keys need summing) give what
+the numpy paths give, and refuse what they refuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zmqps.core import _kernels, optimizers
+from zmqps.core.optimizers import make_optimizer
+from zmqps.core.store import ShardStore, summed_rows
+from zmqps.core.variables import ShardDef
+from zmqps.wire.errors import InvalidArgument
+
+
+def _shard(row_start: int = 100, rows: int = 50) -> Any:
+    store = ShardStore()
+    d = ShardDef(
+        id=2,
+        var="emb",
+        index=2,
+        dtype="float32",
+        full_shape=(1000, 4),
+        row_start=row_start,
+        rows=rows,
+        init={"name": "normal", "seed": 3},
+        optimizer={"name": "sgd", "lr": 0.1},
+        sparse=True,
+    )
+    store.create([d])
+    return store.get(2)
+
+
+def _numpy_keys(shard: Any, ids: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> Any:
+    with monkeypatch.context() as m:
+        m.setattr(_kernels, "index_kernel", lambda name, ids: None)
+        try:
+            return shard.row_keys(ids)
+        except InvalidArgument as e:
+            return str(e)
+
+
+def test_the_kernels_are_there() -> None:
+    ids = np.zeros(3, np.int64)
+    assert _kernels.index_kernel("local_rows", ids) is not None
+    assert _kernels.index_kernel("increasing", ids) is not None
+    assert _kernels.index_kernel("local_rows", ids.astype(np.int32)) is None
+
+
+def test_row_keys_match_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    shard = _shard()
+    rng = np.random.default_rng(4)
+    cases = [
+        np.zeros(0, np.int64),
+        np.array([100], np.int64),
+        np.array([149], np.int64),
+        np.array([149, 100, 100, 120], np.int64),
+        np.array([99], np.int64),
+        np.array([150], np.int64),
+        np.array([100, 120, 150], np.int64),
+        np.array([-1, 100], np.int64),
+        np.array([np.iinfo(np.int64).min, 100], np.int64),
+        np.array([np.iinfo(np.int64).max], np.int64),
+    ]
+    cases += [rng.integers(90, 160, int(rng.integers(1, 40))) for _ in range(200)]
+    for ids in cases:
+        want = _numpy_keys(shard, ids, monkeypatch)
+        try:
+            got = shard.row_keys(ids)
+        except InvalidArgument as e:
+            got = str(e)
+        if isinstance(want, str):
+            assert got == want, ids
+        else:
+            assert isinstance(got, np.ndarray) and got.dtype == np.int64
+            assert np.array_equal(got, want), ids
+            assert np.array_equal(got, ids - 100)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint64, np.int16])
+def test_other_id_dtypes_keep_the_numpy_path(dtype: Any) -> None:
+    shard = _shard()
+    ids = np.array([100, 149, 120], dtype)
+    assert np.array_equal(shard.row_keys(ids), [0, 49, 20])
+    with pytest.raises(InvalidArgument, match="outside"):
+        shard.row_keys(np.array([150], dtype))
+
+
+def test_summed_rows_matches_the_numpy_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(9)
+    for n in (0, 1, 2, 3, 17, 200):
+        for kind in ("increasing", "repeated", "shuffled"):
+            keys = np.sort(rng.choice(1000, n, replace=False)).astype(np.int64)
+            if kind == "repeated" and n > 1:
+                keys[n // 2] = keys[n // 2 - 1]
+            elif kind == "shuffled":
+                rng.shuffle(keys)
+            grads = rng.normal(size=(n, 5)).astype(np.float32)
+            k1, g1 = summed_rows(keys, grads)
+            with monkeypatch.context() as m:
+                m.setattr(_kernels, "index_kernel", lambda name, ids: None)
+                k2, g2 = summed_rows(keys, grads)
+            assert np.array_equal(k1, k2) and g1.tobytes() == g2.tobytes()
+            strictly = n < 2 or bool((keys[1:] > keys[:-1]).all())
+            assert (k1 is keys and g1 is grads) == strictly
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adagrad", "adam"])
+def test_checked_apply_rows_gives_the_same_bits(name: str) -> None:
+    opt = make_optimizer({"name": name, "lr": 0.05})
+    rng = np.random.default_rng(1)
+    p1 = rng.normal(size=(300, 6)).astype(np.float32)
+    p2 = p1.copy()
+    s1 = opt.init_slots(p1.shape, "float32")
+    s2 = {k: v.copy() for k, v in s1.items()}
+    for step in range(1, 4):
+        rows = np.sort(rng.choice(300, 40, replace=False)).astype(np.int64)
+        g = rng.normal(size=(40, 6)).astype(np.float32)
+        opt.apply_rows(p1, rows, g, s1, step)
+        opt.apply_rows(p2, rows, g, s2, step, checked=True)
+    assert p1.tobytes() == p2.tobytes()
+    assert all(s1[k].tobytes() == s2[k].tobytes() for k in s1)
+    with pytest.raises(InvalidArgument):  # unchecked: the range is still read
+        opt.apply_rows(p1, np.array([300]), np.ones((1, 6), np.float32), s1, 4)
+    assert optimizers.USE_KERNELS
