@@ -486,22 +486,30 @@ class PSService:
         if msg.op != "push_rows" or shm is None:
             return msg
         req = o.PushRows.from_wire(msg.body)
-        ref = o.ShmRef.from_wire(shm)
-        if len(msg.tensors) != len(req.shards):
+        tensors = self._rows_in_region(msg.tensors, req.shards, o.ShmRef.from_wire(shm), req.worker)
+        body = {k: v for k, v in msg.body.items() if k != "shm"}
+        return replace(msg, body=body, tensors=tensors)
+
+    def _rows_in_region(
+        self, index: Sequence[Tensor], sids: Sequence[int], ref: o.ShmRef, worker: str
+    ) -> tuple[Tensor, ...]:
+        """The tensors a TCP ``push_rows`` of these shards carries, ``(index, rows)`` of
+        each, from a push whose rows are in ``worker``'s push region (``ref``): the
+        rows views of the region, validated whole (:meth:`rows_in_place`)."""
+        if len(index) != len(sids):
             raise InvalidArgument("push_rows: over shm, one index tensor per shard expected")
-        for sid, t in zip(req.shards, msg.tensors, strict=True):
+        for sid, t in zip(sids, index, strict=True):
             if t.kind != "index" or t.ref != sid:
                 raise InvalidArgument(f"push_rows: expected the index tensor of shard {sid}")
             if sid not in self.store:
                 raise NotFound(f"shard {sid} is not on ps {self.index}")
-        ids = [t.array for t in msg.tensors]
-        self._check_row_counts("push_rows", req.shards, ids)
-        views = self.regions.rows(ref, self._row_spans(req.shards, ids), req.worker)
+        ids = [t.array for t in index]
+        self._check_row_counts("push_rows", sids, ids)
+        views = self.regions.rows(ref, self._row_spans(sids, ids), worker)
         tensors: list[Tensor] = []
-        for sid, t, rows in zip(req.shards, msg.tensors, views, strict=True):
+        for sid, t, rows in zip(sids, index, views, strict=True):
             tensors += [t, Tensor(rows, "rows", sid)]
-        body = {k: v for k, v in msg.body.items() if k != "shm"}
-        return replace(msg, body=body, tensors=tuple(tensors))
+        return tuple(tensors)
 
     def _rows_reply(
         self,
@@ -512,6 +520,16 @@ class PSService:
     ) -> Message:
         """The reply to a pull of rows: each shard's version and rows (``in_region``:
         the rows are in the worker's region already, the reply carries none)."""
+        versions, tensors = self._rows_of(sids, pulled, in_region)
+        if in_region:
+            self._shm_pull_served(msg)
+        return reply(msg, o.Values(tuple(versions), takes=TAKES).to_wire(), tensors)
+
+    def _rows_of(
+        self, sids: Sequence[int], pulled: Sequence[tuple[int, Any]], in_region: bool
+    ) -> tuple[list[int], list[Tensor]]:
+        """The versions and the rows tensors (none: ``in_region``) of a pull of rows,
+        counted in the metrics."""
         versions, tensors = [], []
         for sid, (version, rows) in zip(sids, pulled, strict=True):
             versions.append(version)
@@ -519,31 +537,37 @@ class PSService:
                 tensors.append(Tensor(rows, "rows", sid))
             if self.metrics is not None:
                 self.metrics.rows(self.store.get(sid).definition.var, "pull", rows.shape[0])
-        if in_region:
-            self._shm_pull_served(msg)
-        return reply(msg, o.Values(tuple(versions), takes=TAKES).to_wire(), tensors)
+        return versions, tensors
 
     def _op_push_pull_rows(self, msg: Message, req: o.PushPullRows) -> Message:
         """A ``push_rows`` then a ``pull_rows`` in one message, handled as the two
         would be, one after the other in this turn of the loop (the pull reads the
-        push's update). A replicated primary runs the two through its log instead
-        (``PSSlots``)."""
-        push, pull, keyed = self.split_push_pull_rows(msg, req)
-        # where the pulled rows go, validated before the push changes anything
-        ids = [t.array for t in pull.tensors]
-        out = self._rows_out(pull, req.pull, ids, req.shm_out, req.worker)
-        pushed = self._op_push_rows(push, replace(req, shm=None, shm_out=None))
-        # the pull's ids were validated by the split (a push changes no id's validity,
-        # nor a table's room: it creates no row): read with those keys
+        push's update), with the checks :meth:`split_push_pull_rows` makes, in its
+        order, before anything changes; but with no message or body made for either
+        half. A replicated primary runs the two through its log instead (``PSSlots``)."""
+        n, _, ids, keyed = self._pull_part(msg, req)
+        out = None
+        if req.shm_out is not None:  # where the rows go: refused before the push too
+            views = self.regions.rows(req.shm_out, self._row_spans(req.pull, ids), req.worker)
+            # a copy of a pull served already: the rows travel in the reply (_rows_out)
+            out = None if self._shm_pull_again(msg) else views
+        pushed = msg.tensors[:n]
+        if req.shm is not None:
+            pushed = self._rows_in_region(pushed, req.shards, req.shm, req.worker)
+        body = self._push_rows(req, pushed).to_wire()
+        # the pull's ids were validated above (a push changes no id's validity, nor a
+        # table's room: it creates no row): read with those keys
         create = req.create is not False
         places: Sequence[Any] = [None] * len(keyed) if out is None else out
         pulled = [
             (shard.version, shard.read_rows(keys, create, place))
             for (shard, keys), place in zip(keyed, places, strict=True)
         ]
-        return self.joined_rows(
-            msg, pushed, self._rows_reply(pull, req.pull, pulled, out is not None)
-        )
+        versions, tensors = self._rows_of(req.pull, pulled, out is not None)
+        if out is not None:
+            self._shm_pull_served(msg)
+        body["pulled"] = versions
+        return reply(msg, body, tensors)
 
     def split_push_pull_rows(
         self, msg: Message, req: o.PushPullRows
@@ -553,6 +577,20 @@ class PSService:
         its ids, a hash table's room): a pull that would be refused refuses the whole
         message before the push changes anything. Third: each pulled shard and the
         validated keys of its ids (:meth:`ShardStore.check_pull_rows`)."""
+        n, wanted, ids, keyed = self._pull_part(msg, req)
+        if req.shm_out is not None:  # where the rows go: refused before the push too
+            self.regions.rows(req.shm_out, self._row_spans(req.pull, ids), req.worker)
+        body = {k: v for k, v in msg.body.items() if k not in ("pull", "create", "shm_out")}
+        pull_body = o.PullRows(req.pull, req.gen, req.create, req.shm_out).to_wire()
+        push = self.rows_in_place(replace(msg, op="push_rows", body=body, tensors=msg.tensors[:n]))
+        return push, replace(msg, op="pull_rows", body=pull_body, tensors=wanted), keyed
+
+    def _pull_part(
+        self, msg: Message, req: o.PushPullRows
+    ) -> tuple[int, tuple[Tensor, ...], list[Any], list[tuple[Any, Any]]]:
+        """A ``push_pull_rows``' pull checked as its ``pull_rows`` would be (structure,
+        counts, ids, a hash table's room): the number of the push's tensors, the pull's
+        tensors and ids, each pulled shard with the validated keys of its ids."""
         n = (1 if req.shm is not None else 2) * len(req.shards)  # shm: the index only
         if len(msg.tensors) != n + len(req.pull):
             raise InvalidArgument(
@@ -568,12 +606,7 @@ class PSService:
         keyed = self.store.check_pull_rows(
             list(zip(req.pull, ids, strict=True)), req.create is not False
         )
-        if req.shm_out is not None:  # where the rows go: refused before the push too
-            self.regions.rows(req.shm_out, self._row_spans(req.pull, ids), req.worker)
-        body = {k: v for k, v in msg.body.items() if k not in ("pull", "create", "shm_out")}
-        pull_body = o.PullRows(req.pull, req.gen, req.create, req.shm_out).to_wire()
-        push = self.rows_in_place(replace(msg, op="push_rows", body=body, tensors=msg.tensors[:n]))
-        return push, replace(msg, op="pull_rows", body=pull_body, tensors=wanted), keyed
+        return n, wanted, ids, keyed
 
     def joined_rows(self, msg: Message, pushed: Message, pulled: Message) -> Message:
         """The reply to ``push_pull_rows`` ``msg``: its push's (``pushed``), with the
@@ -624,7 +657,7 @@ class PSService:
 
     def _grad_tensors(
         self,
-        msg: Message,
+        tensors: Sequence[Tensor],
         req: o.Push,
         kinds: tuple[str, ...],
         heads: Sequence[int] | None = None,
@@ -642,7 +675,7 @@ class PSService:
         by_shard: dict[int, list[Tensor]] = defaultdict(list)
         named_in_order = sids if heads is None else heads
         named = set(named_in_order)
-        for t in msg.tensors:
+        for t in tensors:
             if t.kind not in kinds:
                 raise InvalidArgument(f"push: unexpected tensor kind {t.kind!r}")
             if t.ref not in named:
@@ -685,7 +718,7 @@ class PSService:
             }
         else:
             heads = [span[0] for span in spans] + rest if spans else None
-            by_shard = self._grad_tensors(msg, req, ("grad",), heads)
+            by_shard = self._grad_tensors(msg.tensors, req, ("grad",), heads)
             packed = []
             for span in spans:
                 ts = by_shard.pop(span[0])
@@ -825,10 +858,15 @@ class PSService:
     def _op_push_rows(self, msg: Message, req: o.Push) -> Message:
         if req.shm_out is not None:
             raise InvalidArgument("push_rows: a pull region only with push_pull_rows")
+        tensors = msg.tensors
         if req.shm is not None:  # the rows in the worker's push region: views of it
-            msg = self.rows_in_place(msg)
-            req = replace(req, shm=None)
-        by_shard = self._grad_tensors(msg, req, ("index", "rows"))
+            tensors = self._rows_in_region(tensors, req.shards, req.shm, req.worker)
+        return reply(msg, self._push_rows(req, tensors).to_wire())
+
+    def _push_rows(self, req: o.Push, tensors: Sequence[Tensor]) -> o.PushReply:
+        """Apply a row push whose tensors are ``tensors`` (``(index, rows)`` of each
+        shard; its ``shm`` and ``shm_out`` are not read): its reply's body."""
+        by_shard = self._grad_tensors(tensors, req, ("index", "rows"))
         for sid in req.shards:
             if [t.kind for t in by_shard[sid]] != ["index", "rows"]:
                 raise InvalidArgument(f"push_rows: shard {sid} needs exactly (index, rows)")
@@ -847,7 +885,7 @@ class PSService:
                 var = self.store.get(sid).definition.var
                 self.metrics.rows(var, "push", ts[0].array.shape[0])
         out = self._commit(req, plans)
-        return reply(msg, _with_versions(out, self._versions(req.shards), takes=TAKES).to_wire())
+        return _with_versions(out, self._versions(req.shards), takes=TAKES)
 
     def _versions(self, sids: Sequence[int]) -> list[int]:
         return [self.store.get(sid).version for sid in sids]
