@@ -562,11 +562,13 @@ class ParameterClient:
         versions_gen: int | None = None,
         delivery: Delivery | None = None,
         packs: Sequence[int] = (),
+        **more: Any,
     ) -> o.Push:
         """The body of the next push to PS ``ps`` (its own sequence number), stamped
         with the generation of the values its gradients were computed on: those pulled
         last, or, with explicit ``versions``, ``versions_gen`` (default: the current
-        one). A message of ``delivery`` sent again keeps its numbers."""
+        one). A message of ``delivery`` sent again keeps its numbers. ``more``: fields
+        of ``op``'s body beyond a push's (``push_pull_rows``' ``pull``, ``create``)."""
         key = (ps, tuple(sids))
         kept = None if delivery is None else delivery.seqs.get(key)
         gen = self.gen
@@ -603,6 +605,7 @@ class ParameterClient:
             packs=tuple(packs) or None,
             token=True if ps == self.token_ps and (op == "push" or self.fresh) else None,
             fresh=True if op == "push_pull" and self.fresh else None,
+            **more,
         )
 
     def _tally(self, ps: int, gen: int, what: str) -> None:
@@ -610,11 +613,17 @@ class ParameterClient:
         counts[what] += 1
 
     def after_push(
-        self, ps: int, reply: Message, body: o.Push, delivery: Delivery | None = None
+        self,
+        ps: int,
+        reply: Message,
+        body: o.Push,
+        delivery: Delivery | None = None,
+        parsed: o.PushReply | None = None,
     ) -> bool:
         """Read the reply to push ``body`` sent to PS ``ps``; True if it was applied
-        (kept in ``delivery``: the message is answered)."""
-        rep = o.PushReply.parse(reply.body, "push reply")
+        (kept in ``delivery``: the message is answered). ``parsed``: the reply's body,
+        parsed already."""
+        rep = o.PushReply.parse(reply.body, "push reply") if parsed is None else parsed
         if body.OP in _ROW_OPS:
             self.heard_takes(ps, rep.takes)
         elif body.OP == "push" or body.fresh:  # a sync PS says it takes ``fresh``
@@ -1455,16 +1464,23 @@ class ParameterClient:
                 return answered
             pulls = wanted[ps]
             again = delivery is not None and delivery.sent_to(ps)  # then by TCP
-            made = self.push_body(
-                ps, sids, step, cursor=cursor, op="push_pull_rows", delivery=delivery
+            body = self.push_body(
+                ps,
+                sids,
+                step,
+                cursor=cursor,
+                op="push_pull_rows",
+                delivery=delivery,
+                pull=tuple(s.id for s, _, _ in pulls),
+                create=None if create else False,
             )
-            assert isinstance(made, o.PushPullRows)
-            body = replace(
-                made, pull=tuple(s.id for s, _, _ in pulls), create=None if create else False
-            )
+            assert isinstance(body, o.PushPullRows)
+
+            parsed: list[o.PushReply] = []
 
             def take(rep: Message, region: tuple[Region, Sequence[int]] | None) -> None:
-                versions = o.PushReply.parse(rep.body, "push_pull_rows reply").pulled or ()
+                parsed.append(o.PushReply.parse(rep.body, "push_pull_rows reply"))
+                versions = parsed[-1].pulled or ()
                 whole = None
                 if region is not None and len(every) == 1:
                     whole = _whole(region[0], pulls, region[1], got, plan.uniq.size)
@@ -1488,7 +1504,7 @@ class ParameterClient:
             )
             if not gathered:
                 done.add(ps)
-            return self.after_push(ps, rep, body, delivery)
+            return self.after_push(ps, rep, body, delivery, parsed[-1] if parsed else None)
 
         every = set(routed) | set(wanted)
         if len(every) == 1:  # one PS (the usual case): no task of its own

@@ -112,6 +112,9 @@ class Body:
     OP: ClassVar[str] = ""  # the request op (empty for reply bodies)
     SCHEMA: ClassVar[Map]
     _CODEC: ClassVar[tuple[tuple[str, int, bool, Any], ...]]
+    #: how each wire key that is a field converts (kind, nested body); the Who field
+    _FIELDS: ClassVar[dict[str, tuple[int, Any]]]
+    _WHO_FIELD: ClassVar[str | None]
 
     def to_wire(self) -> dict[str, Any]:
         """The body as a msgpack-able map (optional fields left out when None)."""
@@ -134,18 +137,19 @@ class Body:
     def from_wire(cls: type[B], body: Mapping[str, Any]) -> B:
         """Build from a map already checked against :attr:`SCHEMA` (no checks here)."""
         kwargs: dict[str, Any] = {}
-        for name, kind, _, sub in cls._CODEC:
-            if kind == _WHO:
-                kwargs[name] = Who(body["role"], body["index"], body["incarnation"])
+        fields = cls._FIELDS
+        for name, v in body.items():  # the keys sent: most fields are optional
+            entry = fields.get(name)
+            if entry is None or v is None:  # a Who's keys; a newer peer's in a reply
                 continue
-            v = body.get(name)
-            if v is None:
-                continue
+            kind, sub = entry
             if kind == _TUPLE:
                 v = tuple(v)
             elif kind == _BODY:
                 v = sub.from_wire(v)
             kwargs[name] = v
+        if cls._WHO_FIELD is not None:
+            kwargs[cls._WHO_FIELD] = Who(body["role"], body["index"], body["incarnation"])
         return cls(**kwargs)
 
     @classmethod
@@ -210,6 +214,8 @@ def _body(op: str = "", *, reply: bool = False) -> Callable[[type[B]], type[B]]:
         cls.OP = op
         cls.SCHEMA = Map(required, optional, extra=reply)
         cls._CODEC = tuple(codec)
+        cls._FIELDS = {name: (kind, sub) for name, kind, _, sub in codec if kind != _WHO}
+        cls._WHO_FIELD = next((name for name, kind, _, _ in codec if kind == _WHO), None)
         return cls
 
     return make

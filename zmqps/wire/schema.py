@@ -142,6 +142,17 @@ class Map(Schema):
                 if self.extra and type(key) is str:
                     continue
                 raise ProtocolError(f"{path}: unknown field {key!r}")
+            # the common scalar fields checked here, with no path made; anything else
+            # (or a bad value: its check says what is wrong) by the field's schema
+            kind = type(sub)
+            if kind is Int:
+                if type(v) is int and sub.lo <= v <= sub.hi:  # type: ignore[attr-defined]
+                    continue
+            elif kind is Str:
+                if type(v) is str and len(v) <= sub.max_len:  # type: ignore[attr-defined]
+                    continue
+            elif kind is Bool and type(v) is bool:
+                continue
             sub.check(v, f"{path}.{key}")
 
 
