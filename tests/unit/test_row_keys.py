@@ -126,3 +126,44 @@ def test_checked_apply_rows_gives_the_same_bits(name: str) -> None:
     with pytest.raises(InvalidArgument):  # unchecked: the range is still read
         opt.apply_rows(p1, np.array([300]), np.ones((1, 6), np.float32), s1, 4)
     assert optimizers.USE_KERNELS
+
+
+def _np_unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    return uniq, inverse.reshape(-1)
+
+
+def test_unique_inverse_is_numpys() -> None:
+    from zmqps.core.segments import load_kernels, unique_inverse
+
+    load_kernels()
+    rng = np.random.default_rng(12)
+    big = np.int64(1) << np.int64(50)
+    cases = [np.zeros(0, np.int64), np.array([7], np.int64), np.array([3, 3], np.int64)]
+    cases += [np.array([5, -2, 5, 0, -2, 9], np.int64), np.array([big, -big, 0, big], np.int64)]
+    cases += [rng.integers(0, 1_000_000, 4096) for _ in range(20)]
+    cases += [rng.integers(0, 30, int(rng.integers(2, 3000))) for _ in range(20)]
+    cases += [rng.integers(-(10**12), 10**12, 5000) for _ in range(5)]
+    # too large to pack with a position: numpy's path, the same answer
+    cases += [rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, 1000)]
+    cases += [np.array([np.iinfo(np.int64).max, 3, np.iinfo(np.int64).min, 3], np.int64)]
+    for ids in cases:
+        want_u, want_i = _np_unique(ids)
+        for load in (True, False):
+            u, i = unique_inverse(ids, load=load)
+            assert u.dtype == want_u.dtype and i.dtype == want_i.dtype
+            assert np.array_equal(u, want_u) and np.array_equal(i, want_i), ids
+            assert np.array_equal(u[i], ids)
+
+
+def test_unique_inverse_of_other_arrays_is_numpys() -> None:
+    from zmqps.core.segments import unique_inverse
+
+    ids = np.random.default_rng(2).integers(0, 100, 400)
+    strided, readonly = ids[::2], ids.copy()
+    readonly.setflags(write=False)
+    for a in (strided, readonly, ids.astype(np.int32), ids.astype(np.uint64)):
+        assert _kernels.index_kernel("pack_positions", a) is None
+        u, i = unique_inverse(a)
+        want_u, want_i = _np_unique(a)
+        assert np.array_equal(u, want_u) and np.array_equal(i, want_i)

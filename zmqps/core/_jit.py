@@ -287,6 +287,38 @@ def increasing(keys):  # type: ignore[no-untyped-def]
     return True
 
 
+# A batch's distinct ids and ``inverse`` (``ids == uniq[inverse]``) with one sort of
+# plain int64 values instead of an argsort: each id packed with its position in the
+# low ``bits`` bits (``pack_positions``; False if an id is too large to pack), the
+# packed values sorted (numpy's vectorized sort), then one pass (``unpack_sorted``)
+# writes each distinct id once and each position's rank among them; returns how many
+# distinct ids there are. The same arrays as ``np.unique(ids, return_inverse=True)``.
+@jit  # type: ignore[misc]
+def pack_positions(ids, bits, out):  # type: ignore[no-untyped-def]
+    lim = np.int64(1) << np.int64(62 - bits)
+    for i in range(ids.shape[0]):
+        v = ids[i]
+        if v >= lim or v < -lim:
+            return False
+        out[i] = (v << np.int64(bits)) | np.int64(i)
+    return True
+
+
+@jit  # type: ignore[misc]
+def unpack_sorted(packed, bits, uniq, inverse):  # type: ignore[no-untyped-def]
+    mask = (np.int64(1) << np.int64(bits)) - np.int64(1)
+    k = -1
+    prev = np.int64(0)
+    for i in range(packed.shape[0]):
+        v = packed[i] >> np.int64(bits)
+        if k < 0 or v != prev:
+            k += 1
+            uniq[k] = v
+            prev = v
+        inverse[packed[i] & mask] = k
+    return k + 1
+
+
 @jit  # type: ignore[misc]
 def add_into(acc, g):  # type: ignore[no-untyped-def]
     for i in range(acc.shape[0]):
@@ -301,6 +333,8 @@ KERNELS: dict[str, Any] = {
     "widen_bf16": widen_bf16,
     "add_into": add_into,
     "local_rows": local_rows,
+    "pack_positions": pack_positions,
+    "unpack_sorted": unpack_sorted,
     "increasing": increasing,
     "sum_rows": sum_rows,
     "first_bad": first_bad,

@@ -76,9 +76,16 @@ def bits_kernel(name: str) -> Any:
 
 
 def index_kernel(name: str, ids: np.ndarray[Any, Any]) -> Any:
-    """A kernel of int64 row ids or keys (``local_rows``, ``increasing``), or None (the
-    numpy path: another dtype, or no numba)."""
-    if ids.dtype != np.int64 or not available():
+    """A kernel of int64 row ids or keys (``local_rows``, ``increasing``,
+    ``pack_positions``, ``unpack_sorted``), or None (the numpy path: another dtype, an
+    array that is not C-contiguous and writable, whose kernel numba would compile
+    anew, or no numba)."""
+    if (
+        ids.dtype != np.int64
+        or not ids.flags.c_contiguous
+        or not ids.flags.writeable
+        or not available()
+    ):
         return None
     assert _KERNELS is not None
     return _KERNELS[name]

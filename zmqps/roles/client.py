@@ -47,7 +47,7 @@ import numpy.typing as npt
 from zmqps.core import lowp
 from zmqps.core.hashtable import bucket_of
 from zmqps.core.packs import plan_packs
-from zmqps.core.segments import sum_rows
+from zmqps.core.segments import sum_rows, unique_inverse
 from zmqps.core.variables import Placement, ShardDef, ShardInfo, VariableDef
 from zmqps.roles.channels import Delivery, DenseChannel, ShmChannel, TcpChannel, Transfer, layout
 from zmqps.roles.threads import CheckThreads
@@ -1017,8 +1017,7 @@ class ParameterClient:
         v = self._variable(name)
         if ids.ndim != 1:
             raise InvalidArgument("row ids must be 1-D")
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        inverse = inverse.reshape(-1)
+        uniq, inverse = unique_inverse(ids, load=False)
         if v.hashed:  # any int64 id; routed by its stable hash bucket
             keys = bucket_of(uniq, v.shape[0])
         elif uniq.size and (uniq[0] < 0 or uniq[-1] >= v.shape[0]):

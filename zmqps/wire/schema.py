@@ -10,6 +10,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,14 +131,20 @@ class Map(Schema):
     optional: Mapping[str, Schema] = field(default_factory=dict)
     extra: bool = False
 
+    @functools.cached_property
+    def _fields(self) -> Mapping[str, Schema]:
+        """Every field's schema, by name (a required one's where a name is both)."""
+        return {**self.optional, **self.required}
+
     def check(self, value: Any, path: str) -> None:
         if type(value) is not dict:
             raise ProtocolError(f"{path}: expected map, got {type(value).__name__}")
         for key in self.required:
             if key not in value:
                 raise ProtocolError(f"{path}: missing field {key!r}")
+        fields = self._fields
         for key, v in value.items():
-            sub = self.required.get(key) or self.optional.get(key)
+            sub = fields.get(key)
             if sub is None:
                 if self.extra and type(key) is str:
                     continue
