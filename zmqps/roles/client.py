@@ -310,6 +310,9 @@ class ParameterClient:
         self.rows_both: set[int] = set()
         #: PS states whose last row reply said they take rows in shared memory
         self.rows_shm: set[int] = set()
+        #: PS states whose last row reply said they take a request's index tensors
+        #: joined into one (``counts``)
+        self.rows_joined: set[int] = set()
         #: the room for rows in each region (0: rows always by TCP)
         self.row_region_bytes = max(0, row_region_bytes)
         #: regions being set up in the background for rows, by PS state
@@ -663,6 +666,10 @@ class ParameterClient:
             self.rows_shm.add(ps)
         else:
             self.rows_shm.discard(ps)
+        if takes is not None and "rows_joined" in takes:
+            self.rows_joined.add(ps)
+        else:
+            self.rows_joined.discard(ps)
 
     def takes_fresh(self, names: Iterable[str]) -> bool:
         """Whether every PS state holding shards of ``names`` said it takes ``Push.fresh``."""
@@ -698,6 +705,7 @@ class ParameterClient:
             self._channels[state] = None
             self.rows_both.discard(state)  # another process: it says again what it takes
             self.rows_shm.discard(state)
+            self.rows_joined.discard(state)
 
     # ------------------------------------------------------------------ channels
 
@@ -1078,9 +1086,9 @@ class ParameterClient:
         """One ``pull_rows`` to PS state ``ps``: the rows of ``uniq[lo:hi]`` of each
         ``(shard, lo, hi)`` of ``parts``, copied into ``rows[lo:hi]``."""
         sids = [s.id for s, _, _ in parts]
-        tensors = [Tensor(uniq[lo:hi], "index", s.id) for s, lo, hi in parts]
+        tensors, counts = self._index_tensors(ps, [(uniq, parts)])
         # create is sent only when false: a creating pull stays what older PS understand
-        body = o.PullRows(tuple(sids), self.gen, None if create else False)
+        body = o.PullRows(tuple(sids), self.gen, None if create else False, counts=counts)
         ch = self._row_channel(ps)
         places = None
         if ch is not None and not ch.rows_pull_lock.locked():
@@ -1345,17 +1353,52 @@ class ParameterClient:
     ) -> Message:
         """One row push message: each part's ids, and its rows unless they are in the
         push region (``body.shm``), then the ids of each part of ``pull``."""
-        tensors: list[Tensor] = []
         summed = None if body.shm is not None else pushed.summed
-        for s, lo, hi in parts:
-            tensors.append(Tensor(uniq[lo:hi], "index", s.id))
+        pieces = [(uniq, parts)] if pull is None else [(uniq, parts), (pull[1], pull[0])]
+        index, counts = self._index_tensors(ps, pieces)
+        wire = body.to_wire()
+        tensors: list[Tensor] = []
+        if counts is not None:  # the ids joined, then each shard's rows (TCP)
+            wire["counts"] = list(counts)
+            tensors += index
             if summed is not None:
-                tensors.append(Tensor(summed[lo:hi], "rows", s.id))
-        if pull is not None:
-            tensors += [Tensor(pull[1][lo:hi], "index", s.id) for s, lo, hi in pull[0]]
+                tensors += [Tensor(summed[lo:hi], "rows", s.id) for s, lo, hi in parts]
+        else:  # (index, rows) of each pushed shard, then the index of each pulled one
+            for k, (s, lo, hi) in enumerate(parts):
+                tensors.append(index[k])
+                if summed is not None:
+                    tensors.append(Tensor(summed[lo:hi], "rows", s.id))
+            tensors += index[len(parts) :]
         return await self.ps[ps].request(
-            body.OP, body.to_wire(), tensors, timeout=self.timeout, attempts=self.push_attempts
+            body.OP, wire, tensors, timeout=self.timeout, attempts=self.push_attempts
         )
+
+    def _index_tensors(
+        self, ps: int, pieces: Sequence[tuple[Array, Sequence[tuple[ShardInfo, int, int]]]]
+    ) -> tuple[list[Tensor], tuple[int, ...] | None]:
+        """The index tensors of a row request to PS state ``ps`` (``pieces``: each an
+        array of ids and the ``(shard, lo, hi)`` parts of it the request names, in
+        order): one per shard and None; or, to a PS that said it takes them joined
+        (``rows_joined``) when there are several, one tensor of them all back to back
+        and each one's count (fewer message parts: each costs both ends a few
+        microseconds of Python)."""
+        n = sum(len(parts) for _, parts in pieces)
+        if n < 2 or ps not in self.rows_joined:
+            return [
+                Tensor(a[lo:hi], "index", s.id) for a, parts in pieces for s, lo, hi in parts
+            ], None
+        spans = []
+        for a, parts in pieces:  # consecutive parts of one array: one view of it
+            k = 0
+            while k < len(parts):
+                j = k
+                while j + 1 < len(parts) and parts[j + 1][1] == parts[j][2]:
+                    j += 1
+                spans.append(a[parts[k][1] : parts[j][2]])
+                k = j + 1
+        joined = spans[0] if len(spans) == 1 else np.concatenate(spans)
+        counts = tuple(hi - lo for _, parts in pieces for _, lo, hi in parts)
+        return [Tensor(joined, "index", -1)], counts
 
     def _routed(
         self, rows: RowPush, step: int | None

@@ -433,9 +433,17 @@ class PushPull(Push):
     pass
 
 
+#: a row request's index tensors joined into one (``counts``: the ids of each shard it
+#: names, in order); sent only to a PS that takes ``rows_joined``
+ROW_COUNTS = List(Int(0, 2**31), 2 * MAX_SHARDS)
+
+
 @_body("push_rows")
 class PushRows(Push):
-    pass
+    #: its shards' index tensors joined into its first tensor, this many ids each
+    #: (the rows tensors, when in the message, follow in order); None: one index
+    #: tensor per shard
+    counts: tuple[int, ...] | None = wire(ROW_COUNTS, default=None)
 
 
 @_body("push_pull_rows")
@@ -451,6 +459,9 @@ class PushPullRows(Push):
     pull: tuple[int, ...] = wire(SHARDS, default=())
     #: False: the pull is read-only (as ``PullRows.create``)
     create: bool | None = wire(Bool(), default=None)
+    #: the index tensors of ``shards`` then of ``pull`` joined into the first tensor,
+    #: this many ids each (as ``PushRows.counts``)
+    counts: tuple[int, ...] | None = wire(ROW_COUNTS, default=None)
 
 
 @_body("pull_rows")
@@ -463,6 +474,8 @@ class PullRows(Body):
     #: rows back to back there), not in the reply; sent only to a PS that takes
     #: ``shm_rows``
     shm_out: ShmRef | None = wire(ShmRef.SCHEMA, default=None)
+    #: the index tensors joined into one, this many ids each (as ``PushRows.counts``)
+    counts: tuple[int, ...] | None = wire(ROW_COUNTS, default=None)
 
 
 @_body("table_rows")

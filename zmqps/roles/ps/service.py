@@ -104,7 +104,9 @@ _PUSH_OPS = frozenset({"push", "push_pull", "push_rows", "push_pull_rows"})
 _DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
 #: the ops this PS takes beyond those every PS takes, said in its row replies (a
 #: client sends them only to a PS that said so: an older one refuses them)
-TAKES = ("push_pull_rows", "shm_rows")
+TAKES = ("push_pull_rows", "shm_rows", "rows_joined")
+#: the row ops whose index tensors may come joined into one (``counts``)
+_JOINED_OPS = frozenset({"pull_rows", "push_rows", "push_pull_rows"})
 
 #: what a sync PS's dense push replies say it takes beyond the common fields:
 #: ``Push.fresh`` (a worker asks for the next step's values only of a PS that said so)
@@ -225,10 +227,13 @@ class PSService:
         req, handler = self._ops.resolve(msg)
         if msg.op in _DATA_OPS:
             self._check_generation(msg.op, req.gen)
+        # index tensors joined into one (``counts``): one per shard again, as sent
+        # by a client that does not join them (the body's ``counts`` is not read after)
+        joined = "counts" in msg.body and msg.op in _JOINED_OPS
         if msg.op not in _PUSH_OPS:
-            return handler(msg, req)
+            return handler(split_index(msg) if joined else msg, req)
         try:
-            return handler(msg, req)
+            return handler(split_index(msg) if joined else msg, req)
         except NonFiniteGradient:
             self._drop("nonfinite")
             raise
@@ -1355,6 +1360,44 @@ class PSService:
         if self.replica is not None:
             out["replica"] = self.replica.state()
         return out
+
+
+def split_index(msg: Message) -> Message:
+    """A row request whose index tensors came joined into its first tensor (``counts``:
+    the ids of each shard of ``shards``, then of ``pull``, back to back) as the request
+    with one index tensor per shard, views of it (a TCP push's rows tensors, which
+    follow it, each after its shard's index), without ``counts``: what a client that
+    does not join them sends, so that everything past here (a replicated primary's
+    log and its backups included) sees that. InvalidArgument if they do not add up."""
+    body = msg.body
+    counts = body["counts"]
+    sids = list(body.get("shards", ()))
+    pull = list(body.get("pull", ())) if msg.op == "push_pull_rows" else []
+    if len(counts) != len(sids) + len(pull):
+        raise InvalidArgument(f"{msg.op}: one count per shard named expected")
+    if not msg.tensors:
+        raise InvalidArgument(f"{msg.op}: counts without the joined index tensor")
+    joined, rest = msg.tensors[0], msg.tensors[1:]
+    ids = joined.array
+    if joined.kind != "index" or joined.ref != -1 or ids.ndim != 1:
+        raise InvalidArgument(f"{msg.op}: the joined ids must be one 1-D index tensor (ref -1)")
+    if sum(counts) != ids.shape[0]:
+        raise InvalidArgument(
+            f"{msg.op}: counts of {sum(counts)} ids, the index holds {ids.shape[0]}"
+        )
+    rows = msg.op != "pull_rows" and body.get("shm") is None  # a TCP push: its rows follow
+    if len(rest) != (len(sids) if rows else 0):
+        raise InvalidArgument(f"{msg.op}: joined ids, then the rows of each pushed shard only")
+    tensors: list[Tensor] = []
+    lo = 0
+    for k, (sid, n) in enumerate(zip([*sids, *pull], counts, strict=True)):
+        tensors.append(Tensor(ids[lo : lo + n], "index", sid))
+        if rows and k < len(sids):
+            tensors.append(rest[k])
+        lo += n
+    return replace(
+        msg, body={k: v for k, v in body.items() if k != "counts"}, tensors=tuple(tensors)
+    )
 
 
 def _with_versions(
