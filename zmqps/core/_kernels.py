@@ -60,7 +60,7 @@ def available() -> bool:
 def kernel(name: str, param: np.ndarray[Any, Any]) -> Any:
     """The fused kernel for optimizer ``name`` (or ``first_bad``, ``bad_sum``,
     ``add_into``, ``sum_rows``) and this parameter (array), or None (numpy path)."""
-    if param.dtype not in (np.float32, np.float64) or not available():
+    if param.dtype not in (np.float32, np.float64) or (_KERNELS is None and not available()):
         return None
     assert _KERNELS is not None
     return _KERNELS.get(name)
@@ -84,7 +84,7 @@ def index_kernel(name: str, ids: np.ndarray[Any, Any]) -> Any:
         ids.dtype != np.int64
         or not ids.flags.c_contiguous
         or not ids.flags.writeable
-        or not available()
+        or (_KERNELS is None and not available())
     ):
         return None
     assert _KERNELS is not None

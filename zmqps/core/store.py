@@ -236,6 +236,11 @@ class Shard:
         """Values in one row (1 for a 1-D variable)."""
         return math.prod(self.definition.shape[1:])
 
+    @functools.cached_property
+    def row_wire(self) -> tuple[np.dtype[Any], tuple[int, ...]]:
+        """The dtype rows travel as and the shape of one row (its definition's)."""
+        return self.definition.wire_dtype, self.definition.shape[1:]
+
     # -- the shard protocol: what the store asks of a shard, dense or hash-keyed ------
 
     #: a hash-keyed table's shard (rows by id) rather than a dense one
@@ -274,9 +279,9 @@ class Shard:
         """The rows of validated ``keys`` (a copy, or written into ``out``: a place in a
         shared-memory region); fixed-size rows never change."""
         if out is None:
-            return np.take(self.values, keys, axis=0)
+            return self.values.take(keys, axis=0)
         # the keys are validated: "clip" changes none of them and writes out unbuffered
-        return np.take(self.values, keys, axis=0, out=out, mode="clip")
+        return self.values.take(keys, axis=0, out=out, mode="clip")
 
     def values2d(self) -> Array:
         """The values as ``(rows, row width)`` (a view)."""

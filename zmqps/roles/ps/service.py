@@ -462,8 +462,8 @@ class PSService:
         row request's rows take in a region are these, never sizes the wire names."""
         spans: list[tuple[np.dtype[Any], tuple[int, ...]]] = []
         for sid, a in zip(sids, ids, strict=True):
-            d = self.store.get(sid).definition
-            spans.append((d.wire_dtype, (int(a.size), *d.shape[1:])))
+            dtype, row = self.store.get(sid).row_wire
+            spans.append((dtype, (int(a.size), *row)))
         return spans
 
     def _rows_out(
@@ -785,9 +785,9 @@ class PSService:
         (:func:`first_bad_of`). ``packs``: the packs whose gradient is one entry, by
         their first shard (a bad value is said with the shard it belongs to)."""
         for sid, grad, _ in grads:
-            d = self.store.get(sid).definition
-            want = d.wire_dtype
-            if grad.dtype != want:
+            shard = self.store.get(sid)
+            if grad.dtype != shard.row_wire[0]:  # the dtype it travels as
+                d = shard.definition
                 travels = "" if d.wire is None else f" (travels as {d.wire})"
                 raise InvalidArgument(
                     f"shard {sid}: the gradient is {grad.dtype}, the variable is {d.dtype}{travels}"
