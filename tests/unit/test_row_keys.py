@@ -167,3 +167,24 @@ def test_unique_inverse_of_other_arrays_is_numpys() -> None:
         u, i = unique_inverse(a)
         want_u, want_i = _np_unique(a)
         assert np.array_equal(u, want_u) and np.array_equal(i, want_i)
+
+
+def test_same_ids_is_array_equal() -> None:
+    from zmqps.core.segments import load_kernels, same_ids
+
+    load_kernels()
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 1000, 500)
+    cases = [a.copy(), a[:-1].copy(), np.zeros(0, np.int64), a[::-1].copy()]
+    for k in (0, 250, 499):
+        b = a.copy()
+        b[k] += 1
+        cases.append(b)
+    readonly = a.copy()
+    readonly.setflags(write=False)
+    cases += [readonly, a.astype(np.int32), np.concatenate([a, a])[::2]]
+    for b in cases:
+        for load in (True, False):
+            assert same_ids(a, b, load=load) == np.array_equal(a, b)
+            assert same_ids(b, a, load=load) == np.array_equal(a, b)
+    assert same_ids(np.zeros(0, np.int64), np.zeros(0, np.int64))

@@ -319,6 +319,15 @@ def unpack_sorted(packed, bits, uniq, inverse):  # type: ignore[no-untyped-def]
     return k + 1
 
 
+# Whether two id arrays of one length are equal (the first difference ends it)
+@jit  # type: ignore[misc]
+def equal_ids(a, b):  # type: ignore[no-untyped-def]
+    for i in range(a.shape[0]):  # noqa: SIM110 (numba compiles no generator)
+        if a[i] != b[i]:
+            return False
+    return True
+
+
 @jit  # type: ignore[misc]
 def add_into(acc, g):  # type: ignore[no-untyped-def]
     for i in range(acc.shape[0]):
@@ -334,6 +343,7 @@ KERNELS: dict[str, Any] = {
     "add_into": add_into,
     "local_rows": local_rows,
     "pack_positions": pack_positions,
+    "equal_ids": equal_ids,
     "unpack_sorted": unpack_sorted,
     "increasing": increasing,
     "sum_rows": sum_rows,

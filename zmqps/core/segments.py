@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from zmqps.core import _kernels
 
-__all__ = ["MAX_PASSES", "load_kernels", "sum_rows", "sum_runs", "unique_inverse"]
+__all__ = ["MAX_PASSES", "load_kernels", "same_ids", "sum_rows", "sum_runs", "unique_inverse"]
 
 Array = npt.NDArray[Any]
 
@@ -117,6 +117,18 @@ def unique_inverse(ids: Array, *, load: bool = True) -> tuple[Array, Array]:
     return uniq, inverse.reshape(-1)
 
 
+def same_ids(a: Array, b: Array, *, load: bool = True) -> bool:
+    """Whether 1-D id arrays ``a`` and ``b`` are equal (``np.array_equal``): for int64
+    ids, compiled (one pass that stops at the first difference, no temporary).
+    ``load=False``: the kernel only once :func:`load_kernels` loaded it."""
+    if a.shape != b.shape:
+        return False
+    equal = _kernels.index_kernel("equal_ids", a) if load or _loaded else None
+    if equal is not None and _kernels.index_kernel("equal_ids", b) is not None:
+        return bool(equal(a, b))
+    return bool(np.array_equal(a, b))
+
+
 def load_kernels() -> None:
     """Load the compiled row kernels now (numba's first call: up to seconds), so that
     :func:`sum_rows` and :func:`unique_inverse` with ``load=False`` find them; a
@@ -125,6 +137,7 @@ def load_kernels() -> None:
     if not _loaded:
         sum_rows(np.zeros((2, 1), np.float32), np.zeros(2, np.int64), 1)
         unique_inverse(np.array([5, 3, 5], np.int64))
+        same_ids(np.zeros(2, np.int64), np.zeros(2, np.int64))
         _loaded = True
 
 

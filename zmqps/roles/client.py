@@ -47,7 +47,7 @@ import numpy.typing as npt
 from zmqps.core import lowp
 from zmqps.core.hashtable import bucket_of
 from zmqps.core.packs import plan_packs
-from zmqps.core.segments import sum_rows, unique_inverse
+from zmqps.core.segments import same_ids, sum_rows, unique_inverse
 from zmqps.core.variables import Placement, ShardDef, ShardInfo, VariableDef
 from zmqps.roles.channels import Delivery, DenseChannel, ShmChannel, TcpChannel, Transfer, layout
 from zmqps.roles.threads import CheckThreads
@@ -1020,7 +1020,7 @@ class ParameterClient:
         a push of the ids just pulled (the usual step) reuses the pull's plan, so the
         ids are sorted once per step, not once per call."""
         kept = self._row_plans.get(name)
-        if kept is not None and kept.ids.shape == ids.shape and np.array_equal(kept.ids, ids):
+        if kept is not None and same_ids(kept.ids, ids, load=False):
             return kept
         v = self._variable(name)
         if ids.ndim != 1:
