@@ -158,7 +158,13 @@ class Map(Schema):
             elif kind is Str:
                 if type(v) is str and len(v) <= sub.max_len:  # type: ignore[attr-defined]
                     continue
-            elif kind is Bool and type(v) is bool:
+            elif kind is Bool:
+                if type(v) is bool:
+                    continue
+            elif kind is Float:
+                if type(v) in (int, float) and sub.lo <= v <= sub.hi:  # type: ignore[attr-defined]
+                    continue  # (NaN fails the comparisons)
+            elif kind is AnyList and type(v) is list:
                 continue
             sub.check(v, f"{path}.{key}")
 
