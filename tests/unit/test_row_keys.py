@@ -188,3 +188,31 @@ def test_same_ids_is_array_equal() -> None:
             assert same_ids(a, b, load=load) == np.array_equal(a, b)
             assert same_ids(b, a, load=load) == np.array_equal(a, b)
     assert same_ids(np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_sum_in_sorted_order_gives_the_same_bits(dtype: Any) -> None:
+    """sum_rows following the sorted ids (each distinct id's row written once) adds a
+    repeated id's rows in the batch's order, as the inverse path does: the same bits."""
+    from zmqps.core.segments import load_kernels, sum_rows, unique_sorted
+
+    load_kernels()
+    rng = np.random.default_rng(8)
+    for n, high in [(1, 5), (2, 1), (7, 3), (500, 50), (4096, 1_000_000), (3000, 40)]:
+        ids = rng.integers(0, high, n)
+        grads = rng.standard_normal((n, 9)).astype(dtype) * 1e3
+        uniq, inverse, order = unique_sorted(ids)
+        assert (order is None) == (n == 1)  # one id: nothing to sort
+        want = sum_rows(grads, inverse, uniq.shape[0])
+        got = sum_rows(grads, inverse, uniq.shape[0], order=order)
+        assert got.tobytes() == want.tobytes()
+        out = np.full_like(want, np.nan)
+        assert sum_rows(grads, inverse, uniq.shape[0], out=out, order=order) is out
+        assert out.tobytes() == want.tobytes()
+        # the reference: each id's rows added one after the other, in the batch's order
+        ref = np.zeros_like(want)
+        for i in range(n):
+            ref[inverse[i]] += grads[i]
+        np.testing.assert_allclose(got, ref, rtol=1e-6)
+    # ids too large to pack: no order, the inverse path
+    assert unique_sorted(np.array([2**62, 1], np.int64))[2] is None

@@ -328,6 +328,28 @@ def equal_ids(a, b):  # type: ignore[no-untyped-def]
     return True
 
 
+# sum_rows in the order of the ids sorted with their positions (``unique_inverse``'s
+# packed values): each distinct id's row written once, in order (the rows of one id
+# in the batch's order: the first copied, the others added, as sum_rows adds them)
+@jit  # type: ignore[misc]
+def sum_sorted_rows(g, packed, bits, out):  # type: ignore[no-untyped-def]
+    mask = (np.int64(1) << np.int64(bits)) - np.int64(1)
+    width = g.shape[1]
+    j = -1
+    prev = np.int64(0)
+    for k in range(packed.shape[0]):
+        v = packed[k] >> np.int64(bits)
+        i = packed[k] & mask
+        if j < 0 or v != prev:
+            j += 1
+            prev = v
+            for c in range(width):
+                out[j, c] = g[i, c]
+        else:
+            for c in range(width):
+                out[j, c] += g[i, c]
+
+
 @jit  # type: ignore[misc]
 def add_into(acc, g):  # type: ignore[no-untyped-def]
     for i in range(acc.shape[0]):
@@ -347,6 +369,7 @@ KERNELS: dict[str, Any] = {
     "unpack_sorted": unpack_sorted,
     "increasing": increasing,
     "sum_rows": sum_rows,
+    "sum_sorted_rows": sum_sorted_rows,
     "first_bad": first_bad,
     "bad_sum": bad_sum,
     "sgd": sgd,

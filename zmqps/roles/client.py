@@ -47,7 +47,7 @@ import numpy.typing as npt
 from zmqps.core import lowp
 from zmqps.core.hashtable import bucket_of
 from zmqps.core.packs import plan_packs
-from zmqps.core.segments import same_ids, sum_rows, unique_inverse
+from zmqps.core.segments import Order, same_ids, sum_rows, unique_sorted
 from zmqps.core.variables import Placement, ShardDef, ShardInfo, VariableDef
 from zmqps.roles.channels import Delivery, DenseChannel, ShmChannel, TcpChannel, Transfer, layout
 from zmqps.roles.threads import CheckThreads
@@ -155,6 +155,9 @@ class _RowPlan:
     inverse: Array
     #: ps -> [(shard, lo, hi)]: the shard's ids are ``uniq[lo:hi]`` (maybe none)
     parts: dict[int, list[tuple[ShardInfo, int, int]]]
+    #: the ids sorted with their positions, when ``uniq`` is in their order (a sum
+    #: of the batch's rows follows it: :func:`~zmqps.core.segments.sum_rows`)
+    order: Order | None = None
 
 
 #: the pull of a ``push_pull_rows`` message: its parts, their ids (``uniq``), the rows
@@ -190,7 +193,11 @@ class RowPush:
         if self.summed_rows is None:
             assert self.grads is not None
             self.summed_rows = sum_rows(
-                self.grads, self.plan.inverse, self.plan.uniq.size, load=False
+                self.grads,
+                self.plan.inverse,
+                self.plan.uniq.size,
+                load=False,
+                order=self.plan.order,
             )
         return self.summed_rows
 
@@ -207,7 +214,8 @@ class RowPush:
         if self.summed_rows is not None:
             return False
         assert self.grads is not None
-        sum_rows(self.grads, self.plan.inverse, self.plan.uniq.size, load=False, out=out)
+        plan = self.plan
+        sum_rows(self.grads, plan.inverse, plan.uniq.size, load=False, out=out, order=plan.order)
         return True
 
 
@@ -1025,7 +1033,7 @@ class ParameterClient:
         v = self._variable(name)
         if ids.ndim != 1:
             raise InvalidArgument("row ids must be 1-D")
-        uniq, inverse = unique_inverse(ids, load=False)
+        uniq, inverse, order = unique_sorted(ids, load=False)
         if v.hashed:  # any int64 id; routed by its stable hash bucket
             keys = bucket_of(uniq, v.shape[0])
         elif uniq.size and (uniq[0] < 0 or uniq[-1] >= v.shape[0]):
@@ -1045,7 +1053,8 @@ class ParameterClient:
         parts: dict[int, list[tuple[ShardInfo, int, int]]] = {}
         for k, sh in enumerate(shards):
             parts.setdefault(sh.state, []).append((sh, int(bounds[k]), int(bounds[k + 1])))
-        plan = _RowPlan(ids.copy(), uniq, inverse, parts)
+        # a hash-keyed table's ids are in their shards' order, not ascending
+        plan = _RowPlan(ids.copy(), uniq, inverse, parts, None if v.hashed else order)
         self._row_plans[name] = plan
         return plan
 
@@ -1253,7 +1262,9 @@ class ParameterClient:
         # the plan's order: each shard's rows are one slice, sent as a view
         if later:
             return RowPush(name, plan, None, grads)
-        return RowPush(name, plan, sum_rows(grads, plan.inverse, plan.uniq.size, load=load))
+        return RowPush(
+            name, plan, sum_rows(grads, plan.inverse, plan.uniq.size, load=load, order=plan.order)
+        )
 
     async def send_rows(
         self,
@@ -1571,7 +1582,7 @@ def _row_window(plan: _RowPlan, lo: int, hi: int) -> dict[int, list[tuple[ShardI
 
 def _only(plan: _RowPlan, ps: int, parts: list[tuple[ShardInfo, int, int]]) -> _RowPlan:
     """``plan`` with only PS state ``ps``'s ``parts``."""
-    return _RowPlan(plan.ids, plan.uniq, plan.inverse, {ps: parts})
+    return _RowPlan(plan.ids, plan.uniq, plan.inverse, {ps: parts}, plan.order)
 
 
 def _whole(
