@@ -1041,18 +1041,21 @@ class ParameterClient:
         else:
             keys = uniq
         starts, shards = self._row_bounds[name]
-        which = np.searchsorted(starts, keys, side="right") - 1
-        if v.hashed and which.size > 1 and not bool((which[1:] >= which[:-1]).all()):
-            # each shard's ids together (ascending within it, as the PS likes them)
-            by_shard = np.argsort(which, kind="stable")
-            uniq, which = uniq[by_shard], which[by_shard]
-            rank = np.empty_like(by_shard)
-            rank[by_shard] = np.arange(by_shard.size)
-            inverse = rank[inverse]
-        bounds = np.searchsorted(which, np.arange(len(shards) + 1), side="left")
+        if v.hashed:
+            which = np.searchsorted(starts, keys, side="right") - 1
+            if which.size > 1 and not bool((which[1:] >= which[:-1]).all()):
+                # each shard's ids together (ascending within it, as the PS likes them)
+                by_shard = np.argsort(which, kind="stable")
+                uniq, which = uniq[by_shard], which[by_shard]
+                rank = np.empty_like(by_shard)
+                rank[by_shard] = np.arange(by_shard.size)
+                inverse = rank[inverse]
+            bounds = np.searchsorted(which, np.arange(len(shards) + 1), side="left").tolist()
+        else:  # ascending ids, all in [0, rows): each shard's first is where its start goes
+            bounds = [*np.searchsorted(uniq, starts, side="left").tolist(), uniq.size]
         parts: dict[int, list[tuple[ShardInfo, int, int]]] = {}
         for k, sh in enumerate(shards):
-            parts.setdefault(sh.state, []).append((sh, int(bounds[k]), int(bounds[k + 1])))
+            parts.setdefault(sh.state, []).append((sh, bounds[k], bounds[k + 1]))
         # a hash-keyed table's ids are in their shards' order, not ascending
         plan = _RowPlan(ids.copy(), uniq, inverse, parts, None if v.hashed else order)
         self._row_plans[name] = plan
