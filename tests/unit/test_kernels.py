@@ -82,3 +82,43 @@ def test_fused_rows_match_reference(config, dtype, rtol, monkeypatch) -> None:
     np.testing.assert_allclose(p_fast, p_ref, rtol=rtol, atol=rtol)
     for k in s_ref:
         np.testing.assert_allclose(s_fast[k], s_ref[k], rtol=rtol, atol=rtol)
+
+
+def _rows_by_dense_kernel(name, rows, p, g, *rest):
+    """What the row kernels computed when they called the dense kernel on each row."""
+    from zmqps.core import _jit
+
+    dense = _jit.KERNELS[name]
+    n_slots = {"sgd": 0, "momentum": 1, "adagrad": 1, "adam": 2}[name]
+    slots, scalars = rest[:n_slots], rest[n_slots:]
+    for k, r in enumerate(rows):
+        dense(p[r], g[k], None, *(s[r] for s in slots), *scalars)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: str(sorted(c.items())))
+@pytest.mark.parametrize(
+    ("dtype", "grad_dtype"),
+    [(np.float32, np.float32), (np.float64, np.float64), (np.float32, np.float64)],
+)
+def test_row_kernels_give_the_dense_kernels_bits(config, dtype, grad_dtype) -> None:
+    """Each row kernel is one loop nest; its every element is the dense kernel's, bit
+    for bit (the same expression in the same dtypes), on rows spread over the table."""
+    opt = make_optimizer(config)
+    fused = _kernels.kernel(f"{opt.name}_rows", np.zeros(1, dtype))
+    assert fused is not None
+    rng = np.random.default_rng(5)
+    n_rows, width = 1000, 33
+    p = rng.normal(size=(n_rows, width)).astype(dtype)
+    slots = {k: np.abs(v) + 0.1 for k, v in opt.init_slots((n_rows, width), dtype).items()}
+    p_ref, s_ref = p.copy(), {k: v.copy() for k, v in slots.items()}
+    for step in range(1, 6):
+        rows = np.sort(rng.choice(n_rows, size=200, replace=False)).astype(np.int64)
+        g = rng.normal(size=(rows.size, width)).astype(grad_dtype)
+        scalars = opt._kernel_args(step, 0.5 if step % 2 else 1.0, p.dtype.type)
+        fused(rows, p, g, *(slots[n] for n in opt.slot_names), *scalars)
+        _rows_by_dense_kernel(
+            opt.name, rows, p_ref, g, *(s_ref[n] for n in opt.slot_names), *scalars
+        )
+    assert p.tobytes() == p_ref.tobytes()
+    for k in slots:
+        assert slots[k].tobytes() == s_ref[k].tobytes()

@@ -18,6 +18,8 @@ from zmqps.core.partition import Partitioner, plan
 from zmqps.core.segments import load_kernels, sum_rows
 from zmqps.core.store import ShardStore, summed_rows
 from zmqps.core.variables import ShardDef, VariableDef
+from zmqps.roles.ps.service import split_index
+from zmqps.wire import Message
 from zmqps.wire.codec import is_bfloat16, wire_dtype
 from zmqps.wire.errors import InvalidArgument
 
@@ -193,13 +195,18 @@ def test_a_steps_push_reuses_its_pulls_plan_and_sends_ascending_slices() -> None
         touched = np.unique(ids)
         want[touched] -= np.float32(0.1) * summed[touched]
         np.testing.assert_allclose(await client.pull_rows("emb", np.arange(23)), want, rtol=1e-6)
+        joined = 0
         for r in recorders(client):
-            for _, _, ts in r.sent:
+            for op, sent_body, ts in r.sent:
+                if "counts" in sent_body:  # every shard's ids in one: as the PS splits them
+                    joined += 1
+                    ts = list(split_index(Message(op, body=sent_body, tensors=tuple(ts))).tensors)
                 for t in ts:
                     if t.kind == "index":  # ascending, distinct: the PS sorts nothing
                         assert bool((np.diff(t.array) > 0).all())
                         s = next(x for x in c.placement.shards if x.id == t.ref)
                         assert s.row_start <= t.array.min() and t.array.max() < s.row_start + s.rows
+        assert joined  # once a PS said it takes them joined
 
     run(body())
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "bits_kernel", "kernel"]
+__all__ = ["available", "bits_kernel", "index_kernel", "kernel"]
 
 _KERNELS: dict[str, Any] | None = None
 _FAILED = False
@@ -60,7 +60,7 @@ def available() -> bool:
 def kernel(name: str, param: np.ndarray[Any, Any]) -> Any:
     """The fused kernel for optimizer ``name`` (or ``first_bad``, ``bad_sum``,
     ``add_into``, ``sum_rows``) and this parameter (array), or None (numpy path)."""
-    if param.dtype not in (np.float32, np.float64) or not available():
+    if param.dtype not in (np.float32, np.float64) or (_KERNELS is None and not available()):
         return None
     assert _KERNELS is not None
     return _KERNELS.get(name)
@@ -70,6 +70,22 @@ def bits_kernel(name: str) -> Any:
     """A kernel of bfloat16 bits (``bad_bits16``, ``bad_words16``, ``first_bad16``,
     ``narrow_bf16``, ``widen_bf16``), or None (numpy path)."""
     if not available():
+        return None
+    assert _KERNELS is not None
+    return _KERNELS[name]
+
+
+def index_kernel(name: str, ids: np.ndarray[Any, Any]) -> Any:
+    """A kernel of int64 row ids or keys (``local_rows``, ``increasing``,
+    ``pack_positions``, ``unpack_sorted``), or None (the numpy path: another dtype, an
+    array that is not C-contiguous and writable, whose kernel numba would compile
+    anew, or no numba)."""
+    if (
+        ids.dtype != np.int64
+        or not ids.flags.c_contiguous
+        or not ids.flags.writeable
+        or (_KERNELS is None and not available())
+    ):
         return None
     assert _KERNELS is not None
     return _KERNELS[name]

@@ -279,12 +279,16 @@ class Optimizer(ABC):
         slots: Mapping[str, Array],
         step: int,
         scale: float = 1.0,
+        *,
+        checked: bool = False,
     ) -> None:
         """Lazy update of the given rows of a 2-D ``(rows, row_size)`` parameter view.
 
         ``rows`` are UNIQUE local row indices (not checked: duplicates would keep one
         update); ``grad_rows`` has shape ``(len(rows), row_size)``. Untouched rows of
-        ``param`` and of every slot are left exactly as they were.
+        ``param`` and of every slot are left exactly as they were. ``checked``: the
+        caller validated ``rows`` against ``param`` already (a shard's keys), so they
+        are not read again for their range.
         """
         if param.ndim != 2 or rows.ndim != 1 or rows.dtype.kind not in "iu":
             raise InvalidArgument("apply_rows: param must be 2-D and rows 1-D integers")
@@ -293,14 +297,13 @@ class Optimizer(ABC):
             raise InvalidArgument(f"apply_rows: grad_rows {grad_rows.shape} != {(k, width)}")
         if k == 0:
             return
-        if int(rows.min()) < 0 or int(rows.max()) >= param.shape[0]:
+        if not checked and (int(rows.min()) < 0 or int(rows.max()) >= param.shape[0]):
             raise InvalidArgument(f"apply_rows: row index outside [0, {param.shape[0]})")
         fused = _kernels.kernel(f"{self.name}_rows", param) if USE_KERNELS else None
         if fused is not None and param.flags.c_contiguous:
             g = np.ascontiguousarray(grad_rows)
-            self._fused(
-                fused, param, g, slots, step, float(scale), param.dtype.type, rows.astype(np.int64)
-            )
+            rows = rows.astype(np.int64, copy=False)
+            self._fused(fused, param, g, slots, step, float(scale), param.dtype.type, rows)
             return
         p = np.take(param, rows, axis=0)
         gathered = {name: np.take(s, rows, axis=0) for name, s in slots.items()}

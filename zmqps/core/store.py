@@ -25,6 +25,7 @@ Rules of this module:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import sys
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from zmqps.core import lowp
+from zmqps.core import _kernels, lowp
 from zmqps.core.finite import PARALLEL_BYTES, Parts
 from zmqps.core.initializers import initialize, validate_init
 from zmqps.core.optimizers import BLOCK_ELEMS, Optimizer, compute_dtype, make_optimizer
@@ -230,10 +231,15 @@ class Shard:
     def nbytes(self) -> int:
         return int(self.values.nbytes + sum(s.nbytes for s in self.slots.values()))
 
-    @property
+    @functools.cached_property
     def row_width(self) -> int:
         """Values in one row (1 for a 1-D variable)."""
         return math.prod(self.definition.shape[1:])
+
+    @functools.cached_property
+    def row_wire(self) -> tuple[np.dtype[Any], tuple[int, ...]]:
+        """The dtype rows travel as and the shape of one row (its definition's)."""
+        return self.definition.wire_dtype, self.definition.shape[1:]
 
     # -- the shard protocol: what the store asks of a shard, dense or hash-keyed ------
 
@@ -253,6 +259,14 @@ class Shard:
             or indices.dtype.kind not in "iu"
         ):
             raise InvalidArgument(f"shard {d.id}: row indices must be a 1-D integer array")
+        local = _kernels.index_kernel("local_rows", indices)
+        if local is not None:  # int64 ids (what clients send): one pass
+            keys = np.empty(indices.shape[0], np.int64)
+            if not local(indices, d.row_start, d.rows, keys):
+                raise InvalidArgument(
+                    f"shard {d.id}: row index outside [{d.row_start}, {d.row_start + d.rows})"
+                )
+            return keys
         if indices.shape[0] and (
             int(indices.min()) < d.row_start or int(indices.max()) >= d.row_start + d.rows
         ):
@@ -265,9 +279,9 @@ class Shard:
         """The rows of validated ``keys`` (a copy, or written into ``out``: a place in a
         shared-memory region); fixed-size rows never change."""
         if out is None:
-            return np.take(self.values, keys, axis=0)
+            return self.values.take(keys, axis=0)
         # the keys are validated: "clip" changes none of them and writes out unbuffered
-        return np.take(self.values, keys, axis=0, out=out, mode="clip")
+        return self.values.take(keys, axis=0, out=out, mode="clip")
 
     def values2d(self) -> Array:
         """The values as ``(rows, row width)`` (a view)."""
@@ -284,7 +298,9 @@ class Shard:
         keys, grad2d = summed_rows(keys, grad2d)
         values2d = self.values.reshape(self.values.shape[0], -1)
         slots2d = {k: v.reshape(v.shape[0], -1) for k, v in self.slots.items()}
-        self.optimizer.apply_rows(values2d, keys, grad2d, slots2d, self.version + 1, scale)
+        self.optimizer.apply_rows(
+            values2d, keys, grad2d, slots2d, self.version + 1, scale, checked=True
+        )
 
     def page(self, start: int, limit: int) -> tuple[Array, Array, int]:
         """Live rows in id order: only hash-keyed tables list their rows."""
@@ -432,7 +448,10 @@ def summed_rows(keys: Array, grad2d: Array) -> tuple[Array, Array]:
     summed in the order they came (:func:`~zmqps.core.segments.sum_rows`), in the
     compute dtype (float32 at least). Keys already strictly increasing (what clients
     send) come back as they are, with no sort and no copy."""
-    if keys.shape[0] < 2 or bool((keys[1:] > keys[:-1]).all()):
+    if keys.shape[0] < 2:
+        return keys, grad2d
+    increasing = _kernels.index_kernel("increasing", keys)
+    if increasing(keys) if increasing is not None else bool((keys[1:] > keys[:-1]).all()):
         return keys, grad2d
     uniq, inverse = np.unique(keys, return_inverse=True)
     want = np.promote_types(grad2d.dtype, np.float32)

@@ -47,7 +47,7 @@ import numpy.typing as npt
 from zmqps.core import lowp
 from zmqps.core.hashtable import bucket_of
 from zmqps.core.packs import plan_packs
-from zmqps.core.segments import sum_rows
+from zmqps.core.segments import Order, same_ids, sum_rows, unique_sorted
 from zmqps.core.variables import Placement, ShardDef, ShardInfo, VariableDef
 from zmqps.roles.channels import Delivery, DenseChannel, ShmChannel, TcpChannel, Transfer, layout
 from zmqps.roles.threads import CheckThreads
@@ -155,6 +155,9 @@ class _RowPlan:
     inverse: Array
     #: ps -> [(shard, lo, hi)]: the shard's ids are ``uniq[lo:hi]`` (maybe none)
     parts: dict[int, list[tuple[ShardInfo, int, int]]]
+    #: the ids sorted with their positions, when ``uniq`` is in their order (a sum
+    #: of the batch's rows follows it: :func:`~zmqps.core.segments.sum_rows`)
+    order: Order | None = None
 
 
 #: the pull of a ``push_pull_rows`` message: its parts, their ids (``uniq``), the rows
@@ -190,7 +193,11 @@ class RowPush:
         if self.summed_rows is None:
             assert self.grads is not None
             self.summed_rows = sum_rows(
-                self.grads, self.plan.inverse, self.plan.uniq.size, load=False
+                self.grads,
+                self.plan.inverse,
+                self.plan.uniq.size,
+                load=False,
+                order=self.plan.order,
             )
         return self.summed_rows
 
@@ -207,7 +214,8 @@ class RowPush:
         if self.summed_rows is not None:
             return False
         assert self.grads is not None
-        sum_rows(self.grads, self.plan.inverse, self.plan.uniq.size, load=False, out=out)
+        plan = self.plan
+        sum_rows(self.grads, plan.inverse, plan.uniq.size, load=False, out=out, order=plan.order)
         return True
 
 
@@ -310,6 +318,9 @@ class ParameterClient:
         self.rows_both: set[int] = set()
         #: PS states whose last row reply said they take rows in shared memory
         self.rows_shm: set[int] = set()
+        #: PS states whose last row reply said they take a request's index tensors
+        #: joined into one (``counts``)
+        self.rows_joined: set[int] = set()
         #: the room for rows in each region (0: rows always by TCP)
         self.row_region_bytes = max(0, row_region_bytes)
         #: regions being set up in the background for rows, by PS state
@@ -562,11 +573,13 @@ class ParameterClient:
         versions_gen: int | None = None,
         delivery: Delivery | None = None,
         packs: Sequence[int] = (),
+        **more: Any,
     ) -> o.Push:
         """The body of the next push to PS ``ps`` (its own sequence number), stamped
         with the generation of the values its gradients were computed on: those pulled
         last, or, with explicit ``versions``, ``versions_gen`` (default: the current
-        one). A message of ``delivery`` sent again keeps its numbers."""
+        one). A message of ``delivery`` sent again keeps its numbers. ``more``: fields
+        of ``op``'s body beyond a push's (``push_pull_rows``' ``pull``, ``create``)."""
         key = (ps, tuple(sids))
         kept = None if delivery is None else delivery.seqs.get(key)
         gen = self.gen
@@ -603,6 +616,7 @@ class ParameterClient:
             packs=tuple(packs) or None,
             token=True if ps == self.token_ps and (op == "push" or self.fresh) else None,
             fresh=True if op == "push_pull" and self.fresh else None,
+            **more,
         )
 
     def _tally(self, ps: int, gen: int, what: str) -> None:
@@ -610,11 +624,17 @@ class ParameterClient:
         counts[what] += 1
 
     def after_push(
-        self, ps: int, reply: Message, body: o.Push, delivery: Delivery | None = None
+        self,
+        ps: int,
+        reply: Message,
+        body: o.Push,
+        delivery: Delivery | None = None,
+        parsed: o.PushReply | None = None,
     ) -> bool:
         """Read the reply to push ``body`` sent to PS ``ps``; True if it was applied
-        (kept in ``delivery``: the message is answered)."""
-        rep = o.PushReply.parse(reply.body, "push reply")
+        (kept in ``delivery``: the message is answered). ``parsed``: the reply's body,
+        parsed already."""
+        rep = o.PushReply.parse(reply.body, "push reply") if parsed is None else parsed
         if body.OP in _ROW_OPS:
             self.heard_takes(ps, rep.takes)
         elif body.OP == "push" or body.fresh:  # a sync PS says it takes ``fresh``
@@ -654,6 +674,10 @@ class ParameterClient:
             self.rows_shm.add(ps)
         else:
             self.rows_shm.discard(ps)
+        if takes is not None and "rows_joined" in takes:
+            self.rows_joined.add(ps)
+        else:
+            self.rows_joined.discard(ps)
 
     def takes_fresh(self, names: Iterable[str]) -> bool:
         """Whether every PS state holding shards of ``names`` said it takes ``Push.fresh``."""
@@ -689,6 +713,7 @@ class ParameterClient:
             self._channels[state] = None
             self.rows_both.discard(state)  # another process: it says again what it takes
             self.rows_shm.discard(state)
+            self.rows_joined.discard(state)
 
     # ------------------------------------------------------------------ channels
 
@@ -1003,13 +1028,12 @@ class ParameterClient:
         a push of the ids just pulled (the usual step) reuses the pull's plan, so the
         ids are sorted once per step, not once per call."""
         kept = self._row_plans.get(name)
-        if kept is not None and kept.ids.shape == ids.shape and np.array_equal(kept.ids, ids):
+        if kept is not None and same_ids(kept.ids, ids, load=False):
             return kept
         v = self._variable(name)
         if ids.ndim != 1:
             raise InvalidArgument("row ids must be 1-D")
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        inverse = inverse.reshape(-1)
+        uniq, inverse, order = unique_sorted(ids, load=False)
         if v.hashed:  # any int64 id; routed by its stable hash bucket
             keys = bucket_of(uniq, v.shape[0])
         elif uniq.size and (uniq[0] < 0 or uniq[-1] >= v.shape[0]):
@@ -1017,19 +1041,23 @@ class ParameterClient:
         else:
             keys = uniq
         starts, shards = self._row_bounds[name]
-        which = np.searchsorted(starts, keys, side="right") - 1
-        if v.hashed and which.size > 1 and not bool((which[1:] >= which[:-1]).all()):
-            # each shard's ids together (ascending within it, as the PS likes them)
-            by_shard = np.argsort(which, kind="stable")
-            uniq, which = uniq[by_shard], which[by_shard]
-            rank = np.empty_like(by_shard)
-            rank[by_shard] = np.arange(by_shard.size)
-            inverse = rank[inverse]
-        bounds = np.searchsorted(which, np.arange(len(shards) + 1), side="left")
+        if v.hashed:
+            which = np.searchsorted(starts, keys, side="right") - 1
+            if which.size > 1 and not bool((which[1:] >= which[:-1]).all()):
+                # each shard's ids together (ascending within it, as the PS likes them)
+                by_shard = np.argsort(which, kind="stable")
+                uniq, which = uniq[by_shard], which[by_shard]
+                rank = np.empty_like(by_shard)
+                rank[by_shard] = np.arange(by_shard.size)
+                inverse = rank[inverse]
+            bounds = np.searchsorted(which, np.arange(len(shards) + 1), side="left").tolist()
+        else:  # ascending ids, all in [0, rows): each shard's first is where its start goes
+            bounds = [*np.searchsorted(uniq, starts, side="left").tolist(), uniq.size]
         parts: dict[int, list[tuple[ShardInfo, int, int]]] = {}
         for k, sh in enumerate(shards):
-            parts.setdefault(sh.state, []).append((sh, int(bounds[k]), int(bounds[k + 1])))
-        plan = _RowPlan(ids.copy(), uniq, inverse, parts)
+            parts.setdefault(sh.state, []).append((sh, bounds[k], bounds[k + 1]))
+        # a hash-keyed table's ids are in their shards' order, not ascending
+        plan = _RowPlan(ids.copy(), uniq, inverse, parts, None if v.hashed else order)
         self._row_plans[name] = plan
         return plan
 
@@ -1070,9 +1098,9 @@ class ParameterClient:
         """One ``pull_rows`` to PS state ``ps``: the rows of ``uniq[lo:hi]`` of each
         ``(shard, lo, hi)`` of ``parts``, copied into ``rows[lo:hi]``."""
         sids = [s.id for s, _, _ in parts]
-        tensors = [Tensor(uniq[lo:hi], "index", s.id) for s, lo, hi in parts]
+        tensors, counts = self._index_tensors(ps, [(uniq, parts)])
         # create is sent only when false: a creating pull stays what older PS understand
-        body = o.PullRows(tuple(sids), self.gen, None if create else False)
+        body = o.PullRows(tuple(sids), self.gen, None if create else False, counts=counts)
         ch = self._row_channel(ps)
         places = None
         if ch is not None and not ch.rows_pull_lock.locked():
@@ -1237,7 +1265,9 @@ class ParameterClient:
         # the plan's order: each shard's rows are one slice, sent as a view
         if later:
             return RowPush(name, plan, None, grads)
-        return RowPush(name, plan, sum_rows(grads, plan.inverse, plan.uniq.size, load=load))
+        return RowPush(
+            name, plan, sum_rows(grads, plan.inverse, plan.uniq.size, load=load, order=plan.order)
+        )
 
     async def send_rows(
         self,
@@ -1337,17 +1367,52 @@ class ParameterClient:
     ) -> Message:
         """One row push message: each part's ids, and its rows unless they are in the
         push region (``body.shm``), then the ids of each part of ``pull``."""
-        tensors: list[Tensor] = []
         summed = None if body.shm is not None else pushed.summed
-        for s, lo, hi in parts:
-            tensors.append(Tensor(uniq[lo:hi], "index", s.id))
+        pieces = [(uniq, parts)] if pull is None else [(uniq, parts), (pull[1], pull[0])]
+        index, counts = self._index_tensors(ps, pieces)
+        wire = body.to_wire()
+        tensors: list[Tensor] = []
+        if counts is not None:  # the ids joined, then each shard's rows (TCP)
+            wire["counts"] = list(counts)
+            tensors += index
             if summed is not None:
-                tensors.append(Tensor(summed[lo:hi], "rows", s.id))
-        if pull is not None:
-            tensors += [Tensor(pull[1][lo:hi], "index", s.id) for s, lo, hi in pull[0]]
+                tensors += [Tensor(summed[lo:hi], "rows", s.id) for s, lo, hi in parts]
+        else:  # (index, rows) of each pushed shard, then the index of each pulled one
+            for k, (s, lo, hi) in enumerate(parts):
+                tensors.append(index[k])
+                if summed is not None:
+                    tensors.append(Tensor(summed[lo:hi], "rows", s.id))
+            tensors += index[len(parts) :]
         return await self.ps[ps].request(
-            body.OP, body.to_wire(), tensors, timeout=self.timeout, attempts=self.push_attempts
+            body.OP, wire, tensors, timeout=self.timeout, attempts=self.push_attempts
         )
+
+    def _index_tensors(
+        self, ps: int, pieces: Sequence[tuple[Array, Sequence[tuple[ShardInfo, int, int]]]]
+    ) -> tuple[list[Tensor], tuple[int, ...] | None]:
+        """The index tensors of a row request to PS state ``ps`` (``pieces``: each an
+        array of ids and the ``(shard, lo, hi)`` parts of it the request names, in
+        order): one per shard and None; or, to a PS that said it takes them joined
+        (``rows_joined``) when there are several, one tensor of them all back to back
+        and each one's count (fewer message parts: each costs both ends a few
+        microseconds of Python)."""
+        n = sum(len(parts) for _, parts in pieces)
+        if n < 2 or ps not in self.rows_joined:
+            return [
+                Tensor(a[lo:hi], "index", s.id) for a, parts in pieces for s, lo, hi in parts
+            ], None
+        spans = []
+        for a, parts in pieces:  # consecutive parts of one array: one view of it
+            k = 0
+            while k < len(parts):
+                j = k
+                while j + 1 < len(parts) and parts[j + 1][1] == parts[j][2]:
+                    j += 1
+                spans.append(a[parts[k][1] : parts[j][2]])
+                k = j + 1
+        joined = spans[0] if len(spans) == 1 else np.concatenate(spans)
+        counts = tuple(hi - lo for _, parts in pieces for _, lo, hi in parts)
+        return [Tensor(joined, "index", -1)], counts
 
     def _routed(
         self, rows: RowPush, step: int | None
@@ -1455,16 +1520,23 @@ class ParameterClient:
                 return answered
             pulls = wanted[ps]
             again = delivery is not None and delivery.sent_to(ps)  # then by TCP
-            made = self.push_body(
-                ps, sids, step, cursor=cursor, op="push_pull_rows", delivery=delivery
+            body = self.push_body(
+                ps,
+                sids,
+                step,
+                cursor=cursor,
+                op="push_pull_rows",
+                delivery=delivery,
+                pull=tuple(s.id for s, _, _ in pulls),
+                create=None if create else False,
             )
-            assert isinstance(made, o.PushPullRows)
-            body = replace(
-                made, pull=tuple(s.id for s, _, _ in pulls), create=None if create else False
-            )
+            assert isinstance(body, o.PushPullRows)
+
+            parsed: list[o.PushReply] = []
 
             def take(rep: Message, region: tuple[Region, Sequence[int]] | None) -> None:
-                versions = o.PushReply.parse(rep.body, "push_pull_rows reply").pulled or ()
+                parsed.append(o.PushReply.parse(rep.body, "push_pull_rows reply"))
+                versions = parsed[-1].pulled or ()
                 whole = None
                 if region is not None and len(every) == 1:
                     whole = _whole(region[0], pulls, region[1], got, plan.uniq.size)
@@ -1488,7 +1560,7 @@ class ParameterClient:
             )
             if not gathered:
                 done.add(ps)
-            return self.after_push(ps, rep, body, delivery)
+            return self.after_push(ps, rep, body, delivery, parsed[-1] if parsed else None)
 
         every = set(routed) | set(wanted)
         if len(every) == 1:  # one PS (the usual case): no task of its own
@@ -1513,7 +1585,7 @@ def _row_window(plan: _RowPlan, lo: int, hi: int) -> dict[int, list[tuple[ShardI
 
 def _only(plan: _RowPlan, ps: int, parts: list[tuple[ShardInfo, int, int]]) -> _RowPlan:
     """``plan`` with only PS state ``ps``'s ``parts``."""
-    return _RowPlan(plan.ids, plan.uniq, plan.inverse, {ps: parts})
+    return _RowPlan(plan.ids, plan.uniq, plan.inverse, {ps: parts}, plan.order)
 
 
 def _whole(

@@ -758,15 +758,17 @@ class Server:
             # tracked: every frame zero-copy (pyzmq copies a frame under its copy
             # threshold, 64 KiB, and a copied last frame's tracker is done at once,
             # however long the reply waits unread)
-            threshold = sock.copy_threshold
-            if track:
+            if not track:  # (the socket's own threshold, read and set only when tracked)
+                tracker = sock.send_multipart([identity, *frames], copy=False, flags=zmq.DONTWAIT)
+            else:
+                threshold = sock.copy_threshold
                 sock.copy_threshold = 0
-            try:
-                tracker = sock.send_multipart(
-                    [identity, *frames], copy=False, track=track, flags=zmq.DONTWAIT
-                )
-            finally:
-                sock.copy_threshold = threshold
+                try:
+                    tracker = sock.send_multipart(
+                        [identity, *frames], copy=False, track=True, flags=zmq.DONTWAIT
+                    )
+                finally:
+                    sock.copy_threshold = threshold
             if session is None:
                 if not self._reading and _waiting(sock):
                     self._read_soon()  # the send may have taken a message's edge

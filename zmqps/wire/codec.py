@@ -242,29 +242,34 @@ def check_spec(
 ) -> tuple[np.dtype[Any], tuple[int, ...], str, int, int]:
     """The dtype, shape, kind, ref and offset of buffer spec ``spec`` (``where[i]``),
     checked: an allowed dtype and kind, at most ``max_bytes``."""
-    path = f"{where}[{i}]"
     if type(spec) is not list or len(spec) != 5:
-        raise ProtocolError(f"{path}: expected [dtype, shape, kind, ref, offset]")
+        raise ProtocolError(f"{where}[{i}]: expected [dtype, shape, kind, ref, offset]")
     name, shape, kind, ref, offset = spec
     if type(name) is not str or name not in DTYPES:
-        raise ProtocolError(f"{path}: dtype {_brief(name, 32)} is not allowed")
+        raise ProtocolError(f"{where}[{i}]: dtype {_brief(name, 32)} is not allowed")
     if type(shape) is not list or len(shape) > MAX_NDIM:
-        raise ProtocolError(f"{path}: shape must be a list of at most {MAX_NDIM} dims")
-    for d in shape:
-        if type(d) is not int or d < 0:
-            raise ProtocolError(f"{path}: dims must be non-negative ints")
+        raise ProtocolError(f"{where}[{i}]: shape must be a list of at most {MAX_NDIM} dims")
+    dtype = DTYPES[name]
     # A zero dim makes the byte count 0 whatever the others are, but numpy still
     # refuses shapes whose non-zero dims overflow (ValueError): bound them too.
-    span = DTYPES[name].itemsize
+    span = dtype.itemsize
     for d in shape:
-        span *= max(d, 1)
+        if type(d) is not int or d < 0:
+            raise ProtocolError(f"{where}[{i}]: dims must be non-negative ints")
+        span *= d or 1
     if span > max_bytes:
-        raise ProtocolError(f"{path}: shape {shape[:MAX_NDIM]} exceeds {max_bytes} bytes")
+        raise ProtocolError(f"{where}[{i}]: shape {shape[:MAX_NDIM]} exceeds {max_bytes} bytes")
     if type(kind) is not str or kind not in KINDS:
-        raise ProtocolError(f"{path}: unknown kind {_brief(kind, 32)}")
-    Int(-1, 2**31 - 1).check(ref, f"{path}.ref")
-    Int(0, 2**62).check(offset, f"{path}.offset")
-    return DTYPES[name], tuple(shape), kind, ref, offset
+        raise ProtocolError(f"{where}[{i}]: unknown kind {_brief(kind, 32)}")
+    if type(ref) is not int or not -1 <= ref <= _MAX_REF:
+        _REF.check(ref, f"{where}[{i}].ref")  # says what is wrong
+    if type(offset) is not int or not 0 <= offset <= _MAX_OFFSET:
+        _OFFSET.check(offset, f"{where}[{i}].offset")
+    return dtype, tuple(shape), kind, ref, offset
+
+
+_MAX_REF, _MAX_OFFSET = 2**31 - 1, 2**62
+_REF, _OFFSET = Int(-1, _MAX_REF), Int(0, _MAX_OFFSET)
 
 
 def buffer_specs(

@@ -112,6 +112,9 @@ class Body:
     OP: ClassVar[str] = ""  # the request op (empty for reply bodies)
     SCHEMA: ClassVar[Map]
     _CODEC: ClassVar[tuple[tuple[str, int, bool, Any], ...]]
+    #: how each wire key that is a field converts (kind, nested body); the Who field
+    _FIELDS: ClassVar[dict[str, tuple[int, Any]]]
+    _WHO_FIELD: ClassVar[str | None]
 
     def to_wire(self) -> dict[str, Any]:
         """The body as a msgpack-able map (optional fields left out when None)."""
@@ -134,18 +137,19 @@ class Body:
     def from_wire(cls: type[B], body: Mapping[str, Any]) -> B:
         """Build from a map already checked against :attr:`SCHEMA` (no checks here)."""
         kwargs: dict[str, Any] = {}
-        for name, kind, _, sub in cls._CODEC:
-            if kind == _WHO:
-                kwargs[name] = Who(body["role"], body["index"], body["incarnation"])
+        fields = cls._FIELDS
+        for name, v in body.items():  # the keys sent: most fields are optional
+            entry = fields.get(name)
+            if entry is None or v is None:  # a Who's keys; a newer peer's in a reply
                 continue
-            v = body.get(name)
-            if v is None:
-                continue
+            kind, sub = entry
             if kind == _TUPLE:
                 v = tuple(v)
             elif kind == _BODY:
                 v = sub.from_wire(v)
             kwargs[name] = v
+        if cls._WHO_FIELD is not None:
+            kwargs[cls._WHO_FIELD] = Who(body["role"], body["index"], body["incarnation"])
         return cls(**kwargs)
 
     @classmethod
@@ -210,6 +214,8 @@ def _body(op: str = "", *, reply: bool = False) -> Callable[[type[B]], type[B]]:
         cls.OP = op
         cls.SCHEMA = Map(required, optional, extra=reply)
         cls._CODEC = tuple(codec)
+        cls._FIELDS = {name: (kind, sub) for name, kind, _, sub in codec if kind != _WHO}
+        cls._WHO_FIELD = next((name for name, kind, _, _ in codec if kind == _WHO), None)
         return cls
 
     return make
@@ -434,9 +440,17 @@ class PushPull(Push):
     pass
 
 
+#: a row request's index tensors joined into one (``counts``: the ids of each shard it
+#: names, in order); sent only to a PS that takes ``rows_joined``
+ROW_COUNTS = List(Int(0, 2**31), 2 * MAX_SHARDS)
+
+
 @_body("push_rows")
 class PushRows(Push):
-    pass
+    #: its shards' index tensors joined into its first tensor, this many ids each
+    #: (the rows tensors, when in the message, follow in order); None: one index
+    #: tensor per shard
+    counts: tuple[int, ...] | None = wire(ROW_COUNTS, default=None)
 
 
 @_body("push_pull_rows")
@@ -452,6 +466,9 @@ class PushPullRows(Push):
     pull: tuple[int, ...] = wire(SHARDS, default=())
     #: False: the pull is read-only (as ``PullRows.create``)
     create: bool | None = wire(Bool(), default=None)
+    #: the index tensors of ``shards`` then of ``pull`` joined into the first tensor,
+    #: this many ids each (as ``PushRows.counts``)
+    counts: tuple[int, ...] | None = wire(ROW_COUNTS, default=None)
 
 
 @_body("pull_rows")
@@ -464,6 +481,8 @@ class PullRows(Body):
     #: rows back to back there), not in the reply; sent only to a PS that takes
     #: ``shm_rows``
     shm_out: ShmRef | None = wire(ShmRef.SCHEMA, default=None)
+    #: the index tensors joined into one, this many ids each (as ``PushRows.counts``)
+    counts: tuple[int, ...] | None = wire(ROW_COUNTS, default=None)
 
 
 @_body("table_rows")

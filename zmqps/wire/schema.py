@@ -10,6 +10,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,18 +131,41 @@ class Map(Schema):
     optional: Mapping[str, Schema] = field(default_factory=dict)
     extra: bool = False
 
+    @functools.cached_property
+    def _fields(self) -> Mapping[str, Schema]:
+        """Every field's schema, by name (a required one's where a name is both)."""
+        return {**self.optional, **self.required}
+
     def check(self, value: Any, path: str) -> None:
         if type(value) is not dict:
             raise ProtocolError(f"{path}: expected map, got {type(value).__name__}")
         for key in self.required:
             if key not in value:
                 raise ProtocolError(f"{path}: missing field {key!r}")
+        fields = self._fields
         for key, v in value.items():
-            sub = self.required.get(key) or self.optional.get(key)
+            sub = fields.get(key)
             if sub is None:
                 if self.extra and type(key) is str:
                     continue
                 raise ProtocolError(f"{path}: unknown field {key!r}")
+            # the common scalar fields checked here, with no path made; anything else
+            # (or a bad value: its check says what is wrong) by the field's schema
+            kind = type(sub)
+            if kind is Int:
+                if type(v) is int and sub.lo <= v <= sub.hi:  # type: ignore[attr-defined]
+                    continue
+            elif kind is Str:
+                if type(v) is str and len(v) <= sub.max_len:  # type: ignore[attr-defined]
+                    continue
+            elif kind is Bool:
+                if type(v) is bool:
+                    continue
+            elif kind is Float:
+                if type(v) in (int, float) and sub.lo <= v <= sub.hi:  # type: ignore[attr-defined]
+                    continue  # (NaN fails the comparisons)
+            elif kind is AnyList and type(v) is list:
+                continue
             sub.check(v, f"{path}.{key}")
 
 

@@ -104,7 +104,9 @@ _PUSH_OPS = frozenset({"push", "push_pull", "push_rows", "push_pull_rows"})
 _DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
 #: the ops this PS takes beyond those every PS takes, said in its row replies (a
 #: client sends them only to a PS that said so: an older one refuses them)
-TAKES = ("push_pull_rows", "shm_rows")
+TAKES = ("push_pull_rows", "shm_rows", "rows_joined")
+#: the row ops whose index tensors may come joined into one (``counts``)
+_JOINED_OPS = frozenset({"pull_rows", "push_rows", "push_pull_rows"})
 
 #: what a sync PS's dense push replies say it takes beyond the common fields:
 #: ``Push.fresh`` (a worker asks for the next step's values only of a PS that said so)
@@ -225,10 +227,13 @@ class PSService:
         req, handler = self._ops.resolve(msg)
         if msg.op in _DATA_OPS:
             self._check_generation(msg.op, req.gen)
+        # index tensors joined into one (``counts``): one per shard again, as sent
+        # by a client that does not join them (the body's ``counts`` is not read after)
+        joined = "counts" in msg.body and msg.op in _JOINED_OPS
         if msg.op not in _PUSH_OPS:
-            return handler(msg, req)
+            return handler(split_index(msg) if joined else msg, req)
         try:
-            return handler(msg, req)
+            return handler(split_index(msg) if joined else msg, req)
         except NonFiniteGradient:
             self._drop("nonfinite")
             raise
@@ -457,8 +462,8 @@ class PSService:
         row request's rows take in a region are these, never sizes the wire names."""
         spans: list[tuple[np.dtype[Any], tuple[int, ...]]] = []
         for sid, a in zip(sids, ids, strict=True):
-            d = self.store.get(sid).definition
-            spans.append((d.wire_dtype, (int(a.size), *d.shape[1:])))
+            dtype, row = self.store.get(sid).row_wire
+            spans.append((dtype, (int(a.size), *row)))
         return spans
 
     def _rows_out(
@@ -486,22 +491,30 @@ class PSService:
         if msg.op != "push_rows" or shm is None:
             return msg
         req = o.PushRows.from_wire(msg.body)
-        ref = o.ShmRef.from_wire(shm)
-        if len(msg.tensors) != len(req.shards):
+        tensors = self._rows_in_region(msg.tensors, req.shards, o.ShmRef.from_wire(shm), req.worker)
+        body = {k: v for k, v in msg.body.items() if k != "shm"}
+        return replace(msg, body=body, tensors=tensors)
+
+    def _rows_in_region(
+        self, index: Sequence[Tensor], sids: Sequence[int], ref: o.ShmRef, worker: str
+    ) -> tuple[Tensor, ...]:
+        """The tensors a TCP ``push_rows`` of these shards carries, ``(index, rows)`` of
+        each, from a push whose rows are in ``worker``'s push region (``ref``): the
+        rows views of the region, validated whole (:meth:`rows_in_place`)."""
+        if len(index) != len(sids):
             raise InvalidArgument("push_rows: over shm, one index tensor per shard expected")
-        for sid, t in zip(req.shards, msg.tensors, strict=True):
+        for sid, t in zip(sids, index, strict=True):
             if t.kind != "index" or t.ref != sid:
                 raise InvalidArgument(f"push_rows: expected the index tensor of shard {sid}")
             if sid not in self.store:
                 raise NotFound(f"shard {sid} is not on ps {self.index}")
-        ids = [t.array for t in msg.tensors]
-        self._check_row_counts("push_rows", req.shards, ids)
-        views = self.regions.rows(ref, self._row_spans(req.shards, ids), req.worker)
+        ids = [t.array for t in index]
+        self._check_row_counts("push_rows", sids, ids)
+        views = self.regions.rows(ref, self._row_spans(sids, ids), worker)
         tensors: list[Tensor] = []
-        for sid, t, rows in zip(req.shards, msg.tensors, views, strict=True):
+        for sid, t, rows in zip(sids, index, views, strict=True):
             tensors += [t, Tensor(rows, "rows", sid)]
-        body = {k: v for k, v in msg.body.items() if k != "shm"}
-        return replace(msg, body=body, tensors=tuple(tensors))
+        return tuple(tensors)
 
     def _rows_reply(
         self,
@@ -512,6 +525,16 @@ class PSService:
     ) -> Message:
         """The reply to a pull of rows: each shard's version and rows (``in_region``:
         the rows are in the worker's region already, the reply carries none)."""
+        versions, tensors = self._rows_of(sids, pulled, in_region)
+        if in_region:
+            self._shm_pull_served(msg)
+        return reply(msg, o.Values(tuple(versions), takes=TAKES).to_wire(), tensors)
+
+    def _rows_of(
+        self, sids: Sequence[int], pulled: Sequence[tuple[int, Any]], in_region: bool
+    ) -> tuple[list[int], list[Tensor]]:
+        """The versions and the rows tensors (none: ``in_region``) of a pull of rows,
+        counted in the metrics."""
         versions, tensors = [], []
         for sid, (version, rows) in zip(sids, pulled, strict=True):
             versions.append(version)
@@ -519,31 +542,37 @@ class PSService:
                 tensors.append(Tensor(rows, "rows", sid))
             if self.metrics is not None:
                 self.metrics.rows(self.store.get(sid).definition.var, "pull", rows.shape[0])
-        if in_region:
-            self._shm_pull_served(msg)
-        return reply(msg, o.Values(tuple(versions), takes=TAKES).to_wire(), tensors)
+        return versions, tensors
 
     def _op_push_pull_rows(self, msg: Message, req: o.PushPullRows) -> Message:
         """A ``push_rows`` then a ``pull_rows`` in one message, handled as the two
         would be, one after the other in this turn of the loop (the pull reads the
-        push's update). A replicated primary runs the two through its log instead
-        (``PSSlots``)."""
-        push, pull, keyed = self.split_push_pull_rows(msg, req)
-        # where the pulled rows go, validated before the push changes anything
-        ids = [t.array for t in pull.tensors]
-        out = self._rows_out(pull, req.pull, ids, req.shm_out, req.worker)
-        pushed = self._op_push_rows(push, replace(req, shm=None, shm_out=None))
-        # the pull's ids were validated by the split (a push changes no id's validity,
-        # nor a table's room: it creates no row): read with those keys
+        push's update), with the checks :meth:`split_push_pull_rows` makes, in its
+        order, before anything changes; but with no message or body made for either
+        half. A replicated primary runs the two through its log instead (``PSSlots``)."""
+        n, _, ids, keyed = self._pull_part(msg, req)
+        out = None
+        if req.shm_out is not None:  # where the rows go: refused before the push too
+            views = self.regions.rows(req.shm_out, self._row_spans(req.pull, ids), req.worker)
+            # a copy of a pull served already: the rows travel in the reply (_rows_out)
+            out = None if self._shm_pull_again(msg) else views
+        pushed = msg.tensors[:n]
+        if req.shm is not None:
+            pushed = self._rows_in_region(pushed, req.shards, req.shm, req.worker)
+        body = self._push_rows(req, pushed).to_wire()
+        # the pull's ids were validated above (a push changes no id's validity, nor a
+        # table's room: it creates no row): read with those keys
         create = req.create is not False
         places: Sequence[Any] = [None] * len(keyed) if out is None else out
         pulled = [
             (shard.version, shard.read_rows(keys, create, place))
             for (shard, keys), place in zip(keyed, places, strict=True)
         ]
-        return self.joined_rows(
-            msg, pushed, self._rows_reply(pull, req.pull, pulled, out is not None)
-        )
+        versions, tensors = self._rows_of(req.pull, pulled, out is not None)
+        if out is not None:
+            self._shm_pull_served(msg)
+        body["pulled"] = versions
+        return reply(msg, body, tensors)
 
     def split_push_pull_rows(
         self, msg: Message, req: o.PushPullRows
@@ -553,6 +582,20 @@ class PSService:
         its ids, a hash table's room): a pull that would be refused refuses the whole
         message before the push changes anything. Third: each pulled shard and the
         validated keys of its ids (:meth:`ShardStore.check_pull_rows`)."""
+        n, wanted, ids, keyed = self._pull_part(msg, req)
+        if req.shm_out is not None:  # where the rows go: refused before the push too
+            self.regions.rows(req.shm_out, self._row_spans(req.pull, ids), req.worker)
+        body = {k: v for k, v in msg.body.items() if k not in ("pull", "create", "shm_out")}
+        pull_body = o.PullRows(req.pull, req.gen, req.create, req.shm_out).to_wire()
+        push = self.rows_in_place(replace(msg, op="push_rows", body=body, tensors=msg.tensors[:n]))
+        return push, replace(msg, op="pull_rows", body=pull_body, tensors=wanted), keyed
+
+    def _pull_part(
+        self, msg: Message, req: o.PushPullRows
+    ) -> tuple[int, tuple[Tensor, ...], list[Any], list[tuple[Any, Any]]]:
+        """A ``push_pull_rows``' pull checked as its ``pull_rows`` would be (structure,
+        counts, ids, a hash table's room): the number of the push's tensors, the pull's
+        tensors and ids, each pulled shard with the validated keys of its ids."""
         n = (1 if req.shm is not None else 2) * len(req.shards)  # shm: the index only
         if len(msg.tensors) != n + len(req.pull):
             raise InvalidArgument(
@@ -568,12 +611,7 @@ class PSService:
         keyed = self.store.check_pull_rows(
             list(zip(req.pull, ids, strict=True)), req.create is not False
         )
-        if req.shm_out is not None:  # where the rows go: refused before the push too
-            self.regions.rows(req.shm_out, self._row_spans(req.pull, ids), req.worker)
-        body = {k: v for k, v in msg.body.items() if k not in ("pull", "create", "shm_out")}
-        pull_body = o.PullRows(req.pull, req.gen, req.create, req.shm_out).to_wire()
-        push = self.rows_in_place(replace(msg, op="push_rows", body=body, tensors=msg.tensors[:n]))
-        return push, replace(msg, op="pull_rows", body=pull_body, tensors=wanted), keyed
+        return n, wanted, ids, keyed
 
     def joined_rows(self, msg: Message, pushed: Message, pulled: Message) -> Message:
         """The reply to ``push_pull_rows`` ``msg``: its push's (``pushed``), with the
@@ -624,7 +662,7 @@ class PSService:
 
     def _grad_tensors(
         self,
-        msg: Message,
+        tensors: Sequence[Tensor],
         req: o.Push,
         kinds: tuple[str, ...],
         heads: Sequence[int] | None = None,
@@ -642,7 +680,7 @@ class PSService:
         by_shard: dict[int, list[Tensor]] = defaultdict(list)
         named_in_order = sids if heads is None else heads
         named = set(named_in_order)
-        for t in msg.tensors:
+        for t in tensors:
             if t.kind not in kinds:
                 raise InvalidArgument(f"push: unexpected tensor kind {t.kind!r}")
             if t.ref not in named:
@@ -685,7 +723,7 @@ class PSService:
             }
         else:
             heads = [span[0] for span in spans] + rest if spans else None
-            by_shard = self._grad_tensors(msg, req, ("grad",), heads)
+            by_shard = self._grad_tensors(msg.tensors, req, ("grad",), heads)
             packed = []
             for span in spans:
                 ts = by_shard.pop(span[0])
@@ -747,9 +785,9 @@ class PSService:
         (:func:`first_bad_of`). ``packs``: the packs whose gradient is one entry, by
         their first shard (a bad value is said with the shard it belongs to)."""
         for sid, grad, _ in grads:
-            d = self.store.get(sid).definition
-            want = d.wire_dtype
-            if grad.dtype != want:
+            shard = self.store.get(sid)
+            if grad.dtype != shard.row_wire[0]:  # the dtype it travels as
+                d = shard.definition
                 travels = "" if d.wire is None else f" (travels as {d.wire})"
                 raise InvalidArgument(
                     f"shard {sid}: the gradient is {grad.dtype}, the variable is {d.dtype}{travels}"
@@ -825,10 +863,15 @@ class PSService:
     def _op_push_rows(self, msg: Message, req: o.Push) -> Message:
         if req.shm_out is not None:
             raise InvalidArgument("push_rows: a pull region only with push_pull_rows")
+        tensors = msg.tensors
         if req.shm is not None:  # the rows in the worker's push region: views of it
-            msg = self.rows_in_place(msg)
-            req = replace(req, shm=None)
-        by_shard = self._grad_tensors(msg, req, ("index", "rows"))
+            tensors = self._rows_in_region(tensors, req.shards, req.shm, req.worker)
+        return reply(msg, self._push_rows(req, tensors).to_wire())
+
+    def _push_rows(self, req: o.Push, tensors: Sequence[Tensor]) -> o.PushReply:
+        """Apply a row push whose tensors are ``tensors`` (``(index, rows)`` of each
+        shard; its ``shm`` and ``shm_out`` are not read): its reply's body."""
+        by_shard = self._grad_tensors(tensors, req, ("index", "rows"))
         for sid in req.shards:
             if [t.kind for t in by_shard[sid]] != ["index", "rows"]:
                 raise InvalidArgument(f"push_rows: shard {sid} needs exactly (index, rows)")
@@ -847,7 +890,7 @@ class PSService:
                 var = self.store.get(sid).definition.var
                 self.metrics.rows(var, "push", ts[0].array.shape[0])
         out = self._commit(req, plans)
-        return reply(msg, _with_versions(out, self._versions(req.shards), takes=TAKES).to_wire())
+        return _with_versions(out, self._versions(req.shards), takes=TAKES)
 
     def _versions(self, sids: Sequence[int]) -> list[int]:
         return [self.store.get(sid).version for sid in sids]
@@ -1317,6 +1360,44 @@ class PSService:
         if self.replica is not None:
             out["replica"] = self.replica.state()
         return out
+
+
+def split_index(msg: Message) -> Message:
+    """A row request whose index tensors came joined into its first tensor (``counts``:
+    the ids of each shard of ``shards``, then of ``pull``, back to back) as the request
+    with one index tensor per shard, views of it (a TCP push's rows tensors, which
+    follow it, each after its shard's index), without ``counts``: what a client that
+    does not join them sends, so that everything past here (a replicated primary's
+    log and its backups included) sees that. InvalidArgument if they do not add up."""
+    body = msg.body
+    counts = body["counts"]
+    sids = list(body.get("shards", ()))
+    pull = list(body.get("pull", ())) if msg.op == "push_pull_rows" else []
+    if len(counts) != len(sids) + len(pull):
+        raise InvalidArgument(f"{msg.op}: one count per shard named expected")
+    if not msg.tensors:
+        raise InvalidArgument(f"{msg.op}: counts without the joined index tensor")
+    joined, rest = msg.tensors[0], msg.tensors[1:]
+    ids = joined.array
+    if joined.kind != "index" or joined.ref != -1 or ids.ndim != 1:
+        raise InvalidArgument(f"{msg.op}: the joined ids must be one 1-D index tensor (ref -1)")
+    if sum(counts) != ids.shape[0]:
+        raise InvalidArgument(
+            f"{msg.op}: counts of {sum(counts)} ids, the index holds {ids.shape[0]}"
+        )
+    rows = msg.op != "pull_rows" and body.get("shm") is None  # a TCP push: its rows follow
+    if len(rest) != (len(sids) if rows else 0):
+        raise InvalidArgument(f"{msg.op}: joined ids, then the rows of each pushed shard only")
+    tensors: list[Tensor] = []
+    lo = 0
+    for k, (sid, n) in enumerate(zip([*sids, *pull], counts, strict=True)):
+        tensors.append(Tensor(ids[lo : lo + n], "index", sid))
+        if rows and k < len(sids):
+            tensors.append(rest[k])
+        lo += n
+    return replace(
+        msg, body={k: v for k, v in body.items() if k != "counts"}, tensors=tuple(tensors)
+    )
 
 
 def _with_versions(

@@ -36,7 +36,7 @@ from zmqps.core.variables import Placement
 from zmqps.roles.ps.image import take
 from zmqps.roles.ps.modes import Accumulate
 from zmqps.roles.ps.replica import Backup, Primary, changes_state, entry_resolver
-from zmqps.roles.ps.service import PSService
+from zmqps.roles.ps.service import _JOINED_OPS, PSService, split_index
 from zmqps.transport import Requester
 from zmqps.wire import Message, reply
 from zmqps.wire import ops as o
@@ -214,6 +214,8 @@ class PSSlots:
                 " send to the primary the placement names"
             )
         if isinstance(role, Primary):
+            if "counts" in msg.body and msg.op in _JOINED_OPS:
+                msg = split_index(msg)  # logged as a client that does not join sends it
             if msg.op == "push_pull_rows":
                 return self._push_pull_rows(msg, role, service)
             if changes_state(msg, service.store):

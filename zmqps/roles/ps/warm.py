@@ -61,6 +61,9 @@ def _exercise() -> None:
     n, width = finite.SMALL_ELEMS + 1, 4  # past SMALL_ELEMS: the vectorized check too
     finite.first_bad(np.zeros(n, np.float32))
     segments.load_kernels()  # a push's repeated row ids summed
+    ids = np.array([3, 4], np.int64)  # a row request's ids to a shard's keys, their order
+    _kernels.index_kernel("local_rows", ids)(ids, 3, 2, np.empty(2, np.int64))
+    _kernels.index_kernel("increasing", ids)(ids)
     for name in OPTIMIZERS:
         opt = make_optimizer({"name": name, "lr": 0.1})
         param = np.zeros(8, np.float32)
