@@ -99,6 +99,13 @@ class Cluster:
         self.probed.append(address)
         return self.probe_answer
 
+    def all_down(self) -> None:
+        """The chief and every PS gone: nothing listens on their ports."""
+        self.probe_answer = True
+        self.net.remove(CHIEF)
+        for addr in PS:
+            self.net.remove(addr)
+
     def evaluator(self, test: Dataset, **cfg: Any) -> Evaluator:
         return make_evaluator(self.net, test, self.probe, **cfg)
 
@@ -243,26 +250,29 @@ def test_a_silent_chief_is_an_error_after_chief_timeout(test_split: Dataset) -> 
     run(body())
 
 
+async def training_at_step_3(c: Cluster, ev: Evaluator) -> asyncio.Future[Any]:
+    """``ev`` running (its first evaluation made), worker 0 at step 3 of 5."""
+    task = asyncio.ensure_future(ev.run())
+    await until(lambda: ev.evaluations, "the first evaluation")
+    await c.worker(0, "register", steps_planned=5)
+    await c.worker(0, "heartbeat", step=3)
+    await until(lambda: ev._watch.global_step == 3, "the step seen")
+    return task
+
+
 def test_a_cluster_that_shut_down_after_its_workers_finished_ends_the_evaluation(
     test_split: Dataset, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def body() -> None:
         c = await make_cluster(test_split)
         ev = c.evaluator(test_split, chief_timeout=30.0)
-        task = asyncio.ensure_future(ev.run())
-        await until(lambda: ev.evaluations, "the first evaluation")
-        await c.worker(0, "register", steps_planned=5)
-        await c.worker(0, "heartbeat", step=3)
-        await until(lambda: ev._watch.global_step == 3, "the step seen")
+        task = await training_at_step_3(c, ev)
         await c.worker(0, "leave", step=5, reason="done")
         await until(lambda: ev._watch.workers_done, "every worker seen done")
         scored = len(ev.evaluations)
         # The chief ended and shut the PS down (it could not wait) between two polls:
         # every port is closed.
-        c.probe_answer = True
-        c.net.remove(CHIEF)
-        for addr in PS:
-            c.net.remove(addr)
+        c.all_down()
         evaluations = await asyncio.wait_for(task, 5.0)  # well before chief_timeout
         assert len(evaluations) == scored  # no final snapshot: the PS are gone
 
@@ -281,15 +291,8 @@ def test_a_cluster_all_down_before_its_end_is_not_taken_for_the_end(
     async def body() -> None:
         c = await make_cluster(test_split)
         ev = c.evaluator(test_split, chief_timeout=1.5)
-        task = asyncio.ensure_future(ev.run())
-        await until(lambda: ev.evaluations, "the first evaluation")
-        await c.worker(0, "register", steps_planned=5)
-        await c.worker(0, "heartbeat", step=3)
-        await until(lambda: ev._watch.global_step == 3, "the step seen")
-        c.probe_answer = True
-        c.net.remove(CHIEF)
-        for addr in PS:
-            c.net.remove(addr)
+        task = await training_at_step_3(c, ev)
+        c.all_down()
         await until(lambda: "not seen ending" in caplog.text, "the warning")
         assert not task.done()
         with pytest.raises(DeadlineExceeded, match="training was not seen finished"):
@@ -438,10 +441,7 @@ def test_all_down_ends_the_evaluation_only_once_the_final_checkpoint_is_committe
         task = asyncio.ensure_future(ev.run())
         write_checkpoint(ckpts, m, values[0], 10)
         await until(lambda: len(ev.evaluations) == 1, "the first checkpoint's evaluation")
-        c.probe_answer = True
-        c.net.remove(CHIEF)
-        for addr in PS:
-            c.net.remove(addr)
+        c.all_down()
         await until(lambda: "not seen ending" in caplog.text, "the warning")
         await asyncio.sleep(4 * FAST)
         assert not task.done()
