@@ -51,6 +51,21 @@ def test_another_cluster_layout_is_refused_naming_both_values() -> None:
     )
 
 
+def test_a_long_value_off_the_wire_is_cut_in_the_lines_that_show_it() -> None:
+    """A worker's values come off the wire (up to 64 KiB each): a refusal or warning
+    shows 300 characters of each and says how long it was."""
+    flags = job_flags(CLUSTER, JOB, None)
+    flags["--ps-hosts"] = "x" * 60_000
+    flags["--epochs"] = "9" * 1_000
+    diffs = compare(job_flags(CLUSTER, JOB, "async"), flags)
+    line = refusal(1, diffs)
+    assert line is not None and len(line) < 1_000, line
+    assert "x" * 300 + "... (60000 characters)" in line
+    (warned,) = [d for d in diffs if not d.refused]
+    text = warned.warning(1)
+    assert len(text) < 600 and "... (1000 characters)" in text, text
+
+
 def test_what_is_refused_and_what_is_warned_about() -> None:
     chief = job_flags(CLUSTER, JOB, "async")
     other = JobConfig(

@@ -79,6 +79,17 @@ def job_flags(cluster: ClusterSpec, job: JobConfig | None, mode: str | None) -> 
     return out
 
 
+#: the longest value a refusal or warning shows (a worker's comes off the wire)
+SHOWN_CHARS = 300
+
+
+def _shown(value: str) -> str:
+    """``value`` as a log line shows it: cut after :data:`SHOWN_CHARS` characters."""
+    if len(value) <= SHOWN_CHARS:
+        return value
+    return f"{value[:SHOWN_CHARS]}... ({len(value)} characters)"
+
+
 @dataclass(frozen=True)
 class Difference:
     """One flag whose value differs between the chief and a worker."""
@@ -91,12 +102,13 @@ class Difference:
     why: str
 
     def refusal(self) -> str:
-        return f"{self.flag}: the chief's is {self.chief}, this worker's {self.worker} ({self.why})"
+        mine, theirs = _shown(self.chief), _shown(self.worker)
+        return f"{self.flag}: the chief's is {mine}, this worker's {theirs} ({self.why})"
 
     def warning(self, worker: int) -> str:
         return (
-            f"worker {worker} runs with {self.flag} {self.worker}, the chief with"
-            f" {self.flag} {self.chief}: {self.why}"
+            f"worker {worker} runs with {self.flag} {_shown(self.worker)}, the chief with"
+            f" {self.flag} {_shown(self.chief)}: {self.why}"
         )
 
 
