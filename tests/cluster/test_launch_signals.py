@@ -3,10 +3,12 @@ start (even inside its imports) prints one line and exits 130, no traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import resource
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -60,9 +62,10 @@ def test_ctrl_c_early_is_one_line_and_130(procs: Reaper, tmp_path: Path, argv: l
     # of the program's code runs, ~0.05 s of CPU: a Ctrl-C there ends it as Python
     # does). They are parts of what its start costs here (0.3 to 0.5 s of CPU on 2
     # cores, less where its modules are compiled already), inside its imports and
-    # arguments: fixed moments past that were never reached by a launcher, whose whole
-    # run takes less CPU of its own.
+    # arguments. A launcher's whole run can take less CPU of its own than the last
+    # of them (its children do the work): a run that had said it was done exits 0.
     start = startup_cpu([script(argv[0]), *argv[1:2]] if argv[1] == "launch" else [script(argv[0])])
+    stopped = 0
     for i, part in enumerate((0.3, 0.5, 0.65, 0.8)):
         cpu = round(max(0.08, part * start), 3)
         args = [*argv, "--run-dir", str(tmp_path / f"run{i}")] if argv[1] == "launch" else argv
@@ -70,8 +73,36 @@ def test_ctrl_c_early_is_one_line_and_130(procs: Reaper, tmp_path: Path, argv: l
         proc.wait_cpu(cpu, timeout=20)
         proc.send(signal.SIGINT)
         rc = proc.wait(30)
-        if argv[-1] == "--help" and "usage:" in proc.stdout and rc in (0, -signal.SIGINT):
-            continue  # it was done before the signal came (or was exiting)
+        done = "usage:" in proc.stdout or "zmqps launch: done" in proc.stdout
+        if done and rc == 0:
+            continue  # it was done before the signal came: exiting, with its own code
         assert rc == 130, f"after {cpu}s of CPU: exit {rc}\n{proc.tail()}"
         assert "Traceback" not in proc.stderr, f"after {cpu}s of CPU:\n{proc.stderr}"
         assert "interrupted" in proc.stderr, f"after {cpu}s of CPU:\n{proc.stderr}"
+        stopped += not done
+    assert stopped >= 2, "the signals came too late to stop the start they test"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_after_the_summary_leaves_the_exit_code_alone(
+    procs: Reaper, tmp_path: Path, sig: int
+) -> None:
+    # Once a run has said it is done, signals every millisecond until it has exited:
+    # the interpreter's own shutdown puts the default actions back, and one landing
+    # there killed the launcher by the signal (exit -2) after its summary.
+    for i in range(3):
+        argv = zmqps_cmd(
+            *("launch", "--ps", "1", "--workers", "1", "--epochs", "1", "--no-progress"),
+            *("--run-dir", str(tmp_path / f"run{i}")),
+        )
+        proc = procs.spawn(argv, name=f"launch-{i}")
+        wait_for(lambda p=proc: "zmqps launch: done" in p.stdout or p.poll() is not None, 60)
+        while proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send(sig)
+            time.sleep(0.001)
+        rc = proc.wait(10)
+        assert rc in (0, 128 + sig), f"exit {rc}\n{proc.tail()}"
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert "zmqps launch: done" in proc.stdout, proc.tail()

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["interrupted", "main", "server_main", "started", "worker_main"]
+__all__ = ["exiting", "interrupted", "main", "server_main", "started", "worker_main"]
 
 #: the exit code of a run ended by Ctrl-C, as a shell says (128 + SIGINT)
 EXIT_INTERRUPTED = 130
@@ -63,22 +63,38 @@ def _cli() -> ModuleType:
     return cli
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def exiting() -> None:
+    """The command's exit code is known: from here the process only exits. A stop
+    signal now (Ctrl-C, SIGTERM, a hangup) is ignored, so the code it exits with is
+    the command's: otherwise one that came while the interpreter shut down (after it
+    had put the default actions back) killed it by that signal, after a run's summary
+    had said it was done. A second Ctrl-C while this runs is the same one."""
+    while True:
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+        except KeyboardInterrupt:
+            continue
+        return
+
+
+def _run(prog: str, command: str, argv: Sequence[str] | None) -> int:
     try:
-        return int(_cli().main(argv))
+        code = int(getattr(_cli(), command)(argv))
+        exiting()
     except KeyboardInterrupt:
-        return interrupted("zmqps")
+        exiting()
+        code = interrupted(prog)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return _run("zmqps", "main", argv)
 
 
 def server_main(argv: Sequence[str] | None = None) -> int:
-    try:
-        return int(_cli().server_main(argv))
-    except KeyboardInterrupt:
-        return interrupted("zmqps-server")
+    return _run("zmqps-server", "server_main", argv)
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
-    try:
-        return int(_cli().worker_main(argv))
-    except KeyboardInterrupt:
-        return interrupted("zmqps-worker")
+    return _run("zmqps-worker", "worker_main", argv)

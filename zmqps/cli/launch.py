@@ -60,6 +60,7 @@ from zmqps.cli.args import (
 )
 from zmqps.cli.console import Console
 from zmqps.cli.coordinator import add_driver_args, check_launch
+from zmqps.cli.entry import exiting
 from zmqps.cli.tasks import DEFAULT_JOB
 from zmqps.config import ClusterSpec
 from zmqps.core.finished import RECORD_NAME
@@ -824,6 +825,12 @@ class Launcher:
             with _logging_to(self.console):
                 return await self._run(loop, interrupted, signalled)
         finally:
+            # the run is over (its children stopped): its exit code stands, whatever
+            # signal comes while it is printed (the loop's closing would put their
+            # default actions back, and one then would kill the launcher by it)
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            exiting()
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
