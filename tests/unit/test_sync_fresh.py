@@ -16,6 +16,7 @@ from test_ps_client import run
 from test_sync import DENSE, grads, ps_sync, sync_cluster
 from test_sync_push_token import released_ahead
 
+from zmqps.roles.channels import Delivery
 from zmqps.roles.client import ParameterClient
 from zmqps.roles.ps import service as ps_service
 from zmqps.roles.worker.fresh import MAX_BACKOFF, FreshValues
@@ -25,14 +26,13 @@ NAMES = [v.name for v in DENSE]
 # ------------------------------------------------------------------ the PS
 
 
-async def fresh_push(w: ParameterClient, seed: int, step: int, token: bool = True) -> bool:
-    """A sync push that asks for the values of after its step (as the worker sends it)."""
-    w.fresh, w.fresh_steps = True, {}
-    w.token_ps = 0 if token else None
-    try:
-        return await w.push(grads(seed), pull=True, step=step)
-    finally:
-        w.fresh, w.token_ps = False, None
+async def fresh_push(
+    w: ParameterClient, seed: int, step: int | None, token: bool = True
+) -> tuple[bool, Delivery]:
+    """A sync push that asks for the values of after its step (as the worker sends it):
+    whether it was applied, and its delivery (what its replies brought)."""
+    asks = Delivery(token_ps=0 if token else None, fresh=True)
+    return await w.push(grads(seed), pull=True, step=step, delivery=asks), asks
 
 
 def assert_params_are_the_ps_values(c: object, w: ParameterClient) -> None:
@@ -58,11 +58,12 @@ def test_the_reply_is_held_until_the_step_is_applied_and_brings_its_values(
         assert not first.done()  # held: the step waits for worker 1
         for n in NAMES:  # nothing landed in the worker's arrays meanwhile
             np.testing.assert_array_equal(w0.params[n], before[n])
-        assert await fresh_push(w1, 1, step=0)
-        assert await first
-        for w in (w0, w1):
-            assert w.fresh_step(NAMES) == 1  # the values of step 1: the next token's
-            assert w.take_offered() == (1, 0, 0)
+        applied1, asks1 = await fresh_push(w1, 1, step=0)
+        applied0, asks0 = await first
+        assert applied0 and applied1
+        for w, asks in ((w0, asks0), (w1, asks1)):
+            assert w.fresh_step(NAMES, asks) == 1  # the values of step 1: the next token's
+            assert asks.offered == (1, 0, 0)
             assert_params_are_the_ps_values(c, w)
             assert not np.array_equal(w.params["w"], before["w"])  # the step's update
         assert [ps_sync(c, i)["step"] for i in range(num_ps)] == [1] * num_ps
@@ -78,9 +79,10 @@ def test_a_stale_push_brings_the_values_at_once() -> None:
         for w in (w0, w1, w2):
             await w.pull()
         await asyncio.gather(fresh_push(w0, 0, step=0), fresh_push(w1, 1, step=0))
-        assert not await fresh_push(w2, 2, step=0)  # late: dropped as stale
+        applied, asks = await fresh_push(w2, 2, step=0)
+        assert not applied  # late: dropped as stale
         assert w2.dropped == {"stale": 1}
-        assert w2.fresh_step(NAMES) == 1
+        assert w2.fresh_step(NAMES, asks) == 1
         assert_params_are_the_ps_values(c, w2)
 
     run(body())
@@ -98,9 +100,10 @@ def test_a_step_not_applied_within_the_wait_brings_no_values(
         w0 = c.client("worker:0", shared_memory=shm)
         await w0.pull()
         before = {n: w0.params[n].copy() for n in NAMES}
-        assert await fresh_push(w0, 0, step=0)  # counted; the step waits for another
-        assert w0.fresh_step(NAMES) is None  # the worker pulls, as without
-        assert w0.take_offered() is None
+        applied, asks = await fresh_push(w0, 0, step=0)
+        assert applied  # counted; the step waits for another
+        assert w0.fresh_step(NAMES, asks) is None  # the worker pulls, as without
+        assert asks.offered is None
         for n in NAMES:  # nothing written into the worker's arrays
             np.testing.assert_array_equal(w0.params[n], before[n])
         assert ps_sync(c, 0)["step"] == 0
@@ -118,16 +121,18 @@ def test_outside_sync_and_on_a_replicated_state_the_reply_is_at_once_and_bare() 
         await w0.pull()
         c.services[0].replica = object()  # as a primary: its sync replies go elsewhere
         try:
-            assert await fresh_push(w0, 0, step=0, token=False)
+            applied, asks = await fresh_push(w0, 0, step=0, token=False)
         finally:
             c.services[0].replica = None
-        assert w0.fresh_step(NAMES) is None
+        assert applied
+        assert w0.fresh_step(NAMES, asks) is None
         await c.net.client("ps0", "chief:0").request(
             "sync_config", {"mode": "async", "required": 1}
         )
         before = {n: w0.params[n].copy() for n in NAMES}
-        assert await fresh_push(w0, 1, step=None, token=False)  # type: ignore[arg-type]
-        assert w0.fresh_step(NAMES) is None
+        applied, asks = await fresh_push(w0, 1, step=None, token=False)
+        assert applied
+        assert w0.fresh_step(NAMES, asks) is None
         for n in NAMES:  # applied, but brought back nothing
             np.testing.assert_array_equal(w0.params[n], before[n])
         assert not np.array_equal(c.shard_values("w"), before["w"])
@@ -145,7 +150,8 @@ def test_a_worker_asks_only_the_ps_that_said_they_take_the_field() -> None:
         assert w.takes_fresh(NAMES)
         c.services[1].replica = object()  # one state becomes a replicated primary
         try:
-            assert await fresh_push(w, 1, step=1, token=False)
+            applied, _ = await fresh_push(w, 1, step=1, token=False)
+            assert applied
         finally:
             c.services[1].replica = None
         assert w.fresh_ps == {0}  # its bare reply did not say it: not asked again

@@ -27,6 +27,7 @@ from test_sync import (
 )
 
 from zmqps.core.sync import ReleasedTokens
+from zmqps.roles.channels import Delivery
 from zmqps.roles.chief import modes
 from zmqps.roles.ps import service as ps_service
 from zmqps.roles.worker.modes import SyncSteps
@@ -90,23 +91,31 @@ def released_ahead(c: Any, step: int, gen: int = 0, ps: int = 0) -> Any:
     return c.net.client(f"ps{ps}", "chief:0").request("wait_step", body)
 
 
+async def token_push(w: Any, g: dict[str, np.ndarray], step: int) -> tuple[bool, Delivery]:
+    """A sync push that asks PS 0 for the next token, as a worker sends it: whether it
+    was applied, and its delivery (``offered``: the token its reply brought)."""
+    asks = Delivery(token_ps=0)
+    return await w.push(g, step=step, delivery=asks), asks
+
+
 def test_the_push_completing_the_step_releases_the_next_and_every_reply_carries_it() -> None:
     async def body() -> None:
         c = await sync_cluster(required=2, num_ps=1)
         await released_ahead(c, 1)
         w0, w1 = c.client("worker:0"), c.client("worker:1")
-        w0.token_ps = w1.token_ps = 0
-        first = asyncio.ensure_future(w0.push(grads(0), step=0))
+        first = asyncio.ensure_future(token_push(w0, grads(0), step=0))
         await asyncio.sleep(0.01)
         assert not first.done()  # held: the next step is not released yet
-        assert await w1.push(grads(1), step=0)
-        assert await first
-        assert w0.take_offered() == w1.take_offered() == (1, 0, 0)
+        applied, asks1 = await token_push(w1, grads(1), step=0)
+        assert applied
+        applied, asks0 = await first
+        assert applied
+        assert asks0.offered == asks1.offered == (1, 0, 0)
         assert ps_sync(c, 0)["step"] == 1
         # a push that did not ask gets none
-        w2 = c.client("worker:2")
-        assert not await w2.push(grads(2), step=0)  # late: stale
-        assert w2.take_offered() is None
+        w2, none = c.client("worker:2"), Delivery()
+        assert not await w2.push(grads(2), step=0, delivery=none)  # late: stale
+        assert none.offered is None
 
     run(body())
 
@@ -145,12 +154,11 @@ def test_a_late_push_of_a_backup_worker_gets_the_next_token_at_once() -> None:
         c = await sync_cluster(required=2, num_ps=1)  # N = 2 of 3 workers
         await released_ahead(c, 1)
         w0, w1, w2 = (c.client(f"worker:{i}") for i in range(3))
-        for w in (w0, w1, w2):
-            w.token_ps = 0
-        await asyncio.gather(w0.push(grads(0), step=0), w1.push(grads(1), step=0))
-        assert not await w2.push(grads(2), step=0)
+        await asyncio.gather(token_push(w0, grads(0), 0), token_push(w1, grads(1), 0))
+        applied, asks = await token_push(w2, grads(2), 0)
+        assert not applied
         assert w2.dropped == {"stale": 1}
-        assert w2.take_offered() == (1, 0, 0)  # it computed step 0: the next is 1
+        assert asks.offered == (1, 0, 0)  # it computed step 0: the next is 1
 
     run(body())
 
@@ -160,10 +168,10 @@ def test_a_push_sent_again_gets_the_same_token() -> None:
         c = await sync_cluster(required=1, num_ps=1)
         await released_ahead(c, 1)
         twice = c.client("worker:0", wrap=DoublePush)
-        twice.token_ps = 0
-        assert not await twice.push(grads(0), step=0)  # the second copy: a duplicate
+        applied, asks = await token_push(twice, grads(0), 0)
+        assert not applied  # the second copy: a duplicate
         assert twice.dropped == {"duplicate": 1}
-        assert twice.take_offered() == (1, 0, 0)
+        assert asks.offered == (1, 0, 0)
         assert c.services[0].tokens.granted == 2  # shown twice, handed once
 
     run(body())
@@ -177,9 +185,9 @@ def test_without_a_release_the_push_is_answered_without_a_token(
     async def body() -> None:
         c = await sync_cluster(required=1, num_ps=1)  # no chief poll: nothing released
         w0 = c.client("worker:0")
-        w0.token_ps = 0
-        assert await w0.push(grads(0), step=0)
-        assert w0.take_offered() is None  # the worker asks take_token, as before
+        applied, asks = await token_push(w0, grads(0), 0)
+        assert applied
+        assert asks.offered is None  # the worker asks take_token, as before
         assert ps_sync(c, 0)["step"] == 1
         for v in DENSE:
             assert np.isfinite(c.shard_values(v.name)).all()
@@ -293,8 +301,9 @@ def test_a_token_not_past_the_step_computed_is_not_taken() -> None:
 
 async def push(job: Any, i: int, g: dict[str, np.ndarray], step: int) -> Any:
     """Worker ``i``'s push of ``step``; the next token its reply brought, if any."""
-    assert await job.workers[i].push(g, step=step)
-    return job.workers[i].take_offered()
+    applied, asks = await token_push(job.workers[i], g, step)
+    assert applied
+    return asks.offered
 
 
 async def steps_by_push_replies(job: Any, steps: int, optimizer: dict[str, Any]) -> list[int]:
@@ -311,7 +320,6 @@ async def steps_by_push_replies(job: Any, steps: int, optimizer: dict[str, Any])
         gs = [grads(10 * step + i) for i in range(n)]
         for w in job.workers:
             await w.pull()
-            w.token_ps = 0
 
         offered = await asyncio.gather(*(push(job, i, gs[i], step) for i in (2, 0, 1)[:n]))
         brought.append(sum(o is not None for o in offered))

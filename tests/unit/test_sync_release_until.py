@@ -29,6 +29,7 @@ from test_sync import (
     sync_job,
     until,
 )
+from test_sync_push_token import token_push
 
 from zmqps.core.sync import ReleasedTokens
 from zmqps.roles.chief import modes
@@ -116,16 +117,16 @@ def test_the_ps_releases_each_step_up_to_the_one_named_and_answers_at_the_next()
         await asyncio.sleep(0.01)
         w0, w1 = c.client("worker:0"), c.client("worker:1")
         for step in range(4):
-            w0.token_ps = w1.token_ps = 0
             got = await asyncio.gather(
-                w0.push(grads(step), step=step), w1.push(grads(9), step=step)
+                token_push(w0, grads(step), step), token_push(w1, grads(9), step)
             )
-            assert all(got)
+            assert all(applied for applied, _ in got)
+            offered = [asks.offered for _, asks in got]
             if step < 3:  # released by the PS: each reply brings the next token
-                assert w0.take_offered() == w1.take_offered() == (step + 1, 0, 0)
+                assert offered == [(step + 1, 0, 0)] * 2
                 assert not poll.done()
             else:  # step 4 is the chief's (a boundary it must see): no token out
-                assert w0.take_offered() is None and w1.take_offered() is None
+                assert offered == [None, None]
         rep = await asyncio.wait_for(poll, 5.0)
         assert rep.body["step"] == 4 and rep.body["released"] == 3
         assert rep.body["releases_until"] is True  # the chief may send release_until
@@ -194,15 +195,14 @@ async def one_step(
     gs = [grads(100 * step + 10 * seed + i) for i in who_pushes]
     for i in who_pushes:
         await job.workers[i].pull()
-        job.workers[i].token_ps = 0
     done = await asyncio.gather(
-        *(job.workers[i].push(g, step=step) for i, g in zip(who_pushes, gs, strict=True))
+        *(token_push(job.workers[i], g, step) for i, g in zip(who_pushes, gs, strict=True))
     )
-    assert all(done)
+    assert all(applied for applied, _ in done)
     assert job.env.services[0].visible_step == step + 1
     ref.apply(gs)
     ref.check(job)
-    return [job.workers[i].take_offered() for i in who_pushes]
+    return [asks.offered for _, asks in done]
 
 
 def spy_polls(mode: SyncMode) -> list[str]:
@@ -350,9 +350,9 @@ def test_backup_workers_n_below_m_step_through_the_ps(monkeypatch: pytest.Monkey
             first = await one_step(job, step, (step % 3, (step + 1) % 3), ref)
             assert all(o is not None and o[0] == step + 1 for o in first)
             late = (step + 2) % 3
-            job.workers[late].token_ps = 0
-            assert not await job.workers[late].push(grads(7), step=step)
-            assert job.workers[late].take_offered() == (step + 1, 0, 0)
+            applied, asks = await token_push(job.workers[late], grads(7), step)
+            assert not applied
+            assert asks.offered == (step + 1, 0, 0)
             ref.check(job)
         assert mode._allowing
         assert job.env.services[0].status()["sync"]["dropped"] == {"stale": 4}

@@ -83,6 +83,18 @@ class Delivery:
     #: a push sent with a pull (``push_pull_rows``): the rows pulled so far and the PS
     #: states they came from (a message answered is not sent again: its rows stand)
     pulled: Any = None
+    #: sync: the PS state asked, with this push, for the worker's next token (its
+    #: reply brings it once released: ``Push.token``); None: none is asked
+    token_ps: int | None = None
+    #: sync: every PS asked for the values of after the step (``Push.fresh``, sent as
+    #: ``push_pull``)
+    fresh: bool = False
+    #: the next token a reply brought, as (step, generation, PS)
+    offered: tuple[int, int, int | None] | None = None
+    #: with ``fresh``: the step of the values each PS state brought (-1: none), of the
+    #: last time it was sent (a message answered before a fail-over brought values of
+    #: a step that those sent again may not share)
+    fresh_steps: dict[int, int] = field(default_factory=dict)
 
     def sent_to(self, ps: int) -> bool:
         """Whether a message of this push went to PS state ``ps`` already."""

@@ -290,17 +290,6 @@ class ParameterClient:
         self._channel_setup = [asyncio.Lock() for _ in self.ps]
         self.last_staleness = 0
         self.dropped: dict[str, int] = {}  # pushes the PS acknowledged without applying
-        #: sync: the PS state whose push replies bring the worker's next token (its
-        #: pushes say ``token``), while a push is sent; None: none asks
-        self.token_ps: int | None = None
-        #: the next token a push reply brought, as (step, generation, PS); taken by the
-        #: worker (:meth:`take_offered`)
-        self.offered: tuple[int, int, int | None] | None = None
-        #: sync: while a push is sent, whether it asks for the values of after its step
-        #: (``Push.fresh``, sent as ``push_pull``); the step of those each PS state
-        #: brought (-1: it brought none), read by the worker after the push
-        self.fresh = False
-        self.fresh_steps: dict[int, int] = {}
         #: the PS states whose dense push replies said they take ``Push.fresh`` (an
         #: older PS refuses a field it does not know)
         self.fresh_ps: set[int] = set()
@@ -600,6 +589,9 @@ class ParameterClient:
                 delivery.seqs[key] = (seq, closure_seq)
         pulled = self.versions if versions is None else versions
         kind = _PUSH_BODIES.get(op, o.Push)
+        # sync: what the push asks for beyond applying its gradients (``delivery``'s)
+        token_ps = None if delivery is None else delivery.token_ps
+        fresh = delivery is not None and delivery.fresh
         return kind(
             shards=tuple(sids),
             versions=tuple(pulled[s] for s in sids),
@@ -614,8 +606,8 @@ class ParameterClient:
             closure=self._closure,
             closure_seq=closure_seq,
             packs=tuple(packs) or None,
-            token=True if ps == self.token_ps and (op == "push" or self.fresh) else None,
-            fresh=True if op == "push_pull" and self.fresh else None,
+            token=True if ps == token_ps and (op == "push" or fresh) else None,
+            fresh=True if op == "push_pull" and fresh else None,
             **more,
         )
 
@@ -646,16 +638,17 @@ class ParameterClient:
             delivery.answered[(ps, tuple(body.shards))] = rep.applied
         if rep.staleness:
             self.last_staleness = max(rep.staleness)
-        token = rep.token_step, rep.token_gen
-        if (
-            token[0] is not None
-            and token[1] is not None
-            and (self.offered is None or self.offered[:2] < token)
-        ):
-            self.offered = (token[0], token[1], rep.token_ps)
-        if body.fresh:  # the step of the values it brought, the oldest of the PS state's
-            step = -1 if rep.values_step is None else rep.values_step
-            self.fresh_steps[ps] = min(step, self.fresh_steps.get(ps, step))
+        if delivery is not None:  # what a sync push asked for, in ``delivery``
+            step, gen, offered = rep.token_step, rep.token_gen, delivery.offered
+            if (
+                step is not None
+                and gen is not None
+                and (offered is None or offered[:2] < (step, gen))
+            ):
+                delivery.offered = (step, gen, rep.token_ps)
+            if body.fresh:  # the step of the values it brought, the PS state's oldest
+                brought = -1 if rep.values_step is None else rep.values_step
+                delivery.fresh_steps[ps] = min(brought, delivery.fresh_steps.get(ps, brought))
         outcome = rep.outcome
         self._tally(ps, body.gen or 0, "applied" if rep.applied else "dropped")
         if rep.applied:
@@ -683,16 +676,12 @@ class ParameterClient:
         """Whether every PS state holding shards of ``names`` said it takes ``Push.fresh``."""
         return self._by_ps(names).keys() <= self.fresh_ps
 
-    def fresh_step(self, names: Iterable[str]) -> int | None:
-        """The sync step of the values the last push brought for every shard of
-        ``names`` (:attr:`fresh`), or None where some PS state brought none."""
-        steps = [self.fresh_steps.get(ps, -1) for ps in self._by_ps(names)]
+    def fresh_step(self, names: Iterable[str], delivery: Delivery) -> int | None:
+        """The sync step of the values push ``delivery`` brought for every shard of
+        ``names`` (it asked for them: ``fresh``), or None where some PS state brought
+        none."""
+        steps = [delivery.fresh_steps.get(ps, -1) for ps in self._by_ps(names)]
         return min(steps) if steps and min(steps) >= 0 else None
-
-    def take_offered(self) -> tuple[int, int, int | None] | None:
-        """The next token the last push's replies brought, if any (forgotten here)."""
-        offered, self.offered = self.offered, None
-        return offered
 
     def set_versions(self, reply: Message, sids: Sequence[int], gen: int | None) -> None:
         """The versions of the values a reply carries; ``gen``: the generation of the

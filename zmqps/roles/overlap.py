@@ -68,7 +68,7 @@ import contextlib
 import heapq
 import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -381,32 +381,26 @@ class StepPipeline:
         kept, gen = versions
         out = self.mirror.host[slot] if self.push_pull or fresh else None
 
-        async def push(delivery: Delivery) -> bool:
-            # the client reads what to ask for as it makes each message (a resend too)
-            client.token_ps, client.fresh = token_ps, fresh
-            if fresh:
-                client.fresh_steps = {}
-            try:
-                return await client.push(
-                    host,
-                    pull=self.push_pull or fresh,
-                    step=step,
-                    out=out,
-                    versions=kept,
-                    cursor=cursor,
-                    versions_gen=gen,
-                    delivery=delivery,
-                )
-            finally:
-                client.token_ps, client.fresh = None, False
+        def push(delivery: Delivery) -> Awaitable[bool]:
+            return client.push(
+                host,
+                pull=self.push_pull or fresh,
+                step=step,
+                out=out,
+                versions=kept,
+                cursor=cursor,
+                versions_gen=gen,
+                delivery=delivery,
+            )
 
+        asks = Delivery(token_ps=token_ps, fresh=fresh)
         try:
-            accepted = await self.worker.session.delivering(push, gen)
+            accepted = await self.worker.session.delivering(push, gen, asks)
         finally:
             if token_ps is not None:
-                self._offered = client.take_offered()
+                self._offered = asks.offered
             if fresh:
-                self._brought = client.fresh_step(host), client.values_gen()
+                self._brought = client.fresh_step(host, asks), client.values_gen()
         self._took("push", time.perf_counter() - started)
         if fresh:
             return accepted, None  # the values wait in their slot for the next begin()

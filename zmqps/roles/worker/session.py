@@ -367,7 +367,10 @@ class Session:
                 await self.recover(e, gen)
 
     async def delivering(
-        self, push: Callable[[Delivery], Awaitable[bool]], made_in: int | None = None
+        self,
+        push: Callable[[Delivery], Awaitable[bool]],
+        made_in: int | None = None,
+        delivery: Delivery | None = None,
     ) -> bool | None:
         """Run ``push`` (given the :class:`Delivery` that keeps its messages) of
         gradients of values of generation ``made_in`` (default: the current one) until
@@ -375,9 +378,11 @@ class Session:
         (the same messages, those answered skipped). Returns whether it was applied,
         or None when the cluster was restored meanwhile (its values no longer exist:
         dropped; the next pull is of the new ones). Past the recovery timeout,
-        ``DeadlineExceeded``."""
+        ``DeadlineExceeded``. ``delivery``: one made by the caller, saying what the
+        push asks for beyond applying (sync: a token, the values of after the step),
+        where what its replies brought is read after."""
         gen = self.gen if made_in is None else made_in
-        delivery = Delivery()
+        delivery = Delivery() if delivery is None else delivery
         while True:
             try:
                 return await push(delivery)
@@ -386,15 +391,19 @@ class Session:
                 if self.gen != gen:
                     return None
                 delivery.again += 1
+                delivery.fresh_steps.clear()  # values come from those sent this time
                 self.resent += 1
                 log.info("%s: sending a push again (%s)", self.name, e)
 
     async def dropping(
-        self, push: Callable[[Delivery], Awaitable[bool]], made_in: int | None = None
+        self,
+        push: Callable[[Delivery], Awaitable[bool]],
+        made_in: int | None = None,
+        delivery: Delivery | None = None,
     ) -> bool:
         """:meth:`delivering`, a push dropped by a restore counted (``rolled_back``).
         False when dropped."""
-        applied = await self.delivering(push, made_in)
+        applied = await self.delivering(push, made_in, delivery)
         if applied is None:
             self.dropped()
             return False

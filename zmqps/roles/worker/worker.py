@@ -629,20 +629,17 @@ class Worker:
         fresh = self._fresh.ask(
             grads, client.dense_names(), allowed=sync and client.takes_fresh(grads)
         )
-        client.token_ps, client.offered = self.steps.push_asks(), None
-        client.fresh, client.fresh_steps = fresh, {}
-        try:
-            accepted = self._send(
-                lambda d: client.push(grads, pull=fresh, step=step, cursor=cursor, delivery=d),
-                loss,
-            )
-            if fresh:
-                self._fresh.brought(client.fresh_step(grads), client.values_gen())
-        finally:
-            client.token_ps, client.fresh = None, False
+        asks = Delivery(token_ps=self.steps.push_asks(), fresh=fresh)
+        accepted = self._send(
+            lambda d: client.push(grads, pull=fresh, step=step, cursor=cursor, delivery=d),
+            loss,
+            asks,
+        )
+        if fresh:
+            self._fresh.brought(client.fresh_step(grads, asks), client.values_gen())
         self.record_phase("push", started)
         self.count_step(loss, examples)
-        self.steps.offered(client.take_offered())
+        self.steps.offered(asks.offered)
         return accepted
 
     def push_pull(
@@ -667,16 +664,22 @@ class Worker:
         self.count_step(loss, examples)
         return self.client.params
 
-    def _send(self, push: Callable[[Delivery], Awaitable[bool]], loss: Any) -> bool:
+    def _send(
+        self,
+        push: Callable[[Delivery], Awaitable[bool]],
+        loss: Any,
+        delivery: Delivery | None = None,
+    ) -> bool:
         """One step's push (or push_pull): a non-finite loss stops first under
         ``on_nonfinite="stop"``; the values' generation goes with it (a restore heard of
         since means they are gone: dropped at once); a refusal as not finite is skipped
-        (:meth:`refused`). True if applied."""
+        (:meth:`refused`); ``delivery``: see :meth:`WorkerSession.delivering`. True if
+        applied."""
         self.check_loss(loss)
         made_in = self.client.values_gen()
         dropped = self.session.rolled_back
         try:
-            applied = self.io.run(self.session.dropping(push, made_in))
+            applied = self.io.run(self.session.dropping(push, made_in, delivery))
         except NonFiniteGradient as exc:
             return self.refused(loss, exc)
         if self.session.rolled_back > dropped:
