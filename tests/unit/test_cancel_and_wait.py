@@ -11,7 +11,7 @@ import time
 import pytest
 
 from zmqps.roles.ps.replica import _Signal
-from zmqps.transport.base import cancel_and_wait, waited, within
+from zmqps.transport.base import cancel_and_wait, unless_set, waited, within
 
 
 def test_the_helper_ends_and_its_cancellation_is_taken() -> None:
@@ -152,5 +152,45 @@ def test_a_primary_waiting_for_its_backups_is_cancelled_in_the_turn_they_answer(
         waiting.cancel()  # the same turn
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(waiting, 2)  # not a TimeoutError: it ended
+
+    asyncio.run(asyncio.wait_for(body(), 5))
+
+
+def test_unless_set_cancelled_itself_cancels_its_step() -> None:
+    # a chief's second signal cancels the wait around its stepping loop: the loop must
+    # not go on checkpointing while the chief closes its server under it
+    async def body() -> None:
+        ended = asyncio.Event()
+
+        async def step() -> None:
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                ended.set()
+
+        outer = asyncio.ensure_future(unless_set(asyncio.Event(), step()))
+        await asyncio.sleep(0.01)
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        assert ended.is_set()  # cancelled and waited for before the caller's end
+
+    asyncio.run(asyncio.wait_for(body(), 5))
+
+
+def test_unless_set_answers_the_step_or_the_event() -> None:
+    async def body() -> None:
+        assert await unless_set(asyncio.Event(), asyncio.sleep(0, "done")) == (True, "done")
+        stop, ended = asyncio.Event(), asyncio.Event()
+
+        async def step() -> None:
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                ended.set()
+
+        asyncio.get_running_loop().call_later(0.01, stop.set)
+        assert await unless_set(stop, step()) == (False, None)
+        assert ended.is_set()
 
     asyncio.run(asyncio.wait_for(body(), 5))

@@ -224,11 +224,14 @@ async def unless_set(
 ) -> tuple[bool, T | None]:
     """(True, ``step``'s result), or (False, None) with the step cancelled (and waited
     for, its errors ``also`` taken, see :func:`cancel_and_wait`) when ``event`` is set
-    first."""
+    first. The caller cancelled meanwhile: the step is cancelled (and waited for) too."""
     running = asyncio.ensure_future(step)
     waiting = asyncio.ensure_future(event.wait())
     try:
         await asyncio.wait([running, waiting], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        await cancel_and_wait(running, *also)
+        raise
     finally:
         waiting.cancel()
     if running.done():
