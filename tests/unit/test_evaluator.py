@@ -456,6 +456,38 @@ def test_all_down_ends_the_evaluation_only_once_the_final_checkpoint_is_committe
     assert "the newest checkpoint, ckpt-000000000020, is the run's final one" in caplog.text
 
 
+def test_a_finished_runs_final_checkpoint_is_not_a_resumed_runs_end(
+    tmp_path: Path, test_split: Dataset, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run resumed from a finished run's final checkpoint keeps that one the newest
+    until its own first commit: everything refusing connections meanwhile is waited
+    for, never "training is over"; the resumed run's own final one ends it."""
+    pytest.importorskip("zmqps.checkpoint", reason="the checkpoint library is not available")
+    ckpts = tmp_path / "ckpts"
+
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        m = c.model
+        values = random_values(m, 2, seed=2)
+        before = write_checkpoint(ckpts, m, values[0], 10, final=True)  # the first run's
+        ev = c.evaluator(test_split, checkpoint_dir=str(ckpts), chief_timeout=30.0)
+        task = asyncio.ensure_future(ev.run())
+        await until(lambda: len(ev.evaluations) == 1, "the resumed-from checkpoint's score")
+        assert ev.evaluations[0].checkpoint == before
+        c.all_down()
+        await until(lambda: "not seen ending" in caplog.text, "the warning")
+        await asyncio.sleep(4 * FAST)
+        assert not task.done()
+        final = write_checkpoint(ckpts, m, values[1], 20, final=True)
+        evaluations = await asyncio.wait_for(task, 5.0)
+        assert [(e.step, e.checkpoint) for e in evaluations][-1] == (20, final)
+
+    with caplog.at_level(logging.INFO, logger="zmqps"):
+        run(body())
+    assert "ckpt-000000000010, is the run's final one" not in caplog.text
+    assert "the newest checkpoint, ckpt-000000000020, is the run's final one" in caplog.text
+
+
 def test_checkpoint_of_another_model_is_skipped(
     tmp_path: Path, test_split: Dataset, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -223,6 +223,9 @@ class Evaluator:
         self.homes: Homes | None = None
         self._seen: set[str] = set()  # checkpoints evaluated or skipped
         self._final_seen = False  # the last checkpoint evaluated is a run's final one
+        #: the newest checkpoint, a final one, before the chief was first heard: a
+        #: finished run's, which this one resumed from (not this run's end)
+        self._final_before: str | None = None
         self._last_step: int | None = None  # snapshot: step of the last evaluation
         self._watch = _Watch(last_contact=self.clock())
         self._next_eval = 0.0
@@ -320,6 +323,10 @@ class Evaluator:
     async def _run(self) -> list[Evaluation]:
         if self.session is None:
             return await self._alone()
+        if self.cfg.checkpoint_dir is not None:
+            newest = await asyncio.to_thread(self._newest_listed)
+            if newest is not None and getattr(newest, "final", False) is True:
+                self._final_before = newest.name
         info = await self._register()
         if self.stopping.is_set() or info is None:
             return self.evaluations
@@ -473,17 +480,28 @@ class Evaluator:
     def _seen_ending(self) -> str | None:
         """Why the run is known to have ended, with its processes gone (None: it is not):
         with a checkpoint directory, its newest committed checkpoint is the run's final
-        one; without, the chief's last status had every worker done."""
+        one (not one there before the chief was first heard: a resumed run's start);
+        without, the chief's last status had every worker done."""
         if self.cfg.checkpoint_dir is None:
             return "every worker had finished" if self._watch.workers_done else None
+        newest = self._newest_listed()
+        if (
+            newest is not None
+            and getattr(newest, "final", False) is True
+            and newest.name != self._final_before
+        ):
+            return f"the newest checkpoint, {newest.name}, is the run's final one"
+        return None
+
+    def _newest_listed(self) -> CheckpointLike | None:
+        """The newest committed checkpoint in the checkpoint directory, if any."""
+        assert self.cfg.checkpoint_dir is not None
         try:
             listed = list(self.open_root(self.cfg.checkpoint_dir).checkpoints())
         except (ZmqpsError, OSError, ValueError) as exc:
             log.warning("evaluator: cannot list checkpoints: %s", exc)
             return None
-        if listed and getattr(listed[-1], "final", False) is True:
-            return f"the newest checkpoint, {listed[-1].name}, is the run's final one"
-        return None
+        return listed[-1] if listed else None
 
     def _take_status(self, status: Mapping[str, Any]) -> None:
         w = self._watch
