@@ -177,8 +177,8 @@ class StepPipeline:
         #: sync: the last push of a step asks for the next token and the next values
         #: (what it brought is kept here until :meth:`end` reads it)
         self.fresh = worker.fresh_values() if worker.mode == "sync" else None
-        self._offered: tuple[int, int, int | None] | None = None
-        self._brought: tuple[int | None, int] | None = None
+        #: sync: the step's last push, what it asked for and what it brought
+        self._asks: Delivery | None = None
         self.stats = OverlapStats()
         #: gradients wait until this many bytes are ready before they are pushed
         if push_bytes is None:
@@ -301,12 +301,7 @@ class StepPipeline:
         of this generation, into the front buffers (then no pull is sent)."""
         if self.fresh is None or self._need_pull:
             return False
-        return self.fresh.serve(
-            getattr(self.worker.steps, "token", None),
-            self.worker.session.gen,
-            None,
-            self.names,
-        )
+        return self.worker.serve_fresh(self.fresh, None, self.names)
 
     async def _fetch(self, slot: int) -> Copy:
         started = time.perf_counter()
@@ -347,16 +342,14 @@ class StepPipeline:
         self._sent.update(ready)
         step, cursor = self.worker.steps.tag(), self.worker.cursor
         versions = self._versions[self.front], self._vgens[self.front]
-        token_ps, fresh = None, False
-        if last and self.fresh is not None:  # the step's last push (sync): the next
-            token_ps = self.worker.steps.push_asks()  # token, and the next values
-            client = self.worker.client
-            fresh = self.fresh.ask(ready, self.names, allowed=client.takes_fresh(ready))
+        asks = Delivery()
+        if last and self.fresh is not None:  # the step's last push (sync)
+            asks = self._asks = self.worker.sync_asks(self.fresh, ready, self.names)
         # push_pull (async) brings values into the other slot; fresh (sync) into the
         # one the next pull would fill
-        slot = self.front if fresh else self.back
+        slot = self.front if asks.fresh else self.back
         self._pending.append(
-            self._submit(self._push(host, copy, step, cursor, versions, slot, token_ps, fresh))
+            self._submit(self._push(host, copy, step, cursor, versions, slot, asks))
         )
 
     async def _push(
@@ -367,13 +360,13 @@ class StepPipeline:
         cursor: int,
         versions: tuple[dict[int, int], int],
         slot: int,
-        token_ps: int | None = None,
-        fresh: bool = False,
+        asks: Delivery,
     ) -> tuple[bool | None, Copy | None]:
         """One push of the step (sent again through a fail-over): whether it was
         applied (None: a restore dropped it), and its values' upload (push_pull).
-        sync: ``token_ps`` is asked for the next token, and with ``fresh`` every PS for
-        the values of after the step, into ``slot`` (kept for :meth:`end`)."""
+        sync: what it asks for beyond applying (:meth:`Worker.sync_asks`); the values
+        of after the step land in ``slot``."""
+        fresh = asks.fresh
         await copy.wait_async()
         self._took("d2h", copy.seconds())
         client = self.worker.client
@@ -393,14 +386,11 @@ class StepPipeline:
                 delivery=delivery,
             )
 
-        asks = Delivery(token_ps=token_ps, fresh=fresh)
         try:
             accepted = await self.worker.session.delivering(push, gen, asks)
         finally:
-            if token_ps is not None:
-                self._offered = asks.offered
-            if fresh:
-                self._brought = client.fresh_step(host, asks), client.values_gen()
+            if self.fresh is not None:  # end() waits for this before it reads them
+                self.worker.sync_brought(self.fresh, asks, host)
         self._took("push", time.perf_counter() - started)
         if fresh:
             return accepted, None  # the values wait in their slot for the next begin()
@@ -424,7 +414,7 @@ class StepPipeline:
         self.stats.compute += computed - self._computing
         self.worker.check_loss(loss)  # on_nonfinite="stop": before anything more is sent
         self.grads_ready(grads)
-        self._offered, self._brought = None, None
+        self._asks = None
         self._flush(last=True)
         accepted = True
         dropped = False
@@ -446,10 +436,8 @@ class StepPipeline:
             if upload is not None:
                 self._uploads.append(upload)
         self._pending = []
-        if self.fresh is not None:
-            self.worker.steps.offered(self._offered)  # used only if it still holds
-            if self._brought is not None:
-                self.fresh.brought(*self._brought)
+        if self.fresh is not None:  # the next token: used only if it still holds
+            self.worker.steps.offered(None if self._asks is None else self._asks.offered)
         if failure is not None:
             raise failure
         self._waited("push", time.perf_counter() - computed)

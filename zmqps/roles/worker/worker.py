@@ -38,7 +38,7 @@ import concurrent.futures
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -526,13 +526,7 @@ class Worker:
         staged = out is None and self.device.separate
         if out is not None or staged:
             self._fresh.pulled_elsewhere()
-        elif self._fresh.serve(
-            # the token held now (none before the first begin_step: never served)
-            getattr(self.steps, "token", None),
-            self.session.gen,
-            wanted,
-            self.client.dense_names(),
-        ):
+        elif self.serve_fresh(self._fresh, wanted, self.client.dense_names()):
             # sync: the values of this token's step came with the last push's reply
             self.record_phase("pull", started)
             return self.client.params
@@ -549,6 +543,34 @@ class Worker:
         self.mirror.upload(0, values).wait()
         self.record_phase("h2d", started)
         return {n: self.mirror.dev[0][n] for n in values}
+
+    # -- sync: the next token and the next step's values with a step's last push -------
+
+    def sync_asks(
+        self, fresh: FreshValues, pushed: Collection[str], dense: Iterable[str]
+    ) -> Delivery:
+        """What a step's last push asks for beyond applying its gradients (sync; none
+        elsewhere): the PS that handed this step's token is asked for the next one (its
+        reply brings it once released: no token request of its own), and, where the
+        next pull would take them (``fresh``, given what it pushes of ``dense``), every
+        PS for the values of after the step."""
+        allowed = self.mode == "sync" and self.client.takes_fresh(pushed)
+        wants = fresh.ask(pushed, dense, allowed=allowed)
+        return Delivery(token_ps=self.steps.push_asks(), fresh=wants)
+
+    def sync_brought(self, fresh: FreshValues, asks: Delivery, pushed: Iterable[str]) -> None:
+        """Once the push of :meth:`sync_asks` is answered (before any later restore is
+        heard of): what it brought, into ``fresh``."""
+        if asks.fresh:
+            fresh.brought(self.client.fresh_step(pushed, asks), self.client.values_gen())
+
+    def serve_fresh(
+        self, fresh: FreshValues, wanted: Collection[str] | None, dense: Collection[str]
+    ) -> bool:
+        """Whether a pull of ``wanted`` (None: all of ``dense``) is served by the values
+        the last push brought (``fresh``), for the token held now (none before the first
+        :meth:`begin_step`: never served) in this generation."""
+        return fresh.serve(getattr(self.steps, "token", None), self.session.gen, wanted, dense)
 
     def fresh_values(self) -> FreshValues:
         """Sync: a record of the next step's values its pushes bring, for a step loop
@@ -622,21 +644,13 @@ class Worker:
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
         client = self.client
-        # sync: the push to the PS that handed this step's token asks for the next one
-        # (its reply brings it once released: no token request of its own), and, where
-        # the next pull would take them, for the values of after this step
-        sync = self.mode == "sync"
-        fresh = self._fresh.ask(
-            grads, client.dense_names(), allowed=sync and client.takes_fresh(grads)
-        )
-        asks = Delivery(token_ps=self.steps.push_asks(), fresh=fresh)
+        asks = self.sync_asks(self._fresh, grads, client.dense_names())
         accepted = self._send(
-            lambda d: client.push(grads, pull=fresh, step=step, cursor=cursor, delivery=d),
+            lambda d: client.push(grads, pull=asks.fresh, step=step, cursor=cursor, delivery=d),
             loss,
             asks,
         )
-        if fresh:
-            self._fresh.brought(client.fresh_step(grads, asks), client.values_gen())
+        self.sync_brought(self._fresh, asks, grads)
         self.record_phase("push", started)
         self.count_step(loss, examples)
         self.steps.offered(asks.offered)
