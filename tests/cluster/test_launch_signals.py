@@ -85,19 +85,24 @@ def test_ctrl_c_early_is_one_line_and_130(procs: Reaper, tmp_path: Path, argv: l
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_stop_signal_after_the_summary_leaves_the_exit_code_alone(
-    procs: Reaper, tmp_path: Path, sig: int
+@pytest.mark.parametrize("command", ["launch", "zmqps-server --help"])
+def test_a_stop_signal_once_the_command_is_done_leaves_the_exit_code_alone(
+    procs: Reaper, tmp_path: Path, sig: int, command: str
 ) -> None:
-    # Once a run has said it is done, signals every millisecond until it has exited:
-    # the interpreter's own shutdown puts the default actions back, and one landing
-    # there killed the launcher by the signal (exit -2) after its summary.
+    # Once a command has said it is done (a run's summary, a help text), signals every
+    # millisecond until it has exited: the interpreter's own shutdown puts the default
+    # actions back, and one landing there killed it by the signal (exit -2, -15).
     for i in range(3):
-        argv = zmqps_cmd(
-            *("launch", "--ps", "1", "--workers", "1", "--epochs", "1", "--no-progress"),
-            *("--run-dir", str(tmp_path / f"run{i}")),
-        )
-        proc = procs.spawn(argv, name=f"launch-{i}")
-        wait_for(lambda p=proc: "zmqps launch: done" in p.stdout or p.poll() is not None, 60)
+        if command == "launch":
+            argv = zmqps_cmd(
+                *("launch", "--ps", "1", "--workers", "1", "--epochs", "1", "--no-progress"),
+                *("--run-dir", str(tmp_path / f"run{i}")),
+            )
+            done = "zmqps launch: done"
+        else:
+            argv, done = [script("zmqps-server"), "--help"], "usage:"
+        proc = procs.spawn(argv, name=f"{Path(argv[0]).name}-{i}")
+        wait_for(lambda p=proc, d=done: d in p.stdout or p.poll() is not None, 60)
         while proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send(sig)
@@ -105,4 +110,4 @@ def test_a_stop_signal_after_the_summary_leaves_the_exit_code_alone(
         rc = proc.wait(10)
         assert rc in (0, 128 + sig), f"exit {rc}\n{proc.tail()}"
         assert "Traceback" not in proc.stderr, proc.stderr
-        assert "zmqps launch: done" in proc.stdout, proc.tail()
+        assert done in proc.stdout, proc.tail()

@@ -81,10 +81,13 @@ def exiting() -> None:
 def _run(prog: str, command: str, argv: Sequence[str] | None) -> int:
     try:
         code = int(getattr(_cli(), command)(argv))
-        exiting()
     except KeyboardInterrupt:
         exiting()
-        code = interrupted(prog)
+        return interrupted(prog)
+    except BaseException:  # SystemExit (argparse: --help, a usage error), a crash
+        exiting()
+        raise
+    exiting()
     return code
 
 
