@@ -550,12 +550,9 @@ class PSService:
         push's update), with the checks :meth:`split_push_pull_rows` makes, in its
         order, before anything changes; but with no message or body made for either
         half. A replicated primary runs the two through its log instead (``PSSlots``)."""
-        n, _, ids, keyed = self._pull_part(msg, req)
-        out = None
-        if req.shm_out is not None:  # where the rows go: refused before the push too
-            views = self.regions.rows(req.shm_out, self._row_spans(req.pull, ids), req.worker)
-            # a copy of a pull served already: the rows travel in the reply (_rows_out)
-            out = None if self._shm_pull_again(msg) else views
+        n, _, keyed, views = self._pull_part(msg, req)
+        # a copy of a pull served already: the rows travel in the reply (_rows_out)
+        out = None if views is None or self._shm_pull_again(msg) else views
         pushed = msg.tensors[:n]
         if req.shm is not None:
             pushed = self._rows_in_region(pushed, req.shards, req.shm, req.worker)
@@ -571,8 +568,7 @@ class PSService:
         versions, tensors = self._rows_of(req.pull, pulled, out is not None)
         if out is not None:
             self._shm_pull_served(msg)
-        body["pulled"] = versions
-        return reply(msg, body, tensors)
+        return self._joined_reply(msg, body, versions, tensors)
 
     def split_push_pull_rows(
         self, msg: Message, req: o.PushPullRows
@@ -582,9 +578,7 @@ class PSService:
         its ids, a hash table's room): a pull that would be refused refuses the whole
         message before the push changes anything. Third: each pulled shard and the
         validated keys of its ids (:meth:`ShardStore.check_pull_rows`)."""
-        n, wanted, ids, keyed = self._pull_part(msg, req)
-        if req.shm_out is not None:  # where the rows go: refused before the push too
-            self.regions.rows(req.shm_out, self._row_spans(req.pull, ids), req.worker)
+        n, wanted, keyed, _ = self._pull_part(msg, req)
         body = {k: v for k, v in msg.body.items() if k not in ("pull", "create", "shm_out")}
         pull_body = o.PullRows(req.pull, req.gen, req.create, req.shm_out).to_wire()
         push = self.rows_in_place(replace(msg, op="push_rows", body=body, tensors=msg.tensors[:n]))
@@ -592,10 +586,11 @@ class PSService:
 
     def _pull_part(
         self, msg: Message, req: o.PushPullRows
-    ) -> tuple[int, tuple[Tensor, ...], list[Any], list[tuple[Any, Any]]]:
+    ) -> tuple[int, tuple[Tensor, ...], list[tuple[Any, Any]], Any]:
         """A ``push_pull_rows``' pull checked as its ``pull_rows`` would be (structure,
-        counts, ids, a hash table's room): the number of the push's tensors, the pull's
-        tensors and ids, each pulled shard with the validated keys of its ids."""
+        counts, ids, a hash table's room, the region its rows go to): the number of the
+        push's tensors, the pull's tensors, each pulled shard with the validated keys of
+        its ids, and where in the worker's region its rows go (None: in the reply)."""
         n = (1 if req.shm is not None else 2) * len(req.shards)  # shm: the index only
         if len(msg.tensors) != n + len(req.pull):
             raise InvalidArgument(
@@ -611,14 +606,23 @@ class PSService:
         keyed = self.store.check_pull_rows(
             list(zip(req.pull, ids, strict=True)), req.create is not False
         )
-        return n, wanted, ids, keyed
+        views = None
+        if req.shm_out is not None:  # where the rows go: refused before the push too
+            views = self.regions.rows(req.shm_out, self._row_spans(req.pull, ids), req.worker)
+        return n, wanted, keyed, views
 
     def joined_rows(self, msg: Message, pushed: Message, pulled: Message) -> Message:
         """The reply to ``push_pull_rows`` ``msg``: its push's (``pushed``), with the
         versions and rows of its pull's (``pulled``)."""
-        body = dict(pushed.body)
-        body["pulled"] = pulled.body["versions"]
-        return reply(msg, body, pulled.tensors)
+        return self._joined_reply(msg, pushed.body, pulled.body["versions"], pulled.tensors)
+
+    @staticmethod
+    def _joined_reply(
+        msg: Message, push_body: Mapping[str, Any], versions: Any, tensors: Sequence[Tensor]
+    ) -> Message:
+        body = dict(push_body)
+        body["pulled"] = versions
+        return reply(msg, body, tensors)
 
     def _check_row_counts(self, op: str, sids: Sequence[int], ids: Sequence[Any]) -> None:
         """A row request names at most MAX_ROWS ids and moves at most MAX_ROW_VALUES
