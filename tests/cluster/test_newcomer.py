@@ -52,6 +52,13 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     cases = {
         "negative-lr": (["--lr", "-0.1"], "--lr must be a number > 0, got -0.1"),
         "momentum": (["--momentum", "1.5"], "--momentum must be within [0, 1), got 1.5"),
+        # a worker failed on its first batch with a traceback, restarted three times
+        "negative-seed": (["--seed", "-1"], "--seed must be within [0, 2^62], got -1"),
+        # the chief failed creating the variables (seed + i past int64 on the wire)
+        "seed-past-int64": (
+            ["--seed", str(2**63 - 1)],
+            f"--seed must be within [0, 2^62], got {2**63 - 1}",
+        ),
         "negative-staleness": (
             ["--mode", "ssp", "--max-staleness", "-1"],
             "--max-staleness must be >= 0, got -1",
