@@ -152,6 +152,88 @@ def test_a_task_that_fails_on_its_configuration_exits_2(procs: Reaper) -> None:
     assert server.stderr == "zmqps: error: --lr must be a number > 0, got -1.0\n", server.stderr
 
 
+#: flags of tasks started by hand whose paths or values were not checked (launch checks
+#: its own): (script, role, flags, the line)
+BY_HAND = {
+    # the chief hung, serving, until stopped (its summaries opened after its server)
+    "chief-logdir": (
+        "zmqps-server",
+        "chief",
+        ["--logdir", "/dev/null/tb"],
+        "--logdir /dev/null/tb: cannot create it (Not a directory)",
+    ),
+    # failed after it served, exit 1 ("cannot list"), or at the end of the run
+    "chief-checkpoint-dir": (
+        "zmqps-server",
+        "chief",
+        ["--checkpoint-dir", "/dev/null/ckpt"],
+        "--checkpoint-dir /dev/null/ckpt: cannot create it (Not a directory)",
+    ),
+    "chief-export-dir": (
+        "zmqps-server",
+        "chief",
+        ["--export-dir", "/dev/null/model"],
+        "--export-dir /dev/null/model: cannot create it (Not a directory)",
+    ),
+    # a PS served until its first checkpoint's shard files
+    "ps-checkpoint-dir": (
+        "zmqps-server",
+        "ps",
+        ["--checkpoint-dir", "/dev/null/ckpt"],
+        "--checkpoint-dir /dev/null/ckpt: cannot create it (Not a directory)",
+    ),
+    # a worker wrote its statistics at the end of its whole run
+    "worker-stats": (
+        "zmqps-worker",
+        "worker",
+        ["--stats", "/dev/null/stats.json"],
+        "--stats /dev/null: cannot create it (a file of that name is in the way)",
+    ),
+    # exit 1 with the system's error
+    "worker-logdir": (
+        "zmqps-worker",
+        "worker",
+        ["--logdir", "/dev/null/tb"],
+        "--logdir /dev/null/tb: cannot create it (Not a directory)",
+    ),
+    # the evaluator hung, silent (its summaries opened after its clients)
+    "evaluator-logdir": (
+        "zmqps-worker",
+        "evaluator",
+        ["--logdir", "/dev/null/tb"],
+        "--logdir /dev/null/tb: cannot create it (Not a directory)",
+    ),
+    # appended to after each evaluation
+    "evaluator-eval-log": (
+        "zmqps-worker",
+        "evaluator",
+        ["--eval-log", "/dev/null/eval.jsonl"],
+        "--eval-log /dev/null: cannot create it (a file of that name is in the way)",
+    ),
+    # waited for no time, or -1 s ("did not answer within -1s", exit 1)
+    "worker-connect-timeout": (
+        "zmqps-worker",
+        "worker",
+        ["--connect-timeout", "-1"],
+        "--connect-timeout must be > 0, got -1",
+    ),
+}
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("case", sorted(BY_HAND))
+def test_a_task_by_hand_refuses_a_path_it_cannot_write_at_once(procs: Reaper, case: str) -> None:
+    name, role, flags, message = BY_HAND[case]
+    chief, ps, w0 = addresses(3)
+    hosts = ["--ps-hosts", ps, "--worker-hosts", w0, "--chief-host", chief]
+    p = procs.spawn(
+        [script(name), *hosts, "--role", role, "--index", "0", "--model", "mlp", *flags],
+        name=case,
+    )
+    p.expect_exit(2, timeout=30)
+    assert p.stderr == f"zmqps: error: {message}\n", p.stderr
+
+
 @pytest.mark.timeout(150)
 def test_a_reused_run_dir_is_refused_and_resume_is_explicit(procs: Reaper, tmp_path: Path) -> None:
     """A second launch on a finished run's folder silently resumed from its checkpoint

@@ -59,7 +59,13 @@ def checkpoint_policy(args: argparse.Namespace) -> CheckpointPolicy | None:
 
 def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpec) -> TaskConfig:
     """The TaskConfig of ``zmqps-server`` / ``zmqps-worker`` flags for ``task``."""
-    from zmqps.cli.args import job_from_args, metrics_port, on_nonfinite_from_args
+    from zmqps.cli.args import (
+        check_output_dir,
+        check_output_file,
+        job_from_args,
+        metrics_port,
+        on_nonfinite_from_args,
+    )
 
     common: dict[str, Any] = {
         "keys": getattr(args, "keys", None),
@@ -67,6 +73,7 @@ def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpe
         "quiet": bool(getattr(args, "quiet", False)),
     }
     if task.role == "ps":
+        check_output_dir("--checkpoint-dir", args.checkpoint_dir)  # its shard files
         bind = args.bind or bind_address(cluster.address("ps", task.index))
         ps = PSConfig(
             index=task.index,
@@ -81,6 +88,8 @@ def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpe
     if task.role == "evaluator":
         return TaskConfig(evaluator=evaluator_config(args, cluster), **common)
     job = job_from_args(args)
+    check_output_dir("--logdir", args.logdir)
+    check_output_file("--stats", args.stats)  # written at the end of the run
     serve_job = (args.job or DEFAULT_JOB) if getattr(args, "serve", False) else None
     if serve_job is None and getattr(args, "job", None):
         raise ConfigError("--job names the module of --serve (coordinator mode)")
@@ -132,6 +141,7 @@ def _chief_timeout(given: float | None, default: float) -> float | None:
 
 def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
     from zmqps.cli.args import (
+        check_output_dir,
         check_output_file,
         job_from_args,
         metrics_port,
@@ -143,6 +153,14 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
 
     job = job_from_args(args)
     check_output_file("--summary", args.summary)
+    # the folders the chief writes in: refused now, one line (the chief hung on a
+    # --logdir it could not create, and failed on the others after serving)
+    for flag, path in (
+        ("--logdir", args.logdir),
+        ("--export-dir", args.export_dir),
+        ("--checkpoint-dir", args.checkpoint_dir),
+    ):
+        check_output_dir(flag, path)
     driver = None
     if getattr(args, "driver", "worker") == "coordinator":
         if job is None:
@@ -179,11 +197,13 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
 
 
 def evaluator_config(args: argparse.Namespace, cluster: ClusterSpec) -> EvaluatorConfig:
-    from zmqps.cli.args import job_from_args, metrics_port
+    from zmqps.cli.args import check_output_dir, check_output_file, job_from_args, metrics_port
 
     job = job_from_args(args)
     if job is None:
         raise ConfigError("the evaluator needs the job's built-in --model")
+    check_output_dir("--logdir", args.logdir)
+    check_output_file("--eval-log", args.eval_log)  # (its --checkpoint-dir is only read)
     return EvaluatorConfig(
         chief=cluster.chief or None,
         job=job,
