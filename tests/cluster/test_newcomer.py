@@ -47,6 +47,34 @@ def test_a_chief_whose_port_is_taken_fails_at_once(procs: Reaper) -> None:
     assert "Traceback" not in chief.stderr
 
 
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize(
+    ("name", "role", "who"),
+    [
+        ("zmqps-server", "ps", "ps 0"),
+        ("zmqps-server", "chief", "chief"),
+        # the worker said only "[Errno 98] Address already in use"
+        ("zmqps-worker", "worker", "worker 0"),
+        ("zmqps-worker", "evaluator", "evaluator"),
+    ],
+)
+def test_a_metrics_port_that_is_taken_is_named(
+    procs: Reaper, name: str, role: str, who: str
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        chief, ps, w0 = addresses(3)
+        hosts = ["--ps-hosts", ps, "--worker-hosts", w0, "--chief-host", chief]
+        flags = ["--role", role, "--index", "0", "--model", "mlp", "--metrics-port", str(port)]
+        p = procs.spawn([script(name), *hosts, *flags], name=role)
+        p.expect_exit(1, timeout=30)
+    assert p.stderr == (
+        f"zmqps: error: {who}: cannot serve metrics on 127.0.0.1:{port}: Address already in use\n"
+    ), p.stderr
+
+
 def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     empty = tmp / "no-mnist"
     cases = {

@@ -427,11 +427,12 @@ def _write_stats(cfg: WorkerConfig, worker: Any, result: dict[str, Any] | None) 
 
 def _worker_metrics(cfg: WorkerConfig) -> tuple[Any, Any]:
     """The worker's Metrics and its /metrics server (both None without a metrics port)."""
-    from zmqps.metrics import Metrics, MetricsServer
+    from zmqps.metrics import Metrics
+    from zmqps.roles._run import start_exporter
 
     if cfg.metrics_port is None:
         return None, None
     metrics = Metrics()
-    exporter = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port)
-    log.info("worker %d: metrics at %s", cfg.index, exporter.url)
+    # a port taken says so, as every other role's ("[Errno 98] Address already in use")
+    exporter = start_exporter(metrics, cfg.metrics_host, cfg.metrics_port, f"worker {cfg.index}")
     return metrics, exporter
