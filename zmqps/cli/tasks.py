@@ -73,7 +73,7 @@ def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpe
         "quiet": bool(getattr(args, "quiet", False)),
     }
     if task.role == "ps":
-        check_output_dir("--checkpoint-dir", args.checkpoint_dir)  # its shard files
+        check_output_dir("--checkpoint-dir", args.checkpoint_dir, keep=True)  # its shards
         bind = args.bind or bind_address(cluster.address("ps", task.index))
         ps = PSConfig(
             index=task.index,
@@ -88,8 +88,8 @@ def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpe
     if task.role == "evaluator":
         return TaskConfig(evaluator=evaluator_config(args, cluster), **common)
     job = job_from_args(args)
-    check_output_dir("--logdir", args.logdir)
-    check_output_file("--stats", args.stats)  # written at the end of the run
+    check_output_dir("--logdir", args.logdir, keep=True)
+    check_output_file("--stats", args.stats, keep=True)  # written at the end of the run
     serve_job = (args.job or DEFAULT_JOB) if getattr(args, "serve", False) else None
     if serve_job is None and getattr(args, "job", None):
         raise ConfigError("--job names the module of --serve (coordinator mode)")
@@ -160,7 +160,7 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
         ("--export-dir", args.export_dir),
         ("--checkpoint-dir", args.checkpoint_dir),
     ):
-        check_output_dir(flag, path)
+        check_output_dir(flag, path, keep=True)
     driver = None
     if getattr(args, "driver", "worker") == "coordinator":
         if job is None:
@@ -202,8 +202,9 @@ def evaluator_config(args: argparse.Namespace, cluster: ClusterSpec) -> Evaluato
     job = job_from_args(args)
     if job is None:
         raise ConfigError("the evaluator needs the job's built-in --model")
-    check_output_dir("--logdir", args.logdir)
-    check_output_file("--eval-log", args.eval_log)  # (its --checkpoint-dir is only read)
+    check_output_dir("--logdir", args.logdir, keep=True)
+    # (its --checkpoint-dir is only read)
+    check_output_file("--eval-log", args.eval_log, keep=True)
     return EvaluatorConfig(
         chief=cluster.chief or None,
         job=job,
