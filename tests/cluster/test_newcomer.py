@@ -119,6 +119,21 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             "--resume needs checkpoints: give --run-dir or --checkpoint-dir, without"
             " --no-checkpoints",
         ),
+        # ignored: the run said done with the built-in loop, the module never run
+        "job-without-coordinator": (
+            ["--job", "mypkg.myjob"],
+            "--job applies only to --driver coordinator (the module whose drive() the chief"
+            " runs); without it the workers run the built-in training loop",
+        ),
+        "steps-per-execution-without-coordinator": (
+            ["--steps-per-execution", "10"],
+            "--steps-per-execution applies only to --driver coordinator",
+        ),
+        # found by the tasks after the cluster started (the launch said exit 1)
+        "coordinator-job-not-found": (
+            ["--driver", "coordinator", "--job", "no.such.module"],
+            "--job no.such.module: cannot import it (No module named 'no')",
+        ),
         # the chief used to fail on it at the end, restarted three times
         "export-dir-under-a-file": (
             ["--export-dir", "/dev/null/model"],

@@ -161,6 +161,9 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
         ("--checkpoint-dir", args.checkpoint_dir),
     ):
         check_output_dir(flag, path, keep=True)
+    from zmqps.cli.coordinator import check_driver
+
+    check_driver(args)
     driver = None
     if getattr(args, "driver", "worker") == "coordinator":
         if job is None:
