@@ -119,6 +119,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             "--resume needs checkpoints: give --run-dir or --checkpoint-dir, without"
             " --no-checkpoints",
         ),
+        # every worker was counted dead between two of its heartbeats (one a second)
+        "heartbeat-timeout-below-two-heartbeats": (
+            ["--heartbeat-timeout", "0.5"],
+            "--heartbeat-timeout must be at least 2 s, got 0.5 (workers send a heartbeat"
+            " each second: a shorter timeout counts live workers dead)",
+        ),
         # ignored: the run said done with the built-in loop, the module never run
         "job-without-coordinator": (
             ["--job", "mypkg.myjob"],
@@ -253,6 +259,14 @@ BY_HAND = {
         ["--eval-log", "/dev/null/eval.jsonl"],
         "--eval-log /dev/null: cannot create it (a file of that name is in the way)",
     ),
+    # not checked at all by hand: 0 or -1 counted every worker dead at once
+    "chief-heartbeat-timeout": (
+        "zmqps-server",
+        "chief",
+        ["--heartbeat-timeout", "0"],
+        "--heartbeat-timeout must be at least 2 s, got 0 (workers send a heartbeat each"
+        " second: a shorter timeout counts live workers dead)",
+    ),
     # waited for no time, or -1 s ("did not answer within -1s", exit 1)
     "worker-connect-timeout": (
         "zmqps-worker",
@@ -265,7 +279,7 @@ BY_HAND = {
 
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("case", sorted(BY_HAND))
-def test_a_task_by_hand_refuses_a_path_it_cannot_write_at_once(procs: Reaper, case: str) -> None:
+def test_a_task_by_hand_refuses_a_flag_it_cannot_run_with_at_once(procs: Reaper, case: str) -> None:
     name, role, flags, message = BY_HAND[case]
     chief, ps, w0 = addresses(3)
     hosts = ["--ps-hosts", ps, "--worker-hosts", w0, "--chief-host", chief]

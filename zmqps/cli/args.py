@@ -42,6 +42,7 @@ from zmqps.transport import SocketOptions, load_keys
 from zmqps.wire.errors import ConfigError
 
 __all__ = [
+    "MIN_HEARTBEAT_TIMEOUT_S",
     "add_cluster_args",
     "add_elastic_arg",
     "add_evaluator_args",
@@ -55,6 +56,7 @@ __all__ = [
     "add_sync_args",
     "add_wire_dtype_arg",
     "bind_address",
+    "check_heartbeat_timeout",
     "check_output_dir",
     "checkpoint_policy_from_args",
     "cluster_and_task",
@@ -409,6 +411,22 @@ def checkpoint_policy_from_args(
     if secs is None:
         secs = 0.0 if steps is not None else default_secs
     return CheckpointPolicy(directory, steps or 0, secs, keep)
+
+
+#: the shortest ``--heartbeat-timeout``: two of the heartbeats workers send each
+#: second (``ChiefConfig.heartbeat_interval``); a shorter one counted live workers dead
+#: between two of them (0.1 s: both workers of a digits run dead as they registered, one
+#: left for want of word from the chief, the run took 18 s instead of 5)
+MIN_HEARTBEAT_TIMEOUT_S = 2.0
+
+
+def check_heartbeat_timeout(seconds: float) -> None:
+    if not seconds >= MIN_HEARTBEAT_TIMEOUT_S:  # (NaN too)
+        raise ConfigError(
+            f"--heartbeat-timeout must be at least {MIN_HEARTBEAT_TIMEOUT_S:g} s, got"
+            f" {seconds:g} (workers send a heartbeat each second: a shorter timeout counts"
+            " live workers dead)"
+        )
 
 
 def check_output_dir(flag: str, path: str | os.PathLike[str] | None, *, keep: bool = False) -> None:

@@ -48,6 +48,7 @@ from zmqps.cli.args import (
     add_stall_timeout_arg,
     add_sync_args,
     add_wire_dtype_arg,
+    check_heartbeat_timeout,
     check_output_dir,
     check_output_file,
     checkpoint_policy_from_args,
@@ -1048,8 +1049,7 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
             raise ConfigError(f"{exc} (--ps {args.ps} PS are started)") from None
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts must be >= 0")
-    if args.heartbeat_timeout <= 0:
-        raise ConfigError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout:g}")
+    check_heartbeat_timeout(args.heartbeat_timeout)
     if getattr(args, "hung_after", None) is not None and not args.hung_after > 0:
         raise ConfigError(f"--hung-after must be > 0, got {args.hung_after:g}")
     if not args.stall_timeout >= 0:

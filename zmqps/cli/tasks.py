@@ -141,6 +141,7 @@ def _chief_timeout(given: float | None, default: float) -> float | None:
 
 def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
     from zmqps.cli.args import (
+        check_heartbeat_timeout,
         check_output_dir,
         check_output_file,
         job_from_args,
@@ -152,6 +153,7 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
     )
 
     job = job_from_args(args)
+    check_heartbeat_timeout(args.heartbeat_timeout)
     check_output_file("--summary", args.summary)
     # the folders the chief writes in: refused now, one line (the chief hung on a
     # --logdir it could not create, and failed on the others after serving)
