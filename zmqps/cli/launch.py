@@ -660,10 +660,11 @@ class Launcher:
                     told = True
                 if known and _trained(s):
                     # moves stop when training ends: an ask now would move nothing
-                    if not told:
+                    if not told:  # (its step may be past: a run too short to be seen)
                         self.say(
                             f"zmqps launch: --ps-schedule from step {step} on: training"
-                            f" ended at step {int(s.get('global_step', 0)):,} before it"
+                            f" ended (at step {int(s.get('global_step', 0)):,}) before the"
+                            " launcher could ask for it"
                         )
                     return
                 if known and int(s.get("global_step", -1)) >= step:
