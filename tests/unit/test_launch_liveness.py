@@ -77,6 +77,17 @@ def test_a_chief_silent_past_the_bound_is_killed(monkeypatch: Any) -> None:
     assert "kill" in lc.children[0].proc.signals  # type: ignore[union-attr]
 
 
+def test_a_chief_gets_its_start_up_first_whatever_hung_after_says(monkeypatch: Any) -> None:
+    """``--hung-after 0.5``: a chief that had not answered its first status within 1 s
+    of each (re)start (loading its data) was killed, four times, and the run failed;
+    the help says a task started again has 15 s of start-up first."""
+    for seconds, killed in ((launch.START_GRACE_S - 2, False), (launch.START_GRACE_S + 4, True)):
+        lc = _launcher(1)
+        lc.args.hung_after = 0.5
+        _watch(monkeypatch, lc, lambda now: None, seconds)  # no status yet
+        assert ("kill" in lc.children[0].proc.signals) == killed, lc.said  # type: ignore[union-attr]
+
+
 def test_a_replicated_ps_the_chiefs_probes_do_not_hear_is_killed(monkeypatch: Any) -> None:
     """SIGSTOP of a PS with --replication 2: its states failed over, and the rest of
     the run went on with one copy; the stopped process was never restarted."""
