@@ -224,7 +224,7 @@ BY_HAND = {
         ["--export-dir", "/dev/null/model"],
         "--export-dir /dev/null/model: cannot create it (Not a directory)",
     ),
-    # a PS served until its first checkpoint's shard files
+    # a PS started and served with it, unchecked (its shard files go there)
     "ps-checkpoint-dir": (
         "zmqps-server",
         "ps",
