@@ -96,6 +96,12 @@ CASES = {
     "launch-no-ps": (["zmqps", "launch", "--ps", "0"], {}, "--ps and --workers must be >= 1"),
     # checked once by the launcher, not by every (restarted) child
     "launch-no-epochs": (["zmqps", "launch", "--epochs", "0"], {}, "--epochs must be >= 1"),
+    # it said "[Errno 20] Not a directory: '/dev/null/keys'", exit 1
+    "keygen-folder-under-a-file": (
+        ["zmqps", "keygen", "/dev/null/keys"],
+        {},
+        "zmqps keygen /dev/null/keys: cannot create it (Not a directory)",
+    ),
 }
 
 #: Cases whose message is the whole line.
@@ -105,6 +111,7 @@ EXACT = {
     "tf-config-without-task-server",
     "tf-config-without-task-worker",
     "tf-config-task-without-index",
+    "keygen-folder-under-a-file",
 }
 
 

@@ -47,11 +47,46 @@ def test_a_chief_whose_port_is_taken_fails_at_once(procs: Reaper) -> None:
     assert "Traceback" not in chief.stderr
 
 
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize(
+    ("name", "role", "who"),
+    [
+        ("zmqps-server", "ps", "ps 0"),
+        ("zmqps-server", "chief", "chief"),
+        # the worker said only "[Errno 98] Address already in use"
+        ("zmqps-worker", "worker", "worker 0"),
+        ("zmqps-worker", "evaluator", "evaluator"),
+    ],
+)
+def test_a_metrics_port_that_is_taken_is_named(
+    procs: Reaper, name: str, role: str, who: str
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        chief, ps, w0 = addresses(3)
+        hosts = ["--ps-hosts", ps, "--worker-hosts", w0, "--chief-host", chief]
+        flags = ["--role", role, "--index", "0", "--model", "mlp", "--metrics-port", str(port)]
+        p = procs.spawn([script(name), *hosts, *flags], name=role)
+        p.expect_exit(1, timeout=30)
+    assert p.stderr == (
+        f"zmqps: error: {who}: cannot serve metrics on 127.0.0.1:{port}: Address already in use\n"
+    ), p.stderr
+
+
 def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     empty = tmp / "no-mnist"
     cases = {
         "negative-lr": (["--lr", "-0.1"], "--lr must be a number > 0, got -0.1"),
         "momentum": (["--momentum", "1.5"], "--momentum must be within [0, 1), got 1.5"),
+        # a worker failed on its first batch with a traceback, restarted three times
+        "negative-seed": (["--seed", "-1"], "--seed must be within [0, 2^62], got -1"),
+        # the chief failed creating the variables (seed + i past int64 on the wire)
+        "seed-past-int64": (
+            ["--seed", str(2**63 - 1)],
+            f"--seed must be within [0, 2^62], got {2**63 - 1}",
+        ),
         "negative-staleness": (
             ["--mode", "ssp", "--max-staleness", "-1"],
             "--max-staleness must be >= 0, got -1",
@@ -83,6 +118,27 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             ["--resume", "--no-checkpoints"],
             "--resume needs checkpoints: give --run-dir or --checkpoint-dir, without"
             " --no-checkpoints",
+        ),
+        # every worker was counted dead between two of its heartbeats (one a second)
+        "heartbeat-timeout-below-two-heartbeats": (
+            ["--heartbeat-timeout", "0.5"],
+            "--heartbeat-timeout must be at least 2 s, got 0.5 (workers send a heartbeat"
+            " each second: a shorter timeout counts live workers dead)",
+        ),
+        # ignored: the run said done with the built-in loop, the module never run
+        "job-without-coordinator": (
+            ["--job", "mypkg.myjob"],
+            "--job applies only to --driver coordinator (the module whose drive() the chief"
+            " runs); without it the workers run the built-in training loop",
+        ),
+        "steps-per-execution-without-coordinator": (
+            ["--steps-per-execution", "10"],
+            "--steps-per-execution applies only to --driver coordinator",
+        ),
+        # found by the tasks after the cluster started (the launch said exit 1)
+        "coordinator-job-not-found": (
+            ["--driver", "coordinator", "--job", "no.such.module"],
+            "--job no.such.module: cannot import it (No module named 'no')",
         ),
         # the chief used to fail on it at the end, restarted three times
         "export-dir-under-a-file": (
@@ -143,6 +199,96 @@ def test_a_task_that_fails_on_its_configuration_exits_2(procs: Reaper) -> None:
         "zmqps: error: --data-dir: MNIST files not found in /nonexistent-mnist"
     ), worker.stderr
     assert server.stderr == "zmqps: error: --lr must be a number > 0, got -1.0\n", server.stderr
+
+
+#: flags of tasks started by hand whose paths or values were not checked (launch checks
+#: its own): (script, role, flags, the line)
+BY_HAND = {
+    # the chief hung, serving, until stopped (its summaries opened after its server)
+    "chief-logdir": (
+        "zmqps-server",
+        "chief",
+        ["--logdir", "/dev/null/tb"],
+        "--logdir /dev/null/tb: cannot create it (Not a directory)",
+    ),
+    # failed after it served, exit 1 ("cannot list"), or at the end of the run
+    "chief-checkpoint-dir": (
+        "zmqps-server",
+        "chief",
+        ["--checkpoint-dir", "/dev/null/ckpt"],
+        "--checkpoint-dir /dev/null/ckpt: cannot create it (Not a directory)",
+    ),
+    "chief-export-dir": (
+        "zmqps-server",
+        "chief",
+        ["--export-dir", "/dev/null/model"],
+        "--export-dir /dev/null/model: cannot create it (Not a directory)",
+    ),
+    # a PS started and served with it, unchecked (its shard files go there)
+    "ps-checkpoint-dir": (
+        "zmqps-server",
+        "ps",
+        ["--checkpoint-dir", "/dev/null/ckpt"],
+        "--checkpoint-dir /dev/null/ckpt: cannot create it (Not a directory)",
+    ),
+    # a worker wrote its statistics at the end of its whole run
+    "worker-stats": (
+        "zmqps-worker",
+        "worker",
+        ["--stats", "/dev/null/stats.json"],
+        "--stats /dev/null: cannot create it (a file of that name is in the way)",
+    ),
+    # exit 1 with the system's error
+    "worker-logdir": (
+        "zmqps-worker",
+        "worker",
+        ["--logdir", "/dev/null/tb"],
+        "--logdir /dev/null/tb: cannot create it (Not a directory)",
+    ),
+    # the evaluator hung, silent (its summaries opened after its clients)
+    "evaluator-logdir": (
+        "zmqps-worker",
+        "evaluator",
+        ["--logdir", "/dev/null/tb"],
+        "--logdir /dev/null/tb: cannot create it (Not a directory)",
+    ),
+    # appended to after each evaluation
+    "evaluator-eval-log": (
+        "zmqps-worker",
+        "evaluator",
+        ["--eval-log", "/dev/null/eval.jsonl"],
+        "--eval-log /dev/null: cannot create it (a file of that name is in the way)",
+    ),
+    # not checked at all by hand: 0 or -1 counted every worker dead at once
+    "chief-heartbeat-timeout": (
+        "zmqps-server",
+        "chief",
+        ["--heartbeat-timeout", "0"],
+        "--heartbeat-timeout must be at least 2 s, got 0 (workers send a heartbeat each"
+        " second: a shorter timeout counts live workers dead)",
+    ),
+    # waited for no time, or -1 s ("did not answer within -1s", exit 1)
+    "worker-connect-timeout": (
+        "zmqps-worker",
+        "worker",
+        ["--connect-timeout", "-1"],
+        "--connect-timeout must be > 0, got -1",
+    ),
+}
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("case", sorted(BY_HAND))
+def test_a_task_by_hand_refuses_a_flag_it_cannot_run_with_at_once(procs: Reaper, case: str) -> None:
+    name, role, flags, message = BY_HAND[case]
+    chief, ps, w0 = addresses(3)
+    hosts = ["--ps-hosts", ps, "--worker-hosts", w0, "--chief-host", chief]
+    p = procs.spawn(
+        [script(name), *hosts, "--role", role, "--index", "0", "--model", "mlp", *flags],
+        name=case,
+    )
+    p.expect_exit(2, timeout=30)
+    assert p.stderr == f"zmqps: error: {message}\n", p.stderr
 
 
 @pytest.mark.timeout(150)

@@ -522,6 +522,28 @@ def test_a_workers_counts_past_any_run_are_refused_and_the_sums_stay_int64() -> 
     run(body())
 
 
+def test_an_ssp_clock_past_any_run_is_refused() -> None:
+    """An ssp worker's clock is a count it reports of itself, as a heartbeat's step:
+    ``completed`` = 2**63 - 1 (in range for an int64 on the wire) made the chief's
+    global step 2**62 for good, in every reply and the status."""
+
+    def sent(body: dict[str, Any]) -> None:
+        decode([bytes(memoryview(f)) for f in encode(request("ssp_clock", body, sender="x"))])
+
+    async def body() -> None:
+        env = make_env(1, num_workers=2, sync=SyncConfig(mode="ssp", max_staleness=2))
+        for i in range(2):
+            await call(env.chief, "register", who(i, 1))
+        for completed in (2**63 - 1, 2**48 + 1):
+            with pytest.raises(ProtocolError, match="completed"):
+                sent(who(0, 1, completed=completed, wait=0.0))  # what the decoder answers
+        sent(who(0, 1, completed=2**48, wait=0.0))
+        rep = await call(env.chief, "ssp_clock", who(0, 1, completed=1, wait=0.0))
+        assert rep.body == {"slowest": 0} and env.chief.global_step == 1
+
+    run(body())
+
+
 def test_a_flood_of_leaves_and_registrations_writes_a_line_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

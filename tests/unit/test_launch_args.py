@@ -69,12 +69,31 @@ SHARED = {
     ),
 }
 
+HUNG = (
+    " (the launcher asks the chief's status twice a second: a shorter bound kills a healthy"
+    " chief between two of its answers)"
+)
+
 #: launch only
 LAUNCH = {
     "negative-timeout": (["--timeout", "-5"], "--timeout must be > 0, got -5"),
     "zero-timeout": (["--timeout", "0"], "--timeout must be > 0, got 0"),
-    "zero-hung-after": (["--hung-after", "0"], "--hung-after must be > 0, got 0"),
-    "nan-hung-after": (["--hung-after", "nan"], "--hung-after must be > 0, got nan"),
+    "zero-hung-after": (["--hung-after", "0"], f"--hung-after must be at least 2 s, got 0{HUNG}"),
+    "nan-hung-after": (
+        ["--hung-after", "nan"],
+        f"--hung-after must be at least 2 s, got nan{HUNG}",
+    ),
+    # killed a healthy chief between two status answers, mid-run
+    "half-second-hung-after": (
+        ["--hung-after", "0.5"],
+        f"--hung-after must be at least 2 s, got 0.5{HUNG}",
+    ),
+    # every live worker counted dead between two of its heartbeats
+    "heartbeat-timeout-below-two-heartbeats": (
+        ["--heartbeat-timeout", "1"],
+        "--heartbeat-timeout must be at least 2 s, got 1 (workers send a heartbeat each"
+        " second: a shorter timeout counts live workers dead)",
+    ),
     "intervals-without-checkpoints": (
         ["--no-checkpoints", "--checkpoint-steps", "5"],
         "--checkpoint-steps / --checkpoint-secs need checkpoints (they were turned off by"

@@ -77,6 +77,17 @@ def test_a_chief_silent_past_the_bound_is_killed(monkeypatch: Any) -> None:
     assert "kill" in lc.children[0].proc.signals  # type: ignore[union-attr]
 
 
+def test_a_chief_gets_its_start_up_first_whatever_hung_after_says(monkeypatch: Any) -> None:
+    """``--hung-after 0.5``: a chief that had not answered its first status within 1 s
+    of each (re)start (loading its data) was killed, four times, and the run failed;
+    the help says a task started again has 15 s of start-up first."""
+    for seconds, killed in ((launch.START_GRACE_S - 2, False), (launch.START_GRACE_S + 4, True)):
+        lc = _launcher(1)
+        lc.args.hung_after = 0.5
+        _watch(monkeypatch, lc, lambda now: None, seconds)  # no status yet
+        assert ("kill" in lc.children[0].proc.signals) == killed, lc.said  # type: ignore[union-attr]
+
+
 def test_a_replicated_ps_the_chiefs_probes_do_not_hear_is_killed(monkeypatch: Any) -> None:
     """SIGSTOP of a PS with --replication 2: its states failed over, and the rest of
     the run went on with one copy; the stopped process was never restarted."""
@@ -109,3 +120,19 @@ def test_a_ps_schedule_asks_nothing_once_training_is_over() -> None:
     # the steps planned not known (a chief not started yet, a bad field): not over
     assert not _trained({"phase": "running", "global_step": 10})
     assert _planned({"steps_planned": "x"}) == 0 and not _trained({"steps_planned": None})
+
+
+def test_a_ps_schedule_not_asked_says_so_truly_when_its_step_was_passed() -> None:
+    """A run too short for the launcher to see it at step 0: its first status said
+    training over at step 46, and the line said it "ended at step 46 before" step 0."""
+    lc = _launcher(1)
+    lc.args = argparse.Namespace(ps_schedule="0:1", ps=2)
+    lc.cluster = SimpleNamespace(chief="127.0.0.1:1")  # type: ignore[assignment]
+    two = [{"index": 0}, {"index": 1}]
+    lc.status = {"phase": "finishing", "global_step": 46, "steps_planned": 46}
+    lc.status.update(workers_expected=2, workers=two, variables=4)
+    asyncio.run(asyncio.wait_for(lc._ps_schedule(), 5.0))
+    assert lc.said == [  # type: ignore[attr-defined]
+        "zmqps launch: --ps-schedule from step 0 on: training ended (at step 46) before the"
+        " launcher could ask for it"
+    ]

@@ -472,6 +472,49 @@ def test_row_ids_out_of_range() -> None:
     run(body())
 
 
+def test_row_ids_that_are_not_integers_are_refused_before_anything_is_sent() -> None:
+    """Float ids were cut to integers (1.5 read row 1; NaN, and floats past 2^63 such as
+    a hash held as float64, all became one id), a bool mask read rows 0 and 1, and a
+    string or None failed in numpy with its own error. Integer ids of any width, a list
+    of ints and an empty list still go."""
+    h = VariableDef("h", (64, 2), table={"row_budget": 40})
+
+    async def body() -> None:
+        c = await make_cluster((*ALL, h), 2, 3)
+        client = c.client(wrap=Recorder)
+        bad: list[object] = [
+            np.array([1.5]),
+            np.array([1.0, 2.0]),
+            np.array([np.nan]),
+            np.array([1.8e19]),
+            np.array([True, False]),
+            ["a"],
+            [None],
+            [2**70],
+        ]
+        for name, width in (("emb", 3), ("h", 2)):
+            for ids in bad:
+                with pytest.raises(InvalidArgument, match=f"row ids of {name} must be integers"):
+                    await client.pull_rows(name, ids)
+                with pytest.raises(InvalidArgument, match=f"row ids of {name} must be integers"):
+                    await client.push_rows(name, ids, np.ones((1, width), np.float32))
+            with pytest.raises(InvalidArgument, match=f"row ids of {name} must be integers"):
+                await client.push_pull_rows(
+                    name, [1], np.ones((1, width), np.float32), np.array([1.5])
+                )
+        assert all(not r.sent for r in recorders(client))
+        assert all(ver == 0 for ver in c.versions().values())
+        for ids in ([1, 2], np.array([1, 2], np.int8), np.array([1, 2], np.uint64), []):
+            rows = await client.pull_rows("emb", ids)
+            np.testing.assert_array_equal(rows, initial(EMB)[np.asarray(ids, np.int64)])
+        wide = np.array([2**64 - 1], np.uint64)  # a hash key past 2^63: the same bits
+        np.testing.assert_array_equal(
+            await client.pull_rows("h", wide), await client.pull_rows("h", [-1])
+        )
+
+    run(body())
+
+
 # ---------------------------------------------------------------- refused before sending
 
 

@@ -114,6 +114,48 @@ def test_a_step_not_applied_within_the_wait_brings_no_values(
     run(body())
 
 
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "token"])
+def test_at_the_servers_pending_bound_a_held_reply_is_answered_at_once_not_busy(
+    fresh: bool,
+) -> None:
+    """Every place of the PS's pending requests held by long polls of other peers (one
+    each: none is evicted). A sync push that would hold its reply was answered ``busy``
+    after it was applied: sent again, it was a duplicate, and the worker counted its
+    applied push dropped. It is answered at once, as after its wait: applied, without
+    values or token (the worker pulls and asks for its token as without)."""
+
+    async def body() -> None:
+        c = await sync_cluster(required=2, num_ps=1)
+        await released_ahead(c, 1)
+        dispatcher = c.net._dispatcher("ps0")
+        assert dispatcher is not None
+        dispatcher.max_pending = 3
+        poll = {"role": "worker", "index": 9, "wait": 5.0, "have": 5}  # never released
+        polls = [
+            asyncio.ensure_future(
+                c.net.client("ps0", f"other:{i}").request("take_token", {**poll, "incarnation": i})
+            )
+            for i in range(3)
+        ]
+        await asyncio.sleep(0.02)
+        assert dispatcher.pending == 3
+        w0 = c.client("worker:0")
+        await w0.pull()
+        before = {n: w0.params[n].copy() for n in NAMES}
+        asks = Delivery(token_ps=0, fresh=fresh)
+        applied = await w0.push(grads(0), pull=fresh, step=0, delivery=asks)
+        assert applied and w0.dropped == {}
+        assert dispatcher.stats.busy == 0 and not c.services[0].dropped  # no duplicate
+        assert asks.offered is None and w0.fresh_step(NAMES, asks) is None
+        for n in NAMES:  # nothing brought into the worker's arrays
+            np.testing.assert_array_equal(w0.params[n], before[n])
+        assert ps_sync(c, 0)["contributors"] == ["worker:0"]
+        for p in polls:
+            p.cancel()
+
+    run(body())
+
+
 def test_outside_sync_and_on_a_replicated_state_the_reply_is_at_once_and_bare() -> None:
     async def body() -> None:
         c = await sync_cluster(required=1, num_ps=1)

@@ -42,6 +42,7 @@ from zmqps.transport import SocketOptions, load_keys
 from zmqps.wire.errors import ConfigError
 
 __all__ = [
+    "MIN_HEARTBEAT_TIMEOUT_S",
     "add_cluster_args",
     "add_elastic_arg",
     "add_evaluator_args",
@@ -55,6 +56,7 @@ __all__ = [
     "add_sync_args",
     "add_wire_dtype_arg",
     "bind_address",
+    "check_heartbeat_timeout",
     "check_output_dir",
     "checkpoint_policy_from_args",
     "cluster_and_task",
@@ -411,11 +413,29 @@ def checkpoint_policy_from_args(
     return CheckpointPolicy(directory, steps or 0, secs, keep)
 
 
-def check_output_dir(flag: str, path: str | os.PathLike[str] | None) -> None:
+#: the shortest ``--heartbeat-timeout``: two of the heartbeats workers send each
+#: second (``ChiefConfig.heartbeat_interval``); a shorter one counted live workers dead
+#: between two of them (0.1 s: both workers of a digits run dead as they registered, one
+#: left for want of word from the chief, the run took 18 s instead of 5)
+MIN_HEARTBEAT_TIMEOUT_S = 2.0
+
+
+def check_heartbeat_timeout(seconds: float) -> None:
+    if not seconds >= MIN_HEARTBEAT_TIMEOUT_S:  # (NaN too)
+        raise ConfigError(
+            f"--heartbeat-timeout must be at least {MIN_HEARTBEAT_TIMEOUT_S:g} s, got"
+            f" {seconds:g} (workers send a heartbeat each second: a shorter timeout counts"
+            " live workers dead)"
+        )
+
+
+def check_output_dir(flag: str, path: str | os.PathLike[str] | None, *, keep: bool = False) -> None:
     """``path`` (the folder of ``flag``) can be created and written in, checked
     before anything starts: a :class:`ConfigError` naming the flag, the path and
     the system's reason otherwise. What this creates to find out is removed again
-    (a folder that appears would look like an earlier run's)."""
+    (a folder that appears would look like an earlier run's), unless ``keep``: a task
+    started by hand keeps it, since the tasks of a run check their shared folders at
+    once (one's removal must not make another's check fail)."""
     if path is None:
         return
     target = os.path.abspath(path)
@@ -423,7 +443,7 @@ def check_output_dir(flag: str, path: str | os.PathLike[str] | None) -> None:
         raise ConfigError(f"{flag} {path}: cannot create it (a file of that name is in the way)")
     missing = []
     parent = target
-    while not os.path.lexists(parent):
+    while not keep and not os.path.lexists(parent):
         missing.append(parent)
         parent = os.path.dirname(parent)
     try:
@@ -434,11 +454,13 @@ def check_output_dir(flag: str, path: str | os.PathLike[str] | None) -> None:
         for made in missing:  # deepest first
             with contextlib.suppress(OSError):
                 os.rmdir(made)
-    if not missing and not os.access(target, os.W_OK | os.X_OK):
+    if not missing and not os.access(target, os.W_OK | os.X_OK):  # (kept: made or not)
         raise ConfigError(f"{flag} {path}: cannot write in it (Permission denied)")
 
 
-def check_output_file(flag: str, path: str | os.PathLike[str] | None) -> None:
+def check_output_file(
+    flag: str, path: str | os.PathLike[str] | None, *, keep: bool = False
+) -> None:
     """``path`` (the file of ``flag``, written at the end of a run) can be written,
     checked before anything starts: a run that trained for an hour must not fail at
     its last line on a path that was never a file's."""
@@ -449,7 +471,7 @@ def check_output_file(flag: str, path: str | os.PathLike[str] | None) -> None:
         raise ConfigError(f"{flag} {path}: that is a folder (name the file to write)")
     parent = os.path.dirname(target)
     if not os.path.isdir(parent):  # made when the file is written: it must be possible
-        check_output_dir(flag, parent)
+        check_output_dir(flag, parent, keep=keep)
         return
     writable = os.access(target, os.W_OK) if os.path.exists(target) else os.access(parent, os.W_OK)
     if not writable:

@@ -4,6 +4,7 @@ the driver); :mod:`zmqps.cli.tasks` turns them into the tasks' configurations.""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 from zmqps.cli.tasks import DEFAULT_JOB
 from zmqps.wire.errors import ConfigError
@@ -13,6 +14,7 @@ __all__ = [
     "add_driver_args",
     "add_launch_driver_args",
     "add_serve_args",
+    "check_driver",
     "check_launch",
 ]
 
@@ -61,7 +63,38 @@ def add_launch_driver_args(p: argparse.ArgumentParser) -> None:
     add_driver_args(p)
 
 
+def check_driver(args: argparse.Namespace) -> None:
+    """The chief's coordinator flags: ``--job`` and ``--steps-per-execution`` only with
+    ``--driver coordinator`` (else they were ignored: a run said done with the built-in
+    loop, the module named never run), and its job module there to import (it was
+    found missing by the tasks, after the cluster started)."""
+    if getattr(args, "driver", "worker") != "coordinator":
+        if getattr(args, "job", None):
+            raise ConfigError(
+                "--job applies only to --driver coordinator (the module whose drive() the"
+                " chief runs); without it the workers run the built-in training loop"
+            )
+        if getattr(args, "steps_per_execution", 1) != 1:
+            raise ConfigError("--steps-per-execution applies only to --driver coordinator")
+        return
+    find_job_module(args.job or DEFAULT_JOB)
+
+
+def find_job_module(name: str) -> None:
+    """ConfigError unless module ``name`` can be found (it is not run here: the tasks
+    import it, as :func:`zmqps.coordinator.server.load_job_module` says)."""
+    if not name or not all(p.isidentifier() for p in name.split(".")):
+        raise ConfigError(f"--job {name!r}: expected a module path like package.module")
+    try:
+        found = importlib.util.find_spec(name)
+    except ImportError as exc:  # a package on the way is missing, or fails to import
+        raise ConfigError(f"--job {name}: cannot import it ({exc})") from None
+    if found is None:
+        raise ConfigError(f"--job {name}: cannot import it (No module named {name!r})")
+
+
 def check_launch(args: argparse.Namespace) -> None:
+    check_driver(args)
     if getattr(args, "driver", "worker") != "coordinator":
         return
     if args.mode != "async":

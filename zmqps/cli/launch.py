@@ -48,6 +48,7 @@ from zmqps.cli.args import (
     add_stall_timeout_arg,
     add_sync_args,
     add_wire_dtype_arg,
+    check_heartbeat_timeout,
     check_output_dir,
     check_output_file,
     checkpoint_policy_from_args,
@@ -100,6 +101,9 @@ HUNG_HEARTBEATS = 3
 HUNG_MIN_S = 15.0
 #: a task's process started (again) this long ago at least before it can count as hung
 START_GRACE_S = 15.0
+#: the shortest --hung-after: a few of the launcher's status requests (0.5 s apart);
+#: 0.5 s killed a healthy chief in the middle of a run, between two of its answers
+MIN_HUNG_AFTER_S = 2.0
 #: seconds between two looks of the liveness watch
 LIVENESS_TICK_S = 1.0
 #: a look this much later than due: the launcher itself was stopped or starved, and
@@ -309,8 +313,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="kill a task whose process runs while the chief counts it dead (a PS: down)"
         " for S seconds, or a chief that answers no status for S seconds, so that"
-        " --restart starts it again (default: 3 heartbeat timeouts, at least 15;"
-        " a task started again has 15 s of start-up first)",
+        " --restart starts it again, at least 2 (default: 3 heartbeat timeouts, at least"
+        " 15; a task, the chief too, has 15 s of start-up first)",
     )
     g.add_argument(
         "--evaluator",
@@ -659,10 +663,11 @@ class Launcher:
                     told = True
                 if known and _trained(s):
                     # moves stop when training ends: an ask now would move nothing
-                    if not told:
+                    if not told:  # (its step may be past: a run too short to be seen)
                         self.say(
                             f"zmqps launch: --ps-schedule from step {step} on: training"
-                            f" ended at step {int(s.get('global_step', 0)):,} before it"
+                            f" ended (at step {int(s.get('global_step', 0)):,}) before the"
+                            " launcher could ask for it"
                         )
                     return
                 if known and int(s.get("global_step", -1)) >= step:
@@ -765,7 +770,9 @@ class Launcher:
                 continue
             answered = max(answered, self.status_at)
             silent = now - max(answered, chief.started_at)
-            if silent > self.hung_after():
+            # its start-up first, as every task's (a --hung-after below it killed a
+            # chief loading its data, again at each restart, until the run failed)
+            if silent > self.hung_after() and now - chief.started_at > START_GRACE_S:
                 self._kill_hung(chief, f"has answered no status for {silent:.0f}s")
                 answered = now
                 continue
@@ -1048,10 +1055,13 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
             raise ConfigError(f"{exc} (--ps {args.ps} PS are started)") from None
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts must be >= 0")
-    if args.heartbeat_timeout <= 0:
-        raise ConfigError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout:g}")
-    if getattr(args, "hung_after", None) is not None and not args.hung_after > 0:
-        raise ConfigError(f"--hung-after must be > 0, got {args.hung_after:g}")
+    check_heartbeat_timeout(args.heartbeat_timeout)
+    if getattr(args, "hung_after", None) is not None and not args.hung_after >= MIN_HUNG_AFTER_S:
+        raise ConfigError(
+            f"--hung-after must be at least {MIN_HUNG_AFTER_S:g} s, got {args.hung_after:g}"
+            " (the launcher asks the chief's status twice a second: a shorter bound kills a"
+            " healthy chief between two of its answers)"
+        )
     if not args.stall_timeout >= 0:
         raise ConfigError(f"--stall-timeout must be >= 0, got {args.stall_timeout:g}")
     if args.timeout is not None and not args.timeout > 0:

@@ -27,6 +27,7 @@ from zmqps.cli.args import (
     add_security_args,
     add_server_args,
     add_sync_args,
+    check_output_dir,
     drop_stdout,
     exit_with_parent,
     resolution,
@@ -264,6 +265,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError("--workers must be >= 1")
+    check_output_dir("zmqps keygen", args.dir)
     clients = list(CLIENT_ROLES)
     if args.workers:
         clients.remove("worker")

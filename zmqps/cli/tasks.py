@@ -59,7 +59,13 @@ def checkpoint_policy(args: argparse.Namespace) -> CheckpointPolicy | None:
 
 def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpec) -> TaskConfig:
     """The TaskConfig of ``zmqps-server`` / ``zmqps-worker`` flags for ``task``."""
-    from zmqps.cli.args import job_from_args, metrics_port, on_nonfinite_from_args
+    from zmqps.cli.args import (
+        check_output_dir,
+        check_output_file,
+        job_from_args,
+        metrics_port,
+        on_nonfinite_from_args,
+    )
 
     common: dict[str, Any] = {
         "keys": getattr(args, "keys", None),
@@ -67,6 +73,7 @@ def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpe
         "quiet": bool(getattr(args, "quiet", False)),
     }
     if task.role == "ps":
+        check_output_dir("--checkpoint-dir", args.checkpoint_dir, keep=True)  # its shards
         bind = args.bind or bind_address(cluster.address("ps", task.index))
         ps = PSConfig(
             index=task.index,
@@ -81,6 +88,8 @@ def task_from_args(args: argparse.Namespace, cluster: ClusterSpec, task: TaskSpe
     if task.role == "evaluator":
         return TaskConfig(evaluator=evaluator_config(args, cluster), **common)
     job = job_from_args(args)
+    check_output_dir("--logdir", args.logdir, keep=True)
+    check_output_file("--stats", args.stats, keep=True)  # written at the end of the run
     serve_job = (args.job or DEFAULT_JOB) if getattr(args, "serve", False) else None
     if serve_job is None and getattr(args, "job", None):
         raise ConfigError("--job names the module of --serve (coordinator mode)")
@@ -132,6 +141,8 @@ def _chief_timeout(given: float | None, default: float) -> float | None:
 
 def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
     from zmqps.cli.args import (
+        check_heartbeat_timeout,
+        check_output_dir,
         check_output_file,
         job_from_args,
         metrics_port,
@@ -142,7 +153,19 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
     )
 
     job = job_from_args(args)
+    check_heartbeat_timeout(args.heartbeat_timeout)
     check_output_file("--summary", args.summary)
+    # the folders the chief writes in: refused now, one line (the chief hung on a
+    # --logdir it could not create, and failed on the others after serving)
+    for flag, path in (
+        ("--logdir", args.logdir),
+        ("--export-dir", args.export_dir),
+        ("--checkpoint-dir", args.checkpoint_dir),
+    ):
+        check_output_dir(flag, path, keep=True)
+    from zmqps.cli.coordinator import check_driver
+
+    check_driver(args)
     driver = None
     if getattr(args, "driver", "worker") == "coordinator":
         if job is None:
@@ -179,11 +202,14 @@ def chief_config(args: argparse.Namespace, cluster: ClusterSpec) -> ChiefConfig:
 
 
 def evaluator_config(args: argparse.Namespace, cluster: ClusterSpec) -> EvaluatorConfig:
-    from zmqps.cli.args import job_from_args, metrics_port
+    from zmqps.cli.args import check_output_dir, check_output_file, job_from_args, metrics_port
 
     job = job_from_args(args)
     if job is None:
         raise ConfigError("the evaluator needs the job's built-in --model")
+    check_output_dir("--logdir", args.logdir, keep=True)
+    # (its --checkpoint-dir is only read)
+    check_output_file("--eval-log", args.eval_log, keep=True)
     return EvaluatorConfig(
         chief=cluster.chief or None,
         job=job,
@@ -407,11 +433,12 @@ def _write_stats(cfg: WorkerConfig, worker: Any, result: dict[str, Any] | None) 
 
 def _worker_metrics(cfg: WorkerConfig) -> tuple[Any, Any]:
     """The worker's Metrics and its /metrics server (both None without a metrics port)."""
-    from zmqps.metrics import Metrics, MetricsServer
+    from zmqps.metrics import Metrics
+    from zmqps.roles._run import start_exporter
 
     if cfg.metrics_port is None:
         return None, None
     metrics = Metrics()
-    exporter = MetricsServer(metrics, cfg.metrics_host, cfg.metrics_port)
-    log.info("worker %d: metrics at %s", cfg.index, exporter.url)
+    # a port taken says so, as every other role's ("[Errno 98] Address already in use")
+    exporter = start_exporter(metrics, cfg.metrics_host, cfg.metrics_port, f"worker {cfg.index}")
     return metrics, exporter

@@ -89,6 +89,23 @@ ROW_REGION_BYTES = 8 << 20
 _swept = False
 
 
+def row_ids(name: str, ids: Any) -> Array:
+    """A batch's row ids of variable ``name`` as int64 (a copy only where they are of
+    another integer type; uint64 ids past 2^63 become the int64 of the same bits).
+    InvalidArgument for ids that are not integers: a float id was cut to an integer
+    (1.5 read row 1, NaN and floats past 2^63 all one row), a bool mask read rows 0
+    and 1, a string failed deep in numpy."""
+    if type(ids) is np.ndarray and ids.dtype == np.int64:
+        return ids
+    try:
+        a = np.asarray(ids)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"row ids of {name} must be integers ({exc})") from None
+    if a.dtype.kind in "iu" or (a.size == 0 and a.dtype.kind == "f"):  # ([] is float64)
+        return a.astype(np.int64, copy=False)
+    raise InvalidArgument(f"row ids of {name} must be integers (int64), got {a.dtype} values")
+
+
 def _rows_per_request(shape: tuple[int, ...]) -> int:
     """The most rows of a variable of ``shape`` one row request may carry."""
     return max(1, min(MAX_ROWS, MAX_ROW_VALUES // max(1, math.prod(shape[1:]))))
@@ -1058,7 +1075,7 @@ class ParameterClient:
         its initial value (zeros while not admitted), as a creating pull would return
         it. The shard versions of a read-only pull are not recorded (no push follows)."""
         v = self._variable(name)
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = row_ids(name, ids)
         plan = self._row_plan(name, ids)
         uniq, inverse = plan.uniq, plan.inverse
         rows = np.empty((uniq.size, *v.shape[1:]), dtype=v.dtype)
@@ -1243,7 +1260,7 @@ class ParameterClient:
         for the push and leaves ``grads`` alone until then; they are summed as the
         push is sent (into the push region, when the rows go there)."""
         v = self._variable(name)
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = row_ids(name, ids)
         grads = np.asarray(grads, dtype=v.dtype)
         if grads.shape != (ids.size, *v.shape[1:]):
             raise InvalidArgument(
@@ -1463,7 +1480,7 @@ class ParameterClient:
         then :meth:`pull_rows`. Sent again (``delivery``), an answered message is not
         sent: the rows it brought are kept in ``delivery``."""
         v = self._variable(rows.name)
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = row_ids(rows.name, ids)
         plan = self._row_plan(rows.name, ids)
         per = _rows_per_request(v.shape)
         if plan.uniq.size > per:

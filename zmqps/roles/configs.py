@@ -229,6 +229,8 @@ class WorkerConfig:
     mode: str | None = None
 
     def __post_init__(self) -> None:
+        if not self.connect_timeout > 0:  # (NaN too) as the evaluator's
+            raise ConfigError(f"--connect-timeout must be > 0, got {self.connect_timeout:g}")
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(
                 f"--on-nonfinite must be one of {', '.join(NONFINITE_POLICIES)},"

@@ -718,6 +718,10 @@ async def serve_evaluator(
     test: Dataset | CTRDataset | None = None,
 ) -> list[Evaluation]:
     """Run an evaluator over real sockets until training ends or a signal stops it."""
+    # before any socket: a failure here (a --logdir it cannot create) is raised with
+    # nothing to close (after its clients were made, the context's termination waited
+    # for them for ever: the evaluator hung, silent)
+    summaries = open_summaries(cfg.logdir, "evaluator")
     metrics = Metrics() if cfg.metrics_port is not None else None
     exporter = start_exporter(metrics, cfg.metrics_host, cfg.metrics_port, "evaluator")
     if metrics is not None:
@@ -744,7 +748,7 @@ async def serve_evaluator(
         ]
 
     ev = Evaluator(cfg, chief, connect_ps, test, metrics, incarnation=incarnation)
-    ev.summaries = open_summaries(cfg.logdir, "evaluator")
+    ev.summaries = summaries
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, ev.stop)

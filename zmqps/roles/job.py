@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 __all__ = ["JobConfig"]
 
 
+#: the largest ``--seed``: each variable's initializer takes ``seed + i`` (a few per
+#: model), a 64-bit int on the wire
+MAX_SEED = 2**62
+
+
 @dataclass(frozen=True)
 class JobConfig:
     model: str = "mlp"
@@ -59,6 +64,11 @@ class JobConfig:
         for name in ("batch_size", "epochs", "log_every", "examples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.seed <= MAX_SEED:
+            # the data order draws from seeds >= 0 (a worker failed on its first batch),
+            # the variables' initializers from seed + i on the wire (int64: the chief
+            # failed creating them, restarted, with the wire's schema path as its error)
+            raise ConfigError(f"--seed must be within [0, 2^62], got {self.seed}")
         lr, momentum = self.optimizer.get("lr"), self.optimizer.get("momentum", 0.0)
         if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
             raise ConfigError(f"--lr must be a number > 0, got {lr}")

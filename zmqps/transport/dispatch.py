@@ -17,6 +17,11 @@ logged with its traceback. Nothing here does IO.
 A pending request comes back as a :class:`Pending` (await it for the reply); one of
 the ops in :data:`~zmqps.wire.ops.LONG_POLLS` says it may be dropped when its peer
 disconnects (the server does that: it knows the connections).
+
+A handler that did its request's work and only holds the reply a short while (a sync
+push waiting for its step's values or its next token) returns a :class:`Held`: at the
+bound it is not refused ``busy`` (that says nothing was done) but answered at once with
+what it has (:meth:`Held.now`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -36,7 +41,7 @@ from zmqps.wire import ERROR, Limits, Message, decode, error_reply
 from zmqps.wire.errors import Busy, ProtocolError, ZmqpsError
 from zmqps.wire.ops import LONG_POLLS
 
-__all__ = ["MAX_PENDING", "MAX_PENDING_PER_PEER", "Dispatcher", "Pending"]
+__all__ = ["MAX_PENDING", "MAX_PENDING_PER_PEER", "Dispatcher", "Held", "Pending"]
 
 #: Requests of one peer pending at once (a worker or the chief has a few long polls
 #: and some pipelined requests; a chief serving 5,000 simulated workers holds one long
@@ -110,6 +115,26 @@ class Pending:
 
     def __await__(self) -> Generator[Any, None, Message]:
         return self._reply.__await__()
+
+
+class Held:
+    """The reply to a request whose work is done, held a short while for something
+    more it may bring (``wait``); ``now`` answers at once with what there is. A
+    dispatcher with no room for one more pending request answers it with ``now``:
+    ``busy`` would say nothing was done, and the request sent again would be a
+    duplicate of one applied."""
+
+    def __init__(self, wait: Coroutine[Any, Any, Message], now: Callable[[], Message]) -> None:
+        self._wait = wait
+        self._now = now
+
+    def __await__(self) -> Generator[Any, None, Message]:
+        return self._wait.__await__()
+
+    def now(self) -> Message:
+        """The reply at once (the wait, never started, is closed)."""
+        self._wait.close()
+        return self._now()
 
 
 Outcome = Message | Pending | None
@@ -201,6 +226,12 @@ class Dispatcher:
             refuse = held >= self.max_pending_per_peer
             if not refuse and self._pending_total >= self.max_pending:
                 refuse = not self._make_room(peer, held)
+            if refuse and isinstance(result, Held):  # its work is done: answered now
+                try:
+                    out = result.now()
+                except Exception as exc:
+                    out = self.error(msg, exc)
+                return self._observed(msg, out, started)
             if refuse:
                 if inspect.iscoroutine(result):
                     result.close()  # never started: nothing was done

@@ -351,7 +351,9 @@ class TakeToken(Body):
 @_body("ssp_clock")
 class SspClock(Body):
     who: Who
-    completed: int = wire(Int(0))
+    #: steps this worker completed: a count it reports of itself, as a heartbeat's
+    #: (the chief counts it as the worker's steps: 2**63 - 1 made its global step 2**62)
+    completed: int = wire(TALLY)
     wait: float | None = wire(WAIT, default=None)
 
 

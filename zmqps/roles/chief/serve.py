@@ -126,6 +126,10 @@ async def _serve(
     signal that stopped the run before its end)."""
     if metrics is None and cfg.metrics_port is not None:
         metrics = Metrics()
+    # before any socket: a failure here (a --logdir it cannot create) is raised with
+    # nothing to close (it came after the server started: the context's termination
+    # waited for its sockets for ever, and the chief hung, serving, until stopped)
+    summaries = open_summaries(cfg.logdir, "chief")
     ps_clients = [
         Client(ctx, addr, "chief:0", options=options, timeout=30.0) for addr in cfg.cluster.ps
     ]
@@ -143,6 +147,8 @@ async def _serve(
         await server.stop()
         for c in ps_clients:
             await c.close()
+        if summaries is not None:
+            summaries.close()
         raise
     log.info(
         "chief: serving on %s (%d PS, %d workers)",
@@ -158,7 +164,7 @@ async def _serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, _stop_on, service, sig)
-    service.summaries = open_summaries(cfg.logdir, "chief")
+    service.summaries = summaries
     watchers = _Watchers()
     # a server that stopped reading (a bug) leaves the chief deaf: it ends instead
     watchers.start("server's reader", server.reader_failed())

@@ -63,6 +63,7 @@ from zmqps.roles.ps.modes import Accumulate, Apply, PSMode, StepWaiters, make_mo
 from zmqps.roles.ps.regions import MAX_PER_WORKER, Regions
 from zmqps.roles.threads import CheckThreads
 from zmqps.roles.waiters import Changes
+from zmqps.transport.dispatch import Held
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire import ops as o
 from zmqps.wire.codec import is_bfloat16
@@ -933,7 +934,9 @@ class PSService:
     ) -> Message | Awaitable[Message]:
         """A push's reply that may wait: ``answer(False)`` now, or, while that is None,
         again after each change (``changed(left)``: a release, a step) within
-        :data:`PUSH_TOKEN_WAIT_S`, when ``answer(True)`` answers whatever it has.
+        :data:`PUSH_TOKEN_WAIT_S`, when ``answer(True)`` answers whatever it has; at
+        once with that where the server has no room for one more pending request (a
+        :class:`Held`: the push is applied, so it is never refused ``busy``).
         ``token``: the wait is reported as a token request's (``zmqps status``)."""
         now = answer(False)
         if now is not None:
@@ -957,7 +960,14 @@ class PSService:
                     return got
                 await changed(left)
 
-        return held()
+        def at_once() -> Message:  # no room to hold it (the server's pending bound)
+            if token:
+                self.tokens.waited(0.0)
+            got = answer(True)
+            assert got is not None  # (a final answer always answers)
+            return got
+
+        return Held(held(), at_once)
 
     def _fresh_values(
         self, msg: Message, req: o.Push, out: o.PushReply, packs: Sequence[int]
