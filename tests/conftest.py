@@ -5,12 +5,34 @@ Tests under tests/cluster are marked ``cluster`` (deselect them with ``-m "not c
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import hypothesis  # noqa: F401 - imported (and assertion-rewritten) now, see below
 import pytest
 from helpers import Reaper
+
+from zmqps.transport.ports import PORT_RANGE_ENV, port_range
+
+
+def _ports_of_this_process() -> None:
+    """Each test process of a run (pytest-xdist's gw0, gw1, ...) picks its clusters'
+    ports in a part of the range of its own (``ZMQPS_PORT_RANGE``, inherited by every
+    process it starts): a port is picked some seconds before its task binds it, and one
+    picked meanwhile by a cluster of another test process met a task already bound
+    there (a worker of one test registered with the other's chief; both failed)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not worker.startswith("gw") or count < 2:
+        return
+    index = int(worker[2:])
+    lo, top, _ = port_range()
+    size = (top - lo) // count
+    os.environ[PORT_RANGE_ENV] = f"{lo + index * size}-{lo + (index + 1) * size - 1}"
+
+
+_ports_of_this_process()
 
 # Imported here rather than lazily by hypothesis's pytest plugin at the end of a run:
 # rewriting its modules that late failed on CPython 3.11.7 ("AST constructor recursion
