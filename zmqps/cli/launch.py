@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import re
@@ -400,6 +402,9 @@ class Launcher:
         self.env: dict[str, str] = {}
         #: the launcher's stderr while the tasks run: written by a thread of its own
         self.console: Console | None = None
+        #: descriptors of the folders this launch holds (:func:`hold_folders`): every
+        #: task inherits them, so they stay held until the last task has exited
+        self.held_fds: tuple[int, ...] = ()
 
     def worker_stats(self, index: int) -> Path:
         """Where worker ``index`` writes its step statistics."""
@@ -409,13 +414,19 @@ class Launcher:
         """Every task's configuration, built and checked here, written as data for the
         child (``zmqps task --config FILE``): nothing is rebuilt from flags."""
         tasks_dir = self.run_dir / "tasks"
-        tasks_dir.mkdir(parents=True, exist_ok=True)
+        made = not tasks_dir.exists()
         keys = None if self.keys_dir is None else str(self.keys_dir)
         kids = []
         threads = self.threads()
         for name, task in self.task_configs(keys):
             path = tasks_dir / f"{name}.json"
-            path.write_text(dumps(task) + "\n")
+            try:
+                tasks_dir.mkdir(parents=True, exist_ok=True)
+                path.write_text(dumps(task) + "\n")
+            except OSError as exc:  # a full disk, a read-only one: said with the path
+                if made:  # (left, it would make the folder look like an earlier run's)
+                    shutil.rmtree(tasks_dir, ignore_errors=True)
+                raise ZmqpsError(f"cannot write {path}: {exc.strerror}") from None
             argv = [sys.executable, "-m", "zmqps", "task", "--config", str(path)]
             computes = task.worker is not None and not Device.parse(self.args.device).is_cuda
             env = thread_env(threads if computes else 1, os.environ)
@@ -561,6 +572,7 @@ class Launcher:
             stdin=asyncio.subprocess.DEVNULL,
             env={**self.env, **child.env},
             start_new_session=True,
+            pass_fds=self.held_fds,
         )
 
     async def _watch(self, child: Child) -> None:
@@ -1198,8 +1210,77 @@ def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
             )
 
 
+def hold_folders(args: argparse.Namespace) -> tuple[list[int], list[Path]]:
+    """Take an exclusive lock on ``--run-dir`` and ``--checkpoint-dir`` (made if
+    missing) for as long as this launch and its tasks run: a second launch on the same
+    folders, ``--resume`` or not, would share the first one's checkpoints, logs and
+    summary, each taking the other's run for its own. It is refused with one line
+    (exit 1) instead. The lock goes with the last process holding it, a launcher
+    killed with SIGKILL included (its tasks exit soon after it). Returns the locked
+    descriptors and the folders made here (removed again if the launch does not
+    start)."""
+    fds: list[int] = []
+    made: list[Path] = []
+    held: set[Path] = set()
+    folders = [("--run-dir", args.run_dir)]
+    if args.checkpoints:
+        folders.append(("--checkpoint-dir", args.checkpoint_dir))
+    try:
+        for flag, path in folders:
+            if not path or Path(path).resolve() in held:
+                continue  # (a lock taken twice by this process would refuse itself)
+            folder = Path(path)
+            held.add(folder.resolve())
+            missing = [d for d in (folder, *folder.parents) if not d.exists()]
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"{flag} {folder}: cannot create it ({exc.strerror})") from None
+            made += missing
+            try:
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError as exc:
+                raise ConfigError(f"{flag} {folder}: cannot open it ({exc.strerror})") from None
+            fds.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                raise ZmqpsError(
+                    f"{flag} {folder} is in use by another zmqps launch (or its tasks, still"
+                    " exiting): wait for it to end, or choose another folder"
+                ) from None
+    except BaseException:
+        release_folders(fds, made)
+        raise
+    return fds, made
+
+
+def release_folders(fds: list[int], made: list[Path]) -> None:
+    """Close the descriptors :func:`hold_folders` locked, and remove the folders it
+    made that stayed empty (a launch that did not start leaves nothing behind)."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    for folder in made:  # deepest first
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 def launch(args: argparse.Namespace) -> int:
     job = check_launch_args(args)
+    fds, made = hold_folders(args)
+    try:
+        code = _launch(args, job, fds)
+    except BaseException:
+        release_folders(fds, made)
+        raise
+    release_folders(fds, [])
+    return code
+
+
+def _launch(args: argparse.Namespace, job: JobConfig, fds: list[int]) -> int:
     for flag in ("summary", "prometheus_targets"):  # written later: their folder must exist
         path = getattr(args, flag, None)
         if path:
@@ -1222,6 +1303,7 @@ def launch(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         launcher = Launcher(args, run_dir)
+        launcher.held_fds = tuple(fds)
     except ConfigError:  # nothing started: a folder made for the run is not left behind
         if not args.run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
