@@ -309,11 +309,14 @@ def export_model(
         doc["extra"] = _json_safe(dict(extra), "extra")
 
     parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:12]
     tmp = parent / f".{target.name}.tmp-{tag}"
     old = parent / f".{target.name}.old-{tag}"
-    tmp.mkdir()
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:  # a full disk, a read-only one: said with the path
+        raise ExportError(f"{where}: cannot write it ({exc.strerror or exc})") from None
     try:
         _write(tmp / WEIGHTS_FILE, weights)
         _write(tmp / SIGNATURE_FILE, (json.dumps(doc, indent=2) + "\n").encode())
@@ -322,11 +325,13 @@ def export_model(
             target.rename(old)
         tmp.rename(target)
         fsync_dir(parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not target.exists():
             with contextlib.suppress(OSError):
                 old.rename(target)  # put the previous export back
+        if isinstance(exc, OSError):
+            raise ExportError(f"{where}: cannot write it ({exc.strerror or exc})") from None
         raise
     shutil.rmtree(old, ignore_errors=True)
     return target

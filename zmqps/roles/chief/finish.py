@@ -6,6 +6,7 @@ import asyncio
 import logging
 from typing import Any
 
+from zmqps.export import ExportError
 from zmqps.roles.chief.service import ChiefService
 from zmqps.roles.client import ParameterClient
 
@@ -24,6 +25,13 @@ def nonfinite_verdict(nonfinite: int, steps: int, max_share: float) -> str:
         f"{nonfinite} of {steps} steps ({share:.1%}) had non-finite gradients, refused by"
         f" the PS and skipped: more than --max-nonfinite-share {max_share:g}"
     )
+
+
+def _export_failed(summary: dict[str, Any], exc: ExportError) -> None:
+    """The export could not be written (a full disk, say): the run fails (exit code 3,
+    never retried: a chief started again would train nothing and fail the same way)."""
+    log.error("the export failed: %s", exc)
+    summary.setdefault("failed", f"the export failed: {exc}")
 
 
 async def summarize(service: ChiefService) -> dict[str, Any]:
@@ -120,9 +128,13 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         summary.update(await evaluate_ctr(client, job))
         summary["tables"] = await table_summary(service.ps)
         if cfg.export_dir:
-            path = await export_ctr(client, job, cfg.export_dir, summary)
-            summary["export_dir"] = str(path)
-            log.info("exported the model (its tables' live rows) to %s", path)
+            try:
+                path = await export_ctr(client, job, cfg.export_dir, summary)
+            except ExportError as exc:
+                _export_failed(summary, exc)
+            else:
+                summary["export_dir"] = str(path)
+                log.info("exported the model (its tables' live rows) to %s", path)
         log.info(
             "final model: %s",
             ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if "auc" in k or "logloss" in k),
@@ -143,16 +155,20 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         from zmqps.data.preprocessing import preprocessing
         from zmqps.export import export_model
 
-        path = await asyncio.to_thread(
-            export_model,
-            cfg.export_dir,
-            model.signature(),
-            params,
-            metrics=summary,
-            preprocessing=preprocessing(job.dataset),
-        )
-        summary["export_dir"] = str(path)
-        log.info("exported the model to %s", path)
+        try:
+            path = await asyncio.to_thread(
+                export_model,
+                cfg.export_dir,
+                model.signature(),
+                params,
+                metrics=summary,
+                preprocessing=preprocessing(job.dataset),
+            )
+        except ExportError as exc:
+            _export_failed(summary, exc)
+        else:
+            summary["export_dir"] = str(path)
+            log.info("exported the model to %s", path)
     log.info(
         "final model: test accuracy %.4f, test loss %.4f (global step %d)",
         summary["test_accuracy"],

@@ -381,9 +381,10 @@ async def _finish(service: ChiefService) -> bool:
             recovery.handle(Event.ALL_DONE)
         recovery.stop_training()  # no step comes any more: nothing may start a checkpoint now
         gen = recovery.gen
+        lost = ""
         try:
             if service.checkpoints is not None:
-                await service.checkpoints.final(finished=True)
+                lost = await _final_checkpoint(service)
             result = await summarize(service)
         except (RolledBack, NotReady, DeadlineExceeded) as e:
             # a PS restarted (or was cut off) at the end of the run: the final checkpoint
@@ -394,6 +395,8 @@ async def _finish(service: ChiefService) -> bool:
             await _recovered(service, gen, deadline)
             continue
         if recovery.gen == gen:
+            if lost and not result.get("failed"):
+                result["failed"] = lost
             service.result = result
             break
         # restored while the summary was made: it may be of values that are gone
@@ -407,6 +410,25 @@ async def _finish(service: ChiefService) -> bool:
     await _evaluators_done(service)
     await _waiting_told(service)
     return True
+
+
+async def _final_checkpoint(service: ChiefService) -> str:
+    """Take the run's final checkpoint; why it failed (the disk full, say), or "".
+    A final checkpoint that could not be written fails the run (exit code 3): it ended
+    otherwise in order, but what it trained since its latest checkpoint is in no
+    checkpoint, and a ``--resume`` would not find where it ended."""
+    assert service.checkpoints is not None
+    ck = service.checkpoints.ck
+    failed_before = ck.failed
+    ckpt = await service.checkpoints.final(finished=True)
+    if ckpt is not None or ck.failed == failed_before or ck.last_transient:
+        return ""
+    last = ck.last_committed
+    return f"the final checkpoint could not be written ({ck.last_error}); " + (
+        f"{last.name} (step {last.step}) stays the latest"
+        if last is not None
+        else "no checkpoint of this run is committed"
+    )
 
 
 async def _waiting_told(service: ChiefService) -> None:

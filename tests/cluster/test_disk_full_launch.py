@@ -1,0 +1,60 @@
+"""``zmqps launch`` with its checkpoints on a full disk (a real one: a small tmpfs).
+
+The run's final checkpoint failed (no space left on device), the chief logged it, and
+the launch still said ``done`` and exited 0 with no checkpoint committed: a
+``--resume`` then found nothing to go on from. A final checkpoint that cannot be
+written now fails the run: the chief exits 3 naming the disk error, the launch exits
+non-zero, within its bound."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import Reaper, launch_run
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("a real full disk needs root to mount a small tmpfs")
+    path.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here ({exc})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, timeout=10)
+
+
+def test_a_final_checkpoint_on_a_full_disk_fails_the_launch(procs: Reaper, tmp_path: Path) -> None:
+    # a checkpoint of 512x512 float32 weights (1 MiB) and the rest does not fit in 1 MiB
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        run = tmp_path / "run"
+        launcher, summary = launch_run(
+            procs,
+            run,
+            *("--ps", "1", "--workers", "2", "--epochs", "1", "--hidden", "512,512"),
+            *("--checkpoint-dir", str(disk / "ckpts"), "--checkpoint-steps", "1000"),
+            timeout=90,
+        )
+        launcher.expect_exit(1, timeout=100)
+        err = launcher.stderr
+        assert "the final checkpoint could not be written" in err, err
+        assert "no space left on device" in err, err
+        assert "no checkpoint of this run is committed" in err, err
+        assert "zmqps launch: failed: chief exited with code 3" in err, err
+        assert "zmqps launch: done" not in err, err
+        assert not summary.exists()
+        assert not (disk / "ckpts" / "LATEST").exists()
