@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,6 +42,7 @@ __all__ = [
     "needs_tools",
     "read_json",
     "script",
+    "tmpfs",
     "wait_for",
     "zmqps_cmd",
 ]
@@ -442,3 +443,25 @@ async def serving_ps(cfg: Any, options: Any = None) -> Any:
         task.cancel()
         await client.close()
         ctx.term()
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A real file system of ``size`` (``mount -t tmpfs``) at ``path``, unmounted after:
+    a full disk. Skips without root or where it cannot be mounted."""
+    if os.geteuid() != 0:
+        pytest.skip("a real full disk needs root to mount a small tmpfs")
+    path.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here ({exc})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, timeout=10)

@@ -8,34 +8,9 @@ non-zero, within its bound."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from helpers import Reaper, launch_run
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("a real full disk needs root to mount a small tmpfs")
-    path.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-            check=True,
-            capture_output=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here ({exc})")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, timeout=10)
+from helpers import Reaper, launch_run, tmpfs
 
 
 def test_a_final_checkpoint_on_a_full_disk_fails_the_launch(procs: Reaper, tmp_path: Path) -> None:

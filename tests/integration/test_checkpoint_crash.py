@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import ckpt_writer
 import numpy as np
 import pytest
+from helpers import tmpfs
 
 from zmqps.checkpoint import (
     LATEST,
@@ -303,26 +303,6 @@ def test_disk_full_while_committing(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert [n for n in os.listdir(temp) if n.startswith(".")] == []
     root.abort(temp)
     assert_previous_intact(root, previous)
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("a real full disk needs root to mount a small tmpfs")
-    path.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-            check=True,
-            capture_output=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here ({exc})")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, timeout=10)
 
 
 def fill(directory: Path) -> Path:
