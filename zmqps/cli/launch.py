@@ -64,7 +64,7 @@ from zmqps.cli.args import (
 from zmqps.cli.console import Console
 from zmqps.cli.coordinator import add_driver_args, check_launch
 from zmqps.cli.entry import exiting
-from zmqps.cli.tasks import DEFAULT_JOB
+from zmqps.cli.tasks import DEFAULT_JOB, STOP_SIGNALS
 from zmqps.config import ClusterSpec
 from zmqps.core.finished import RECORD_NAME
 from zmqps.device import Device, DeviceError, cuda_device_count
@@ -836,7 +836,7 @@ class Launcher:
             interrupted.set()
 
         # a hangup (the terminal closed, an ssh session gone) stops the run like SIGTERM
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, on_signal, sig)
         sys.stderr.flush()
         self.console = Console(sys.stderr)
@@ -847,7 +847,7 @@ class Launcher:
             # the run is over (its children stopped): its exit code stands, whatever
             # signal comes while it is printed (the loop's closing would put their
             # default actions back, and one then would kill the launcher by it)
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
             exiting()
             if self.bar is not None:
