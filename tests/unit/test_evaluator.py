@@ -463,6 +463,52 @@ def test_all_down_ends_the_evaluation_only_once_the_final_checkpoint_is_committe
     assert "the newest checkpoint, ckpt-000000000020, is the run's final one" in caplog.text
 
 
+@pytest.mark.parametrize("when", ["verified", "read"])
+def test_a_checkpoint_replaced_while_it_is_read_is_not_skipped(
+    tmp_path: Path,
+    test_split: Dataset,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    when: str,
+) -> None:
+    """The run's final checkpoint of the step of its last periodic one replaces that
+    one under the same name. Replaced while the evaluator verifies or reads it, it is
+    no failure of a checkpoint: the evaluator scores what replaced it (the final
+    model), and skips nothing."""
+    pytest.importorskip("zmqps.checkpoint", reason="the checkpoint library is not available")
+    from zmqps.checkpoint import Checkpoint
+
+    ckpts = tmp_path / "ckpts"
+    patched = Checkpoint.verify if when == "verified" else Checkpoint.variables
+    replaced: list[str] = []
+
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        m = c.model
+        values = random_values(m, 3, seed=2)
+        write_checkpoint(ckpts, m, values[0], 10)
+        write_checkpoint(ckpts, m, values[1], 20)
+
+        def replacing(self: Checkpoint) -> Any:
+            if self.step == 20 and not replaced:  # the chief's final one, meanwhile
+                replaced.append(write_checkpoint(ckpts, m, values[2], 20, final=True))
+            return patched(self)
+
+        monkeypatch.setattr(Checkpoint, patched.__name__, replacing)
+        ev = c.evaluator(test_split, checkpoint_dir=str(ckpts))
+        got = await ev._evaluate_new(final=True)
+        assert replaced, "the replacement happened"
+        assert got is not None and (got.step, got.checkpoint) == (20, replaced[0])
+        want = m.evaluate(values[2], test_split.x, test_split.y)
+        assert got.accuracy == pytest.approx(want["accuracy"])
+        assert ev._final_seen  # the run's final checkpoint: a lone evaluator ends here
+        assert await ev._evaluate_new(final=True) is None  # scored once
+
+    with caplog.at_level(logging.WARNING, logger="zmqps"):
+        run(body())
+    assert "skipped" not in caplog.text
+
+
 def test_checkpoint_of_another_model_is_skipped(
     tmp_path: Path, test_split: Dataset, caplog: pytest.LogCaptureFixture
 ) -> None:

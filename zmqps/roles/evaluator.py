@@ -8,9 +8,11 @@ Rules of this module:
   cannot change the model, and training never waits for it.
 * Two sources of models. With a checkpoint directory it evaluates each new
   committed checkpoint it finds there (read from disk, verified; one that fails
-  verification is skipped with a warning). Without one it pulls a snapshot of
-  every dense variable from the PS, at most once per interval and only when the
-  chief's global step has moved since the last evaluation.
+  verification is skipped with a warning; one replaced while it is read, the final
+  checkpoint of the step of the last periodic one, is read again as it is now: a
+  checkpoint is known by its name and its manifest's time). Without one it pulls a
+  snapshot of every dense variable from the PS, at most once per interval and only
+  when the chief's global step has moved since the last evaluation.
 * Each evaluation is published three ways: a log line, the ``zmqps_eval_*``
   metrics (when an exporter runs) and, optionally, a JSON line in the eval log.
 * The end: training is over when the chief says ``finished`` (its summary is
@@ -103,6 +105,13 @@ STATUS_POLL_S = 0.5
 FINAL_PULL_S = 5.0
 
 
+class ManifestLike(Protocol):
+    """What the evaluator reads of a checkpoint's manifest."""
+
+    @property
+    def created(self) -> float: ...
+
+
 class CheckpointLike(Protocol):
     """What the evaluator reads of a committed checkpoint."""
 
@@ -112,6 +121,14 @@ class CheckpointLike(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def manifest(self) -> ManifestLike: ...
+
+    @property
+    def final(self) -> bool: ...
+
+    def verify(self) -> list[str]: ...
+
     def variables(self) -> dict[str, Array]: ...
 
 
@@ -120,7 +137,19 @@ class CheckpointRootLike(Protocol):
 
     def checkpoints(self) -> Sequence[CheckpointLike]: ...
 
-    def latest(self, verify: bool = ...) -> CheckpointLike | None: ...
+    def get(self, name: str) -> CheckpointLike: ...
+
+
+def identity(ckpt: CheckpointLike) -> tuple[str, float]:
+    """A committed checkpoint as it was committed: its name and its manifest's time.
+    The name alone is not enough: the run's final checkpoint of the step of its last
+    periodic one replaces that one under the same name."""
+    return ckpt.name, float(ckpt.manifest.created)
+
+
+#: a checkpoint replaced or pruned while it was read is looked for again at once, at
+#: most this many times (then at the next evaluation)
+REREADS = 3
 
 
 def port_closed(address: str, timeout: float = 1.0) -> bool:
@@ -221,11 +250,12 @@ class Evaluator:
         self._client: ParameterClient | None = None
         #: the process serving each PS state (snapshots follow a fail-over)
         self.homes: Homes | None = None
-        self._seen: set[str] = set()  # checkpoints evaluated or skipped
+        #: checkpoints evaluated or skipped (:func:`identity`)
+        self._seen: set[tuple[str, float]] = set()
         self._final_seen = False  # the last checkpoint evaluated is a run's final one
         #: the newest checkpoint, a final one, before the chief was first heard: a
         #: finished run's, which this one resumed from (not this run's end)
-        self._final_before: str | None = None
+        self._final_before: tuple[str, float] | None = None
         self._last_step: int | None = None  # snapshot: step of the last evaluation
         self._watch = _Watch(last_contact=self.clock())
         self._next_eval = 0.0
@@ -325,8 +355,8 @@ class Evaluator:
             return await self._alone()
         if self.cfg.checkpoint_dir is not None:
             newest = await asyncio.to_thread(self._newest_listed)
-            if newest is not None and getattr(newest, "final", False) is True:
-                self._final_before = newest.name
+            if newest is not None and newest.final:
+                self._final_before = identity(newest)
         info = await self._register()
         if self.stopping.is_set() or info is None:
             return self.evaluations
@@ -485,11 +515,7 @@ class Evaluator:
         if self.cfg.checkpoint_dir is None:
             return "every worker had finished" if self._watch.workers_done else None
         newest = self._newest_listed()
-        if (
-            newest is not None
-            and getattr(newest, "final", False) is True
-            and newest.name != self._final_before
-        ):
+        if newest is not None and newest.final and identity(newest) != self._final_before:
             return f"the newest checkpoint, {newest.name}, is the run's final one"
         return None
 
@@ -542,45 +568,64 @@ class Evaluator:
         return await self._score(variables, int(ckpt.step), "checkpoint", ckpt.name)
 
     def _newest_checkpoint(self, directory: str) -> tuple[CheckpointLike, dict[str, Any]] | None:
-        """The newest committed checkpoint not evaluated yet, verified, and its variables."""
-        try:
-            root = self.open_root(directory)
-            listed = list(root.checkpoints())
-        except (ZmqpsError, OSError, ValueError) as exc:
-            log.warning("evaluator: cannot list checkpoints in %s: %s", directory, exc)
-            return None
-        if not listed or listed[-1].name in self._seen:
-            return None
-        newest = listed[-1].name
-        try:
-            ckpt = root.latest(verify=True)
-            if ckpt is not None and ckpt.name != newest:
-                # latest() passed over the newest: it did not verify.
-                self._skip(newest, "it failed verification")
-            if ckpt is None or ckpt.name in self._seen:
+        """The newest committed checkpoint not evaluated yet, verified, and its variables
+        (one that fails is skipped with a warning, and the next older one tried).
+
+        A checkpoint may be replaced (the final one of the same step) or pruned while it
+        is read: that is no failure of it. The directory is looked at again at once."""
+        for _ in range(REREADS):
+            try:
+                root = self.open_root(directory)
+                listed = list(root.checkpoints())
+            except (ZmqpsError, OSError, ValueError) as exc:
+                log.warning("evaluator: cannot list checkpoints in %s: %s", directory, exc)
                 return None
+            for ckpt in reversed(listed):
+                if identity(ckpt) in self._seen:
+                    return None
+                variables, why = self._read_checkpoint(ckpt)
+                # read as it was verified: still what its directory holds afterwards
+                if self._replaced(root, ckpt):
+                    break  # list again: what replaced it is the newest
+                if variables is not None:
+                    self._seen.add(identity(ckpt))
+                    self._final_seen = ckpt.final
+                    return ckpt, variables
+                self._skip(ckpt, why)
+            else:
+                return None
+        return None
+
+    def _read_checkpoint(self, ckpt: CheckpointLike) -> tuple[dict[str, Any] | None, str]:
+        """A checkpoint's variables, verified, or None and why they cannot be used."""
+        try:
+            problems = ckpt.verify()
+            if problems:
+                return None, f"it failed verification: {'; '.join(problems)}"
             variables: dict[str, Any] = dict(ckpt.variables())
         except (ZmqpsError, OSError, ValueError, KeyError) as exc:
-            self._skip(newest, f"it failed verification: {exc}")
-            return None
+            return None, f"it failed verification: {exc}"
         missing = sorted(
             v.name
             for v in self.model.variables()
             if not v.hashed and (v.name not in variables or variables[v.name].shape != v.shape)
         )
         if missing:
-            self._skip(ckpt.name, f"variables missing or of another shape: {', '.join(missing)}")
-            return None
+            return None, f"variables missing or of another shape: {', '.join(missing)}"
         if isinstance(self.model, CTRModel):
             try:
                 variables.update(self._checkpoint_tables(ckpt))
             except (ZmqpsError, OSError, ValueError, KeyError) as exc:
-                self._skip(ckpt.name, f"its tables cannot be read: {exc}")
-                return None
-        self._seen.add(ckpt.name)
-        extra = getattr(getattr(ckpt, "manifest", None), "extra", None) or {}
-        self._final_seen = bool(extra.get("final"))
-        return ckpt, variables
+                return None, f"its tables cannot be read: {exc}"
+        return variables, ""
+
+    @staticmethod
+    def _replaced(root: CheckpointRootLike, ckpt: CheckpointLike) -> bool:
+        """Whether ``ckpt`` is no longer what its directory holds (replaced, pruned)."""
+        try:
+            return identity(root.get(ckpt.name)) != identity(ckpt)
+        except (ZmqpsError, OSError, ValueError):
+            return True
 
     def _checkpoint_tables(self, ckpt: Any) -> dict[str, TableView]:
         """Every hash-keyed table of a checkpoint, as lookups that read like the PS."""
@@ -596,10 +641,10 @@ class Evaluator:
                 out[v.name] = TableView(v.name, ids, values, saved.init, saved.table or {})
         return out
 
-    def _skip(self, name: str, why: str) -> None:
-        if name not in self._seen:
-            log.warning("evaluator: checkpoint %s skipped: %s", name, why)
-            self._seen.add(name)
+    def _skip(self, ckpt: CheckpointLike, why: str) -> None:
+        if identity(ckpt) not in self._seen:
+            log.warning("evaluator: checkpoint %s skipped: %s", ckpt.name, why)
+            self._seen.add(identity(ckpt))
 
     async def _from_snapshot(self, final: bool) -> Evaluation | None:
         step = self._watch.global_step
