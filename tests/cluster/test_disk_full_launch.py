@@ -33,3 +33,30 @@ def test_a_final_checkpoint_on_a_full_disk_fails_the_launch(procs: Reaper, tmp_p
         assert "zmqps launch: done" not in err, err
         assert not summary.exists()
         assert not (disk / "ckpts" / "LATEST").exists()
+
+
+def test_a_logdir_on_a_full_disk_costs_the_summaries_not_the_run(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    """TensorBoard summaries on a disk that fills up: each task says so in one line and
+    writes no more of them; the run ends as it would without them (tensorboardX's own
+    writer left tracebacks from its flush thread, and a chief that hung closing it was
+    killed by the launcher again and again)."""
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        (disk / "fill").write_bytes(b"\0" * (52 * 1024))  # a few KiB are left
+        run = tmp_path / "run"
+        launcher, summary = launch_run(
+            procs,
+            run,
+            *("--workers", "2", "--epochs", "2", "--evaluator", "--logdir", str(disk)),
+            timeout=90,
+        )
+        launcher.expect_exit(0, timeout=100)
+        assert summary.exists()
+        assert "zmqps launch: done" in launcher.stdout, launcher.stdout
+        err = launcher.stderr
+        assert "No space left on device; no more summaries" in err, err
+        assert "Traceback" not in err, err
+        for log in run.glob("*.log"):
+            assert "Traceback" not in log.read_text(), log
+        assert "restarting" not in err and "killed" not in err, err

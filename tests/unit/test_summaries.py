@@ -3,8 +3,13 @@ files they become (read back with TensorBoard's own reader)."""
 
 from __future__ import annotations
 
+import errno
+import io
+import logging
 import math
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -80,38 +85,64 @@ def test_percentile_is_a_value_of_the_sample_with_its_share_at_or_below(
     assert percentile(values, 100) == max(values) and percentile(values, 0) == min(values)
 
 
-def test_summaries_write_finite_scalars_a_reader_gets_back(tmp_path: Path) -> None:
+def read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """What TensorBoard's own reader gets back of ``folder``'s event files."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def test_summaries_write_finite_scalars_a_reader_gets_back(tmp_path: Path) -> None:
     assert open_summaries(None, "chief") is None
     with open_summaries(tmp_path, "worker3") as s:  # type: ignore[union-attr]
         assert s.path == tmp_path / "worker3"
         s.scalars(10, {"train/loss": 0.5, "train/bad": math.nan, "train/none": None})
+        # in the file when the call returns: TensorBoard sees it while the task runs
+        assert read_scalars(s.path) == {"train/loss": [(10, 0.5)]}
         s.scalars(20, {"train/loss": 0.25, "train/steps_per_second": 12})
         assert s.written == 3
     s.close()  # again: nothing happens
     s.scalars(30, {"train/loss": 0.1})  # after close: dropped, no error
-    acc = EventAccumulator(str(tmp_path / "worker3"))
-    acc.Reload()
-    assert sorted(acc.Tags()["scalars"]) == ["train/loss", "train/steps_per_second"]
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 0.5), (20, 0.25)]
+    assert read_scalars(tmp_path / "worker3") == {
+        "train/loss": [(10, 0.5), (20, 0.25)],
+        "train/steps_per_second": [(20, 12.0)],
+    }
 
 
-def test_a_writer_that_fails_stops_the_summaries_not_the_task(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+class FullDisk(io.RawIOBase):
+    """A file on a full disk: every write fails with ENOSPC."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("when", ["first write", "a later write"])
+def test_a_full_disk_stops_the_summaries_not_the_task(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, when: str
 ) -> None:
+    """No writer thread: the call that meets the full disk logs it in one line naming
+    the file, the summaries stop, and closing returns at once (tensorboardX's own
+    writer left a traceback from its thread and hung the task's close)."""
     s = Summaries(tmp_path, "chief")
-
-    class Broken:
-        def add_scalar(self, *a: object, **k: object) -> None:
-            raise OSError("disk full")
-
-        def close(self) -> None:
-            raise OSError("disk full")
-
-    s._writer = Broken()
-    s.scalars(1, {"cluster/x": 1.0})  # logged, not raised
-    s.scalars(2, {"cluster/x": 2.0})
+    assert s._file is not None
+    name = s._file.path.name
+    if when == "a later write":
+        s.scalars(1, {"cluster/x": 1.0})
+    s._file._file = io.BufferedWriter(FullDisk(), buffer_size=64)
+    s.scalars(2, {"cluster/x": 2.0, "cluster/y": 3.0})  # logged, not raised
+    s.scalars(3, {"cluster/x": 4.0})  # the summaries stopped: nothing is tried
+    threads = threading.active_count()
     s.close()
-    assert "cannot write; no more summaries" in caplog.text
-    assert caplog.text.count("cannot write") == 1
+    s.close()
+    assert threading.active_count() == threads  # no thread of its own to wait for
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, caplog.text
+    assert name in errors[0].getMessage() and "No space left" in errors[0].getMessage()
+    assert errors[0].exc_info is None  # one line, no traceback
+    if when == "a later write":
+        assert read_scalars(tmp_path / "chief") == {"cluster/x": [(1, 1.0)]}

@@ -9,10 +9,15 @@ Rules of this module:
   windowed figures (rates, percentiles, means) are computed here (:class:`Window`),
   sans-IO, at most once per window, from bounded state (a reservoir of the last
   :data:`SAMPLES` values per series).
-* The writer flushes every :data:`FLUSH_S` seconds (tensorboardX's own thread) and
-  on :meth:`Summaries.close`; a value that is not finite (a NaN loss) is left out,
-  not written. Writing never raises into training: a failure is logged once and
-  the task's summaries stop.
+* Events are tensorboardX's protocol buffers, framed as TensorBoard reads them, and
+  written by the caller, no writer thread: each :meth:`Summaries.scalars` call's
+  events are in the file (flushed to the OS) when it returns. A value that is not
+  finite (a NaN loss) is left out, not written. Writing never raises into training
+  and never hangs a task's end: a failure (a full disk) is logged once, in one line
+  naming the file, and the task's summaries stop; closing after it does nothing.
+  (tensorboardX's own ``SummaryWriter`` flushes from a thread of its own: on a full
+  disk that thread died with a traceback and closing the writer waited for it for
+  ever.)
 * Only this package imports tensorboardX, and only when a logdir is given.
 """
 
@@ -21,6 +26,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -28,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "FLUSH_S",
     "SAMPLES",
     "WINDOW_S",
     "Summaries",
@@ -39,16 +46,13 @@ __all__ = [
 
 log = logging.getLogger("zmqps.summaries")
 
-#: Seconds between two flushes of a task's event file (and at close).
-FLUSH_S = 2.0
 #: Seconds a window of figures lasts (one point per tag and window).
 WINDOW_S = 1.0
 #: Values kept per series for the percentiles of one window (the latest ones).
 SAMPLES = 1024
-#: What writing event files may raise (a full or gone disk, a writer closed under it):
-#: logged with its traceback, and the task's summaries stop; anything else is a bug
-#: and propagates.
-WRITE_ERRORS = (OSError, ValueError, RuntimeError)
+#: What writing an event file may raise (a full or gone disk, a file closed under it):
+#: logged, and the task's summaries stop; anything else is a bug and propagates.
+WRITE_ERRORS = (OSError, ValueError)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -58,50 +62,99 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+class EventFile:
+    """One TensorBoard event file (``events.out.tfevents.<time>.<host>.<pid>``): records
+    of serialized ``Event`` protocol buffers, each framed by its length and the masked
+    CRC-32C of both (TFRecord), buffered, written by the caller."""
+
+    def __init__(self, folder: Path) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.record_writer import masked_crc32c
+
+        self._event, self._crc = Event, masked_crc32c
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self.path = folder / name
+        self._file = self.path.open("ab")
+        self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def scalar(self, tag: str, value: float, step: int, walltime: float) -> None:
+        from tensorboardX.summary import scalar
+
+        self._write(self._event(wall_time=walltime, step=step, summary=scalar(tag, value)))
+
+    def _write(self, event: Any) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        crc = self._crc
+        self._file.write(
+            header + struct.pack("<I", crc(header)) + data + struct.pack("<I", crc(data))
+        )
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        """Flush and close; the file is closed even when the flush fails."""
+        try:
+            self._file.flush()
+        finally:
+            self._file.close()
+
+
 class Summaries:
     """One task's TensorBoard run, ``logdir/run``."""
 
-    def __init__(self, logdir: str | Path, run: str, *, flush_s: float = FLUSH_S) -> None:
-        from tensorboardX import SummaryWriter
-
+    def __init__(self, logdir: str | Path, run: str) -> None:
         self.path = Path(logdir) / run
         self.path.mkdir(parents=True, exist_ok=True)
-        self._writer: Any = SummaryWriter(logdir=str(self.path), flush_secs=max(1, int(flush_s)))
+        self._file: EventFile | None = EventFile(self.path)
         self.written = 0
 
     def scalars(self, step: int, values: Mapping[str, float | int | None]) -> None:
-        """Each finite value of ``values`` (tag -> value) at global step ``step``."""
-        writer = self._writer
-        if writer is None:
+        """Each finite value of ``values`` (tag -> value) at global step ``step``, in
+        the file when this returns."""
+        events = self._file
+        if events is None:
             return
         now = time.time()
         try:
             for tag, value in values.items():
                 if value is None or not math.isfinite(value):
                     continue
-                writer.add_scalar(tag, float(value), int(step), walltime=now)
+                events.scalar(tag, float(value), int(step), now)
                 self.written += 1
-        except WRITE_ERRORS:
-            log.exception("summaries in %s: cannot write; no more summaries", self.path)
-            self._close_quietly()
+            events.flush()
+        except WRITE_ERRORS as exc:
+            self._failed(exc)
 
     def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
+        if self._file is not None:
+            try:
+                self._file.flush()
+            except WRITE_ERRORS as exc:
+                self._failed(exc)
 
     def close(self) -> None:
-        """Flush and close (idempotent)."""
-        if self._writer is None:
+        """Flush and close (idempotent); a failure is logged, not raised."""
+        events, self._file = self._file, None
+        if events is None:
             return
         try:
-            self._writer.close()
-        finally:
-            self._writer = None
+            events.close()
+        except WRITE_ERRORS as exc:
+            log.error("summaries in %s: cannot write %s: %s", self.path, events.path.name, exc)
 
-    def _close_quietly(self) -> None:
-        writer, self._writer = self._writer, None
-        with contextlib.suppress(*WRITE_ERRORS):  # already failing; the log said why
-            writer.close()
+    def _failed(self, exc: BaseException) -> None:
+        events, self._file = self._file, None
+        assert events is not None
+        log.error(
+            "summaries in %s: cannot write %s: %s; no more summaries",
+            self.path,
+            events.path.name,
+            exc,
+        )
+        with contextlib.suppress(*WRITE_ERRORS):  # already failing; said above
+            events.close()
 
     def __enter__(self) -> Summaries:
         return self
