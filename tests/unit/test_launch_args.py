@@ -63,6 +63,22 @@ SHARED = {
         ["--max-staleness", "3"],
         "--max-staleness applies only to --mode ssp (this run is async)",
     ),
+    # a typo, not two layers (it was read as 128,64)
+    "hidden-empty-size": (
+        ["--hidden", "128,,64"],
+        "--hidden '128,,64': expected sizes like 128 or 256,128",
+    ),
+    "hidden-trailing-comma": (
+        ["--hidden", "128,"],
+        "--hidden '128,': expected sizes like 128 or 256,128",
+    ),
+    "hidden-zero": (["--hidden", "128,0"], "--hidden '128,0': sizes must be positive"),
+    # a size mistyped by a few digits: the task ran out of memory
+    "hidden-too-big": (
+        ["--hidden", "1280000"],
+        "--hidden '1280000': about 2,621 million weights (9.8 GiB of float32 on the PS and"
+        " each worker); the built-in MLP takes at most 268 million",
+    ),
     "staleness-in-sync": (
         ["--mode", "sync", "--max-staleness", "0"],
         "--max-staleness applies only to --mode ssp (this run is sync)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -765,13 +766,26 @@ def optimizer_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _hidden(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(t) for t in text.split(",") if t.strip())
+    try:  # every part a size: "128,,64" is a typo, not two layers
+        sizes = tuple(int(t) for t in text.split(","))
     except ValueError:
         raise ConfigError(f"--hidden {text!r}: expected sizes like 128 or 256,128") from None
     if not sizes or min(sizes) < 1:
         raise ConfigError(f"--hidden {text!r}: sizes must be positive")
+    # the weights between the layers, and to and from up to 1,024 inputs and outputs
+    weights = 1024 * (sizes[0] + sizes[-1]) + sum(a * b for a, b in itertools.pairwise(sizes))
+    if weights > MAX_MLP_WEIGHTS:
+        raise ConfigError(
+            f"--hidden {text!r}: about {weights / 1e6:,.0f} million weights"
+            f" ({weights * 4 / 2**30:,.1f} GiB of float32 on the PS and each worker); the"
+            f" built-in MLP takes at most {MAX_MLP_WEIGHTS / 1e6:,.0f} million"
+        )
     return sizes
+
+
+#: the built-in MLP's weights at most (1 GiB of float32): a size mistyped by a few
+#: digits is a clear error, not a task that runs out of memory
+MAX_MLP_WEIGHTS = 2**28
 
 
 #: the built-in jobs' defaults: digits MLP / softmax, and the CTR model
