@@ -3,7 +3,8 @@
 A second launch with ``--resume`` on the folder of a run still training went on from
 its checkpoints beside it: both clusters wrote the same checkpoints, logs and summary,
 each read the other's summary as its own, and both exited 0. A launch now holds
-``--run-dir`` (and ``--checkpoint-dir``) while it and its tasks run: a second one is
+``--run-dir`` and its checkpoint folder (``--checkpoint-dir``, or its default
+``RUN_DIR/checkpoints``) while it and its tasks run: a second one is
 refused with one line and exit code 1, and leaves the first one's files alone."""
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from helpers import Reaper, chief_address, launch_run, wait_for, zmqps_cmd
 
 def test_a_second_launch_on_a_running_run_dir_is_refused(procs: Reaper, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    ckpts = tmp_path / "ckpts"
+    ckpts = run / "checkpoints"  # the first run's, by default: another launch may name it
     flags = ["--ps", "1", "--workers", "2", "--epochs", "400", "--checkpoint-steps", "50"]
-    first, summary = launch_run(procs, run, *flags, "--checkpoint-dir", str(ckpts))
+    first, summary = launch_run(procs, run, *flags)
     chief_address(first)  # the cluster is up
     wait_for(
         lambda: (ckpts / "LATEST").exists() or None,
@@ -66,8 +67,6 @@ def test_a_second_launch_on_a_running_run_dir_is_refused(procs: Reaper, tmp_path
             "--no-progress",
             "--run-dir",
             str(run),
-            "--checkpoint-dir",
-            str(ckpts),
             *flags[:4],
             "--epochs",
             "1",

@@ -1111,6 +1111,15 @@ CHIEF_SUMMARY = "chief-summary.json"
 RUN_FILES = ("chief.log", "tasks", "model", CHIEF_SUMMARY, "checkpoints")
 
 
+def _holds(path: Path) -> bool:
+    """Whether ``path`` is there with something in it (an empty folder holds nothing:
+    the checkpoint folder :func:`hold_folders` made for this run, say)."""
+    if not path.is_dir():
+        return path.exists()
+    with os.scandir(path) as entries:
+        return any(True for _ in entries)
+
+
 def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | None:
     """The checkpoint this launch goes on from (``--resume``), else None; refuses to
     start silently on an earlier run's checkpoints or files."""
@@ -1128,7 +1137,7 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
                 f" step {latest.step}{', final' if latest.final else ''}): pass --resume to"
                 " go on from it, or choose a new --run-dir / --checkpoint-dir"
             )
-        found = [] if run_dir is None else [n for n in RUN_FILES if (run_dir / n).exists()]
+        found = [] if run_dir is None else [n for n in RUN_FILES if _holds(run_dir / n)]
         if found:
             raise ConfigError(
                 f"--run-dir {run_dir} holds an earlier run ({', '.join(found)}) that this one"
@@ -1223,8 +1232,9 @@ def hold_folders(args: argparse.Namespace) -> tuple[list[int], list[Path]]:
     made: list[Path] = []
     held: set[Path] = set()
     folders = [("--run-dir", args.run_dir)]
-    if args.checkpoints:
-        folders.append(("--checkpoint-dir", args.checkpoint_dir))
+    if args.checkpoints:  # RUN_DIR/checkpoints too: another launch may name it its own
+        default = Path(args.run_dir) / "checkpoints" if args.run_dir else None
+        folders.append(("--checkpoint-dir", args.checkpoint_dir or default))
     try:
         for flag, path in folders:
             if not path or Path(path).resolve() in held:
