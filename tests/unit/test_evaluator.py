@@ -509,6 +509,34 @@ def test_a_checkpoint_replaced_while_it_is_read_is_not_skipped(
     assert "skipped" not in caplog.text
 
 
+def test_a_damaged_final_checkpoint_leaves_the_scores_in_step_order(
+    tmp_path: Path, test_split: Dataset, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 20 scored, then the final checkpoint of step 20 replaces it and fails
+    verification: it is skipped, and the older step 10 (never scored: it was old when
+    20 came) is not scored after 20."""
+    pytest.importorskip("zmqps.checkpoint", reason="the checkpoint library is not available")
+    ckpts = tmp_path / "ckpts"
+
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        m = c.model
+        values = random_values(m, 3, seed=3)
+        write_checkpoint(ckpts, m, values[0], 10)
+        write_checkpoint(ckpts, m, values[1], 20)
+        ev = c.evaluator(test_split, checkpoint_dir=str(ckpts))
+        got = await ev._evaluate_new(final=False)
+        assert got is not None and got.step == 20
+        await asyncio.sleep(0.01)  # another manifest time
+        corrupt(ckpts / write_checkpoint(ckpts, m, values[2], 20, final=True))
+        assert await ev._evaluate_new(final=False) is None
+        assert [e.step for e in ev.evaluations] == [20]
+
+    with caplog.at_level(logging.WARNING, logger="zmqps"):
+        run(body())
+    assert caplog.text.count("checkpoint ckpt-000000000020 skipped: it failed verification") == 1
+
+
 def test_checkpoint_of_another_model_is_skipped(
     tmp_path: Path, test_split: Dataset, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -519,7 +547,8 @@ def test_checkpoint_of_another_model_is_skipped(
         c = await make_cluster(test_split)
         other = JobConfig(model="mlp", hidden=(4,)).build_model(test_split)
         params = {v.name: np.zeros(v.shape, v.dtype) for v in other.variables()}
-        write_checkpoint(ckpts, other, params, 5)
+        for step in (3, 4, 5):  # the newest says it: the older ones are not read
+            write_checkpoint(ckpts, other, params, step)
         ev = c.evaluator(test_split, checkpoint_dir=str(ckpts))
         task = asyncio.ensure_future(ev.run())
         await until(lambda: "skipped" in caplog.text, "the warning")
@@ -530,6 +559,7 @@ def test_checkpoint_of_another_model_is_skipped(
     with caplog.at_level(logging.WARNING, logger="zmqps"):
         run(body())
     assert "variables missing or of another shape: softmax/b, softmax/w" in caplog.text
+    assert caplog.text.count("skipped") == 1, caplog.text
 
 
 def test_snapshots_follow_a_ps_state_moved_by_a_fail_over(test_split: Dataset) -> None:

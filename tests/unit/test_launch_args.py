@@ -11,12 +11,18 @@ from pathlib import Path
 import pytest
 
 from zmqps.cli.args import check_output_dir
-from zmqps.cli.launch import CHECKPOINT_SECS, Launcher, check_launch_args
+from zmqps.cli.launch import (
+    CHECKPOINT_SECS,
+    Launcher,
+    check_launch_args,
+    hold_folders,
+    release_folders,
+)
 from zmqps.cli.main import _build, _common_args, _server_parser, main
 from zmqps.cli.tasks import task_from_args
 from zmqps.config import ClusterSpec, TaskSpec
 from zmqps.roles.configs import CheckpointPolicy, ChiefConfig
-from zmqps.wire.errors import EXIT_CONFIG, ConfigError
+from zmqps.wire.errors import EXIT_CONFIG, ConfigError, ZmqpsError
 
 CLUSTER = ClusterSpec(chief="127.0.0.1:1", ps=("127.0.0.1:2",), worker=("127.0.0.1:3",))
 
@@ -75,9 +81,9 @@ SHARED = {
     "hidden-zero": (["--hidden", "128,0"], "--hidden '128,0': sizes must be positive"),
     # a size mistyped by a few digits: the task ran out of memory
     "hidden-too-big": (
-        ["--hidden", "1280000"],
-        "--hidden '1280000': about 2,621 million weights (9.8 GiB of float32 on the PS and"
-        " each worker); the built-in MLP takes at most 268 million",
+        ["--hidden", "5000000"],
+        "--hidden 5000000 on digits: about 370 million weights (1.4 GiB of float32 on the"
+        " PS and on each worker); the built-in MLP takes at most 268 million",
     ),
     "staleness-in-sync": (
         ["--mode", "sync", "--max-staleness", "0"],
@@ -319,3 +325,35 @@ def test_hung_after_is_three_heartbeat_timeouts_at_least_15_s_unless_given(
     assert Launcher(launch_args(), tmp_path).hung_after() == 30.0  # 3 x 10 s
     assert Launcher(launch_args("--heartbeat-timeout", "2"), tmp_path).hung_after() == 15.0
     assert Launcher(launch_args("--hung-after", "4.5"), tmp_path).hung_after() == 4.5
+
+
+def test_the_folders_a_launch_holds_are_gone_again_when_it_does_not_start(
+    tmp_path: Path,
+) -> None:
+    """The run folder and its default checkpoint folder are made and locked; a launch
+    that does not start removes both again, the deeper first (the run folder was
+    left behind, holding an empty checkpoint folder)."""
+    run = tmp_path / "a" / "run"
+    fds, made = hold_folders(launch_args("--run-dir", str(run)))
+    assert (run / "checkpoints").is_dir() and len(fds) == 2
+    release_folders(fds, made)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_default_checkpoint_folder_in_use_is_named_as_the_run_dirs(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    other = launch_args(
+        "--run-dir", str(tmp_path / "other"), "--checkpoint-dir", str(run / "checkpoints")
+    )
+    fds, made = hold_folders(other)  # another launch names this one's default folder
+    try:
+        with pytest.raises(ZmqpsError) as refused:
+            hold_folders(launch_args("--run-dir", str(run)))
+        assert str(refused.value) == (
+            f"--run-dir {run}'s checkpoint folder {run / 'checkpoints'} is in use by another"
+            " zmqps launch (or its tasks, still exiting): wait for it to end, or choose"
+            " another folder"
+        )
+    finally:
+        release_folders(fds, made)
+    assert list(tmp_path.iterdir()) == []

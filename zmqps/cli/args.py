@@ -25,7 +25,7 @@ from zmqps.config import (  # bind_address is re-exported: it moved to zmqps.con
 from zmqps.core.lowp import WIRE_DTYPES
 from zmqps.core.partition import Partitioner
 from zmqps.core.sync import MODES
-from zmqps.data import DATASETS
+from zmqps.data import CLASSES, DATASETS, FEATURES
 from zmqps.data.ctr import CTR_DATASETS
 from zmqps.device import Device
 from zmqps.logs import OneLineFormatter
@@ -772,19 +772,24 @@ def _hidden(text: str) -> tuple[int, ...]:
         raise ConfigError(f"--hidden {text!r}: expected sizes like 128 or 256,128") from None
     if not sizes or min(sizes) < 1:
         raise ConfigError(f"--hidden {text!r}: sizes must be positive")
-    # the weights between the layers, and to and from up to 1,024 inputs and outputs
-    weights = 1024 * (sizes[0] + sizes[-1]) + sum(a * b for a, b in itertools.pairwise(sizes))
-    if weights > MAX_MLP_WEIGHTS:
-        raise ConfigError(
-            f"--hidden {text!r}: about {weights / 1e6:,.0f} million weights"
-            f" ({weights * 4 / 2**30:,.1f} GiB of float32 on the PS and each worker); the"
-            f" built-in MLP takes at most {MAX_MLP_WEIGHTS / 1e6:,.0f} million"
-        )
     return sizes
 
 
-#: the built-in MLP's weights at most (1 GiB of float32): a size mistyped by a few
-#: digits is a clear error, not a task that runs out of memory
+def _check_mlp_size(job: JobConfig) -> None:
+    """The built-in MLP's weights at most :data:`MAX_MLP_WEIGHTS`: a size mistyped by a
+    few digits is a clear error, not tasks that run out of memory."""
+    sizes = (FEATURES.get(job.dataset, 0), *job.hidden, CLASSES)
+    weights = sum(a * b for a, b in itertools.pairwise(sizes))
+    if weights > MAX_MLP_WEIGHTS:
+        raise ConfigError(
+            f"--hidden {','.join(map(str, job.hidden))} on {job.dataset}: about"
+            f" {weights / 1e6:,.0f} million weights ({weights * 4 / 2**30:,.1f} GiB of"
+            " float32 on the PS and on each worker); the built-in MLP takes at most"
+            f" {MAX_MLP_WEIGHTS / 1e6:,.0f} million"
+        )
+
+
+#: the built-in MLP's weights at most (1 GiB of float32)
 MAX_MLP_WEIGHTS = 2**28
 
 
@@ -815,6 +820,8 @@ def job_from_args(args: argparse.Namespace) -> JobConfig | None:
         seed=args.seed,
         log_every=args.log_every,
     )
+    if job.model == "mlp":
+        _check_mlp_size(job)
     job.check_data()
     return job
 

@@ -1220,21 +1220,25 @@ def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
 
 
 def hold_folders(args: argparse.Namespace) -> tuple[list[int], list[Path]]:
-    """Take an exclusive lock on ``--run-dir`` and ``--checkpoint-dir`` (made if
-    missing) for as long as this launch and its tasks run: a second launch on the same
-    folders, ``--resume`` or not, would share the first one's checkpoints, logs and
-    summary, each taking the other's run for its own. It is refused with one line
-    (exit 1) instead. The lock goes with the last process holding it, a launcher
-    killed with SIGKILL included (its tasks exit soon after it). Returns the locked
-    descriptors and the folders made here (removed again if the launch does not
-    start)."""
+    """Take an exclusive lock on ``--run-dir`` and the checkpoint folder
+    (``--checkpoint-dir``, or ``RUN_DIR/checkpoints``; made if missing) for as long as
+    this launch and its tasks run: a second launch on the same folders, ``--resume`` or
+    not, would share the first one's checkpoints, logs and summary, each taking the
+    other's run for its own. It is refused with one line (exit 1) instead. The lock
+    goes with the last process holding it, a launcher killed with SIGKILL included
+    (its tasks exit soon after it). Returns the locked descriptors and the folders
+    made here (removed again if the launch does not start)."""
     fds: list[int] = []
     made: list[Path] = []
     held: set[Path] = set()
-    folders = [("--run-dir", args.run_dir)]
-    if args.checkpoints:  # RUN_DIR/checkpoints too: another launch may name it its own
-        default = Path(args.run_dir) / "checkpoints" if args.run_dir else None
-        folders.append(("--checkpoint-dir", args.checkpoint_dir or default))
+    # (what the folder is to the user, the folder)
+    folders: list[tuple[str, str | Path | None]] = [("--run-dir", args.run_dir)]
+    if args.checkpoints and args.checkpoint_dir:
+        folders.append(("--checkpoint-dir", args.checkpoint_dir))
+    elif args.checkpoints and args.run_dir:  # the default: another launch may name it
+        folders.append(
+            (f"--run-dir {args.run_dir}'s checkpoint folder", Path(args.run_dir) / "checkpoints")
+        )
     try:
         for flag, path in folders:
             if not path or Path(path).resolve() in held:
@@ -1273,7 +1277,8 @@ def release_folders(fds: list[int], made: list[Path]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
-    for folder in made:  # deepest first
+    # deepest first, across folders too (RUN_DIR/checkpoints before RUN_DIR)
+    for folder in sorted(made, key=lambda p: len(p.absolute().parts), reverse=True):
         with contextlib.suppress(OSError):
             folder.rmdir()
 

@@ -22,7 +22,9 @@ from zmqps.data.digits import load_digits
 from zmqps.data.mnist import load_mnist, read_idx, write_idx
 
 __all__ = [
+    "CLASSES",
     "DATASETS",
+    "FEATURES",
     "Dataset",
     "batches",
     "load_dataset",
@@ -37,6 +39,9 @@ __all__ = [
 
 #: names :func:`load_dataset` accepts.
 DATASETS = ("digits", "mnist")
+#: each data set's features an example (8x8 and 28x28 pixels) and its classes
+FEATURES = {"digits": 64, "mnist": 784}
+CLASSES = 10
 
 
 def load_dataset(name: str, split: str, data_dir: str | os.PathLike[str] | None = None) -> Dataset:

@@ -568,10 +568,13 @@ class Evaluator:
         return await self._score(variables, int(ckpt.step), "checkpoint", ckpt.name)
 
     def _newest_checkpoint(self, directory: str) -> tuple[CheckpointLike, dict[str, Any]] | None:
-        """The newest committed checkpoint not evaluated yet, verified, and its variables
-        (one that fails is skipped with a warning, and the next older one tried).
+        """The newest committed checkpoint not evaluated yet, verified, and its variables.
 
-        A checkpoint may be replaced (the final one of the same step) or pruned while it
+        One that fails verification is skipped with a warning and the next older one
+        tried, back to the first one seen before (scores stay in step order: not past a
+        name evaluated or skipped before, as a final checkpoint replacing one evaluated
+        is). One of another model is skipped, and nothing older tried (they are too). A
+        checkpoint may be replaced (the final one of the same step) or pruned while it
         is read: that is no failure of it. The directory is looked at again at once."""
         for _ in range(REREADS):
             try:
@@ -580,10 +583,11 @@ class Evaluator:
             except (ZmqpsError, OSError, ValueError) as exc:
                 log.warning("evaluator: cannot list checkpoints in %s: %s", directory, exc)
                 return None
+            names = {name for name, _ in self._seen}
             for ckpt in reversed(listed):
                 if identity(ckpt) in self._seen:
                     return None
-                variables, why = self._read_checkpoint(ckpt)
+                variables, why, damaged = self._read_checkpoint(ckpt)
                 # read as it was verified: still what its directory holds afterwards
                 if self._replaced(root, ckpt):
                     break  # list again: what replaced it is the newest
@@ -592,32 +596,37 @@ class Evaluator:
                     self._final_seen = ckpt.final
                     return ckpt, variables
                 self._skip(ckpt, why)
+                if not damaged or ckpt.name in names:
+                    return None
             else:
                 return None
         return None
 
-    def _read_checkpoint(self, ckpt: CheckpointLike) -> tuple[dict[str, Any] | None, str]:
-        """A checkpoint's variables, verified, or None and why they cannot be used."""
+    def _read_checkpoint(self, ckpt: CheckpointLike) -> tuple[dict[str, Any] | None, str, bool]:
+        """A checkpoint's variables, verified; or None, why they cannot be used, and
+        whether that is damage of this checkpoint (it fails verification), not a
+        mismatch every checkpoint of the directory has (another model's)."""
         try:
             problems = ckpt.verify()
             if problems:
-                return None, f"it failed verification: {'; '.join(problems)}"
+                return None, f"it failed verification: {'; '.join(problems)}", True
             variables: dict[str, Any] = dict(ckpt.variables())
         except (ZmqpsError, OSError, ValueError, KeyError) as exc:
-            return None, f"it failed verification: {exc}"
+            return None, f"it failed verification: {exc}", True
         missing = sorted(
             v.name
             for v in self.model.variables()
             if not v.hashed and (v.name not in variables or variables[v.name].shape != v.shape)
         )
         if missing:
-            return None, f"variables missing or of another shape: {', '.join(missing)}"
+            why = f"variables missing or of another shape: {', '.join(missing)}"
+            return None, why, False
         if isinstance(self.model, CTRModel):
             try:
                 variables.update(self._checkpoint_tables(ckpt))
             except (ZmqpsError, OSError, ValueError, KeyError) as exc:
-                return None, f"its tables cannot be read: {exc}"
-        return variables, ""
+                return None, f"its tables cannot be read: {exc}", False
+        return variables, "", False
 
     @staticmethod
     def _replaced(root: CheckpointRootLike, ckpt: CheckpointLike) -> bool:
