@@ -150,6 +150,8 @@ def identity(ckpt: CheckpointLike) -> tuple[str, float]:
 #: a checkpoint replaced or pruned while it was read is looked for again at once, at
 #: most this many times (then at the next evaluation)
 REREADS = 3
+#: checkpoints evaluated or skipped that the evaluator remembers (the latest ones)
+SEEN_MAX = 1024
 
 
 def port_closed(address: str, timeout: float = 1.0) -> bool:
@@ -251,7 +253,8 @@ class Evaluator:
         #: the process serving each PS state (snapshots follow a fail-over)
         self.homes: Homes | None = None
         #: checkpoints evaluated or skipped (:func:`identity`)
-        self._seen: set[tuple[str, float]] = set()
+        #: (the latest :data:`SEEN_MAX`: older ones were pruned from the folder long ago)
+        self._seen: dict[tuple[str, float], None] = {}
         self._final_seen = False  # the last checkpoint evaluated is a run's final one
         #: the newest checkpoint, a final one, before the chief was first heard: a
         #: finished run's, which this one resumed from (not this run's end)
@@ -592,7 +595,7 @@ class Evaluator:
                 if self._replaced(root, ckpt):
                     break  # list again: what replaced it is the newest
                 if variables is not None:
-                    self._seen.add(identity(ckpt))
+                    self._saw(ckpt)
                     self._final_seen = ckpt.final
                     return ckpt, variables
                 self._skip(ckpt, why)
@@ -653,7 +656,12 @@ class Evaluator:
     def _skip(self, ckpt: CheckpointLike, why: str) -> None:
         if identity(ckpt) not in self._seen:
             log.warning("evaluator: checkpoint %s skipped: %s", ckpt.name, why)
-            self._seen.add(identity(ckpt))
+            self._saw(ckpt)
+
+    def _saw(self, ckpt: CheckpointLike) -> None:
+        self._seen[identity(ckpt)] = None
+        if len(self._seen) > SEEN_MAX:
+            del self._seen[next(iter(self._seen))]
 
     async def _from_snapshot(self, final: bool) -> Evaluation | None:
         step = self._watch.global_step
