@@ -1444,3 +1444,25 @@ def test_a_burst_of_checkpoint_requests_shares_checkpoints_named_by_their_step(
         assert ck.last_committed.step == 9
 
     run(body())
+
+
+def test_a_ps_without_a_checkpoint_dir_is_refused_at_the_start(tmp_path: Path) -> None:
+    """A chief that takes checkpoints and a PS started without --checkpoint-dir: the
+    chief found out at its first checkpoint, the final one of a run started by hand,
+    after all the training (exit 3, nothing committed). It refuses at the start now,
+    naming the PS (a configuration error: exit code 2, never restarted)."""
+
+    async def body() -> None:
+        env = make_env(2, num_workers=1, serve=[], checkpoint=CheckpointPolicy(str(tmp_path)))
+        env.serve(0)
+        env.services[1] = PSService(1, checkpoint_dir=str(tmp_path))
+        env.stats[1] = env.net.serve(env.cfg.cluster.ps[1], env.services[1], name="ps1")
+        with pytest.raises(ConfigError) as refused:
+            await env.chief.start()
+        assert str(refused.value) == (
+            f"ps 0 runs without --checkpoint-dir, and this chief takes checkpoints"
+            f" (--checkpoint-dir {tmp_path}): give every PS --checkpoint-dir (a folder all"
+            " of them and the chief see), or the chief none"
+        )
+
+    run(body())

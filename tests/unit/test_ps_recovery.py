@@ -169,6 +169,7 @@ def test_ps_state_tells_a_chief_what_the_ps_holds(tmp_path: Path) -> None:
             "mode": "",
             "step": 0,
             "contributors": [],
+            "checkpoints": True,  # it was given a checkpoint folder
         }
         assert len(st["boot"]) == 16 and int(st["boot"], 16) >= 0
         assert c.services[0].boot != c.services[1].boot  # one per process start

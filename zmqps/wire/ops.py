@@ -1018,6 +1018,9 @@ class PsStateReply(Body):
     epoch: int | None = wire(COUNT, default=None)
     #: replication: the newest placement the chief published to it (``placement``)
     newest: Mapping[str, Any] | None = wire(PLACEMENT, default=None)
+    #: whether this PS can write checkpoints (it was given ``--checkpoint-dir``); None:
+    #: an older PS, not said
+    checkpoints: bool | None = wire(Bool(), default=None)
 
 
 @_body(reply=True)

@@ -61,6 +61,7 @@ from zmqps.roles.homes import Homes
 from zmqps.transport import Requester
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
+    ConfigError,
     DeadlineExceeded,
     NotFound,
     NotPrimary,
@@ -414,6 +415,7 @@ class RecoveryController:
         left = [] if named is None else [q for q in range(len(self.ps)) if q not in named]
         outside = [] if named is not None else self._outside(latest)
         states = first = await self.ps_states(self.cfg.startup_timeout, [*left, *outside])
+        self._check_ps_checkpoints(states)
         # (those outside the latest checkpoint's run that answer are part of it again)
         self.left_at_start = left = [*left, *(q for q in outside if states[q].get("left"))]
         moved, orphans, gone = self._copies_of(states) if self.replicated() else (elastic, [], [])
@@ -696,6 +698,23 @@ class RecoveryController:
         await self.fail_over(orphans, gone)
         assert self.variables.placement is not None
         return self.variables.placement
+
+    def _check_ps_checkpoints(self, states: Sequence[dict[str, Any]]) -> None:
+        """A chief that takes checkpoints, with a PS that cannot write them (started
+        without ``--checkpoint-dir``): refused at the start (exit code 2), not found
+        by the first checkpoint, the final one maybe, after all the training."""
+        policy = self.cfg.checkpoint
+        if self.checkpointer is None or policy is None:
+            return
+        without = [i for i, st in enumerate(states) if st.get("checkpoints") is False]
+        if without:
+            raise ConfigError(
+                f"ps {', '.join(map(str, without))} {'runs' if len(without) == 1 else 'run'}"
+                " without --checkpoint-dir, and this chief takes checkpoints"
+                f" (--checkpoint-dir {policy.directory}): give every PS"
+                " --checkpoint-dir (a folder all of them and the chief see), or the chief"
+                " none"
+            )
 
     def _ended(self, ckpt: Checkpoint) -> dict[str, Any] | None:
         """The run's summary (the chief's ``summary_path``) when ``ckpt`` is this run's

@@ -225,9 +225,11 @@ async def _serve(
         )
         return service.result, 128 + int(stopped_by)
     if service.finished:
+        # the run's (a chief started after its end restored nothing: its own step is 0)
+        step = service.result.get("global_step", service.global_step)
         log.info(
-            "chief: the run is over (global step %d)%s",
-            service.global_step,
+            "chief: the run is over (global step %s)%s",
+            step,
             f"; summary in {cfg.summary_path}" if cfg.summary_path else "",
         )
     return service.result, 0

@@ -1266,6 +1266,7 @@ class PSService:
             done=self.pushes.finished() or None,
             rewinds=self.rewinds,
             highs=self.pushes.highs() or None,
+            checkpoints=self.checkpoints.root is not None,
         )
         return reply(msg, state.to_wire())
 
