@@ -16,14 +16,9 @@ from helpers import Reaper, launch_run, tmpfs
 def test_a_final_checkpoint_on_a_full_disk_fails_the_launch(procs: Reaper, tmp_path: Path) -> None:
     # a checkpoint of 512x512 float32 weights (1 MiB) and the rest does not fit in 1 MiB
     with tmpfs(tmp_path / "disk", "1m") as disk:
-        run = tmp_path / "run"
-        launcher, summary = launch_run(
-            procs,
-            run,
-            *("--ps", "1", "--workers", "2", "--epochs", "1", "--hidden", "512,512"),
-            *("--checkpoint-dir", str(disk / "ckpts"), "--checkpoint-steps", "1000"),
-            timeout=90,
-        )
+        flags = ("--ps", "1", "--workers", "2", "--epochs", "1", "--hidden", "512,512")
+        flags += ("--checkpoint-dir", str(disk / "ckpts"), "--checkpoint-steps", "1000")
+        launcher, summary = launch_run(procs, tmp_path / "run", *flags, timeout=90)
         launcher.expect_exit(1, timeout=100)
         err = launcher.stderr
         assert "the final checkpoint could not be written" in err, err
@@ -45,12 +40,8 @@ def test_a_logdir_on_a_full_disk_costs_the_summaries_not_the_run(
     with tmpfs(tmp_path / "disk", "64k") as disk:
         (disk / "fill").write_bytes(b"\0" * (52 * 1024))  # a few KiB are left
         run = tmp_path / "run"
-        launcher, summary = launch_run(
-            procs,
-            run,
-            *("--workers", "2", "--epochs", "2", "--evaluator", "--logdir", str(disk)),
-            timeout=90,
-        )
+        flags = ("--workers", "2", "--epochs", "2", "--evaluator", "--logdir", str(disk))
+        launcher, summary = launch_run(procs, run, *flags, timeout=90)
         launcher.expect_exit(0, timeout=100)
         assert summary.exists()
         assert "zmqps launch: done" in launcher.stdout, launcher.stdout
