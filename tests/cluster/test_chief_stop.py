@@ -48,7 +48,10 @@ def test_a_second_signal_stops_the_chief_at_once(procs: Reaper, tmp_path: Path) 
     chief = procs.spawn(
         [server, *hosts, "--role", "chief", *job, "--checkpoint-dir", str(ckpt)], name="chief"
     )
-    ps = procs.spawn([server, *hosts, "--role", "ps", "--index", "0"], name="ps0")
+    ps = procs.spawn(  # a chief that takes checkpoints refuses a PS that cannot
+        [server, *hosts, "--role", "ps", "--index", "0", "--checkpoint-dir", str(ckpt)],
+        name="ps0",
+    )
     worker = procs.spawn(
         [script("zmqps-worker"), *hosts, "--role", "worker", "--index", "0", *job],
         name="worker0",
