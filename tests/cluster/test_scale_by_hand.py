@@ -121,8 +121,6 @@ def test_scale_down_and_up_by_hand(procs: Reaper, tmp_path: Path) -> None:
     run.ps[1].expect_exit(0, timeout=30)
     assert "drained" in run.chief_p.stderr
     at_exit = global_step(chief)
-    # ps1 started again by hand, same flags (it starts while training goes on on ps0)
-    again = procs.spawn(run.ps[1].argv, name="scaled-ps1-again")
     wait_for(lambda: global_step(chief) > at_exit + 20, 30, what="training after the drain")
     m = scrape(port)
     assert (m["zmqps_ps_serving"], m["zmqps_ps_asked"], m["zmqps_ps_drained"]) == (1, 1, 1), m
@@ -130,7 +128,16 @@ def test_scale_down_and_up_by_hand(procs: Reaper, tmp_path: Path) -> None:
     assert m["zmqps_ps_moved_bytes_total"] == one["moved_bytes"] > 0, m
     assert m["zmqps_placement_epoch"] == one["epoch"] >= 1, m
 
-    # 1 -> 2: a state moves back onto ps1
+    # ps1 started again by hand, same flags, while training goes on on ps0: a PS that
+    # left and is started again joins on its own (no longer drained, asked for again)
+    again = procs.spawn(run.ps[1].argv, name="scaled-ps1-again")
+    joins = "ps 1 answers and serves nothing: it joins"
+    wait_for(lambda: joins in run.chief_p.stderr, 30, what="ps1 joining again")
+    wait_for(lambda: "scaling to 2 PS: ps 0, 1" in run.chief_p.stderr, 10, what="the ask")
+    m = scrape(port)
+    assert (m["zmqps_ps_asked"], m["zmqps_ps_drained"]) == (2, 0), m
+
+    # 1 -> 2 asked too (as a user would): a state moves back onto ps1, once
     two = scale_json(chief, "--ps", "2", wait=30)
     assert two["serving"] == [0, 1] and two["asked"] == [0, 1], two
     assert (two["moves_done"], two["moves_failed"]) == (2, 0), two
