@@ -505,3 +505,36 @@ def test_a_lost_promotion_is_sent_again_by_the_watch() -> None:
         assert isinstance(slots[b].role(1), Primary)
 
     run(body())
+
+
+def test_a_copy_promoted_by_a_fail_over_then_slow_to_answer_is_not_taken_for_restarted() -> None:
+    """The fail-over's promotion is answered, then the promoted copy's process is slow
+    (a loaded machine). The chief asked its boot id in a second request; late, the
+    health watch kept the dead primary's and took the copy's next probe answer for a
+    restart: a second fail-over of a live copy. The promotion's answer names it now."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots, _ = await started_watched(net)
+        placement = chief.placement
+        assert placement is not None
+        backup = next(s.backups[0] for s in placement.shards if s.state == 1)
+        late: list[str] = []
+
+        def slow(msg: Message) -> Any:
+            if msg.op == "ps_state" and msg.slot == 1:
+                late.append(msg.op)
+                raise DeadlineExceeded("ps_state: no answer within 2s")
+            return slots[backup](msg)
+
+        net.serve(PS[backup], slow)
+        net.remove(PS[1])
+        await chief.recovery.fail_over([1])
+        rec = chief.recovery
+        assert rec.homes is not None and rec.homes.of[1] == backup
+        boot = slots[backup].service(1).boot
+        assert rec.boots[1] == boot
+        assert rec.health.answered(1, boot, rec.gen, rec.clock()) == "ok"
+        assert not late
+
+    run(body())

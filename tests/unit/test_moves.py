@@ -1438,3 +1438,37 @@ def test_a_scale_up_left_undone_at_the_end_says_so() -> None:
         assert el["serving"] == [0, 1, 2] and "unmet" not in el, el
 
     run(body())
+
+
+def test_a_move_onto_a_process_slow_to_answer_after_its_promotion_keeps_it_alive() -> None:
+    """The hand-over's promotion is answered, then the new home is slow (a loaded
+    machine: three clusters on two cores). The chief asked the promoted copy's boot id
+    in a second request; late, it expected "" and took the copy's next probe answer for
+    a restart: a live PS failed over, or restored from a checkpoint (a ps schedule of
+    2, 3, 1 PS). The promotion's own answer names the boot id now (the source's copy
+    is kept until the request after it is answered, as for a copy killed at once)."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1)
+        mover, rec = chief.recovery.mover, chief.recovery
+        assert mover is not None and chief.placement is not None
+        target = next(q for q in range(3) if q not in chief.placement.shards_of("w")[1].copies)
+        late: list[str] = []
+
+        def slow(msg: Any) -> Any:
+            if msg.op == "ps_state" and msg.slot == 1:
+                late.append(msg.op)  # past the chief's 2 s: as good as unanswered
+                raise DeadlineExceeded("ps_state: no answer within 2s")
+            return slots[target](msg)
+
+        net.serve(PS[target], slow)
+        assert await mover.move(1, target)
+        assert late  # (asked, not answered in time)
+        assert chief.placement.shards[1].ps == target
+        boot = slots[target].service(1).boot
+        assert rec.boots[1] == boot
+        # the copy's next probe answer is its own, as expected: no restart, nothing to fail over
+        assert rec.health.answered(1, boot, rec.gen, rec.clock()) == "ok"
+
+    run(body())

@@ -1078,13 +1078,15 @@ class Replicated(Body):
 
 @_body(reply=True)
 class ReplicaState(Body):
-    """A process's part in one PS state's copies: its term, and the last entry it
-    applied (a primary: appended)."""
+    """A process's part in one PS state's copies: its term, the last entry it applied
+    (a primary: appended), and the boot id its copy answers probes with (the chief
+    expects it from a copy it promoted; "" from a copy dropped, or an older PS)."""
 
     slot: int = wire(Int(0))
     term: int = wire(Int(0))
     primary: bool = wire(Bool())
     applied: int = wire(Int(0))
+    boot: str = wire(Str(64), default="")
 
 
 @_body(reply=True)

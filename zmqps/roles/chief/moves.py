@@ -807,16 +807,25 @@ class Mover(StateCopier):
         # could be left with no copy). Before (fault schedule 831), a promotion not
         # answered raised here: the old placement stayed, naming the stepped-down
         # source, and telling it its backups promoted it, its entries counted from 0.
-        boot = ""
+        # The promotion's answer names the boot id the health watch expects of the
+        # promoted copy. (Taken from the request after it alone, a late answer to that
+        # one, 2 s on a loaded machine, left it "", and the copy's next probe answer was
+        # taken for a restart: a live PS failed over, or restored from a checkpoint.)
+        # That request still says the copy outlived its promotion: until it does, the
+        # source's copy is kept (a live copy's re-replication drops it later).
+        boot, alive = "", False
         try:
-            await processes[chosen].request("replica", body.to_wire(), timeout=2.0)
+            rep = await processes[chosen].request("replica", body.to_wire(), timeout=2.0)
+            boot = o.ReplicaState.parse(rep.body).boot
             rep = await processes[chosen].request("ps_state", timeout=2.0, slot=state)
-            boot = o.PsStateReply.parse(rep.body).boot
+            now = o.PsStateReply.parse(rep.body).boot
+            alive = now == (boot or now)
+            boot = boot or now  # an older PS names none in its promotion's answer
         except ZmqpsError as exc:
             log.warning("ps %d, now serving ps %d's state, does not answer: %s", chosen, state, exc)
         if self.current is not None:
             self.current["to"] = chosen  # where it is served now (the target a backup)
-        keep_source = not boot and kept is not None and source not in backups
+        keep_source = not alive and kept is not None and source not in backups
         named = (*backups, source) if keep_source else backups
         shards = tuple(
             replace(x, ps=chosen, backups=named, slot=state) if x.state == state else x

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -1392,6 +1392,7 @@ class RecoveryController:
         after: dict[int, ShardInfo] = {}
         for s in out.placement.shards:
             after.setdefault(s.state, s)
+        said: dict[int, str] = {}  # state -> the boot id its promoted copy answered with
         for state, s in after.items():
             if s.id in out.lost:
                 continue
@@ -1403,13 +1404,15 @@ class RecoveryController:
                 )
                 term = self.terms.get(state, TERM)
                 body = o.ReplicaSet(state, term, True, links, applied, epoch=out.placement.epoch)
-                await replica(s.ps, body)
+                got = await replica(s.ps, body)
+                if got is not None and got.boot:
+                    said[state] = got.boot
         lost_states = {s.state for s in out.placement.shards if s.id in out.lost}
         promoted = sorted(set(survivors) - lost_states)
         self.variables.use(out.placement)
         self.homes.update(out.placement)
         # 3. the moved states answer from their new homes (another boot id)
-        await self.rehome(promoted)
+        await self.rehome(promoted, said)
         seconds = round(self.clock() - started, 3)
         # counted with the record in one turn: a status never shows one without the other
         self.promotions += len(promoted)
@@ -1440,11 +1443,14 @@ class RecoveryController:
             )
             await self.restore_lost(sorted(lost_states), started, "every copy of a PS state lost")
 
-    async def rehome(self, states: Sequence[int]) -> None:
+    async def rehome(self, states: Sequence[int], said: Mapping[int, str] | None = None) -> None:
         """``states`` moved to other processes: the health watch expects their new
-        homes' boot ids."""
+        homes' boot ids (as their promotions answered, ``said``; else asked)."""
         boots: dict[int, str] = {}
         for state in states:
+            if said and said.get(state):
+                boots[state] = said[state]
+                continue
             try:
                 rep = await self.ps[state].request("ps_state", timeout=2.0)
                 boots[state] = o.PsStateReply.parse(rep.body).boot

@@ -344,7 +344,8 @@ class PSSlots:
         self._roles[req.slot] = role
         service.replica = role
         applied = role.log.head if isinstance(role, Primary) else role.log.applied
-        return reply(msg, o.ReplicaState(req.slot, role.term, req.primary, applied).to_wire())
+        state = o.ReplicaState(req.slot, role.term, req.primary, applied, service.boot)
+        return reply(msg, state.to_wire())
 
     def _drop(self, msg: Message, req: o.ReplicaSet) -> Message:
         """The state moved to another process (``drop``): this copy goes. The process's
