@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +169,9 @@ def test_probabilities_to_a_file(
         (["--input", "X6", "--labels", "Y3", "--label-column", "1"], "not both"),
         (["--input", "X6", "--output", "out.txt"], "expected a .npy or .csv file"),
         (["--input", "missing.npy"], "cannot read as .npy"),
+        (["--input", "X6", "--output", "nowhere/p.csv"], "folder"),
+        (["--input", "X6", "--output", "X6.npy/p.npy"], "does not exist"),
+        (["--input", "X6", "--output", "adir.npy"], "is a folder"),
     ],
 )
 def test_user_errors_exit_2(
@@ -187,6 +192,7 @@ def test_user_errors_exit_2(
     }
     for name, a in files.items():
         np.save(tmp_path / f"{name}.npy", a)
+    (tmp_path / "adir.npy").mkdir()
     argv = ["predict", "--model", str(export)]
     argv += [
         str(tmp_path / f"{a}.npy") if a in files else str(tmp_path / a) if "." in a else a
@@ -196,6 +202,7 @@ def test_user_errors_exit_2(
     err = capsys.readouterr().err
     assert err.startswith("zmqps: error: ") and message in err
     assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_corrupted_model_exits_2(
@@ -320,3 +327,24 @@ def test_an_export_without_preprocessing_takes_inputs_as_they_are(
         out, err = capsys.readouterr()
         assert [int(v) for v in out.split()] == model.predict(params, x * 40).tolist()
         assert err == ""
+
+
+def test_predictions_that_cannot_be_written_are_one_line_and_exit_1(
+    tmp_path: Path,
+    export: Path,
+    data: tuple[np.ndarray, np.ndarray],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A disk that fills up as the predictions are written: one line naming the file."""
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    np.save(tmp_path / "x.npy", data[0])
+    monkeypatch.setattr(np, "savetxt", full)
+    out = tmp_path / "p.csv"
+    argv = ["predict", "--model", str(export), "--input", str(tmp_path / "x.npy")]
+    assert main([*argv, "--output", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"zmqps: error: cannot write the predictions to {out}: No space left on device"

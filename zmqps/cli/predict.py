@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,7 +44,7 @@ from zmqps.cli.args import drop_stdout
 from zmqps.data.preprocessing import prepare
 from zmqps.export import ExportError, load_model
 from zmqps.models import Model, softmax_cross_entropy
-from zmqps.wire.errors import ConfigError
+from zmqps.wire.errors import ConfigError, ZmqpsError
 
 __all__ = ["add_args", "emit", "predict", "read_examples", "read_labels", "run", "say", "score"]
 
@@ -106,6 +107,20 @@ def _suffix(path: Path, what: str) -> str:
     if suffix not in (".npy", ".csv"):
         raise ConfigError(f"{what} {path}: expected a .npy or .csv file")
     return suffix
+
+
+def _check_output(path: Path) -> None:
+    """``--output`` names a .npy or .csv file this process can write, checked before the
+    model is read and run (its folder missing found after the predictions, the error
+    was the bare errno)."""
+    _suffix(path, "output")
+    folder = path.parent
+    if path.is_dir():
+        raise ConfigError(f"--output {path}: is a folder (name a .npy or .csv file in it)")
+    if not folder.is_dir():
+        raise ConfigError(f"--output {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"--output {path}: not writable")
 
 
 def _is_number(text: str) -> bool:
@@ -246,6 +261,10 @@ def emit(out: Array, output: Path | None) -> None:
         sys.stdout.flush()
     except BrokenPipeError:
         drop_stdout()
+    except OSError as exc:  # a full disk, a folder gone meanwhile
+        if output is None:
+            raise
+        raise ZmqpsError(f"cannot write the predictions to {output}: {exc.strerror}") from None
 
 
 def say(line: str, to_stdout: bool) -> None:
@@ -261,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give --labels or --label-column, not both")
     output = Path(args.output) if args.output else None
     if output is not None:
-        _suffix(output, "output")
+        _check_output(output)
     try:
         model, params, signature = load_model(args.model)
     except ExportError as exc:
