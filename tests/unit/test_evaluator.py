@@ -613,3 +613,26 @@ def test_snapshots_follow_a_ps_state_moved_by_a_fail_over(test_split: Dataset) -
         await asyncio.wait_for(task, 5.0)
 
     run(body())
+
+
+def test_no_chief_at_the_start_of_a_finished_runs_folder_says_how_to_score_it(
+    tmp_path: Path, test_split: Dataset
+) -> None:
+    """An evaluator started after its run ended waits its --connect-timeout for the
+    chief and fails (exit 1: no chief answered); its error says that the newest
+    checkpoint is a finished run's final one, and how to score it."""
+    pytest.importorskip("zmqps.checkpoint", reason="the checkpoint library is not available")
+    ckpts = tmp_path / "ckpts"
+
+    async def body() -> None:
+        c = await make_cluster(test_split)
+        name = write_checkpoint(ckpts, c.model, random_values(c.model, 1, seed=3)[0], 10, True)
+        c.all_down()
+        ev = c.evaluator(test_split, checkpoint_dir=str(ckpts), connect_timeout=0.3)
+        with pytest.raises(DeadlineExceeded) as err:
+            await asyncio.wait_for(ev.run(), 10.0)
+        assert f"{name}, is a finished run's final one" in str(err.value)
+        assert "whose cluster holds only itself scores it" in str(err.value)
+        assert ev.evaluations == []
+
+    run(body())

@@ -360,7 +360,18 @@ class Evaluator:
             newest = await asyncio.to_thread(self._newest_listed)
             if newest is not None and newest.final:
                 self._final_before = identity(newest)
-        info = await self._register()
+        try:
+            info = await self._register()
+        except DeadlineExceeded as exc:
+            if self._final_before is None:
+                raise
+            # most likely started after its run ended: say how to score that run
+            raise DeadlineExceeded(
+                f"{exc}; the newest checkpoint in {self.cfg.checkpoint_dir},"
+                f" {self._final_before[0]}, is a finished run's final one: an evaluator"
+                " whose cluster holds only itself scores it (TF_CONFIG naming only the"
+                " evaluator, with --checkpoint-dir)"
+            ) from None
         if self.stopping.is_set() or info is None:
             return self.evaluations
         self._watch.mode = info.mode
