@@ -1440,32 +1440,47 @@ def test_a_scale_up_left_undone_at_the_end_says_so() -> None:
     run(body())
 
 
-def test_a_move_onto_a_process_slow_to_answer_after_its_promotion_keeps_it_alive() -> None:
+@pytest.mark.parametrize("late", ["state", "promotion"])
+def test_a_move_onto_a_process_slow_to_answer_after_its_promotion_keeps_it_alive(
+    late: str,
+) -> None:
     """The hand-over's promotion is answered, then the new home is slow (a loaded
-    machine: three clusters on two cores). The chief asked the promoted copy's boot id
-    in a second request; late, it expected "" and took the copy's next probe answer for
-    a restart: a live PS failed over, or restored from a checkpoint (a ps schedule of
-    2, 3, 1 PS). The promotion's own answer names the boot id now (the source's copy
-    is kept until the request after it is answered, as for a copy killed at once)."""
+    machine: three clusters on two cores) to answer the ps_state after it (``state``),
+    or the promotion's own answer is lost and the ps_state says it was promoted
+    (``promotion``). The chief asked with 2 s: late, it expected boot id "" and took
+    the copy's next probe answer for a restart (a live PS failed over, or restored
+    from a checkpoint: a ps schedule of 2, 3, 1 PS), and kept the source's copy named
+    as a backup its primary never fed (a run without replication could never move the
+    state off its new home again). Now the promotion's answer names the boot id, and
+    the ps_state is waited for up to the heartbeat timeout before anything is
+    published: the move ends as any other."""
 
     async def body() -> None:
         net = FakeNetwork()
         chief, slots = await cluster(net, 1)
         mover, rec = chief.recovery.mover, chief.recovery
         assert mover is not None and chief.placement is not None
+        source = chief.placement.shards[1].ps
         target = next(q for q in range(3) if q not in chief.placement.shards_of("w")[1].copies)
-        late: list[str] = []
+        asked: list[str] = []
 
-        def slow(msg: Any) -> Any:
+        async def slow(msg: Any) -> Any:
             if msg.op == "ps_state" and msg.slot == 1:
-                late.append(msg.op)  # past the chief's 2 s: as good as unanswered
-                raise DeadlineExceeded("ps_state: no answer within 2s")
-            return slots[target](msg)
+                asked.append(msg.op)
+                await asyncio.sleep(2.2)  # past the 2 s the chief waited before
+            answer = slots[target](msg)
+            if asyncio.iscoroutine(answer) or isinstance(answer, asyncio.Future):
+                answer = await answer
+            if late == "promotion" and msg.op == "replica" and msg.body.get("primary"):
+                raise DeadlineExceeded("no reply")  # promoted, its answer lost
+            return answer
 
         net.serve(PS[target], slow)
         assert await mover.move(1, target)
-        assert late  # (asked, not answered in time)
-        assert chief.placement.shards[1].ps == target
+        assert asked
+        moved = chief.placement.shards[1]
+        assert (moved.ps, moved.backups) == (target, ())  # the source's copy not named
+        assert len(slots[source].service(1).store) == 0  # and dropped, as after any move
         boot = slots[target].service(1).boot
         assert rec.boots[1] == boot
         # the copy's next probe answer is its own, as expected: no restart, nothing to fail over

@@ -807,22 +807,23 @@ class Mover(StateCopier):
         # could be left with no copy). Before (fault schedule 831), a promotion not
         # answered raised here: the old placement stayed, naming the stepped-down
         # source, and telling it its backups promoted it, its entries counted from 0.
-        # The promotion's answer names the boot id the health watch expects of the
-        # promoted copy. (Taken from the request after it alone, a late answer to that
-        # one, 2 s on a loaded machine, left it "", and the copy's next probe answer was
-        # taken for a restart: a live PS failed over, or restored from a checkpoint.)
-        # That request still says the copy outlived its promotion: until it does, the
-        # source's copy is kept (a live copy's re-replication drops it later).
-        boot, alive = "", False
+        # Whether the promoted copy outlived its promotion is known before the new
+        # placement is published (no worker has sent the state there yet, so the
+        # source's copy is as current as it): its boot id (the promotion's answer names
+        # it) and a ps_state after it, waited for up to the heartbeat timeout. A loaded
+        # process is slow, not dead: asked with 2 s (fault-free, three clusters on two
+        # cores), the late answer left the watch expecting "" and the live copy was
+        # taken for restarted (failed over, or restored from a checkpoint); keeping the
+        # source's copy named for it left a copy named that its primary never fed.
+        boot: str | None = None  # None: the promotion not answered
         try:
             rep = await processes[chosen].request("replica", body.to_wire(), timeout=2.0)
             boot = o.ReplicaState.parse(rep.body).boot
-            rep = await processes[chosen].request("ps_state", timeout=2.0, slot=state)
-            now = o.PsStateReply.parse(rep.body).boot
-            alive = now == (boot or now)
-            boot = boot or now  # an older PS names none in its promotion's answer
         except ZmqpsError as exc:
-            log.warning("ps %d, now serving ps %d's state, does not answer: %s", chosen, state, exc)
+            log.warning(
+                "ps %d does not answer its promotion (ps %d's state): %s", chosen, state, exc
+            )
+        boot, alive = await self._outlived(chosen, state, term, boot)
         if self.current is not None:
             self.current["to"] = chosen  # where it is served now (the target a backup)
         keep_source = not alive and kept is not None and source not in backups
@@ -850,6 +851,33 @@ class Mover(StateCopier):
         except ZmqpsError as exc:
             log.info("ps %d: dropping its copy of ps %d failed: %s", source, state, exc)
         return ""
+
+    async def _outlived(self, q: int, state: int, term: int, boot: str | None) -> tuple[str, bool]:
+        """Process ``q``'s copy of ``state``, just promoted at ``term`` (``boot``: the
+        boot id its promotion's answer named; "" from an older PS, None: the promotion
+        not answered): the boot id the health watch is to expect of it, and whether it
+        answers as that copy, promoted. Waited for up to the heartbeat timeout."""
+        wait = max(2.0, self.recovery.cfg.heartbeat_timeout)
+        link = self.homes.processes[q]
+        # the copy's boot id; and, its promotion's answer lost, the process's roles
+        asks = [link.request("ps_state", timeout=wait, slot=state)]
+        if boot is None:
+            asks.append(link.request("ps_state", timeout=wait))
+        try:
+            replies = await asyncio.gather(*asks)
+            st = o.PsStateReply.parse(replies[0].body)
+            roles = o.PsStateReply.parse(replies[-1].body).roles or ()
+        except ZmqpsError as exc:
+            log.warning("ps %d, now serving ps %d's state, does not answer: %s", q, state, exc)
+            return boot or "", False
+        if boot is None:  # promoted, if it says so
+            promoted = any(
+                int(r[0]) == state and r[1] == "primary" and int(r[2]) == term for r in roles
+            )
+            return (st.boot, True) if promoted else ("", False)
+        if not boot:  # an older PS: the promotion answered, the boot id asked
+            return st.boot, True
+        return boot, st.boot == boot  # alive unless its process restarted since
 
     # ------------------------------------------------------------------ status
 

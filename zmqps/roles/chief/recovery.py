@@ -1446,16 +1446,19 @@ class RecoveryController:
     async def rehome(self, states: Sequence[int], said: Mapping[int, str] | None = None) -> None:
         """``states`` moved to other processes: the health watch expects their new
         homes' boot ids (as their promotions answered, ``said``; else asked)."""
-        boots: dict[int, str] = {}
-        for state in states:
-            if said and said.get(state):
-                boots[state] = said[state]
-                continue
+        boots = {i: said[i] for i in states if said and said.get(i)}
+        # asked at once, each waited for up to the heartbeat timeout: a loaded process
+        # answering late is not taken for restarted at its next probe
+        wait = max(2.0, self.cfg.heartbeat_timeout)
+
+        async def ask(state: int) -> None:
             try:
-                rep = await self.ps[state].request("ps_state", timeout=2.0)
+                rep = await self.ps[state].request("ps_state", timeout=wait)
                 boots[state] = o.PsStateReply.parse(rep.body).boot
             except ZmqpsError as exc:
                 log.warning("ps %d's new primary does not answer: %s", state, exc)
+
+        await asyncio.gather(*(ask(i) for i in states if i not in boots))
         self.boots.update(boots)
         self.health.expect(boots, self.gen, self.clock())
 
