@@ -632,7 +632,7 @@ def test_no_chief_at_the_start_of_a_finished_runs_folder_says_how_to_score_it(
         with pytest.raises(DeadlineExceeded) as err:
             await asyncio.wait_for(ev.run(), 10.0)
         assert f"{name}, is a finished run's final one" in str(err.value)
-        assert "whose cluster holds only itself scores it" in str(err.value)
+        assert "an evaluator whose cluster holds only itself" in str(err.value)
         assert ev.evaluations == []
 
     run(body())

@@ -170,7 +170,7 @@ def test_probabilities_to_a_file(
         (["--input", "X6", "--output", "out.txt"], "expected a .npy or .csv file"),
         (["--input", "missing.npy"], "cannot read as .npy"),
         (["--input", "X6", "--output", "nowhere/p.csv"], "folder"),
-        (["--input", "X6", "--output", "X6.npy/p.npy"], "does not exist"),
+        (["--input", "X6", "--output", "X6.npy/p.npy"], "X6.npy is not a folder"),
         (["--input", "X6", "--output", "adir.npy"], "is a folder"),
     ],
 )
@@ -348,3 +348,28 @@ def test_predictions_that_cannot_be_written_are_one_line_and_exit_1(
     assert main([*argv, "--output", str(out)]) == 1
     err = capsys.readouterr().err.strip()
     assert err == f"zmqps: error: cannot write the predictions to {out}: No space left on device"
+
+
+def test_output_names_are_written_as_given_and_a_writable_file_is_enough(
+    tmp_path: Path,
+    export: Path,
+    data: tuple[np.ndarray, np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``out.NPY`` is written as named (not ``out.NPY.npy``); an existing writable file
+    in a folder this user cannot write to is written (only new files need the folder)."""
+    np.save(tmp_path / "x.npy", data[0])
+    argv = ["predict", "--model", str(export), "--input", str(tmp_path / "x.npy")]
+    upper = tmp_path / "out.NPY"
+    assert main([*argv, "--output", str(upper)]) == 0
+    assert sorted(p.name for p in tmp_path.glob("out*")) == ["out.NPY"]
+    assert np.load(upper).shape == (len(data[0]),)
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    there = folder / "p.csv"
+    there.write_text("")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: Path(p) != folder and access(p, m))
+    assert main([*argv, "--output", str(there)]) == 0
+    assert len(there.read_text().splitlines()) == len(data[0])
+    assert main([*argv, "--output", str(folder / "new.csv")]) == 2

@@ -113,14 +113,19 @@ def _check_output(path: Path) -> None:
     """``--output`` names a .npy or .csv file this process can write, checked before the
     model is read and run (its folder missing found after the predictions, the error
     was the bare errno)."""
-    _suffix(path, "output")
+    _suffix(path, "--output")
     folder = path.parent
     if path.is_dir():
         raise ConfigError(f"--output {path}: is a folder (name a .npy or .csv file in it)")
-    if not folder.is_dir():
+    if not folder.exists():
         raise ConfigError(f"--output {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ConfigError(f"--output {path}: not writable")
+    if not folder.is_dir():
+        raise ConfigError(f"--output {path}: {folder} is not a folder")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"--output {path}: the file is not writable")
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output {path}: folder {folder} is not writable")
 
 
 def _is_number(text: str) -> bool:
@@ -241,8 +246,9 @@ def score(model: Model, params: Mapping[str, Array], x: Array, labels: Array) ->
 
 
 def _write(out: Array, path: Path | None, stream: TextIO) -> None:
-    if path is not None and _suffix(path, "output") == ".npy":
-        np.save(path, out, allow_pickle=False)
+    if path is not None and _suffix(path, "--output") == ".npy":
+        with path.open("wb") as f:  # the name as given (np.save adds .npy to out.NPY)
+            np.save(f, out, allow_pickle=False)
         return
     fmt = "%d" if out.dtype.kind in "iu" else "%.6g"
     rows = out.reshape(len(out), -1)
@@ -264,7 +270,8 @@ def emit(out: Array, output: Path | None) -> None:
     except OSError as exc:  # a full disk, a folder gone meanwhile
         if output is None:
             raise
-        raise ZmqpsError(f"cannot write the predictions to {output}: {exc.strerror}") from None
+        why = exc.strerror or exc
+        raise ZmqpsError(f"cannot write the predictions to {output}: {why}") from None
 
 
 def say(line: str, to_stdout: bool) -> None:

@@ -368,9 +368,9 @@ class Evaluator:
             # most likely started after its run ended: say how to score that run
             raise DeadlineExceeded(
                 f"{exc}; the newest checkpoint in {self.cfg.checkpoint_dir},"
-                f" {self._final_before[0]}, is a finished run's final one: an evaluator"
-                " whose cluster holds only itself scores it (TF_CONFIG naming only the"
-                " evaluator, with --checkpoint-dir)"
+                f" {self._final_before[0]}, is a finished run's final one: if that run"
+                " is the one to score, an evaluator whose cluster holds only itself"
+                " scores it (TF_CONFIG naming only the evaluator, with --checkpoint-dir)"
             ) from None
         if self.stopping.is_set() or info is None:
             return self.evaluations
