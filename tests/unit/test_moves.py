@@ -802,9 +802,13 @@ def test_a_hand_over_whose_new_primary_dies_at_once_is_recorded(lost: str) -> No
         target = s.backups[0]
         link = mover.homes.processes[target]
         asked = link.request
+        rec = chief.recovery
+        now = [rec.clock()]
+        mover.clock = rec.clock = lambda: now[0]  # type: ignore[method-assign]
 
         async def dies_after_the_promotion(op: str, *args: Any, **kw: Any) -> Any:
             if op == "ps_state" and kw.get("slot") == 1:
+                now[0] += rec.cfg.heartbeat_timeout + 0.5  # waited for, in vain
                 raise DeadlineExceeded("no reply (killed)")
             if lost == "promotion" and op == "replica" and args and args[0].get("primary"):
                 await asked(op, *args, **kw)  # promoted, and killed before it answered
@@ -829,6 +833,9 @@ def test_a_hand_over_whose_new_primary_dies_at_once_is_recorded(lost: str) -> No
         with pytest.raises(InvalidArgument, match="a promotion names how far"):
             await net.client(PS[s.ps], "chief:9").request("replica", word)
         assert isinstance(slots[s.ps].role(1), Backup)
+        # silent since it was asked, a heartbeat timeout ago: the watch's next look
+        # finds it down (and fails it over), not a heartbeat timeout later
+        assert rec.health.silent(1, now[0])
 
     run(body())
 

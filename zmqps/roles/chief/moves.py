@@ -823,6 +823,7 @@ class Mover(StateCopier):
             log.warning(
                 "ps %d does not answer its promotion (ps %d's state): %s", chosen, state, exc
             )
+        asked = self.clock()
         boot, alive = await self._outlived(chosen, state, term, boot)
         if self.current is not None:
             self.current["to"] = chosen  # where it is served now (the target a backup)
@@ -839,7 +840,10 @@ class Mover(StateCopier):
         r.variables.use(new)
         self.homes.update(new)
         r.boots[state] = boot
-        r.health.expect({state: boot}, r.gen, self.clock())
+        # last heard: now, or (silent since) when it was asked: one that did not answer
+        # for a heartbeat timeout is failed over at the watch's next look, not after
+        # a timeout more
+        r.health.expect({state: boot}, r.gen, self.clock() if alive else asked)
         await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
         if keep_source:
             return ""  # the source's copy stays (above)
