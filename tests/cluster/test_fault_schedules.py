@@ -55,17 +55,22 @@ def test_the_seeds_cover_every_fault_kind() -> None:
         assert draw(seed).mode in what, (seed, draw(seed).describe())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def references(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> References:
+    """The unfaulted runs, in pytest's cache folder, which every test process of a run
+    shares (made by the first that needs a configuration, under a lock; the others
+    read them): the schedules spread over the test processes instead of one making
+    them all, in turn, for eight minutes and more."""
     cache = getattr(request.config, "cache", None)  # None with -p no:cacheprovider
     folder = (
         Path(cache.mkdir("zmqps-faults"))
         if cache is not None
-        else tmp_path_factory.mktemp("zmqps-faults-cache")
+        # (the run's temporary folder, above each test process's own)
+        else tmp_path_factory.getbasetemp().parent / "zmqps-faults-cache"
     )
-    return References(folder, tmp_path_factory.mktemp("faults-references"), say=print)
+    return References(folder, tmp_path / "references", say=print)
 
 
 # the budget of one seed: its unfaulted runs (3 x ~10 s, once per configuration) and

@@ -15,6 +15,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -527,14 +528,18 @@ class References:
 
     def get(self, s: Schedule) -> Reference:
         path = self.path(s)
-        cached = _read_json(path)
-        if cached and cached.get("version") == REFERENCE_VERSION:
-            return Reference.from_json(cached)
-        ref = self._make(s)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ref.to_json(), indent=2) + "\n")
-        tmp.replace(path)
-        return ref
+        # one process makes a configuration's runs; another that needs them meanwhile
+        # (the suite's schedules spread over its test processes) waits and reads them
+        with path.with_suffix(".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            cached = _read_json(path)
+            if cached and cached.get("version") == REFERENCE_VERSION:
+                return Reference.from_json(cached)
+            ref = self._make(s)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(ref.to_json(), indent=2) + "\n")
+            tmp.replace(path)
+            return ref
 
     def _make(self, s: Schedule) -> Reference:
         base = s.unfaulted()
