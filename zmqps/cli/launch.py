@@ -369,9 +369,8 @@ class Launcher:
             worker=tuple(f"{HOST}:{p}" for p in ports[1 + args.ps : n]),
         )
         self.chief_summary = run_dir / CHIEF_SUMMARY
-        self.checkpoint_dir: Path | None = None
-        if args.checkpoints:
-            self.checkpoint_dir = Path(args.checkpoint_dir or run_dir / "checkpoints").resolve()
+        folder = checkpoint_folder(args, run_dir)
+        self.checkpoint_dir: Path | None = None if folder is None else folder.resolve()
         self.export_dir: Path | None = None
         if args.export_dir or args.run_dir:
             self.export_dir = Path(args.export_dir or run_dir / "model").resolve()
@@ -1108,7 +1107,19 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
 #: Files and folders an earlier launch leaves in its run directory.
 #: the chief's summary in a run's folder (a finished run's, resumed: set aside)
 CHIEF_SUMMARY = "chief-summary.json"
-RUN_FILES = ("chief.log", "tasks", "model", CHIEF_SUMMARY, "checkpoints")
+#: a run folder's checkpoint folder, where no --checkpoint-dir is given
+CHECKPOINTS = "checkpoints"
+RUN_FILES = ("chief.log", "tasks", "model", CHIEF_SUMMARY, CHECKPOINTS)
+
+
+def checkpoint_folder(args: argparse.Namespace, run_dir: Path | None) -> Path | None:
+    """Where a launch's checkpoints go: ``--checkpoint-dir``, else its run folder's
+    (None: ``--no-checkpoints``, or no run folder)."""
+    if not args.checkpoints:
+        return None
+    if args.checkpoint_dir:
+        return Path(args.checkpoint_dir)
+    return None if run_dir is None else run_dir / CHECKPOINTS
 
 
 def _holds(path: Path) -> bool:
@@ -1123,12 +1134,7 @@ def _holds(path: Path) -> bool:
 def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | None:
     """The checkpoint this launch goes on from (``--resume``), else None; refuses to
     start silently on an earlier run's checkpoints or files."""
-    root = None
-    if args.checkpoints:
-        if args.checkpoint_dir:
-            root = Path(args.checkpoint_dir)
-        elif run_dir is not None:
-            root = run_dir / "checkpoints"
+    root = checkpoint_folder(args, run_dir)
     latest = None if root is None or not root.is_dir() else CheckpointRoot(root).latest()
     if not args.resume:
         if latest is not None:
@@ -1233,12 +1239,11 @@ def hold_folders(args: argparse.Namespace) -> tuple[list[int], list[Path]]:
     held: set[Path] = set()
     # (what the folder is to the user, the folder)
     folders: list[tuple[str, str | Path | None]] = [("--run-dir", args.run_dir)]
-    if args.checkpoints and args.checkpoint_dir:
-        folders.append(("--checkpoint-dir", args.checkpoint_dir))
-    elif args.checkpoints and args.run_dir:  # the default: another launch may name it
-        folders.append(
-            (f"--run-dir {args.run_dir}'s checkpoint folder", Path(args.run_dir) / "checkpoints")
-        )
+    # (the default, in --run-dir, held too: another launch may name it)
+    ckpt = checkpoint_folder(args, Path(args.run_dir) if args.run_dir else None)
+    if ckpt is not None:
+        what = f"--run-dir {args.run_dir}'s checkpoint folder"
+        folders.append(("--checkpoint-dir" if args.checkpoint_dir else what, ckpt))
     try:
         for flag, path in folders:
             if not path or Path(path).resolve() in held:
