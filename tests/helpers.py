@@ -16,9 +16,11 @@ import contextlib
 import itertools
 import json
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ from typing import Any, TypeVar
 import pytest
 
 from zmqps.cli.launch import free_ports as _free_ports
+from zmqps.transport.ports import port_range
 
 __all__ = [
     "HOST",
@@ -54,6 +57,27 @@ T = TypeVar("T")
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1."""
     return _free_ports(n, HOST)
+
+
+def free_run(n: int) -> int:
+    """The first of ``n`` consecutive free TCP ports on 127.0.0.1 (a Slurm job's
+    ``--port-base``), picked like :func:`free_ports`: in this test process's part of
+    the range, below the kernel's ephemeral ports, which any process's connection may
+    take at any moment (one picked there was taken before its task bound it)."""
+    lowest, top, _ = port_range()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        base = rng.randrange(lowest, top - n)
+        with contextlib.ExitStack() as held:
+            for port in range(base, base + n):
+                s = held.enter_context(socket.socket())
+                try:
+                    s.bind((HOST, port))
+                except OSError:
+                    break
+            else:
+                return base
+    raise AssertionError(f"no {n} consecutive free ports in {lowest}-{top - 1}")
 
 
 def needs_tools(tools: Sequence[str], why: str) -> pytest.MarkDecorator:

@@ -19,7 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Reaper, _argv, _pids, chief_status, needs_tools, read_json, wait_for
+from helpers import (
+    Reaper,
+    _argv,
+    _pids,
+    chief_status,
+    free_run,
+    needs_tools,
+    read_json,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "slurm" / "zmqps.sbatch"
@@ -35,27 +44,6 @@ pytestmark = [
     pytest.mark.timeout(300),
     needs_tools(NEEDED, INSTALL),
 ]
-
-
-def free_base(n: int) -> int:
-    """The first of ``n`` consecutive free loopback ports."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65000:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise AssertionError(f"no {n} consecutive free ports")
 
 
 class Slurm:
@@ -90,7 +78,7 @@ class Slurm:
             name="munged",
         )
         wait_for(lambda: sock.exists() or None, 20, what="munged's socket")
-        ctld, slurmd = free_base(2), free_base(1)
+        ctld, slurmd = free_run(2), free_run(1)
         host = socket.gethostname().split(".")[0]
         self.conf.write_text(
             "\n".join(
@@ -158,8 +146,8 @@ class Slurm:
         env = {
             "ZMQPS_VENV": str(VENV),
             "ZMQPS_RUN_DIR": str(run),
-            "ZMQPS_PORT_BASE": str(free_base(ntasks)),
-            "ZMQPS_METRICS_PORT": str(free_base(ntasks)),
+            "ZMQPS_PORT_BASE": str(free_run(ntasks)),
+            "ZMQPS_METRICS_PORT": str(free_run(ntasks)),
             **settings,
         }
         argv = ["sbatch", "--parsable", f"--ntasks={ntasks}", f"--output={run}.out"]
@@ -243,7 +231,7 @@ def test_the_sbatch_script_trains_a_whole_cluster(
 
 def test_scancel_mid_run_leaves_no_process(slurm: Slurm, tmp_path: Path) -> None:
     run = tmp_path / "run-cancel"
-    base = free_base(4)
+    base = free_run(4)
     job = slurm.sbatch(
         run,
         4,
