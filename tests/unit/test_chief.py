@@ -8,6 +8,7 @@ Time is a fake clock; every test runs inside ``asyncio.run`` with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -1466,3 +1467,42 @@ def test_a_ps_without_a_checkpoint_dir_is_refused_at_the_start(tmp_path: Path) -
         )
 
     run(body())
+
+
+def test_a_ps_started_again_without_a_checkpoint_dir_is_named_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start check cannot see a PS restarted by hand mid-run without
+    --checkpoint-dir: each checkpoint failed from then on, the final one the run, and
+    nothing said why before. The watch that finds it restarted names it, once."""
+
+    async def body() -> None:
+        policy = CheckpointPolicy(str(tmp_path))
+        env = make_env(
+            2, 1, serve=[], checkpoint=policy, heartbeat_interval=0.05, heartbeat_timeout=0.2
+        )
+        for i in range(2):
+            env.services[i] = PSService(i, checkpoint_dir=str(tmp_path))
+            env.stats[i] = env.net.serve(env.cfg.cluster.ps[i], env.services[i], name=f"ps{i}")
+        rec = env.chief.recovery
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        watch = asyncio.ensure_future(rec.watch_ps())
+        env.services[0] = PSService(0)  # started again by hand, the flag forgotten
+        env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        said = "ps 0 (127.0.0.1:7100) was started again without --checkpoint-dir"
+        for _ in range(100):
+            env.clock.now += 0.1
+            await asyncio.sleep(0.03)
+            if said in caplog.text:
+                break
+        for _ in range(10):  # heard again: not said again
+            env.clock.now += 0.1
+            await asyncio.sleep(0.03)
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        assert caplog.text.count(said) == 1, caplog.text
+
+    with caplog.at_level(logging.WARNING, logger="zmqps"):
+        run(body())

@@ -215,6 +215,9 @@ class RecoveryController:
         self._renewing: asyncio.Future[None] | None = None
         #: each PS's boot id as last heard at a start or a restore
         self.boots: dict[int, str] = {}
+        #: per PS state, the boot id of the incarnation last found without
+        #: --checkpoint-dir (said once each; as many entries as PS states at most)
+        self._without_checkpoints: dict[int, str] = {}
         #: set once the start decision is made (adopt, restore or fresh)
         self.started = asyncio.Event()
         #: start() is under way: what a worker resumes after is not known yet
@@ -715,6 +718,28 @@ class RecoveryController:
                 " --checkpoint-dir (a folder all of them and the chief see), or the chief"
                 " none"
             )
+
+    def _check_restarted_checkpoints(self, i: int, st: o.PsStateReply) -> None:
+        """PS state ``i``'s process, started again mid-run without ``--checkpoint-dir``
+        while this chief takes checkpoints (by hand, the flag forgotten): said at once,
+        once per incarnation. The run goes on (its restore or fail-over needs no
+        checkpoint folder there), but each checkpoint fails until that PS is started
+        again with it, and the final one fails the run."""
+        policy = self.cfg.checkpoint
+        if self.checkpointer is None or policy is None or st.checkpoints is not False:
+            return
+        if self._without_checkpoints.get(i) == st.boot:
+            return
+        self._without_checkpoints[i] = st.boot
+        home = self.homes.of[i] if self.homes is not None else i
+        log.error(
+            "ps %d (%s) was started again without --checkpoint-dir, and this chief takes"
+            " checkpoints (--checkpoint-dir %s): every checkpoint fails, the final one"
+            " too, until it is started again with it",
+            home,
+            self.ps[i].endpoint,
+            policy.directory,
+        )
 
     def _ended(self, ckpt: Checkpoint) -> dict[str, Any] | None:
         """The run's summary (the chief's ``summary_path``) when ``ckpt`` is this run's
@@ -1268,6 +1293,7 @@ class RecoveryController:
                 continue
             heard = self.health.answered(i, st.boot, st.gen, now)
             if heard == "restarted":
+                self._check_restarted_checkpoints(i, st)
                 # restarted without its state; a copy of it lives on: fail over
                 if failing is not None and self.can_fail_over(i):
                     failing.append(i)
