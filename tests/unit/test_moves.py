@@ -1494,3 +1494,41 @@ def test_a_move_onto_a_process_slow_to_answer_after_its_promotion_keeps_it_alive
         assert rec.health.answered(1, boot, rec.gen, rec.clock()) == "ok"
 
     run(body())
+
+
+def test_a_copy_kept_for_a_new_primary_that_answered_too_late_goes_once_it_answers() -> None:
+    """The new primary answers its promotion, then nothing for longer than the chief
+    waits (a heartbeat timeout): the source's copy is kept, named, for a fail-over. A
+    primary that lives on never feeds it: named, a later fail-over would promote a copy
+    behind the state. The mover's next look hears the primary and drops the kept copy."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1, heartbeat_timeout=1.0)
+        mover = chief.recovery.mover
+        assert mover is not None and chief.placement is not None
+        source = chief.placement.shards[1].ps
+        target = next(q for q in range(3) if q not in chief.placement.shards_of("w")[1].copies)
+        first = [True]
+
+        async def late_once(msg: Any) -> Any:
+            if msg.op == "ps_state" and msg.slot == 1 and first[0]:
+                first[0] = False
+                await asyncio.sleep(2.3)  # past the 2 s (at least) the chief waits
+            answer = slots[target](msg)
+            if asyncio.iscoroutine(answer) or isinstance(answer, asyncio.Future):
+                answer = await answer
+            return answer
+
+        net.serve(PS[target], late_once)
+        assert await mover.move(1, target)
+        kept = chief.placement.shards[1]
+        assert (kept.ps, kept.backups) == (target, (source,))  # kept for a fail-over
+        assert len(slots[source].service(1).store) > 0
+        await mover.step()
+        after = chief.placement.shards[1]
+        assert (after.ps, after.backups) == (target, ())
+        assert chief.placement.epoch > 0 and mover.kept == {}
+        assert len(slots[source].service(1).store) == 0  # dropped, as after any move
+
+    run(body())

@@ -92,6 +92,10 @@ class Mover(StateCopier):
         self.known: dict[int, str] = {}
         #: processes told to shut down once drained: process -> the boot id it had
         self.drained: dict[int, str] = {}
+        #: states whose source's copy a hand-over kept, named, its new primary not
+        #: answering in time: state -> (source, term, the new primary's boot id); the
+        #: copy goes once that primary answers (``_confirm_kept``). One per state.
+        self.kept: dict[int, tuple[int, int, str]] = {}
         self.moves = 0
         #: each process's boot id as last heard (None: silent)
         self.boots: dict[int, str | None] = {}
@@ -236,6 +240,7 @@ class Mover(StateCopier):
         bytes (``--add-ps-above``), make the next move, or drain. Returns the move made
         (None: none)."""
         await self._probe_all()
+        await self._confirm_kept()
         self._join_new()
         await self._grow()
         job = self.next_move()
@@ -846,6 +851,8 @@ class Mover(StateCopier):
         r.health.expect({state: boot}, r.gen, self.clock() if alive else asked)
         await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
         if keep_source:
+            if boot:  # promoted, slow or restarted: the next looks tell which
+                self.kept[state] = (source, term, boot)
             return ""  # the source's copy stays (above)
         # 3. the copy left on the source goes (its own state's copy stays a backup that
         #    serves nothing; its process may take it back later)
@@ -855,6 +862,63 @@ class Mover(StateCopier):
         except ZmqpsError as exc:
             log.info("ps %d: dropping its copy of ps %d failed: %s", source, state, exc)
         return ""
+
+    async def _confirm_kept(self) -> None:
+        """A source's copy a hand-over kept (its new primary did not answer in time) is
+        named as a backup that primary does not feed: right while the primary is dead
+        (a fail-over promotes the kept copy, as current as the state was at the
+        hand-over), wrong once it lives on (a later fail-over would promote a copy
+        behind). The new primary answering as the copy promoted, the kept copy is
+        unnamed and dropped, as after any move; silent or restarted, the health watch
+        fails it over; a fail-over or move of the state since ends the keeping."""
+        r = self.recovery
+        for state, (source, term, boot) in list(self.kept.items()):
+            if self._keeping(state) is None:
+                del self.kept[state]
+                continue
+            home = self.homes.of[state]
+            try:
+                rep = await self.homes.processes[home].request("ps_state", timeout=1.0, slot=state)
+                if o.PsStateReply.parse(rep.body).boot != boot:
+                    continue  # restarted: the watch fails it over
+            except ZmqpsError:
+                continue  # silent so far
+            async with r.placement_lock:
+                placement = self._keeping(state)
+                if placement is None:
+                    continue
+                shards = tuple(
+                    replace(x, backups=tuple(b for b in x.backups if b != source))
+                    if x.state == state
+                    else x
+                    for x in placement.shards
+                )
+                new = replace(placement, shards=shards, epoch=placement.epoch + 1)
+                r.variables.use(new)
+                self.homes.update(new)
+                del self.kept[state]
+                await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
+            log.warning(
+                "ps %d answers as ps %d's state's primary: the copy kept on ps %d goes",
+                home,
+                state,
+                source,
+            )
+            drop = o.ReplicaSet(state, term, primary=False, epoch=new.epoch, drop=True)
+            try:
+                await self.homes.processes[source].request("replica", drop.to_wire(), timeout=2.0)
+            except ZmqpsError as exc:
+                log.info("ps %d: dropping its copy of ps %d failed: %s", source, state, exc)
+
+    def _keeping(self, state: int) -> Placement | None:
+        """The placement, while it still names the copy kept of ``state`` (``kept``) at
+        the hand-over's term; None once a fail-over or a move changed that."""
+        source, term, _ = self.kept[state]
+        placement = self.recovery.variables.placement
+        named = placement is not None and any(
+            x.state == state and source in x.backups for x in placement.shards
+        )
+        return placement if named and self.recovery.terms.get(state) == term else None
 
     async def _outlived(self, q: int, state: int, term: int, boot: str | None) -> tuple[str, bool]:
         """Process ``q``'s copy of ``state``, just promoted at ``term`` (``boot``: the
