@@ -67,7 +67,7 @@ def free_run(n: int) -> int:
     lowest, top, _ = port_range()
     rng = random.SystemRandom()
     for _ in range(200):
-        base = rng.randrange(lowest, top - n)
+        base = rng.randrange(lowest, top - n + 1)
         with contextlib.ExitStack() as held:
             for port in range(base, base + n):
                 s = held.enter_context(socket.socket())
