@@ -506,23 +506,9 @@ class Mover(StateCopier):
         async with r.placement_lock:
             placement = r.variables.placement
             assert placement is not None
-            shards = tuple(
-                replace(x, backups=tuple(b for b in x.backups if b != leaving))
-                if x.state == state
-                else x
-                for x in placement.shards
-            )
-            new = replace(placement, shards=shards, epoch=placement.epoch + 1)
-            r.variables.use(new)
-            self.homes.update(new)
-            await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
+            new = await self._unnamed(placement, state, leaving)
             await rr.tell_backups(state)  # its primary ships to the placement's backups only
-            term = r.terms.get(state, TERM)
-            drop = o.ReplicaSet(state, term, primary=False, epoch=new.epoch, drop=True)
-            try:
-                await self.homes.processes[leaving].request("replica", drop.to_wire(), timeout=2.0)
-            except ZmqpsError as exc:
-                log.info("ps %d: dropping its copy of ps %d failed: %s", leaving, state, exc)
+            await self._drop_copy(leaving, state, r.terms.get(state, TERM), new.epoch)
         return True
 
     async def _drain(self) -> None:
@@ -887,28 +873,38 @@ class Mover(StateCopier):
                 placement = self._keeping(state)
                 if placement is None:
                     continue
-                shards = tuple(
-                    replace(x, backups=tuple(b for b in x.backups if b != source))
-                    if x.state == state
-                    else x
-                    for x in placement.shards
-                )
-                new = replace(placement, shards=shards, epoch=placement.epoch + 1)
-                r.variables.use(new)
-                self.homes.update(new)
                 del self.kept[state]
-                await r.publish_placement(new, skip=[q for q, b in self.boots.items() if b is None])
+                new = await self._unnamed(placement, state, source)
             log.warning(
                 "ps %d answers as ps %d's state's primary: the copy kept on ps %d goes",
                 home,
                 state,
                 source,
             )
-            drop = o.ReplicaSet(state, term, primary=False, epoch=new.epoch, drop=True)
-            try:
-                await self.homes.processes[source].request("replica", drop.to_wire(), timeout=2.0)
-            except ZmqpsError as exc:
-                log.info("ps %d: dropping its copy of ps %d failed: %s", source, state, exc)
+            await self._drop_copy(source, state, term, new.epoch)
+
+    async def _unnamed(self, placement: Placement, state: int, q: int) -> Placement:
+        """``placement`` with process ``q`` no longer a backup of ``state``, at the next
+        epoch: in use, and told to every process (under the placement lock)."""
+        shards = tuple(
+            replace(x, backups=tuple(b for b in x.backups if b != q)) if x.state == state else x
+            for x in placement.shards
+        )
+        new = replace(placement, shards=shards, epoch=placement.epoch + 1)
+        self.recovery.variables.use(new)
+        self.homes.update(new)
+        await self.recovery.publish_placement(
+            new, skip=[p for p, b in self.boots.items() if b is None]
+        )
+        return new
+
+    async def _drop_copy(self, q: int, state: int, term: int, epoch: int) -> None:
+        """Process ``q``'s copy of ``state``, named nowhere any more, goes."""
+        drop = o.ReplicaSet(state, term, primary=False, epoch=epoch, drop=True)
+        try:
+            await self.homes.processes[q].request("replica", drop.to_wire(), timeout=2.0)
+        except ZmqpsError as exc:
+            log.info("ps %d: dropping its copy of ps %d failed: %s", q, state, exc)
 
     def _keeping(self, state: int) -> Placement | None:
         """The placement, while it still names the copy kept of ``state`` (``kept``) at
