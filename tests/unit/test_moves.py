@@ -1532,3 +1532,25 @@ def test_a_copy_kept_for_a_new_primary_that_answered_too_late_goes_once_it_answe
         assert len(slots[source].service(1).store) == 0  # dropped, as after any move
 
     run(body())
+
+
+def test_a_move_from_a_process_restarted_before_the_watch_heard_it_is_given_up() -> None:
+    """The state's process was restarted (empty) a moment before a move of its state,
+    before the health watch's next look: the move made it the state's primary, copied
+    nothing to the target and served the state from there, a generation behind; a
+    chief started after that found the PS in disagreement and could not finish (fault
+    schedule 9982). The move is given up now; the watch restores the state."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1)
+        mover = chief.recovery.mover
+        assert mover is not None and chief.placement is not None
+        before = chief.placement
+        target = next(q for q in range(3) if q not in before.shards_of("w")[1].copies)
+        slots[1] = serve_ps(net, 1, PS[1])  # killed and started again: empty
+        assert not await mover.move(1, target)
+        assert chief.placement is before  # nothing moved, nothing published
+        assert "restarted since the chief last heard it" in mover.done[-1]["failed"]
+
+    run(body())

@@ -45,7 +45,7 @@ from zmqps.core.variables import Placement
 from zmqps.roles.chief.copying import StateCopier
 from zmqps.roles.chief.variables import TERM
 from zmqps.wire import ops as o
-from zmqps.wire.errors import InvalidArgument, NotReady, ZmqpsError
+from zmqps.wire.errors import InvalidArgument, NotPrimary, NotReady, ZmqpsError
 
 if TYPE_CHECKING:
     from zmqps.roles.chief.recovery import RecoveryController
@@ -728,12 +728,37 @@ class Mover(StateCopier):
             # made the primary of a state it held nothing of, and no copy could be
             # made on it again)
             raise NotReady(f"ps {state}'s state is no longer served by ps {source}")
+        await self._source_as_known(state, source)
         s = next(s for s in placement.shards if s.state == state)
         if s.backups or r.cfg.replication > 1:
             return  # replicated: a primary already (one with no backups left, too)
         term = self.recovery.terms.setdefault(state, TERM)
         body = o.ReplicaSet(state, term, True, (), epoch=placement.epoch)
         await self.homes.processes[source].request("replica", body.to_wire(), timeout=2.0)
+
+    async def _source_as_known(self, state: int, source: int) -> None:
+        """The state's home is the incarnation the health watch expects (NotReady:
+        restarted since, before the watch's next look; its state lost, a restore
+        follows). Moved from a process restarted empty, the state was made primary
+        there, copied empty to the target and served from there, a generation behind:
+        a chief started after that found the PS in disagreement and could not finish
+        (fault schedule 9982). A source that does not answer is left to the move's own
+        checks."""
+        known = self.recovery.boots.get(state)
+        if not known:
+            return
+        try:
+            rep = await self.homes.processes[source].request("ps_state", timeout=2.0, slot=state)
+            boot = o.PsStateReply.parse(rep.body).boot
+        except NotPrimary:
+            boot = ""  # holds no copy of it: restarted
+        except ZmqpsError:
+            return
+        if boot != known:
+            raise NotReady(
+                f"ps {source} restarted since the chief last heard it: ps {state}'s state"
+                " is restored first"
+            )
 
     async def _hand_over(self, state: int, source: int, target: int) -> str:
         """``target`` (in sync) takes the state over from ``source`` at a new term;
