@@ -162,6 +162,11 @@ class PsHealth:
             p = self._ps[i]
             p.boot, p.last_ok, p.first_fail, p.down_after = boot, now, None, None
 
+    def expected(self, i: int) -> str | None:
+        """The boot id PS state ``i``'s home is expected to answer with (None: none
+        known yet)."""
+        return self._ps[i].boot
+
     def answered(self, i: int, boot: str, gen: int, now: float) -> str:
         """PS ``i`` answered a probe: ``ok``; ``back`` (it was down, shards intact); or
         ``restarted`` (another boot id or generation: its shards are gone)."""

@@ -744,7 +744,7 @@ class Mover(StateCopier):
         a chief started after that found the PS in disagreement and could not finish
         (fault schedule 9982). A source that does not answer is left to the move's own
         checks."""
-        known = self.recovery.boots.get(state)
+        known = self.recovery.health.expected(state)
         if not known:
             return
         try:
