@@ -867,11 +867,7 @@ class Mover(StateCopier):
             return ""  # the source's copy stays (above)
         # 3. the copy left on the source goes (its own state's copy stays a backup that
         #    serves nothing; its process may take it back later)
-        drop = o.ReplicaSet(state, term, primary=False, epoch=epoch, drop=True).to_wire()
-        try:
-            await processes[source].request("replica", drop, timeout=2.0)
-        except ZmqpsError as exc:
-            log.info("ps %d: dropping its copy of ps %d failed: %s", source, state, exc)
+        await self._drop_copy(source, state, term, epoch)
         return ""
 
     async def _confirm_kept(self) -> None:
