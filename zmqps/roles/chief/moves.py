@@ -748,10 +748,7 @@ class Mover(StateCopier):
         if not known:
             return
         try:
-            rep = await self.homes.processes[source].request("ps_state", timeout=2.0, slot=state)
-            boot = o.PsStateReply.parse(rep.body).boot
-        except NotPrimary:
-            boot = ""  # holds no copy of it: restarted
+            boot = await self._copy_boot(source, state, 2.0)
         except ZmqpsError:
             return
         if boot != known:
@@ -885,8 +882,7 @@ class Mover(StateCopier):
                 continue
             home = self.homes.of[state]
             try:
-                rep = await self.homes.processes[home].request("ps_state", timeout=1.0, slot=state)
-                if o.PsStateReply.parse(rep.body).boot != boot:
+                if await self._copy_boot(home, state, 1.0) != boot:
                     continue  # restarted: the watch fails it over
             except ZmqpsError:
                 continue  # silent so far
@@ -945,13 +941,14 @@ class Mover(StateCopier):
         wait = max(2.0, self.recovery.cfg.heartbeat_timeout)
         link = self.homes.processes[q]
         # the copy's boot id; and, its promotion's answer lost, the process's roles
-        asks = [link.request("ps_state", timeout=wait, slot=state)]
-        if boot is None:
-            asks.append(link.request("ps_state", timeout=wait))
         try:
-            replies = await asyncio.gather(*asks)
-            st = o.PsStateReply.parse(replies[0].body)
-            roles = o.PsStateReply.parse(replies[-1].body).roles or ()
+            if boot is None:
+                now, rep = await asyncio.gather(
+                    self._copy_boot(q, state, wait), link.request("ps_state", timeout=wait)
+                )
+                roles = o.PsStateReply.parse(rep.body).roles or ()
+            else:
+                now, roles = await self._copy_boot(q, state, wait), ()
         except ZmqpsError as exc:
             log.warning("ps %d, now serving ps %d's state, does not answer: %s", q, state, exc)
             return boot or "", False
@@ -959,10 +956,20 @@ class Mover(StateCopier):
             promoted = any(
                 int(r[0]) == state and r[1] == "primary" and int(r[2]) == term for r in roles
             )
-            return (st.boot, True) if promoted else ("", False)
+            return (now, True) if promoted and now else ("", False)
         if not boot:  # an older PS: the promotion answered, the boot id asked
-            return st.boot, True
-        return boot, st.boot == boot  # alive unless its process restarted since
+            return now, bool(now)
+        return boot, now == boot  # alive unless its process restarted since
+
+    async def _copy_boot(self, q: int, state: int, timeout: float) -> str:
+        """The boot id of process ``q``'s copy of ``state`` (its ``ps_state`` through
+        the state's slot); "" when it holds none (restarted since it had one).
+        ZmqpsError: no answer within ``timeout``."""
+        try:
+            rep = await self.homes.processes[q].request("ps_state", timeout=timeout, slot=state)
+        except NotPrimary:
+            return ""
+        return o.PsStateReply.parse(rep.body).boot
 
     # ------------------------------------------------------------------ status
 
