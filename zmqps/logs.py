@@ -5,7 +5,11 @@ A peer that sends the same bad request in a loop, or a training loop that meets 
 same bad value every few steps, must not write a line each time: the first one is
 logged at once, later ones at most once per interval, each saying how many were not
 logged since. Events are told apart by a key (the peer, the operation); the keys
-kept are bounded (the oldest is forgotten first).
+kept are bounded (the oldest is forgotten first). Keys of one kind (a tuple key's
+first item, such as ``("expired", peer)``; every other key is of one kind) write at
+most :data:`LINES_PER_KIND` lines per interval in all: a client that takes a new
+identity for every request (a new connection each time, a name of its own) cannot
+write a line each time by being a new key each time.
 
 A record's message may hold what a peer sent (a worker's name, a reason): its
 control characters (a newline, a carriage return, an escape sequence) are written
@@ -25,6 +29,9 @@ __all__ = ["OneLineFormatter", "RateLimitedLog"]
 
 #: keys remembered at most (a key forgotten logs its next event at once)
 MAX_KEYS = 1024
+
+#: lines of one kind of key per interval, whatever the keys
+LINES_PER_KIND = 20
 
 
 #: control characters (C0, DEL, C1 and the Unicode line breaks) -> their escapes
@@ -55,13 +62,18 @@ class RateLimitedLog:
         interval: float,
         clock: Callable[[], float] = time.monotonic,
         max_keys: int = MAX_KEYS,
+        lines_per_kind: int = LINES_PER_KIND,
     ) -> None:
         self.logger = logger
         self.interval = interval
         self.clock = clock
         self.max_keys = max_keys
+        self.lines_per_kind = lines_per_kind
         #: per key: (when its last line was logged, events not logged since)
         self._keys: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()
+        #: per kind: (when its interval began, lines logged in it, events not logged
+        #: for the kind's bound); kinds are the code's own names (bounded)
+        self._kinds: dict[Hashable, tuple[float, int, int]] = {}
 
     def log(
         self, level: int, msg: str, *args: Any, key: Hashable = None, exc_info: bool = False
@@ -74,9 +86,20 @@ class RateLimitedLog:
         if last is not None and now - last[0] < self.interval:
             self._keys[key] = (last[0], last[1] + 1)
             return False
-        if last is not None and last[1]:
+        kind = key[0] if isinstance(key, tuple) and key else None
+        began, lines, held = self._kinds.get(kind, (now, 0, 0))
+        held_since = began
+        if now - began >= self.interval:
+            began, lines = now, 0
+        if lines >= self.lines_per_kind:  # this kind's lines of the interval are written
+            self._kinds[kind] = (began, lines, held + 1)
+            return False
+        self._kinds[kind] = (began, lines + 1, 0)
+        more = held + (last[1] if last is not None else 0)
+        if more:
+            since = now - min(last[0] if last is not None else now, held_since if held else now)
             msg += " (%d more like it in the last %.0f s)"
-            args = (*args, last[1], now - last[0])
+            args = (*args, more, since)
         self._keys[key] = (now, 0)
         self._keys.move_to_end(key)
         while len(self._keys) > self.max_keys:

@@ -41,7 +41,26 @@ def test_keys_are_bounded() -> None:
     for k in range(100):
         rl.warning("x", key=k)
     assert len(rl._keys) == 3
+    clock.now += 10.0  # (the 100 lines of one kind were past its bound)
     assert rl.warning("x", key=0)  # forgotten: logged at once again
+
+
+def test_a_new_key_for_every_event_does_not_flood(caplog: pytest.LogCaptureFixture) -> None:
+    """A client that connected anew for every expired request (a new routing id, so a
+    new key each time) wrote 1,500 lines in 1.4 s: a kind of key writes at most
+    ``lines_per_kind`` lines an interval, whatever the keys; other kinds are not held
+    back, and the next line of the kind says how many were not written."""
+    clock = Clock()
+    rl = RateLimitedLog(logging.getLogger("t"), 10.0, clock, lines_per_kind=5)
+    with caplog.at_level(logging.WARNING, "t"):
+        logged = [rl.warning("expired from %s", p, key=("expired", p)) for p in range(1500)]
+        assert sum(logged) == 5
+        assert rl.warning("refused %s", 1, key=("refused", 1))  # another kind: at once
+        clock.now += 10.0
+        assert rl.warning("expired from %s", "late", key=("expired", "late"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 7
+    assert lines[-1] == "expired from late (1495 more like it in the last 10 s)"
 
 
 def test_a_record_is_one_line_whatever_a_peer_put_in_it() -> None:
