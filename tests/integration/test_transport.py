@@ -605,6 +605,37 @@ def test_router_handover_serves_a_restarted_peer_with_the_same_identity(
     run(main)
 
 
+def test_a_client_taking_another_clients_name_as_its_routing_id_takes_nothing_over() -> None:
+    """ROUTER_HANDOVER gives a connection to whoever connects with its routing id. A
+    client that connected once as ``chief:0`` (the chief's name toward every PS) and
+    left cut the chief off that PS for good: every request of the chief's timed out.
+    A client's routing id is its name and 8 random bytes, so the name alone takes
+    nothing over."""
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with zmq_server(ctx, ping_handler) as server:
+                async with zmq_client(ctx, server.endpoint, "chief:0", timeout=3) as chief:
+                    assert (await chief.request("ping")).op == "ok"
+                    own = chief._sock.getsockopt(zmq.ROUTING_ID)
+                    assert own.startswith(b"chief:0/") and len(own) == len(b"chief:0/") + 16
+                    for name in (b"chief:0", own.split(b"/")[0]):
+                        thief = ctx.socket(zmq.DEALER)
+                        thief.setsockopt(zmq.LINGER, 0)
+                        thief.setsockopt(zmq.ROUTING_ID, name)
+                        thief.connect(server.endpoint)
+                        await thief.send_multipart([b"", b"x"])
+                        await asyncio.sleep(0.2)
+                        thief.close()
+                    for _ in range(3):
+                        assert (await chief.request("ping")).op == "ok"
+        finally:
+            ctx.term()
+
+    run(main)
+
+
 def test_reply_to_a_gone_peer_is_dropped_and_counted() -> None:
     async def slow(msg: Message) -> Message:
         if msg.op == "status":

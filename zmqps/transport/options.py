@@ -2,8 +2,16 @@
 
 Why each default (RELIABILITY.md, "Facts that bite"):
 
-* ``ROUTER_HANDOVER=1``: a restarted peer with the same identity is heard again
-  (otherwise it is shut out forever) and the old connection's messages are dropped.
+* ``ROUTER_HANDOVER=1``: a peer that connects again with the same routing id (a
+  DEALER reconnecting before the server noticed its old connection die) is heard
+  again (otherwise it is shut out forever) and the old connection's messages are
+  dropped. A DEALER's routing id is its name and 8 random bytes
+  (:meth:`SocketOptions.apply_dealer`): handover gives a connection to whoever
+  connects with its routing id, and with the bare name (``chief:0``, or a worker's
+  name and incarnation, which ``status`` shows) any client could take the chief's
+  connection to a PS over for a moment and leave it cut off for good. The name the
+  server knows a request by travels in the request itself (and, under CURVE, is the
+  allow-list name of the sender's key), never in the routing id.
 * ``ROUTER_MANDATORY=1``: a reply to a gone peer raises EHOSTUNREACH (counted)
   instead of vanishing silently.
 * No ZMTP heartbeats by default (``heartbeat_ivl_ms`` 0): a dead or cut-off peer is
@@ -63,6 +71,7 @@ Why each default (RELIABILITY.md, "Facts that bite"):
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,8 +148,10 @@ class SocketOptions:
             sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
     def apply_dealer(self, sock: zmq.Socket[Any], identity: bytes) -> None:
+        """A client socket named ``identity``: its routing id is that name and 8 random
+        bytes, which no other client can guess (see ``ROUTER_HANDOVER`` above)."""
         self.apply_common(sock)
-        sock.setsockopt(zmq.ROUTING_ID, identity)
+        sock.setsockopt(zmq.ROUTING_ID, b"%s/%s" % (identity, secrets.token_hex(8).encode()))
         if self.curve is not None:
             if self.curve.client_secret is None or self.curve.client_public is None:
                 raise ConfigError(f"CURVE: no client key pair for this task in {self.curve.source}")
