@@ -57,6 +57,40 @@ NOTE_INTERVAL_S = 10.0
 
 #: training that stands still this long is reported in the log, once per period
 WAIT_REPORT_S = 30.0
+
+#: the run's controls: the chief's own key (its coordinator) and the operator's
+#: (``status``: zmqps status, zmqps scale) only
+OPERATOR_OPS = frozenset({"shutdown", "checkpoint"})
+
+
+def check_key(msg: Message) -> None:
+    """Under CURVE, refuse ``msg`` unless the allow-list name of its sender's key may
+    send it: :data:`OPERATOR_OPS` and a ``scale`` that changes the PS asked for only
+    from the ``chief`` and ``status`` keys; a request that speaks for a task (its
+    ``who``: register, heartbeat, tokens, leave, ...) only from a key of that task's
+    role (``worker``, ``evaluator``; a per-task key such as ``worker3`` for that task
+    alone), or the chief's. Any allow-listed key could otherwise shut the run down,
+    or register as a worker and fence the real one out."""
+    name = msg.peer
+    role = name.rstrip("0123456789")
+    number = name[len(role) :]
+    if role == "chief":
+        return
+    if msg.op in OPERATOR_OPS or (msg.op == "scale" and msg.body.get("ps") is not None):
+        if name == "status":
+            return
+        raise InvalidArgument(
+            f"the chief: {msg.op} is sent only by the chief or the operator's key (status);"
+            f" refused from the key named {name!r} on the allow-list"
+        )
+    who = msg.body.get("who")
+    if not isinstance(who, Mapping):
+        return
+    if who.get("role") != role or (number and who.get("index") != int(number)):
+        task = f"{str(who.get('role'))[:32]}:{str(who.get('index'))[:32]}"
+        raise InvalidArgument(
+            f"the chief: the key named {name!r} on the allow-list does not speak for {task}"
+        )
 #: blockers (``ChiefService.blocker``) that say live tasks are at work, not a stall
 STILL_WORKING = (
     "finishing",
@@ -174,6 +208,8 @@ class ChiefService:
         }
 
     def __call__(self, msg: Message) -> Message | Awaitable[Message]:
+        if msg.peer:  # CURVE: the allow-list's name of the sender's key
+            check_key(msg)
         return self._ops(msg)
 
     def _watch(self, m: Metrics) -> None:

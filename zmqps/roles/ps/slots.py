@@ -58,14 +58,17 @@ _BACKUP_OPS = frozenset({"ping", "status", "ps_state", "create_shards"})
 LinkFactory = Callable[[int, str, int], Requester]
 
 
-#: the ops only the chief or another PS sends, and which: the chief creates shards,
-#: sets the sync mode, takes checkpoints, restores and shuts a PS down, tells it which
-#: copies it holds (``replica``) and whom to copy its state to (``join``); a primary
-#: sends its entries and copies (``replicate``, ``install``). Under CURVE they are
-#: refused from any other key (a worker's included): a forged entry would make a
-#: backup differ from its primary (a fail-over would then serve it), a forged restore
-#: or ``create_shards`` would replace the model.
-PEER_OPS: dict[str, str] = {
+#: the ops only some keys may send, and whose: the chief creates shards, sets the
+#: sync mode, takes checkpoints, restores and shuts a PS down, tells it which copies
+#: it holds (``replica``) and whom to copy its state to (``join``); a primary sends
+#: its entries and copies (``replicate``, ``install``); a worker (or the chief's
+#: training loop, coordinator mode) pushes, takes sync tokens and says it left
+#: (``fence``: the chief fences too). Under CURVE they are refused from any other key:
+#: a forged entry would make a backup differ from its primary (a fail-over would then
+#: serve it), a forged restore or ``create_shards`` would replace the model, an
+#: evaluator's or the operator's (``status``) key could change the model, count a
+#: refused gradient toward a sync step, take a step's token, or fence a worker out.
+PEER_OPS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
         (
             "replica",
@@ -78,36 +81,52 @@ PEER_OPS: dict[str, str] = {
             "checkpoint_done",
             "restore",
         ),
-        "chief",
+        ("chief",),
     ),
-    "replicate": "ps",
-    "install": "ps",
-    "replica_ring": "ps",
+    **dict.fromkeys(("replicate", "install", "replica_ring"), ("ps",)),
+    **dict.fromkeys(
+        ("push", "push_pull", "push_rows", "push_pull_rows", "take_token", "fence"),
+        ("worker", "chief"),
+    ),
 }
+
+#: what each role is called in a refusal
+_WHO = {"chief": "the chief", "ps": "a PS", "worker": "a worker"}
 
 
 #: what a primary sends a backup, by op
 _FROM_PRIMARY = {"replicate": "entry", "install": "copy", "replica_ring": "ring"}
 
 
-def _peer_role(msg: Message) -> str | None:
-    """The role that alone may send ``msg`` (None: anyone on the allow-list). A
+def _peer_role(msg: Message) -> tuple[str, ...] | None:
+    """The roles that alone may send ``msg`` (None: anyone on the allow-list). A
     ``wait_step`` that releases tokens is the chief's: a forged release would hand
     every worker asking this PS a token of a step of its choosing."""
     if msg.op == "wait_step":
-        return "chief" if msg.body.get("released") is not None else None
+        return ("chief",) if msg.body.get("released") is not None else None
     return PEER_OPS.get(msg.op)
 
 
-def _check_peer(msg: Message, index: int, role: str) -> None:
-    """Refuse ``msg`` unless the allow-list names its sender's key for ``role`` (``ps``
-    also matches per-process names such as ``ps3``)."""
+def _check_peer(msg: Message, index: int, roles: tuple[str, ...]) -> None:
+    """Refuse ``msg`` unless the allow-list names its sender's key for one of ``roles``
+    (``ps`` also matches per-process names such as ``ps3``, ``worker`` per-task ones
+    such as ``worker3``). A worker's own key (``worker3``) speaks only for that worker:
+    a push or fence of another's name is refused too."""
     name = msg.peer
-    if name == role or (name.startswith(role) and name[len(role) :].isdigit()):
-        return
+    for role in roles:
+        number = name[len(role) :]
+        if name == role or (name.startswith(role) and number.isdigit()):
+            said = msg.body.get("worker") if role == "worker" and number else None
+            if said is not None and said != f"worker:{int(number)}":
+                raise InvalidArgument(
+                    f"ps {index}: the key named {name!r} on the allow-list speaks only for"
+                    f" worker:{int(number)}, not {str(said)[:64]!r}"
+                )
+            return
+    who = " or ".join(_WHO.get(r, r) for r in roles)
     raise InvalidArgument(
-        f"ps {index}: {msg.op} is sent only by {'the chief' if role == 'chief' else 'a PS'};"
-        f" refused from the key named {name!r} on the allow-list"
+        f"ps {index}: {msg.op} is sent only by {who}; refused from the key named {name!r}"
+        " on the allow-list"
     )
 
 
