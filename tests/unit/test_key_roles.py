@@ -11,6 +11,7 @@ from zmqps.roles.chief.service import check_key
 from zmqps.roles.ps import PSService
 from zmqps.roles.ps.slots import PSSlots
 from zmqps.wire import Message
+from zmqps.wire import ops as o
 from zmqps.wire.errors import InvalidArgument
 
 PUSH = {"shards": [0], "versions": [0], "gen": 0, "worker": "worker:0", "inc": 1, "seq": 1}
@@ -67,11 +68,13 @@ def test_the_operators_key_and_the_chiefs_control_the_run() -> None:
 
 
 def test_a_key_speaks_for_tasks_of_its_own_role_only() -> None:
-    worker0 = {"who": {"role": "worker", "index": 0, "incarnation": 1}}
+    worker0 = o.Register(o.Who("worker", 0, 1)).to_wire()  # as a worker sends it
     chief_asked("worker", "register", worker0)
-    chief_asked("worker0", "heartbeat", worker0)
+    chief_asked("worker0", "heartbeat", o.Heartbeat(o.Who("worker", 0, 1), 3).to_wire())
     chief_asked("chief", "register", worker0)  # the coordinator's
-    chief_asked("evaluator", "register", {"who": {"role": "evaluator", "index": 0}})
+    chief_asked("evaluator", "register", o.Register(o.Who("evaluator", 0, 1)).to_wire())
     for key in ("status", "evaluator", "ps", "worker1"):
         with pytest.raises(InvalidArgument, match="does not speak for worker:0"):
             chief_asked(key, "register", worker0)
+        with pytest.raises(InvalidArgument, match="does not speak for worker:0"):
+            chief_asked(key, "take_token", o.TakeToken(o.Who("worker", 0, 1)).to_wire())

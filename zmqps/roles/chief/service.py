@@ -62,12 +62,15 @@ WAIT_REPORT_S = 30.0
 #: (``status``: zmqps status, zmqps scale) only
 OPERATOR_OPS = frozenset({"shutdown", "checkpoint"})
 
+#: the requests made for a task (their body names it: a ``Who``)
+TASK_OPS = frozenset({"register", "heartbeat", "leave", "take_token", "ssp_clock"})
+
 
 def check_key(msg: Message) -> None:
     """Under CURVE, refuse ``msg`` unless the allow-list name of its sender's key may
     send it: :data:`OPERATOR_OPS` and a ``scale`` that changes the PS asked for only
     from the ``chief`` and ``status`` keys; a request that speaks for a task (its
-    ``who``: register, heartbeat, tokens, leave, ...) only from a key of that task's
+    ``Who``: register, heartbeat, tokens, leave) only from a key of that task's
     role (``worker``, ``evaluator``; a per-task key such as ``worker3`` for that task
     alone), or the chief's. Any allow-listed key could otherwise shut the run down,
     or register as a worker and fence the real one out."""
@@ -83,14 +86,16 @@ def check_key(msg: Message) -> None:
             f"the chief: {msg.op} is sent only by the chief or the operator's key (status);"
             f" refused from the key named {name!r} on the allow-list"
         )
-    who = msg.body.get("who")
-    if not isinstance(who, Mapping):
+    if msg.op not in TASK_OPS:
         return
+    who = msg.body  # a Who travels flattened: role, index, incarnation
     if who.get("role") != role or (number and who.get("index") != int(number)):
         task = f"{str(who.get('role'))[:32]}:{str(who.get('index'))[:32]}"
         raise InvalidArgument(
             f"the chief: the key named {name!r} on the allow-list does not speak for {task}"
         )
+
+
 #: blockers (``ChiefService.blocker``) that say live tasks are at work, not a stall
 STILL_WORKING = (
     "finishing",
