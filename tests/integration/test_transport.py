@@ -996,3 +996,15 @@ def test_a_status_query_to_a_gone_chief_never_blocks_the_event_loop() -> None:
     assert issubclass(error, (DeadlineExceeded, ShutdownError)), error
     # the loop turned every few ms; with the linger it stood still for a whole second
     assert longest < 0.5, f"the event loop stood still for {longest:.2f} s"
+
+
+def test_an_endpoint_libzmq_cannot_parse_is_an_invalid_argument() -> None:
+    """A ``join`` or ``replica`` naming ``tcp://bad endpoint`` was answered ``internal``
+    with a traceback in the PS's log: the endpoint is the sender's mistake."""
+    ctx = zmq.asyncio.Context()
+    try:
+        for bad in ("tcp://bad endpoint", "tcp://127.0.0.1:notaport", "nope://x"):
+            with pytest.raises(InvalidArgument, match="cannot connect to"):
+                Client(ctx, bad, "chief:0", options=OPTS, timeout=1)
+    finally:
+        ctx.term()  # returns: no socket was left open

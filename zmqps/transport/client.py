@@ -118,8 +118,12 @@ class Client:
         self._options = options or SocketOptions()
         self._limits = limits or Limits()
         self._sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
-        self._options.apply_dealer(self._sock, identity.encode())
-        self._sock.connect(self.endpoint)
+        try:
+            self._options.apply_dealer(self._sock, identity.encode())
+            self._sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:  # an endpoint libzmq cannot parse (a peer named it)
+            self._sock.close(linger=0)
+            raise InvalidArgument(f"cannot connect to {address[:200]!r}: {exc}") from None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Message]] = {}
         #: frames of the pending requests that may be sent again (attempts > 1), and
