@@ -63,3 +63,13 @@ def test_a_generation_or_step_whose_next_would_overflow_is_refused() -> None:
             if name in known:
                 with pytest.raises(ProtocolError):
                     known[name].check(2**63 - 1, f"{cls.__name__}.{name}")
+
+
+@pytest.mark.parametrize("loss", [float("inf"), float("-inf"), float("nan")])
+def test_a_heartbeats_loss_is_finite(loss: float) -> None:
+    """An infinite loss in a heartbeat was kept and made ``zmqps status --json`` print
+    ``Infinity``, which JSON parsers refuse (a worker leaves a non-finite loss out)."""
+    who = {"role": "worker", "index": 0, "incarnation": 1}
+    assert ops.Heartbeat.parse({**who, "step": 1, "loss": 1e308}).loss == 1e308
+    with pytest.raises(ProtocolError, match="loss"):
+        ops.Heartbeat.parse({**who, "step": 1, "loss": loss})

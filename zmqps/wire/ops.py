@@ -21,6 +21,7 @@ Rules of this module:
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -299,7 +300,9 @@ class Register(Body):
 class Heartbeat(Body):
     who: Who
     step: int = wire(TALLY)
-    loss: float | None = wire(Float(), default=None)
+    #: finite (a worker leaves a non-finite loss out): ``zmqps status --json`` prints
+    #: the mean loss, and JSON has no infinity
+    loss: float | None = wire(Float(-sys.float_info.max, sys.float_info.max), default=None)
     examples: int | None = wire(TALLY, default=None)
     #: steps of this incarnation whose gradients the PS refused (not finite), skipped
     nonfinite: int | None = wire(TALLY, default=None)
