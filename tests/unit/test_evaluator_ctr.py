@@ -219,3 +219,18 @@ def test_ctr_job_flags_that_do_not_match_the_cluster(
             await ev.run()
 
     run(body())
+
+
+def test_the_ctr_jobs_tables_hold_a_bounded_number_of_rows() -> None:
+    """The job's tables had no ``row_budget``: any client pulling new ids grew a PS
+    toward half the machine's memory. Each shard of each table now holds at most
+    ``CTR_ROW_BUDGET`` rows, and the PS keeps that bound (created from the job's
+    variables, as the chief creates them)."""
+    from zmqps.core.hashtable import TableConfig
+    from zmqps.roles.job import CTR_ROW_BUDGET
+
+    model = JOB.build_ctr_model(JOB.load_ctr("train"))
+    tables = [v for v in model.variables() if v.table is not None]
+    assert {v.name for v in tables} == set(model.tables)
+    for v in tables:
+        assert TableConfig.parse(v.table).row_budget == CTR_ROW_BUDGET

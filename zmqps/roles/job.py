@@ -26,6 +26,13 @@ __all__ = ["JobConfig"]
 #: model), a 64-bit int on the wire
 MAX_SEED = 2**62
 
+#: rows per shard of each table of the built-in CTR job (its ``row_budget``): past it
+#: new ids evict the least recently touched rows. Without one, any client pulling new
+#: ids grew a PS toward half the machine's memory (4 pulls of 1M new ids: +0.9 GB);
+#: with it, a table's shard holds at most this many rows (dim 8 with its Adagrad
+#: slot: about 0.4 GB), far above what the synthetic data needs (1,600 rows)
+CTR_ROW_BUDGET = 1 << 22
+
 
 @dataclass(frozen=True)
 class JobConfig:
@@ -126,7 +133,9 @@ class JobConfig:
     def build_ctr_model(self, data: CTRDataset) -> CTRModel:
         from zmqps.models.ctr import CTRModel
 
-        return CTRModel(data.num_fields, data.num_dense, seed=self.seed)
+        return CTRModel(
+            data.num_fields, data.num_dense, seed=self.seed, table={"row_budget": CTR_ROW_BUDGET}
+        )
 
     def check_towers(self, towers: int) -> None:
         """Raise :class:`ConfigError` if this job cannot run on ``towers`` devices."""
