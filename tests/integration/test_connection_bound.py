@@ -194,3 +194,51 @@ def test_a_missed_disconnect_never_locks_clients_out() -> None:
             ctx.term()
 
     run(main)
+
+
+def test_at_the_bound_a_connection_that_never_spoke_makes_room_for_a_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One client holding more idle connections than the bound shut every other client
+    out until it let go (4,200 of them against 4,096). At the bound, the oldest
+    connection that never sent a message (past ``QUIET_GRACE_S``) is shut down to let
+    the new one in; a client that spoke is kept."""
+    from zmqps.transport import connections
+
+    monkeypatch.setattr(connections, "QUIET_GRACE_S", 0.5)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(ctx, "127.0.0.1:0", ping, name="bounded", options=OPTS)
+        endpoint = server.bind()
+        port = int(endpoint.rsplit(":", 1)[1])
+        server.start()
+        spoke = Client(ctx, endpoint, "c0", options=OPTS, timeout=5.0)
+        peers: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        late: list[Client] = []
+        try:
+            await ask(spoke)
+            peers = [await idle_peer(port) for _ in range(BOUND - 1)]
+            await wait_until(lambda: len(server.connections) == BOUND)
+            await asyncio.sleep(0.6)
+            for k in range(5):  # each one is let in, an idle peer shut down for it
+                late.append(Client(ctx, endpoint, f"late{k}", options=OPTS, timeout=5.0))
+                await ask(late[-1])
+            assert server.stats.conn_refusals == 0
+            assert server.connections.evicted == 5
+            ended = await asyncio.gather(*(closed_by_server(r, 0.3) for r, _ in peers))
+            assert sum(ended) == 5
+            assert ended[:5] == [True] * 5  # the oldest first
+            assert len(server.connections) == BOUND
+            await ask(spoke)  # the client that spoke was never the one shut down
+            for c in late:
+                await ask(c)
+        finally:
+            for _, w in peers:
+                w.close()
+            for c in (spoke, *late):
+                await c.close()
+            await server.stop()
+            ctx.term()
+
+    run(main)

@@ -26,6 +26,15 @@ How, and why this way:
   once a connection closed. Before shutting one down, the descriptor is checked to
   be a connected TCP socket on this server's port: a number the monitor said was
   accepted but that something else got since is left alone.
+* At the bound, a connection that said nothing makes room before a new one is
+  refused: one client holding 4,200 idle connections shut every other client out
+  until it let go. The server notes which connection each message came from
+  (:meth:`Connections.heard`, the frame's ``SRCFD``); a new connection past the
+  bound shuts down the oldest one that never sent a message and was accepted
+  :data:`QUIET_GRACE_S` ago or more, else the one silent longest if that is
+  :data:`SILENT_EVICT_S` or more, and only then is refused. A zmqps client sends its
+  first request at once and keeps talking (heartbeats, pushes, polls); one shut
+  down reconnects and sends its resendable requests again.
 * At the bound, the set is audited first (at most once per :data:`AUDIT_EVERY_S`):
   a descriptor that is no longer a connection on this server's port is dropped
   from it. A missed disconnect therefore costs at most an audit, never a lockout.
@@ -85,6 +94,11 @@ FD_RESERVE = 1024
 AUDIT_EVERY_S = 1.0
 #: Seconds between two log lines about refused connections on one server.
 LOG_EVERY_S = 30.0
+#: At the bound, a connection that never sent a message, accepted this long ago, is
+#: shut down to let a new one in.
+QUIET_GRACE_S = 10.0
+#: At the bound, failing that, the connection silent longest is, past this long.
+SILENT_EVICT_S = 60.0
 #: Monitor endpoints: one per monitored socket of the process.
 _MONITORS = itertools.count()
 
@@ -168,6 +182,10 @@ class Connections:
         self._clock = clock
         #: the descriptors of the connections open now
         self.fds: set[int] = set()
+        #: when each was accepted, and when it last sent a message (absent: never)
+        self._accepted: dict[int, float] = {}
+        self._heard: dict[int, float] = {}
+        self.evicted = 0
         #: the server's port (0 until bound: nothing is refused before)
         self.port = 0
         self.refused = 0
@@ -181,20 +199,67 @@ class Connections:
         """The monitor's ``EVENT_ACCEPTED`` of descriptor ``fd``."""
         if fd < 0:
             return
+        now = self._clock()
         self.fds.add(fd)
+        self._accepted[fd] = now
+        self._heard.pop(fd, None)  # a number closed and given again
         if not self.bound or len(self.fds) <= self.bound or not self.port:
             return
-        now = self._clock()
         if now - self._audited >= AUDIT_EVERY_S:
             self._audited = now
             self.audit()
             if len(self.fds) <= self.bound:
                 return
+        idle = self._idlest(fd, now)
+        if idle is not None:
+            why = "never sent a message" if idle not in self._heard else "the longest"
+            shut = self._shut(idle)
+            if shut is not False:  # shut down, or gone already: room for the new one
+                self._forget(idle)
+            if shut:
+                self.evicted += 1
+                self._log.warning(
+                    "%s: at its bound of %d connections: one that was silent (%s) shut"
+                    " down to let a new one in; %d so far",
+                    self._name,
+                    self.bound,
+                    why,
+                    self.evicted,
+                    key="evicted",
+                )
+            if shut is not False:
+                return
         self._refuse(fd)
+
+    def heard(self, fd: int) -> None:
+        """A message came from connection ``fd`` (its frame's ``SRCFD``)."""
+        if fd in self._accepted:
+            self._heard[fd] = self._clock()
 
     def gone(self, fd: int) -> None:
         """The monitor's ``EVENT_DISCONNECTED`` (or ``EVENT_CLOSED``) of ``fd``."""
+        self._forget(fd)
+
+    def _forget(self, fd: int) -> None:
         self.fds.discard(fd)
+        self._accepted.pop(fd, None)
+        self._heard.pop(fd, None)
+
+    def _idlest(self, new: int, now: float) -> int | None:
+        """The connection to shut down for ``new`` (None: none may be): the oldest that
+        never sent a message, past :data:`QUIET_GRACE_S`; else the one silent longest,
+        past :data:`SILENT_EVICT_S`. (A scan, at the bound only.)"""
+        quiet = [
+            (at, fd)
+            for fd, at in self._accepted.items()
+            if fd != new and fd not in self._heard and now - at >= QUIET_GRACE_S
+        ]
+        if quiet:
+            return min(quiet)[1]
+        if not self._heard:
+            return None
+        at, fd = min((at, fd) for fd, at in self._heard.items() if fd != new)
+        return fd if now - at >= SILENT_EVICT_S else None
 
     def audit(self) -> int:
         """Drop the descriptors that are no longer connections on this server's port
@@ -204,7 +269,8 @@ class Connections:
             with _probe(fd) as probe:
                 if not _ours(probe, self.port):
                     stale.add(fd)
-        self.fds -= stale
+        for fd in stale:
+            self._forget(fd)
         if stale:
             log.info(
                 "%s: %d connections counted were gone (a missed disconnect event)",
@@ -213,16 +279,24 @@ class Connections:
             )
         return len(stale)
 
-    def _refuse(self, fd: int) -> None:
-        self.fds.discard(fd)  # its disconnect comes; until then it is not one we keep
+    def _shut(self, fd: int) -> bool | None:
+        """``shutdown(2)`` connection ``fd`` (libzmq sees the end and closes it): False
+        when that failed, None when ``fd`` is no longer one of this server's."""
         with _probe(fd) as probe:
             if probe is None or not _ours(probe, self.port):
-                return  # closed already, its number given to something else since
+                return None  # closed already, its number given to something else since
             try:
-                probe.shutdown(socket.SHUT_RDWR)  # libzmq sees the end and closes it
-                with_error = False
+                probe.shutdown(socket.SHUT_RDWR)
             except OSError as exc:
-                with_error = exc.errno != errno.ENOTCONN
+                return exc.errno == errno.ENOTCONN
+        return True
+
+    def _refuse(self, fd: int) -> None:
+        self._forget(fd)  # its disconnect comes; until then it is not one we keep
+        shut = self._shut(fd)
+        if shut is None:
+            return
+        with_error = not shut
         self.refused += 1
         self._on_refused()
         self._log.warning(

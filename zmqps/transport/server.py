@@ -663,6 +663,7 @@ class Server:
         identity = self._arrived(frames)
         if identity is None:
             return
+        self.data_connections.heard(frames[0].get(zmq.SRCFD))
         try:
             session, plain = self.keyring.open(frames[1:])
         except SealRefused as exc:
@@ -716,6 +717,7 @@ class Server:
         identity = self._arrived(frames)
         if identity is None:
             return
+        self.connections.heard(frames[0].get(zmq.SRCFD))
         # the name the allow-list gives the sender's key (the ZAP handler's user id,
         # carried by every frame of an authenticated connection): never on the wire
         user = frames[0].get("User-Id") if self._options.curve is not None else ""
