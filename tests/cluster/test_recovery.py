@@ -261,3 +261,27 @@ def test_a_worker_that_finished_trains_again_after_a_restore(procs: Reaper, tmp_
     assert ckpt is not None and ckpt.cursors == {"worker:0": share, "worker:1": share}
     assert summary["worker_steps"] == 2 * share, summary
     assert not launched_by(launcher.pid)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_chief_told_to_stop_under_launch_ends_the_run_resumable(
+    procs: Reaper, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """A chief stopped by a signal to it alone takes a checkpoint and shuts the PS
+    down: the launcher started it again, and the new chief waited 120 s for PS that
+    were gone, then again (minutes, nothing on the console). The run ends with the
+    chief's code, saying how to go on, nothing left running; ``--resume`` goes on."""
+    run = tmp_path / "chief-stop"
+    launcher, _ = launch_run(procs, run, "-q", *SYNC, timeout=150)
+    chief = chief_address(launcher)
+    _wait_for_checkpoint(chief, CKPT_STEPS)
+    os.kill(task_pid(launcher, "chief"), sig)
+    stopped = time.monotonic()
+    launcher.expect_exit(128 + sig, timeout=60)
+    assert time.monotonic() - stopped < 30
+    assert "go on with --resume" in launcher.stderr, launcher.stderr[-2000:]
+    assert "restarting it" not in launcher.stderr, launcher.stderr[-2000:]
+    assert not launched_by(launcher.pid)
+    ckpt = CheckpointRoot(run / "checkpoints").latest()
+    assert ckpt is not None and ckpt.step >= CKPT_STEPS

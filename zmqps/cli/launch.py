@@ -85,6 +85,9 @@ from zmqps.transport.base import waited, within
 from zmqps.transport.shm import sweep
 from zmqps.wire.errors import EXIT_CONFIG, EXIT_RUN_FAILED, ConfigError, ZmqpsError
 
+#: the exit codes of a task that stopped on a signal it handled (SIGHUP, SIGINT, SIGTERM)
+SIGNALLED_STOP = (128 + signal.SIGHUP, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+
 __all__ = ["add_launch_args", "free_ports", "launch"]
 
 HOST = "127.0.0.1"
@@ -594,6 +597,12 @@ class Launcher:
                 else f"exited with code {child.returncode}"
             )
             final = child.returncode in (EXIT_CONFIG, EXIT_RUN_FAILED)  # fails again
+            if child is chief and child.returncode in SIGNALLED_STOP:
+                # a chief told to stop (SIGTERM, SIGINT, SIGHUP to it alone) took its
+                # checkpoint and shut the PS down before it exited: started again, it
+                # waited minutes for PS that were gone. The run ends, resumable.
+                final = True
+                how += " (it was told to stop: checkpoint taken, PS shut down; go on with --resume)"
             if (
                 self.args.restart == "on-failure"
                 and child.restarts < self.args.max_restarts
@@ -925,7 +934,16 @@ class Launcher:
         if interrupted.is_set():
             # 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, as a shell says
             return 128 + signalled[0]
-        return 1 if self.failure else 0
+        if not self.failure:
+            return 0
+        first = self.first_failed
+        if first is not None and first.returncode in (
+            EXIT_CONFIG,
+            EXIT_RUN_FAILED,
+            *SIGNALLED_STOP,
+        ):
+            return first.returncode  # what the task said: a mistake, a failed run, a stop
+        return 1
 
 
 def _evaluations(path: Path) -> int:
