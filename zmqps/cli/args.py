@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import itertools
 import logging
+import math
 import os
 import re
 import sys
@@ -269,7 +270,7 @@ def add_stall_timeout_arg(g: Any, *, role: str = "") -> None:
     """``--stall-timeout S`` (the chief's, and ``zmqps launch``'s)."""
     g.add_argument(
         "--stall-timeout",
-        type=float,
+        type=seconds,
         default=STALL_TIMEOUT_S,
         metavar="S",
         help=f"{role}a run whose training stands still this many seconds (a step waiting on"
@@ -277,6 +278,18 @@ def add_stall_timeout_arg(g: Any, *, role: str = "") -> None:
         " code 3) with what it waited on; 0: wait for ever"
         f" (default: {STALL_TIMEOUT_S:g})",
     )
+
+
+def seconds(text: str) -> float:
+    """A duration flag: a finite number of seconds, >= 0 (``nan``, ``inf`` and negative
+    values made waits without a limit, or said "within -1s")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds >= 0")
+    return value
 
 
 def parse_bytes(text: str) -> int:
@@ -537,7 +550,7 @@ def add_evaluator_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--eval-interval",
-        type=float,
+        type=seconds,
         default=2.0,
         metavar="S",
         help="seconds between evaluations, at most one per interval (default: 2)",
@@ -545,7 +558,7 @@ def add_evaluator_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-log", metavar="FILE", help="append one JSON line per evaluation to FILE")
     g.add_argument(
         "--chief-timeout",
-        type=float,
+        type=seconds,
         metavar="S",
         help="a chief that has not answered for S seconds (before the run's end) is gone for"
         " good: a worker ends its step and stops, an evaluator stops, both with exit code 1"
@@ -553,7 +566,7 @@ def add_evaluator_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--eval-idle-timeout",
-        type=float,
+        type=seconds,
         default=30.0,
         metavar="S",
         help="an evaluator with no chief in its cluster (checkpoints only) ends when no new"
@@ -659,14 +672,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_elastic_arg(g, role="(chief) ")
     g.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=seconds,
         default=10.0,
         metavar="S",
         help="(chief) seconds without a heartbeat before a worker counts as dead (default: 10)",
     )
     g.add_argument(
         "--startup-timeout",
-        type=float,
+        type=seconds,
         default=120.0,
         help="seconds to wait for peers at start (default: 120)",
     )
@@ -686,7 +699,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--checkpoint-secs",
-        type=float,
+        type=seconds,
         default=None,
         metavar="S",
         help="(chief) checkpoint every S > 0 seconds, with --checkpoint-dir (default: 600"

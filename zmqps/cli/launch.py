@@ -57,6 +57,7 @@ from zmqps.cli.args import (
     job_from_args,
     on_nonfinite_from_args,
     partitioner_from_args,
+    seconds,
     sync_from_args,
     wire_dtype_from_args,
     worker_devices,
@@ -186,7 +187,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     add_elastic_arg(g)
     g.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=seconds,
         default=10.0,
         metavar="S",
         help="seconds without a heartbeat before the chief counts a worker as dead (default: 10)",
@@ -222,7 +223,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=None,
         metavar="S",
         help="stop everything after S > 0 seconds, the run failed (default: none)",
@@ -274,7 +275,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--checkpoint-secs",
-        type=float,
+        type=seconds,
         default=None,
         metavar="S",
         help=f"checkpoint every S > 0 seconds (default: {CHECKPOINT_SECS:g} unless"
@@ -313,7 +314,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--hung-after",
-        type=float,
+        type=seconds,
         default=None,
         metavar="S",
         help="kill a task whose process runs while the chief counts it dead (a PS: down)"

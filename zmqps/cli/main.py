@@ -31,6 +31,7 @@ from zmqps.cli.args import (
     drop_stdout,
     exit_with_parent,
     resolution,
+    seconds,
     setup_logging,
     socket_options,
 )
@@ -77,7 +78,7 @@ def _worker_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--connect-timeout",
-        type=float,
+        type=seconds,
         default=120.0,
         help="seconds to wait for the chief (default: 120)",
     )
@@ -255,7 +256,7 @@ def _add_chief_query_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
-        "--timeout", type=float, default=5.0, help="seconds to wait for the chief (default: 5)"
+        "--timeout", type=seconds, default=5.0, help="seconds to wait for the chief (default: 5)"
     )
     add_security_args(p)
 
@@ -369,7 +370,7 @@ def _build(command: str | None = None) -> argparse.ArgumentParser:
         metavar="URL|FILE",
         help="/metrics URLs, or the file_sd JSON of zmqps launch --prometheus-targets",
     )
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between redraws")
+    p.add_argument("--interval", type=seconds, default=1.0, help="seconds between redraws")
     p.add_argument(
         "--iterations", type=int, default=0, help="stop after N redraws (default: run until Ctrl-C)"
     )
@@ -407,7 +408,7 @@ def _build(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--ps", type=int, metavar="N", help="the number of PS to serve the states")
     p.add_argument(
         "--wait",
-        type=float,
+        type=seconds,
         default=0.0,
         metavar="SECONDS",
         help="wait until the moves are done, at most this long (exit 1 past it)",

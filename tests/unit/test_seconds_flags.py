@@ -1,0 +1,44 @@
+"""Every duration flag takes a finite number of seconds >= 0: ``--timeout inf`` made
+``zmqps status`` wait for ever, ``--startup-timeout nan`` a chief wait for its PS for
+ever, ``--wait -1`` say "not done after -1s"."""
+
+from __future__ import annotations
+
+import pytest
+
+from zmqps.cli.main import main
+
+CHIEF = ["--chief", "127.0.0.1:1"]
+HOSTS = [
+    "--chief-host",
+    "127.0.0.1:1",
+    "--ps-hosts",
+    "127.0.0.1:2",
+    "--worker-hosts",
+    "127.0.0.1:3",
+]
+
+CASES = {
+    "status --timeout": ["status", *CHIEF, "--timeout"],
+    "scale --wait": ["scale", *CHIEF, "--ps", "1", "--wait"],
+    "top --interval": ["top", "http://127.0.0.1:1/metrics", "--interval"],
+    "server --startup-timeout": ["server", *HOSTS, "--role", "chief", "--startup-timeout"],
+    "server --heartbeat-timeout": ["server", *HOSTS, "--role", "chief", "--heartbeat-timeout"],
+    "worker --connect-timeout": ["worker", *HOSTS, "--index", "0", "--connect-timeout"],
+    "launch --timeout": ["launch", "--timeout"],
+    "launch --hung-after": ["launch", "--hung-after"],
+    "launch --checkpoint-secs": ["launch", "--checkpoint-secs"],
+}
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "soon"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_duration_flag_takes_finite_seconds_only(
+    case: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    *argv, flag = CASES[case]
+    with pytest.raises(SystemExit) as ended:
+        main([*argv, f"{flag}={value}"])  # (-inf alone reads as an option)
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"argument {flag}: {value!r}" in err[0], err
