@@ -103,6 +103,33 @@ def test_scrape_reads_a_live_exporter() -> None:
         server.close()
 
 
+@pytest.mark.parametrize("page", [b"<!DOCTYPE HTML><html></html>", b"\xff\xfe not text"])
+def test_scrape_of_a_page_that_is_not_metrics_says_so(page: bytes) -> None:
+    """``zmqps top`` pointed at a web page (Grafana, Prometheus's UI) ended in a
+    traceback: ``ValueError: invalid metric name:<!DOCTYPE HTML>``."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        s = scrape(Target("?", f"http://127.0.0.1:{server.server_port}/"))
+        assert s.error.startswith("not Prometheus metrics"), s.error
+        assert "/metrics" in s.error and not s.values
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def _spans(line: str) -> list[tuple[int, int]]:
     """(start, end) offsets of the whitespace-separated words of ``line``, where a word
     may hold single spaces ("MB/s in"): columns are two spaces or more apart."""

@@ -94,18 +94,32 @@ def load_targets(items: Sequence[str]) -> list[Target]:
     return out
 
 
+#: the most of a page read (a zmqps exporter's is a few hundred KB at most)
+MAX_PAGE_BYTES = 32 << 20
+
+
 def scrape(target: Target, timeout: float = 2.0) -> Sample:
     sample = Sample(target, time.monotonic())
     try:
         with urllib.request.urlopen(target.url, timeout=timeout) as resp:
-            text = resp.read().decode()
-    except OSError as exc:
+            text = resp.read(MAX_PAGE_BYTES + 1)
+    except (OSError, ValueError) as exc:
         # urllib's URLError wraps the socket error: "[Errno 111] Connection refused"
         sample.error = str(getattr(exc, "reason", None) or exc)
         return sample
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            sample.values[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    try:
+        if len(text) > MAX_PAGE_BYTES:
+            raise ValueError(f"a page of more than {MAX_PAGE_BYTES} bytes")
+        for family in text_string_to_metric_families(text.decode()):
+            for s in family.samples:
+                sample.values[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    except (ValueError, TypeError, IndexError) as exc:  # a web page, not an exporter's
+        sample.values.clear()
+        sample.error = (
+            f"not Prometheus metrics ({str(exc)[:80]}): point zmqps top at a task's"
+            " /metrics, e.g. http://127.0.0.1:9100/metrics"
+        )
+        return sample
     if target.job == "?":
         for (name, labels), _ in sample.values.items():
             if name == "zmqps_info":
