@@ -615,21 +615,23 @@ def test_a_client_taking_another_clients_name_as_its_routing_id_takes_nothing_ov
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         try:
-            async with zmq_server(ctx, ping_handler) as server:
-                async with zmq_client(ctx, server.endpoint, "chief:0", timeout=3) as chief:
+            async with (
+                zmq_server(ctx, ping_handler) as server,
+                zmq_client(ctx, server.endpoint, "chief:0", timeout=3) as chief,
+            ):
+                assert (await chief.request("ping")).op == "ok"
+                own = chief._sock.getsockopt(zmq.ROUTING_ID)
+                assert own.startswith(b"chief:0/") and len(own) == len(b"chief:0/") + 16
+                for name in (b"chief:0", own.split(b"/")[0]):
+                    thief = ctx.socket(zmq.DEALER)
+                    thief.setsockopt(zmq.LINGER, 0)
+                    thief.setsockopt(zmq.ROUTING_ID, name)
+                    thief.connect(server.endpoint)
+                    await thief.send_multipart([b"", b"x"])
+                    await asyncio.sleep(0.2)
+                    thief.close()
+                for _ in range(3):
                     assert (await chief.request("ping")).op == "ok"
-                    own = chief._sock.getsockopt(zmq.ROUTING_ID)
-                    assert own.startswith(b"chief:0/") and len(own) == len(b"chief:0/") + 16
-                    for name in (b"chief:0", own.split(b"/")[0]):
-                        thief = ctx.socket(zmq.DEALER)
-                        thief.setsockopt(zmq.LINGER, 0)
-                        thief.setsockopt(zmq.ROUTING_ID, name)
-                        thief.connect(server.endpoint)
-                        await thief.send_multipart([b"", b"x"])
-                        await asyncio.sleep(0.2)
-                        thief.close()
-                    for _ in range(3):
-                        assert (await chief.request("ping")).op == "ok"
         finally:
             ctx.term()
 
