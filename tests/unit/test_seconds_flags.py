@@ -28,6 +28,8 @@ CASES = {
     "launch --timeout": ["launch", "--timeout"],
     "launch --hung-after": ["launch", "--hung-after"],
     "launch --checkpoint-secs": ["launch", "--checkpoint-secs"],
+    "launch --stall-timeout": ["launch", "--stall-timeout"],
+    "server --checkpoint-secs": ["server", *HOSTS, "--role", "chief", "--checkpoint-secs"],
 }
 
 

@@ -1120,6 +1120,12 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
     check_output_dir("--export-dir", args.export_dir)
     check_output_dir("--logdir", args.logdir)
     check_output_file("--summary", args.summary)
+    if args.prometheus_targets and not args.metrics:
+        raise ConfigError(
+            "--prometheus-targets lists the tasks' /metrics endpoints, which --no-metrics"
+            " turns off: drop one of them"
+        )
+    check_output_file("--prometheus-targets", args.prometheus_targets)
     return job
 
 
