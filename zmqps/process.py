@@ -15,7 +15,10 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+from zmqps.wire.errors import ZmqpsError
 
 __all__ = [
     "THREAD_VARS",
@@ -26,6 +29,7 @@ __all__ = [
     "nonblocking_output",
     "thread_env",
     "usable_cores",
+    "write_text_whole",
 ]
 
 #: what numpy's BLAS (OpenBLAS, MKL) and OpenMP read for their number of threads
@@ -190,3 +194,19 @@ def nonblocking_output() -> None:
 
 def _is_pipe(fd: int) -> bool:
     return stat.S_ISFIFO(os.fstat(fd).st_mode)
+
+
+def write_text_whole(path: str | os.PathLike[str], text: str, what: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into a file of its own in the same
+    folder, renamed over ``path``. A failure is one :class:`ZmqpsError` line naming
+    ``what`` and the file (a full disk left 0-byte summaries behind and said only
+    "[Errno 28] No space left on device"); nothing is left of the attempt."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ZmqpsError(f"cannot write {what} {path}: {exc.strerror or exc}") from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from zmqps.process import THREAD_VARS, blas_threads, thread_env, usable_cores
@@ -27,3 +29,31 @@ def test_a_thread_count_the_user_set_wins() -> None:
     for var in THREAD_VARS:  # any one of them set: nothing is changed
         assert thread_env(3, {var: "8", "PATH": "/bin"}) == {}
     assert usable_cores() >= 1
+
+
+def test_a_file_written_whole_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk left 0-byte summaries and said only "[Errno 28] No space left on
+    device": the file is written whole or left as it was, and the error names it."""
+    import errno
+
+    from zmqps.process import write_text_whole
+    from zmqps.wire.errors import ZmqpsError
+
+    target = tmp_path / "summary.json"
+    write_text_whole(target, '{"a": 1}\n', "the summary")
+    assert target.read_text() == '{"a": 1}\n'
+    real = Path.write_text
+
+    def full(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        real(self, text[:3])  # part of it, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(ZmqpsError) as err:
+        write_text_whole(target, '{"a": 2}\n', "the summary")
+    assert str(err.value) == f"cannot write the summary {target}: No space left on device"
+    monkeypatch.undo()
+    assert target.read_text() == '{"a": 1}\n'  # the old one, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]  # nothing left

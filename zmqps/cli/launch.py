@@ -69,7 +69,7 @@ from zmqps.cli.tasks import DEFAULT_JOB, STOP_SIGNALS
 from zmqps.config import ClusterSpec
 from zmqps.core.finished import RECORD_NAME
 from zmqps.device import Device, DeviceError, cuda_device_count
-from zmqps.process import blas_threads, thread_env, usable_cores
+from zmqps.process import blas_threads, thread_env, usable_cores, write_text_whole
 from zmqps.roles.configs import (
     ChiefConfig,
     DriverConfig,
@@ -598,6 +598,11 @@ class Launcher:
                 else f"exited with code {child.returncode}"
             )
             final = child.returncode in (EXIT_CONFIG, EXIT_RUN_FAILED)  # fails again
+            if child is chief and not final and await self._ps_shut_down():
+                # the chief shut its PS down before it failed (its summary could not be
+                # written, say): a chief started again would wait minutes for them
+                final = True
+                how += " after it shut the PS down"
             if child is chief and child.returncode in SIGNALLED_STOP:
                 # a chief told to stop (SIGTERM, SIGINT, SIGHUP to it alone) took its
                 # checkpoint and shut the PS down before it exited: started again, it
@@ -625,6 +630,18 @@ class Launcher:
             self.say(f"zmqps launch: {self.failure}; stopping the cluster")
             await self.stop()
             return
+
+    async def _ps_shut_down(self, wait: float = 1.0) -> bool:
+        """Whether every PS of the run exited 0 (the chief shut them down): once one has,
+        the others are waited for up to ``wait`` seconds (a PS acknowledges its shutdown
+        before it exits)."""
+        ps = [c for c in self.children if c.name.startswith("ps") and c.proc is not None]
+        if not any(c.returncode == 0 for c in ps):
+            return False  # none shut down (a chief killed mid-run is started again at once)
+        deadline = time.monotonic() + wait
+        while any(c.returncode is None for c in ps) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return all(c.returncode == 0 for c in ps)
 
     async def stop(self) -> None:
         self.stopping = True
@@ -1425,9 +1442,16 @@ def _launch(args: argparse.Namespace, job: JobConfig, fds: list[int]) -> int:
         summary["run_dir"] = str(run_dir)
     if args.logdir:
         summary["logdir"] = str(Path(args.logdir).resolve())
+    unwritten = None
     if args.summary:
-        Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
-    if not args.run_dir:
+        try:
+            write_text_whole(args.summary, json.dumps(summary, indent=2) + "\n", "--summary")
+        except ZmqpsError as exc:
+            unwritten = exc  # said after the results, which are printed all the same
+    if not args.run_dir and unwritten is None:
         shutil.rmtree(run_dir, ignore_errors=True)  # a temporary folder is kept on failure only
     _print_summary(summary)
+    if unwritten is not None:
+        print(f"zmqps launch: {unwritten}; logs in {run_dir}", file=sys.stderr)
+        return 1
     return 0

@@ -19,11 +19,11 @@ import json
 import logging
 import signal
 import threading
-from pathlib import Path
 from typing import Any
 
 from zmqps.config import ClusterSpec, TaskSpec, bind_address
 from zmqps.device import DeviceError, choose_devices, parse_devices
+from zmqps.process import write_text_whole
 from zmqps.roles.configs import (
     CheckpointPolicy,
     ChiefConfig,
@@ -34,7 +34,7 @@ from zmqps.roles.configs import (
     WorkerConfig,
 )
 from zmqps.roles.job import JobConfig
-from zmqps.wire.errors import ConfigError
+from zmqps.wire.errors import ConfigError, ZmqpsError
 
 __all__ = ["run_task", "task_from_args"]
 
@@ -428,7 +428,10 @@ def _write_stats(cfg: WorkerConfig, worker: Any, result: dict[str, Any] | None) 
     stats: dict[str, Any] = {"worker": cfg.index, "device": devices, **worker.stats()}
     if result is not None and "overlap" in result:
         stats.update(result["overlap"])
-    Path(cfg.stats_path).write_text(json.dumps(stats, indent=2) + "\n")
+    try:  # the worker's statistics, not its work: its exit code stays its work's
+        write_text_whole(cfg.stats_path, json.dumps(stats, indent=2) + "\n", "the statistics")
+    except ZmqpsError as exc:
+        log.error("worker %d: %s", cfg.index, exc)
 
 
 def _worker_metrics(cfg: WorkerConfig) -> tuple[Any, Any]:

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from zmqps.core.recovery import Event, Phase
 from zmqps.metrics import Metrics
 from zmqps.metrics.summaries import open_summaries
+from zmqps.process import write_text_whole
 from zmqps.roles._run import run_server, start_exporter
 from zmqps.roles.chief.finish import summarize
 from zmqps.roles.chief.recovery import RunFinished, WorkLost
@@ -339,8 +340,11 @@ def _write_summary(service: ChiefService) -> None:
     """The run's summary (``service.result``) to the chief's ``--summary`` file."""
     if service.cfg.summary_path:
         path = Path(service.cfg.summary_path)
-        path.parent.mkdir(parents=True, exist_ok=True)  # checked at the start (--summary)
-        path.write_text(json.dumps(service.result, indent=2) + "\n")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # checked at the start (--summary)
+        except OSError as exc:
+            raise ZmqpsError(f"cannot write the run's summary {path}: {exc.strerror}") from None
+        write_text_whole(path, json.dumps(service.result, indent=2) + "\n", "the run's summary")
 
 
 async def _create_job_variables(service: ChiefService) -> None:
