@@ -96,3 +96,36 @@ def test_kill_9_a_worker_mid_function_every_function_completes(
     assert coord["worker_restarts"] >= 1, coord
     assert [r["task"] for r in summary["restarts"]] == ["worker1"], summary["restarts"]
     assert "retried" in launcher.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_driver_that_fails_ends_the_run_at_once_saying_why(procs: Reaper, tmp_path: Path) -> None:
+    """A drive() that raised left the chief waiting out its two-minute finish timeout
+    with nothing on the console; the launcher then started it again, and the new one
+    waited for the PS it had shut down (minutes). Now the error is said at once and
+    the run ends, its chief not started again."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(HERE)]))}
+    launcher = procs.spawn(
+        zmqps_cmd(
+            "launch",
+            "--no-progress",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--driver",
+            "coordinator",
+            "--job",
+            "coord_failing_job",
+            "--ps",
+            "1",
+            "--workers",
+            "1",
+        ),
+        name="launch",
+        env=env,
+    )
+    launcher.expect_exit(1, timeout=60)
+    assert "RuntimeError: the job's own bug" in launcher.stderr, launcher.stderr[-3000:]
+    assert "after it shut the PS down" in launcher.stderr, launcher.stderr[-3000:]
+    assert "restarting it" not in launcher.stderr, launcher.stderr[-3000:]
+    log = (tmp_path / "run" / "chief.log").read_text()
+    assert "the driver failed (the job's own bug): stopping the chief" in log, log[-3000:]

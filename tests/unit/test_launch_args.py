@@ -368,7 +368,7 @@ def test_a_default_checkpoint_folder_in_use_is_named_as_the_run_dirs(tmp_path: P
 def test_a_chief_that_shut_its_ps_down_is_not_started_again(tmp_path: Path) -> None:
     """A chief that failed after it shut the PS down (its summary could not be written,
     say) is not started again: it would wait minutes for PS that are gone. A chief that
-    failed with its PS running (killed mid-run) is, at once (no PS waited for)."""
+    failed with its PS running is, after a short wait for them."""
     import asyncio
 
     from zmqps.cli.launch import Child
@@ -378,14 +378,25 @@ def test_a_chief_that_shut_its_ps_down_is_not_started_again(tmp_path: Path) -> N
     assert len(ps) == 2
     for c in ps:
         c.proc = object()  # type: ignore[assignment]  # started
-    assert not asyncio.run(launcher._ps_shut_down(wait=0.0))  # running: restart the chief
+    assert not asyncio.run(launcher._ps_shut_down(wait=0.2))  # running: restart the chief
 
     async def ending() -> bool:
-        ps[0].returncode = 0  # shut down; the other exits a moment later
-        asyncio.get_running_loop().call_later(0.1, lambda: setattr(ps[1], "returncode", 0))
+        # shut down, both exiting a moment after the chief
+        asyncio.get_running_loop().call_later(0.1, lambda: setattr(ps[0], "returncode", 0))
+        asyncio.get_running_loop().call_later(0.2, lambda: setattr(ps[1], "returncode", 0))
         return await launcher._ps_shut_down(wait=2.0)
 
     assert asyncio.run(ending())
     ps[1].returncode = 1  # one PS failed: not a shutdown by the chief
     assert not asyncio.run(launcher._ps_shut_down(wait=0.0))
     assert isinstance(launcher.children[0], Child) and launcher.children[0].name == "chief"
+
+
+def test_the_coordinators_built_in_job_refuses_the_ctr_model_before_the_run() -> None:
+    """``--driver coordinator --model ctr``: the built-in drive() failed on the dataset
+    two minutes after the cluster started, with only "training has waited" lines
+    before. Refused at once; a --job module of one's own may train it."""
+    with pytest.raises(ConfigError, match="--model ctr trains with the workers' own loop"):
+        check_launch_args(launch_args("--driver", "coordinator", "--model", "ctr"))
+    check_launch_args(launch_args("--driver", "coordinator", "--model", "mlp"))
+    check_launch_args(launch_args("--driver", "coordinator", "--model", "ctr", "--job", "json"))

@@ -78,6 +78,13 @@ def check_driver(args: argparse.Namespace) -> None:
             raise ConfigError("--steps-per-execution applies only to --driver coordinator")
         return
     find_job_module(args.job or DEFAULT_JOB)
+    if (args.job or DEFAULT_JOB) == DEFAULT_JOB and getattr(args, "model", None) == "ctr":
+        # (its drive() failed on the dataset after the cluster started, 2 minutes later)
+        raise ConfigError(
+            f"--driver coordinator's built-in job ({DEFAULT_JOB}) trains the dense models"
+            " (--model mlp, softmax): --model ctr trains with the workers' own loop"
+            " (--driver worker), or with a --job module of yours"
+        )
 
 
 def find_job_module(name: str) -> None:

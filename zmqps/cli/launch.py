@@ -598,7 +598,7 @@ class Launcher:
                 else f"exited with code {child.returncode}"
             )
             final = child.returncode in (EXIT_CONFIG, EXIT_RUN_FAILED)  # fails again
-            if child is chief and not final and await self._ps_shut_down():
+            if child is chief and not final and child.returncode > 0 and await self._ps_shut_down():
                 # the chief shut its PS down before it failed (its summary could not be
                 # written, say): a chief started again would wait minutes for them
                 final = True
@@ -632,16 +632,15 @@ class Launcher:
             return
 
     async def _ps_shut_down(self, wait: float = 1.0) -> bool:
-        """Whether every PS of the run exited 0 (the chief shut them down): once one has,
-        the others are waited for up to ``wait`` seconds (a PS acknowledges its shutdown
-        before it exits)."""
+        """Whether every PS of the run exited 0 (the chief shut them down), waited for up
+        to ``wait`` seconds (a PS acknowledges its shutdown before it exits, and the chief
+        may exit first). Asked when the chief exited on its own (a positive code): one
+        killed by a signal is started again at once."""
         ps = [c for c in self.children if c.name.startswith("ps") and c.proc is not None]
-        if not any(c.returncode == 0 for c in ps):
-            return False  # none shut down (a chief killed mid-run is started again at once)
         deadline = time.monotonic() + wait
         while any(c.returncode is None for c in ps) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return all(c.returncode == 0 for c in ps)
+        return bool(ps) and all(c.returncode == 0 for c in ps)
 
     async def stop(self) -> None:
         self.stopping = True

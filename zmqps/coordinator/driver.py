@@ -118,6 +118,14 @@ def run_chief_driver(
                 if _annotate(cfg, earlier):
                     _forget_backup(cfg)
             return
+        failed = driver.exception()
+        if failed is not None:
+            # nothing will train: said now, and the chief stopped (it waited out the
+            # whole finish timeout before, two minutes with nothing on the console)
+            log.error("the driver failed (%s): stopping the chief", failed)
+            await _stop_chief(ctx, cfg, options)
+            await waited(asyncio.shield(chief), FINISH_TIMEOUT)
+            driver.result()  # the driver's error
         try:
             await within(asyncio.shield(chief), FINISH_TIMEOUT)
         except asyncio.TimeoutError:
@@ -126,7 +134,6 @@ def run_chief_driver(
             )
             await _stop_chief(ctx, cfg, options)
             await chief
-        driver.result()  # the driver's error, if it failed
         if _annotate(cfg, outcome):
             _forget_backup(cfg)
 
