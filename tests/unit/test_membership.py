@@ -310,3 +310,38 @@ def test_the_global_step_kept_as_counts_change_is_the_sum_over_every_incarnation
         every = all(x.done for x in m.workers.values())
         assert m.all_done() == (len(m.workers) == m.num_workers and every)
     assert m.all_done() and m.all_done_at is not None
+
+
+def test_a_chief_that_took_over_measures_the_rate_on_what_it_saw() -> None:
+    """Killed before its first checkpoint, a chief started again counted every example
+    the workers had trained (they say their totals) over its own seconds only: 59,648
+    examples/s reported against about 17,000 measured by hand. It measures the rate on
+    the examples trained after it first heard each worker."""
+    m = Membership(2, timeout=10.0)
+    m.adopted = True  # no checkpoint to carry: examples_carried, seconds_carried 0
+    m.register(0, 1, now=100.0)
+    m.register(1, 1, now=100.0)
+    m.heartbeat(0, 1, step=500, now=100.5, examples=16_000)  # trained before the restart
+    m.heartbeat(1, 1, step=500, now=100.5, examples=16_000)
+    m.heartbeat(0, 1, step=600, now=110.0, examples=19_200)
+    m.heartbeat(1, 1, step=600, now=110.0, examples=19_200)
+    assert m.examples == 38_400  # the whole run's
+    assert m.examples_per_second(110.0) == pytest.approx(6_400 / 10.0)
+    fresh = Membership(1, timeout=10.0)  # a chief of the whole run: all it counted
+    fresh.register(0, 1, now=100.0)
+    fresh.heartbeat(0, 1, step=10, now=104.0, examples=3_200)
+    assert fresh.examples_per_second(104.0) == pytest.approx(3_200 / 4.0)
+
+
+def test_a_killed_workers_batches_after_its_last_heartbeat_count_their_examples() -> None:
+    """A SIGKILLed worker's batches pushed after its last heartbeat were missing from
+    the run's examples (167,655 of 172,560): the PS know how many batches it pushed,
+    and those not heard count at the mean size of those heard."""
+    m = Membership(1, timeout=10.0)
+    m.register(0, 1, now=0.0)
+    m.heartbeat(0, 1, step=100, now=5.0, examples=3_200)
+    m.register(0, 2, now=6.0)  # killed, started again: the PS say 120 batches
+    m.set_steps_before(0, 120)
+    assert m.global_step == 120 and m.examples == 3_840
+    m.heartbeat(0, 2, step=10, now=7.0, examples=320)
+    assert m.global_step == 130 and m.examples == 4_160

@@ -1015,8 +1015,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         )
     if summary.get("chief_restarted"):
         lines.append(
-            "  the chief was restarted: its examples and time before it come from its last"
-            " checkpoint"
+            "  the chief was restarted: examples/s is measured after its restart; the"
+            " seconds of training before it come from its last checkpoint"
         )
     if acc is not None:
         lines.append(f"  test accuracy {acc:.4f}, test loss {summary.get('test_loss'):.4f}")

@@ -50,7 +50,7 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         "worker_steps": m.global_step,
         "examples": m.examples,
         "train_seconds": round(train_s, 3),
-        "examples_per_second": round(m.examples / train_s, 1),
+        "examples_per_second": round(m.examples_per_second(service.clock()), 1),
         # steps whose gradients the PS refused as not finite (the workers skipped them)
         "nonfinite_steps": m.nonfinite,
     }
