@@ -212,6 +212,20 @@ def test_another_protocol_error_is_not_taken_for_an_older_chief() -> None:
         asyncio.run(asyncio.wait_for(session.open(5.0), 5.0))
 
 
+def test_a_worker_pointed_at_a_ps_says_so() -> None:
+    """A worker whose chief address was a PS's ended with "a PS does not serve
+    'register'" (exit 1): it is a configuration mistake, said as one (exit 2)."""
+    from zmqps.roles.optable import OpTable
+
+    class _PS(_OlderChief):
+        async def request(self, op: str, body: Any = None, *_: Any, **__: Any) -> Message:
+            return OpTable("a PS", {})(Message(op, 1, "worker:0", body))  # type: ignore[return-value]
+
+    session = Session(_PS(), o.Who("worker", 0, 1))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="127.0.0.1:7000 is a PS's, not the chief's"):
+        asyncio.run(asyncio.wait_for(session.open(5.0), 5.0))
+
+
 class _RestartedChief:
     """A chief restarted with other flags: it knows no task, and refuses this one's."""
 

@@ -169,6 +169,13 @@ class Session:
                 self.last_contact = time.monotonic()
                 return self.info
             except ProtocolError as exc:
+                if "does not serve 'register'" in str(exc):  # a PS (or another server)
+                    server = str(exc).split(" does not serve", 1)[0]
+                    raise ConfigError(
+                        f"the chief's address {self.chief.endpoint} is {server}'s, not the"
+                        " chief's (pass the chief's address: the cluster spec's chief,"
+                        " --chief-host)"
+                    ) from None
                 if "job" not in body or "unknown field 'job'" not in str(exc):
                     raise
                 # a chief of an older zmqps: it compares no job flags
@@ -182,6 +189,8 @@ class Session:
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded(
                         f"chief at {self.chief.endpoint} did not answer within {connect_timeout:g}s"
+                        " (is it running at that address? a cluster started with CURVE keys"
+                        " answers only clients with theirs: --keys DIR or ZMQPS_KEYS)"
                         if not now_why
                         else f"chief at {self.chief.endpoint} was not ready within"
                         f" {connect_timeout:g}s ({exc})"
