@@ -436,3 +436,14 @@ def test_inspect_entry_point(two_checkpoints: CheckpointRoot) -> None:
         pytest.skip("the zmqps entry point is not installed beside this Python")
     r = subprocess.run([exe, "inspect", str(two_checkpoints.path)], capture_output=True, text=True)
     assert r.returncode == 0 and "ckpt-000000000002" in r.stdout
+
+
+def test_inspect_given_a_run_folder_points_at_its_checkpoints(tmp_path: Path) -> None:
+    """``zmqps inspect RUN_DIR`` said "0 committed checkpoints" (exit 1) with no word of
+    RUN_DIR/checkpoints, where they are."""
+    root = CheckpointRoot(tmp_path / "run" / "checkpoints")
+    ckpt_writer.commit(root, ckpt_writer.placement(64), 1)
+    r = inspect(str(tmp_path / "run"))
+    assert r.returncode == 1
+    assert f"its checkpoints are in {tmp_path / 'run' / 'checkpoints'}" in r.stderr, r.stderr
+    assert inspect(str(tmp_path / "run" / "checkpoints")).returncode == 0

@@ -187,6 +187,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(_text(report))
+    if not ckpts and not broken and kind == "root":
+        inner = path / "checkpoints"  # a run folder (zmqps launch --run-dir) named instead
+        if inner.is_dir():
+            print(
+                f"zmqps inspect: {path} looks like a run folder: its checkpoints are in"
+                f" {inner} (zmqps inspect {inner})",
+                file=sys.stderr,
+            )
     if not ckpts or broken or any(d["verified"] is False for d in described):
         return 1
     return 0
