@@ -84,6 +84,14 @@ async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def bounded_server(ctx: zmq.asyncio.Context) -> tuple[Server, str, int]:
+    """A started server of ``BOUND`` connections: it, its endpoint, its port."""
+    server = Server(ctx, "127.0.0.1:0", ping, name="bounded", options=OPTS)
+    endpoint = server.bind()
+    server.start()
+    return server, endpoint, int(endpoint.rsplit(":", 1)[1])
+
+
 async def ask(client: Client, attempts: int = 1) -> None:
     rep = await client.request("ping", {}, attempts=attempts)
     assert rep.body == {"pong": "ping"}
@@ -92,10 +100,7 @@ async def ask(client: Client, attempts: int = 1) -> None:
 def test_idle_peers_past_the_bound_are_shut_down_and_a_client_is_served() -> None:
     async def main() -> None:
         ctx = zmq.asyncio.Context()
-        server = Server(ctx, "127.0.0.1:0", ping, name="bounded", options=OPTS)
-        endpoint = server.bind()
-        port = int(endpoint.rsplit(":", 1)[1])
-        server.start()
+        server, endpoint, port = bounded_server(ctx)
         client = Client(ctx, endpoint, "c0", options=OPTS, timeout=5.0)
         peers: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         try:
@@ -139,10 +144,7 @@ def test_idle_peers_past_the_bound_are_shut_down_and_a_client_is_served() -> Non
 def test_a_client_refused_at_the_bound_gets_in_once_a_connection_closes() -> None:
     async def main() -> None:
         ctx = zmq.asyncio.Context()
-        server = Server(ctx, "127.0.0.1:0", ping, name="bounded", options=OPTS)
-        endpoint = server.bind()
-        port = int(endpoint.rsplit(":", 1)[1])
-        server.start()
+        server, endpoint, port = bounded_server(ctx)
         peers = [await idle_peer(port) for _ in range(BOUND)]
         await wait_until(lambda: len(server.connections) == BOUND)
         client = Client(ctx, endpoint, "late", options=OPTS, timeout=8.0)
@@ -209,10 +211,7 @@ def test_at_the_bound_a_connection_that_never_spoke_makes_room_for_a_new_one(
 
     async def main() -> None:
         ctx = zmq.asyncio.Context()
-        server = Server(ctx, "127.0.0.1:0", ping, name="bounded", options=OPTS)
-        endpoint = server.bind()
-        port = int(endpoint.rsplit(":", 1)[1])
-        server.start()
+        server, endpoint, port = bounded_server(ctx)
         spoke = Client(ctx, endpoint, "c0", options=OPTS, timeout=5.0)
         peers: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         late: list[Client] = []
