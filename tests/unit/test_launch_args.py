@@ -400,3 +400,20 @@ def test_the_coordinators_built_in_job_refuses_the_ctr_model_before_the_run() ->
         check_launch_args(launch_args("--driver", "coordinator", "--model", "ctr"))
     check_launch_args(launch_args("--driver", "coordinator", "--model", "mlp"))
     check_launch_args(launch_args("--driver", "coordinator", "--model", "ctr", "--job", "json"))
+
+
+def test_resume_without_the_runs_checkpoint_folder_names_the_one_it_used(tmp_path: Path) -> None:
+    """``--resume`` on a run that kept its checkpoints in a --checkpoint-dir of its own
+    said only "no checkpoint in RUN_DIR/checkpoints"; it names the folder the run's
+    chief was given."""
+    import json
+
+    from zmqps.cli.launch import resume_from
+
+    run = tmp_path / "run"
+    (run / "tasks").mkdir(parents=True)
+    task = {"chief": {"checkpoint": {"directory": str(tmp_path / "ck")}}}
+    (run / "tasks" / "chief.json").write_text(json.dumps(task))
+    args = launch_args("--resume", "--run-dir", str(run))
+    with pytest.raises(ConfigError, match=re.escape(f"pass --checkpoint-dir {tmp_path / 'ck'}")):
+        resume_from(args, run)

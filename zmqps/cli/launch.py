@@ -1197,9 +1197,26 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
             " --no-checkpoints"
         )
     if latest is None:
-        raise ConfigError(f"--resume: no checkpoint in {root} to go on from")
+        kept = None if run_dir is None else _checkpoints_recorded(run_dir)
+        elsewhere = (
+            f" (the run in {run_dir} kept its checkpoints in {kept}: pass --checkpoint-dir {kept})"
+            if kept is not None and Path(kept).resolve() != root.resolve()
+            else ""
+        )
+        raise ConfigError(f"--resume: no checkpoint in {root} to go on from{elsewhere}")
     _check_same_data(args, latest)
     return latest
+
+
+def _checkpoints_recorded(run_dir: Path) -> str | None:
+    """The checkpoint folder an earlier launch in ``run_dir`` gave its chief (its task
+    configuration), or None."""
+    try:
+        task = json.loads((run_dir / "tasks" / "chief.json").read_text())
+        folder = task["chief"]["checkpoint"]["directory"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return folder if isinstance(folder, str) else None
 
 
 def forget_finished(root: Path) -> None:
