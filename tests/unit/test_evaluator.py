@@ -562,6 +562,30 @@ def test_checkpoint_of_another_model_is_skipped(
     assert caplog.text.count("skipped") == 1, caplog.text
 
 
+def test_a_lone_evaluator_that_can_score_nothing_says_what_it_skipped(
+    tmp_path: Path, test_split: Dataset
+) -> None:
+    """An evaluator given another --model than the run's ended with "no committed
+    checkpoint in DIR within 5s" while the folder held one: it names the checkpoint
+    it skipped and why."""
+    pytest.importorskip("zmqps.checkpoint", reason="the checkpoint library is not available")
+    from zmqps.wire.errors import DeadlineExceeded
+
+    ckpts = tmp_path / "ckpts"
+    other = JobConfig(model="mlp", hidden=(4,)).build_model(test_split)
+    write_checkpoint(
+        ckpts, other, {v.name: np.zeros(v.shape, v.dtype) for v in other.variables()}, 3
+    )
+    cfg = EvaluatorConfig(
+        chief=None, job=JOB, checkpoint_dir=str(ckpts), interval=FAST, idle_timeout=0.3
+    )
+    ev = Evaluator(cfg, None, lambda addresses: [], test_split)
+    with pytest.raises(DeadlineExceeded) as err:
+        run(asyncio.wait_for(ev.run(), 10.0))
+    assert "no checkpoint in" in str(err.value) and "it could evaluate" in str(err.value)
+    assert "ckpt-000000000003 was skipped: variables missing or of another shape" in str(err.value)
+
+
 def test_snapshots_follow_a_ps_state_moved_by_a_fail_over(test_split: Dataset) -> None:
     """--replication 2, three PS: the process serving ps 1's state dies and a copy
     takes over (a new placement epoch, heard in a heartbeat). The evaluator's next

@@ -255,6 +255,8 @@ class Evaluator:
         #: checkpoints evaluated or skipped (:func:`identity`)
         #: (the latest :data:`SEEN_MAX`: older ones were pruned from the folder long ago)
         self._seen: dict[tuple[str, float], None] = {}
+        #: the last checkpoint skipped and why (said when nothing could be evaluated)
+        self._last_skip: tuple[str, str] | None = None
         self._final_seen = False  # the last checkpoint evaluated is a run's final one
         #: the newest checkpoint, a final one, before the chief was first heard: a
         #: finished run's, which this one resumed from (not this run's end)
@@ -455,9 +457,14 @@ class Evaluator:
                     return self.evaluations
             elif self.clock() - idle_since > self.cfg.idle_timeout:
                 if not self.evaluations:
+                    skipped = self._last_skip
                     raise DeadlineExceeded(
                         f"evaluator: no committed checkpoint in {self.cfg.checkpoint_dir}"
                         f" within {self.cfg.idle_timeout:g}s"
+                        if skipped is None
+                        else f"evaluator: no checkpoint in {self.cfg.checkpoint_dir} it could"
+                        f" evaluate within {self.cfg.idle_timeout:g}s ({skipped[0]} was"
+                        f" skipped: {skipped[1]})"
                     )
                 log.info(
                     "evaluator: no new checkpoint for %gs; %d evaluations",
@@ -665,6 +672,7 @@ class Evaluator:
         return out
 
     def _skip(self, ckpt: CheckpointLike, why: str) -> None:
+        self._last_skip = (ckpt.name, why)
         if identity(ckpt) not in self._seen:
             log.warning("evaluator: checkpoint %s skipped: %s", ckpt.name, why)
             self._saw(ckpt)
