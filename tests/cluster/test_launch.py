@@ -76,22 +76,37 @@ def test_softmax_one_ps_three_workers(procs: Reaper, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_failing_child_stops_the_cluster(procs: Reaper, tmp_path: Path) -> None:
-    """The files are there (the launcher checks that) but not IDX files: the first task
-    that reads them exits 2 (unreadable data fails again: never restarted)."""
+@pytest.mark.parametrize("bad", ["not-idx", "labels", "not-gzip"])
+def test_a_corrupt_data_set_is_refused_before_the_cluster_starts(
+    procs: Reaper, tmp_path: Path, bad: str
+) -> None:
+    """The files are there but not MNIST's: the tasks found it after the cluster
+    started (exit 1 after a start, a temporary folder left behind). The launcher reads
+    them first: one line naming the file, exit 2, nothing started."""
+    from zmqps.data.mnist import write_idx
+
     corrupt = tmp_path / "corrupt-mnist"
     corrupt.mkdir()
-    for split in ("train", "t10k"):
-        for part in ("images-idx3", "labels-idx1"):
-            (corrupt / f"{split}-{part}-ubyte").write_bytes(b"not an IDX file")
+    for split, n in (("train", 20), ("t10k", 10)):
+        write_idx(corrupt / f"{split}-images-idx3-ubyte", np.zeros((n, 28, 28), np.uint8))
+        labels = np.full(n, 12 if bad == "labels" else 3, np.uint8)
+        write_idx(corrupt / f"{split}-labels-idx1-ubyte", labels)
+    if bad == "not-idx":
+        (corrupt / "train-images-idx3-ubyte").write_bytes(b"not an IDX file")
+        expected = "not an IDX file"
+    elif bad == "labels":
+        expected = "label 12 is not a digit 0-9"
+    else:
+        (corrupt / "train-images-idx3-ubyte").rename(corrupt / "train-images-idx3-ubyte.gz")
+        (corrupt / "train-images-idx3-ubyte.gz").write_bytes(b"plain text, not gzip")
+        expected = "not gzip data"
     launcher, summary_path = _launch(
         procs, tmp_path, "--dataset", "mnist", "--data-dir", str(corrupt)
     )
-    launcher.expect_exit(1, timeout=50)
-    err = launcher.stderr
-    assert "not an IDX file" in err
-    assert re.search(r"zmqps launch: failed: \w+ exited with code 2", err), err
-    assert "restarting" not in err
+    launcher.expect_exit(2, timeout=50)
+    lines = [line for line in launcher.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "--data-dir:" in lines[0] and expected in lines[0], launcher.stderr
+    assert "zmqps launch: chief" not in launcher.stderr  # nothing was started
     assert not summary_path.exists()
     _expect_no_children(launcher)
 

@@ -38,6 +38,8 @@ def _read_bytes(path: str | os.PathLike[str]) -> bytes:
     with open(path, "rb") as f:
         raw = f.read()
     # Sniff rather than trust the suffix: renamed files still load.
+    if str(path).endswith(".gz") and raw[:2] != _GZIP_MAGIC and raw[:2] != b"\x00\x00":
+        raise ValueError(f"{path}: not gzip data (starts {raw[:4].hex() or 'empty'})")
     if raw[:2] == _GZIP_MAGIC:
         try:
             return gzip.decompress(raw)
@@ -130,5 +132,7 @@ def load_mnist(data_dir: str | os.PathLike[str], split: str = "train") -> Datase
         )
     if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
         raise ValueError(f"{labels_name}: {labels.shape} labels for {images.shape[0]} images")
+    if labels.size and int(labels.max()) > 9:
+        raise ValueError(f"{labels_name}: label {int(labels.max())} is not a digit 0-9")
     x = divide(images.reshape(images.shape[0], -1), PREPROCESSING["mnist"]["x"]["by"])
     return Dataset(x, labels.astype(np.int64), num_classes=10, name="mnist")

@@ -103,13 +103,13 @@ class JobConfig:
         from pathlib import Path
 
         if self.dataset == "mnist":
-            from zmqps.data.mnist import find_mnist
+            from zmqps.data.mnist import load_mnist
 
             assert self.data_dir is not None
-            try:
-                for split in ("train", "test"):
-                    find_mnist(self.data_dir, split)
-            except FileNotFoundError as exc:
+            try:  # read whole (a second or so): a corrupt file found after the start
+                for split in ("train", "test"):  # failed every task, exit 1
+                    load_mnist(self.data_dir, split)
+            except (OSError, ValueError) as exc:
                 raise ConfigError(f"--data-dir: {exc}") from None
         elif self.dataset == "criteo":
             assert self.data_dir is not None
