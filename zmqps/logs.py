@@ -5,11 +5,13 @@ A peer that sends the same bad request in a loop, or a training loop that meets 
 same bad value every few steps, must not write a line each time: the first one is
 logged at once, later ones at most once per interval, each saying how many were not
 logged since. Events are told apart by a key (the peer, the operation); the keys
-kept are bounded (the oldest is forgotten first). Keys of one kind (a tuple key's
-first item, such as ``("expired", peer)``; every other key is of one kind) write at
-most :data:`LINES_PER_KIND` lines per interval in all: a client that takes a new
-identity for every request (a new connection each time, a name of its own) cannot
-write a line each time by being a new key each time.
+kept are bounded (the oldest is forgotten first). Where keys come from the network
+(a peer's routing id, an address), keys of one kind (a tuple key's first item, such
+as ``("expired", peer)``; every other key is of one kind) write at most
+``lines_per_kind`` lines per interval in all (:data:`LINES_PER_KIND` for the
+transport's logs): a client that takes a new identity for every request (a new
+connection each time) cannot write a line each time by being a new key each time.
+Logs whose keys the code bounds (a worker's index) keep one line per key.
 
 A record's message may hold what a peer sent (a worker's name, a reason): its
 control characters (a newline, a carriage return, an escape sequence) are written
@@ -25,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["OneLineFormatter", "RateLimitedLog"]
+__all__ = ["LINES_PER_KIND", "OneLineFormatter", "RateLimitedLog"]
 
 #: keys remembered at most (a key forgotten logs its next event at once)
 MAX_KEYS = 1024
@@ -62,7 +64,7 @@ class RateLimitedLog:
         interval: float,
         clock: Callable[[], float] = time.monotonic,
         max_keys: int = MAX_KEYS,
-        lines_per_kind: int = LINES_PER_KIND,
+        lines_per_kind: int | None = None,
     ) -> None:
         self.logger = logger
         self.interval = interval
@@ -86,15 +88,17 @@ class RateLimitedLog:
         if last is not None and now - last[0] < self.interval:
             self._keys[key] = (last[0], last[1] + 1)
             return False
-        kind = key[0] if isinstance(key, tuple) and key else None
-        began, lines, held = self._kinds.get(kind, (now, 0, 0))
-        held_since = began
-        if now - began >= self.interval:
-            began, lines = now, 0
-        if lines >= self.lines_per_kind:  # this kind's lines of the interval are written
-            self._kinds[kind] = (began, lines, held + 1)
-            return False
-        self._kinds[kind] = (began, lines + 1, 0)
+        held, held_since = 0, now
+        if self.lines_per_kind is not None:
+            kind = key[0] if isinstance(key, tuple) and key else None
+            began, lines, held = self._kinds.get(kind, (now, 0, 0))
+            held_since = began
+            if now - began >= self.interval:
+                began, lines = now, 0
+            if lines >= self.lines_per_kind:  # this kind's lines of the interval are written
+                self._kinds[kind] = (began, lines, held + 1)
+                return False
+            self._kinds[kind] = (began, lines + 1, 0)
         more = held + (last[1] if last is not None else 0)
         if more:
             since = now - min(last[0] if last is not None else now, held_since if held else now)

@@ -222,7 +222,7 @@ def test_a_worker_pointed_at_a_ps_says_so() -> None:
             return OpTable("a PS", {})(Message(op, 1, "worker:0", body))  # type: ignore[return-value]
 
     session = Session(_PS(), o.Who("worker", 0, 1))  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="127.0.0.1:7000 is a PS's, not the chief's"):
+    with pytest.raises(ConfigError, match=r"127\.0\.0\.1:7000 is a PS's, not the chief's"):
         asyncio.run(asyncio.wait_for(session.open(5.0), 5.0))
 
 

@@ -41,9 +41,13 @@ def test_a_workers_key_fences_its_own_end(key: str) -> None:
 
 
 def test_a_per_task_worker_key_speaks_for_its_own_task_only() -> None:
-    for op, body in (("fence", FENCE), ("push", PUSH)):
+    token = o.TakeToken(o.Who("worker", 0, 1)).to_wire()  # its Who flattened
+    for op, body in (("fence", FENCE), ("push", PUSH), ("take_token", token)):
         with pytest.raises(InvalidArgument, match="speaks only for worker:3, not 'worker:0'"):
             ps_asked("worker3", op, body)
+    evaluator = o.TakeToken(o.Who("evaluator", 0, 1)).to_wire()
+    with pytest.raises(InvalidArgument, match="speaks only for workers, not 'evaluator:0'"):
+        ps_asked("worker", "take_token", evaluator)
 
 
 def chief_asked(peer: str, op: str, body: dict[str, Any] | None = None) -> None:
@@ -59,6 +63,11 @@ def test_only_the_operator_or_the_chief_controls_the_run(key: str) -> None:
             chief_asked(key, op, body)
     chief_asked(key, "scale", {})  # the moves' status: anyone's
     chief_asked(key, "status")
+    if not key.startswith("worker"):  # the model is a worker's (or the chief's) to define
+        with pytest.raises(InvalidArgument, match=f"refused from the key named '{key}'"):
+            chief_asked(key, "create_vars", {})
+    else:
+        chief_asked(key, "create_vars", {})
 
 
 def test_the_operators_key_and_the_chiefs_control_the_run() -> None:

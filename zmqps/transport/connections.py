@@ -65,7 +65,7 @@ from typing import Any
 
 import zmq
 
-from zmqps.logs import RateLimitedLog
+from zmqps.logs import LINES_PER_KIND, RateLimitedLog
 from zmqps.wire.errors import ConfigError
 
 __all__ = [
@@ -190,7 +190,7 @@ class Connections:
         self.port = 0
         self.refused = 0
         self._audited = -AUDIT_EVERY_S
-        self._log = RateLimitedLog(log, LOG_EVERY_S)
+        self._log = RateLimitedLog(log, LOG_EVERY_S, lines_per_kind=LINES_PER_KIND)
 
     def __len__(self) -> int:
         return len(self.fds)

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from zmqps.logs import RateLimitedLog
+from zmqps.logs import LINES_PER_KIND, RateLimitedLog
 from zmqps.transport.base import Handler, TransportObserver, TransportStats
 from zmqps.wire import ERROR, Limits, Message, decode, error_reply
 from zmqps.wire.errors import Busy, ProtocolError, ZmqpsError
@@ -169,8 +169,8 @@ class Dispatcher:
         self._keys = itertools.count()
         #: long polls answered ``busy`` to make room, not yet ended
         self._evicted: set[int] = set()
-        self._busy_log = RateLimitedLog(log, _LOG_EVERY_S)
-        self._internal_log = RateLimitedLog(log, _LOG_EVERY_S)
+        self._busy_log = RateLimitedLog(log, _LOG_EVERY_S, lines_per_kind=LINES_PER_KIND)
+        self._internal_log = RateLimitedLog(log, _LOG_EVERY_S, lines_per_kind=LINES_PER_KIND)
         self.observer = observer
         self.name = name
         self.stats = stats

@@ -47,7 +47,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.auth.certs import load_certificate, load_certificates
 from zmq.utils import z85
 
-from zmqps.logs import RateLimitedLog
+from zmqps.logs import LINES_PER_KIND, RateLimitedLog
 from zmqps.wire.errors import ConfigError, ZmqpsError
 
 __all__ = [
@@ -294,7 +294,8 @@ class _Authenticator(AsyncioAuthenticator):
         super().__init__(ctx, log=logging.getLogger("zmqps.security.zap"))
         self.listeners: list[DenialListener] = []
         self._request: list[bytes] = []
-        self._denials = RateLimitedLog(log, LOG_EVERY_S)  # per address, bounded
+        # per address (bounded), and at most LINES_PER_KIND lines an interval in all
+        self._denials = RateLimitedLog(log, LOG_EVERY_S, lines_per_kind=LINES_PER_KIND)
         #: z85 public key -> its name on the allow-list (the file's, ``ps.key``: ``ps``)
         self.names: dict[bytes, str] = {}
         #: the PLAIN domains of data connections: each server's check and listener

@@ -62,7 +62,7 @@ from typing import Any, cast
 import zmq
 import zmq.asyncio
 
-from zmqps.logs import RateLimitedLog
+from zmqps.logs import LINES_PER_KIND, RateLimitedLog
 from zmqps.transport.base import Handler, TransportObserver, TransportStats, cancel_and_wait
 from zmqps.transport.connections import (
     Connections,
@@ -197,10 +197,10 @@ class Server:
         #: long polls waiting, by the descriptor of the connection they came on; each
         #: with its op and start (at most ``MAX_PENDING`` in all: the dispatcher's bound)
         self._polls: dict[int, dict[asyncio.Future[None], tuple[str, float]]] = {}
-        self._handshake_log = RateLimitedLog(log, _LOG_EVERY_S)
-        self._gone_log = RateLimitedLog(log, _LOG_EVERY_S)
+        self._handshake_log = RateLimitedLog(log, _LOG_EVERY_S, lines_per_kind=LINES_PER_KIND)
+        self._gone_log = RateLimitedLog(log, _LOG_EVERY_S, lines_per_kind=LINES_PER_KIND)
         #: replies dropped at a full pipe: one line per interval whatever the peers
-        self._hwm_log = RateLimitedLog(log, _LOG_EVERY_S)
+        self._hwm_log = RateLimitedLog(log, _LOG_EVERY_S, lines_per_kind=LINES_PER_KIND)
         self._authenticated = False
         self._handler = handler
         #: the data connection's ROUTER (under CURVE with ``options.seal``), read like
@@ -213,7 +213,7 @@ class Server:
         self._on_data = False
         #: the sessions agreed over CURVE, by key id (bounded)
         self.keyring = Keyring()
-        self._seal_log = RateLimitedLog(log, _LOG_EVERY_S)
+        self._seal_log = RateLimitedLog(log, _LOG_EVERY_S, lines_per_kind=LINES_PER_KIND)
         #: the data connection's endpoint ("" when there is none)
         self.data_endpoint = ""
         #: the ZAP domain its handshakes are checked in ("" when there is none)

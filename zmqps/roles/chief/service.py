@@ -72,13 +72,19 @@ def check_key(msg: Message) -> None:
     from the ``chief`` and ``status`` keys; a request that speaks for a task (its
     ``Who``: register, heartbeat, tokens, leave) only from a key of that task's
     role (``worker``, ``evaluator``; a per-task key such as ``worker3`` for that task
-    alone), or the chief's. Any allow-listed key could otherwise shut the run down,
-    or register as a worker and fence the real one out."""
+    alone), or the chief's; ``create_vars`` (the model, defined by its first creator)
+    only from a worker's key or the chief's. Any allow-listed key could otherwise shut
+    the run down, register as a worker and fence the real one out, or define the model."""
     name = msg.peer
     role = name.rstrip("0123456789")
     number = name[len(role) :]
     if role == "chief":
         return
+    if msg.op == "create_vars" and role != "worker":  # the model, defined by its first
+        raise InvalidArgument(  # creator: a worker's (or the chief's coordinator)
+            f"the chief: create_vars is sent only by a worker or the chief; refused from"
+            f" the key named {name!r} on the allow-list"
+        )
     if msg.op in OPERATOR_OPS or (msg.op == "scale" and msg.body.get("ps") is not None):
         if name == "status":
             return

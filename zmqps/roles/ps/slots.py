@@ -107,6 +107,17 @@ def _peer_role(msg: Message) -> tuple[str, ...] | None:
     return PEER_OPS.get(msg.op)
 
 
+def _speaks_for(body: Any) -> str | None:
+    """The task a request speaks for: a push's or fence's ``worker``, a token request's
+    flattened ``Who`` (``role:index``); None: it names none."""
+    worker = body.get("worker")
+    if worker is not None:
+        return str(worker)
+    if "role" in body and "index" in body:
+        return f"{body.get('role')}:{body.get('index')}"
+    return None
+
+
 def _check_peer(msg: Message, index: int, roles: tuple[str, ...]) -> None:
     """Refuse ``msg`` unless the allow-list names its sender's key for one of ``roles``
     (``ps`` also matches per-process names such as ``ps3``, ``worker`` per-task ones
@@ -116,11 +127,12 @@ def _check_peer(msg: Message, index: int, roles: tuple[str, ...]) -> None:
     for role in roles:
         number = name[len(role) :]
         if name == role or (name.startswith(role) and number.isdigit()):
-            said = msg.body.get("worker") if role == "worker" and number else None
-            if said is not None and said != f"worker:{int(number)}":
+            said = _speaks_for(msg.body) if role == "worker" else None
+            mine = f"worker:{int(number)}" if number else None
+            if said is not None and (said != mine if mine else not said.startswith("worker:")):
                 raise InvalidArgument(
                     f"ps {index}: the key named {name!r} on the allow-list speaks only for"
-                    f" worker:{int(number)}, not {str(said)[:64]!r}"
+                    f" {mine or 'workers'}, not {said[:64]!r}"
                 )
             return
     who = " or ".join(_WHO.get(r, r) for r in roles)
