@@ -200,13 +200,25 @@ def write_text_whole(path: str | os.PathLike[str], text: str, what: str) -> None
     """Write ``text`` to ``path`` whole or not at all: into a file of its own in the same
     folder, renamed over ``path``. A failure is one :class:`ZmqpsError` line naming
     ``what`` and the file (a full disk left 0-byte summaries behind and said only
-    "[Errno 28] No space left on device"); nothing is left of the attempt."""
-    target = Path(path)
+    "[Errno 28] No space left on device"); nothing is left of the attempt. A link is
+    followed (the file it names is replaced, the link kept); a path that is not a
+    regular file (``/dev/stdout``), or a file in a folder this process cannot write in,
+    is written in place."""
+    target = Path(os.path.realpath(path))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, target)
+        if target.exists() and not target.is_file():
+            target.write_text(text)  # /dev/stdout, a pipe: nothing to rename over
+            return
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, target)
+        except PermissionError:
+            if not target.is_file():
+                raise
+            target.write_text(text)  # a writable file in a folder that is not
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise ZmqpsError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)

@@ -57,3 +57,32 @@ def test_a_file_written_whole_or_not_at_all(
     monkeypatch.undo()
     assert target.read_text() == '{"a": 1}\n'  # the old one, whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]  # nothing left
+
+
+def test_a_link_or_a_file_that_is_not_regular_is_written_not_replaced(tmp_path: Path) -> None:
+    """Renamed over, a link to a results folder became a file of its own (the folder's
+    file unchanged), and ``--summary /dev/stdout`` run as root replaced the link with a
+    file: a link is followed, a pipe or device written in place."""
+    import os
+    import stat
+    import threading
+
+    from zmqps.process import write_text_whole
+
+    real = tmp_path / "results" / "summary.json"
+    real.parent.mkdir()
+    real.write_text("old\n")
+    link = tmp_path / "summary.json"
+    link.symlink_to(real)
+    write_text_whole(link, "new\n", "the summary")
+    assert link.is_symlink() and real.read_text() == "new\n"
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    write_text_whole(fifo, "through a pipe\n", "the summary")
+    reader.join(10)
+    assert got == ["through a pipe\n"] and stat.S_ISFIFO(fifo.stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe", "results", "summary.json"]
