@@ -76,7 +76,7 @@ def test_softmax_one_ps_three_workers(procs: Reaper, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("bad", ["not-idx", "labels", "not-gzip"])
+@pytest.mark.parametrize("bad", ["not-idx", "labels", "negative-labels", "not-gzip"])
 def test_a_corrupt_data_set_is_refused_before_the_cluster_starts(
     procs: Reaper, tmp_path: Path, bad: str
 ) -> None:
@@ -90,12 +90,16 @@ def test_a_corrupt_data_set_is_refused_before_the_cluster_starts(
     for split, n in (("train", 20), ("t10k", 10)):
         write_idx(corrupt / f"{split}-images-idx3-ubyte", np.zeros((n, 28, 28), np.uint8))
         labels = np.full(n, 12 if bad == "labels" else 3, np.uint8)
+        if bad == "negative-labels":
+            labels = np.full(n, -1, np.int8)
         write_idx(corrupt / f"{split}-labels-idx1-ubyte", labels)
     if bad == "not-idx":
         (corrupt / "train-images-idx3-ubyte").write_bytes(b"not an IDX file")
         expected = "not an IDX file"
     elif bad == "labels":
         expected = "label 12 is not a digit 0-9"
+    elif bad == "negative-labels":
+        expected = "label -1 is not a digit 0-9"
     else:
         (corrupt / "train-images-idx3-ubyte").rename(corrupt / "train-images-idx3-ubyte.gz")
         (corrupt / "train-images-idx3-ubyte.gz").write_bytes(b"plain text, not gzip")

@@ -598,17 +598,22 @@ class Launcher:
                 else f"exited with code {child.returncode}"
             )
             final = child.returncode in (EXIT_CONFIG, EXIT_RUN_FAILED)  # fails again
-            if child is chief and not final and child.returncode > 0 and await self._ps_shut_down():
-                # the chief shut its PS down before it failed (its summary could not be
-                # written, say): a chief started again would wait minutes for them
-                final = True
-                how += " after it shut the PS down"
             if child is chief and child.returncode in SIGNALLED_STOP:
                 # a chief told to stop (SIGTERM, SIGINT, SIGHUP to it alone) took its
                 # checkpoint and shut the PS down before it exited: started again, it
                 # waited minutes for PS that were gone. The run ends, resumable.
                 final = True
                 how += " (it was told to stop: checkpoint taken, PS shut down; go on with --resume)"
+            elif child is chief and not final and child.returncode > 0:
+                if self.first_failed is None:
+                    self.first_failed = child  # the run's failure is the chief's
+                if await self._ps_shut_down():
+                    # the chief shut its PS down before it failed (its summary could not
+                    # be written, say): a chief started again would wait for them
+                    final = True
+                    how += " after it shut the PS down"
+                elif self.first_failed is child:
+                    self.first_failed = None  # started again
             if (
                 self.args.restart == "on-failure"
                 and child.restarts < self.args.max_restarts
@@ -625,13 +630,14 @@ class Launcher:
                     return
                 await self._start(child)
                 continue
-            self.first_failed = child
-            self.failure = f"{child.name} {how}"
+            if self.first_failed is None or self.first_failed is child:
+                self.first_failed = child  # (a chief's failure, noted before its PS wait)
+            self.failure = self.failure or f"{child.name} {how}"
             self.say(f"zmqps launch: {self.failure}; stopping the cluster")
             await self.stop()
             return
 
-    async def _ps_shut_down(self, wait: float = 1.0) -> bool:
+    async def _ps_shut_down(self, wait: float = 3.0) -> bool:
         """Whether every PS of the run exited 0 (the chief shut them down), waited for up
         to ``wait`` seconds (a PS acknowledges its shutdown before it exits, and the chief
         may exit first). Asked when the chief exited on its own (a positive code): one
@@ -1120,6 +1126,7 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
     partitioner_from_args(args)
     job = job_from_args(args)  # the model, the optimizer, the data set's files
     assert job is not None
+    job.check_data(read=True)  # their content too, once, here
     check_launch(args)
     sync = sync_from_args(args)
     if getattr(args, "driver", "worker") != "coordinator":

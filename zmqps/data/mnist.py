@@ -132,7 +132,10 @@ def load_mnist(data_dir: str | os.PathLike[str], split: str = "train") -> Datase
         )
     if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
         raise ValueError(f"{labels_name}: {labels.shape} labels for {images.shape[0]} images")
-    if labels.size and int(labels.max()) > 9:
-        raise ValueError(f"{labels_name}: label {int(labels.max())} is not a digit 0-9")
+    if labels.dtype.kind not in "iu":
+        raise ValueError(f"{labels_name}: labels of {labels.dtype}, expected integers 0-9")
+    bad = labels[(labels < 0) | (labels > 9)]
+    if bad.size:
+        raise ValueError(f"{labels_name}: label {int(bad[0])} is not a digit 0-9")
     x = divide(images.reshape(images.shape[0], -1), PREPROCESSING["mnist"]["x"]["by"])
     return Dataset(x, labels.astype(np.int64), num_classes=10, name="mnist")

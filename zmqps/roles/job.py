@@ -98,17 +98,22 @@ class JobConfig:
             " one model"
         )
 
-    def check_data(self) -> None:
-        """Fail now, with one clear line, if the data set's files are not there."""
+    def check_data(self, read: bool = False) -> None:
+        """Fail now, with one clear line, if the data set's files are not there;
+        ``read``: read them whole too (``zmqps launch``, once before its tasks start: a
+        corrupt file found by the tasks after the start failed them all, exit 1)."""
         from pathlib import Path
 
         if self.dataset == "mnist":
-            from zmqps.data.mnist import load_mnist
+            from zmqps.data.mnist import find_mnist, load_mnist
 
             assert self.data_dir is not None
-            try:  # read whole (a second or so): a corrupt file found after the start
-                for split in ("train", "test"):  # failed every task, exit 1
-                    load_mnist(self.data_dir, split)
+            try:
+                for split in ("train", "test"):
+                    if read:
+                        load_mnist(self.data_dir, split)
+                    else:
+                        find_mnist(self.data_dir, split)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"--data-dir: {exc}") from None
         elif self.dataset == "criteo":
