@@ -418,9 +418,11 @@ def test_dead_worker_is_dropped_and_rejoins(procs: Reaper, tmp_path: Path) -> No
     # counted dead within the same bound (a push the worker sent just before the kill
     # may still complete its step, the next one then waiting for the timeout)
     s = wait_for(
-        lambda: (st := cluster.status())["replicas_to_aggregate"] == 2
-        and 1 in st["workers_dead"]
-        and st,
+        lambda: (
+            (st := cluster.status())["replicas_to_aggregate"] == 2
+            and 1 in st["workers_dead"]
+            and st
+        ),
         timeout=max(0.1, timeout_s + 2 - (time.monotonic() - killed_at)) + 1,
         what="worker 1 counted dead",
         interval=0.02,
