@@ -1506,3 +1506,42 @@ def test_a_ps_started_again_without_a_checkpoint_dir_is_named_at_once(
 
     with caplog.at_level(logging.WARNING, logger="zmqps"):
         run(body())
+
+
+def test_a_ps_serving_nothing_that_does_not_answer_is_not_waited_for_at_the_end() -> None:
+    """A chief started again after a scale down drained a PS (it exited 0) does not know
+    that PS left: the end of its run spent 30 s asking it to shut down. A process that
+    serves no state and holds no copy is asked once whether it runs, and told only if
+    it does; one serving a state, or a copy, gets the whole window as before."""
+    from types import SimpleNamespace
+
+    from zmqps.core.variables import Placement, ShardInfo, VariableDef
+    from zmqps.roles.chief.serve import _serving_nothing, _shutdown_ps
+    from zmqps.roles.homes import Homes
+
+    asked: list[tuple[int, str, int]] = []
+
+    class PS:
+        def __init__(self, q: int, up: bool) -> None:
+            self.q, self.up, self.endpoint = q, up, f"tcp://10.0.0.{q}:2222"
+
+        async def request(self, op: str, body: Any, *, timeout: float, attempts: int) -> Any:
+            asked.append((self.q, op, attempts))
+            if not self.up:
+                raise DeadlineExceeded("no reply")
+            return SimpleNamespace(body={"boot": "b"})
+
+    clients = [PS(0, True), PS(1, False), PS(2, True), PS(3, False)]
+    homes = Homes(clients)  # type: ignore[arg-type]
+    homes.of = [0, 0, 0, 3]  # states 1 and 2 moved onto 0; 3 serves its own
+    v = VariableDef("w", (4,))
+    shards = (ShardInfo(0, "w", 0, 0, 4, 0, backups=(2,)),)
+    idle = _serving_nothing(homes, Placement((v,), shards, {"name": "sgd", "lr": 0.1}))
+    assert idle == {1}  # 2 holds a copy, 0 and 3 serve states
+    run(_shutdown_ps(clients, 10.0, idle=idle))  # type: ignore[arg-type]
+    assert sorted(asked) == [
+        (0, "shutdown", 6),
+        (1, "ps_state", 1),  # gone: nothing more
+        (2, "shutdown", 6),
+        (3, "shutdown", 6),
+    ]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from zmqps.core.recovery import Event, Phase
+from zmqps.core.variables import Placement
 from zmqps.metrics import Metrics
 from zmqps.metrics.summaries import open_summaries
 from zmqps.process import write_text_whole
@@ -186,6 +187,9 @@ async def _serve(
                     cfg.heartbeat_timeout,
                     service.recovery.silent_ps(),
                     drained=() if mover is None else mover.drained,
+                    idle=()
+                    if mover is None
+                    else _serving_nothing(mover.homes, service.recovery.variables.placement),
                     # stopped by a signal: a PS that does not answer at once is not
                     # waited for (the window is for the end of a run, not a stop)
                     budget=None if service.stop_signal is None else SIGNAL_SHUTDOWN_S,
@@ -524,12 +528,22 @@ DRAINED_PROBE_S = 2.0
 SIGNAL_SHUTDOWN_S = 2.0
 
 
+def _serving_nothing(homes: Homes, placement: Placement | None) -> set[int]:
+    """The PS processes that neither serve a state nor hold a copy of one (drained, or
+    never asked for)."""
+    holding = set(homes.of)
+    if placement is not None:
+        holding.update(b for s in placement.shards for b in s.backups)
+    return set(range(len(homes.processes))) - holding
+
+
 async def _shutdown_ps(
     ps_clients: Sequence[Requester],
     heartbeat_timeout: float,
     silent: Collection[int] = (),
     drained: Collection[int] | Mapping[int, str] = (),
     budget: float | None = None,
+    idle: Collection[int] = (),
 ) -> None:
     """Tell every PS process the run is over; one known ``silent`` (stopped or cut off
     past the heartbeat timeout, its states failed over or restored elsewhere) gets one
@@ -537,7 +551,10 @@ async def _shutdown_ps(
     then, and acknowledged it) none, unless another process answers at its address
     (``drained`` maps each to the boot id it had): one started again (a supervisor, a
     PS schedule) as the run ended, which no look of the chief saw, and which would
-    otherwise wait for a chief for ever. ``budget``: one attempt of that many seconds
+    otherwise wait for a chief for ever. One ``idle`` (serving no state: drained
+    before this chief started, which does not know it left) is asked once whether it
+    runs, and told only if it does (a chief started again after a scale down spent 30 s
+    of the run's end on a PS long gone). ``budget``: one attempt of that many seconds
     each, whatever else (the chief was stopped by a signal)."""
     body = o.Shutdown("training finished").to_wire()
     window = shutdown_attempts(heartbeat_timeout)
@@ -554,6 +571,12 @@ async def _shutdown_ps(
             if boot is None or rep.body.get("boot") == boot:
                 return  # the process drained, shutting down
             log.info("ps at %s was drained and started again: shutting it down", c.endpoint)
+        elif q in idle:
+            try:
+                await c.request("ps_state", None, timeout=DRAINED_PROBE_S, attempts=1)
+            except ZmqpsError:
+                log.info("ps at %s serves no state and does not answer: gone", c.endpoint)
+                return
         try:
             # sent again on each deadline, and at once when the connection comes back
             await c.request("shutdown", body, timeout=timeout, attempts=attempts)
