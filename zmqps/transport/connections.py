@@ -60,7 +60,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, KeysView
 from typing import Any
 
 import zmq
@@ -180,9 +180,8 @@ class Connections:
         self.bound = bound
         self._on_refused = on_refused
         self._clock = clock
-        #: the descriptors of the connections open now
-        self.fds: set[int] = set()
-        #: when each was accepted, and when it last sent a message (absent: never)
+        #: the descriptors of the connections open now, each with when it was accepted,
+        #: and when it last sent a message (absent: never)
         self._accepted: dict[int, float] = {}
         self._heard: dict[int, float] = {}
         self.evicted = 0
@@ -193,43 +192,45 @@ class Connections:
         self._log = RateLimitedLog(log, LOG_EVERY_S, lines_per_kind=LINES_PER_KIND)
 
     def __len__(self) -> int:
-        return len(self.fds)
+        return len(self._accepted)
+
+    @property
+    def fds(self) -> KeysView[int]:
+        """The descriptors of the connections open now."""
+        return self._accepted.keys()
 
     def accepted(self, fd: int) -> None:
         """The monitor's ``EVENT_ACCEPTED`` of descriptor ``fd``."""
         if fd < 0:
             return
         now = self._clock()
-        self.fds.add(fd)
         self._accepted[fd] = now
         self._heard.pop(fd, None)  # a number closed and given again
-        if not self.bound or len(self.fds) <= self.bound or not self.port:
+        if not self.bound or len(self) <= self.bound or not self.port:
             return
         if now - self._audited >= AUDIT_EVERY_S:
             self._audited = now
             self.audit()
-            if len(self.fds) <= self.bound:
+            if len(self) <= self.bound:
                 return
         idle = self._idlest(fd, now)
-        if idle is not None:
-            why = "never sent a message" if idle not in self._heard else "the longest"
-            shut = self._shut(idle)
-            if shut is not False:  # shut down, or gone already: room for the new one
-                self._forget(idle)
-            if shut:
-                self.evicted += 1
-                self._log.warning(
-                    "%s: at its bound of %d connections: one that was silent (%s) shut"
-                    " down to let a new one in; %d so far",
-                    self._name,
-                    self.bound,
-                    why,
-                    self.evicted,
-                    key="evicted",
-                )
-            if shut is not False:
-                return
-        self._refuse(fd)
+        shut = None if idle is None else self._shut(idle)
+        if idle is None or shut is False:
+            self._refuse(fd)
+            return
+        why = "never sent a message" if idle not in self._heard else "the longest"
+        self._forget(idle)  # shut down, or gone already: room for the new one
+        if shut:
+            self.evicted += 1
+            self._log.warning(
+                "%s: at its bound of %d connections: one that was silent (%s) shut"
+                " down to let a new one in; %d so far",
+                self._name,
+                self.bound,
+                why,
+                self.evicted,
+                key="evicted",
+            )
 
     def heard(self, fd: int) -> None:
         """A message came from connection ``fd`` (its frame's ``SRCFD``)."""
@@ -241,7 +242,6 @@ class Connections:
         self._forget(fd)
 
     def _forget(self, fd: int) -> None:
-        self.fds.discard(fd)
         self._accepted.pop(fd, None)
         self._heard.pop(fd, None)
 
@@ -265,7 +265,7 @@ class Connections:
         """Drop the descriptors that are no longer connections on this server's port
         (a missed disconnect); returns how many."""
         stale = set()
-        for fd in self.fds:
+        for fd in self._accepted:
             with _probe(fd) as probe:
                 if not _ours(probe, self.port):
                     stale.add(fd)
