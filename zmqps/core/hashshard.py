@@ -113,9 +113,12 @@ class HashShard(Shard):
         out[...] = rows
         return out
 
-    def apply_row_grads(self, keys: Array, grad_rows: Array, scale: float) -> None:
+    def apply_row_grads(
+        self, keys: Array, grad_rows: Array, scale: float, hold: Array | None = None
+    ) -> None:
         """Lazy update of the rows of validated ids ``keys`` (duplicates summed; ids
-        not admitted dropped and counted)."""
+        not admitted dropped and counted), all of it now (``hold`` is not read: a
+        pull may create rows and evict others, so nothing of an update waits)."""
         grad2d = grad_rows.reshape(keys.shape[0], self.row_width)  # explicit: 0 rows too
         uniq, grad2d = summed_rows(keys, grad2d)  # unsorted or repeated ids: summed
         rows = self.rows_for(uniq, sighting=False)
