@@ -1355,9 +1355,10 @@ class ParameterClient:
                     await held.enter_async_context(ch.rows_pull_lock)
                 shm = None if push_at is None else o.ShmRef(r.push_id, tuple(push_at))
                 out = None if pull_at is None else o.ShmRef(r.pull_id, tuple(pull_at))
-                sent = replace(body, shm=shm, shm_out=out)
-                if shm is not None and kept and isinstance(sent, o.PushPullRows):
-                    sent = replace(sent, kept=True)
+                if shm is not None and kept and isinstance(body, o.PushPullRows):
+                    sent = replace(body, shm=shm, shm_out=out, kept=True)
+                else:
+                    sent = replace(body, shm=shm, shm_out=out)
                 try:
                     rep = await self._row_send(ps, sent, parts, uniq, pushed, pull)
                 except NotFound as exc:
