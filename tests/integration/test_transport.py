@@ -22,7 +22,6 @@ import zmq.asyncio
 
 from zmqps.transport import Client, FakeNetwork, Server, SocketOptions, TransportStats
 from zmqps.transport.base import Handler, Requester
-from zmqps.transport.server import after_reply
 from zmqps.transport.unread import UnreadReplies
 from zmqps.wire import ERROR, Message, Tensor, decode, encode, reply, request
 from zmqps.wire.errors import (
@@ -1011,48 +1010,3 @@ def test_an_endpoint_libzmq_cannot_parse_is_an_invalid_argument() -> None:
                 Client(ctx, bad, "chief:0", options=OPTS, timeout=1)
     finally:
         ctx.term()  # returns: no socket was left open
-
-
-def test_work_left_after_a_reply_runs_after_its_send_and_before_the_next_request() -> None:
-    """``after_reply``: what a handler leaves runs once its reply is sent and before the
-    server handles another request, however many wait; one that fails is logged and
-    the server goes on; outside a server's handling it runs at once."""
-    log: list[tuple[str, int]] = []
-    sent_at: list[int] = []
-
-    def handler(msg: Message) -> Message:
-        k = int(msg.body["shards"][0])
-        log.append(("handle", k))
-
-        def later() -> None:
-            sent_at.append(stats.replies)  # this request's reply counted as sent already
-            log.append(("after", k))
-            if k == 3:
-                raise RuntimeError("a bug in work left after a reply")
-
-        after_reply(later)
-        return reply(msg, {"versions": [k]})
-
-    async def main() -> None:
-        nonlocal stats
-        ctx = zmq.asyncio.Context()
-        try:
-            async with (
-                zmq_server(ctx, handler) as server,
-                zmq_client(ctx, server.endpoint) as client,
-            ):
-                stats = server.stats
-                replies = await asyncio.gather(
-                    *(client.request("pull", {"shards": [k]}) for k in range(40))
-                )
-                assert [r.body["versions"][0] for r in replies] == list(range(40))
-        finally:
-            ctx.term()
-
-    stats = TransportStats()
-    run(main)
-    assert log == [(step, k) for k in range(40) for step in ("handle", "after")]
-    assert sent_at == list(range(1, 41))
-    ran: list[int] = []
-    after_reply(lambda: ran.append(1))  # no server handling a request: now
-    assert ran == [1]

@@ -133,15 +133,11 @@ def adam(p, g, w, m, v, lr_t, c1, c2, eps, scale, wd):  # type: ignore[no-untype
 # whole-shard updates only). Each element is computed by the same expression as
 # the dense kernel's, in the same dtypes (the same bits), in one loop nest: a call
 # of the dense kernel per row cost about twice the memory traffic of the update.
-# A negative row id is skipped: an update split in two (``split_held``) runs as two
-# calls over the same ``rows`` and ``g``, each with the other's rows masked out.
 @jit  # type: ignore[misc]
 def sgd_rows(rows, p, g, a, keep):  # type: ignore[no-untyped-def]
     width = p.shape[1]
     for k in range(rows.shape[0]):
         r = rows[k]
-        if r < 0:
-            continue
         for c in range(width):
             p[r, c] = keep * p[r, c] + a * g[k, c]
 
@@ -151,8 +147,6 @@ def momentum_rows(rows, p, g, m, lr, mu, scale, wd, nesterov):  # type: ignore[n
     width = p.shape[1]
     for k in range(rows.shape[0]):
         r = rows[k]
-        if r < 0:
-            continue
         for c in range(width):
             gi = scale * g[k, c] + wd * p[r, c]
             mi = mu * m[r, c] + gi
@@ -165,8 +159,6 @@ def adagrad_rows(rows, p, g, a, lr, eps, scale, wd):  # type: ignore[no-untyped-
     width = p.shape[1]
     for k in range(rows.shape[0]):
         r = rows[k]
-        if r < 0:
-            continue
         for c in range(width):
             gi = scale * g[k, c] + wd * p[r, c]
             ai = a[r, c] + gi * gi
@@ -179,8 +171,6 @@ def adam_rows(rows, p, g, m, v, lr_t, c1, c2, eps, scale, wd):  # type: ignore[n
     width = p.shape[1]
     for k in range(rows.shape[0]):
         r = rows[k]
-        if r < 0:
-            continue
         for c in range(width):
             gi = scale * g[k, c] + wd * p[r, c]
             mi = m[r, c] + c1 * (gi - m[r, c])
@@ -188,48 +178,6 @@ def adam_rows(rows, p, g, m, v, lr_t, c1, c2, eps, scale, wd):  # type: ignore[n
             m[r, c] = mi
             v[r, c] = vi
             p[r, c] = p[r, c] - lr_t * mi / (np.sqrt(vi) + eps)
-
-
-# The keys of a row update that a pull in the same message reads (``hold``) apart
-# from the others: ``now[i]`` is ``keys[i]`` when ``hold`` has it, else -1, and
-# ``later[i]`` the other way round; returns how many are held. ``keys`` strictly
-# increasing (a shard's summed keys); ``hold`` distinct, in any order: one merge
-# when it is increasing too, else a binary search for each of its keys.
-@jit  # type: ignore[misc]
-def split_held(keys, hold, now, later):  # type: ignore[no-untyped-def]
-    n, m = keys.shape[0], hold.shape[0]
-    for i in range(n):
-        now[i] = -1
-        later[i] = keys[i]
-    increasing = True
-    for j in range(1, m):
-        if hold[j] <= hold[j - 1]:
-            increasing = False
-            break
-    held = 0
-    i = 0
-    for j in range(m):
-        h = hold[j]
-        if increasing:
-            while i < n and keys[i] < h:
-                i += 1
-            if i == n:
-                break
-            at = i
-        else:
-            lo, hi = 0, n
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                if keys[mid] < h:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            at = lo
-        if at < n and keys[at] == h and now[at] < 0:
-            now[at] = h
-            later[at] = -1
-            held += 1
-    return held
 
 
 # The one kernel with a fastmath flag: reassociation only, so the sum vectorizes.
@@ -432,5 +380,4 @@ KERNELS: dict[str, Any] = {
     "momentum_rows": momentum_rows,
     "adagrad_rows": adagrad_rows,
     "adam_rows": adam_rows,
-    "split_held": split_held,
 }

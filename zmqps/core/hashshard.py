@@ -113,12 +113,9 @@ class HashShard(Shard):
         out[...] = rows
         return out
 
-    def apply_row_grads(
-        self, keys: Array, grad_rows: Array, scale: float, hold: Array | None = None
-    ) -> None:
+    def apply_row_grads(self, keys: Array, grad_rows: Array, scale: float) -> None:
         """Lazy update of the rows of validated ids ``keys`` (duplicates summed; ids
-        not admitted dropped and counted), all of it now (``hold`` is not read: a
-        pull may create rows and evict others, so nothing of an update waits)."""
+        not admitted dropped and counted)."""
         grad2d = grad_rows.reshape(keys.shape[0], self.row_width)  # explicit: 0 rows too
         uniq, grad2d = summed_rows(keys, grad2d)  # unsorted or repeated ids: summed
         rows = self.rows_for(uniq, sighting=False)

@@ -281,7 +281,6 @@ class Optimizer(ABC):
         scale: float = 1.0,
         *,
         checked: bool = False,
-        masked: bool = False,
     ) -> None:
         """Lazy update of the given rows of a 2-D ``(rows, row_size)`` parameter view.
 
@@ -289,9 +288,7 @@ class Optimizer(ABC):
         update); ``grad_rows`` has shape ``(len(rows), row_size)``. Untouched rows of
         ``param`` and of every slot are left exactly as they were. ``checked``: the
         caller validated ``rows`` against ``param`` already (a shard's keys), so they
-        are not read again for their range. ``masked``: ``rows`` may hold -1, whose
-        gradient rows are skipped (one update applied as two calls over the same
-        arrays, each with the other's rows masked: ``ShardStore.deferring``).
+        are not read again for their range.
         """
         if param.ndim != 2 or rows.ndim != 1 or rows.dtype.kind not in "iu":
             raise InvalidArgument("apply_rows: param must be 2-D and rows 1-D integers")
@@ -300,16 +297,9 @@ class Optimizer(ABC):
             raise InvalidArgument(f"apply_rows: grad_rows {grad_rows.shape} != {(k, width)}")
         if k == 0:
             return
-        fused = _kernels.kernel(f"{self.name}_rows", param) if USE_KERNELS else None
-        if not checked and (
-            int(rows.min()) < (-1 if masked else 0) or int(rows.max()) >= param.shape[0]
-        ):
+        if not checked and (int(rows.min()) < 0 or int(rows.max()) >= param.shape[0]):
             raise InvalidArgument(f"apply_rows: row index outside [0, {param.shape[0]})")
-        if masked and (fused is None or not param.flags.c_contiguous):
-            keep = rows >= 0  # the kernels skip the masked rows; the numpy path drops them
-            rows, grad_rows = rows[keep], grad_rows[keep]
-            if rows.shape[0] == 0:
-                return
+        fused = _kernels.kernel(f"{self.name}_rows", param) if USE_KERNELS else None
         if fused is not None and param.flags.c_contiguous:
             g = np.ascontiguousarray(grad_rows)
             rows = rows.astype(np.int64, copy=False)

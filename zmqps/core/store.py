@@ -290,42 +290,16 @@ class Shard:
     def slots2d(self) -> dict[str, Array]:
         return {k: v.reshape(v.shape[0], -1) for k, v in self.slots.items()}
 
-    def apply_row_grads(
-        self, keys: Array, grad_rows: Array, scale: float, hold: Array | None = None
-    ) -> Callable[[], None] | None:
+    def apply_row_grads(self, keys: Array, grad_rows: Array, scale: float) -> None:
         """Apply gradients of validated row ``keys`` (duplicates summed first, in one
         pass; keys strictly increasing, as clients send them, are not sorted again);
-        the caller made the values its own (:meth:`own`).
-
-        ``hold``: validated keys a pull reads right after this update (in the same
-        message). Only the rows among them are updated now; the update of the others
-        is returned, to run before anything else reads or writes this shard
-        (:meth:`ShardStore.deferring`). None when nothing is left to run."""
+        the caller made the values its own (:meth:`own`)."""
         grad2d = grad_rows.reshape(keys.shape[0], self.row_width)  # explicit: 0 rows too
         keys, grad2d = summed_rows(keys, grad2d)
-        step = self.version + 1
-        split = _kernels.index_kernel("split_held", keys) if hold is not None else None
-        if split is None or hold is None or _kernels.index_kernel("split_held", hold) is None:
-            self._update_rows(keys, grad2d, scale, step, masked=False)
-            return None
-        now, later = np.empty_like(keys), np.empty_like(keys)
-        held = split(keys, hold, now, later)
-        if held == keys.shape[0]:
-            self._update_rows(keys, grad2d, scale, step, masked=False)
-            return None
-        if held:
-            self._update_rows(now, grad2d, scale, step, masked=True)
-        return functools.partial(self._update_rows, later, grad2d, scale, step, masked=True)
-
-    def _update_rows(
-        self, keys: Array, grad2d: Array, scale: float, step: int, *, masked: bool
-    ) -> None:
-        """The optimizer over rows ``keys`` (``masked``: -1 skipped) of the values and
-        slots as they are now (read afresh: a deferred part runs on what it finds)."""
         values2d = self.values.reshape(self.values.shape[0], -1)
         slots2d = {k: v.reshape(v.shape[0], -1) for k, v in self.slots.items()}
         self.optimizer.apply_rows(
-            values2d, keys, grad2d, slots2d, step, scale, checked=True, masked=masked
+            values2d, keys, grad2d, slots2d, self.version + 1, scale, checked=True
         )
 
     def page(self, start: int, limit: int) -> tuple[Array, Array, int]:
@@ -534,37 +508,6 @@ class ShardStore:
         #: packs by their first shard's id (:mod:`zmqps.core.packs`)
         self._packs: dict[int, Pack] = {}
         self._scratch = np.empty(0, dtype=np.uint8)
-        #: while :meth:`deferring`: the keys each shard's pull reads in the message
-        self._hold: Mapping[int, Array] | None = None
-        #: the parts of row updates left to run (:meth:`deferring`, :meth:`settle`)
-        self._deferred: list[Callable[[], None]] = []
-
-    # -- deferred row updates --------------------------------------------------
-
-    @contextlib.contextmanager
-    def deferring(self, pulled: Mapping[int, Array]) -> Iterator[None]:
-        """Row updates of fixed-size float32/float64 shards made inside update now
-        only the rows ``pulled`` names for their shard (the validated keys a pull in
-        the same message reads next); the rest of each is kept, to be run by
-        :meth:`settle` once the reply is on its way, while the worker reads it. The
-        caller settles before anything else reads or writes the store (a PS runs it
-        before it reads another message). Versions, staleness and counts are the
-        update's at once, as without this."""
-        self._hold = pulled
-        try:
-            yield
-        finally:
-            self._hold = None
-
-    @property
-    def unsettled(self) -> bool:
-        """Whether row updates :meth:`deferring` kept are still to run."""
-        return bool(self._deferred)
-
-    def settle(self) -> None:
-        """Run the parts of row updates :meth:`deferring` kept, in order."""
-        while self._deferred:
-            self._deferred.pop(0)()
 
     # -- shards --------------------------------------------------------------
 
@@ -1067,13 +1010,7 @@ class ShardStore:
         if not shard.is_table and shard.own():  # a send still holds the values: copy first
             self.copies_on_write += 1
         if isinstance(update, RowUpdate):
-            hold = self._hold.get(shard.definition.id) if self._hold is not None else None
-            if hold is not None and type(shard) is Shard and shard.values.dtype != np.float16:
-                rest = shard.apply_row_grads(update.keys, update.grads, scale, hold)
-                if rest is not None:
-                    self._deferred.append(rest)
-            else:
-                shard.apply_row_grads(update.keys, update.grads, scale)
+            shard.apply_row_grads(update.keys, update.grads, scale)
             return
         optimizer, step = shard.optimizer, shard.version + 1
         scratch = self._scratch_for(shard)

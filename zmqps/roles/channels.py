@@ -228,16 +228,6 @@ class _Regions:
     rows_bytes: int = 0
 
 
-def _back_to_back(start: int, room: int, nbytes: Sequence[int]) -> list[int] | None:
-    """Offsets from ``start`` for pieces of ``nbytes`` each, back to back (aligned),
-    or None when they take more than ``room`` bytes."""
-    places, pos = [], start
-    for n in nbytes:
-        places.append(pos)
-        pos += -(-n // ALIGN) * ALIGN
-    return places if pos - start <= room else None
-
-
 class ShmChannel(DenseChannel):
     kind = "shm"
 
@@ -251,28 +241,16 @@ class ShmChannel(DenseChannel):
         #: reply is read; a row request that finds it held goes by TCP
         self.rows_push_lock = asyncio.Lock()
         self.rows_pull_lock = asyncio.Lock()
-        #: the half of the push region's rows room the next push takes (push_places)
-        self._push_half = 0
 
     def row_places(self, nbytes: Sequence[int]) -> list[int] | None:
         """Offsets for rows of ``nbytes`` each, back to back (aligned) in the rows room,
         or None when they do not fit (they go by TCP)."""
         r = self.regions
-        return _back_to_back(r.rows_at, r.rows_bytes, nbytes)
-
-    def push_places(self, nbytes: Sequence[int]) -> list[int] | None:
-        """:meth:`row_places` of a push to a PS that may read a push's rows after its
-        reply (``rows_kept``): each push in the other half of the rows room than the
-        last, so its rows stay as they are until the reply to the next push through
-        the region has come back (the PS reads its requests in order, and finishes
-        with one before it reads the next); None when they do not fit in half (they
-        go by TCP)."""
-        r = self.regions
-        half = r.rows_bytes // 2 // ALIGN * ALIGN
-        places = _back_to_back(r.rows_at + self._push_half * half, half, nbytes)
-        if places is not None:
-            self._push_half ^= 1
-        return places
+        places, pos = [], r.rows_at
+        for n in nbytes:
+            places.append(pos)
+            pos += -(-n // ALIGN) * ALIGN
+        return places if pos - r.rows_at <= r.rows_bytes else None
 
     @classmethod
     def make(

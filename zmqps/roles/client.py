@@ -327,9 +327,6 @@ class ParameterClient:
         #: PS states whose last row reply said they take a request's index tensors
         #: joined into one (``counts``)
         self.rows_joined: set[int] = set()
-        #: PS states whose last row reply said they may read a push's rows in the
-        #: push region after their reply (``PushPullRows.kept``)
-        self.rows_kept: set[int] = set()
         #: the room for rows in each region (0: rows always by TCP)
         self.row_region_bytes = max(0, row_region_bytes)
         #: regions being set up in the background for rows, by PS state
@@ -691,10 +688,6 @@ class ParameterClient:
             self.rows_joined.add(ps)
         else:
             self.rows_joined.discard(ps)
-        if takes is not None and "rows_kept" in takes:
-            self.rows_kept.add(ps)
-        else:
-            self.rows_kept.discard(ps)
 
     def takes_fresh(self, names: Iterable[str]) -> bool:
         """Whether every PS state holding shards of ``names`` said it takes ``Push.fresh``."""
@@ -727,7 +720,6 @@ class ParameterClient:
             self.rows_both.discard(state)  # another process: it says again what it takes
             self.rows_shm.discard(state)
             self.rows_joined.discard(state)
-            self.rows_kept.discard(state)
 
     # ------------------------------------------------------------------ channels
 
@@ -1326,14 +1318,11 @@ class ParameterClient:
         TCP), else in the message; the reply (its pulled rows taken already)."""
         ch = None if again else self._row_channel(ps)
         push_at = pull_at = None
-        kept = False
         if ch is not None:
             if not ch.rows_push_lock.locked():
                 like = pushed.rows
                 row_bytes = like.itemsize * math.prod(like.shape[1:])
-                sizes = [(hi - lo) * row_bytes for _, lo, hi in parts]
-                kept = ps in self.rows_kept  # (its pushes alternate halves of the room)
-                push_at = ch.push_places(sizes) if kept else ch.row_places(sizes)
+                push_at = ch.row_places([(hi - lo) * row_bytes for _, lo, hi in parts])
             if pull is not None and not ch.rows_pull_lock.locked():
                 got = pull[2]
                 row_bytes = got.itemsize * math.prod(got.shape[1:])
@@ -1355,12 +1344,10 @@ class ParameterClient:
                     await held.enter_async_context(ch.rows_pull_lock)
                 shm = None if push_at is None else o.ShmRef(r.push_id, tuple(push_at))
                 out = None if pull_at is None else o.ShmRef(r.pull_id, tuple(pull_at))
-                if shm is not None and kept and isinstance(body, o.PushPullRows):
-                    sent = replace(body, shm=shm, shm_out=out, kept=True)
-                else:
-                    sent = replace(body, shm=shm, shm_out=out)
                 try:
-                    rep = await self._row_send(ps, sent, parts, uniq, pushed, pull)
+                    rep = await self._row_send(
+                        ps, replace(body, shm=shm, shm_out=out), parts, uniq, pushed, pull
+                    )
                 except NotFound as exc:
                     if isinstance(exc, NotPrimary):
                         raise

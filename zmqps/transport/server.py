@@ -45,9 +45,6 @@ Rules of this module:
   peers that connect and stay silent cannot take every descriptor of the process
   (:mod:`zmqps.transport.connections`). Binding raises the process's open files
   limit to leave room for the bound plus a reserve.
-* A handler may leave work to run once its reply is sent (:func:`after_reply`): the
-  server runs it right after the send, before it reads another message or lets the
-  event loop run anything else, so nothing sees the state between the reply and it.
 """
 
 from __future__ import annotations
@@ -87,34 +84,9 @@ from zmqps.wire import Limits, Message, encode, error_reply, reply
 from zmqps.wire.errors import InvalidArgument
 from zmqps.wire.ops import SealAgreed, SealHello
 
-__all__ = ["MAX_UNREAD", "MAX_UNREAD_PER_PEER", "Server", "after_reply"]
+__all__ = ["MAX_UNREAD", "MAX_UNREAD_PER_PEER", "Server"]
 
 log = logging.getLogger("zmqps.transport")
-
-#: what handlers left to run after the reply to the request a server is handling
-#: inline now (None: no server is)
-_after: list[Callable[[], None]] | None = None
-
-
-def after_reply(fn: Callable[[], None]) -> None:
-    """Run ``fn`` once the reply to the request being handled is sent, before the
-    server reads another message or the event loop runs anything else. Outside a
-    server's inline handling of a request (a handler resumed after an await, a test
-    calling a handler), ``fn`` runs now."""
-    if _after is None:
-        fn()
-    else:
-        _after.append(fn)
-
-
-def _run_left(left: list[Callable[[], None]]) -> None:
-    """The work handlers left for after a reply (:func:`after_reply`), in order."""
-    for fn in left:
-        try:
-            fn()
-        except Exception:  # a bug: logged, the server goes on
-            log.exception("work left after a reply failed")
-
 
 #: Handshake failures the ZAP handler does not see (it counts its own refusals):
 #: protocol errors (a plaintext client: mechanism mismatch; a wrong server key:
@@ -699,9 +671,10 @@ class Server:
             return
         self._on_data = True
         try:
-            self._handle(plain, identity, session.peer, session)
+            outcome = self._dispatcher.dispatch(plain, identity, session.peer)
         finally:
             self._on_data = False
+        self._answer(identity, outcome, session)
 
     def _read_soon(self) -> None:
         if not self._read_scheduled and self._io_loop is not None and self._sock is not None:
@@ -748,24 +721,10 @@ class Server:
         # the name the allow-list gives the sender's key (the ZAP handler's user id,
         # carried by every frame of an authenticated connection): never on the wire
         user = frames[0].get("User-Id") if self._options.curve is not None else ""
-        outcome, task = self._handle(frames[1:], identity, user or "")
+        outcome = self._dispatcher.dispatch(frames[1:], identity, user or "")
+        task = self._answer(identity, outcome)
         if task is not None and isinstance(outcome, Pending) and outcome.droppable:
             self._track_poll(frames[0], task, outcome.op)
-
-    def _handle(
-        self, body: list[Any], identity: bytes, user: str, session: Session | None = None
-    ) -> tuple[Message | Pending | None, asyncio.Future[None] | None]:
-        """Dispatch a request and answer it, then run what its handler left for after
-        the reply (:func:`after_reply`), whatever happened."""
-        global _after
-        outer, _after = _after, []
-        left = _after
-        try:
-            outcome = self._dispatcher.dispatch(body, identity, user)
-            return outcome, self._answer(identity, outcome, session)
-        finally:
-            _after = outer
-            _run_left(left)
 
     async def _finish(
         self, identity: bytes, outcome: Pending, session: Session | None = None

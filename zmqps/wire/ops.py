@@ -474,12 +474,6 @@ class PushPullRows(Push):
     #: the index tensors of ``shards`` then of ``pull`` joined into the first tensor,
     #: this many ids each (as ``PushRows.counts``)
     counts: tuple[int, ...] | None = wire(ROW_COUNTS, default=None)
-    #: True: the pushed rows in the push region (``shm``) stay as they are until the
-    #: reply to the worker's next request that writes that region has come back, so
-    #: the PS may read them after its reply (it updates the rows it does not pull
-    #: then, while the worker reads the reply); sent only to a PS that takes
-    #: ``rows_kept``
-    kept: bool | None = wire(Bool(), default=None)
 
 
 @_body("pull_rows")

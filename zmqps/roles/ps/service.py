@@ -64,7 +64,6 @@ from zmqps.roles.ps.regions import MAX_PER_WORKER, Regions
 from zmqps.roles.threads import CheckThreads
 from zmqps.roles.waiters import Changes
 from zmqps.transport.dispatch import Held
-from zmqps.transport.server import after_reply
 from zmqps.wire import Message, Tensor, reply
 from zmqps.wire import ops as o
 from zmqps.wire.codec import is_bfloat16
@@ -106,11 +105,9 @@ _PUSH_OPS = frozenset({"push", "push_pull", "push_rows", "push_pull_rows"})
 _DATA_OPS = _PUSH_OPS | {"pull", "pull_rows", "table_rows"}
 #: the ops this PS takes beyond those every PS takes, said in its row replies (a
 #: client sends them only to a PS that said so: an older one refuses them)
-TAKES = ("push_pull_rows", "shm_rows", "rows_joined", "rows_kept")
+TAKES = ("push_pull_rows", "shm_rows", "rows_joined")
 #: the row ops whose index tensors may come joined into one (``counts``)
 _JOINED_OPS = frozenset({"pull_rows", "push_rows", "push_pull_rows"})
-#: no deferral of row updates (:meth:`ShardStore.deferring`)
-_NOW = contextlib.nullcontext()
 
 #: what a sync PS's dense push replies say it takes beyond the common fields:
 #: ``Push.fresh`` (a worker asks for the next step's values only of a PS that said so)
@@ -228,8 +225,6 @@ class PSService:
 
     # The transport calls this for every decoded (and schema-checked) request.
     def __call__(self, msg: Message) -> Message | Awaitable[Message]:
-        if self.store.unsettled:  # (the transport settled it after the last reply)
-            self.store.settle()
         req, handler = self._ops.resolve(msg)
         if msg.op in _DATA_OPS:
             self._check_generation(msg.op, req.gen)
@@ -562,27 +557,15 @@ class PSService:
         pushed = msg.tensors[:n]
         if req.shm is not None:
             pushed = self._rows_in_region(pushed, req.shards, req.shm, req.worker)
-        # applied on arrival (async, ssp): the rows the pull reads are updated now,
-        # the others once the reply is sent, while the worker reads it
-        later = (
-            isinstance(self.mode, Apply)
-            and self.replica is None
-            and (req.shm is None or req.kept is True)  # pushed rows that stay as they are
-        )
-        try:
-            with self.store.deferring({s.definition.id: k for s, k in keyed}) if later else _NOW:
-                body = self._push_rows(req, pushed).to_wire()
-            # the pull's ids were validated above (a push changes no id's validity, nor
-            # a table's room: it creates no row): read with those keys
-            create = req.create is not False
-            places: Sequence[Any] = [None] * len(keyed) if out is None else out
-            pulled = [
-                (shard.version, shard.read_rows(keys, create, place))
-                for (shard, keys), place in zip(keyed, places, strict=True)
-            ]
-        finally:
-            if self.store.unsettled:
-                after_reply(self.store.settle)
+        body = self._push_rows(req, pushed).to_wire()
+        # the pull's ids were validated above (a push changes no id's validity, nor a
+        # table's room: it creates no row): read with those keys
+        create = req.create is not False
+        places: Sequence[Any] = [None] * len(keyed) if out is None else out
+        pulled = [
+            (shard.version, shard.read_rows(keys, create, place))
+            for (shard, keys), place in zip(keyed, places, strict=True)
+        ]
         versions, tensors = self._rows_of(req.pull, pulled, out is not None)
         if out is not None:
             self._shm_pull_served(msg)
@@ -597,8 +580,7 @@ class PSService:
         message before the push changes anything. Third: each pulled shard and the
         validated keys of its ids (:meth:`ShardStore.check_pull_rows`)."""
         n, wanted, keyed, _ = self._pull_part(msg, req)
-        split_off = ("pull", "create", "shm_out", "kept")
-        body = {k: v for k, v in msg.body.items() if k not in split_off}
+        body = {k: v for k, v in msg.body.items() if k not in ("pull", "create", "shm_out")}
         pull_body = o.PullRows(req.pull, req.gen, req.create, req.shm_out).to_wire()
         push = self.rows_in_place(replace(msg, op="push_rows", body=body, tensors=msg.tensors[:n]))
         return push, replace(msg, op="pull_rows", body=pull_body, tensors=wanted), keyed
