@@ -119,11 +119,17 @@ def test_a_driver_that_fails_ends_the_run_at_once_saying_why(procs: Reaper, tmp_
             "1",
             "--workers",
             "1",
+            "--summary",
+            str(tmp_path / "summary.json"),
         ),
         name="launch",
         env=env,
     )
     launcher.expect_exit(1, timeout=60)
+    # the summary of a failed run says why (it was not written at all)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["exit_code"] == 1 and summary["run_dir"] == str(tmp_path / "run"), summary
+    assert "chief" in summary["launch_failed"] and summary["failed"], summary
     assert "RuntimeError: the job's own bug" in launcher.stderr, launcher.stderr[-3000:]
     assert "after it shut the PS down" in launcher.stderr, launcher.stderr[-3000:]
     assert "restarting it" not in launcher.stderr, launcher.stderr[-3000:]

@@ -988,6 +988,32 @@ def _worker_stats(launcher: Launcher, workers: int) -> list[dict[str, Any]]:
     return out
 
 
+def _failed_summary(
+    path: str, launcher: Launcher, run_dir: Path, code: int, began: float, started: float
+) -> None:
+    """``--summary`` of a run that failed: the chief's own summary when it wrote one in
+    this launch (it says why: ``failed``, ``work_lost``, the checkpoint), else what
+    the launch knows; with the launch's failure, exit code and run folder."""
+    summary: dict[str, Any] = {}
+    try:
+        if launcher.chief_summary.stat().st_mtime >= began:
+            summary = json.loads(launcher.chief_summary.read_text())
+    except (OSError, ValueError):
+        summary = {}
+    if not isinstance(summary, dict):
+        summary = {}
+    summary.setdefault("failed", launcher.failure)
+    summary["launch_failed"] = launcher.failure
+    summary["exit_code"] = code
+    summary["restarts"] = launcher.restarts
+    summary["wall_seconds"] = round(time.monotonic() - started, 3)
+    summary["run_dir"] = str(run_dir)
+    try:
+        write_text_whole(path, json.dumps(summary, indent=2) + "\n", "--summary")
+    except ZmqpsError as exc:
+        print(f"zmqps launch: {exc}", file=sys.stderr)
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     acc = summary.get("test_accuracy")
     lines = [
@@ -1436,6 +1462,7 @@ def _launch(args: argparse.Namespace, job: JobConfig, fds: list[int]) -> int:
             file=sys.stderr,
             flush=True,
         )
+    began = time.time()
     code = asyncio.run(launcher.run())
     if code != 0:
         first = launcher.first_failed
@@ -1443,6 +1470,8 @@ def _launch(args: argparse.Namespace, job: JobConfig, fds: list[int]) -> int:
             print(f"--- last lines of {first.name} (exit {first.returncode}):", file=sys.stderr)
             print("\n".join(first.tail[-10:]), file=sys.stderr)
         print(f"zmqps launch: failed: {launcher.failure}; logs in {run_dir}", file=sys.stderr)
+        if args.summary:
+            _failed_summary(args.summary, launcher, run_dir, code, began, started)
         return code
     summary = json.loads(launcher.chief_summary.read_text())
     summary["wall_seconds"] = round(time.monotonic() - started, 3)
