@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 import socket
 import time
@@ -1010,3 +1011,29 @@ def test_an_endpoint_libzmq_cannot_parse_is_an_invalid_argument() -> None:
                 Client(ctx, bad, "chief:0", options=OPTS, timeout=1)
     finally:
         ctx.term()  # returns: no socket was left open
+
+
+def test_a_submitted_request_cut_short_by_close_is_not_reported_as_never_retrieved() -> None:
+    """A PS's link closed while entries it submitted were on their way printed
+    "Task exception was never retrieved" with a ShutdownError traceback on the
+    console of a run that went on fine."""
+    reported: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx))
+        ctx = zmq.asyncio.Context()
+        try:
+            client = Client(ctx, f"tcp://127.0.0.1:{free_port()}", "c0", options=OPTS)
+            futures = [client.submit("pull", {"shards": [k]}, timeout=30) for k in range(3)]
+            await asyncio.sleep(0.05)
+            await client.close()
+            await asyncio.wait(futures, timeout=5)  # (reads none of their outcomes)
+            assert all(f.done() for f in futures)
+            del futures
+            gc.collect()
+            await asyncio.sleep(0)
+        finally:
+            ctx.term()
+
+    run(main)
+    assert not reported, reported

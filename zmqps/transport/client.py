@@ -384,8 +384,16 @@ class Client:
         slot = self.slot if slot is None else slot
         sent = self._send(op, body, tensors, timeout, False, slot)
         task = asyncio.ensure_future(self._reply(op, timeout, *sent))
-        # cancelled before it ran, _reply's own cleanup never runs
-        task.add_done_callback(lambda _: self._pending.pop(sent[0], None))
+
+        def settled(done: asyncio.Future[Message]) -> None:
+            self._pending.pop(sent[0], None)  # cancelled before it ran: _reply's own
+            # cleanup never runs. A reply cut short by this client's close is nobody's
+            # error: its caller let it go (a link closed while entries were on their
+            # way), and asyncio would print it as never retrieved
+            if self._closed and not done.cancelled():
+                done.exception()
+
+        task.add_done_callback(settled)
         return task
 
     async def _request_once(
