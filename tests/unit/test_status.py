@@ -125,3 +125,31 @@ def test_a_real_movers_status_after_a_scale_down() -> None:
     assert f"moves         1 done, 0 failed, {elastic['moved_bytes']} bytes moved" in text
     assert "drained       ps 1" in text
     assert "moving" not in text and "waiting" not in text
+
+
+def test_the_text_status_shows_each_states_copies_and_whom_a_blocked_step_waits_on() -> None:
+    """``zmqps status`` printed nothing of the copies the README says it shows (only
+    ``--json`` had them), and "step waits on nobody" under a blocked line."""
+    status = {
+        "mode": "sync",
+        "global_step": 245,
+        "blocker": "the copies of ps 2's state (6s) do not all have step 245",
+        "waiting_on": [],
+        "step_age_s": 8.5,
+        "ps": ["ps0", "ps1", "ps2"],
+        "replication": {
+            "replication": 2,
+            "silent": [1],
+            "copies": {"0": {"primary": 0, "backups": [1]}, "2": {"primary": 2, "backups": []}},
+            "under_replicated": [2],
+            "copying": {"state": 2, "from": 2, "to": 0, "phase": "copying"},
+        },
+    }
+    text = lines(format_status(status))
+    assert "step waits on what is blocked above, no worker (for 8.5s)" in text
+    assert "copies        2 of each state: ps 0's on ps 0 (backups ps 1); ps 2's on ps 2" in text
+    assert "short         of copies: ps 2's state" in text
+    assert "copying       ps 2's state from ps 2 to ps 0 (copying)" in text
+    assert "silent        ps 1 (past the heartbeat timeout)" in text
+    calm = {**status, "blocker": None, "waiting_on": [1], "replication": {}}
+    assert "step waits on worker 1 (for 8.5s)" in lines(format_status(calm))

@@ -68,7 +68,7 @@ def format_status(s: dict[str, Any]) -> str:
             f"replicas      N = {s.get('replicas_to_aggregate')} of M = {s.get('total_replicas')}",
             f"tokens        {s.get('tokens_available')} available"
             f" ({s.get('tokens_discarded')} discarded)",
-            f"step waits on {_workers(s.get('waiting_on'))} (for {s.get('step_age_s', 0):.1f}s)",
+            f"step waits on {_step_waits(s)} (for {s.get('step_age_s', 0):.1f}s)",
         ]
     if s.get("mode") == "ssp" and s.get("ssp"):
         ssp = s["ssp"]
@@ -76,6 +76,9 @@ def format_status(s: dict[str, Any]) -> str:
             f"ssp           max staleness {ssp['max_staleness']},"
             f" largest spread granted {ssp['max_spread']}"
         )
+    replication = s.get("replication") or {}
+    if replication.get("copies"):
+        lines.append(format_replication(replication))
     elastic = s.get("elastic") or {}
     if elastic.get("asked") is not None or elastic.get("moves_done") or elastic.get("moving"):
         lines.append(format_elastic(elastic))
@@ -88,6 +91,41 @@ def format_status(s: dict[str, Any]) -> str:
                 f"{w['index']:<7} {w['incarnation']:<17} {w['state']:<6} {w['step']:<7}"
                 f" {loss:<7} {w['last_seen_s']:.1f}s ago"
             )
+    return "\n".join(lines)
+
+
+def _step_waits(s: dict[str, Any]) -> str:
+    """Whom the sync step waits on: its workers, or (none of them) what blocks it."""
+    waiting = s.get("waiting_on")
+    if not waiting and s.get("blocker"):
+        return "what is blocked above, no worker"
+    return _workers(waiting)
+
+
+def format_replication(r: dict[str, Any]) -> str:
+    """Each state's copies (``--replication``), the states short of copies, the copy
+    under way and the processes silent past the heartbeat timeout."""
+    copies = r.get("copies") or {}
+    lines = [
+        f"copies        {r.get('replication')} of each state: "
+        + "; ".join(
+            f"ps {state}'s on ps {c['primary']}"
+            + (f" (backups ps {', '.join(map(str, c['backups']))})" if c.get("backups") else "")
+            for state, c in sorted(copies.items(), key=lambda kv: int(kv[0]))
+        )
+    ]
+    short = r.get("under_replicated") or []
+    if short:
+        lines.append(f"short         of copies: ps {', '.join(map(str, short))}'s state")
+    copying = r.get("copying")
+    if copying:
+        lines.append(
+            f"copying       ps {copying.get('state')}'s state from ps {copying.get('from')}"
+            f" to ps {copying.get('to')} ({copying.get('phase')})"
+        )
+    silent = r.get("silent") or []
+    if silent:
+        lines.append(f"silent        ps {', '.join(map(str, silent))} (past the heartbeat timeout)")
     return "\n".join(lines)
 
 
