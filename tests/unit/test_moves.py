@@ -1554,3 +1554,76 @@ def test_a_move_from_a_process_restarted_before_the_watch_heard_it_is_given_up()
         assert "restarted since the chief last heard it" in mover.done[-1]["failed"]
 
     run(body())
+
+
+@pytest.mark.parametrize("handed_over", [False, True], ids=["joined", "handed-over"])
+def test_a_chief_restarted_in_the_middle_of_a_move_gives_it_up_or_adopts_it(
+    handed_over: bool,
+) -> None:
+    """An operator's trial: a scale back up moved a state onto a process a scale down
+    had drained; the chief was killed with -9 in the middle. The chief started again
+    took the newest placement it heard (the state on its source), drained the target
+    as serving nothing, while the source still counted the target's copy in every
+    commit: the run stood until --stall-timeout. Now a move the copies say was joined
+    is given up at its source (which counts no other copy then), and one handed over
+    is served where it went; either way training goes on, nothing acknowledged lost.
+    (A primary of a higher term than the placement heard, a hand-over the last chief
+    did not publish, is the state's home: ``recovery._moves_the_copies_say``.)"""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1)
+        mover, _ = copiers(chief.recovery)
+        pusher = Pusher(net, chief)
+        task = asyncio.ensure_future(pusher.run())
+        mover.scale(2)  # ps 2's state moves off it, and it is drained
+        for _ in range(4):
+            await mover.step()
+        assert mover.status()["drained"] == [2]
+        net.remove(PS[2])
+        slots[2] = serve_ps(net, 2, PS[2])  # started again, empty (a launcher's restart)
+        assert chief.recovery.homes is not None
+        source = chief.recovery.homes.of[2]
+        assert source != 2
+        pusher.stop = True  # (a quiet state: its copy gets in sync at once)
+        await asyncio.wait_for(task, 10.0)
+        mover.boots[2] = None  # (its new incarnation, learned by the move's watch)
+        mover.rate = 64.0  # the copy takes a second
+        moving = asyncio.ensure_future(mover.move(2, 2))
+        for _ in range(1500):  # until the target's copy counts in the source's commits
+            role = slots[source].role(2)
+            if isinstance(role, Primary) and role.log.in_sync():
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the target's copy never got in sync")
+        if handed_over:
+            await mover._hand_over(2, source, 2)  # the hand-over, then the chief dies
+        moving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await moving
+        net.remove(CHIEF)  # killed before it published the placement that says so
+        restarted = chief_on(net, chief.cfg)
+        pusher.chief = restarted
+        await asyncio.wait_for(restarted.start(), 30.0)
+        assert restarted.recovery.homes is not None
+        home = restarted.recovery.homes.of[2]
+        assert home == (2 if handed_over else source)
+        role = slots[home].role(2)
+        assert isinstance(role, Primary) and not role.log.in_sync()  # commits wait for none
+        pusher.stop = False
+        task = asyncio.ensure_future(pusher.run())
+        restarted.recovery.mover.wanted = [0, 1]  # type: ignore[union-attr]
+        for _ in range(3):  # the restarted chief's drain: the state's home stays
+            await restarted.recovery.mover.step()  # type: ignore[union-attr]
+        before = pusher.acked
+        await asyncio.sleep(0.5)
+        assert pusher.acked > before  # pushes to ps 2's state are answered
+        pusher.stop = True
+        await asyncio.wait_for(task, 10.0)
+        np.testing.assert_array_equal(
+            await pusher.values(), np.full((12, 4), -0.5 * pusher.acked, np.float32)
+        )
+        await pusher.client.close()
+
+    run(body())

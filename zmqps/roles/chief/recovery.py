@@ -810,7 +810,25 @@ class RecoveryController:
         # past any epoch a process was told (a worker may have heard the last one)
         told = max([newest.epoch, *(int(st.get("epoch") or 0) for st in heard)])
         placement = replace(newest, epoch=min(told + 1, INT64_MAX))
+        placement, halted = _moves_the_copies_say(placement, answers)
+        named = {q for s in placement.shards for q in s.copies}
         self.homes.update(placement)
+        for state, q, term in halted:
+            # a move the last chief began and did not finish: given up (the target's
+            # copy would otherwise count in every commit of the state, and the target,
+            # serving nothing by the placement, is drained: the state's steps stood)
+            body = o.ReplicaSet(state, term, True, (), epoch=placement.epoch)
+            try:
+                await self.homes.processes[q].request("replica", body.to_wire(), timeout=within)
+            except ZmqpsError as exc:
+                log.warning("ps %d: the move of ps %d's state not given up: %s", q, state, exc)
+                continue
+            log.warning(
+                "the move of ps %d's state the last chief began is given up: ps %d serves it"
+                " with no other copy",
+                state,
+                q,
+            )
         if self.mover is not None:
             self.mover.adopt({q: str(st["boot"]) for q, st in enumerate(answers) if st})
         log.info(
@@ -1761,6 +1779,50 @@ def _workers(indices: Sequence[int]) -> str:
     if len(indices) <= 8:
         return f"workers {', '.join(map(str, indices))} were"
     return f"{len(indices)} workers ({indices[0]} .. {indices[-1]}) were"
+
+
+def _moves_the_copies_say(
+    placement: Placement, answers: Sequence[dict[str, Any] | None]
+) -> tuple[Placement, list[tuple[int, int, int]]]:
+    """Unreplicated, at start: ``placement`` (the newest any process heard) as the
+    copies the processes hold say it is, and the moves the last chief left half done.
+    A state whose unfenced primary copy of the highest term is on another process than
+    the placement says took the move's hand-over before the chief could publish it:
+    its home is that process. A primary that still counts other copies in sync (a
+    move's target, joined) is listed ``(state, process, term)``: the move is to be
+    given up there (no run without replication keeps a second copy)."""
+    shards = list(placement.shards)
+    halted: list[tuple[int, int, int]] = []
+    for state in sorted({s.state for s in shards}):
+        primaries = [
+            (int(term), q, [int(b) for b in in_sync])
+            for q, st in enumerate(answers)
+            if st
+            for slot, kind, term, _, fenced, in_sync in st.get("roles") or ()
+            if int(slot) == state and kind == "primary" and not fenced
+        ]
+        if not primaries:
+            continue
+        term, q, in_sync = max(primaries)
+        home = next(s.ps for s in shards if s.state == state)
+        if q != home:
+            log.warning(
+                "ps %d's state is served by ps %d (term %d), not ps %d: a move's hand-over"
+                " the last chief did not publish",
+                state,
+                q,
+                term,
+                home,
+            )
+            shards = [
+                replace(s, ps=q, backups=(), slot=None if q == state else state)
+                if s.state == state
+                else s
+                for s in shards
+            ]
+        if in_sync:
+            halted.append((state, q, term))
+    return replace(placement, shards=tuple(shards)), halted
 
 
 def _backups_at(copies: Sequence[tuple[Any, ...]], term: int) -> set[int]:
