@@ -709,7 +709,9 @@ class Mover(StateCopier):
             if late and r.mode.drop_boundary_job(done):  # False: it just began
                 if gone:
                     return f"ps {target} is silent or restarted"
-                return "no step boundary came" if self.active() else "the run's end"
+                if self.active():
+                    return "no step boundary came"
+                return "a restore meanwhile" if r.recovering else "the run's end"
             await asyncio.sleep(0.02)
         if begun:
             return await begun[0]
