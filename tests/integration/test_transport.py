@@ -1037,3 +1037,23 @@ def test_a_submitted_request_cut_short_by_close_is_not_reported_as_never_retriev
 
     run(main)
     assert not reported, reported
+
+
+def test_a_client_tells_a_server_slow_to_answer_from_one_gone() -> None:
+    """``Client.listening``: a process accepting connections at the address (slow to
+    answer, or not) from none at all; the chief's end asks again while one listens."""
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            async with zmq_server(ctx, ping_handler) as server:
+                up = Client(ctx, server.endpoint, "c0", options=OPTS)
+                gone = Client(ctx, f"tcp://127.0.0.1:{free_port()}", "c1", options=OPTS)
+                assert await up.listening() and not await gone.listening()
+                await up.close()
+                await gone.close()
+                assert server.stats.auth_failures == 0 and server.stats.bad_messages == 0
+        finally:
+            ctx.term()
+
+    run(main)

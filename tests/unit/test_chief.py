@@ -1522,26 +1522,39 @@ def test_a_ps_serving_nothing_that_does_not_answer_is_not_waited_for_at_the_end(
     asked: list[tuple[int, str, int]] = []
 
     class PS:
-        def __init__(self, q: int, up: bool) -> None:
+        def __init__(self, q: int, up: bool, slow: int = 0) -> None:
             self.q, self.up, self.endpoint = q, up, f"tcp://10.0.0.{q}:2222"
+            self.slow = slow  # probes it leaves unanswered, listening all the while
 
         async def request(self, op: str, body: Any, *, timeout: float, attempts: int) -> Any:
             asked.append((self.q, op, attempts))
+            if op == "ps_state" and self.slow:
+                self.slow -= 1
+                raise DeadlineExceeded("no reply yet")
             if not self.up:
                 raise DeadlineExceeded("no reply")
             return SimpleNamespace(body={"boot": "b"})
 
-    clients = [PS(0, True), PS(1, False), PS(2, True), PS(3, False)]
+        async def listening(self) -> bool:
+            return self.up
+
+    clients = [PS(0, True), PS(1, False), PS(2, True), PS(3, False), PS(4, True, slow=2)]
     homes = Homes(clients)  # type: ignore[arg-type]
-    homes.of = [0, 0, 0, 3]  # states 1 and 2 moved onto 0; 3 serves its own
+    homes.of = [0, 0, 0, 3, 0]  # states 1, 2 and 4 moved onto 0; 3 serves its own
     v = VariableDef("w", (4,))
     shards = (ShardInfo(0, "w", 0, 0, 4, 0, backups=(2,)),)
     idle = _serving_nothing(homes, Placement((v,), shards, {"name": "sgd", "lr": 0.1}))
-    assert idle == {1}  # 2 holds a copy, 0 and 3 serve states
+    assert idle == {1, 4}  # 2 holds a copy, 0 and 3 serve states
     run(_shutdown_ps(clients, 10.0, idle=idle))  # type: ignore[arg-type]
     assert sorted(asked) == [
         (0, "shutdown", 6),
-        (1, "ps_state", 1),  # gone: nothing more
+        (1, "ps_state", 1),  # nothing listens there: gone, nothing more
         (2, "shutdown", 6),
         (3, "shutdown", 6),
+        # started again as the run ended and slow to answer (a fault schedule left one
+        # waiting for a chief for ever): asked while it listens, then told
+        (4, "ps_state", 1),
+        (4, "ps_state", 1),
+        (4, "ps_state", 1),
+        (4, "shutdown", 6),
     ]

@@ -56,7 +56,7 @@ from zmqps.transport.base import (
     retry_busy,
     within,
 )
-from zmqps.transport.options import SocketOptions, send_now, tcp_endpoint
+from zmqps.transport.options import SocketOptions, port_open, send_now, tcp_endpoint
 from zmqps.transport.seal import (
     NOTICE,
     OVERHEAD,
@@ -366,6 +366,11 @@ class Client:
                     raise
                 log.info("%s to %s: no reply in %.1fs, retrying", op, self.endpoint, timeout)
         raise AssertionError("unreachable")
+
+    async def listening(self, timeout: float = 1.0) -> bool:
+        """Whether a process accepts connections at the server's address (one slow to
+        answer is not one gone)."""
+        return await port_open(self.endpoint, timeout)
 
     def submit(
         self,

@@ -72,6 +72,10 @@ class FakeClient:
         self._closed = False
         self.stats = TransportStats()
 
+    async def listening(self, timeout: float = 1.0) -> bool:
+        """Whether the network serves the address (``Client.listening``)."""
+        return self._net._dispatcher(self.endpoint) is not None
+
     async def request(
         self,
         op: str,

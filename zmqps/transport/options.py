@@ -71,6 +71,7 @@ Why each default (RELIABILITY.md, "Facts that bite"):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,6 +166,24 @@ def tcp_endpoint(address: str) -> str:
     if "://" in address:
         return address
     return f"tcp://{address}"
+
+
+async def port_open(endpoint: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection at ``endpoint`` within ``timeout``
+    seconds (closed at once, nothing sent: to a zmqps server a port probe, not a
+    handshake that failed). Not a TCP endpoint: True (nothing to tell)."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    host = host.strip("[]")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
 
 
 def send_now(sock: zmq.Socket[Any], frames: list[Any], track: bool = False) -> Any:

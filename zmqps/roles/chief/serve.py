@@ -559,24 +559,36 @@ async def _shutdown_ps(
     body = o.Shutdown("training finished").to_wire()
     window = shutdown_attempts(heartbeat_timeout)
 
+    async def runs(c: Requester) -> dict[str, Any] | None:
+        """The ``ps_state`` of the process at ``c``'s address, asked again while one
+        accepts connections there (started again as the run ended, it may take
+        seconds to answer: a fault schedule left one, slow to load its kernels, waiting
+        for a chief for ever), within the shutdown window (one look under a
+        ``budget``); None: none listens, or none answered."""
+        listening = getattr(c, "listening", None) if budget is None else None
+        deadline = time.monotonic() + window * SHUTDOWN_ATTEMPT_S
+        while True:
+            try:
+                rep = await c.request("ps_state", None, timeout=DRAINED_PROBE_S, attempts=1)
+                return dict(rep.body)
+            except ZmqpsError:
+                if listening is None or time.monotonic() >= deadline or not await listening():
+                    return None
+
     async def one(q: int, c: Requester) -> None:
         attempts = 1 if q in silent or budget is not None else window
         timeout = SHUTDOWN_ATTEMPT_S if budget is None else budget
         if q in drained:
             boot = drained.get(q) if isinstance(drained, Mapping) else None
-            try:
-                rep = await c.request("ps_state", None, timeout=DRAINED_PROBE_S, attempts=1)
-            except ZmqpsError:
+            state = await runs(c)
+            if state is None:
                 return  # gone, as drained
-            if boot is None or rep.body.get("boot") == boot:
+            if boot is None or state.get("boot") == boot:
                 return  # the process drained, shutting down
             log.info("ps at %s was drained and started again: shutting it down", c.endpoint)
-        elif q in idle:
-            try:
-                await c.request("ps_state", None, timeout=DRAINED_PROBE_S, attempts=1)
-            except ZmqpsError:
-                log.info("ps at %s serves no state and does not answer: gone", c.endpoint)
-                return
+        elif q in idle and await runs(c) is None:
+            log.info("ps at %s serves no state and does not answer: gone", c.endpoint)
+            return
         try:
             # sent again on each deadline, and at once when the connection comes back
             await c.request("shutdown", body, timeout=timeout, attempts=attempts)
