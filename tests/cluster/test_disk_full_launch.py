@@ -8,6 +8,7 @@ launch, within its bound."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from helpers import Reaper, launch_run, tmpfs
@@ -26,7 +27,9 @@ def test_a_final_checkpoint_on_a_full_disk_fails_the_launch(procs: Reaper, tmp_p
         assert "no checkpoint of this run is committed" in err, err
         assert "zmqps launch: failed: chief exited with code 3" in err, err
         assert "zmqps launch: done" not in err, err
-        assert not summary.exists()
+        # the failed run's summary says why (the chief's own, with the launch's end)
+        said = json.loads(summary.read_text())
+        assert said["exit_code"] == 3 and "no space left on device" in said["failed"], said
         assert not (disk / "ckpts" / "LATEST").exists()
 
 

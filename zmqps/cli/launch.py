@@ -1470,7 +1470,7 @@ def _launch(args: argparse.Namespace, job: JobConfig, fds: list[int]) -> int:
             print(f"--- last lines of {first.name} (exit {first.returncode}):", file=sys.stderr)
             print("\n".join(first.tail[-10:]), file=sys.stderr)
         print(f"zmqps launch: failed: {launcher.failure}; logs in {run_dir}", file=sys.stderr)
-        if args.summary:
+        if args.summary and code < 128:  # (told to stop: the user's stop, not a failure)
             _failed_summary(args.summary, launcher, run_dir, code, began, started)
         return code
     summary = json.loads(launcher.chief_summary.read_text())
