@@ -461,6 +461,9 @@ def test_resume_of_an_interrupted_run_finishes_its_work_once(
     summary = read_json(summary_path)
     batches = 2 * 23 * 30  # 2 workers, 23 batches an epoch, 30 epochs
     assert summary["worker_steps"] == batches, summary  # nothing trained twice or lost
+    # the examples of the whole run too, not of the resumed launch alone (the batches
+    # resumed after count at the stopped run's mean batch size: within a batch a worker)
+    assert abs(summary["examples"] - 30 * 1438) <= 2 * 32, summary  # 1,438 digits an epoch
     assert 0 < summary["resumed_from"]["step"] < summary["global_step"], summary
     if mode == "async":
         assert summary["global_step"] == batches, summary

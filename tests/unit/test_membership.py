@@ -345,3 +345,30 @@ def test_a_killed_workers_batches_after_its_last_heartbeat_count_their_examples(
     assert m.global_step == 120 and m.examples == 3_840
     m.heartbeat(0, 2, step=10, now=7.0, examples=320)
     assert m.global_step == 130 and m.examples == 4_160
+
+
+def test_a_resumed_run_counts_the_examples_and_seconds_of_the_batches_it_resumes_after() -> None:
+    """``--resume`` of a stopped run: the global step and the worker steps said the whole
+    run, the examples only this launch's (2,876 for a run of 4,314), and the rate was
+    over this launch's seconds. The batches each worker resumes after count at the mean
+    size of the stopped run's, its training seconds carried."""
+    m = Membership(2, timeout=10.0)
+    m.resume({"workers": {"0": 30, "1": 30}, "examples": 1_920, "train_seconds": 6.0})
+    for i in (0, 1):
+        m.register(i, 1, now=100.0)
+        m.set_steps_before(i, 30)  # where it resumes: after the batches the checkpoint holds
+    assert m.global_step == 60 and m.examples == 1_920
+    m.heartbeat(0, 1, step=10, now=104.0, examples=320)
+    m.heartbeat(1, 1, step=10, now=104.0, examples=320)
+    assert m.global_step == 80 and m.examples == 2_560
+    assert m.train_seconds(now=104.0) == 10.0
+    assert m.examples_per_second(104.0) == pytest.approx(256.0)
+    m.register(1, 2, now=105.0)  # restarted within the resumed run: carries its totals
+    m.set_steps_before(1, 40)
+    assert m.examples == 2_560
+    for extra in ({}, {"workers": {"0": "x"}, "examples": 5}, {"workers": {}, "examples": 9}):
+        other = Membership(1, timeout=10.0)
+        other.resume(extra)  # a checkpoint that does not say: the figures are this run's
+        other.register(0, 1, now=0.0)
+        other.set_steps_before(0, 12)
+        assert other.examples == 0 and other.train_seconds(now=1.0) == 1.0

@@ -93,6 +93,10 @@ class Membership:
         #: started, as its latest checkpoint recorded them (0: a chief of the whole run)
         self.examples_carried = 0
         self.seconds_carried = 0.0
+        #: a new cluster on a stopped run's checkpoint (``--resume``): the examples of
+        #: one batch of that run, at its mean (0: not resumed); the batches each worker
+        #: resumes after count at that rate in the run's examples (:meth:`resume`)
+        self.examples_per_batch = 0.0
         #: this chief took over a running cluster (restarted during the run)
         self.adopted = False
         #: adopted: each worker's examples as this chief first heard them (what they
@@ -127,6 +131,22 @@ class Membership:
             self.seconds_carried = max(0.0, float(extra.get("train_seconds") or 0.0))
         except (TypeError, ValueError):
             return  # a checkpoint that does not say: the figures count from this chief
+
+    def resume(self, extra: Mapping[str, Any]) -> None:
+        """A new cluster goes on from a stopped run's checkpoint: the batches its workers
+        resume after were trained by that run, so the run's examples and training
+        seconds count them as its checkpoint recorded (``extra``): the examples of those
+        batches at the mean of that run's (the new workers count only their own), so
+        that examples, worker steps and the global step all say the whole run."""
+        try:
+            steps = sum(int(v) for v in dict(extra.get("workers") or {}).values())
+            examples = int(extra.get("examples") or 0)
+            seconds = float(extra.get("train_seconds") or 0.0)
+        except (TypeError, ValueError):
+            return  # a checkpoint that does not say: the figures count from this run
+        if steps > 0 and examples > 0:
+            self.examples_per_batch = examples / steps
+            self.seconds_carried = max(0.0, seconds)
 
     def train_seconds(self, now: float) -> float:
         """Seconds of training: from the first registration this chief saw to the end
@@ -295,7 +315,10 @@ class Membership:
         them (its heartbeats lag)."""
         w = self.workers[index]
         heard = w.steps_before
-        if steps > heard > 0:
+        if heard == 0 and steps > 0 and self.examples_per_batch and not w.examples_before:
+            # resumed after the batches of a stopped run (:meth:`resume`)
+            w.examples_before = round(steps * self.examples_per_batch)
+        elif steps > heard > 0:
             # the batches pushed after the last heartbeat heard (a worker killed): their
             # examples at the mean of those heard (a SIGKILLed worker's last seconds
             # were missing from the run's examples, 4,905 of 172,560)

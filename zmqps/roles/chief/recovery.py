@@ -1107,8 +1107,11 @@ class RecoveryController:
         elif not cursors and (resumed := _resumed(ckpt)):
             # No PS knows any worker (a new cluster on the checkpoint of a run that was
             # stopped before its end): every worker resumes after the batches the
-            # checkpoint holds, so the run finishes its work, once.
+            # checkpoint holds, so the run finishes its work, once; the run's examples
+            # and seconds count those batches as the checkpoint recorded them
             cursors = resumed
+            assert ckpt is not None
+            self.members.resume(ckpt.manifest.extra)
         self.rewinds = dict(cursors or {}) if rewind else None
         if rewind:
             self._reopen(self.rewinds or {})
