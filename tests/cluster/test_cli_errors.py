@@ -83,6 +83,13 @@ CASES = {
         "--chief: 'localhost:notaport': port 'notaport' is not a number"
         " (expected HOST:PORT, e.g. 127.0.0.1:2222)",
     ),
+    "status-run-dir-not-a-run": (
+        ["zmqps", "status", "--run-dir", "/nonexistent-run"],
+        {},
+        "--run-dir /nonexistent-run: no zmqps launch run there (no"
+        " /nonexistent-run/tasks/chief.json); pass the run's --run-dir, or the chief's address"
+        " with --chief",
+    ),
     # two workers started without their index would both be worker 0
     "classic-flags-without-task-id": (
         [
@@ -108,6 +115,7 @@ CASES = {
 EXACT = {
     "status-chief-without-port",
     "status-chief-port-not-a-number",
+    "status-run-dir-not-a-run",
     "tf-config-without-task-server",
     "tf-config-without-task-worker",
     "tf-config-task-without-index",

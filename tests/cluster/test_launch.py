@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -168,17 +169,34 @@ def test_secure_cluster_trains_on_curve(procs: Reaper, tmp_path: Path) -> None:
     """Every task on CURVE, two copies of each PS state: the PS reach each other with
     their own client pair (without one no copy was ever made, and the chief exited)."""
     launcher, summary_path = _launch(
-        procs, tmp_path, "--secure", "--evaluator", "--ps", "2", "--replication", "2"
+        procs,
+        tmp_path,
+        *("--secure", "--evaluator", "--ps", "2", "--replication", "2", "--epochs", "30"),
     )
+    run = tmp_path / "run"
+    # ``zmqps status --run-dir``: the chief's address and the launch's keys from the
+    # folder (on CURVE, a status without them would hear nothing)
+    status = zmqps_cmd("status", "--run-dir", str(run), "--json", "--timeout", "2")
+
+    def answered() -> dict[str, Any] | None:
+        if not (run / "tasks" / "chief.json").exists():
+            return None
+        p = subprocess.run(status, capture_output=True, text=True, timeout=30)
+        return json.loads(p.stdout) if p.returncode == 0 else None
+
+    seen = wait_for(answered, timeout=60, what="zmqps status --run-dir to answer")
+    assert seen["role"] == "chief" and seen["ps"], seen
     launcher.expect_exit(0, timeout=110)
     summary = read_json(summary_path)
     assert summary["test_accuracy"] >= 0.95, summary
+    ended = subprocess.run(status, capture_output=True, text=True, timeout=30)
+    assert ended.returncode == 1, ended
+    assert f"the run in {run} has ended (its summary: {run}/chief-summary.json)" in ended.stderr
     assert summary["restarts"] == [], summary["restarts"]
     assert summary["replication"]["copies_failed"] == 0, summary["replication"]
     for ps, other in ((0, 1), (1, 0)):
         text = (tmp_path / "run" / f"ps{ps}.log").read_text()
         assert f"holding a backup of ps {other}'s state" in text, ps
-    run = tmp_path / "run"
     keys = run / "keys"
     assert (keys / "server.key_secret").stat().st_mode & 0o777 == 0o600
     for task in ("chief", "ps0", "ps1"):

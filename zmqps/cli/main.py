@@ -174,21 +174,20 @@ def cmd_task(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from zmqps.config import KEYS_ENV, split_address
+    from zmqps.config import KEYS_ENV
     from zmqps.roles.status import fetch_status, format_status
     from zmqps.wire.errors import DeadlineExceeded
 
-    try:
-        split_address(args.chief)
-    except ConfigError as exc:
-        problem = str(exc).removeprefix("bad address: ")
-        raise ConfigError(f"--chief: {problem} (expected HOST:PORT, e.g. 127.0.0.1:2222)") from None
+    _chief_address(args)
     if args.timeout <= 0:
         raise ConfigError(f"--timeout must be > 0, got {args.timeout:g}")
     options = socket_options(args, "status", None, serve=False, connect=True)
     try:
         status = asyncio.run(fetch_status(args.chief, timeout=args.timeout, options=options))
     except DeadlineExceeded as exc:
+        ended = _run_ended(args)
+        if ended:
+            raise DeadlineExceeded(f"{exc}: {ended}") from None
         if options is not None:
             raise
         # A CURVE server drops a plaintext client's handshake without a word: all a
@@ -214,14 +213,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_scale(args: argparse.Namespace) -> int:
     """``zmqps scale``: ask the chief to serve the PS states from the first N PS of the
     cluster spec (``--wait``: until the moves are done)."""
-    from zmqps.config import split_address
     from zmqps.roles.status import fetch_status, format_elastic
 
-    try:
-        split_address(args.chief)
-    except ConfigError as exc:
-        problem = str(exc).removeprefix("bad address: ")
-        raise ConfigError(f"--chief: {problem} (expected HOST:PORT, e.g. 127.0.0.1:2222)") from None
+    _chief_address(args)
     if args.ps is not None and args.ps < 1:
         raise ConfigError(f"--ps must be >= 1, got {args.ps}")
     options = socket_options(args, "status", None, serve=False, connect=True)
@@ -250,10 +244,62 @@ def _scaled(elastic: dict[str, Any]) -> bool:
     return settled and on_asked and not elastic.get("moving")
 
 
+def _chief_address(args: argparse.Namespace) -> None:
+    """``args.chief`` checked, or read from ``--run-dir``'s chief task (with the launch's
+    CURVE keys, unless ``--keys`` names others): one line when it cannot be."""
+    from zmqps.config import split_address
+
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir is not None:
+        path = Path(run_dir) / "tasks" / "chief.json"
+        try:
+            task = json.loads(path.read_text())
+            args.chief = str(task["chief"]["cluster"]["chief"])
+            keys = task.get("keys")
+        except FileNotFoundError:
+            raise ConfigError(
+                f"--run-dir {run_dir}: no zmqps launch run there (no {path}); pass the run's"
+                " --run-dir, or the chief's address with --chief"
+            ) from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not a chief task's configuration"
+            raise ConfigError(f"--run-dir {run_dir}: cannot read {path}: {why}") from None
+        if keys and not getattr(args, "keys", None):
+            args.keys = str(keys)
+        return
+    try:
+        split_address(args.chief)
+    except ConfigError as exc:
+        problem = str(exc).removeprefix("bad address: ")
+        raise ConfigError(f"--chief: {problem} (expected HOST:PORT, e.g. 127.0.0.1:2222)") from None
+
+
+def _run_ended(args: argparse.Namespace) -> str:
+    """With ``--run-dir``: what says its run ended (the chief's summary, written after
+    its task), else ''."""
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir is None:
+        return ""
+    summary, task = Path(run_dir) / "chief-summary.json", Path(run_dir) / "tasks" / "chief.json"
+    try:
+        if summary.stat().st_mtime >= task.stat().st_mtime:
+            return f"the run in {run_dir} has ended (its summary: {summary})"
+    except OSError:
+        pass
+    return ""
+
+
 def _add_chief_query_args(p: argparse.ArgumentParser) -> None:
     """``--chief``, ``--json``, ``--timeout`` and the keys: a command that asks a running
     chief (``zmqps status``, ``zmqps scale``)."""
-    p.add_argument("--chief", required=True, metavar="HOST:PORT", help="the chief's address")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--chief", metavar="HOST:PORT", help="the chief's address")
+    where.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="a zmqps launch run's folder: its chief's address (and CURVE keys, --secure)"
+        " as the launch wrote them in DIR/tasks",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
         "--timeout", type=seconds, default=5.0, help="seconds to wait for the chief (default: 5)"
