@@ -34,6 +34,9 @@ def _commands() -> Iterator[tuple[str, list[str], argparse.ArgumentParser]]:
                 needed.append("x")  # a positional (top's targets, keygen's DIR, ...)
             elif action.required:
                 needed += [action.option_strings[0], "x"]
+        for group in sub._mutually_exclusive_groups:
+            if group.required:  # one of them (status: --chief or --run-dir)
+                needed += [group._group_actions[0].option_strings[0], "x"]
         yield f"zmqps {name}", needed, sub
     yield "zmqps-server", [], _single("zmqps-server", _server_parser)
     yield "zmqps-worker", [], _single("zmqps-worker", _worker_parser)

@@ -323,6 +323,31 @@ def test_resume_refuses_another_split_of_the_data_and_takes_more_epochs_or_ps() 
     _check_same_data(launch_args("--workers", "5"), old)  # type: ignore[arg-type]
 
 
+def test_resume_refuses_another_model_before_anything_starts() -> None:
+    """--resume with another --model (or --hidden, --optimizer) started the cluster,
+    restored it, and only then did the chief refuse the model (exit 2, some seconds
+    in). The checkpoint records the model's flags: refused up front, naming both."""
+    from types import SimpleNamespace
+
+    from zmqps.cli.launch import _check_same_data
+
+    model = {"model": "mlp", "hidden": [128], "optimizer": "momentum"}
+    ckpt = SimpleNamespace(name="ckpt-46", manifest=SimpleNamespace(extra={"model": model}))
+    _check_same_data(launch_args("--lr", "0.01", "--epochs", "9"), ckpt)  # type: ignore[arg-type]
+    for flags, now in (
+        (("--model", "softmax"), "--model softmax (--optimizer momentum)"),
+        (("--hidden", "64"), "--model mlp --hidden 64 (--optimizer momentum)"),
+        (("--optimizer", "adam"), "--model mlp --hidden 128 (--optimizer adam)"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            _check_same_data(launch_args(*flags), ckpt)  # type: ignore[arg-type]
+        assert str(err.value) == (
+            "--resume: ckpt-46 was trained with --model mlp --hidden 128 (--optimizer"
+            f" momentum), this run has {now}: a checkpoint holds one model's variables;"
+            " resume with its flags, or start a new --run-dir"
+        )
+
+
 def test_hung_after_is_three_heartbeat_timeouts_at_least_15_s_unless_given(
     tmp_path: Path,
 ) -> None:

@@ -1281,9 +1281,9 @@ def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
     """A resumed run's workers go on from their batch cursors: each cursor counts
     batches of that worker's part of the data, so the split (the worker count), the
     batch size, the dataset (and a synthetic one's size) and the shuffling seed must
-    be those of the checkpoint's run (else batches are trained twice or never). More
-    epochs, other PS counts, other learning rates are fine. (A data folder's files are
-    the user's: not compared.)"""
+    be those of the checkpoint's run (else batches are trained twice or never); and the
+    model (its variables are the checkpoint's). More epochs, other PS counts, other
+    learning rates are fine. (A data folder's files are the user's: not compared.)"""
     wire = ckpt.manifest.extra.get("wire_dtype")
     now_wire = wire_dtype_from_args(args) or "float32"
     if isinstance(wire, str) and wire != now_wire:
@@ -1292,10 +1292,19 @@ def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
             f" {now_wire}: its variables travel as they were created; resume with"
             f" --wire-dtype {wire}, or start a new --run-dir"
         )
+    job = job_from_args(args)
+    model = ckpt.manifest.extra.get("model")
+    if job is not None and isinstance(model, dict) and model != job.definition():
+        # found here, not by the chief once the cluster started (it refused the model
+        # only after the restore, exit 2 some seconds in)
+        raise ConfigError(
+            f"--resume: {ckpt.name} was trained with {job.describe(model)}, this run has"
+            f" {job.describe(job.definition())}: a checkpoint holds one model's variables;"
+            " resume with its flags, or start a new --run-dir"
+        )
     data = ckpt.manifest.extra.get("data")
     if not isinstance(data, dict):
         return  # a checkpoint of an earlier version: nothing to compare
-    job = job_from_args(args)
     if job is None:
         return
     now = {

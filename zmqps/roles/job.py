@@ -86,14 +86,31 @@ class JobConfig:
         except InvalidArgument as exc:
             raise ConfigError(f"--optimizer {self.optimizer.get('name')}: {exc}") from None
 
+    def definition(self) -> dict[str, Any]:
+        """What defines this job's variables, as flags (a checkpoint records it: a run
+        resumed on it must train the same model)."""
+        out: dict[str, Any] = {"model": self.model}
+        if self.model == "mlp":
+            out["hidden"] = list(self.hidden)
+        out["optimizer"] = self.optimizer.get("name")
+        return out
+
+    @staticmethod
+    def describe(definition: Mapping[str, Any]) -> str:
+        """``--model mlp --hidden 128 (--optimizer momentum)`` of a :meth:`definition`."""
+        hidden = definition.get("hidden")
+        text = f"--model {definition.get('model')}"
+        if isinstance(hidden, (list, tuple)):
+            text += f" --hidden {','.join(map(str, hidden))}"
+        return f"{text} (--optimizer {definition.get('optimizer')})"
+
     def not_the_model(self, exc: ModelMismatch) -> ConfigError:
         """The configuration error ``exc`` is for this job: creating its variables met a
         different model already in the cluster (another task's flags, a checkpoint of
         another model); it would fail again on every restart."""
-        hidden = f" --hidden {','.join(map(str, self.hidden))}" if self.model == "mlp" else ""
         return ConfigError(
-            f"this task's --model {self.model}{hidden} (--optimizer"
-            f" {self.optimizer.get('name')}) is not the model the cluster holds ({exc}):"
+            f"this task's {self.describe(self.definition())} is not the model the cluster"
+            f" holds ({exc}):"
             " every task of a run takes the same job flags, and a checkpoint directory holds"
             " one model"
         )

@@ -61,6 +61,8 @@ class ChiefCheckpoints:
                 "seed": job.seed,
                 **({"examples": job.examples} if job.is_ctr else {}),
             }
+            # the model its variables are of: a resumed run must train the same one
+            extra["model"] = job.definition()
         # what its variables travel as: a resumed run's must be the same (they are part
         # of the variables' definitions the PS hold)
         extra["wire_dtype"] = self.chief.cfg.wire_dtype or "float32"
