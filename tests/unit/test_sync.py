@@ -876,6 +876,35 @@ def test_a_rejoined_worker_gets_its_share_of_the_current_step() -> None:
     run(body())
 
 
+def test_workers_leaving_one_by_one_as_the_run_stops_apply_no_step_with_fewer_gradients() -> None:
+    """The whole run stopped (SIGTERM to the launcher): worker 1 left after step 0, and
+    worker 0's push of step 1, which came after, was applied alone (N shrank to 1): the
+    resumed run took one step more than the unfaulted one, its values not the same.
+    While the run stops, a leave keeps N: step 1 stays open and the values are step 1's
+    (a leave while the run goes on still shrinks N: the test above)."""
+
+    async def body() -> None:
+        job = await sync_job(2, 1)
+        for i in (0, 1):
+            assert await job.token(i) == 0
+            assert await job.workers[i].push(grads(i), step=0)
+        await until(lambda: job.step == 1, what="step 0 applied")
+        before = job.values(DENSE[0].name).copy()
+        assert await job.token(0) == 1
+        job.env.chief.shutdown_requested.set()  # the chief's signal
+        await job.leave(1, reason="terminated")
+        assert job.env.chief.consistency.required == 2
+        await job.workers[0].push(grads(7), step=1)  # taken, toward a step left open
+        await asyncio.sleep(0.2)
+        assert job.step == 1 and (await job.status())["global_step"] == 1
+        np.testing.assert_array_equal(job.values(DENSE[0].name), before)
+        await job.leave(0, reason="terminated")
+        assert job.env.chief.consistency.required == 2
+        await job.close()
+
+    run(body())
+
+
 def test_a_worker_counted_dead_while_the_other_finished_gets_tokens_when_back() -> None:
     """N = M = 2. Worker 0 pushes step 0 and runs out of data; worker 1 is stopped past
     the heartbeat timeout, counted dead: step 0 is applied from worker 0's gradient and

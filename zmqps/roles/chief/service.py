@@ -493,9 +493,18 @@ class ChiefService:
         )
         if reason == "nonfinite" or req.nonfinite:
             self._nonfinite_heard(who.index, req.step)
-        # N shrinks first (it may apply the step the leaver's gradient completed), so
-        # the end of training sees every step the PS will ever apply.
-        await self.consistency.membership_changed(gone=[who.index])
+        if self._stopping_together(reason):
+            # the whole run stops (a signal, the shutdown op, a failed run): N stays,
+            # so a step some workers pushed before the others left is never applied
+            # with fewer gradients (workers stopped one after the other left the last
+            # one's next push to be applied alone: a resumed run took one step more,
+            # its values not the unfaulted run's). The final checkpoint is of the last
+            # whole step and every worker resumes there.
+            pass
+        else:
+            # N shrinks first (it may apply the step the leaver's gradient completed),
+            # so the end of training sees every step the PS will ever apply.
+            await self.consistency.membership_changed(gone=[who.index])
         state = self.members.workers[who.index]
         if state.done:
             # kept where a restarted chief reads it, before the leave is answered: the
@@ -505,6 +514,16 @@ class ChiefService:
         if self.members.all_done():
             self.all_done.set()
         return reply(msg, o.StepReply(global_step=self.global_step).to_wire())
+
+    def _stopping_together(self, reason: str) -> bool:
+        """Sync: a worker leaving unfinished while the whole run stops (its N is the
+        stop's, not this worker's: see :meth:`_op_leave`)."""
+        return (
+            self.consistency.name == "sync"
+            and reason != "done"
+            and self.shutdown_requested.is_set()
+            and not self.finished
+        )
 
     # ---------------------------------------------------------------- steps
 
