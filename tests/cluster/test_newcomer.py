@@ -329,6 +329,12 @@ def test_a_reused_run_dir_is_refused_and_resume_is_explicit(procs: Reaper, tmp_p
     # the run is over: a chief started again after the end ends at once)
     kept = read_json(run / f"chief-summary-ckpt-{steps:012d}.json")
     assert kept["global_step"] == steps, kept
+    assert "it trained in" not in resumed.stderr
+    # another consistency model: taken (the variables are the same), and said
+    other, summary_path = launch_run(procs, run, "--mode", "async", "--epochs", "1", "--resume")
+    other.expect_exit(0, timeout=100)
+    assert "; it trained in sync mode, this run in async\n" in other.stderr, other.stderr
+    assert read_json(summary_path)["mode"] == "async"
 
 
 def _by_hand(procs: Reaper, *worker_flags: list[str]) -> tuple[list[Proc], str]:

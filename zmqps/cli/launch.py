@@ -1465,9 +1465,13 @@ def _launch(args: argparse.Namespace, job: JobConfig, fds: list[int]) -> int:
             if resumed.final
             else ""
         )
+        was, now = resumed.manifest.mode, getattr(args, "mode", None) or "async"
+        # another consistency model is allowed (the variables are the same), never silent:
+        # the global step counts pushes in async and ssp, steps of N gradients in sync
+        other = f"; it trained in {was} mode, this run in {now}" if was != now else ""
         print(
             f"zmqps launch: resuming from {resumed.name} (global step {resumed.step}{finished})"
-            f" in {resumed.path.parent}",
+            f" in {resumed.path.parent}{other}",
             file=sys.stderr,
             flush=True,
         )
