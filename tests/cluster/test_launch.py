@@ -136,6 +136,23 @@ def test_sigint_stops_everything_with_130(procs: Reaper, tmp_path: Path) -> None
     _expect_no_children(launcher)
 
 
+@pytest.mark.timeout(60)
+def test_a_stop_while_the_tasks_start_stops_at_once(procs: Reaper, tmp_path: Path) -> None:
+    """The tasks were all started before anything heard a signal or the timeout, their
+    output unread meanwhile: a launch of thousands of workers went on starting them for
+    17 minutes, deaf to Ctrl-C and to --timeout. Both are heard between two starts."""
+    argv = zmqps_cmd(
+        "launch", "--no-progress", "--workers", "40", "--timeout", "0.05",
+        "--run-dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    launcher = procs.spawn(argv, name="launch")
+    launcher.expect_exit(1, timeout=40)
+    assert "zmqps launch: timed out after 0.05s; stopping the cluster" in launcher.stderr
+    started = len(list((tmp_path / "run").glob("worker*.log")))
+    assert started < 40, started  # stopped between two starts
+    _expect_no_children(launcher)
+
+
 def _write_blocks_mnist(folder: Path, n_train: int = 600, n_test: int = 100) -> None:
     """A learnable MNIST stand-in: digit ``k`` lights a 7x7 block at a place of its own."""
     rng = np.random.default_rng(0)

@@ -442,3 +442,21 @@ def test_resume_without_the_runs_checkpoint_folder_names_the_one_it_used(tmp_pat
     args = launch_args("--resume", "--run-dir", str(run))
     with pytest.raises(ConfigError, match=re.escape(f"pass --checkpoint-dir {tmp_path / 'ck'}")):
         resume_from(args, run)
+
+
+def test_a_launch_past_the_machines_memory_is_refused_before_it_starts() -> None:
+    """``--workers 3000`` on a 2-core machine started processes for 17 minutes. Each
+    task is a process of 48 MiB at least: a launch past the memory available is one
+    line, exit 2."""
+    from zmqps.cli.launch import TASK_BYTES, _check_room
+
+    gib = 1 << 30
+    _check_room(5, 16 * gib)
+    _check_room(3003, None)  # not known: not judged
+    with pytest.raises(ConfigError) as err:
+        _check_room(3003, 16 * gib)
+    assert str(err.value) == (
+        f"3003 tasks (each a process of {TASK_BYTES >> 20} MiB at least) need 140.8 GiB; this"
+        " machine has 16.0 GiB available: fewer --workers, or start them on several machines"
+        " (zmqps-worker; zmqps bench scale-sim simulates many workers in one process)"
+    )

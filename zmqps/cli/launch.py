@@ -896,28 +896,36 @@ class Launcher:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.env.pop("TF_CONFIG", None)
         self.env.pop("ZMQPS_KEYS", None)
+        timeout = self.args.timeout or None
+        began = time.monotonic()
+        watching: list[asyncio.Future[None]] = []
         for c in self.children:
+            if interrupted.is_set() or (timeout and time.monotonic() - began > timeout):
+                break  # the tasks started are stopped below; those left never start
             # a resumed run goes on with its logs
             mode = "a" if getattr(self.args, "resume", False) else "w"
             # line-buffered: `tail -f RUN_DIR/chief.log` sees each line as it comes
             c.log = open(self.run_dir / f"{c.name}.log", mode, buffering=1)  # noqa: SIM115 - closed below
             await self._start(c)
+            # watched (its output read) from its start: with many tasks the first ones
+            # filled their pipes and stood while the others started
+            watching.append(asyncio.ensure_future(self._watch(c)))
         if not self.args.no_progress and sys.stderr.isatty():
             self.bar = tqdm(
                 total=None, unit="step", desc="training", file=self.console, dynamic_ncols=True
             )
-        watchers = asyncio.ensure_future(asyncio.gather(*(self._watch(c) for c in self.children)))
+        watchers = asyncio.ensure_future(asyncio.gather(*watching))
         lingering = asyncio.ensure_future(self._after_the_chief(watchers))
         progress = asyncio.ensure_future(self._progress())
         liveness = asyncio.ensure_future(self._liveness())
         schedule = asyncio.ensure_future(self._ps_schedule())
         asked = asyncio.ensure_future(self._start_asked())
         interrupt = asyncio.ensure_future(interrupted.wait())
-        timeout = self.args.timeout or None
         waitables: list[asyncio.Future[Any]] = [watchers, interrupt]
-        done, _ = await asyncio.wait(
-            waitables, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
+        done, _ = await asyncio.wait(waitables, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if len(watching) < len(self.children) and watchers in done:
+            done = set()  # (no task started at all: nothing to watch)
         if watchers not in done:
             self.failure = (
                 "interrupted" if interrupted.is_set() else f"timed out after {timeout:g}s"
@@ -1116,11 +1124,43 @@ def _trained(status: dict[str, Any]) -> bool:
         return False
 
 
+#: the least memory one task of a launch takes (a worker's own pages: Python, numpy,
+#: zmq; measured 60-120 MiB of RSS each with the libraries they share)
+TASK_BYTES = 48 << 20
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_room(tasks: int, available: int | None) -> None:
+    """Every task is a process of its own: a launch of more than this machine's memory
+    holds is refused before anything starts (``--workers 3000`` on a 2-core machine
+    started processes for 17 minutes, deaf to Ctrl-C and to ``--timeout``)."""
+    if available is not None and tasks * TASK_BYTES > available:
+        gib = 1 << 30
+        raise ConfigError(
+            f"{tasks} tasks (each a process of {TASK_BYTES >> 20} MiB at least) need"
+            f" {tasks * TASK_BYTES / gib:.1f} GiB; this machine has {available / gib:.1f} GiB"
+            " available: fewer --workers, or start them on several machines (zmqps-worker;"
+            " zmqps bench scale-sim simulates many workers in one process)"
+        )
+
+
 def check_launch_args(args: argparse.Namespace) -> JobConfig:
     """Everything the launcher can know is wrong, found before anything starts (a task
     that still fails on its configuration exits with code 2 and is never restarted)."""
     if args.ps < 1 or args.workers < 1:
         raise ConfigError("--ps and --workers must be >= 1")
+    _check_room(args.ps + args.workers + 1, _available_bytes())
     if args.model in (None, "none"):
         raise ConfigError("zmqps launch runs a built-in --model")
     if getattr(args, "ps_schedule", None):
