@@ -869,6 +869,41 @@ def test_a_frame_over_maxmsgsize_is_refused_before_sending() -> None:
     asyncio.run(body())
 
 
+@pytest.mark.timeout(20)
+def test_a_header_past_what_a_server_reads_is_refused_at_once_both_ways() -> None:
+    """A request whose header is past the 1 MiB a server reads (a chief creating 5,000
+    variables: 1.18 MB) was dropped unread, and its sender retried it until its startup
+    timeout, 120 s, with "did not answer". The sender is told at once; a reply past what
+    a client reads is an error reply instead, and both ends go on working."""
+
+    def handler(msg: Message) -> Message:
+        if msg.op == "status":
+            return reply(msg, {"names": ["x" * 100] * 20_000})  # about 2 MB
+        return reply(msg)
+
+    async def body() -> None:
+        ctx = zmq.asyncio.Context()
+        server = Server(ctx, "tcp://127.0.0.1:0", handler, name="t")
+        endpoint = server.bind()
+        server.start()
+        client = Client(ctx, endpoint, "c", timeout=5.0)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(InvalidArgument, match=r"a header of 2,\d{3},\d{3} bytes, past"):
+                await client.request("create_shards", {"names": ["y" * 100] * 20_000})
+            with pytest.raises(InvalidArgument, match=r"the reply is a header of 2,\d{3},\d{3} b"):
+                await client.request("status")
+            assert time.monotonic() - t0 < 2.0
+            assert (await client.request("ping")).op == "ok"
+            assert server.stats.errors == 1
+        finally:
+            await client.close()
+            await server.stop()
+            ctx.term()
+
+    asyncio.run(body())
+
+
 def test_replies_dropped_at_a_full_pipe_are_counted_and_logged_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

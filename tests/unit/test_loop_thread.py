@@ -10,6 +10,7 @@ import time
 import pytest
 
 from zmqps.transport import LoopThread, loop
+from zmqps.wire.errors import ShutdownError
 
 
 def test_stop_releases_a_thread_blocked_in_run() -> None:
@@ -34,9 +35,9 @@ def test_stop_releases_a_thread_blocked_in_run() -> None:
     assert time.monotonic() - started < 5
     assert len(outcome) == 1 and isinstance(outcome[0], concurrent.futures.CancelledError)
     late = asyncio.sleep(0)
-    with pytest.raises(RuntimeError):
-        io.run(late)  # the loop is closed
-    late.close()
+    with pytest.raises(ShutdownError, match="test-io is closed"):
+        io.run(late)  # the loop is closed: one line, and the coroutine closed
+    assert late.cr_frame is None
 
 
 # -- result: a blocked wait wakes to run signal handlers, and tells timeouts apart

@@ -441,6 +441,14 @@ class Client:
             slot=slot,
         )
         frames = encode(msg)
+        head, cap = len(frames[0]), self._limits.max_header_bytes
+        if head > cap:
+            # the server would drop it unread (a debug line there) and this request time
+            # out, retried for as long as its caller waits, with no word of why
+            raise InvalidArgument(
+                f"{op} to {self.endpoint}: a header of {head:,} bytes, past the {cap:,} a"
+                " server reads: the request names too much at once (variables, shards, ids)"
+            )
         limit = self._options.max_msg_size
         for f in frames:
             size = getattr(f, "nbytes", None) or len(f)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from zmqps.wire.errors import ShutdownError
+
 __all__ = ["WAKE_S", "LoopThread", "result"]
 
 T = TypeVar("T")
@@ -58,6 +60,11 @@ class LoopThread:
         self.loop.run_forever()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self.loop.is_closed() or not self._thread.is_alive():
+            # its owner was closed: one line (a raw "Event loop is closed" and a warning
+            # that the coroutine was never awaited came instead)
+            coro.close()
+            raise ShutdownError(f"{self._thread.name} is closed: nothing more can be sent")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:

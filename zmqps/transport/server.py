@@ -746,6 +746,25 @@ class Server:
             self.stats.errors += 1
             msg = error_reply(msg.id, exc)
             frames = encode(msg)
+        cap = self._dispatcher.limits.max_header_bytes
+        if len(frames[0]) > cap:
+            # a client would drop it unread and wait for the reply until its timeout
+            log.error(
+                "%s: the reply to %s is a header of %d bytes, past the %d a client reads",
+                self._name,
+                msg.id,
+                len(frames[0]),
+                cap,
+            )
+            self.stats.errors += 1
+            msg = error_reply(
+                msg.id,
+                InvalidArgument(
+                    f"the reply is a header of {len(frames[0]):,} bytes, past the {cap:,} a"
+                    " client reads: ask for less at once"
+                ),
+            )
+            frames = encode(msg)
         if session is not None:
             try:
                 frames = session.sealer.seal(frames)
