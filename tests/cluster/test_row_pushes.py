@@ -13,6 +13,7 @@ import pytest
 from helpers import Reaper, addresses, zmqps_cmd
 
 from zmqps import VariableDef, Worker
+from zmqps.wire.errors import InvalidArgument, ShutdownError
 
 LR = 0.5
 
@@ -137,5 +138,64 @@ def test_push_pull_rows_reads_its_push_on_two_ps(procs: Reaper, tmp_path: Path) 
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     finally:
         w.close("done")
+    for p in servers:
+        assert p.wait(60) == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_step_that_leaves_a_variable_out_is_refused_not_held_for_ever(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    """A sync push that left out a dense variable (or pushed nothing) was reported
+    applied and held the step, and every worker with it, for ever: each shard waits for
+    N gradients. A dense push lacking one is refused before it is sent; a step whose
+    row pushes left out a table is refused at the next ``begin_step``; the run goes on
+    with whole steps."""
+    chief, ps, worker = addresses(3)
+    spec = json.dumps({"cluster": {"chief": [chief], "ps": [ps], "worker": [worker]}})
+    base = ["server", "--cluster", spec]
+    flags = ["--lr", str(LR), "--num-shards", "2", "--heartbeat-timeout", "30", "--mode", "sync"]
+    servers = [
+        procs.spawn(
+            zmqps_cmd(*base, "--role", "chief", "--model", "none", "--optimizer", "sgd", *flags),
+            name="chief",
+        ),
+        procs.spawn(zmqps_cmd(*base, "--role", "ps", "--index", "0"), name="ps"),
+    ]
+    w = Worker(chief, index=0, timeout=30, connect_timeout=30)
+    try:
+        # an empty model, created, held the cluster: every later creation was refused
+        with pytest.raises(InvalidArgument, match="no variables given"):
+            w.create_variables([])
+        w.create_variables(
+            [
+                VariableDef("w", (8, 2)),
+                VariableDef("b", (2,)),
+                VariableDef("emb", (40, 4), sparse=True),
+                VariableDef("emb2", (40, 4), sparse=True),
+            ]
+        )
+        g = {"w": np.ones((8, 2), np.float32), "b": np.ones(2, np.float32)}
+        ids, rows = np.array([1, 2]), np.ones((2, 4), np.float32)
+        for lacking, grads in (("b", {"w": g["w"]}), ("w, b", {})):
+            assert w.begin_step() == 0
+            with pytest.raises(InvalidArgument, match=f"this one lacks {lacking} "):
+                w.push(grads)
+        for name in ("emb", "emb2"):
+            assert w.push_rows(name, ids, rows)
+        assert w.push(g)  # step 0, whole: applied
+        assert w.begin_step() == 1
+        assert w.push_rows("emb", ids, rows) and w.push(g)  # emb2 left out
+        with pytest.raises(InvalidArgument, match="step 1's row pushes left out emb2: every"):
+            w.begin_step()
+        # what the step lacked, pushed: the run goes on
+        assert w.push_rows("emb2", np.zeros(0, np.int64), np.zeros((0, 4), np.float32))
+        assert w.begin_step() == 2
+        np.testing.assert_allclose(w.pull()["b"], -LR * np.ones(2) * 2, rtol=1e-6)
+    finally:
+        w.close("done")
+    # used after its close: one line (a raw "Event loop is closed" came, and a warning)
+    with pytest.raises(ShutdownError, match="is closed: nothing more can be sent"):
+        w.pull()
     for p in servers:
         assert p.wait(60) == 0

@@ -139,13 +139,18 @@ def test_leave_and_all_done() -> None:
     assert m.all_done_at is None
     m.register(1, 0, now=6.0)
     assert not m.all_done()
-    m.leave(1, 0, step=3, now=9.0, reason="out of data", examples=None)
+    # a reason not known to finish (a script's own close("interrupted")) leaves the work
+    # unfinished: it counted as done and ended the run without it
+    m.leave(1, 0, step=2, now=7.0, reason="interrupted", examples=None)
+    assert not m.all_done() and m.workers[1].gone and not m.workers[1].done
+    m.register(1, 1, now=8.0)
+    m.leave(1, 1, step=1, now=9.0, reason="out of data", examples=None)
     assert m.all_done()
     assert m.all_done_at == 9.0
     assert m.global_step == 10
     assert m.examples == 70
     w1 = m.workers[1]
-    assert (w1.done, w1.left_reason, w1.step) == (True, "out of data", 3)
+    assert (w1.done, w1.left_reason, w1.total_steps) == (True, "out of data", 3)
     # done workers are neither alive nor dead, however old their last heartbeat
     assert m.alive(1000.0) == []
     assert m.dead(1000.0) == []
@@ -372,3 +377,30 @@ def test_a_resumed_run_counts_the_examples_and_seconds_of_the_batches_it_resumes
         other.register(0, 1, now=0.0)
         other.set_steps_before(0, 12)
         assert other.examples == 0 and other.train_seconds(now=1.0) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("raised", "reason"),
+    [
+        (None, "done"),
+        (SystemExit(0), "done"),
+        (SystemExit(None), "done"),
+        (SystemExit(2), "error"),
+        (SystemExit("bad input"), "error"),
+        (KeyboardInterrupt(), "terminated"),
+        (ValueError("a bug"), "error"),
+    ],
+)
+def test_a_worker_block_left_by_sys_exit_0_is_done(
+    raised: BaseException | None, reason: str
+) -> None:
+    """``sys.exit(0)`` in ``with Worker(...)`` left as terminated: the chief waited for
+    the worker to come back, and the run failed at its stall timeout."""
+    from types import SimpleNamespace
+
+    from zmqps.roles.worker.worker import Worker
+
+    said: list[str] = []
+    w = SimpleNamespace(close=said.append)
+    Worker.__exit__(w, None if raised is None else type(raised), raised, None)  # type: ignore[arg-type]
+    assert said == [reason]

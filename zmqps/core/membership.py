@@ -10,10 +10,10 @@ Rules of this module:
   restarted chief knows only from the PS (:meth:`Membership.expect`,
   :meth:`Membership.known_done`) is a member of unknown incarnation: any real one
   is asked to register.
-* A worker leaving with reason "error", "terminated" or "nonfinite" (it stopped at
-  a non-finite value, ``--on-nonfinite stop``) has not finished its work: it is gone
+* A worker leaving with reason "done" (or "out of data") has finished its work. Any
+  other reason ("error", "terminated", "nonfinite": it stopped at a non-finite
+  value, ``--on-nonfinite stop``; one this chief does not know) has not: it is gone
   (neither alive nor dead) and the job waits for it to rejoin.
-  Any other reason ("done", "out of data") counts as finished.
 * The global step of async training is the number of updates the workers have
   reported (each step's push is one update); it never goes backwards, because
   the steps of every past incarnation are kept.
@@ -27,10 +27,12 @@ from typing import Any
 
 from zmqps.wire.errors import FencedError, InvalidArgument, NotFound
 
-__all__ = ["UNFINISHED_REASONS", "Membership", "WorkerState"]
+__all__ = ["FINISHED_REASONS", "Membership", "WorkerState"]
 
-#: leave reasons that do not finish a worker's share of the job.
-UNFINISHED_REASONS = frozenset({"error", "terminated", "nonfinite"})
+#: leave reasons that finish a worker's share of the job (any other leaves it
+#: unfinished: a reason a worker made up, "interrupted", counted as done and ended
+#: the run without its work)
+FINISHED_REASONS = frozenset({"done", "out of data"})
 
 
 #: the incarnation of a worker the chief knows of from the PS only (it left with its
@@ -263,8 +265,9 @@ class Membership:
         self.heartbeat(index, incarnation, step, now, examples=examples, nonfinite=nonfinite)
         w = self.workers[index]
         w.left_reason = reason
-        w.waits = waits and reason not in UNFINISHED_REASONS
-        if reason in UNFINISHED_REASONS:
+        unfinished = reason not in FINISHED_REASONS
+        w.waits = waits and not unfinished
+        if unfinished:
             w.gone = True
             return
         self._set_done(w, True)

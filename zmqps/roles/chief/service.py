@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from zmqps.core.membership import Membership
+from zmqps.core.membership import FINISHED_REASONS, Membership
 from zmqps.core.recovery import Phase
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.logs import RateLimitedLog
@@ -520,7 +520,7 @@ class ChiefService:
         stop's, not this worker's: see :meth:`_op_leave`)."""
         return (
             self.consistency.name == "sync"
-            and reason != "done"
+            and reason not in FINISHED_REASONS
             and self.shutdown_requested.is_set()
             and not self.finished
         )

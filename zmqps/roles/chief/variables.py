@@ -103,6 +103,10 @@ class Variables:
         """Create the variables (every PS gets its shards), or return the placement
         they were created with; a different definition is refused. A dense float32
         variable with no wire dtype of its own travels as the job's (``wire_dtype``)."""
+        if not variables:
+            # created, an empty model held the cluster: every later creation was refused
+            # as another model's, until every task was started again
+            raise InvalidArgument("create_variables: no variables given (a model has one at least)")
         variables = tuple(v.with_wire(self.cfg.wire_dtype) for v in variables)
         make_optimizer(optimizer)
         for v in variables:

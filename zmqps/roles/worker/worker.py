@@ -61,7 +61,7 @@ from zmqps.roles.worker.session import Session
 from zmqps.transport import Client, LoopThread, Requester, SocketOptions, new_context
 from zmqps.transport.loop import result
 from zmqps.wire import ops as o
-from zmqps.wire.errors import ConfigError, NonFiniteGradient, NotReady, RunFailed
+from zmqps.wire.errors import ConfigError, InvalidArgument, NonFiniteGradient, NotReady, RunFailed
 from zmqps.wire.schema import MAX_FRAME_BYTES, MIN_CHUNK_BYTES
 
 __all__ = ["NonFiniteStop", "RowPushing", "Terminated", "Worker", "WorkerOptions"]
@@ -220,6 +220,9 @@ class Worker:
         self.nonfinite = 0
         self._nonfinite_log = RateLimitedLog(log, NONFINITE_LOG_INTERVAL_S)
         self._refused_step = -1
+        #: sync: the step (token) of the last row pushes, the tables they carried and
+        #: the session's generation then (:meth:`_check_whole_step`)
+        self._step_rows: tuple[int, set[str], int] | None = None
         #: sync: the values a push brought for the next pull (:mod:`.fresh`)
         self._fresh = FreshValues()
         #: a step pipeline's (fresh_values), and the hits and misses of those before it
@@ -491,6 +494,7 @@ class Worker:
         """
         # steps done that hold (those a restore took back do not count: ssp clocks, like
         # heartbeats, say how far the worker's data got)
+        self._check_whole_step()
         started = time.perf_counter()
         step = self.steps.ready()  # sync: the token the last push's reply brought
         if step is None:
@@ -499,6 +503,51 @@ class Worker:
             wait = "token_wait_seconds" if self.mode == "sync" else "ssp_wait_seconds"
             self._window.observe(wait, time.perf_counter() - started)
         return step
+
+    def _dense_whole(self, grads: Mapping[str, Any]) -> None:
+        """Sync: a step's dense push carries every dense variable's gradient. Each shard
+        applies a step once N workers pushed to it: a variable left out (or pushed in a
+        second call, which counts as another step) held that step, and every worker
+        with it, for ever, the push reported as applied."""
+        if self.mode != "sync":
+            return
+        missing = [n for n in self.client.dense_names() if n not in grads]
+        if missing:
+            raise InvalidArgument(
+                f"sync mode: a step's push carries a gradient for every dense variable in one"
+                f" call; this one lacks {_names(missing)} (each shard waits for N gradients of"
+                " the step: push zeros for a variable the step leaves unchanged)"
+            )
+
+    def _rows_pushed(self, step: int | None, name: str) -> None:
+        """Sync: table ``name`` has this worker's row push of ``step``."""
+        if self.mode != "sync" or step is None:
+            return
+        gen = self.session.gen
+        if self._step_rows is None or self._step_rows[0] != step or self._step_rows[2] != gen:
+            self._step_rows = (step, set(), gen)
+        self._step_rows[1].add(name)
+
+    def _check_whole_step(self) -> None:
+        """Sync, before the next step: the step whose rows this worker pushed had a row
+        push for every table (an empty one for a table the batch did not touch), as a
+        dense push has every dense variable (:meth:`_dense_whole`); else the step waits
+        for this worker for ever. A step a restore voided since is not judged."""
+        last = self._step_rows
+        if last is None or self.mode != "sync" or last[2] != self.session.gen:
+            self._step_rows = None
+            return
+        step, pushed, _ = last
+        missing = [
+            v.name for v in self.client.placement.variables if v.sparse and v.name not in pushed
+        ]
+        if missing:
+            raise InvalidArgument(
+                f"sync mode: step {step}'s row pushes left out {_names(missing)}: every table"
+                " takes this worker's row push each step (ids and grads of no rows for one the"
+                " batch did not touch), or the step waits for it for ever"
+            )
+        self._step_rows = None
 
     @property
     def net_steps(self) -> int:
@@ -641,6 +690,7 @@ class Worker:
         or if this was a retry of a push the PS had already handled (whose first
         outcome this call cannot know)."""
         grads = self.to_host(grads)
+        self._dense_whole(grads)
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
         client = self.client
@@ -664,6 +714,7 @@ class Worker:
         if self.device.separate:
             self.push(grads, loss=loss, examples=examples)
             return self.pull()
+        self._dense_whole(grads)
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
         pushed = self._send(
@@ -738,6 +789,7 @@ class Worker:
         load_kernels()  # here, not in the I/O loop: its first call may take seconds
         step, cursor = self.steps.tag(), self.cursor
         rows = self.client.rows_push(name, ids, grads, load=True)
+        self._rows_pushed(step, name)
         fut = self.io.submit(
             self.session.dropping(
                 lambda d: self.client.send_rows(rows, step=step, cursor=cursor, delivery=d)
@@ -762,6 +814,7 @@ class Worker:
         # summed as it is sent (into the push region): this call returns only once the
         # push is answered, and ``grads`` is not the caller's to change until then
         rows = client.rows_push(name, ids, grads, load=True, later=True)
+        self._rows_pushed(step, name)
         pulled: list[Array] = []
 
         async def send(delivery: Delivery) -> bool:
@@ -915,7 +968,8 @@ class Worker:
             self.on_stop()
 
     def close(self, reason: str = "done") -> None:
-        """Leave the cluster (``reason`` "done" counts this worker's work as finished)."""
+        """Leave the cluster: ``reason`` "done" counts this worker's work as finished;
+        any other ("terminated", "error", "nonfinite") leaves it unfinished."""
         if self._closed:
             return
         self._closed = True
@@ -974,12 +1028,26 @@ class Worker:
     def __enter__(self) -> Worker:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, *_: object
+    ) -> None:
         if exc_type is None:
             self.close("done")
-        elif issubclass(exc_type, (Terminated, KeyboardInterrupt, SystemExit)):
+        elif issubclass(exc_type, SystemExit):
+            # sys.exit() in the block: 0 (or none) is a script that ended well, its work
+            # done (it left as terminated, and the run waited for it for ever); else it
+            # failed
+            code = getattr(exc, "code", None)
+            self.close("done" if code is None or code == 0 else "error")
+        elif issubclass(exc_type, (Terminated, KeyboardInterrupt)):
             self.close("terminated")
         elif issubclass(exc_type, NonFiniteStop):
             self.close("nonfinite")
         else:
             self.close("error")
+
+
+def _names(names: Sequence[str], shown: int = 5) -> str:
+    """``a, b, c`` (the first ``shown``, then how many more)."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
