@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import Reaper, addresses, zmqps_cmd
+from helpers import Proc, Reaper, addresses, zmqps_cmd
 
 from zmqps import VariableDef, Worker
 from zmqps.wire.errors import InvalidArgument, ShutdownError
@@ -18,20 +18,23 @@ from zmqps.wire.errors import InvalidArgument, ShutdownError
 LR = 0.5
 
 
-@pytest.mark.timeout(120)
-def test_push_rows_async_in_order_with_the_next_pull(procs: Reaper, tmp_path: Path) -> None:
+def _chief_and_ps(procs: Reaper, *flags: str) -> tuple[str, list[Proc]]:
+    """A chief (no model of its own, SGD at ``LR``) and one PS, for one worker: the
+    chief's address and both processes."""
     chief, ps, worker = addresses(3)
     spec = json.dumps({"cluster": {"chief": [chief], "ps": [ps], "worker": [worker]}})
     base = ["server", "--cluster", spec]
-    flags = ["--lr", str(LR), "--num-shards", "3", "--heartbeat-timeout", "30"]
-    flags += ["--max-nonfinite-share", "1"]  # the one refused step does not fail the run
-    servers = [
-        procs.spawn(
-            zmqps_cmd(*base, "--role", "chief", "--model", "none", "--optimizer", "sgd", *flags),
-            name="chief",
-        ),
+    job = ["--model", "none", "--optimizer", "sgd", "--lr", str(LR), "--heartbeat-timeout", "30"]
+    return chief, [
+        procs.spawn(zmqps_cmd(*base, "--role", "chief", *job, *flags), name="chief"),
         procs.spawn(zmqps_cmd(*base, "--role", "ps", "--index", "0"), name="ps"),
     ]
+
+
+@pytest.mark.timeout(120)
+def test_push_rows_async_in_order_with_the_next_pull(procs: Reaper, tmp_path: Path) -> None:
+    # the one refused step does not fail the run
+    chief, servers = _chief_and_ps(procs, "--num-shards", "3", "--max-nonfinite-share", "1")
     w = Worker(chief, index=0, timeout=30, connect_timeout=30)
     try:
         w.create_variables([VariableDef("emb", (90, 4), sparse=True)])
@@ -151,17 +154,7 @@ def test_a_sync_step_that_leaves_a_variable_out_is_refused_not_held_for_ever(
     N gradients. A dense push lacking one is refused before it is sent; a step whose
     row pushes left out a table is refused at the next ``begin_step``; the run goes on
     with whole steps."""
-    chief, ps, worker = addresses(3)
-    spec = json.dumps({"cluster": {"chief": [chief], "ps": [ps], "worker": [worker]}})
-    base = ["server", "--cluster", spec]
-    flags = ["--lr", str(LR), "--num-shards", "2", "--heartbeat-timeout", "30", "--mode", "sync"]
-    servers = [
-        procs.spawn(
-            zmqps_cmd(*base, "--role", "chief", "--model", "none", "--optimizer", "sgd", *flags),
-            name="chief",
-        ),
-        procs.spawn(zmqps_cmd(*base, "--role", "ps", "--index", "0"), name="ps"),
-    ]
+    chief, servers = _chief_and_ps(procs, "--num-shards", "2", "--mode", "sync")
     w = Worker(chief, index=0, timeout=30, connect_timeout=30)
     try:
         # an empty model, created, held the cluster: every later creation was refused
