@@ -162,18 +162,30 @@ def test_a_sync_step_that_leaves_a_variable_out_is_refused_not_held_for_ever(
             w.create_variables([])
         w.create_variables(
             [
-                VariableDef("w", (8, 2)),
-                VariableDef("b", (2,)),
+                VariableDef("kernel", (8, 2)),
+                VariableDef("bias", (2,)),
                 VariableDef("emb", (40, 4), sparse=True),
                 VariableDef("emb2", (40, 4), sparse=True),
             ]
         )
-        g = {"w": np.ones((8, 2), np.float32), "b": np.ones(2, np.float32)}
+        g = {"kernel": np.ones((8, 2), np.float32), "bias": np.ones(2, np.float32)}
         ids, rows = np.array([1, 2]), np.ones((2, 4), np.float32)
-        for lacking, grads in (("b", {"w": g["w"]}), ("w, b", {})):
+        for lacking, grads in (("bias", {"kernel": g["kernel"]}), ("kernel, bias", {})):
             assert w.begin_step() == 0
             with pytest.raises(InvalidArgument, match=f"this one lacks {lacking} "):
                 w.push(grads)
+        # other values than a gradient's, refused before anything is sent (complex lost
+        # its imaginary part, bool became 0 / 1, a negative count lowered the examples)
+        for bad, why in (
+            ({**g, "bias": np.ones(2, np.complex64)}, "gradient for bias: complex64 values"),
+            ({**g, "kernel": np.ones((8, 2), bool)}, "gradient for kernel: bool values"),
+        ):
+            with pytest.raises(InvalidArgument, match=why):
+                w.push(bad)
+        with pytest.raises(InvalidArgument, match="examples: a count .* got -5"):
+            w.push(g, examples=-5)
+        # one name as a string: that variable (its characters were taken for names)
+        np.testing.assert_array_equal(w.pull("bias")["bias"], np.zeros(2))
         for name in ("emb", "emb2"):
             assert w.push_rows(name, ids, rows)
         assert w.push(g)  # step 0, whole: applied
@@ -184,7 +196,7 @@ def test_a_sync_step_that_leaves_a_variable_out_is_refused_not_held_for_ever(
         # what the step lacked, pushed: the run goes on
         assert w.push_rows("emb2", np.zeros(0, np.int64), np.zeros((0, 4), np.float32))
         assert w.begin_step() == 2
-        np.testing.assert_allclose(w.pull()["b"], -LR * np.ones(2) * 2, rtol=1e-6)
+        np.testing.assert_allclose(w.pull()["bias"], -LR * np.ones(2) * 2, rtol=1e-6)
     finally:
         w.close("done")
     # used after its close: one line (a raw "Event loop is closed" came, and a warning)

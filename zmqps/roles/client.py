@@ -908,6 +908,13 @@ class ParameterClient:
                 v = self.placement.variable(name)
             except KeyError:
                 raise InvalidArgument(f"gradient for unknown variable {name!r}") from None
+            kind = getattr(g, "dtype", np.asarray(g).dtype).kind
+            if kind not in "fiu":
+                # complex lost its imaginary part (a warning at most), bool became 0 / 1
+                raise InvalidArgument(
+                    f"gradient for {name}: {np.asarray(g).dtype} values; a gradient is real"
+                    f" numbers ({v.dtype})"
+                )
             arr = np.ascontiguousarray(g, dtype=v.dtype)
             if arr.shape != v.shape:
                 raise InvalidArgument(f"gradient for {name}: shape {arr.shape} != {v.shape}")

@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zmqps.core.initializers import validate_init
@@ -127,8 +127,9 @@ class Variables:
                     f" {', '.join(sorted(was))}: give the chief that --wire-dtype"
                 )
             raise ModelMismatch(
-                "variables were already created with different definitions"
-                f" ({', '.join(v.name for v in placement.variables)})"
+                "variables were already created with different definitions ("
+                + _difference(placement.variables, variables, placement.optimizer, optimizer)
+                + ")"
             )
         return placement
 
@@ -231,3 +232,42 @@ class Variables:
                         f" {self.cfg.startup_timeout:g}s"
                     ) from None
                 log.info("waiting for ps %d at %s", ps, self.ps[ps].endpoint)
+
+
+def _difference(
+    held: Sequence[VariableDef],
+    asked: Sequence[VariableDef],
+    held_optimizer: Mapping[str, Any],
+    asked_optimizer: Mapping[str, Any],
+) -> str:
+    """What tells the model asked for from the one the cluster holds, briefly: the
+    first variables each lacks, or the first that differs and in what (the names of
+    every variable made a line of thousands of names that said nothing of why)."""
+    have, want = {v.name: v for v in held}, {v.name: v for v in asked}
+    parts = []
+    if missing := [n for n in have if n not in want]:
+        parts.append(f"the cluster's {_few(missing)} not asked for")
+    if extra := [n for n in want if n not in have]:
+        parts.append(f"{_few(extra)} not in the cluster")
+    for name, v in want.items():
+        old = have.get(name)
+        if old is None or old == v:
+            continue
+        fields = [
+            f"{f.name} {getattr(old, f.name)!r} -> {getattr(v, f.name)!r}"
+            for f in dataclasses.fields(VariableDef)
+            if getattr(old, f.name) != getattr(v, f.name)
+        ]
+        parts.append(f"{name}: {'; '.join(fields)}")
+        break
+    if not parts and dict(held_optimizer) != dict(asked_optimizer):
+        was, now = dict(sorted(held_optimizer.items())), dict(sorted(asked_optimizer.items()))
+        parts.append(f"optimizer {was!r} -> {now!r}")
+    if not parts and [v.name for v in held] != [v.name for v in asked]:
+        parts.append("the same variables in another order")
+    return "; ".join(parts) or "of another definition"
+
+
+def _few(names: Sequence[str], shown: int = 4) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

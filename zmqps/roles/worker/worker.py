@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, 
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from zmqps.config import ClusterSpec, TaskSpec
@@ -571,7 +572,8 @@ class Worker:
         """Current values of the dense variables (or ``names``): on the worker's device,
         or landed in the host arrays ``out`` (of the variables' shapes and dtypes)."""
         started = time.perf_counter()
-        wanted = None if names is None else list(names)
+        # one name as a string: that variable (its characters were taken for names)
+        wanted = None if names is None else [names] if isinstance(names, str) else list(names)
         staged = out is None and self.device.separate
         if out is not None or staged:
             self._fresh.pulled_elsewhere()
@@ -689,6 +691,7 @@ class Worker:
         False if they were dropped (sync: stale, the step had already been applied),
         or if this was a retry of a push the PS had already handled (whose first
         outcome this call cannot know)."""
+        _check_examples(examples)
         grads = self.to_host(grads)
         self._dense_whole(grads)
         started = time.perf_counter()
@@ -714,6 +717,7 @@ class Worker:
         if self.device.separate:
             self.push(grads, loss=loss, examples=examples)
             return self.pull()
+        _check_examples(examples)
         self._dense_whole(grads)
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
@@ -1051,3 +1055,11 @@ def _names(names: Sequence[str], shown: int = 5) -> str:
     """``a, b, c`` (the first ``shown``, then how many more)."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
+
+
+def _check_examples(examples: Any) -> None:
+    """A step's ``examples``: a count (a negative one lowered the run's examples)."""
+    if examples is None:
+        return
+    if isinstance(examples, bool) or not isinstance(examples, (int, np.integer)) or examples < 0:
+        raise InvalidArgument(f"examples: a count of the step's examples >= 0, got {examples!r}")
