@@ -160,6 +160,9 @@ def test_a_sync_step_that_leaves_a_variable_out_is_refused_not_held_for_ever(
         # an empty model, created, held the cluster: every later creation was refused
         with pytest.raises(InvalidArgument, match="no variables given"):
             w.create_variables([])
+        # named as unknown (the wire's schema said "missing field 'lr'")
+        with pytest.raises(InvalidArgument, match="unknown optimizer 'zzz'; known: adagrad"):
+            w.create_variables([VariableDef("x", (2,))], optimizer={"name": "zzz"})
         w.create_variables(
             [
                 VariableDef("kernel", (8, 2)),

@@ -46,6 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zmqps.config import ClusterSpec, TaskSpec
+from zmqps.core.optimizers import make_optimizer
 from zmqps.core.segments import load_kernels
 from zmqps.core.variables import Placement, VariableDef
 from zmqps.device import Device, choose_devices
@@ -407,6 +408,10 @@ class Worker:
         self, variables: Sequence[VariableDef], optimizer: Mapping[str, Any] | None = None
     ) -> Placement:
         """Create the model's variables (idempotent: every worker may call it)."""
+        if optimizer is not None:
+            # what is wrong with it, named here (the wire's schema said only "missing
+            # field 'lr'" of an unknown optimizer's name)
+            make_optimizer(optimizer)
         body = o.CreateVars(
             tuple(v.to_wire() for v in variables), None if optimizer is None else dict(optimizer)
         )
