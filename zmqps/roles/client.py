@@ -908,8 +908,8 @@ class ParameterClient:
                 v = self.placement.variable(name)
             except KeyError:
                 raise InvalidArgument(f"gradient for unknown variable {name!r}") from None
-            kind = getattr(g, "dtype", np.asarray(g).dtype).kind
-            if kind not in "fiu":
+            dtype = g.dtype if hasattr(g, "dtype") else np.asarray(g).dtype
+            if dtype.kind not in "fiu":
                 # complex lost its imaginary part (a warning at most), bool became 0 / 1
                 raise InvalidArgument(
                     f"gradient for {name}: {np.asarray(g).dtype} values; a gradient is real"
