@@ -479,6 +479,33 @@ def test_resume_of_an_interrupted_run_finishes_its_work_once(
     assert "resumes after batch" in (run / "chief.log").read_text()
 
 
+@pytest.mark.timeout(120)
+def test_a_stop_after_the_run_ended_is_a_run_done(procs: Reaper, tmp_path: Path) -> None:
+    """A SIGTERM that came once the chief had ended the run (final checkpoint, model and
+    summary written; the launch still waiting for its tasks to exit) failed the launch
+    as interrupted, without its summary, and a --resume then took the run for finished
+    and trained every epoch again (global step 2,760 for 1,380)."""
+    run = tmp_path / "run"
+    launcher, summary_path = launch_run(procs, run, "--mode", "sync", "--epochs", "2")
+    wait_for(
+        lambda: "the run is over" in _read(run / "chief.log") or launcher.poll() is not None,
+        timeout=100,
+        what="the chief to end the run",
+    )
+    if launcher.poll() is None:
+        launcher.send(signal.SIGTERM)
+    launcher.expect_exit(0, timeout=60)
+    summary = read_json(summary_path)
+    assert summary["global_step"] == 46 and summary["test_accuracy"] > 0.5, summary
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 @pytest.mark.timeout(90)
 def test_a_worker_of_another_model_than_the_clusters_exits_2(procs: Reaper) -> None:
     """It exited 1 (restarted to fail again) with a message naming no flag. The chief

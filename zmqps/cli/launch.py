@@ -996,6 +996,16 @@ def _worker_stats(launcher: Launcher, workers: int) -> list[dict[str, Any]]:
     return out
 
 
+def _ended_in_order(summary: Path, began: float) -> bool:
+    """The chief's summary was written during this launch and says the run ended well."""
+    try:
+        if summary.stat().st_mtime < began:
+            return False
+        return not json.loads(summary.read_text()).get("failed")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _failed_summary(
     path: str, launcher: Launcher, run_dir: Path, code: int, began: float, started: float
 ) -> None:
@@ -1517,6 +1527,16 @@ def _launch(args: argparse.Namespace, job: JobConfig, fds: list[int]) -> int:
         )
     began = time.time()
     code = asyncio.run(launcher.run())
+    if code >= 128 and _ended_in_order(launcher.chief_summary, began):
+        # the stop came after the run had ended (its final checkpoint, model and summary
+        # written): it failed as "interrupted", without its summary, and a --resume then
+        # took it for finished and trained every epoch again
+        print(
+            "zmqps launch: the run had ended when the stop came; it is done",
+            file=sys.stderr,
+            flush=True,
+        )
+        code = 0
     if code != 0:
         first = launcher.first_failed
         if first is not None and first.tail:
