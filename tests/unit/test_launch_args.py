@@ -324,28 +324,41 @@ def test_resume_refuses_another_split_of_the_data_and_takes_more_epochs_or_ps() 
 
 
 def test_resume_refuses_another_model_before_anything_starts() -> None:
-    """--resume with another --model (or --hidden, --optimizer) started the cluster,
-    restored it, and only then did the chief refuse the model (exit 2, some seconds
-    in). The checkpoint records the model's flags: refused up front, naming both."""
+    """--resume with another --model (or --hidden, --optimizer, --lr, --momentum)
+    started the cluster, restored it, and only then did the chief refuse the model
+    (exit 2, 13-17 s in; the README said another learning rate was fine, but the PS
+    hold the optimizer with the variables). The checkpoint records the model and its
+    optimizer: refused up front, naming both."""
     from types import SimpleNamespace
 
     from zmqps.cli.launch import _check_same_data
 
-    model = {"model": "mlp", "hidden": [128], "optimizer": "momentum"}
+    opt = {"lr": 0.05, "momentum": 0.9, "name": "momentum"}
+    model = {"model": "mlp", "hidden": [128], "optimizer": opt}
     ckpt = SimpleNamespace(name="ckpt-46", manifest=SimpleNamespace(extra={"model": model}))
-    _check_same_data(launch_args("--lr", "0.01", "--epochs", "9"), ckpt)  # type: ignore[arg-type]
+    _check_same_data(launch_args("--epochs", "9", "--ps", "3"), ckpt)  # type: ignore[arg-type]
+    was = "--model mlp --hidden 128 (--optimizer momentum --lr 0.05 --momentum 0.9)"
     for flags, now in (
-        (("--model", "softmax"), "--model softmax (--optimizer momentum)"),
-        (("--hidden", "64"), "--model mlp --hidden 64 (--optimizer momentum)"),
-        (("--optimizer", "adam"), "--model mlp --hidden 128 (--optimizer adam)"),
-    ):
+        (("--model", "softmax"), "--model softmax (--optimizer momentum --lr 0.05 --momentum 0.9)"),
+        (("--hidden", "64"), "--model mlp --hidden 64 (--optimizer momentum --lr 0.05 --momentum 0.9)"),
+        (("--optimizer", "adam"), "--model mlp --hidden 128 (--optimizer adam --lr 0.001)"),
+        (("--lr", "0.01"), "--model mlp --hidden 128 (--optimizer momentum --lr 0.01 --momentum 0.9)"),
+        (("--momentum", "0.5"), "--model mlp --hidden 128 (--optimizer momentum --lr 0.05 --momentum 0.5)"),
+    ):  # fmt: skip
         with pytest.raises(ConfigError) as err:
             _check_same_data(launch_args(*flags), ckpt)  # type: ignore[arg-type]
         assert str(err.value) == (
-            "--resume: ckpt-46 was trained with --model mlp --hidden 128 (--optimizer"
-            f" momentum), this run has {now}: a checkpoint holds one model's variables;"
-            " resume with its flags, or start a new --run-dir"
+            f"--resume: ckpt-46 was trained with {was}, this run has {now}: a checkpoint holds"
+            " one model's variables; resume with its flags, or start a new --run-dir"
         )
+    # a checkpoint that recorded the optimizer's name alone: compared on the name
+    named = {"model": "mlp", "hidden": [128], "optimizer": "momentum"}
+    old = SimpleNamespace(name="ckpt-7", manifest=SimpleNamespace(extra={"model": named}))
+    _check_same_data(launch_args("--lr", "0.01"), old)  # type: ignore[arg-type]
+    with pytest.raises(
+        ConfigError, match=r"trained with --model mlp --hidden 128 \(--optimizer momentum\)"
+    ):
+        _check_same_data(launch_args("--optimizer", "sgd"), old)  # type: ignore[arg-type]
 
 
 def test_hung_after_is_three_heartbeat_timeouts_at_least_15_s_unless_given(

@@ -1332,8 +1332,9 @@ def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
     batches of that worker's part of the data, so the split (the worker count), the
     batch size, the dataset (and a synthetic one's size) and the shuffling seed must
     be those of the checkpoint's run (else batches are trained twice or never); and the
-    model (its variables are the checkpoint's). More epochs, other PS counts, other
-    learning rates are fine. (A data folder's files are the user's: not compared.)"""
+    model and its optimizer, learning rate included (the PS hold them with the
+    variables). More epochs and other PS counts are fine. (A data folder's files are
+    the user's: not compared.)"""
     wire = ckpt.manifest.extra.get("wire_dtype")
     now_wire = wire_dtype_from_args(args) or "float32"
     if isinstance(wire, str) and wire != now_wire:
@@ -1344,7 +1345,7 @@ def _check_same_data(args: argparse.Namespace, ckpt: Checkpoint) -> None:
         )
     job = job_from_args(args)
     model = ckpt.manifest.extra.get("model")
-    if job is not None and isinstance(model, dict) and model != job.definition():
+    if job is not None and isinstance(model, dict) and not job.same(model, job.definition()):
         # found here, not by the chief once the cluster started (it refused the model
         # only after the restore, exit 2 some seconds in)
         raise ConfigError(

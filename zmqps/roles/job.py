@@ -92,17 +92,33 @@ class JobConfig:
         out: dict[str, Any] = {"model": self.model}
         if self.model == "mlp":
             out["hidden"] = list(self.hidden)
-        out["optimizer"] = self.optimizer.get("name")
+        # the whole configuration: the PS hold it with the variables (a learning rate
+        # of its own is another optimizer there)
+        out["optimizer"] = dict(sorted(self.optimizer.items()))
         return out
 
     @staticmethod
+    def same(recorded: Mapping[str, Any], now: Mapping[str, Any]) -> bool:
+        """Whether a recorded :meth:`definition` is ``now``'s (one that recorded the
+        optimizer's name alone is compared on the name)."""
+        if isinstance(recorded.get("optimizer"), str):
+            now = {**now, "optimizer": dict(now.get("optimizer") or {}).get("name")}
+        return dict(recorded) == dict(now)
+
+    @staticmethod
     def describe(definition: Mapping[str, Any]) -> str:
-        """``--model mlp --hidden 128 (--optimizer momentum)`` of a :meth:`definition`."""
+        """``--model mlp --hidden 128 (--optimizer momentum --lr 0.05 --momentum 0.9)``
+        of a :meth:`definition`."""
         hidden = definition.get("hidden")
         text = f"--model {definition.get('model')}"
         if isinstance(hidden, (list, tuple)):
             text += f" --hidden {','.join(map(str, hidden))}"
-        return f"{text} (--optimizer {definition.get('optimizer')})"
+        opt = definition.get("optimizer")
+        if isinstance(opt, Mapping):
+            flags = [f"--optimizer {opt.get('name')}"]
+            flags += [f"--{k.replace('_', '-')} {v}" for k, v in opt.items() if k != "name"]
+            return f"{text} ({' '.join(flags)})"
+        return f"{text} (--optimizer {opt})"
 
     def not_the_model(self, exc: ModelMismatch) -> ConfigError:
         """The configuration error ``exc`` is for this job: creating its variables met a
