@@ -337,16 +337,17 @@ def test_resume_refuses_another_model_before_anything_starts() -> None:
     model = {"model": "mlp", "hidden": [128], "optimizer": opt}
     ckpt = SimpleNamespace(name="ckpt-46", manifest=SimpleNamespace(extra={"model": model}))
     _check_same_data(launch_args("--epochs", "9", "--ps", "3"), ckpt)  # type: ignore[arg-type]
-    was = "--model mlp --hidden 128 (--optimizer momentum --lr 0.05 --momentum 0.9)"
-    for flags, now in (
-        (("--model", "softmax"), "--model softmax (--optimizer momentum --lr 0.05 --momentum 0.9)"),
-        (("--hidden", "64"), "--model mlp --hidden 64 (--optimizer momentum --lr 0.05 --momentum 0.9)"),
+    flags = "(--optimizer momentum --lr 0.05 --momentum 0.9)"
+    was = f"--model mlp --hidden 128 {flags}"
+    for flags_given, now in (
+        (("--model", "softmax"), f"--model softmax {flags}"),
+        (("--hidden", "64"), f"--model mlp --hidden 64 {flags}"),
         (("--optimizer", "adam"), "--model mlp --hidden 128 (--optimizer adam --lr 0.001)"),
-        (("--lr", "0.01"), "--model mlp --hidden 128 (--optimizer momentum --lr 0.01 --momentum 0.9)"),
-        (("--momentum", "0.5"), "--model mlp --hidden 128 (--optimizer momentum --lr 0.05 --momentum 0.5)"),
+        (("--lr", "0.01"), f"--model mlp --hidden 128 {flags.replace('0.05', '0.01')}"),
+        (("--momentum", "0.5"), f"--model mlp --hidden 128 {flags.replace('0.9', '0.5')}"),
     ):  # fmt: skip
         with pytest.raises(ConfigError) as err:
-            _check_same_data(launch_args(*flags), ckpt)  # type: ignore[arg-type]
+            _check_same_data(launch_args(*flags_given), ckpt)  # type: ignore[arg-type]
         assert str(err.value) == (
             f"--resume: ckpt-46 was trained with {was}, this run has {now}: a checkpoint holds"
             " one model's variables; resume with its flags, or start a new --run-dir"

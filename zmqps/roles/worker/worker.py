@@ -525,20 +525,22 @@ class Worker:
                 " the step: push zeros for a variable the step leaves unchanged)"
             )
 
-    def _rows_pushed(self, step: int | None, name: str) -> None:
-        """Sync: table ``name`` has this worker's row push of ``step``."""
+    def _rows_pushed(self, step: int | None, name: str | None) -> None:
+        """Sync: table ``name`` has this worker's row push of ``step`` (None: a dense
+        push of ``step``, which the step's row pushes must go with)."""
         if self.mode != "sync" or step is None:
             return
         gen = self.session.gen
         if self._step_rows is None or self._step_rows[0] != step or self._step_rows[2] != gen:
             self._step_rows = (step, set(), gen)
-        self._step_rows[1].add(name)
+        if name is not None:
+            self._step_rows[1].add(name)
 
     def _check_whole_step(self) -> None:
-        """Sync, before the next step: the step whose rows this worker pushed had a row
-        push for every table (an empty one for a table the batch did not touch), as a
-        dense push has every dense variable (:meth:`_dense_whole`); else the step waits
-        for this worker for ever. A step a restore voided since is not judged."""
+        """Sync, before the next step: the step this worker pushed (rows or dense) had
+        a row push for every table (an empty one for a table the batch did not touch),
+        as a dense push has every dense variable (:meth:`_dense_whole`); else the step
+        waits for this worker for ever. A step a restore voided since is not judged."""
         last = self._step_rows
         if last is None or self.mode != "sync" or last[2] != self.session.gen:
             self._step_rows = None
@@ -549,9 +551,10 @@ class Worker:
         ]
         if missing:
             raise InvalidArgument(
-                f"sync mode: step {step}'s row pushes left out {_names(missing)}: every table"
-                " takes this worker's row push each step (ids and grads of no rows for one the"
-                " batch did not touch), or the step waits for it for ever"
+                f"sync mode: step {step}'s pushes left out {_names(missing)}: every table"
+                " takes this worker's row push each step, before its dense push (ids and grads"
+                " of no rows for one the batch did not touch), or the step waits for it for"
+                " ever; this worker cannot go on (its leave lets the others)"
             )
         self._step_rows = None
 
@@ -701,6 +704,7 @@ class Worker:
         self._dense_whole(grads)
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
+        self._rows_pushed(step, None)
         client = self.client
         asks = self.sync_asks(self._fresh, grads, client.dense_names())
         accepted = self._send(
@@ -726,6 +730,7 @@ class Worker:
         self._dense_whole(grads)
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
+        self._rows_pushed(step, None)
         pushed = self._send(
             lambda d: self.client.push_pull(grads, step=step, cursor=cursor, delivery=d), loss
         )
