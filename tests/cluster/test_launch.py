@@ -208,7 +208,9 @@ def test_secure_cluster_trains_on_curve(procs: Reaper, tmp_path: Path) -> None:
     assert summary["test_accuracy"] >= 0.95, summary
     ended = subprocess.run(status, capture_output=True, text=True, timeout=30)
     assert ended.returncode == 1, ended
-    assert f"the run in {run} has ended (its summary: {run}/chief-summary.json)" in ended.stderr
+    assert ended.stderr == (
+        f"zmqps status: the run in {run} has ended (its summary: {run}/chief-summary.json)\n"
+    )
     assert summary["restarts"] == [], summary["restarts"]
     assert summary["replication"]["copies_failed"] == 0, summary["replication"]
     for ps, other in ((0, 1), (1, 0)):

@@ -458,6 +458,32 @@ def test_resume_without_the_runs_checkpoint_folder_names_the_one_it_used(tmp_pat
         resume_from(args, run)
 
 
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_over(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A launch stopped before its first checkpoint left a folder that could be neither
+    resumed ("no checkpoint to go on from") nor used again ("holds an earlier run"):
+    ``--resume`` starts it over, saying so. A folder of no run is refused as before."""
+    import json
+
+    from zmqps.cli.launch import resume_from
+
+    run = tmp_path / "run"
+    (run / "tasks").mkdir(parents=True)
+    task = {"chief": {"checkpoint": {"directory": str(run / "checkpoints")}}}
+    (run / "tasks" / "chief.json").write_text(json.dumps(task))
+    assert resume_from(launch_args("--resume", "--run-dir", str(run)), run) is None
+    assert capsys.readouterr().err == (
+        f"zmqps launch: --resume: no checkpoint in {run / 'checkpoints'} (the run in {run} was"
+        " stopped before its first): it starts from the beginning\n"
+    )
+    with pytest.raises(ConfigError, match="holds an earlier run"):  # without --resume
+        resume_from(launch_args("--run-dir", str(run)), run)
+    other = tmp_path / "typo"
+    with pytest.raises(ConfigError, match=r"no checkpoint in .* to go on from"):
+        resume_from(launch_args("--resume", "--run-dir", str(other)), other)
+
+
 def test_a_launch_past_the_machines_memory_is_refused_before_it_starts() -> None:
     """``--workers 3000`` on a 2-core machine started processes for 17 minutes. Each
     task is a process of 48 MiB at least: a launch past the memory available is one

@@ -1286,6 +1286,23 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
             if kept is not None and Path(kept).resolve() != root.resolve()
             else ""
         )
+        stopped_early = (
+            not elsewhere
+            and run_dir is not None
+            and (run_dir / "tasks" / "chief.json").exists()
+            and not (run_dir / "chief-summary.json").exists()
+        )
+        if stopped_early:
+            # a launch in this folder stopped before its first checkpoint: nothing of it
+            # is kept to go on from, and the folder could be neither resumed nor used
+            # again; it starts over, and says so
+            print(
+                f"zmqps launch: --resume: no checkpoint in {root} (the run in {run_dir} was"
+                " stopped before its first): it starts from the beginning",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
         raise ConfigError(f"--resume: no checkpoint in {root} to go on from{elsewhere}")
     _check_same_data(args, latest)
     return latest

@@ -179,15 +179,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     from zmqps.wire.errors import DeadlineExceeded
 
     _chief_address(args)
+    if ended := _ended(args):  # nothing to ask: said at once (it waited --timeout)
+        print(f"zmqps status: {ended}", file=sys.stderr)
+        return 1
     if args.timeout <= 0:
         raise ConfigError(f"--timeout must be > 0, got {args.timeout:g}")
     options = socket_options(args, "status", None, serve=False, connect=True)
     try:
         status = asyncio.run(fetch_status(args.chief, timeout=args.timeout, options=options))
     except DeadlineExceeded as exc:
-        ended = _run_ended(args)
-        if ended:
-            raise DeadlineExceeded(f"{exc}: {ended}") from None
+        if args.run_dir is not None:
+            raise _not_running(args, exc) from None
         if options is not None:
             raise
         # A CURVE server drops a plaintext client's handshake without a word: all a
@@ -214,13 +216,22 @@ def cmd_scale(args: argparse.Namespace) -> int:
     """``zmqps scale``: ask the chief to serve the PS states from the first N PS of the
     cluster spec (``--wait``: until the moves are done)."""
     from zmqps.roles.status import fetch_status, format_elastic
+    from zmqps.wire.errors import DeadlineExceeded
 
     _chief_address(args)
+    if ended := _ended(args):
+        print(f"zmqps scale: {ended}", file=sys.stderr)
+        return 1
     if args.ps is not None and args.ps < 1:
         raise ConfigError(f"--ps must be >= 1, got {args.ps}")
     options = socket_options(args, "status", None, serve=False, connect=True)
     body = {} if args.ps is None else {"ps": args.ps}
-    elastic = asyncio.run(fetch_status(args.chief, args.timeout, options, "scale", body))
+    try:
+        elastic = asyncio.run(fetch_status(args.chief, args.timeout, options, "scale", body))
+    except DeadlineExceeded as exc:
+        if args.run_dir is not None:
+            raise _not_running(args, exc) from None
+        raise
     deadline = time.monotonic() + args.wait
     while args.wait and not _scaled(elastic):
         if time.monotonic() > deadline:
@@ -274,19 +285,32 @@ def _chief_address(args: argparse.Namespace) -> None:
         raise ConfigError(f"--chief: {problem} (expected HOST:PORT, e.g. 127.0.0.1:2222)") from None
 
 
-def _run_ended(args: argparse.Namespace) -> str:
-    """With ``--run-dir``: what says its run ended (the chief's summary, written after
-    its task), else ''."""
-    run_dir = getattr(args, "run_dir", None)
-    if run_dir is None:
+def _ended(args: argparse.Namespace) -> str:
+    """With ``--run-dir``: "the run in DIR has ended (its summary: ...)" when its chief
+    wrote its summary after the launch wrote its task (the run is over: nothing to
+    ask), else ''."""
+    if getattr(args, "run_dir", None) is None:
         return ""
-    summary, task = Path(run_dir) / "chief-summary.json", Path(run_dir) / "tasks" / "chief.json"
+    run_dir = Path(args.run_dir)
+    summary, task = run_dir / "chief-summary.json", run_dir / "tasks" / "chief.json"
     try:
         if summary.stat().st_mtime >= task.stat().st_mtime:
             return f"the run in {run_dir} has ended (its summary: {summary})"
     except OSError:
         pass
     return ""
+
+
+def _not_running(args: argparse.Namespace, exc: ZmqpsError) -> ZmqpsError:
+    """No reply from ``--run-dir``'s chief: what its folder says of the run (ended, with
+    its summary; else stopped or gone), not a hint at CURVE keys it was not started with."""
+    run_dir = Path(args.run_dir)
+    if ended := _ended(args):
+        return type(exc)(f"{exc}: {ended}")
+    return type(exc)(
+        f"{exc}: no chief answers for the run in {run_dir} (stopped, or its launch is gone:"
+        f" its logs are there)"
+    )
 
 
 def _add_chief_query_args(p: argparse.ArgumentParser) -> None:
