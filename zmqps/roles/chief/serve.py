@@ -219,10 +219,13 @@ async def _serve(
     stopped_by = service.stop_signal
     if stopped_by is not None and not service.finished:
         last = service.checkpoints.ck.last_committed if service.checkpoints else None
+        # the final checkpoint's step when it is past the step last heard (async: the
+        # workers' last heartbeats lag the pushes the checkpoint holds)
+        step = max(service.global_step, last.step if last is not None else 0)
         log.warning(
             "chief: stopped by %s before the end of the run (global step %d)%s",
             stopped_by.name,
-            service.global_step,
+            step,
             f"; its last checkpoint is {last.name} (step {last.step}) in {last.path.parent}:"
             " a chief started again on it goes on from there (zmqps launch: --resume)"
             if last is not None
