@@ -925,7 +925,7 @@ class Launcher:
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - began))
         done, _ = await asyncio.wait(waitables, timeout=left, return_when=asyncio.FIRST_COMPLETED)
         if len(watching) < len(self.children) and watchers in done:
-            done = set()  # (no task started at all: nothing to watch)
+            done = set()  # stopped while they started: the tasks started ended, not the run
         if watchers not in done:
             self.failure = (
                 "interrupted" if interrupted.is_set() else f"timed out after {timeout:g}s"
@@ -996,14 +996,21 @@ def _worker_stats(launcher: Launcher, workers: int) -> list[dict[str, Any]]:
     return out
 
 
+def _chiefs_summary(path: Path, began: float) -> dict[str, Any] | None:
+    """The chief's summary if it wrote one during this launch (since ``began``)."""
+    try:
+        if path.stat().st_mtime >= began:
+            summary = json.loads(path.read_text())
+            return summary if isinstance(summary, dict) else None
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def _ended_in_order(summary: Path, began: float) -> bool:
     """The chief's summary was written during this launch and says the run ended well."""
-    try:
-        if summary.stat().st_mtime < began:
-            return False
-        return not json.loads(summary.read_text()).get("failed")
-    except (OSError, ValueError, AttributeError):
-        return False
+    written = _chiefs_summary(summary, began)
+    return written is not None and not written.get("failed")
 
 
 def _failed_summary(
@@ -1012,14 +1019,7 @@ def _failed_summary(
     """``--summary`` of a run that failed: the chief's own summary when it wrote one in
     this launch (it says why: ``failed``, ``work_lost``, the checkpoint), else what
     the launch knows; with the launch's failure, exit code and run folder."""
-    summary: dict[str, Any] = {}
-    try:
-        if launcher.chief_summary.stat().st_mtime >= began:
-            summary = json.loads(launcher.chief_summary.read_text())
-    except (OSError, ValueError):
-        summary = {}
-    if not isinstance(summary, dict):
-        summary = {}
+    summary = _chiefs_summary(launcher.chief_summary, began) or {}
     summary.setdefault("failed", launcher.failure)
     summary["launch_failed"] = launcher.failure
     summary["exit_code"] = code

@@ -912,8 +912,7 @@ class ParameterClient:
             if dtype.kind not in "fiu":
                 # complex lost its imaginary part (a warning at most), bool became 0 / 1
                 raise InvalidArgument(
-                    f"gradient for {name}: {np.asarray(g).dtype} values; a gradient is real"
-                    f" numbers ({v.dtype})"
+                    f"gradient for {name}: {dtype} values; a gradient is real numbers ({v.dtype})"
                 )
             arr = np.ascontiguousarray(g, dtype=v.dtype)
             if arr.shape != v.shape:

@@ -493,17 +493,14 @@ class ChiefService:
         )
         if reason == "nonfinite" or req.nonfinite:
             self._nonfinite_heard(who.index, req.step)
-        if self._stopping_together(reason):
-            # the whole run stops (a signal, the shutdown op, a failed run): N stays,
-            # so a step some workers pushed before the others left is never applied
-            # with fewer gradients (workers stopped one after the other left the last
-            # one's next push to be applied alone: a resumed run took one step more,
-            # its values not the unfaulted run's). The final checkpoint is of the last
-            # whole step and every worker resumes there.
-            pass
-        else:
-            # N shrinks first (it may apply the step the leaver's gradient completed),
-            # so the end of training sees every step the PS will ever apply.
+        # N shrinks first (it may apply the step the leaver's gradient completed), so
+        # the end of training sees every step the PS will ever apply. Not while the
+        # whole run stops (a signal, the shutdown op, a failed run): N stays, so a step
+        # some workers pushed before the others left is never applied with fewer
+        # gradients (the last one's next push was applied alone: a resumed run took one
+        # step more, its values not the unfaulted run's); the final checkpoint is of
+        # the last whole step and every worker resumes there.
+        if not self._stopping_together(reason):
             await self.consistency.membership_changed(gone=[who.index])
         state = self.members.workers[who.index]
         if state.done:
