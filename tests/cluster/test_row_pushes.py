@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -208,4 +209,35 @@ def test_a_sync_step_that_leaves_a_variable_out_is_refused_not_held_for_ever(
         w.pull()
     servers[0].send(signal.SIGTERM)
     assert servers[0].wait(60) == 128 + signal.SIGTERM
+    assert servers[1].wait(60) == 0  # shut down by the chief
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_step_held_by_a_live_worker_ends_the_run_at_the_stall_timeout(
+    procs: Reaper,
+) -> None:
+    """A worker alive (its heartbeats come) that never pushes its step, as one stuck in
+    its own code or a client that pushed part of a step: the step, and every other
+    worker, waited for ever, since a step waiting on a live worker counted as work under
+    way. Past ``--stall-timeout`` the run ends failed (exit code 3), naming it."""
+    stall = 6.0
+    chief, servers = _chief_and_ps(
+        procs, "--num-shards", "2", "--mode", "sync", "--stall-timeout", str(stall)
+    )
+    w = Worker(chief, index=0, timeout=30, connect_timeout=30)
+    try:
+        w.create_variables([VariableDef("kernel", (8, 2)), VariableDef("bias", (2,))])
+        g = {"kernel": np.ones((8, 2), np.float32), "bias": np.ones(2, np.float32)}
+        assert w.begin_step() == 0
+        assert w.push(g)
+        assert w.begin_step() == 1  # and stuck in step 1: its heartbeats go on
+        started = time.monotonic()
+        code = servers[0].wait(stall + 45)
+        took = time.monotonic() - started
+    finally:
+        w.close("error")
+    assert code == 3, servers[0].tail()
+    assert stall <= took <= stall + 30, took
+    assert "step 1 waits on worker 0 (alive" in servers[0].stderr, servers[0].tail()
+    assert f"--stall-timeout {stall:g}" in servers[0].stderr, servers[0].tail()
     assert servers[1].wait(60) == 0  # shut down by the chief

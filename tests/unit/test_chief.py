@@ -1029,9 +1029,10 @@ def test_a_run_that_stands_still_says_in_the_log_what_it_waits_on(
 
 
 def test_training_that_stands_still_past_the_stall_timeout_ends_the_run_failed() -> None:
-    """A worker stopped for ever (its heartbeats stop, its data is not done): the run
-    waits for it to come back, says so, and past --stall-timeout ends failed, naming
-    what it waited on; a run whose training moves, or that is finishing, never does."""
+    """A worker stopped for ever (its heartbeats stop, its data is not done), or one
+    alive that never pushes its step: the run waits for it, says so, and past
+    --stall-timeout ends failed, naming what it waited on; a run whose training moves,
+    or that is finishing, never does."""
 
     async def body() -> None:
         env = make_env(2, num_workers=2, heartbeat_timeout=5.0, stall_timeout=60.0)
@@ -1054,16 +1055,23 @@ def test_training_that_stands_still_past_the_stall_timeout_ends_the_run_failed()
         watch.cancel()
         assert "stood still" in env.chief.failure and "--stall-timeout 60" in env.chief.failure
         assert "workers [1]" in env.chief.failure
-        # the end itself, and live workers at work (slow, not stuck), are no stall
+        # the end itself, and tasks not started yet, are no stall
         env.chief.failure = ""
         env.chief.shutdown_requested.clear()
         for working in (
             "finishing: the final checkpoint, evaluation and export",
-            "step 5 waits on worker 1",
             "waiting for workers [1] to register",
         ):
             env.chief._check_stall(1e6, working)
             assert not env.chief.failure, working
+        # a step held by a live worker is (it held a sync run for ever): past the limit
+        held = "step 5 waits on worker 1 (alive: its heartbeats come, its push of the step has not)"
+        env.chief._check_stall(59.0, held)
+        assert not env.chief.failure
+        env.chief._check_stall(61.0, held)
+        assert "step 5 waits on worker 1 (alive" in env.chief.failure
+        env.chief.failure = ""
+        env.chief.shutdown_requested.clear()
         env.chief._check_stall(61.0, "waiting for ps 1 (silent 10s when found) to come back")
         assert "ps 1" in env.chief.failure
 

@@ -102,11 +102,12 @@ def check_key(msg: Message) -> None:
         )
 
 
-#: blockers (``ChiefService.blocker``) that say live tasks are at work, not a stall
+#: blockers (``ChiefService.blocker``) that say live tasks are at work, not a stall (a
+#: step waiting on a live worker is one: its heartbeats say nothing of its step, and a
+#: worker stuck in it, or a client that pushed part of it, held a sync run for ever)
 STILL_WORKING = (
     "finishing",
     "stopping",
-    "step ",
     "waiting for workers",
     "waiting for the variables",
 )
@@ -689,7 +690,10 @@ class ChiefService:
             )
         if st["waiting_on"]:
             names = ", ".join(f"worker {i}" for i in st["waiting_on"])
-            return f"step {st['global_step']} waits on {names}"
+            return (
+                f"step {st['global_step']} waits on {names} (alive: its heartbeats come,"
+                " its push of the step has not)"
+            )
         if not st["workers_alive"] and not self.members.all_done():
             if st["workers_dead"]:
                 return f"no live worker: waiting for workers {st['workers_dead']} to come back"
