@@ -1065,7 +1065,7 @@ def test_training_that_stands_still_past_the_stall_timeout_ends_the_run_failed()
             env.chief._check_stall(1e6, working)
             assert not env.chief.failure, working
         # a step held by a live worker is (it held a sync run for ever): past the limit
-        held = "step 5 waits on worker 1 (alive: its heartbeats come, its push of the step has not)"
+        held = "step 5 waits on worker 1 (alive: heartbeats come, the step's push does not)"
         env.chief._check_stall(59.0, held)
         assert not env.chief.failure
         env.chief._check_stall(61.0, held)

@@ -691,8 +691,8 @@ class ChiefService:
         if st["waiting_on"]:
             names = ", ".join(f"worker {i}" for i in st["waiting_on"])
             return (
-                f"step {st['global_step']} waits on {names} (alive: its heartbeats come,"
-                " its push of the step has not)"
+                f"step {st['global_step']} waits on {names} (alive: heartbeats come,"
+                " the step's push does not)"
             )
         if not st["workers_alive"] and not self.members.all_done():
             if st["workers_dead"]:
