@@ -210,6 +210,10 @@ def test_config_roundtrip_and_types() -> None:
         {"name": "sgd", "lr": 1e300},
         {"name": "sgd", "lr": 0.1, "weight_decay": 1e300},
         {"name": "adam", "lr": 1e7},
+        # each update scaled the parameters by 1 - 1e6: infinite in seven pushes of 0.001
+        {"name": "sgd", "lr": 1.0, "weight_decay": 1e6},
+        {"name": "momentum", "lr": 0.5, "weight_decay": 2.5},
+        {"name": "adam", "lr": 1e-3, "weight_decay": 1e4},
     ],
 )
 def test_make_optimizer_refuses(cfg: dict[str, Any]) -> None:
@@ -266,3 +270,53 @@ def test_dense_allocates_nothing(cfg: dict[str, Any]) -> None:
     finally:
         tracemalloc.stop()
     assert peak < 64 * 1024, peak
+
+
+#: the largest float32 gradient a PS takes (README, "A NaN or an infinity": 2^32 refused)
+_BELOW_LIMIT = float(np.nextafter(np.float32(2.0**32), np.float32(0)))
+
+
+def _random_config(rng: np.random.Generator) -> dict[str, Any]:
+    """An optimizer config, drawn over each hyperparameter's whole range (lr and weight
+    decay log-uniform up to their bound, 1e6)."""
+    name = str(rng.choice(["sgd", "momentum", "adagrad", "adam", "ftrl"]))
+    cfg: dict[str, Any] = {"name": name, "lr": float(10.0 ** rng.uniform(-6, 6))}
+    if rng.random() < 0.7:
+        cfg["weight_decay"] = float(10.0 ** rng.uniform(-6, 6))
+    if name == "momentum":
+        cfg["momentum"] = float(rng.choice([0.0, 0.5, 0.9, 0.99, 1.0]))
+        cfg["nesterov"] = bool(rng.random() < 0.5)
+    if name == "adam":
+        cfg["beta1"] = float(rng.choice([0.0, 0.5, 0.9]))
+        cfg["beta2"] = float(rng.choice([0.0, 0.9, 0.999]))
+    if name == "ftrl":
+        cfg["l1"] = float(rng.choice([0.0, 1.0]))
+        cfg["l2"] = float(rng.choice([0.0, 1.0]))
+    return cfg
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_no_accepted_config_and_gradients_make_a_parameter_infinite(seed: int) -> None:
+    """Whatever config is accepted and whatever gradients pass the PS's check (finite,
+    below the limit), 300 updates leave every parameter and slot finite: weight decay
+    times lr past 1 scaled the parameters by a factor past -1 each update, and pushes
+    of 0.001 made them infinite with every push accepted."""
+    rng = np.random.default_rng(seed)
+    while True:  # the first config drawn that is accepted
+        cfg = _random_config(rng)
+        try:
+            opt = make_optimizer(cfg)
+            break
+        except InvalidArgument as e:
+            assert "lr x weight_decay must be at most 1" in str(e), (cfg, e)
+    n = 64
+    p = rng.standard_normal(n).astype(np.float32) * np.float32(10.0 ** rng.uniform(0, 6))
+    slots = {k: v.reshape(-1) for k, v in opt.init_slots((n,), "float32").items()}
+    scratch = scratch_for(opt, n, np.float32)
+    for step in range(1, 301):
+        size = 10.0 ** rng.uniform(-3, math.log10(_BELOW_LIMIT))
+        g = (rng.standard_normal(n) * size).clip(-_BELOW_LIMIT, _BELOW_LIMIT)
+        opt.apply_dense(p, g.astype(np.float32), slots, step, scratch)
+        assert np.isfinite(p).all(), (cfg, step)
+        for name, slot in slots.items():
+            assert np.isfinite(slot).all(), (cfg, step, name)

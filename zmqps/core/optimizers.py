@@ -118,6 +118,16 @@ class Optimizer(ABC):
     def __init__(self, config: Mapping[str, Any]) -> None:
         self.lr = _number(config, "lr", None)
         self.weight_decay = _number(config, "weight_decay", 0.0)
+        if self.lr * self.weight_decay > 1.0:
+            # each update scales a parameter by 1 - lr * weight_decay: past -1 it grows
+            # without bound from any push, however small (lr 1 and weight decay 1e6
+            # reached infinity in seven pushes of 0.001, each one accepted)
+            raise InvalidArgument(
+                f"optimizer {self.name!r}: lr x weight_decay must be at most 1, got"
+                f" {self.lr:g} x {self.weight_decay:g} = {self.lr * self.weight_decay:g}"
+                " (each update scales the parameters by 1 - lr x weight_decay: below 0 it"
+                " overshoots, below -1 they grow without bound from any push)"
+            )
 
     def config(self) -> dict[str, Any]:
         """The full config, defaults filled in (JSON-able)."""
