@@ -949,6 +949,8 @@ def test_the_nonfinite_verdict() -> None:
     )
     assert nonfinite_verdict(1, 1000, 0.0)  # none allowed
     assert nonfinite_verdict(1000, 1000, 1.0) == ""
+    # a step refused and never ended (rows refused, no push after): never past 100 %
+    assert nonfinite_verdict(73, 72, 0.5).startswith("73 of 73 steps (100.0%)")
 
 
 def test_nonfinite_steps_of_every_incarnation_are_counted() -> None:
