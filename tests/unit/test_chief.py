@@ -1030,6 +1030,35 @@ def test_a_run_that_stands_still_says_in_the_log_what_it_waits_on(
     assert len(waits) <= 5  # once per period, not per look
 
 
+def test_a_wait_is_first_said_after_ten_seconds_then_every_thirty(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A chief started with its PS and no worker said nothing for 30 s: the first line
+    comes after 10 s of waiting, then one every 30 s."""
+    said: list[float] = []
+
+    async def body() -> None:
+        env = make_env(1, num_workers=2)
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        reporter = asyncio.ensure_future(env.chief.report_waits(look=0.005))
+        start = env.clock.now
+        for _ in range(150):  # 75 s of the chief's clock, half a second a look
+            n = len([r for r in caplog.records if "training has waited" in r.getMessage()])
+            env.clock.now += 0.5
+            await asyncio.sleep(0.01)
+            if len([r for r in caplog.records if "training has waited" in r.getMessage()]) > n:
+                said.append(env.clock.now - start)
+        reporter.cancel()
+
+    with caplog.at_level(logging.WARNING, logger="zmqps.chief"):
+        run(body())
+    waits = [r.getMessage() for r in caplog.records if "training has waited" in r.getMessage()]
+    assert "waiting for workers [0, 1] to register" in waits[0], waits
+    assert len(said) == 3, said
+    assert 10.0 <= said[0] <= 12.0 and 40.0 <= said[1] <= 42.0 and 70.0 <= said[2] <= 72.0, said
+
+
 def test_training_that_stands_still_past_the_stall_timeout_ends_the_run_failed() -> None:
     """A worker stopped for ever (its heartbeats stop, its data is not done), or one
     alive that never pushes its step: the run waits for it, says so, and past
@@ -1057,15 +1086,25 @@ def test_training_that_stands_still_past_the_stall_timeout_ends_the_run_failed()
         watch.cancel()
         assert "stood still" in env.chief.failure and "--stall-timeout 60" in env.chief.failure
         assert "workers [1]" in env.chief.failure
-        # the end itself, and tasks not started yet, are no stall
+        # the end itself is no stall
         env.chief.failure = ""
         env.chief.shutdown_requested.clear()
         for working in (
             "finishing: the final checkpoint, evaluation and export",
-            "waiting for workers [1] to register",
+            "stopping (a shutdown was requested)",
         ):
             env.chief._check_stall(1e6, working)
             assert not env.chief.failure, working
+        # workers never started, variables never created: past the limit (a chief
+        # started with its PS and no worker waited for ever)
+        for never in (
+            "waiting for workers [1] to register",
+            "waiting for the variables to be created",
+        ):
+            env.chief._check_stall(61.0, never)
+            assert never in env.chief.failure
+            env.chief.failure = ""
+            env.chief.shutdown_requested.clear()
         # a step held by a live worker is (it held a sync run for ever): past the limit
         held = "step 5 waits on worker 1 (alive: heartbeats come, the step's push does not)"
         env.chief._check_stall(59.0, held)

@@ -274,9 +274,9 @@ def add_stall_timeout_arg(g: Any, *, role: str = "") -> None:
         default=STALL_TIMEOUT_S,
         metavar="S",
         help=f"{role}a run whose training stands still this many seconds (a step waiting on"
-        " a worker that never comes back or never pushes it, a PS that is never restarted)"
-        " ends failed (exit code 3) with what it waited on; set it above your longest"
-        " step; 0: wait for ever"
+        " a worker that never comes back or never pushes it, workers never started, a PS"
+        " that is never restarted) ends failed (exit code 3) with what it waited on; set"
+        " it above your longest step; 0: wait for ever"
         f" (default: {STALL_TIMEOUT_S:g})",
     )
 

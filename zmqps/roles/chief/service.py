@@ -58,6 +58,9 @@ NOTE_INTERVAL_S = 10.0
 #: training that stands still this long is reported in the log, once per period
 WAIT_REPORT_S = 30.0
 
+#: ... and first after this long (a wait of its own: a task never started, say)
+FIRST_WAIT_REPORT_S = 10.0
+
 #: the run's controls: the chief's own key (its coordinator) and the operator's
 #: (``status``: zmqps status, zmqps scale) only
 OPERATOR_OPS = frozenset({"shutdown", "checkpoint"})
@@ -102,15 +105,12 @@ def check_key(msg: Message) -> None:
         )
 
 
-#: blockers (``ChiefService.blocker``) that say live tasks are at work, not a stall (a
-#: step waiting on a live worker is one: its heartbeats say nothing of its step, and a
-#: worker stuck in it, or a client that pushed part of it, held a sync run for ever)
-STILL_WORKING = (
-    "finishing",
-    "stopping",
-    "waiting for workers",
-    "waiting for the variables",
-)
+#: blockers (``ChiefService.blocker``) that say the run is ending, not a stall. A step
+#: waiting on a live worker is one (its heartbeats say nothing of its step: a worker
+#: stuck in it, or a client that pushed part of it, held a sync run for ever), and so
+#: are workers that never register and variables never created (a chief started with
+#: its PS and no worker waited for ever)
+STILL_WORKING = ("finishing", "stopping")
 
 #: side-car evaluators the chief keeps track of (a run has one or a few)
 MAX_EVALUATORS = 64
@@ -726,14 +726,17 @@ class ChiefService:
             return why
         return None
 
-    async def report_waits(self, every: float = WAIT_REPORT_S) -> None:
-        """While training stands still for ``every`` seconds or more, say in the log
-        what it waits on (once per ``every`` s): a run waiting for a task to come back
-        is never silent."""
+    async def report_waits(
+        self, every: float = WAIT_REPORT_S, first: float = FIRST_WAIT_REPORT_S, look: float = 5.0
+    ) -> None:
+        """While training stands still for ``first`` seconds or more, say in the log
+        what it waits on (then once per ``every`` s): a run waiting for a task to come
+        back, or for one never started, is never silent."""
+        first = min(first, every)
         since: float | None = None
-        said, step = 0.0, (-1, -1)
+        said, step = -math.inf, (-1, -1)
         while True:
-            await asyncio.sleep(min(every, 5.0))
+            await asyncio.sleep(min(every, look))
             st = await self.full_status()
             why = st["blocker"] if self.recovery.started.is_set() else None
             now = self.clock()
@@ -744,7 +747,9 @@ class ChiefService:
                 since = None
                 continue
             since = now if since is None else since
-            if now - since >= every and now - said >= every:
+            if (said < since and now - since >= first) or (
+                now - since >= every and now - said >= every
+            ):
                 said = now
                 log.warning("training has waited %.0fs: %s", now - since, why)
             self._check_stall(now - since, why)

@@ -30,6 +30,9 @@ __all__ = ["KernelGate", "ps_slots", "run_ps", "serve_ps"]
 #: a PS that holds no variables says so every this many seconds
 IDLE_NOTE_S = 60.0
 
+#: ... first after this many (a chief never started: it said nothing for 60 s)
+FIRST_IDLE_NOTE_S = 10.0
+
 log = logging.getLogger("zmqps.ps")
 
 #: requests whose handling may run a compiled kernel (a value check, an update, a
@@ -184,7 +187,8 @@ async def serve_ps(
     deaf = server.reader_failed()
     try:
         stop = asyncio.ensure_future(service.shutdown_requested.wait())
-        started = said = loop.time()
+        started = loop.time()
+        said = started - IDLE_NOTE_S + FIRST_IDLE_NOTE_S  # the first note after 10 s
         either: list[asyncio.Future[Any]] = [stop, deaf]
         while not stop.done() and not signalled:
             await asyncio.wait(either, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
