@@ -1485,6 +1485,55 @@ def test_a_chief_that_resumes_from_a_checkpoint_reports_its_step_at_once(
     run(body())
 
 
+@pytest.mark.parametrize(
+    ("label", "extra", "expected"),
+    [
+        # an older writer: the offset it counted on top of the workers it had heard
+        (8, {"workers": {"0": 4, "1": 4}}, 12),
+        # the offset recorded: a run that went on from a finished run of step 100
+        (104, {"workers": {"0": 2, "1": 2}, "step_offset": 100}, 112),
+    ],
+)
+def test_a_resumed_async_run_starts_at_the_pushes_its_checkpoint_holds(
+    tmp_path: Path, label: int, extra: dict[str, Any], expected: int
+) -> None:
+    """Async, the whole run stopped by kill -9: its latest checkpoint was labelled with
+    the step the chief had heard from heartbeats (235) while its values held 326
+    pushes (its cursors), and the resumed run ended at global step 9,109 for 9,200
+    worker steps. The global step of a resumed run is the pushes its checkpoint's
+    values hold, on top of the steps of the runs before it."""
+    placement = plan(VARS, 1, Partitioner(num_shards=2), optimizer=dict(SGD))
+
+    async def write_checkpoint() -> None:
+        net = FakeNetwork()
+        net.serve("ps0", PSService(0, checkpoint_dir=str(tmp_path)), name="ps0")
+        client = net.client("ps0", "chief:0")
+        defs = tuple(d.to_wire() for _, d in placement.shard_defs())
+        cursors = {"worker:0": 5, "worker:1": 7}
+        restore = o.Restore(0, 0, defs, None, placement.to_wire(), cursors, False)
+        await client.request("restore", restore.to_wire())
+        ck = Checkpointer(CheckpointPolicy(str(tmp_path)), [client])
+        ckpt = await ck.take(label, placement, "async", 0, extra)
+        assert ckpt is not None and ckpt.cursors == cursors
+
+    async def body() -> None:
+        await write_checkpoint()
+        env = make_env(1, num_workers=2, serve=[], checkpoint=CheckpointPolicy(str(tmp_path)))
+        env.services[0] = PSService(0, checkpoint_dir=str(tmp_path))
+        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        await env.chief.start()
+        assert (await call(env.chief, "status")).body["global_step"] == expected
+        for i in (0, 1):
+            await call(env.chief, "register", who(i, 1, steps_planned=20))
+            await call(env.chief, "heartbeat", who(i, 1, step=2))
+        assert (await call(env.chief, "status")).body["global_step"] == expected + 4
+        # its own checkpoints say the offset, for a run resumed from them in turn
+        assert env.chief.checkpoints is not None
+        assert env.chief.checkpoints._extra()["step_offset"] == expected - 12
+
+    run(body())
+
+
 def test_a_burst_of_checkpoint_requests_shares_checkpoints_named_by_their_step(
     tmp_path: Path,
 ) -> None:

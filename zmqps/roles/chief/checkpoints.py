@@ -50,6 +50,11 @@ class ChiefCheckpoints:
             "examples": members.examples,
             "train_seconds": round(members.train_seconds(self.chief.clock()), 3),
         }
+        if not self.sync:
+            # the global step counted before this run's workers' pushes (the runs its
+            # checkpoint went on from): with the cursors, the global step its values
+            # hold (a resumed run starts there, not at the step heard in heartbeats)
+            extra["step_offset"] = self.chief.consistency.step_offset
         job = self.chief.cfg.job
         if job is not None:
             # what each worker's batch cursors mean: its part of the data (of how many

@@ -136,6 +136,33 @@ def _resumed(ckpt: Checkpoint | None) -> dict[str, int] | None:
     return dict(ckpt.cursors)
 
 
+def _async_steps(ckpt: Checkpoint) -> tuple[int, int]:
+    """Async / SSP: ``(step offset, global step)`` of a new cluster on ``ckpt``. The
+    checkpoint of a run stopped before its end holds each worker's pushes up to its
+    cursor: the global step is the steps of the runs before that one (its step offset)
+    plus those pushes, which the workers count again as the batches they resume after.
+    Its label is the step the chief had heard from heartbeats, which lags the pushes its
+    values hold after a stop that was not clean (a kill -9: 235 for 326), so the global
+    step is not taken from it. A finished run's final checkpoint (a new run trains
+    more epochs on it): its step, on top of which the new workers count."""
+    resumed = _resumed(ckpt)
+    if resumed is None:
+        return ckpt.step, ckpt.step
+    held = sum(resumed.values())
+    extra = ckpt.manifest.extra
+    try:
+        before = int(extra["step_offset"])
+    except (KeyError, TypeError, ValueError):
+        # an older writer: the offset it counted on top of the workers it had heard
+        try:
+            heard = sum(int(v) for v in dict(extra["workers"]).values())
+        except (KeyError, TypeError, ValueError):
+            heard = held  # nor that: the offset as its step says it
+        before = ckpt.step - heard
+    before = max(0, before)
+    return before, before + held
+
+
 class RecoveryController:
     def __init__(
         self,
@@ -513,11 +540,11 @@ class RecoveryController:
             if self.mode.name != "sync":
                 # the steps the checkpoint holds; those of the batches its workers resume
                 # after are counted again by the workers themselves
-                self.mode.step_offset = ckpt.step - sum((_resumed(ckpt) or {}).values())
+                self.mode.step_offset, held = _async_steps(ckpt)
                 # the checkpoint's step from the restore on, not the offset alone until
                 # the workers report the batches they resume after (it read 0 there,
                 # after the lost chief had said more)
-                self.mode.global_step = ckpt.step
+                self.mode.global_step = held
             self.gen = max(self.gen, ckpt.manifest.generation)
             # never silent: a run that goes on from a checkpoint says so, and from which
             log.warning(
