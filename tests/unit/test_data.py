@@ -312,3 +312,19 @@ def test_steps_per_epoch() -> None:
     assert steps_per_epoch(0, 3) == 0
     with pytest.raises(ValueError):
         steps_per_epoch(10, 0)
+
+
+@pytest.mark.parametrize(("n", "batch"), [(719, 32), (64, 32), (5, 8), (1, 1), (33, 4)])
+def test_examples_in_the_first_batches_are_those_stream_yields(n: int, batch: int) -> None:
+    """The examples of a worker's first c batches are its data's (each epoch's last
+    batch is the rest): a resumed or rewound worker counts them exactly, where the
+    run's mean batch size was 24 examples off over 20 epochs of 719."""
+    from zmqps.data import examples_in, stream
+
+    ds = Dataset(np.zeros((n, 2), np.float32), np.zeros(n, np.int64), 2, "t")
+    seen = [0]
+    for x, _ in stream(ds, batch, 3, seed=1):
+        seen.append(seen[-1] + len(x))
+    assert [examples_in(n, batch, c) for c in range(len(seen))] == seen
+    with pytest.raises(ValueError):
+        examples_in(n, batch, -1)

@@ -404,3 +404,39 @@ def test_a_worker_block_left_by_sys_exit_0_is_done(
     w = SimpleNamespace(close=said.append)
     Worker.__exit__(w, None if raised is None else type(raised), raised, None)  # type: ignore[arg-type]
     assert said == [reason]
+
+
+def test_a_worker_that_says_the_examples_it_resumed_after_is_counted_exactly() -> None:
+    """``--resume`` and a worker started again counted the batches each resumed after at
+    a mean batch size (28,784 and 28,783 examples for 28,760: each epoch's last batch is
+    smaller). A worker whose loop knows its data says them: the chief takes that."""
+    m = Membership(2, timeout=10.0)
+    m.resume({"workers": {"0": 30, "1": 30}, "examples": 1_900, "train_seconds": 6.0})
+    for i in (0, 1):
+        m.register(i, 1, now=100.0)
+        m.set_steps_before(i, 30)
+    assert m.examples == 1_900  # at the mean until they say
+    m.heartbeat(0, 1, step=2, now=101.0, examples=64, examples_before=951)
+    m.heartbeat(1, 1, step=2, now=101.0, examples=64, examples_before=949)
+    assert m.examples == 951 + 949 + 128
+    m.set_steps_before(0, 30)  # a late count of the PS changes nothing said exactly
+    assert m.examples == 951 + 949 + 128
+    # a worker killed after its last heartbeat, started again: it says its own too
+    m.register(1, 2, now=102.0)
+    m.set_steps_before(1, 40)  # estimated from what incarnation 1 said ...
+    m.leave(1, 2, step=3, now=103.0, reason="done", examples=96, examples_before=1_271)
+    assert m.examples == 951 + 64 + 1_271 + 96  # ... until incarnation 2 says it
+    assert m.global_step == 30 + 2 + 40 + 3
+
+
+def test_a_resumed_run_says_the_seconds_its_train_seconds_carry() -> None:
+    """After ``--resume`` the training seconds and the rate count the whole run: the
+    stopped part's seconds are said (``train_seconds_before_resume``)."""
+    m = Membership(1, timeout=10.0)
+    assert m.seconds_resumed is None
+    m.resume({"workers": {"0": 10}, "examples": 320, "train_seconds": 5.5})
+    m.register(0, 1, now=10.0)
+    m.set_steps_before(0, 10)
+    m.leave(0, 1, step=10, now=12.0, reason="done", examples=320, examples_before=320)
+    assert m.seconds_resumed == 5.5 and m.train_seconds(now=20.0) == 7.5
+    assert m.examples_per_second(20.0) == pytest.approx(640 / 7.5)

@@ -395,6 +395,7 @@ def test_a_refused_done_puts_the_session_in_the_new_generation_with_its_rewind()
 def test_finish_trains_again_the_batches_a_restore_took_back_during_the_last_push() -> None:
     """The worker's last push was dropped by a restore it heard of while pushing (the
     rewind waits in its session): finish() goes back there instead of leaving."""
+    from zmqps.core.held import HeldExamples
     from zmqps.roles.worker.worker import Worker
 
     class _Session:
@@ -411,6 +412,7 @@ def test_finish_trains_again_the_batches_a_restore_took_back_during_the_last_pus
     w = Worker.__new__(Worker)
     w.session = _Session()  # type: ignore[assignment]
     w.steps_done, w.step, w.rewound, w._left, w.name = 0, 46, 0, False, "worker:0"
+    w._held = HeldExamples()
     assert w.finish() == 0 and w.position == 0 and w.rewound == 46
 
 
@@ -445,6 +447,7 @@ def _counting_worker(steps_done: int = 0) -> Any:
     """A Worker's step bookkeeping alone (no cluster): count_step and take_rewind."""
     from types import SimpleNamespace
 
+    from zmqps.core.held import HeldExamples
     from zmqps.metrics.summaries import Window
     from zmqps.roles.worker.worker import Worker
 
@@ -462,6 +465,7 @@ def _counting_worker(steps_done: int = 0) -> Any:
     w._window = Window()
     w.name, w.index, w.loss, w.examples = "worker:0", 0, None, 0
     w.steps_done, w.step, w.rewound, w.retrained, w._furthest = steps_done, 0, 0, 0, steps_done
+    w._held, w.examples_of = HeldExamples(steps_done), None
     return w
 
 
@@ -501,3 +505,40 @@ def test_a_resumed_worker_counts_only_what_it_trains_again_itself() -> None:
     for _ in range(5):
         w.count_step(None, None)
     assert (w.position, w.net_steps, w.retrained) == (105, 5, 0)
+
+
+def test_the_examples_of_batches_a_restore_took_back_are_counted_once() -> None:
+    """A PS killed before any checkpoint: the restore took 161 batches back, the
+    workers trained them again, and the run's examples counted them twice (33,810 for
+    28,760). What a worker reports leaves the batches taken back out until trained
+    again, by the examples each one had (a custom loop's own counts included)."""
+    w = _counting_worker()
+    sizes = [32] * 22 + [7]  # one epoch of 711 examples
+    for p in range(50):
+        w.count_step(0.5, sizes[p % 23])
+    w.session.rewind = 0  # from scratch: every batch again
+    w.take_rewind()
+    assert w.held_examples == 0
+    for p in range(50):
+        w.count_step(0.5, sizes[p % 23])
+    assert w.held_examples == 2 * 711 + 4 * 32 and w.examples == 2 * w.held_examples
+    assert w.examples_resumed_after() is None  # a custom loop: the chief counts those
+
+
+def test_a_loop_that_knows_its_data_reports_every_incarnations_examples_exactly() -> None:
+    """The built-in loop says its data (:meth:`Worker.count_examples_by`): a worker that
+    resumed after 104 batches says their examples (the chief counted them at the run's
+    mean: 23 examples off), and its own are its data's, whatever a restore took back."""
+    from zmqps.data import examples_in
+
+    w = _counting_worker(steps_done=104)
+    w.count_examples_by(lambda c: examples_in(719, 32, c))
+    assert w.examples_resumed_after() == examples_in(719, 32, 104) == 4 * 719 + 12 * 32
+    for p in range(104, 130):
+        w.count_step(0.5, examples_in(719, 32, p + 1) - examples_in(719, 32, p))
+    w.session.rewind = 100  # back past where it resumed
+    w.take_rewind()
+    assert w.held_examples == 0  # never less
+    for p in range(100, 460):
+        w.count_step(0.5, examples_in(719, 32, p + 1) - examples_in(719, 32, p))
+    assert w.examples_resumed_after() + w.held_examples == 20 * 719

@@ -1056,12 +1056,18 @@ def _print_summary(summary: dict[str, Any]) -> None:
                 what.append(f"{scratch} to the initial values (no checkpoint yet)")
             line += (
                 f"; {', '.join(what)},"
-                f" {summary.get('rewound_batches', 0)} batches trained again (counted above)"
+                f" {summary.get('rewound_batches', 0)} batches trained again (counted once above)"
             )
         lines.append(line)
     if summary.get("evaluations") == 0:
         lines.append(
             "  WARNING: the evaluator evaluated nothing (see evaluator.log in the run folder)"
+        )
+    if summary.get("train_seconds_before_resume") is not None:
+        lines.append(
+            "  resumed: steps, examples and examples/s count the whole run, the"
+            f" {summary['train_seconds_before_resume']} s of training before the stop"
+            f" included ({summary.get('train_seconds')} s in all)"
         )
     if summary.get("chief_restarted"):
         lines.append(

@@ -59,6 +59,9 @@ class WorkerState:
     steps_planned: int = 0
     examples: int = 0
     examples_before: int = 0
+    #: ``examples_before`` as the worker's data says it (``Heartbeat.examples_before``),
+    #: not counted here from what earlier incarnations or a stopped run said
+    examples_exact: bool = False
     #: steps whose gradients the PS refused (not finite), this incarnation / earlier ones
     nonfinite: int = 0
     nonfinite_before: int = 0
@@ -96,9 +99,13 @@ class Membership:
         self.examples_carried = 0
         self.seconds_carried = 0.0
         #: a new cluster on a stopped run's checkpoint (``--resume``): the examples of
-        #: one batch of that run, at its mean (0: not resumed); the batches each worker
-        #: resumes after count at that rate in the run's examples (:meth:`resume`)
+        #: one batch of that run, at its mean (0: not resumed); the batches a worker
+        #: resumes after count at that rate in the run's examples until it says their
+        #: examples itself (the built-in loops: exact, ``Heartbeat.examples_before``)
         self.examples_per_batch = 0.0
+        #: resumed: the training seconds of the stopped run, as its checkpoint recorded
+        #: them (in :meth:`train_seconds`; None: not resumed)
+        self.seconds_resumed: float | None = None
         #: this chief took over a running cluster (restarted during the run)
         self.adopted = False
         #: adopted: each worker's examples as this chief first heard them (what they
@@ -138,8 +145,10 @@ class Membership:
         """A new cluster goes on from a stopped run's checkpoint: the batches its workers
         resume after were trained by that run, so the run's examples and training
         seconds count them as its checkpoint recorded (``extra``): the examples of those
-        batches at the mean of that run's (the new workers count only their own), so
-        that examples, worker steps and the global step all say the whole run."""
+        batches at the mean of that run's until each worker says them exactly (a worker
+        whose loop knows its data: :attr:`WorkerState.examples_exact`), so that
+        examples, worker steps, the global step and the training seconds all say the
+        whole run."""
         try:
             steps = sum(int(v) for v in dict(extra.get("workers") or {}).values())
             examples = int(extra.get("examples") or 0)
@@ -148,7 +157,7 @@ class Membership:
             return  # a checkpoint that does not say: the figures count from this run
         if steps > 0 and examples > 0:
             self.examples_per_batch = examples / steps
-            self.seconds_carried = max(0.0, seconds)
+            self.seconds_carried = self.seconds_resumed = max(0.0, seconds)
 
     def train_seconds(self, now: float) -> float:
         """Seconds of training: from the first registration this chief saw to the end
@@ -236,12 +245,17 @@ class Membership:
         loss: float | None = None,
         examples: int | None = None,
         nonfinite: int | None = None,
+        examples_before: int | None = None,
     ) -> None:
         w = self._current(index, incarnation)
         w.last_seen = now
         if step > w.step:
             self._steps += step - w.step
             w.step = step
+        if examples_before is not None:
+            # the examples of the batches it resumed after, as its data says them:
+            # exact, where the chief's count of them was at a mean
+            w.examples_before, w.examples_exact = examples_before, True
         if examples is not None:
             w.examples = max(w.examples, examples)
         if self.adopted and index not in self._examples_when_heard:
@@ -261,8 +275,17 @@ class Membership:
         examples: int | None,
         waits: bool = False,
         nonfinite: int | None = None,
+        examples_before: int | None = None,
     ) -> None:
-        self.heartbeat(index, incarnation, step, now, examples=examples, nonfinite=nonfinite)
+        self.heartbeat(
+            index,
+            incarnation,
+            step,
+            now,
+            examples=examples,
+            nonfinite=nonfinite,
+            examples_before=examples_before,
+        )
         w = self.workers[index]
         w.left_reason = reason
         unfinished = reason not in FINISHED_REASONS
@@ -318,7 +341,9 @@ class Membership:
         them (its heartbeats lag)."""
         w = self.workers[index]
         heard = w.steps_before
-        if heard == 0 and steps > 0 and self.examples_per_batch and not w.examples_before:
+        if w.examples_exact:
+            pass  # the worker said the examples of the batches it resumed after
+        elif heard == 0 and steps > 0 and self.examples_per_batch and not w.examples_before:
             # resumed after the batches of a stopped run (:meth:`resume`)
             w.examples_before = round(steps * self.examples_per_batch)
         elif steps > heard > 0:

@@ -3,7 +3,7 @@
 Layer map (this package depends on numpy and :mod:`zmqps.core` only; scikit-learn is
 imported lazily)::
 
-    batches  Dataset, shard, batches, stream, steps_per_epoch
+    batches  Dataset, shard, batches, stream, steps_per_epoch, examples_in
     digits   load_digits   (scikit-learn's bundled 8x8 digits)
     mnist    load_mnist, read_idx, write_idx   (IDX files, plain or .gz)
     preprocessing  PREPROCESSING, preprocessing, prepare   (raw values -> features;
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from zmqps.data.batches import Dataset, batches, shard, steps_per_epoch, stream
+from zmqps.data.batches import Dataset, batches, examples_in, shard, steps_per_epoch, stream
 from zmqps.data.digits import load_digits
 from zmqps.data.mnist import load_mnist, read_idx, write_idx
 
@@ -27,6 +27,7 @@ __all__ = [
     "FEATURES",
     "Dataset",
     "batches",
+    "examples_in",
     "load_dataset",
     "load_digits",
     "load_mnist",

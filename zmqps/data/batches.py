@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Dataset", "batches", "shard", "steps_per_epoch"]
+__all__ = ["Dataset", "batches", "examples_in", "shard", "steps_per_epoch"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,6 +83,19 @@ def steps_per_epoch(n: int, batch_size: int, drop_last: bool = False) -> int:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     return n // batch_size if drop_last else -(-n // batch_size)
+
+
+def examples_in(n: int, batch_size: int, count: int) -> int:
+    """The examples of the first ``count`` batches :func:`stream` yields for ``n``
+    examples in batches of ``batch_size`` (each epoch's last batch is the rest, smaller
+    when ``batch_size`` does not divide ``n``): exact, whatever the epoch they end in."""
+    per_epoch = steps_per_epoch(n, batch_size)
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if not per_epoch:
+        return 0
+    epochs, rest = divmod(count, per_epoch)
+    return epochs * n + min(rest * batch_size, n)
 
 
 def batches(

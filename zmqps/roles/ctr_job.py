@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from zmqps.data.batches import examples_in
 from zmqps.data.ctr import CTRDataset, auc, logloss
 from zmqps.models.ctr import EVAL_PIECE, CTRModel, SparseBatch
 from zmqps.roles.channels import RECOVERABLE
@@ -89,6 +90,9 @@ def train_ctr(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any
         worker.create_variables(model.variables(), optimizer=job.optimizer)
     except ModelMismatch as exc:
         raise job.not_the_model(exc) from None
+    # the examples it reports are its data's, exact (each epoch's last batch smaller)
+    shard_size, batch_size = len(data), job.batch_size
+    worker.count_examples_by(lambda c: examples_in(shard_size, batch_size, c))
     params = worker.pull()
     asynchronous = worker.steps.pulls_ahead  # rows of the next batch pulled during this one
     it = _batches(data, job, worker)

@@ -310,6 +310,9 @@ class Heartbeat(Body):
     #: may hold the reply this many seconds, answering as soon as the run finishes,
     #: stops or is restored (one held heartbeat per worker)
     wait: float | None = wire(WAIT, default=None)
+    #: the examples of the batches this incarnation resumed after, as its data says
+    #: them (exact); None: the chief counts them from what it heard before
+    examples_before: int | None = wire(TALLY, default=None)
 
 
 @_body("leave")
@@ -326,6 +329,8 @@ class Leave(Body):
     #: the cluster generation the task's work is of: a ``done`` of an older one than
     #: the chief's is refused (a restore meanwhile may have taken its batches back)
     gen: int | None = wire(GEN, default=None)
+    #: as :attr:`Heartbeat.examples_before`
+    examples_before: int | None = wire(TALLY, default=None)
 
 
 @_body("create_vars")

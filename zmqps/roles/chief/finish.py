@@ -57,13 +57,18 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         # steps whose gradients the PS refused as not finite (the workers skipped them)
         "nonfinite_steps": m.nonfinite,
     }
+    if m.seconds_resumed is not None:
+        # a stopped run resumed (``--resume``): train_seconds, examples and the rate
+        # count the whole run; this many of its seconds are the stopped part's, as its
+        # checkpoint recorded them
+        summary["train_seconds_before_resume"] = round(m.seconds_resumed, 3)
     if m.adopted:
         # a chief restarted during the run: what it knows of the time before it
         # comes from its latest checkpoint (the moments after that one are not counted)
         summary["chief_restarted"] = True
     recovery = service.recovery
     # restores to a checkpoint (a PS lost its state): the batches after it were trained
-    # again, so the workers' steps and examples count them twice
+    # again (``rewound_batches``); the workers' steps and examples count them once
     summary["restores"] = recovery.restore_count
     summary["restores_from_scratch"] = recovery.restores_from_scratch  # no checkpoint
     summary["rewound_batches"] = recovery.rewound

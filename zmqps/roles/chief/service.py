@@ -370,6 +370,7 @@ class ChiefService:
                 req.loss,
                 req.examples,
                 req.nonfinite,
+                req.examples_before,
             )
             if req.nonfinite:
                 self._nonfinite_heard(who.index, req.step)
@@ -483,6 +484,7 @@ class ChiefService:
             req.examples,
             req.waits,
             req.nonfinite,
+            req.examples_before,
         )
         self.notes.log(
             logging.INFO,

@@ -104,6 +104,10 @@ class Session:
         #: ``(steps, examples, last loss)`` of this process, for heartbeats and leave
         #: (steps, examples, last loss, steps refused as not finite) of this task
         self.progress = progress or (lambda: (0, 0, None, 0))
+        #: the examples of the batches this task resumed after, when it knows them
+        #: exactly (its data says them), for heartbeats and leave; None: the chief
+        #: counts them from what earlier incarnations said
+        self.examples_before: Callable[[], int | None] = lambda: None
         #: restores so far, as this process knows; data requests carry it
         self.gen = 0
         #: batches this task's earlier incarnations did, as the chief said at the start
@@ -251,7 +255,13 @@ class Session:
 
     def _beat(self) -> dict[str, Any]:
         step, examples, loss, nonfinite = self.progress()
-        beat = o.Heartbeat(self.who, step, examples=examples, nonfinite=nonfinite or None)
+        beat = o.Heartbeat(
+            self.who,
+            step,
+            examples=examples,
+            nonfinite=nonfinite or None,
+            examples_before=self.examples_before(),
+        )
         out = beat.to_wire()
         if loss is not None and np.isfinite(loss):
             out["loss"] = float(loss)
@@ -435,7 +445,16 @@ class Session:
         if heartbeats is not None:
             heartbeats.cancel()
         step, examples, _, nonfinite = self.progress()
-        body = o.Leave(self.who, step, reason, examples, waits, nonfinite or None, self.gen)
+        body = o.Leave(
+            self.who,
+            step,
+            reason,
+            examples,
+            waits,
+            nonfinite or None,
+            self.gen,
+            examples_before=self.examples_before(),
+        )
         try:
             await self.call(
                 "leave", body, o.StepReply, timeout=timeout, attempts=2 if timeout >= 5 else 1

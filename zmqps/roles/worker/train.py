@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-from zmqps.data import shard, steps_per_epoch, stream
+from zmqps.data import examples_in, shard, steps_per_epoch, stream
 from zmqps.roles.job import JobConfig
 from zmqps.roles.overlap import StepPipeline
 from zmqps.roles.worker.worker import Terminated, Worker
@@ -50,6 +50,9 @@ def train(
     pipe = StepPipeline(worker, prefetch=prefetch)
     batch = job.batch_size * towers
     per_epoch = steps_per_epoch(len(data_set), batch)
+    # the examples it reports are its data's, exact (each epoch's last batch smaller)
+    shard_size = len(data_set)
+    worker.count_examples_by(lambda c: examples_in(shard_size, batch, c))
     log.info(
         "worker %d: %d examples, %d steps per epoch, %d epochs, on %s",
         worker.index,

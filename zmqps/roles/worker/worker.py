@@ -46,6 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zmqps.config import ClusterSpec, TaskSpec
+from zmqps.core.held import HeldExamples
 from zmqps.core.optimizers import make_optimizer
 from zmqps.core.segments import load_kernels
 from zmqps.core.variables import Placement, VariableDef
@@ -209,7 +210,17 @@ class Worker:
         self.retrained = 0
         #: the furthest position this incarnation's data got to (past it: new batches)
         self._furthest = 0
+        #: examples of this incarnation's steps, every push counted (batches trained
+        #: again too): the work done, for its metrics
         self.examples = 0
+        #: the examples of this incarnation's batches that hold, by position (a restore
+        #: that went back takes theirs off): what heartbeats and leave say
+        self._held = HeldExamples()
+        #: ``examples_of(c)``: the examples of the first ``c`` batches of this worker's
+        #: data (every epoch), when the training loop knows its data
+        #: (:meth:`count_examples_by`); then the examples it reports are exact over
+        #: every incarnation, the batches it resumed after included
+        self.examples_of: Callable[[int], int] | None = None
         self.loss: float | None = None
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(
@@ -265,11 +276,12 @@ class Worker:
             # restore are not counted until trained again)
             progress=lambda: (
                 self.net_steps,
-                self.examples,
+                self.held_examples,
                 self.loss,
                 self.nonfinite,
             ),
         )
+        self.session.examples_before = self.examples_resumed_after
         self.session.on_placement = self._placement_moved
         try:
             info = self.io.run(self.session.open(s.connect_timeout))
@@ -285,6 +297,7 @@ class Worker:
         #: skips them)
         self.steps_done = info.steps_done
         self._furthest = info.steps_done
+        self._held = HeldExamples(info.steps_done)
         if info.placement is not None:
             self._use(Placement.from_wire(info.placement))
         if metrics is not None:
@@ -482,6 +495,7 @@ class Worker:
             return None
         again = self.position - back
         self.rewound += again
+        self._held.back(back)
         log.warning(
             "%s: the cluster went back to a checkpoint holding its first %d batches: %s",
             self.name,
@@ -557,6 +571,30 @@ class Worker:
                 " ever; this worker cannot go on (its leave lets the others)"
             )
         self._step_rows = None
+
+    def count_examples_by(self, examples_of: Callable[[int], int]) -> None:
+        """The training loop knows its data: ``examples_of(c)`` is the examples of the
+        first ``c`` batches of it (every epoch; :func:`zmqps.data.examples_in`). The
+        examples this worker reports are then exact over every incarnation: the batches
+        it resumed after count as their data says (not at the run's mean), and a
+        restore that goes back takes off exactly the examples of the batches it took."""
+        self.examples_of = examples_of
+
+    @property
+    def held_examples(self) -> int:
+        """The examples of this incarnation's batches that hold (those of the batches a
+        restore took back do not count until trained again; never less than 0)."""
+        if self.examples_of is not None:
+            return max(0, self.examples_of(self.position) - self.examples_of(self.steps_done))
+        return self._held.total
+
+    def examples_resumed_after(self) -> int | None:
+        """The examples of the batches this incarnation resumed after (its earlier
+        incarnations' or a stopped run's), when its data says them
+        (:meth:`count_examples_by`); None: the chief counts them."""
+        if self.examples_of is None:
+            return None
+        return self.examples_of(self.steps_done)
 
     @property
     def net_steps(self) -> int:
@@ -672,6 +710,7 @@ class Worker:
             self.loss = float(loss)
         if examples is not None:
             self.examples += int(examples)
+            self._held.add(before, int(examples))
         if self.metrics is not None:
             self.metrics.step_done(self.loss if loss is not None else None, examples)
         if self.summaries is not None:
