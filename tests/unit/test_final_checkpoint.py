@@ -36,7 +36,7 @@ def chief(step: int) -> Any:
     return SimpleNamespace(
         variables=SimpleNamespace(placement=SimpleNamespace(shards=[shard])),
         recovery=SimpleNamespace(recovering=False, gen=1),
-        consistency=SimpleNamespace(name="async", global_step=step),
+        consistency=SimpleNamespace(name="async", global_step=step, step_offset=0),
         global_step=step,
         members=SimpleNamespace(
             workers={}, examples=0, num_workers=2, train_seconds=lambda now: 1.0
