@@ -1680,3 +1680,69 @@ def test_a_ps_serving_nothing_that_does_not_answer_is_not_waited_for_at_the_end(
         (4, "ps_state", 1),
         (4, "shutdown", 6),
     ]
+
+
+def _ended(env: Env, name: str = "ckpt-000000004600", step: int = 4600) -> None:
+    """The chief found, at start, that its run ended (its final checkpoint ``name``)."""
+    from types import SimpleNamespace
+
+    from zmqps.roles.chief.recovery import RunFinished
+
+    ckpt: Any = SimpleNamespace(name=name, step=step)
+    env.chief.ended_before = RunFinished(ckpt, {"global_step": step}, "no PS answered")
+    env.chief.finished = True
+
+
+def test_a_chief_whose_run_ended_before_it_tells_registering_tasks_so() -> None:
+    """Started again on a finished run: a worker's register is answered at once (no PS
+    is asked: they are gone), naming the final checkpoint, and counted as told."""
+
+    async def body() -> None:
+        env = make_env(2, num_workers=2, serve=[])  # no PS answers
+        _ended(env)
+        rep = await call(env.chief, "register", who(1, 7, steps_planned=10))
+        info = o.ClusterInfo.parse(rep.body, "register reply")
+        assert (info.ended, info.global_step, info.finished) == ("ckpt-000000004600", 4600, True)
+        ev = {"role": "evaluator", "index": 0, "incarnation": 1}
+        rep = await call(env.chief, "register", ev)
+        assert rep.body["ended"] == "ckpt-000000004600"
+        assert env.chief.told_ended == {("worker", 1), ("evaluator", 0)}
+
+    run(body())
+
+
+def test_the_chief_of_an_ended_run_waits_for_the_clusters_tasks_within_a_bound() -> None:
+    from zmqps.roles.chief.serve import _late_tasks_told, ended_grace
+
+    async def body() -> None:
+        env = make_env(1, num_workers=2, serve=[], startup_timeout=0.3)
+        assert ended_grace(env.cfg) == 0.3  # min(--startup-timeout, 2 heartbeat timeouts)
+        _ended(env)
+        started = time.monotonic()
+        await _late_tasks_told(env.chief)  # nobody registers: the grace, then it ends
+        assert 0.3 <= time.monotonic() - started < 2.0
+        env = make_env(1, num_workers=2, serve=[], startup_timeout=30.0)
+        _ended(env)
+        waiting = asyncio.ensure_future(_late_tasks_told(env.chief))
+        await call(env.chief, "register", who(0, 1))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # worker 1 not told yet
+        await call(env.chief, "register", who(1, 1))
+        await asyncio.wait_for(waiting, 1.0)  # every task of the spec told: it ends
+
+    run(body())
+
+
+def test_a_worker_registering_with_the_chief_of_an_ended_run_raises_run_ended() -> None:
+    from zmqps.roles.worker import RunEnded, Session
+
+    async def body() -> None:
+        env = make_env(1, num_workers=1, serve=[])
+        _ended(env)
+        env.net.serve(CHIEF, env.chief, name="chief")
+        session = Session(env.net.client(CHIEF, "worker:0:1"), o.Who("worker", 0, 1))
+        with pytest.raises(RunEnded, match=r"the run already finished \(ckpt-000000004600,"):
+            await session.open(5.0)
+        await session.close()
+
+    run(body())

@@ -285,7 +285,7 @@ def run_task(task: TaskConfig) -> int:
 def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
     from zmqps.metrics.summaries import open_summaries
     from zmqps.roles.agreement import job_flags
-    from zmqps.roles.worker import Terminated, Worker, train
+    from zmqps.roles.worker import RunEnded, Terminated, Worker, train
 
     tspec = TaskSpec("worker", cfg.index)
     metrics, exporter = _worker_metrics(cfg)
@@ -341,6 +341,11 @@ def _run_worker(task: TaskConfig, cfg: WorkerConfig) -> int:
                 stopper.worker = worker
                 worker.on_stop = stopper.bound
                 result = train(worker, cfg.job, cfg.cluster.num_workers, prefetch=cfg.prefetch)
+        except RunEnded as ended:
+            # started again after its run ended (a supervisor, `docker compose up` on
+            # the kept volume): the chief of that run says so, and this is no failure
+            log.warning("worker %d: %s: nothing to train", cfg.index, ended)
+            return 0
         except Terminated:
             why, code = stopper.why(worker)
             step = 0 if worker is None else worker.net_steps

@@ -18,7 +18,7 @@ from zmqps.coordinator.server import FunctionContext, FunctionServer, load_job_m
 from zmqps.metrics import Metrics
 from zmqps.roles._run import run_server
 from zmqps.roles.job import JobConfig
-from zmqps.roles.worker import Worker
+from zmqps.roles.worker import RunEnded, Worker
 from zmqps.transport import Server, SocketOptions, ZmqContext
 from zmqps.wire.errors import ConfigError
 
@@ -82,7 +82,13 @@ def run_function_server(
     if task.role != "worker" or task.index >= cluster.num_workers:
         raise ConfigError("--serve runs a worker task named in the cluster spec")
     address = bind or bind_address(cluster.address("worker", task.index))
-    worker = Worker.from_cluster(cluster, task, options=options, metrics=metrics, **worker_kwargs)
+    try:
+        worker = Worker.from_cluster(
+            cluster, task, options=options, metrics=metrics, **worker_kwargs
+        )
+    except RunEnded as ended:
+        log.warning("worker %d: %s: nothing to serve", task.index, ended)
+        return 0
     reason = "error"
     try:
         if worker.mode != "async":

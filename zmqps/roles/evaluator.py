@@ -74,7 +74,7 @@ from zmqps.roles.client import ParameterClient
 from zmqps.roles.configs import EvaluatorConfig
 from zmqps.roles.ctr_job import ctr_scores, ctr_scores_summary
 from zmqps.roles.homes import Homes
-from zmqps.roles.worker.session import Session
+from zmqps.roles.worker.session import RunEnded, Session
 from zmqps.transport import Client, Requester, SocketOptions, ZmqContext, new_context
 from zmqps.transport.base import cancel_and_wait, waited
 from zmqps.wire import ops as o
@@ -364,6 +364,11 @@ class Evaluator:
                 self._final_before = identity(newest)
         try:
             info = await self._register()
+        except RunEnded as ended:
+            # the chief was started again after its run ended: its PS hold nothing
+            # (or are gone), and the final model was scored when the run ended
+            log.warning("evaluator: %s: nothing to evaluate", ended)
+            return self.evaluations
         except DeadlineExceeded as exc:
             if self._final_before is None:
                 raise

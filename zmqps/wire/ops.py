@@ -847,6 +847,9 @@ class ClusterInfo(Body):
     #: sync: the step of the last token the worker's earlier incarnations computed
     last_step: int = wire(Int(-1), default=-1)
     finished: bool = wire(Bool(), default=False)
+    #: the run ended before this chief started (its final checkpoint's name; the
+    #: global step is that checkpoint's): nothing is left to train or to evaluate
+    ended: str | None = wire(Str(256), default=None)
 
 
 @_body(reply=True)

@@ -288,6 +288,9 @@ async def _run(service: ChiefService, watchers: _Watchers) -> bool:
         starting.result()
     except RunFinished as e:
         _ended_before(service, e)
+        # the cluster's other tasks, started again with it (`docker compose up` on the
+        # kept volume), hear that it ended instead of waiting for a chief that is gone
+        await _late_tasks_told(service)
         return e.ps_up  # PS started again after the end are shut down
     except WorkLost as e:
         # nothing to train or to finish: the PS are shut down, the run ends failed, and
@@ -335,12 +338,56 @@ def _ended_before(service: ChiefService, finished: RunFinished) -> None:
     holding nothing): it ends at once, as the run did, with the summary the run wrote
     (left as it is)."""
     log.warning("%s; this chief ends", finished)
+    service.ended_before = finished
     service.finished = True
     service.result = finished.summary
     failed = finished.summary.get("failed")
     if failed:  # it ended failed (exit code 3): so does this chief, not with 0
         service.failure = str(failed)
         log.error("the run failed: %s", service.failure)
+
+
+#: a chief started after the end of its run answers the cluster's workers and evaluator
+#: that register for this many heartbeat timeouts (at most its --startup-timeout) before
+#: it ends: tasks started with it (`docker compose up` again) hear that the run ended
+ENDED_GRACE_TIMEOUTS = 2
+
+
+def ended_grace(cfg: ChiefConfig) -> float:
+    """Seconds a chief started after its run ended waits for the cluster's tasks to
+    register (each is told the run ended) before it ends."""
+    return min(cfg.startup_timeout, ENDED_GRACE_TIMEOUTS * cfg.heartbeat_timeout)
+
+
+async def _late_tasks_told(service: ChiefService) -> None:
+    """A chief started after the end of its run: keep answering until every worker and
+    evaluator of the cluster spec registered and heard that the run ended, for
+    :func:`ended_grace` seconds at most (``--keep-alive``: until stopped), or a
+    signal. A task started later finds no chief and exits 1 after its
+    ``--connect-timeout``."""
+    cfg = service.cfg
+    if cfg.keep_alive:
+        await service.shutdown_requested.wait()
+        return
+    tasks = {("worker", i) for i in range(cfg.cluster.num_workers)}
+    tasks.update(("evaluator", i) for i in range(len(cfg.cluster.evaluator)))
+    if not tasks - service.told_ended:
+        return
+    grace = ended_grace(cfg)
+    log.info(
+        "chief: telling the cluster's tasks that register within %.0fs that the run ended",
+        grace,
+    )
+    deadline = time.monotonic() + grace
+    while tasks - service.told_ended and not service.shutdown_requested.is_set():
+        if time.monotonic() >= deadline:
+            log.info(
+                "chief: not heard within %.0fs: %s",
+                grace,
+                ", ".join(f"{r} {i}" for r, i in sorted(tasks - service.told_ended)),
+            )
+            return
+        await asyncio.sleep(0.05)
 
 
 def _write_summary(service: ChiefService) -> None:

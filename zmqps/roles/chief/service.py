@@ -38,7 +38,7 @@ from zmqps.roles.agreement import compare, job_flags, refusal
 from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.chief.checkpoints import ChiefCheckpoints
 from zmqps.roles.chief.modes import ChiefMode, make_chief_mode
-from zmqps.roles.chief.recovery import RecoveryController
+from zmqps.roles.chief.recovery import RecoveryController, RunFinished
 from zmqps.roles.chief.variables import Variables
 from zmqps.roles.configs import ChiefConfig
 from zmqps.roles.homes import Homes
@@ -182,6 +182,11 @@ class ChiefService:
         #: each), answered by :meth:`_tell_held_beats`
         self._held_beats: dict[int, asyncio.Future[None]] = {}
         self._finished = False
+        #: the run ended before this chief started (:class:`RunFinished`): a task that
+        #: registers is told so, and nothing more (its PS are gone or hold nothing)
+        self.ended_before: RunFinished | None = None
+        #: the tasks told that, as ``(role, index)``
+        self.told_ended: set[tuple[str, int]] = set()
         self.recovery.on_phase = self._tell_held_beats
         self.recovery.on_work_lost = self._work_lost
         self.consistency.generation = lambda: self.recovery.gen
@@ -309,6 +314,17 @@ class ChiefService:
         return reply(msg, o.Pong("chief", 0).to_wire())
 
     def _info(self, steps_done: int = 0, last_step: int = -1) -> o.ClusterInfo:
+        ended = self.ended_before
+        if ended is not None:
+            # nothing to train or evaluate: the final checkpoint says where the run ended
+            return o.ClusterInfo(
+                ps=tuple(self.cfg.cluster.ps),
+                mode=self.mode,
+                heartbeat_interval=self.cfg.heartbeat_interval,
+                global_step=ended.ckpt.step,
+                finished=True,
+                ended=ended.ckpt.name,
+            )
         placement = self.variables.placement
         if placement is not None:
             self.recovery.told(placement.epoch)
@@ -329,9 +345,16 @@ class ChiefService:
         who = req.who
         if who.role != "worker":
             self._heard_evaluator(who)
+            if self.ended_before is not None:
+                self.told_ended.add((who.role, who.index))
             return reply(msg, self._info().to_wire())
         if req.job is not None and who.index < self.cfg.cluster.num_workers:
             self._check_job_flags(who.index, req.job)  # (admit refuses another index)
+        if self.ended_before is not None:
+            # the run ended before this chief started: nothing to admit it to (admitting
+            # asks every PS, and they are gone); the worker hears so and ends
+            self.told_ended.add((who.role, who.index))
+            return reply(msg, self._info().to_wire())
         if self.recovery.starting:
             # where a worker resumes is known once the PS are adopted or restored (a
             # new cluster on an interrupted run's checkpoint resumes after its batches)

@@ -7,8 +7,8 @@ modes.py    the consistency mode as a strategy: async, ssp (clock), sync (tokens
 train.py    the built-in training program
 """
 
-from zmqps.roles.worker.session import Session
+from zmqps.roles.worker.session import RunEnded, Session
 from zmqps.roles.worker.train import train
 from zmqps.roles.worker.worker import Terminated, Worker, WorkerOptions
 
-__all__ = ["Session", "Terminated", "Worker", "WorkerOptions", "train"]
+__all__ = ["RunEnded", "Session", "Terminated", "Worker", "WorkerOptions", "train"]

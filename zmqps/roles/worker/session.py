@@ -52,7 +52,7 @@ from zmqps.wire.errors import (
     ZmqpsError,
 )
 
-__all__ = ["RECOVERABLE", "Session", "cut_off"]
+__all__ = ["RECOVERABLE", "RunEnded", "Session", "cut_off"]
 
 log = logging.getLogger("zmqps.worker")
 
@@ -68,6 +68,18 @@ LINGER_SILENCE = 10
 REGISTER_NOTE_S = 5.0
 #: a worker done with its work, waiting for the run's end, says so this often (seconds)
 LINGER_NOTE_S = 60.0
+
+
+class RunEnded(Exception):
+    """At registration: the chief says the run ended before it started (it was started
+    again on the run's final checkpoint, the summary of that step beside it). Nothing
+    is left for this task to do: it ends, exit code 0, with this line."""
+
+    def __init__(self, checkpoint: str, step: int) -> None:
+        super().__init__(f"the run already finished ({checkpoint}, step {step})")
+        #: the run's final checkpoint (its name) and its global step
+        self.checkpoint = checkpoint
+        self.step = step
 
 
 class Session:
@@ -149,8 +161,11 @@ class Session:
     # ------------------------------------------------------------------ the chief
 
     async def open(self, connect_timeout: float) -> o.ClusterInfo:
-        """Register with the chief, waiting up to ``connect_timeout`` for it."""
+        """Register with the chief, waiting up to ``connect_timeout`` for it;
+        :class:`RunEnded` when the chief says its run ended before it started."""
         info = await self._register(connect_timeout)
+        if info.ended is not None:
+            raise RunEnded(info.ended, info.global_step)
         self.gen = info.gen
         self.steps_done = info.steps_done
         return info
