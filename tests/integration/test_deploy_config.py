@@ -294,6 +294,24 @@ def test_compose_tasks_write_only_on_their_volume() -> None:
 
 
 @needs_compose
+def test_compose_restarts_a_dead_ps_for_ever_and_a_chiefless_worker_a_few_times() -> None:
+    """A PS (or the chief) that dies comes back however often: the chief restores its
+    shards. A worker or the evaluator that finds no chief (started after the chief of a
+    finished run exited) exits 1 after --connect-timeout, and ``on-failure`` started it
+    again for ever: their restarts are bounded."""
+    services = _compose_config(COMPOSE, CURVE)["services"]
+    restarts = {name: services[name].get("restart") for name in _tasks_of(services)}
+    assert restarts == {
+        "chief": "on-failure",
+        "ps-0": "on-failure",
+        "ps-1": "on-failure",
+        "worker-0": "on-failure:5",
+        "worker-1": "on-failure:5",
+        "evaluator": "on-failure:5",
+    }, restarts
+
+
+@needs_compose
 def test_compose_prometheus_scrapes_every_task_and_grafana_is_provisioned() -> None:
     services = _compose_config(COMPOSE)["services"]
     prom = services["prometheus"]
