@@ -341,19 +341,28 @@ class ChiefService:
             finished=self.finished,
         )
 
+    def _told_ended(self, who: o.Who) -> None:
+        """``who`` heard that the run ended; kept only for the tasks of the cluster spec
+        (whom the chief waits to tell), so that registers of other indexes cannot
+        grow the set."""
+        spec = self.cfg.cluster
+        count = spec.num_workers if who.role == "worker" else len(spec.evaluator)
+        if 0 <= who.index < count:
+            self.told_ended.add((who.role, who.index))
+
     async def _op_register(self, msg: Message, req: o.Register) -> Message:
         who = req.who
         if who.role != "worker":
             self._heard_evaluator(who)
             if self.ended_before is not None:
-                self.told_ended.add((who.role, who.index))
+                self._told_ended(who)
             return reply(msg, self._info().to_wire())
         if req.job is not None and who.index < self.cfg.cluster.num_workers:
             self._check_job_flags(who.index, req.job)  # (admit refuses another index)
         if self.ended_before is not None:
             # the run ended before this chief started: nothing to admit it to (admitting
             # asks every PS, and they are gone); the worker hears so and ends
-            self.told_ended.add((who.role, who.index))
+            self._told_ended(who)
             return reply(msg, self._info().to_wire())
         if self.recovery.starting:
             # where a worker resumes is known once the PS are adopted or restored (a
