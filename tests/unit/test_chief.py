@@ -1442,6 +1442,30 @@ def test_a_worker_of_a_cluster_lost_before_any_checkpoint_finds_the_cluster_made
     run(body())
 
 
+async def _chief_on_a_checkpoint_of_two_workers(
+    tmp_path: Path, label: int, extra: dict[str, Any]
+) -> Env:
+    """An async checkpoint labelled ``label`` (with ``extra``) of a PS holding what
+    workers 0 and 1 pushed up to their batches 5 and 7, then a started chief (and an
+    empty PS) on it."""
+    placement = plan(VARS, 1, Partitioner(num_shards=2), optimizer=dict(SGD))
+    net = FakeNetwork()
+    net.serve("ps0", PSService(0, checkpoint_dir=str(tmp_path)), name="ps0")
+    client = net.client("ps0", "chief:0")
+    defs = tuple(d.to_wire() for _, d in placement.shard_defs())
+    cursors = {"worker:0": 5, "worker:1": 7}
+    restore = o.Restore(0, 0, defs, None, placement.to_wire(), cursors, False)
+    await client.request("restore", restore.to_wire())
+    ck = Checkpointer(CheckpointPolicy(str(tmp_path)), [client])
+    ckpt = await ck.take(label, placement, "async", 0, extra)
+    assert ckpt is not None and ckpt.cursors == cursors
+    env = make_env(1, num_workers=2, serve=[], checkpoint=CheckpointPolicy(str(tmp_path)))
+    env.services[0] = PSService(0, checkpoint_dir=str(tmp_path))
+    env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+    await env.chief.start()
+    return env
+
+
 def test_a_chief_that_resumes_from_a_checkpoint_reports_its_step_at_once(
     tmp_path: Path,
 ) -> None:
@@ -1450,27 +1474,9 @@ def test_a_chief_that_resumes_from_a_checkpoint_reports_its_step_at_once(
     the restore is done, not the step offset alone (12 - 5 - 7 = 0) until workers
     report: the global step read 0 there, and went back from what the lost chief had
     said (fault schedules 9606 and 9614)."""
-    placement = plan(VARS, 1, Partitioner(num_shards=2), optimizer=dict(SGD))
-
-    async def write_checkpoint() -> None:
-        net = FakeNetwork()
-        net.serve("ps0", PSService(0, checkpoint_dir=str(tmp_path)), name="ps0")
-        client = net.client("ps0", "chief:0")
-        defs = tuple(d.to_wire() for _, d in placement.shard_defs())
-        # the PS holds what workers 0 and 1 pushed up to their batches 5 and 7
-        cursors = {"worker:0": 5, "worker:1": 7}
-        restore = o.Restore(0, 0, defs, None, placement.to_wire(), cursors, False)
-        await client.request("restore", restore.to_wire())
-        ck = Checkpointer(CheckpointPolicy(str(tmp_path)), [client])
-        ckpt = await ck.take(12, placement, "async", 0, {})
-        assert ckpt is not None and ckpt.cursors == cursors
 
     async def body() -> None:
-        await write_checkpoint()
-        env = make_env(1, num_workers=2, serve=[], checkpoint=CheckpointPolicy(str(tmp_path)))
-        env.services[0] = PSService(0, checkpoint_dir=str(tmp_path))
-        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
-        await env.chief.start()
+        env = await _chief_on_a_checkpoint_of_two_workers(tmp_path, 12, {})
         status = (await call(env.chief, "status")).body
         assert status["step_known"] and status["gen"] >= 1
         assert status["global_step"] == 12
@@ -1502,26 +1508,9 @@ def test_a_resumed_async_run_starts_at_the_pushes_its_checkpoint_holds(
     pushes (its cursors), and the resumed run ended at global step 9,109 for 9,200
     worker steps. The global step of a resumed run is the pushes its checkpoint's
     values hold, on top of the steps of the runs before it."""
-    placement = plan(VARS, 1, Partitioner(num_shards=2), optimizer=dict(SGD))
-
-    async def write_checkpoint() -> None:
-        net = FakeNetwork()
-        net.serve("ps0", PSService(0, checkpoint_dir=str(tmp_path)), name="ps0")
-        client = net.client("ps0", "chief:0")
-        defs = tuple(d.to_wire() for _, d in placement.shard_defs())
-        cursors = {"worker:0": 5, "worker:1": 7}
-        restore = o.Restore(0, 0, defs, None, placement.to_wire(), cursors, False)
-        await client.request("restore", restore.to_wire())
-        ck = Checkpointer(CheckpointPolicy(str(tmp_path)), [client])
-        ckpt = await ck.take(label, placement, "async", 0, extra)
-        assert ckpt is not None and ckpt.cursors == cursors
 
     async def body() -> None:
-        await write_checkpoint()
-        env = make_env(1, num_workers=2, serve=[], checkpoint=CheckpointPolicy(str(tmp_path)))
-        env.services[0] = PSService(0, checkpoint_dir=str(tmp_path))
-        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
-        await env.chief.start()
+        env = await _chief_on_a_checkpoint_of_two_workers(tmp_path, label, extra)
         assert (await call(env.chief, "status")).body["global_step"] == expected
         for i in (0, 1):
             await call(env.chief, "register", who(i, 1, steps_planned=20))
