@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers import Reaper, launch_run, tmpfs
+from helpers import Reaper, launch_run, tmpfs, wait_for
 
 
 def test_a_final_checkpoint_on_a_full_disk_fails_the_launch(procs: Reaper, tmp_path: Path) -> None:
@@ -54,3 +54,39 @@ def test_a_logdir_on_a_full_disk_costs_the_summaries_not_the_run(
         for log in run.glob("*.log"):
             assert "Traceback" not in log.read_text(), log
         assert "restarting" not in err and "killed" not in err, err
+
+
+def test_a_run_dir_that_fills_during_the_run_fails_it_in_order_and_resumes(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    """The disk under ``--run-dir`` (logs, checkpoints, summaries, export) filled after
+    the first checkpoint: the chief, unable to write its summary, exited 1 and was
+    started again twice for it; the launcher died of its own log writes with a
+    traceback, its PS serving on for 40 s (a ``--resume`` was refused meanwhile: the
+    folder in use). Now the run fails in order (the chief's exit code 3, one line),
+    nothing is left running, and once there is room ``--resume`` trains it to the
+    end."""
+    with tmpfs(tmp_path / "disk", "3m") as disk:
+        run = disk / "run"
+        flags = ("--ps", "2", "--workers", "2", "--epochs", "40", "--checkpoint-steps", "100")
+        launcher, summary = launch_run(procs, run, *flags, timeout=120)
+        wait_for(lambda: any((run / "checkpoints").glob("ckpt-*")), 60, what="a checkpoint")
+        filler = disk / "filler"
+        with filler.open("wb") as f:  # every byte left
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        launcher.expect_exit(3, timeout=100)
+        err = launcher.stderr
+        assert "Traceback" not in err and "never retrieved" not in err, err
+        assert "zmqps launch: failed: chief exited with code 3" in err, err
+        assert "restarting" not in err, err
+        assert "no space left on device" in err.lower(), err
+        filler.unlink()
+        again, summary = launch_run(procs, run, *flags, "--resume", timeout=120)
+        again.expect_exit(0, timeout=130)
+        said = json.loads(summary.read_text())
+        assert (said["global_step"], said["worker_steps"]) == (1840, 1840), said

@@ -552,7 +552,7 @@ class Launcher:
         async for raw in _lines(child.proc.stdout):
             line = raw.decode(errors="replace").rstrip()
             if child.log is not None:
-                child.log.write(line + "\n")
+                self._keep(child, line)
             if len(line) > RELAY_LINE_CHARS:  # all of it in the log; a part elsewhere
                 line = f"{line[:RELAY_LINE_CHARS]}... ({len(line)} characters in all)"
             child.tail = [*child.tail[-19:], line]
@@ -564,6 +564,23 @@ class Launcher:
             notable = in_traceback or line.startswith("zmqps: ")
             if verbose or notable or (level is not None and level.group(1) in "WE"):
                 self.say(f"[{child.name}] {line}")
+
+    def _keep(self, child: Child, line: str) -> None:
+        """``line`` into the child's log file. One that cannot be written (a full disk)
+        is given up, said once: its output is still read (a task whose output nobody
+        reads stands), its warnings still shown (the launcher died of the error, its
+        tasks left running)."""
+        assert child.log is not None
+        try:
+            child.log.write(line + "\n")
+        except OSError as exc:
+            log, child.log = child.log, None
+            with contextlib.suppress(OSError):
+                log.close()
+            self.say(
+                f"zmqps launch: cannot write {child.name}.log ({exc.strerror or exc}): its"
+                " output is no longer kept; its warnings and errors still come here"
+            )
 
     async def _start(self, child: Child) -> None:
         child.returncode = None
@@ -585,7 +602,10 @@ class Launcher:
             assert child.proc is not None
             relay = asyncio.ensure_future(self._relay(child))
             child.returncode = await child.proc.wait()
-            await relay
+            try:
+                await relay
+            except Exception as exc:  # the task's exit is what counts
+                self.say(f"zmqps launch: reading {child.name}'s output failed: {exc!r}")
             if child.returncode == 0 or self.stopping:
                 return
             chief = self.children[0]
@@ -960,7 +980,8 @@ class Launcher:
             self.bar = None
         for c in self.children:
             if c.log is not None:
-                c.log.close()
+                with contextlib.suppress(OSError):  # a full disk: said by _keep if at all
+                    c.log.close()
         sweep()  # shared-memory regions a killed child left
         if interrupted.is_set():
             # 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, as a shell says

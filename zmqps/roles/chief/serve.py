@@ -391,14 +391,23 @@ async def _late_tasks_told(service: ChiefService) -> None:
 
 
 def _write_summary(service: ChiefService) -> None:
-    """The run's summary (``service.result``) to the chief's ``--summary`` file."""
+    """The run's summary (``service.result``) to the chief's ``--summary`` file. One
+    that cannot be written (a full disk) fails the run, said in one line; the run's end
+    goes on (its PS shut down, its evaluators told): the chief exiting 1 there left its
+    PS serving, and was started again for a summary it could not write either."""
     if service.cfg.summary_path:
         path = Path(service.cfg.summary_path)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)  # checked at the start (--summary)
-        except OSError as exc:
-            raise ZmqpsError(f"cannot write the run's summary {path}: {exc.strerror}") from None
-        write_text_whole(path, json.dumps(service.result, indent=2) + "\n", "the run's summary")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)  # checked at the start
+            except OSError as exc:
+                raise ZmqpsError(f"cannot write the run's summary {path}: {exc.strerror}") from None
+            write_text_whole(path, json.dumps(service.result, indent=2) + "\n", "the run's summary")
+        except ZmqpsError as exc:
+            log.error("%s", exc)
+            service.result.setdefault("failed", str(exc))
+            if not service.failure:
+                service.failure = str(exc)
 
 
 async def _create_job_variables(service: ChiefService) -> None:
