@@ -105,10 +105,11 @@ def test_scale_down_and_up_by_hand(procs: Reaper, tmp_path: Path) -> None:
     base = Cluster(procs, tmp_path, "baseline", base_port)
     chief = run.chief
     total = 46 * EPOCHS
-    # a scale beyond the spec (asked as the cluster starts): one line, no traceback
+    # a scale beyond the spec (asked as the cluster starts): one line, no traceback,
+    # an operator's mistake as --ps 0 is (exit code 2; it said 1)
     beyond = procs.spawn(zmqps_cmd("scale", "--chief", chief, "--ps", "5"), name="scale-5")
     wait_for(lambda: global_step(chief) >= 50, 40, what="step 50", interval=0.2)
-    beyond.expect_exit(1, timeout=20)
+    beyond.expect_exit(2, timeout=20)
     assert beyond.stdout == ""
     err = beyond.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err

@@ -216,7 +216,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     """``zmqps scale``: ask the chief to serve the PS states from the first N PS of the
     cluster spec (``--wait``: until the moves are done)."""
     from zmqps.roles.status import fetch_status, format_elastic
-    from zmqps.wire.errors import DeadlineExceeded
+    from zmqps.wire.errors import DeadlineExceeded, InvalidArgument
 
     _chief_address(args)
     if ended := _ended(args):
@@ -232,6 +232,10 @@ def cmd_scale(args: argparse.Namespace) -> int:
         if args.run_dir is not None:
             raise _not_running(args, exc) from None
         raise
+    except InvalidArgument as exc:
+        # a count the chief cannot serve (more PS than the cluster spec names, fewer
+        # than the copies asked for): an operator's mistake, as --ps 0 is (exit 2)
+        raise ConfigError(str(exc)) from None
     deadline = time.monotonic() + args.wait
     while args.wait and not _scaled(elastic):
         if time.monotonic() > deadline:
