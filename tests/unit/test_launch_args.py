@@ -484,6 +484,30 @@ def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_over(
         resume_from(launch_args("--resume", "--run-dir", str(other)), other)
 
 
+def test_resume_with_every_checkpoint_unreadable_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three checkpoints, all damaged: ``--resume`` said "stopped before its first" and
+    started over; it starts over saying that none can be read, naming them."""
+    import json
+
+    from zmqps.cli.launch import resume_from
+
+    run = tmp_path / "run"
+    (run / "tasks").mkdir(parents=True)
+    task = {"chief": {"checkpoint": {"directory": str(run / "checkpoints")}}}
+    (run / "tasks" / "chief.json").write_text(json.dumps(task))
+    for step in (100, 200, 300):  # each without its manifest
+        (run / "checkpoints" / f"ckpt-{step:012d}").mkdir(parents=True)
+    assert resume_from(launch_args("--resume", "--run-dir", str(run)), run) is None
+    err = capsys.readouterr().err
+    assert "stopped before its first" not in err, err
+    assert (
+        f"--resume: none of the 3 checkpoints in {run / 'checkpoints'} can be read"
+        " (ckpt-000000000100, ckpt-000000000200, ckpt-000000000300" in err
+    ), err
+
+
 def test_a_launch_past_the_machines_memory_is_refused_before_it_starts() -> None:
     """``--workers 3000`` on a 2-core machine started processes for 17 minutes. Each
     task is a process of 48 MiB at least: a launch past the memory available is one

@@ -1286,7 +1286,8 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
     """The checkpoint this launch goes on from (``--resume``), else None; refuses to
     start silently on an earlier run's checkpoints or files."""
     root = checkpoint_folder(args, run_dir)
-    latest = None if root is None or not root.is_dir() else CheckpointRoot(root).latest()
+    held = None if root is None or not root.is_dir() else CheckpointRoot(root)
+    latest = None if held is None else held.latest()
     if not args.resume:
         if latest is not None:
             raise ConfigError(
@@ -1319,6 +1320,20 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
             and (run_dir / "tasks" / "chief.json").exists()
             and not (run_dir / "chief-summary.json").exists()
         )
+        unreadable = [] if held is None else held.skipped
+        if unreadable:
+            # every checkpoint there is damaged (each said above): nothing to go on
+            # from, and it said "stopped before its first" of three it could not read
+            names = ", ".join(name for name, _ in unreadable[:5])
+            more = f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
+            print(
+                f"zmqps launch: --resume: none of the {len(unreadable)} checkpoints in"
+                f" {root} can be read ({names}{more}: see the lines above): it starts from"
+                " the beginning",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
         if stopped_early:
             # a launch in this folder stopped before its first checkpoint: nothing of it
             # is kept to go on from, and the folder could be neither resumed nor used
