@@ -524,3 +524,24 @@ def test_a_launch_past_the_machines_memory_is_refused_before_it_starts() -> None
         " machine has 16.0 GiB available: fewer --workers, or start them on several machines"
         " (zmqps-worker; zmqps bench scale-sim simulates many workers in one process)"
     )
+
+
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path,
+) -> None:
+    """``--summary /proc/x.json`` passed a check of the folder's modes (root may write
+    anywhere by them) and failed only after the whole run had trained. The file is
+    tried: created and removed, or opened to append (nothing changed)."""
+    from zmqps.cli.args import check_output_file
+
+    with pytest.raises(ConfigError, match=r"--summary /proc/zmqps-x\.json: cannot write it"):
+        check_output_file("--summary", "/proc/zmqps-x.json")
+    fresh = tmp_path / "s.json"
+    check_output_file("--summary", fresh)
+    assert not fresh.exists()  # the try left nothing
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}\n")
+    check_output_file("--summary", kept)
+    assert kept.read_text() == "{}\n"  # opened to append, not truncated
+    with pytest.raises(ConfigError, match="that is a folder"):
+        check_output_file("--summary", tmp_path)
