@@ -71,3 +71,32 @@ def test_bad_counts_are_refused() -> None:
         HeldExamples(-1)
     with pytest.raises(ValueError):
         HeldExamples().add(0, -1)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_pushes_and_restores_agree_with_a_ledger_of_every_position(seed: int) -> None:
+    """Seeded sequences of pushes (at the end, or at an earlier position: a loop that
+    took a rewind) and restores going back anywhere after the start: the total is
+    always the sum over the positions that hold, each at its latest push, exactly
+    (runs never merged here)."""
+    rng = random.Random(seed)
+    start = rng.randrange(0, 50)
+    h = HeldExamples(start)
+    model: dict[int, int] = {}  # position -> examples of its latest push
+    end = start
+    for _ in range(400):
+        r = rng.random()
+        if r < 0.08 and end > start:
+            back = rng.randrange(start + 1, end + 1)
+            h.back(back)
+            model = {p: e for p, e in model.items() if p < back}
+            end = back
+        else:
+            p = rng.randrange(start, end) if r < 0.12 and end > start else end
+            examples = rng.choice([32, 32, 32, 17, 0, 64])
+            h.add(p, examples)
+            model = {q: e for q, e in model.items() if q < p}
+            model[p] = examples
+            end = p + 1
+        assert (h.end, h.total) == (end, sum(model.values())), seed
+    assert not h.estimated
