@@ -44,3 +44,15 @@ def test_a_duration_flag_takes_finite_seconds_only(
     assert ended.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"argument {flag}: {value!r}" in err[0], err
+
+
+@pytest.mark.parametrize("ps", ["0", "-1", str((1 << 20) + 1), "99999999999999999999"])
+def test_a_scale_count_out_of_range_is_one_line_before_anything_is_sent(
+    ps: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``zmqps scale --ps 99999999999999999999`` failed in the message's encoding with
+    a traceback (exit 1); every count out of range is one line, exit code 2, and no
+    chief is asked (none answers at 127.0.0.1:1)."""
+    assert main(["scale", *CHIEF, "--ps", ps, "--timeout", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ps must be between 1 and 1048576" in err[0], err

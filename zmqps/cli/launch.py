@@ -1637,6 +1637,8 @@ def _launch(args: argparse.Namespace, job: JobConfig, fds: list[int]) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)  # a temporary folder is kept on failure only
     _print_summary(summary)
     if unwritten is not None:
-        print(f"zmqps launch: {unwritten}; logs in {run_dir}", file=sys.stderr)
-        return 1
+        # the run's record is lost (a full disk, /dev/full): failed, as the chief's own
+        # summary that cannot be written fails its run (exit code 3, not retried)
+        print(f"zmqps launch: failed: {unwritten}; logs in {run_dir}", file=sys.stderr)
+        return EXIT_RUN_FAILED
     return 0

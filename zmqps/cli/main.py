@@ -212,6 +212,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the most PS a ``zmqps scale`` may ask for (the wire's bound on ``Scale.ps``)
+MAX_SCALE_PS = 1 << 20
+
+
 def cmd_scale(args: argparse.Namespace) -> int:
     """``zmqps scale``: ask the chief to serve the PS states from the first N PS of the
     cluster spec (``--wait``: until the moves are done)."""
@@ -222,8 +226,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
     if ended := _ended(args):
         print(f"zmqps scale: {ended}", file=sys.stderr)
         return 1
-    if args.ps is not None and args.ps < 1:
-        raise ConfigError(f"--ps must be >= 1, got {args.ps}")
+    if args.ps is not None and not 1 <= args.ps <= MAX_SCALE_PS:
+        # (one past 64 bits failed in the message's encoding, with a traceback)
+        raise ConfigError(f"--ps must be between 1 and {MAX_SCALE_PS}, got {args.ps}")
     options = socket_options(args, "status", None, serve=False, connect=True)
     body = {} if args.ps is None else {"ps": args.ps}
     try:
