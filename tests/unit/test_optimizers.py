@@ -289,26 +289,43 @@ def _random_config(rng: np.random.Generator) -> dict[str, Any]:
     if name == "adam":
         cfg["beta1"] = float(rng.choice([0.0, 0.5, 0.9]))
         cfg["beta2"] = float(rng.choice([0.0, 0.9, 0.999]))
+    if name in ("adam", "adagrad"):
+        cfg["eps"] = _tiny_to_large(rng)
+    if name in ("adagrad", "ftrl"):
+        cfg["initial_accumulator"] = _tiny_to_large(rng)
     if name == "ftrl":
         cfg["l1"] = float(rng.choice([0.0, 1.0]))
-        cfg["l2"] = float(rng.choice([0.0, 1.0]))
+        cfg["l2"] = float(rng.choice([0.0, _tiny_to_large(rng)]))
+        cfg["beta"] = float(rng.choice([0.0, _tiny_to_large(rng)]))
     return cfg
 
 
-@pytest.mark.parametrize("seed", range(40))
+def _tiny_to_large(rng: np.random.Generator) -> float:
+    """A positive value log-uniform from 1e-300 (0 in float32: an eps of 1e-300 made
+    0 / 0 of a zero gradient) to 1."""
+    return float(10.0 ** rng.uniform(-300, 0))
+
+
+@pytest.mark.parametrize("seed", range(60))
 def test_no_accepted_config_and_gradients_make_a_parameter_infinite(seed: int) -> None:
     """Whatever config is accepted and whatever gradients pass the PS's check (finite,
     below the limit), 300 updates leave every parameter and slot finite: weight decay
     times lr past 1 scaled the parameters by a factor past -1 each update, and pushes
-    of 0.001 made them infinite with every push accepted."""
+    of 0.001 made them infinite with every push accepted; an eps or accumulator of
+    1e-300, 0 in float32, made the update of a zero gradient 0 / 0."""
     rng = np.random.default_rng(seed)
     while True:  # the first config drawn that is accepted
         cfg = _random_config(rng)
         try:
             opt = make_optimizer(cfg)
             break
-        except InvalidArgument as e:
-            assert "lr x weight_decay must be at most 1" in str(e), (cfg, e)
+        except InvalidArgument as e:  # out of range, the only reasons allowed here
+            why = str(e)
+            assert (
+                "lr x weight_decay must be at most 1" in why
+                or "or at least" in why
+                or ("ftrl needs" in why)
+            ), (cfg, e)
     n = 64
     p = rng.standard_normal(n).astype(np.float32) * np.float32(10.0 ** rng.uniform(0, 6))
     slots = {k: v.reshape(-1) for k, v in opt.init_slots((n,), "float32").items()}
@@ -316,6 +333,7 @@ def test_no_accepted_config_and_gradients_make_a_parameter_infinite(seed: int) -
     for step in range(1, 301):
         size = 10.0 ** rng.uniform(-3, math.log10(_BELOW_LIMIT))
         g = (rng.standard_normal(n) * size).clip(-_BELOW_LIMIT, _BELOW_LIMIT)
+        g[rng.random(n) < 0.3] = 0.0  # a zero gradient's elements: 0 / 0 with eps 0
         opt.apply_dense(p, g.astype(np.float32), slots, step, scratch)
         assert np.isfinite(p).all(), (cfg, step)
         for name, slot in slots.items():

@@ -83,6 +83,10 @@ def compute_dtype(dtype: str | np.dtype[Any]) -> np.dtype[Any]:
 #: its dtype's limit) stays finite (``lr=1e300`` made every parameter infinite)
 MAX_HYPERPARAMETER = 1e6
 
+#: the smallest nonzero value a hyperparameter may take: float32's smallest normal
+#: number (updates run in float32; below it a value rounds to 0 or loses its digits)
+MIN_HYPERPARAMETER = float(np.finfo(np.float32).tiny)
+
 
 def _number(config: Mapping[str, Any], key: str, default: float | None) -> float:
     v = config.get(key, default)
@@ -95,6 +99,14 @@ def _number(config: Mapping[str, Any], key: str, default: float | None) -> float
     if v > MAX_HYPERPARAMETER:
         top = MAX_HYPERPARAMETER
         raise InvalidArgument(f"optimizer {key!r} must be at most {top:g}, got {v!r}")
+    if 0 < v < MIN_HYPERPARAMETER:
+        # 0 in a float32 update: an eps or accumulator of 1e-300 passed the check that
+        # it is not 0, then a zero gradient's update made 0 / 0 (NaN parameters, every
+        # push accepted, exit code 0)
+        raise InvalidArgument(
+            f"optimizer {key!r} must be 0 or at least {MIN_HYPERPARAMETER:.3g} (float32's"
+            f" smallest normal number: a smaller one is 0 in the update), got {v!r}"
+        )
     return float(v)
 
 
