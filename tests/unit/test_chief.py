@@ -1030,6 +1030,39 @@ def test_a_run_that_stands_still_says_in_the_log_what_it_waits_on(
     assert len(waits) <= 5  # once per period, not per look
 
 
+def test_an_async_run_whose_live_workers_push_nothing_ends_at_the_stall_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Async: worker 0 finished, worker 1 is alive (its heartbeats come) and pushes
+    nothing, stuck in its own code: no step waits on anyone, so no blocker was named,
+    nothing was said, and the run never ended. Standing still, the run now says whom
+    it has not heard a push from, and past --stall-timeout ends failed naming them."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=2, heartbeat_timeout=1e9, stall_timeout=60.0)
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        await call(env.chief, "register", who(0, 0, steps_planned=50))
+        await call(env.chief, "register", who(1, 0, steps_planned=50))
+        await call(env.chief, "leave", who(0, 0, step=50, reason="done"))
+        await call(env.chief, "heartbeat", who(1, 0, step=3))
+        assert env.chief.blocker(await env.chief.full_status()) is None  # nothing holds it
+        watch = asyncio.ensure_future(env.chief.report_waits(look=0.005))
+        for _ in range(70):  # 70 s of the chief's clock, its heartbeats still coming
+            env.clock.now += 1.0
+            await call(env.chief, "heartbeat", who(1, 0, step=3))
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(env.chief.shutdown_requested.wait(), 2.0)
+        watch.cancel()
+        assert "--stall-timeout 60" in env.chief.failure, env.chief.failure
+        assert "no push from worker 1 (alive" in env.chief.failure, env.chief.failure
+
+    with caplog.at_level(logging.WARNING, logger="zmqps.chief"):
+        run(body())
+    waits = [r.getMessage() for r in caplog.records if "training has waited" in r.getMessage()]
+    assert waits and "the global step stays at 53: no push from worker 1" in waits[0], waits
+
+
 def test_a_wait_is_first_said_after_ten_seconds_then_every_thirty(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

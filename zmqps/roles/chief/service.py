@@ -760,6 +760,21 @@ class ChiefService:
             return why
         return None
 
+    def _not_pushing(self, st: dict[str, Any]) -> str | None:
+        """Training stands still with nothing holding it back: the live workers whose
+        work is not done push nothing (async, or ssp within its bound: no step waits on
+        one, so :meth:`blocker` names none; a worker stuck in its own code, its I/O
+        thread heartbeating, kept an async run for ever, silent)."""
+        workers = self.members.workers
+        idle = [i for i in st["workers_alive"] if i in workers and not workers[i].done]
+        if not idle:
+            return None
+        names = ", ".join(f"worker {i}" for i in idle)
+        return (
+            f"the global step stays at {st['global_step']}: no push from {names} (alive:"
+            " heartbeats come, pushes do not)"
+        )
+
     async def report_waits(
         self, every: float = WAIT_REPORT_S, first: float = FIRST_WAIT_REPORT_S, look: float = 5.0
     ) -> None:
@@ -777,6 +792,8 @@ class ChiefService:
             # the steps trained again after a restore below the step shown move too
             at = (st["global_step"], self.consistency.counted_step)
             moved, step = at != step, at
+            if why is None and not moved and self.recovery.started.is_set():
+                why = self._not_pushing(st)
             if why is None or moved:
                 since = None
                 continue
