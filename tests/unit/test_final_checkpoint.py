@@ -70,3 +70,36 @@ def test_the_end_of_a_run_is_always_in_its_last_checkpoint(
     ((step, extra),) = ck.taken
     assert step == 460
     assert extra.get("final", False) is finished
+
+
+@pytest.mark.parametrize(
+    ("committed", "failed_just_before", "lost"),
+    [
+        (None, True, "no checkpoint of this run is committed"),  # none yet
+        (400, True, "ckpt-400 (step 400) stays the latest"),  # an older one is
+        (460, False, ""),  # the end is in the latest: nothing to say
+    ],
+)
+def test_a_checkpoint_of_the_last_step_that_failed_just_before_the_end_fails_the_run(
+    committed: int | None, failed_just_before: bool, lost: str
+) -> None:
+    """The schedule tried the last step's checkpoint just before the end and the disk
+    was full: the final one then had nothing new to take (its step tried already),
+    and the run failed only for its export, the checkpoint's failure unsaid (a
+    ``--resume`` found no checkpoint and nothing said why)."""
+    from zmqps.roles.chief.serve import _final_checkpoint
+
+    ck = FakeCheckpointer(460, None)
+    ck.failed = 1 if failed_just_before else 0  # type: ignore[attr-defined]
+    ck.last_transient = False  # type: ignore[attr-defined]
+    ck.last_error = "cannot write shard 0: no space left on device"  # type: ignore[attr-defined]
+    if committed is not None:
+        ck.last_committed = SimpleNamespace(name=f"ckpt-{committed}", step=committed, final=True)
+    service = SimpleNamespace(checkpoints=ChiefCheckpoints(ck, chief(460)))  # type: ignore[arg-type]
+    said = asyncio.run(_final_checkpoint(service))  # type: ignore[arg-type]
+    assert ck.taken == []  # nothing new to take: its step was tried
+    if not lost:
+        assert said == ""
+        return
+    assert said.startswith("the final checkpoint could not be written (cannot write shard 0")
+    assert said.endswith(lost), said

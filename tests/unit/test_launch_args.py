@@ -473,10 +473,21 @@ def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_over(
     task = {"chief": {"checkpoint": {"directory": str(run / "checkpoints")}}}
     (run / "tasks" / "chief.json").write_text(json.dumps(task))
     assert resume_from(launch_args("--resume", "--run-dir", str(run)), run) is None
-    assert capsys.readouterr().err == (
+    said = (
         f"zmqps launch: --resume: no checkpoint in {run / 'checkpoints'} (the run in {run} was"
-        " stopped before its first): it starts from the beginning\n"
+        " stopped, or failed, before its first): it starts from the beginning\n"
     )
+    assert capsys.readouterr().err == said
+    # failed before its first (its disk full): the chief's summary says failed, and the
+    # folder could be neither resumed nor used again
+    (run / "chief-summary.json").write_text(json.dumps({"failed": "no space left on device"}))
+    assert resume_from(launch_args("--resume", "--run-dir", str(run)), run) is None
+    assert capsys.readouterr().err == said
+    # one that ended well with no checkpoint is not started over
+    (run / "chief-summary.json").write_text(json.dumps({"global_step": 920}))
+    with pytest.raises(ConfigError, match=r"no checkpoint in .* to go on from"):
+        resume_from(launch_args("--resume", "--run-dir", str(run)), run)
+    (run / "chief-summary.json").unlink()
     with pytest.raises(ConfigError, match="holds an earlier run"):  # without --resume
         resume_from(launch_args("--run-dir", str(run)), run)
     other = tmp_path / "typo"
@@ -501,7 +512,7 @@ def test_resume_with_every_checkpoint_unreadable_says_so(
         (run / "checkpoints" / f"ckpt-{step:012d}").mkdir(parents=True)
     assert resume_from(launch_args("--resume", "--run-dir", str(run)), run) is None
     err = capsys.readouterr().err
-    assert "stopped before its first" not in err, err
+    assert "before its first" not in err, err
     assert (
         f"--resume: none of the 3 checkpoints in {run / 'checkpoints'} can be read"
         " (ckpt-000000000100, ckpt-000000000200, ckpt-000000000300" in err

@@ -1318,7 +1318,7 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
             not elsewhere
             and run_dir is not None
             and (run_dir / "tasks" / "chief.json").exists()
-            and not (run_dir / "chief-summary.json").exists()
+            and not _ended_well(run_dir / CHIEF_SUMMARY)
         )
         unreadable = [] if held is None else held.skipped
         if unreadable:
@@ -1340,7 +1340,7 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
             # again; it starts over, and says so
             print(
                 f"zmqps launch: --resume: no checkpoint in {root} (the run in {run_dir} was"
-                " stopped before its first): it starts from the beginning",
+                " stopped, or failed, before its first): it starts from the beginning",
                 file=sys.stderr,
                 flush=True,
             )
@@ -1348,6 +1348,17 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
         raise ConfigError(f"--resume: no checkpoint in {root} to go on from{elsewhere}")
     _check_same_data(args, latest)
     return latest
+
+
+def _ended_well(summary: Path) -> bool:
+    """Whether the chief's summary says its run ended and did not fail (a run that
+    failed before its first checkpoint, a full disk, left a folder that could be
+    neither resumed nor used again)."""
+    try:
+        said = json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(said, dict) and not said.get("failed")
 
 
 def _checkpoints_recorded(run_dir: Path) -> str | None:

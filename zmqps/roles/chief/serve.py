@@ -464,8 +464,9 @@ async def _finish(service: ChiefService) -> bool:
             await _recovered(service, gen, deadline)
             continue
         if recovery.gen == gen:
-            if lost and not result.get("failed"):
-                result["failed"] = lost
+            if lost:  # first: a --resume goes on from the checkpoint it names
+                failed = result.get("failed")
+                result["failed"] = f"{lost}; {failed}" if failed else lost
             service.result = result
             break
         # restored while the summary was made: it may be of values that are gone
@@ -490,9 +491,14 @@ async def _final_checkpoint(service: ChiefService) -> str:
     ck = service.checkpoints.ck
     failed_before = ck.failed
     ckpt = await service.checkpoints.final(finished=True)
-    if ckpt is not None or ck.failed == failed_before or ck.last_transient:
-        return ""
     last = ck.last_committed
+    if ckpt is not None or ck.last_transient:
+        return ""
+    if ck.failed == failed_before and (last is not None and last.step >= ck.last_step):
+        return ""  # nothing since the latest checkpoint, which holds the end
+    # failed now, or the checkpoint of the last step was tried just before the end and
+    # failed (the final one then had nothing new to take: the run failed only for its
+    # export, and the checkpoint's failure went unsaid)
     return f"the final checkpoint could not be written ({ck.last_error}); " + (
         f"{last.name} (step {last.step}) stays the latest"
         if last is not None
