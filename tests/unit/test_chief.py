@@ -1030,6 +1030,18 @@ def test_a_run_that_stands_still_says_in_the_log_what_it_waits_on(
     assert len(waits) <= 5  # once per period, not per look
 
 
+async def _worker_0_done(num_ps: int, planned: int, **cfg: Any) -> Env:
+    """A started chief of two workers, each planning ``planned`` steps: worker 0 has
+    done them all and left, worker 1 is registered."""
+    env = make_env(num_ps, num_workers=2, **cfg)
+    await env.chief.start()
+    await env.chief.create_variables(VARS, SGD)
+    await call(env.chief, "register", who(0, 0, steps_planned=planned))
+    await call(env.chief, "register", who(1, 0, steps_planned=planned))
+    await call(env.chief, "leave", who(0, 0, step=planned, reason="done"))
+    return env
+
+
 def test_an_async_run_whose_live_workers_push_nothing_ends_at_the_stall_timeout(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -1039,12 +1051,7 @@ def test_an_async_run_whose_live_workers_push_nothing_ends_at_the_stall_timeout(
     it has not heard a push from, and past --stall-timeout ends failed naming them."""
 
     async def body() -> None:
-        env = make_env(1, num_workers=2, heartbeat_timeout=1e9, stall_timeout=60.0)
-        await env.chief.start()
-        await env.chief.create_variables(VARS, SGD)
-        await call(env.chief, "register", who(0, 0, steps_planned=50))
-        await call(env.chief, "register", who(1, 0, steps_planned=50))
-        await call(env.chief, "leave", who(0, 0, step=50, reason="done"))
+        env = await _worker_0_done(1, 50, heartbeat_timeout=1e9, stall_timeout=60.0)
         await call(env.chief, "heartbeat", who(1, 0, step=3))
         assert env.chief.blocker(await env.chief.full_status()) is None  # nothing holds it
         watch = asyncio.ensure_future(env.chief.report_waits(look=0.005))
@@ -1099,12 +1106,7 @@ def test_training_that_stands_still_past_the_stall_timeout_ends_the_run_failed()
     or that is finishing, never does."""
 
     async def body() -> None:
-        env = make_env(2, num_workers=2, heartbeat_timeout=5.0, stall_timeout=60.0)
-        await env.chief.start()
-        await env.chief.create_variables(VARS, SGD)
-        await call(env.chief, "register", who(0, 0, steps_planned=10))
-        await call(env.chief, "register", who(1, 0, steps_planned=10))
-        await call(env.chief, "leave", who(0, 0, step=10, reason="done"))
+        env = await _worker_0_done(2, 10, heartbeat_timeout=5.0, stall_timeout=60.0)
         watch = asyncio.ensure_future(env.chief.report_waits(every=0.01))
         env.clock.now += 6.0  # worker 1 is silent past the heartbeat timeout
         await asyncio.sleep(0.05)
