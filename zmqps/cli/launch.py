@@ -26,6 +26,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -574,9 +575,9 @@ class Launcher:
         try:
             child.log.write(line + "\n")
         except OSError as exc:
-            log, child.log = child.log, None
+            lost, child.log = child.log, None
             with contextlib.suppress(OSError):
-                log.close()
+                lost.close()
             self.say(
                 f"zmqps launch: cannot write {child.name}.log ({exc.strerror or exc}): its"
                 " output is no longer kept; its warnings and errors still come here"
@@ -1028,8 +1029,10 @@ def _chiefs_summary(path: Path, began: float) -> dict[str, Any] | None:
     return None
 
 
-def _ended_in_order(summary: Path, began: float) -> bool:
-    """The chief's summary was written during this launch and says the run ended well."""
+def _ended_in_order(summary: Path, began: float = -math.inf) -> bool:
+    """The chief's summary was written since ``began`` (during this launch; by default
+    whenever) and says the run ended well: not failed (a run that failed before its
+    first checkpoint, a full disk, left a folder --resume must start over)."""
     written = _chiefs_summary(summary, began)
     return written is not None and not written.get("failed")
 
@@ -1318,7 +1321,7 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
             not elsewhere
             and run_dir is not None
             and (run_dir / "tasks" / "chief.json").exists()
-            and not _ended_well(run_dir / CHIEF_SUMMARY)
+            and not _ended_in_order(run_dir / CHIEF_SUMMARY)
         )
         unreadable = [] if held is None else held.skipped
         if unreadable:
@@ -1348,17 +1351,6 @@ def resume_from(args: argparse.Namespace, run_dir: Path | None) -> Checkpoint | 
         raise ConfigError(f"--resume: no checkpoint in {root} to go on from{elsewhere}")
     _check_same_data(args, latest)
     return latest
-
-
-def _ended_well(summary: Path) -> bool:
-    """Whether the chief's summary says its run ended and did not fail (a run that
-    failed before its first checkpoint, a full disk, left a folder that could be
-    neither resumed nor used again)."""
-    try:
-        said = json.loads(summary.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(said, dict) and not said.get("failed")
 
 
 def _checkpoints_recorded(run_dir: Path) -> str | None:

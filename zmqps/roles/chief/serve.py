@@ -395,19 +395,21 @@ def _write_summary(service: ChiefService) -> None:
     that cannot be written (a full disk) fails the run, said in one line; the run's end
     goes on (its PS shut down, its evaluators told): the chief exiting 1 there left its
     PS serving, and was started again for a summary it could not write either."""
-    if service.cfg.summary_path:
-        path = Path(service.cfg.summary_path)
-        try:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)  # checked at the start
-            except OSError as exc:
-                raise ZmqpsError(f"cannot write the run's summary {path}: {exc.strerror}") from None
-            write_text_whole(path, json.dumps(service.result, indent=2) + "\n", "the run's summary")
-        except ZmqpsError as exc:
-            log.error("%s", exc)
-            service.result.setdefault("failed", str(exc))
-            if not service.failure:
-                service.failure = str(exc)
+    if not service.cfg.summary_path:
+        return
+    path = Path(service.cfg.summary_path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # checked at the start
+        write_text_whole(path, json.dumps(service.result, indent=2) + "\n", "the run's summary")
+        return
+    except OSError as exc:
+        why = f"cannot write the run's summary {path}: {exc.strerror}"
+    except ZmqpsError as exc:
+        why = str(exc)
+    log.error("%s", why)
+    service.result.setdefault("failed", why)
+    if not service.failure:
+        service.failure = why
 
 
 async def _create_job_variables(service: ChiefService) -> None:

@@ -105,11 +105,11 @@ def check_key(msg: Message) -> None:
         )
 
 
-#: blockers (``ChiefService.blocker``) that say the run is ending, not a stall. A step
-#: waiting on a live worker is one (its heartbeats say nothing of its step: a worker
-#: stuck in it, or a client that pushed part of it, held a sync run for ever), and so
-#: are workers that never register and variables never created (a chief started with
-#: its PS and no worker waited for ever)
+#: blockers (``ChiefService.blocker``) that say the run is ending, not a stall. Every
+#: other wait is a stall past --stall-timeout: a step waiting on a live worker (its
+#: heartbeats say nothing of its step: a worker stuck in it, or a client that pushed
+#: part of it, held a sync run for ever), workers that never register and variables
+#: never created (a chief started with its PS and no worker waited for ever)
 STILL_WORKING = ("finishing", "stopping")
 
 #: side-car evaluators the chief keeps track of (a run has one or a few)
