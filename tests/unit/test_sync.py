@@ -788,6 +788,95 @@ def test_workers_leaving_together_after_their_push_still_count_for_that_step() -
     run(body())
 
 
+@pytest.mark.parametrize("error", [DeadlineExceeded, Busy])
+def test_a_leaver_looked_up_on_a_ps_that_does_not_answer_still_counts_for_its_step(
+    monkeypatch: pytest.MonkeyPatch, error: type[Exception]
+) -> None:
+    """N = M = 2: worker 0 pushes its last gradient and leaves while a PS is too loaded
+    to answer the chief's look-up of the step's contributors in time (or refuses it,
+    ``busy``). The chief counted nobody then: N fell to 1 and the PS applied the step
+    from worker 0's gradient alone, worker 1's push of it stale (the load simulator's
+    last step under a loaded CI machine). The leaver stays counted while the look-up
+    is asked again, and the leave is answered meanwhile."""
+    import zmqps.roles.chief.modes as modes
+
+    monkeypatch.setattr(modes, "LOOKUP_RETRY_S", (0.01, 0.02))
+    monkeypatch.setattr(modes, "LOOKUP_WAIT_S", 0.05)
+
+    async def body() -> None:
+        job = await sync_job(2, 2)
+        ps0 = job.env.chief.consistency.stepping[0]
+        ask = ps0.request
+        refusals = [0]
+
+        async def loaded(op: str, body: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if op == "status" and body and body.get("sync_of") and refusals[0] < 20:
+                refusals[0] += 1
+                raise error("ps0: no answer in time")
+            return await ask(op, body, *args, **kwargs)
+
+        monkeypatch.setattr(ps0, "request", loaded)
+        for i in (0, 1):
+            await job.token(i)
+        await job.workers[0].push(grads(0), step=0)
+        await asyncio.wait_for(job.leave(0), 2.0)  # answered while the look-up goes on
+        mode = job.env.chief.consistency
+        assert job.step == 0 and mode.required == 2
+        await until(lambda: refusals[0] == 20, what="the look-up asked again")
+        await until(lambda: not mode.checking, what="the look-up answered")
+        assert job.step == 0 and set(mode.counted) == {0} and mode.required == 2
+        assert (await job.status())["replicas_to_aggregate"] == 2
+        assert await job.workers[1].push(grads(1), step=0)
+        await until(lambda: job.step == 1)
+        for v in DENSE:
+            g0, g1 = grads(0)[v.name], grads(1)[v.name]
+            np.testing.assert_allclose(job.values(v.name), initial(v) - LR * (g0 + g1) / 2)
+        for svc in job.env.services:
+            assert svc.status()["sync"]["dropped"] == {}
+            assert set(svc.status()["sync"]["aggregated"]) == {"2"}  # every step of 2
+        # from the next step on it no longer counts
+        await until(lambda: mode.required == 1)
+        await job.close()
+
+    run(body())
+
+
+def test_a_leaver_whose_look_up_the_step_outran_is_not_counted_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A look-up asked again while the step it is about gets applied (the others'
+    pushes completed it): nobody is counted for the next step, N shrinks."""
+    import zmqps.roles.chief.modes as modes
+
+    monkeypatch.setattr(modes, "LOOKUP_RETRY_S", (0.01,))
+    monkeypatch.setattr(modes, "LOOKUP_WAIT_S", 0.05)
+
+    async def body() -> None:
+        job = await sync_job(3, 1, replicas_to_aggregate=2)
+        ps0 = job.env.chief.consistency.stepping[0]
+        ask = ps0.request
+
+        async def never(op: str, body: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if op == "status" and body and body.get("sync_of"):
+                raise DeadlineExceeded("ps0: no answer in time")
+            return await ask(op, body, *args, **kwargs)
+
+        monkeypatch.setattr(ps0, "request", never)
+        for i in (0, 1, 2):
+            await job.token(i)
+        await job.workers[0].push(grads(0), step=0)
+        await job.leave(0)
+        mode = job.env.chief.consistency
+        assert mode.checking == {0} and mode.required == 2
+        assert await job.workers[1].push(grads(1), step=0)
+        await until(lambda: job.step == 1)
+        await until(lambda: not mode.checking, what="the look-up given up")
+        assert not mode.counted and mode.required == 2  # M = 2: workers 1 and 2
+        await job.close()
+
+    run(body())
+
+
 def test_a_worker_gone_before_its_push_shrinks_n_at_once() -> None:
     async def body() -> None:
         job = await sync_job(2, 2)

@@ -33,6 +33,7 @@ from zmqps.core.sync import StalenessBound, TokenLedger
 from zmqps.roles.configs import SyncConfig
 from zmqps.roles.waiters import Changes
 from zmqps.transport import Requester
+from zmqps.transport.base import waited
 from zmqps.wire import ops as o
 from zmqps.wire.errors import (
     Busy,
@@ -67,6 +68,15 @@ BEHIND_LOOK_S = 2.0
 GONE_MEMO_S = 0.05
 
 
+#: a look-up of the gradients a gone worker left in the open step that a PS did not
+#: answer (loaded, stopped, ``busy``) is asked again after these seconds (the last
+#: repeated) while the step is open: the worker counts in M meanwhile
+LOOKUP_RETRY_S = (0.2, 0.5, 1.0, 2.0)
+#: the seconds one look-up waits for each PS's answer
+LOOKUP_TIMEOUT_S = 2.0
+#: how long a leave (or a death) waits for that look-up before it goes on: past it the
+#: look-up goes on by itself and tells the PS the N it finds
+LOOKUP_WAIT_S = 5.0
 #: Seconds before N is told again to every PS when some PS did not answer.
 RECONFIGURE_RETRY_S = 1.0
 
@@ -351,7 +361,7 @@ class SyncMode(ChiefMode):
         #: in M meanwhile (else a reconfiguration in between could apply the step early)
         self.checking: set[int] = set()
         #: gone workers waiting for the next look-up, and the task looking
-        self._to_look: set[int] = set()
+        self._to_look: dict[int, int] = {}  # worker -> the step open when it went
         self._looker: asyncio.Future[None] | None = None
         self._configuring = asyncio.Lock()
         #: PS states whose process said it takes ``WaitStep.release_step``
@@ -449,40 +459,80 @@ class SyncMode(ChiefMode):
 
         Workers leave in bursts (every one at the end of its run): those gone while a
         look-up is under way are looked up together by the next one, so a burst costs
-        a few requests per PS, not one per worker. Returns once they were looked up."""
+        a few requests per PS, not one per worker. Returns once they were looked up, or
+        after :data:`LOOKUP_WAIT_S` while a PS does not answer: they count in M until
+        it does (or the step is applied), and the look-up then tells the PS the N it
+        finds by itself."""
         looking = set(gone) - self.checking
         self.checking |= looking
-        self._to_look |= looking
+        self._to_look.update(dict.fromkeys(looking, self._step))
         self._gone_memo = None
         if self._looker is None or self._looker.done():
             self._looker = asyncio.ensure_future(self._look_up())
-        await asyncio.shield(self._looker)
+        await waited(asyncio.shield(self._looker), LOOKUP_WAIT_S)
 
     async def _look_up(self) -> None:
-        """Look up the workers queued for it, a batch at a time, until none is left."""
+        """Look up the workers queued for it, a batch at a time, until none is left. A
+        batch a PS did not answer is asked again after a back-off (or at the next
+        change: a step applied) while its step is open; once that step was applied
+        its workers hold nothing of the next and count no more. N is told afresh
+        after each batch (a leave that stopped waiting for it does not)."""
+        tries = 0
         try:
             while self._to_look:
-                batch, self._to_look = self._to_look, set()
-                try:
-                    await self._count_held(batch)
-                finally:
+                step = self._step
+                # gone while an earlier step was open: it was applied, they hold nothing
+                moot = {i for i, at in self._to_look.items() if at != step}
+                batch = set(self._to_look) - moot
+                self._to_look = {}
+                self.checking -= moot
+                answered = True
+                if batch:
+                    try:
+                        answered = await self._count_held(batch, retried=tries > 0)
+                    except BaseException:
+                        self.checking -= batch
+                        raise
+                if answered:
+                    tries = 0
                     self.checking -= batch
                     self._gone_memo = None
+                    await self._reconfigure()
+                    await self._wake()
+                    continue
+                # still counted in M: asked again, with those gone meanwhile
+                self._to_look = {**dict.fromkeys(batch, step), **self._to_look}
+                await self.changed.wait(LOOKUP_RETRY_S[min(tries, len(LOOKUP_RETRY_S) - 1)])
+                tries += 1
         finally:  # cancelled: nobody stays counted for a look-up that will not come
-            self.checking -= self._to_look
-            self._to_look = set()
+            self.checking -= set(self._to_look)
+            self._to_look = {}
             self._gone_memo = None
 
-    async def _count_held(self, gone: set[int]) -> None:
+    async def _count_held(self, gone: set[int], retried: bool = False) -> bool:
+        """Count in ``counted`` those of ``gone`` whose gradient for the current step a
+        PS at that step holds. False when a PS did not answer and the step is still
+        open (asked again: said once, not ``retried``); True once settled (the step
+        applied meanwhile: nobody)."""
         step = self._step
         held = {f"worker:{i}": i for i in sorted(gone)}
         body = o.Status(sync_of=tuple(held)).to_wire()
         try:
             replies = await asyncio.gather(
-                *(c.request("status", body, timeout=2.0) for c in self.stepping)
+                *(c.request("status", body, timeout=LOOKUP_TIMEOUT_S) for c in self.stepping)
             )
-        except ZmqpsError:
-            return
+        except ZmqpsError as exc:
+            if self._step != step:
+                return True
+            if not retried:
+                log.warning(
+                    "could not look up whether step %d holds the gradients of workers %s"
+                    " (%s): they count toward it while the look-up is asked again",
+                    step + 1,
+                    sorted(gone),
+                    exc,
+                )
+            return False
         still_open = False
         for rep in replies:
             sync = rep.body.get("sync") or {}
@@ -490,12 +540,13 @@ class SyncMode(ChiefMode):
             if isinstance(at, int) and at > step:
                 continue  # applied there: that PS waits for nobody
             if at != step:
-                return  # not known (e.g. restarted): count nobody
+                return True  # not known (e.g. restarted): count nobody
             got = set(sync.get("contributors", []))
             held = {name: i for name, i in held.items() if name in got}
             still_open = True
         if self._step == step and still_open:
             self.counted |= set(held.values())
+        return True
 
     async def membership_changed(self, gone: Sequence[int] = (), back: Sequence[int] = ()) -> None:
         self._gone_memo = None
