@@ -276,13 +276,18 @@ def test_gpu_bench_on_the_host(procs: Reaper, tmp_path: Path) -> None:
     assert "torch loop" in bench.stdout
 
 
+HEARTBEAT_TIMEOUT = 4.0
+
+
 @pytest.mark.timeout(90)
 def test_scale_sim_steps_simulated_workers_exactly(procs: Reaper, tmp_path: Path) -> None:
     """The load simulator against a real chief and two real PS: 30 simulated workers,
     N = 28 of them per step (two backup workers), 6 steps. Every step is the mean of
     exactly N gradients applied once, nobody is declared dead but the worker that goes
     silent on purpose, within the heartbeat timeout and one check, and every server
-    exits 0."""
+    exits 0. The heartbeat timeout is 4 s: a simulator process holds 15 workers, and
+    one that a loaded 2-core machine left unscheduled past 2 s had all 15 called dead
+    (the steps meanwhile went on with the other 15, as they must: not exact)."""
     out = tmp_path / "sim.json"
     argv = zmqps_cmd("bench", "scale-sim", "--workers", "30")
     argv += [
@@ -295,7 +300,7 @@ def test_scale_sim_steps_simulated_workers_exactly(procs: Reaper, tmp_path: Path
         "--procs",
         "2",
         "--heartbeat-timeout",
-        "2",
+        str(HEARTBEAT_TIMEOUT),
     ]
     argv += ["--idle-s", "1"]
     sim = procs.spawn([*argv, "--json", str(out)], name="scale-sim")
@@ -308,8 +313,9 @@ def test_scale_sim_steps_simulated_workers_exactly(procs: Reaper, tmp_path: Path
     assert sum(run["outcomes"].values()) == 30 * 6 * 2
     assert run["outcomes"]["applied"] >= 28 * 6 * 2
     assert run["global_step"] == 6
-    # silent after its last heartbeat (at most an interval, 1 s, before it stopped)
-    assert 2 - 1 - 0.1 <= run["detect_s"] <= 2 + 0.5 + 2.0
+    # silent after its last heartbeat (at most an interval before it stopped)
+    interval = run["heartbeat_interval"]
+    assert HEARTBEAT_TIMEOUT - interval - 0.1 <= run["detect_s"] <= HEARTBEAT_TIMEOUT + 2.5
     assert run["exit_codes"] == [0, 0, 0] and run["sim_exit_codes"] == [0, 0]
     assert run["chief_cpu_us_per_worker_step"] > 0 and run["status_bytes"] > 0
     assert not _children_of(Path(run["logs"]))
