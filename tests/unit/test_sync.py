@@ -949,17 +949,75 @@ def test_a_token_poll_held_across_a_restore_forgets_the_step_of_before() -> None
     run(body())
 
 
-def test_a_rejoined_worker_gets_its_share_of_the_current_step() -> None:
+@pytest.mark.parametrize("reason", ["terminated", "error"])
+def test_a_worker_that_left_unfinished_keeps_its_share_until_it_is_back(reason: str) -> None:
+    """N = M = 2. Worker 1 leaves unfinished (SIGTERM: ``terminated``; a crash its loop
+    caught: ``error``) and is started again a few seconds later, as ``zmqps launch``
+    or an orchestrator does. N shrank to 1 at the leave: worker 0 trained alone
+    meanwhile, hundreds of steps of one gradient in a launch (its global step and
+    model not the unfaulted run's). The step waits for the leaver's share, as for a
+    worker killed outright until it is counted dead; back, it takes its token."""
+
     async def body() -> None:
         job = await sync_job(2, 1)
         assert await job.token(0) == 0
-        await job.leave(1, reason="terminated")  # gone, expected back
-        assert job.env.chief.consistency.required == 1
-        await job.workers[0].push(grads(0), step=0)
-        await until(lambda: job.step == 1)
+        await job.leave(1, reason=reason)  # gone, expected back
+        mode = job.env.chief.consistency
+        assert mode.required == 2 and mode.replicas() == 2
+        assert await job.workers[0].push(grads(0), step=0)
+        await asyncio.sleep(0.05)
+        assert job.step == 0  # not applied from worker 0's gradient alone
+        job.env.clock.now += 5.0  # started again within the heartbeat timeout
         await call(job.env.chief, "register", who(1, 1))  # a new incarnation
-        assert job.env.chief.consistency.required == 2
-        assert (await call(job.env.chief, "take_token", who(1, 1, wait=1.0))).body["step"] == 1
+        assert mode.required == 2
+        assert (await call(job.env.chief, "take_token", who(1, 1, wait=1.0))).body["step"] == 0
+        again = ParameterClient(
+            [job.env.net.client(a, "worker:1:1") for a in job.env.cfg.cluster.ps],
+            job.placement,
+            worker="worker:1",
+            incarnation=1,
+            shared_memory=False,
+        )
+        assert await again.push(grads(1), step=0)
+        await until(lambda: job.step == 1)
+        for v in DENSE:
+            g0, g1 = grads(0)[v.name], grads(1)[v.name]
+            np.testing.assert_allclose(job.values(v.name), initial(v) - LR * (g0 + g1) / 2)
+        for svc in job.env.services:
+            assert set(svc.status()["sync"]["aggregated"]) == {"2"}
+        await job.close()
+
+    run(body())
+
+
+def test_a_worker_that_left_unfinished_and_is_not_back_stops_counting_after_the_timeout() -> None:
+    """Not back within the heartbeat timeout: the steps go on without it (N shrinks),
+    as for a worker counted dead; its gradient already in the step still counts."""
+
+    async def body() -> None:
+        job = await sync_job(3, 1)
+        for i in (0, 1, 2):
+            assert await job.token(i) == 0
+        assert await job.workers[2].push(grads(2), step=0)
+        await job.leave(2, reason="terminated")
+        await job.leave(1, reason="terminated")  # took a token, never pushed
+        chief, mode = job.env.chief, job.env.chief.consistency
+        assert mode.required == 3
+        assert await job.workers[0].push(grads(0), step=0)
+        await asyncio.sleep(0.05)
+        assert job.step == 0
+        job.env.clock.now += chief.cfg.heartbeat_timeout + 1
+        await call(chief, "heartbeat", who(0, step=0))  # worker 0 is alive
+        assert chief.members.lapsed(job.env.clock.now) == [1, 2]
+        assert mode.replicas() == 2  # worker 0, and worker 2 whose gradient the step holds
+        # what the chief's watch does when it sees them lapse
+        await mode.membership_changed(gone=[1, 2])
+        await until(lambda: job.step == 1, what="step 0 applied without worker 1")
+        for v in DENSE:  # worker 2's gradient (in the step before it left) counted
+            g0, g2 = grads(0)[v.name], grads(2)[v.name]
+            np.testing.assert_allclose(job.values(v.name), initial(v) - LR * (g0 + g2) / 2)
+        await until(lambda: mode.required == 1)
+        assert await job.token(0) == 1
         await job.close()
 
     run(body())

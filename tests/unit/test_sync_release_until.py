@@ -310,9 +310,10 @@ def test_a_worker_gone_after_its_push_counts_while_the_chief_was_steps_behind(
 def test_a_worker_joining_mid_run_gets_the_step_the_ps_is_at(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Worker 1 left; worker 0 steps alone, released by the PS, the chief's ledger
-    behind. Worker 1's new incarnation registers: its token is the PS's step (not the
-    ledger's old one), and the steps after are the mean of both."""
+    """Worker 1 left and was not back within the heartbeat timeout; worker 0 steps
+    alone, released by the PS, the chief's ledger behind. Worker 1's new incarnation
+    registers: its token is the PS's step (not the ledger's old one), and the steps
+    after are the mean of both."""
 
     async def body() -> None:
         job = await one_ps_job(monkeypatch, 2)
@@ -320,6 +321,10 @@ def test_a_worker_joining_mid_run_gets_the_step_the_ps_is_at(
         ref = Reference()
         assert await job.token(0) == 0
         await job.leave(1, reason="terminated")
+        assert mode.required == 2  # expected back: its share is kept a heartbeat timeout
+        job.env.clock.now += job.env.chief.cfg.heartbeat_timeout + 1
+        await call(job.env.chief, "heartbeat", who(0, step=0))
+        await mode.membership_changed(gone=[1])  # not back: the chief's watch says so
         assert mode.required == 1
         for step in range(4):
             await one_step(job, step, (0,), ref)

@@ -332,6 +332,15 @@ class Membership:
             if not (w.done or w.gone) and now - w.last_seen > self.timeout
         )
 
+    def lapsed(self, now: float) -> list[int]:
+        """Workers that left unfinished (expected back) more than ``timeout`` ago and
+        have not registered again."""
+        return sorted(
+            i
+            for i, w in self.workers.items()
+            if w.gone and not w.done and now - w.last_seen > self.timeout
+        )
+
     def all_done(self) -> bool:
         """Every worker of the cluster registered (or is known) and is done: O(1)."""
         return len(self.workers) == self.num_workers and self._done == self.num_workers

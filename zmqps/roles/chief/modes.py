@@ -397,9 +397,17 @@ class SyncMode(ChiefMode):
     # ------------------------------------------------------------ replicas
 
     def gone(self) -> frozenset[int]:
-        """Workers not counted in M: dead, done or left (a gone worker whose gradient
-        the current step holds counts until the step is applied, and so does one whose
-        gradient is being looked for).
+        """Workers not counted in M: dead, done, or left unfinished a heartbeat timeout
+        ago and not back (a gone worker whose gradient the current step holds counts
+        until the step is applied, and so does one whose gradient is being looked for).
+
+        A worker that left unfinished (``terminated``: a signal; ``error``) counts in M
+        for a heartbeat timeout, as a worker killed outright does until it is counted
+        dead: a launcher or an orchestrator starts it again, and meanwhile the others'
+        steps wait for its share instead of being applied without it (a SIGTERM to one
+        worker of a sync launch gave hundreds of steps of one gradient, the run's
+        global step and model not the unfaulted one's; a stop reaching the tasks one by
+        one left a checkpoint whose workers' batches disagreed with its step).
 
         One look at every worker is kept for :data:`GONE_MEMO_S` of the clock, until the
         next wake-up or change of ``counted`` / ``checking``, or until a worker it holds
@@ -411,7 +419,10 @@ class SyncMode(ChiefMode):
         if memo is not None and memo[0] == key:
             return memo[1]
         gone = set(self.members.dead(now))
-        gone |= {i for i, w in self.members.workers.items() if w.done or w.gone}
+        gone |= {i for i, w in self.members.workers.items() if w.done}
+        # left unfinished (a signal, an error): expected back, like a worker that went
+        # silent it keeps its share of N for a heartbeat timeout
+        gone |= set(self.members.lapsed(now))
         out = frozenset(gone - self.counted - self.checking)
         self._gone_memo = (key, out)
         return out

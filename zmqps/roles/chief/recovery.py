@@ -1704,10 +1704,12 @@ class RecoveryController:
         death shrinks M (and N if needed) so no step waits for a dead worker, and a
         worker back is re-admitted (its token, its share of N)."""
         dead: set[int] = set()
+        lapsed: set[int] = set()
         period = min(self.cfg.heartbeat_interval, self.cfg.heartbeat_timeout / 4)
         while True:
             await asyncio.sleep(period)
-            now_dead = set(self.members.dead(self.clock()))
+            now = self.clock()
+            now_dead = set(self.members.dead(now))
             for i in sorted(now_dead - dead):
                 log.warning(
                     "worker %d missed heartbeats for %.0fs: considered dead",
@@ -1716,11 +1718,25 @@ class RecoveryController:
                 )
             for i in sorted(dead - now_dead):
                 log.info("worker %d is back: re-admitted", i)
-            if now_dead != dead:
+            # left unfinished and not back within a heartbeat timeout: a sync step no
+            # longer waits for its share (SyncMode.gone)
+            now_lapsed = set(self.members.lapsed(now))
+            if self.mode.name == "sync":
+                for i in sorted(now_lapsed - lapsed):
+                    w = self.members.workers[i]
+                    log.warning(
+                        "worker %d left (%s) and is not back after %.0fs: the steps go on"
+                        " without it",
+                        i,
+                        w.left_reason,
+                        self.cfg.heartbeat_timeout,
+                    )
+            if now_dead != dead or now_lapsed - lapsed:
                 await self.mode.membership_changed(
-                    gone=sorted(now_dead - dead), back=sorted(dead - now_dead)
+                    gone=sorted((now_dead - dead) | (now_lapsed - lapsed)),
+                    back=sorted(dead - now_dead),
                 )
-            dead = now_dead
+            dead, lapsed = now_dead, now_lapsed
 
     # ------------------------------------------------------------------ status
 
