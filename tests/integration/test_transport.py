@@ -739,6 +739,59 @@ def test_long_polls_of_a_closed_connection_are_dropped_and_nothing_else(
     run(main)
 
 
+def test_long_polls_of_connections_closed_at_once_give_every_place_back() -> None:
+    """Thousands of connections, each sending one long poll and closing at once: a
+    poll whose disconnect was read in the same turn it came (another connection's
+    poll reads the monitor) was cancelled before its reply ran, and its place among
+    the pending requests was never given back (771 of 20,000 on a PS; past 16,384 in
+    all every long poll, the chief's and the workers' included, would be refused
+    ``busy`` for ever). Every place comes back and every wait ends."""
+
+    async def main() -> None:
+        began, ended = [0], [0]
+
+        def waiting(msg: Message) -> Any:
+            if msg.op == "ping":
+                return reply(msg, {})
+
+            async def wait() -> Message:
+                began[0] += 1
+                try:
+                    await asyncio.sleep(msg.body["wait"])  # a poll ends with its wait
+                finally:
+                    ended[0] += 1
+                return reply(msg, {"step": 1})
+
+            return wait()
+
+        ctx = zmq.asyncio.Context()
+        try:
+            async with zmq_server(ctx, waiting) as server:
+                pending = lambda: server._dispatcher.pending  # noqa: E731
+                for k in range(2000):
+                    s = ctx.socket(zmq.DEALER)
+                    s.setsockopt(zmq.LINGER, 0)
+                    s.connect(server.endpoint)
+                    await s.send_multipart(encode(request("get_placement", {"wait": 2.0}, id=k)))
+                    await asyncio.sleep(0) if k % 50 else await asyncio.sleep(0.01)
+                    s.close(linger=200)  # the poll leaves, then the connection closes
+                await wait_until(lambda: server.stats.gone > 0, timeout=30.0)
+                # dropped at the disconnect, or (its disconnect read before it came)
+                # answered to nobody at the end of its wait: either way its place goes
+                await wait_until(lambda: pending() == 0, timeout=20.0)
+                assert began[0] == ended[0]  # no wait left running for a gone peer
+                # the server still takes and answers a poll of a live peer
+                live = ctx.socket(zmq.DEALER)
+                live.connect(server.endpoint)
+                await live.send_multipart(encode(request("ping", {}, id=1)))
+                assert decode(await live.recv_multipart()).id == 1
+                live.close(linger=0)
+        finally:
+            ctx.term()
+
+    run(main)
+
+
 # --------------------------------------------------------------------------- bad peers
 
 

@@ -105,16 +105,35 @@ class Pending:
     """A request whose handler waits: await it for the reply (or cancel it: the
     request is then forgotten, and its peer's pending count goes down)."""
 
-    __slots__ = ("_reply", "droppable", "op")
+    __slots__ = ("_forget", "_reply", "droppable", "op")
 
-    def __init__(self, op: str, reply: Awaitable[Message]) -> None:
+    def __init__(
+        self,
+        op: str,
+        reply: Coroutine[Any, Any, Message],
+        forget: Callable[[], None] | None = None,
+    ) -> None:
         self.op = op
         #: a long poll: nothing is lost when it is dropped (its client sends it again)
         self.droppable = op in LONG_POLLS
         self._reply = reply
+        #: what the reply's own ending does (its room given back), for a reply that is
+        #: never awaited
+        self._forget = forget
 
     def __await__(self) -> Generator[Any, None, Message]:
         return self._reply.__await__()
+
+    def close(self) -> None:
+        """Forget the reply if it was never awaited (the task awaiting it was cancelled
+        before it ran: a long poll whose connection closed in the same turn): its room
+        among the pending requests is given back, and the work it waited on stopped.
+        Nothing once it began (its own ending does that)."""
+        if inspect.getcoroutinestate(self._reply) != inspect.CORO_CREATED:
+            return
+        self._reply.close()
+        if self._forget is not None:
+            self._forget()
 
 
 class Held:
@@ -242,9 +261,37 @@ class Dispatcher:
                 key = next(self._keys)
                 task = asyncio.ensure_future(result)
                 self._polls.add(peer, key, task)
-                return Pending(msg.op, self._finish(msg, task, started, peer, key))
-            return Pending(msg.op, self._finish(msg, result, started, peer))
+                return Pending(
+                    msg.op,
+                    self._finish(msg, task, started, peer, key),
+                    lambda: self._forget(peer, key, task),
+                )
+            return Pending(
+                msg.op,
+                self._finish(msg, result, started, peer),
+                lambda: self._forget(peer, None, result),
+            )
         return self._observed(msg, result, started)
+
+    def _forget(self, peer: object, key: int | None, work: Awaitable[Any]) -> None:
+        """A pending request whose reply was never awaited: its place is given back (as
+        :meth:`_finish` does when it ends) and its work stopped (a long poll's task
+        cancelled, a handler never started closed)."""
+        self._let_go(peer, key)
+        if isinstance(work, asyncio.Future):
+            work.cancel()
+        elif inspect.iscoroutine(work):
+            work.close()
+
+    def _let_go(self, peer: object, key: int | None) -> None:
+        """A pending request of ``peer`` ended: its place goes (unless an eviction gave
+        it up already), and its long poll (``key``) is forgotten."""
+        if key is not None and key in self._evicted:
+            self._evicted.discard(key)  # its place was given up when it was evicted
+            return
+        if key is not None:
+            self._polls.remove(peer, key)
+        self._release(peer)
 
     def _make_room(self, peer: object, held: int) -> bool:
         """All peers together hold as many requests as allowed: answer the oldest long
@@ -335,12 +382,7 @@ class Dispatcher:
         except Exception as exc:
             out = self.error(msg, exc)
         finally:
-            if key is not None and key in self._evicted:
-                self._evicted.discard(key)  # its place was given up when it was evicted
-            else:
-                if key is not None:
-                    self._polls.remove(peer, key)
-                self._release(peer)
+            self._let_go(peer, key)
         return self._observed(msg, out, started)
 
     def _observed(self, msg: Message, out: Message, started: float) -> Message:

@@ -711,6 +711,9 @@ class Server:
         task = asyncio.ensure_future(self._finish(identity, outcome, session))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # cancelled before it ran (its connection closed in the same turn, the server
+        # stopping): the reply was never awaited, its room must still be given back
+        task.add_done_callback(lambda _: outcome.close())
         return task
 
     def _dispatch(self, frames: list[Any]) -> None:
