@@ -412,6 +412,7 @@ class StepPipeline:
         of the step. Returns False if some push was dropped (see :meth:`Worker.push`)."""
         computed = time.perf_counter()
         self.stats.compute += computed - self._computing
+        loss = self.worker.step_args(loss, examples)  # refused before anything more is sent
         self.worker.check_loss(loss)  # on_nonfinite="stop": before anything more is sent
         self.grads_ready(grads)
         self._asks = None

@@ -65,7 +65,7 @@ from zmqps.transport import Client, LoopThread, Requester, SocketOptions, new_co
 from zmqps.transport.loop import result
 from zmqps.wire import ops as o
 from zmqps.wire.errors import ConfigError, InvalidArgument, NonFiniteGradient, NotReady, RunFailed
-from zmqps.wire.schema import MAX_FRAME_BYTES, MIN_CHUNK_BYTES
+from zmqps.wire.schema import MAX_FRAME_BYTES, MAX_TALLY, MIN_CHUNK_BYTES
 
 __all__ = ["NonFiniteStop", "RowPushing", "Terminated", "Worker", "WorkerOptions"]
 
@@ -696,6 +696,21 @@ class Worker:
         if self.metrics is not None:
             self.metrics.phase(phase, time.perf_counter() - started)
 
+    def step_args(self, loss: Any, examples: Any) -> float | None:
+        """A step's ``loss`` and ``examples``, checked before anything of the step is
+        sent (:class:`InvalidArgument` naming the argument; a loss that was not a number
+        failed after the push was applied, and a retry applied it twice): the loss as a
+        float (None: none)."""
+        _check_examples(examples)
+        if examples is not None and self.held_examples + int(examples) > MAX_TALLY:
+            # the wire carries this worker's examples up to MAX_TALLY: past it the chief
+            # refused its heartbeats (it looked dead) and its leave
+            raise InvalidArgument(
+                f"examples: this worker's examples would pass {MAX_TALLY} (the most the"
+                f" wire carries) with {int(examples)} more, after {self.held_examples}"
+            )
+        return _check_loss(loss)
+
     def count_step(self, loss: float | None, examples: int | None) -> None:
         """One step done (its gradients pushed): counted for heartbeats and metrics; a
         batch before the furthest position reached is counted as trained again."""
@@ -738,7 +753,7 @@ class Worker:
         False if they were dropped (sync: stale, the step had already been applied),
         or if this was a retry of a push the PS had already handled (whose first
         outcome this call cannot know)."""
-        _check_examples(examples)
+        loss = self.step_args(loss, examples)
         grads = self.to_host(grads)
         self._dense_whole(grads)
         started = time.perf_counter()
@@ -762,10 +777,10 @@ class Worker:
     ) -> dict[str, Array]:
         """Push gradients and get the updated values back in the same round trip
         (timed as the push phase; on a separate device: a push, then a pull)."""
+        loss = self.step_args(loss, examples)
         if self.device.separate:
             self.push(grads, loss=loss, examples=examples)
             return self.pull()
-        _check_examples(examples)
         self._dense_whole(grads)
         started = time.perf_counter()
         step, cursor = self.steps.tag(), self.cursor
@@ -1107,8 +1122,28 @@ def _names(names: Sequence[str], shown: int = 5) -> str:
 
 
 def _check_examples(examples: Any) -> None:
-    """A step's ``examples``: a count (a negative one lowered the run's examples)."""
+    """A step's ``examples``: a count (a negative one lowered the run's examples), at
+    most what the wire carries."""
     if examples is None:
         return
-    if isinstance(examples, bool) or not isinstance(examples, (int, np.integer)) or examples < 0:
-        raise InvalidArgument(f"examples: a count of the step's examples >= 0, got {examples!r}")
+    if (
+        isinstance(examples, bool)
+        or not isinstance(examples, (int, np.integer))
+        or not 0 <= examples <= MAX_TALLY
+    ):
+        raise InvalidArgument(
+            f"examples: a count of the step's examples in [0, {MAX_TALLY}], got {examples!r}"
+        )
+
+
+def _check_loss(loss: Any) -> float | None:
+    """A step's ``loss``: a number (NaN and infinities too; a numpy or torch scalar),
+    as a float; not a string or a bool, nothing float() refuses."""
+    if loss is None:
+        return None
+    if isinstance(loss, (str, bytes, bytearray, bool, np.bool_)):
+        raise InvalidArgument(f"loss: a number (the step's loss), got {loss!r}")
+    try:
+        return float(loss)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"loss: a number (the step's loss), got {loss!r} ({exc})") from None
