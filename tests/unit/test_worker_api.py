@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_ps_client import DENSE, EMB, make_cluster
+from test_ps_client import DENSE, EMB, LR, make_cluster
 
 from zmqps.core.held import HeldExamples
 from zmqps.metrics.summaries import Window
@@ -117,3 +117,20 @@ def test_examples_past_what_the_wire_carries_are_refused_before_the_push_is_sent
     assert o.Heartbeat.parse(body, "heartbeat").examples == MAX_TALLY
     with pytest.raises(ProtocolError, match="examples"):  # one more, and it is refused
         o.Heartbeat.parse({**body, "examples": MAX_TALLY + 1}, "heartbeat")
+
+
+def test_pull_of_names_returns_only_those(worker: Any) -> None:
+    """``pull("b")`` and ``pull(["b"])`` returned every variable pulled so far (the
+    client's arrays), after a whole pull every dense one."""
+    assert set(worker.pull()) == {"w", "b", "e"}
+    assert set(worker.pull("b")) == {"b"}
+    assert set(worker.pull(["b"])) == {"b"}
+    assert set(worker.pull(("e", "w"))) == {"e", "w"}
+    assert worker.push(_grads())
+    got = worker.pull("b")
+    assert set(got) == {"b"}
+    np.testing.assert_allclose(got["b"], worker.cluster.shard_values("b"), rtol=1e-6)
+    before = worker.cluster.shard_values("b") + LR  # one step of SGD on ones
+    np.testing.assert_allclose(got["b"], before - LR, rtol=1e-6)
+    with pytest.raises(InvalidArgument, match=r"unknown variables: \['zz'\]"):
+        worker.pull(["b", "zz"])

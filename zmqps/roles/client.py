@@ -427,11 +427,16 @@ class ParameterClient:
     def dense_names(self) -> list[str]:
         return [v.name for v in self.placement.variables if not v.sparse]
 
-    def _by_ps(self, names: Iterable[str]) -> dict[int, list[int]]:
-        wanted = set(names)
-        unknown = wanted - {v.name for v in self.placement.variables}
+    def check_names(self, names: Iterable[str]) -> None:
+        """Every one of ``names`` is a variable of the placement (else
+        :class:`InvalidArgument`, naming the unknown ones)."""
+        unknown = set(names) - {v.name for v in self.placement.variables}
         if unknown:
             raise InvalidArgument(f"unknown variables: {sorted(unknown)}")
+
+    def _by_ps(self, names: Iterable[str]) -> dict[int, list[int]]:
+        wanted = set(names)
+        self.check_names(wanted)
         out: dict[int, list[int]] = {}
         for sid, r in self.routes.items():
             if r.shard.var in wanted:

@@ -615,18 +615,21 @@ class Worker:
     def pull(
         self, names: Iterable[str] | None = None, *, out: Mapping[str, Array] | None = None
     ) -> dict[str, Any]:
-        """Current values of the dense variables (or ``names``): on the worker's device,
-        or landed in the host arrays ``out`` (of the variables' shapes and dtypes)."""
+        """Current values of the dense variables (or ``names``, only those): on the
+        worker's device, or landed in the host arrays ``out`` (of the variables' shapes
+        and dtypes)."""
         started = time.perf_counter()
         # one name as a string: that variable (its characters were taken for names)
         wanted = None if names is None else [names] if isinstance(names, str) else list(names)
+        if wanted is not None:
+            self.client.check_names(wanted)  # unknown ones: refused before any request
         staged = out is None and self.device.separate
         if out is not None or staged:
             self._fresh.pulled_elsewhere()
         elif self.serve_fresh(self._fresh, wanted, self.client.dense_names()):
             # sync: the values of this token's step came with the last push's reply
             self.record_phase("pull", started)
-            return self.client.params
+            return _only(self.client.params, wanted)
         dest = self.mirror.host[0] if staged else out
         values = self.io.run(self.session.retrying(lambda: self.client.pull(wanted, out=dest)))
         if self.steps.voided:
@@ -635,11 +638,12 @@ class Worker:
             self.begin_step()
         self.record_phase("pull", started)
         if not staged:
-            return values
+            # the client's arrays hold every variable pulled so far: those asked for
+            return _only(values, wanted)
         started = time.perf_counter()
         self.mirror.upload(0, values).wait()
         self.record_phase("h2d", started)
-        return {n: self.mirror.dev[0][n] for n in values}
+        return {n: self.mirror.dev[0][n] for n in _only(values, wanted)}
 
     # -- sync: the next token and the next step's values with a step's last push -------
 
@@ -1119,6 +1123,11 @@ def _names(names: Sequence[str], shown: int = 5) -> str:
     """``a, b, c`` (the first ``shown``, then how many more)."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
+
+
+def _only(values: dict[str, Any], wanted: Sequence[str] | None) -> dict[str, Any]:
+    """``values`` of the names ``wanted`` (None: all of them)."""
+    return values if wanted is None else {n: values[n] for n in wanted}
 
 
 def _check_examples(examples: Any) -> None:
