@@ -95,7 +95,6 @@ HUNG = (
 
 #: launch only
 LAUNCH = {
-    "zero-timeout": (["--timeout", "0"], "--timeout must be > 0, got 0"),
     "zero-hung-after": (["--hung-after", "0"], f"--hung-after must be at least 2 s, got 0{HUNG}"),
     # killed a healthy chief between two status answers, mid-run
     "half-second-hung-after": (

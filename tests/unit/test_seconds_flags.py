@@ -56,3 +56,25 @@ def test_a_scale_count_out_of_range_is_one_line_before_anything_is_sent(
     assert main(["scale", *CHIEF, "--ps", ps, "--timeout", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--ps must be between 1 and 1048576" in err[0], err
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "-0.5", "0.0"])
+@pytest.mark.parametrize("case", ["status --timeout", "launch --timeout"])
+def test_a_timeout_that_must_be_positive_says_so_for_zero_and_negatives_alike(
+    case: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``zmqps status --timeout 0`` said "must be > 0" and ``--timeout -5`` "expected
+    a finite number of seconds >= 0": what is accepted is > 0, and both say so."""
+    *argv, flag = CASES[case]
+    with pytest.raises(SystemExit) as ended:
+        main([*argv, f"{flag}={value}"])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"argument {flag}: {value!r}: expected a finite number of seconds > 0" in err[0]
+
+
+def test_a_positive_timeout_is_taken() -> None:
+    from zmqps.cli.args import positive_seconds
+
+    assert positive_seconds("0.25") == 0.25 and positive_seconds("5") == 5.0

@@ -293,6 +293,19 @@ def seconds(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """A duration flag that must be more than 0 (a wait of none would fail at once): a
+    finite number of seconds > 0, one message for 0 and negative values alike (0 was
+    said "must be > 0" and -5 "expected ... >= 0")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds > 0")
+    return value
+
+
 def parse_bytes(text: str) -> int:
     """A size: an integer of bytes, or with K, M, G (powers of 1,024), e.g. ``512M``."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)

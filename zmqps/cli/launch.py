@@ -58,6 +58,7 @@ from zmqps.cli.args import (
     job_from_args,
     on_nonfinite_from_args,
     partitioner_from_args,
+    positive_seconds,
     seconds,
     sync_from_args,
     wire_dtype_from_args,
@@ -224,7 +225,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--timeout",
-        type=seconds,
+        type=positive_seconds,
         default=None,
         metavar="S",
         help="stop everything after S > 0 seconds, the run failed (default: none)",
@@ -1222,8 +1223,6 @@ def check_launch_args(args: argparse.Namespace) -> JobConfig:
         )
     if not args.stall_timeout >= 0:
         raise ConfigError(f"--stall-timeout must be >= 0, got {args.stall_timeout:g}")
-    if args.timeout is not None and not args.timeout > 0:
-        raise ConfigError(f"--timeout must be > 0, got {args.timeout:g}")
     # the real root is known later (RUN_DIR/checkpoints by default): only the flags here
     checkpoints = (args.checkpoint_dir or "RUN_DIR/checkpoints") if args.checkpoints else None
     checkpoint_policy_from_args(

@@ -30,6 +30,7 @@ from zmqps.cli.args import (
     check_output_dir,
     drop_stdout,
     exit_with_parent,
+    positive_seconds,
     resolution,
     seconds,
     setup_logging,
@@ -182,8 +183,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     if ended := _ended(args):  # nothing to ask: said at once (it waited --timeout)
         print(f"zmqps status: {ended}", file=sys.stderr)
         return 1
-    if args.timeout <= 0:
-        raise ConfigError(f"--timeout must be > 0, got {args.timeout:g}")
     options = socket_options(args, "status", None, serve=False, connect=True)
     try:
         status = asyncio.run(fetch_status(args.chief, timeout=args.timeout, options=options))
@@ -335,7 +334,10 @@ def _add_chief_query_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
-        "--timeout", type=seconds, default=5.0, help="seconds to wait for the chief (default: 5)"
+        "--timeout",
+        type=positive_seconds,
+        default=5.0,
+        help="seconds (> 0) to wait for the chief (default: 5)",
     )
     add_security_args(p)
 
