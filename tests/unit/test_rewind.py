@@ -542,3 +542,27 @@ def test_a_loop_that_knows_its_data_reports_every_incarnations_examples_exactly(
     for p in range(100, 460):
         w.count_step(0.5, examples_in(719, 32, p + 1) - examples_in(719, 32, p))
     assert w.examples_resumed_after() + w.held_examples == 20 * 719
+
+
+def test_a_worker_whose_earlier_runs_did_all_its_batches_does_not_claim_figures() -> None:
+    """A worker rejoining after its earlier incarnation finished its data said "done
+    after 0 steps (global step 0, loss nan)" though the global step was at least 69: it
+    did no step, saw no global step and computed no loss. It says what happened; one
+    that did steps gives its figures."""
+    from zmqps.roles.worker.train import done_line
+
+    w = _counting_worker(steps_done=69)
+    w._client = None
+    w.steps.token = None
+    w.nonfinite = 0
+    line = done_line(w, float("nan"), 0.0)
+    assert line == (
+        "worker 0: done, no step of its own: its earlier runs pushed all 69 batches of its data"
+    )
+    for _ in range(3):
+        w.count_step(0.5, 32)
+    w.steps.token = 71  # sync: the step of its token, as last seen
+    assert done_line(w, 0.5, 0.25) == (
+        "worker 0: done after 3 steps (global step 71, loss 0.5000, overlap 0.25)"
+    )
+    assert done_line(_counting_worker(), float("nan")).endswith("its data has no batch to train")

@@ -81,7 +81,7 @@ def _batches(data: CTRDataset, job: JobConfig, worker: Worker) -> Iterator[CTRDa
 
 def train_ctr(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any]:
     """Train the wide-and-deep CTR model on this worker's shard of the data."""
-    from zmqps.roles.worker.train import due, retrained_note
+    from zmqps.roles.worker.train import done_line, due, retrained_note
     from zmqps.roles.worker.worker import Terminated
 
     data = job.load_ctr("train").shard(worker.index, num_workers)
@@ -140,13 +140,7 @@ def train_ctr(worker: Worker, job: JobConfig, num_workers: int) -> dict[str, Any
             )
             t_last, s_last = now, worker.step
         batch, sparse = nxt, nxt_sparse
-    log.info(
-        "worker %d: done after %d steps (loss %.4f)%s",
-        worker.index,
-        worker.net_steps,
-        loss,
-        retrained_note(worker),
-    )
+    log.info("%s", done_line(worker, loss))
     return {"steps": worker.step, "loss": loss}
 
 

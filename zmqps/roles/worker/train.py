@@ -24,7 +24,7 @@ from zmqps.roles.overlap import StepPipeline
 from zmqps.roles.worker.worker import Terminated, Worker
 from zmqps.wire.errors import ModelMismatch
 
-__all__ = ["due", "retrained_note", "train"]
+__all__ = ["done_line", "due", "retrained_note", "train"]
 
 log = logging.getLogger("zmqps.worker")
 
@@ -106,19 +106,34 @@ def train(
                 t_last, s_last = now, worker.step
     finally:
         pipe.close()
-    log.info(
-        "worker %d: done after %d steps (global step %d, loss %.4f, overlap %.2f)%s%s",
-        worker.index,
-        worker.net_steps,
-        worker.global_step,
-        loss,
-        pipe.stats.overlap,
+    log.info("%s", done_line(worker, loss, pipe.stats.overlap))
+    return {"steps": worker.step, "loss": loss, "overlap": pipe.stats.as_dict()}
+
+
+def done_line(worker: Worker, loss: float, overlap: float | None = None) -> str:
+    """The worker's last line: the steps this incarnation did, the global step it last
+    saw and its last loss (``overlap``: the step pipeline's). One that did no step (its
+    earlier incarnations had pushed all its batches) saw no global step and computed
+    no loss: it says so, not "0 steps (global step 0, loss nan)"."""
+    if worker.step == 0:
+        why = (
+            f"its earlier runs pushed all {worker.steps_done} batches of its data"
+            if worker.steps_done
+            else "its data has no batch to train"
+        )
+        return f"worker {worker.index}: done, no step of its own: {why}"
+    figures = f"global step {worker.global_step}, loss {loss:.4f}"
+    if overlap is not None:
+        figures += f", overlap {overlap:.2f}"
+    skipped = (
         f"; {worker.nonfinite} skipped: gradients not finite or out of range"
         if worker.nonfinite
-        else "",
-        retrained_note(worker),
+        else ""
     )
-    return {"steps": worker.step, "loss": loss, "overlap": pipe.stats.as_dict()}
+    return (
+        f"worker {worker.index}: done after {worker.net_steps} steps ({figures})"
+        f"{skipped}{retrained_note(worker)}"
+    )
 
 
 def due(worker: Worker, every: int) -> bool:
