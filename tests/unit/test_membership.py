@@ -338,6 +338,30 @@ def test_a_chief_that_took_over_measures_the_rate_on_what_it_saw() -> None:
     assert fresh.examples_per_second(104.0) == pytest.approx(3_200 / 4.0)
 
 
+def test_a_chief_started_after_every_worker_finished_counts_their_examples_and_rate() -> None:
+    """Every worker finished before this chief started (the old one was killed during
+    the final checkpoint): their examples come from the chief's record of them, and the
+    rate from the seconds its latest checkpoint recorded (it said 0.0 examples/s and
+    26,428 to 46,353 examples of 57,520). Without a record, at least the checkpoint's."""
+    m = Membership(2, timeout=10.0)
+    m.adopted = True
+    m.carry({"examples": 50_000, "train_seconds": 20.0})  # a checkpoint before the end
+    m.known_done(0, 920, now=500.0, examples=28_760)
+    m.known_done(1, 920, now=500.0, examples=28_760)
+    assert m.all_done() and m.examples == 57_520 and m.global_step == 1_840
+    assert m.examples_per_second(501.0) == pytest.approx(57_520 / 20.0)
+    unknown = Membership(2, timeout=10.0)  # a record that did not say them
+    unknown.adopted = True
+    unknown.carry({"examples": 50_000, "train_seconds": 20.0})
+    unknown.known_done(0, 920, now=500.0)
+    unknown.known_done(1, 920, now=500.0)
+    assert unknown.examples == 50_000
+    alone = Membership(1, timeout=10.0)  # no checkpoint either: no rate to tell
+    alone.adopted = True
+    alone.known_done(0, 920, now=500.0, examples=28_760)
+    assert alone.examples_per_second(501.0) == 0.0
+
+
 def test_a_killed_workers_batches_after_its_last_heartbeat_count_their_examples() -> None:
     """A SIGKILLed worker's batches pushed after its last heartbeat were missing from
     the run's examples (167,655 of 172,560): the PS know how many batches it pushed,

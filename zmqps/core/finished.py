@@ -3,7 +3,8 @@
 Rules of this module:
 
 * A worker that left with its work done is a :class:`Finished`: the batches it did
-  (``steps``) and the generation the cluster was in then (``gen``). The chief keeps
+  (``steps``), the generation the cluster was in then (``gen``) and the examples of
+  its batches (a chief restarted after it left counts them in the run's examples). The chief keeps
   every such worker in a small record beside the run's checkpoints (or its summary),
   written at each change, before the worker's leave is answered: a chief started
   again after the PS lost their state (no copy) still knows who finished, where the
@@ -51,10 +52,12 @@ _MAX = 2**63 - 1
 @dataclass(frozen=True)
 class Finished:
     """A worker that left with its work done: after ``steps`` batches, the cluster in
-    generation ``gen``."""
+    generation ``gen``; ``examples``: those of its batches, as it said them (None: a
+    record that does not say)."""
 
     steps: int
     gen: int = 0
+    examples: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,11 @@ class Held:
 
 def record_bytes(finished: Mapping[int, Finished]) -> bytes:
     """The record of ``finished`` (worker index -> what it did) as the file holds it."""
-    workers = {str(i): {"steps": f.steps, "gen": f.gen} for i, f in sorted(finished.items())}
+    workers: dict[str, dict[str, int]] = {}
+    for i, f in sorted(finished.items()):
+        workers[str(i)] = {"steps": f.steps, "gen": f.gen}
+        if f.examples is not None:
+            workers[str(i)]["examples"] = f.examples
     body = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "workers": workers}
     return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
@@ -104,7 +111,12 @@ def parse_record(raw: bytes) -> dict[int, Finished]:
         if not isinstance(rec, dict):
             raise ValueError(f"worker {key}: not a map")
         index = _count(int(key), "a worker index")
-        out[index] = Finished(_count(rec.get("steps"), "steps"), _count(rec.get("gen", 0), "gen"))
+        examples = rec.get("examples")
+        out[index] = Finished(
+            _count(rec.get("steps"), "steps"),
+            _count(rec.get("gen", 0), "gen"),
+            None if examples is None else _count(examples, "examples"),
+        )
     return out
 
 

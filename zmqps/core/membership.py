@@ -207,15 +207,24 @@ class Membership:
         self.all_done_at = None
         return old is not None
 
-    def known_done(self, index: int, steps: int, now: float) -> None:
+    def known_done(self, index: int, steps: int, now: float, examples: int | None = None) -> None:
         """Worker ``index`` left with its work done before this chief started (the PS
-        said so), after ``steps`` batches in all."""
+        said so), after ``steps`` batches in all, of ``examples`` examples (None: not
+        known; the run's examples are then at least what its checkpoint recorded)."""
         self._check_index(index)
         if index in self.workers:
             return
         if self.first_registration is None:
             self.first_registration = now
-        w = WorkerState(index, UNKNOWN_INCARNATION, now, now, steps_before=steps)
+        w = WorkerState(
+            index,
+            UNKNOWN_INCARNATION,
+            now,
+            now,
+            steps_before=steps,
+            examples_before=examples or 0,
+            examples_exact=examples is not None,
+        )
         self._steps += steps
         w.done, w.left_reason = True, "done"
         self._put(w)
@@ -381,8 +390,12 @@ class Membership:
         seconds since the first registration it saw (the workers' examples cover the
         whole run, its seconds only its own and those its checkpoint recorded: after a
         restart with no checkpoint yet the rate read 3 to 18 times too high)."""
-        if not self.adopted:
-            return self.examples / max(1e-9, self.train_seconds(now))
+        if not self.adopted or not self._examples_when_heard:
+            # (adopted, and no worker heard since: all were done before this chief
+            # started; the run's rate is its examples over its seconds as its last
+            # checkpoint recorded them, not known without one)
+            seconds = self.train_seconds(now)
+            return self.examples / seconds if seconds >= 1e-3 else 0.0
         first = self.first_registration if self.first_registration is not None else now
         span = max(1e-9, (self.all_done_at or now) - first)
         seen = sum(

@@ -941,7 +941,9 @@ class RecoveryController:
                 if w.done:
                     was = self.finished.get(index)
                     if was is None or was.steps != w.total_steps:
-                        was = Finished(w.total_steps, self.gen)
+                        was = Finished(w.total_steps, self.gen, w.total_examples)
+                    elif was.examples != w.total_examples:
+                        was = Finished(was.steps, was.gen, w.total_examples)
                     now[index] = was
             self.finished = now
             if self.done_record is None:
@@ -982,7 +984,10 @@ class RecoveryController:
         now = self.clock()
         for index, steps in sorted(done.items()):
             if index < self.members.num_workers:
-                self.members.known_done(index, steps, now)
+                # its examples as the record keeps them (for the batches the PS say)
+                rec = self.finished.get(index)
+                examples = rec.examples if rec is not None and rec.steps == steps else None
+                self.members.known_done(index, steps, now, examples)
                 log.info("worker %d finished its work before this chief started", index)
         # Workers that pushed are running (or were, and died meanwhile): members from
         # now, so one that never speaks to this chief (dead, or stopped) is counted
