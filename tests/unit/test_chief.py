@@ -1099,6 +1099,44 @@ def test_a_wait_is_first_said_after_ten_seconds_then_every_thirty(
     assert 10.0 <= said[0] <= 12.0 and 40.0 <= said[1] <= 42.0 and 70.0 <= said[2] <= 72.0, said
 
 
+def test_a_sync_step_waiting_for_a_worker_never_started_names_it() -> None:
+    """Sync, worker 1 of 2 never started: the stall's line said "training starts at
+    step 0 (generation 0): the workers take its values", not the worker it waited on."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=2, sync=SyncConfig(mode="sync"))
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        await call(env.chief, "register", who(0))
+        why = env.chief.blocker(await env.chief.full_status()) or ""
+        assert why.startswith("step 0 waits on worker 0 (alive: "), why
+        assert why.endswith(
+            ", and on worker 1: never registered, counted among the replicas"
+            " a sync step waits for (start it)"
+        ), why
+        placement = env.chief.placement
+        assert placement is not None
+        pusher = ParameterClient(
+            [env.net.client(a, "worker:0:0") for a in env.cfg.cluster.ps],
+            placement,
+            worker="worker:0",
+            incarnation=0,
+            shared_memory=False,
+        )
+        await call(env.chief, "take_token", who(0, wait=1.0))
+        grads = {v.name: np.ones(v.shape, np.float32) for v in VARS}
+        await pusher.push(grads, step=0)
+        why = env.chief.blocker(await env.chief.full_status()) or ""
+        assert why == (
+            "step 0 waits on worker 1: never registered, counted among the replicas a sync"
+            " step waits for (start it)"
+        ), why
+        await call(env.chief, "register", who(1))
+        assert "never registered" not in (env.chief.blocker(await env.chief.full_status()) or "")
+
+    run(body())
+
+
 def test_training_that_stands_still_past_the_stall_timeout_ends_the_run_failed() -> None:
     """A worker stopped for ever (its heartbeats stop, its data is not done), or one
     alive that never pushes its step: the run waits for it, says so, and past

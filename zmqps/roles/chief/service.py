@@ -722,16 +722,26 @@ class ChiefService:
                 f"the copies of {states} do not all have step {st['global_step'] + 1},"
                 " which their primary applied: the step is not counted until they do"
             )
+        missing = sorted(set(range(self.members.num_workers)) - set(self.members.workers))
+        never = ""
+        if missing and st["workers_alive"] and self.consistency.name == "sync":
+            # counted in M: each sync step waits for their gradients too (a stall said
+            # "training starts at step 0: the workers take its values")
+            never = (
+                f"{', '.join(f'worker {i}' for i in missing)}: never registered, counted"
+                " among the replicas a sync step waits for (start it)"
+            )
         if st["waiting_on"]:
             names = ", ".join(f"worker {i}" for i in st["waiting_on"])
             return (
                 f"step {st['global_step']} waits on {names} (alive: heartbeats come,"
-                " the step's push does not)"
+                " the step's push does not)" + (f", and on {never}" if never else "")
             )
+        if never:
+            return f"step {st['global_step']} waits on {never}"
         if not st["workers_alive"] and not self.members.all_done():
             if st["workers_dead"]:
                 return f"no live worker: waiting for workers {st['workers_dead']} to come back"
-            missing = sorted(set(range(self.members.num_workers)) - set(self.members.workers))
             if missing:
                 return f"waiting for workers {missing} to register"
             gone = {
