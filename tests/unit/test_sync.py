@@ -719,6 +719,16 @@ def test_status_names_whom_the_step_waits_on_and_a_dead_worker_is_dropped() -> N
     run(body())
 
 
+async def _worker_1_completes_step_0(job: SyncJob, pusher: ParameterClient) -> None:
+    """Worker 1's push (through ``pusher``) completes step 0, which worker 0's gradient
+    is in: the step applies the mean of the two."""
+    assert await pusher.push(grads(1), step=0)
+    await until(lambda: job.step == 1)
+    for v in DENSE:
+        g0, g1 = grads(0)[v.name], grads(1)[v.name]
+        np.testing.assert_allclose(job.values(v.name), initial(v) - LR * (g0 + g1) / 2)
+
+
 @pytest.mark.parametrize("how", ["done", "dead"])
 def test_a_worker_gone_after_its_push_still_counts_for_that_step(how: str) -> None:
     """N = M = 2: worker 0 pushes its last gradient and leaves (or dies) while worker 1
@@ -739,11 +749,7 @@ def test_a_worker_gone_after_its_push_still_counts_for_that_step(how: str) -> No
         await asyncio.sleep(0.01)
         assert job.step == 0 and set(job.env.chief.consistency.counted) == {0}
         assert (await job.status())["replicas_to_aggregate"] == 2
-        assert await job.workers[1].push(grads(1), step=0)
-        await until(lambda: job.step == 1)
-        for v in DENSE:
-            g0, g1 = grads(0)[v.name], grads(1)[v.name]
-            np.testing.assert_allclose(job.values(v.name), initial(v) - LR * (g0 + g1) / 2)
+        await _worker_1_completes_step_0(job, job.workers[1])
         # From the next step on it no longer counts.
         await until(lambda: job.env.chief.consistency.required == 1)
         assert (await job.status())["total_replicas"] == 1
@@ -826,11 +832,7 @@ def test_a_leaver_looked_up_on_a_ps_that_does_not_answer_still_counts_for_its_st
         await until(lambda: not mode.checking, what="the look-up answered")
         assert job.step == 0 and set(mode.counted) == {0} and mode.required == 2
         assert (await job.status())["replicas_to_aggregate"] == 2
-        assert await job.workers[1].push(grads(1), step=0)
-        await until(lambda: job.step == 1)
-        for v in DENSE:
-            g0, g1 = grads(0)[v.name], grads(1)[v.name]
-            np.testing.assert_allclose(job.values(v.name), initial(v) - LR * (g0 + g1) / 2)
+        await _worker_1_completes_step_0(job, job.workers[1])
         for svc in job.env.services:
             assert svc.status()["sync"]["dropped"] == {}
             assert set(svc.status()["sync"]["aggregated"]) == {"2"}  # every step of 2
@@ -978,11 +980,7 @@ def test_a_worker_that_left_unfinished_keeps_its_share_until_it_is_back(reason: 
             incarnation=1,
             shared_memory=False,
         )
-        assert await again.push(grads(1), step=0)
-        await until(lambda: job.step == 1)
-        for v in DENSE:
-            g0, g1 = grads(0)[v.name], grads(1)[v.name]
-            np.testing.assert_allclose(job.values(v.name), initial(v) - LR * (g0 + g1) / 2)
+        await _worker_1_completes_step_0(job, again)
         for svc in job.env.services:
             assert set(svc.status()["sync"]["aggregated"]) == {"2"}
         await job.close()
