@@ -38,6 +38,9 @@ SEEDS = {
     # all PS asked for again (the drained one started again); 2198's configuration
     62: "ssp, 2 PS, 2 workers: kill_during_move destination, scale_ps, finish_while_stopped,"
     " kill_worker",
+    # a worker SIGTERMed (it leaves unfinished) and started again while the PS move:
+    # its share of each sync step is kept meanwhile; 898's configuration
+    345: "sync, 2 PS, 2 workers: kill_worker, scale_ps, term_worker",
 }
 
 _WHY_NO_NETNS = netns_unavailable()

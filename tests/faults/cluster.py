@@ -382,8 +382,9 @@ class Supervisor:
             os.kill(cur.pid, sig)
         except ProcessLookupError:
             return False
-        if sig == signal.SIGKILL:
+        if sig in (signal.SIGKILL, signal.SIGTERM):  # a fault (the run's own end: stop())
             cur.killed = True
+        if sig == signal.SIGKILL:
             task.stopped = False
         elif sig == signal.SIGSTOP:
             task.stopped = True

@@ -508,6 +508,16 @@ class Injector:
             why = yield from self.back(f.target, rec.fired, gen, inc, failovers)
             if why:
                 rec.notes.append(why)
+        elif kind == "term_worker":
+            inc = self._incarnation(task.index)
+            if not self.sup.signal(f.target, signal.SIGTERM):
+                rec.fired, rec.skipped = None, f"{f.target} was not running"
+                return
+            rec.targets.append(f.target)
+            # it leaves ("terminated") and exits; the supervisor starts it again
+            why = yield from self.back(f.target, rec.fired, gen, inc)
+            if why:
+                rec.notes.append(why)
         elif kind in ("stop_short", "stop_long"):
             self.sup.signal(f.target, signal.SIGSTOP)
             rec.targets.append(f.target)

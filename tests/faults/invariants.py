@@ -68,7 +68,8 @@ INVARIANTS = {
     "1": "the run ends on its own in time, every process exits 0, nothing is left",
     "2": "the global step never goes back (but to a checkpoint after a restore);"
     " a long wait names its blocker",
-    "3": "every acknowledged push applied exactly once; no batch trained twice",
+    "3": "every acknowledged push applied exactly once; no batch trained twice; sync steps"
+    " take every worker counted in M",
     "4": "the final model is finite, as accurate as unfaulted runs, and scored by the evaluator",
     "5": "every scheduled function completes exactly once or is reported failed",
     "6": "moves: every drained PS exits 0, states end on PS asked for, a move restores nothing",
@@ -678,6 +679,42 @@ def moved_share(rec: RunRecord) -> float | None:
     return None
 
 
+def check_sync_steps(rec: RunRecord, ref: Reference) -> list[Check]:
+    """Sync: while the chief counts every worker in M, each step takes every worker's
+    gradient (N = M), so the run's global step is the unfaulted runs' whatever the
+    faults (a restore redoes the steps after its checkpoint; a worker killed or
+    SIGTERMed and started again within the heartbeat timeout keeps its share). A step
+    taken with fewer (a worker counted dead, or left and not back) may add steps: the
+    check is then left out, saying why. (A worker that left "terminated" shrank N at
+    once: seed 345 took 420 shard steps of one gradient on a PS, its global step past
+    the unfaulted runs'.)"""
+    s = rec.schedule
+    if s.mode != "sync" or s.driver != "worker" or rec.summary is None:
+        return []
+    got = rec.summary.get("global_step")
+    expected = sorted(set(ref.global_steps))
+    if rec.workers_gone:
+        return [
+            Check(
+                "3",
+                "sync-steps",
+                True,
+                f"global step {got}; not compared: the chief counted a worker out of M"
+                f" ({rec.workers_gone[0]}{' ...' if len(rec.workers_gone) > 1 else ''})",
+            )
+        ]
+    ok = got in expected
+    return [
+        Check(
+            "3",
+            "sync-steps",
+            ok,
+            f"global step {got}, the unfaulted runs' {expected}"
+            + ("" if ok else ": steps were taken without every worker's gradient"),
+        )
+    ]
+
+
 def check_model(rec: RunRecord, ref: Reference) -> list[Check]:
     out = []
     sm = rec.summary
@@ -998,6 +1035,7 @@ def check_all(rec: RunRecord, ref: Reference) -> list[Check]:
     if rec.hung or rec.failure:
         return checks
     checks += check_pushes(rec, ref)
+    checks += check_sync_steps(rec, ref)
     checks += check_model(rec, ref)
     checks += check_coordinator(rec, ref)
     return checks

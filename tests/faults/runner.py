@@ -127,6 +127,9 @@ class RunRecord:
     leftover_shm: list[str] = field(default_factory=list)
     #: how leftover regions were looked for
     shm_how: str = ""
+    #: the chief's lines (every incarnation's) counting a worker out of M: missed
+    #: heartbeats, or left unfinished and not back within the heartbeat timeout
+    workers_gone: list[str] = field(default_factory=list)
 
     @property
     def wall(self) -> float:
@@ -142,7 +145,7 @@ def bound(s: Schedule, ref: Reference) -> float:
     for f in s.faults:
         if f.kind == "kill_during_move":  # the moves, a kill's recovery
             total += hb + 35.0
-        elif f.kind.startswith("kill_"):
+        elif f.kind.startswith("kill_") or f.kind == "term_worker":
             total += hb + 20.0
         elif f.kind in ("stop_short", "stop_long"):
             total += f.duration + hb + 5.0
@@ -238,6 +241,9 @@ _CHIEF_RESTORED = re.compile(r"restored every shard to (.+?) \(step (\d+), gener
 #: the chief's health watch found these PS restarted (each such finding: a restore)
 _FOUND_RESTARTED = re.compile(r"ps \[([\d, ]+)\] restarted without its shards")
 _COMMITTED = re.compile(r"checkpoint ckpt-(\d+) committed")
+_WORKER_GONE = re.compile(
+    r"worker \d+ (?:missed heartbeats for \S+: considered dead|left \([^)]*\) and is not back)"
+)
 _START = "### faults: start "
 
 
@@ -488,6 +494,7 @@ def execute(
         asked=list(injector.asked),
         asked_at=list(injector.asked_at),
         found_restarted=found,
+        workers_gone=[m.group(0) for m in _WORKER_GONE.finditer(chief_log)],
         leftover_procs=left_desc,
         leftover_shm=shm_left,
         shm_how=(

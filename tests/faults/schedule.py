@@ -23,6 +23,8 @@ Rules of this module:
   way, or the chief, killed meanwhile), and for all of them again later (a second
   ``scale_ps``). The PS left without states are drained (they exit 0) and started
   again before the scale back up, as ``zmqps launch --ps-schedule`` does.
+* A worker SIGTERMed (:data:`TERM_KINDS`) is drawn the same way, from a Random of its
+  own, in plain and replicated schedules alike.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "JOB",
     "MOVE_KINDS",
     "MOVE_SHARE",
+    "TERM_KINDS",
     "Fault",
     "Schedule",
     "draw",
@@ -70,12 +73,18 @@ MOVE_KINDS = (
     # way; restarted as usual
     "kill_during_move",
 )
+#: Signals a task handles (drawn apart, :func:`_terms`): SIGTERM one worker, which
+#: leaves unfinished ("terminated") and exits; restarted (a new incarnation), as
+#: ``zmqps launch`` or an orchestrator does
+TERM_KINDS = ("term_worker",)
 #: Every fault kind the harness injects.
-FAULT_KINDS = BASE_KINDS + MOVE_KINDS
+FAULT_KINDS = BASE_KINDS + MOVE_KINDS + TERM_KINDS
 #: the share of the schedules that carry moves: plain ones with 2 PS or more (with
 #: the one-PS share, about half of them all), replicated ones
 MOVE_SHARE = 0.6
 MOVE_SHARE_REPLICATED = 0.5
+#: the share of the schedules (plain and replicated) with a worker SIGTERMed
+TERM_SHARE = 0.4
 
 #: Heartbeat timeout of every schedule (seconds): short, so detection is quick.
 HEARTBEAT_TIMEOUT = 2.5
@@ -299,6 +308,7 @@ def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
     for at in points:
         faults.append(_fault(rng, rng.choice(kinds), at, ps, workers, evaluator, hb))
     faults += _moves(random.Random(f"moves-{seed}"), ps, 1, MOVE_SHARE)
+    faults += _terms(random.Random(f"term-{seed}"), workers)
     faults.sort(key=lambda f: f.at)
     return Schedule(
         seed=seed,
@@ -313,6 +323,18 @@ def draw(seed: int, netns_unavailable: str | None = None) -> Schedule:
         heartbeat_timeout=hb,
         left_out=tuple(left_out),
     )
+
+
+def _terms(rng: random.Random, workers: int) -> list[Fault]:
+    """A worker SIGTERMed (``term_worker``), :data:`TERM_SHARE` of the time, at a point
+    between 10 % and 85 % of the run. Drawn from ``rng`` alone: the rest of the
+    schedule is as it would be without (a worker that left "terminated" shrank a sync
+    run's N at once, and the others applied steps without it while it restarted)."""
+    if rng.random() >= TERM_SHARE:
+        return []
+    return [
+        Fault("term_worker", f"worker{rng.randrange(workers)}", round(rng.uniform(0.1, 0.85), 3))
+    ]
 
 
 def _moves(rng: random.Random, ps: int, least: int, share: float) -> list[Fault]:
@@ -376,7 +398,8 @@ def draw_replicated(seed: int, netns_unavailable: str | None = None) -> Schedule
     hidden = WIDE if rng.random() < 0.5 else None  # drawn last: the rest as before
     # moves apart: two copies of each state need 2 PS at least
     moves = _moves(random.Random(f"replicated-moves-{seed}"), ps, 2, MOVE_SHARE_REPLICATED)
-    faults = sorted([*faults, *moves], key=lambda f: f.at)
+    terms = _terms(random.Random(f"replicated-term-{seed}"), workers)
+    faults = sorted([*faults, *moves, *terms], key=lambda f: f.at)
     return Schedule(
         seed=seed,
         mode=mode,

@@ -22,6 +22,7 @@ from faults.invariants import (
     check_no_restore,
     check_pushes,
     check_steps,
+    check_sync_steps,
     lone_share,
     longest_pause,
     moved_share,
@@ -36,6 +37,7 @@ from faults.schedule import (
     FAULT_KINDS,
     MOVE_KINDS,
     REPLICATED_EXTRA,
+    TERM_KINDS,
     WIDE,
     Fault,
     Schedule,
@@ -56,7 +58,8 @@ def test_schedules_cover_every_kind_and_keep_their_rules() -> None:
     seen: set[str] = set()
     for seed in range(1, 201):
         s = draw(seed)
-        assert 1 <= len([f for f in s.faults if f.kind not in MOVE_KINDS]) <= 4
+        assert 1 <= len([f for f in s.faults if f.kind not in MOVE_KINDS + TERM_KINDS]) <= 4
+        assert len([f for f in s.faults if f.kind in TERM_KINDS]) <= 1
         assert s.mode in ("async", "sync", "ssp") and 1 <= s.ps <= 3 and 2 <= s.workers <= 4
         if s.driver == "coordinator":
             assert s.mode == "async"
@@ -113,7 +116,7 @@ def test_replicated_schedules_keep_their_rules_and_leave_the_others_alone() -> N
         assert s.netns == ("partition_ps" in s.kinds())
         assert "kill_evaluator" not in s.kinds() or s.evaluator is not None
         kills = [f for f in s.faults if f.kind == "kill_ps"]
-        others = [f for f in s.faults if f.kind not in MOVE_KINDS]
+        others = [f for f in s.faults if f.kind not in MOVE_KINDS + TERM_KINDS]
         assert 1 <= len(kills) <= 2 and len(others) <= 3
         assert len(others) - len(kills) <= 1
         assert [f.at for f in s.faults] == sorted(f.at for f in s.faults)
@@ -129,7 +132,7 @@ def test_replicated_schedules_keep_their_rules_and_leave_the_others_alone() -> N
         assert dict(without.left_out) == {
             "partition_ps": "no network namespaces: no namespaces here"
         }
-    assert kinds == {"kill_ps", *REPLICATED_EXTRA, *MOVE_KINDS} == set(FAULT_KINDS)
+    assert kinds == {"kill_ps", *REPLICATED_EXTRA, *MOVE_KINDS, *TERM_KINDS} == set(FAULT_KINDS)
     assert 90 <= seconds <= 210
     assert 90 <= wide <= 210  # a wide model: updates through the ring of shared memory
     assert "replication" not in draw(5).config() and "-r" not in draw(5).config_key()
@@ -167,15 +170,15 @@ def _without_moves(s: Schedule) -> str:
     faults = ";".join(
         f"{f.kind} {f.target} {f.at} {f.duration} {f.delay}"
         for f in s.faults
-        if f.kind not in MOVE_KINDS
+        if f.kind not in MOVE_KINDS + TERM_KINDS
     )
     return f"{s.seed} {s.mode} {s.ps} {s.workers} {s.evaluator} {s.driver} {s.hidden} {faults}"
 
 
 def test_moves_leave_every_seeds_other_faults_as_they_were() -> None:
-    """Moves are drawn from a Random of their own: the cluster and the other faults of
-    seeds 1-300 (plain, without namespaces, replicated) are those drawn before moves
-    were (digests of the draws of the commit before them)."""
+    """Moves (and SIGTERMs) are drawn from Randoms of their own: the cluster and the
+    other faults of seeds 1-300 (plain, without namespaces, replicated) are those drawn
+    before moves were (digests of the draws of the commit before them)."""
     import hashlib
 
     def digest(schedules: list[Schedule]) -> str:
@@ -223,8 +226,24 @@ def test_about_half_the_schedules_carry_a_move_down_and_back_up(replicated: bool
         assert ones and not any(set(s.kinds()) & set(MOVE_KINDS) for s in ones)
 
 
+@pytest.mark.parametrize("replicated", [False, True])
+def test_a_share_of_the_schedules_sigterm_one_worker(replicated: bool) -> None:
+    """A worker SIGTERMed (it leaves "terminated", is started again): about
+    TERM_SHARE of the schedules, once at most, a worker of the cluster, within the run."""
+    carried = 0
+    for seed in range(1, 401):
+        s = draw_replicated(seed) if replicated else draw(seed)
+        terms = [f for f in s.faults if f.kind in TERM_KINDS]
+        if not terms:
+            continue
+        carried += 1
+        (f,) = terms
+        assert f.target in {f"worker{i}" for i in range(s.workers)} and 0.1 <= f.at <= 0.85
+    assert 0.3 * 400 <= carried <= 0.5 * 400, carried
+
+
 def test_the_kinds_drawn_before_moves_keep_their_order() -> None:
-    assert FAULT_KINDS == BASE_KINDS + MOVE_KINDS
+    assert FAULT_KINDS == BASE_KINDS + MOVE_KINDS + TERM_KINDS
     assert tuple(k for k in BASE_KINDS if k != "kill_ps") == REPLICATED_EXTRA
 
 
@@ -312,6 +331,30 @@ REF = Reference(
 
 def _fault(kind: str, target: str, fired: float, ended: float) -> FaultRecord:
     return FaultRecord(Fault(kind, target, 0.5), fired=fired, ended=ended, targets=[target])
+
+
+# ---------------------------------------------------------------- 3: sync steps
+
+
+def test_sync_steps_are_the_unfaulted_runs_while_every_worker_counts() -> None:
+    sync = _schedule(mode="sync", faults=(Fault("term_worker", "worker1", 0.5),))
+    held = _record(schedule=sync, summary={**_record().summary, "global_step": 100})
+    (c,) = check_sync_steps(held, REF)
+    assert c.ok and c.name == "sync-steps" and "the unfaulted runs' [100]" in c.detail
+    # a worker that left "terminated" shrank N at once: steps of one gradient
+    more = _record(schedule=sync, summary={**_record().summary, "global_step": 105})
+    (c,) = check_sync_steps(more, REF)
+    assert not c.ok and "without every worker's gradient" in c.detail
+    # the chief counted a worker out of M: steps of fewer gradients are the promise then
+    gone = "worker 1 missed heartbeats for 3s: considered dead"
+    excused = _record(
+        schedule=sync,
+        summary={**_record().summary, "global_step": 105},
+        workers_gone=[gone],
+    )
+    (c,) = check_sync_steps(excused, REF)
+    assert c.ok and "not compared" in c.detail and gone in c.detail
+    assert check_sync_steps(_record(schedule=_schedule(mode="async")), REF) == []
 
 
 # ---------------------------------------------------------------- 1
