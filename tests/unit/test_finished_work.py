@@ -166,7 +166,10 @@ def test_a_restarted_chief_with_the_ps_and_no_checkpoint_lost_ends_the_run_faile
     async def body() -> None:
         env, clients = await _finished_and_ps_lost(tmp_path)
         record = tmp_path / "summary.workers-done.json"
-        assert parse_record(record.read_bytes()) == {0: Finished(10, 0, 0), 1: Finished(12, 0, 0)}
+        assert parse_record(record.read_bytes()) == {
+            0: Finished(10, 0, 0, 0.0),
+            1: Finished(12, 0, 0, 0.0),
+        }
         restarted = ChiefService(env.cfg, clients, clock=env.clock)
         # before: it started anew and waited for workers 0 and 1 to register, for ever
         with pytest.raises(WorkLost) as lost:
@@ -208,10 +211,13 @@ def test_a_restarted_chief_whose_ps_kept_their_state_finishes_the_run(tmp_path: 
 def test_a_record_of_before_examples_were_kept_reads_as_not_known() -> None:
     raw = b'{"format": "zmqps-workers-done", "version": 1, "workers": {"0": {"steps": 4}}}'
     assert parse_record(raw) == {0: Finished(4, 0, None)}
-    with_examples = {0: Finished(4, 1, 128)}
+    with_examples = {0: Finished(4, 1, 128, 2.5)}
     assert parse_record(record_bytes(with_examples)) == with_examples
     with pytest.raises(ValueError, match="examples"):
         parse_record(raw.replace(b'"steps": 4', b'"steps": 4, "examples": -1'))
+    for bad in (b"-1", b"true", b'"3"', b"1e999"):
+        with pytest.raises(ValueError, match="seconds"):
+            parse_record(raw.replace(b'"steps": 4', b'"steps": 4, "seconds": ' + bad))
 
 
 def _checkpoint(tmp_path: Path, cursors: dict[str, int], step: int) -> None:

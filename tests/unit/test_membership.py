@@ -350,6 +350,29 @@ def test_a_chief_started_after_every_worker_finished_counts_their_examples_and_r
     m.known_done(1, 920, now=500.0, examples=28_760)
     assert m.all_done() and m.examples == 57_520 and m.global_step == 1_840
     assert m.examples_per_second(501.0) == pytest.approx(57_520 / 20.0)
+    # the record of the workers that finished says the run's seconds at the end: its
+    # checkpoint was of before it (5,829 examples/s said for about 3,800)
+    m.carry_seconds(15.0)  # never lowers what is carried
+    m.carry_seconds(24.0)
+    assert m.examples_per_second(501.0) == pytest.approx(57_520 / 24.0)
+    assert m.train_seconds(501.0) == pytest.approx(24.0)
+    # workers that rejoin and leave at once (async: their last push was before): the
+    # chief saw nothing to measure, the run's rate all the same (it said 0.0)
+    rejoined = Membership(2, timeout=10.0)
+    rejoined.adopted = True
+    rejoined.carry({"examples": 50_000, "train_seconds": 20.0})
+    for i in (0, 1):
+        rejoined.register(i, 2, now=500.0)
+        rejoined.heartbeat(i, 2, step=920, now=500.2, examples=28_760)
+        rejoined.leave(i, 2, 920, 500.3, "done", 28_760)
+    assert rejoined.examples_per_second(500.3) == pytest.approx(57_520 / 20.3, rel=1e-3)
+    # nothing said how long the run trained before (no checkpoint, nobody finished
+    # before this chief): not known, 0.0 (it said 102,531 examples/s over 0.56 s)
+    unknown_seconds = Membership(1, timeout=10.0)
+    unknown_seconds.adopted = True
+    unknown_seconds.register(0, 2, now=500.0)
+    unknown_seconds.leave(0, 2, 920, 500.5, "done", 28_760)
+    assert unknown_seconds.examples_per_second(500.5) == 0.0
     unknown = Membership(2, timeout=10.0)  # a record that did not say them
     unknown.adopted = True
     unknown.carry({"examples": 50_000, "train_seconds": 20.0})

@@ -22,6 +22,7 @@ Rules of this module:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,12 +53,15 @@ _MAX = 2**63 - 1
 @dataclass(frozen=True)
 class Finished:
     """A worker that left with its work done: after ``steps`` batches, the cluster in
-    generation ``gen``; ``examples``: those of its batches, as it said them (None: a
-    record that does not say)."""
+    generation ``gen``; ``examples``: those of its batches, as it said them, and the
+    run's training ``seconds`` then (None: a record that does not say)."""
 
     steps: int
     gen: int = 0
     examples: int | None = None
+    #: the run's training seconds when it finished, as the chief measured them (None:
+    #: a record that does not say)
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -76,11 +80,13 @@ class Held:
 
 def record_bytes(finished: Mapping[int, Finished]) -> bytes:
     """The record of ``finished`` (worker index -> what it did) as the file holds it."""
-    workers: dict[str, dict[str, int]] = {}
+    workers: dict[str, dict[str, float]] = {}
     for i, f in sorted(finished.items()):
         workers[str(i)] = {"steps": f.steps, "gen": f.gen}
         if f.examples is not None:
             workers[str(i)]["examples"] = f.examples
+        if f.seconds is not None:
+            workers[str(i)]["seconds"] = f.seconds
     body = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "workers": workers}
     return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
@@ -89,6 +95,17 @@ def _count(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX:
         raise ValueError(f"{what} is not a count: {value!r}")
     return value
+
+
+def _seconds(value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"seconds is not a duration: {value!r}")
+    return float(value)
 
 
 def parse_record(raw: bytes) -> dict[int, Finished]:
@@ -111,11 +128,12 @@ def parse_record(raw: bytes) -> dict[int, Finished]:
         if not isinstance(rec, dict):
             raise ValueError(f"worker {key}: not a map")
         index = _count(int(key), "a worker index")
-        examples = rec.get("examples")
+        examples, seconds = rec.get("examples"), rec.get("seconds")
         out[index] = Finished(
             _count(rec.get("steps"), "steps"),
             _count(rec.get("gen", 0), "gen"),
             None if examples is None else _count(examples, "examples"),
+            None if seconds is None else _seconds(seconds),
         )
     return out
 

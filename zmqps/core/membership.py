@@ -21,6 +21,7 @@ Rules of this module:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,10 @@ __all__ = ["FINISHED_REASONS", "Membership", "WorkerState"]
 #: the run without its work)
 FINISHED_REASONS = frozenset({"done", "out of data"})
 
+
+#: a chief restarted during the run measures the rate on what it saw when it saw
+#: training for this long at least (seconds)
+MEASURED_SPAN_S = 1.0
 
 #: the incarnation of a worker the chief knows of from the PS only (it left with its
 #: work done before this chief started): any real incarnation is later
@@ -137,9 +142,15 @@ class Membership:
         its latest checkpoint recorded (``extra``: examples, train seconds)."""
         try:
             self.examples_carried = max(0, int(extra.get("examples") or 0))
-            self.seconds_carried = max(0.0, float(extra.get("train_seconds") or 0.0))
+            self.carry_seconds(float(extra.get("train_seconds") or 0.0))
         except (TypeError, ValueError):
             return  # a checkpoint that does not say: the figures count from this chief
+
+    def carry_seconds(self, seconds: float) -> None:
+        """The run had trained at least ``seconds`` before this chief started (its latest
+        checkpoint, or the record of the workers that finished, said so)."""
+        if math.isfinite(seconds):
+            self.seconds_carried = max(self.seconds_carried, seconds, 0.0)
 
     def resume(self, extra: Mapping[str, Any]) -> None:
         """A new cluster goes on from a stopped run's checkpoint: the batches its workers
@@ -390,19 +401,23 @@ class Membership:
         seconds since the first registration it saw (the workers' examples cover the
         whole run, its seconds only its own and those its checkpoint recorded: after a
         restart with no checkpoint yet the rate read 3 to 18 times too high)."""
-        if not self.adopted or not self._examples_when_heard:
-            # (adopted, and no worker heard since: all were done before this chief
-            # started; the run's rate is its examples over its seconds as its last
-            # checkpoint recorded them, not known without one)
-            seconds = self.train_seconds(now)
-            return self.examples / seconds if seconds >= 1e-3 else 0.0
-        first = self.first_registration if self.first_registration is not None else now
-        span = max(1e-9, (self.all_done_at or now) - first)
-        seen = sum(
-            max(0, w.total_examples - self._examples_when_heard.get(i, w.total_examples))
-            for i, w in self.workers.items()
-        )
-        return seen / span
+        if self.adopted:
+            first = self.first_registration if self.first_registration is not None else now
+            span = (self.all_done_at or now) - first
+            seen = sum(
+                max(0, w.total_examples - self._examples_when_heard.get(i, w.total_examples))
+                for i, w in self.workers.items()
+            )
+            if seen > 0 and span >= MEASURED_SPAN_S:
+                return seen / span
+            # it saw too little training to measure (the workers were done, or nearly,
+            # when it started: it said 0.0): the run's examples over its seconds as its
+            # checkpoint and the record of the workers that finished said them; 0.0
+            # (not known) when neither said any
+            if self.seconds_carried <= 0:
+                return 0.0
+        seconds = self.train_seconds(now)
+        return self.examples / seconds if seconds >= 1e-3 else 0.0
 
     @property
     def nonfinite(self) -> int:

@@ -941,9 +941,10 @@ class RecoveryController:
                 if w.done:
                     was = self.finished.get(index)
                     if was is None or was.steps != w.total_steps:
-                        was = Finished(w.total_steps, self.gen, w.total_examples)
+                        seconds = round(self.members.train_seconds(self.clock()), 3)
+                        was = Finished(w.total_steps, self.gen, w.total_examples, seconds)
                     elif was.examples != w.total_examples:
-                        was = Finished(was.steps, was.gen, w.total_examples)
+                        was = replace(was, examples=w.total_examples)
                     now[index] = was
             self.finished = now
             if self.done_record is None:
@@ -975,6 +976,11 @@ class RecoveryController:
         done = {i: f.steps for i, f in _done_on_ps(states).items()}
         for index, f in self.finished.items():  # the record: what no PS says any more
             done.setdefault(index, f.steps)
+        # the run's training seconds when the last of them finished (a chief started
+        # after they all did trained nothing itself)
+        said = [f.seconds for f in self.finished.values() if f.seconds is not None]
+        if said:
+            self.members.carry_seconds(max(said))
         pushed: dict[str, int] = {}
         for st in states:
             # the highest batches ever pushed (a restore to a checkpoint took some
