@@ -72,6 +72,7 @@ def _untouched(w: Any) -> None:
         (1 + 2j, r"loss: a number .* got \(1\+2j\)"),
         ([0.5], r"loss: a number .* got \[0.5\]"),
         (np.ones(3), r"loss: a number .* got array"),
+        (10**400, r"loss: a number .* got 1000000.*\.\.\. \(int too large"),
     ],
 )
 def test_a_loss_that_is_not_a_number_is_refused_before_the_push_is_sent(
@@ -134,3 +135,31 @@ def test_pull_of_names_returns_only_those(worker: Any) -> None:
     np.testing.assert_allclose(got["b"], before - LR, rtol=1e-6)
     with pytest.raises(InvalidArgument, match=r"unknown variables: \['zz'\]"):
         worker.pull(["b", "zz"])
+
+
+@pytest.mark.parametrize("grads", [[np.ones(3)], None, "w", np.ones(3)])
+def test_gradients_that_are_not_a_mapping_are_refused_before_anything_is_sent(
+    worker: Any, grads: Any
+) -> None:
+    for call in (worker.push, worker.push_pull):
+        with pytest.raises(InvalidArgument, match="grads: a mapping of variable names"):
+            call(grads, examples=4)
+        _untouched(worker)
+
+
+def test_rows_of_a_dense_variable_are_refused_before_anything_is_sent(worker: Any) -> None:
+    """``push_rows("w", ...)`` was taken: in sync it counted as the worker's share of
+    w's step, its whole push then came stale (one row applied; b none of its
+    gradient). Rows are for embedding variables only."""
+    name = DENSE[0].name
+    width = DENSE[0].shape[1:]
+    ids = np.array([0], np.int64)
+    why = f"{name!r} is a dense variable: rows are for embedding variables"
+    with pytest.raises(InvalidArgument, match=why):
+        worker.push_rows(name, ids, np.ones((1, *width), np.float32))
+    with pytest.raises(InvalidArgument, match=why):
+        worker.pull_rows(name, ids)
+    with pytest.raises(InvalidArgument, match=why):
+        worker.push_pull_rows(name, ids, np.ones((1, *width), np.float32), ids)
+    _untouched(worker)
+    assert worker.push_rows(EMB.name, ids, np.ones((1, *EMB.shape[1:]), np.float32))

@@ -1048,6 +1048,14 @@ class ParameterClient:
         if kept is not None and same_ids(kept.ids, ids, load=False):
             return kept
         v = self._variable(name)
+        if not v.sparse:
+            # a sync step counted a row push of it as the worker's share of that shard,
+            # and its whole push came stale: the step applied one row, another variable
+            # none of that worker's gradient
+            raise InvalidArgument(
+                f"{name!r} is a dense variable: rows are for embedding variables (sparse"
+                " or hash-keyed tables); pull, push or push_pull it whole"
+            )
         if ids.ndim != 1:
             raise InvalidArgument("row ids must be 1-D")
         uniq, inverse, order = unique_sorted(ids, load=False)

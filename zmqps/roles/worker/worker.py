@@ -757,6 +757,7 @@ class Worker:
         False if they were dropped (sync: stale, the step had already been applied),
         or if this was a retry of a push the PS had already handled (whose first
         outcome this call cannot know)."""
+        _check_grads(grads)
         loss = self.step_args(loss, examples)
         grads = self.to_host(grads)
         self._dense_whole(grads)
@@ -781,6 +782,7 @@ class Worker:
     ) -> dict[str, Array]:
         """Push gradients and get the updated values back in the same round trip
         (timed as the push phase; on a separate device: a push, then a pull)."""
+        _check_grads(grads)
         loss = self.step_args(loss, examples)
         if self.device.separate:
             self.push(grads, loss=loss, examples=examples)
@@ -1145,6 +1147,15 @@ def _check_examples(examples: Any) -> None:
         )
 
 
+def _check_grads(grads: Any) -> None:
+    """A step's gradients: a mapping of variable names to arrays (a list or None failed
+    with an AttributeError of the code that reads them)."""
+    if not isinstance(grads, Mapping):
+        raise InvalidArgument(
+            f"grads: a mapping of variable names to gradients, got {type(grads).__name__}"
+        )
+
+
 def _check_loss(loss: Any) -> float | None:
     """A step's ``loss``: a number (NaN and infinities too; a numpy or torch scalar),
     as a float; not a string or a bool, nothing float() refuses."""
@@ -1154,5 +1165,6 @@ def _check_loss(loss: Any) -> float | None:
         raise InvalidArgument(f"loss: a number (the step's loss), got {loss!r}")
     try:
         return float(loss)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"loss: a number (the step's loss), got {loss!r} ({exc})") from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        shown = repr(loss) if len(repr(loss)) <= 60 else repr(loss)[:57] + "..."
+        raise InvalidArgument(f"loss: a number (the step's loss), got {shown} ({exc})") from None
