@@ -232,6 +232,12 @@ class Connections:
                 key="evicted",
             )
 
+    def is_open(self, fd: int) -> bool:
+        """Whether descriptor ``fd`` is a connection on this server's port now (not
+        closed, nor given to something else since)."""
+        with _probe(fd) as probe:
+            return _ours(probe, self.port)
+
     def heard(self, fd: int) -> None:
         """A message came from connection ``fd`` (its frame's ``SRCFD``)."""
         if fd in self._accepted:
