@@ -4,6 +4,7 @@ start (even inside its imports) prints one line and exits 130, no traceback."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import resource
 import signal
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import Reaper, launched_by, script, wait_for, zmqps_cmd
+from helpers import Reaper, _argv, launched_by, script, wait_for, zmqps_cmd
 
 
 @pytest.mark.timeout(60)
@@ -111,3 +112,34 @@ def test_a_stop_signal_once_the_command_is_done_leaves_the_exit_code_alone(
         assert rc in (0, 128 + sig), f"exit {rc}\n{proc.tail()}"
         assert "Traceback" not in proc.stderr, proc.stderr
         assert done in proc.stdout, proc.tail()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_signalled_past_its_restarts_fails_the_run_with_a_summary(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    """A worker that exits 143 (SIGTERM) once more than ``--max-restarts`` allow fails
+    the run: exit code 1 and the ``--summary`` of a failed launch. The launch took the
+    worker's 143 for its own stop: exit 143, no summary written."""
+    import json
+
+    run, summary = tmp_path / "run", tmp_path / "summary.json"
+    argv = zmqps_cmd(
+        "launch",
+        *("--ps", "1", "--workers", "2", "--epochs", "1000", "--log-every", "5"),
+        *("-v", "--no-progress", "--max-restarts", "0", "--run-dir", str(run)),
+        *("--summary", str(summary)),
+    )
+    launcher = procs.spawn(argv, name="launch")
+    wait_for(
+        lambda: re.search(r"\[worker0\] .*worker 0: step \d+", launcher.stderr),
+        timeout=40,
+        what="a training step of worker 0",
+    )
+    task = str(run / "tasks" / "worker0.json")
+    (worker0,) = [p for p in launched_by(launcher.pid) if task in _argv(p)]
+    os.kill(worker0, signal.SIGTERM)
+    launcher.expect_exit(1, timeout=30)
+    said = json.loads(summary.read_text())
+    assert said["exit_code"] == 1 and "worker0" in said["launch_failed"], said
+    assert not launched_by(launcher.pid)

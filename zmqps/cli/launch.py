@@ -991,12 +991,12 @@ class Launcher:
         if not self.failure:
             return 0
         first = self.first_failed
-        if first is not None and first.returncode in (
-            EXIT_CONFIG,
-            EXIT_RUN_FAILED,
-            *SIGNALLED_STOP,
-        ):
-            return first.returncode  # what the task said: a mistake, a failed run, a stop
+        if first is not None and first.returncode in (EXIT_CONFIG, EXIT_RUN_FAILED):
+            return first.returncode  # what the task said: a mistake, a failed run
+        if first is self.children[0] and first.returncode in SIGNALLED_STOP:
+            return first.returncode  # the chief alone told to stop: the run ends, resumable
+        # (a worker signalled past its restarts is the run's failure, not a stop of it:
+        # 143 made the launch take itself for stopped, and write no --summary)
         return 1
 
 
