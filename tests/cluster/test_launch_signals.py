@@ -11,24 +11,34 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import Reaper, _argv, launched_by, script, wait_for, zmqps_cmd
 
 
-@pytest.mark.timeout(60)
-def test_sighup_stops_the_run_like_sigterm(procs: Reaper, tmp_path: Path) -> None:
+def _training(procs: Reaper, *flags: str) -> Any:
+    """``zmqps launch`` of 1 PS and 2 workers for 1,000 epochs with ``flags``, once
+    both workers said a training step in its output."""
     argv = zmqps_cmd(
         "launch",
         *("--ps", "1", "--workers", "2", "-v", "--epochs", "1000", "--log-every", "5"),
-        *("--no-progress", "--timeout", "50", "--run-dir", str(tmp_path / "run")),
+        "--no-progress",
+        *flags,
     )
     launcher = procs.spawn(argv, name="launch")
-    wait_for(
-        lambda: re.search(r"\[worker\d\] .*worker \d: step \d+", launcher.stderr),
-        timeout=40,
-        what="a training step in the launcher's output",
-    )
+    for i in (0, 1):
+        wait_for(
+            lambda i=i: re.search(rf"\[worker{i}\] .*worker {i}: step \d+", launcher.stderr),
+            timeout=40,
+            what=f"a training step of worker {i} in the launcher's output",
+        )
+    return launcher
+
+
+@pytest.mark.timeout(60)
+def test_sighup_stops_the_run_like_sigterm(procs: Reaper, tmp_path: Path) -> None:
+    launcher = _training(procs, "--timeout", "50", "--run-dir", str(tmp_path / "run"))
     launcher.send(signal.SIGHUP)
     launcher.expect_exit(129, timeout=30)
     assert "zmqps launch: interrupted; stopping the cluster" in launcher.stderr
@@ -124,17 +134,8 @@ def test_a_worker_signalled_past_its_restarts_fails_the_run_with_a_summary(
     import json
 
     run, summary = tmp_path / "run", tmp_path / "summary.json"
-    argv = zmqps_cmd(
-        "launch",
-        *("--ps", "1", "--workers", "2", "--epochs", "1000", "--log-every", "5"),
-        *("-v", "--no-progress", "--max-restarts", "0", "--run-dir", str(run)),
-        *("--summary", str(summary)),
-    )
-    launcher = procs.spawn(argv, name="launch")
-    wait_for(
-        lambda: re.search(r"\[worker0\] .*worker 0: step \d+", launcher.stderr),
-        timeout=40,
-        what="a training step of worker 0",
+    launcher = _training(
+        procs, "--max-restarts", "0", "--run-dir", str(run), "--summary", str(summary)
     )
     task = str(run / "tasks" / "worker0.json")
     (worker0,) = [p for p in launched_by(launcher.pid) if task in _argv(p)]

@@ -191,20 +191,27 @@ def test_moves_leave_every_seeds_other_faults_as_they_were() -> None:
     assert digest([draw_replicated(i) for i in seeds]) == "90e8cf95e7f1f17b"
 
 
+def _carrying(replicated: bool, kinds: tuple[str, ...]) -> list[tuple[Schedule, list[Fault]]]:
+    """The schedules of seeds 1-400 (replicated or plain) with faults of ``kinds``, and
+    those faults."""
+    out = []
+    for seed in range(1, 401):
+        s = draw_replicated(seed) if replicated else draw(seed)
+        faults = [f for f in s.faults if f.kind in kinds]
+        if faults:
+            out.append((s, faults))
+    return out
+
+
 @pytest.mark.parametrize("replicated", [False, True])
 def test_about_half_the_schedules_carry_a_move_down_and_back_up(replicated: bool) -> None:
     """A move is the chief asked for fewer PS (scale_ps or kill_during_move), then for
     all of them again later (scale_ps): plain schedules with 2 PS or more (one PS has
     nowhere to move to), replicated ones to 2 PS (two copies of each state)."""
-    carried = 0
     victims: set[str] = set()
     downs: set[str] = set()
-    for seed in range(1, 401):
-        s = draw_replicated(seed) if replicated else draw(seed)
-        moves = [f for f in s.faults if f.kind in MOVE_KINDS]
-        if not moves:
-            continue
-        carried += 1
+    carried = _carrying(replicated, MOVE_KINDS)
+    for s, moves in carried:
         assert s.ps >= 2
         down, up = moves
         assert down.at < up.at <= 0.85 and 0.1 <= down.at <= 0.5
@@ -218,7 +225,7 @@ def test_about_half_the_schedules_carry_a_move_down_and_back_up(replicated: bool
         else:
             assert down.describe() == f"scale_ps to {down.ps} PS at {down.at:.0%}"
         assert [f.at for f in s.faults] == sorted(f.at for f in s.faults)
-    assert 150 <= carried <= 250  # about half
+    assert 150 <= len(carried) <= 250  # about half
     assert downs == set(MOVE_KINDS)
     assert victims == {"source", "destination", "chief"}
     if not replicated:
@@ -230,16 +237,11 @@ def test_about_half_the_schedules_carry_a_move_down_and_back_up(replicated: bool
 def test_a_share_of_the_schedules_sigterm_one_worker(replicated: bool) -> None:
     """A worker SIGTERMed (it leaves "terminated", is started again): about
     TERM_SHARE of the schedules, once at most, a worker of the cluster, within the run."""
-    carried = 0
-    for seed in range(1, 401):
-        s = draw_replicated(seed) if replicated else draw(seed)
-        terms = [f for f in s.faults if f.kind in TERM_KINDS]
-        if not terms:
-            continue
-        carried += 1
-        (f,) = terms
+    carried = _carrying(replicated, TERM_KINDS)
+    for s, (f, *more) in carried:
+        assert not more
         assert f.target in {f"worker{i}" for i in range(s.workers)} and 0.1 <= f.at <= 0.85
-    assert 0.3 * 400 <= carried <= 0.5 * 400, carried
+    assert 0.3 * 400 <= len(carried) <= 0.5 * 400, len(carried)
 
 
 def test_the_kinds_drawn_before_moves_keep_their_order() -> None:
