@@ -95,7 +95,10 @@ def test_a_chief_restarted_after_the_workers_finished_and_the_ps_lost_its_state_
     hold.write_text("go\n")
     record = ckpts / RECORD_NAME
     wait_for(
-        lambda: _recorded(record) == {0: Finished(STEPS, 0), 1: Finished(STEPS, 0)},
+        lambda: (
+            {i: (f.steps, f.gen) for i, f in _recorded(record).items()}
+            == {0: (STEPS, 0), 1: (STEPS, 0)}
+        ),
         30,
         what="the chief to record both workers finished",
     )
