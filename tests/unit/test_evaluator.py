@@ -274,7 +274,9 @@ def test_a_cluster_that_shut_down_after_its_workers_finished_ends_the_evaluation
         # every port is closed.
         c.all_down()
         evaluations = await asyncio.wait_for(task, 5.0)  # well before chief_timeout
-        assert len(evaluations) == scored  # no final snapshot: the PS are gone
+        # no final snapshot: the PS are gone (one evaluation that pulled its values
+        # before the ports closed may end after: a loaded CI machine saw it)
+        assert scored <= len(evaluations) <= scored + 1
 
     with caplog.at_level(logging.INFO, logger="zmqps"):
         run(body())
