@@ -53,7 +53,10 @@ def test_a_logdir_on_a_full_disk_costs_the_summaries_not_the_run(
         assert "Traceback" not in err, err
         for log in run.glob("*.log"):
             assert "Traceback" not in log.read_text(), log
-        assert "restarting" not in err and "killed" not in err, err
+        # no task restarted or killed as hung (the launcher's own record and lines: a task's
+        # log line may say "restarting" of something else, as a late message's drop does)
+        assert json.loads(summary.read_text())["restarts"] == [], err
+        assert "; restarting it" not in err and ": killing it" not in err, err
 
 
 def test_a_run_dir_that_fills_during_the_run_fails_it_in_order_and_resumes(
@@ -83,7 +86,7 @@ def test_a_run_dir_that_fills_during_the_run_fails_it_in_order_and_resumes(
         err = launcher.stderr
         assert "Traceback" not in err and "never retrieved" not in err, err
         assert "zmqps launch: failed: chief exited with code 3" in err, err
-        assert "restarting" not in err, err
+        assert "; restarting it" not in err, err
         assert "no space left on device" in err.lower(), err
         filler.unlink()
         again, summary = launch_run(procs, run, *flags, "--resume", timeout=120)
