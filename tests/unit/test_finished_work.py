@@ -266,3 +266,44 @@ def test_a_restarted_chief_restores_the_checkpoint_and_finishes_only_if_it_holds
         assert restarted.recovery.gen >= 1  # restored from the checkpoint
 
     run(body(), timeout=20.0)
+
+
+def test_a_chief_restarted_with_its_ps_lost_sends_running_workers_back_to_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The lone PS and the chief lost while the workers ran on (fault schedule 10309):
+    the new chief restores the latest checkpoint, which holds 12 batches of each worker.
+    Worker 0 (started again after its 13 batches) and worker 1 (running through it all,
+    13 batches done) register again: each hears to go back to the 12 the checkpoint
+    holds. Before, neither heard of a rewind: worker 0 went on after 13, the batch
+    between never trained, the run two steps short of the unfaulted one."""
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+
+    async def body() -> None:
+        policy = CheckpointPolicy(str(ckpts), secs=600.0)
+        env = make_env(1, num_workers=2, checkpoint=policy)
+        env.services[0] = PSService(0, checkpoint_dir=str(ckpts))
+        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        for i in (0, 1):
+            await call(env.chief, "register", who(i, 1, steps_planned=40))
+            await call(env.chief, "heartbeat", who(i, 1, step=13))
+        await asyncio.to_thread(_checkpoint, ckpts, {"worker:0": 12, "worker:1": 12}, 12)
+        env.services[0] = PSService(0, checkpoint_dir=str(ckpts))  # restarted: empty
+        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        clients = [env.net.client(addr, "chief:0") for addr in env.cfg.cluster.ps]
+        restarted = ChiefService(env.cfg, clients, clock=env.clock)
+        await restarted.start()
+        gen = restarted.recovery.gen
+        assert gen >= 1  # restored from the checkpoint
+        running = ((0, 2, 13, 0), (1, 1, 0, 13))  # index, incarnation, steps_done, step
+        for i, inc, done, _ in running:
+            await call(restarted, "register", who(i, inc, steps_planned=40, steps_done=done))
+        for i, inc, _, step in running:
+            rep = await call(restarted, "heartbeat", who(i, inc, step=step))
+            beat = o.HeartbeatReply.parse(rep.body)
+            assert (beat.gen, beat.rewind) == (gen, 12), (i, beat)
+
+    run(body(), timeout=20.0)

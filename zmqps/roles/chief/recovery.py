@@ -1136,6 +1136,7 @@ class RecoveryController:
         # cursors the PS knew (those batches are lost).
         held = {} if ckpt is None else ckpt.cursors
         rewind = bool(cursors) and held is not None
+        resumed = None
         if rewind:
             assert held is not None and cursors is not None
             back = {w: c - held.get(w, 0) for w, c in sorted(cursors.items())}
@@ -1150,7 +1151,13 @@ class RecoveryController:
             cursors = resumed
             assert ckpt is not None
             self.members.resume(ckpt.manifest.extra)
-        self.rewinds = dict(cursors or {}) if rewind else None
+        # the workers hear where they go back to (:meth:`rewind_of`): after a restore that
+        # took pushes back, and after one onto a checkpoint no PS knew more than (every PS
+        # lost with the chief): a worker that ran on through both resumes after the
+        # batches the checkpoint holds of it, not after its own count (fault schedule
+        # 10309: worker 0 went on after 133 batches, the checkpoint held 132 of them; one
+        # batch never trained, the run 2 steps short). A new worker starts there anyway.
+        self.rewinds = dict(cursors or {}) if rewind or resumed else None
         if rewind:
             self._reopen(self.rewinds or {})
             # a worker back at work is not done any more (before the restore is sent:

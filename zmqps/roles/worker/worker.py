@@ -496,6 +496,13 @@ class Worker:
         again = self.position - back
         self.rewound += again
         self._held.back(back)
+        if not again:  # the checkpoint holds every batch it did: nothing to say but that
+            log.info(
+                "%s: the cluster was restored to a checkpoint holding all its %d batches",
+                self.name,
+                back,
+            )
+            return back
         log.warning(
             "%s: the cluster went back to a checkpoint holding its first %d batches: %s",
             self.name,
