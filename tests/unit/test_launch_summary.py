@@ -32,6 +32,15 @@ def test_a_clean_run_says_nothing_of_restarts(capsys: pytest.CaptureFixture[str]
     assert "restarted" not in out and "WARNING" not in out
 
 
+def test_a_rate_not_known_is_said_so_not_printed_as_none_or_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert "1280 examples, 100.0 examples/s" in printed(capsys)
+    out = printed(capsys, examples_per_second=None, chief_restarted=True)
+    assert "1280 examples, examples/s not known (the chief started after" in out, out
+    assert "None" not in out
+
+
 def test_restarts_restores_and_a_silent_evaluator_are_said(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -367,12 +367,13 @@ def test_a_chief_started_after_every_worker_finished_counts_their_examples_and_r
         rejoined.leave(i, 2, 920, 500.3, "done", 28_760)
     assert rejoined.examples_per_second(500.3) == pytest.approx(57_520 / 20.3, rel=1e-3)
     # nothing said how long the run trained before (no checkpoint, nobody finished
-    # before this chief): not known, 0.0 (it said 102,531 examples/s over 0.56 s)
+    # before this chief): not known, None (it said 102,531 examples/s over 0.56 s; then
+    # 0.0, as if the run trained nothing)
     unknown_seconds = Membership(1, timeout=10.0)
     unknown_seconds.adopted = True
     unknown_seconds.register(0, 2, now=500.0)
     unknown_seconds.leave(0, 2, 920, 500.5, "done", 28_760)
-    assert unknown_seconds.examples_per_second(500.5) == 0.0
+    assert unknown_seconds.examples_per_second(500.5) is None
     unknown = Membership(2, timeout=10.0)  # a record that did not say them
     unknown.adopted = True
     unknown.carry({"examples": 50_000, "train_seconds": 20.0})
@@ -382,7 +383,7 @@ def test_a_chief_started_after_every_worker_finished_counts_their_examples_and_r
     alone = Membership(1, timeout=10.0)  # no checkpoint either: no rate to tell
     alone.adopted = True
     alone.known_done(0, 920, now=500.0, examples=28_760)
-    assert alone.examples_per_second(501.0) == 0.0
+    assert alone.examples_per_second(501.0) is None
 
 
 def test_a_killed_workers_batches_after_its_last_heartbeat_count_their_examples() -> None:

@@ -1064,7 +1064,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"  mode {summary.get('mode')}, {summary.get('ps')} PS, {summary.get('workers')} workers"
         + (f", model {summary['model']} on {summary['dataset']}" if "model" in summary else ""),
         f"  global step {summary.get('global_step')}, {summary.get('examples')} examples,"
-        f" {summary.get('examples_per_second')} examples/s",
+        + (
+            f" {rate} examples/s"
+            if (rate := summary.get("examples_per_second")) is not None
+            else " examples/s not known (the chief started after the training, and nothing"
+            " it found recorded the training's seconds)"
+        ),
     ]
     restarts = summary.get("restarts") or []
     if restarts or summary.get("restores"):

@@ -395,7 +395,7 @@ class Membership:
             max(sum(w.total_examples for w in self.workers.values()), self.examples_carried)
         )
 
-    def examples_per_second(self, now: float) -> float:
+    def examples_per_second(self, now: float) -> float | None:
         """The run's training rate. A chief that took over a running cluster measures it
         on what it saw: the examples trained since it first heard each worker, over the
         seconds since the first registration it saw (the workers' examples cover the
@@ -412,10 +412,10 @@ class Membership:
                 return seen / span
             # it saw too little training to measure (the workers were done, or nearly,
             # when it started: it said 0.0): the run's examples over its seconds as its
-            # checkpoint and the record of the workers that finished said them; 0.0
-            # (not known) when neither said any
+            # checkpoint and the record of the workers that finished said them; None
+            # (not known: 0.0 would say the run trained nothing) when neither said any
             if self.seconds_carried <= 0:
-                return 0.0
+                return None
         seconds = self.train_seconds(now)
         return self.examples / seconds if seconds >= 1e-3 else 0.0
 

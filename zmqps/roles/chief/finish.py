@@ -45,6 +45,7 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
     mode = service.consistency
     step = await mode.applied_step()
     mode.global_step = step  # what status says from now on: the step the PS are at
+    rate = m.examples_per_second(service.clock())
     summary: dict[str, Any] = {
         "mode": service.mode,
         "ps": cfg.cluster.num_ps,
@@ -53,7 +54,9 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
         "worker_steps": m.global_step,
         "examples": m.examples,
         "train_seconds": round(train_s, 3),
-        "examples_per_second": round(m.examples_per_second(service.clock()), 1),
+        # None (null): not known, a chief started after the training with nothing that
+        # recorded its seconds (no checkpoint of the run, no record of finished workers)
+        "examples_per_second": None if rate is None else round(rate, 1),
         # steps whose gradients the PS refused as not finite (the workers skipped them)
         "nonfinite_steps": m.nonfinite,
     }
