@@ -220,7 +220,9 @@ def test_a_record_of_before_examples_were_kept_reads_as_not_known() -> None:
             parse_record(raw.replace(b'"steps": 4', b'"steps": 4, "seconds": ' + bad))
 
 
-def _checkpoint(tmp_path: Path, cursors: dict[str, int], step: int) -> None:
+def _checkpoint(
+    tmp_path: Path, cursors: dict[str, int], step: int, extra: dict[str, Any] | None = None
+) -> None:
     """A committed checkpoint of the run's variables at ``step`` holding ``cursors``."""
     placement = plan(VARS, 1, Partitioner(num_shards=2), optimizer=dict(SGD))
 
@@ -232,7 +234,7 @@ def _checkpoint(tmp_path: Path, cursors: dict[str, int], step: int) -> None:
         restore = o.Restore(0, 0, defs, None, placement.to_wire(), cursors, False)
         await client.request("restore", restore.to_wire())
         ck = Checkpointer(CheckpointPolicy(str(tmp_path)), [client])
-        assert (await ck.take(step, placement, "async", 0, {})) is not None
+        assert (await ck.take(step, placement, "async", 0, extra or {})) is not None
 
     asyncio.run(write())
 
@@ -305,5 +307,34 @@ def test_a_chief_restarted_with_its_ps_lost_sends_running_workers_back_to_the_ch
             rep = await call(restarted, "heartbeat", who(i, inc, step=step))
             beat = o.HeartbeatReply.parse(rep.body)
             assert (beat.gen, beat.rewind) == (gen, 12), (i, beat)
+
+    run(body(), timeout=20.0)
+
+
+def test_a_chief_lost_after_its_runs_final_checkpoint_ends_the_run_at_its_step(
+    tmp_path: Path,
+) -> None:
+    """Async: both workers finished (10 and 12 batches), the chief committed the run's
+    final checkpoint (step 22) and was killed with the PS before its summary. The chief
+    started again restored that checkpoint as a new run on a finished one's: its step
+    as the offset, the finished workers' 22 pushes on top, global step 44 and exit 0
+    (the trial's: 3,680 for 1,840). It is this run's own end: global step 22."""
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+
+    async def body() -> None:
+        env, clients = await _finished_and_ps_lost(
+            tmp_path, checkpoint=CheckpointPolicy(str(ckpts), secs=600.0)
+        )
+        final = {"final": True, "step_offset": 0}
+        held = {"worker:0": 10, "worker:1": 12}
+        await asyncio.to_thread(_checkpoint, ckpts, held, 22, final)
+        env.services[0] = PSService(0, checkpoint_dir=str(ckpts))  # empty, reads ckpts
+        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        restarted = ChiefService(env.cfg, clients, clock=env.clock)
+        await restarted.start()
+        assert restarted.all_done.is_set()
+        assert restarted.global_step == 22
+        assert restarted.status()["global_step"] == 22
 
     run(body(), timeout=20.0)

@@ -136,7 +136,7 @@ def _resumed(ckpt: Checkpoint | None) -> dict[str, int] | None:
     return dict(ckpt.cursors)
 
 
-def _async_steps(ckpt: Checkpoint) -> tuple[int, int]:
+def _async_steps(ckpt: Checkpoint, own_end: bool = False) -> tuple[int, int]:
     """Async / SSP: ``(step offset, global step)`` of a new cluster on ``ckpt``. The
     checkpoint of a run stopped before its end holds each worker's pushes up to its
     cursor: the global step is the steps of the runs before that one (its step offset)
@@ -144,8 +144,17 @@ def _async_steps(ckpt: Checkpoint) -> tuple[int, int]:
     Its label is the step the chief had heard from heartbeats, which lags the pushes its
     values hold after a stop that was not clean (a kill -9: 235 for 326), so the global
     step is not taken from it. A finished run's final checkpoint (a new run trains
-    more epochs on it): its step, on top of which the new workers count."""
+    more epochs on it): its step, on top of which the new workers count. ``own_end``:
+    the final checkpoint is of this very run, its workers done (a chief killed after it
+    and before the run's summary): the run's own offset, the workers that finished
+    count their pushes on top of it again (the global step was twice the run's)."""
     resumed = _resumed(ckpt)
+    if own_end and ckpt.final:
+        try:
+            before = int(ckpt.manifest.extra["step_offset"])
+        except (KeyError, TypeError, ValueError):
+            before = ckpt.step - sum((ckpt.cursors or {}).values())
+        return max(0, min(before, ckpt.step)), ckpt.step
     if resumed is None:
         return ckpt.step, ckpt.step
     held = sum(resumed.values())
@@ -537,10 +546,16 @@ class RecoveryController:
                 # of processes that left go to processes that stay
                 await self._unreplicate(placement)
                 states = await self.ps_states(self.cfg.startup_timeout, left)
+            # the final checkpoint of this very run, taken once every worker finished,
+            # the chief lost before the run's end (its summary): the record of the
+            # workers that finished is still there (a run that ended in order, or a
+            # launch --resume, removes it), and the run ends now on what it holds,
+            # not as a new run on a finished one's checkpoint
+            own_end = ckpt.final and bool(self._finished_here())
             if self.mode.name != "sync":
                 # the steps the checkpoint holds; those of the batches its workers resume
                 # after are counted again by the workers themselves
-                self.mode.step_offset, held = _async_steps(ckpt)
+                self.mode.step_offset, held = _async_steps(ckpt, own_end)
                 # the checkpoint's step from the restore on, not the offset alone until
                 # the workers report the batches they resume after (it read 0 there,
                 # after the lost chief had said more)
@@ -551,7 +566,11 @@ class RecoveryController:
                 "resuming from %s (global step %d%s) in %s",
                 ckpt.name,
                 ckpt.step,
-                ", the final checkpoint of a finished run" if ckpt.final else "",
+                ", the final checkpoint of this run: its workers had finished"
+                if own_end
+                else ", the final checkpoint of a finished run"
+                if ckpt.final
+                else "",
                 ckpt.path.parent,
             )
             await self._restore(Event.RESTORE, "start", states, ckpt=ckpt)
@@ -1140,7 +1159,8 @@ class RecoveryController:
         if rewind:
             assert held is not None and cursors is not None
             back = {w: c - held.get(w, 0) for w, c in sorted(cursors.items())}
-            log.warning("the workers train again the batches after the checkpoint: %s", back)
+            if any(b > 0 for b in back.values()):  # (none: the checkpoint holds them all)
+                log.warning("the workers train again the batches after the checkpoint: %s", back)
             self.rewound += sum(max(0, b) for b in back.values())
             cursors = held
         elif not cursors and (resumed := _resumed(ckpt)):
