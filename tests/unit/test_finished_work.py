@@ -307,6 +307,14 @@ def test_a_chief_restarted_with_its_ps_lost_sends_running_workers_back_to_the_ch
             rep = await call(restarted, "heartbeat", who(i, inc, step=step))
             beat = o.HeartbeatReply.parse(rep.body)
             assert (beat.gen, beat.rewind) == (gen, 12), (i, beat)
+        # that chief lost too, before a worker heard it: the next one adopts the PS,
+        # which kept the cursors, and says them all the same
+        third = ChiefService(env.cfg, clients, clock=env.clock)
+        await third.start()
+        assert third.recovery.gen == gen
+        await call(third, "register", who(0, 3, steps_planned=40, steps_done=13))
+        beat = o.HeartbeatReply.parse((await call(third, "heartbeat", who(0, 3, step=0))).body)
+        assert (beat.gen, beat.rewind) == (gen, 12), beat
 
     run(body(), timeout=20.0)
 

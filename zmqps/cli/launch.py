@@ -1067,8 +1067,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         + (
             f" {rate} examples/s"
             if (rate := summary.get("examples_per_second")) is not None
-            else " examples/s not known (the chief started after the training, and nothing"
-            " it found recorded the training's seconds)"
+            else " examples/s not known (the chief was restarted and saw too little of the"
+            " training to measure it, and nothing recorded the seconds before)"
         ),
     ]
     restarts = summary.get("restarts") or []
@@ -1099,7 +1099,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f" {summary['train_seconds_before_resume']} s of training before the stop"
             f" included ({summary.get('train_seconds')} s in all)"
         )
-    if summary.get("chief_restarted"):
+    if summary.get("chief_restarted") and summary.get("examples_per_second") is not None:
         lines.append(
             "  the chief was restarted: examples/s is measured after its restart; the"
             " seconds of training before it come from its last checkpoint"

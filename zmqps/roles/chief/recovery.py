@@ -1195,7 +1195,11 @@ class RecoveryController:
                         None if ckpt is None else ckpt.name,
                         placement.to_wire(),
                         cursors or None,
-                        rewind,
+                        # the PS keep the cursors workers go back to for a chief started
+                        # after this one (``ps_state.rewinds``): one killed before every
+                        # worker heard them would leave them going on past the checkpoint
+                        # (no PS knew any worker: the ledgers take the cursors all the same)
+                        rewind or bool(resumed),
                     ).to_wire(),
                     timeout=self.cfg.startup_timeout,
                 )
