@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_chief import SGD, VARS, call, make_env, run, who
+from test_chief import CHIEF, SGD, VARS, call, make_env, run, who
 
 from zmqps.core.finished import (
     Finished,
@@ -33,9 +33,9 @@ from zmqps.core.partition import Partitioner, plan
 from zmqps.roles.checkpointer import Checkpointer
 from zmqps.roles.chief import ChiefService
 from zmqps.roles.chief.done_record import DoneRecord, record_path
-from zmqps.roles.chief.recovery import WorkLost
 from zmqps.roles.configs import CheckpointPolicy
 from zmqps.roles.ps import PSService
+from zmqps.roles.worker.session import Session
 from zmqps.transport.fake import FakeNetwork
 from zmqps.wire import ops as o
 
@@ -160,25 +160,74 @@ async def _finished_and_ps_lost(tmp_path: Path, **cfg: Any) -> tuple[Any, list[A
     return env, clients
 
 
-def test_a_restarted_chief_with_the_ps_and_no_checkpoint_lost_ends_the_run_failed(
+def _lingering(env: Any, index: int, position: int) -> Session:
+    """The session of worker ``index`` (incarnation 1), its work done after ``position``
+    batches, waiting for the run's end: it speaks to the chief served at CHIEF."""
+    s = Session(
+        env.net.client(CHIEF, f"worker:{index}:1"),
+        o.Who("worker", index, 1),
+        recovery_timeout=5.0,
+        progress=lambda: (position, 4 * position, None, 0),
+    )
+    s.info = o.ClusterInfo(ps=(), mode="async", heartbeat_interval=0.01)
+    s.steps_done = 0
+    return s
+
+
+async def _watched(chief: ChiefService, seconds: float) -> None:
+    """The chief's watch of the workers, ``seconds`` of the chief's clock later."""
+    chief.recovery.clock.now += seconds  # type: ignore[attr-defined]
+    watch = asyncio.ensure_future(chief.recovery.watch_workers())
+    await asyncio.sleep(4 * chief.cfg.heartbeat_interval)
+    watch.cancel()
+
+
+def test_a_restarted_chief_with_the_ps_and_no_checkpoint_lost_trains_the_work_again_or_fails(
     tmp_path: Path,
 ) -> None:
+    """The chief and the lone PS lost after both workers finished, no checkpoint: the
+    new chief starts anew and waits for them. Worker 0, still waiting for the run's end,
+    speaks to it and trains its 10 batches again; worker 1 does not speak within the
+    heartbeat timeout (it exited): the run fails, saying why (exit code 3). Before, it
+    failed at once, worker 0 still running."""
+
     async def body() -> None:
-        env, clients = await _finished_and_ps_lost(tmp_path)
+        env, clients = await _finished_and_ps_lost(tmp_path, heartbeat_interval=0.02)
         record = tmp_path / "summary.workers-done.json"
         assert parse_record(record.read_bytes()) == {
             0: Finished(10, 0, 0, 0.0),
             1: Finished(12, 0, 0, 0.0),
         }
         restarted = ChiefService(env.cfg, clients, clock=env.clock)
-        # before: it started anew and waited for workers 0 and 1 to register, for ever
-        with pytest.raises(WorkLost) as lost:
-            await restarted.start()
-        said = str(lost.value)
-        assert said.startswith("the run cannot finish: workers 0, 1 finished their work")
-        assert "no checkpoint was committed" in said, said
+        await restarted.start()
+        assert sorted(restarted.recovery.awaited) == [0, 1]
         assert not restarted.all_done.is_set()
-        assert record.exists()  # a chief started again fails the same way
+        assert sorted(parse_record(record.read_bytes())) == [0, 1]  # kept while awaited
+        env.net.serve(CHIEF, restarted, name="chief")
+        w0 = _lingering(env, 0, 10)
+        lingering = asyncio.ensure_future(w0.linger(10, lambda: False))
+        await asyncio.sleep(0.3)
+        # the initial values are made anew first, in a generation past the lost one's
+        # (both were generation 0): until then it is asked to register again
+        assert not lingering.done() and restarted.members.workers[0].incarnation == 0
+        await restarted.create_variables(VARS, SGD)  # (a built-in job's chief does)
+        assert await asyncio.wait_for(lingering, 5.0) == 0
+        assert w0.gen == restarted.recovery.gen >= 1  # the initial values, made anew
+        assert sorted(restarted.recovery.awaited) == [1]
+        assert sorted(parse_record(record.read_bytes())) == [1]  # 0 trains again
+        within = restarted.recovery.awaited_for()
+        await _watched(restarted, within / 2)
+        assert not restarted.failure
+        await _watched(restarted, within)
+        said = restarted.failure
+        assert said.startswith("the run cannot finish: worker 1 finished its work (12"), said
+        assert "no checkpoint was committed" in said, said
+        assert said.endswith(
+            f"(worker 1 was not heard within {within:g}s of this chief's start: not running)"
+        ), said
+        assert restarted.shutdown_requested.is_set()
+        assert record.exists()  # a chief started again awaits worker 1 too
+        w0._heartbeats.cancel()  # type: ignore[union-attr]
 
     run(body())
 
@@ -259,13 +308,16 @@ def test_a_restarted_chief_restores_the_checkpoint_and_finishes_only_if_it_holds
         env.services[0] = PSService(0, checkpoint_dir=str(ckpts))  # empty, reads ckpts
         env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
         restarted = ChiefService(env.cfg, clients, clock=env.clock)
-        if lost:
-            with pytest.raises(WorkLost, match=r"ckpt-000000000022 \(step 22\) holds 6 of"):
-                await restarted.start()
-            return
         await restarted.start()
-        assert restarted.all_done.is_set()
         assert restarted.recovery.gen >= 1  # restored from the checkpoint
+        if not lost:
+            assert restarted.all_done.is_set()
+            return
+        # worker 0 is awaited (6 of its 10 batches held), worker 1 too (none of its 12)
+        assert sorted(restarted.recovery.awaited) == [0, 1]
+        assert not restarted.all_done.is_set()
+        await _watched(restarted, 2 * restarted.recovery.awaited_for())
+        assert "ckpt-000000000022 (step 22) holds 6 of those 22" in restarted.failure
 
     run(body(), timeout=20.0)
 
@@ -315,6 +367,62 @@ def test_a_chief_restarted_with_its_ps_lost_sends_running_workers_back_to_the_ch
         await call(third, "register", who(0, 3, steps_planned=40, steps_done=13))
         beat = o.HeartbeatReply.parse((await call(third, "heartbeat", who(0, 3, step=0))).body)
         assert (beat.gen, beat.rewind) == (gen, 12), beat
+
+    run(body(), timeout=20.0)
+
+
+def test_a_chief_restarted_with_its_ps_lost_sends_a_finished_worker_still_waiting_back(
+    tmp_path: Path,
+) -> None:
+    """Fault schedule 10502: worker 1 finished its work (12 batches) and waited for the
+    run's end; the chief and the lone PS were lost before the final checkpoint, and the
+    latest one holds 6 of those batches. The new chief failed the run at once (exit 3,
+    "go on from it with --resume"), worker 1 still running. It waits for it: worker 1
+    hears it is not known, says again that its work is done, is refused (a restore
+    since) and goes back to its batch 6. Worker 0, whose 10 batches the checkpoint
+    holds, says the same and stays done; once worker 1 is done again, the run ends."""
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+
+    async def body() -> None:
+        env, clients = await _finished_and_ps_lost(
+            tmp_path, checkpoint=CheckpointPolicy(str(ckpts), secs=600.0)
+        )
+        await asyncio.to_thread(_checkpoint, ckpts, {"worker:0": 10, "worker:1": 6}, 16)
+        env.services[0] = PSService(0, checkpoint_dir=str(ckpts))  # empty, reads ckpts
+        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        restarted = ChiefService(env.cfg, clients, clock=env.clock)
+        await restarted.start()
+        gen = restarted.recovery.gen
+        assert sorted(restarted.recovery.awaited) == [1]
+        # that chief lost too, before worker 1 spoke: the next one adopts the PS, and
+        # awaits worker 1 still (the record says it, the PS where it goes back to)
+        record = ckpts / "workers-done.json"
+        assert parse_record(record.read_bytes())[1] == Finished(12, 0, 0, 0.0, held=6)
+        restarted = ChiefService(env.cfg, clients, clock=env.clock)
+        await restarted.start()
+        assert restarted.recovery.gen == gen and sorted(restarted.recovery.awaited) == [1]
+        env.net.serve(CHIEF, restarted, name="chief")
+        w1 = _lingering(env, 1, 12)
+        assert await asyncio.wait_for(w1.linger(12, lambda: False), 5.0) == 6
+        assert w1.gen == gen
+        assert not restarted.recovery.awaited and not restarted.members.workers[1].done
+        w0, stop = _lingering(env, 0, 10), asyncio.Event()
+        waiting = asyncio.ensure_future(w0.linger(10, stop.is_set))
+        for _ in range(200):
+            w = restarted.members.workers.get(0)
+            if w is not None and w.done and w.incarnation == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert restarted.members.workers[0].done and restarted.members.workers[0].waits
+        assert not restarted.all_done.is_set()  # worker 1 trains its 6 batches again
+        assert await w1.leave("done", waits=True)
+        assert restarted.all_done.is_set()
+        assert restarted.members.global_step == 22
+        stop.set()
+        assert await asyncio.wait_for(waiting, 5.0) is None
+        done = parse_record(record.read_bytes())
+        assert {i: (f.steps, f.held) for i, f in done.items()} == {0: (10, None), 1: (12, None)}
 
     run(body(), timeout=20.0)
 

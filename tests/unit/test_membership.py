@@ -226,6 +226,24 @@ def test_a_worker_known_done_from_the_ps_is_asked_to_register() -> None:
         m.heartbeat(0, 1795577026030012, 600, now=3.0)
 
 
+def test_a_finished_worker_whose_work_was_lost_is_awaited_as_a_member() -> None:
+    """A chief started after the PS lost part of the work of a worker that finished:
+    the worker is no longer done (the run does not end without it), its batches leave
+    the global step until it says them again, and it is dead if it never speaks."""
+    m = Membership(2, timeout=2.5)
+    m.known_done(0, 600, now=0.0)
+    m.known_done(1, 500, now=0.0)
+    assert m.all_done() and m.global_step == 1100
+    m.await_back(1, now=1.0)
+    assert not m.all_done() and m.global_step == 600
+    assert m.alive(3.0) == [1] and m.dead(3.6) == [1]
+    m.seen(1, now=3.0)  # (a chief's start over: the timeout counts from there)
+    assert m.alive(5.0) == [1]
+    assert m.register(1, 7, now=5.0)  # its real incarnation, as a rejoin
+    m.leave(1, 7, 500, 6.0, "done", None, waits=True)
+    assert m.all_done() and m.global_step == 1100
+
+
 def test_a_worker_running_before_the_chief_started_dies_if_it_never_speaks() -> None:
     """Fault schedule 9 of run 11: a restarted chief adopted the PS while worker 1,
     SIGSTOPped, had not registered again; never a member, it was never counted dead,

@@ -14,7 +14,10 @@ Rules of this module:
   goes back to holds (a checkpoint's batch cursors, or nothing: the initial values),
   the workers whose batches are not all in it. Those batches cannot be trained again
   (their workers left), so the run cannot end truthfully: :func:`lost_verdict` is the
-  one line it fails with.
+  one line it fails with, unless they are still running (waiting for the run's
+  end): a chief awaits them to train those batches again, and the record keeps each
+  one it awaits with the batches the cluster still holds of it (``held``), so that a
+  chief started after that one awaits it too.
 * A run's final checkpoint holds the work of every worker that finished before it
   (in its generation or an earlier one); another checkpoint holds what its cursors say.
 """
@@ -62,6 +65,9 @@ class Finished:
     #: the run's training seconds when it finished, as the chief measured them (None:
     #: a record that does not say)
     seconds: float | None = None
+    #: awaited to train again the batches after these (the cluster lost them since it
+    #: finished); None: its work stands
+    held: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,8 @@ def record_bytes(finished: Mapping[int, Finished]) -> bytes:
             workers[str(i)]["examples"] = f.examples
         if f.seconds is not None:
             workers[str(i)]["seconds"] = f.seconds
+        if f.held is not None:
+            workers[str(i)]["held"] = f.held
     body = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "workers": workers}
     return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
@@ -128,12 +136,13 @@ def parse_record(raw: bytes) -> dict[int, Finished]:
         if not isinstance(rec, dict):
             raise ValueError(f"worker {key}: not a map")
         index = _count(int(key), "a worker index")
-        examples, seconds = rec.get("examples"), rec.get("seconds")
+        examples, seconds, held = rec.get("examples"), rec.get("seconds"), rec.get("held")
         out[index] = Finished(
             _count(rec.get("steps"), "steps"),
             _count(rec.get("gen", 0), "gen"),
             None if examples is None else _count(examples, "examples"),
             None if seconds is None else _seconds(seconds),
+            None if held is None else _count(held, "held"),
         )
     return out
 

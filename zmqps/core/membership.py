@@ -256,6 +256,25 @@ class Membership:
         self._put(WorkerState(index, UNKNOWN_INCARNATION, now, now))
         return True
 
+    def await_back(self, index: int, now: float) -> None:
+        """Worker ``index`` finished its work before this chief started, and the state the
+        cluster goes back to lost some of it: not done any more, a member expected to
+        speak (:meth:`expect`), and train those batches again, within ``timeout``."""
+        self._check_index(index)
+        old = self.workers.get(index)
+        if old is not None:
+            self._steps -= old.total_steps
+            self._set_done(old, False)
+            del self.workers[index]
+        self.all_done_at = None
+        self.expect(index, now)
+
+    def seen(self, index: int, now: float) -> None:
+        """Worker ``index`` counts as heard from at ``now`` (its ``timeout`` starts again)."""
+        w = self.workers.get(index)
+        if w is not None:
+            w.last_seen = max(w.last_seen, now)
+
     def heartbeat(
         self,
         index: int,

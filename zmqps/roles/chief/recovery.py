@@ -88,6 +88,9 @@ RESTORE_ATTEMPTS = 3
 #: published (each placement change tells a process; those lost with the last chief
 #: are a few): it is ignored
 EPOCH_GAP = 1 << 16
+#: the least time (seconds) a worker that finished, and part of whose work the cluster
+#: lost, is awaited from this chief's start (:meth:`RecoveryController.awaited_for`)
+AWAIT_S = 10.0
 
 
 class RunFinished(Exception):
@@ -277,6 +280,13 @@ class RecoveryController:
         self.silent_at_start: set[int] = set()
         #: the workers that finished their work, as the record holds them
         self.finished: dict[int, Finished] = {}
+        #: workers that finished under an earlier chief, part of whose work the state
+        #: this chief started from lost: each is waited for (a member expected to speak
+        #: within the heartbeat timeout) to train it again, and kept in the record until
+        #: it registers; one that does not speak fails the run, saying what holds its
+        #: work and how the rest was lost (:attr:`lost_in`)
+        self.awaited: dict[int, Finished] = {}
+        self.lost_in: tuple[Held, str] = (Held(), "")
         #: where training (re)started last: the step, the generation and the global
         #: step the status showed then (async and ssp never show a lower one: after a
         #: restore below it, the workers train again the steps up to it first). The
@@ -417,6 +427,11 @@ class RecoveryController:
         self.starting = True
         try:
             await self._start()
+            # a worker awaited registers once the start is over (it is refused while
+            # the PS are restored): its heartbeat timeout counts from here
+            now = self.clock()
+            for index in self.awaited:
+                self.members.seen(index, now)
         finally:
             self.starting = False
             self.silent_at_start = set()
@@ -483,8 +498,8 @@ class RecoveryController:
             )
         if plan.kind != "adopt":
             # the cluster goes back to the latest checkpoint, or to the initial values:
-            # the work of a worker that finished and left must be in it, for nothing
-            # will train it again
+            # the work of a worker that finished must be in it, or the worker still
+            # running (it waits for the run's end) must train it again
             self._check_finished_work(states, latest, plan.kind, plan.reason)
         self.gen = plan.gen
         self.boots = boots = {i: str(st["boot"]) for i, st in enumerate(states)}
@@ -500,6 +515,7 @@ class RecoveryController:
                 if self.mode.name == "sync":
                     self.mode.global_step = plan.step
                 self.rewinds = _rewinds(states, self.gen)
+                self._await_recorded(latest)
                 self.health.expect(boots, self.gen, self.clock())
                 self.handle(Event.ADOPTED)
                 log.info(
@@ -930,9 +946,14 @@ class RecoveryController:
         kind: str,
         reason: str,
     ) -> None:
-        """At start, before a restore or a fresh start: raise :class:`WorkLost` when a
-        worker that finished (the record says, or a PS) did batches that ``latest``
-        (None: the initial values) does not hold."""
+        """At start, before a restore or a fresh start: the workers that finished (the
+        record says, or a PS) and did batches that ``latest`` (None: the initial values)
+        does not hold. Each may still be running, waiting for the run's end: it is
+        awaited (:attr:`awaited`), a member expected to speak within the heartbeat
+        timeout, which registers again and trains those batches again (the restore's
+        cursors say where it goes back to). :class:`WorkLost` at once when the
+        checkpoint does not say where each worker goes back to (an older writer's, or
+        a finished run's)."""
         finished = dict(self.finished)
         for index, done in _done_on_ps(states).items():
             was = finished.get(index)
@@ -942,13 +963,56 @@ class RecoveryController:
         lost = work_lost(self._finished_here(finished), held)
         if not lost:
             return
-        self._name_record()
         how = (
             "every PS started again without the state that held it (no copy of it was kept)"
             if kind == "fresh"
             else f"the PS lost part of the state that held it ({reason})"
         )
-        raise WorkLost(lost_verdict(lost, held, how), None if latest is None else latest.name)
+        if held.name is not None and (held.final or held.cursors is None):
+            self._name_record()
+            raise WorkLost(lost_verdict(lost, held, how), held.name)
+        self._await(lost, finished, held, how)
+
+    def _await_recorded(self, latest: Checkpoint | None) -> None:
+        """At start, adopting the PS: the workers the record says are awaited (a chief
+        before this one started from a state that lost part of their work, and they had
+        not registered again) are awaited still. The PS keep where each goes back to
+        (``ps_state.rewinds``); :class:`WorkLost` when they do not say."""
+        finished = self._finished_here()
+        lost = {i: (f.held, f.steps) for i, f in finished.items() if f.held is not None}
+        if not lost:
+            return
+        held, how = _held(latest), "the PS state that held it was lost since"
+        if self.rewinds is None:
+            self._name_record()
+            raise WorkLost(lost_verdict(lost, held, how), held.name)
+        self._await(lost, finished, held, how)
+
+    def _await(
+        self,
+        lost: Mapping[int, tuple[int, int]],
+        finished: Mapping[int, Finished],
+        held: Held,
+        how: str,
+    ) -> None:
+        """Await the workers ``lost`` (index -> (batches held, batches done)) of those
+        ``finished``, ``held`` what the cluster goes back to, ``how`` the rest was lost
+        (the run's line if one does not speak, :meth:`_awaited_gone`)."""
+        self.lost_in = (held, how)
+        now = self.clock()
+        for index, (have, did) in sorted(lost.items()):
+            self.awaited[index] = replace(finished[index], held=have)
+            self.members.await_back(index, now)
+            log.warning(
+                "worker %d finished its work (%d batches), and the cluster holds %d of"
+                " them since: it trains the other %d again if it is still running"
+                " (waiting for the run's end); it must speak within %gs, or the run fails",
+                index,
+                did,
+                have,
+                did - have,
+                self.awaited_for(),
+            )
 
     async def note_done(self) -> None:
         """The record holds the workers done now (each with the batches it did and the
@@ -965,6 +1029,10 @@ class RecoveryController:
                     elif was.examples != w.total_examples:
                         was = replace(was, examples=w.total_examples)
                     now[index] = was
+            for index, was in self.awaited.items():
+                # it finished, and has not registered again to train what was lost: a
+                # chief started after this one awaits it too (``held``)
+                now[index] = was
             self.finished = now
             if self.done_record is None:
                 return
@@ -1045,6 +1113,15 @@ class RecoveryController:
             self.handle(Event.VARIABLES)
             self.health.expect(self.boots, self.gen, self.clock())
             self._start_training(0)
+            if self.awaited and self.made_anew == self.gen:
+                # workers that finished in the cluster lost before any checkpoint are
+                # awaited: they train their work again from the initial values, in a
+                # generation past any of that cluster (the PS start a fresh one at 0,
+                # which may be the one they trained in: their work would stand)
+                self.made_anew = None
+                self._renewing = asyncio.ensure_future(
+                    self._renew("the work of workers that finished was lost with every PS")
+                )
 
     # ------------------------------------------------------------------ restores
 
@@ -1178,6 +1255,11 @@ class RecoveryController:
         # 10309: worker 0 went on after 133 batches, the checkpoint held 132 of them; one
         # batch never trained, the run 2 steps short). A new worker starts there anyway.
         self.rewinds = dict(cursors or {}) if rewind or resumed else None
+        if self.rewinds is None and self.awaited and held is not None:
+            # workers awaited to train their lost work again (:meth:`_check_finished_work`)
+            # go back to what the restored state holds of them: the initial values hold
+            # nothing of the cluster lost before them
+            self.rewinds = dict(held)
         if rewind:
             self._reopen(self.rewinds or {})
             # a worker back at work is not done any more (before the restore is sent:
@@ -1199,7 +1281,7 @@ class RecoveryController:
                         # after this one (``ps_state.rewinds``): one killed before every
                         # worker heard them would leave them going on past the checkpoint
                         # (no PS knew any worker: the ledgers take the cursors all the same)
-                        rewind or bool(resumed),
+                        self.rewinds is not None,
                     ).to_wire(),
                     timeout=self.cfg.startup_timeout,
                 )
@@ -1657,6 +1739,15 @@ class RecoveryController:
         that runs already registers again (this chief restarted), having started after
         that many batches."""
         unknown = who.index not in self.members.workers
+        if who.index in self.awaited and self._making_anew():
+            # (speaking: not dead meanwhile)
+            self.members.seen(who.index, self.clock())
+            raise NotReady(
+                f"the chief makes the initial values anew for the work {who.name} did and"
+                " lost with every PS: register again"
+            )
+        if self.awaited.pop(who.index, None) is not None:
+            log.info("worker %d, awaited, registered: it trains what was lost again", who.index)
         rejoin = self.members.register(who.index, who.incarnation, self.clock(), steps_planned)
         if who.index in self.finished and not self.members.workers[who.index].done:
             await self.note_done()  # it trains again: not done any more
@@ -1708,21 +1799,26 @@ class RecoveryController:
             # does when its PS come back empty with no checkpoint: initial values, a
             # new generation, its batches trained again.
             self.made_anew = None
-            self._renewing = asyncio.ensure_future(self._renew(who))
+            self._renewing = asyncio.ensure_future(
+                self._renew(f"{who.name} ran in a cluster lost before its first checkpoint")
+            )
         return rejoin, skip, last
 
-    async def _renew(self, who: o.Who) -> None:
+    def _making_anew(self) -> bool:
+        """This chief started the initial values anew, and has not yet restored them in
+        a generation past those of the cluster lost before it (:meth:`_renew`)."""
+        renewing = self._renewing is not None and not self._renewing.done()
+        return self.made_anew == self.gen or renewing
+
+    async def _renew(self, reason: str) -> None:
         """Every shard back to its initial values in a new generation: a worker of a
-        cluster lost before its first checkpoint registered again (:meth:`admit`)."""
+        cluster lost before its first checkpoint registered again (:meth:`admit`), or
+        workers that finished in it are awaited (:meth:`variables_created`)."""
         async with self.placement_lock:
             if self.phase not in (Phase.RUNNING, Phase.DEGRADED):
                 return  # a restore, the end or a shutdown came first
             states = await self.ps_states(self.cfg.startup_timeout)
-            await self._restore(
-                Event.RESTORE,
-                f"{who.name} ran in a cluster lost before its first checkpoint",
-                states,
-            )
+            await self._restore(Event.RESTORE, reason, states)
 
     async def _fence(self, who: o.Who) -> tuple[list[Progress], list[str]]:
         """Tell every PS that the worker's incarnations before this one are gone: what
@@ -1760,6 +1856,7 @@ class RecoveryController:
                 )
             for i in sorted(dead - now_dead):
                 log.info("worker %d is back: re-admitted", i)
+            self._awaited_gone(now)
             # left unfinished and not back within a heartbeat timeout: a sync step no
             # longer waits for its share (SyncMode.gone)
             now_lapsed = set(self.members.lapsed(now))
@@ -1779,6 +1876,30 @@ class RecoveryController:
                     back=sorted(dead - now_dead),
                 )
             dead, lapsed = now_dead, now_lapsed
+
+    def awaited_for(self) -> float:
+        """How long an awaited worker (:attr:`awaited`) may stay silent: the heartbeat
+        timeout, at least ``AWAIT_S`` (it fails the run; a worker waiting for the run's
+        end speaks within about one heartbeat interval of this chief's start)."""
+        return max(self.cfg.heartbeat_timeout, AWAIT_S)
+
+    def _awaited_gone(self, now: float) -> None:
+        """An awaited worker that did not speak within :meth:`awaited_for` is not
+        running: nothing will train its lost batches again, and the run cannot end
+        truthfully (:attr:`on_work_lost` hears why: exit code 3)."""
+        within = self.awaited_for()
+        gone = sorted(
+            i
+            for i in self.awaited
+            if i in self.members.workers and now - self.members.workers[i].last_seen > within
+        )
+        if not gone or self.on_work_lost is None:
+            return
+        lost = {i: (self.awaited[i].held or 0, self.awaited[i].steps) for i in gone}
+        self.on_work_lost(
+            f"{lost_verdict(lost, *self.lost_in)} ({_workers(gone)} not heard within"
+            f" {within:g}s of this chief's start: not running)"
+        )
 
     # ------------------------------------------------------------------ status
 
@@ -1805,6 +1926,9 @@ class RecoveryController:
             "recovering": self.recovering,
             "recoveries": self.recoveries[-5:],
             "rewound_batches": self.rewound,
+            # workers that finished, part of whose work was lost since: each trains it
+            # again once it speaks, or the run fails
+            "awaited": sorted(self.awaited),
             "ps_down": {str(i): s for i, s in sorted(self.health.down.items())},
             "promotions": self.promotions,
             "failovers": list(self.failovers),

@@ -228,6 +228,10 @@ class Session:
     async def _reregister(self) -> None:
         log.warning("%s: the chief does not know this task (restarted?): registering", self.name)
         info = await self._register(self.recovery_timeout)
+        if info.ended is not None:
+            # started again after the run's end: it admits no one, and would answer
+            # every request again with "not registered"
+            raise RunEnded(info.ended, info.global_step)
         if info.gen != self.gen:
             log.warning("%s: the cluster is at generation %d now", self.name, info.gen)
 
@@ -328,7 +332,7 @@ class Session:
                 log.warning("%s: the chief did not answer a heartbeat", self.name)
                 self._silence()
                 continue
-            except ShutdownError:
+            except (ShutdownError, RunEnded):
                 return
             except ConfigError as exc:
                 # registered again with a chief restarted with other flags, which refuses
@@ -491,9 +495,11 @@ class Session:
         batches back (a PS lost before the final checkpoint) finds it. Returns the
         position to train again from when one does (heartbeats start again: this task
         is a member at work again); None when the run finished, ``stop()`` became true,
-        a restarted chief does not know this task (it learned from the PS that its work
-        is done), or the chief was silent ``LINGER_SILENCE`` heartbeat intervals (at least
-        10 s: a chief restarted by its supervisor answers within about one)."""
+        the chief refused this task (a newer incarnation replaced it), or the chief was
+        silent ``LINGER_SILENCE`` heartbeat intervals (at least 10 s: a chief restarted
+        by its supervisor answers within about one). A restarted chief that does not
+        know this task hears the leave again (:meth:`_leave_again`): where it lost
+        some of this task's work with its PS, it sends the task back to train it."""
         interval = self.info.heartbeat_interval if self.info is not None else 1.0
         silence = max(10.0, LINGER_SILENCE * interval)
         started = said = time.monotonic()
@@ -514,13 +520,33 @@ class Session:
             try:
                 rep = await self.chief.request("heartbeat", beat_body, timeout=interval + 2.0)
             except DeadlineExceeded:
-                if time.monotonic() - self.last_contact > silence:
+                # (from the linger's start: a leave the chief did not answer took its
+                # own time before it)
+                if time.monotonic() - max(self.last_contact, started) > silence:
                     log.warning("%s: no word from the chief for %.0fs: leaving", self.name, silence)
                     return None
                 continue
+            except NotFound:
+                # a restarted chief that does not know this task (or knows it from the PS
+                # or its record only): it hears again that this task's work is done (the
+                # task registers first). The PS may have lost some of that work with the
+                # chief: it then refuses the leave, and this task trains those batches
+                # again from where the cluster went back to.
+                log.info("%s: the chief does not know this task: telling it again", self.name)
+                try:
+                    back = await self._leave_again(position, interval)
+                except RunEnded as e:  # a chief started again after the run's end
+                    log.info("%s: %s", self.name, e)
+                    return None
+                except ZmqpsError as e:  # the cluster did not recover in time, say
+                    log.warning("%s: %s: leaving", self.name, e)
+                    return None
+                if back is not None:
+                    return back
+                continue
             except ZmqpsError as e:
-                # a restarted chief that does not know this task, or knows it as done
-                # (it learned from the PS): the run's end is no more this task's concern
+                # replaced by a newer incarnation, or refused: the run's end is no more
+                # this task's concern
                 log.info("%s: the chief answers %s: leaving", self.name, e)
                 return None
             self.last_contact = time.monotonic()
@@ -536,6 +562,22 @@ class Session:
             # (nothing to hold for, or a chief that does not hold) waits the rest
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - sent)))
         return None
+
+    async def _leave_again(self, position: int, interval: float) -> int | None:
+        """:meth:`linger`'s leave to a chief that did not know this task: the position to
+        train again from when the chief refused it for a restore that took batches of
+        this task back (heartbeats going again); None when it was taken (or not
+        answered: the linger goes on, and says so again)."""
+        while True:
+            left = await self.leave("done", waits=True)
+            if left is not None:
+                return None
+            if self.rewind is not None and self.rewind < position:
+                if self._heartbeats is None or self._heartbeats.done():
+                    self.start_heartbeats(interval)
+                return self.rewind
+            # a restore that took nothing of this task back: its work stands, it leaves
+            # again in the new generation
 
     async def close(self) -> None:
         if self._heartbeats is not None:
