@@ -330,6 +330,18 @@ async def _run(service: ChiefService, watchers: _Watchers) -> bool:
             await within(service.checkpoints.final(), max(0.1, grace_ends - time.monotonic()))
         except asyncio.TimeoutError:
             log.error("final checkpoint not committed within %.0fs", cfg.stop_grace)
+    if service.work_lost:
+        # the summary says why and what the run goes on from, as a start that found the
+        # work lost writes it: a chief started again fails the same way at once
+        # (``RecoveryController._failed_before``)
+        ck = recovery.checkpointer
+        latest = None if ck is None else await asyncio.to_thread(ck.latest)
+        service.result = {
+            "failed": service.failure,
+            "work_lost": True,
+            "checkpoint": None if latest is None else latest.name,
+        }
+        _write_summary(service)
     return True
 
 

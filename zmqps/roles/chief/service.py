@@ -194,6 +194,9 @@ class ChiefService:
         #: why the run failed although it ended in order (non-finite values): the
         #: chief's exit says so (:class:`RunFailed`); empty when it did not
         self.failure = ""
+        #: the failure is work of finished workers lost (their batches taken back, or
+        #: awaited in vain): the summary says so, as a start that found it does
+        self.work_lost = False
         self.started = time.time()
         self.result: dict[str, Any] = {}
         #: TensorBoard scalars of the cluster (``--logdir``; set by whoever serves it)
@@ -874,6 +877,7 @@ class ChiefService:
         if self.failure:
             return
         self.failure = why
+        self.work_lost = True
         log.error("%s: the run stops", why)
         self.shutdown_requested.set()
 
