@@ -423,6 +423,7 @@ def test_a_chief_restarted_with_its_ps_lost_sends_a_finished_worker_still_waitin
         assert await asyncio.wait_for(waiting, 5.0) is None
         done = parse_record(record.read_bytes())
         assert {i: (f.steps, f.held) for i, f in done.items()} == {0: (10, None), 1: (12, None)}
+        assert done[1].gen == gen  # finished again, in the generation of the restore
 
     run(body(), timeout=20.0)
 

@@ -1023,7 +1023,8 @@ class RecoveryController:
             for index, w in sorted(self.members.workers.items()):
                 if w.done:
                     was = self.finished.get(index)
-                    if was is None or was.steps != w.total_steps:
+                    # (one awaited, ``held``, that finished again: in this generation)
+                    if was is None or was.steps != w.total_steps or was.held is not None:
                         seconds = round(self.members.train_seconds(self.clock()), 3)
                         was = Finished(w.total_steps, self.gen, w.total_examples, seconds)
                     elif was.examples != w.total_examples:
@@ -1746,8 +1747,6 @@ class RecoveryController:
                 f"the chief makes the initial values anew for the work {who.name} did and"
                 " lost with every PS: register again"
             )
-        if self.awaited.pop(who.index, None) is not None:
-            log.info("worker %d, awaited, registered: it trains what was lost again", who.index)
         rejoin = self.members.register(who.index, who.incarnation, self.clock(), steps_planned)
         if who.index in self.finished and not self.members.workers[who.index].done:
             await self.note_done()  # it trains again: not done any more
@@ -1760,6 +1759,9 @@ class RecoveryController:
                 " register again (where it resumes needs every PS)"
             )
         state = self.members.workers[who.index]
+        if self.awaited.pop(who.index, None) is not None:
+            log.info("worker %d, awaited, registered: it trains what was lost again", who.index)
+            await self.note_done()  # awaited no more: a chief started later need not
         if running is not None:
             skip, last = running, -1
         else:
@@ -1887,6 +1889,8 @@ class RecoveryController:
         """An awaited worker that did not speak within :meth:`awaited_for` is not
         running: nothing will train its lost batches again, and the run cannot end
         truthfully (:attr:`on_work_lost` hears why: exit code 3)."""
+        if self.starting:
+            return  # (its wait counts from the start's end)
         within = self.awaited_for()
         gone = sorted(
             i
