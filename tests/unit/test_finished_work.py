@@ -428,6 +428,76 @@ def test_a_chief_restarted_with_its_ps_lost_sends_a_finished_worker_still_waitin
     run(body(), timeout=20.0)
 
 
+def test_a_chief_lost_right_after_its_start_restore_leaves_the_workers_awaited(
+    tmp_path: Path,
+) -> None:
+    """Fault trial D3 (sync, no checkpoint but the launch's periodic one): the chief
+    that awaited the workers was killed right after its start restore, before it wrote
+    the record: the next one adopted the restored PS, took both workers for done from
+    the record, and ended the run at global step 644 of 920, exit code 0. The record
+    says the awaited workers before any PS is restored; and where it does not (a record
+    of before), the restore the PS keep says what it took back of each."""
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+
+    async def body() -> None:
+        env, clients = await _finished_and_ps_lost(
+            tmp_path, checkpoint=CheckpointPolicy(str(ckpts), secs=600.0)
+        )
+        await asyncio.to_thread(_checkpoint, ckpts, {"worker:0": 8, "worker:1": 6}, 14)
+        ps = PSService(0, checkpoint_dir=str(ckpts))
+        record = ckpts / "workers-done.json"
+        before = record.read_bytes()
+        told: list[dict[int, Finished]] = []
+
+        def spy(msg: Any) -> Any:
+            if msg.op == "restore":
+                told.append(parse_record(record.read_bytes()))
+            return ps(msg)
+
+        env.services[0] = ps
+        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], spy, name="ps0")
+        second = ChiefService(env.cfg, clients, clock=env.clock)
+        await second.start()
+        assert told and (told[0][0].held, told[0][1].held) == (8, 6)
+        record.write_bytes(before)  # as if that chief was lost before it wrote it
+        third = ChiefService(env.cfg, clients, clock=env.clock)
+        await third.start()
+        assert third.recovery.gen == second.recovery.gen
+        assert sorted(third.recovery.awaited) == [0, 1]
+        assert not third.all_done.is_set()
+
+    run(body(), timeout=20.0)
+
+
+def test_a_chief_lost_before_it_restored_the_values_it_made_anew_leaves_them_awaited(
+    tmp_path: Path,
+) -> None:
+    """No checkpoint: the chief that awaited the workers made the initial values anew
+    and was lost before it restored them past the lost cluster's generation. The next
+    one adopts those PS (generation 0, which may be the one the workers trained in):
+    it awaits the workers the record says and restores the values first."""
+
+    async def body() -> None:
+        env, clients = await _finished_and_ps_lost(tmp_path, heartbeat_interval=0.02)
+        second = ChiefService(env.cfg, clients, clock=env.clock)
+        await second.start()
+        assert sorted(second.recovery.awaited) == [0, 1]
+        placement = plan(VARS, 1, Partitioner(num_shards=2), optimizer=dict(SGD))
+        defs = tuple(d.to_wire() for _, d in placement.shard_defs())
+        body = o.CreateShards(defs, placement.to_wire()).to_wire()
+        await clients[0].request("create_shards", body)  # that chief's, then lost
+        third = ChiefService(env.cfg, clients, clock=env.clock)
+        await third.start()
+        assert third.recovery.gen == 0 and sorted(third.recovery.awaited) == [0, 1]
+        env.net.serve(CHIEF, third, name="chief")
+        w0 = _lingering(env, 0, 10)
+        assert await asyncio.wait_for(w0.linger(10, lambda: False), 5.0) == 0
+        assert w0.gen == third.recovery.gen >= 1
+
+    run(body())
+
+
 def test_a_chief_lost_after_its_runs_final_checkpoint_ends_the_run_at_its_step(
     tmp_path: Path,
 ) -> None:

@@ -501,6 +501,11 @@ class RecoveryController:
             # the work of a worker that finished must be in it, or the worker still
             # running (it waits for the run's end) must train it again
             self._check_finished_work(states, latest, plan.kind, plan.reason)
+            if self.awaited:
+                # in the record before any PS is restored: a chief killed after the
+                # restore, before the workers spoke, would find the PS restored and the
+                # workers done in the record, and end the run without their batches
+                await self.note_done()
         self.gen = plan.gen
         self.boots = boots = {i: str(st["boot"]) for i, st in enumerate(states)}
         try:
@@ -515,7 +520,7 @@ class RecoveryController:
                 if self.mode.name == "sync":
                     self.mode.global_step = plan.step
                 self.rewinds = _rewinds(states, self.gen)
-                self._await_recorded(latest)
+                again = self._await_recorded(latest)
                 self.health.expect(boots, self.gen, self.clock())
                 self.handle(Event.ADOPTED)
                 log.info(
@@ -525,6 +530,13 @@ class RecoveryController:
                     f", global step {plan.step}" if self.mode.name == "sync" else "",
                 )
                 self._start_training(self.mode.global_step)
+                if again:
+                    # awaited workers, and no restore of this generation says where
+                    # they go back to (the chief before was lost before it restored
+                    # the values it made anew): restored now, in a new generation
+                    self._renewing = asyncio.ensure_future(
+                        self._renew("workers that finished are awaited to train again")
+                    )
                 return
             if plan.placement is not None:
                 log.warning("%s: restoring every shard", plan.reason)
@@ -973,20 +985,26 @@ class RecoveryController:
             raise WorkLost(lost_verdict(lost, held, how), held.name)
         self._await(lost, finished, held, how)
 
-    def _await_recorded(self, latest: Checkpoint | None) -> None:
-        """At start, adopting the PS: the workers the record says are awaited (a chief
-        before this one started from a state that lost part of their work, and they had
-        not registered again) are awaited still. The PS keep where each goes back to
-        (``ps_state.rewinds``); :class:`WorkLost` when they do not say."""
+    def _await_recorded(self, latest: Checkpoint | None) -> bool:
+        """At start, adopting the PS: the workers that finished, part of whose work the
+        PS's generation does not hold, are awaited (:meth:`_await`). The record says so
+        of those a chief before this one awaited (``held``); a restore of this
+        generation that went back below what a worker finished with before it (the PS
+        keep its cursors, ``ps_state.rewinds``) says so of the others (a chief lost
+        after that restore, before it wrote the record). True when no restore of this
+        generation says where they go back to: the caller restores (:meth:`_renew`)."""
         finished = self._finished_here()
-        lost = {i: (f.held, f.steps) for i, f in finished.items() if f.held is not None}
+        lost: dict[int, tuple[int, int]] = {}
+        for i, f in finished.items():
+            back = None if self.rewinds is None else self.rewinds.get(f"worker:{i}", 0)
+            if back is not None and f.gen < self.gen and back < f.steps:
+                lost[i] = (back, f.steps)
+            elif f.held is not None:
+                lost[i] = (f.held if back is None else back, f.steps)
         if not lost:
-            return
-        held, how = _held(latest), "the PS state that held it was lost since"
-        if self.rewinds is None:
-            self._name_record()
-            raise WorkLost(lost_verdict(lost, held, how), held.name)
-        self._await(lost, finished, held, how)
+            return False
+        self._await(lost, finished, _held(latest), "the PS state that held it was lost since")
+        return self.rewinds is None
 
     def _await(
         self,
