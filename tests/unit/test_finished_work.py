@@ -498,6 +498,33 @@ def test_a_chief_lost_before_it_restored_the_values_it_made_anew_leaves_them_awa
     run(body())
 
 
+def test_a_worker_that_finished_in_a_cluster_lost_unrecorded_trains_its_work_again() -> None:
+    """The chief and the lone PS lost before the chief recorded that worker 0 finished
+    (its leave not answered), no checkpoint: the new chief starts anew, knowing of no
+    one that finished. Worker 0, waiting for the run's end, tells it; the chief makes
+    the values anew past the lost cluster's generation, and the worker goes back to its
+    batch 0 (before, no PS knew a cursor of it: it heard of no rewind and its 10
+    batches were lost)."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=2, heartbeat_interval=0.02)
+        await env.chief.start()  # empty PS, no checkpoint, no record: fresh
+        await env.chief.create_variables(VARS, SGD)
+        env.net.serve(CHIEF, env.chief, name="chief")
+        w0 = _lingering(env, 0, 10)
+        # it registers again (its leave, refused: not registered), and the values are
+        # made anew before it says the leave again
+        await w0._reregister()
+        for _ in range(200):
+            if env.chief.recovery.gen == 1 and not env.chief.recovery.recovering:
+                break
+            await asyncio.sleep(0.01)
+        assert await asyncio.wait_for(w0.linger(10, lambda: False), 5.0) == 0
+        assert w0.gen == env.chief.recovery.gen == 1
+
+    run(body())
+
+
 def test_a_chief_lost_after_its_runs_final_checkpoint_ends_the_run_at_its_step(
     tmp_path: Path,
 ) -> None:

@@ -288,6 +288,40 @@ def test_a_waiting_worker_goes_back_to_work_when_a_restore_takes_its_batches() -
     assert back is None and s.gen == 1
 
 
+class _SilentThenChief(_ScriptedChief):
+    """No answer (after ``jump`` seconds of the session's clock) for ``silent``
+    heartbeats, then the replies given."""
+
+    def __init__(self, clock: list[float], jump: float, silent: int, *replies: Any) -> None:
+        super().__init__(*replies)
+        self.clock, self.jump, self.silent = clock, jump, silent
+
+    async def request(self, op: str, body: Any = None, *_: Any, **__: Any) -> Message:
+        if self.silent:
+            self.silent -= 1
+            self.beats += 1
+            self.clock[0] += self.jump
+            raise DeadlineExceeded("heartbeat: no reply")
+        return await super().request(op, body)
+
+
+@pytest.mark.parametrize(("jump", "silent", "leaves"), [(15.0, 1, False), (5.0, 9, True)])
+def test_a_waiting_worker_leaves_a_silent_chief_after_heartbeats_in_a_row(
+    monkeypatch: pytest.MonkeyPatch, jump: float, silent: int, leaves: bool
+) -> None:
+    """Fault trial D1: a worker waiting for the run's end, stopped 15 s (SIGSTOP) while
+    the chief restarted, left on the heartbeat it had sent before the stop ("no word
+    from the chief for 10s") without asking the restarted chief, which then failed the
+    run for its lost batches. It leaves after 3 heartbeats in a row unanswered, 10 s
+    at least."""
+    clock = [1000.0]
+    monkeypatch.setattr(session_module.time, "monotonic", lambda: clock[0])
+    chief = _SilentThenChief(clock, jump, silent, o.HeartbeatReply(10, 0, finished=True))
+    back, _ = _lingering(chief, 10)
+    assert back is None
+    assert chief.beats == (3 if leaves else 2), chief.beats
+
+
 def test_a_worker_waiting_for_the_runs_end_says_so_now_and_then(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -432,7 +466,7 @@ def test_a_restore_with_no_ps_left_that_knew_the_cursors_still_rewinds_the_worke
             await call(env.chief, "heartbeat", who(i, step=30))
         seen: list[Any] = []
 
-        async def restore_all(reason: str, ckpt: Any = None, cursors: Any = None) -> int:
+        async def restore_all(reason: str, ckpt: Any = None, cursors: Any = None, *_: Any) -> int:
             seen.append(dict(cursors or {}))
             return 0
 

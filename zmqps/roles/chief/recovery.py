@@ -1152,10 +1152,13 @@ class RecoveryController:
         ckpt: Checkpoint | None = None,
         lost: Sequence[int] = (),
         detected_at: float | None = None,
+        anew: bool = False,
     ) -> int:
         """Restore every shard on every PS (``states``: what they answered) to ``ckpt``
         (default: the latest committed checkpoint, or the initial values if there is
-        none), all PS to one step, in a new generation; training restarts there."""
+        none), all PS to one step, in a new generation; training restarts there.
+        ``anew``: the values this chief made anew, past a cluster lost before them
+        (:meth:`_renew`): every worker goes back to what they hold of it."""
         self.handle(event)
         self.made_anew = None
         started = self.clock()
@@ -1178,7 +1181,7 @@ class RecoveryController:
                 if w.total_steps > 0
             }
         rewound = self.rewound
-        step = await self.restore_all(reason, ckpt, cursors)
+        step = await self.restore_all(reason, ckpt, cursors, anew)
         rewound = self.rewound - rewound
         self.health.expect(boots, self.gen, self.clock())
         if self.phase is Phase.RESTORING:
@@ -1218,9 +1221,10 @@ class RecoveryController:
         reason: str,
         ckpt: Checkpoint | None = None,
         cursors: dict[str, int] | None = None,
+        anew: bool = False,
     ) -> int:
         """Send every PS its shards of ``ckpt`` (default: the latest), in a new
-        generation; returns the step restored."""
+        generation; returns the step restored. ``anew``: see :meth:`_restore`."""
         placement = self.variables.placement
         assert placement is not None
         if ckpt is None and self.checkpointer is not None:
@@ -1274,12 +1278,13 @@ class RecoveryController:
         # 10309: worker 0 went on after 133 batches, the checkpoint held 132 of them; one
         # batch never trained, the run 2 steps short). A new worker starts there anyway.
         self.rewinds = dict(cursors or {}) if rewind or resumed else None
-        if self.rewinds is None and self.awaited and held is not None:
-            # workers awaited to train their lost work again (:meth:`_check_finished_work`)
-            # go back to what the restored state holds of them: the initial values hold
-            # nothing of the cluster lost before them
+        if self.rewinds is None and (self.awaited or anew) and held is not None:
+            # workers awaited to train their lost work again (:meth:`_check_finished_work`),
+            # and, the values made anew, every worker of the cluster lost before them
+            # (one that finished pushes nothing, so no PS knows it), go back to what the
+            # restored state holds of them: the initial values, nothing
             self.rewinds = dict(held)
-        if rewind:
+        if rewind or (anew and self.rewinds is not None):
             self._reopen(self.rewinds or {})
             # a worker back at work is not done any more (before the restore is sent:
             # a chief restarted in between must not wait for it as for one done)
@@ -1838,7 +1843,7 @@ class RecoveryController:
             if self.phase not in (Phase.RUNNING, Phase.DEGRADED):
                 return  # a restore, the end or a shutdown came first
             states = await self.ps_states(self.cfg.startup_timeout)
-            await self._restore(Event.RESTORE, reason, states)
+            await self._restore(Event.RESTORE, reason, states, anew=True)
 
     async def _fence(self, who: o.Who) -> tuple[list[Progress], list[str]]:
         """Tell every PS that the worker's incarnations before this one are gone: what
@@ -1907,8 +1912,12 @@ class RecoveryController:
         """An awaited worker that did not speak within :meth:`awaited_for` is not
         running: nothing will train its lost batches again, and the run cannot end
         truthfully (:attr:`on_work_lost` hears why: exit code 3)."""
-        if self.starting:
-            return  # (its wait counts from the start's end)
+        if self.starting or self.recovering:
+            # its wait counts from the end of the start or the restore (it is told to
+            # register again meanwhile)
+            for index in self.awaited:
+                self.members.seen(index, now)
+            return
         within = self.awaited_for()
         gone = sorted(
             i

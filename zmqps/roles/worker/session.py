@@ -62,6 +62,9 @@ B = TypeVar("B", bound=o.Body)
 #: A task that left with its work done waits for the run's end as long as the chief
 #: answers; this many heartbeat intervals of silence (at least 10 s) end the wait.
 LINGER_SILENCE = 10
+#: ... and after this many heartbeats in a row went unanswered (each waits an interval
+#: and 2 s): a process stopped and continued does not leave on the one it sent before
+LINGER_UNANSWERED = 3
 
 
 #: a worker waiting for its chief says so at most this often (seconds)
@@ -503,6 +506,7 @@ class Session:
         interval = self.info.heartbeat_interval if self.info is not None else 1.0
         silence = max(10.0, LINGER_SILENCE * interval)
         started = said = time.monotonic()
+        unanswered = 0  # heartbeats in a row the chief did not answer
         while not stop():
             if time.monotonic() - said >= LINGER_NOTE_S:  # never silent while it waits
                 said = time.monotonic()
@@ -521,9 +525,13 @@ class Session:
                 rep = await self.chief.request("heartbeat", beat_body, timeout=interval + 2.0)
             except DeadlineExceeded:
                 # (from the linger's start: a leave the chief did not answer took its
-                # own time before it)
-                if time.monotonic() - max(self.last_contact, started) > silence:
-                    log.warning("%s: no word from the chief for %.0fs: leaving", self.name, silence)
+                # own time before it), and heartbeats in a row: one sent before this
+                # process was stopped (SIGSTOP) times out as it goes on, however long
+                # ago the chief last answered, and the chief may have been up since
+                unanswered += 1
+                quiet = time.monotonic() - max(self.last_contact, started)
+                if quiet > silence and unanswered >= LINGER_UNANSWERED:
+                    log.warning("%s: no word from the chief for %.0fs: leaving", self.name, quiet)
                     return None
                 continue
             except NotFound:
@@ -532,6 +540,7 @@ class Session:
                 # task registers first). The PS may have lost some of that work with the
                 # chief: it then refuses the leave, and this task trains those batches
                 # again from where the cluster went back to.
+                unanswered = 0
                 log.info("%s: the chief does not know this task: telling it again", self.name)
                 try:
                     back = await self._leave_again(position, interval)
@@ -549,7 +558,7 @@ class Session:
                 # this task's concern
                 log.info("%s: the chief answers %s: leaving", self.name, e)
                 return None
-            self.last_contact = time.monotonic()
+            self.last_contact, unanswered = time.monotonic(), 0
             beat = o.HeartbeatReply.parse(rep.body, "heartbeat reply")
             if beat.finished or beat.stop:
                 return None
