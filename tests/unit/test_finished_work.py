@@ -525,6 +525,36 @@ def test_a_worker_that_finished_in_a_cluster_lost_unrecorded_trains_its_work_aga
     run(body())
 
 
+def test_workers_of_a_lost_cluster_are_sent_back_by_a_chief_that_adopts_values_made_anew() -> None:
+    """Fault trial E1r (found on the code before too): the chief and the PS lost before
+    the chief recorded that the workers finished; the next chief started anew (no
+    record, no checkpoint), created the variables, and was lost before any worker
+    registered; the third adopted those PS, in generation 0 like the lost cluster, and
+    took the workers' leaves (generation 0) as done: exit 0 at global step 0, accuracy
+    0.0975. PS that no worker pushed to are taken as made anew: the workers' leaves wait
+    for the values restored past that generation, and the workers train again."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=2, heartbeat_interval=0.02)
+        await env.chief.start()  # empty PS, no checkpoint, no record: fresh
+        await env.chief.create_variables(VARS, SGD)
+        clients = [env.net.client(addr, "chief:0") for addr in env.cfg.cluster.ps]
+        third = ChiefService(env.cfg, clients, clock=env.clock)
+        await third.start()  # adopts the PS: nothing pushed to them
+        assert third.recovery.made_anew == third.recovery.gen == 0
+        env.net.serve(CHIEF, third, name="chief")
+        lingering = [_lingering(env, i, 10 + 2 * i) for i in (0, 1)]
+        backs = await asyncio.wait_for(
+            asyncio.gather(*(w.linger(10 + 2 * i, lambda: False) for i, w in enumerate(lingering))),
+            5.0,
+        )
+        assert backs == [0, 0]
+        assert not third.all_done.is_set()
+        assert {w.gen for w in lingering} == {third.recovery.gen} and third.recovery.gen >= 1
+
+    run(body())
+
+
 def test_a_chief_lost_after_its_runs_final_checkpoint_ends_the_run_at_its_step(
     tmp_path: Path,
 ) -> None:

@@ -520,6 +520,12 @@ class RecoveryController:
                 if self.mode.name == "sync":
                     self.mode.global_step = plan.step
                 self.rewinds = _rewinds(states, self.gen)
+                if self.rewinds is None and not any(_knows_workers(st) for st in states):
+                    # values no worker pushed to or was sent back on: a fresh cluster,
+                    # or one made anew by a chief lost before any worker registered (its
+                    # generation may be the one of a cluster lost before it, whose
+                    # workers would take these values for theirs): as made anew here
+                    self.made_anew = self.gen
                 again = self._await_recorded(latest)
                 self.health.expect(boots, self.gen, self.clock())
                 self.handle(Event.ADOPTED)
@@ -1829,11 +1835,15 @@ class RecoveryController:
             )
         return rejoin, skip, last
 
+    def renewing(self) -> bool:
+        """The values made anew are being restored past the lost cluster's generation
+        (:meth:`_renew`): a worker's leave waits for it (it may be of that cluster)."""
+        return self._renewing is not None and not self._renewing.done()
+
     def _making_anew(self) -> bool:
         """This chief started the initial values anew, and has not yet restored them in
         a generation past those of the cluster lost before it (:meth:`_renew`)."""
-        renewing = self._renewing is not None and not self._renewing.done()
-        return self.made_anew == self.gen or renewing
+        return self.made_anew == self.gen or self.renewing()
 
     async def _renew(self, reason: str) -> None:
         """Every shard back to its initial values in a new generation: a worker of a
@@ -2004,6 +2014,11 @@ def _done_on_ps(states: Sequence[dict[str, Any]]) -> dict[int, Finished]:
                 if was is None or was.steps < int(steps):
                     out[int(index)] = Finished(int(steps), int(st.get("gen") or 0))
     return out
+
+
+def _knows_workers(state: Mapping[str, Any]) -> bool:
+    """Whether a PS's ``ps_state`` knows any worker (a push, a leave, a cursor)."""
+    return any(state.get(key) for key in ("cursors", "highs", "done"))
 
 
 def _rewinds(states: Sequence[dict[str, Any]], gen: int) -> dict[str, int] | None:

@@ -510,6 +510,13 @@ class ChiefService:
                 f"worker {who.index}: the cluster was restored (generation"
                 f" {self.recovery.gen}) since this work (generation {req.gen})"
             )
+        if reason == "done" and self.recovery.renewing():
+            # its work may be of a cluster lost before the values made anew: it hears
+            # where it goes back to once they are restored, then leaves again (taken
+            # now, the run could end on the initial values before the restore)
+            raise RolledBack(
+                f"worker {who.index}: the values are being made anew past a lost cluster"
+            )
         self.members.leave(
             who.index,
             who.incarnation,
