@@ -1313,7 +1313,13 @@ class RecoveryController:
                         # (no PS knew any worker: the ledgers take the cursors all the same)
                         self.rewinds is not None,
                     ).to_wire(),
-                    timeout=self.cfg.startup_timeout,
+                    # sent again at once when the connection comes back (a PS killed
+                    # during the restore: the one started in its place never heard it,
+                    # and the chief waited its whole start-up timeout, then exited and
+                    # was started again); a second copy to the same process restores
+                    # the same values, nothing trained in between (every reply first)
+                    timeout=self.cfg.startup_timeout / 2,
+                    attempts=2,
                 )
                 for i, defs in self.variables.defs_by_ps().items()
             )
