@@ -288,6 +288,22 @@ def _checkpoint(
     asyncio.run(write())
 
 
+async def _lost_after_a_checkpoint(
+    tmp_path: Path, cursors: dict[str, int], step: int, extra: dict[str, Any] | None = None
+) -> tuple[Any, list[Any], Path]:
+    """:func:`_finished_and_ps_lost` with checkpoints in ``tmp_path/ckpts``, one of
+    ``step`` holding ``cursors`` committed, the new PS empty and reading them."""
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    env, clients = await _finished_and_ps_lost(
+        tmp_path, checkpoint=CheckpointPolicy(str(ckpts), secs=600.0)
+    )
+    await asyncio.to_thread(_checkpoint, ckpts, cursors, step, extra)  # its own loop, there
+    env.services[0] = PSService(0, checkpoint_dir=str(ckpts))  # empty, reads ckpts
+    env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+    return env, clients, ckpts
+
+
 @pytest.mark.parametrize(
     ("cursors", "lost"), [({"worker:0": 10, "worker:1": 12}, False), ({"worker:0": 6}, True)]
 )
@@ -297,16 +313,9 @@ def test_a_restarted_chief_restores_the_checkpoint_and_finishes_only_if_it_holds
     """A committed checkpoint holding every batch of the workers that finished: the run
     finishes from it (nothing was lost). One of before their last batches: the run
     cannot finish (they left, nobody trains those again) and says where to go on from."""
-    ckpts = tmp_path / "ckpts"
-    ckpts.mkdir()
 
     async def body() -> None:
-        env, clients = await _finished_and_ps_lost(
-            tmp_path, checkpoint=CheckpointPolicy(str(ckpts), secs=600.0)
-        )
-        await asyncio.to_thread(_checkpoint, ckpts, cursors, 22)  # its own loop, there
-        env.services[0] = PSService(0, checkpoint_dir=str(ckpts))  # empty, reads ckpts
-        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        env, clients, _ = await _lost_after_a_checkpoint(tmp_path, cursors, 22)
         restarted = ChiefService(env.cfg, clients, clock=env.clock)
         await restarted.start()
         assert restarted.recovery.gen >= 1  # restored from the checkpoint
@@ -381,16 +390,10 @@ def test_a_chief_restarted_with_its_ps_lost_sends_a_finished_worker_still_waitin
     hears it is not known, says again that its work is done, is refused (a restore
     since) and goes back to its batch 6. Worker 0, whose 10 batches the checkpoint
     holds, says the same and stays done; once worker 1 is done again, the run ends."""
-    ckpts = tmp_path / "ckpts"
-    ckpts.mkdir()
 
     async def body() -> None:
-        env, clients = await _finished_and_ps_lost(
-            tmp_path, checkpoint=CheckpointPolicy(str(ckpts), secs=600.0)
-        )
-        await asyncio.to_thread(_checkpoint, ckpts, {"worker:0": 10, "worker:1": 6}, 16)
-        env.services[0] = PSService(0, checkpoint_dir=str(ckpts))  # empty, reads ckpts
-        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        held = {"worker:0": 10, "worker:1": 6}
+        env, clients, ckpts = await _lost_after_a_checkpoint(tmp_path, held, 16)
         restarted = ChiefService(env.cfg, clients, clock=env.clock)
         await restarted.start()
         gen = restarted.recovery.gen
@@ -437,15 +440,11 @@ def test_a_chief_lost_right_after_its_start_restore_leaves_the_workers_awaited(
     the record, and ended the run at global step 644 of 920, exit code 0. The record
     says the awaited workers before any PS is restored; and where it does not (a record
     of before), the restore the PS keep says what it took back of each."""
-    ckpts = tmp_path / "ckpts"
-    ckpts.mkdir()
 
     async def body() -> None:
-        env, clients = await _finished_and_ps_lost(
-            tmp_path, checkpoint=CheckpointPolicy(str(ckpts), secs=600.0)
-        )
-        await asyncio.to_thread(_checkpoint, ckpts, {"worker:0": 8, "worker:1": 6}, 14)
-        ps = PSService(0, checkpoint_dir=str(ckpts))
+        held = {"worker:0": 8, "worker:1": 6}
+        env, clients, ckpts = await _lost_after_a_checkpoint(tmp_path, held, 14)
+        ps = env.services[0]
         record = ckpts / "workers-done.json"
         before = record.read_bytes()
         told: list[dict[int, Finished]] = []
@@ -455,7 +454,6 @@ def test_a_chief_lost_right_after_its_start_restore_leaves_the_workers_awaited(
                 told.append(parse_record(record.read_bytes()))
             return ps(msg)
 
-        env.services[0] = ps
         env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], spy, name="ps0")
         second = ChiefService(env.cfg, clients, clock=env.clock)
         await second.start()
@@ -563,18 +561,11 @@ def test_a_chief_lost_after_its_runs_final_checkpoint_ends_the_run_at_its_step(
     started again restored that checkpoint as a new run on a finished one's: its step
     as the offset, the finished workers' 22 pushes on top, global step 44 and exit 0
     (the trial's: 3,680 for 1,840). It is this run's own end: global step 22."""
-    ckpts = tmp_path / "ckpts"
-    ckpts.mkdir()
 
     async def body() -> None:
-        env, clients = await _finished_and_ps_lost(
-            tmp_path, checkpoint=CheckpointPolicy(str(ckpts), secs=600.0)
-        )
         final = {"final": True, "step_offset": 0}
         held = {"worker:0": 10, "worker:1": 12}
-        await asyncio.to_thread(_checkpoint, ckpts, held, 22, final)
-        env.services[0] = PSService(0, checkpoint_dir=str(ckpts))  # empty, reads ckpts
-        env.stats[0] = env.net.serve(env.cfg.cluster.ps[0], env.services[0], name="ps0")
+        env, clients, _ = await _lost_after_a_checkpoint(tmp_path, held, 22, final)
         restarted = ChiefService(env.cfg, clients, clock=env.clock)
         await restarted.start()
         assert restarted.all_done.is_set()
