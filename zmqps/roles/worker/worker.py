@@ -430,7 +430,15 @@ class Worker:
         )
         rep = self.io.run(
             self.session.call(
-                "create_vars", body, o.PlacementReply, timeout=max(self.timeout, 130.0)
+                "create_vars",
+                body,
+                o.PlacementReply,
+                timeout=max(self.timeout, 130.0),
+                # sent again when the connection comes back (it creates the variables
+                # once, then answers their placement): one in flight to a chief killed
+                # was never answered by the one started in its place, and the worker
+                # waited 130 s, then exited 1
+                attempts=2,
             )
         )
         placement = Placement.from_wire(rep.placement)
