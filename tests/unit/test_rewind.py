@@ -450,6 +450,32 @@ def test_finish_trains_again_the_batches_a_restore_took_back_during_the_last_pus
     assert w.finish() == 0 and w.position == 0 and w.rewound == 46
 
 
+def test_a_restore_the_ps_never_answered_is_sent_again() -> None:
+    """Fault trial C7: a PS killed during the chief's start restore; the one started
+    in its place never heard the restore, and the chief waited its whole start-up
+    timeout (120 s), exited and was started again. A restore is sent again (at once
+    when the connection comes back; here, where nothing reconnects, at half the
+    start-up timeout), and the PS restored."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=1, startup_timeout=0.4)
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        ps, lost = env.services[0], []
+
+        def first_lost(msg: Message) -> Any:
+            if msg.op == "restore" and not lost:
+                lost.append(msg)
+                return asyncio.get_running_loop().create_future()  # never answered
+            return ps(msg)
+
+        env.net.serve(env.cfg.cluster.ps[0], first_lost, name="ps0")
+        await env.chief.recovery.restore_all("a test")
+        assert lost and ps.gen == env.chief.recovery.gen == 1
+
+    run_chief(body())
+
+
 def test_a_restore_with_no_ps_left_that_knew_the_cursors_still_rewinds_the_workers() -> None:
     """One PS, killed: the PS restarted knows no worker's cursor, and the restore used
     to keep none, so the workers went on past the batches it took back (a loop of its
