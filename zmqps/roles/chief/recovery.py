@@ -427,11 +427,6 @@ class RecoveryController:
         self.starting = True
         try:
             await self._start()
-            # a worker awaited registers once the start is over (it is refused while
-            # the PS are restored): its heartbeat timeout counts from here
-            now = self.clock()
-            for index in self.awaited:
-                self.members.seen(index, now)
         finally:
             self.starting = False
             self.silent_at_start = set()
