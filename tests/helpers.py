@@ -12,6 +12,7 @@ Rules of this module:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -54,9 +55,22 @@ HOST = "127.0.0.1"
 T = TypeVar("T")
 
 
+#: the ports this test process handed out last (a few tests' worth): a port picked is
+#: free until its task binds it, seconds later, and a second pick meanwhile handed it
+#: out again (a test's two clusters, each picked apart: one chief's metrics port was
+#: the other's PS port, and one of them failed with "Address already in use")
+_GIVEN: collections.deque[int] = collections.deque(maxlen=512)
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1."""
-    return _free_ports(n, HOST)
+    """``n`` distinct free TCP ports on 127.0.0.1, none of those handed out lately."""
+    out: list[int] = []
+    while len(out) < n:
+        for port in _free_ports(n - len(out), HOST):
+            if port not in _GIVEN and port not in out:
+                out.append(port)
+    _GIVEN.extend(out)
+    return out
 
 
 def free_run(n: int) -> int:
@@ -76,7 +90,9 @@ def free_run(n: int) -> int:
                 except OSError:
                     break
             else:
-                return base
+                if not set(range(base, base + n)) & set(_GIVEN):
+                    _GIVEN.extend(range(base, base + n))
+                    return base
     raise AssertionError(f"no {n} consecutive free ports in {lowest}-{top - 1}")
 
 
