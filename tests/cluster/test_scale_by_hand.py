@@ -159,7 +159,11 @@ def test_scale_down_and_up_by_hand(procs: Reaper, tmp_path: Path) -> None:
             task.expect_exit(0, timeout=60)
     scaled, baseline = read_json(run.summary), read_json(base.summary)
     assert scaled["global_step"] == baseline["global_step"] == total, (scaled, baseline)
-    assert not scaled.get("restores") and not baseline.get("restores"), scaled
+    # (what the chief said of any restore, to tell why: the summary's "restores" alone
+    # said nothing of its cause)
+    said = [ln for ln in run.chief_p.stderr.splitlines() if " W " in ln or " E " in ln]
+    assert not scaled.get("restores"), (scaled.get("recoveries"), said)
+    assert not baseline.get("restores"), baseline.get("recoveries")
     assert scaled["elastic"]["moves"] == 2 and scaled["elastic"]["serving"] == [0, 1], scaled
     # the moves cost nothing the model learns: as good as the run left alone (async:
     # the two differ run to run by about a point of accuracy)

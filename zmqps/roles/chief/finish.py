@@ -75,6 +75,9 @@ async def summarize(service: ChiefService) -> dict[str, Any]:
     summary["restores"] = recovery.restore_count
     summary["restores_from_scratch"] = recovery.restores_from_scratch  # no checkpoint
     summary["rewound_batches"] = recovery.rewound
+    if recovery.recoveries:
+        # why and when each (the last few): what was lost, the step restored, how long
+        summary["recoveries"] = recovery.recoveries[-5:]
     if recovery.replicated() and recovery.rereplicator is not None:
         # what replication did: fail-overs, promoted copies, copies made again
         summary["replication"] = {
