@@ -128,6 +128,11 @@ def test_the_last_copy_of_a_state_lost_falls_back_to_a_restore(
     assert summary is not None
     assert rec["gen"] == 1, rec
     assert summary["test_accuracy"] >= 0.95, summary
+    # the summary says the restore too: why, and to which generation
+    assert summary["restores"] == len(summary["recoveries"]) == 1, summary
+    said = summary["recoveries"][0]
+    assert said["reason"] == rec["reason"] == "every copy of a PS state lost", said
+    assert said["gen"] == 1 and said["step"] == rec["step"], said
 
 
 @pytest.mark.timeout(240)
