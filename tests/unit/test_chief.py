@@ -1515,6 +1515,32 @@ def test_a_worker_of_a_cluster_lost_before_any_checkpoint_finds_the_cluster_made
     run(body())
 
 
+def test_a_worker_of_a_lost_cluster_registered_before_the_variables_has_them_made_anew() -> None:
+    """The same, the worker of the lost cluster registering before the new chief made
+    the variables (it waits for every worker): their creation restores them in a new
+    generation at once, and the worker goes back to its first batch. Before, nothing
+    did: the worker resumed after its batches of the lost cluster (lost with its PS),
+    and a push of it sent again to the new values was refused as hostile ("pulled
+    version 1 outside [0, 0]"): the worker exited 1."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=2, heartbeat_interval=0.5)
+        await env.chief.start()  # empty PS, no checkpoint: fresh
+        await call(env.chief, "register", who(0, 7, steps_planned=10, steps_done=3))
+        await call(env.chief, "register", who(1, 5, steps_planned=10))
+        await env.chief.create_variables(VARS, SGD)
+        for _ in range(500):  # (a loaded machine: the restore takes its time)
+            if env.chief.gen == 1 and not env.chief.recovery.starting:
+                break
+            await asyncio.sleep(0.01)
+        assert env.chief.gen == 1 and env.services[0].gen == 1
+        rep = await call(env.chief, "heartbeat", who(0, 7, step=3))
+        assert rep.body["gen"] == 1 and rep.body["recovering"] is False
+        assert rep.body["rewind"] == 0, rep.body
+
+    run(body())
+
+
 async def _chief_on_a_checkpoint_of_two_workers(
     tmp_path: Path, label: int, extra: dict[str, Any]
 ) -> Env:

@@ -32,7 +32,7 @@ from zmqps.roles.ps.replica import Backup, Primary
 from zmqps.roles.ps.slots import PSSlots
 from zmqps.transport import FakeNetwork
 from zmqps.wire import ops as o
-from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotPrimary
+from zmqps.wire.errors import DeadlineExceeded, InvalidArgument, NotPrimary, RolledBack
 
 T = TypeVar("T")
 CHIEF = "127.0.0.1:7000"
@@ -1344,8 +1344,8 @@ def test_a_version_ahead_of_a_moved_state_counts_as_current() -> None:
     a version one ahead of the new home's. The new home took it for a hostile one
     (invalid_argument: "pulled version 1237 outside [0, 1236]") and the worker exited
     1 (fault schedules 211, 214, 228, 236, ssp). A copy serving in a replication role
-    takes it as the current version; a plain PS still refuses it."""
-    from zmqps.wire.errors import InvalidArgument as Invalid
+    takes it as the current version; a plain PS still refuses it (as values that are
+    gone: pull again)."""
 
     async def body() -> None:
         net = FakeNetwork()
@@ -1364,7 +1364,7 @@ def test_a_version_ahead_of_a_moved_state_counts_as_current() -> None:
         for sid, state in ahead.items():
             if state == 0:
                 pusher.client.versions[sid] += 5
-        with pytest.raises(Invalid, match="outside"):
+        with pytest.raises(RolledBack, match="ahead of this PS's"):
             await pusher.client.push({"w": np.ones((12, 4), np.float32)})
         await pusher.client.close()
 

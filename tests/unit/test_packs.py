@@ -22,7 +22,7 @@ from zmqps.core.variables import ShardDef, VariableDef
 from zmqps.roles.ps import PSService
 from zmqps.transport.fake import FakeNetwork
 from zmqps.wire import Tensor, request
-from zmqps.wire.errors import InvalidArgument, NonFiniteGradient
+from zmqps.wire.errors import InvalidArgument, NonFiniteGradient, RolledBack
 
 OPTIMIZERS = [
     {"name": "sgd", "lr": 0.1},
@@ -189,7 +189,7 @@ def test_stale_versions_are_counted_per_member_and_refused_past_the_current() ->
     pulled = [0 if k % 2 else 1 for k in range(len(pack.ids))]
     update = packed.plan_pack(pack, zero, pulled)
     assert update.staleness == [1 - v for v in pulled]
-    with pytest.raises(InvalidArgument, match="outside"):
+    with pytest.raises(RolledBack, match="ahead of this PS's 1"):
         packed.plan_pack(pack, zero, [2] * len(pack.ids))
     with pytest.raises(InvalidArgument, match="elements, expected"):
         packed.plan_pack(pack, zero[1:], pack.versions())

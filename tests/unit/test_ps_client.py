@@ -23,7 +23,7 @@ from zmqps.roles.ps import PSService
 from zmqps.transport.base import Requester
 from zmqps.transport.fake import FakeClient, FakeNetwork
 from zmqps.wire import Message, Tensor, request
-from zmqps.wire.errors import FencedError, InvalidArgument, NotFound, ProtocolError
+from zmqps.wire.errors import FencedError, InvalidArgument, NotFound, ProtocolError, RolledBack
 
 T = TypeVar("T")
 
@@ -588,7 +588,10 @@ def test_ps_validates_a_push_whole() -> None:
         cases: list[tuple[dict[str, Any], list[Tensor], type[Exception]]] = [
             ({**push, "seq": 2, "shards": [0, 0], "versions": [1, 1]}, good[:1], InvalidArgument),
             ({**push, "seq": 2, "versions": [1]}, good, InvalidArgument),
-            ({**push, "seq": 2, "versions": [1, 5]}, good, InvalidArgument),  # future version
+            # a version ahead of the PS's: values it never had (gone with a PS made
+            # anew since): pull again
+            ({**push, "seq": 2, "versions": [1, 5]}, good, RolledBack),
+            ({**push, "seq": 2, "versions": [1, -1]}, good, ProtocolError),
             ({**push, "seq": 2, "shards": [0, 9], "versions": [1, 0]}, good[:1], NotFound),
             ({**push, "seq": 2, "shards": [0], "versions": [1]}, good, InvalidArgument),
             ({**push, "seq": 2}, [good[0]], InvalidArgument),  # no gradient for shard 1
@@ -603,6 +606,7 @@ def test_ps_validates_a_push_whole() -> None:
                 await ps.request("push", b, ts)
         assert c.versions() == {0: 1, 1: 1}
         assert svc.store.updates_applied == 2
+        assert svc.dropped["rolled_back"] == 1  # the version ahead, counted
         with pytest.raises(NotFound):
             await ps.request("pull", {"shards": [0, 9]})
 

@@ -43,7 +43,7 @@ from zmqps.core.optimizers import BLOCK_ELEMS, Optimizer, compute_dtype, make_op
 from zmqps.core.packs import plan_packs
 from zmqps.core.segments import sum_rows
 from zmqps.core.variables import ShardDef
-from zmqps.wire.errors import InvalidArgument, NonFiniteGradient, NotFound
+from zmqps.wire.errors import InvalidArgument, NonFiniteGradient, NotFound, RolledBack
 
 __all__ = [
     "HISTOGRAM_EXACT",
@@ -1141,6 +1141,16 @@ class ShardStore:
     def _check_version(shard: Shard, pulled_version: int) -> int:
         if isinstance(pulled_version, bool) or not isinstance(pulled_version, (int, np.integer)):
             raise InvalidArgument(f"pulled version must be an int, got {pulled_version!r}")
+        if pulled_version > shard.version >= 0:
+            # values this PS never had: pulled from an incarnation of the shard that is
+            # gone (the PS lost with its chief before any checkpoint, the values made
+            # anew in the same generation number); the sender pulls again. Changes
+            # nothing, as any refusal.
+            raise RolledBack(
+                f"shard {shard.definition.id}: pulled version {pulled_version} is ahead of"
+                f" this PS's {shard.version}: values that are gone (made anew since): pull"
+                " again"
+            )
         if not 0 <= pulled_version <= shard.version:
             raise InvalidArgument(
                 f"shard {shard.definition.id}: pulled version {pulled_version}"

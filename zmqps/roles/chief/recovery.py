@@ -252,6 +252,10 @@ class RecoveryController:
         #: the cluster it knew, in the same generation number (:meth:`admit`)
         self.made_anew: int | None = None
         self._renewing: asyncio.Future[None] | None = None
+        #: a worker that ran under an earlier chief registered before the variables
+        #: were made anew: their creation restores them past the lost cluster's
+        #: generation (:meth:`variables_created`)
+        self._lost_cluster_heard = False
         #: each PS's boot id as last heard at a start or a restore
         self.boots: dict[int, str] = {}
         #: per PS state, the boot id of the incarnation last found without
@@ -1133,14 +1137,20 @@ class RecoveryController:
             self.handle(Event.VARIABLES)
             self.health.expect(self.boots, self.gen, self.clock())
             self._start_training(0)
-            if self.awaited and self.made_anew == self.gen:
+            if (self.awaited or self._lost_cluster_heard) and self.made_anew == self.gen:
                 # workers that finished in the cluster lost before any checkpoint are
-                # awaited: they train their work again from the initial values, in a
-                # generation past any of that cluster (the PS start a fresh one at 0,
-                # which may be the one they trained in: their work would stand)
+                # awaited, or one that ran in it registered already: they train their
+                # work again from the initial values, in a generation past any of that
+                # cluster (the PS start a fresh one at 0, which may be the one they
+                # trained in: their work would stand, their pushes of it in flight be
+                # taken as of these values)
                 self.made_anew = None
                 self._renewing = asyncio.ensure_future(
-                    self._renew("the work of workers that finished was lost with every PS")
+                    self._renew(
+                        "the work of workers that finished was lost with every PS"
+                        if self.awaited
+                        else "workers ran in a cluster lost before its first checkpoint"
+                    )
                 )
 
     # ------------------------------------------------------------------ restores
@@ -1819,12 +1829,12 @@ class RecoveryController:
             key=("rejoined" if rejoin else "registered", who.index),
         )
         await self.mode.membership_changed(back=[who.index])
-        if (
-            running is not None
-            and unknown
-            and self.made_anew == self.gen
-            and self.variables.placement is not None
-        ):
+        if running is not None and unknown and self.made_anew == self.gen:
+            if self.variables.placement is None:
+                # the values are not made yet: made, they are restored at once
+                # (:meth:`variables_created`)
+                self._lost_cluster_heard = True
+                return rejoin, skip, last
             # it ran under an earlier chief, in a cluster this one never knew (every
             # PS lost with the chief before any checkpoint): it waits for a new
             # generation, which only a restore makes. Made anew, as a living chief

@@ -241,6 +241,9 @@ class PSService:
         except (InvalidArgument, NotFound):
             self._drop("invalid")
             raise
+        except RolledBack:  # pulled from values that are gone (a version ahead)
+            self._drop("rolled_back")
+            raise
 
     def _check_generation(self, op: str, gen: int | None) -> None:
         if gen is not None and gen != self.gen:
