@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
@@ -1492,6 +1493,103 @@ def test_a_move_onto_a_process_slow_to_answer_after_its_promotion_keeps_it_alive
         assert rec.boots[1] == boot
         # the copy's next probe answer is its own, as expected: no restart, nothing to fail over
         assert rec.health.answered(1, boot, rec.gen, rec.clock()) == "ok"
+
+    run(body())
+
+
+def test_a_move_onto_a_process_stalled_past_its_promotion_restores_nothing() -> None:
+    """The new home stalls as it is promoted (12 s on a loaded machine, past the
+    heartbeat timeout): the promotion is dropped unapplied (its deadline passed) and
+    the look after it is not answered either. The chief expected boot id "": the
+    copy's first answer after the stall was taken for a restart, its process failed
+    over whole, and its own state, with no copy in a run without replication, restored
+    from the checkpoint (the by-hand scale test, twice in the suite at three tests at
+    once). Now the copy's boot id as its fence said is expected, the mover's next look
+    finds the copy still a backup at the hand-over's term and promotes it again, and
+    the source's kept copy goes: nothing failed over, nothing restored."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1, heartbeat_timeout=1.0)
+        mover, rec = chief.recovery.mover, chief.recovery
+        assert mover is not None and chief.placement is not None
+        source = chief.placement.shards[1].ps
+        target = next(q for q in range(3) if q not in chief.placement.shards_of("w")[1].copies)
+        stalled = {"until": 0.0}
+        dropped: list[int] = []
+
+        async def stalls(msg: Any) -> Any:
+            if msg.op == "replica" and msg.body.get("primary") and not dropped:
+                # the promotion: dropped, unapplied, its deadline past once the stall ends
+                dropped.append(msg.body["term"])
+                stalled["until"] = time.monotonic() + 2.6  # past every wait of the chief
+                await asyncio.sleep(2.6)
+                raise DeadlineExceeded("dropped: its deadline passed while stalled")
+            wait = stalled["until"] - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            answer = slots[target](msg)
+            if asyncio.iscoroutine(answer) or isinstance(answer, asyncio.Future):
+                answer = await answer
+            return answer
+
+        net.serve(PS[target], stalls)
+        assert await mover.move(1, target)
+        assert dropped  # the promotion was never applied
+        copy = slots[target].service(1)
+        assert rec.health.expected(1) == copy.boot  # not "": a restart would say another
+        assert 1 in mover.unsettled
+        kept = chief.placement.shards[1]
+        assert (kept.ps, kept.backups) == (target, (source,))  # kept for a fail-over
+        # its answers after the stall are its own, as expected: no restart to fail over
+        assert rec.health.answered(1, copy.boot, rec.gen, rec.clock()) == "ok"
+        await mover.step()  # the copy is still a backup: promoted again, the kept one goes
+        assert mover.unsettled == {} and mover.kept == {}
+        after = chief.placement.shards[1]
+        assert (after.ps, after.backups) == (target, ())
+        assert len(slots[source].service(1).store) == 0
+        pusher = Pusher(net, chief)
+        await pusher.client.pull()
+        await pusher.client.push({"w": np.ones((12, 4), np.float32)})  # served there
+        assert (rec.restore_count, rec.failover_count) == (0, 0)
+        await pusher.client.close()
+
+    run(body())
+
+
+def test_a_fail_over_of_a_kept_copy_restores_no_state_without_copies() -> None:
+    """A run without replication: a move kept the source's copy (its new home did not
+    answer in time), then the new home stays silent past the heartbeat timeout and
+    the state fails over to the kept copy. That process's own state has no copy: as
+    for any silent PS of such a run, it is waited for, not restored from the
+    checkpoint (restored if its process comes back without it)."""
+
+    async def body() -> None:
+        net = FakeNetwork()
+        chief, slots = await cluster(net, 1, heartbeat_timeout=1.0)
+        mover, rec = chief.recovery.mover, chief.recovery
+        assert mover is not None and chief.placement is not None
+        source = chief.placement.shards[1].ps
+        target = next(q for q in range(3) if q not in chief.placement.shards_of("w")[1].copies)
+        silent = [False]
+
+        async def late(msg: Any) -> Any:
+            if silent[0] or (msg.op == "ps_state" and msg.slot == 1):
+                await asyncio.sleep(2.3)  # past the 2 s (at least) the chief waits
+            answer = slots[target](msg)
+            if asyncio.iscoroutine(answer) or isinstance(answer, asyncio.Future):
+                answer = await answer
+            return answer
+
+        net.serve(PS[target], late)
+        assert await mover.move(1, target)
+        assert chief.placement.shards[1].backups == (source,)  # kept for a fail-over
+        own = [s for s in chief.placement.shards if s.state == target]
+        silent[0] = True
+        await rec.fail_over([1])
+        assert chief.placement.shards[1].ps == source  # back on the kept copy
+        assert [s for s in chief.placement.shards if s.state == target] == own  # waited for
+        assert (rec.failover_count, rec.restore_count) == (1, 0)
 
     run(body())
 
