@@ -60,6 +60,24 @@ async def cluster(
     return chief, slots
 
 
+async def answer_of(process: PSSlots, msg: Any) -> Any:
+    """What ``process`` answers ``msg`` (for a handler put in front of it)."""
+    answer = process(msg)
+    if asyncio.iscoroutine(answer) or isinstance(answer, asyncio.Future):
+        answer = await answer
+    return answer
+
+
+async def ps1_and_a_target(net: FakeNetwork) -> tuple[ChiefService, list[PSSlots], int, int]:
+    """A cluster without replication and a heartbeat timeout of 1 s; the process
+    serving ps 1's state, and one holding none of it (a move's target)."""
+    chief, slots = await cluster(net, 1, heartbeat_timeout=1.0)
+    assert chief.placement is not None
+    source = chief.placement.shards[1].ps
+    target = next(q for q in range(3) if q not in chief.placement.shards_of("w")[1].copies)
+    return chief, slots, source, target
+
+
 def copiers(rec: RecoveryController) -> tuple[moves.Mover, Rereplicator]:
     """The chief's mover and re-replication (a chief with PS homes has both)."""
     assert rec.mover is not None and rec.rereplicator is not None
@@ -1476,9 +1494,7 @@ def test_a_move_onto_a_process_slow_to_answer_after_its_promotion_keeps_it_alive
             if msg.op == "ps_state" and msg.slot == 1:
                 asked.append(msg.op)
                 await asyncio.sleep(2.2)  # past the 2 s the chief waited before
-            answer = slots[target](msg)
-            if asyncio.iscoroutine(answer) or isinstance(answer, asyncio.Future):
-                answer = await answer
+            answer = await answer_of(slots[target], msg)
             if late == "promotion" and msg.op == "replica" and msg.body.get("primary"):
                 raise DeadlineExceeded("no reply")  # promoted, its answer lost
             return answer
@@ -1510,11 +1526,9 @@ def test_a_move_onto_a_process_stalled_past_its_promotion_restores_nothing() -> 
 
     async def body() -> None:
         net = FakeNetwork()
-        chief, slots = await cluster(net, 1, heartbeat_timeout=1.0)
+        chief, slots, source, target = await ps1_and_a_target(net)
         mover, rec = chief.recovery.mover, chief.recovery
         assert mover is not None and chief.placement is not None
-        source = chief.placement.shards[1].ps
-        target = next(q for q in range(3) if q not in chief.placement.shards_of("w")[1].copies)
         stalled = {"until": 0.0}
         dropped: list[int] = []
 
@@ -1528,10 +1542,7 @@ def test_a_move_onto_a_process_stalled_past_its_promotion_restores_nothing() -> 
             wait = stalled["until"] - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
-            answer = slots[target](msg)
-            if asyncio.iscoroutine(answer) or isinstance(answer, asyncio.Future):
-                answer = await answer
-            return answer
+            return await answer_of(slots[target], msg)
 
         net.serve(PS[target], stalls)
         assert await mover.move(1, target)
@@ -1566,20 +1577,15 @@ def test_a_fail_over_of_a_kept_copy_restores_no_state_without_copies() -> None:
 
     async def body() -> None:
         net = FakeNetwork()
-        chief, slots = await cluster(net, 1, heartbeat_timeout=1.0)
+        chief, slots, source, target = await ps1_and_a_target(net)
         mover, rec = chief.recovery.mover, chief.recovery
         assert mover is not None and chief.placement is not None
-        source = chief.placement.shards[1].ps
-        target = next(q for q in range(3) if q not in chief.placement.shards_of("w")[1].copies)
         silent = [False]
 
         async def late(msg: Any) -> Any:
             if silent[0] or (msg.op == "ps_state" and msg.slot == 1):
                 await asyncio.sleep(2.3)  # past the 2 s (at least) the chief waits
-            answer = slots[target](msg)
-            if asyncio.iscoroutine(answer) or isinstance(answer, asyncio.Future):
-                answer = await answer
-            return answer
+            return await answer_of(slots[target], msg)
 
         net.serve(PS[target], late)
         assert await mover.move(1, target)
@@ -1613,10 +1619,7 @@ def test_a_copy_kept_for_a_new_primary_that_answered_too_late_goes_once_it_answe
             if msg.op == "ps_state" and msg.slot == 1 and first[0]:
                 first[0] = False
                 await asyncio.sleep(2.3)  # past the 2 s (at least) the chief waits
-            answer = slots[target](msg)
-            if asyncio.iscoroutine(answer) or isinstance(answer, asyncio.Future):
-                answer = await answer
-            return answer
+            return await answer_of(slots[target], msg)
 
         net.serve(PS[target], late_once)
         assert await mover.move(1, target)
