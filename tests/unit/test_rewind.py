@@ -25,6 +25,7 @@ from zmqps.core.dedup import RECENT, PushLedger
 from zmqps.core.membership import Membership
 from zmqps.data import Dataset, batches, stream
 from zmqps.roles.checkpointer import _cursors
+from zmqps.roles.ps import PSService
 from zmqps.roles.worker import session as session_module
 from zmqps.roles.worker.session import Session
 from zmqps.wire import Message
@@ -472,6 +473,36 @@ def test_a_restore_the_ps_never_answered_is_sent_again() -> None:
         env.net.serve(env.cfg.cluster.ps[0], first_lost, name="ps0")
         await env.chief.recovery.restore_all("a test")
         assert lost and ps.gen == env.chief.recovery.gen == 1
+
+    run_chief(body())
+
+
+def test_a_ps_restarted_during_a_restore_is_expected_with_its_new_boot_id() -> None:
+    """The same, the PS started again in the killed one's place before the restore is
+    sent again: it holds the restore. The health watch expected the boot id read
+    before the restore, took the PS for restarted at its next probe and restored every
+    PS a second time (a few batches trained again, for nothing); it now expects the
+    boot id of the process that holds the restore."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=1, startup_timeout=0.4)
+        await env.chief.start()
+        await env.chief.create_variables(VARS, SGD)
+        rec, killed, lost = env.chief.recovery, env.services[0], []
+        started = PSService(0)  # the process started in the killed one's place
+
+        def killed_in_the_restore(msg: Message) -> Any:
+            if msg.op == "restore" and not lost:
+                lost.append(msg)
+                env.net.serve(env.cfg.cluster.ps[0], started, name="ps0")
+                return asyncio.get_running_loop().create_future()  # never answered
+            return killed(msg)
+
+        env.net.serve(env.cfg.cluster.ps[0], killed_in_the_restore, name="ps0")
+        await rec.restore_lost([0], env.clock(), "ps 0 restarted")
+        assert lost and started.gen == rec.gen == 1 and started.boot != killed.boot
+        assert rec.health.answered(0, started.boot, rec.gen, env.clock()) == "ok"
+        assert rec.restore_count == 1
 
     run_chief(body())
 

@@ -1329,6 +1329,7 @@ class RecoveryController:
                 for i, defs in self.variables.defs_by_ps().items()
             )
         )
+        await self._boots_after_restore()
         if self.metrics is not None:
             self.metrics.restores.labels(reason.split()[0]).inc()
         log.info(
@@ -1339,6 +1340,25 @@ class RecoveryController:
             reason,
         )
         return step
+
+    async def _boots_after_restore(self) -> None:
+        """Each PS's boot id as it answers now, where it holds this restore's generation:
+        a PS restarted during the restore (the restore sent again to the process
+        started in its place) answers with another boot id than the one read before
+        it, and the health watch took it for restarted and restored every PS a second
+        time. One silent, or of another generation (restarted since: its restore is
+        the watch's), keeps the boot id read before."""
+
+        async def one(i: int) -> None:
+            try:
+                rep = await self.ps[i].request("ps_state", timeout=1.0)
+            except ZmqpsError:
+                return
+            st = o.PsStateReply.parse(rep.body)
+            if st.gen == self.gen and st.boot:
+                self.boots[i] = st.boot
+
+        await asyncio.gather(*(one(i) for i in range(len(self.ps))))
 
     def silent_ps(self) -> set[int]:
         """PS processes known silent: those of states counted down, and (replicated)
