@@ -98,9 +98,9 @@ class Mover(StateCopier):
         self.kept: dict[int, tuple[int, int, str]] = {}
         #: states whose promotion in a hand-over was not answered, nor the look after
         #: it: state -> (the process promoted, the term, the promotion, its copy's boot
-        #: id); settled (``_settle_promotions``) once that copy says it is the primary
-        #: at that term. One per state.
-        self.unsettled: dict[int, tuple[int, int, dict[str, Any], str]] = {}
+        #: id, the generation); settled (``_settle_promotions``) once that copy says it
+        #: is the primary at that term. One per state.
+        self.unsettled: dict[int, tuple[int, int, dict[str, Any], str, int]] = {}
         self.moves = 0
         #: each process's boot id as last heard (None: silent)
         self.boots: dict[int, str | None] = {}
@@ -861,7 +861,7 @@ class Mover(StateCopier):
             # expected: the live copy's first answer was taken for a restart, its
             # process failed over whole, and its own state, with no copy, restored.
             boot = copy_boots[chosen]
-            self.unsettled[state] = (chosen, term, body.to_wire(), boot)
+            self.unsettled[state] = (chosen, term, body.to_wire(), boot, r.gen)
         if self.current is not None:
             self.current["to"] = chosen  # where it is served now (the target a backup)
         keep_source = not alive and kept is not None and source not in backups
@@ -895,12 +895,13 @@ class Mover(StateCopier):
         """Each promotion not answered (``unsettled``): the process says its part in
         the state (``ps_state``). The primary at the hand-over's term: settled. Still a
         backup at that term (the promotion dropped: its deadline passed while the
-        process was stalled): sent again. A fail-over or move since (another term, or
-        the state served elsewhere) ends it; a copy that answers with another boot id
-        (its process restarted) is left to the health watch."""
+        process was stalled): sent again. A fail-over, move or restore since (another
+        term, the state served elsewhere, another generation) ends it; a copy that
+        answers with another boot id (its process restarted) is left to the health
+        watch."""
         r = self.recovery
-        for state, (q, term, body, boot) in list(self.unsettled.items()):
-            if r.terms.get(state) != term or self.homes.of[state] != q:
+        for state, (q, term, body, boot, gen) in list(self.unsettled.items()):
+            if r.terms.get(state) != term or self.homes.of[state] != q or r.gen != gen:
                 del self.unsettled[state]
                 continue
             link = self.homes.processes[q]
