@@ -1541,6 +1541,31 @@ def test_a_worker_of_a_lost_cluster_registered_before_the_variables_has_them_mad
     run(body())
 
 
+def test_a_worker_of_a_lost_cluster_registered_as_training_begins_has_them_made_anew() -> None:
+    """The same, the worker registering between the variables made and training begun
+    (one turn of the loop: their creation ends in a task of its own): the restore it
+    asked for was refused for the phase, and the worker, told its push was of values
+    that are gone, waited for ever for a new generation (2 of 7 replays of the chief
+    and every PS killed at the workers' first steps). It comes once training begins."""
+
+    async def body() -> None:
+        env = make_env(1, num_workers=2, heartbeat_interval=0.5)
+        await env.chief.start()  # empty PS, no checkpoint: fresh
+        await env.chief.variables.create(VARS, dict(SGD))  # made; training not begun
+        await call(env.chief, "register", who(0, 7, steps_planned=10, steps_done=3))
+        await call(env.chief, "register", who(1, 5, steps_planned=10))
+        env.chief.recovery.variables_created()
+        for _ in range(500):  # (a loaded machine: the restore takes its time)
+            if env.chief.gen == 1 and not env.chief.recovery.starting:
+                break
+            await asyncio.sleep(0.01)
+        assert env.chief.gen == 1 and env.services[0].gen == 1
+        rep = await call(env.chief, "heartbeat", who(0, 7, step=3))
+        assert rep.body["gen"] == 1 and rep.body["rewind"] == 0, rep.body
+
+    run(body())
+
+
 async def _chief_on_a_checkpoint_of_two_workers(
     tmp_path: Path, label: int, extra: dict[str, Any]
 ) -> Env:

@@ -1862,9 +1862,11 @@ class RecoveryController:
         )
         await self.mode.membership_changed(back=[who.index])
         if running is not None and unknown and self.made_anew == self.gen:
-            if self.variables.placement is None:
-                # the values are not made yet: made, they are restored at once
-                # (:meth:`variables_created`)
+            if self.variables.placement is None or self.phase is Phase.WAITING:
+                # the values are not made yet (or made, training not yet begun: a
+                # restore would be refused for the phase): they are restored as soon
+                # as training begins (:meth:`variables_created`). Before, a worker
+                # registering between the two waited for ever for a new generation.
                 self._lost_cluster_heard = True
                 return rejoin, skip, last
             # it ran under an earlier chief, in a cluster this one never knew (every
