@@ -1515,20 +1515,33 @@ def test_a_worker_of_a_cluster_lost_before_any_checkpoint_finds_the_cluster_made
     run(body())
 
 
-def test_a_worker_of_a_lost_cluster_registered_before_the_variables_has_them_made_anew() -> None:
-    """The same, the worker of the lost cluster registering before the new chief made
-    the variables (it waits for every worker): their creation restores them in a new
-    generation at once, and the worker goes back to its first batch. Before, nothing
-    did: the worker resumed after its batches of the lost cluster (lost with its PS),
-    and a push of it sent again to the new values was refused as hostile ("pulled
-    version 1 outside [0, 0]"): the worker exited 1."""
+@pytest.mark.parametrize("made", [False, True], ids=["before-the-variables", "before-training"])
+def test_a_worker_of_a_lost_cluster_registered_before_training_has_the_values_made_anew(
+    made: bool,
+) -> None:
+    """The same, the worker of the lost cluster registering before training begins:
+    before the new chief made the variables (it waits for every worker), or between
+    the variables made and training begun (one turn of the loop: their creation ends
+    in a task of its own). Training's start restores them in a new generation, and the
+    worker goes back to its first batch. Before, nothing did (the first case: the
+    worker resumed after its batches of the lost cluster, lost with its PS, and a push
+    of it sent again to the new values was refused as hostile, "pulled version 1
+    outside [0, 0]": the worker exited 1), or the restore was refused for the phase
+    (the second: the worker, told its push was of values that are gone, waited for
+    ever for a new generation; 2 of 7 replays of the chief and every PS killed at the
+    workers' first steps)."""
 
     async def body() -> None:
         env = make_env(1, num_workers=2, heartbeat_interval=0.5)
         await env.chief.start()  # empty PS, no checkpoint: fresh
+        if made:
+            await env.chief.variables.create(VARS, dict(SGD))  # training not begun
         await call(env.chief, "register", who(0, 7, steps_planned=10, steps_done=3))
         await call(env.chief, "register", who(1, 5, steps_planned=10))
-        await env.chief.create_variables(VARS, SGD)
+        if made:
+            env.chief.recovery.variables_created()
+        else:
+            await env.chief.create_variables(VARS, SGD)
         for _ in range(500):  # (a loaded machine: the restore takes its time)
             if env.chief.gen == 1 and not env.chief.recovery.starting:
                 break
@@ -1537,31 +1550,6 @@ def test_a_worker_of_a_lost_cluster_registered_before_the_variables_has_them_mad
         rep = await call(env.chief, "heartbeat", who(0, 7, step=3))
         assert rep.body["gen"] == 1 and rep.body["recovering"] is False
         assert rep.body["rewind"] == 0, rep.body
-
-    run(body())
-
-
-def test_a_worker_of_a_lost_cluster_registered_as_training_begins_has_them_made_anew() -> None:
-    """The same, the worker registering between the variables made and training begun
-    (one turn of the loop: their creation ends in a task of its own): the restore it
-    asked for was refused for the phase, and the worker, told its push was of values
-    that are gone, waited for ever for a new generation (2 of 7 replays of the chief
-    and every PS killed at the workers' first steps). It comes once training begins."""
-
-    async def body() -> None:
-        env = make_env(1, num_workers=2, heartbeat_interval=0.5)
-        await env.chief.start()  # empty PS, no checkpoint: fresh
-        await env.chief.variables.create(VARS, dict(SGD))  # made; training not begun
-        await call(env.chief, "register", who(0, 7, steps_planned=10, steps_done=3))
-        await call(env.chief, "register", who(1, 5, steps_planned=10))
-        env.chief.recovery.variables_created()
-        for _ in range(500):  # (a loaded machine: the restore takes its time)
-            if env.chief.gen == 1 and not env.chief.recovery.starting:
-                break
-            await asyncio.sleep(0.01)
-        assert env.chief.gen == 1 and env.services[0].gen == 1
-        rep = await call(env.chief, "heartbeat", who(0, 7, step=3))
-        assert rep.body["gen"] == 1 and rep.body["rewind"] == 0, rep.body
 
     run(body())
 
