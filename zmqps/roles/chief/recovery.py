@@ -252,9 +252,9 @@ class RecoveryController:
         #: the cluster it knew, in the same generation number (:meth:`admit`)
         self.made_anew: int | None = None
         self._renewing: asyncio.Future[None] | None = None
-        #: a worker that ran under an earlier chief registered before the variables
-        #: were made anew: their creation restores them past the lost cluster's
-        #: generation (:meth:`variables_created`)
+        #: a worker that ran under an earlier chief registered before training began
+        #: (the variables not made, or made and not yet in use): training's start
+        #: restores them past the lost cluster's generation (:meth:`variables_created`)
         self._lost_cluster_heard = False
         #: each PS's boot id as last heard at a start or a restore
         self.boots: dict[int, str] = {}
