@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from zmqps.blas import THREAD_VARS, user_chose
 from zmqps.wire.errors import ZmqpsError
 
 __all__ = [
@@ -31,9 +32,6 @@ __all__ = [
     "usable_cores",
     "write_text_whole",
 ]
-
-#: what numpy's BLAS (OpenBLAS, MKL) and OpenMP read for their number of threads
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def usable_cores() -> int:
@@ -72,7 +70,7 @@ def blas_threads(cores: int, compute_tasks: int, other_tasks: int) -> int:
 def thread_env(threads: int, environ: Mapping[str, str]) -> dict[str, str]:
     """``THREAD_VARS`` set to ``threads``, unless ``environ`` sets any of them (the
     user chose): then nothing."""
-    if any(v in environ for v in THREAD_VARS):
+    if user_chose(environ):
         return {}
     return dict.fromkeys(THREAD_VARS, str(threads))
 

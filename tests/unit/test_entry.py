@@ -54,3 +54,23 @@ def test_an_import_a_ctrl_c_broke_raises_the_ctrl_c(monkeypatch: pytest.MonkeyPa
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "argv", "one"),
+    [
+        ("server_main", ["--job-name", "ps"], True),
+        ("main", ["server", "--job-name", "ps"], True),
+        ("main", ["launch"], False),  # the launcher shares the cores among its workers
+        ("worker_main", ["--job-name", "worker"], False),  # a worker computes
+    ],
+)
+def test_a_chief_or_ps_started_takes_one_blas_thread_before_numpy_loads(
+    monkeypatch: pytest.MonkeyPatch, entry_point: str, argv: list[str], one: bool
+) -> None:
+    """Set before the command's imports (numpy reads them once, as it loads)."""
+    seen: list[bool] = []
+    monkeypatch.setattr(entry, "one_thread", lambda: seen.append(True) or True)
+    monkeypatch.setattr(entry, "_run", lambda prog, command, args: 0)
+    assert getattr(entry, entry_point)(argv) == 0
+    assert seen == ([True] if one else [])

@@ -1,4 +1,4 @@
-"""zmqps.process: the BLAS threads each launched task gets."""
+"""zmqps.process and zmqps.blas: the BLAS threads each task gets."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from zmqps.blas import one_thread
 from zmqps.process import THREAD_VARS, blas_threads, thread_env, usable_cores
 
 
@@ -86,3 +87,12 @@ def test_a_link_or_a_file_that_is_not_regular_is_written_not_replaced(tmp_path: 
     reader.join(10)
     assert got == ["through a pipe\n"] and stat.S_ISFIFO(fifo.stat().st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe", "results", "summary.json"]
+
+
+def test_a_chief_or_ps_takes_one_blas_thread_unless_the_user_chose() -> None:
+    env = {"PATH": "/bin"}
+    assert one_thread(env)
+    assert env == {"PATH": "/bin", **dict.fromkeys(THREAD_VARS, "1")}
+    for var in THREAD_VARS:  # any one of them set: nothing is changed
+        mine = {var: "8"}
+        assert not one_thread(mine) and mine == {var: "8"}

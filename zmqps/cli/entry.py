@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from zmqps.blas import one_thread
+
 __all__ = ["exiting", "interrupted", "main", "server_main", "started", "worker_main"]
 
 #: the exit code of a run ended by Ctrl-C, as a shell says (128 + SIGINT)
@@ -92,10 +94,15 @@ def _run(prog: str, command: str, argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["server"]:  # ``zmqps server``: as zmqps-server
+        one_thread()
     return _run("zmqps", "main", argv)
 
 
 def server_main(argv: Sequence[str] | None = None) -> int:
+    # a chief or a PS: one BLAS thread (unless the user chose), set before numpy loads
+    one_thread()
     return _run("zmqps-server", "server_main", argv)
 
 
