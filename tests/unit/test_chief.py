@@ -13,7 +13,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -975,6 +975,44 @@ def test_nonfinite_steps_of_every_incarnation_are_counted() -> None:
         assert "--max-nonfinite-share is 0" in strict.chief.failure
 
     run(body())
+
+
+def test_the_end_waits_for_the_clusters_evaluator_still_starting() -> None:
+    """A 2-epoch launch on a loaded machine ended 2 s after the chief began, before the
+    evaluator's process was up: the chief gave it three heartbeat intervals and shut
+    down; the evaluator then waited for a chief that was gone until the launcher
+    stopped it, having scored nothing. The cluster's evaluator never heard is waited
+    for until it has been silent a heartbeat timeout since the chief began; it then
+    scores the final model and leaves. One that never comes costs that bound alone."""
+    from zmqps.roles.chief.serve import _evaluators_done
+
+    ev = {"role": "evaluator", "index": 0, "incarnation": 1}
+
+    def with_evaluator() -> Env:
+        env = make_env(1, num_workers=1, heartbeat_interval=0.05, heartbeat_timeout=1.5)
+        cluster = replace(env.chief.cfg.cluster, evaluator=("127.0.0.1:7300",))
+        env.chief.cfg = replace(env.chief.cfg, cluster=cluster)
+        return env
+
+    async def starting_late() -> None:
+        env = with_evaluator()
+        done = asyncio.ensure_future(_evaluators_done(env.chief))
+        await asyncio.sleep(0.5)  # past three heartbeat intervals: up only now
+        assert not done.done()
+        await call(env.chief, "register", ev)
+        await asyncio.sleep(0.3)  # its last evaluation
+        assert not done.done()
+        await call(env.chief, "leave", {**ev, "step": 0, "reason": "done"})
+        await asyncio.wait_for(done, 1.0)
+
+    async def never_started() -> None:
+        env = with_evaluator()
+        started = time.monotonic()
+        await _evaluators_done(env.chief)
+        assert 1.0 < time.monotonic() - started < 2.5  # the chief's heartbeat timeout
+
+    run(starting_late())
+    run(never_started())
 
 
 def test_evaluators_kept_are_bounded() -> None:

@@ -7,7 +7,8 @@ The order of the end matters and is kept here, in one place:
 2. the final checkpoint (labelled with the step every PS reports);
 3. the final model's evaluation, export and the summary; status says ``finished``;
 4. the PS stay up until every live side-car evaluator took its last evaluation of
-   that model and left (at most ``final_eval_timeout`` seconds);
+   that model and left (at most ``final_eval_timeout`` seconds; the cluster's
+   evaluator never heard, until a heartbeat timeout after the chief began);
 5. the PS are shut down, the chief exits.
 
 A shutdown (SIGTERM, SIGINT, the ``shutdown`` op) instead hears the workers leave
@@ -551,11 +552,17 @@ async def _evaluators_done(service: ChiefService) -> None:
     (it says so), at most ``final_eval_timeout`` seconds. An evaluator silent for a
     while (paused: it has not left) is waited for until it has been silent for
     ``FINAL_EVAL_SILENCE_TIMEOUTS`` heartbeat timeouts. A chief that never heard the
-    cluster's evaluator (restarted at the end of the run) gives it three heartbeat
-    intervals to register again first."""
+    cluster's evaluator waits for it to register first: until it has been silent a
+    heartbeat timeout since this chief began (its process may still be starting: a
+    short run on a loaded machine ended before it was up, and it then waited for a
+    chief that was gone and scored nothing), and three heartbeat intervals at least (a
+    chief restarted at the end of the run: the evaluator registers again)."""
     cfg = service.cfg
     if cfg.cluster.evaluator and not service.evaluator_heard:
-        until = time.monotonic() + 3 * cfg.heartbeat_interval
+        until = max(
+            time.monotonic() + 3 * cfg.heartbeat_interval,
+            service.began + cfg.heartbeat_timeout,
+        )
         while not service.evaluator_heard and time.monotonic() < until:
             await asyncio.sleep(0.05)
     silence = min(cfg.final_eval_timeout, FINAL_EVAL_SILENCE_TIMEOUTS * cfg.heartbeat_timeout)

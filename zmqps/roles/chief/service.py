@@ -198,6 +198,9 @@ class ChiefService:
         #: awaited in vain): the summary says so, as a start that found it does
         self.work_lost = False
         self.started = time.time()
+        #: when this chief began (monotonic): a cluster's evaluator never heard is waited
+        #: for at the end until it has been silent a heartbeat timeout from here
+        self.began = time.monotonic()
         self.result: dict[str, Any] = {}
         #: TensorBoard scalars of the cluster (``--logdir``; set by whoever serves it)
         self.summaries: Summaries | None = None
