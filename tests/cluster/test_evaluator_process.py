@@ -282,3 +282,36 @@ def test_an_evaluator_paused_at_the_end_still_scores_the_final_model(
     assert last["step"] == summary["global_step"], (last, summary["global_step"])
     assert round(last["accuracy"], 4) == summary["test_accuracy"], (last, summary)
     assert last["source"] == "snapshot"
+
+
+@pytest.mark.timeout(120)
+def test_an_evaluator_up_only_after_a_short_run_ended_scores_the_final_model(
+    procs: Reaper, tmp_path: Path
+) -> None:
+    """Found by a suite run: a 2-epoch launch ended 2 s after the chief began, before
+    the evaluator's process (slow to start on a loaded machine) had registered. The
+    launch's chief did not know of any evaluator and shut down at once; the evaluator
+    waited for it until the launcher stopped it 20 s later, having scored nothing (a
+    warning in the launch's summary, exit 0). The evaluator is now a task of the
+    chief's cluster, which waits a heartbeat timeout from its start for one it never
+    heard. Here it is stopped as its process appears and resumed after the run's end."""
+    run = tmp_path / "run"
+    launcher, summary_path = launch_run(procs, run, "--evaluator", "--epochs", "1")
+    pid = task_pid(launcher, "evaluator")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        chief_log = run / "chief.log"
+        wait_for(
+            lambda: "final model" in chief_log.read_text() or None,
+            60,
+            what="the run's end (the chief's final model)",
+        )
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    launcher.expect_exit(0, timeout=60)
+    summary = read_json(summary_path)
+    assert "still running" not in launcher.stderr, launcher.stderr
+    assert "evaluated nothing" not in launcher.stdout, launcher.stdout
+    last = _eval_lines(run / "evaluator.jsonl")[-1]
+    assert last["step"] == summary["global_step"], (last, summary["global_step"])
+    assert round(last["accuracy"], 4) == summary["test_accuracy"], (last, summary)

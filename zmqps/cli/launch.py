@@ -354,8 +354,11 @@ class Launcher:
         self.args = args
         self.run_dir = run_dir
         n = 1 + args.ps + args.workers
-        n_metrics = n + (1 if args.evaluator else 0)
-        ports = free_ports(n + n_metrics if getattr(args, "metrics", True) else n)
+        # the evaluator serves nothing, but is a task of the cluster the chief knows: at
+        # the end it waits for one still starting to score the final model (a short run
+        # ended before its process was up, and it scored nothing)
+        tasks = n + (1 if args.evaluator else 0)
+        ports = free_ports(2 * tasks if getattr(args, "metrics", True) else tasks)
         #: Task name -> its metrics port (empty with --no-metrics).
         self.metrics_ports = dict(
             zip(
@@ -365,7 +368,7 @@ class Launcher:
                     *(f"worker{i}" for i in range(args.workers)),
                     *(["evaluator"] if args.evaluator else []),
                 ],
-                ports[n:],
+                ports[tasks:],
                 strict=False,
             )
         )
@@ -373,6 +376,7 @@ class Launcher:
             chief=f"{HOST}:{ports[0]}",
             ps=tuple(f"{HOST}:{p}" for p in ports[1 : 1 + args.ps]),
             worker=tuple(f"{HOST}:{p}" for p in ports[1 + args.ps : n]),
+            evaluator=tuple(f"{HOST}:{p}" for p in ports[n:tasks]),
         )
         self.chief_summary = run_dir / CHIEF_SUMMARY
         folder = checkpoint_folder(args, run_dir)
