@@ -145,6 +145,16 @@ def wait_for(
         time.sleep(interval)
 
 
+def stopped_until(pid: int, predicate: Callable[[], T], timeout: float, *, what: str) -> T:
+    """SIGSTOP ``pid`` until ``predicate`` holds (:func:`wait_for`), then SIGCONT it,
+    also when the wait fails."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        return wait_for(predicate, timeout, what=what)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def read_json(path: Path) -> Any:
     """The JSON in ``path``, or None while it is missing or half written."""
     try:

@@ -8,7 +8,6 @@ are written by the test with the checkpoint library.
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from helpers import (
     launch_run,
     read_json,
     script,
+    stopped_until,
     task_pid,
     wait_for,
 )
@@ -257,25 +257,22 @@ def test_an_evaluator_paused_at_the_end_still_scores_the_final_model(
         return s is not None and 0 < s["steps_planned"] * 0.9 <= s["global_step"]
 
     wait_for(near_the_end, 90, what="90% of the planned steps", interval=0.02)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        chief_log = run / "chief.log"
-        wait_for(
-            lambda: (
-                any(
-                    said in chief_log.read_text()
-                    for said in (
-                        "has been silent since before the end",  # stopped > 1 timeout before
-                        "waiting for the evaluator's last evaluation",  # stopped just before
-                    )
+    chief_log = run / "chief.log"
+    stopped_until(
+        pid,
+        lambda: (
+            any(
+                said in chief_log.read_text()
+                for said in (
+                    "has been silent since before the end",  # stopped > 1 timeout before
+                    "waiting for the evaluator's last evaluation",  # stopped just before
                 )
-                or None
-            ),
-            90,
-            what="the chief to wait for the silent evaluator",
-        )
-    finally:
-        os.kill(pid, signal.SIGCONT)
+            )
+            or None
+        ),
+        90,
+        what="the chief to wait for the silent evaluator",
+    )
     launcher.expect_exit(0, timeout=60)
     summary = read_json(summary_path)
     last = _eval_lines(eval_log)[-1]
@@ -297,17 +294,13 @@ def test_an_evaluator_up_only_after_a_short_run_ended_scores_the_final_model(
     heard. Here it is stopped as its process appears and resumed after the run's end."""
     run = tmp_path / "run"
     launcher, summary_path = launch_run(procs, run, "--evaluator", "--epochs", "1")
-    pid = task_pid(launcher, "evaluator")
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        chief_log = run / "chief.log"
-        wait_for(
-            lambda: "final model" in chief_log.read_text() or None,
-            60,
-            what="the run's end (the chief's final model)",
-        )
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    chief_log = run / "chief.log"
+    stopped_until(
+        task_pid(launcher, "evaluator"),
+        lambda: "final model" in chief_log.read_text() or None,
+        60,
+        what="the run's end (the chief's final model)",
+    )
     launcher.expect_exit(0, timeout=60)
     summary = read_json(summary_path)
     assert "still running" not in launcher.stderr, launcher.stderr
