@@ -1580,8 +1580,9 @@ def test_a_worker_of_a_lost_cluster_registered_before_training_has_the_values_ma
             env.chief.recovery.variables_created()
         else:
             await env.chief.create_variables(VARS, SGD)
-        for _ in range(500):  # (a loaded machine: the restore takes its time)
-            if env.chief.gen == 1 and not env.chief.recovery.starting:
+        for _ in range(500):  # (a loaded machine: the restore takes its time; its
+            # generation is set before it ends: the PS' boot ids are read after it)
+            if env.chief.gen == 1 and not env.chief.recovery.recovering:
                 break
             await asyncio.sleep(0.01)
         assert env.chief.gen == 1 and env.services[0].gen == 1
