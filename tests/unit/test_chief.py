@@ -1536,8 +1536,9 @@ def test_a_worker_of_a_cluster_lost_before_any_checkpoint_finds_the_cluster_made
         assert env.chief.gen == 0
 
         await call(env.chief, "register", who(0, 7, steps_planned=10, steps_done=3))
-        for _ in range(500):  # (a loaded machine: the restore takes its time)
-            if env.chief.gen == 1 and not env.chief.recovery.starting:
+        for _ in range(500):  # (a loaded machine: the restore takes its time; its
+            # generation is set before it ends: the PS' boot ids are read after it)
+            if env.chief.gen == 1 and not env.chief.recovery.recovering:
                 break
             await asyncio.sleep(0.01)
         assert env.chief.gen == 1
