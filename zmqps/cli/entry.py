@@ -95,7 +95,7 @@ def _run(prog: str, command: str, argv: Sequence[str] | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["server"]:  # ``zmqps server``: as zmqps-server
+    if list(args[:1]) == ["server"]:  # ``zmqps server``: as zmqps-server
         one_thread()
     return _run("zmqps", "main", argv)
 
